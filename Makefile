@@ -1,0 +1,44 @@
+# kvstored developer entry points. `make run` and `make test` work on a fresh clone.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+GEN := client/kvstored_client/_gen/kvstored/v1
+PROTOS := $(wildcard proto/kvstored/v1/*.proto)
+# The daemon of `make run`: RAM tier + an fs tier under ./var (ignored by git).
+RUN_ARGS ?= --socket var/kvstored.sock
+PYTEST_ARGS ?=
+
+.PHONY: setup proto run test bench system-deps clean
+
+setup: $(STAMP) $(GEN)/kvstored_pb2.py
+
+# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml client/pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check -e ./client -e '.[dev]'
+	touch $@
+
+proto $(GEN)/kvstored_pb2.py: $(PROTOS) | $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -Ikvstored_client/_gen=proto \
+		--python_out=client --pyi_out=client --grpc_python_out=client \
+		$(patsubst proto/%,kvstored_client/_gen/%,$(PROTOS))
+
+run: setup
+	mkdir -p var
+	$(BIN)/kvstored serve $(RUN_ARGS)
+
+# Exit code 5 (no tests collected) is a failure, not a pass.
+test: setup system-deps
+	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+system-deps:
+	./deploy/install-system-deps.sh
+
+bench: setup
+	$(BIN)/python bench/local_path.py
+
+clean:
+	rm -rf $(VENV) var results $(GEN)/*_pb2*.py $(GEN)/*_pb2*.pyi

@@ -1,0 +1,19 @@
+"""kvstored client: store and load KV-cache chunks through a local kvstored daemon.
+
+    from kvstored_client import Client, chunk_keys
+    with Client() as kv:
+        ns = kv.register_namespace(model="my-model", dtype="bfloat16", chunk_bytes=2 << 20)
+        keys = chunk_keys(token_ids, chunk_tokens=256, namespace_id=ns.namespace_id)
+        kv.store(ns, keys, chunks)
+"""
+
+from kvstored_client.aio import AsyncClient
+from kvstored_client.client import Client
+from kvstored_client.errors import KvstoredError, Unavailable
+from kvstored_client.keys import chunk_keys, namespace_id_for
+from kvstored_client.ops import LookupResult, Namespace, NamespaceSpec, Region, StoreResult, Tier
+
+__all__ = [
+    "AsyncClient", "Client", "KvstoredError", "LookupResult", "Namespace", "NamespaceSpec", "Region",
+    "StoreResult", "Tier", "Unavailable", "chunk_keys", "namespace_id_for",
+]

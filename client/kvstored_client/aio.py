@@ -1,0 +1,141 @@
+"""Asyncio client: the same operations and failure behaviour as `Client`, on grpc.aio."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import grpc
+
+from kvstored_client import ops
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
+from kvstored_client.client import CHANNEL_OPTIONS, DEFAULT_DEADLINE_S, RAISE, RESTART_ERRORS, ClientBase, _remaining
+from kvstored_client.errors import Unavailable, from_rpc_error
+from kvstored_client.ops import LookupResult, Namespace, NamespaceSpec, Region, StoreResult
+from kvstored_client.session import PoolSession
+
+log = logging.getLogger(__name__)
+
+
+class AsyncClient(ClientBase):
+    def __init__(
+        self,
+        socket: str | os.PathLike | None = None,
+        *,
+        deadline_s: float = DEFAULT_DEADLINE_S,
+        client_name: str | None = None,
+        populate: bool = True,
+    ) -> None:
+        super().__init__(socket, deadline_s, client_name, populate)
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.KVStoreStub | None = None
+        self._lock = asyncio.Lock()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        self._drop_session()
+        self._close_regions()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None
+
+    async def register_namespace(self, spec: NamespaceSpec | None = None, **fields: Any) -> Namespace:
+        spec = spec or NamespaceSpec(**fields)
+        ns = self._namespace_local(spec)
+        return (await self._run(lambda _s: ops.register(spec), fallback=None)) or ns
+
+    async def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult:
+        return await self._run(lambda _s: ops.lookup(ns, keys), fallback=LookupResult.miss(len(keys)))
+
+    async def store(self, ns: Namespace, keys: Sequence[bytes], data: Any) -> StoreResult:
+        return await self._run(lambda s: ops.store(s, ns, keys, data), StoreResult(dropped=len(keys)), session=True)
+
+    async def load(self, ns: Namespace, keys: Sequence[bytes], out: Any) -> int:
+        return await self._run(lambda s: ops.load(s, ns, keys, out), fallback=0, session=True)
+
+    async def register_region(self, path_or_fd: str | os.PathLike | int, name: str | None = None) -> Region:
+        region = self._open_region(path_or_fd, name)
+        await self._run(lambda _s: ops.nothing(), fallback=None, session=True)
+        return region
+
+    async def store_from_region(
+        self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
+    ) -> StoreResult:
+        return await self._run(
+            lambda s: ops.store_from_region(s, ns, region, keys, offsets), StoreResult(dropped=len(keys)), session=True
+        )
+
+    async def load_to_region(
+        self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
+    ) -> int:
+        return await self._run(lambda s: ops.load_to_region(s, ns, region, keys, offsets), fallback=0, session=True)
+
+    async def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        return await self._run(lambda _s: ops.delete(ns, keys), fallback=RAISE)
+
+    async def stats(self):
+        return await self._run(lambda _s: ops.stats(), fallback=RAISE)
+
+    async def _run(self, build: Callable[[PoolSession | None], ops.Op], fallback: Any, session: bool = False) -> Any:
+        deadline = time.monotonic() + self.deadline_s
+        async with self._lock:
+            restarted = False
+            for attempt in (1, 2):
+                try:
+                    if restarted:
+                        self._drop_session()
+                        for spec in list(self._namespaces.values()):
+                            await self._drive(ops.register(spec), deadline)
+                    sess = await self._ensure_session(deadline) if session else None
+                    return await self._drive(build(sess), deadline)
+                except Unavailable as exc:
+                    self._drop_session()
+                    if fallback is RAISE:
+                        raise
+                    log.debug("kvstored unavailable, degrading: %s", exc)
+                    return fallback
+                except RESTART_ERRORS as exc:
+                    if attempt == 2:
+                        raise
+                    log.info("kvstored restarted? (%s); setting the session up again", exc)
+                    restarted = True
+
+    async def _ensure_session(self, deadline: float) -> PoolSession:
+        # Blocking socket work and the pool mapping's page population run off the loop.
+        if self._session is None:
+            self._session = await asyncio.to_thread(
+                PoolSession.open, self.socket, self.client_name, _remaining(deadline), self.populate
+            )
+        if self._unattached():
+            await asyncio.to_thread(self._attach_regions, self._session)
+        return self._session
+
+    def _get_stub(self) -> pb_grpc.KVStoreStub:
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(f"unix:{self.socket}", options=CHANNEL_OPTIONS)
+            self._stub = pb_grpc.KVStoreStub(self._channel)
+        return self._stub
+
+    async def _drive(self, op: ops.Op, deadline: float) -> Any:
+        stub = self._get_stub()
+        try:
+            call = next(op)
+            while True:
+                try:
+                    response = await getattr(stub, call.method)(call.request, timeout=_remaining(deadline))
+                except grpc.RpcError as exc:
+                    call = op.throw(from_rpc_error(exc))
+                except Unavailable as exc:
+                    call = op.throw(exc)
+                else:
+                    call = op.send(response)
+        except StopIteration as stop:
+            return stop.value

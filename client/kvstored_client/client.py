@@ -1,0 +1,230 @@
+"""Synchronous client. Every call has a deadline; when the daemon is down or slow, lookups report a
+miss, stores and loads report nothing done, and nothing raises or hangs. It reconnects by itself:
+a restarted daemon is noticed (unknown session/namespace) and the session, the namespaces and the
+regions are set up again."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import grpc
+
+from kvstored_client import ops
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
+from kvstored_client.errors import (
+    Unavailable, UnknownNamespace, UnknownRegion, UnknownSession, from_rpc_error,
+)
+from kvstored_client.keys import namespace_id_for
+from kvstored_client.ops import LookupResult, Namespace, NamespaceSpec, Region, StoreResult
+from kvstored_client.paths import default_socket_path
+from kvstored_client.session import PoolSession, open_region_fd
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DEADLINE_S = 2.0
+RAISE = object()  # fallback marker: the error is the caller's to see
+
+# Reconnect quickly after a daemon restart instead of gRPC's default backoff (up to 120 s).
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_receive_message_length", 64 << 20),
+)
+RESTART_ERRORS = (UnknownSession, UnknownRegion, UnknownNamespace)
+
+
+class ClientBase:
+    """State shared by the sync and async clients: namespaces, regions, recovery decisions."""
+
+    def __init__(self, socket: str | os.PathLike | None, deadline_s: float, client_name: str | None, populate: bool):
+        self.socket = Path(socket) if socket else default_socket_path()
+        self.deadline_s = deadline_s
+        self.client_name = client_name or f"pid-{os.getpid()}"
+        self.populate = populate
+        self._namespaces: dict[str, NamespaceSpec] = {}
+        self._regions: list[Region] = []
+        self._session: PoolSession | None = None
+        self._pid = os.getpid()
+
+    def _namespace_local(self, spec: NamespaceSpec) -> Namespace:
+        ns_id = namespace_id_for(spec.model, spec.dtype, spec.chunk_bytes, spec.layout, spec.tenant_salt, spec.key_bytes)
+        self._namespaces[ns_id] = spec
+        return Namespace(ns_id, spec)
+
+    def _open_region(self, path_or_fd: str | os.PathLike | int, name: str | None) -> Region:
+        fd = os.dup(path_or_fd) if isinstance(path_or_fd, int) else open_region_fd(path_or_fd)
+        region = Region(name or str(path_or_fd), os.fstat(fd).st_size, fd)
+        self._regions.append(region)
+        return region
+
+    def _unattached(self) -> bool:
+        return any(r.region_id == 0 for r in self._regions)
+
+    def _attach_regions(self, session: PoolSession) -> None:
+        """Attach the regions this session does not know yet (all of them after a reconnect)."""
+        for region in self._regions:
+            if region.region_id == 0:
+                region.region_id, region.size = session.attach_region(region.fd, region.name)
+
+    def _drop_session(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+        for region in self._regions:
+            region.region_id = 0
+
+    def _forked(self) -> bool:
+        """A forked child must not use its parent's channel or session."""
+        if os.getpid() == self._pid:
+            return False
+        self._pid = os.getpid()
+        self._session = None  # the parent's: not ours to close
+        for region in self._regions:
+            region.region_id = 0
+        return True
+
+    def _close_regions(self) -> None:
+        for region in self._regions:
+            os.close(region.fd)
+        self._regions.clear()
+
+
+class Client(ClientBase):
+    def __init__(
+        self,
+        socket: str | os.PathLike | None = None,
+        *,
+        deadline_s: float = DEFAULT_DEADLINE_S,
+        client_name: str | None = None,
+        populate: bool = True,
+    ) -> None:
+        super().__init__(socket, deadline_s, client_name, populate)
+        self._channel: grpc.Channel | None = None
+        self._stub: pb_grpc.KVStoreStub | None = None
+        self._lock = threading.Lock()  # one operation at a time per client
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._drop_session()
+        self._close_regions()
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = self._stub = None
+
+    # -- public API -------------------------------------------------------------------------
+
+    def register_namespace(self, spec: NamespaceSpec | None = None, **fields: Any) -> Namespace:
+        """Declare a namespace. Works while the daemon is down: the id is computed locally and
+        the namespace is registered when the daemon is reachable."""
+        spec = spec or NamespaceSpec(**fields)
+        ns = self._namespace_local(spec)
+        result = self._run(lambda _s: ops.register(spec), fallback=None)
+        return result or ns
+
+    def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult:
+        return self._run(lambda _s: ops.lookup(ns, keys), fallback=LookupResult.miss(len(keys)))
+
+    def store(self, ns: Namespace, keys: Sequence[bytes], data: Any) -> StoreResult:
+        """Copy chunks into the daemon's pool. `data`: one buffer of len(keys) chunks, or a list."""
+        return self._run(lambda s: ops.store(s, ns, keys, data), StoreResult(dropped=len(keys)), session=True)
+
+    def load(self, ns: Namespace, keys: Sequence[bytes], out: Any) -> int:
+        """Copy the leading cached chunks into `out`; returns how many were loaded."""
+        return self._run(lambda s: ops.load(s, ns, keys, out), fallback=0, session=True)
+
+    def register_region(self, path_or_fd: str | os.PathLike | int, name: str | None = None) -> Region:
+        """Register a shared-memory file (by path, or an open fd which is dup'ed)."""
+        region = self._open_region(path_or_fd, name)
+        self._run(lambda _s: ops.nothing(), fallback=None, session=True)  # attach now if reachable
+        return region
+
+    def store_from_region(
+        self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
+    ) -> StoreResult:
+        return self._run(
+            lambda s: ops.store_from_region(s, ns, region, keys, offsets), StoreResult(dropped=len(keys)), session=True
+        )
+
+    def load_to_region(self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]) -> int:
+        return self._run(lambda s: ops.load_to_region(s, ns, region, keys, offsets), fallback=0, session=True)
+
+    def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        return self._run(lambda _s: ops.delete(ns, keys), fallback=RAISE)
+
+    def stats(self):
+        return self._run(lambda _s: ops.stats(), fallback=RAISE)
+
+    # -- machinery --------------------------------------------------------------------------
+
+    def _run(self, build: Callable[[PoolSession | None], ops.Op], fallback: Any, session: bool = False) -> Any:
+        deadline = time.monotonic() + self.deadline_s
+        with self._lock:
+            if self._forked():
+                self._channel = self._stub = None
+            restarted = False
+            for attempt in (1, 2):
+                try:
+                    if restarted:
+                        self._drop_session()
+                        for spec in list(self._namespaces.values()):
+                            self._drive(ops.register(spec), deadline)
+                    sess = self._ensure_session(deadline) if session else None
+                    return self._drive(build(sess), deadline)
+                except Unavailable as exc:
+                    self._drop_session()
+                    if fallback is RAISE:
+                        raise
+                    log.debug("kvstored unavailable, degrading: %s", exc)
+                    return fallback
+                except RESTART_ERRORS as exc:
+                    if attempt == 2:
+                        raise
+                    log.info("kvstored restarted? (%s); setting the session up again", exc)
+                    restarted = True
+
+    def _ensure_session(self, deadline: float) -> PoolSession:
+        if self._session is None:
+            self._session = PoolSession.open(self.socket, self.client_name, _remaining(deadline), self.populate)
+        if self._unattached():
+            self._attach_regions(self._session)
+        return self._session
+
+    def _get_stub(self) -> pb_grpc.KVStoreStub:
+        if self._stub is None:
+            self._channel = grpc.insecure_channel(f"unix:{self.socket}", options=CHANNEL_OPTIONS)
+            self._stub = pb_grpc.KVStoreStub(self._channel)
+        return self._stub
+
+    def _drive(self, op: ops.Op, deadline: float) -> Any:
+        stub = self._get_stub()
+        try:
+            call = next(op)
+            while True:
+                try:
+                    response = getattr(stub, call.method)(call.request, timeout=_remaining(deadline))
+                except grpc.RpcError as exc:
+                    call = op.throw(from_rpc_error(exc))
+                except Unavailable as exc:
+                    call = op.throw(exc)
+                else:
+                    call = op.send(response)
+        except StopIteration as stop:
+            return stop.value
+
+
+def _remaining(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise Unavailable("deadline exceeded")
+    return left

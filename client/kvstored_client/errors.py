@@ -1,0 +1,98 @@
+"""Client-side exception tree. `retryable` says whether trying again later can succeed."""
+
+from __future__ import annotations
+
+import grpc
+
+ERROR_KIND_KEY = "kvstored-error"
+
+
+class KvstoredError(Exception):
+    retryable = False
+
+
+class Unavailable(KvstoredError):
+    """The daemon is down, restarting, or did not answer within the deadline."""
+
+    retryable = True
+
+
+class InvalidArgument(KvstoredError):
+    pass
+
+
+class NotFound(KvstoredError):
+    pass
+
+
+class UnknownNamespace(NotFound):
+    pass
+
+
+class UnknownSession(NotFound):
+    retryable = True
+
+
+class UnknownRegion(NotFound):
+    pass
+
+
+class RegionFileMissing(NotFound):
+    pass
+
+
+class FailedPrecondition(KvstoredError):
+    pass
+
+
+class HandleNotHeld(FailedPrecondition):
+    pass
+
+
+class ResourceExhausted(KvstoredError):
+    pass
+
+
+class BatchTooLarge(ResourceExhausted):
+    pass
+
+
+class PoolExhausted(ResourceExhausted):
+    retryable = True
+
+
+class InternalError(KvstoredError):
+    pass
+
+
+_BY_KIND = {cls.__name__: cls for cls in (
+    UnknownNamespace, UnknownSession, UnknownRegion, RegionFileMissing, HandleNotHeld, BatchTooLarge, PoolExhausted,
+)}
+_BY_CODE = {
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
+    grpc.StatusCode.CANCELLED: Unavailable,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.OUT_OF_RANGE: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+}
+
+
+def from_code(code_name: str, message: str, kind: str = "") -> KvstoredError:
+    if kind in _BY_KIND:
+        return _BY_KIND[kind](message)
+    code = getattr(grpc.StatusCode, code_name, None)
+    return _BY_CODE.get(code, InternalError)(message)
+
+
+def from_rpc_error(exc: grpc.RpcError) -> KvstoredError:
+    """Map a failed call (sync or aio) to the exception tree; keeps the daemon's message."""
+    code = exc.code()
+    kind = ""
+    trailing = exc.trailing_metadata() or ()
+    for key, value in trailing:
+        if key == ERROR_KIND_KEY:
+            kind = value
+    return from_code(code.name if code else "UNKNOWN", exc.details() or str(code), kind)

@@ -1,0 +1,163 @@
+"""Client operations written once, without I/O: each is a generator that yields the RPCs it needs
+(`Call`) and receives their responses. The sync and async clients only differ in how they run
+a Call, so the data-path logic (reserve -> copy -> commit; acquire -> copy -> release) and its
+cleanup on failure exist in one place."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Generator, Sequence
+
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from kvstored_client.buffers import chunk_views, copy_in, copy_out
+from kvstored_client.session import PoolSession
+
+
+class Tier(enum.IntEnum):
+    """Where a chunk was found; mirrors kvstored.v1.TierKind."""
+
+    NONE = 0
+    RAM = 1
+    FS = 2
+    S3 = 3
+    PEER = 4
+
+
+@dataclass(frozen=True)
+class NamespaceSpec:
+    model: str
+    dtype: str
+    chunk_bytes: int
+    layout: str = ""
+    tenant_salt: bytes = b""
+    key_bytes: int = 32
+
+    def to_proto(self) -> pb.NamespaceSpec:
+        return pb.NamespaceSpec(
+            model=self.model, dtype=self.dtype, chunk_bytes=self.chunk_bytes, layout=self.layout,
+            tenant_salt=self.tenant_salt, key_bytes=self.key_bytes,
+        )
+
+
+@dataclass(frozen=True)
+class Namespace:
+    namespace_id: str
+    spec: NamespaceSpec
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.spec.chunk_bytes
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    prefix_hits: int
+    tiers: list[Tier] = field(default_factory=list)
+
+    @classmethod
+    def miss(cls, n: int) -> "LookupResult":
+        return cls(0, [Tier.NONE] * n)
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    stored: int = 0
+    already_present: int = 0
+    dropped: int = 0  # no space, another writer, or the daemon unavailable
+
+
+@dataclass
+class Region:
+    """A registered shared-memory file. Its id is per session: re-attached after reconnects."""
+
+    name: str
+    size: int
+    fd: int
+    region_id: int = 0
+
+
+@dataclass(frozen=True)
+class Call:
+    method: str
+    request: Any
+
+
+Op = Generator[Call, Any, Any]
+
+
+def nothing() -> Op:
+    """No RPC at all: runs only the session set-up around it."""
+    return None
+    yield  # makes this a generator
+
+
+def lookup(ns: Namespace, keys: Sequence[bytes]) -> Op:
+    resp = yield Call("Lookup", pb.LookupRequest(namespace_id=ns.namespace_id, keys=keys))
+    return LookupResult(resp.prefix_hits, [Tier(t) for t in resp.tiers])
+
+
+def store(session: PoolSession, ns: Namespace, keys: Sequence[bytes], data: Any) -> Op:
+    views = chunk_views(data, len(keys), ns.chunk_bytes, writable=False)
+    resp = yield Call("Reserve", pb.ReserveRequest(
+        session_id=session.session_id, namespace_id=ns.namespace_id, keys=keys))
+    reserved = [(slot, view) for slot, view in zip(resp.slots, views) if slot.state == pb.SLOT_STATE_RESERVED]
+    present = sum(1 for slot in resp.slots if slot.state == pb.SLOT_STATE_ALREADY_PRESENT)
+    handles = [slot.handle for slot, _ in reserved]
+    try:
+        for slot, view in reserved:
+            copy_in(session, slot.extents, view)
+    except BaseException:
+        if handles:
+            yield Call("Release", pb.ReleaseRequest(session_id=session.session_id, handles=handles))
+        raise
+    committed = 0
+    if handles:
+        committed = (yield Call("Commit", pb.CommitRequest(session_id=session.session_id, handles=handles))).committed
+    return StoreResult(committed, present, len(keys) - committed - present)
+
+
+def load(session: PoolSession, ns: Namespace, keys: Sequence[bytes], out: Any) -> Op:
+    views = chunk_views(out, len(keys), ns.chunk_bytes, writable=True)
+    resp = yield Call("Acquire", pb.AcquireRequest(
+        session_id=session.session_id, namespace_id=ns.namespace_id, keys=keys))
+    if not resp.leases:
+        return 0
+    try:
+        for lease, view in zip(resp.leases, views):
+            copy_out(session, lease.extents, view)
+    finally:
+        yield Call("Release", pb.ReleaseRequest(
+            session_id=session.session_id, handles=[lease.handle for lease in resp.leases]))
+    return len(resp.leases)
+
+
+def store_from_region(
+    session: PoolSession, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
+) -> Op:
+    resp = yield Call("StoreFromRegion", pb.RegionTransferRequest(
+        session_id=session.session_id, namespace_id=ns.namespace_id, region_id=region.region_id,
+        keys=keys, offsets=offsets))
+    return StoreResult(resp.stored, resp.already_present, resp.dropped)
+
+
+def load_to_region(
+    session: PoolSession, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
+) -> Op:
+    resp = yield Call("LoadToRegion", pb.RegionTransferRequest(
+        session_id=session.session_id, namespace_id=ns.namespace_id, region_id=region.region_id,
+        keys=keys, offsets=offsets))
+    return resp.loaded
+
+
+def delete(ns: Namespace, keys: Sequence[bytes]) -> Op:
+    return (yield Call("Delete", pb.DeleteRequest(namespace_id=ns.namespace_id, keys=keys))).deleted
+
+
+def stats() -> Op:
+    return (yield Call("Stats", pb.StatsRequest()))
+
+
+def register(spec: NamespaceSpec) -> Op:
+    resp = yield Call("RegisterNamespace", pb.RegisterNamespaceRequest(spec=spec.to_proto()))
+    return Namespace(resp.namespace_id, spec)

@@ -1,0 +1,3 @@
+from kvstored.cli import main
+
+raise SystemExit(main())

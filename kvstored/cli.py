@@ -1,0 +1,65 @@
+"""`kvstored [serve] [--config FILE] [--OPTION VALUE ...]`: the only place that exits the process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from kvstored import __version__
+from kvstored.config import ConfigError, env_name, flag_name, load_config, options
+from kvstored.logs import setup_logging
+
+log = logging.getLogger("kvstored")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvstored",
+        description="kvstored: a per-node KV-cache store for LLM inference (host RAM -> secondary tiers).",
+        epilog="Precedence: flags > KVSTORED_* environment > --config TOML file > defaults. "
+        "TOML keys are the option names with underscores (cpu_bytes = \"8GiB\").",
+    )
+    parser.add_argument("command", nargs="?", choices=["serve"], default="serve", help="what to run (default: serve)")
+    parser.add_argument("--version", action="version", version=f"kvstored {__version__}")
+    parser.add_argument("--config", type=Path, metavar="FILE", help="TOML config file (env KVSTORED_CONFIG)")
+    for f in options():
+        parser.add_argument(
+            flag_name(f.name),
+            dest=f.name,
+            metavar=f.metadata["metavar"] or None,
+            default=None,
+            help=f"{f.metadata['help']} (env {env_name(f.name)})",
+        )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    flags = {f.name: getattr(args, f.name) for f in options()}
+    try:
+        config = load_config(flags, config_file=args.config)
+    except ConfigError as exc:
+        print(f"kvstored: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(config.log_level, config.log_format)
+
+    from kvstored.server.daemon import SocketInUse, run
+
+    try:
+        import uvloop
+
+        uvloop.run(run(config))
+    except SocketInUse as exc:
+        log.error("%s", exc)
+        return 1
+    except OSError as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

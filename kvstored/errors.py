@@ -1,0 +1,44 @@
+"""Domain errors. Each says what was wrong in words a caller can act on; server/errors.py alone
+maps them to gRPC status codes."""
+
+from __future__ import annotations
+
+
+class KvstoredError(Exception):
+    """Base of every error the daemon reports to a caller."""
+
+
+class InvalidRequest(KvstoredError):
+    """Malformed input: wrong key length, offsets outside a region, mismatched list lengths..."""
+
+
+class UnknownNamespace(KvstoredError):
+    pass
+
+
+class UnknownSession(KvstoredError):
+    pass
+
+
+class UnknownRegion(KvstoredError):
+    pass
+
+
+class RegionFileMissing(KvstoredError):
+    pass
+
+
+class HandleNotHeld(KvstoredError):
+    """A lease or reservation released twice, committed twice, or never granted to this session."""
+
+
+class BatchTooLarge(KvstoredError):
+    pass
+
+
+class PoolExhausted(KvstoredError):
+    """Every page of the pool is leased or reserved, so nothing can be evicted to make room."""
+
+
+class ShuttingDown(KvstoredError):
+    pass

@@ -1,0 +1,140 @@
+"""gRPC servicer: translates protobuf messages to tier-chain calls and back. No logic of its own."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from kvstored import __version__
+from kvstored.errors import BatchTooLarge, InvalidRequest
+from kvstored.namespaces import Namespace, NamespaceRegistry, check_keys
+from kvstored.server.sessions import HandleKind, SessionRegistry
+from kvstored.tiers.chain import TierChain
+from kvstored.tiers.ram import Extent, ReserveOutcome
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
+
+_SLOT_STATE = {
+    ReserveOutcome.RESERVED: pb.SLOT_STATE_RESERVED,
+    ReserveOutcome.ALREADY_PRESENT: pb.SLOT_STATE_ALREADY_PRESENT,
+    ReserveOutcome.IN_PROGRESS: pb.SLOT_STATE_IN_PROGRESS,
+    ReserveOutcome.NO_SPACE: pb.SLOT_STATE_NO_SPACE,
+}
+
+
+def _extents(extents: Sequence[Extent]) -> list[pb.Extent]:
+    return [pb.Extent(offset=e.offset, length=e.length) for e in extents]
+
+
+class KVStoreService(pb_grpc.KVStoreServicer):
+    def __init__(
+        self, chain: TierChain, namespaces: NamespaceRegistry, sessions: SessionRegistry, max_batch_keys: int
+    ) -> None:
+        self._chain = chain
+        self._namespaces = namespaces
+        self._sessions = sessions
+        self._max_keys = max_batch_keys
+
+    def _ns_keys(self, namespace_id: str, keys: Sequence[bytes]) -> Namespace:
+        ns = self._namespaces.get(namespace_id)
+        check_keys(ns, keys, self._max_keys)
+        return ns
+
+    def _check_handles(self, handles: Sequence[int]) -> None:
+        if len(handles) > self._max_keys:
+            raise BatchTooLarge(f"batch of {len(handles)} handles exceeds max_batch_keys={self._max_keys}")
+
+    async def RegisterNamespace(self, request: pb.RegisterNamespaceRequest, context) -> pb.RegisterNamespaceResponse:
+        spec = request.spec
+        ns = self._namespaces.register(
+            spec.model, spec.dtype, spec.chunk_bytes, spec.layout, spec.tenant_salt, spec.key_bytes
+        )
+        return pb.RegisterNamespaceResponse(
+            namespace_id=ns.namespace_id,
+            chunk_bytes=ns.chunk_bytes,
+            key_bytes=ns.key_bytes,
+            pool_bytes=self._chain.ram.capacity_bytes,
+            page_bytes=self._chain.ram.page_bytes,
+        )
+
+    async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
+        ns = self._ns_keys(request.namespace_id, request.keys)
+        tiers = self._chain.lookup(ns, request.keys)
+        prefix = next((i for i, t in enumerate(tiers) if not t), len(tiers))
+        return pb.LookupResponse(prefix_hits=prefix, tiers=[int(t) for t in tiers])
+
+    async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
+        session = self._sessions.get(request.session_id)
+        ns = self._ns_keys(request.namespace_id, request.keys)
+        grants = self._chain.reserve(session, ns, request.keys)
+        return pb.ReserveResponse(
+            slots=[pb.Slot(state=_SLOT_STATE[g.outcome], handle=g.handle, extents=_extents(g.extents)) for g in grants]
+        )
+
+    async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
+        session = self._sessions.get(request.session_id)
+        self._check_handles(request.handles)
+        return pb.CommitResponse(committed=self._chain.commit(session, request.handles))
+
+    async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
+        session = self._sessions.get(request.session_id)
+        ns = self._ns_keys(request.namespace_id, request.keys)
+        grants = self._chain.acquire(session, ns, request.keys)
+        return pb.AcquireResponse(leases=[pb.Lease(handle=g.handle, extents=_extents(g.extents)) for g in grants])
+
+    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        session = self._sessions.get(request.session_id)
+        self._check_handles(request.handles)
+        return pb.ReleaseResponse(released=self._chain.release(session, request.handles))
+
+    async def RegisterRegion(self, request: pb.RegisterRegionRequest, context) -> pb.RegisterRegionResponse:
+        session = self._sessions.get(request.session_id)
+        if not request.path:
+            raise InvalidRequest("RegisterRegion needs a path")
+        region = self._chain.attach_region_path(session, request.path)
+        return pb.RegisterRegionResponse(region_id=region.region_id, size=region.size)
+
+    async def StoreFromRegion(self, request: pb.RegionTransferRequest, context) -> pb.StoreFromRegionResponse:
+        session = self._sessions.get(request.session_id)
+        ns = self._ns_keys(request.namespace_id, request.keys)
+        region = session.region(request.region_id)
+        counts = await self._chain.store_from_region(session, ns, region, request.keys, request.offsets)
+        return pb.StoreFromRegionResponse(
+            stored=counts.stored, already_present=counts.already_present, dropped=counts.dropped
+        )
+
+    async def LoadToRegion(self, request: pb.RegionTransferRequest, context) -> pb.LoadToRegionResponse:
+        session = self._sessions.get(request.session_id)
+        ns = self._ns_keys(request.namespace_id, request.keys)
+        region = session.region(request.region_id)
+        loaded = await self._chain.load_to_region(session, ns, region, request.keys, request.offsets)
+        return pb.LoadToRegionResponse(loaded=loaded)
+
+    async def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteResponse:
+        ns = self._ns_keys(request.namespace_id, request.keys)
+        return pb.DeleteResponse(deleted=self._chain.delete(ns, request.keys))
+
+    async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
+        ram = self._chain.ram
+        c = ram.counters
+        return pb.StatsResponse(
+            tiers=[
+                pb.TierStats(
+                    name="ram",
+                    kind=pb.TIER_KIND_RAM,
+                    capacity_bytes=ram.capacity_bytes,
+                    used_bytes=ram.used_bytes,
+                    chunks=ram.chunk_count,
+                    lookups=c.lookups,
+                    hits=c.hits,
+                    evictions=c.evictions,
+                    stored_chunks=c.stored,
+                    loaded_chunks=c.loaded,
+                )
+            ],
+            namespaces=len(self._namespaces),
+            sessions=len(self._sessions),
+            leases=self._sessions.count(HandleKind.LEASE),
+            reservations=self._sessions.count(HandleKind.RESERVATION),
+            regions=sum(len(s.regions) for s in self._sessions),
+            version=__version__,
+        )

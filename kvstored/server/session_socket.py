@@ -1,0 +1,143 @@
+"""The session socket: a SOCK_SEQPACKET unix socket beside the gRPC one.
+
+gRPC cannot carry file descriptors, and the data path needs two: the daemon hands each client
+its pool (a memfd), and a client hands the daemon a region file it may not be able to open by
+path (vLLM's region is mode 0600 under another user). One packet is one protobuf message; fds ride
+along as SCM_RIGHTS. The connection *is* the session: when it closes, for any reason, the
+session's leases, reservations and regions are given back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from pathlib import Path
+
+from kvstored.errors import KvstoredError
+from kvstored.server.errors import status_for
+from kvstored.server.sessions import SessionRegistry
+from kvstored.shm.mapping import SharedPool
+from kvstored.tiers.chain import TierChain
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+MAX_PACKET = 64 << 10
+
+
+async def _recv_with_fds(sock: socket.socket) -> tuple[bytes, list[int]]:
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(sock, MAX_PACKET, 4)
+            return data, fds
+        except BlockingIOError:
+            ready = loop.create_future()
+            loop.add_reader(sock.fileno(), ready.set_result, None)
+            try:
+                await ready
+            finally:
+                loop.remove_reader(sock.fileno())
+
+
+def _send(sock: socket.socket, reply: pb.SessionReply, fds: list[int] | None = None) -> None:
+    # Replies are tiny; a fresh SEQPACKET socket always has room for one.
+    socket.send_fds(sock, [reply.SerializeToString()], fds or [])
+
+
+class SessionSocketServer:
+    def __init__(self, path: Path, mode: int, sessions: SessionRegistry, chain: TierChain, pool: SharedPool) -> None:
+        self._path = path
+        self._mode = mode
+        self._sessions = sessions
+        self._chain = chain
+        self._pool = pool
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task | None = None
+        self._conn_tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.bind(str(self._path))
+        os.chmod(self._path, self._mode)
+        sock.listen(128)
+        sock.setblocking(False)
+        self._listener = sock
+        self._accept_task = asyncio.create_task(self._accept_loop(sock), name="session-accept")
+
+    async def stop_accepting(self) -> None:
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accept_task
+        if self._listener is not None:
+            self._listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                self._path.unlink()
+
+    async def close(self) -> None:
+        """Stop accepting, then end every session (their handles and regions are released)."""
+        await self.stop_accepting()
+        for task in list(self._conn_tasks):
+            task.cancel()
+        await asyncio.gather(*self._conn_tasks, return_exceptions=True)
+
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(listener)
+            conn.setblocking(False)
+            task = asyncio.create_task(self._serve(conn), name="session")
+            self._conn_tasks.add(task)
+            task.add_done_callback(self._conn_tasks.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        session = None
+        try:
+            while True:
+                data, fds = await _recv_with_fds(conn)
+                if not data:
+                    return  # peer closed: the session ends
+                try:
+                    request = pb.SessionRequest.FromString(data)
+                    kind = request.WhichOneof("kind")
+                    if kind == "hello" and session is None:
+                        session = self._sessions.open(request.hello.client_name)
+                        log.info("session %s opened by %r", session.session_id[:8], session.client_name)
+                        welcome = pb.Welcome(
+                            session_id=session.session_id,
+                            pool_bytes=self._pool.size,
+                            page_bytes=self._chain.ram.page_bytes,
+                        )
+                        _send(conn, pb.SessionReply(welcome=welcome), [self._pool.fd])
+                    elif kind == "attach_region" and session is not None:
+                        if len(fds) != 1:
+                            _send_error(conn, "INVALID_ARGUMENT", f"AttachRegion needs exactly one fd, got {len(fds)}")
+                            continue
+                        region = self._chain.attach_region(session, request.attach_region.name, fds[0])
+                        attached = pb.RegionAttached(region_id=region.region_id, size=region.size)
+                        _send(conn, pb.SessionReply(region_attached=attached))
+                    else:
+                        _send_error(conn, "FAILED_PRECONDITION", f"unexpected session message {kind!r}")
+                except KvstoredError as exc:
+                    _send_error(conn, status_for(exc).name, str(exc))
+                except Exception as exc:  # a malformed packet must not end other sessions
+                    log.warning("bad session message: %s", exc)
+                    _send_error(conn, "INVALID_ARGUMENT", f"malformed session message: {exc}")
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+        except (ConnectionError, OSError) as exc:
+            log.debug("session connection error: %s", exc)
+        finally:
+            conn.close()
+            if session is not None:
+                self._chain.close_session(session)
+                log.info("session %s closed", session.session_id[:8])
+
+
+def _send_error(conn: socket.socket, code: str, message: str) -> None:
+    _send(conn, pb.SessionReply(error=pb.SessionError(code=code, message=message)))

@@ -1,0 +1,86 @@
+"""Client sessions and the handles (leases, reservations) and regions they hold.
+
+A session lives exactly as long as its connection to the session socket; closing it gives back
+everything it held, so a killed client never leaks leases.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import secrets
+from dataclasses import dataclass, field
+
+from kvstored.errors import HandleNotHeld, UnknownRegion, UnknownSession
+from kvstored.shm.mapping import Region
+from kvstored.tiers.ram import RamEntry
+
+
+class HandleKind(enum.Enum):
+    LEASE = "lease"
+    RESERVATION = "reservation"
+
+
+@dataclass(slots=True)
+class Handle:
+    kind: HandleKind
+    entry: RamEntry
+
+
+@dataclass
+class Session:
+    session_id: str
+    client_name: str
+    handles: dict[int, Handle] = field(default_factory=dict)
+    regions: dict[int, Region] = field(default_factory=dict)
+
+    def take(self, handle_id: int, kinds: tuple[HandleKind, ...]) -> Handle:
+        handle = self.handles.get(handle_id)
+        if handle is None or handle.kind not in kinds:
+            raise HandleNotHeld(
+                f"handle {handle_id} is not held by session {self.session_id} "
+                f"(already released or committed, or never granted)"
+            )
+        del self.handles[handle_id]
+        return handle
+
+    def region(self, region_id: int) -> Region:
+        try:
+            return self.regions[region_id]
+        except KeyError:
+            raise UnknownRegion(f"region {region_id} is not registered in session {self.session_id}") from None
+
+
+class SessionRegistry:
+    def __init__(self) -> None:
+        self._sessions: dict[str, Session] = {}
+        self._ids = itertools.count(1)  # handle and region ids, unique daemon-wide
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __iter__(self):
+        return iter(list(self._sessions.values()))
+
+    def open(self, client_name: str) -> Session:
+        session = Session(secrets.token_hex(16), client_name)
+        self._sessions[session.session_id] = session
+        return session
+
+    def get(self, session_id: str) -> Session:
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise UnknownSession(
+                f"unknown session {session_id!r}: sessions live as long as their connection "
+                f"to the session socket"
+            ) from None
+
+    def remove(self, session: Session) -> None:
+        self._sessions.pop(session.session_id, None)
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def count(self, kind: HandleKind) -> int:
+        return sum(1 for s in self._sessions.values() for h in s.handles.values() if h.kind is kind)
