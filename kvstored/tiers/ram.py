@@ -13,8 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvstored.shm.allocator import PageAllocator, PageRun
-
-ChunkId = tuple[str, bytes]  # (namespace id, key)
+from kvstored.tiers.base import ChunkId
 
 
 class EntryState(enum.Enum):
