@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
             dest=f.name,
             metavar=f.metadata["metavar"] or None,
             default=None,
+            action="append" if f.metadata["repeat"] else "store",
             help=f"{f.metadata['help']} (env {env_name(f.name)})",
         )
     return parser

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, get_args
 
 from kvstored.sizes import parse_size
+from kvstored.tiers.base import AdmissionPolicy
+from kvstored.tiers.lower import WritePolicy
 from kvstored_client.paths import default_socket_path, session_socket_path
 
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -60,8 +62,88 @@ def _choice(literal: Any) -> Callable[[str], str]:
     return parse
 
 
-def _opt(help_text: str, parse: Callable[[Any], Any], metavar: str = "") -> dict[str, Any]:
-    return {"help": help_text, "parse": parse, "metavar": metavar}
+def _opt(help_text: str, parse: Callable[[Any], Any], metavar: str = "", repeat: bool = False) -> dict[str, Any]:
+    return {"help": help_text, "parse": parse, "metavar": metavar, "repeat": repeat}
+
+
+def _parse_optional_size(value: str | int | None) -> int | None:
+    return None if value in (None, "", "auto") else parse_size(value)
+
+
+@dataclass(frozen=True)
+class FsTierConfig:
+    """A local filesystem tier (NVMe). Files are content-addressed under `root`."""
+
+    root: Path
+    bytes: int
+    name: str = "fs"
+    admission: AdmissionPolicy = AdmissionPolicy.ALWAYS
+    io_threads: int = 4
+    direct_io: bool = True
+    concurrency: int = 4  # operations in flight
+    max_backlog: int = 256  # queued write-downs (and deletions) before new ones are dropped
+
+
+@dataclass(frozen=True)
+class S3TierConfig:
+    """An S3-compatible object store tier. Credentials default to the AWS chain."""
+
+    bucket: str
+    name: str = "s3"
+    prefix: str = ""
+    endpoint_url: str | None = None
+    region: str | None = None
+    access_key: str | None = None
+    secret_key: str | None = None
+    bytes: int = 0  # 0: unbounded
+    timeout_s: float = 5.0
+    concurrency: int = 16
+    max_backlog: int = 64
+
+
+TierConfig = FsTierConfig | S3TierConfig
+_TIER_TYPES: dict[str, type] = {"fs": FsTierConfig, "s3": S3TierConfig}
+_TIER_FIELD_PARSERS: dict[str, Callable[[Any], Any]] = {
+    "root": Path, "bytes": parse_size, "admission": AdmissionPolicy, "io_threads": int, "direct_io": _parse_bool,
+    "concurrency": int, "max_backlog": int, "timeout_s": float,
+}
+
+
+def _parse_tier(spec: Mapping[str, Any] | str) -> TierConfig:
+    """One tier from a TOML table or a "kind=fs,root=/mnt/kv,bytes=100GiB" string."""
+    if isinstance(spec, str):
+        pairs = [p.split("=", 1) for p in spec.split(",") if p.strip()]
+        if any(len(p) != 2 for p in pairs):
+            raise ValueError(f"tier {spec!r}: expected comma-separated key=value pairs")
+        spec = {k.strip(): v.strip() for k, v in pairs}
+    spec = dict(spec)
+    kind = spec.pop("kind", None)
+    if kind not in _TIER_TYPES:
+        raise ValueError(f"tier kind must be one of {', '.join(_TIER_TYPES)}, got {kind!r}")
+    cls = _TIER_TYPES[kind]
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise ValueError(f"{kind} tier: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    missing = sorted(f.name for f in dataclasses.fields(cls)
+                     if f.default is dataclasses.MISSING and f.name not in spec)
+    if missing:
+        raise ValueError(f"{kind} tier: missing {', '.join(missing)}")
+    values = {k: _TIER_FIELD_PARSERS.get(k, str)(v) for k, v in spec.items()}
+    if "name" not in values:
+        values["name"] = kind
+    return cls(**values)
+
+
+def _parse_tiers(value: Any) -> tuple[TierConfig, ...]:
+    """TOML: a list of tables; flags: a list of strings; env: strings separated by ';'."""
+    if isinstance(value, str):
+        value = [part for part in value.split(";") if part.strip()]
+    tiers = tuple(_parse_tier(item) for item in value)
+    names = [t.name for t in tiers]
+    if len(set(names)) != len(names):
+        raise ValueError(f"tier names must be unique, got {names}: set name=... on each")
+    return tiers
 
 
 @dataclass(frozen=True)
@@ -92,6 +174,29 @@ class Config:
         default=5.0,
         metadata=_opt("on SIGTERM, how long in-flight calls may take to finish", float, "SECONDS"),
     )
+    tiers: tuple[TierConfig, ...] = field(
+        default=(),
+        metadata=_opt(
+            "a tier below RAM, in order; repeat for more, e.g. kind=fs,root=/mnt/kv,bytes=100GiB or "
+            "kind=s3,bucket=kv,endpoint_url=http://127.0.0.1:7480 (TOML: [[tiers]] tables; env: ';' between tiers)",
+            _parse_tiers, "SPEC", repeat=True,
+        ),
+    )
+    write_policy: WritePolicy = field(
+        default=WritePolicy.WRITE_BACK,
+        metadata=_opt("write-back: chunks go down when RAM evicts them; write-through: at once",
+                      WritePolicy, "POLICY"),
+    )
+    writeback_headroom: int | None = field(
+        default=None,
+        metadata=_opt("RAM kept free by writing old chunks down ahead of need (default: 5%% of RAM, "
+                      "at most 1GiB)", _parse_optional_size, "BYTES"),
+    )
+    writeback_wait_seconds: float = field(
+        default=1.0,
+        metadata=_opt("how long a store may wait for write-downs to free RAM before evicting "
+                      "chunks that have no copy below", float, "SECONDS"),
+    )
     log_level: LogLevel = field(default="info", metadata=_opt("log level", _choice(LogLevel), "LEVEL"))
     log_format: LogFormat = field(
         default="text", metadata=_opt("log line format", _choice(LogFormat), "FORMAT")
@@ -109,6 +214,12 @@ class Config:
         if self.grace_seconds < 0:
             raise ConfigError(f"grace_seconds must not be negative, got {self.grace_seconds}")
         return self
+
+    @property
+    def headroom_bytes(self) -> int:
+        if self.writeback_headroom is not None:
+            return self.writeback_headroom
+        return min(self.cpu_bytes // 20, 1 << 30)
 
     @property
     def session_socket(self) -> Path:
@@ -130,7 +241,7 @@ def flag_name(name: str) -> str:
 def _parse_field(f: dataclasses.Field, raw: Any, source: str) -> Any:
     try:
         return f.metadata["parse"](raw)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, KeyError) as exc:
         raise ConfigError(f"{source}: bad value for {f.name}: {exc}") from None
 
 

@@ -28,7 +28,8 @@ from kvstored.server.sessions import SessionRegistry
 from kvstored.server.systemd import notify
 from kvstored.shm.mapping import SharedPool
 from kvstored.sizes import format_size
-from kvstored.tiers.chain import TierChain
+from kvstored.tiers.chain import ChainPolicy, TierChain
+from kvstored.tiers.factory import build_lower_tiers
 from kvstored.tiers.ram import RamTier
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
@@ -75,7 +76,20 @@ class Daemon:
         self.pool = SharedPool(cfg.cpu_bytes, populate=cfg.populate)
         self.sessions = SessionRegistry()
         self.namespaces = NamespaceRegistry(cfg.cpu_bytes)
-        self.chain = TierChain(RamTier(cfg.cpu_bytes, cfg.page_bytes), self.pool, self.sessions)
+        lower = build_lower_tiers(cfg.tiers)
+        self.chain = TierChain(
+            RamTier(cfg.cpu_bytes, cfg.page_bytes, has_lower_tiers=bool(lower)),
+            self.pool,
+            self.sessions,
+            lower,
+            ChainPolicy(cfg.write_policy, cfg.headroom_bytes if lower else 0, cfg.writeback_wait_seconds),
+        )
+        await self.chain.start()
+        for t in lower:
+            usage = t.tier.usage()
+            log.info("tier %s (%s): %s used of %s, %d chunks", t.tier.name, t.tier.kind.name.lower(),
+                     format_size(usage.used_bytes), format_size(usage.capacity_bytes) if usage.capacity_bytes
+                     else "unbounded", usage.chunks)
 
         self.server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()])
         pb_grpc.add_KVStoreServicer_to_server(
@@ -114,7 +128,7 @@ class Daemon:
         await self.session_server.stop_accepting()
         await self.server.stop(cfg.grace_seconds)
         await self.session_server.close()
-        self.chain.close()
+        await self.chain.close()
         self.pool.close()
         with contextlib.suppress(FileNotFoundError):
             cfg.socket.unlink()

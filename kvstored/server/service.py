@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from kvstored import __version__
 from kvstored.errors import BatchTooLarge, InvalidRequest
+from kvstored.observability.snapshot import tier_snapshots
 from kvstored.namespaces import Namespace, NamespaceRegistry, check_keys
 from kvstored.server.sessions import HandleKind, SessionRegistry
 from kvstored.tiers.chain import TierChain
@@ -58,14 +60,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         ns = self._ns_keys(request.namespace_id, request.keys)
-        tiers = self._chain.lookup(ns, request.keys)
+        tiers = await self._chain.lookup(ns, request.keys)
         prefix = next((i for i, t in enumerate(tiers) if not t), len(tiers))
         return pb.LookupResponse(prefix_hits=prefix, tiers=[int(t) for t in tiers])
 
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
         session = self._sessions.get(request.session_id)
         ns = self._ns_keys(request.namespace_id, request.keys)
-        grants = self._chain.reserve(session, ns, request.keys)
+        grants = await self._chain.reserve(session, ns, request.keys)
         return pb.ReserveResponse(
             slots=[pb.Slot(state=_SLOT_STATE[g.outcome], handle=g.handle, extents=_extents(g.extents)) for g in grants]
         )
@@ -78,7 +80,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
         session = self._sessions.get(request.session_id)
         ns = self._ns_keys(request.namespace_id, request.keys)
-        grants = self._chain.acquire(session, ns, request.keys)
+        grants = await self._chain.acquire(session, ns, request.keys)
         return pb.AcquireResponse(leases=[pb.Lease(handle=g.handle, extents=_extents(g.extents)) for g in grants])
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
@@ -111,26 +113,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteResponse:
         ns = self._ns_keys(request.namespace_id, request.keys)
-        return pb.DeleteResponse(deleted=self._chain.delete(ns, request.keys))
+        return pb.DeleteResponse(deleted=await self._chain.delete(ns, request.keys))
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
-        ram = self._chain.ram
-        c = ram.counters
         return pb.StatsResponse(
-            tiers=[
-                pb.TierStats(
-                    name="ram",
-                    kind=pb.TIER_KIND_RAM,
-                    capacity_bytes=ram.capacity_bytes,
-                    used_bytes=ram.used_bytes,
-                    chunks=ram.chunk_count,
-                    lookups=c.lookups,
-                    hits=c.hits,
-                    evictions=c.evictions,
-                    stored_chunks=c.stored,
-                    loaded_chunks=c.loaded,
-                )
-            ],
+            tiers=[pb.TierStats(**{**dataclasses.asdict(t), "kind": int(t.kind)}) for t in tier_snapshots(self._chain)],
             namespaces=len(self._namespaces),
             sessions=len(self._sessions),
             leases=self._sessions.count(HandleKind.LEASE),

@@ -1,7 +1,10 @@
-"""The tier chain: the operations the gRPC service offers, over the RAM tier (the gateway).
+"""The tier chain: the operations the gRPC service offers, over RAM (the gateway) and the tiers
+below it, in order.
 
-Bookkeeping runs on the event loop; byte copies between a client region and the pool run in a
-small thread pool (numpy releases the GIL while copying), so a large copy never stalls the loop.
+Lookups go RAM, then each lower tier; a hit below starts its promotion into RAM at once, so the
+load that follows finds it there (or waits for it). New chunks enter RAM; write-back moves them
+down before RAM drops them. Bookkeeping runs on the event loop; byte copies between a client
+region and the pool run in a small thread pool (numpy releases the GIL while copying).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from kvstored.errors import InvalidRequest, PoolExhausted, RegionFileMissing
 from kvstored.namespaces import Namespace
 from kvstored.server.sessions import Handle, HandleKind, Session, SessionRegistry
 from kvstored.shm.mapping import Region, SharedPool
-from kvstored.tiers.base import TierKind
+from kvstored.tiers.base import ChunkId, TierKind
+from kvstored.tiers.lower import LowerTier, Promoter, WriteBack, WritePolicy
 from kvstored.tiers.ram import Extent, RamEntry, RamTier, ReserveOutcome
 
 log = logging.getLogger(__name__)
@@ -45,24 +49,85 @@ class StoreCounts:
     dropped: int = 0
 
 
+@dataclass(frozen=True)
+class ChainPolicy:
+    write_policy: WritePolicy = WritePolicy.WRITE_BACK
+    headroom_bytes: int = 0  # RAM kept free by write-back (0: none)
+    writeback_wait_s: float = 1.0  # how long a store may wait for write-downs to free RAM
+
+
 class TierChain:
-    def __init__(self, ram: RamTier, pool: SharedPool, sessions: SessionRegistry) -> None:
+    def __init__(
+        self,
+        ram: RamTier,
+        pool: SharedPool,
+        sessions: SessionRegistry,
+        lower: Sequence[LowerTier] = (),
+        policy: ChainPolicy = ChainPolicy(),
+    ) -> None:
         self.ram = ram
+        self.lower = list(lower)
         self._pool = pool
         self._sessions = sessions
         self._copier = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstored-copy")
+        pool_view = memoryview(pool.array)
+        self.writeback = WriteBack(
+            ram, pool_view, self.lower, policy.write_policy, policy.headroom_bytes, policy.writeback_wait_s
+        )
+        self.promoter = Promoter(ram, pool_view, self.lower)
+
+    async def start(self) -> None:
+        for lower in self.lower:
+            await lower.tier.start()
+            lower.queue.start()
 
     # -- lookup / delete ------------------------------------------------------------------
 
-    def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> list[TierKind]:
-        return [TierKind.RAM if self.ram.contains((ns.namespace_id, k)) else TierKind.NONE for k in keys]
+    async def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> list[TierKind]:
+        """Where each key is; hits below RAM start their promotion (prefetch)."""
+        chunks = [(ns.namespace_id, k) for k in keys]
+        tiers = [TierKind.RAM if self.ram.contains(c) else self.promoter.in_flight(c) for c in chunks]
+        missing = [i for i, t in enumerate(tiers) if t is TierKind.NONE]
+        if missing and self.lower:
+            found = await self.promoter.find([chunks[i] for i in missing])
+            for i, tier_index in zip(missing, found):
+                if tier_index is not None:
+                    tiers[i] = self.lower[tier_index].tier.kind
+                    self.promoter.start(chunks[i], ns.chunk_bytes, tier_index)
+        return tiers
 
-    def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
-        return sum(self.ram.delete((ns.namespace_id, k)) for k in keys)
+    async def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        """Remove from every tier; counts keys that were anywhere."""
+        chunks = [(ns.namespace_id, k) for k in keys]
+        removed = [self.ram.delete(c) for c in chunks]
+        for lower in self.lower:
+            for i, chunk in enumerate(chunks):
+                removed[i] = await lower.tier.remove(chunk) or removed[i]
+        return sum(removed)
+
+    async def _bring_up(self, ns: Namespace, chunks: Sequence[ChunkId]) -> None:
+        """Promote the leading chunks that are below RAM and wait for them (stops at a miss)."""
+        if not self.lower:
+            return
+        missing = [i for i, c in enumerate(chunks) if not self.ram.contains(c, touch=False)]
+        if not missing:
+            return
+        found = await self.promoter.find([chunks[i] for i in missing])
+        waits = []
+        for i, tier_index in zip(missing, found):
+            if tier_index is None:
+                break
+            future = self.promoter.start(chunks[i], ns.chunk_bytes, tier_index)
+            if future is None:
+                break
+            waits.append(future)
+        if waits:
+            await asyncio.gather(*waits)
 
     # -- pool mapping ---------------------------------------------------------------------
 
-    def reserve(self, session: Session, ns: Namespace, keys: Sequence[bytes]) -> list[SlotGrant]:
+    async def reserve(self, session: Session, ns: Namespace, keys: Sequence[bytes]) -> list[SlotGrant]:
+        await self.writeback.make_room(len(keys) * self.ram.pages_for(ns.chunk_bytes) * self.ram.page_bytes)
         grants = []
         for key in keys:
             result = self.ram.reserve((ns.namespace_id, key), ns.chunk_bytes)
@@ -82,10 +147,12 @@ class TierChain:
         taken = self._take_all(session, handles, (HandleKind.RESERVATION,))
         for handle in taken:
             self.ram.commit(handle.entry)
+        self.writeback.after_commit([h.entry for h in taken])
         return len(taken)
 
-    def acquire(self, session: Session, ns: Namespace, keys: Sequence[bytes]) -> list[LeaseGrant]:
-        """Leases for the leading cached keys; stops at the first miss."""
+    async def acquire(self, session: Session, ns: Namespace, keys: Sequence[bytes]) -> list[LeaseGrant]:
+        """Leases for the leading cached keys (promoted from below first); stops at the first miss."""
+        await self._bring_up(ns, [(ns.namespace_id, k) for k in keys])
         grants = []
         for key in keys:
             entry = self.ram.acquire((ns.namespace_id, key))
@@ -136,6 +203,7 @@ class TierChain:
         self, session: Session, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
     ) -> StoreCounts:
         _check_offsets(ns, region, keys, offsets)
+        await self.writeback.make_room(len(keys) * self.ram.pages_for(ns.chunk_bytes) * self.ram.page_bytes)
         stored, present, dropped = [], 0, 0
         for key, offset in zip(keys, offsets):
             result = self.ram.reserve((ns.namespace_id, key), ns.chunk_bytes)
@@ -154,12 +222,14 @@ class TierChain:
             raise
         for entry, _ in stored:
             self.ram.commit(entry)
+        self.writeback.after_commit([entry for entry, _ in stored])
         return StoreCounts(len(stored), present, dropped)
 
     async def load_to_region(
         self, session: Session, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
     ) -> int:
         _check_offsets(ns, region, keys, offsets)
+        await self._bring_up(ns, [(ns.namespace_id, k) for k in keys])
         leased: list[tuple[RamEntry, int]] = []
         for key, offset in zip(keys, offsets):
             entry = self.ram.acquire((ns.namespace_id, key))
@@ -174,7 +244,12 @@ class TierChain:
                 self.ram.release(entry)
         return len(leased)
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """Stop the I/O queues (abandoning queued write-downs: this is a cache), then the tiers."""
+        for lower in self.lower:
+            await lower.queue.close()
+        for lower in self.lower:
+            await lower.tier.close()
         self._copier.shutdown(wait=True)
 
     # -- helpers --------------------------------------------------------------------------

@@ -2,8 +2,13 @@
 
 No bytes move here; callers copy through the pool using the extents this returns.
 Invariants:
-- the LRU holds exactly the READY chunks with no leases (the evictable ones);
-- a chunk's pages return to the allocator only once it is out of the index and unleased.
+- the LRU holds exactly the READY chunks with no leases and no write-down in flight (the
+  evictable ones);
+- a chunk's pages return to the allocator only once it is out of the index, unleased and not
+  being written down.
+Write-back: the chain's evictor pins the oldest dirty chunks (`begin_writeback`), writes them to
+the lower tiers, then drops them (`finish_writeback`) unless they were used meanwhile. Chunks
+already held below ("persisted": promoted from a lower tier, or written down) are dropped as is.
 """
 
 from __future__ import annotations
@@ -36,6 +41,13 @@ class RamEntry:
     state: EntryState = EntryState.RESERVED
     leases: int = 0
     indexed: bool = True
+    persisted: bool = False  # a lower tier holds a copy: dropping it loses nothing
+    writing: bool = False  # a write-down is reading its pages
+    touched: bool = False  # used while being written down: keep it afterwards
+
+    @property
+    def pinned(self) -> bool:
+        return self.leases > 0 or self.writing
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +63,9 @@ class RamCounters:
     evictions: int = 0
     stored: int = 0
     loaded: int = 0
+    dropped_dirty: int = 0  # evicted before a lower tier had a copy (only counted with lower tiers)
+    writebacks: int = 0
+    promotions: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +76,8 @@ class Reservation:
 
 
 class RamTier:
-    def __init__(self, pool_bytes: int, page_bytes: int) -> None:
+    def __init__(self, pool_bytes: int, page_bytes: int, has_lower_tiers: bool = False) -> None:
+        self._has_lower = has_lower_tiers
         self.page_bytes = page_bytes
         self.capacity_bytes = (pool_bytes // page_bytes) * page_bytes
         self._alloc = PageAllocator(pool_bytes // page_bytes)
@@ -75,6 +91,13 @@ class RamTier:
         return (self._alloc.total_pages - self._alloc.free_pages) * self.page_bytes
 
     @property
+    def free_bytes(self) -> int:
+        return self._alloc.free_pages * self.page_bytes
+
+    def pages_for(self, size: int) -> int:
+        return -(-size // self.page_bytes)
+
+    @property
     def chunk_count(self) -> int:
         return self._ready
 
@@ -85,9 +108,15 @@ class RamTier:
         if entry is None or entry.state is not EntryState.READY:
             return False
         self.counters.hits += 1
-        if touch and chunk in self._lru:
-            self._lru.move_to_end(chunk)
+        if touch:
+            self._touch(entry)
         return True
+
+    def _touch(self, entry: RamEntry) -> None:
+        if entry.chunk in self._lru:
+            self._lru.move_to_end(entry.chunk)
+        elif entry.writing:
+            entry.touched = True
 
     def reserve(self, chunk: ChunkId, size: int) -> Reservation:
         existing = self._index.get(chunk)
@@ -95,7 +124,7 @@ class RamTier:
             if existing.state is EntryState.READY:
                 return Reservation(ReserveOutcome.ALREADY_PRESENT)
             return Reservation(ReserveOutcome.IN_PROGRESS)
-        pages = -(-size // self.page_bytes)
+        pages = self.pages_for(size)
         evicted: list[ChunkId] = []
         runs = self._alloc.allocate(pages) if self._make_room(pages, evicted) else None
         if runs is None:
@@ -104,11 +133,16 @@ class RamTier:
         self._index[chunk] = entry
         return Reservation(ReserveOutcome.RESERVED, entry, evicted)
 
-    def commit(self, entry: RamEntry) -> None:
+    def commit(self, entry: RamEntry, persisted: bool = False) -> None:
+        """Publish a reserved chunk; `persisted` when its bytes came from a lower tier."""
         if entry.state is not EntryState.RESERVED:
             raise ValueError("commit of a chunk that is not reserved")
         entry.state = EntryState.READY
-        self.counters.stored += 1
+        entry.persisted = persisted
+        if persisted:
+            self.counters.promotions += 1
+        else:
+            self.counters.stored += 1
         if entry.indexed:
             self._ready += 1
             self._lru[entry.chunk] = entry
@@ -137,7 +171,9 @@ class RamTier:
         entry.leases -= 1
         if entry.leases:
             return
-        if entry.indexed:
+        if entry.writing:
+            entry.touched = True  # finish_writeback decides
+        elif entry.indexed:
             self._lru[entry.chunk] = entry  # reading it was a use: most recent
         else:
             self._free(entry)
@@ -147,9 +183,62 @@ class RamTier:
         if entry is None or entry.state is not EntryState.READY:
             return False
         self._unindex(entry)
-        if not entry.leases:
+        if not entry.pinned:
             self._free(entry)
         return True
+
+    # -- write-back -------------------------------------------------------------------------
+
+    def writeback_victims(self, bytes_wanted: int) -> tuple[list[RamEntry], list[ChunkId]]:
+        """Oldest first, until `bytes_wanted` bytes are covered: clean chunks are evicted now
+        (returned as ids), dirty ones are pinned for write-down (returned as entries)."""
+        to_write: list[RamEntry] = []
+        evicted: list[ChunkId] = []
+        covered = 0
+        while covered < bytes_wanted and self._lru:
+            _, entry = self._lru.popitem(last=False)
+            covered += sum(r.count for r in entry.runs) * self.page_bytes
+            if entry.persisted:
+                self._evict(entry)
+                evicted.append(entry.chunk)
+            else:
+                entry.writing, entry.touched = True, False
+                to_write.append(entry)
+        return to_write, evicted
+
+    def begin_writeback(self, entry: RamEntry) -> None:
+        """Pin a chunk for a write-through copy (it stays readable, not evictable)."""
+        self._lru.pop(entry.chunk, None)
+        entry.writing, entry.touched = True, True
+
+    def finish_writeback(self, entry: RamEntry, persisted: bool) -> bool:
+        """End a write-down. Returns True if the chunk left RAM (it was a victim, unused since)."""
+        entry.writing = False
+        entry.persisted = entry.persisted or persisted
+        if persisted:
+            self.counters.writebacks += 1
+        if entry.leases:
+            return False
+        if not entry.indexed:
+            self._free(entry)
+            return True
+        if entry.touched:
+            self._lru[entry.chunk] = entry
+            return False
+        self._evict(entry)
+        return True
+
+    def page_views(self, entry: RamEntry, pool: memoryview) -> list[memoryview]:
+        """The chunk's whole pages as views of `pool` (page-aligned, page-multiple lengths)."""
+        pb = self.page_bytes
+        return [pool[r.start * pb:(r.start + r.count) * pb] for r in entry.runs]
+
+    def _evict(self, entry: RamEntry) -> None:
+        if not entry.persisted and self._has_lower:
+            self.counters.dropped_dirty += 1
+        self._unindex(entry)
+        self._free(entry)
+        self.counters.evictions += 1
 
     def extents(self, entry: RamEntry) -> list[Extent]:
         out, remaining = [], entry.size
@@ -168,9 +257,7 @@ class RamTier:
             if not self._lru:
                 return False
             _, victim = self._lru.popitem(last=False)
-            self._unindex(victim)
-            self._free(victim)
-            self.counters.evictions += 1
+            self._evict(victim)
             evicted.append(victim.chunk)
         return True
 

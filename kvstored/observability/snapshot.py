@@ -1,0 +1,56 @@
+"""One read of every tier's usage and counters, shared by the Stats RPC and /metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstored.tiers.base import TierKind
+from kvstored.tiers.chain import TierChain
+
+
+@dataclass(frozen=True)
+class TierSnapshot:
+    name: str
+    kind: TierKind
+    capacity_bytes: int
+    used_bytes: int
+    chunks: int
+    lookups: int
+    hits: int
+    evictions: int
+    stored_chunks: int
+    loaded_chunks: int
+    read_bytes: int = 0
+    written_bytes: int = 0
+    promotions: int = 0
+    writebacks: int = 0
+    dropped_dirty: int = 0
+    checksum_failures: int = 0
+    errors: int = 0
+    rejected_full: int = 0
+    rejected_admission: int = 0
+    dropped_backpressure: int = 0
+    queued: int = 0
+
+
+def tier_snapshots(chain: TierChain) -> list[TierSnapshot]:
+    ram, c = chain.ram, chain.ram.counters
+    snaps = [
+        TierSnapshot(
+            name="ram", kind=TierKind.RAM, capacity_bytes=ram.capacity_bytes, used_bytes=ram.used_bytes,
+            chunks=ram.chunk_count, lookups=c.lookups, hits=c.hits, evictions=c.evictions,
+            stored_chunks=c.stored, loaded_chunks=c.loaded, promotions=c.promotions, writebacks=c.writebacks,
+            dropped_dirty=c.dropped_dirty,
+        )
+    ]
+    for lower in chain.lower:
+        tier, tc, usage = lower.tier, lower.tier.counters, lower.tier.usage()
+        snaps.append(TierSnapshot(
+            name=tier.name, kind=tier.kind, capacity_bytes=usage.capacity_bytes, used_bytes=usage.used_bytes,
+            chunks=usage.chunks, lookups=tc.lookups, hits=tc.hits, evictions=tc.evictions,
+            stored_chunks=tc.writes, loaded_chunks=tc.reads, read_bytes=tc.read_bytes,
+            written_bytes=tc.written_bytes, checksum_failures=tc.checksum_failures, errors=tc.errors,
+            rejected_full=tc.rejected_full, rejected_admission=tc.rejected_admission,
+            dropped_backpressure=sum(lower.queue.dropped.values()), queued=sum(lower.queue.backlog.values()),
+        ))
+    return snaps

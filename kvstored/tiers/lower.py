@@ -1,0 +1,201 @@
+"""Moving chunks between the RAM tier and the tiers below it.
+
+- WriteBack: keeps some RAM free by writing the oldest dirty chunks down to every lower tier
+  before their RAM copy is dropped (write-back), or copies each new chunk down at once
+  (write-through). A chunk whose write-down is refused (backlog full) or fails is simply dropped.
+- Promoter: finds chunks below RAM (one batched `contains` per tier) and copies hits up into RAM,
+  verified by the tier, at load priority.
+Both only do bookkeeping on the event loop; the bytes move in the tiers' own I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import functools
+import logging
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from kvstored.io.scheduler import Priority, TierQueue
+from kvstored.tiers.base import ChunkId, SecondaryTier, TierKind, WriteOutcome
+from kvstored.tiers.ram import RamEntry, RamTier
+
+log = logging.getLogger(__name__)
+
+
+class WritePolicy(enum.Enum):
+    WRITE_BACK = "write-back"
+    WRITE_THROUGH = "write-through"
+
+
+@dataclass
+class LowerTier:
+    tier: SecondaryTier
+    queue: TierQueue
+
+
+class WriteBack:
+    def __init__(
+        self,
+        ram: RamTier,
+        pool: memoryview,
+        lower: Sequence[LowerTier],
+        policy: WritePolicy,
+        headroom_bytes: int,
+        wait_s: float,
+    ) -> None:
+        self._ram = ram
+        self._pool = pool
+        self._lower = list(lower)
+        self.policy = policy
+        self._headroom = headroom_bytes
+        self._wait_s = wait_s
+        self._writing_bytes = 0
+        self._space = asyncio.Event()  # set whenever a write-down finishes
+
+    @property
+    def in_flight_bytes(self) -> int:
+        return self._writing_bytes
+
+    def after_commit(self, entries: Sequence[RamEntry]) -> None:
+        """Called once new chunks are READY: copy them down (write-through) or keep headroom."""
+        if not self._lower:
+            return
+        if self.policy is WritePolicy.WRITE_THROUGH:
+            for entry in entries:
+                if entry.indexed:
+                    self._ram.begin_writeback(entry)
+                    self._write_down(entry)
+        self._keep_headroom(self._headroom)
+
+    async def make_room(self, nbytes: int) -> None:
+        """Before reserving `nbytes`: start write-downs for the shortfall and wait (briefly) for
+        them, so stores don't evict chunks that have no copy below yet."""
+        if not self._lower:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._wait_s
+        while self._ram.free_bytes < nbytes:
+            self._keep_headroom(nbytes)
+            remaining = deadline - loop.time()
+            if self._writing_bytes == 0 or remaining <= 0:
+                return  # reserve() evicts what it must; dirty drops are counted there
+            self._space.clear()
+            try:
+                await asyncio.wait_for(self._space.wait(), remaining)
+            except TimeoutError:
+                return
+
+    def _keep_headroom(self, wanted_free: int) -> None:
+        shortfall = wanted_free - self._ram.free_bytes - self._writing_bytes
+        if shortfall <= 0:
+            return
+        to_write, _evicted = self._ram.writeback_victims(shortfall)
+        for entry in to_write:
+            self._write_down(entry)
+
+    def _write_down(self, entry: RamEntry) -> None:
+        views = self._ram.page_views(entry, self._pool)
+        futures = []
+        for lower in self._lower:
+            job = _write_job(lower.tier, entry.chunk, views, entry.size)
+            future = lower.queue.submit(Priority.WRITEDOWN, job)
+            if future is not None:
+                futures.append(future)
+        if not futures:  # every tier is behind: this chunk is dropped (counted by the queues)
+            self._finish(entry, [], 0)
+            return
+        write = _WriteDown(entry, self._ram.pages_for(entry.size) * self._ram.page_bytes, len(futures))
+        self._writing_bytes += write.nbytes
+        for future in futures:
+            future.add_done_callback(functools.partial(self._one_done, write))
+
+    def _one_done(self, write: "_WriteDown", future: asyncio.Future) -> None:
+        if future.cancelled():
+            write.outcomes.append(WriteOutcome.FAILED)
+        elif future.exception() is not None:
+            log.warning("write-down of a chunk failed: %s", future.exception())
+            write.outcomes.append(WriteOutcome.FAILED)
+        else:
+            write.outcomes.append(future.result())
+        if len(write.outcomes) == write.tiers:
+            self._finish(write.entry, write.outcomes, write.nbytes)
+
+    def _finish(self, entry: RamEntry, outcomes: list[WriteOutcome], nbytes: int) -> None:
+        persisted = any(o in (WriteOutcome.WRITTEN, WriteOutcome.ALREADY_PRESENT) for o in outcomes)
+        self._ram.finish_writeback(entry, persisted)
+        self._writing_bytes -= nbytes
+        self._space.set()
+
+
+@dataclass(eq=False)
+class _WriteDown:
+    entry: RamEntry
+    nbytes: int
+    tiers: int  # write-downs submitted
+    outcomes: list[WriteOutcome] = field(default_factory=list)
+
+
+def _write_job(tier: SecondaryTier, chunk: ChunkId, views: list[memoryview], size: int):
+    return lambda: tier.write(chunk, views, size)
+
+
+class Promoter:
+    def __init__(self, ram: RamTier, pool: memoryview, lower: Sequence[LowerTier]) -> None:
+        self._ram = ram
+        self._pool = pool
+        self._lower = list(lower)
+        self._in_flight: dict[ChunkId, tuple[asyncio.Future, TierKind]] = {}
+
+    def in_flight(self, chunk: ChunkId) -> TierKind:
+        entry = self._in_flight.get(chunk)
+        return entry[1] if entry else TierKind.NONE
+
+    async def find(self, chunks: Sequence[ChunkId]) -> list[int | None]:
+        """Index of the first lower tier holding each chunk (None: nowhere)."""
+        found: list[int | None] = [None] * len(chunks)
+        todo = list(range(len(chunks)))
+        for index, lower in enumerate(self._lower):
+            if not todo:
+                break
+            try:
+                present = await lower.tier.contains([chunks[i] for i in todo])
+            except Exception as exc:  # a failing tier is a miss, never an error for the caller
+                log.warning("%s lookup failed: %s", lower.tier.name, exc)
+                continue
+            for i, hit in zip(list(todo), present):
+                if hit:
+                    found[i] = index
+            todo = [i for i in todo if found[i] is None]
+        return found
+
+    def start(self, chunk: ChunkId, size: int, tier_index: int) -> asyncio.Future | None:
+        """Begin copying `chunk` up from lower tier `tier_index`; the future resolves to True
+        once it is READY in RAM (False if it could not be promoted)."""
+        if chunk in self._in_flight:
+            return self._in_flight[chunk][0]
+        reservation = self._ram.reserve(chunk, size)
+        if reservation.entry is None:
+            return None
+        entry = reservation.entry
+        lower = self._lower[tier_index]
+        views = self._ram.page_views(entry, self._pool)
+        read = lower.queue.submit(Priority.LOAD, lambda: lower.tier.read(chunk, views, size))
+        result: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._in_flight[chunk] = (result, lower.tier.kind)
+
+        def done(future: asyncio.Future) -> None:
+            ok = not future.cancelled() and future.exception() is None and bool(future.result())
+            if not future.cancelled() and future.exception() is not None:
+                log.warning("promotion from %s failed: %s", lower.tier.name, future.exception())
+            if ok:
+                self._ram.commit(entry, persisted=True)
+            else:
+                self._ram.abort(entry)
+            del self._in_flight[chunk]
+            if not result.done():
+                result.set_result(ok)
+
+        read.add_done_callback(done)
+        return result
