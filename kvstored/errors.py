@@ -42,3 +42,7 @@ class PoolExhausted(KvstoredError):
 
 class ShuttingDown(KvstoredError):
     pass
+
+
+class WatcherLagged(KvstoredError):
+    """An event watcher fell further behind than its queue holds."""

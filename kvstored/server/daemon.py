@@ -125,6 +125,7 @@ class Daemon:
         log.info("shutting down (grace %.1fs)", cfg.grace_seconds)
         notify("STOPPING=1")
         await self.health.enter_graceful_shutdown()
+        self.chain.events.close()  # event streams end now instead of holding the grace period
         await self.session_server.stop_accepting()
         await self.server.stop(cfg.grace_seconds)
         await self.session_server.close()

@@ -26,6 +26,7 @@ STATUS: dict[type[errors.KvstoredError], grpc.StatusCode] = {
     errors.BatchTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.PoolExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.ShuttingDown: grpc.StatusCode.UNAVAILABLE,
+    errors.WatcherLagged: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
@@ -36,28 +37,46 @@ def status_for(exc: errors.KvstoredError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+async def abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: str) -> None:
+    if isinstance(exc, errors.KvstoredError):
+        context.set_trailing_metadata(((ERROR_KIND_KEY, type(exc).__name__),))
+        await context.abort(status_for(exc), str(exc))
+    log.error("internal error in %s", method, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see daemon log")
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps every unary handler: KvstoredError -> its status; anything else -> INTERNAL, logged."""
+    """Wraps unary and server-streaming handlers: KvstoredError -> its status; anything else ->
+    INTERNAL, logged."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None:
-            return handler
-        inner = handler.unary_unary
         method = handler_call_details.method
+        if handler is not None and handler.unary_unary is not None:
+            inner = handler.unary_unary
 
-        async def unary(request, context: grpc.aio.ServicerContext):
-            try:
-                return await inner(request, context)
-            except errors.KvstoredError as exc:
-                context.set_trailing_metadata(((ERROR_KIND_KEY, type(exc).__name__),))
-                await context.abort(status_for(exc), str(exc))
-            except Exception:
-                log.exception("internal error in %s", method)
-                await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see daemon log")
+            async def unary(request, context: grpc.aio.ServicerContext):
+                try:
+                    return await inner(request, context)
+                except Exception as exc:
+                    await abort_for(exc, context, method)
 
-        return grpc.unary_unary_rpc_method_handler(
-            unary,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+            return grpc.unary_unary_rpc_method_handler(
+                unary, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler is not None and handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            async def stream(request, context: grpc.aio.ServicerContext):
+                try:
+                    async for item in inner_stream(request, context):
+                        yield item
+                except Exception as exc:
+                    await abort_for(exc, context, method)
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler

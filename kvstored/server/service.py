@@ -6,7 +6,8 @@ import dataclasses
 from typing import Sequence
 
 from kvstored import __version__
-from kvstored.errors import BatchTooLarge, InvalidRequest
+from kvstored.errors import BatchTooLarge, InvalidRequest, WatcherLagged
+from kvstored.observability.events import KvEvent
 from kvstored.observability.snapshot import tier_snapshots
 from kvstored.namespaces import Namespace, NamespaceRegistry, check_keys
 from kvstored.server.sessions import HandleKind, SessionRegistry
@@ -21,6 +22,11 @@ _SLOT_STATE = {
     ReserveOutcome.IN_PROGRESS: pb.SLOT_STATE_IN_PROGRESS,
     ReserveOutcome.NO_SPACE: pb.SLOT_STATE_NO_SPACE,
 }
+
+
+def _event(e: KvEvent) -> pb.KvEvent:
+    return pb.KvEvent(seq=e.seq, ts=e.ts, type=int(e.type), cause=int(e.cause), tier=e.tier,
+                      tier_kind=int(e.tier_kind), namespace_id=e.namespace_id, keys=e.keys)
 
 
 def _extents(extents: Sequence[Extent]) -> list[pb.Extent]:
@@ -125,3 +131,26 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             regions=sum(len(s.regions) for s in self._sessions),
             version=__version__,
         )
+
+    async def WatchEvents(self, request: pb.WatchEventsRequest, context):
+        bus = self._chain.events
+        sub = bus.subscribe()  # before the replay, so no event falls between the two
+        try:
+            last = 0
+            if request.from_seq:
+                for event in bus.replay(request.from_seq):
+                    yield _event(event)
+                    last = event.seq
+            while True:
+                event = await sub.queue.get()
+                if event is None:
+                    return
+                if event.seq > last:
+                    yield _event(event)
+                    last = event.seq
+                if sub.lagged and sub.queue.empty():
+                    raise WatcherLagged(
+                        f"event watcher fell behind after seq {last}; resume with from_seq={last + 1}"
+                    )
+        finally:
+            bus.unsubscribe(sub)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass
-from typing import ClassVar, Sequence
+from typing import Callable, ClassVar, Sequence
 
 ChunkId = tuple[str, bytes]  # (namespace id, key): keys are opaque bytes scoped by namespace
 
@@ -52,6 +52,14 @@ class TierUsage:
     chunks: int
 
 
+class RemovalCause(enum.Enum):
+    EVICTED = enum.auto()  # the tier's own capacity bound
+    CORRUPT = enum.auto()  # failed verification
+
+
+RemovalListener = Callable[["SecondaryTier", ChunkId, RemovalCause], None]
+
+
 class SecondaryTier(abc.ABC):
     """A tier below RAM (fs, s3, peer). The tier chain drives it; it never touches the RAM tier.
 
@@ -67,6 +75,12 @@ class SecondaryTier(abc.ABC):
     def __init__(self, name: str) -> None:
         self.name = name
         self.counters = TierCounters()
+        self.removal_listener: RemovalListener | None = None  # set by the chain (KV events)
+
+    def notify_removed(self, chunk: ChunkId, cause: RemovalCause) -> None:
+        """Tiers call this when they drop a chunk on their own (capacity, corruption)."""
+        if self.removal_listener is not None:
+            self.removal_listener(self, chunk, cause)
 
     async def start(self) -> None:
         """Open the tier (fs: rebuild the index from disk; s3: check the bucket)."""

@@ -22,7 +22,8 @@ from kvstored.errors import InvalidRequest, PoolExhausted, RegionFileMissing
 from kvstored.namespaces import Namespace
 from kvstored.server.sessions import Handle, HandleKind, Session, SessionRegistry
 from kvstored.shm.mapping import Region, SharedPool
-from kvstored.tiers.base import ChunkId, TierKind
+from kvstored.observability.events import Cause, EventBus, EventType
+from kvstored.tiers.base import ChunkId, RemovalCause, SecondaryTier, TierKind
 from kvstored.tiers.lower import LowerTier, Promoter, WriteBack, WritePolicy
 from kvstored.tiers.ram import Extent, RamEntry, RamTier, ReserveOutcome
 
@@ -64,7 +65,9 @@ class TierChain:
         sessions: SessionRegistry,
         lower: Sequence[LowerTier] = (),
         policy: ChainPolicy = ChainPolicy(),
+        events: EventBus | None = None,
     ) -> None:
+        self.events = events or EventBus()
         self.ram = ram
         self.lower = list(lower)
         self._pool = pool
@@ -72,9 +75,20 @@ class TierChain:
         self._copier = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstored-copy")
         pool_view = memoryview(pool.array)
         self.writeback = WriteBack(
-            ram, pool_view, self.lower, policy.write_policy, policy.headroom_bytes, policy.writeback_wait_s
+            ram, pool_view, self.lower, policy.write_policy, policy.headroom_bytes, policy.writeback_wait_s,
+            self.events,
         )
-        self.promoter = Promoter(ram, pool_view, self.lower)
+        self.promoter = Promoter(ram, pool_view, self.lower, self.events)
+        for lower_tier in self.lower:
+            lower_tier.tier.removal_listener = self._tier_removed
+
+    def _tier_removed(self, tier: SecondaryTier, chunk: ChunkId, cause: RemovalCause) -> None:
+        event_cause = Cause.CORRUPT if cause is RemovalCause.CORRUPT else Cause.EVICTED
+        self.events.publish(EventType.REMOVED, event_cause, tier.name, tier.kind, [chunk])
+
+    def _publish_ram(self, type: EventType, cause: Cause, chunks: Sequence[ChunkId]) -> None:
+        if chunks:
+            self.events.publish(type, cause, "ram", TierKind.RAM, chunks)
 
     async def start(self) -> None:
         for lower in self.lower:
@@ -100,9 +114,12 @@ class TierChain:
         """Remove from every tier; counts keys that were anywhere."""
         chunks = [(ns.namespace_id, k) for k in keys]
         removed = [self.ram.delete(c) for c in chunks]
+        self._publish_ram(EventType.REMOVED, Cause.DELETED, [c for c, r in zip(chunks, removed) if r])
         for lower in self.lower:
-            for i, chunk in enumerate(chunks):
-                removed[i] = await lower.tier.remove(chunk) or removed[i]
+            gone = [chunk for chunk in chunks if await lower.tier.remove(chunk)]
+            if gone:
+                self.events.publish(EventType.REMOVED, Cause.DELETED, lower.tier.name, lower.tier.kind, gone)
+            removed = [r or c in gone for r, c in zip(removed, chunks)]
         return sum(removed)
 
     async def _bring_up(self, ns: Namespace, chunks: Sequence[ChunkId]) -> None:
@@ -131,6 +148,7 @@ class TierChain:
         grants = []
         for key in keys:
             result = self.ram.reserve((ns.namespace_id, key), ns.chunk_bytes)
+            self._publish_ram(EventType.REMOVED, Cause.EVICTED, result.evicted)
             if result.entry is None:
                 grants.append(SlotGrant(result.outcome))
                 continue
@@ -147,6 +165,7 @@ class TierChain:
         taken = self._take_all(session, handles, (HandleKind.RESERVATION,))
         for handle in taken:
             self.ram.commit(handle.entry)
+        self._publish_ram(EventType.STORED, Cause.STORED, [h.entry.chunk for h in taken])
         self.writeback.after_commit([h.entry for h in taken])
         return len(taken)
 
@@ -207,6 +226,7 @@ class TierChain:
         stored, present, dropped = [], 0, 0
         for key, offset in zip(keys, offsets):
             result = self.ram.reserve((ns.namespace_id, key), ns.chunk_bytes)
+            self._publish_ram(EventType.REMOVED, Cause.EVICTED, result.evicted)
             if result.entry is not None:
                 stored.append((result.entry, offset))
             elif result.outcome is ReserveOutcome.ALREADY_PRESENT:
@@ -222,6 +242,7 @@ class TierChain:
             raise
         for entry, _ in stored:
             self.ram.commit(entry)
+        self._publish_ram(EventType.STORED, Cause.STORED, [entry.chunk for entry, _ in stored])
         self.writeback.after_commit([entry for entry, _ in stored])
         return StoreCounts(len(stored), present, dropped)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from kvstored.io.scheduler import Priority, TierQueue
+from kvstored.observability.events import Cause, EventBus, EventType
 from kvstored.tiers.base import ChunkId, SecondaryTier, TierKind, WriteOutcome
 from kvstored.tiers.ram import RamEntry, RamTier
 
@@ -44,7 +45,9 @@ class WriteBack:
         policy: WritePolicy,
         headroom_bytes: int,
         wait_s: float,
+        events: EventBus,
     ) -> None:
+        self._events = events
         self._ram = ram
         self._pool = pool
         self._lower = list(lower)
@@ -91,7 +94,9 @@ class WriteBack:
         shortfall = wanted_free - self._ram.free_bytes - self._writing_bytes
         if shortfall <= 0:
             return
-        to_write, _evicted = self._ram.writeback_victims(shortfall)
+        to_write, evicted = self._ram.writeback_victims(shortfall)
+        if evicted:
+            self._events.publish(EventType.REMOVED, Cause.EVICTED, "ram", TierKind.RAM, evicted)
         for entry in to_write:
             self._write_down(entry)
 
@@ -99,7 +104,7 @@ class WriteBack:
         views = self._ram.page_views(entry, self._pool)
         futures = []
         for lower in self._lower:
-            job = _write_job(lower.tier, entry.chunk, views, entry.size)
+            job = _write_job(lower.tier, entry.chunk, views, entry.size, self._events)
             future = lower.queue.submit(Priority.WRITEDOWN, job)
             if future is not None:
                 futures.append(future)
@@ -124,7 +129,8 @@ class WriteBack:
 
     def _finish(self, entry: RamEntry, outcomes: list[WriteOutcome], nbytes: int) -> None:
         persisted = any(o in (WriteOutcome.WRITTEN, WriteOutcome.ALREADY_PRESENT) for o in outcomes)
-        self._ram.finish_writeback(entry, persisted)
+        if self._ram.finish_writeback(entry, persisted):
+            self._events.publish(EventType.REMOVED, Cause.EVICTED, "ram", TierKind.RAM, [entry.chunk])
         self._writing_bytes -= nbytes
         self._space.set()
 
@@ -137,12 +143,19 @@ class _WriteDown:
     outcomes: list[WriteOutcome] = field(default_factory=list)
 
 
-def _write_job(tier: SecondaryTier, chunk: ChunkId, views: list[memoryview], size: int):
-    return lambda: tier.write(chunk, views, size)
+def _write_job(tier: SecondaryTier, chunk: ChunkId, views: list[memoryview], size: int, events: EventBus):
+    async def job() -> WriteOutcome:
+        outcome = await tier.write(chunk, views, size)
+        if outcome is WriteOutcome.WRITTEN:
+            events.publish(EventType.STORED, Cause.WRITTEN_DOWN, tier.name, tier.kind, [chunk])
+        return outcome
+
+    return job
 
 
 class Promoter:
-    def __init__(self, ram: RamTier, pool: memoryview, lower: Sequence[LowerTier]) -> None:
+    def __init__(self, ram: RamTier, pool: memoryview, lower: Sequence[LowerTier], events: EventBus) -> None:
+        self._events = events
         self._ram = ram
         self._pool = pool
         self._lower = list(lower)
@@ -176,6 +189,8 @@ class Promoter:
         if chunk in self._in_flight:
             return self._in_flight[chunk][0]
         reservation = self._ram.reserve(chunk, size)
+        if reservation.evicted:
+            self._events.publish(EventType.REMOVED, Cause.EVICTED, "ram", TierKind.RAM, reservation.evicted)
         if reservation.entry is None:
             return None
         entry = reservation.entry
@@ -191,6 +206,7 @@ class Promoter:
                 log.warning("promotion from %s failed: %s", lower.tier.name, future.exception())
             if ok:
                 self._ram.commit(entry, persisted=True)
+                self._events.publish(EventType.STORED, Cause.PROMOTED, "ram", TierKind.RAM, [chunk])
             else:
                 self._ram.abort(entry)
             del self._in_flight[chunk]

@@ -1,0 +1,120 @@
+"""KV events: every store, promotion, write-down, eviction and removal, per tier.
+
+The bus numbers events, keeps the last `buffer_events` for replay, and fans them out to
+subscribers (gRPC streams, the ZMQ publisher). Publishing never blocks and never fails: a
+subscriber that falls too far behind is cut off (it resumes by replaying from its last seq).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from kvstored.tiers.base import ChunkId, TierKind
+
+
+class EventType(enum.IntEnum):
+    STORED = 1
+    REMOVED = 2
+    CLEARED = 3
+
+
+class Cause(enum.IntEnum):
+    STORED = 1  # a client stored it
+    PROMOTED = 2  # copied up from a lower tier
+    WRITTEN_DOWN = 3  # copied down from RAM
+    EVICTED = 4  # capacity
+    DELETED = 5  # a client deleted it
+    CORRUPT = 6  # failed verification and was removed
+
+
+@dataclass(frozen=True, slots=True)
+class KvEvent:
+    seq: int
+    ts: float
+    type: EventType
+    cause: Cause
+    tier: str
+    tier_kind: TierKind
+    namespace_id: str
+    keys: tuple[bytes, ...]
+
+
+class Subscription:
+    def __init__(self, maxsize: int) -> None:
+        self.queue: asyncio.Queue[KvEvent | None] = asyncio.Queue(maxsize)  # None: the bus closed
+        self.lagged = False  # set when the queue overflowed: the stream must end
+
+    def offer(self, event: KvEvent) -> None:
+        if self.lagged:
+            return
+        try:
+            self.queue.put_nowait(event)
+        except asyncio.QueueFull:
+            self.lagged = True
+
+
+Listener = Callable[[KvEvent], None]
+
+
+class EventBus:
+    def __init__(self, buffer_events: int = 10_000, subscriber_queue: int = 10_000) -> None:
+        self._seq = itertools.count(1)
+        self._buffer: deque[KvEvent] = deque(maxlen=buffer_events)
+        self._subscriber_queue = subscriber_queue
+        self._subscriptions: set[Subscription] = set()
+        self._listeners: list[Listener] = []
+        self.last_seq = 0
+
+    def add_listener(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def publish(
+        self, type: EventType, cause: Cause, tier: str, tier_kind: TierKind, chunks: Iterable[ChunkId]
+    ) -> None:
+        """One event per namespace among `chunks` (keys keep their order)."""
+        by_ns: dict[str, list[bytes]] = {}
+        for ns, key in chunks:
+            by_ns.setdefault(ns, []).append(key)
+        now = time.time()
+        for ns, keys in by_ns.items():
+            self._emit(KvEvent(next(self._seq), now, type, cause, tier, tier_kind, ns, tuple(keys)))
+
+    def publish_cleared(self, tier: str, tier_kind: TierKind, namespace_id: str) -> None:
+        self._emit(KvEvent(next(self._seq), time.time(), EventType.CLEARED, Cause.DELETED, tier, tier_kind,
+                           namespace_id, ()))
+
+    def _emit(self, event: KvEvent) -> None:
+        self.last_seq = event.seq
+        self._buffer.append(event)
+        for sub in self._subscriptions:
+            sub.offer(event)
+        for listener in self._listeners:
+            listener(event)
+
+    def replay(self, from_seq: int) -> list[KvEvent]:
+        """Buffered events with seq >= from_seq (older ones are gone: check the first seq)."""
+        return [e for e in self._buffer if e.seq >= from_seq]
+
+    def subscribe(self) -> Subscription:
+        sub = Subscription(self._subscriber_queue)
+        self._subscriptions.add(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        self._subscriptions.discard(sub)
+
+    def close(self) -> None:
+        """End every subscription (daemon shutdown): streams finish instead of being cut."""
+        for sub in self._subscriptions:
+            while True:
+                try:
+                    sub.queue.put_nowait(None)
+                    break
+                except asyncio.QueueFull:
+                    sub.queue.get_nowait()

@@ -1,0 +1,662 @@
+"""Filesystem (NVMe) tier: one content-addressed file per chunk under a root directory.
+
+Layout: root / chunkfile.chunk_relpath(chunk), i.e. <namespace>/<k0k1>/<k2k3>/<key hex>.kv, each file
+a 4096-byte header then the payload (kvstored.tiers.chunkfile). O_DIRECT files are page-rounded,
+so a file may be longer than HEADER_BYTES + payload; the header's payload_len is the truth.
+
+Bookkeeping (index, LRU, capacity, admission) lives in FsIndex and runs on the event loop; every
+blocking file operation runs in the tier's own small thread pool. One pwritev / preadv moves a
+whole chunk straight between the caller's page-aligned views and the disk (O_DIRECT), falling back
+to buffered I/O where the filesystem or the buffers don't allow O_DIRECT.
+
+Several daemons may share a root: names are content addresses (the same name always holds the
+same bytes), files appear only by rename of a complete temporary file, a miss in the index is
+checked on disk and adopted, and a corrupt file is removed only if it is still the file we read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import itertools
+import logging
+import mmap
+import os
+import stat
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvstored.tiers import chunkfile
+from kvstored.tiers.base import AdmissionPolicy, ChunkId, SecondaryTier, TierKind, TierUsage, WriteOutcome
+from kvstored.tiers.chunkfile import HEADER_BYTES, CorruptChunk
+from kvstored.tiers.fs_index import FsIndex
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffer addresses
+TMP_SUFFIX = ".tmp"  # temporary files are ".<key hex>.<pid>.<n>.tmp", next to their final name
+STALE_TMP_S = 60.0  # older temporary files are from crashed writers; younger ones may be live
+FULL_BACKOFF_S = 1.0  # after ENOSPC, writes are refused for this long
+TOUCH_INTERVAL_S = 60.0  # a read hit refreshes the file's mtime (restart LRU order) at most this often
+INLINE_STATS = 8  # contains(): up to this many index misses are stat'ed on the loop, more in the pool
+_IOV_MAX = 1024
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+_TMP_SEQ = itertools.count()  # next() is atomic under the GIL: unique temporary names per process
+_local = threading.local()
+
+
+class _Read:
+    HIT, MISS, CORRUPT = "hit", "miss", "corrupt"
+
+
+@dataclass(slots=True)
+class _PendingWrite:
+    done: asyncio.Future  # the WriteOutcome, for writers and removers of the same chunk meanwhile
+
+
+class FsTier(SecondaryTier):
+    """Counters: lookups/hits per chunk asked of contains(); reads/read_bytes per verified chunk
+    served; writes/written_bytes per chunk written (payload bytes); evictions per file evicted."""
+
+    kind = TierKind.FS
+
+    def __init__(
+        self,
+        name: str,
+        root: Path,
+        capacity_bytes: int,
+        admission: AdmissionPolicy = AdmissionPolicy.ALWAYS,
+        io_threads: int = 4,
+        direct_io: bool = True,
+        *,
+        full_backoff_s: float = FULL_BACKOFF_S,
+        stale_tmp_s: float = STALE_TMP_S,
+        touch_interval_s: float = TOUCH_INTERVAL_S,
+    ) -> None:
+        super().__init__(name)
+        if io_threads < 1:
+            raise ValueError("fs tier needs at least one I/O thread")
+        self.root = Path(root)
+        self._root = str(self.root)
+        self._index = FsIndex(capacity_bytes, admission)
+        self._direct = direct_io  # cleared (once, for good) when the filesystem refuses O_DIRECT
+        self._full_backoff_s = full_backoff_s
+        self._stale_tmp_s = stale_tmp_s
+        self._touch_interval_s = touch_interval_s
+        self._executor = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"kvstored-fs-{name}")
+        self._inflight: set[asyncio.Future] = set()  # every job in the pool (close() waits for them)
+        self._pending: dict[ChunkId, _PendingWrite] = {}  # writes in flight
+        self._unlinking: dict[ChunkId, asyncio.Future] = {}  # jobs unlinking a chunk's file
+        self._full_until = 0.0  # loop.time() until which writes are refused (disk full)
+        self._closed = False
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether O_DIRECT is in use (False once the filesystem refused it)."""
+        return self._direct
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Create the root, probe O_DIRECT, rebuild the index from the files on disk (oldest
+        mtime = least recently used), remove stale temporary files, evict down to the capacity."""
+        entries = await self._run(lambda fut: fut.result(), self._start_job)
+        self._index.load(entries)
+        log.info(
+            "fs tier %s: %d chunks, %d bytes on disk under %s (capacity %d, O_DIRECT %s)",
+            self.name, len(self._index), self._index.used_bytes, self._root,
+            self._index.capacity_bytes, "on" if self._direct else "off",
+        )
+        await self._enforce_capacity()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            while self._inflight:
+                await asyncio.wait(list(self._inflight))
+        finally:
+            self._executor.shutdown(wait=False)
+
+    # -- SecondaryTier ----------------------------------------------------------------------
+
+    async def contains(self, chunks: Sequence[ChunkId]) -> list[bool]:
+        out: list[bool] = []
+        misses: list[int] = []
+        for i, chunk in enumerate(chunks):
+            hit = self._index.touch(chunk) is not None
+            out.append(hit)
+            if not hit:
+                misses.append(i)
+        self.counters.lookups += len(out)
+        self.counters.hits += len(out) - len(misses)
+        if not misses or self._closed:
+            return out
+        # Another daemon sharing the root may have written them: look on disk and adopt.
+        paths = [self._path(chunks[i]) for i in misses]
+        if len(paths) <= INLINE_STATS:
+            found = _stat_files(paths)
+        else:
+            found = await self._run(_result_or_nothing, _stat_files, paths)
+        adopted = 0
+        for i, st in zip(misses, found or ()):
+            if st is None:
+                continue
+            chunk = chunks[i]
+            if chunk not in self._index:
+                self._index.insert(chunk, st.st_size, st.st_mtime)
+            out[i] = True
+            adopted += 1
+        if adopted:
+            self.counters.hits += adopted
+            await self._enforce_capacity()
+        return out
+
+    async def write(self, chunk: ChunkId, views: Sequence[memoryview], size: int) -> WriteOutcome:
+        path = self._path(chunk)
+        _check_views(views, size)
+        if self._index.touch(chunk) is not None:
+            return WriteOutcome.ALREADY_PRESENT
+        pending = self._pending.get(chunk)
+        if pending is not None:  # the same bytes are on their way: share that write's outcome
+            outcome = await asyncio.shield(pending.done)
+            if outcome in (WriteOutcome.WRITTEN, WriteOutcome.ALREADY_PRESENT):
+                return WriteOutcome.ALREADY_PRESENT
+            return outcome
+        if self._closed:
+            return WriteOutcome.FAILED
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._full_until:
+            self.counters.rejected_full += 1
+            return WriteOutcome.REJECTED_FULL
+        if not self._index.admit(chunk):
+            self.counters.rejected_admission += 1
+            return WriteOutcome.REJECTED_ADMISSION
+        reservation = self._index.reserve(HEADER_BYTES + _round_up(size))
+        if not reservation.granted:
+            self.counters.rejected_full += 1
+            return WriteOutcome.REJECTED_FULL
+        self.counters.evictions += len(reservation.victims)
+        victims = [(victim, self._path(victim)) for victim, _ in reservation.victims]
+        record = _PendingWrite(loop.create_future())
+        self._pending[chunk] = record
+        outcome = WriteOutcome.FAILED
+
+        def finish(fut: asyncio.Future) -> WriteOutcome:
+            nonlocal outcome
+            outcome = _finish(fut)
+            return outcome
+
+        def _finish(fut: asyncio.Future) -> WriteOutcome:
+            self._index.release(reservation)
+            try:
+                file_size = fut.result()
+            except OSError as exc:
+                if exc.errno in _FULL_ERRNOS:
+                    if loop.time() >= self._full_until:
+                        log.warning("fs tier %s: disk full under %s (%s); refusing writes for %.1f s",
+                                    self.name, self._root, exc.strerror, self._full_backoff_s)
+                    self._full_until = loop.time() + self._full_backoff_s
+                    self.counters.rejected_full += 1
+                    return WriteOutcome.REJECTED_FULL
+                self.counters.errors += 1
+                log.warning("fs tier %s: cannot write %s: %s", self.name, path, exc)
+                return WriteOutcome.FAILED
+            self._index.insert(chunk, file_size, time.time())
+            self.counters.writes += 1
+            self.counters.written_bytes += size
+            return WriteOutcome.WRITTEN
+
+        try:
+            prior = self._unlinking.get(chunk)
+            if prior is not None:  # an eviction or remove of this chunk's old file must land first
+                await asyncio.wait((prior,))
+            return await self._run(finish, self._write_job, chunk, path, views, size, victims, unlinks=victims)
+        finally:
+            self._index.release(reservation)  # no-op unless the job never ran
+            del self._pending[chunk]
+            record.done.set_result(outcome)
+
+    async def read(self, chunk: ChunkId, views: Sequence[memoryview], size: int) -> bool:
+        path = self._path(chunk)
+        _check_views(views, size)
+        if self._closed:
+            return False
+        entry = self._index.get(chunk)
+        now = time.time()
+        touch = entry is not None and now - entry.mtime >= self._touch_interval_s
+
+        def finish(fut: asyncio.Future) -> bool:
+            try:
+                status, file_size, detail = fut.result()
+            except OSError as exc:
+                self.counters.errors += 1
+                log.warning("fs tier %s: cannot read %s: %s", self.name, path, exc)
+                return False
+            if status is _Read.HIT:
+                self.counters.reads += 1
+                self.counters.read_bytes += size
+                current = self._index.touch(chunk)
+                if current is None:  # not indexed: written by another daemon sharing the root
+                    self._index.insert(chunk, file_size, now)
+                elif touch and current is entry:
+                    current.mtime = now
+                return True
+            if entry is not None:  # the file vanished or was bad: forget it (unless rewritten since)
+                self._index.discard(chunk, entry)
+            if status is _Read.CORRUPT:
+                self.counters.checksum_failures += 1
+                log.warning("fs tier %s: corrupt chunk file %s removed: %s", self.name, path, detail)
+            return False
+
+        hit = await self._run(finish, self._read_job, chunk, path, views, size, entry is None, touch)
+        if hit and entry is None:
+            await self._enforce_capacity()
+        return hit
+
+    async def remove(self, chunk: ChunkId) -> bool:
+        path = self._path(chunk)
+        pending = self._pending.get(chunk)
+        if pending is not None:  # let the write land, then remove what it wrote
+            await asyncio.wait((pending.done,))
+        entry = self._index.discard(chunk)
+        if self._closed:
+            return entry is not None
+        unlinked = await self._run(_result_or_nothing, _unlink_files, [path], unlinks=[(chunk, path)])
+        return entry is not None or bool(unlinked)
+
+    def usage(self) -> TierUsage:
+        return TierUsage(self._index.capacity_bytes, self._index.used_bytes, len(self._index))
+
+    def set_admission(self, policy: AdmissionPolicy) -> None:
+        self._index.admission = policy
+
+    # -- loop-side helpers ------------------------------------------------------------------
+
+    def _path(self, chunk: ChunkId) -> str:
+        ns, key = chunk
+        if not ns or ns[0] == "." or "/" in ns or "\0" in ns or len(key) < 2:
+            raise ValueError(f"chunk id {chunk!r} cannot name a file (namespace must be a plain name, key >= 2 bytes)")
+        return os.path.join(self._root, chunkfile.chunk_relpath(chunk))
+
+    async def _run(self, finish: Callable[[asyncio.Future], object], fn, *args, unlinks=()):
+        """Run `fn(*args)` in the tier's pool and return `finish(future)` (bookkeeping, on the loop).
+
+        Waits for the job to end even if the caller is cancelled meanwhile (then re-raises the
+        cancellation after the bookkeeping), so once read()/write() return or raise, no thread
+        touches the caller's views any more. `unlinks`: (chunk, path) pairs whose files the job
+        removes; a write of those chunks waits for it."""
+        loop = asyncio.get_running_loop()
+        try:
+            fut = loop.run_in_executor(self._executor, fn, *args)
+        except RuntimeError:  # the pool is shut down: close() ran
+            fut = loop.create_future()
+            fut.set_exception(OSError(errno.ESHUTDOWN, f"fs tier {self.name} is closed"))
+        self._inflight.add(fut)
+        fut.add_done_callback(self._inflight.discard)
+        for chunk, _ in unlinks:
+            self._unlinking[chunk] = fut
+        cancelled = False
+        try:
+            while not fut.done():
+                try:
+                    await asyncio.wait((fut,))
+                except asyncio.CancelledError:
+                    cancelled = True
+        finally:
+            for chunk, _ in unlinks:
+                if self._unlinking.get(chunk) is fut:
+                    del self._unlinking[chunk]
+        result = finish(fut)
+        if cancelled:
+            raise asyncio.CancelledError()
+        return result
+
+    async def _enforce_capacity(self) -> None:
+        """Evict LRU files until the indexed ones fit (after a rebuild or adopting files)."""
+        victims = self._index.shrink_to_capacity()
+        if victims:
+            self.counters.evictions += len(victims)
+            items = [(chunk, self._path(chunk)) for chunk, _ in victims]
+            await self._run(_result_or_nothing, _unlink_files, [p for _, p in items], unlinks=items)
+
+    # -- pool-side jobs ---------------------------------------------------------------------
+    #
+    # Crash safety: a file is written under a temporary name and renamed into place only when
+    # complete, without fsync. A killed daemon (kill -9, OOM) loses nothing that the page cache
+    # or the device already holds: every file visible under its final name is complete. After a
+    # power loss or kernel crash a renamed file may be empty or stale; the header checksum and
+    # the payload checksum catch that on the first read (counted, file removed), so fsync's
+    # cost (~5x write throughput, GUIDE section 3) buys nothing a cache needs.
+
+    def _start_job(self) -> list[tuple[ChunkId, int, float]]:
+        os.makedirs(self._root, exist_ok=True)
+        if self._direct and not self._probe_direct():
+            log.info("fs tier %s: %s refuses O_DIRECT; using buffered I/O", self.name, self._root)
+            self._direct = False
+        return self._scan()
+
+    def _probe_direct(self) -> bool:
+        probe = os.path.join(self._root, f".odirect-probe.{os.getpid()}.{next(_TMP_SEQ)}{TMP_SUFFIX}")
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DIRECT, 0o644)
+            try:
+                os.pwrite(fd, _header_buffer(), 0)
+            finally:
+                os.close(fd)
+            return True
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return False
+            raise
+        finally:
+            _unlink_quiet(probe)  # also where open created the file before refusing O_DIRECT
+
+    def _scan(self) -> list[tuple[ChunkId, int, float]]:
+        """Every chunk file under the root, named by its path: <ns>/<k0k1>/<k2k3>/<key hex>.kv.
+
+        Parsing names (one stat per file) instead of reading headers keeps a restart over millions
+        of files fast; the contents are verified on every read anyway."""
+        entries: list[tuple[ChunkId, int, float]] = []
+        now = time.time()
+        for ns_dir in self._scandir(self._root, now):
+            for d1 in self._scandir(ns_dir.path, now):
+                for d2 in self._scandir(d1.path, now):
+                    for f in self._scandir(d2.path, now, dirs=False):
+                        chunk = _parse_name(ns_dir.name, d1.name, d2.name, f.name)
+                        if chunk is None:
+                            continue
+                        try:
+                            st = f.stat(follow_symlinks=False)
+                        except OSError:
+                            continue
+                        if stat.S_ISREG(st.st_mode):
+                            entries.append((chunk, st.st_size, st.st_mtime))
+        return entries
+
+    def _scandir(self, path: str, now: float, dirs: bool = True):
+        """Entries of `path` (directories if `dirs`, else files), removing stale temporary files."""
+        try:
+            with os.scandir(path) as it:
+                listing = list(it)
+        except OSError:
+            return
+        for entry in listing:
+            name = entry.name
+            if name.startswith(".") and name.endswith(TMP_SUFFIX):
+                try:
+                    if now - entry.stat(follow_symlinks=False).st_mtime > self._stale_tmp_s:
+                        os.unlink(entry.path)
+                except OSError:
+                    pass
+                continue
+            try:
+                if entry.is_dir(follow_symlinks=False) == dirs:
+                    yield entry
+            except OSError:
+                continue
+
+    def _open(self, path: str, flags: int, direct: bool) -> tuple[int, bool]:
+        """Open `path`, with O_DIRECT if asked and allowed; (fd, whether O_DIRECT is on)."""
+        if direct:
+            try:
+                return os.open(path, flags | os.O_DIRECT, 0o644), True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._refuse_direct(exc)
+                if flags & os.O_EXCL:  # some filesystems (ramfs) create the file, then refuse O_DIRECT
+                    _unlink_quiet(path)
+        return os.open(path, flags, 0o644), False
+
+    def _refuse_direct(self, exc: OSError) -> None:
+        if self._direct:
+            self._direct = False
+            log.info("fs tier %s: O_DIRECT refused under %s (%s); using buffered I/O", self.name, self._root, exc)
+
+    def _write_job(
+        self, chunk: ChunkId, path: str, views: Sequence[memoryview], size: int, victims: list[tuple[ChunkId, str]]
+    ) -> int:
+        """Unlink evicted files, write the chunk to a temporary file, rename it into place; the file size."""
+        for _, victim in victims:
+            _unlink_quiet(victim)
+        header = _header_buffer()
+        header[:] = chunkfile.encode_header(chunk, size, chunkfile.checksum(views, size))
+        directory, name = os.path.split(path)
+        tmp = os.path.join(directory, f".{name[:-3]}.{os.getpid()}.{next(_TMP_SEQ)}{TMP_SUFFIX}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        direct_bufs = _direct_buffers(views, size) if self._direct else None
+        try:
+            try:
+                fd, direct = self._open(tmp, flags, direct_bufs is not None)
+            except FileNotFoundError:
+                os.makedirs(directory, exist_ok=True)
+                fd, direct = self._open(tmp, flags, direct_bufs is not None)
+            try:
+                if direct:
+                    try:
+                        return self._finish_file(fd, tmp, path, [header, *direct_bufs])
+                    except OSError as exc:
+                        if exc.errno != errno.EINVAL:
+                            raise
+                        self._refuse_direct(exc)  # open took O_DIRECT but the I/O did not
+                        os.close(fd)
+                        fd = -1
+                        fd, _ = self._open(tmp, (flags & ~os.O_EXCL) | os.O_TRUNC, False)
+                return self._finish_file(fd, tmp, path, [header, *_trim(views, size)])
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+        except BaseException:
+            _unlink_quiet(tmp)
+            raise
+
+    @staticmethod
+    def _finish_file(fd: int, tmp: str, path: str, bufs: list[memoryview]) -> int:
+        length = _pwritev_all(fd, bufs)
+        os.replace(tmp, path)
+        return length
+
+    def _read_job(
+        self, chunk: ChunkId, path: str, views: Sequence[memoryview], size: int, want_size: bool, touch: bool
+    ) -> tuple[str, int, str | None]:
+        """(status, file size if `want_size`, what was wrong); a corrupt file is removed."""
+        direct_bufs = _direct_buffers(views, size) if self._direct else None
+        try:
+            fd, direct = self._open(path, os.O_RDONLY | os.O_CLOEXEC, direct_bufs is not None)
+        except FileNotFoundError:
+            return _Read.MISS, 0, None
+        try:
+            header = _header_buffer()
+            got = -1
+            if direct:
+                try:  # one syscall; a short count is the end of the file
+                    got = os.preadv(fd, [header, *direct_bufs], 0)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    self._refuse_direct(exc)
+                    os.close(fd)
+                    fd = -1
+                    fd, _ = self._open(path, os.O_RDONLY | os.O_CLOEXEC, False)
+            if got < 0:
+                got = _preadv_all(fd, [header, *_trim(views, size)])
+            try:
+                if got < HEADER_BYTES:
+                    raise CorruptChunk(f"truncated: the file holds {got} bytes, less than a header")
+                parsed = chunkfile.decode_header(header)
+                if got < HEADER_BYTES + size and parsed.payload_len == size:
+                    raise CorruptChunk(f"truncated: {got - HEADER_BYTES} of {size} payload bytes")
+                chunkfile.verify(parsed, chunk, size, views)
+            except CorruptChunk as exc:
+                _unlink_if_same(path, fd)
+                return _Read.CORRUPT, 0, str(exc)
+            if touch:
+                try:
+                    os.utime(fd)
+                except OSError:
+                    pass
+            return _Read.HIT, os.fstat(fd).st_size if want_size else 0, None
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+
+# -- buffers and syscalls (pool threads) ---------------------------------------------------
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _header_buffer() -> memoryview:
+    """This thread's page-aligned header buffer (anonymous mmaps are page-aligned)."""
+    buf = getattr(_local, "header", None)
+    if buf is None:
+        buf = _local.header = memoryview(mmap.mmap(-1, HEADER_BYTES))
+    return buf
+
+
+def _as_bytes(view) -> memoryview:
+    view = memoryview(view)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _check_views(views: Sequence[memoryview], size: int) -> None:
+    if size < 0:
+        raise ValueError(f"negative chunk size {size}")
+    if sum(memoryview(v).nbytes for v in views) < size:
+        raise ValueError(f"views hold fewer than {size} bytes")
+
+
+def _trim(views: Sequence[memoryview], size: int) -> list[memoryview]:
+    """The first `size` bytes of `views`, as views."""
+    out, remaining = [], size
+    for view in views:
+        if remaining <= 0:
+            break
+        view = _as_bytes(view)
+        if len(view) > remaining:
+            view = view[:remaining]
+        if len(view):
+            out.append(view)
+            remaining -= len(view)
+    if remaining > 0:
+        raise ValueError(f"views hold fewer than {size} bytes")
+    return out
+
+
+def _direct_buffers(views: Sequence[memoryview], size: int) -> list[memoryview] | None:
+    """The views cut to `size` rounded up to whole pages, if O_DIRECT can use them as they are."""
+    out, remaining = [], _round_up(size)
+    for view in views:
+        if remaining <= 0:
+            break
+        view = _as_bytes(view)
+        if not len(view):
+            continue
+        if len(view) % ALIGN or np.frombuffer(view, dtype=np.uint8).ctypes.data % ALIGN:
+            return None
+        if len(view) > remaining:
+            view = view[:remaining]
+        out.append(view)
+        remaining -= len(view)
+    return out if remaining <= 0 else None
+
+
+def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
+    i = 0
+    while i < len(bufs) and n >= len(bufs[i]):
+        n -= len(bufs[i])
+        i += 1
+    rest = bufs[i:]
+    if n:
+        rest[0] = rest[0][n:]
+    return rest
+
+
+def _pwritev_all(fd: int, bufs: list[memoryview]) -> int:
+    offset = 0
+    while bufs:
+        n = os.pwritev(fd, bufs[:_IOV_MAX], offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        offset += n
+        bufs = _advance(bufs, n)
+    return offset
+
+
+def _preadv_all(fd: int, bufs: list[memoryview]) -> int:
+    offset = 0
+    while bufs:
+        n = os.preadv(fd, bufs[:_IOV_MAX], offset)
+        if n <= 0:
+            break
+        offset += n
+        bufs = _advance(bufs, n)
+    return offset
+
+
+def _unlink_quiet(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+
+
+def _unlink_files(paths: list[str]) -> int:
+    return sum(_unlink_quiet(p) for p in paths)
+
+
+def _unlink_if_same(path: str, fd: int) -> None:
+    """Remove `path` if it still names the file open as `fd` (a sharing daemon may have replaced it)."""
+    try:
+        mine, there = os.fstat(fd), os.stat(path)
+    except OSError:
+        return
+    if (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino):
+        _unlink_quiet(path)
+
+
+def _stat_files(paths: list[str]) -> list[os.stat_result | None]:
+    out: list[os.stat_result | None] = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            st = None
+        out.append(st if st is not None and stat.S_ISREG(st.st_mode) else None)
+    return out
+
+
+def _result_or_nothing(fut: asyncio.Future):
+    """finish() for jobs whose failure only means 'nothing found / nothing done'."""
+    try:
+        return fut.result()
+    except OSError as exc:
+        log.debug("fs tier job failed: %s", exc)
+        return None
+
+
+def _parse_name(ns: str, d1: str, d2: str, name: str) -> ChunkId | None:
+    """The chunk a file under <ns>/<d1>/<d2>/ names, if it is a chunk file at its proper place."""
+    if not name.endswith(".kv") or ns.startswith("."):
+        return None
+    hexkey = name[:-3]
+    if len(hexkey) < 4 or hexkey[0:2] != d1 or hexkey[2:4] != d2:
+        return None
+    try:
+        key = bytes.fromhex(hexkey)
+    except ValueError:
+        return None
+    if key.hex() != hexkey:  # upper case or other spellings are not names we write
+        return None
+    return ns, key
