@@ -15,6 +15,7 @@ from typing import Any, Callable, Literal, Mapping, get_args
 
 from kvstored.sizes import parse_size
 from kvstored.tiers.base import AdmissionPolicy
+from kvstored.observability.events import EventEncoding
 from kvstored.tiers.lower import WritePolicy
 from kvstored_client.paths import default_socket_path, session_socket_path
 
@@ -68,6 +69,17 @@ def _opt(help_text: str, parse: Callable[[Any], Any], metavar: str = "", repeat:
 
 def _parse_optional_size(value: str | int | None) -> int | None:
     return None if value in (None, "", "auto") else parse_size(value)
+
+
+def parse_listen_addr(value: str) -> str:
+    """HOST:PORT (IPv6 as [::1]:9464), or "" / "off" to disable; returns "" or the address."""
+    value = str(value).strip()
+    if value.lower() in ("", "off"):
+        return ""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT (e.g. 127.0.0.1:9464) or off, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -196,6 +208,28 @@ class Config:
         default=1.0,
         metadata=_opt("how long a store may wait for write-downs to free RAM before evicting "
                       "chunks that have no copy below", float, "SECONDS"),
+    )
+    metrics_addr: str = field(
+        default="127.0.0.1:9464",
+        metadata=_opt("where /metrics (Prometheus) listens, HOST:PORT (port 0: any free port; the log "
+                      "names it); \"\" or off disables it", parse_listen_addr, "HOST:PORT"),
+    )
+    events_buffer: int = field(
+        default=10_000, metadata=_opt("KV events kept for replay (WatchEvents from_seq, ZMQ replay)", int, "N")
+    )
+    events_zmq_endpoint: str = field(
+        default="",
+        metadata=_opt("publish KV events on this ZMQ PUB endpoint in vLLM's wire format, "
+                      "e.g. tcp://127.0.0.1:5557 (default: off)", str, "ENDPOINT"),
+    )
+    events_zmq_replay_endpoint: str = field(
+        default="", metadata=_opt("ZMQ ROUTER endpoint answering vLLM-style replay requests", str, "ENDPOINT")
+    )
+    events_zmq_topic: str = field(default="", metadata=_opt("topic frame of every ZMQ event message", str, "TOPIC"))
+    events_encoding: EventEncoding = field(
+        default=EventEncoding.MAP,
+        metadata=_opt("map: vLLM 0.33 tagged maps; array: positional arrays for older llm-d/Dynamo decoders",
+                      EventEncoding, "ENCODING"),
     )
     log_level: LogLevel = field(default="info", metadata=_opt("log level", _choice(LogLevel), "LEVEL"))
     log_format: LogFormat = field(

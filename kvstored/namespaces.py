@@ -20,6 +20,7 @@ class Namespace:
     chunk_bytes: int
     layout: str
     key_bytes: int
+    block_tokens: int = 0  # tokens per chunk, for KV events (0: not given)
 
 
 class NamespaceRegistry:
@@ -31,7 +32,8 @@ class NamespaceRegistry:
         return len(self._by_id)
 
     def register(
-        self, model: str, dtype: str, chunk_bytes: int, layout: str, tenant_salt: bytes, key_bytes: int
+        self, model: str, dtype: str, chunk_bytes: int, layout: str, tenant_salt: bytes, key_bytes: int,
+        block_tokens: int = 0,
     ) -> Namespace:
         if not model:
             raise InvalidRequest("namespace needs a model name")
@@ -47,9 +49,15 @@ class NamespaceRegistry:
                 f"key_bytes must be between {MIN_KEY_BYTES} and {MAX_KEY_BYTES}, got {key_bytes}"
             )
         ns_id = namespace_id_for(model, dtype, chunk_bytes, layout, tenant_salt, key_bytes)
-        ns = Namespace(ns_id, model, dtype, chunk_bytes, layout, key_bytes)
-        self._by_id.setdefault(ns_id, ns)
-        return ns
+        ns = Namespace(ns_id, model, dtype, chunk_bytes, layout, key_bytes, block_tokens)
+        known = self._by_id.setdefault(ns_id, ns)
+        if block_tokens and not known.block_tokens:
+            self._by_id[ns_id] = known = ns
+        return known
+
+    def block_tokens(self, namespace_id: str) -> int:
+        ns = self._by_id.get(namespace_id)
+        return ns.block_tokens if ns else 0
 
     def get(self, namespace_id: str) -> Namespace:
         try:

@@ -18,6 +18,13 @@ from typing import Callable, Iterable
 from kvstored.tiers.base import ChunkId, TierKind
 
 
+class EventEncoding(enum.Enum):
+    """How ZMQ KV events are encoded."""
+
+    MAP = "map"  # vLLM 0.33: each event a map tagged with "type"
+    ARRAY = "array"  # older consumers: positional arrays, tag first
+
+
 class EventType(enum.IntEnum):
     STORED = 1
     REMOVED = 2

@@ -8,19 +8,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
 import socket
+import sys
 from pathlib import Path
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstored import __version__
-from kvstored.config import Config
+from kvstored.config import Config, ConfigError, FsTierConfig, TierConfig, load_config, options
+from kvstored.logs import setup_logging
 from kvstored.namespaces import NamespaceRegistry
+from kvstored.observability.http import MetricsServer
+from kvstored.observability.metrics import DaemonMetrics
+from kvstored.observability.events import EventBus
+from kvstored.observability.zmq_events import ZmqEventPublisher
 from kvstored.server.errors import ErrorMappingInterceptor
 from kvstored.server.service import KVStoreService
 from kvstored.server.session_socket import SessionSocketServer
@@ -28,6 +36,7 @@ from kvstored.server.sessions import SessionRegistry
 from kvstored.server.systemd import notify
 from kvstored.shm.mapping import SharedPool
 from kvstored.sizes import format_size
+from kvstored.tiers.base import AdmissionPolicy
 from kvstored.tiers.chain import ChainPolicy, TierChain
 from kvstored.tiers.factory import build_lower_tiers
 from kvstored.tiers.ram import RamTier
@@ -63,10 +72,20 @@ def claim_socket_path(path: Path) -> None:
     raise SocketInUse(f"another kvstored is already serving on {path}")
 
 
+def config_from_argv() -> Config:
+    """The configuration read again from this process' command line, environment and config file."""
+    from kvstored.cli import build_parser
+
+    args = build_parser().parse_args(sys.argv[1:])
+    return load_config({f.name: getattr(args, f.name) for f in options()}, config_file=args.config)
+
+
 class Daemon:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, reload_config: Callable[[], Config] = config_from_argv) -> None:
         self.config = config
+        self._reload_config = reload_config
         self._stopping = asyncio.Event()
+        self.metrics_server: MetricsServer | None = None
 
     async def start(self) -> None:
         cfg = self.config
@@ -83,15 +102,26 @@ class Daemon:
             self.sessions,
             lower,
             ChainPolicy(cfg.write_policy, cfg.headroom_bytes if lower else 0, cfg.writeback_wait_seconds),
+            EventBus(cfg.events_buffer),
         )
         await self.chain.start()
+        self.zmq_events: ZmqEventPublisher | None = None
+        if cfg.events_zmq_endpoint:
+            self.zmq_events = ZmqEventPublisher(
+                cfg.events_zmq_endpoint, cfg.events_zmq_replay_endpoint or None, cfg.events_zmq_topic,
+                cfg.events_encoding, self.namespaces.block_tokens, cfg.events_buffer,
+            )
+            self.zmq_events.start()
+            self.chain.events.add_listener(self.zmq_events)
         for t in lower:
             usage = t.tier.usage()
             log.info("tier %s (%s): %s used of %s, %d chunks", t.tier.name, t.tier.kind.name.lower(),
                      format_size(usage.used_bytes), format_size(usage.capacity_bytes) if usage.capacity_bytes
                      else "unbounded", usage.chunks)
 
-        self.server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()])
+        self.metrics = DaemonMetrics(self.chain, self.sessions, self.namespaces)
+        self.metrics.preinit_grpc(pb.DESCRIPTOR.services_by_name["KVStore"])
+        self.server = grpc.aio.server(interceptors=[self.metrics.interceptor, ErrorMappingInterceptor()])
         pb_grpc.add_KVStoreServicer_to_server(
             KVStoreService(self.chain, self.namespaces, self.sessions, cfg.max_batch_keys), self.server
         )
@@ -104,6 +134,8 @@ class Daemon:
         self.server.add_insecure_port(f"unix:{cfg.socket}")
         await self.server.start()
         os.chmod(cfg.socket, cfg.socket_mode)
+        if cfg.metrics_addr:
+            await self._start_metrics(cfg.metrics_addr)
 
         self.session_server = SessionSocketServer(
             cfg.session_socket, cfg.socket_mode, self.sessions, self.chain, self.pool
@@ -114,8 +146,56 @@ class Daemon:
         log.info("serving on %s (sessions on %s)", cfg.socket, cfg.session_socket)
         notify("READY=1\nSTATUS=serving")
 
+    async def _start_metrics(self, addr: str) -> None:
+        """A taken metrics port costs the metrics, not the cache: log it and serve on."""
+        server = MetricsServer(self.metrics.registry, addr)
+        try:
+            await server.start()
+        except OSError as exc:
+            log.error("metrics disabled: cannot listen on %s: %s", addr, exc.strerror or exc)
+            return
+        self.metrics_server = server
+
     def request_stop(self) -> None:
         self._stopping.set()
+
+    def reload(self) -> None:
+        """SIGHUP: read the configuration again; apply the log settings and fs tier admission,
+        and name every other change, which needs a restart."""
+        try:
+            new = self._reload_config()
+        except (ConfigError, SystemExit) as exc:  # argparse exits on bad flags
+            log.error("SIGHUP: configuration not reloaded: %s", exc)
+            return
+        old, applied = self.config, []
+        if (new.log_level, new.log_format) != (old.log_level, old.log_format):
+            setup_logging(new.log_level, new.log_format)
+            applied.append(f"log_level={new.log_level} log_format={new.log_format}")
+        tiers = self._reload_tiers(old.tiers, new.tiers, applied)
+        restart = [f.name for f in dataclasses.fields(Config)
+                   if f.name not in ("log_level", "log_format", "tiers") and getattr(old, f.name) != getattr(new, f.name)]
+        if tiers is None:
+            restart.append("tiers")
+        self.config = dataclasses.replace(old, log_level=new.log_level, log_format=new.log_format,
+                                          tiers=tiers if tiers is not None else old.tiers)
+        log.info("SIGHUP: configuration reloaded; applied: %s", "; ".join(applied) or "nothing changed")
+        if restart:
+            log.warning("SIGHUP: %s changed but can only take effect after a restart of kvstored",
+                        ", ".join(restart))
+
+    def _reload_tiers(self, old: tuple[TierConfig, ...], new: tuple[TierConfig, ...],
+                      applied: list[str]) -> tuple[TierConfig, ...] | None:
+        """Apply fs admission changes; None if anything else about the tiers changed."""
+        def rest(t: TierConfig) -> TierConfig:
+            return dataclasses.replace(t, admission=AdmissionPolicy.ALWAYS) if isinstance(t, FsTierConfig) else t
+
+        if len(old) != len(new) or any(rest(a) != rest(b) for a, b in zip(old, new)):
+            return None
+        for was, now, lower in zip(old, new, self.chain.lower):
+            if isinstance(now, FsTierConfig) and now.admission != was.admission:
+                lower.tier.set_admission(now.admission)
+                applied.append(f"tier {now.name} admission={now.admission.value}")
+        return new
 
     async def wait_stopped(self) -> None:
         await self._stopping.wait()
@@ -128,7 +208,11 @@ class Daemon:
         self.chain.events.close()  # event streams end now instead of holding the grace period
         await self.session_server.stop_accepting()
         await self.server.stop(cfg.grace_seconds)
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
         await self.session_server.close()
+        if self.zmq_events is not None:
+            await self.zmq_events.close()
         await self.chain.close()
         self.pool.close()
         with contextlib.suppress(FileNotFoundError):
@@ -136,11 +220,12 @@ class Daemon:
         log.info("stopped")
 
 
-async def run(config: Config) -> None:
-    daemon = Daemon(config)
+async def run(config: Config, reload_config: Callable[[], Config] = config_from_argv) -> None:
+    daemon = Daemon(config, reload_config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.request_stop)
+    loop.add_signal_handler(signal.SIGHUP, daemon.reload)
     await daemon.start()
     try:
         await daemon.wait_stopped()

@@ -54,7 +54,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def RegisterNamespace(self, request: pb.RegisterNamespaceRequest, context) -> pb.RegisterNamespaceResponse:
         spec = request.spec
         ns = self._namespaces.register(
-            spec.model, spec.dtype, spec.chunk_bytes, spec.layout, spec.tenant_salt, spec.key_bytes
+            spec.model, spec.dtype, spec.chunk_bytes, spec.layout, spec.tenant_salt, spec.key_bytes,
+            spec.block_tokens,
         )
         return pb.RegisterNamespaceResponse(
             namespace_id=ns.namespace_id,

@@ -145,15 +145,16 @@ class TierChain:
 
     async def reserve(self, session: Session, ns: Namespace, keys: Sequence[bytes]) -> list[SlotGrant]:
         await self.writeback.make_room(len(keys) * self.ram.pages_for(ns.chunk_bytes) * self.ram.page_bytes)
-        grants = []
+        grants, evicted = [], []
         for key in keys:
             result = self.ram.reserve((ns.namespace_id, key), ns.chunk_bytes)
-            self._publish_ram(EventType.REMOVED, Cause.EVICTED, result.evicted)
+            evicted += result.evicted
             if result.entry is None:
                 grants.append(SlotGrant(result.outcome))
                 continue
             handle = self._grant(session, HandleKind.RESERVATION, result.entry)
             grants.append(SlotGrant(result.outcome, handle, tuple(self.ram.extents(result.entry))))
+        self._publish_ram(EventType.REMOVED, Cause.EVICTED, evicted)
         if keys and all(g.outcome is ReserveOutcome.NO_SPACE for g in grants):
             raise PoolExhausted(
                 f"no room for {len(keys)} chunk(s) of {ns.chunk_bytes} bytes: the RAM tier "
@@ -223,16 +224,17 @@ class TierChain:
     ) -> StoreCounts:
         _check_offsets(ns, region, keys, offsets)
         await self.writeback.make_room(len(keys) * self.ram.pages_for(ns.chunk_bytes) * self.ram.page_bytes)
-        stored, present, dropped = [], 0, 0
+        stored, present, dropped, evicted = [], 0, 0, []
         for key, offset in zip(keys, offsets):
             result = self.ram.reserve((ns.namespace_id, key), ns.chunk_bytes)
-            self._publish_ram(EventType.REMOVED, Cause.EVICTED, result.evicted)
+            evicted += result.evicted
             if result.entry is not None:
                 stored.append((result.entry, offset))
             elif result.outcome is ReserveOutcome.ALREADY_PRESENT:
                 present += 1
             else:
                 dropped += 1
+        self._publish_ram(EventType.REMOVED, Cause.EVICTED, evicted)
         jobs = [(offset, self.ram.extents(entry)) for entry, offset in stored]
         try:
             await self._copy(_copy_region_to_pool, region.array, self._pool.array, jobs)

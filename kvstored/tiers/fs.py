@@ -33,7 +33,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kvstored.tiers import chunkfile
-from kvstored.tiers.base import AdmissionPolicy, ChunkId, SecondaryTier, TierKind, TierUsage, WriteOutcome
+from kvstored.tiers.base import (
+    AdmissionPolicy, ChunkId, RemovalCause, SecondaryTier, TierKind, TierUsage, WriteOutcome,
+)
 from kvstored.tiers.chunkfile import HEADER_BYTES, CorruptChunk
 from kvstored.tiers.fs_index import FsIndex
 
@@ -183,8 +185,8 @@ class FsTier(SecondaryTier):
         if not reservation.granted:
             self.counters.rejected_full += 1
             return WriteOutcome.REJECTED_FULL
-        self.counters.evictions += len(reservation.victims)
         victims = [(victim, self._path(victim)) for victim, _ in reservation.victims]
+        self._evicted(victims)
         record = _PendingWrite(loop.create_future())
         self._pending[chunk] = record
         outcome = WriteOutcome.FAILED
@@ -218,7 +220,8 @@ class FsTier(SecondaryTier):
             prior = self._unlinking.get(chunk)
             if prior is not None:  # an eviction or remove of this chunk's old file must land first
                 await asyncio.wait((prior,))
-            return await self._run(finish, self._write_job, chunk, path, views, size, victims, unlinks=victims)
+            job = self._write_job
+            return await self._run(finish, job, chunk, path, views, size, victims, unlinks=victims)
         finally:
             self._index.release(reservation)  # no-op unless the job never ran
             del self._pending[chunk]
@@ -249,11 +252,15 @@ class FsTier(SecondaryTier):
                 elif touch and current is entry:
                     current.mtime = now
                 return True
-            if entry is not None:  # the file vanished or was bad: forget it (unless rewritten since)
-                self._index.discard(chunk, entry)
+            # the file vanished (evicted by a daemon sharing the root) or was bad: forget it,
+            # unless a write indexed a new copy meanwhile
+            dropped = entry is not None and self._index.discard(chunk, entry) is not None
             if status is _Read.CORRUPT:
                 self.counters.checksum_failures += 1
                 log.warning("fs tier %s: corrupt chunk file %s removed: %s", self.name, path, detail)
+                self._notify(chunk, RemovalCause.CORRUPT)
+            elif dropped:
+                self._notify(chunk, RemovalCause.EVICTED)
             return False
 
         hit = await self._run(finish, self._read_job, chunk, path, views, size, entry is None, touch)
@@ -283,7 +290,9 @@ class FsTier(SecondaryTier):
     def _path(self, chunk: ChunkId) -> str:
         ns, key = chunk
         if not ns or ns[0] == "." or "/" in ns or "\0" in ns or len(key) < 2:
-            raise ValueError(f"chunk id {chunk!r} cannot name a file (namespace must be a plain name, key >= 2 bytes)")
+            raise ValueError(
+                f"chunk id {chunk!r} cannot name a file (the namespace must be a plain name, the key >= 2 bytes)"
+            )
         return os.path.join(self._root, chunkfile.chunk_relpath(chunk))
 
     async def _run(self, finish: Callable[[asyncio.Future], object], fn, *args, unlinks=()):
@@ -319,12 +328,23 @@ class FsTier(SecondaryTier):
             raise asyncio.CancelledError()
         return result
 
+    def _evicted(self, victims: list[tuple[ChunkId, str]]) -> None:
+        self.counters.evictions += len(victims)
+        for chunk, _ in victims:
+            self._notify(chunk, RemovalCause.EVICTED)
+
+    def _notify(self, chunk: ChunkId, cause: RemovalCause) -> None:
+        try:
+            self.notify_removed(chunk, cause)
+        except Exception:  # a listener's failure must not break the tier's bookkeeping
+            log.exception("fs tier %s: removal listener failed", self.name)
+
     async def _enforce_capacity(self) -> None:
         """Evict LRU files until the indexed ones fit (after a rebuild or adopting files)."""
         victims = self._index.shrink_to_capacity()
         if victims:
-            self.counters.evictions += len(victims)
             items = [(chunk, self._path(chunk)) for chunk, _ in victims]
+            self._evicted(items)
             await self._run(_result_or_nothing, _unlink_files, [p for _, p in items], unlinks=items)
 
     # -- pool-side jobs ---------------------------------------------------------------------
@@ -419,10 +439,16 @@ class FsTier(SecondaryTier):
     def _refuse_direct(self, exc: OSError) -> None:
         if self._direct:
             self._direct = False
-            log.info("fs tier %s: O_DIRECT refused under %s (%s); using buffered I/O", self.name, self._root, exc)
+            log.info("fs tier %s: O_DIRECT refused under %s (%s); using buffered I/O",
+                     self.name, self._root, exc)
 
     def _write_job(
-        self, chunk: ChunkId, path: str, views: Sequence[memoryview], size: int, victims: list[tuple[ChunkId, str]]
+        self,
+        chunk: ChunkId,
+        path: str,
+        views: Sequence[memoryview],
+        size: int,
+        victims: list[tuple[ChunkId, str]],
     ) -> int:
         """Unlink evicted files, write the chunk to a temporary file, rename it into place; the file size."""
         for _, victim in victims:

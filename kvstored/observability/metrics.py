@@ -1,0 +1,281 @@
+"""Prometheus metrics of one daemon, in a registry of its own (tests run several daemons).
+
+Counters and gauges the tiers already keep are not counted twice: `KvstoredCollector` reads
+`tier_snapshots(chain)` (the same read the Stats RPC makes) at scrape time. Only what nobody
+else records is observed here: gRPC calls and their latency (`GrpcMetricsInterceptor`), and
+secondary-tier operation latency (`DaemonMetrics.observe_tier_op`, for the tier chain to call).
+
+Names follow the Prometheus conventions: `kvstored_` prefix, base units (`_bytes`, `_seconds`),
+`_total` on counters. Label cardinality is bounded: `tier` and `kind` by the configured tiers,
+`reason` and `op` by fixed lists, `service`/`method`/`code` by the registered gRPC handlers and
+the status codes, `namespace` by MAX_NAMESPACE_SERIES.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable, Iterable, Iterator
+
+import grpc
+from google.protobuf.descriptor import ServiceDescriptor
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+from kvstored import __version__
+from kvstored.namespaces import NamespaceRegistry
+from kvstored.observability.snapshot import TierSnapshot, tier_snapshots
+from kvstored.server.sessions import HandleKind, SessionRegistry
+from kvstored.tiers.chain import TierChain
+
+PREFIX = "kvstored"
+
+# Why a chunk was not kept where it was headed; the `reason` label of kvstored_tier_drops_total.
+DROP_REASONS: dict[str, str] = {
+    "backpressure": "dropped_backpressure",  # the tier's write-down queue was full
+    "admission": "rejected_admission",  # the tier's admission policy said no
+    "disk_full": "rejected_full",  # the tier is out of space
+    "error": "errors",  # an I/O or remote error
+    "dirty_eviction": "dropped_dirty",  # RAM evicted a chunk with no copy below
+}
+
+# Secondary-tier operations whose latency the tier chain reports (`op` label).
+TIER_OPS = ("lookup", "read", "write", "remove")
+
+# Unary gRPC over a unix socket takes ~0.4 ms; secondary tiers range from NVMe to S3.
+GRPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+TIER_OP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0)
+
+MAX_NAMESPACE_SERIES = 64  # kvstored_namespace_info series at most; the rest are only counted
+
+TierOpObserver = Callable[[str, str, float], None]
+
+
+class KvstoredCollector(Collector):
+    """Everything the daemon already counts, read once per scrape."""
+
+    def __init__(self, chain: TierChain, sessions: SessionRegistry, namespaces: NamespaceRegistry) -> None:
+        self._chain = chain
+        self._sessions = sessions
+        self._namespaces = namespaces
+
+    def collect(self) -> Iterator:
+        yield from tier_families(tier_snapshots(self._chain))
+        yield from self._daemon_families()
+
+    def _daemon_families(self) -> Iterator:
+        info = InfoMetricFamily(f"{PREFIX}_build", "kvstored build information")
+        info.add_metric([], {"version": __version__})
+        yield info
+        yield _gauge("sessions", "open client sessions", len(self._sessions))
+        yield _gauge("leases", "outstanding read leases (chunks pinned in RAM for a reader)",
+                     self._sessions.count(HandleKind.LEASE))
+        yield _gauge("reservations", "outstanding uncommitted reservations (chunks being written)",
+                     self._sessions.count(HandleKind.RESERVATION))
+        yield _gauge("regions", "client shared-memory regions attached", sum(len(s.regions) for s in self._sessions))
+        yield _gauge("namespaces", "registered namespaces", len(self._namespaces))
+        ns_info = InfoMetricFamily(
+            f"{PREFIX}_namespace",
+            f"registered namespaces (the first {MAX_NAMESPACE_SERIES}): id -> model, dtype, chunk size",
+            labels=["namespace", "model", "dtype", "chunk_bytes"],
+        )
+        for ns in self._namespaces.all()[:MAX_NAMESPACE_SERIES]:
+            ns_info.add_metric([ns.namespace_id, ns.model, ns.dtype, str(ns.chunk_bytes)], {})
+        yield ns_info
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"{PREFIX}_{name}", documentation, value=value)
+
+
+def tier_families(snaps: Iterable[TierSnapshot]) -> list:
+    """The per-tier metric families of one snapshot (labels: tier, kind)."""
+    labels = ["tier", "kind"]
+
+    def gauge(name: str, doc: str) -> GaugeMetricFamily:
+        return GaugeMetricFamily(f"{PREFIX}_tier_{name}", doc, labels=labels)
+
+    def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> CounterMetricFamily:
+        return CounterMetricFamily(f"{PREFIX}_tier_{name}", doc, labels=labels + list(extra))
+
+    capacity = gauge("capacity_bytes", "tier capacity (0: unbounded)")
+    used = gauge("used_bytes", "bytes the tier's chunks occupy")
+    utilization = gauge("utilization_ratio", "used / capacity (bounded tiers only)")
+    chunks = gauge("chunks", "chunks held")
+    queued = gauge("queued_operations", "operations waiting in the tier's I/O queue (secondary tiers)")
+    lookups = counter("lookups", "keys looked up in this tier")
+    hits = counter("hits", "lookups that found the chunk in this tier")
+    misses = counter("misses", "lookups that did not find the chunk in this tier")
+    stored = counter("stored_chunks", "chunks written into this tier")
+    loaded = counter("loaded_chunks", "chunks read out of this tier")
+    promotions = counter("promotions", "chunks copied up into this tier from a tier below (RAM)")
+    writedowns = counter("writedowns", "chunks copied down to the tiers below before eviction (RAM)")
+    evictions = counter("evictions", "chunks evicted to make room")
+    drops = counter("drops", "chunks not kept, by reason: backpressure, admission, disk_full, error, "
+                    "dirty_eviction", ("reason",))
+    read_bytes = counter("read_bytes", "bytes read from this tier (secondary tiers)")
+    written_bytes = counter("written_bytes", "bytes written to this tier (secondary tiers)")
+    checksum = counter("checksum_failures", "corrupt or truncated copies found (removed, served as misses)")
+
+    for s in snaps:
+        lv = [s.name, s.kind.name.lower()]
+        capacity.add_metric(lv, s.capacity_bytes)
+        used.add_metric(lv, s.used_bytes)
+        if s.capacity_bytes:
+            utilization.add_metric(lv, s.used_bytes / s.capacity_bytes)
+        chunks.add_metric(lv, s.chunks)
+        queued.add_metric(lv, s.queued)
+        lookups.add_metric(lv, s.lookups)
+        hits.add_metric(lv, s.hits)
+        misses.add_metric(lv, max(s.lookups - s.hits, 0))
+        stored.add_metric(lv, s.stored_chunks)
+        loaded.add_metric(lv, s.loaded_chunks)
+        promotions.add_metric(lv, s.promotions)
+        writedowns.add_metric(lv, s.writebacks)
+        evictions.add_metric(lv, s.evictions)
+        for reason, field in DROP_REASONS.items():
+            drops.add_metric(lv + [reason], getattr(s, field))
+        read_bytes.add_metric(lv, s.read_bytes)
+        written_bytes.add_metric(lv, s.written_bytes)
+        checksum.add_metric(lv, s.checksum_failures)
+    return [capacity, used, utilization, chunks, queued, lookups, hits, misses, stored, loaded, promotions,
+            writedowns, evictions, drops, read_bytes, written_bytes, checksum]
+
+
+class DaemonMetrics:
+    """The registry of one daemon and the few metrics observed as things happen."""
+
+    def __init__(self, chain: TierChain, sessions: SessionRegistry, namespaces: NamespaceRegistry) -> None:
+        disable_created_metrics()  # no *_created series: process-wide, which suits a daemon
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(KvstoredCollector(chain, sessions, namespaces))
+        ProcessCollector(registry=self.registry)
+        self.grpc_handled = Counter(
+            f"{PREFIX}_grpc_server_handled", "unary gRPC calls completed, by method and status code",
+            ["service", "method", "code"], registry=self.registry,
+        )
+        self.grpc_seconds = Histogram(
+            f"{PREFIX}_grpc_server_handling_seconds", "unary gRPC call latency in the daemon, by method and status code",
+            ["service", "method", "code"], buckets=GRPC_BUCKETS, registry=self.registry,
+        )
+        self.tier_op_seconds = Histogram(
+            f"{PREFIX}_tier_operation_seconds", "secondary tier operation latency (lookup is one batched call)",
+            ["tier", "kind", "op"], buckets=TIER_OP_BUCKETS, registry=self.registry,
+        )
+        self._tier_ops: dict[tuple[str, str], Histogram] = {}
+        for lower in chain.lower:  # every series exists from the first scrape
+            for op in TIER_OPS:
+                child = self.tier_op_seconds.labels(lower.tier.name, lower.tier.kind.name.lower(), op)
+                self._tier_ops[(lower.tier.name, op)] = child
+        self.interceptor = GrpcMetricsInterceptor(self.grpc_handled, self.grpc_seconds)
+
+    def preinit_grpc(self, service: ServiceDescriptor) -> None:
+        """Create the OK series of the service's methods, so rates exist before the first call."""
+        for method in service.methods:
+            self.grpc_handled.labels(service.full_name, method.name, "OK")
+            if not method.server_streaming:
+                self.grpc_seconds.labels(service.full_name, method.name, "OK")
+
+    def observe_tier_op(self, tier: str, op: str, seconds: float) -> None:
+        """Record one secondary-tier operation: `tier` is its configured name, `op` one of TIER_OPS.
+
+        For the tier chain to call around `tier.contains` ("lookup", once per batch), `tier.read`,
+        `tier.write` and `tier.remove`, with a `time.perf_counter()` difference. Cheap (a dict
+        lookup and a histogram observe), safe from the event loop and from threads.
+        """
+        child = self._tier_ops.get((tier, op))
+        if child is None:
+            if op not in TIER_OPS:
+                raise ValueError(f"unknown tier op {op!r} (one of {', '.join(TIER_OPS)})")
+            child = self._tier_ops[(tier, op)] = self.tier_op_seconds.labels(tier, "", op)
+        child.observe(seconds)
+
+
+def split_method(full: str) -> tuple[str, str]:
+    """'/kvstored.v1.KVStore/Lookup' -> ('kvstored.v1.KVStore', 'Lookup')."""
+    service, _, method = full.lstrip("/").rpartition("/")
+    return service, method
+
+
+def _code_name(code: object) -> str:
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    if isinstance(code, int):  # the aio context may hand back the raw status number
+        for status in grpc.StatusCode:
+            if status.value[0] == code:
+                return status.name
+    return "UNKNOWN"
+
+
+class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Counts gRPC calls by method and final status code, and times the unary ones.
+
+    Register it before the error-mapping interceptor, so the code it sees is the one the client
+    gets (an aborted call ends with the code `context.abort` set). Server streams (WatchEvents,
+    health Watch) are counted when they end; their duration is not a latency and is not timed.
+    """
+
+    def __init__(self, handled: Counter, seconds: Histogram) -> None:
+        self._handled = handled
+        self._seconds = seconds
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        service, method = split_method(handler_call_details.method)
+        if handler.unary_unary is not None:
+            return self._unary(handler, service, method)
+        if handler.unary_stream is not None:
+            return self._stream(handler, service, method)
+        return handler
+
+    def _unary(self, handler, service: str, method: str):
+        inner, handled, seconds = handler.unary_unary, self._handled, self._seconds
+
+        async def unary(request, context: grpc.aio.ServicerContext):
+            start, code = time.perf_counter(), "UNKNOWN"
+            try:
+                response = await inner(request, context)
+                code = _code_name(context.code() or grpc.StatusCode.OK)
+                return response
+            except BaseException as exc:
+                code = _failure_code(exc, context)
+                raise
+            finally:
+                handled.labels(service, method, code).inc()
+                seconds.labels(service, method, code).observe(time.perf_counter() - start)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer,
+        )
+
+    def _stream(self, handler, service: str, method: str):
+        inner, handled = handler.unary_stream, self._handled
+
+        async def stream(request, context: grpc.aio.ServicerContext):
+            code = "UNKNOWN"
+            try:
+                async for item in inner(request, context):
+                    yield item
+                code = _code_name(context.code() or grpc.StatusCode.OK)
+            except BaseException as exc:
+                code = _failure_code(exc, context)
+                raise
+            finally:
+                handled.labels(service, method, code).inc()
+
+        return grpc.unary_stream_rpc_method_handler(
+            stream, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer,
+        )
+
+
+def _failure_code(exc: BaseException, context: grpc.aio.ServicerContext) -> str:
+    """The status a call that raised ends with: the aborted code, CANCELLED, or UNKNOWN."""
+    if isinstance(exc, grpc.aio.AbortError):
+        return _code_name(context.code())
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return "CANCELLED"
+    return "UNKNOWN"
