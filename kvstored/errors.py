@@ -32,6 +32,10 @@ class HandleNotHeld(KvstoredError):
     """A lease or reservation released twice, committed twice, or never granted to this session."""
 
 
+class SessionRequired(KvstoredError):
+    """The call needs a session (e.g. registering a tenant namespace)."""
+
+
 class BatchTooLarge(KvstoredError):
     pass
 

@@ -21,6 +21,7 @@ class Namespace:
     layout: str
     key_bytes: int
     block_tokens: int = 0  # tokens per chunk, for KV events (0: not given)
+    private: bool = False  # registered with a tenant salt: only its sessions may see it
 
 
 class NamespaceRegistry:
@@ -49,7 +50,7 @@ class NamespaceRegistry:
                 f"key_bytes must be between {MIN_KEY_BYTES} and {MAX_KEY_BYTES}, got {key_bytes}"
             )
         ns_id = namespace_id_for(model, dtype, chunk_bytes, layout, tenant_salt, key_bytes)
-        ns = Namespace(ns_id, model, dtype, chunk_bytes, layout, key_bytes, block_tokens)
+        ns = Namespace(ns_id, model, dtype, chunk_bytes, layout, key_bytes, block_tokens, bool(tenant_salt))
         known = self._by_id.setdefault(ns_id, ns)
         if block_tokens and not known.block_tokens:
             self._by_id[ns_id] = known = ns

@@ -50,10 +50,12 @@ class AsyncClient(ClientBase):
     async def register_namespace(self, spec: NamespaceSpec | None = None, **fields: Any) -> Namespace:
         spec = spec or NamespaceSpec(**fields)
         ns = self._namespace_local(spec)
-        return (await self._run(lambda _s: ops.register(spec), fallback=None)) or ns
+        result = await self._run(lambda s: ops.nothing() if ns.private else ops.register(spec), None,
+                                 session=ns.private)
+        return result or ns
 
     async def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult:
-        return await self._run(lambda _s: ops.lookup(ns, keys), fallback=LookupResult.miss(len(keys)))
+        return await self._run(lambda s: ops.lookup(ns, keys, s), LookupResult.miss(len(keys)), session=ns.private)
 
     async def store(self, ns: Namespace, keys: Sequence[bytes], data: Any) -> StoreResult:
         return await self._run(lambda s: ops.store(s, ns, keys, data), StoreResult(dropped=len(keys)), session=True)
@@ -79,7 +81,7 @@ class AsyncClient(ClientBase):
         return await self._run(lambda s: ops.load_to_region(s, ns, region, keys, offsets), fallback=0, session=True)
 
     async def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
-        return await self._run(lambda _s: ops.delete(ns, keys), fallback=RAISE)
+        return await self._run(lambda s: ops.delete(ns, keys, s), fallback=RAISE, session=ns.private)
 
     async def stats(self):
         return await self._run(lambda _s: ops.stats(), fallback=RAISE)
@@ -92,7 +94,7 @@ class AsyncClient(ClientBase):
                 try:
                     if restarted:
                         self._drop_session()
-                        for spec in list(self._namespaces.values()):
+                        for spec in self._public_specs():
                             await self._drive(ops.register(spec), deadline)
                     sess = await self._ensure_session(deadline) if session else None
                     return await self._drive(build(sess), deadline)
@@ -111,9 +113,16 @@ class AsyncClient(ClientBase):
     async def _ensure_session(self, deadline: float) -> PoolSession:
         # Blocking socket work and the pool mapping's page population run off the loop.
         if self._session is None:
-            self._session = await asyncio.to_thread(
+            session = await asyncio.to_thread(
                 PoolSession.open, self.socket, self.client_name, _remaining(deadline), self.populate
             )
+            try:
+                for spec in self._private_specs():
+                    await self._drive(ops.register(spec, session), deadline)
+            except BaseException:
+                session.close()
+                raise
+            self._session = session
         if self._unattached():
             await asyncio.to_thread(self._attach_regions, self._session)
         return self._session

@@ -63,6 +63,13 @@ class ClientBase:
         self._regions.append(region)
         return region
 
+    def _public_specs(self) -> list[NamespaceSpec]:
+        return [spec for spec in self._namespaces.values() if not spec.tenant_salt]
+
+    def _private_specs(self) -> list[NamespaceSpec]:
+        """Tenant namespaces: registered again in every new session."""
+        return [spec for spec in self._namespaces.values() if spec.tenant_salt]
+
     def _unattached(self) -> bool:
         return any(r.region_id == 0 for r in self._regions)
 
@@ -129,11 +136,12 @@ class Client(ClientBase):
         the namespace is registered when the daemon is reachable."""
         spec = spec or NamespaceSpec(**fields)
         ns = self._namespace_local(spec)
-        result = self._run(lambda _s: ops.register(spec), fallback=None)
+        # A tenant namespace is registered inside the session (that happens on session open).
+        result = self._run(lambda s: ops.nothing() if ns.private else ops.register(spec), None, session=ns.private)
         return result or ns
 
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult:
-        return self._run(lambda _s: ops.lookup(ns, keys), fallback=LookupResult.miss(len(keys)))
+        return self._run(lambda s: ops.lookup(ns, keys, s), LookupResult.miss(len(keys)), session=ns.private)
 
     def store(self, ns: Namespace, keys: Sequence[bytes], data: Any) -> StoreResult:
         """Copy chunks into the daemon's pool. `data`: one buffer of len(keys) chunks, or a list."""
@@ -160,7 +168,7 @@ class Client(ClientBase):
         return self._run(lambda s: ops.load_to_region(s, ns, region, keys, offsets), fallback=0, session=True)
 
     def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
-        return self._run(lambda _s: ops.delete(ns, keys), fallback=RAISE)
+        return self._run(lambda s: ops.delete(ns, keys, s), fallback=RAISE, session=ns.private)
 
     def stats(self):
         return self._run(lambda _s: ops.stats(), fallback=RAISE)
@@ -177,7 +185,7 @@ class Client(ClientBase):
                 try:
                     if restarted:
                         self._drop_session()
-                        for spec in list(self._namespaces.values()):
+                        for spec in self._public_specs():
                             self._drive(ops.register(spec), deadline)
                     sess = self._ensure_session(deadline) if session else None
                     return self._drive(build(sess), deadline)
@@ -195,7 +203,14 @@ class Client(ClientBase):
 
     def _ensure_session(self, deadline: float) -> PoolSession:
         if self._session is None:
-            self._session = PoolSession.open(self.socket, self.client_name, _remaining(deadline), self.populate)
+            session = PoolSession.open(self.socket, self.client_name, _remaining(deadline), self.populate)
+            try:
+                for spec in self._private_specs():
+                    self._drive(ops.register(spec, session), deadline)
+            except BaseException:
+                session.close()
+                raise
+            self._session = session
         if self._unattached():
             self._attach_regions(self._session)
         return self._session

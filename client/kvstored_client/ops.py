@@ -32,11 +32,12 @@ class NamespaceSpec:
     layout: str = ""
     tenant_salt: bytes = b""
     key_bytes: int = 32
+    block_tokens: int = 0  # tokens per chunk: reported in KV events
 
     def to_proto(self) -> pb.NamespaceSpec:
         return pb.NamespaceSpec(
             model=self.model, dtype=self.dtype, chunk_bytes=self.chunk_bytes, layout=self.layout,
-            tenant_salt=self.tenant_salt, key_bytes=self.key_bytes,
+            tenant_salt=self.tenant_salt, key_bytes=self.key_bytes, block_tokens=self.block_tokens,
         )
 
 
@@ -44,6 +45,11 @@ class NamespaceSpec:
 class Namespace:
     namespace_id: str
     spec: NamespaceSpec
+
+    @property
+    def private(self) -> bool:
+        """A tenant namespace: only sessions that registered it can see its keys."""
+        return bool(self.spec.tenant_salt)
 
     @property
     def chunk_bytes(self) -> int:
@@ -92,8 +98,12 @@ def nothing() -> Op:
     yield  # makes this a generator
 
 
-def lookup(ns: Namespace, keys: Sequence[bytes]) -> Op:
-    resp = yield Call("Lookup", pb.LookupRequest(namespace_id=ns.namespace_id, keys=keys))
+def _sid(session: PoolSession | None) -> str:
+    return session.session_id if session is not None else ""
+
+
+def lookup(ns: Namespace, keys: Sequence[bytes], session: PoolSession | None = None) -> Op:
+    resp = yield Call("Lookup", pb.LookupRequest(namespace_id=ns.namespace_id, keys=keys, session_id=_sid(session)))
     return LookupResult(resp.prefix_hits, [Tier(t) for t in resp.tiers])
 
 
@@ -150,14 +160,16 @@ def load_to_region(
     return resp.loaded
 
 
-def delete(ns: Namespace, keys: Sequence[bytes]) -> Op:
-    return (yield Call("Delete", pb.DeleteRequest(namespace_id=ns.namespace_id, keys=keys))).deleted
+def delete(ns: Namespace, keys: Sequence[bytes], session: PoolSession | None = None) -> Op:
+    request = pb.DeleteRequest(namespace_id=ns.namespace_id, keys=keys, session_id=_sid(session))
+    return (yield Call("Delete", request)).deleted
 
 
 def stats() -> Op:
     return (yield Call("Stats", pb.StatsRequest()))
 
 
-def register(spec: NamespaceSpec) -> Op:
-    resp = yield Call("RegisterNamespace", pb.RegisterNamespaceRequest(spec=spec.to_proto()))
+def register(spec: NamespaceSpec, session: PoolSession | None = None) -> Op:
+    request = pb.RegisterNamespaceRequest(spec=spec.to_proto(), session_id=_sid(session))
+    resp = yield Call("RegisterNamespace", request)
     return Namespace(resp.namespace_id, spec)

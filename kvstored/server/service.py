@@ -6,11 +6,11 @@ import dataclasses
 from typing import Sequence
 
 from kvstored import __version__
-from kvstored.errors import BatchTooLarge, InvalidRequest, WatcherLagged
+from kvstored.errors import BatchTooLarge, InvalidRequest, SessionRequired, WatcherLagged
 from kvstored.observability.events import KvEvent
 from kvstored.observability.snapshot import tier_snapshots
 from kvstored.namespaces import Namespace, NamespaceRegistry, check_keys
-from kvstored.server.sessions import HandleKind, SessionRegistry
+from kvstored.server.sessions import HandleKind, Session, SessionRegistry
 from kvstored.tiers.chain import TierChain
 from kvstored.tiers.ram import Extent, ReserveOutcome
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
@@ -47,16 +47,30 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         check_keys(ns, keys, self._max_keys)
         return ns
 
+    def _optional_session(self, session_id: str) -> Session | None:
+        return self._sessions.get(session_id) if session_id else None
+
+    @staticmethod
+    def _visible(ns: Namespace, session: Session | None) -> bool:
+        """Tenant namespaces exist only for the sessions that registered them: for anyone else
+        every key answers exactly as a miss (and stores are dropped)."""
+        return not ns.private or (session is not None and ns.namespace_id in session.namespaces)
+
     def _check_handles(self, handles: Sequence[int]) -> None:
         if len(handles) > self._max_keys:
             raise BatchTooLarge(f"batch of {len(handles)} handles exceeds max_batch_keys={self._max_keys}")
 
     async def RegisterNamespace(self, request: pb.RegisterNamespaceRequest, context) -> pb.RegisterNamespaceResponse:
         spec = request.spec
+        session = self._optional_session(request.session_id)
+        if spec.tenant_salt and session is None:
+            raise SessionRequired("a tenant namespace (tenant_salt set) must be registered with a session_id")
         ns = self._namespaces.register(
             spec.model, spec.dtype, spec.chunk_bytes, spec.layout, spec.tenant_salt, spec.key_bytes,
             spec.block_tokens,
         )
+        if ns.private:
+            session.namespaces.add(ns.namespace_id)
         return pb.RegisterNamespaceResponse(
             namespace_id=ns.namespace_id,
             chunk_bytes=ns.chunk_bytes,
@@ -67,6 +81,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         ns = self._ns_keys(request.namespace_id, request.keys)
+        if not self._visible(ns, self._optional_session(request.session_id)):
+            return pb.LookupResponse(prefix_hits=0, tiers=[0] * len(request.keys))
         tiers = await self._chain.lookup(ns, request.keys)
         prefix = next((i for i, t in enumerate(tiers) if not t), len(tiers))
         return pb.LookupResponse(prefix_hits=prefix, tiers=[int(t) for t in tiers])
@@ -74,6 +90,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
         session = self._sessions.get(request.session_id)
         ns = self._ns_keys(request.namespace_id, request.keys)
+        if not self._visible(ns, session):
+            return pb.ReserveResponse(slots=[pb.Slot(state=pb.SLOT_STATE_NO_SPACE) for _ in request.keys])
         grants = await self._chain.reserve(session, ns, request.keys)
         return pb.ReserveResponse(
             slots=[pb.Slot(state=_SLOT_STATE[g.outcome], handle=g.handle, extents=_extents(g.extents)) for g in grants]
@@ -87,6 +105,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
         session = self._sessions.get(request.session_id)
         ns = self._ns_keys(request.namespace_id, request.keys)
+        if not self._visible(ns, session):
+            return pb.AcquireResponse()
         grants = await self._chain.acquire(session, ns, request.keys)
         return pb.AcquireResponse(leases=[pb.Lease(handle=g.handle, extents=_extents(g.extents)) for g in grants])
 
@@ -106,6 +126,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         session = self._sessions.get(request.session_id)
         ns = self._ns_keys(request.namespace_id, request.keys)
         region = session.region(request.region_id)
+        if not self._visible(ns, session):
+            return pb.StoreFromRegionResponse(dropped=len(request.keys))
         counts = await self._chain.store_from_region(session, ns, region, request.keys, request.offsets)
         return pb.StoreFromRegionResponse(
             stored=counts.stored, already_present=counts.already_present, dropped=counts.dropped
@@ -115,11 +137,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         session = self._sessions.get(request.session_id)
         ns = self._ns_keys(request.namespace_id, request.keys)
         region = session.region(request.region_id)
+        if not self._visible(ns, session):
+            return pb.LoadToRegionResponse(loaded=0)
         loaded = await self._chain.load_to_region(session, ns, region, request.keys, request.offsets)
         return pb.LoadToRegionResponse(loaded=loaded)
 
     async def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteResponse:
         ns = self._ns_keys(request.namespace_id, request.keys)
+        if not self._visible(ns, self._optional_session(request.session_id)):
+            return pb.DeleteResponse(deleted=0)
         return pb.DeleteResponse(deleted=await self._chain.delete(ns, request.keys))
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:

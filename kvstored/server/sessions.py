@@ -33,6 +33,7 @@ class Session:
     client_name: str
     handles: dict[int, Handle] = field(default_factory=dict)
     regions: dict[int, Region] = field(default_factory=dict)
+    namespaces: set[str] = field(default_factory=set)  # tenant namespaces this session registered
 
     def take(self, handle_id: int, kinds: tuple[HandleKind, ...]) -> Handle:
         handle = self.handles.get(handle_id)
