@@ -7,6 +7,7 @@ variable names and the TOML keys are all derived from that declaration.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -69,6 +70,16 @@ def _opt(help_text: str, parse: Callable[[Any], Any], metavar: str = "", repeat:
 
 def _parse_optional_size(value: str | int | None) -> int | None:
     return None if value in (None, "", "auto") else parse_size(value)
+
+
+def is_loopback(addr: str) -> bool:
+    host = addr.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def parse_listen_addr(value: str) -> str:
@@ -214,6 +225,21 @@ class Config:
         metadata=_opt("where /metrics (Prometheus) listens, HOST:PORT (port 0: any free port; the log "
                       "names it); \"\" or off disables it", parse_listen_addr, "HOST:PORT"),
     )
+    tcp_listen: str = field(
+        default="",
+        metadata=_opt("also serve gRPC on TCP HOST:PORT for peers and remote tools (control only: the "
+                      "data path is local shared memory); beyond loopback it requires TLS", parse_listen_addr,
+                      "HOST:PORT"),
+    )
+    tls_cert_file: Path | None = field(
+        default=None, metadata=_opt("PEM certificate chain for the TCP listener", Path, "FILE")
+    )
+    tls_key_file: Path | None = field(default=None, metadata=_opt("PEM private key for the TCP listener", Path, "FILE"))
+    tls_client_ca_file: Path | None = field(
+        default=None,
+        metadata=_opt("PEM CA bundle: when set, TCP clients must present a certificate it signed (mutual TLS)",
+                      Path, "FILE"),
+    )
     events_buffer: int = field(
         default=10_000, metadata=_opt("KV events kept for replay (WatchEvents from_seq, ZMQ replay)", int, "N")
     )
@@ -247,6 +273,15 @@ class Config:
             raise ConfigError(f"max_batch_keys must be positive, got {self.max_batch_keys}")
         if self.grace_seconds < 0:
             raise ConfigError(f"grace_seconds must not be negative, got {self.grace_seconds}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ConfigError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+        if self.tcp_listen and not self.tls_cert_file and not is_loopback(self.tcp_listen):
+            raise ConfigError(
+                f"tcp_listen {self.tcp_listen} is beyond loopback: set tls_cert_file and tls_key_file "
+                f"(and tls_client_ca_file for mutual TLS)"
+            )
         return self
 
     @property

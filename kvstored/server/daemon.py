@@ -80,6 +80,24 @@ def config_from_argv() -> Config:
     return load_config({f.name: getattr(args, f.name) for f in options()}, config_file=args.config)
 
 
+def add_tcp_port(server: grpc.aio.Server, cfg: Config) -> int:
+    """The optional TCP listener: TLS (mutual when a client CA is given), or plain on loopback."""
+    if cfg.tls_cert_file and cfg.tls_key_file:
+        ca = cfg.tls_client_ca_file.read_bytes() if cfg.tls_client_ca_file else None
+        creds = grpc.ssl_server_credentials(
+            [(cfg.tls_key_file.read_bytes(), cfg.tls_cert_file.read_bytes())],
+            root_certificates=ca,
+            require_client_auth=ca is not None,
+        )
+        port = server.add_secure_port(cfg.tcp_listen, creds)
+        mode = "mutual TLS" if ca else "TLS"
+    else:
+        port = server.add_insecure_port(cfg.tcp_listen)
+        mode = "plaintext, loopback only"
+    log.info("TCP listener on %s port %d (%s)", cfg.tcp_listen.rpartition(":")[0], port, mode)
+    return port
+
+
 class Daemon:
     def __init__(self, config: Config, reload_config: Callable[[], Config] = config_from_argv) -> None:
         self.config = config
@@ -132,6 +150,8 @@ class Daemon:
             self.server,
         )
         self.server.add_insecure_port(f"unix:{cfg.socket}")
+        if cfg.tcp_listen:
+            self.tcp_port = add_tcp_port(self.server, cfg)
         await self.server.start()
         os.chmod(cfg.socket, cfg.socket_mode)
         if cfg.metrics_addr:
