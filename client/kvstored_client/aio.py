@@ -50,7 +50,7 @@ class AsyncClient(ClientBase):
     async def register_namespace(self, spec: NamespaceSpec | None = None, **fields: Any) -> Namespace:
         spec = spec or NamespaceSpec(**fields)
         ns = self._namespace_local(spec)
-        result = await self._run(lambda s: ops.nothing() if ns.private else ops.register(spec), None,
+        result = await self._run(lambda s: ops.register(spec, s), None,
                                  session=ns.private)
         return result or ns
 

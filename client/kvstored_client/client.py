@@ -136,8 +136,8 @@ class Client(ClientBase):
         the namespace is registered when the daemon is reachable."""
         spec = spec or NamespaceSpec(**fields)
         ns = self._namespace_local(spec)
-        # A tenant namespace is registered inside the session (that happens on session open).
-        result = self._run(lambda s: ops.nothing() if ns.private else ops.register(spec), None, session=ns.private)
+        # A tenant namespace is registered inside the session (and again in every new one).
+        result = self._run(lambda s: ops.register(spec, s), None, session=ns.private)
         return result or ns
 
     def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult:

@@ -94,7 +94,7 @@ class FsTier(SecondaryTier):
         self._executor = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"kvstored-fs-{name}")
         self._inflight: set[asyncio.Future] = set()  # every job in the pool (close() waits for them)
         self._pending: dict[ChunkId, _PendingWrite] = {}  # writes in flight
-        self._unlinking: dict[ChunkId, asyncio.Future] = {}  # jobs unlinking a chunk's file
+        self._unlinking: dict[ChunkId, asyncio.Future] = {}  # dropped chunks whose files are being unlinked
         self._full_until = 0.0  # loop.time() until which writes are refused (disk full)
         self._closed = False
 
@@ -152,7 +152,9 @@ class FsTier(SecondaryTier):
             if st is None:
                 continue
             chunk = chunks[i]
-            if chunk not in self._index:
+            if chunk in self._unlinking:  # seen just before our own eviction or remove unlinks it
+                continue
+            if chunk not in self._index and chunk not in self._pending:  # (a write indexes its own)
                 self._index.insert(chunk, st.st_size, st.st_mtime)
             out[i] = True
             adopted += 1
@@ -187,6 +189,7 @@ class FsTier(SecondaryTier):
             return WriteOutcome.REJECTED_FULL
         victims = [(victim, self._path(victim)) for victim, _ in reservation.victims]
         self._evicted(victims)
+        gate = self._claim_unlinks(victims)
         record = _PendingWrite(loop.create_future())
         self._pending[chunk] = record
         outcome = WriteOutcome.FAILED
@@ -199,7 +202,7 @@ class FsTier(SecondaryTier):
         def _finish(fut: asyncio.Future) -> WriteOutcome:
             self._index.release(reservation)
             try:
-                file_size = fut.result()
+                fut.result()
             except OSError as exc:
                 if exc.errno in _FULL_ERRNOS:
                     if loop.time() >= self._full_until:
@@ -211,18 +214,20 @@ class FsTier(SecondaryTier):
                 self.counters.errors += 1
                 log.warning("fs tier %s: cannot write %s: %s", self.name, path, exc)
                 return WriteOutcome.FAILED
+            file_size, existed = fut.result()
             self._index.insert(chunk, file_size, time.time())
+            if existed:  # written by a daemon sharing the root: adopted, not rewritten
+                return WriteOutcome.ALREADY_PRESENT
             self.counters.writes += 1
             self.counters.written_bytes += size
             return WriteOutcome.WRITTEN
 
         try:
-            prior = self._unlinking.get(chunk)
-            if prior is not None:  # an eviction or remove of this chunk's old file must land first
-                await asyncio.wait((prior,))
-            job = self._write_job
-            return await self._run(finish, job, chunk, path, views, size, victims, unlinks=victims)
+            while (prior := self._unlinking.get(chunk)) is not None:  # an eviction or remove of
+                await asyncio.wait((prior,))  # this chunk's old file must land first
+            return await self._run(finish, self._write_job, chunk, path, views, size, victims)
         finally:
+            self._settle_unlinks(victims, gate)
             self._index.release(reservation)  # no-op unless the job never ran
             del self._pending[chunk]
             record.done.set_result(outcome)
@@ -247,8 +252,8 @@ class FsTier(SecondaryTier):
                 self.counters.reads += 1
                 self.counters.read_bytes += size
                 current = self._index.touch(chunk)
-                if current is None:  # not indexed: written by another daemon sharing the root
-                    self._index.insert(chunk, file_size, now)
+                if current is None and chunk not in self._unlinking and chunk not in self._pending:
+                    self._index.insert(chunk, file_size, now)  # written by a daemon sharing the root
                 elif touch and current is entry:
                     current.mtime = now
                 return True
@@ -276,7 +281,12 @@ class FsTier(SecondaryTier):
         entry = self._index.discard(chunk)
         if self._closed:
             return entry is not None
-        unlinked = await self._run(_result_or_nothing, _unlink_files, [path], unlinks=[(chunk, path)])
+        items = [(chunk, path)]
+        gate = self._claim_unlinks(items)
+        try:
+            unlinked = await self._run(_result_or_nothing, _unlink_files, [path])
+        finally:
+            self._settle_unlinks(items, gate)
         return entry is not None or bool(unlinked)
 
     def usage(self) -> TierUsage:
@@ -295,13 +305,12 @@ class FsTier(SecondaryTier):
             )
         return os.path.join(self._root, chunkfile.chunk_relpath(chunk))
 
-    async def _run(self, finish: Callable[[asyncio.Future], object], fn, *args, unlinks=()):
+    async def _run(self, finish: Callable[[asyncio.Future], object], fn, *args):
         """Run `fn(*args)` in the tier's pool and return `finish(future)` (bookkeeping, on the loop).
 
         Waits for the job to end even if the caller is cancelled meanwhile (then re-raises the
         cancellation after the bookkeeping), so once read()/write() return or raise, no thread
-        touches the caller's views any more. `unlinks`: (chunk, path) pairs whose files the job
-        removes; a write of those chunks waits for it."""
+        touches the caller's views any more."""
         loop = asyncio.get_running_loop()
         try:
             fut = loop.run_in_executor(self._executor, fn, *args)
@@ -310,23 +319,35 @@ class FsTier(SecondaryTier):
             fut.set_exception(OSError(errno.ESHUTDOWN, f"fs tier {self.name} is closed"))
         self._inflight.add(fut)
         fut.add_done_callback(self._inflight.discard)
-        for chunk, _ in unlinks:
-            self._unlinking[chunk] = fut
         cancelled = False
-        try:
-            while not fut.done():
-                try:
-                    await asyncio.wait((fut,))
-                except asyncio.CancelledError:
-                    cancelled = True
-        finally:
-            for chunk, _ in unlinks:
-                if self._unlinking.get(chunk) is fut:
-                    del self._unlinking[chunk]
+        while not fut.done():
+            try:
+                await asyncio.wait((fut,))
+            except asyncio.CancelledError:
+                cancelled = True
         result = finish(fut)
         if cancelled:
             raise asyncio.CancelledError()
         return result
+
+    def _claim_unlinks(self, items: list[tuple[ChunkId, str]]) -> asyncio.Future | None:
+        """Mark chunks dropped from the index whose files are about to be unlinked: until
+        _settle_unlinks, a write of one waits (or the unlink would delete the new file) and
+        lookups don't adopt them."""
+        if not items:
+            return None
+        gate = asyncio.get_running_loop().create_future()
+        for chunk, _ in items:
+            self._unlinking[chunk] = gate
+        return gate
+
+    def _settle_unlinks(self, items: list[tuple[ChunkId, str]], gate: asyncio.Future | None) -> None:
+        if gate is None:
+            return
+        for chunk, _ in items:
+            if self._unlinking.get(chunk) is gate:
+                del self._unlinking[chunk]
+        gate.set_result(None)
 
     def _evicted(self, victims: list[tuple[ChunkId, str]]) -> None:
         self.counters.evictions += len(victims)
@@ -345,7 +366,11 @@ class FsTier(SecondaryTier):
         if victims:
             items = [(chunk, self._path(chunk)) for chunk, _ in victims]
             self._evicted(items)
-            await self._run(_result_or_nothing, _unlink_files, [p for _, p in items], unlinks=items)
+            gate = self._claim_unlinks(items)
+            try:
+                await self._run(_result_or_nothing, _unlink_files, [p for _, p in items])
+            finally:
+                self._settle_unlinks(items, gate)
 
     # -- pool-side jobs ---------------------------------------------------------------------
     #
@@ -449,10 +474,17 @@ class FsTier(SecondaryTier):
         views: Sequence[memoryview],
         size: int,
         victims: list[tuple[ChunkId, str]],
-    ) -> int:
-        """Unlink evicted files, write the chunk to a temporary file, rename it into place; the file size."""
+    ) -> tuple[int, bool]:
+        """Unlink evicted files, write the chunk to a temporary file, rename it into place.
+        (file size, whether the file was there already: content addressing makes it the same bytes)."""
         for _, victim in victims:
             _unlink_quiet(victim)
+        try:
+            st = os.stat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_size >= HEADER_BYTES + size:
+                return st.st_size, True
+        except OSError:
+            pass
         header = _header_buffer()
         header[:] = chunkfile.encode_header(chunk, size, chunkfile.checksum(views, size))
         directory, name = os.path.split(path)
@@ -485,10 +517,10 @@ class FsTier(SecondaryTier):
             raise
 
     @staticmethod
-    def _finish_file(fd: int, tmp: str, path: str, bufs: list[memoryview]) -> int:
+    def _finish_file(fd: int, tmp: str, path: str, bufs: list[memoryview]) -> tuple[int, bool]:
         length = _pwritev_all(fd, bufs)
         os.replace(tmp, path)
-        return length
+        return length, False
 
     def _read_job(
         self, chunk: ChunkId, path: str, views: Sequence[memoryview], size: int, want_size: bool, touch: bool

@@ -1,0 +1,379 @@
+"""`kvstoredctl`: look at and act on a running kvstored over its unix socket.
+
+Tables for people, `--json` for scripts. Exit codes: 0 done, 1 the daemon is unreachable, not
+serving or refused the request (one line on stderr naming the socket), 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstored.sizes import format_size
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
+from kvstored_client.keys import namespace_id_for
+from kvstored_client.paths import default_socket_path
+
+PROG = "kvstoredctl"
+BATCH_KEYS = 1024  # keys per request; well below the daemon's default max_batch_keys
+
+EPILOG = """\
+not available (the daemon has no RPC for them yet):
+  clear       emptying a whole namespace: no RPC lists or clears a namespace's keys. Evict the
+              keys you know instead: ... | kvstoredctl evict -n NS --keys-file -
+  namespaces  listing namespaces: Stats only counts them (/metrics has kvstored_namespace_info).
+
+The socket defaults to $KVSTORED_SOCKET, else /run/kvstored/kvstored.sock as root, else
+$XDG_RUNTIME_DIR/kvstored/kvstored.sock."""
+
+
+class CtlError(Exception):
+    """Printed as one line on stderr; exit code 1."""
+
+
+# -- talking to the daemon ----------------------------------------------------------------------
+
+class Conn:
+    def __init__(self, socket: Path, timeout: float) -> None:
+        self.socket = socket
+        self.timeout = timeout
+        self._channel: grpc.Channel | None = None
+
+    def _open(self) -> grpc.Channel:
+        if self._channel is None:
+            if not self.socket.exists():
+                raise CtlError(f"cannot reach kvstored at {self.socket}: no such socket "
+                               f"(is kvstored running? use --socket or KVSTORED_SOCKET)")
+            self._channel = grpc.insecure_channel(f"unix:{self.socket}")
+        return self._channel
+
+    @property
+    def kv(self) -> pb_grpc.KVStoreStub:
+        return pb_grpc.KVStoreStub(self._open())
+
+    def call(self, method: str, request: Any) -> Any:
+        try:
+            return getattr(self.kv, method)(request, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise self.error(method, exc) from None
+
+    def health(self) -> str:
+        stub = health_pb2_grpc.HealthStub(self._open())
+        try:
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise self.error("health check", exc) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def error(self, what: str, exc: grpc.RpcError) -> CtlError:
+        code = exc.code()
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if not os.access(self.socket, os.R_OK | os.W_OK):
+                why = "permission denied (run as root or as a member of the socket's group)"
+            elif code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                why = f"no answer within {self.timeout:g}s"
+            else:
+                why = "nothing is serving on it (stale socket?)"
+            return CtlError(f"cannot reach kvstored at {self.socket}: {why}")
+        return CtlError(f"{what} failed on {self.socket}: {code.name}: {exc.details()}")
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+
+
+# -- output -------------------------------------------------------------------------------------
+
+def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
+    cells = [list(map(str, header))] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def kind_name(kind: int) -> str:
+    return pb.TierKind.Name(kind).removeprefix("TIER_KIND_").lower()
+
+
+def ratio(part: int, whole: int) -> float | None:
+    return part / whole if whole else None
+
+
+def percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def tier_dict(t: pb.TierStats) -> dict[str, Any]:
+    d = {f.name: getattr(t, f.name) for f in pb.TierStats.DESCRIPTOR.fields}
+    d["kind"] = kind_name(t.kind)
+    d["misses"] = t.lookups - t.hits
+    d["hit_ratio"] = ratio(t.hits, t.lookups)
+    d["utilization"] = ratio(t.used_bytes, t.capacity_bytes)
+    return d
+
+
+def drops(t: pb.TierStats) -> int:
+    return t.dropped_backpressure + t.rejected_admission + t.rejected_full + t.errors + t.dropped_dirty
+
+
+def emit(args: argparse.Namespace, data: Any, text: Callable[[], str]) -> None:
+    print(json.dumps(data, indent=2) if args.json else text())
+
+
+def hex_keys(args: argparse.Namespace) -> list[bytes]:
+    raw = list(args.keys)
+    if args.keys_file:
+        stream = sys.stdin if args.keys_file == "-" else open(args.keys_file)
+        with stream:
+            raw += [line.strip() for line in stream if line.strip() and not line.startswith("#")]
+    if not raw:
+        raise UsageError("no keys: give hex keys as arguments or with --keys-file")
+    keys = []
+    for item in raw:
+        try:
+            keys.append(bytes.fromhex(item))
+        except ValueError:
+            raise UsageError(f"not a hex key: {item!r}") from None
+    return keys
+
+
+def batches(items: Sequence[bytes], n: int = BATCH_KEYS) -> Iterator[Sequence[bytes]]:
+    for start in range(0, len(items), n):
+        yield items[start:start + n]
+
+
+class UsageError(Exception):
+    """Bad input: exit code 2."""
+
+
+# -- commands -----------------------------------------------------------------------------------
+
+def cmd_status(conn: Conn, args: argparse.Namespace) -> int:
+    health = conn.health()
+    stats = conn.call("Stats", pb.StatsRequest())
+    data = {
+        "socket": str(conn.socket), "health": health, "version": stats.version,
+        "sessions": stats.sessions, "leases": stats.leases, "reservations": stats.reservations,
+        "regions": stats.regions, "namespaces": stats.namespaces,
+        "tiers": [tier_dict(t) for t in stats.tiers],
+    }
+
+    def text() -> str:
+        head = (f"kvstored {stats.version} on {conn.socket}: {health}\n"
+                f"sessions {stats.sessions}  leases {stats.leases}  reservations {stats.reservations}  "
+                f"regions {stats.regions}  namespaces {stats.namespaces}\n")
+        rows = [(t.name, kind_name(t.kind), format_size(t.used_bytes),
+                 format_size(t.capacity_bytes) if t.capacity_bytes else "unbounded",
+                 percent(ratio(t.used_bytes, t.capacity_bytes)), t.chunks, percent(ratio(t.hits, t.lookups)),
+                 t.lookups, t.evictions, drops(t), t.checksum_failures, t.queued) for t in stats.tiers]
+        return head + "\n" + table(rows, ("TIER", "KIND", "USED", "CAPACITY", "UTIL", "CHUNKS", "HIT RATE",
+                                          "LOOKUPS", "EVICTIONS", "DROPS", "CORRUPT", "QUEUED"))
+
+    emit(args, data, text)
+    return 0 if health == "SERVING" else 1
+
+
+def cmd_stats(conn: Conn, args: argparse.Namespace) -> int:
+    stats = conn.call("Stats", pb.StatsRequest())
+    tiers = [tier_dict(t) for t in stats.tiers]
+
+    def text() -> str:
+        fields = [k for k in tiers[0] if k not in ("name", "kind")] if tiers else []
+        rows = [["kind"] + [t["kind"] for t in tiers]]
+        for field in fields:
+            row = [field]
+            for t in tiers:
+                value = t[field]
+                if field in ("hit_ratio", "utilization"):
+                    row.append(percent(value))
+                elif field.endswith("_bytes") and value:
+                    row.append(f"{value} ({format_size(value)})")
+                else:
+                    row.append(value)
+            rows.append(row)
+        return table(rows, ["FIELD"] + [t["name"] for t in tiers])
+
+    emit(args, {"version": stats.version, "tiers": tiers}, text)
+    return 0
+
+
+def cmd_health(conn: Conn, args: argparse.Namespace) -> int:
+    status = conn.health()
+    emit(args, {"socket": str(conn.socket), "status": status}, lambda: f"{status} ({conn.socket})")
+    return 0 if status == "SERVING" else 1
+
+
+def cmd_lookup(conn: Conn, args: argparse.Namespace) -> int:
+    keys = hex_keys(args)
+    tiers: list[int] = []
+    for batch in batches(keys):
+        tiers += conn.call("Lookup", pb.LookupRequest(namespace_id=args.namespace, keys=batch)).tiers
+    prefix = next((i for i, t in enumerate(tiers) if not t), len(tiers))
+    found = [kind_name(t) if t else None for t in tiers]
+    data = {"namespace_id": args.namespace, "prefix_hits": prefix, "hits": sum(1 for f in found if f),
+            "keys": [{"key": k.hex(), "tier": f} for k, f in zip(keys, found)]}
+
+    def text() -> str:
+        rows = [(k.hex(), f or "miss") for k, f in zip(keys, found)]
+        return (table(rows, ("KEY", "TIER")) +
+                f"\n{data['hits']} of {len(keys)} cached, {prefix} leading (prefix hits)")
+
+    emit(args, data, text)
+    return 0
+
+
+def cmd_evict(conn: Conn, args: argparse.Namespace) -> int:
+    keys = hex_keys(args)
+    deleted = sum(conn.call("Delete", pb.DeleteRequest(namespace_id=args.namespace, keys=batch)).deleted
+                  for batch in batches(keys))
+    emit(args, {"namespace_id": args.namespace, "requested": len(keys), "deleted": deleted},
+         lambda: f"deleted {deleted} of {len(keys)} keys from every tier (namespace {args.namespace})")
+    return 0
+
+
+def event_dict(e: pb.KvEvent) -> dict[str, Any]:
+    return {
+        "seq": e.seq, "ts": e.ts, "type": pb.EventType.Name(e.type).removeprefix("EVENT_TYPE_").lower(),
+        "cause": pb.EventCause.Name(e.cause).removeprefix("EVENT_CAUSE_").lower(),
+        "tier": e.tier, "tier_kind": kind_name(e.tier_kind), "namespace_id": e.namespace_id,
+        "keys": [k.hex() for k in e.keys],
+    }
+
+
+def event_line(d: dict[str, Any]) -> str:
+    stamp = time.strftime("%H:%M:%S", time.localtime(d["ts"])) + f".{int(d['ts'] * 1000) % 1000:03d}"
+    keys = d["keys"]
+    shown = " ".join(k[:16] for k in keys[:3]) + (f" (+{len(keys) - 3})" if len(keys) > 3 else "")
+    return (f"{d['seq']:>8} {stamp} {d['type']:<8} {d['cause']:<12} {d['tier']:<6} "
+            f"{d['namespace_id'][:12]} {len(keys):>4} keys  {shown}")
+
+
+def watch(conn: Conn, from_seq: int) -> Iterator[pb.KvEvent]:
+    """Events from `from_seq` on (0: live only); resumes by itself if the daemon cuts us off
+    for falling behind (events between are replayed while still buffered)."""
+    while True:
+        last = from_seq - 1
+        try:
+            for event in conn.kv.WatchEvents(pb.WatchEventsRequest(from_seq=from_seq)):
+                last = event.seq
+                yield event
+            return  # the daemon is shutting down
+        except grpc.RpcError as exc:
+            if exc.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED or last < 0:
+                raise conn.error("WatchEvents", exc) from None
+            print(f"{PROG}: fell behind after event {last}; resuming", file=sys.stderr)
+            from_seq = last + 1
+
+
+def cmd_events(conn: Conn, args: argparse.Namespace) -> int:
+    shown = 0
+    if not args.json:
+        print(f"{'SEQ':>8} {'TIME':<12} {'TYPE':<8} {'CAUSE':<12} {'TIER':<6} {'NAMESPACE':<12} {'KEYS':>4}",
+              flush=True)
+    for event in watch(conn, args.from_seq):
+        if args.namespace and event.namespace_id != args.namespace:
+            continue
+        d = event_dict(event)
+        print(json.dumps(d) if args.json else event_line(d), flush=True)
+        shown += 1
+        if args.count and shown >= args.count:
+            break
+    return 0
+
+
+def cmd_namespace_id(args: argparse.Namespace) -> int:
+    ns_id = namespace_id_for(args.model, args.dtype, args.chunk_bytes, args.layout,
+                             args.tenant_salt_hex, args.key_bytes)
+    emit(args, {"namespace_id": ns_id}, lambda: ns_id)
+    return 0
+
+
+# -- command line -------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    # SUPPRESS: the options work before and after the command without overwriting each other
+    common.add_argument("--socket", type=Path, default=argparse.SUPPRESS,
+                        help="the daemon's gRPC socket (default: $KVSTORED_SOCKET or the system socket)")
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="machine-readable output")
+    common.add_argument("--timeout", type=float, default=argparse.SUPPRESS, metavar="SECONDS",
+                        help="per-request deadline (default 5)")
+
+    parser = argparse.ArgumentParser(
+        prog=PROG, parents=[common], description="Inspect and operate a running kvstored.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, func: Callable, help_text: str, aliases: Iterable[str] = ()) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[common], help=help_text, description=help_text, aliases=list(aliases))
+        p.set_defaults(func=func)
+        return p
+
+    add("status", cmd_status, "health, sessions and leases, and one line per tier")
+    add("stats", cmd_stats, "every counter of every tier")
+    add("health", cmd_health, "the gRPC health status; exit 0 only when SERVING")
+
+    def keyed(p: argparse.ArgumentParser) -> None:
+        p.add_argument("-n", "--namespace", required=True, metavar="ID", help="namespace id (32 hex digits)")
+        p.add_argument("keys", nargs="*", metavar="KEY", help="keys in hex")
+        p.add_argument("--keys-file", metavar="FILE", help="more hex keys, one per line ('-': stdin)")
+
+    keyed(add("lookup", cmd_lookup, "which tier holds each key. A lookup is a use: it refreshes the key "
+              "in RAM's LRU order and starts promoting keys found below RAM", aliases=["inspect"]))
+    keyed(add("evict", cmd_evict, "delete keys from every tier", aliases=["delete"]))
+
+    events = add("events", cmd_events, "tail KV events (stored/removed, per tier), one per line, until "
+                 "interrupted")
+    events.add_argument("--from-seq", type=int, default=0, metavar="N",
+                        help="replay buffered events from seq N first (1: all still buffered; default: live only)")
+    events.add_argument("--count", type=int, default=0, metavar="N", help="stop after N events")
+    events.add_argument("-n", "--namespace", metavar="ID", help="only this namespace's events")
+
+    nsid = add("namespace-id", cmd_namespace_id, "the id a namespace spec gets (computed here; no daemon needed)")
+    nsid.add_argument("--model", required=True)
+    nsid.add_argument("--dtype", required=True)
+    nsid.add_argument("--chunk-bytes", required=True, type=int)
+    nsid.add_argument("--layout", default="")
+    nsid.add_argument("--key-bytes", type=int, default=32)
+    nsid.add_argument("--tenant-salt-hex", type=bytes.fromhex, default=b"", metavar="HEX")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.json = getattr(args, "json", False)
+    args.timeout = getattr(args, "timeout", 5.0)
+    socket = getattr(args, "socket", None) or default_socket_path()
+    try:
+        if args.func is cmd_namespace_id:
+            return cmd_namespace_id(args)
+        conn = Conn(Path(socket), args.timeout)
+        try:
+            return args.func(conn, args)
+        finally:
+            conn.close()
+    except UsageError as exc:
+        parser.error(str(exc))
+    except CtlError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # e.g. `kvstoredctl events | head`
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

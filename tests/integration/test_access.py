@@ -1,0 +1,129 @@
+"""Access control: tenant namespaces are private to their sessions; the TCP listener's TLS rules."""
+
+from __future__ import annotations
+
+import socket
+
+import grpc
+import numpy as np
+import pytest
+
+from kvstored_client import ops
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
+from tests.support.daemon import Daemon, DaemonError
+from tests.support.data import make_keys, payloads
+from tests.support.tls import make_certs
+
+CHUNK = 64 << 10
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tenant_namespace_is_invisible_to_other_sessions(daemon, ns_name):
+    keys = make_keys("tenant", 4)
+    data = payloads(keys, CHUNK)
+    with daemon.client() as owner, daemon.client() as other:
+        ns = owner.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK, tenant_salt=b"acme")
+        assert owner.store(ns, keys, data).stored == 4
+        assert owner.lookup(ns, keys).prefix_hits == 4
+
+        # `other` knows the namespace id but never registered it in its session.
+        assert other.lookup(ns, keys).prefix_hits == 0
+        out = np.zeros_like(data)
+        assert other._run(lambda s: ops.load(s, ns, keys, out), fallback=-1, session=True) == 0
+        assert not out.any()
+        poisoned = other._run(lambda s: ops.store(s, ns, make_keys("poison", 1), data[:1]), None, session=True)
+        assert poisoned.stored == 0 and poisoned.dropped == 1
+        assert other.delete(ns, keys) == 0
+
+        # Exactly a miss, also without any session at all (grpcurl-style).
+        with daemon.channel() as channel:
+            stub = pb_grpc.KVStoreStub(channel)
+            resp = stub.Lookup(pb.LookupRequest(namespace_id=ns.namespace_id, keys=keys), timeout=10)
+            assert resp.prefix_hits == 0 and list(resp.tiers) == [pb.TIER_KIND_UNSPECIFIED] * 4
+            with pytest.raises(grpc.RpcError) as err:
+                stub.RegisterNamespace(pb.RegisterNamespaceRequest(spec=ns.spec.to_proto()), timeout=10)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "session" in err.value.details()
+
+        # The owner's data is untouched, and a tenant who registers the same salt shares it.
+        assert owner.load(ns, keys, out) == 4 and np.array_equal(out, data)
+        same_tenant = other.register_namespace(ns.spec)
+        assert same_tenant.namespace_id == ns.namespace_id
+        assert other.lookup(same_tenant, keys).prefix_hits == 4
+
+
+def test_different_salts_give_different_namespaces(daemon, ns_name):
+    with daemon.client() as kv:
+        a = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK, tenant_salt=b"a")
+        b = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK, tenant_salt=b"b")
+        plain = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
+        assert len({a.namespace_id, b.namespace_id, plain.namespace_id}) == 3
+        keys = make_keys("salt", 2)
+        kv.store(a, keys, payloads(keys, CHUNK))
+        assert kv.lookup(b, keys).prefix_hits == 0
+        assert kv.lookup(plain, keys).prefix_hits == 0
+
+
+def test_tenant_client_recovers_after_daemon_restart(daemon, ns_name):
+    keys = make_keys("tenant-restart", 2)
+    with daemon.client() as kv:
+        ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK, tenant_salt=b"acme")
+        assert kv.store(ns, keys, payloads(keys, CHUNK)).stored == 2
+        daemon.stop()
+        daemon.start()
+        # The new daemon knows nothing: the client opens a new session, registers again, stores.
+        assert kv.lookup(ns, keys).prefix_hits == 0
+        assert kv.store(ns, keys, payloads(keys, CHUNK)).stored == 2
+        assert kv.lookup(ns, keys).prefix_hits == 2
+
+
+def test_tcp_beyond_loopback_requires_tls(tmp_path):
+    d = Daemon()
+    try:
+        proc = d.spawn(["--tcp-listen", "0.0.0.0:0", "--metrics-addr", "off"])
+        assert proc.wait(30) == 2
+        assert "beyond loopback" in d.log and "tls_cert_file" in d.log
+    finally:
+        d.cleanup()
+
+
+def _stats_over(target: str, creds: grpc.ChannelCredentials | None):
+    channel = grpc.secure_channel(target, creds) if creds else grpc.insecure_channel(target)
+    with channel:
+        return pb_grpc.KVStoreStub(channel).Stats(pb.StatsRequest(), timeout=5)
+
+
+def test_tcp_listener_serves_tls_and_mutual_tls(daemon_factory, tmp_path):
+    certs = make_certs(tmp_path)
+    ca = certs.ca.read_bytes()
+    client_pair = (certs.client_key.read_bytes(), certs.client_cert.read_bytes())
+
+    port = _free_port()
+    daemon_factory(["--tcp-listen", f"127.0.0.1:{port}", "--tls-cert-file", str(certs.server_cert),
+                    "--tls-key-file", str(certs.server_key)])
+    target = f"127.0.0.1:{port}"
+    assert _stats_over(target, grpc.ssl_channel_credentials(root_certificates=ca)).version
+    with pytest.raises(grpc.RpcError):
+        _stats_over(target, None)  # plaintext against a TLS port fails
+
+    mport = _free_port()
+    daemon_factory(["--tcp-listen", f"127.0.0.1:{mport}", "--tls-cert-file", str(certs.server_cert),
+                    "--tls-key-file", str(certs.server_key), "--tls-client-ca-file", str(certs.ca)])
+    mtarget = f"127.0.0.1:{mport}"
+    with pytest.raises(grpc.RpcError):  # no client certificate: refused
+        _stats_over(mtarget, grpc.ssl_channel_credentials(root_certificates=ca))
+    creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=client_pair[0],
+                                         certificate_chain=client_pair[1])
+    assert _stats_over(mtarget, creds).version
+
+
+def test_tcp_loopback_plaintext_allowed(daemon_factory):
+    port = _free_port()
+    daemon_factory(["--tcp-listen", f"127.0.0.1:{port}"])
+    assert _stats_over(f"127.0.0.1:{port}", None).version
