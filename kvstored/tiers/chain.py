@@ -10,6 +10,7 @@ region and the pool run in a small thread pool (numpy releases the GIL while cop
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -104,10 +105,11 @@ class TierChain:
         missing = [i for i, t in enumerate(tiers) if t is TierKind.NONE]
         if missing and self.lower:
             found = await self.promoter.find([chunks[i] for i in missing])
+            # Prefetch the leading hits into free RAM only (write-back keeps some free).
             for i, tier_index in zip(missing, found):
                 if tier_index is not None:
                     tiers[i] = self.lower[tier_index].tier.kind
-                    self.promoter.start(chunks[i], ns.chunk_bytes, tier_index)
+                    self.promoter.start(chunks[i], ns.chunk_bytes, tier_index, evict=False)
         return tiers
 
     async def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
@@ -122,24 +124,44 @@ class TierChain:
             removed = [r or c in gone for r, c in zip(removed, chunks)]
         return sum(removed)
 
-    async def _bring_up(self, ns: Namespace, chunks: Sequence[ChunkId]) -> None:
-        """Promote the leading chunks that are below RAM and wait for them (stops at a miss)."""
-        if not self.lower:
-            return
+    async def _lease_prefix(self, ns: Namespace, keys: Sequence[bytes]) -> list[RamEntry]:
+        """Lease the leading chunks, promoting from below what RAM lacks; stops at the first miss.
+
+        Leased chunks are pinned, so promoting the rest can only evict chunks further on, which
+        the next round promotes again (a few rounds at most while RAM holds the batch)."""
+        chunks = [(ns.namespace_id, k) for k in keys]
+        leased: list[RamEntry] = []
+        try:
+            for _round in range(4):
+                while len(leased) < len(chunks):
+                    entry = self.ram.acquire(chunks[len(leased)])
+                    if entry is None:
+                        break
+                    leased.append(entry)
+                if len(leased) == len(chunks) or not self.lower:
+                    break
+                if not await self._promote_prefix(ns, chunks[len(leased):]):
+                    break
+        except BaseException:
+            for entry in leased:
+                self.ram.release(entry)
+            raise
+        return leased
+
+    async def _promote_prefix(self, ns: Namespace, chunks: Sequence[ChunkId]) -> bool:
+        """Promote the leading chunks that are below RAM and wait; False if the first is nowhere."""
         missing = [i for i, c in enumerate(chunks) if not self.ram.contains(c, touch=False)]
-        if not missing:
-            return
-        found = await self.promoter.find([chunks[i] for i in missing])
+        found = await self.promoter.find([chunks[i] for i in missing]) if missing else []
+        wanted = sum(1 for _ in itertools.takewhile(lambda t: t is not None, found))
+        await self.writeback.make_room(wanted * self.ram.pages_for(ns.chunk_bytes) * self.ram.page_bytes)
         waits = []
         for i, tier_index in zip(missing, found):
-            if tier_index is None:
-                break
-            future = self.promoter.start(chunks[i], ns.chunk_bytes, tier_index)
+            future = None if tier_index is None else self.promoter.start(chunks[i], ns.chunk_bytes, tier_index)
             if future is None:
                 break
             waits.append(future)
-        if waits:
-            await asyncio.gather(*waits)
+        results = await asyncio.gather(*waits)
+        return bool(results) and results[0]
 
     # -- pool mapping ---------------------------------------------------------------------
 
@@ -172,15 +194,10 @@ class TierChain:
 
     async def acquire(self, session: Session, ns: Namespace, keys: Sequence[bytes]) -> list[LeaseGrant]:
         """Leases for the leading cached keys (promoted from below first); stops at the first miss."""
-        await self._bring_up(ns, [(ns.namespace_id, k) for k in keys])
-        grants = []
-        for key in keys:
-            entry = self.ram.acquire((ns.namespace_id, key))
-            if entry is None:
-                break
-            handle = self._grant(session, HandleKind.LEASE, entry)
-            grants.append(LeaseGrant(handle, tuple(self.ram.extents(entry))))
-        return grants
+        return [
+            LeaseGrant(self._grant(session, HandleKind.LEASE, entry), tuple(self.ram.extents(entry)))
+            for entry in await self._lease_prefix(ns, keys)
+        ]
 
     def release(self, session: Session, handles: Sequence[int]) -> int:
         taken = self._take_all(session, handles, (HandleKind.LEASE, HandleKind.RESERVATION))
@@ -252,13 +269,7 @@ class TierChain:
         self, session: Session, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
     ) -> int:
         _check_offsets(ns, region, keys, offsets)
-        await self._bring_up(ns, [(ns.namespace_id, k) for k in keys])
-        leased: list[tuple[RamEntry, int]] = []
-        for key, offset in zip(keys, offsets):
-            entry = self.ram.acquire((ns.namespace_id, key))
-            if entry is None:
-                break
-            leased.append((entry, offset))
+        leased = list(zip(await self._lease_prefix(ns, keys), offsets))
         try:
             jobs = [(offset, self.ram.extents(entry)) for entry, offset in leased]
             await self._copy(_copy_pool_to_region, region.array, self._pool.array, jobs)

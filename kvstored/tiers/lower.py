@@ -183,11 +183,14 @@ class Promoter:
             todo = [i for i in todo if found[i] is None]
         return found
 
-    def start(self, chunk: ChunkId, size: int, tier_index: int) -> asyncio.Future | None:
+    def start(self, chunk: ChunkId, size: int, tier_index: int, evict: bool = True) -> asyncio.Future | None:
         """Begin copying `chunk` up from lower tier `tier_index`; the future resolves to True
-        once it is READY in RAM (False if it could not be promoted)."""
+        once it is READY in RAM (False if it could not be promoted). Without `evict`, only free
+        RAM is used (prefetch must not push out chunks a load is about to need)."""
         if chunk in self._in_flight:
             return self._in_flight[chunk][0]
+        if not evict and self._ram.free_bytes < self._ram.pages_for(size) * self._ram.page_bytes:
+            return None
         reservation = self._ram.reserve(chunk, size)
         if reservation.evicted:
             self._events.publish(EventType.REMOVED, Cause.EVICTED, "ram", TierKind.RAM, reservation.evicted)
