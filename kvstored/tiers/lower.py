@@ -20,7 +20,7 @@ from typing import Sequence
 from kvstored.io.scheduler import Priority, TierQueue
 from kvstored.observability.events import Cause, EventBus, EventType
 from kvstored.tiers.base import ChunkId, SecondaryTier, TierKind, WriteOutcome
-from kvstored.tiers.ram import RamEntry, RamTier
+from kvstored.tiers.ram import RamEntry, RamTier, ReserveOutcome
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +194,10 @@ class Promoter:
         reservation = self._ram.reserve(chunk, size)
         if reservation.evicted:
             self._events.publish(EventType.REMOVED, Cause.EVICTED, "ram", TierKind.RAM, reservation.evicted)
+        if reservation.outcome is ReserveOutcome.ALREADY_PRESENT:  # landed meanwhile
+            done: asyncio.Future = asyncio.get_running_loop().create_future()
+            done.set_result(True)
+            return done
         if reservation.entry is None:
             return None
         entry = reservation.entry
