@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 GEN := client/kvstored_client/_gen/kvstored/v1
 PROTOS := $(wildcard proto/kvstored/v1/*.proto)
 # The daemon of `make run`: RAM tier + an fs tier under ./var (ignored by git).
-RUN_ARGS ?= --socket var/kvstored.sock
+RUN_ARGS ?= --socket var/kvstored.sock --tiers kind=fs,root=var/fs,bytes=20GiB
 PYTEST_ARGS ?=
 
 .PHONY: setup proto run test bench system-deps clean
@@ -26,7 +26,7 @@ proto $(GEN)/kvstored_pb2.py: $(PROTOS) | $(STAMP)
 		$(patsubst proto/%,kvstored_client/_gen/%,$(PROTOS))
 
 run: setup
-	mkdir -p var
+	mkdir -p var/fs
 	$(BIN)/kvstored serve $(RUN_ARGS)
 
 # Exit code 5 (no tests collected) is a failure, not a pass.
