@@ -103,7 +103,7 @@ class FsTierConfig:
     admission: AdmissionPolicy = AdmissionPolicy.ALWAYS
     io_threads: int = 4
     direct_io: bool = True
-    concurrency: int = 4  # operations in flight
+    concurrency: int = 8  # operations in flight (about twice io_threads keeps the threads busy)
     max_backlog: int = 256  # queued write-downs (and deletions) before new ones are dropped
 
 

@@ -1,0 +1,596 @@
+"""FsTier on real files: round trips through page-aligned views, LRU capacity, restart, a shared
+root, corruption, admission, a full disk (a 1 MiB tmpfs) and filesystems that refuse O_DIRECT."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import mmap
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstored.tiers import chunkfile
+from kvstored.tiers.base import AdmissionPolicy, WriteOutcome
+from kvstored.tiers.chunkfile import HEADER_BYTES
+from kvstored.tiers.fs import FsTier
+
+PAGE = 4096
+NS = "0123456789abcdef0123456789abcdef"
+
+
+class Slot:
+    """A pool slot: page-aligned anonymous memory chopped into page-multiple views."""
+
+    def __init__(self, pages_per_view: tuple[int, ...] = (64,)) -> None:
+        self.mm = mmap.mmap(-1, sum(pages_per_view) * PAGE)
+        self.array = np.frombuffer(self.mm, dtype=np.uint8)
+        whole, offset, self.views = memoryview(self.mm), 0, []
+        for pages in pages_per_view:
+            self.views.append(whole[offset:offset + pages * PAGE])
+            offset += pages * PAGE
+
+    def fill(self, size: int, seed: int) -> bytes:
+        self.array[:size] = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+        return bytes(self.array[:size])
+
+    def payload(self, size: int) -> bytes:
+        return bytes(self.array[:size])
+
+
+def key(i: int) -> bytes:
+    return hashlib.sha256(i.to_bytes(4, "big")).digest()  # spread over the fan-out directories
+
+
+def chunk(i: int) -> tuple[str, bytes]:
+    return NS, key(i)
+
+
+def path_of(root: Path, c) -> Path:
+    return root / chunkfile.chunk_relpath(c)
+
+
+def tmp_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob(".*.tmp")]
+
+
+@pytest.fixture
+async def make_tier(tmp_path):
+    made: list[FsTier] = []
+
+    async def make(root: Path | None = None, capacity: int = 64 << 20, **kwargs) -> FsTier:
+        tier = FsTier("fs", root or tmp_path / "fs", capacity, **kwargs)
+        await tier.start()
+        made.append(tier)
+        return tier
+
+    yield make
+    for tier in made:
+        await tier.close()
+
+
+def _mount(fstype: str, target: Path, options: str | None = None) -> None:
+    target.mkdir(parents=True, exist_ok=True)
+    cmd = ["mount", "-t", fstype] + (["-o", options] if options else []) + [fstype, str(target)]
+    subprocess.run(cmd, check=True, capture_output=True)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs: real ENOSPC (needs root, as in CI)."""
+    target = tmp_path / "small"
+    _mount("tmpfs", target, "size=1m")
+    yield target
+    subprocess.run(["umount", "-l", str(target)], check=True)
+
+
+@pytest.fixture
+def ramfs(tmp_path):
+    """ramfs refuses O_DIRECT with EINVAL (tmpfs accepts it on Linux >= 6.6)."""
+    target = tmp_path / "ramfs"
+    _mount("ramfs", target)
+    yield target
+    subprocess.run(["umount", "-l", str(target)], check=True)
+
+
+# -- round trips -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [PAGE * 16, PAGE * 16 - 1000, 1, 0])
+async def test_round_trip_single_view(make_tier, tmp_path, size):
+    tier = await make_tier()
+    assert tier.direct_io  # ext4 under tmp_path: the O_DIRECT path is the one tested here
+    src = Slot((16,))
+    data = src.fill(size, seed=size)
+    assert await tier.write(chunk(1), src.views, size) is WriteOutcome.WRITTEN
+    dst = Slot((16,))
+    assert await tier.read(chunk(1), dst.views, size)
+    assert dst.payload(size) == data
+    on_disk = path_of(tmp_path / "fs", chunk(1)).stat().st_size
+    assert on_disk == HEADER_BYTES + -(-size // PAGE) * PAGE  # O_DIRECT files are page-rounded
+    assert tier.usage().used_bytes == on_disk and tier.usage().chunks == 1
+    c = tier.counters
+    assert (c.writes, c.written_bytes, c.reads, c.read_bytes) == (1, size, 1, size)
+    assert tmp_files(tmp_path / "fs") == []
+
+
+async def test_round_trip_multi_view(make_tier):
+    tier = await make_tier()
+    size = PAGE * 5 + 777  # ends inside the third view
+    src = Slot((1, 3, 2, 4))
+    data = src.fill(size, seed=7)
+    assert await tier.write(chunk(2), src.views, size) is WriteOutcome.WRITTEN
+    for layout in ((10,), (2, 2, 2, 4), (6,)):  # read into other slot shapes
+        dst = Slot(layout)
+        assert await tier.read(chunk(2), dst.views, size)
+        assert dst.payload(size) == data
+
+
+async def test_unaligned_views_use_buffered_io(make_tier):
+    tier = await make_tier()
+    size = 10_000
+    data = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8).tobytes()
+    buf = bytearray(b"x" + data)
+    assert await tier.write(chunk(3), [memoryview(buf)[1:]], size) is WriteOutcome.WRITTEN
+    out = bytearray(size + 3)
+    assert await tier.read(chunk(3), [memoryview(out)[3:]], size)
+    assert bytes(out[3:]) == data
+
+
+async def test_read_miss_and_wrong_size(make_tier):
+    tier = await make_tier()
+    dst = Slot((4,))
+    assert not await tier.read(chunk(9), dst.views, PAGE)
+    assert tier.counters.checksum_failures == 0
+    with pytest.raises(ValueError):
+        await tier.read(chunk(9), dst.views, 5 * PAGE)  # views too small
+
+
+async def test_already_present(make_tier):
+    tier = await make_tier()
+    src = Slot((4,))
+    src.fill(PAGE * 4, seed=1)
+    assert await tier.write(chunk(1), src.views, PAGE * 4) is WriteOutcome.WRITTEN
+    assert await tier.write(chunk(1), src.views, PAGE * 4) is WriteOutcome.ALREADY_PRESENT
+    assert tier.counters.writes == 1 and tier.usage().chunks == 1
+
+
+async def test_concurrent_writes_and_reads(make_tier):
+    tier = await make_tier(io_threads=3)
+    size = PAGE * 8
+    slots = [Slot((8,)) for _ in range(6)]
+    datas = [s.fill(size, seed=i) for i, s in enumerate(slots)]
+    outcomes = await asyncio.gather(
+        *(tier.write(chunk(i), s.views, size) for i, s in enumerate(slots)),
+        tier.write(chunk(0), slots[0].views, size),  # the same chunk twice at once
+    )
+    assert outcomes[:6] == [WriteOutcome.WRITTEN] * 6
+    assert outcomes[6] is WriteOutcome.ALREADY_PRESENT
+    dsts = [Slot((8,)) for _ in range(6)]
+    assert all(await asyncio.gather(*(tier.read(chunk(i), d.views, size) for i, d in enumerate(dsts))))
+    assert [d.payload(size) for d in dsts] == datas
+    assert tier.usage().chunks == 6 and tier.counters.writes == 6
+
+
+async def test_remove(make_tier, tmp_path):
+    tier = await make_tier()
+    src = Slot((2,))
+    src.fill(PAGE * 2, seed=5)
+    await tier.write(chunk(1), src.views, PAGE * 2)
+    assert await tier.remove(chunk(1))
+    assert not path_of(tmp_path / "fs", chunk(1)).exists()
+    assert tier.usage() == tier.usage().__class__(64 << 20, 0, 0)
+    assert not await tier.remove(chunk(1))
+    assert await tier.contains([chunk(1)]) == [False]
+    assert await tier.write(chunk(1), src.views, PAGE * 2) is WriteOutcome.WRITTEN
+
+
+async def test_closed_tier_refuses_work(tmp_path):
+    tier = FsTier("fs", tmp_path / "fs", 1 << 20)
+    await tier.start()
+    await tier.close()
+    src = Slot((1,))
+    assert await tier.write(chunk(1), src.views, 10) is WriteOutcome.FAILED
+    assert not await tier.read(chunk(1), src.views, 10)
+
+
+# -- capacity and LRU ----------------------------------------------------------------------------
+
+
+async def test_capacity_evicts_least_recently_used(make_tier, tmp_path):
+    size = PAGE * 8
+    file_bytes = HEADER_BYTES + size
+    tier = await make_tier(capacity=3 * file_bytes)
+    src = Slot((8,))
+    for i in range(3):
+        src.fill(size, seed=i)
+        assert await tier.write(chunk(i), src.views, size) is WriteOutcome.WRITTEN
+    dst = Slot((8,))
+    assert await tier.read(chunk(0), dst.views, size)  # chunk 0 becomes the most recent
+    src.fill(size, seed=3)
+    assert await tier.write(chunk(3), src.views, size) is WriteOutcome.WRITTEN
+    root = tmp_path / "fs"
+    assert not path_of(root, chunk(1)).exists()  # the least recently used went
+    assert all(path_of(root, chunk(i)).exists() for i in (0, 2, 3))
+    assert await tier.contains([chunk(i) for i in range(4)]) == [True, False, True, True]
+    assert tier.counters.evictions == 1
+    on_disk = sum(p.stat().st_size for p in root.rglob("*.kv"))
+    assert tier.usage().used_bytes == on_disk <= 3 * file_bytes
+    # a chunk that can never fit
+    big = Slot((3 * file_bytes // PAGE,))
+    assert await tier.write(chunk(9), big.views, 3 * file_bytes) is WriteOutcome.REJECTED_FULL
+    assert tier.counters.rejected_full == 1
+
+
+async def test_contains_refreshes_recency(make_tier, tmp_path):
+    size = PAGE
+    tier = await make_tier(capacity=2 * (HEADER_BYTES + size))
+    src = Slot((1,))
+    await tier.write(chunk(0), src.views, size)
+    await tier.write(chunk(1), src.views, size)
+    assert await tier.contains([chunk(0)]) == [True]
+    await tier.write(chunk(2), src.views, size)
+    assert await tier.contains([chunk(0), chunk(1), chunk(2)]) == [True, False, True]
+    assert (tier.counters.lookups, tier.counters.hits) == (4, 3)
+
+
+# -- restart and a shared root -------------------------------------------------------------------
+
+
+async def test_restart_rebuilds_index(make_tier, tmp_path):
+    root = tmp_path / "fs"
+    size = PAGE * 4 + 5
+    first = await make_tier(root)
+    src = Slot((5,))
+    datas = {}
+    for i in range(3):
+        datas[i] = src.fill(size, seed=i)
+        await first.write(chunk(i), src.views, size)
+    await first.close()
+
+    second = await make_tier(root)
+    assert second.usage() == first.usage()
+    assert await second.contains([chunk(i) for i in range(4)]) == [True, True, True, False]
+    dst = Slot((5,))
+    for i in range(3):
+        assert await second.read(chunk(i), dst.views, size)
+        assert dst.payload(size) == datas[i]
+
+
+async def test_restart_orders_lru_by_mtime_and_fits_capacity(make_tier, tmp_path):
+    root = tmp_path / "fs"
+    size = PAGE
+    first = await make_tier(root)
+    src = Slot((1,))
+    for i in range(4):
+        await first.write(chunk(i), src.views, size)
+    await first.close()
+    now = time.time()
+    for age, i in ((400, 2), (300, 0), (200, 3), (100, 1)):  # oldest first: 2, 0, 3, 1
+        os.utime(path_of(root, chunk(i)), (now - age, now - age))
+
+    second = await make_tier(root, capacity=3 * (HEADER_BYTES + size))  # one file too many
+    assert not path_of(root, chunk(2)).exists() and second.counters.evictions == 1
+    await second.write(chunk(4), src.views, size)
+    assert not path_of(root, chunk(0)).exists()
+    assert sorted(p.name for p in root.rglob("*.kv")) == sorted(
+        path_of(root, chunk(i)).name for i in (1, 3, 4))
+
+
+async def test_read_hits_persist_recency_across_restart(make_tier, tmp_path):
+    root = tmp_path / "fs"
+    size = PAGE
+    first = await make_tier(root, touch_interval_s=0)
+    src = Slot((1,))
+    for i in range(2):
+        await first.write(chunk(i), src.views, size)
+    now = time.time()
+    os.utime(path_of(root, chunk(0)), (now - 200, now - 200))
+    os.utime(path_of(root, chunk(1)), (now - 100, now - 100))
+    await first.close()
+    second = await make_tier(root, touch_interval_s=0)
+    assert await second.read(chunk(0), Slot((1,)).views, size)  # touches chunk 0's mtime
+    await second.close()
+
+    third = await make_tier(root, capacity=2 * (HEADER_BYTES + size))
+    await third.write(chunk(2), src.views, size)
+    assert path_of(root, chunk(0)).exists() and not path_of(root, chunk(1)).exists()
+
+
+async def test_two_tiers_share_a_root(make_tier, tmp_path):
+    root = tmp_path / "fs"
+    a = await make_tier(root)
+    b = await make_tier(root)
+    size = PAGE * 3 + 9
+    src = Slot((4,))
+    data = src.fill(size, seed=11)
+    assert await a.write(chunk(1), src.views, size) is WriteOutcome.WRITTEN
+    assert await a.write(chunk(2), src.views, size) is WriteOutcome.WRITTEN
+    assert await b.contains([chunk(1), chunk(3)]) == [True, False]  # adopted from disk
+    assert b.usage().chunks == 1 and b.counters.hits == 1
+    dst = Slot((4,))
+    assert await b.read(chunk(1), dst.views, size) and dst.payload(size) == data
+    assert await b.read(chunk(2), dst.views, size) and dst.payload(size) == data  # no contains first
+    assert b.usage().chunks == 2
+    assert await b.write(chunk(2), src.views, size) is WriteOutcome.ALREADY_PRESENT
+    # a write of a chunk the other tier wrote adopts the file instead of rewriting it
+    assert await a.write(chunk(5), src.views, size) is WriteOutcome.WRITTEN
+    inode = path_of(root, chunk(5)).stat().st_ino
+    assert await b.write(chunk(5), src.views, size) is WriteOutcome.ALREADY_PRESENT
+    assert path_of(root, chunk(5)).stat().st_ino == inode and b.counters.writes == 0
+    assert b.usage().chunks == 3
+    # many misses at once take the pool path
+    many = [chunk(i) for i in range(20)]
+    assert await b.contains(many) == [i in (1, 2, 5) for i in range(20)]
+
+
+# -- corruption ---------------------------------------------------------------------------------
+
+
+async def _write_one(tier, c, size=PAGE * 4, seed=0):
+    src = Slot((4,))
+    data = src.fill(size, seed=seed)
+    assert await tier.write(c, src.views, size) is WriteOutcome.WRITTEN
+    return data
+
+
+async def test_corrupt_payload_byte(make_tier, tmp_path):
+    tier = await make_tier()
+    size = PAGE * 4
+    await _write_one(tier, chunk(1), size)
+    path = path_of(tmp_path / "fs", chunk(1))
+    with open(path, "r+b") as f:
+        f.seek(HEADER_BYTES + 1234)
+        byte = f.read(1)
+        f.seek(HEADER_BYTES + 1234)
+        f.write(bytes([byte[0] ^ 0x01]))
+    assert not await tier.read(chunk(1), Slot((4,)).views, size)
+    assert not path.exists()
+    assert tier.counters.checksum_failures == 1
+    assert tier.usage().chunks == 0 and tier.usage().used_bytes == 0
+    assert await tier.contains([chunk(1)]) == [False]
+
+
+@pytest.mark.parametrize("keep", [HEADER_BYTES + PAGE * 2, 100, 0])
+async def test_truncated_file(make_tier, tmp_path, keep):
+    tier = await make_tier()
+    size = PAGE * 4
+    await _write_one(tier, chunk(1), size)
+    path = path_of(tmp_path / "fs", chunk(1))
+    os.truncate(path, keep)
+    assert not await tier.read(chunk(1), Slot((4,)).views, size)
+    assert not path.exists()
+    assert tier.counters.checksum_failures == 1 and tier.usage().chunks == 0
+
+
+async def test_header_naming_another_chunk(make_tier, tmp_path):
+    root = tmp_path / "fs"
+    tier = await make_tier(root)
+    size = PAGE * 4
+    data = await _write_one(tier, chunk(1), size)
+    impostor = path_of(root, chunk(2))
+    impostor.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(path_of(root, chunk(1)), impostor)
+    assert await tier.contains([chunk(2)]) == [True]  # by name only
+    assert not await tier.read(chunk(2), Slot((4,)).views, size)
+    assert not impostor.exists() and tier.counters.checksum_failures == 1
+    dst = Slot((4,))
+    assert await tier.read(chunk(1), dst.views, size) and dst.payload(size) == data
+
+
+async def test_wrong_expected_size_is_corrupt(make_tier, tmp_path):
+    tier = await make_tier()
+    await _write_one(tier, chunk(1), PAGE * 4)
+    assert not await tier.read(chunk(1), Slot((4,)).views, PAGE * 3)
+    assert tier.counters.checksum_failures == 1
+
+
+# -- admission ----------------------------------------------------------------------------------
+
+
+async def test_second_eviction_admission(make_tier):
+    tier = await make_tier(admission=AdmissionPolicy.SECOND_EVICTION)
+    src = Slot((1,))
+    assert await tier.write(chunk(1), src.views, PAGE) is WriteOutcome.REJECTED_ADMISSION
+    assert tier.counters.rejected_admission == 1 and tier.usage().chunks == 0
+    assert await tier.write(chunk(2), src.views, PAGE) is WriteOutcome.REJECTED_ADMISSION
+    assert await tier.write(chunk(1), src.views, PAGE) is WriteOutcome.WRITTEN
+    assert await tier.write(chunk(1), src.views, PAGE) is WriteOutcome.ALREADY_PRESENT
+    tier.set_admission(AdmissionPolicy.ALWAYS)
+    assert await tier.write(chunk(3), src.views, PAGE) is WriteOutcome.WRITTEN
+    tier.set_admission(AdmissionPolicy.SECOND_EVICTION)
+    assert await tier.write(chunk(4), src.views, PAGE) is WriteOutcome.REJECTED_ADMISSION
+    assert tier.counters.rejected_admission == 3 and tier.counters.writes == 2
+
+
+# -- disk full and O_DIRECT fallback -------------------------------------------------------------
+
+
+async def test_disk_full(make_tier, small_tmpfs):
+    backoff = 0.2
+    tier = await make_tier(small_tmpfs, capacity=1 << 30, full_backoff_s=backoff)
+    size = 256 << 10  # three fit in 1 MiB with their headers, the fourth does not
+    src = Slot((64,))
+    datas, outcome, i = {}, None, 0
+    while True:
+        datas[i] = src.fill(size, seed=i)
+        outcome = await tier.write(chunk(i), src.views, size)
+        if outcome is not WriteOutcome.WRITTEN:
+            break
+        i += 1
+    assert outcome is WriteOutcome.REJECTED_FULL and i >= 1
+    assert tier.counters.rejected_full == 1 and tier.counters.errors == 0
+    assert tmp_files(small_tmpfs) == []
+    assert not path_of(small_tmpfs, chunk(i)).exists()
+    # backing off: refused at once, reads still served
+    assert await tier.write(chunk(100), src.views, PAGE) is WriteOutcome.REJECTED_FULL
+    assert tier.counters.rejected_full == 2
+    dst = Slot((64,))
+    for j in range(i):
+        assert await tier.read(chunk(j), dst.views, size) and dst.payload(size) == datas[j]
+    # free space, wait out the back-off: writes work again
+    assert await tier.remove(chunk(0))
+    await asyncio.sleep(backoff * 1.5)
+    src.array[:size] = np.frombuffer(datas[i], dtype=np.uint8)
+    assert await tier.write(chunk(i), src.views, size) is WriteOutcome.WRITTEN
+    assert await tier.read(chunk(i), dst.views, size) and dst.payload(size) == datas[i]
+
+
+async def test_direct_io_on_tmpfs_round_trip(make_tier, small_tmpfs):
+    tier = await make_tier(small_tmpfs)
+    size = PAGE * 10 + 3
+    src = Slot((2, 9))
+    data = src.fill(size, seed=4)
+    assert await tier.write(chunk(1), src.views, size) is WriteOutcome.WRITTEN
+    dst = Slot((11,))
+    assert await tier.read(chunk(1), dst.views, size) and dst.payload(size) == data
+
+
+async def test_odirect_refused_at_start_falls_back(make_tier, ramfs):
+    tier = await make_tier(ramfs)
+    assert not tier.direct_io
+    size = PAGE * 6 + 100
+    src = Slot((3, 4))
+    data = src.fill(size, seed=8)
+    assert await tier.write(chunk(1), src.views, size) is WriteOutcome.WRITTEN
+    assert path_of(ramfs, chunk(1)).stat().st_size == HEADER_BYTES + size  # buffered: exact length
+    dst = Slot((7,))
+    assert await tier.read(chunk(1), dst.views, size) and dst.payload(size) == data
+    assert tmp_files(ramfs) == []
+
+
+async def test_odirect_refused_per_file_falls_back(ramfs):
+    tier = FsTier("fs", ramfs, 1 << 20)  # not started: no probe, the first open finds out
+    try:
+        assert tier.direct_io
+        size = PAGE * 2
+        src = Slot((2,))
+        data = src.fill(size, seed=9)
+        assert await tier.write(chunk(1), src.views, size) is WriteOutcome.WRITTEN
+        assert not tier.direct_io
+        dst = Slot((2,))
+        assert await tier.read(chunk(1), dst.views, size) and dst.payload(size) == data
+    finally:
+        await tier.close()
+
+
+async def test_reads_files_written_buffered_with_odirect(make_tier, tmp_path):
+    root = tmp_path / "fs"
+    buffered = await make_tier(root, direct_io=False)
+    size = PAGE * 3 + 17
+    data = await _write_one(buffered, chunk(1), size)
+    assert path_of(root, chunk(1)).stat().st_size == HEADER_BYTES + size
+    direct = await make_tier(root)
+    dst = Slot((4,))
+    assert await direct.read(chunk(1), dst.views, size) and dst.payload(size) == data
+
+
+# -- leftovers --------------------------------------------------------------------------------------
+
+
+async def test_stale_tmp_files_removed_fresh_kept(make_tier, tmp_path):
+    root = tmp_path / "fs"
+    first = await make_tier(root)
+    await _write_one(first, chunk(1))
+    await first.close()
+    leaf = path_of(root, chunk(1)).parent
+    old, fresh = leaf / f".{key(1).hex()}.999.1.tmp", leaf / f".{key(1).hex()}.999.2.tmp"
+    old_probe = root / ".odirect-probe.999.3.tmp"
+    for p in (old, fresh, old_probe):
+        p.write_bytes(b"partial")
+    then = time.time() - 600
+    os.utime(old, (then, then))
+    os.utime(old_probe, (then, then))
+    (root / NS / "zz").mkdir()  # stray entries are ignored, not served
+    (leaf / "not-a-chunk.kv").write_bytes(b"?")
+
+    second = await make_tier(root)
+    assert not old.exists() and not old_probe.exists()
+    assert fresh.exists()
+    assert second.usage().chunks == 1
+    assert await second.contains([chunk(1)]) == [True]
+
+
+# -- removal events and cancellation ------------------------------------------------------------
+
+
+async def test_removal_listener_hears_evictions_and_corruption(make_tier, tmp_path):
+    from kvstored.tiers.base import RemovalCause
+
+    size = PAGE
+    tier = await make_tier(capacity=2 * (HEADER_BYTES + size))
+    heard = []
+    tier.removal_listener = lambda t, c, cause: heard.append((t, c, cause))
+    src = Slot((1,))
+    for i in range(3):
+        await tier.write(chunk(i), src.views, size)
+    assert heard == [(tier, chunk(0), RemovalCause.EVICTED)]
+    os.truncate(path_of(tmp_path / "fs", chunk(1)), 10)
+    assert not await tier.read(chunk(1), src.views, size)
+    assert heard[1:] == [(tier, chunk(1), RemovalCause.CORRUPT)]
+    assert await tier.remove(chunk(2))  # asked for: not an event
+    assert len(heard) == 2
+
+
+async def test_cancelled_write_and_read_leave_no_work_behind(make_tier):
+    tier = await make_tier()
+    size = PAGE * 32
+    src = Slot((32,))
+    data = src.fill(size, seed=1)
+    task = asyncio.create_task(tier.write(chunk(1), src.views, size))
+    await asyncio.sleep(0)  # the job is in the pool now
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # cancellation waited for the job: the file is complete and indexed, nothing is reserved
+    assert tier.usage().chunks == 1 and tier._index.reserved_bytes == 0
+    dst = Slot((32,))
+    task = asyncio.create_task(tier.read(chunk(1), dst.views, size))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert dst.payload(size) == data  # the read had finished filling the views before raising
+    assert await tier.read(chunk(1), dst.views, size)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_concurrent_mix_keeps_index_and_disk_in_step(make_tier, tmp_path, seed):
+    """Writes, reads, removes and lookups of overlapping chunks at once, with evictions: reads
+    that succeed are byte-exact, and at rest the index matches the files on disk."""
+    root = tmp_path / "fs"
+    size = PAGE * 2 + 50
+    tier = await make_tier(root, capacity=6 * (HEADER_BYTES + PAGE * 3), io_threads=3)
+    rng = np.random.default_rng(seed)
+    sources = {}
+    for i in range(12):
+        sources[i] = Slot((3,))
+        sources[i].fill(size, seed=100 + i)
+
+    async def op(n: int) -> None:
+        i = int(rng.integers(0, 12))
+        kind = n % 4
+        if kind in (0, 1):
+            await tier.write(chunk(i), sources[i].views, size)
+        elif kind == 2:
+            dst = Slot((3,))
+            if await tier.read(chunk(i), dst.views, size):
+                assert dst.payload(size) == sources[i].payload(size)
+        elif n % 8 == 3:
+            await tier.remove(chunk(i))
+        else:
+            await tier.contains([chunk(i), chunk((i + 1) % 12)])
+
+    for _ in range(10):
+        await asyncio.gather(*(op(n) for n in range(60)))
+    files = {p.name: p.stat().st_size for p in root.rglob("*.kv")}
+    indexed = [i for i in range(12) if chunk(i) in tier._index]
+    assert sorted(files) == sorted(path_of(root, chunk(i)).name for i in indexed)
+    assert tier.usage().used_bytes == sum(files.values()) <= tier.usage().capacity_bytes
+    assert tier.usage().chunks == len(files) and tmp_files(root) == []
+    assert tier.counters.checksum_failures == 0 and tier.counters.errors == 0
