@@ -138,8 +138,14 @@ class AsyncClient(ClientBase):
         try:
             call = next(op)
             while True:
+                method = getattr(stub, call.method)
                 try:
-                    response = await getattr(stub, call.method)(call.request, timeout=_remaining(deadline))
+                    try:
+                        response = await method(call.request, timeout=_remaining(deadline))
+                    except grpc.RpcError as exc:
+                        if not self._worth_waiting(exc):
+                            raise
+                        response = await method(call.request, timeout=_remaining(deadline), wait_for_ready=True)
                 except grpc.RpcError as exc:
                     call = op.throw(from_rpc_error(exc))
                 except Unavailable as exc:

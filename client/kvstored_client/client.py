@@ -70,6 +70,12 @@ class ClientBase:
         """Tenant namespaces: registered again in every new session."""
         return [spec for spec in self._namespaces.values() if spec.tenant_salt]
 
+    def _worth_waiting(self, exc: grpc.RpcError) -> bool:
+        """UNAVAILABLE while the socket exists: the daemon is (re)starting or the channel is in
+        its reconnect backoff, so wait for it within the deadline. With no socket the daemon is
+        down: fail fast, so callers degrade at once instead of at every deadline."""
+        return exc.code() == grpc.StatusCode.UNAVAILABLE and self.socket.exists()
+
     def _unattached(self) -> bool:
         return any(r.region_id == 0 for r in self._regions)
 
@@ -226,8 +232,14 @@ class Client(ClientBase):
         try:
             call = next(op)
             while True:
+                method = getattr(stub, call.method)
                 try:
-                    response = getattr(stub, call.method)(call.request, timeout=_remaining(deadline))
+                    try:
+                        response = method(call.request, timeout=_remaining(deadline))
+                    except grpc.RpcError as exc:
+                        if not self._worth_waiting(exc):
+                            raise
+                        response = method(call.request, timeout=_remaining(deadline), wait_for_ready=True)
                 except grpc.RpcError as exc:
                     call = op.throw(from_rpc_error(exc))
                 except Unavailable as exc:
