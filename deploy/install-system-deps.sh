@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# Debian packages the test suite uses. Installs only what is missing; needs root or sudo for that.
+# Debian packages the test suite uses; installs only what is missing (needs root or sudo then).
+#   ceph-mon ceph-osd radosgw: a real S3 server (radosgw) on loopback for the S3 tier's tests
+#   prometheus: promtool, to check /metrics, the alert rules and the scrape config
+#   systemd: systemd-analyze, to verify the unit file
+#   openssl: throwaway certificates for the TLS listener tests
 set -euo pipefail
+packages=(ceph-mon ceph-osd radosgw prometheus systemd openssl "$@")
 need=()
-# (added as tiers/operations land: ceph for the S3 tier, prometheus for promtool)
-for pkg in "$@"; do dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg"); done
+for pkg in "${packages[@]}"; do dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg"); done
 [ ${#need[@]} -eq 0 ] && exit 0
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+echo "installing Debian packages: ${need[*]}"
 $SUDO apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}"
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null

@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
 
-        uvloop.run(run(config))
+        # SIGHUP re-reads the same sources the daemon started from.
+        uvloop.run(run(config, reload_config=lambda: load_config(flags, config_file=args.config)))
     except SocketInUse as exc:
         log.error("%s", exc)
         return 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -50,7 +51,28 @@ def _parse_bool(value: str | bool) -> bool:
 
 
 def _parse_mode(value: str | int) -> int:
-    return value if isinstance(value, int) else int(str(value), 8)
+    mode = value if isinstance(value, int) else int(str(value), 8)
+    if not 0 <= mode <= 0o777:
+        raise ValueError(f"{value!r} is not permission bits (0000-0777, octal)")
+    return mode
+
+
+def _parse_seconds(value: str | float) -> float:
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{value!r} is not a duration in seconds (a finite number >= 0)")
+    return seconds
+
+
+# sun_path holds 108 bytes with the terminating NUL; the session socket adds ".session".
+MAX_SOCKET_PATH = 107 - len(".session")
+
+
+def _parse_socket(value: str | Path) -> Path:
+    path = Path(value)
+    if len(os.fsencode(str(path))) > MAX_SOCKET_PATH:
+        raise ValueError(f"socket path is {len(str(path))} bytes; unix sockets allow {MAX_SOCKET_PATH} here")
+    return path
 
 
 def _choice(literal: Any) -> Callable[[str], str]:
@@ -173,7 +195,8 @@ def _parse_tiers(value: Any) -> tuple[TierConfig, ...]:
 class Config:
     socket: Path = field(
         default_factory=default_socket_path,
-        metadata=_opt("unix socket of the gRPC API; the session socket is <socket>.session", Path, "PATH"),
+        metadata=_opt("unix socket of the gRPC API; the session socket is <socket>.session", _parse_socket,
+                      "PATH"),
     )
     socket_mode: int = field(
         default=0o660, metadata=_opt("permission bits of both sockets (octal)", _parse_mode, "MODE")
@@ -195,7 +218,7 @@ class Config:
     )
     grace_seconds: float = field(
         default=5.0,
-        metadata=_opt("on SIGTERM, how long in-flight calls may take to finish", float, "SECONDS"),
+        metadata=_opt("on SIGTERM, how long in-flight calls may take to finish", _parse_seconds, "SECONDS"),
     )
     tiers: tuple[TierConfig, ...] = field(
         default=(),
@@ -218,7 +241,7 @@ class Config:
     writeback_wait_seconds: float = field(
         default=1.0,
         metadata=_opt("how long a store may wait for write-downs to free RAM before evicting "
-                      "chunks that have no copy below", float, "SECONDS"),
+                      "chunks that have no copy below", _parse_seconds, "SECONDS"),
     )
     metrics_addr: str = field(
         default="127.0.0.1:9464",

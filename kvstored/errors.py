@@ -28,6 +28,10 @@ class RegionFileMissing(KvstoredError):
     pass
 
 
+class RegionShrunk(KvstoredError):
+    """A registered region file is now smaller than when it was registered."""
+
+
 class HandleNotHeld(KvstoredError):
     """A lease or reservation released twice, committed twice, or never granted to this session."""
 

@@ -49,6 +49,10 @@ class HandleNotHeld(FailedPrecondition):
     pass
 
 
+class RegionShrunk(FailedPrecondition):
+    """The region file is smaller than when it was registered: register it again."""
+
+
 class ResourceExhausted(KvstoredError):
     pass
 
@@ -66,7 +70,8 @@ class InternalError(KvstoredError):
 
 
 _BY_KIND = {cls.__name__: cls for cls in (
-    UnknownNamespace, UnknownSession, UnknownRegion, RegionFileMissing, HandleNotHeld, BatchTooLarge, PoolExhausted,
+    UnknownNamespace, UnknownSession, UnknownRegion, RegionFileMissing, HandleNotHeld, RegionShrunk, BatchTooLarge,
+    PoolExhausted,
 )}
 _BY_CODE = {
     grpc.StatusCode.UNAVAILABLE: Unavailable,

@@ -153,7 +153,7 @@ class DaemonMetrics:
         self.registry.register(KvstoredCollector(chain, sessions, namespaces))
         ProcessCollector(registry=self.registry)
         self.grpc_handled = Counter(
-            f"{PREFIX}_grpc_server_handled", "unary gRPC calls completed, by method and status code",
+            f"{PREFIX}_grpc_server_handled", "gRPC calls completed (streams when they end), by method and status code",
             ["service", "method", "code"], registry=self.registry,
         )
         self.grpc_seconds = Histogram(

@@ -40,7 +40,7 @@ def tier_snapshots(chain: TierChain) -> list[TierSnapshot]:
             name="ram", kind=TierKind.RAM, capacity_bytes=ram.capacity_bytes, used_bytes=ram.used_bytes,
             chunks=ram.chunk_count, lookups=c.lookups, hits=c.hits, evictions=c.evictions,
             stored_chunks=c.stored, loaded_chunks=c.loaded, promotions=c.promotions, writebacks=c.writebacks,
-            dropped_dirty=c.dropped_dirty,
+            dropped_dirty=c.dropped_dirty, read_bytes=c.read_bytes, written_bytes=c.written_bytes,
         )
     ]
     for lower in chain.lower:

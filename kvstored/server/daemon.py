@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import sys
 from pathlib import Path
 from typing import Callable
@@ -55,8 +56,12 @@ class SocketInUse(RuntimeError):
 def claim_socket_path(path: Path) -> None:
     """Make room for our socket: remove a stale file from a killed daemon, refuse a live one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists():
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
         return
+    if not stat.S_ISSOCK(mode):
+        raise SocketInUse(f"{path} exists and is not a socket: refusing to replace it (check --socket)")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(str(path))
@@ -70,14 +75,6 @@ def claim_socket_path(path: Path) -> None:
     finally:
         probe.close()
     raise SocketInUse(f"another kvstored is already serving on {path}")
-
-
-def config_from_argv() -> Config:
-    """The configuration read again from this process' command line, environment and config file."""
-    from kvstored.cli import build_parser
-
-    args = build_parser().parse_args(sys.argv[1:])
-    return load_config({f.name: getattr(args, f.name) for f in options()}, config_file=args.config)
 
 
 def add_tcp_port(server: grpc.aio.Server, cfg: Config) -> int:
@@ -99,7 +96,7 @@ def add_tcp_port(server: grpc.aio.Server, cfg: Config) -> int:
 
 
 class Daemon:
-    def __init__(self, config: Config, reload_config: Callable[[], Config] = config_from_argv) -> None:
+    def __init__(self, config: Config, reload_config: Callable[[], Config]) -> None:
         self.config = config
         self._reload_config = reload_config
         self._stopping = asyncio.Event()
@@ -138,6 +135,8 @@ class Daemon:
                      else "unbounded", usage.chunks)
 
         self.metrics = DaemonMetrics(self.chain, self.sessions, self.namespaces)
+        for lower_tier in self.chain.lower:
+            lower_tier.observe = self.metrics.observe_tier_op
         self.metrics.preinit_grpc(pb.DESCRIPTOR.services_by_name["KVStore"])
         self.server = grpc.aio.server(interceptors=[self.metrics.interceptor, ErrorMappingInterceptor()])
         pb_grpc.add_KVStoreServicer_to_server(
@@ -240,7 +239,7 @@ class Daemon:
         log.info("stopped")
 
 
-async def run(config: Config, reload_config: Callable[[], Config] = config_from_argv) -> None:
+async def run(config: Config, reload_config: Callable[[], Config]) -> None:
     daemon = Daemon(config, reload_config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

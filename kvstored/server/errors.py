@@ -23,6 +23,7 @@ STATUS: dict[type[errors.KvstoredError], grpc.StatusCode] = {
     errors.UnknownRegion: grpc.StatusCode.NOT_FOUND,
     errors.RegionFileMissing: grpc.StatusCode.NOT_FOUND,
     errors.HandleNotHeld: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.RegionShrunk: grpc.StatusCode.FAILED_PRECONDITION,
     errors.SessionRequired: grpc.StatusCode.FAILED_PRECONDITION,
     errors.BatchTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.PoolExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,

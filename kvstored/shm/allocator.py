@@ -25,6 +25,7 @@ class PageAllocator:
         self.free_pages = total_pages
         self._runs: dict[int, int] = {0: total_pages}  # start -> count of each free run
         self._ends: dict[int, int] = {total_pages: 0}  # end -> start, to coalesce on free
+        self._allocated: set[PageRun] = set()  # exactly the runs handed out: frees must match
 
     def allocate(self, pages: int) -> list[PageRun] | None:
         """`pages` pages as few runs as possible, or None if fewer are free."""
@@ -52,8 +53,9 @@ class PageAllocator:
     def free(self, runs: list[PageRun]) -> None:
         for run in runs:
             start, end = run.start, run.start + run.count
-            if start in self._runs or end in self._ends:
-                raise ValueError(f"double free of pages {start}..{end}")
+            if run not in self._allocated:
+                raise ValueError(f"double free of pages {start}..{end} (not an allocated run)")
+            self._allocated.discard(run)
             if start in self._ends:  # merge with the free run before
                 prev = self._ends.pop(start)
                 start = prev
@@ -73,4 +75,6 @@ class PageAllocator:
             self._runs[start + pages] = count - pages
             self._ends[start + count] = start + pages
         self.free_pages -= pages
-        return PageRun(start, pages)
+        run = PageRun(start, pages)
+        self._allocated.add(run)
+        return run

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import stat
@@ -24,9 +25,12 @@ class SharedPool:
 
     def __init__(self, size: int, populate: bool) -> None:
         self.size = size
-        self.fd = os.memfd_create("kvstored-pool", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create("kvstored-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, size)
+            # Clients get this fd read-write: sealing its size means no client can shrink the
+            # pool under the daemon (its pages would vanish and the next copy would SIGBUS).
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             self._map = map_fd(self.fd, size, populate)
         except BaseException:
             os.close(self.fd)
@@ -51,6 +55,7 @@ class Region:
     size: int
     array: np.ndarray
     _map: mmap.mmap
+    _fd: int  # our own dup, to notice a file that shrank
 
     @classmethod
     def from_fd(cls, region_id: int, name: str, fd: int) -> "Region":
@@ -61,10 +66,17 @@ class Region:
         if info.st_size == 0:
             raise ValueError(f"region {name!r} is empty")
         mapped = map_fd(fd, info.st_size, populate=True)
-        return cls(region_id, name, info.st_size, np.frombuffer(mapped, dtype=np.uint8), mapped)
+        own = os.dup(fd)
+        return cls(region_id, name, info.st_size, np.frombuffer(mapped, dtype=np.uint8), mapped, own)
+
+    def current_size(self) -> int:
+        """The file's size now. Touching mapped pages past it would SIGBUS, so transfers check
+        this first (a client that shrinks its region while a copy runs can still hurt itself)."""
+        return os.fstat(self._fd).st_size
 
     def close(self) -> None:
         del self.array
+        os.close(self._fd)
         try:
             self._map.close()
         except BufferError:

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvstored.errors import InvalidRequest, PoolExhausted, RegionFileMissing
+from kvstored.errors import InvalidRequest, PoolExhausted, RegionFileMissing, RegionShrunk
 from kvstored.namespaces import Namespace
 from kvstored.server.sessions import Handle, HandleKind, Session, SessionRegistry
 from kvstored.shm.mapping import Region, SharedPool
@@ -118,7 +118,7 @@ class TierChain:
         removed = [self.ram.delete(c) for c in chunks]
         self._publish_ram(EventType.REMOVED, Cause.DELETED, [c for c, r in zip(chunks, removed) if r])
         for lower in self.lower:
-            gone = [chunk for chunk in chunks if await lower.tier.remove(chunk)]
+            gone = [chunk for chunk in chunks if await lower.timed("remove", lower.tier.remove(chunk))]
             if gone:
                 self.events.publish(EventType.REMOVED, Cause.DELETED, lower.tier.name, lower.tier.kind, gone)
             removed = [r or c in gone for r, c in zip(removed, chunks)]
@@ -314,6 +314,11 @@ class TierChain:
 
 
 def _check_offsets(ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]) -> None:
+    now = region.current_size()
+    if now < region.size:
+        raise RegionShrunk(
+            f"region {region.region_id} ({region.name}) shrank from {region.size} to {now} bytes: register it again"
+        )
     if len(keys) != len(offsets):
         raise InvalidRequest(f"{len(keys)} keys but {len(offsets)} offsets: give one offset per key")
     for i, offset in enumerate(offsets):

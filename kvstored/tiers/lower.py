@@ -14,8 +14,9 @@ import asyncio
 import enum
 import functools
 import logging
+import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Awaitable, Callable, Sequence, TypeVar
 
 from kvstored.io.scheduler import Priority, TierQueue
 from kvstored.observability.events import Cause, EventBus, EventType
@@ -23,6 +24,7 @@ from kvstored.tiers.base import ChunkId, SecondaryTier, TierKind, WriteOutcome
 from kvstored.tiers.ram import RamEntry, RamTier, ReserveOutcome
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class WritePolicy(enum.Enum):
@@ -30,10 +32,26 @@ class WritePolicy(enum.Enum):
     WRITE_THROUGH = "write-through"
 
 
+OpObserver = Callable[[str, str, float], None]  # (tier name, op, seconds)
+
+
+def _ignore(tier: str, op: str, seconds: float) -> None:
+    pass
+
+
 @dataclass
 class LowerTier:
     tier: SecondaryTier
     queue: TierQueue
+    observe: OpObserver = _ignore  # the daemon plugs its latency histograms in here
+
+    async def timed(self, op: str, awaitable: Awaitable[T]) -> T:
+        """Await one tier operation, reporting how long it took (queue wait not included)."""
+        start = time.perf_counter()
+        try:
+            return await awaitable
+        finally:
+            self.observe(self.tier.name, op, time.perf_counter() - start)
 
 
 class WriteBack:
@@ -104,7 +122,7 @@ class WriteBack:
         views = self._ram.page_views(entry, self._pool)
         futures = []
         for lower in self._lower:
-            job = _write_job(lower.tier, entry.chunk, views, entry.size, self._events)
+            job = _write_job(lower, entry.chunk, views, entry.size, self._events)
             future = lower.queue.submit(Priority.WRITEDOWN, job)
             if future is not None:
                 futures.append(future)
@@ -143,11 +161,11 @@ class _WriteDown:
     outcomes: list[WriteOutcome] = field(default_factory=list)
 
 
-def _write_job(tier: SecondaryTier, chunk: ChunkId, views: list[memoryview], size: int, events: EventBus):
+def _write_job(lower: LowerTier, chunk: ChunkId, views: list[memoryview], size: int, events: EventBus):
     async def job() -> WriteOutcome:
-        outcome = await tier.write(chunk, views, size)
+        outcome = await lower.timed("write", lower.tier.write(chunk, views, size))
         if outcome is WriteOutcome.WRITTEN:
-            events.publish(EventType.STORED, Cause.WRITTEN_DOWN, tier.name, tier.kind, [chunk])
+            events.publish(EventType.STORED, Cause.WRITTEN_DOWN, lower.tier.name, lower.tier.kind, [chunk])
         return outcome
 
     return job
@@ -173,7 +191,7 @@ class Promoter:
             if not todo:
                 break
             try:
-                present = await lower.tier.contains([chunks[i] for i in todo])
+                present = await lower.timed("lookup", lower.tier.contains([chunks[i] for i in todo]))
             except Exception as exc:  # a failing tier is a miss, never an error for the caller
                 log.warning("%s lookup failed: %s", lower.tier.name, exc)
                 continue
@@ -203,7 +221,7 @@ class Promoter:
         entry = reservation.entry
         lower = self._lower[tier_index]
         views = self._ram.page_views(entry, self._pool)
-        read = lower.queue.submit(Priority.LOAD, lambda: lower.tier.read(chunk, views, size))
+        read = lower.queue.submit(Priority.LOAD, lambda: lower.timed("read", lower.tier.read(chunk, views, size)))
         result: asyncio.Future = asyncio.get_running_loop().create_future()
         self._in_flight[chunk] = (result, lower.tier.kind)
 

@@ -63,6 +63,8 @@ class RamCounters:
     evictions: int = 0
     stored: int = 0
     loaded: int = 0
+    written_bytes: int = 0  # chunk bytes committed (stored or promoted)
+    read_bytes: int = 0  # chunk bytes leased out to readers
     dropped_dirty: int = 0  # evicted before a lower tier had a copy (only counted with lower tiers)
     writebacks: int = 0
     promotions: int = 0
@@ -139,6 +141,7 @@ class RamTier:
             raise ValueError("commit of a chunk that is not reserved")
         entry.state = EntryState.READY
         entry.persisted = persisted
+        self.counters.written_bytes += entry.size
         if persisted:
             self.counters.promotions += 1
         else:
@@ -163,6 +166,7 @@ class RamTier:
         entry.leases += 1
         self._lru.pop(chunk, None)
         self.counters.loaded += 1
+        self.counters.read_bytes += entry.size
         return entry
 
     def release(self, entry: RamEntry) -> None:

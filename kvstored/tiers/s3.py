@@ -1,0 +1,569 @@
+"""S3 tier: one object per chunk in an S3-compatible store (AWS S3, Ceph radosgw, moto...).
+
+Objects are named like the fs tier's files, `<prefix><ns>/<k0k1>/<k2k3>/<key hex>.kv`, and hold the
+same bytes: the 4096-byte chunkfile header, then the payload. Everything read is verified before
+a byte reaches the caller's views; a corrupt or truncated object is counted and deleted.
+
+One aiobotocore client (opened in start(), closed in close()) runs on the daemon's loop, with
+botocore's own retries off: every request goes through `_call`, which applies
+- a semaphore of `max_concurrency` requests (the client's connection pool has as many slots);
+- bounded retries with exponential backoff and jitter on throttling, 5xx and dropped connections,
+  all within `timeout_s` per operation;
+- a circuit breaker: after `breaker_failures` consecutive operations that could not reach the
+  endpoint (or were still throttled after every retry), calls fail at once for `breaker_reset_s`,
+  then one probe goes through, checking the bucket first. A dead endpoint costs one timeout, not
+  one per lookup.
+contains() answers from an index of objects known to exist (written, read or seen by this daemon)
+and a short-lived negative cache, and HEADs the rest concurrently. With a capacity, the index is
+also the LRU order: it is rebuilt from a listing of the prefix at start, and writes delete the
+least recently used objects to stay within the capacity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import sys
+import time
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
+
+import aiohttp
+from aiobotocore.config import AioConfig
+from aiobotocore.session import get_session
+from botocore.exceptions import (
+    BotoCoreError, ClientError, HTTPClientError, IncompleteReadError, NoCredentialsError,
+)
+from botocore.exceptions import ConnectionError as BotoConnectionError
+
+from kvstored.tiers import chunkfile
+from kvstored.tiers.base import (
+    AdmissionPolicy, ChunkId, RemovalCause, SecondaryTier, TierKind, TierUsage, WriteOutcome,
+)
+from kvstored.tiers.chunkfile import HEADER_BYTES, CorruptChunk
+from kvstored.tiers.fs_index import FsIndex, Reservation
+from kvstored.tiers.resilience import Backoff, CircuitBreaker, NegativeCache, Permit
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+WARMUP_KEY = "_kvstored/warmup"  # under the prefix; never a chunk name (those end in .kv)
+_UNBOUNDED = sys.maxsize
+_THROTTLED_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "RequestThrottled", "TooManyRequests",
+    "RequestTimeout", "ServiceUnavailable", "InternalError",
+})
+_NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
+
+
+class S3TierError(Exception):
+    """The tier cannot work as configured (credentials, bucket): raised by start()."""
+
+
+class Fault(enum.Enum):
+    NOT_FOUND = "not found"  # the endpoint answered: no such object
+    REJECTED = "rejected"  # the endpoint answered with an error retrying won't fix (4xx)
+    THROTTLED = "throttled"  # SlowDown, 503, other 5xx, RequestTimeout: retried
+    UNREACHABLE = "unreachable"  # no answer: refused, reset, timed out: retried
+
+    @property
+    def answered(self) -> bool:
+        """The endpoint is up (for the circuit breaker)."""
+        return self in (Fault.NOT_FOUND, Fault.REJECTED)
+
+
+class S3Failure(Exception):
+    def __init__(self, fault: Fault, detail: str) -> None:
+        super().__init__(f"{fault.value}: {detail}")
+        self.fault = fault
+        self.code = detail
+
+
+class _Skipped(Exception):
+    """The circuit breaker is open (or the tier closed): no request was sent."""
+
+
+def classify(exc: BaseException) -> S3Failure | None:
+    """What a request's exception means; None for exceptions that are not S3/transport errors."""
+    if isinstance(exc, ClientError):
+        error = exc.response.get("Error", {})
+        code = str(error.get("Code", ""))
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        if code in _NOT_FOUND_CODES or (status == 404 and code != "NoSuchBucket"):
+            return S3Failure(Fault.NOT_FOUND, code or "404")
+        if code in _THROTTLED_CODES or status >= 500 or status == 429:
+            return S3Failure(Fault.THROTTLED, code or str(status))
+        return S3Failure(Fault.REJECTED, code or str(status))
+    if isinstance(exc, NoCredentialsError):
+        return S3Failure(Fault.REJECTED, str(exc))
+    if isinstance(exc, (BotoConnectionError, HTTPClientError, IncompleteReadError, aiohttp.ClientError, OSError)):
+        # connection refused/reset, connect/read timeouts (TimeoutError is an OSError)
+        return S3Failure(Fault.UNREACHABLE, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+    if isinstance(exc, BotoCoreError):
+        return S3Failure(Fault.REJECTED, f"{type(exc).__name__}: {exc}")
+    return None
+
+
+@dataclass(frozen=True)
+class _Body:
+    length: int  # the object's length
+    data: bytes | None  # its bytes, unless the length was wrong (then it is not read)
+
+
+class S3Tier(SecondaryTier):
+    """Counters: lookups/hits per chunk asked of contains(); reads/read_bytes per verified chunk
+    served; writes/written_bytes per chunk written (payload bytes); evictions per object deleted
+    for capacity; errors per failed request (misses excluded). `requests` counts HTTP requests
+    sent (retries included); `skipped` counts operations refused by the open circuit breaker."""
+
+    kind = TierKind.S3
+
+    def __init__(
+        self,
+        name: str,
+        bucket: str,
+        prefix: str = "",
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        capacity_bytes: int = 0,
+        max_concurrency: int = 16,
+        timeout_s: float = 5.0,
+        negative_cache_s: float = 1.0,
+        breaker_failures: int = 3,
+        breaker_reset_s: float = 5.0,
+        create_bucket: bool = True,
+        admission: AdmissionPolicy = AdmissionPolicy.ALWAYS,
+        backoff: Backoff = Backoff(),
+    ) -> None:
+        super().__init__(name)
+        if max_concurrency < 1 or timeout_s <= 0 or capacity_bytes < 0:
+            raise ValueError("s3 tier needs max_concurrency >= 1, timeout_s > 0 and capacity_bytes >= 0")
+        self.bucket = bucket
+        self.prefix = prefix
+        self.endpoint_url = endpoint_url
+        self.capacity_bytes = capacity_bytes
+        self._region = region
+        self._credentials = {"aws_access_key_id": access_key, "aws_secret_access_key": secret_key}
+        self._max_concurrency = max_concurrency
+        self._timeout_s = timeout_s
+        self._create_bucket = create_bucket
+        self._backoff = backoff
+        self._breaker = CircuitBreaker(breaker_failures, breaker_reset_s)
+        self._missing = NegativeCache(negative_cache_s)
+        self._index = FsIndex(capacity_bytes or _UNBOUNDED, admission)  # objects known to exist, LRU first
+        self._slots = asyncio.Semaphore(max_concurrency)
+        self._pending: dict[ChunkId, asyncio.Future] = {}  # writes in flight -> their WriteOutcome
+        self._deleting: dict[ChunkId, asyncio.Future] = {}  # deletes in flight
+        self._stack: AsyncExitStack | None = None
+        self._client: Any = None
+        self._ready = False  # bucket checked: again after each outage (probe), lazily if start() could not
+        self._listed = False  # the prefix listed into the index (with a capacity)
+        self._closed = False
+        self.requests = 0
+        self.skipped = 0
+
+    @property
+    def available(self) -> bool:
+        """False while the circuit breaker refuses calls (the endpoint looked dead)."""
+        return not self._closed and self._client is not None and self._breaker.would_allow()
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the client, check (or create) the bucket, warm it up and, with a capacity, list the
+        prefix to rebuild the index. An unreachable endpoint is not fatal: the breaker opens and
+        the first probe after breaker_reset_s finishes the set-up. Bad credentials or a missing
+        bucket are (S3TierError)."""
+        config = AioConfig(
+            connect_timeout=min(self._timeout_s, 2.0),
+            read_timeout=self._timeout_s,
+            retries={"total_max_attempts": 1},  # our policy (_retrying) governs
+            max_pool_connections=self._max_concurrency,
+            tcp_keepalive=True,
+            request_checksum_calculation="when_required",  # chunks carry their own xxh3
+            response_checksum_validation="when_required",
+            s3={"addressing_style": "path"} if self.endpoint_url else None,
+        )
+        self._stack = AsyncExitStack()
+        self._client = await self._stack.enter_async_context(get_session().create_client(
+            "s3", endpoint_url=self.endpoint_url, region_name=self._region, config=config, **self._credentials,
+        ))
+        try:
+            await self._setup()
+        except S3Failure as exc:
+            if exc.fault.answered:
+                await self.close()
+                raise S3TierError(f"s3 tier {self.name}: bucket {self.bucket!r} at "
+                                  f"{self.endpoint_url or 'AWS'} is not usable: {exc}") from exc
+            self._breaker.trip()
+            log.warning("s3 tier %s: %s unreachable at start (%s); retrying in %.1f s",
+                        self.name, self.endpoint_url or "S3", exc, self._breaker.reset_s)
+            return
+        except BaseException:
+            await self.close()
+            raise
+        victims = self._index.shrink_to_capacity()  # the listing found more than the capacity
+        if victims:
+            await self._evict(victims)
+        log.info("s3 tier %s: bucket %s prefix %r at %s: %d objects, %d bytes known (capacity %d)",
+                 self.name, self.bucket, self.prefix, self.endpoint_url or "AWS", len(self._index),
+                 self._index.used_bytes, self.capacity_bytes)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._stack is not None:
+            stack, self._stack = self._stack, None
+            await stack.aclose()
+
+    async def _setup(self) -> None:
+        """Bucket check/creation, a warm-up PUT (radosgw makes its data pool on the first one),
+        and with a capacity the listing (an index over the capacity shrinks on the next write)."""
+        try:
+            await self._retrying(lambda: self._client.head_bucket(Bucket=self.bucket))
+        except S3Failure as exc:
+            if exc.fault is not Fault.NOT_FOUND or not self._create_bucket:
+                raise
+            await self._retrying(self._make_bucket)
+        warmup = self.prefix + WARMUP_KEY
+        await self._retrying(lambda: self._client.put_object(Bucket=self.bucket, Key=warmup, Body=b""))
+        await self._retrying(lambda: self._client.delete_object(Bucket=self.bucket, Key=warmup))
+        if self.capacity_bytes and not self._listed:
+            await self._list()
+            self._listed = True
+        self._ready = True
+
+    async def _make_bucket(self) -> None:
+        kwargs: dict[str, Any] = {"Bucket": self.bucket}
+        if self._region and self._region != "us-east-1":
+            kwargs["CreateBucketConfiguration"] = {"LocationConstraint": self._region}
+        try:
+            await self._client.create_bucket(**kwargs)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") != "BucketAlreadyOwnedByYou":
+                raise
+
+    async def _list(self) -> None:
+        found: list[tuple[ChunkId, int, float]] = []
+        token: str | None = None
+        while True:
+            kwargs = {"Bucket": self.bucket, "Prefix": self.prefix}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = await self._retrying(lambda: self._client.list_objects_v2(**kwargs))
+            for obj in page.get("Contents", ()):
+                chunk = _parse_key(obj["Key"][len(self.prefix):])
+                if chunk is not None:
+                    found.append((chunk, int(obj["Size"]), obj["LastModified"].timestamp()))
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                break
+        self._index.load(found)  # oldest LastModified first = least recently used
+
+    # -- SecondaryTier ----------------------------------------------------------------------
+
+    async def contains(self, chunks: Sequence[ChunkId]) -> list[bool]:
+        out = [False] * len(chunks)
+        self.counters.lookups += len(chunks)
+        if not self.available:
+            self.skipped += 1
+            return out
+        ask: dict[ChunkId, list[int]] = {}
+        for i, chunk in enumerate(chunks):
+            if self._index.touch(chunk) is not None:
+                out[i] = True
+            elif chunk not in self._missing and chunk not in self._pending:
+                ask.setdefault(chunk, []).append(i)
+        if ask:
+            async with asyncio.TaskGroup() as group:
+                heads = [group.create_task(self._head(chunk)) for chunk in ask]
+            for positions, head in zip(ask.values(), heads):
+                for i in positions:
+                    out[i] = head.result()
+        self.counters.hits += sum(out)
+        return out
+
+    async def write(self, chunk: ChunkId, views: Sequence[memoryview], size: int) -> WriteOutcome:
+        if self._index.touch(chunk) is not None:
+            return WriteOutcome.ALREADY_PRESENT
+        pending = self._pending.get(chunk)
+        if pending is not None:  # the same bytes are on their way: share that write's outcome
+            outcome = await asyncio.shield(pending)
+            return WriteOutcome.ALREADY_PRESENT if outcome is WriteOutcome.WRITTEN else outcome
+        if not self.available:
+            self.skipped += 1
+            return WriteOutcome.FAILED
+        body = _encode(chunk, views, size)
+        if not self._index.admit(chunk):
+            self.counters.rejected_admission += 1
+            return WriteOutcome.REJECTED_ADMISSION
+        reservation = self._index.reserve(len(body))
+        if not reservation.granted:
+            self.counters.rejected_full += 1
+            return WriteOutcome.REJECTED_FULL
+        done = asyncio.get_running_loop().create_future()
+        self._pending[chunk] = done
+        outcome = WriteOutcome.FAILED
+        try:
+            outcome = await self._put(chunk, body, size, reservation)
+            return outcome
+        finally:
+            self._index.release(reservation)
+            del self._pending[chunk]
+            done.set_result(outcome)
+
+    async def read(self, chunk: ChunkId, views: Sequence[memoryview], size: int) -> bool:
+        targets = _trim(views, size)
+        if not self.available:
+            self.skipped += 1
+            return False
+        key = self._key(chunk)
+        try:
+            body = await self._call(lambda: self._get(key, HEADER_BYTES + size))
+        except _Skipped:
+            return False
+        except S3Failure as exc:
+            if exc.fault is Fault.NOT_FOUND:
+                self._index.discard(chunk)  # deleted behind our back (another daemon, a lifecycle rule)
+                self._missing.add(chunk)
+            else:
+                self._failed("read", key, exc)
+            return False
+        problem = _check(body, chunk, size)
+        if problem is not None:
+            self.counters.checksum_failures += 1
+            log.warning("s3 tier %s: corrupt object %s deleted: %s", self.name, key, problem)
+            self._index.discard(chunk)
+            self.notify_removed(chunk, RemovalCause.CORRUPT)
+            await self._delete(chunk)
+            return False
+        payload = memoryview(body.data)[HEADER_BYTES:]
+        offset = 0
+        for target in targets:
+            target[:] = payload[offset:offset + len(target)]
+            offset += len(target)
+        self.counters.reads += 1
+        self.counters.read_bytes += size
+        if self._index.touch(chunk) is None and chunk not in self._pending:
+            self._index.insert(chunk, body.length, time.time())
+        return True
+
+    async def remove(self, chunk: ChunkId) -> bool:
+        """Delete the object; True if it is gone now (False if the DELETE failed, or if the chunk
+        was neither indexed nor unknown: then it was just seen missing and nothing is sent)."""
+        pending = self._pending.get(chunk)
+        if pending is not None:  # let the write land, then remove what it wrote
+            await asyncio.wait((pending,))
+        known = self._index.discard(chunk) is not None
+        if not known and chunk in self._missing:
+            return False
+        return await self._delete(chunk)
+
+    def usage(self) -> TierUsage:
+        return TierUsage(self.capacity_bytes, self._index.used_bytes, len(self._index))
+
+    def set_admission(self, policy: AdmissionPolicy) -> None:
+        self._index.admission = policy
+
+    # -- operations ---------------------------------------------------------------------------
+
+    def _key(self, chunk: ChunkId) -> str:
+        return self.prefix + chunkfile.chunk_relpath(chunk)
+
+    async def _head(self, chunk: ChunkId) -> bool:
+        key = self._key(chunk)
+        try:
+            head = await self._call(lambda: self._client.head_object(Bucket=self.bucket, Key=key))
+        except _Skipped:
+            return False
+        except S3Failure as exc:
+            if exc.fault is Fault.NOT_FOUND:
+                if chunk not in self._index and chunk not in self._pending:
+                    self._missing.add(chunk)
+            else:
+                self._failed("look up", key, exc)
+            return False
+        if chunk not in self._index and chunk not in self._pending:  # written by another daemon
+            self._index.insert(chunk, int(head.get("ContentLength", 0)), time.time())
+        return True
+
+    async def _get(self, key: str, expected: int) -> _Body:
+        response = await self._client.get_object(Bucket=self.bucket, Key=key)
+        async with response["Body"] as stream:  # closes the connection if the body is left unread
+            length = int(response["ContentLength"])
+            return _Body(length, await stream.read() if length == expected else None)
+
+    async def _put(self, chunk: ChunkId, body: bytes, size: int, reservation: Reservation) -> WriteOutcome:
+        key = self._key(chunk)
+        while (prior := self._deleting.get(chunk)) is not None:  # an eviction/removal of the old copy
+            await asyncio.wait((prior,))
+        if reservation.victims:
+            await self._evict(reservation.victims)
+        try:
+            await self._call(lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=body))
+        except _Skipped:
+            return WriteOutcome.FAILED
+        except S3Failure as exc:
+            self._failed("write", key, exc)
+            return WriteOutcome.FAILED
+        self._index.insert(chunk, len(body), time.time())
+        self._missing.discard(chunk)
+        self.counters.writes += 1
+        self.counters.written_bytes += size
+        return WriteOutcome.WRITTEN
+
+    async def _delete(self, chunk: ChunkId) -> bool:
+        while (prior := self._deleting.get(chunk)) is not None:
+            await asyncio.wait((prior,))
+        key = self._key(chunk)
+        done = asyncio.get_running_loop().create_future()
+        self._deleting[chunk] = done
+        try:
+            await self._call(lambda: self._client.delete_object(Bucket=self.bucket, Key=key))
+        except _Skipped:
+            return False
+        except S3Failure as exc:
+            if exc.fault is not Fault.NOT_FOUND:
+                self._failed("delete", key, exc)
+                return False
+        finally:
+            del self._deleting[chunk]
+            done.set_result(None)
+        self._missing.add(chunk)
+        return True
+
+    async def _evict(self, victims: list[tuple[ChunkId, object]]) -> None:
+        self.counters.evictions += len(victims)
+        for chunk, _entry in victims:
+            self.notify_removed(chunk, RemovalCause.EVICTED)
+        async with asyncio.TaskGroup() as group:
+            for chunk, _entry in victims:
+                group.create_task(self._delete(chunk))
+
+    def _failed(self, what: str, key: str, exc: S3Failure) -> None:
+        self.counters.errors += 1
+        level = logging.DEBUG if exc.fault is Fault.UNREACHABLE else logging.WARNING
+        log.log(level, "s3 tier %s: cannot %s %s: %s", self.name, what, key, exc)
+
+    # -- requests: breaker, retries, deadline ----------------------------------------------
+
+    async def _call(self, request: Callable[[], Awaitable[T]]) -> T:
+        """One operation under the circuit breaker (raises _Skipped when it is open)."""
+        permit = None if self._closed or self._client is None else self._breaker.allow()
+        if permit is None:
+            self.skipped += 1
+            raise _Skipped
+        verdict: bool | None = None
+        try:
+            if not self._ready:
+                await self._setup()
+            result = await self._retrying(request)
+            verdict = True
+            return result
+        except S3Failure as exc:
+            verdict = exc.fault.answered
+            if exc.code == "NoSuchBucket":
+                self._ready = False  # deleted behind our back: the next call recreates it
+            raise
+        finally:
+            self._settle(permit, verdict)
+
+    def _settle(self, permit: Permit, verdict: bool | None) -> None:
+        if verdict is None:  # cancelled
+            self._breaker.abandon(permit)
+            return
+        opened = self._breaker.times_opened
+        self._breaker.record(permit, verdict)
+        if self._breaker.times_opened != opened:
+            self._ready = False  # the probe checks the bucket again (it may have lost its data)
+            log.warning("s3 tier %s: %s is not answering; its calls fail at once for %.1f s at a time",
+                        self.name, self.endpoint_url or "S3", self._breaker.reset_s)
+        elif verdict and permit.probe:
+            log.warning("s3 tier %s: %s answers again", self.name, self.endpoint_url or "S3")
+
+    async def _retrying(self, request: Callable[[], Awaitable[T]]) -> T:
+        """Send `request` (again) until it succeeds, a retry would not help, the attempts are
+        spent or `timeout_s` has passed since the first attempt."""
+        loop = asyncio.get_running_loop()
+        deadline: float | None = None
+        attempt = 0
+        while True:
+            async with self._slots:
+                if deadline is None:
+                    deadline = loop.time() + self._timeout_s
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise S3Failure(Fault.UNREACHABLE, f"no answer within {self._timeout_s} s")
+                self.requests += 1
+                try:
+                    async with asyncio.timeout(remaining):
+                        return await request()
+                except Exception as exc:  # noqa: BLE001 - classified below, the rest re-raised
+                    failure = classify(exc)
+                    if failure is None:
+                        raise
+            attempt += 1
+            if failure.fault.answered or attempt >= self._backoff.attempts:
+                raise failure
+            delay = self._backoff.delay(attempt - 1)
+            if loop.time() + delay >= deadline:
+                raise failure
+            await asyncio.sleep(delay)
+
+
+def _trim(views: Sequence[memoryview], size: int) -> list[memoryview]:
+    """The first `size` bytes of `views`, as byte views."""
+    if size < 0:
+        raise ValueError(f"negative chunk size {size}")
+    out, remaining = [], size
+    for view in views:
+        if remaining <= 0:
+            break
+        view = memoryview(view)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        part = view[:remaining]
+        if len(part):
+            out.append(part)
+            remaining -= len(part)
+    if remaining > 0:
+        raise ValueError(f"views hold fewer than {size} bytes")
+    return out
+
+
+def _encode(chunk: ChunkId, views: Sequence[memoryview], size: int) -> bytes:
+    """The object: header + payload, in one buffer (one copy of the payload)."""
+    parts = _trim(views, size)
+    header = chunkfile.encode_header(chunk, size, chunkfile.checksum(parts, size))
+    return b"".join([header, *parts])
+
+
+def _check(body: _Body, chunk: ChunkId, size: int) -> str | None:
+    """Why the object is not `chunk`'s verified payload of `size` bytes (None: it is)."""
+    if body.data is None or len(body.data) != HEADER_BYTES + size:
+        return f"object is {body.length} bytes, expected {HEADER_BYTES + size}"
+    data = memoryview(body.data)
+    try:
+        chunkfile.verify(chunkfile.decode_header(data[:HEADER_BYTES]), chunk, size, [data[HEADER_BYTES:]])
+    except CorruptChunk as exc:
+        return str(exc)
+    return None
+
+
+def _parse_key(name: str) -> ChunkId | None:
+    """The chunk an object name (prefix removed) holds, if it is a chunk name as _key() writes it."""
+    parts = name.split("/")
+    if len(parts) != 4 or not parts[0] or not parts[3].endswith(".kv"):
+        return None
+    ns, d1, d2, leaf = parts
+    hexkey = leaf[:-3]
+    if len(hexkey) < 4 or hexkey[0:2] != d1 or hexkey[2:4] != d2:
+        return None
+    try:
+        key = bytes.fromhex(hexkey)
+    except ValueError:
+        return None
+    return (ns, key) if key.hex() == hexkey else None

@@ -1,0 +1,150 @@
+"""kvstoredctl against a real daemon: what it prints equals what the daemon says, it acts on
+keys, and a daemon that is down gives one clear line and a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from kvstored_client.keys import namespace_id_for
+from tests.support.daemon import clean_env
+from tests.support.data import make_keys, payloads
+
+MIB = 1 << 20
+CTL = [sys.executable, "-m", "kvstored.ctl"]
+
+
+def ctl(*args: str, socket_path: Path | str | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
+    argv = CTL + (["--socket", str(socket_path)] if socket_path else []) + list(args)
+    return subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=60, env=clean_env())
+
+
+def ok(*args: str, **kwargs) -> str:
+    proc = ctl(*args, **kwargs)
+    assert proc.returncode == 0, f"kvstoredctl {' '.join(args)} -> {proc.returncode}\n{proc.stdout}{proc.stderr}"
+    return proc.stdout
+
+
+def stored(daemon, label: str, n: int):
+    """A client with `n` chunks stored under a fresh namespace (the client stays open)."""
+    kv = daemon.client()
+    ns = kv.register_namespace(model=f"ctl-{label}", dtype="uint8", chunk_bytes=MIB)
+    keys = make_keys(label, n)
+    assert kv.store(ns, keys, payloads(keys, MIB)).stored == n
+    return kv, ns, keys
+
+
+def test_status_stats_and_health_report_what_stats_says(daemon):
+    kv, ns, keys = stored(daemon, "status", 4)
+    with kv:
+        kv.lookup(ns, keys)
+        data = json.loads(ok("status", "--json", socket_path=daemon.socket))
+        stats = daemon.stats()
+        assert data["health"] == "SERVING" and data["version"] == stats.version
+        assert (data["sessions"], data["leases"], data["namespaces"]) == (1, 0, 1)
+        assert [t["name"] for t in data["tiers"]] == [t.name for t in stats.tiers] == ["ram"]
+        ram, ram_stats = data["tiers"][0], stats.tiers[0]
+        for field in ("capacity_bytes", "used_bytes", "chunks", "lookups", "hits", "evictions", "stored_chunks"):
+            assert ram[field] == getattr(ram_stats, field), field
+        assert ram["kind"] == "ram" and ram["chunks"] == 4 and ram["hit_ratio"] == 1.0
+        assert ram["utilization"] == ram_stats.used_bytes / ram_stats.capacity_bytes
+
+        text = ok("status", socket_path=daemon.socket)
+        assert f"on {daemon.socket}: SERVING" in text
+        header = next(line for line in text.splitlines() if line.startswith("TIER"))
+        assert header.split()[:4] == ["TIER", "KIND", "USED", "CAPACITY"]
+        ram_line = next(line for line in text.splitlines() if line.startswith("ram "))
+        assert ram_line.split()[:3] == ["ram", "ram", "4.0"] and "100.0%" in ram_line  # used 4.0 MiB, all hits
+
+        table = ok("stats", socket_path=daemon.socket)
+        rows = {line.split()[0]: line.split()[1:] for line in table.splitlines()[1:]}
+        for field in ("lookups", "hits", "chunks", "evictions", "dropped_dirty", "checksum_failures", "queued"):
+            assert rows[field][0] == str(getattr(daemon.stats().tiers[0], field)), field
+
+    assert ok("health", socket_path=daemon.socket).startswith("SERVING")
+    assert json.loads(ok("--json", "health", socket_path=daemon.socket))["status"] == "SERVING"
+
+
+def test_lookup_and_evict_hex_keys(shared_daemon):
+    daemon = shared_daemon
+    kv, ns, keys = stored(daemon, "keys", 3)
+    missing = make_keys("keys-missing", 1)[0]
+    with kv:
+        text = ok("lookup", "-n", ns.namespace_id, *(k.hex() for k in keys + [missing]), socket_path=daemon.socket)
+        rows = dict(line.split() for line in text.splitlines()[1:5])
+        assert rows == {**{k.hex(): "ram" for k in keys}, missing.hex(): "miss"}
+        assert "3 of 4 cached, 3 leading" in text
+
+        stdin = "\n".join(k.hex() for k in [keys[0], missing, keys[2]]) + "\n"
+        data = json.loads(ok("inspect", "--json", "-n", ns.namespace_id, "--keys-file", "-",
+                             socket_path=daemon.socket, stdin=stdin))
+        assert [k["tier"] for k in data["keys"]] == ["ram", None, "ram"]
+        assert (data["prefix_hits"], data["hits"]) == (1, 2)
+
+        out = json.loads(ok("evict", "--json", "-n", ns.namespace_id, keys[0].hex(), keys[1].hex(), missing.hex(),
+                            socket_path=daemon.socket))
+        assert (out["requested"], out["deleted"]) == (3, 2)
+        assert kv.lookup(ns, keys).tiers[:2] == [0, 0] and kv.lookup(ns, keys[2:]).prefix_hits == 1
+        assert "deleted 0 of 1 keys" in ok("delete", "-n", ns.namespace_id, keys[0].hex(), socket_path=daemon.socket)
+
+
+def test_events_replays_and_tails(daemon):
+    kv, ns, keys = stored(daemon, "events", 2)
+    with kv:
+        kv.delete(ns, keys[:1])
+        lines = ok("events", "--json", "--from-seq", "1", "--count", "2", socket_path=daemon.socket).splitlines()
+        events = [json.loads(line) for line in lines]
+        assert [(e["seq"], e["type"], e["cause"], e["tier"]) for e in events] == [
+            (1, "stored", "stored", "ram"), (2, "removed", "deleted", "ram")]
+        assert events[0]["keys"] == [k.hex() for k in keys] and events[1]["keys"] == [keys[0].hex()]
+        assert all(e["namespace_id"] == ns.namespace_id for e in events)
+
+        text = ok("events", "--from-seq", "1", "--count", "1", "-n", ns.namespace_id, socket_path=daemon.socket)
+        header, line = text.splitlines()
+        assert header.split()[:3] == ["SEQ", "TIME", "TYPE"]
+        assert line.split()[0] == "1" and "stored" in line and keys[0].hex()[:16] in line
+
+
+def test_daemon_down_is_one_line_naming_the_socket(tmp_path):
+    missing = tmp_path / "none.sock"
+    stale = tmp_path / "stale.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.bind(str(stale))  # the file stays, nobody listens: a killed daemon's socket
+    for path, why in ((missing, "no such socket"), (stale, "nothing is serving on it")):
+        for command in (["status"], ["health"], ["stats", "--json"], ["lookup", "-n", "0" * 32, "00" * 32]):
+            proc = ctl(*command, socket_path=path)
+            assert proc.returncode == 1, (command, proc)
+            assert proc.stdout == ""
+            assert proc.stderr.count("\n") == 1, proc.stderr
+            assert proc.stderr.startswith(f"kvstoredctl: cannot reach kvstored at {path}: {why}"), proc.stderr
+
+
+def test_bad_input_and_daemon_refusals(shared_daemon):
+    daemon = shared_daemon
+    proc = ctl("lookup", "-n", "0" * 32, "xyz", socket_path=daemon.socket)
+    assert proc.returncode == 2 and "not a hex key: 'xyz'" in proc.stderr
+    proc = ctl("evict", "-n", "0" * 32, socket_path=daemon.socket)
+    assert proc.returncode == 2 and "no keys" in proc.stderr
+    proc = ctl("lookup", "-n", "0" * 32, "00" * 32, socket_path=daemon.socket)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.startswith(f"kvstoredctl: Lookup failed on {daemon.socket}: NOT_FOUND: unknown namespace")
+
+
+def test_namespace_id_is_the_daemons_id(shared_daemon):
+    kv, ns, _ = stored(shared_daemon, "nsid", 1)
+    kv.close()
+    got = ok("namespace-id", "--model", "ctl-nsid", "--dtype", "uint8", "--chunk-bytes", str(MIB)).strip()
+    assert got == ns.namespace_id
+    salted = json.loads(ok("--json", "namespace-id", "--model", "m", "--dtype", "bf16", "--chunk-bytes", "4096",
+                           "--layout", "tp2", "--key-bytes", "16", "--tenant-salt-hex", "abcd"))
+    assert salted["namespace_id"] == namespace_id_for("m", "bf16", 4096, "tp2", b"\xab\xcd", 16)
+
+
+def test_console_script_is_installed():
+    script = Path(sys.executable).parent / "kvstoredctl"
+    assert script.exists(), f"{script} missing: run `make setup` (pyproject.toml declares the kvstoredctl script)"
+    proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "status" in proc.stdout and "events" in proc.stdout

@@ -1,0 +1,379 @@
+"""/metrics of a real daemon: values equal the Stats RPC, names pass promtool, and the shipped
+dashboard, alerting rules and scrape config only use names a real scrape has."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+import urllib.request
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from tests.support.daemon import REPO_ROOT, short_tmpdir
+from tests.support.data import make_keys, payloads
+from tests.support.rpc import raw, rpc_error
+
+MIB = 1 << 20
+DEPLOY = REPO_ROOT / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "kvstored-dashboard.json"
+RULES = DEPLOY / "prometheus" / "kvstored.rules.yml"
+SCRAPE_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
+METRICS_LINE = re.compile(r"metrics on http://127\.0\.0\.1:(\d+)/metrics")
+METRICS_PORT_0 = ["--metrics-addr", "127.0.0.1:0"]
+
+# Every TierStats field and the metric that exports it (drops carry a reason label).
+TIER_GAUGES = {
+    "capacity_bytes": "kvstored_tier_capacity_bytes",
+    "used_bytes": "kvstored_tier_used_bytes",
+    "chunks": "kvstored_tier_chunks",
+    "queued": "kvstored_tier_queued_operations",
+}
+TIER_COUNTERS = {
+    "lookups": "kvstored_tier_lookups_total",
+    "hits": "kvstored_tier_hits_total",
+    "evictions": "kvstored_tier_evictions_total",
+    "stored_chunks": "kvstored_tier_stored_chunks_total",
+    "loaded_chunks": "kvstored_tier_loaded_chunks_total",
+    "read_bytes": "kvstored_tier_read_bytes_total",
+    "written_bytes": "kvstored_tier_written_bytes_total",
+    "promotions": "kvstored_tier_promotions_total",
+    "writebacks": "kvstored_tier_writedowns_total",
+    "checksum_failures": "kvstored_tier_checksum_failures_total",
+}
+TIER_DROPS = {
+    "dropped_backpressure": "backpressure",
+    "rejected_admission": "admission",
+    "rejected_full": "disk_full",
+    "errors": "error",
+    "dropped_dirty": "dirty_eviction",
+}
+PROMETHEUS_LABELS = {"instance", "job"}  # added by Prometheus at scrape time
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.fail("promtool not found: run deploy/install-system-deps.sh (Debian package prometheus)",
+                    pytrace=False)
+    return path
+
+
+def run_promtool(*args: str, stdin: str | None = None, cwd: Path | None = None) -> str:
+    proc = subprocess.run([promtool(), *args], input=stdin, capture_output=True, text=True, cwd=cwd, timeout=60)
+    assert proc.returncode == 0, f"promtool {' '.join(args)} failed:\n{proc.stdout}{proc.stderr}"
+    return proc.stdout + proc.stderr
+
+
+def metrics_url(daemon) -> str:
+    match = METRICS_LINE.search(daemon.log)
+    assert match, f"no 'metrics on http://...' line in the daemon log:\n{daemon.log}"
+    return f"http://127.0.0.1:{match[1]}/metrics"
+
+
+def scrape(daemon) -> str:
+    with urllib.request.urlopen(metrics_url(daemon), timeout=10) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        return resp.read().decode()
+
+
+class Scrape:
+    """Parsed exposition text: sample values by name and labels."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.samples: dict[str, dict[frozenset, float]] = defaultdict(dict)
+        self.label_names: dict[str, set[str]] = defaultdict(set)
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                self.samples[s.name][frozenset(s.labels.items())] = s.value
+                self.label_names[s.name].update(s.labels)
+
+    def value(self, name: str, **labels: str) -> float:
+        series = self.samples.get(name, {})
+        key = frozenset(labels.items())
+        assert key in series, f"no sample {name}{labels}; have {sorted(map(dict, series))}"
+        return series[key]
+
+    def series(self, name: str) -> dict[frozenset, float]:
+        return self.samples.get(name, {})
+
+
+def quiet_stats(daemon, deadline_s: float = 30.0) -> pb.StatsResponse:
+    """Stats once background work (write-downs, promotions) has settled: two equal reads with
+    nothing queued. Waits for a state, not for a time."""
+    deadline = time.monotonic() + deadline_s
+    prev = None
+    while True:
+        cur = daemon.stats()
+        if prev is not None and cur.tiers == prev.tiers and all(t.queued == 0 for t in cur.tiers):
+            return cur
+        assert time.monotonic() < deadline, f"tier counters still moving after {deadline_s}s: {cur}"
+        prev = cur
+        time.sleep(0.05)
+
+
+def assert_tiers_match(scraped: Scrape, stats: pb.StatsResponse) -> None:
+    mapped = set(TIER_GAUGES) | set(TIER_COUNTERS) | set(TIER_DROPS) | {"name", "kind"}
+    unexported = {f.name for f in pb.TierStats.DESCRIPTOR.fields} - mapped
+    assert not unexported, f"TierStats fields with no metric: {unexported} (export them in metrics.py)"
+    names = set()
+    for t in stats.tiers:
+        labels = {"tier": t.name, "kind": pb.TierKind.Name(t.kind).removeprefix("TIER_KIND_").lower()}
+        names.add(t.name)
+        for field, metric in {**TIER_GAUGES, **TIER_COUNTERS}.items():
+            assert scraped.value(metric, **labels) == getattr(t, field), (metric, labels)
+        for field, reason in TIER_DROPS.items():
+            assert scraped.value("kvstored_tier_drops_total", **labels, reason=reason) == getattr(t, field)
+        assert scraped.value("kvstored_tier_misses_total", **labels) == t.lookups - t.hits
+        if t.capacity_bytes:
+            assert scraped.value("kvstored_tier_utilization_ratio", **labels) == pytest.approx(
+                t.used_bytes / t.capacity_bytes)
+    assert {dict(k)["tier"] for k in scraped.series("kvstored_tier_capacity_bytes")} == names
+
+
+def assert_histograms_consistent(scraped: Scrape, name: str) -> None:
+    """Buckets cumulative, +Inf bucket == _count, for every series of histogram `name`."""
+    by_series: dict[frozenset, list[tuple[float, float]]] = defaultdict(list)
+    for labels, value in scraped.series(f"{name}_bucket").items():
+        d = dict(labels)
+        le = float(d.pop("le"))
+        by_series[frozenset(d.items())].append((le, value))
+    assert by_series, f"no {name} series"
+    for labels, buckets in by_series.items():
+        counts = [v for _, v in sorted(buckets)]
+        assert counts == sorted(counts), (name, dict(labels), buckets)
+        assert max(buckets)[1] == scraped.value(f"{name}_count", **dict(labels))
+
+
+# -- RAM only -----------------------------------------------------------------------------------
+
+def test_ram_metrics_match_stats_and_pass_promtool(daemon_factory):
+    d = daemon_factory(METRICS_PORT_0, cpu_bytes="8MiB")
+    a, b = make_keys("metrics-a", 6), make_keys("metrics-b", 6)
+    with d.client() as kv:
+        ns = kv.register_namespace(model="metrics-ram", dtype="uint8", chunk_bytes=MIB)
+        assert kv.store(ns, a, payloads(a, MIB)).stored == 6
+        out = np.empty((4, MIB), np.uint8)
+        assert kv.load(ns, a[:4], out) == 4
+        assert kv.lookup(ns, a + b[:4]).prefix_hits == 6
+        assert kv.store(ns, b, payloads(b, MIB)).stored == 6  # 8 MiB of RAM: evicts 4 of `a`
+        assert kv.delete(ns, b[:2]) == 2
+        with raw(d.socket, session=False) as conn:
+            rpc_error(conn.call, "Lookup", pb.LookupRequest(namespace_id="0" * 32, keys=[b"k" * 32]))
+
+        text = scrape(d)  # the client's session is still open
+        stats = quiet_stats(d)
+        scraped = Scrape(text)
+        assert_tiers_match(scraped, stats)
+        ram = {"tier": "ram", "kind": "ram"}
+        assert scraped.value("kvstored_tier_evictions_total", **ram) == 4
+        assert scraped.value("kvstored_tier_hits_total", **ram) > 0
+        assert scraped.value("kvstored_tier_misses_total", **ram) > 0
+
+        assert scraped.value("kvstored_sessions") == stats.sessions == 1
+        assert scraped.value("kvstored_leases") == stats.leases == 0
+        assert scraped.value("kvstored_reservations") == stats.reservations == 0
+        assert scraped.value("kvstored_namespaces") == stats.namespaces == 1
+        assert scraped.value("kvstored_build_info", version=stats.version) == 1
+        assert scraped.value("kvstored_namespace_info", namespace=ns.namespace_id, model="metrics-ram",
+                             dtype="uint8", chunk_bytes=str(MIB)) == 1
+
+    kv_service = "kvstored.v1.KVStore"
+    handled = "kvstored_grpc_server_handled_total"
+    assert scraped.value(handled, service=kv_service, method="Reserve", code="OK") == 2
+    assert scraped.value(handled, service=kv_service, method="Commit", code="OK") == 2
+    assert scraped.value(handled, service=kv_service, method="Acquire", code="OK") == 1
+    assert scraped.value(handled, service=kv_service, method="Delete", code="OK") == 1
+    assert scraped.value(handled, service=kv_service, method="Lookup", code="OK") == 1
+    assert scraped.value(handled, service=kv_service, method="Lookup", code="NOT_FOUND") == 1
+    assert scraped.value(handled, service=kv_service, method="RegisterRegion", code="OK") == 0  # pre-created
+    for labels, count in scraped.series(handled).items():
+        if dict(labels)["method"] != "WatchEvents":
+            assert scraped.value("kvstored_grpc_server_handling_seconds_count", **dict(labels)) == count
+    assert_histograms_consistent(scraped, "kvstored_grpc_server_handling_seconds")
+    assert scraped.value("process_resident_memory_bytes") > 0
+
+    run_promtool("check", "metrics", stdin=text)
+
+
+def test_metrics_port_taken_or_off_keeps_serving(daemon_factory):
+    first = daemon_factory(METRICS_PORT_0)
+    port = METRICS_LINE.search(first.log)[1]
+    second = daemon_factory(["--metrics-addr", f"127.0.0.1:{port}"])
+    assert f"metrics disabled: cannot listen on 127.0.0.1:{port}" in second.log
+    off = daemon_factory(["--metrics-addr", "off"])
+    for d in (second, off):
+        assert not METRICS_LINE.search(d.log)
+        assert d.stats().tiers[0].name == "ram"  # still serving
+    assert Scrape(scrape(first)).value("kvstored_sessions") == 0
+
+
+# -- with an fs tier ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fs_run():
+    """One daemon with 4 MiB of RAM over a 256 MiB fs tier, driven through write-back and
+    promotion; yields its scrape and the quiet Stats around it."""
+    from tests.support.daemon import Daemon
+
+    root = short_tmpdir("kvfs")
+    d = Daemon(cpu_bytes="4MiB")
+    try:
+        d.start(METRICS_PORT_0 + ["--tiers", f"kind=fs,root={root},bytes=256MiB"])
+        keys = make_keys("metrics-fs", 12)
+        with d.client() as kv:
+            ns = kv.register_namespace(model="metrics-fs", dtype="uint8", chunk_bytes=MIB)
+            for i in range(0, len(keys), 2):
+                kv.store(ns, keys[i:i + 2], payloads(keys[i:i + 2], MIB))
+            quiet_stats(d)
+            out = np.empty((2, MIB), np.uint8)
+            assert kv.lookup(ns, keys).prefix_hits == len(keys)  # all in RAM or on disk
+            assert kv.load(ns, keys[:2], out) == 2  # promoted back from the fs tier
+            assert (out == payloads(keys[:2], MIB)).all()
+            before = quiet_stats(d)
+            text = scrape(d)
+            after = quiet_stats(d)
+        yield Scrape(text), before, after
+        d.stop()
+    finally:
+        d.cleanup()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_fs_tier_metrics_match_stats_and_pass_promtool(fs_run):
+    scraped, before, after = fs_run
+    assert before.tiers == after.tiers  # the scrape itself changed nothing
+    assert_tiers_match(scraped, before)
+    ram, fs = {"tier": "ram", "kind": "ram"}, {"tier": "fs", "kind": "fs"}
+    assert scraped.value("kvstored_tier_writedowns_total", **ram) > 0
+    assert scraped.value("kvstored_tier_promotions_total", **ram) >= 2
+    assert scraped.value("kvstored_tier_written_bytes_total", **fs) >= MIB
+    assert scraped.value("kvstored_tier_read_bytes_total", **fs) >= 2 * MIB
+    assert scraped.value("kvstored_tier_hits_total", **fs) > 0
+    assert scraped.value("kvstored_tier_capacity_bytes", **fs) == 256 * MIB
+    for op in ("lookup", "read", "write", "remove"):  # exist from the start, observed by the chain
+        assert scraped.value("kvstored_tier_operation_seconds_count", **fs, op=op) >= 0
+    assert_histograms_consistent(scraped, "kvstored_tier_operation_seconds")
+    run_promtool("check", "metrics", stdin=scraped.text)
+
+
+# -- dashboard, rules, scrape config --------------------------------------------------------------
+
+METRIC_NAME = re.compile(r"\b((?:kvstored|process)_[a-z0-9_]+)\b(\{[^}]*\})?")
+LABEL_MATCHER = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)")
+
+
+def dashboard_exprs() -> list[str]:
+    exprs = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in ("expr", "query", "definition") and isinstance(value, str):
+                    exprs.append(value)
+                elif key == "query" and isinstance(value, dict) and isinstance(value.get("query"), str):
+                    exprs.append(value["query"])
+                else:
+                    walk(value)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+
+    walk(json.loads(DASHBOARD.read_text()))
+    return exprs
+
+
+def rules_exprs() -> list[str]:
+    import yaml  # PyYAML comes with the dev extras (moto)
+
+    doc = yaml.safe_load(RULES.read_text())
+    return [rule["expr"] for group in doc["groups"] for rule in group["rules"]]
+
+
+def test_dashboard_and_rules_only_use_scraped_names_and_labels(fs_run):
+    scraped = fs_run[0]
+    sources = {"dashboard": dashboard_exprs(), "rules": rules_exprs()}
+    assert len(sources["dashboard"]) >= 15 and len(sources["rules"]) >= 5
+    problems = []
+    for source, exprs in sources.items():
+        for expr in exprs:
+            for name, selector in METRIC_NAME.findall(expr):
+                if name not in scraped.samples:
+                    problems.append(f"{source}: {name} is not in a real scrape ({expr!r})")
+                    continue
+                for label in LABEL_MATCHER.findall(selector or ""):
+                    if label not in scraped.label_names[name] | PROMETHEUS_LABELS:
+                        problems.append(f"{source}: {name} has no label {label!r} ({expr!r})")
+    assert not problems, "\n".join(problems)
+    assert any("kvstored_tier_operation_seconds_bucket" in e for e in sources["dashboard"])
+
+
+def test_dashboard_is_importable_grafana_json():
+    dash = json.loads(DASHBOARD.read_text())
+    assert dash["title"] and dash["uid"] and dash["schemaVersion"] >= 30
+    panels = [p for p in dash["panels"] if p.get("type") != "row"]
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    for panel in panels:
+        assert panel["targets"], panel["title"]
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        assert "gridPos" in panel
+    variables = {v["name"] for v in dash["templating"]["list"]}
+    assert {"datasource", "instance"} <= variables
+
+
+def test_rules_and_scrape_config_pass_promtool():
+    run_promtool("check", "rules", str(RULES))
+    run_promtool("check", "config", str(SCRAPE_CONFIG))
+
+
+def test_ram_thrash_alert_fires_only_when_full_and_missing(tmp_path):
+    """promtool unit test of the alert: RAM full and every lookup a miss -> fires; a full RAM
+    tier that still hits, or an empty one that misses, does not."""
+    def series(instance: str, hits: str, lookups: str, util: str) -> list[dict]:
+        labels = f'job="kvstored",instance="{instance}",tier="ram",kind="ram"'
+        return [
+            {"series": f"kvstored_tier_hits_total{{{labels}}}", "values": hits},
+            {"series": f"kvstored_tier_lookups_total{{{labels}}}", "values": lookups},
+            {"series": f"kvstored_tier_utilization_ratio{{{labels}}}", "values": util},
+        ]
+
+    tests = {
+        "rule_files": [str(RULES)],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": (
+                series("thrash:9464", "0+0x60", "0+600x60", "0.99x60")
+                + series("healthy:9464", "0+500x60", "0+600x60", "0.99x60")
+                + series("empty:9464", "0+0x60", "0+600x60", "0.10x60")
+            ),
+            "alert_rule_test": [
+                {"eval_time": "50m", "alertname": "KvstoredRamTierThrashing", "exp_alerts": [{
+                    "exp_labels": {"severity": "warning", "instance": "thrash:9464", "job": "kvstored"},
+                    "exp_annotations": {
+                        "summary": "kvstored RAM tier on thrash:9464 is full but almost never hits",
+                        "description": (
+                            "The RAM tier hit rate has been below 1% for 15 minutes while it is over 90% "
+                            "full: chunks are evicted before they are reused. Give it more memory "
+                            "(cpu_bytes), add a lower tier, or check that clients use stable keys."),
+                    },
+                }]},
+                {"eval_time": "5m", "alertname": "KvstoredRamTierThrashing", "exp_alerts": []},
+            ],
+        }],
+    }
+    test_file = tmp_path / "thrash_test.yml"
+    test_file.write_text(json.dumps(tests))  # JSON is YAML
+    run_promtool("test", "rules", str(test_file))

@@ -1,0 +1,260 @@
+"""Config: precedence flags > env > file > defaults, size parsing, and errors that name the option."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstored.config import Config, ConfigError, env_name, flag_name, load_config, options
+from kvstored.sizes import parse_size
+
+
+def write_toml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "kvstored.toml"
+    path.write_text(text)
+    return path
+
+
+# -- sizes ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("4096", 4096),
+        ("0", 0),
+        ("1_000_000", 1_000_000),
+        ("512B", 512),
+        ("1k", 1000),
+        ("1KB", 1000),
+        ("64KiB", 64 << 10),
+        ("64kib", 64 << 10),
+        ("2M", 2_000_000),
+        ("16MiB", 16 << 20),
+        (" 16 MiB ", 16 << 20),
+        ("2G", 2_000_000_000),
+        ("2GB", 2_000_000_000),
+        ("8GiB", 8 << 30),
+        ("1.5GiB", 3 << 29),
+        ("1TiB", 1 << 40),
+        ("3T", 3 * 10**12),
+    ],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+def test_parse_size_passes_ints_through():
+    assert parse_size(12345) == 12345
+
+
+@pytest.mark.parametrize("text", ["", "   ", "abc", "MiB", "-1", "1.5.2", "12XB", "1e9", "1 2 MiB", "0x10"])
+def test_parse_size_rejects_garbage(text):
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+def test_parse_size_rejects_negative_int():
+    with pytest.raises(ValueError):
+        parse_size(-5)
+
+
+# -- defaults and precedence -----------------------------------------------------------------
+
+
+def test_defaults(tmp_path):
+    cfg = load_config({}, {})
+    defaults = Config()
+    assert cfg == defaults
+    assert cfg.page_bytes == 64 << 10
+    assert cfg.populate is True
+    assert cfg.max_batch_keys == 8192
+    assert cfg.grace_seconds == 5.0
+    assert cfg.log_level == "info"
+    assert cfg.log_format == "text"
+    assert cfg.socket_mode == 0o660
+    assert cfg.cpu_bytes > 0
+    assert cfg.session_socket == Path(f"{cfg.socket}.session")
+
+
+def test_socket_default_follows_kvstored_socket_env(monkeypatch):
+    monkeypatch.setenv("KVSTORED_SOCKET", "/tmp/kvx/some.sock")
+    cfg = load_config({}, None)  # env=None reads os.environ
+    assert cfg.socket == Path("/tmp/kvx/some.sock")
+    assert cfg.session_socket == Path("/tmp/kvx/some.sock.session")
+
+
+# (option, file value, env value, flag value, parsed file, parsed env, parsed flag)
+PRECEDENCE_CASES = [
+    ("cpu_bytes", '"1GiB"', "2GiB", "3GiB", 1 << 30, 2 << 30, 3 << 30),
+    ("page_bytes", "8192", "16KiB", "32KiB", 8192, 16 << 10, 32 << 10),
+    ("populate", "false", "yes", "off", False, True, False),
+    ("max_batch_keys", "10", "20", "30", 10, 20, 30),
+    ("grace_seconds", "1.5", "2.5", "0", 1.5, 2.5, 0.0),
+    ("log_level", '"debug"', "warning", "error", "debug", "warning", "error"),
+    ("log_format", '"json"', "text", "json", "json", "text", "json"),
+    ("socket_mode", '"600"', "640", "666", 0o600, 0o640, 0o666),
+    ("socket", '"/tmp/a.sock"', "/tmp/b.sock", "/tmp/c.sock", Path("/tmp/a.sock"), Path("/tmp/b.sock"), Path("/tmp/c.sock")),
+]
+
+
+@pytest.mark.parametrize("case", PRECEDENCE_CASES, ids=[c[0] for c in PRECEDENCE_CASES])
+def test_precedence_flags_over_env_over_file_over_default(tmp_path, case):
+    name, file_v, env_v, flag_v, want_file, want_env, want_flag = case
+    toml = write_toml(tmp_path, f"{name} = {file_v}\n")
+    env = {env_name(name): env_v}
+    flags = {name: flag_v}
+    default = getattr(load_config({}, {}), name)
+    assert getattr(load_config(flags, env, toml), name) == want_flag
+    assert getattr(load_config({}, env, toml), name) == want_env
+    assert getattr(load_config({name: None}, {}, toml), name) == want_file  # None = flag not given
+    assert getattr(load_config({}, {}, None), name) == default
+    # Each source only touches its own option.
+    other = load_config(flags, env, toml)
+    assert other.max_batch_keys == (want_flag if name == "max_batch_keys" else 8192)
+
+
+def test_sources_combine_per_option(tmp_path):
+    toml = write_toml(tmp_path, 'cpu_bytes = "1GiB"\npage_bytes = "8KiB"\nmax_batch_keys = 7\n')
+    env = {"KVSTORED_PAGE_BYTES": "16KiB", "KVSTORED_MAX_BATCH_KEYS": "9"}
+    cfg = load_config({"max_batch_keys": "11"}, env, toml)
+    assert cfg.cpu_bytes == 1 << 30  # file only
+    assert cfg.page_bytes == 16 << 10  # env beats file
+    assert cfg.max_batch_keys == 11  # flag beats both
+
+
+def test_config_file_from_env(tmp_path):
+    toml = write_toml(tmp_path, 'cpu_bytes = "3MiB"\n')
+    cfg = load_config({}, {"KVSTORED_CONFIG": str(toml)})
+    assert cfg.cpu_bytes == 3 << 20
+
+
+def test_explicit_config_file_beats_env_config(tmp_path):
+    a = tmp_path / "a.toml"
+    a.write_text('cpu_bytes = "3MiB"\n')
+    b = tmp_path / "b.toml"
+    b.write_text('cpu_bytes = "5MiB"\n')
+    assert load_config({}, {"KVSTORED_CONFIG": str(a)}, b).cpu_bytes == 5 << 20
+
+
+def test_toml_native_types(tmp_path):
+    toml = write_toml(tmp_path, "cpu_bytes = 8388608\npopulate = true\ngrace_seconds = 3\nsocket_mode = 384\n")
+    cfg = load_config({}, {}, toml)
+    assert cfg.cpu_bytes == 8 << 20
+    assert cfg.populate is True
+    assert cfg.grace_seconds == 3.0
+    assert cfg.socket_mode == 0o600
+
+
+def test_every_option_has_flag_env_and_help():
+    for f in options():
+        assert flag_name(f.name) == "--" + f.name.replace("_", "-")
+        assert env_name(f.name) == "KVSTORED_" + f.name.upper()
+        assert f.metadata["help"]
+
+
+# -- bad values ---------------------------------------------------------------------------------
+
+BAD_VALUES = [
+    ("cpu_bytes", "lots"),
+    ("cpu_bytes", "-1GiB"),
+    ("cpu_bytes", "0"),  # smaller than one page
+    ("cpu_bytes", "1000"),  # smaller than one page
+    ("page_bytes", "1000"),  # not a multiple of 4096
+    ("page_bytes", "0"),
+    ("page_bytes", "4KB"),  # 4000
+    ("populate", "maybe"),
+    ("max_batch_keys", "many"),
+    ("max_batch_keys", "0"),
+    ("max_batch_keys", "-3"),
+    ("max_batch_keys", "1.5"),
+    ("grace_seconds", "soon"),
+    ("grace_seconds", "-1"),
+    ("grace_seconds", "nan"),
+    ("log_level", "loud"),
+    ("log_format", "xml"),
+    ("socket_mode", "rw-rw----"),
+    ("socket_mode", "9"),
+    ("socket_mode", "-1"),
+    ("socket_mode", "77777"),  # not permission bits: chmod would silently keep 0o7777
+    ("socket", "/tmp/" + "x" * 120 + "/kv.sock"),  # longer than a unix socket path can be
+]
+
+
+@pytest.mark.parametrize("name, value", BAD_VALUES, ids=[f"{n}={v[:24]}" for n, v in BAD_VALUES])
+def test_bad_flag_value_names_the_option(name, value):
+    with pytest.raises(ConfigError) as info:
+        load_config({name: value}, {})
+    assert name in str(info.value)
+
+
+BAD_ENV_VALUES = [
+    ("cpu_bytes", "lots"),
+    ("cpu_bytes", "1000"),
+    ("page_bytes", "1000"),
+    ("populate", "maybe"),
+    ("max_batch_keys", "many"),
+    ("grace_seconds", "-1"),
+    ("log_level", "loud"),
+    ("socket_mode", "9"),
+]
+
+
+@pytest.mark.parametrize("name, value", BAD_ENV_VALUES, ids=[f"{n}={v}" for n, v in BAD_ENV_VALUES])
+def test_bad_env_value_names_the_option(name, value):
+    with pytest.raises(ConfigError) as info:
+        load_config({}, {env_name(name): value})
+    assert name in str(info.value)
+
+
+def test_parse_errors_name_the_source(tmp_path):
+    with pytest.raises(ConfigError, match="--cpu-bytes"):
+        load_config({"cpu_bytes": "lots"}, {})
+    with pytest.raises(ConfigError, match="KVSTORED_CPU_BYTES"):
+        load_config({}, {"KVSTORED_CPU_BYTES": "lots"})
+    toml = write_toml(tmp_path, 'cpu_bytes = "lots"\n')
+    with pytest.raises(ConfigError, match="cpu_bytes") as info:
+        load_config({}, {}, toml)
+    assert str(toml) in str(info.value)
+
+
+def test_bad_file_value_names_the_option(tmp_path):
+    toml = write_toml(tmp_path, 'populate = "maybe"\n')
+    with pytest.raises(ConfigError, match="populate"):
+        load_config({}, {}, toml)
+    toml = write_toml(tmp_path, "socket = 5\n")
+    with pytest.raises(ConfigError, match="socket"):
+        load_config({}, {}, toml)
+
+
+def test_empty_env_value_is_an_error_not_the_default():
+    with pytest.raises(ConfigError, match="cpu_bytes"):
+        load_config({}, {"KVSTORED_CPU_BYTES": ""})
+
+
+def test_an_overridden_malformed_value_is_never_parsed(tmp_path):
+    # A flag overrides a malformed env value: the env value is never parsed.
+    cfg = load_config({"cpu_bytes": "4MiB"}, {"KVSTORED_CPU_BYTES": "lots"})
+    assert cfg.cpu_bytes == 4 << 20
+
+
+def test_unknown_file_option_is_named(tmp_path):
+    toml = write_toml(tmp_path, 'cpu_bytes = "4MiB"\ncpu_byte = "8MiB"\n')
+    with pytest.raises(ConfigError, match="cpu_byte"):
+        load_config({}, {}, toml)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config({}, {}, tmp_path / "nope.toml")
+
+
+def test_invalid_toml(tmp_path):
+    toml = write_toml(tmp_path, "cpu_bytes = = 3\n")
+    with pytest.raises(ConfigError, match="TOML"):
+        load_config({}, {}, toml)
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)

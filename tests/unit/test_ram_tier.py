@@ -1,0 +1,231 @@
+"""RamTier bookkeeping: LRU order, recency on hits, leases and reservations pin chunks, exact
+capacity, delete while leased, IN_PROGRESS for a second writer."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstored.tiers.ram import RamTier, ReserveOutcome
+
+PAGE = 4096
+NS = "ns"
+
+
+def cid(name: str) -> tuple[str, bytes]:
+    return (NS, name.encode())
+
+
+def put(tier: RamTier, name: str, size: int = PAGE):
+    res = tier.reserve(cid(name), size)
+    assert res.outcome is ReserveOutcome.RESERVED, (name, res)
+    tier.commit(res.entry)
+    return res
+
+
+def present(tier: RamTier, *names: str) -> list[str]:
+    return [n for n in names if tier.contains(cid(n), touch=False)]
+
+
+@pytest.fixture
+def tier() -> RamTier:
+    return RamTier(4 * PAGE, PAGE)  # room for exactly four one-page chunks
+
+
+def test_capacity_is_exact(tier):
+    assert tier.capacity_bytes == 4 * PAGE
+    for name in "abcd":
+        assert put(tier, name).evicted == []
+    assert tier.used_bytes == tier.capacity_bytes
+    assert tier.chunk_count == 4
+    assert tier.counters.evictions == 0
+    res = put(tier, "e")
+    assert res.evicted == [cid("a")]
+    assert tier.used_bytes == tier.capacity_bytes
+    assert tier.chunk_count == 4
+
+
+def test_capacity_rounds_down_to_whole_pages():
+    tier = RamTier(4 * PAGE + 100, PAGE)
+    assert tier.capacity_bytes == 4 * PAGE
+    for name in "abcd":
+        assert put(tier, name).evicted == []
+    assert put(tier, "e").evicted == [cid("a")]
+
+
+def test_partial_pages_are_charged_as_whole_pages(tier):
+    put(tier, "a", PAGE + 1)  # two pages
+    assert tier.used_bytes == 2 * PAGE
+    put(tier, "b", 2 * PAGE)
+    assert tier.used_bytes == 4 * PAGE
+    assert put(tier, "c", 1).evicted == [cid("a")]
+    assert tier.used_bytes == 3 * PAGE
+
+
+def test_eviction_follows_insertion_order_without_hits(tier):
+    for name in "abcd":
+        put(tier, name)
+    evicted = []
+    for name in "efgh":
+        evicted += put(tier, name).evicted
+    assert evicted == [cid(n) for n in "abcd"]
+    assert present(tier, *"abcdefgh") == list("efgh")
+    assert tier.counters.evictions == 4
+
+
+def test_a_hit_refreshes_recency(tier):
+    for name in "abcd":
+        put(tier, name)
+    assert tier.contains(cid("a"))  # a is now the most recent
+    assert put(tier, "e").evicted == [cid("b")]
+    assert put(tier, "f").evicted == [cid("c")]
+    assert put(tier, "g").evicted == [cid("d")]
+    assert put(tier, "h").evicted == [cid("a")]
+
+
+def test_contains_without_touch_does_not_refresh(tier):
+    for name in "abcd":
+        put(tier, name)
+    assert tier.contains(cid("a"), touch=False)
+    assert put(tier, "e").evicted == [cid("a")]
+
+
+def test_reading_a_chunk_refreshes_recency(tier):
+    for name in "abcd":
+        put(tier, name)
+    entry = tier.acquire(cid("a"))
+    tier.release(entry)
+    assert put(tier, "e").evicted == [cid("b")]
+    assert present(tier, "a") == ["a"]
+
+
+def test_lookup_counters(tier):
+    put(tier, "a")
+    tier.contains(cid("a"))
+    tier.contains(cid("zz"))
+    assert tier.counters.lookups == 2
+    assert tier.counters.hits == 1
+
+
+def test_a_lease_blocks_eviction(tier):
+    for name in "abcd":
+        put(tier, name)
+    lease = tier.acquire(cid("a"))
+    assert lease is not None
+    evicted = []
+    for name in "efghij":
+        evicted += put(tier, name).evicted
+    assert cid("a") not in evicted
+    assert present(tier, "a") == ["a"]
+    assert tier.extents(lease)[0].offset // PAGE == lease.runs[0].start  # pages stayed put
+    tier.release(lease)
+    assert present(tier, "a") == ["a"]
+
+
+def test_pool_full_of_leases_gives_no_space_and_recovers_after_release(tier):
+    for name in "abcd":
+        put(tier, name)
+    leases = [tier.acquire(cid(n)) for n in "abcd"]
+    res = tier.reserve(cid("e"), PAGE)
+    assert res.outcome is ReserveOutcome.NO_SPACE and res.entry is None
+    assert present(tier, *"abcd") == list("abcd")
+    tier.release(leases[2])  # c becomes evictable
+    res = tier.reserve(cid("e"), PAGE)
+    assert res.outcome is ReserveOutcome.RESERVED
+    assert res.evicted == [cid("c")]
+
+
+def test_reservations_are_not_evictable(tier):
+    reservations = [tier.reserve(cid(n), PAGE) for n in "abcd"]
+    assert all(r.outcome is ReserveOutcome.RESERVED for r in reservations)
+    assert tier.reserve(cid("e"), PAGE).outcome is ReserveOutcome.NO_SPACE
+    tier.abort(reservations[0].entry)
+    assert tier.reserve(cid("e"), PAGE).outcome is ReserveOutcome.RESERVED
+
+
+def test_reserved_chunks_are_invisible_until_commit(tier):
+    res = tier.reserve(cid("a"), PAGE)
+    assert not tier.contains(cid("a"))
+    assert tier.acquire(cid("a")) is None
+    assert tier.chunk_count == 0
+    tier.commit(res.entry)
+    assert tier.contains(cid("a"))
+    assert tier.chunk_count == 1
+
+
+def test_second_reservation_of_the_same_chunk_is_in_progress(tier):
+    first = tier.reserve(cid("a"), PAGE)
+    assert first.outcome is ReserveOutcome.RESERVED
+    second = tier.reserve(cid("a"), PAGE)
+    assert second.outcome is ReserveOutcome.IN_PROGRESS and second.entry is None
+    assert tier.used_bytes == PAGE  # the second writer got no pages
+    tier.commit(first.entry)
+    assert tier.reserve(cid("a"), PAGE).outcome is ReserveOutcome.ALREADY_PRESENT
+
+
+def test_abort_makes_the_chunk_reservable_again(tier):
+    first = tier.reserve(cid("a"), PAGE)
+    tier.abort(first.entry)
+    assert tier.used_bytes == 0
+    assert not tier.contains(cid("a"))
+    assert tier.reserve(cid("a"), PAGE).outcome is ReserveOutcome.RESERVED
+
+
+def test_delete_while_leased_keeps_pages_until_release(tier):
+    put(tier, "a")
+    put(tier, "b")
+    lease = tier.acquire(cid("a"))
+    assert tier.delete(cid("a")) is True
+    assert not tier.contains(cid("a"))
+    assert tier.acquire(cid("a")) is None
+    assert tier.chunk_count == 1
+    assert tier.used_bytes == 2 * PAGE  # the reader still owns a's pages
+    # Filling the pool must not reuse a's pages while they are leased.
+    leased_pages = {r.start for r in lease.runs}
+    for name in "cdef":
+        res = put(tier, name)
+        assert not {r.start for r in res.entry.runs} & leased_pages
+    tier.release(lease)
+    assert tier.used_bytes == 3 * PAGE  # a's page is free again; d, e, f remain
+    assert present(tier, *"bcdef") == list("def")
+    assert present(tier, "a") == []
+    # The key can be stored again.
+    assert tier.reserve(cid("a"), PAGE).outcome is ReserveOutcome.RESERVED
+
+
+def test_delete_unleased_frees_pages(tier):
+    put(tier, "a")
+    assert tier.delete(cid("a")) is True
+    assert tier.used_bytes == 0
+    assert tier.chunk_count == 0
+    assert tier.delete(cid("a")) is False
+    assert tier.delete(cid("never")) is False
+
+
+def test_two_leases_on_one_chunk(tier):
+    put(tier, "a")
+    l1, l2 = tier.acquire(cid("a")), tier.acquire(cid("a"))
+    assert l1 is l2 and l1.leases == 2
+    tier.release(l1)
+    for name in "bcde":
+        put(tier, name)
+    assert present(tier, "a") == ["a"]  # still leased once
+    tier.release(l2)
+    with pytest.raises(ValueError):
+        tier.release(l2)
+
+
+def test_extents_cover_the_chunk_exactly():
+    tier = RamTier(8 * PAGE, PAGE)
+    res = put(tier, "a", 2 * PAGE + 123)
+    extents = tier.extents(res.entry)
+    assert sum(e.length for e in extents) == 2 * PAGE + 123
+    assert all(e.offset % PAGE == 0 for e in extents)
+    assert all(e.offset + e.length <= tier.capacity_bytes for e in extents)
+
+
+def test_commit_and_abort_of_wrong_state_raise(tier):
+    res = put(tier, "a")
+    with pytest.raises(ValueError):
+        tier.commit(res.entry)
+    with pytest.raises(ValueError):
+        tier.abort(res.entry)
