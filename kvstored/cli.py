@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
+import os
+import platform
 import sys
 from pathlib import Path
 
@@ -37,7 +38,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+NT_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
+
+
+def tune_memcpy_and_reexec(argv: list[str]) -> None:
+    """glibc switches memcpy to non-temporal (cache-bypassing) stores only above a threshold it
+    derives from the L3 size, hundreds of MiB on some VMs; chunk copies of a few MiB then run
+    ~0.6x as fast. glibc reads tunables only at process start, so set it and exec ourselves once
+    (same pid, so systemd's notify socket still matches)."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if NT_TUNABLE in tunables or platform.machine() != "x86_64" or platform.libc_ver()[0] != "glibc":
+        return
+    env = dict(os.environ, GLIBC_TUNABLES=":".join(filter(None, [tunables, f"{NT_TUNABLE}=0x100000"])))
+    os.execve(sys.executable, [sys.executable, "-m", "kvstored", *argv], env)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     flags = {f.name: getattr(args, f.name) for f in options()}
     try:
@@ -45,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kvstored: {exc}", file=sys.stderr)
         return 2
+    if config.tune_memcpy:
+        tune_memcpy_and_reexec(argv)
     setup_logging(config.log_level, config.log_format)
 
     from kvstored.server.daemon import SocketInUse, run

@@ -213,6 +213,11 @@ class Config:
         default=True,
         metadata=_opt("touch every pool page at start so first copies run at full speed", _parse_bool, "BOOL"),
     )
+    tune_memcpy: bool = field(
+        default=True,
+        metadata=_opt("on x86-64 glibc, restart once with GLIBC_TUNABLES making copies above 1 MiB use "
+                      "cache-bypassing stores (glibc's own threshold can be hundreds of MiB)", _parse_bool, "BOOL"),
+    )
     max_batch_keys: int = field(
         default=8192, metadata=_opt("most keys one request may carry", int, "N")
     )

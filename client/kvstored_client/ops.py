@@ -24,6 +24,9 @@ class Tier(enum.IntEnum):
     PEER = 4
 
 
+_TIERS = {int(t): t for t in Tier}  # a dict lookup per key: Tier(value) costs ~0.4 us each
+
+
 @dataclass(frozen=True)
 class NamespaceSpec:
     model: str
@@ -104,7 +107,7 @@ def _sid(session: PoolSession | None) -> str:
 
 def lookup(ns: Namespace, keys: Sequence[bytes], session: PoolSession | None = None) -> Op:
     resp = yield Call("Lookup", pb.LookupRequest(namespace_id=ns.namespace_id, keys=keys, session_id=_sid(session)))
-    return LookupResult(resp.prefix_hits, [Tier(t) for t in resp.tiers])
+    return LookupResult(resp.prefix_hits, list(map(_TIERS.__getitem__, resp.tiers)))
 
 
 def store(session: PoolSession, ns: Namespace, keys: Sequence[bytes], data: Any) -> Op:

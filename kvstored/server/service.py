@@ -83,9 +83,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         ns = self._ns_keys(request.namespace_id, request.keys)
         if not self._visible(ns, self._optional_session(request.session_id)):
             return pb.LookupResponse(prefix_hits=0, tiers=[0] * len(request.keys))
-        tiers = await self._chain.lookup(ns, request.keys)
-        prefix = next((i for i, t in enumerate(tiers) if not t), len(tiers))
-        return pb.LookupResponse(prefix_hits=prefix, tiers=[int(t) for t in tiers])
+        tiers = [int(t) for t in await self._chain.lookup(ns, request.keys)]
+        prefix = tiers.index(0) if 0 in tiers else len(tiers)
+        return pb.LookupResponse(prefix_hits=prefix, tiers=tiers)
 
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
         session = self._sessions.get(request.session_id)

@@ -100,8 +100,11 @@ class TierChain:
 
     async def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> list[TierKind]:
         """Where each key is; hits below RAM start their promotion (prefetch)."""
+        in_ram = self.ram.contains_many(ns.namespace_id, keys)
+        if all(in_ram):
+            return [TierKind.RAM] * len(keys)
         chunks = [(ns.namespace_id, k) for k in keys]
-        tiers = [TierKind.RAM if self.ram.contains(c) else self.promoter.in_flight(c) for c in chunks]
+        tiers = [TierKind.RAM if hit else self.promoter.in_flight(c) for hit, c in zip(in_ram, chunks)]
         missing = [i for i, t in enumerate(tiers) if t is TierKind.NONE]
         if missing and self.lower:
             found = await self.promoter.find([chunks[i] for i in missing])

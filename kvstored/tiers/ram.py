@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from kvstored.shm.allocator import PageAllocator, PageRun
 from kvstored.tiers.base import ChunkId
@@ -113,6 +114,23 @@ class RamTier:
         if touch:
             self._touch(entry)
         return True
+
+    def contains_many(self, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
+        """`contains` for a batch in one pass (lookups of hundreds of keys per engine step)."""
+        index, lru, ready = self._index, self._lru, EntryState.READY
+        out = []
+        for key in keys:
+            entry = index.get((namespace_id, key))
+            hit = entry is not None and entry.state is ready
+            out.append(hit)
+            if hit:
+                if entry.chunk in lru:
+                    lru.move_to_end(entry.chunk)
+                elif entry.writing:
+                    entry.touched = True
+        self.counters.lookups += len(out)
+        self.counters.hits += sum(out)
+        return out
 
     def _touch(self, entry: RamEntry) -> None:
         if entry.chunk in self._lru:

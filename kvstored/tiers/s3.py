@@ -225,8 +225,10 @@ class S3Tier(SecondaryTier):
         try:
             await self._retrying(lambda: self._client.head_bucket(Bucket=self.bucket))
         except S3Failure as exc:
-            if exc.fault is not Fault.NOT_FOUND or not self._create_bucket:
+            if exc.fault is not Fault.NOT_FOUND:
                 raise
+            if not self._create_bucket:
+                raise S3Failure(Fault.REJECTED, "NoSuchBucket") from None
             await self._retrying(self._make_bucket)
         warmup = self.prefix + WARMUP_KEY
         await self._retrying(lambda: self._client.put_object(Bucket=self.bucket, Key=warmup, Body=b""))
@@ -296,11 +298,10 @@ class S3Tier(SecondaryTier):
         if not self.available:
             self.skipped += 1
             return WriteOutcome.FAILED
-        body = _encode(chunk, views, size)
         if not self._index.admit(chunk):
             self.counters.rejected_admission += 1
             return WriteOutcome.REJECTED_ADMISSION
-        reservation = self._index.reserve(len(body))
+        reservation = self._index.reserve(HEADER_BYTES + size)
         if not reservation.granted:
             self.counters.rejected_full += 1
             return WriteOutcome.REJECTED_FULL
@@ -308,7 +309,7 @@ class S3Tier(SecondaryTier):
         self._pending[chunk] = done
         outcome = WriteOutcome.FAILED
         try:
-            outcome = await self._put(chunk, body, size, reservation)
+            outcome = await self._put(chunk, _encode(chunk, views, size), size, reservation)
             return outcome
         finally:
             self._index.release(reservation)
