@@ -3,9 +3,9 @@
 #   ceph-mon ceph-osd radosgw: a real S3 server (radosgw) on loopback for the S3 tier's tests
 #   prometheus: promtool, to check /metrics, the alert rules and the scrape config
 #   systemd: systemd-analyze, to verify the unit file
-#   openssl: throwaway certificates for the TLS listener tests
+#   openssl: throwaway certificates for the TLS listener tests; curl: the radosgw start script
 set -euo pipefail
-packages=(ceph-mon ceph-osd radosgw prometheus systemd openssl "$@")
+packages=(ceph-mon ceph-osd radosgw prometheus systemd openssl curl "$@")
 need=()
 for pkg in "${packages[@]}"; do dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg"); done
 [ ${#need[@]} -eq 0 ] && exit 0

@@ -48,6 +48,10 @@ class PoolExhausted(KvstoredError):
     """Every page of the pool is leased or reserved, so nothing can be evicted to make room."""
 
 
+class TierStartError(Exception):
+    """A configured tier could not start (bad credentials, unusable root...): the daemon exits."""
+
+
 class ShuttingDown(KvstoredError):
     pass
 

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvstored.errors import InvalidRequest, PoolExhausted, RegionFileMissing, RegionShrunk
+from kvstored.errors import InvalidRequest, PoolExhausted, RegionFileMissing, RegionShrunk, TierStartError
 from kvstored.namespaces import Namespace
 from kvstored.server.sessions import Handle, HandleKind, Session, SessionRegistry
 from kvstored.shm.mapping import Region, SharedPool
@@ -93,7 +93,10 @@ class TierChain:
 
     async def start(self) -> None:
         for lower in self.lower:
-            await lower.tier.start()
+            try:
+                await lower.tier.start()
+            except Exception as exc:
+                raise TierStartError(f"cannot start tier {lower.tier.name!r}: {exc}") from exc
             lower.queue.start()
 
     # -- lookup / delete ------------------------------------------------------------------

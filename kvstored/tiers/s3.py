@@ -78,7 +78,7 @@ class S3Failure(Exception):
     def __init__(self, fault: Fault, detail: str) -> None:
         super().__init__(f"{fault.value}: {detail}")
         self.fault = fault
-        self.code = detail
+        self.detail = detail  # the S3 error code, when there is one
 
 
 class _Skipped(Exception):
@@ -115,7 +115,7 @@ class _Body:
 class S3Tier(SecondaryTier):
     """Counters: lookups/hits per chunk asked of contains(); reads/read_bytes per verified chunk
     served; writes/written_bytes per chunk written (payload bytes); evictions per object deleted
-    for capacity; errors per failed request (misses excluded). `requests` counts HTTP requests
+    for capacity; errors per failed operation (misses are not errors). `requests` counts HTTP requests
     sent (retries included); `skipped` counts operations refused by the open circuit breaker."""
 
     kind = TierKind.S3
@@ -184,9 +184,11 @@ class S3Tier(SecondaryTier):
             retries={"total_max_attempts": 1},  # our policy (_retrying) governs
             max_pool_connections=self._max_concurrency,
             tcp_keepalive=True,
-            request_checksum_calculation="when_required",  # chunks carry their own xxh3
+            # Chunks carry their own xxh3, verified on every read: no CRC32 or SHA-256 of the body
+            # on top (botocore would otherwise hash each PUT body once or twice on the loop).
+            request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
-            s3={"addressing_style": "path"} if self.endpoint_url else None,
+            s3={"payload_signing_enabled": False, **({"addressing_style": "path"} if self.endpoint_url else {})},
         )
         self._stack = AsyncExitStack()
         self._client = await self._stack.enter_async_context(get_session().create_client(
@@ -353,8 +355,8 @@ class S3Tier(SecondaryTier):
         return True
 
     async def remove(self, chunk: ChunkId) -> bool:
-        """Delete the object; True if it is gone now (False if the DELETE failed, or if the chunk
-        was neither indexed nor unknown: then it was just seen missing and nothing is sent)."""
+        """Delete the object; True once it is gone. False if the DELETE failed, or if the chunk is
+        not indexed and was just seen missing (then nothing is sent)."""
         pending = self._pending.get(chunk)
         if pending is not None:  # let the write land, then remove what it wrote
             await asyncio.wait((pending,))
@@ -466,7 +468,7 @@ class S3Tier(SecondaryTier):
             return result
         except S3Failure as exc:
             verdict = exc.fault.answered
-            if exc.code == "NoSuchBucket":
+            if exc.detail == "NoSuchBucket":
                 self._ready = False  # deleted behind our back: the next call recreates it
             raise
         finally:

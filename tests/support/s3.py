@@ -10,6 +10,8 @@ fault-injecting HTTP proxy.
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
 import os
 import shutil
 import signal
@@ -27,9 +29,9 @@ from aiohttp import web
 REPO = Path(__file__).resolve().parents[2]
 START_RGW = REPO / "deploy" / "ceph" / "start_rgw.sh"
 STOP_RGW = REPO / "deploy" / "ceph" / "stop_rgw.sh"
-CEPH_BINARIES = ("ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "monmaptool", "ceph-authtool", "ceph")
+CEPH_BINARIES = ("ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "monmaptool", "ceph-authtool", "ceph", "curl")
 INSTALL_HINT = ("run deploy/install-system-deps.sh (it installs the Debian packages ceph-mon ceph-osd radosgw "
-                "with --no-install-recommends)")
+                "curl with --no-install-recommends)")
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ class RadosGW:
         self.dir = Path(tempfile.mkdtemp(prefix="kvrgw-"))  # short: admin socket paths must fit
         self.memstore_bytes = memstore_bytes
         self.endpoint: S3Endpoint | None = None
+        self._watchdog: subprocess.Popen | None = None
 
     @staticmethod
     def check_installed() -> None:
@@ -96,11 +99,15 @@ class RadosGW:
                    RGW_MEMSTORE_BYTES=str(self.memstore_bytes))
         error = ""
         for _ in range(3):  # a free port can be taken between the probe and the bind: try others
-            out = subprocess.run([str(START_RGW), str(self.dir), str(free_port()), str(free_port())],
+            rgw_port, mon_port = free_port(), free_port()
+            if rgw_port == mon_port:
+                continue
+            out = subprocess.run([str(START_RGW), str(self.dir), str(rgw_port), str(mon_port)],
                                  env=env, capture_output=True, text=True, timeout=180)
             if out.returncode == 0:
                 url = out.stdout.strip().splitlines()[-1]
                 self.endpoint = S3Endpoint(url, self.ACCESS_KEY, self.SECRET_KEY)
+                self._start_watchdog()
                 return self.endpoint
             error = out.stderr
         raise RuntimeError(f"radosgw did not start:\n{error}")
@@ -116,8 +123,20 @@ class RadosGW:
             raise RuntimeError(f"radosgw did not restart:\n{out.stderr}")
 
     def stop(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.kill()
+            self._watchdog.wait()
+            self._watchdog = None
         subprocess.run([str(STOP_RGW), str(self.dir)], timeout=120)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _start_watchdog(self) -> None:
+        """The Ceph daemons outlive a killed test run (they daemonize): a small shell in its own
+        session stops them and removes the directory once this process is gone."""
+        script = ('while kill -0 "$0" 2>/dev/null; do sleep 1; done; "$1" "$2" >/dev/null 2>&1; rm -rf "$2"')
+        self._watchdog = subprocess.Popen(["bash", "-c", script, str(os.getpid()), str(STOP_RGW), str(self.dir)],
+                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL, start_new_session=True)
 
     def __enter__(self) -> S3Endpoint:
         try:
@@ -143,7 +162,7 @@ class MotoServer:
     def start(self) -> S3Endpoint:
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
         )
         try:
             wait_for_port(self.port, 60, alive=lambda: self._proc.poll() is None)
@@ -175,13 +194,20 @@ class MotoServer:
         self._log.close()
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the test process dies (even by SIGKILL)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
 _HOP_BY_HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive"})
 
 
 @dataclass
 class FaultProxy:
     """Forwards HTTP to `upstream`, except that the next `fail_next` requests are answered with
-    `status` and an S3 error `code`. Use with `async with`; `url` is where clients point."""
+    `status` and an S3 error `code`, and that while `hang` is set requests get no answer at all
+    (a black hole). Use with `async with`; `url` is where clients point."""
 
     upstream: str
     fail_next: int = 0
@@ -189,11 +215,13 @@ class FaultProxy:
     code: str = "SlowDown"
     seen: int = 0  # requests received
     failed: int = 0  # requests answered with the fault
+    hang: bool = False
     in_flight: int = 0
     max_in_flight: int = 0  # most requests handled at once
     url: str = ""
     _runner: web.AppRunner | None = field(default=None, repr=False)
     _session: aiohttp.ClientSession | None = field(default=None, repr=False)
+    _released: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     async def __aenter__(self) -> "FaultProxy":
         self._session = aiohttp.ClientSession(auto_decompress=False)
@@ -208,6 +236,7 @@ class FaultProxy:
         return self
 
     async def __aexit__(self, *exc) -> None:
+        self._released.set()  # hung requests finish (with the fault)
         await self._runner.cleanup()
         await self._session.close()
 
@@ -222,7 +251,9 @@ class FaultProxy:
 
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        if self.fail_next > 0:
+        if self.hang:
+            await self._released.wait()
+        if self.fail_next > 0 or self.hang:
             self.fail_next -= 1
             self.failed += 1
             xml = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{self.code}</Code>'

@@ -402,6 +402,40 @@ async def test_dead_endpoint_opens_the_breaker_until_it_comes_back(make_tier):
         assert tier.available
 
 
+async def test_black_hole_costs_one_timeout_per_batch_then_nothing(make_tier, moto):
+    async with FaultProxy(moto.url) as proxy:
+        tier = await make_tier(endpoint_url=proxy.url, timeout_s=0.5, breaker_failures=3, breaker_reset_s=60)
+        proxy.hang = True
+        seen = proxy.seen
+        assert await tier.contains([new_chunk() for _ in range(8)]) == [False] * 8
+        assert proxy.seen - seen == 8  # one attempt each: the timeout spent the whole deadline
+        assert not tier.available
+        pages = Pages([1])
+        assert await tier.contains([new_chunk()]) == [False]
+        assert await tier.write(new_chunk(), pages.views, PAGE) is WriteOutcome.FAILED
+        assert not await tier.read(new_chunk(), pages.views, PAGE)
+        assert proxy.seen - seen == 8
+
+
+async def test_black_hole_at_start_is_not_fatal(make_tier):
+    hung: list[asyncio.StreamWriter] = []
+
+    async def never_answer(reader, writer):
+        hung.append(writer)
+
+    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        tier = await make_tier(endpoint_url=f"http://127.0.0.1:{port}", timeout_s=0.3)
+        assert not tier.available and tier.requests == 1
+        assert await tier.contains([new_chunk()]) == [False] and tier.requests == 1
+    finally:
+        for writer in hung:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+
+
 async def test_endpoint_dying_later_costs_breaker_failures_calls_then_none(make_tier):
     server = MotoServer()
     endpoint = server.start()
