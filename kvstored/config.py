@@ -141,16 +141,22 @@ class S3TierConfig:
     access_key: str | None = None
     secret_key: str | None = None
     bytes: int = 0  # 0: unbounded
-    timeout_s: float = 5.0
+    timeout_s: float = 5.0  # per operation, retries included
     concurrency: int = 16
     max_backlog: int = 64
+    admission: AdmissionPolicy = AdmissionPolicy.ALWAYS
+    negative_cache_s: float = 1.0  # how long a miss is remembered
+    breaker_failures: int = 3  # consecutive failures that open the circuit breaker
+    breaker_reset_s: float = 5.0  # how long an open breaker waits before probing again
+    create_bucket: bool = True
 
 
 TierConfig = FsTierConfig | S3TierConfig
 _TIER_TYPES: dict[str, type] = {"fs": FsTierConfig, "s3": S3TierConfig}
 _TIER_FIELD_PARSERS: dict[str, Callable[[Any], Any]] = {
     "root": Path, "bytes": parse_size, "admission": AdmissionPolicy, "io_threads": int, "direct_io": _parse_bool,
-    "concurrency": int, "max_backlog": int, "timeout_s": float,
+    "concurrency": int, "max_backlog": int, "timeout_s": float, "negative_cache_s": float,
+    "breaker_failures": int, "breaker_reset_s": float, "create_bucket": _parse_bool,
 }
 
 

@@ -20,7 +20,9 @@ def build_tier(cfg: TierConfig) -> SecondaryTier:
 
             return S3Tier(cfg.name, cfg.bucket, prefix=cfg.prefix, endpoint_url=cfg.endpoint_url, region=cfg.region,
                           access_key=cfg.access_key, secret_key=cfg.secret_key, capacity_bytes=cfg.bytes,
-                          max_concurrency=cfg.concurrency, timeout_s=cfg.timeout_s)
+                          max_concurrency=cfg.concurrency, timeout_s=cfg.timeout_s, admission=cfg.admission,
+                          negative_cache_s=cfg.negative_cache_s, breaker_failures=cfg.breaker_failures,
+                          breaker_reset_s=cfg.breaker_reset_s, create_bucket=cfg.create_bucket)
     raise TypeError(f"no tier for {cfg!r}")
 
 
