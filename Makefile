@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 setup: $(STAMP) $(GEN)/kvstored_pb2.py
 
 # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml client/pyproject.toml
+$(STAMP): pyproject.toml client/pyproject.toml setup.py kvstored/shm/_safecopy.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
 	$(BIN)/pip install -q --disable-pip-version-check -e ./client -e '.[dev]'
@@ -41,4 +41,4 @@ bench: setup
 	$(BIN)/python bench/local_path.py
 
 clean:
-	rm -rf $(VENV) var results $(GEN)/*_pb2*.py $(GEN)/*_pb2*.pyi
+	rm -rf $(VENV) var results $(GEN)/*_pb2*.py $(GEN)/*_pb2*.pyi kvstored/shm/*.so build

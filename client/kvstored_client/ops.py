@@ -11,6 +11,7 @@ from typing import Any, Generator, Sequence
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client.buffers import chunk_views, copy_in, copy_out
+from kvstored_client.errors import PoolExhausted
 from kvstored_client.session import PoolSession
 
 
@@ -112,8 +113,11 @@ def lookup(ns: Namespace, keys: Sequence[bytes], session: PoolSession | None = N
 
 def store(session: PoolSession, ns: Namespace, keys: Sequence[bytes], data: Any) -> Op:
     views = chunk_views(data, len(keys), ns.chunk_bytes, writable=False)
-    resp = yield Call("Reserve", pb.ReserveRequest(
-        session_id=session.session_id, namespace_id=ns.namespace_id, keys=keys))
+    try:
+        resp = yield Call("Reserve", pb.ReserveRequest(
+            session_id=session.session_id, namespace_id=ns.namespace_id, keys=keys))
+    except PoolExhausted:  # every page is leased or being written: a cache drops the store
+        return StoreResult(dropped=len(keys))
     reserved = [(slot, view) for slot, view in zip(resp.slots, views) if slot.state == pb.SLOT_STATE_RESERVED]
     present = sum(1 for slot in resp.slots if slot.state == pb.SLOT_STATE_ALREADY_PRESENT)
     handles = [slot.handle for slot, _ in reserved]

@@ -35,6 +35,7 @@ from kvstored.server.service import KVStoreService
 from kvstored.server.session_socket import SessionSocketServer
 from kvstored.server.sessions import SessionRegistry
 from kvstored.server.systemd import notify
+from kvstored.shm.copy import GUARDED as copy_guarded
 from kvstored.shm.mapping import SharedPool
 from kvstored.sizes import format_size
 from kvstored.tiers.base import AdmissionPolicy
@@ -107,6 +108,9 @@ class Daemon:
         claim_socket_path(cfg.socket)
         claim_socket_path(cfg.session_socket)
         log.info("kvstored %s: RAM tier %s (populate=%s)", __version__, format_size(cfg.cpu_bytes), cfg.populate)
+        if not copy_guarded:
+            log.warning("built without kvstored.shm._safecopy: a client truncating its region mid-copy "
+                        "can crash the daemon (install a C compiler and reinstall)")
         self.pool = SharedPool(cfg.cpu_bytes, populate=cfg.populate)
         self.sessions = SessionRegistry()
         self.namespaces = NamespaceRegistry(cfg.cpu_bytes)

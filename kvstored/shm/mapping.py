@@ -70,8 +70,8 @@ class Region:
         return cls(region_id, name, info.st_size, np.frombuffer(mapped, dtype=np.uint8), mapped, own)
 
     def current_size(self) -> int:
-        """The file's size now. Touching mapped pages past it would SIGBUS, so transfers check
-        this first (a client that shrinks its region while a copy runs can still hurt itself)."""
+        """The file's size now: transfers check it first (and copies are guarded against a
+        file that shrinks while they run, see shm/copy.py)."""
         return os.fstat(self._fd).st_size
 
     def close(self) -> None:

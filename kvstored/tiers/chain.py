@@ -22,6 +22,8 @@ import numpy as np
 from kvstored.errors import InvalidRequest, PoolExhausted, RegionFileMissing, RegionShrunk, TierStartError
 from kvstored.namespaces import Namespace
 from kvstored.server.sessions import Handle, HandleKind, Session, SessionRegistry
+from kvstored.shm.copy import MappingVanished
+from kvstored.shm.copy import copy as guarded_copy
 from kvstored.shm.mapping import Region, SharedPool
 from kvstored.observability.events import Cause, EventBus, EventType
 from kvstored.tiers.base import ChunkId, RemovalCause, SecondaryTier, TierKind
@@ -260,7 +262,7 @@ class TierChain:
         self._publish_ram(EventType.REMOVED, Cause.EVICTED, evicted)
         jobs = [(offset, self.ram.extents(entry)) for entry, offset in stored]
         try:
-            await self._copy(_copy_region_to_pool, region.array, self._pool.array, jobs)
+            await self._copy(_copy_region_to_pool, region, self._pool.array, jobs)
         except BaseException:
             for entry, _ in stored:
                 self.ram.abort(entry)
@@ -278,7 +280,7 @@ class TierChain:
         leased = list(zip(await self._lease_prefix(ns, keys), offsets))
         try:
             jobs = [(offset, self.ram.extents(entry)) for entry, offset in leased]
-            await self._copy(_copy_pool_to_region, region.array, self._pool.array, jobs)
+            await self._copy(_copy_pool_to_region, region, self._pool.array, jobs)
         finally:
             for entry, _ in leased:
                 self.ram.release(entry)
@@ -294,9 +296,15 @@ class TierChain:
 
     # -- helpers --------------------------------------------------------------------------
 
-    async def _copy(self, fn, region: np.ndarray, pool: np.ndarray, jobs) -> None:
-        if jobs:
-            await asyncio.get_running_loop().run_in_executor(self._copier, fn, region, pool, jobs)
+    async def _copy(self, fn, region: Region, pool: np.ndarray, jobs) -> None:
+        if not jobs:
+            return
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._copier, fn, region.array, pool, jobs)
+        except MappingVanished:
+            raise RegionShrunk(
+                f"region {region.region_id} ({region.name}) shrank during the copy: register it again"
+            ) from None
 
     def _grant(self, session: Session, kind: HandleKind, entry: RamEntry) -> int:
         handle_id = self._sessions.new_id()
@@ -338,12 +346,12 @@ def _check_offsets(ns: Namespace, region: Region, keys: Sequence[bytes], offsets
 def _copy_region_to_pool(region: np.ndarray, pool: np.ndarray, jobs: list[tuple[int, list[Extent]]]) -> None:
     for offset, extents in jobs:
         for ext in extents:
-            pool[ext.offset:ext.offset + ext.length] = region[offset:offset + ext.length]
+            guarded_copy(pool[ext.offset:ext.offset + ext.length], region[offset:offset + ext.length])
             offset += ext.length
 
 
 def _copy_pool_to_region(region: np.ndarray, pool: np.ndarray, jobs: list[tuple[int, list[Extent]]]) -> None:
     for offset, extents in jobs:
         for ext in extents:
-            region[offset:offset + ext.length] = pool[ext.offset:ext.offset + ext.length]
+            guarded_copy(region[offset:offset + ext.length], pool[ext.offset:ext.offset + ext.length])
             offset += ext.length

@@ -273,8 +273,15 @@ class RamTier:
     def _make_room(self, pages: int, evicted: list[ChunkId]) -> bool:
         """Evict LRU chunks (appended to `evicted`) until `pages` are free; False if leases and
         reservations pin too much of the pool."""
-        if pages > self._alloc.total_pages:
-            return False
+        short = pages - self._alloc.free_pages
+        if short <= 0:
+            return True
+        for entry in self._lru.values():  # oldest first: would evicting these be enough?
+            short -= sum(r.count for r in entry.runs)
+            if short <= 0:
+                break
+        else:
+            return False  # no: evict nothing, a cache entry lost for nothing is worse
         while self._alloc.free_pages < pages:
             if not self._lru:
                 return False

@@ -229,3 +229,22 @@ def test_commit_and_abort_of_wrong_state_raise(tier):
         tier.commit(res.entry)
     with pytest.raises(ValueError):
         tier.abort(res.entry)
+
+
+def test_a_reservation_that_cannot_fit_evicts_nothing(tier):
+    """Leases pin 2 of 4 pages; a 3-page chunk can never fit, even after evicting everything
+    evictable. The reservation must fail without throwing cached chunks away for nothing."""
+    for name in "abcd":
+        put(tier, name)
+    leases = [tier.acquire(cid(n)) for n in "ab"]
+    res = tier.reserve(cid("big"), 3 * PAGE)
+    assert res.outcome is ReserveOutcome.NO_SPACE
+    assert res.evicted == []
+    assert present(tier, *"abcd") == list("abcd")
+    assert tier.counters.evictions == 0
+    for lease in leases:
+        tier.release(lease)
+    # Once it can fit, it evicts only what it needs, oldest first (a and b were used last).
+    res = tier.reserve(cid("big"), 3 * PAGE)
+    assert res.outcome is ReserveOutcome.RESERVED
+    assert res.evicted == [cid("c"), cid("d"), cid("a")]
