@@ -57,6 +57,11 @@ def _parse_mode(value: str | int) -> int:
     return mode
 
 
+def _parse_dirs(value: str | list) -> tuple[Path, ...]:
+    parts = value.split(":") if isinstance(value, str) else value
+    return tuple(Path(os.path.realpath(p)) for p in parts if str(p).strip())
+
+
 def _parse_seconds(value: str | float) -> float:
     seconds = float(value)
     if not math.isfinite(seconds) or seconds < 0:
@@ -218,6 +223,11 @@ class Config:
     populate: bool = field(
         default=True,
         metadata=_opt("touch every pool page at start so first copies run at full speed", _parse_bool, "BOOL"),
+    )
+    region_dirs: tuple[Path, ...] = field(
+        default=(Path("/dev/shm"),),
+        metadata=_opt("directories RegisterRegion may name files in, ':'-separated (regions passed as an "
+                      "fd over the session socket need no entry)", _parse_dirs, "DIRS"),
     )
     tune_memcpy: bool = field(
         default=True,

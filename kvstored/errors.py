@@ -28,6 +28,10 @@ class RegionFileMissing(KvstoredError):
     pass
 
 
+class RegionNotAllowed(KvstoredError):
+    """A region named by path lies outside the directories the daemon accepts region files from."""
+
+
 class RegionShrunk(KvstoredError):
     """A registered region file is now smaller than when it was registered."""
 

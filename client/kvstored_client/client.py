@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -71,10 +72,19 @@ class ClientBase:
         return [spec for spec in self._namespaces.values() if spec.tenant_salt]
 
     def _worth_waiting(self, exc: grpc.RpcError) -> bool:
-        """UNAVAILABLE while the socket exists: the daemon is (re)starting or the channel is in
-        its reconnect backoff, so wait for it within the deadline. With no socket the daemon is
-        down: fail fast, so callers degrade at once instead of at every deadline."""
-        return exc.code() == grpc.StatusCode.UNAVAILABLE and self.socket.exists()
+        """UNAVAILABLE while something listens on the socket: the daemon is (re)starting or the
+        channel is in its reconnect backoff, so wait for it within the deadline. Nobody
+        listening (no socket, or a stale one): fail fast, so callers degrade at once."""
+        if exc.code() != grpc.StatusCode.UNAVAILABLE:
+            return False
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(self.socket))
+            return True
+        except OSError:
+            return False
+        finally:
+            probe.close()
 
     def _unattached(self) -> bool:
         return any(r.region_id == 0 for r in self._regions)

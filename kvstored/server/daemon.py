@@ -144,7 +144,8 @@ class Daemon:
         self.metrics.preinit_grpc(pb.DESCRIPTOR.services_by_name["KVStore"])
         self.server = grpc.aio.server(interceptors=[self.metrics.interceptor, ErrorMappingInterceptor()])
         pb_grpc.add_KVStoreServicer_to_server(
-            KVStoreService(self.chain, self.namespaces, self.sessions, cfg.max_batch_keys), self.server
+            KVStoreService(self.chain, self.namespaces, self.sessions, cfg.max_batch_keys, cfg.region_dirs),
+            self.server,
         )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -24,6 +24,7 @@ STATUS: dict[type[errors.KvstoredError], grpc.StatusCode] = {
     errors.RegionFileMissing: grpc.StatusCode.NOT_FOUND,
     errors.HandleNotHeld: grpc.StatusCode.FAILED_PRECONDITION,
     errors.RegionShrunk: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.RegionNotAllowed: grpc.StatusCode.PERMISSION_DENIED,
     errors.SessionRequired: grpc.StatusCode.FAILED_PRECONDITION,
     errors.BatchTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.PoolExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 from typing import Sequence
 
 from kvstored import __version__
@@ -11,6 +13,7 @@ from kvstored.observability.events import KvEvent
 from kvstored.observability.snapshot import tier_snapshots
 from kvstored.namespaces import Namespace, NamespaceRegistry, check_keys
 from kvstored.server.sessions import HandleKind, Session, SessionRegistry
+from kvstored.shm.mapping import open_region_file
 from kvstored.tiers.chain import TierChain
 from kvstored.tiers.ram import Extent, ReserveOutcome
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
@@ -35,8 +38,14 @@ def _extents(extents: Sequence[Extent]) -> list[pb.Extent]:
 
 class KVStoreService(pb_grpc.KVStoreServicer):
     def __init__(
-        self, chain: TierChain, namespaces: NamespaceRegistry, sessions: SessionRegistry, max_batch_keys: int
+        self,
+        chain: TierChain,
+        namespaces: NamespaceRegistry,
+        sessions: SessionRegistry,
+        max_batch_keys: int,
+        region_dirs: Sequence[Path],
     ) -> None:
+        self._region_dirs = tuple(region_dirs)
         self._chain = chain
         self._namespaces = namespaces
         self._sessions = sessions
@@ -119,7 +128,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         session = self._sessions.get(request.session_id)
         if not request.path:
             raise InvalidRequest("RegisterRegion needs a path")
-        region = self._chain.attach_region_path(session, request.path)
+        fd = open_region_file(request.path, self._region_dirs)
+        try:
+            region = self._chain.attach_region(session, request.path, fd)
+        finally:
+            os.close(fd)
         return pb.RegisterRegionResponse(region_id=region.region_id, size=region.size)
 
     async def StoreFromRegion(self, request: pb.RegionTransferRequest, context) -> pb.StoreFromRegionResponse:

@@ -7,8 +7,12 @@ import mmap
 import os
 import stat
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
 
 import numpy as np
+
+from kvstored.errors import InvalidRequest, RegionFileMissing, RegionNotAllowed
 
 
 def map_fd(fd: int, size: int, populate: bool) -> mmap.mmap:
@@ -44,6 +48,25 @@ class SharedPool:
         except BufferError:  # a copy still holds a view; the kernel frees it at exit
             pass
         os.close(self.fd)
+
+
+def open_region_file(path: str, allowed_dirs: Sequence[Path]) -> int:
+    """Open a region file named by a client, read-write. Only files under `allowed_dirs` (by
+    real path: no symlink escapes) may be named: anyone allowed on the socket must not be able to
+    make the daemon read or write its other files. (Passing an fd needs no such rule: the client
+    proves access by opening the file itself.)"""
+    real = Path(os.path.realpath(path))
+    if not any(real.is_relative_to(d) for d in allowed_dirs):
+        raise RegionNotAllowed(
+            f"region file {path!r} is outside the allowed directories ({', '.join(map(str, allowed_dirs))}); "
+            f"pass an open fd over the session socket instead"
+        )
+    try:
+        return os.open(real, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise RegionFileMissing(f"region file {path!r} does not exist") from None
+    except OSError as exc:
+        raise InvalidRequest(f"cannot open region file {path!r}: {exc.strerror}") from None
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvstored.errors import InvalidRequest, PoolExhausted, RegionFileMissing, RegionShrunk, TierStartError
+from kvstored.errors import InvalidRequest, PoolExhausted, RegionShrunk, TierStartError
 from kvstored.namespaces import Namespace
 from kvstored.server.sessions import Handle, HandleKind, Session, SessionRegistry
 from kvstored.shm.copy import MappingVanished
@@ -231,18 +231,6 @@ class TierChain:
             raise InvalidRequest(str(exc)) from None
         session.regions[region.region_id] = region
         return region
-
-    def attach_region_path(self, session: Session, path: str) -> Region:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise RegionFileMissing(f"region file {path!r} does not exist") from None
-        except OSError as exc:
-            raise InvalidRequest(f"cannot open region file {path!r}: {exc.strerror}") from None
-        try:
-            return self.attach_region(session, path, fd)
-        finally:
-            os.close(fd)
 
     async def store_from_region(
         self, session: Session, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import grpc
@@ -127,3 +128,26 @@ def test_tcp_loopback_plaintext_allowed(daemon_factory):
     port = _free_port()
     daemon_factory(["--tcp-listen", f"127.0.0.1:{port}"])
     assert _stats_over(f"127.0.0.1:{port}", None).version
+
+
+def test_region_paths_outside_region_dirs_are_refused(daemon, tmp_path):
+    from tests.support.rpc import RawConn
+
+    outside = tmp_path / "secret"
+    outside.write_bytes(b"x" * 65536)
+    link = __import__("pathlib").Path("/dev/shm") / f"kvlink-{os.getpid()}"
+    link.symlink_to(outside)
+    conn = RawConn(daemon.socket)
+    try:
+        for path in (outside, link):
+            with pytest.raises(grpc.RpcError) as err:
+                conn.call("RegisterRegion", pb.RegisterRegionRequest(session_id=conn.session_id, path=str(path)))
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "outside the allowed directories" in err.value.details()
+        # the same file handed over as an fd (the client proves it can open it) is fine
+        with daemon.client() as kv:
+            region = kv.register_region(outside)
+            assert region.size == 65536 and region.region_id > 0
+    finally:
+        link.unlink()
+        conn.session.close()
