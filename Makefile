@@ -9,7 +9,7 @@ PROTOS := $(wildcard proto/kvstored/v1/*.proto)
 RUN_ARGS ?= --socket var/kvstored.sock --tiers kind=fs,root=var/fs,bytes=20GiB
 PYTEST_ARGS ?=
 
-.PHONY: setup proto run test bench system-deps clean
+.PHONY: setup proto run test bench system-deps vllm-deps clean
 
 setup: $(STAMP) $(GEN)/kvstored_pb2.py
 
@@ -30,12 +30,16 @@ run: setup
 	$(BIN)/kvstored serve $(RUN_ARGS)
 
 # Exit code 5 (no tests collected) is a failure, not a pass.
-test: setup system-deps
+test: setup system-deps vllm-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 system-deps:
 	./deploy/install-system-deps.sh
+
+# vllm==0.33.0 without its CUDA dependencies, for the integration tests (see the script).
+vllm-deps: setup
+	VENV=$(VENV) ./tests/vllm/install_vllm.sh
 
 bench: setup
 	$(BIN)/python bench/local_path.py
