@@ -27,11 +27,6 @@ PROG = "kvstoredctl"
 BATCH_KEYS = 1024  # keys per request; well below the daemon's default max_batch_keys
 
 EPILOG = """\
-not available (the daemon has no RPC for them yet):
-  clear       emptying a whole namespace: no RPC lists or clears a namespace's keys. Evict the
-              keys you know instead: ... | kvstoredctl evict -n NS --keys-file -
-  namespaces  listing namespaces: Stats only counts them (/metrics has kvstored_namespace_info).
-
 The socket defaults to $KVSTORED_SOCKET, else /run/kvstored/kvstored.sock as root, else
 $XDG_RUNTIME_DIR/kvstored/kvstored.sock."""
 
@@ -239,6 +234,24 @@ def cmd_evict(conn: Conn, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_clear(conn: Conn, args: argparse.Namespace) -> int:
+    removed = conn.call("ClearNamespace", pb.ClearNamespaceRequest(namespace_id=args.namespace)).removed
+    emit(args, {"namespace_id": args.namespace, "removed": removed},
+         lambda: f"removed {removed} chunks of namespace {args.namespace} from every tier")
+    return 0
+
+
+def cmd_namespaces(conn: Conn, args: argparse.Namespace) -> int:
+    found = conn.call("ListNamespaces", pb.ListNamespacesRequest()).namespaces
+    data = [{"namespace_id": n.namespace_id, "model": n.model, "dtype": n.dtype, "chunk_bytes": n.chunk_bytes,
+             "layout": n.layout, "key_bytes": n.key_bytes, "block_tokens": n.block_tokens,
+             "ram_chunks": n.ram_chunks} for n in found]
+    rows = [(d["namespace_id"], d["model"], d["dtype"], format_size(d["chunk_bytes"]), d["layout"] or "-",
+             d["ram_chunks"]) for d in data]
+    emit(args, data, lambda: table(rows, ("NAMESPACE", "MODEL", "DTYPE", "CHUNK", "LAYOUT", "RAM CHUNKS")))
+    return 0
+
+
 def event_dict(e: pb.KvEvent) -> dict[str, Any]:
     return {
         "seq": e.seq, "ts": e.ts, "type": pb.EventType.Name(e.type).removeprefix("EVENT_TYPE_").lower(),
@@ -331,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     keyed(add("lookup", cmd_lookup, "which tier holds each key. A lookup is a use: it refreshes the key "
               "in RAM's LRU order and starts promoting keys found below RAM", aliases=["inspect"]))
     keyed(add("evict", cmd_evict, "delete keys from every tier", aliases=["delete"]))
+    clear = add("clear", cmd_clear, "remove every chunk of a namespace the daemon knows of, from every tier")
+    clear.add_argument("-n", "--namespace", required=True, metavar="ID", help="namespace id (32 hex digits)")
+    add("namespaces", cmd_namespaces, "the namespaces registered with the daemon (tenant namespaces are hidden)")
 
     events = add("events", cmd_events, "tail KV events (stored/removed, per tier), one per line, until "
                  "interrupted")

@@ -161,6 +161,27 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             return pb.DeleteResponse(deleted=0)
         return pb.DeleteResponse(deleted=await self._chain.delete(ns, request.keys))
 
+    async def ClearNamespace(self, request: pb.ClearNamespaceRequest, context) -> pb.ClearNamespaceResponse:
+        ns = self._namespaces.get(request.namespace_id)
+        if not self._visible(ns, self._optional_session(request.session_id)):
+            return pb.ClearNamespaceResponse(removed=0)
+        return pb.ClearNamespaceResponse(removed=await self._chain.clear_namespace(ns))
+
+    async def ListNamespaces(self, request: pb.ListNamespacesRequest, context) -> pb.ListNamespacesResponse:
+        session = self._optional_session(request.session_id)
+        ram = self._chain.ram
+        chunk_counts: dict[str, int] = {}
+        for ns_id, _key in ram.ready_chunks():
+            chunk_counts[ns_id] = chunk_counts.get(ns_id, 0) + 1
+        return pb.ListNamespacesResponse(namespaces=[
+            pb.NamespaceInfo(
+                namespace_id=ns.namespace_id, model=ns.model, dtype=ns.dtype, chunk_bytes=ns.chunk_bytes,
+                layout=ns.layout, key_bytes=ns.key_bytes, block_tokens=ns.block_tokens, tenant=ns.private,
+                ram_chunks=chunk_counts.get(ns.namespace_id, 0),
+            )
+            for ns in self._namespaces.all() if self._visible(ns, session)
+        ])
+
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         return pb.StatsResponse(
             tiers=[pb.TierStats(**{**dataclasses.asdict(t), "kind": int(t.kind)}) for t in tier_snapshots(self._chain)],

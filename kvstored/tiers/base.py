@@ -109,6 +109,10 @@ class SecondaryTier(abc.ABC):
     def usage(self) -> TierUsage:
         ...
 
+    def known_chunks(self, namespace_id: str) -> list[ChunkId]:
+        """The chunks of a namespace this tier knows of (for clearing a namespace)."""
+        return []
+
     def set_admission(self, policy: "AdmissionPolicy") -> None:
         """Change the admission policy at run time (SIGHUP reload); tiers without one ignore it."""
 

@@ -132,6 +132,17 @@ class TierChain:
             removed = [r or c in gone for r, c in zip(removed, chunks)]
         return sum(removed)
 
+    async def clear_namespace(self, ns: Namespace) -> int:
+        """Remove every chunk of `ns` this daemon knows of, from every tier (an admin operation)."""
+        chunks = self.ram.chunks_of(ns.namespace_id)
+        removed = sum(self.ram.delete(c) for c in chunks)
+        self.events.publish_cleared("ram", TierKind.RAM, ns.namespace_id)
+        for lower in self.lower:
+            for chunk in lower.tier.known_chunks(ns.namespace_id):
+                removed += await lower.timed("remove", lower.tier.remove(chunk))
+            self.events.publish_cleared(lower.tier.name, lower.tier.kind, ns.namespace_id)
+        return removed
+
     async def _lease_prefix(self, ns: Namespace, keys: Sequence[bytes]) -> list[RamEntry]:
         """Lease the leading chunks, promoting from below what RAM lacks; stops at the first miss.
 

@@ -299,6 +299,9 @@ class FsTier(SecondaryTier):
             self._settle_unlinks(items, gate)
         return entry is not None or bool(unlinked)
 
+    def known_chunks(self, namespace_id: str) -> list[ChunkId]:
+        return self._index.chunks_of(namespace_id)
+
     def usage(self) -> TierUsage:
         return TierUsage(self._index.capacity_bytes, self._index.used_bytes, len(self._index))
 

@@ -56,6 +56,9 @@ class FsIndex:
     def __contains__(self, chunk: ChunkId) -> bool:
         return chunk in self._entries
 
+    def chunks_of(self, namespace_id: str) -> list[ChunkId]:
+        return [c for c in self._entries if c[0] == namespace_id]
+
     def get(self, chunk: ChunkId) -> FsEntry | None:
         return self._entries.get(chunk)
 

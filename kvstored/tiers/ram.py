@@ -200,6 +200,13 @@ class RamTier:
         else:
             self._free(entry)
 
+    def ready_chunks(self) -> list[ChunkId]:
+        return [c for c, e in self._index.items() if e.state is EntryState.READY]
+
+    def chunks_of(self, namespace_id: str) -> list[ChunkId]:
+        """READY chunks of a namespace (a scan: for admin operations, not the data path)."""
+        return [c for c, e in self._index.items() if c[0] == namespace_id and e.state is EntryState.READY]
+
     def delete(self, chunk: ChunkId) -> bool:
         entry = self._index.get(chunk)
         if entry is None or entry.state is not EntryState.READY:

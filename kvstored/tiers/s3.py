@@ -365,6 +365,9 @@ class S3Tier(SecondaryTier):
             return False
         return await self._delete(chunk)
 
+    def known_chunks(self, namespace_id: str) -> list[ChunkId]:
+        return self._index.chunks_of(namespace_id)
+
     def usage(self) -> TierUsage:
         return TierUsage(self.capacity_bytes, self._index.used_bytes, len(self._index))
 

@@ -148,3 +148,28 @@ def test_console_script_is_installed():
     assert script.exists(), f"{script} missing: run `make setup` (pyproject.toml declares the kvstoredctl script)"
     proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "status" in proc.stdout and "events" in proc.stdout
+
+
+def test_namespaces_and_clear_a_namespace_from_every_tier(daemon_factory, tmp_path):
+    from tests.support.daemon import short_tmpdir
+
+    root = short_tmpdir("kvfs")
+    d = daemon_factory(["--tiers", f"kind=fs,root={root},bytes=64MiB"], cpu_bytes="1MiB")
+    chunk = 64 << 10
+    with d.client() as kv:
+        keep = kv.register_namespace(model="keep", dtype="u8", chunk_bytes=chunk)
+        gone = kv.register_namespace(model="gone", dtype="u8", chunk_bytes=chunk)
+        keep_keys, gone_keys = make_keys("keep", 8), make_keys("gone", 24)  # 24 > RAM: some land on fs
+        kv.store(keep, keep_keys, payloads(keep_keys, chunk))
+        for i in range(0, 24, 8):
+            kv.store(gone, gone_keys[i:i + 8], payloads(gone_keys[i:i + 8], chunk))
+
+        listed = json.loads(ok("namespaces", "--json", socket_path=d.socket))
+        assert {n["model"] for n in listed} == {"keep", "gone"}
+        assert {n["namespace_id"] for n in listed} == {keep.namespace_id, gone.namespace_id}
+
+        out = json.loads(ok("clear", "-n", gone.namespace_id, "--json", socket_path=d.socket))
+        assert out["removed"] >= 24  # every RAM copy plus the files written down
+        assert kv.lookup(gone, gone_keys).prefix_hits == 0
+        assert not any(root.rglob(f"{gone.namespace_id}/**/*.kv"))
+        assert kv.lookup(keep, keep_keys[-4:]).prefix_hits == 4  # the other namespace is untouched
