@@ -14,7 +14,6 @@ import os
 import signal
 import socket
 import stat
-import sys
 from pathlib import Path
 from typing import Callable
 
@@ -23,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstored import __version__
-from kvstored.config import Config, ConfigError, FsTierConfig, TierConfig, load_config, options
+from kvstored.config import Config, ConfigError, FsTierConfig, TierConfig
 from kvstored.logs import setup_logging
 from kvstored.namespaces import NamespaceRegistry
 from kvstored.observability.http import MetricsServer

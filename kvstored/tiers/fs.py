@@ -20,10 +20,8 @@ import asyncio
 import errno
 import itertools
 import logging
-import mmap
 import os
 import stat
-import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -31,28 +29,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-import numpy as np
 
 from kvstored.tiers import chunkfile
 from kvstored.tiers.base import (
     AdmissionPolicy, ChunkId, RemovalCause, SecondaryTier, TierKind, TierUsage, WriteOutcome,
 )
 from kvstored.tiers.chunkfile import HEADER_BYTES, CorruptChunk
+from kvstored.tiers import fs_io
 from kvstored.tiers.fs_index import FsIndex
+from kvstored.tiers.views import check_views, trim
 
 log = logging.getLogger(__name__)
 
-ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffer addresses
 TMP_SUFFIX = ".tmp"  # temporary files are ".<key hex>.<pid>.<n>.tmp", next to their final name
 STALE_TMP_S = 60.0  # older temporary files are from crashed writers; younger ones may be live
 FULL_BACKOFF_S = 1.0  # after ENOSPC, writes are refused for this long
 TOUCH_INTERVAL_S = 60.0  # a read hit refreshes the file's mtime (restart LRU order) at most this often
 INLINE_STATS = 8  # contains(): up to this many index misses are stat'ed on the loop, more in the pool
 CLAIMS_REMEMBERED = 4096  # recent unlinks remembered per chunk (see FsTier._may_adopt)
-_IOV_MAX = 1024
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _TMP_SEQ = itertools.count()  # next() is atomic under the GIL: unique temporary names per process
-_local = threading.local()
 
 
 class _Read:
@@ -153,9 +149,9 @@ class FsTier(SecondaryTier):
         paths = [self._path(chunks[i]) for i in misses]
         epoch = self._unlink_epoch
         if len(paths) <= INLINE_STATS:
-            found = _stat_files(paths)
+            found = fs_io.stat_files(paths)
         else:
-            found = await self._run(_result_or_nothing, _stat_files, paths)
+            found = await self._run(_result_or_nothing, fs_io.stat_files, paths)
         adopted = 0
         for i, st in zip(misses, found or ()):
             if st is None:
@@ -174,7 +170,7 @@ class FsTier(SecondaryTier):
 
     async def write(self, chunk: ChunkId, views: Sequence[memoryview], size: int) -> WriteOutcome:
         path = self._path(chunk)
-        _check_views(views, size)
+        check_views(views, size)
         if self._index.touch(chunk) is not None:
             return WriteOutcome.ALREADY_PRESENT
         pending = self._pending.get(chunk)
@@ -192,7 +188,7 @@ class FsTier(SecondaryTier):
         if not self._index.admit(chunk):
             self.counters.rejected_admission += 1
             return WriteOutcome.REJECTED_ADMISSION
-        reservation = self._index.reserve(HEADER_BYTES + _round_up(size))
+        reservation = self._index.reserve(HEADER_BYTES + fs_io.round_up(size))
         if not reservation.granted:
             self.counters.rejected_full += 1
             return WriteOutcome.REJECTED_FULL
@@ -243,7 +239,7 @@ class FsTier(SecondaryTier):
 
     async def read(self, chunk: ChunkId, views: Sequence[memoryview], size: int) -> bool:
         path = self._path(chunk)
-        _check_views(views, size)
+        check_views(views, size)
         if self._closed:
             return False
         entry = self._index.get(chunk)
@@ -294,7 +290,7 @@ class FsTier(SecondaryTier):
         items = [(chunk, path)]
         gate = self._claim_unlinks(items)
         try:
-            unlinked = await self._run(_result_or_nothing, _unlink_files, [path])
+            unlinked = await self._run(_result_or_nothing, fs_io.unlink_files, [path])
         finally:
             self._settle_unlinks(items, gate)
         return entry is not None or bool(unlinked)
@@ -394,7 +390,7 @@ class FsTier(SecondaryTier):
             self._evicted(items)
             gate = self._claim_unlinks(items)
             try:
-                await self._run(_result_or_nothing, _unlink_files, [p for _, p in items])
+                await self._run(_result_or_nothing, fs_io.unlink_files, [p for _, p in items])
             finally:
                 self._settle_unlinks(items, gate)
 
@@ -421,7 +417,7 @@ class FsTier(SecondaryTier):
         try:
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DIRECT, 0o644)
             try:
-                os.pwrite(fd, _header_buffer(), 0)
+                os.pwrite(fd, fs_io.header_buffer(), 0)
             finally:
                 os.close(fd)
             return True
@@ -430,7 +426,7 @@ class FsTier(SecondaryTier):
                 return False
             raise
         finally:
-            _unlink_quiet(probe)  # also where open created the file before refusing O_DIRECT
+            fs_io.unlink_quiet(probe)  # also where open created the file before refusing O_DIRECT
 
     def _scan(self) -> list[tuple[ChunkId, int, float]]:
         """Every chunk file under the root, named by its path: <ns>/<k0k1>/<k2k3>/<key hex>.kv.
@@ -486,7 +482,7 @@ class FsTier(SecondaryTier):
                     raise
                 self._refuse_direct(exc)
                 if flags & os.O_EXCL:  # some filesystems (ramfs) create the file, then refuse O_DIRECT
-                    _unlink_quiet(path)
+                    fs_io.unlink_quiet(path)
         return os.open(path, flags, 0o644), False
 
     def _refuse_direct(self, exc: OSError) -> None:
@@ -506,19 +502,19 @@ class FsTier(SecondaryTier):
         """Unlink evicted files, write the chunk to a temporary file, rename it into place.
         (file size, whether the file was there already: content addressing makes it the same bytes)."""
         for _, victim in victims:
-            _unlink_quiet(victim)
+            fs_io.unlink_quiet(victim)
         try:
             st = os.stat(path)
             if stat.S_ISREG(st.st_mode) and st.st_size >= HEADER_BYTES + size:
                 return st.st_size, True
         except OSError:
             pass
-        header = _header_buffer()
+        header = fs_io.header_buffer()
         header[:] = chunkfile.encode_header(chunk, size, chunkfile.checksum(views, size))
         directory, name = os.path.split(path)
         tmp = os.path.join(directory, f".{name[:-3]}.{os.getpid()}.{next(_TMP_SEQ)}{TMP_SUFFIX}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        direct_bufs = _direct_buffers(views, size) if self._direct else None
+        direct_bufs = fs_io.direct_buffers(views, size) if self._direct else None
         try:
             try:
                 fd, direct = self._open(tmp, flags, direct_bufs is not None)
@@ -536,17 +532,17 @@ class FsTier(SecondaryTier):
                         os.close(fd)
                         fd = -1
                         fd, _ = self._open(tmp, (flags & ~os.O_EXCL) | os.O_TRUNC, False)
-                return self._finish_file(fd, tmp, path, [header, *_trim(views, size)])
+                return self._finish_file(fd, tmp, path, [header, *trim(views, size)])
             finally:
                 if fd >= 0:
                     os.close(fd)
         except BaseException:
-            _unlink_quiet(tmp)
+            fs_io.unlink_quiet(tmp)
             raise
 
     @staticmethod
     def _finish_file(fd: int, tmp: str, path: str, bufs: list[memoryview]) -> tuple[int, bool]:
-        length = _pwritev_all(fd, bufs)
+        length = fs_io.pwritev_all(fd, bufs)
         os.replace(tmp, path)
         return length, False
 
@@ -554,13 +550,13 @@ class FsTier(SecondaryTier):
         self, chunk: ChunkId, path: str, views: Sequence[memoryview], size: int, want_size: bool, touch: bool
     ) -> tuple[str, int, str | None]:
         """(status, file size if `want_size`, what was wrong); a corrupt file is removed."""
-        direct_bufs = _direct_buffers(views, size) if self._direct else None
+        direct_bufs = fs_io.direct_buffers(views, size) if self._direct else None
         try:
             fd, direct = self._open(path, os.O_RDONLY | os.O_CLOEXEC, direct_bufs is not None)
         except FileNotFoundError:
             return _Read.MISS, 0, None
         try:
-            header = _header_buffer()
+            header = fs_io.header_buffer()
             got = -1
             if direct:
                 try:  # one syscall; a short count is the end of the file
@@ -573,7 +569,7 @@ class FsTier(SecondaryTier):
                     fd = -1
                     fd, _ = self._open(path, os.O_RDONLY | os.O_CLOEXEC, False)
             if got < 0:
-                got = _preadv_all(fd, [header, *_trim(views, size)])
+                got = fs_io.preadv_all(fd, [header, *trim(views, size)])
             try:
                 if got < HEADER_BYTES:
                     raise CorruptChunk(f"truncated: the file holds {got} bytes, less than a header")
@@ -582,7 +578,7 @@ class FsTier(SecondaryTier):
                     raise CorruptChunk(f"truncated: {got - HEADER_BYTES} of {size} payload bytes")
                 chunkfile.verify(parsed, chunk, size, views)
             except CorruptChunk as exc:
-                _unlink_if_same(path, fd)
+                fs_io.unlink_if_same(path, fd)
                 return _Read.CORRUPT, 0, str(exc)
             if touch:
                 try:
@@ -596,131 +592,6 @@ class FsTier(SecondaryTier):
 
 
 # -- buffers and syscalls (pool threads) ---------------------------------------------------
-
-
-def _round_up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def _header_buffer() -> memoryview:
-    """This thread's page-aligned header buffer (anonymous mmaps are page-aligned)."""
-    buf = getattr(_local, "header", None)
-    if buf is None:
-        buf = _local.header = memoryview(mmap.mmap(-1, HEADER_BYTES))
-    return buf
-
-
-def _as_bytes(view) -> memoryview:
-    view = memoryview(view)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-def _check_views(views: Sequence[memoryview], size: int) -> None:
-    if size < 0:
-        raise ValueError(f"negative chunk size {size}")
-    if sum(memoryview(v).nbytes for v in views) < size:
-        raise ValueError(f"views hold fewer than {size} bytes")
-
-
-def _trim(views: Sequence[memoryview], size: int) -> list[memoryview]:
-    """The first `size` bytes of `views`, as views."""
-    out, remaining = [], size
-    for view in views:
-        if remaining <= 0:
-            break
-        view = _as_bytes(view)
-        if len(view) > remaining:
-            view = view[:remaining]
-        if len(view):
-            out.append(view)
-            remaining -= len(view)
-    if remaining > 0:
-        raise ValueError(f"views hold fewer than {size} bytes")
-    return out
-
-
-def _direct_buffers(views: Sequence[memoryview], size: int) -> list[memoryview] | None:
-    """The views cut to `size` rounded up to whole pages, if O_DIRECT can use them as they are."""
-    out, remaining = [], _round_up(size)
-    for view in views:
-        if remaining <= 0:
-            break
-        view = _as_bytes(view)
-        if not len(view):
-            continue
-        if len(view) % ALIGN or np.frombuffer(view, dtype=np.uint8).ctypes.data % ALIGN:
-            return None
-        if len(view) > remaining:
-            view = view[:remaining]
-        out.append(view)
-        remaining -= len(view)
-    return out if remaining <= 0 else None
-
-
-def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
-    i = 0
-    while i < len(bufs) and n >= len(bufs[i]):
-        n -= len(bufs[i])
-        i += 1
-    rest = bufs[i:]
-    if n:
-        rest[0] = rest[0][n:]
-    return rest
-
-
-def _pwritev_all(fd: int, bufs: list[memoryview]) -> int:
-    offset = 0
-    while bufs:
-        n = os.pwritev(fd, bufs[:_IOV_MAX], offset)
-        if n <= 0:
-            raise OSError(errno.EIO, "write made no progress")
-        offset += n
-        bufs = _advance(bufs, n)
-    return offset
-
-
-def _preadv_all(fd: int, bufs: list[memoryview]) -> int:
-    offset = 0
-    while bufs:
-        n = os.preadv(fd, bufs[:_IOV_MAX], offset)
-        if n <= 0:
-            break
-        offset += n
-        bufs = _advance(bufs, n)
-    return offset
-
-
-def _unlink_quiet(path: str) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except OSError:
-        return False
-
-
-def _unlink_files(paths: list[str]) -> int:
-    return sum(_unlink_quiet(p) for p in paths)
-
-
-def _unlink_if_same(path: str, fd: int) -> None:
-    """Remove `path` if it still names the file open as `fd` (a sharing daemon may have replaced it)."""
-    try:
-        mine, there = os.fstat(fd), os.stat(path)
-    except OSError:
-        return
-    if (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino):
-        _unlink_quiet(path)
-
-
-def _stat_files(paths: list[str]) -> list[os.stat_result | None]:
-    out: list[os.stat_result | None] = []
-    for path in paths:
-        try:
-            st = os.stat(path)
-        except OSError:
-            st = None
-        out.append(st if st is not None and stat.S_ISREG(st.st_mode) else None)
-    return out
 
 
 def _result_or_nothing(fut: asyncio.Future):

@@ -44,6 +44,7 @@ from kvstored.tiers.base import (
 )
 from kvstored.tiers.chunkfile import HEADER_BYTES, CorruptChunk
 from kvstored.tiers.fs_index import FsIndex, Reservation
+from kvstored.tiers.views import trim
 from kvstored.tiers.resilience import Backoff, CircuitBreaker, NegativeCache, Permit
 
 log = logging.getLogger(__name__)
@@ -319,7 +320,7 @@ class S3Tier(SecondaryTier):
             done.set_result(outcome)
 
     async def read(self, chunk: ChunkId, views: Sequence[memoryview], size: int) -> bool:
-        targets = _trim(views, size)
+        targets = trim(views, size)
         if not self.available:
             self.skipped += 1
             return False
@@ -520,29 +521,9 @@ class S3Tier(SecondaryTier):
             await asyncio.sleep(delay)
 
 
-def _trim(views: Sequence[memoryview], size: int) -> list[memoryview]:
-    """The first `size` bytes of `views`, as byte views."""
-    if size < 0:
-        raise ValueError(f"negative chunk size {size}")
-    out, remaining = [], size
-    for view in views:
-        if remaining <= 0:
-            break
-        view = memoryview(view)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
-        part = view[:remaining]
-        if len(part):
-            out.append(part)
-            remaining -= len(part)
-    if remaining > 0:
-        raise ValueError(f"views hold fewer than {size} bytes")
-    return out
-
-
 def _encode(chunk: ChunkId, views: Sequence[memoryview], size: int) -> bytes:
     """The object: header + payload, in one buffer (one copy of the payload)."""
-    parts = _trim(views, size)
+    parts = trim(views, size)
     header = chunkfile.encode_header(chunk, size, chunkfile.checksum(parts, size))
     return b"".join([header, *parts])
 
