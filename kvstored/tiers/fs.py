@@ -72,7 +72,7 @@ class FsTier(SecondaryTier):
         root: Path,
         capacity_bytes: int,
         admission: AdmissionPolicy = AdmissionPolicy.ALWAYS,
-        io_threads: int = 4,
+        io_threads: int = 8,
         direct_io: bool = True,
         *,
         full_backoff_s: float = FULL_BACKOFF_S,
