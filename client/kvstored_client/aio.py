@@ -12,8 +12,8 @@ import grpc
 
 from kvstored_client import ops
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
-from kvstored_client.client import CHANNEL_OPTIONS, DEFAULT_DEADLINE_S, RAISE, RESTART_ERRORS, ClientBase, _remaining
-from kvstored_client.errors import Unavailable, from_rpc_error
+from kvstored_client.client import CHANNEL_OPTIONS, DEFAULT_DEADLINE_S, OPEN_SESSION, RAISE, ClientBase, Plan, _remaining
+from kvstored_client.errors import KvstoredError, from_rpc_error
 from kvstored_client.ops import LookupResult, Namespace, NamespaceSpec, Region, StoreResult
 from kvstored_client.session import PoolSession
 
@@ -89,43 +89,7 @@ class AsyncClient(ClientBase):
     async def _run(self, build: Callable[[PoolSession | None], ops.Op], fallback: Any, session: bool = False) -> Any:
         deadline = time.monotonic() + self.deadline_s
         async with self._lock:
-            restarted = False
-            for attempt in (1, 2):
-                try:
-                    if restarted:
-                        self._drop_session()
-                        for spec in self._public_specs():
-                            await self._drive(ops.register(spec), deadline)
-                    sess = await self._ensure_session(deadline) if session else None
-                    return await self._drive(build(sess), deadline)
-                except Unavailable as exc:
-                    self._drop_session()
-                    if fallback is RAISE:
-                        raise
-                    log.debug("kvstored unavailable, degrading: %s", exc)
-                    return fallback
-                except RESTART_ERRORS as exc:
-                    if attempt == 2:
-                        raise
-                    log.info("kvstored restarted? (%s); setting the session up again", exc)
-                    restarted = True
-
-    async def _ensure_session(self, deadline: float) -> PoolSession:
-        # Blocking socket work and the pool mapping's page population run off the loop.
-        if self._session is None:
-            session = await asyncio.to_thread(
-                PoolSession.open, self.socket, self.client_name, _remaining(deadline), self.populate
-            )
-            try:
-                for spec in self._private_specs():
-                    await self._drive(ops.register(spec, session), deadline)
-            except BaseException:
-                session.close()
-                raise
-            self._session = session
-        if self._unattached():
-            await asyncio.to_thread(self._attach_regions, self._session)
-        return self._session
+            return await self._drive(self._plan(build, fallback, session), deadline)
 
     def _get_stub(self) -> pb_grpc.KVStoreStub:
         if self._stub is None:
@@ -133,24 +97,30 @@ class AsyncClient(ClientBase):
             self._stub = pb_grpc.KVStoreStub(self._channel)
         return self._stub
 
-    async def _drive(self, op: ops.Op, deadline: float) -> Any:
+    async def _drive(self, plan: Plan, deadline: float) -> Any:
         stub = self._get_stub()
         try:
-            call = next(op)
+            effect = next(plan)
             while True:
-                method = getattr(stub, call.method)
                 try:
-                    try:
-                        response = await method(call.request, timeout=_remaining(deadline))
-                    except grpc.RpcError as exc:
-                        if not self._worth_waiting(exc):
-                            raise
-                        response = await method(call.request, timeout=_remaining(deadline), wait_for_ready=True)
+                    if effect is OPEN_SESSION:
+                        # socket work and the pool mapping's page population run off the loop
+                        result = await asyncio.to_thread(self._session_step, _remaining(deadline))
+                    else:
+                        result = await self._call(getattr(stub, effect.method), effect.request, deadline)
                 except grpc.RpcError as exc:
-                    call = op.throw(from_rpc_error(exc))
-                except Unavailable as exc:
-                    call = op.throw(exc)
+                    effect = plan.throw(from_rpc_error(exc))
+                except KvstoredError as exc:
+                    effect = plan.throw(exc)
                 else:
-                    call = op.send(response)
+                    effect = plan.send(result)
         except StopIteration as stop:
             return stop.value
+
+    async def _call(self, method, request, deadline: float):
+        try:
+            return await method(request, timeout=_remaining(deadline))
+        except grpc.RpcError as exc:
+            if not self._worth_waiting(exc):
+                raise
+            return await method(request, timeout=_remaining(deadline), wait_for_ready=True)

@@ -11,14 +11,14 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Generator, Sequence
 
 import grpc
 
 from kvstored_client import ops
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.errors import (
-    Unavailable, UnknownNamespace, UnknownRegion, UnknownSession, from_rpc_error,
+    KvstoredError, Unavailable, UnknownNamespace, UnknownRegion, UnknownSession, from_rpc_error,
 )
 from kvstored_client.keys import namespace_id_for
 from kvstored_client.ops import LookupResult, Namespace, NamespaceSpec, Region, StoreResult
@@ -38,6 +38,8 @@ CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 64 << 20),
 )
 RESTART_ERRORS = (UnknownSession, UnknownRegion, UnknownNamespace)
+OPEN_SESSION = object()  # plan effect: "give me a session" -> (session, newly opened)
+Plan = Generator[Any, Any, Any]
 
 
 class ClientBase:
@@ -116,6 +118,52 @@ class ClientBase:
         for region in self._regions:
             os.close(region.fd)
         self._regions.clear()
+
+    def _plan(self, build: Callable[[PoolSession | None], ops.Op], fallback: Any, session: bool) -> Plan:
+        """One call with its failure policy, written once for both clients: the drivers run the
+        RPCs (`Call`) and open sessions (`OPEN_SESSION`) it yields.
+
+        Daemon down or slow -> `fallback` (a miss, a dropped store...) unless it is RAISE. A
+        restarted daemon (it forgot our session, namespace or region) -> set everything up again
+        and retry once."""
+        restarted = False
+        for attempt in (1, 2):
+            try:
+                if restarted:
+                    self._drop_session()
+                    for spec in self._public_specs():
+                        yield from ops.register(spec)
+                opened = None
+                if session:
+                    opened, fresh = yield OPEN_SESSION
+                    if fresh:  # tenant namespaces live in the session that registered them
+                        for spec in self._private_specs():
+                            yield from ops.register(spec, opened)
+                return (yield from build(opened))
+            except Unavailable as exc:
+                self._drop_session()
+                if fallback is RAISE:
+                    raise
+                log.debug("kvstored unavailable, degrading: %s", exc)
+                return fallback
+            except RESTART_ERRORS as exc:
+                if attempt == 2:
+                    raise
+                log.info("kvstored restarted? (%s); setting the session up again", exc)
+                restarted = True
+
+    def _session_step(self, timeout: float) -> tuple[PoolSession, bool]:
+        """Blocking: the current session (opened if needed, regions attached) and whether it is new."""
+        fresh = self._session is None
+        if fresh:
+            self._session = PoolSession.open(self.socket, self.client_name, timeout, self.populate)
+        if self._unattached():
+            try:
+                self._attach_regions(self._session)
+            except BaseException:
+                self._drop_session()
+                raise
+        return self._session, fresh
 
 
 class Client(ClientBase):
@@ -196,40 +244,7 @@ class Client(ClientBase):
         with self._lock:
             if self._forked():
                 self._channel = self._stub = None
-            restarted = False
-            for attempt in (1, 2):
-                try:
-                    if restarted:
-                        self._drop_session()
-                        for spec in self._public_specs():
-                            self._drive(ops.register(spec), deadline)
-                    sess = self._ensure_session(deadline) if session else None
-                    return self._drive(build(sess), deadline)
-                except Unavailable as exc:
-                    self._drop_session()
-                    if fallback is RAISE:
-                        raise
-                    log.debug("kvstored unavailable, degrading: %s", exc)
-                    return fallback
-                except RESTART_ERRORS as exc:
-                    if attempt == 2:
-                        raise
-                    log.info("kvstored restarted? (%s); setting the session up again", exc)
-                    restarted = True
-
-    def _ensure_session(self, deadline: float) -> PoolSession:
-        if self._session is None:
-            session = PoolSession.open(self.socket, self.client_name, _remaining(deadline), self.populate)
-            try:
-                for spec in self._private_specs():
-                    self._drive(ops.register(spec, session), deadline)
-            except BaseException:
-                session.close()
-                raise
-            self._session = session
-        if self._unattached():
-            self._attach_regions(self._session)
-        return self._session
+            return self._drive(self._plan(build, fallback, session), deadline)
 
     def _get_stub(self) -> pb_grpc.KVStoreStub:
         if self._stub is None:
@@ -237,27 +252,32 @@ class Client(ClientBase):
             self._stub = pb_grpc.KVStoreStub(self._channel)
         return self._stub
 
-    def _drive(self, op: ops.Op, deadline: float) -> Any:
+    def _drive(self, plan: Plan, deadline: float) -> Any:
         stub = self._get_stub()
         try:
-            call = next(op)
+            effect = next(plan)
             while True:
-                method = getattr(stub, call.method)
                 try:
-                    try:
-                        response = method(call.request, timeout=_remaining(deadline))
-                    except grpc.RpcError as exc:
-                        if not self._worth_waiting(exc):
-                            raise
-                        response = method(call.request, timeout=_remaining(deadline), wait_for_ready=True)
+                    if effect is OPEN_SESSION:
+                        result = self._session_step(_remaining(deadline))
+                    else:
+                        result = self._call(getattr(stub, effect.method), effect.request, deadline)
                 except grpc.RpcError as exc:
-                    call = op.throw(from_rpc_error(exc))
-                except Unavailable as exc:
-                    call = op.throw(exc)
+                    effect = plan.throw(from_rpc_error(exc))
+                except KvstoredError as exc:
+                    effect = plan.throw(exc)
                 else:
-                    call = op.send(response)
+                    effect = plan.send(result)
         except StopIteration as stop:
             return stop.value
+
+    def _call(self, method, request, deadline: float):
+        try:
+            return method(request, timeout=_remaining(deadline))
+        except grpc.RpcError as exc:
+            if not self._worth_waiting(exc):
+                raise
+            return method(request, timeout=_remaining(deadline), wait_for_ready=True)
 
 
 def _remaining(deadline: float) -> float:

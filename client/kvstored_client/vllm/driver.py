@@ -1,0 +1,386 @@
+"""A non-blocking link to the local daemon, for code that must never wait (vLLM's scheduler).
+
+The sync `Client` blocks on every call. Code that runs inside vLLM's scheduler step cannot, so this
+driver is polled instead: `poll()` advances the session handshake one non-blocking step at a time,
+RPCs are issued with gRPC's `stub.Method.future(...)` and collected later with `done()`. There is
+no thread and no event loop of our own; gRPC's channel does the I/O.
+
+State machine:  DOWN --(retry time reached)--> HELLO --(Welcome)--> ATTACH --(RegionAttached)--> READY
+Any failure returns to DOWN with an exponential backoff. A daemon restart shows up as the session
+socket closing (or as UNAVAILABLE / unknown-session errors) and starts a new session: the region is
+attached again and namespaces are registered again (`epoch` counts sessions).
+
+The channel and the session are created lazily in the process that uses them, and dropped when a
+fork is noticed: vLLM builds its scheduler-side objects after forking EngineCore.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
+from kvstored_client.errors import (
+    InvalidArgument, KvstoredError, Unavailable, UnknownNamespace, UnknownRegion, UnknownSession, from_code,
+    from_rpc_error,
+)
+from kvstored_client.keys import namespace_id_for
+from kvstored_client.ops import NamespaceSpec
+from kvstored_client.paths import session_socket_path
+
+log = logging.getLogger(__name__)
+
+MAX_PACKET = 64 << 10
+# Reconnect quickly after a daemon restart instead of gRPC's default backoff (up to 120 s).
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_receive_message_length", 64 << 20),
+)
+# The server has dropped what this session set up: start a new session at once.
+SESSION_LOST = (UnknownSession, UnknownRegion)
+
+
+class LinkState(enum.Enum):
+    DOWN = "down"
+    HELLO = "hello"      # connected, Hello sent, waiting for Welcome
+    ATTACH = "attach"    # region fd sent, waiting for RegionAttached
+    READY = "ready"
+
+
+@dataclass(frozen=True)
+class LinkOptions:
+    connect_timeout_s: float = 1.0   # one handshake step may take this long before giving up
+    backoff_min_s: float = 0.05
+    backoff_max_s: float = 2.0
+    rpc_timeout_s: float = 1.0       # control RPCs (namespace registration)
+
+
+@dataclass
+class _NamespaceState:
+    spec: NamespaceSpec
+    namespace_id: str
+    epoch: int = -1                  # session epoch it was registered in
+    future: grpc.Future | None = None
+    future_epoch: int = -1
+    broken: str = ""                 # a permanent error (invalid spec): never usable
+
+
+@dataclass
+class Outcome:
+    """The end of one RPC future: a response, or a mapped error (with its raw gRPC code)."""
+
+    response: Any = None
+    error: KvstoredError | None = None
+    code: grpc.StatusCode | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def outcome(future: grpc.Future) -> Outcome:
+    """Collect a finished future without raising."""
+    try:
+        return Outcome(response=future.result())
+    except grpc.RpcError as exc:
+        return Outcome(error=from_rpc_error(exc), code=exc.code())
+    except grpc.FutureCancelledError:
+        return Outcome(error=Unavailable("call cancelled"), code=grpc.StatusCode.CANCELLED)
+
+
+@dataclass
+class LinkCounters:
+    sessions_opened: int = 0
+    failures: int = 0
+    last_error: str = ""
+    errors_by_code: dict[str, int] = field(default_factory=dict)
+
+
+class DaemonLink:
+    """One process' control connection to the daemon: gRPC channel + session + one optional region."""
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike,
+        client_name: str,
+        *,
+        region_fd: int | None = None,
+        region_name: str = "",
+        keep_pool_fd: bool = False,
+        options: LinkOptions = LinkOptions(),
+    ) -> None:
+        self.socket_path = Path(socket_path)
+        self.client_name = client_name
+        self.options = options
+        self._region_fd = region_fd  # owned by the caller; sent (dup'ed by the kernel) on every new session
+        self._region_name = region_name
+        self._keep_pool_fd = keep_pool_fd
+        self.state = LinkState.DOWN
+        self.epoch = 0  # sessions opened so far; state tied to a session records its epoch
+        self.session_id = ""
+        self.region_id = 0
+        self.region_size = 0
+        self.pool_bytes = 0
+        self.page_bytes = 0
+        self.pool_fd: int | None = None  # the daemon's pool (only with keep_pool_fd); owned by the link
+        self.pool_id = ""  # identity of the daemon's pool (its memfd's inode): changes when the daemon restarts
+        self.counters = LinkCounters()
+        self._sock: socket.socket | None = None
+        self._step_deadline = 0.0
+        self._retry_at = 0.0
+        self._backoff = options.backoff_min_s
+        self._pid = os.getpid()
+        self._channel: grpc.Channel | None = None
+        self._stub: pb_grpc.KVStoreStub | None = None
+        self._namespaces: dict[str, _NamespaceState] = {}
+
+    # -- connection -------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.state is LinkState.READY
+
+    def poll(self) -> bool:
+        """Advance the connection without blocking; True when the session is ready."""
+        self._check_fork()
+        now = time.monotonic()
+        try:
+            if self.state is LinkState.READY:
+                if self._peer_closed():
+                    self.fail(Unavailable("kvstored closed the session (stopped or restarted)"), backoff=False)
+                    return self._start_if_due(time.monotonic())
+                return True
+            if self.state is LinkState.DOWN:
+                return self._start_if_due(now)
+            if now > self._step_deadline:
+                raise Unavailable(f"kvstored did not answer the session handshake within "
+                                  f"{self.options.connect_timeout_s}s ({self.state.value})")
+            self._advance()
+        except KvstoredError as exc:
+            self.fail(exc)
+        return self.ready
+
+    def settle(self, timeout: float, namespace_ids: tuple[str, ...] = ()) -> bool:
+        """Bring the session (and namespaces) up, waiting at most `timeout`: for start-up code,
+        never for code on the scheduler's step. Returns at once when the daemon is unreachable."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.poll() and all([self.namespace_ready(ns) for ns in namespace_ids]):
+                return True
+            if self.state is LinkState.DOWN:
+                return False
+            time.sleep(0.001)
+        return False
+
+    def fail(self, exc: BaseException, backoff: bool = True) -> None:
+        """Drop the session; the next poll after the backoff starts a new one."""
+        if self.state is not LinkState.DOWN:
+            log.warning("kvstored link down (%s): %s", self.socket_path, exc)
+        self.counters.failures += 1
+        self.counters.last_error = str(exc)
+        self._close_session()
+        delay = self._backoff if backoff else 0.0
+        self._retry_at = time.monotonic() + delay
+        if backoff:
+            self._backoff = min(self._backoff * 2, self.options.backoff_max_s)
+
+    def on_rpc_error(self, result: Outcome) -> None:
+        """React to a failed RPC: connection problems drop the session, restarts reconnect at once."""
+        code = result.code.name if result.code is not None else "UNKNOWN"
+        self.counters.errors_by_code[code] = self.counters.errors_by_code.get(code, 0) + 1
+        if isinstance(result.error, SESSION_LOST):
+            self.fail(result.error, backoff=False)
+        elif isinstance(result.error, UnknownNamespace):
+            for ns in self._namespaces.values():
+                ns.epoch = -1  # the daemon forgot them: register again
+        elif result.code is grpc.StatusCode.UNAVAILABLE:
+            self.fail(result.error)
+
+    def close(self) -> None:
+        self._close_session()
+        if self._channel is not None and self._pid == os.getpid():
+            self._channel.close()
+        self._channel = self._stub = None
+        self.state = LinkState.DOWN
+
+    # -- RPCs -------------------------------------------------------------------------------
+
+    def call(self, method: str, request: Any, timeout: float | None = None) -> grpc.Future:
+        """Start an RPC; collect it with `outcome(future)` once `future.done()`."""
+        return getattr(self._get_stub(), method).future(request, timeout=timeout)
+
+    def namespace(self, spec: NamespaceSpec) -> str:
+        """The namespace id (computed locally, like every daemon does); starts tracking it."""
+        ns_id = namespace_id_for(spec.model, spec.dtype, spec.chunk_bytes, spec.layout, spec.tenant_salt,
+                                 spec.key_bytes)
+        if ns_id not in self._namespaces:
+            self._namespaces[ns_id] = _NamespaceState(spec, ns_id)
+        return ns_id
+
+    def namespace_ready(self, namespace_id: str) -> bool:
+        """True once the namespace is registered in the current session; starts the registration
+        (non-blocking) when it is not. Call poll() first."""
+        ns = self._namespaces[namespace_id]
+        if ns.broken or not self.ready:
+            return False
+        if ns.epoch == self.epoch:
+            return True
+        if ns.future is not None and ns.future.done():
+            result, issued_in = outcome(ns.future), ns.future_epoch
+            ns.future = None
+            if result.ok and issued_in == self.epoch:
+                ns.epoch = self.epoch
+                return True
+            if isinstance(result.error, InvalidArgument):
+                ns.broken = str(result.error)
+                log.error("kvstored refused namespace %s: %s", namespace_id, result.error)
+                return False
+            if not result.ok:
+                self.on_rpc_error(result)
+        if ns.future is None and self.ready:
+            request = pb.RegisterNamespaceRequest(spec=ns.spec.to_proto(), session_id=self.session_id)
+            ns.future = self.call("RegisterNamespace", request, timeout=self.options.rpc_timeout_s)
+            ns.future_epoch = self.epoch
+        return False
+
+    def namespace_broken(self, namespace_id: str) -> str:
+        return self._namespaces[namespace_id].broken
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _check_fork(self) -> None:
+        if os.getpid() != self._pid:  # a forked child must not touch its parent's channel or session
+            self._pid = os.getpid()
+            self._channel = self._stub = None
+            self._sock = None
+            self.pool_fd = None
+            self.state = LinkState.DOWN
+            self._retry_at = 0.0
+
+    def _get_stub(self) -> pb_grpc.KVStoreStub:
+        self._check_fork()
+        if self._stub is None:
+            self._channel = grpc.insecure_channel(f"unix:{self.socket_path}", options=CHANNEL_OPTIONS)
+            self._stub = pb_grpc.KVStoreStub(self._channel)
+        return self._stub
+
+    def _start_if_due(self, now: float) -> bool:
+        if now < self._retry_at:
+            return False
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        try:
+            sock.connect(str(session_socket_path(self.socket_path)))
+            _send(sock, pb.SessionRequest(hello=pb.Hello(client_name=self.client_name)))
+        except (OSError, Unavailable) as exc:
+            sock.close()
+            self.fail(Unavailable(f"kvstored is not reachable at {self.socket_path}: {exc}"))
+            return False
+        self._sock = sock
+        self.state = LinkState.HELLO
+        self._step_deadline = now + self.options.connect_timeout_s
+        self._get_stub()  # channel ready for the first RPCs
+        self._advance()  # a local daemon usually answers at once
+        return self.ready
+
+    def _advance(self) -> None:
+        if self.state is LinkState.HELLO:
+            reply = self._receive()
+            if reply is None:
+                return
+            message, fds = reply
+            if message.WhichOneof("kind") != "welcome" or len(fds) != 1:
+                _close_all(fds)
+                raise Unavailable(f"unexpected session reply: {message}")
+            welcome = message.welcome
+            self.session_id = welcome.session_id
+            self.pool_bytes, self.page_bytes = welcome.pool_bytes, welcome.page_bytes
+            pool = os.fstat(fds[0])
+            self.pool_id = f"{pool.st_dev}:{pool.st_ino}"  # the same memfd in every process: one daemon run
+            if self._keep_pool_fd:
+                self.pool_fd = fds[0]
+            else:
+                os.close(fds[0])
+            if self._region_fd is None:
+                self._become_ready()
+                return
+            _send(self._sock, pb.SessionRequest(attach_region=pb.AttachRegion(name=self._region_name)),
+                  [self._region_fd])
+            self.state = LinkState.ATTACH
+            self._step_deadline = time.monotonic() + self.options.connect_timeout_s
+        if self.state is LinkState.ATTACH:
+            reply = self._receive()
+            if reply is None:
+                return
+            message, fds = reply
+            _close_all(fds)
+            if message.WhichOneof("kind") != "region_attached":
+                raise Unavailable(f"unexpected session reply: {message}")
+            self.region_id, self.region_size = message.region_attached.region_id, message.region_attached.size
+            self._become_ready()
+
+    def _become_ready(self) -> None:
+        self.state = LinkState.READY
+        self.epoch += 1
+        self.counters.sessions_opened += 1
+        self._backoff = self.options.backoff_min_s
+        if self.epoch > 1:
+            log.info("kvstored link up again (%s, session %s)", self.socket_path, self.session_id)
+
+    def _receive(self) -> tuple[pb.SessionReply, list[int]] | None:
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(self._sock, MAX_PACKET, 4)
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            raise Unavailable(f"session socket failed: {exc}") from None
+        if not data:
+            _close_all(fds)
+            raise Unavailable("kvstored closed the session")
+        reply = pb.SessionReply.FromString(data)
+        if reply.WhichOneof("kind") == "error":
+            _close_all(fds)
+            raise from_code(reply.error.code, reply.error.message)
+        return reply, fds
+
+    def _peer_closed(self) -> bool:
+        try:
+            data = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+        return not data
+
+    def _close_session(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self.pool_fd is not None:
+            os.close(self.pool_fd)
+            self.pool_fd = None
+        self.state = LinkState.DOWN
+        self.session_id = ""
+        self.region_id = 0
+
+
+def _send(sock: socket.socket, request: pb.SessionRequest, fds: list[int] | None = None) -> None:
+    try:
+        socket.send_fds(sock, [request.SerializeToString()], fds or [])
+    except OSError as exc:
+        raise Unavailable(f"session socket failed: {exc}") from None
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)

@@ -1,0 +1,87 @@
+"""Namespaces for vLLM's offloaded chunks.
+
+A namespace scopes keys by everything that changes the bytes of a chunk. It is derived from the
+fields vLLM's own fs tier hashes into its directory name (`FileMapper`: model, dtype, tokens per
+hash, blocks per chunk, parallel sizes, rank, KV-cache group layout, canonical format...), plus the
+chunk size, the kind of chunk (a whole primary-tier row, or one worker's part of it) and, when a
+request carries one, its cache salt. Two vLLM instances serving the same model with the same
+layout derive the same namespace and share chunks; any difference gives another namespace, so
+chunks of different models or layouts never collide.
+
+Keys are vLLM's `OffloadKey`s (block hash + 4-byte group index, 36 bytes with sha256), registered
+with `key_bytes = len(key)`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kvstored_client.ops import NamespaceSpec
+
+# What a chunk holds; part of the layout so the two integrations never read each other's chunks.
+TIER_ROW_FORMAT = "vllm-primary-row/1"      # secondary tier: one row of the primary CPU region
+WORKER_PART_FORMAT = "vllm-worker-part/1"   # direct spec: one worker's bytes of a chunk
+SHA256_OFFLOAD_KEY_BYTES = 36
+CACHE_SALT_PARAM = "cache_salt"  # kv_transfer_params key whose value scopes a request's chunks
+
+
+@dataclass(frozen=True)
+class LayoutInfo:
+    model: str
+    dtype: str
+    layout: str        # canonical JSON of the layout fields
+    block_tokens: int  # tokens per chunk (reported in the daemon's KV events)
+
+
+def layout_info(offloading_spec: Any, chunk_format: str, parallel_agnostic: bool, include_rank: bool = True,
+                extra: dict[str, Any] | None = None) -> LayoutInfo:
+    """Derive the layout from an OffloadingSpec through vLLM's own FileMapper fields.
+
+    include_rank: the rank is part of the layout (the fs tier puts it in its path); the direct
+    spec leaves it out and puts each rank's part under its own key instead."""
+    from vllm.v1.kv_offload.file_mapper import FileMapper
+
+    mapper = FileMapper.from_offloading_spec(
+        root_dir="",
+        offloading_spec=offloading_spec,
+        blocks_per_file=offloading_spec.blocks_per_chunk,
+        parallel_agnostic=parallel_agnostic,
+    )
+    config = offloading_spec.config
+    fields = dict(mapper.get_run_config())
+    if include_rank:
+        fields["rank"] = mapper.rank
+    fields["chunk_format"] = chunk_format
+    fields.update(extra or {})
+    groups = config.groups
+    block_tokens = groups[0].tokens_per_block * offloading_spec.blocks_per_chunk if groups else 0
+    return LayoutInfo(
+        model=config.model.name,
+        dtype=str(config.model.dtype),
+        layout=json.dumps(fields, sort_keys=True, separators=(",", ":")),
+        block_tokens=block_tokens,
+    )
+
+
+def namespace_spec(info: LayoutInfo, chunk_bytes: int, key_bytes: int, cache_salt: bytes = b"") -> NamespaceSpec:
+    return NamespaceSpec(
+        model=info.model,
+        dtype=info.dtype,
+        chunk_bytes=chunk_bytes,
+        layout=info.layout,
+        tenant_salt=cache_salt,
+        key_bytes=key_bytes,
+        block_tokens=info.block_tokens,
+    )
+
+
+def request_cache_salt(kv_transfer_params: dict[str, Any] | None) -> bytes:
+    """The cache salt a request carries in kv_transfer_params, as bytes (b"" when none)."""
+    if not kv_transfer_params:
+        return b""
+    salt = kv_transfer_params.get(CACHE_SALT_PARAM)
+    if salt is None or salt == "":
+        return b""
+    return salt.encode() if isinstance(salt, str) else bytes(salt)

@@ -1,0 +1,318 @@
+"""The direct spec's worker engine: GPU blocks into the daemon's pool and back, polled, by job id.
+
+vLLM-free (the GPU check drives it directly); `direct.KvstoredOffloadingWorker` adapts vLLM's
+specs to it.
+
+Store (GPU -> pool), per job:  Reserve (gRPC future) -> copies on the store stream, after the
+compute stream's work that wrote those blocks -> done (vLLM may reuse the blocks) -> Commit.
+A store is best effort: whatever goes wrong (daemon down, slow, full), the job is reported done and
+nothing is committed. A reservation that answers after its job gave up is released, never copied
+into: once a job is reported, its GPU blocks are not read again.
+
+Load (pool -> GPU): the scheduler already holds leases on the chunks (its Acquire), and the spec
+carries their extents and the pool's identity; the worker only copies. Leases come from one daemon
+run; the worker keeps that run's pool mapped while loads use it, even if the daemon has restarted
+meanwhile (the memory stays valid while mapped), so a lease is never read from a different pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from kvstored_client.vllm.blockcopy import ChunkExtents, Copies, CudaRuntime, KVLayout, MappedPool, run_copies_cpu
+from kvstored_client.vllm.driver import DaemonLink, LinkOptions, LinkState, outcome
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Finished:
+    job_id: int
+    success: bool
+    num_bytes: int
+    seconds: float
+
+
+@dataclass
+class _Store:
+    job_id: int
+    gpu_blocks: np.ndarray
+    group_sizes: Sequence[int]
+    block_indices: Sequence[int]
+    namespace_id: str
+    keys: list[bytes]
+    submitted: float
+    deadline: float
+    ready_event: Any = None      # CUDA event on the compute stream at submit time
+    reserve: Any = None          # grpc future
+    pool_id: str = ""
+    handles: list[int] = field(default_factory=list)
+    end_event: Any = None
+    num_bytes: int = 0
+    copied: bool = False
+    reported: bool = False
+
+
+@dataclass
+class _Load:
+    job_id: int
+    pool_ids: set[str]
+    submitted: float
+    num_bytes: int
+    end_event: Any = None
+
+
+class PoolTransferEngine:
+    def __init__(
+        self,
+        layout: KVLayout,
+        socket_path: str,
+        client_name: str,
+        *,
+        connect_timeout_s: float = 2.0,
+        store_timeout_s: float = 2.0,
+        retain_old_pool_s: float = 30.0,
+        populate: bool = True,
+    ) -> None:
+        self.layout = layout
+        self._store_timeout_s = store_timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._populate = populate
+        options = LinkOptions(connect_timeout_s=connect_timeout_s, rpc_timeout_s=connect_timeout_s)
+        self.link = DaemonLink(socket_path, client_name, keep_pool_fd=True, options=options)
+        self.cuda = CudaRuntime() if layout.is_cuda else None
+        if self.cuda is not None:
+            import torch
+
+            device = layout.tensors[0].device
+            self._streams = {name: torch.cuda.Stream(device=device) for name in ("store", "load", "expedited")}
+        self.pools: dict[str, MappedPool] = {}
+        self._retired: dict[str, float] = {}  # pool id -> when a newer pool replaced it
+        self._retain_old_pool_s = retain_old_pool_s
+        self._stores: dict[int, _Store] = {}
+        self._loads: dict[int, _Load] = {}
+        self._rpcs: list[Any] = []  # Commit / Release futures: collected for errors only
+        self._finished: list[Finished] = []
+        self.dropped_stores = 0
+        # Start-up: wait for the session so the first transfers find the pool mapped.
+        self.link.settle(connect_timeout_s)
+        self._map_current_pool()
+
+    # -- stores -----------------------------------------------------------------------------
+
+    def submit_store(self, job_id: int, gpu_blocks: np.ndarray, group_sizes: Sequence[int],
+                     block_indices: Sequence[int], namespace_id: str, keys: list[bytes]) -> None:
+        now = time.monotonic()
+        if not keys:
+            self._finished.append(Finished(job_id, True, 0, 0.0))
+            return
+        job = _Store(job_id, np.asarray(gpu_blocks), list(group_sizes), list(block_indices), namespace_id, keys,
+                     now, now + self._store_timeout_s)
+        if self.cuda is not None:
+            import torch
+
+            job.ready_event = torch.cuda.Event()
+            job.ready_event.record(torch.cuda.current_stream(self.layout.tensors[0].device))
+        self._stores[job_id] = job
+        self.link.poll()  # notices a restarted daemon now, not after a failed Reserve
+        self._map_current_pool()
+        self._advance_store(job)
+
+    def _advance_store(self, job: _Store) -> None:
+        if job.reserve is None:
+            if self.link.ready and self.link.pool_id in self.pools and self.link.namespace_ready(job.namespace_id):
+                request = pb.ReserveRequest(session_id=self.link.session_id, namespace_id=job.namespace_id,
+                                            keys=job.keys)
+                job.reserve, job.pool_id = self.link.call("Reserve", request), self.link.pool_id
+            elif self.link.state is LinkState.DOWN or time.monotonic() > job.deadline:
+                self._report_store(job, dropped=True)
+                self._stores.pop(job.job_id)
+                return
+        if job.reserve is not None and not job.copied and job.reserve.done():
+            self._reserved(job)
+        if job.copied and not job.reported and (job.end_event is None or job.end_event.query()):
+            self._report_store(job, dropped=not job.handles)
+            if job.handles:
+                self._rpcs.append(self.link.call("Commit", pb.CommitRequest(session_id=self.link.session_id,
+                                                                           handles=job.handles)))
+        if not job.reported and time.monotonic() > job.deadline:
+            self._report_store(job, dropped=True)  # the reservation, when it answers, is released
+        if job.reported and (job.copied or job.reserve is None or job.reserve.done()):
+            if not job.copied and job.reserve is not None:
+                self._release_reserved(job)
+            self._stores.pop(job.job_id, None)
+
+    def _reserved(self, job: _Store) -> None:
+        result = outcome(job.reserve)
+        if not result.ok:
+            self.link.on_rpc_error(result)
+            job.copied = True  # nothing to copy
+            return
+        if job.reported:
+            return  # gave up already: _advance_store releases the slots
+        slots = result.response.slots
+        per_chunk = [[(e.offset, e.length) for e in s.extents] if s.state == pb.SLOT_STATE_RESERVED else []
+                     for s in slots]
+        job.handles = [s.handle for s in slots if s.state == pb.SLOT_STATE_RESERVED]
+        pool = self.pools.get(job.pool_id)
+        if pool is None or not job.handles:
+            job.copied = True
+            return
+        copies = self.layout.copies(job.gpu_blocks, job.group_sizes, job.block_indices,
+                                    ChunkExtents.from_lists(per_chunk), pool.address, to_pool=True)
+        job.num_bytes = copies.total_bytes
+        job.end_event = self._run(copies, "store", job.ready_event)
+        job.copied = True
+
+    def _release_reserved(self, job: _Store) -> None:
+        result = outcome(job.reserve)
+        if result.ok:
+            handles = [s.handle for s in result.response.slots if s.state == pb.SLOT_STATE_RESERVED]
+            if handles and self.link.ready:
+                self._rpcs.append(self.link.call("Release", pb.ReleaseRequest(session_id=self.link.session_id,
+                                                                             handles=handles)))
+
+    def _report_store(self, job: _Store, dropped: bool) -> None:
+        if job.reported:
+            return
+        job.reported = True
+        if dropped:
+            self.dropped_stores += 1
+        self._finished.append(Finished(job.job_id, True, 0 if dropped else job.num_bytes,
+                                       time.monotonic() - job.submitted))
+
+    # -- loads ------------------------------------------------------------------------------
+
+    def submit_load(self, job_id: int, gpu_blocks: np.ndarray, group_sizes: Sequence[int],
+                    block_indices: Sequence[int], chunk_pools: Sequence[str], extents: ChunkExtents,
+                    expedited: bool = False) -> bool:
+        """Start a load of chunks whose leases the scheduler holds; chunk i lives in pool
+        chunk_pools[i] at `extents`. False when a pool is not mapped here (the job is then
+        reported failed)."""
+        now = time.monotonic()
+        needed = set(chunk_pools)
+        if not needed <= set(self.pools):
+            self.link.poll()
+            self._map_current_pool()
+        missing = needed - set(self.pools)
+        if missing:
+            log.error("kvstored: load job %d reads pool(s) %s, which this worker has not mapped", job_id, missing)
+            self._finished.append(Finished(job_id, False, 0, 0.0))
+            return False
+        blocks = np.asarray(gpu_blocks)
+        pools = np.asarray(chunk_pools)
+        num_bytes, event = 0, None
+        for pool_id in sorted(needed):
+            mine = extents if len(needed) == 1 else _only(extents, pools == pool_id)
+            copies = self.layout.copies(blocks, group_sizes, block_indices, mine, self.pools[pool_id].address,
+                                        to_pool=False)
+            num_bytes += copies.total_bytes
+            event = self._run(copies, "expedited" if expedited else "load", None)
+        self._loads[job_id] = _Load(job_id, set(needed), now, num_bytes, event)
+        return True
+
+    # -- polling ----------------------------------------------------------------------------
+
+    def get_finished(self) -> list[Finished]:
+        self.poll()
+        finished, self._finished = self._finished, []
+        return finished
+
+    def poll(self) -> None:
+        self.link.poll()
+        self._map_current_pool()
+        for job in list(self._stores.values()):
+            self._advance_store(job)
+        for job_id in [j for j, load in self._loads.items() if load.end_event is None or load.end_event.query()]:
+            load = self._loads.pop(job_id)
+            self._finished.append(Finished(job_id, True, load.num_bytes, time.monotonic() - load.submitted))
+        still = []
+        for future in self._rpcs:
+            if future.done():
+                result = outcome(future)
+                if not result.ok:
+                    self.link.on_rpc_error(result)
+            else:
+                still.append(future)
+        self._rpcs = still
+        self._drop_old_pools()
+
+    def has_pending_work(self) -> bool:
+        """Jobs or Commit / Release calls still in flight (a reported store may still be committing)."""
+        return bool(self._stores or self._loads or self._rpcs)
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Block until those jobs no longer read or write their GPU blocks."""
+        for job_id in job_ids:
+            load = self._loads.get(job_id)
+            if load is not None and load.end_event is not None:
+                load.end_event.synchronize()
+        while any(j in self._stores and not self._stores[j].reported for j in job_ids):
+            self.poll()
+            for j in job_ids:
+                job = self._stores.get(j)
+                if job is not None and job.end_event is not None:
+                    job.end_event.synchronize()
+            time.sleep(0.0002)
+
+    def close(self) -> None:
+        self.wait(set(self._stores) | set(self._loads))
+        for future in self._rpcs:
+            future.exception(timeout=self._connect_timeout_s)
+        self.link.close()
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _run(self, copies: Copies, stream_name: str, after: Any) -> Any:
+        if self.cuda is None:
+            run_copies_cpu(copies)
+            return None
+        import torch
+
+        stream = self._streams[stream_name]
+        if after is not None:
+            stream.wait_event(after)
+        else:  # loads: after pending writes (e.g. zeroing) to their destination blocks
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.device(stream.device):
+            self.cuda.copy_async(copies, stream.cuda_stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    def _map_current_pool(self) -> None:
+        if self.link.ready and self.link.pool_fd is not None and self.link.pool_id not in self.pools:
+            self.pools[self.link.pool_id] = MappedPool(self.link.pool_fd, self.link.pool_bytes, self.link.pool_id,
+                                                       self.cuda, populate=self._populate)
+
+    def _drop_old_pools(self) -> None:
+        """Unmap pools of earlier daemon runs once unused for a while: the scheduler may still hand
+        out leases of the old run until it notices the restart."""
+        if len(self.pools) < 2:
+            return
+        now = time.monotonic()
+        used = {p for j in self._loads.values() for p in j.pool_ids} | {j.pool_id for j in self._stores.values()}
+        for pool_id in [p for p in self.pools if p != self.link.pool_id]:
+            retired = self._retired.setdefault(pool_id, now)
+            if pool_id not in used and now - retired > self._retain_old_pool_s:
+                self.pools.pop(pool_id).close()
+                del self._retired[pool_id]
+
+
+def _only(extents: ChunkExtents, keep: np.ndarray) -> ChunkExtents:
+    """The same chunks, with the extents of those not kept removed (they are skipped)."""
+    per_chunk = []
+    for i in range(len(extents)):
+        a, b = extents.starts[i], extents.starts[i + 1]
+        per_chunk.append(list(zip(extents.ext_offsets[a:b].tolist(), extents.ext_lengths[a:b].tolist()))
+                         if keep[i] else [])
+    return ChunkExtents.from_lists(per_chunk)

@@ -1,0 +1,640 @@
+"""The local kvstored daemon as a secondary tier of vLLM's TieringOffloadingSpec.
+
+    "kv_connector_extra_config": {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": 8589934592,
+        "secondary_tiers": [{"type": "kvstored", "socket": "/run/kvstored/kvstored.sock"}]
+    }
+
+(`"type": "kvstored"` comes from the `vllm.general_plugins` entry point; without the plugin use
+`{"type": "KvstoredTierManager", "module_path": "kvstored_client.vllm.tier", ...}`.)
+
+Data path: vLLM's primary CPU region (/dev/shm/vllm_offload_<engine_id>.mmap, chunk c at view[c])
+is handed to the daemon as an open fd over the session socket; stores and loads name chunks by
+byte offset in it and the daemon copies between that region and its own tiers. No KV bytes cross
+gRPC.
+
+vLLM's contract: every method runs in the scheduler, under the manager lock, and must not block.
+So nothing here waits: lookups are batched once per engine step (RETRY until the batch answers),
+transfers are gRPC futures collected by get_finished_jobs(), and the session is set up by a
+polled, non-blocking handshake (driver.DaemonLink). Failure is part of the protocol: when the
+daemon is absent, slow or restarting, lookups answer MISS, stores are dropped (reported as failed
+cascades) and loads fail so vLLM recomputes; the link reconnects by itself.
+
+One rule is never relaxed: a transfer the daemon may still be executing is never reported as
+finished, since the daemon would still be reading or writing the primary slots vLLM then reuses.
+A started transfer therefore has no client deadline; it ends when the daemon answers, or when the
+daemon dies (its connection breaks). drain_jobs() waits for exactly that.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import grpc
+from typing_extensions import override
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import (
+    ConfigInfoMapping,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingEvent,
+    OffloadingGaugeMetadata,
+    OffloadingHistogramMetadata,
+    OffloadingMetricMetadata,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from kvstored_client.paths import default_socket_path
+from kvstored_client.vllm.driver import DaemonLink, LinkOptions, LinkState, outcome
+from kvstored_client.vllm.namespace import (
+    SHA256_OFFLOAD_KEY_BYTES, TIER_ROW_FORMAT, layout_info, namespace_spec, request_cache_salt,
+)
+from kvstored_client.vllm.region import RegionNotShareable, region_file
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+
+log = logging.getLogger(__name__)
+
+TIER_TYPE = "kvstored"
+_DRAIN_WARN_S = 5.0
+_SHUTDOWN_DRAIN_S = 10.0
+
+
+class KvstoredMetrics:
+    """Metric names this tier emits (all declared by build_metric_definitions)."""
+
+    LOOKUP_RPCS = "vllm:kv_offload_kvstored_lookup_rpcs"
+    LOOKUP_RPC_SECONDS = "vllm:kv_offload_kvstored_lookup_rpc_seconds"
+    DROPPED_CHUNKS = "vllm:kv_offload_kvstored_dropped_chunks"
+    FAILED_LOAD_CHUNKS = "vllm:kv_offload_kvstored_failed_load_chunks"
+    RPC_ERRORS = "vllm:kv_offload_kvstored_rpc_errors"
+    SESSIONS_OPENED = "vllm:kv_offload_kvstored_sessions_opened"
+    CONNECTED = "vllm:kv_offload_kvstored_connected"
+    INFLIGHT_CHUNKS = "vllm:kv_offload_kvstored_inflight_chunks"
+
+
+@dataclass(slots=True)
+class _Probe:
+    """One key's lookup verdict, shared by the requests that asked (like vLLM's AsyncLookupManager)."""
+
+    since: float
+    result: bool | None = None  # None: not answered yet
+    in_flight: bool = False
+    requests: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _LookupCall:
+    future: grpc.Future
+    namespace_id: str
+    keys: list[OffloadKey]
+    sent_at: float
+
+
+@dataclass(slots=True)
+class _Transfer:
+    job_id: int
+    is_load: bool
+    namespace_id: str
+    keys: list[OffloadKey]
+    offsets: list[int]
+    queued_at: float
+    started_at: float = 0.0
+    futures: list[tuple[grpc.Future, int]] = field(default_factory=list)  # (future, first key index)
+
+
+@dataclass(frozen=True, slots=True)
+class _RequestScope:
+    """Per-request state kept on the ReqContext: the cache salt that scopes its namespace."""
+
+    cache_salt: bytes
+
+
+class KvstoredTierManager(SecondaryTierManager):
+    """vLLM secondary tier backed by the node's kvstored daemon (see module docstring)."""
+
+    medium: ClassVar[Medium] = Medium.CPU
+
+    def __init__(
+        self,
+        offloading_spec: "OffloadingSpec",
+        primary_kv_view: memoryview,
+        tier_type: str,
+        socket: str | None = None,
+        lookup_timeout_s: float = 0.25,
+        connect_timeout_s: float = 1.0,
+        queue_timeout_s: float = 1.0,
+        max_inflight_store_chunks: int | None = None,
+        max_batch_keys: int = 1024,
+        transfer_chunks_per_rpc: int = 16,
+        key_bytes: int = SHA256_OFFLOAD_KEY_BYTES,
+        enable_kv_events: bool = True,
+        locality: str | None = "LOCAL",
+        client_name: str | None = None,
+        backpressure_detector: "BackpressureDetector | None" = None,
+    ) -> None:
+        """Args (all but the first three come from the tier's config dict):
+        socket: the daemon's gRPC unix socket (default: $KVSTORED_SOCKET, else the standard path).
+        lookup_timeout_s: a lookup batch unanswered this long counts as all misses.
+        connect_timeout_s: one step of the session handshake may take this long.
+        queue_timeout_s: a transfer waits at most this long for the session to come up.
+        max_inflight_store_chunks: stores beyond this many chunks in flight are dropped
+            (default: no limit beyond the primary tier's own, which cannot pin more chunks than
+            it has; set it to keep part of the primary free while the daemon is slow).
+        max_batch_keys: keys per lookup RPC (the daemon's max_batch_keys must not be lower).
+        transfer_chunks_per_rpc: a store or load job is sent as RPCs of this many chunks, which
+            the daemon copies in parallel.
+        key_bytes: the OffloadKey length registered up front (36 for sha256 block hashes);
+            other lengths are registered when first seen.
+        enable_kv_events: report BlockStored events for chunks this tier stored (effective only
+            when vLLM's KV cache events are enabled).
+        locality: LOCAL or REMOTE, reported with events and used by request tier filters.
+        """
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.locality = Locality(locality) if locality is not None else None
+        self._lookup_timeout_s = float(lookup_timeout_s)
+        self._queue_timeout_s = float(queue_timeout_s)
+        num_chunks = primary_kv_view.shape[0] if primary_kv_view.shape else 0
+        self._max_inflight_store = int(max_inflight_store_chunks or max(1, num_chunks))
+        self._max_batch_keys = max(1, int(max_batch_keys))
+        self._rpc_chunks = max(1, min(int(transfer_chunks_per_rpc), self._max_batch_keys))
+        self._layout = layout_info(offloading_spec, TIER_ROW_FORMAT, parallel_agnostic=True)
+
+        self.events: list[OffloadingEvent] | None = None
+        if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events:
+            self.events = []
+
+        scheduler_region = getattr(offloading_spec, "_scheduler_mmap", None)
+        candidates = [scheduler_region.fd] if getattr(scheduler_region, "fd", None) is not None else []
+        self._region_fd: int | None = None
+        self._region_base = 0
+        try:
+            region = region_file(primary_kv_view, candidates)
+            self._region_fd, self._region_base = region.fd, region.base_offset
+            region_name = os.path.basename(region.path)
+        except (RegionNotShareable, OSError) as exc:
+            # Without the region the daemon can move no bytes: the tier stays empty (all misses).
+            log.error("kvstored tier disabled: the primary region cannot be shared with the daemon: %s", exc)
+            region_name = ""
+
+        self._link = DaemonLink(
+            socket or default_socket_path(),
+            client_name or f"vllm-tier-{offloading_spec.config.engine_id}-pid{os.getpid()}",
+            region_fd=self._region_fd,
+            region_name=region_name,
+            options=LinkOptions(connect_timeout_s=float(connect_timeout_s), rpc_timeout_s=float(connect_timeout_s)),
+        )
+        self._namespaces: dict[tuple[int, bytes], str] = {}  # (key length, cache salt) -> namespace id
+        self._probes: dict[tuple[str, OffloadKey], _Probe] = {}
+        self._req_probes: dict[str, set[tuple[str, OffloadKey]]] = {}
+        self._batch: dict[str, list[OffloadKey]] = {}  # namespace id -> keys not sent yet
+        self._lookups: list[_LookupCall] = []
+        self._waiting: deque[_Transfer] = deque()  # waiting for the session / namespace
+        self._running: dict[int, _Transfer] = {}
+        self._finished: list[JobResult] = []
+        self._inflight_store_chunks = 0
+        self._slow_until = 0.0  # lookups timed out: answer MISS without asking until then
+        self._stats = OffloadingConnectorStats()
+        self._label = (tier_type,)
+        self._sessions_reported = 0
+        if self._region_fd is not None:
+            # Start-up (not a scheduler step): wait briefly so the first requests find the session up.
+            self._link.settle(float(connect_timeout_s), (self._namespace_for(key_bytes, b""),))
+
+    @property
+    def connected(self) -> bool:
+        """Whether the session with the daemon is up (as of the last poll)."""
+        return self._link.ready
+
+    # -- vLLM API: lookups --------------------------------------------------------------------
+
+    @override
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        salt = request_cache_salt(req_context.kv_transfer_params)
+        if salt:
+            req_context.set_state(_RequestScope(salt))
+        return RequestOffloadingContext()
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if self._lookups:
+            self._collect_lookups()
+        if self._unusable():
+            return LookupResult.MISS
+        namespace_id = self._namespace_of(key, req_context)
+        if namespace_id is None:
+            return LookupResult.MISS
+        probe_key = (namespace_id, key)
+        probe = self._probes.get(probe_key)
+        if probe is None or (probe.result is False and req_context.req_id not in probe.requests):
+            # A new key, or a miss another request saw earlier: ask (a hit is shared, a miss is not,
+            # so a chunk stored meanwhile is found by the next request).
+            requests = probe.requests if probe else set()
+            probe = self._probes[probe_key] = _Probe(since=time.monotonic(), requests=requests)
+            self._batch.setdefault(namespace_id, []).append(key)
+        probe.requests.add(req_context.req_id)
+        self._req_probes.setdefault(req_context.req_id, set()).add(probe_key)
+        if probe.result is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if probe.result else LookupResult.MISS
+
+    @override
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        for probe_key in self._req_probes.pop(req_context.req_id, ()):
+            probe = self._probes.get(probe_key)
+            if probe is None:
+                continue
+            probe.requests.discard(req_context.req_id)
+            if not probe.requests and not probe.in_flight:
+                del self._probes[probe_key]
+
+    @override
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """Once per step: advance the link, collect answers, send this step's lookup batch."""
+        self._link.poll()
+        self._collect_lookups()
+        self._flush_lookups()
+        self._pump()
+
+    # -- vLLM API: transfers ------------------------------------------------------------------
+
+    @override
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        transfer = self._transfer(job_metadata, is_load=False)
+        if transfer is None:
+            return
+        if self._inflight_store_chunks + len(transfer.keys) > self._max_inflight_store:
+            self._drop_store(transfer, "backpressure")
+            return
+        if time.monotonic() < self._slow_until:
+            self._drop_store(transfer, "slow")
+            return
+        self._inflight_store_chunks += len(transfer.keys)
+        self._waiting.append(transfer)
+        self._pump()
+
+    @override
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        transfer = self._transfer(job_metadata, is_load=True)
+        if transfer is None:
+            return
+        self._waiting.append(transfer)
+        self._pump()
+
+    @override
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        self._link.poll()
+        self._collect_transfers()
+        self._pump()
+        finished, self._finished = self._finished, []
+        return finished
+
+    @override
+    def has_pending_work(self) -> bool:
+        return bool(self._running or self._waiting or self._lookups or self._batch)
+
+    @override
+    def drain_jobs(self) -> None:
+        """Block until no transfer can touch the primary region any more.
+
+        Queued transfers (not sent) fail at once. Sent ones are waited for: the daemon may be
+        copying them right now, and a client-side timeout would not stop it."""
+        self._drain(limit_s=None)
+
+    def _drain(self, limit_s: float | None) -> None:
+        while self._waiting:
+            self._fail_transfer(self._waiting.popleft(), "drained before it started")
+        start = time.monotonic()
+        for transfer in list(self._running.values()):
+            for future, _ in transfer.futures:
+                while True:
+                    try:
+                        future.exception(timeout=_DRAIN_WARN_S)
+                        break
+                    except grpc.FutureTimeoutError:
+                        waited = time.monotonic() - start
+                        if limit_s is not None and waited > limit_s:
+                            return
+                        log.warning("kvstored tier: waiting %.0fs for job %d (the daemon is still working on "
+                                    "the primary region)", waited, transfer.job_id)
+        self._collect_transfers()
+
+    @override
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self.events:
+            events, self.events = self.events, []
+            yield from events
+
+    @override
+    def shutdown(self) -> None:
+        # Bounded: after shutdown vLLM no longer reuses the region, and a daemon still copying
+        # uses its own mapping of it.
+        self._drain(limit_s=_SHUTDOWN_DRAIN_S)
+        for call in self._lookups:
+            call.future.cancel()
+        self._lookups.clear()
+        self._link.close()
+        if self._region_fd is not None:
+            os.close(self._region_fd)
+            self._region_fd = None
+
+    # -- metrics ------------------------------------------------------------------------------
+
+    @classmethod
+    @override
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        tier = ("tier",)
+        return {
+            KvstoredMetrics.LOOKUP_RPCS: OffloadingCounterMetadata(
+                documentation="Lookup RPCs sent to kvstored (one per namespace per engine step).",
+                labelnames=tier),
+            KvstoredMetrics.LOOKUP_RPC_SECONDS: OffloadingHistogramMetadata(
+                documentation="Time from sending a lookup batch to kvstored to collecting its answer, in seconds.",
+                labelnames=tier,
+                buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)),
+            KvstoredMetrics.DROPPED_CHUNKS: OffloadingCounterMetadata(
+                documentation="Chunks not stored in kvstored, by reason (unavailable, slow, backpressure, "
+                              "daemon_full, error).",
+                labelnames=("tier", "reason")),
+            KvstoredMetrics.FAILED_LOAD_CHUNKS: OffloadingCounterMetadata(
+                documentation="Chunks a promotion from kvstored could not load (vLLM recomputes them).",
+                labelnames=tier),
+            KvstoredMetrics.RPC_ERRORS: OffloadingCounterMetadata(
+                documentation="Failed kvstored RPCs, by gRPC status code.",
+                labelnames=("tier", "code")),
+            KvstoredMetrics.SESSIONS_OPENED: OffloadingCounterMetadata(
+                documentation="Sessions opened with kvstored (more than one: the daemon restarted or was "
+                              "unreachable for a while).",
+                labelnames=tier),
+            KvstoredMetrics.CONNECTED: OffloadingGaugeMetadata(
+                documentation="1 while the session with kvstored is up, else 0.",
+                labelnames=tier),
+            KvstoredMetrics.INFLIGHT_CHUNKS: OffloadingGaugeMetadata(
+                documentation="Chunks of transfers kvstored is working on, by direction (store, load).",
+                labelnames=("tier", "op")),
+        }
+
+    @override
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        stats, self._stats = self._stats, OffloadingConnectorStats()
+        opened = self._link.counters.sessions_opened
+        if opened > self._sessions_reported:
+            stats.increase_counter(KvstoredMetrics.SESSIONS_OPENED, opened - self._sessions_reported, self._label)
+            self._sessions_reported = opened
+        stats.set_gauge(KvstoredMetrics.CONNECTED, int(self._link.ready), self._label)
+        loads = sum(len(t.keys) for t in self._running.values() if t.is_load)
+        stats.set_gauge(KvstoredMetrics.INFLIGHT_CHUNKS, self._inflight_store_chunks, (self.tier_type, "store"))
+        stats.set_gauge(KvstoredMetrics.INFLIGHT_CHUNKS, loads, (self.tier_type, "load"))
+        return stats
+
+    @classmethod
+    @override
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        return ("kvstored_socket",)
+
+    @override
+    def config_info(self) -> ConfigInfoMapping:
+        return {"kvstored_socket": str(self._link.socket_path)}
+
+    # -- internals: namespaces ------------------------------------------------------------------
+
+    def _unusable(self) -> bool:
+        """Answer MISS without asking: no region, daemon down, or recently too slow."""
+        if self._region_fd is None:
+            return True
+        if self._link.state is LinkState.DOWN and not self._link.poll():
+            return self._link.state is LinkState.DOWN
+        return time.monotonic() < self._slow_until
+
+    def _namespace_for(self, key_bytes: int, salt: bytes) -> str:
+        scope = (key_bytes, salt)
+        namespace_id = self._namespaces.get(scope)
+        if namespace_id is None:
+            spec = namespace_spec(self._layout, self.block_size_bytes, key_bytes, salt)
+            namespace_id = self._namespaces[scope] = self._link.namespace(spec)
+        return namespace_id
+
+    def _namespace_of(self, key: OffloadKey, req_context: ReqContext) -> str | None:
+        scope = req_context.get_state(_RequestScope)
+        namespace_id = self._namespace_for(len(key), scope.cache_salt if scope else b"")
+        return None if self._link.namespace_broken(namespace_id) else namespace_id
+
+    # -- internals: lookups ---------------------------------------------------------------------
+
+    def _flush_lookups(self) -> None:
+        now = time.monotonic()
+        for namespace_id, keys in list(self._batch.items()):
+            # Keys whose requests all finished before the batch went out are not asked for.
+            keys = [k for k in dict.fromkeys(keys) if (namespace_id, k) in self._probes]
+            self._batch[namespace_id] = keys
+            if not keys:
+                del self._batch[namespace_id]
+                continue
+            if self._link.namespace_ready(namespace_id) and now >= self._slow_until:
+                del self._batch[namespace_id]
+                for start in range(0, len(keys), self._max_batch_keys):
+                    chunk = keys[start:start + self._max_batch_keys]
+                    request = pb.LookupRequest(namespace_id=namespace_id, keys=chunk, session_id=self._link.session_id)
+                    future = self._link.call("Lookup", request, timeout=self._lookup_timeout_s)
+                    self._lookups.append(_LookupCall(future, namespace_id, chunk, now))
+                    self._stats.increase_counter(KvstoredMetrics.LOOKUP_RPCS, 1, self._label)
+                    for key in chunk:
+                        probe = self._probes.get((namespace_id, key))
+                        if probe is not None:
+                            probe.in_flight = True
+                continue
+            # Not sendable now (session coming up, namespace registering, daemon slow or down):
+            # keys waiting longer than the lookup deadline are misses, all of them if the daemon is down.
+            give_up = self._link.state is LinkState.DOWN or now < self._slow_until
+            timeout = self._lookup_timeout_s
+            expired = {k for k in keys if give_up or now - self._probes[(namespace_id, k)].since >= timeout}
+            if expired:
+                self._resolve(namespace_id, list(expired), [False] * len(expired))
+                left = [k for k in keys if k not in expired]
+                if left:
+                    self._batch[namespace_id] = left
+                else:
+                    del self._batch[namespace_id]
+
+    def _collect_lookups(self) -> None:
+        pending = []
+        now = time.monotonic()
+        for call in self._lookups:
+            if not call.future.done():
+                pending.append(call)
+                continue
+            result = outcome(call.future)
+            self._stats.observe_histogram(KvstoredMetrics.LOOKUP_RPC_SECONDS, now - call.sent_at, self._label)
+            if result.ok:
+                found = [tier != pb.TIER_KIND_UNSPECIFIED for tier in result.response.tiers]
+            else:
+                found = [False] * len(call.keys)
+                self._rpc_error(result)
+                if result.code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                    self._slow_until = now + self._lookup_timeout_s * 4
+            self._resolve(call.namespace_id, call.keys, found)
+        self._lookups = pending
+
+    def _resolve(self, namespace_id: str, keys: list[OffloadKey], found: list[bool]) -> None:
+        for key, hit in zip(keys, found):
+            probe_key = (namespace_id, key)
+            probe = self._probes.get(probe_key)
+            if probe is None:
+                continue
+            probe.in_flight = False
+            if not probe.requests:
+                del self._probes[probe_key]
+                continue
+            probe.result = hit
+
+    def _mark_miss(self, namespace_id: str, keys: Iterable[OffloadKey]) -> None:
+        """After a failed load: stop offering chunks the daemon could not deliver (no livelock)."""
+        for key in keys:
+            probe = self._probes.get((namespace_id, key))
+            if probe is not None and probe.result is not None:
+                probe.result = False
+
+    # -- internals: transfers -------------------------------------------------------------------
+
+    def _transfer(self, job: TransferJob, is_load: bool) -> _Transfer | None:
+        keys = list(job.keys)
+        stride = self.block_size_bytes
+        offsets = [self._region_base + int(c) * stride for c in job.chunk_ids]
+        namespace_id = None
+        if keys and self._region_fd is not None:
+            namespace_id = self._namespace_of(keys[0], job.req_context)
+        transfer = _Transfer(job.job_id, is_load, namespace_id or "", keys, offsets, time.monotonic())
+        if namespace_id is None or not keys:
+            if is_load:
+                self._fail_transfer(transfer, "tier disabled")
+            else:
+                self._drop_store(transfer, "unavailable")
+            return None
+        return transfer
+
+    def _pump(self) -> None:
+        """Start waiting transfers once the session and their namespace are ready; fail the ones
+        that waited too long or whose daemon is down."""
+        if not self._waiting:
+            return
+        now = time.monotonic()
+        still = deque()
+        while self._waiting:
+            transfer = self._waiting.popleft()
+            if self._link.ready and self._link.namespace_ready(transfer.namespace_id):
+                self._start(transfer, now)
+            elif self._link.state is LinkState.DOWN or now - transfer.queued_at > self._queue_timeout_s:
+                self._fail_transfer(transfer, "unavailable")
+            else:
+                still.append(transfer)
+        self._waiting = still
+
+    def _start(self, transfer: _Transfer, now: float) -> None:
+        method = "LoadToRegion" if transfer.is_load else "StoreFromRegion"
+        transfer.started_at = now
+        for start in range(0, len(transfer.keys), self._rpc_chunks):
+            end = start + self._rpc_chunks
+            request = pb.RegionTransferRequest(
+                session_id=self._link.session_id, namespace_id=transfer.namespace_id,
+                region_id=self._link.region_id, keys=transfer.keys[start:end], offsets=transfer.offsets[start:end],
+            )
+            # No deadline: see the module docstring (a started transfer ends when the daemon answers or dies).
+            transfer.futures.append((self._link.call(method, request), start))
+        self._running[transfer.job_id] = transfer
+
+    def _collect_transfers(self) -> None:
+        for job_id in [j for j, t in self._running.items() if all(f.done() for f, _ in t.futures)]:
+            transfer = self._running.pop(job_id)
+            if transfer.is_load:
+                self._finish_load(transfer)
+            else:
+                self._finish_store(transfer)
+
+    def _finish_store(self, transfer: _Transfer) -> None:
+        self._inflight_store_chunks -= len(transfer.keys)
+        stored = present = dropped = 0
+        error = False
+        for future, start in transfer.futures:
+            result = outcome(future)
+            if result.ok:
+                stored += result.response.stored
+                present += result.response.already_present
+                dropped += result.response.dropped
+            else:
+                error = True
+                n = min(self._rpc_chunks, len(transfer.keys) - start)
+                dropped += n
+                self._rpc_error(result)
+        if dropped:
+            self._count_dropped("error" if error else "daemon_full", dropped)
+        success = not error and dropped == 0
+        if success and self.events is not None:
+            self.events.append(OffloadingEvent(
+                keys=list(transfer.keys), medium=self.medium, removed=False, locality=self.locality,
+                ownership=self.tier_type,
+            ))
+        self._finished.append(JobResult(
+            job_id=transfer.job_id, success=success,
+            transfer_time=time.monotonic() - transfer.started_at,
+            transfer_bytes=stored * self.block_size_bytes,
+        ))
+
+    def _finish_load(self, transfer: _Transfer) -> None:
+        loaded: list[OffloadKey] = []
+        for future, start in transfer.futures:
+            batch = transfer.keys[start:start + self._rpc_chunks]
+            result = outcome(future)
+            if result.ok:
+                loaded.extend(batch[:result.response.loaded])
+            else:
+                self._rpc_error(result)
+        success = len(loaded) == len(transfer.keys)
+        if not success:
+            failed = [k for k in transfer.keys if k not in set(loaded)]
+            self._mark_miss(transfer.namespace_id, failed)
+            self._stats.increase_counter(KvstoredMetrics.FAILED_LOAD_CHUNKS, len(failed), self._label)
+        self._finished.append(JobResult(
+            job_id=transfer.job_id, success=success,
+            successful_keys=tuple(loaded) if not success and loaded else None,
+            transfer_time=time.monotonic() - transfer.started_at,
+            transfer_bytes=len(loaded) * self.block_size_bytes,
+        ))
+
+    def _fail_transfer(self, transfer: _Transfer, reason: str) -> None:
+        """Fail a transfer that never reached the daemon (nothing touches the region)."""
+        if transfer.is_load:
+            self._mark_miss(transfer.namespace_id, transfer.keys)
+            self._stats.increase_counter(KvstoredMetrics.FAILED_LOAD_CHUNKS, len(transfer.keys), self._label)
+            self._finished.append(JobResult(job_id=transfer.job_id, success=False))
+        else:
+            self._inflight_store_chunks -= len(transfer.keys)
+            self._drop_store(transfer, reason)
+
+    def _drop_store(self, transfer: _Transfer, reason: str) -> None:
+        self._count_dropped(reason, len(transfer.keys))
+        self._finished.append(JobResult(job_id=transfer.job_id, success=False))
+
+    def _count_dropped(self, reason: str, n: int) -> None:
+        self._stats.increase_counter(KvstoredMetrics.DROPPED_CHUNKS, n, (self.tier_type, reason))
+
+    def _rpc_error(self, result) -> None:
+        code = result.code.name if result.code is not None else "UNKNOWN"
+        self._stats.increase_counter(KvstoredMetrics.RPC_ERRORS, 1, (self.tier_type, code))
+        self._link.on_rpc_error(result)
