@@ -1,0 +1,278 @@
+"""kvstored as a secondary tier of vLLM's TieringOffloadingManager, driven as the scheduler does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from vllm.distributed.kv_events import BlockStored, KVEventBatch
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import OffloadingEventsTracker
+from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadingKVEventsConfig, get_offload_block_hash
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from kvstored_client.vllm.plugin import register
+from kvstored_client.vllm.tier import KvstoredMetrics, KvstoredTierManager
+from tests.vllm.harness import SETTLE_LIMIT_S, Engine, exact, kvstored_tier, offload_keys
+
+HIT, MISS = LookupResult.HIT, LookupResult.MISS
+
+register()  # what vLLM's load_general_plugins() does through the entry point
+
+
+def daemon_chunks(daemon) -> int:
+    return next(t.chunks for t in daemon.stats().tiers if t.name == "ram")
+
+
+def wait_connected(engine: Engine) -> None:
+    """Step the idle engine until the tier has reconnected (after its backoff)."""
+    deadline = time.monotonic() + SETTLE_LIMIT_S
+    while not engine.tier.connected:
+        engine.step()
+        assert time.monotonic() < deadline, "the tier never reconnected"
+        time.sleep(0.01)
+
+
+def store_and_cascade(engine: Engine, keys: list[bytes], **request) -> None:
+    ctx = engine.request(**request)
+    assert engine.store(ctx, keys) == keys
+    engine.settle()
+    engine.finish(ctx)
+
+
+def test_store_cascades_and_a_restarted_engine_loads_exact_bytes(vllm_daemon):
+    keys = offload_keys("restart", 6)
+    with Engine([kvstored_tier(vllm_daemon)]) as first:
+        store_and_cascade(first, keys)
+    assert daemon_chunks(vllm_daemon) >= len(keys)
+
+    # A vLLM restart: new engine id, new (empty) primary region, same daemon.
+    with Engine([kvstored_tier(vllm_daemon)]) as second:
+        ctx = second.request()
+        with second.manager.lock:
+            first_answers = [second.manager.lookup(k, ctx) for k in keys]
+        assert first_answers == [LookupResult.RETRY] * len(keys)  # batched: asked at the end of the step
+        assert second.lookup(ctx, keys) == [HIT] * len(keys)  # promoted into the primary region
+        assert exact(second.load(ctx, keys), keys)
+        second.finish(ctx)
+
+
+def test_one_lookup_rpc_per_step_for_all_requests(vllm_daemon):
+    keys = offload_keys("batched", 8)
+    with Engine([kvstored_tier(vllm_daemon)]) as engine:
+        engine.stats()  # reset counters
+        a, b = engine.request(), engine.request()
+        with engine.manager.lock:
+            for key in keys[:4]:
+                assert engine.manager.lookup(key, a) is LookupResult.RETRY
+            for key in keys[4:]:
+                assert engine.manager.lookup(key, b) is LookupResult.RETRY
+        engine.step()
+        rpcs = engine.stats().data["data"][KvstoredMetrics.LOOKUP_RPCS]
+        assert sum(rpcs.values()) == 1
+        assert engine.lookup(a, keys[:4]) == [MISS] * 4
+        engine.finish(a)
+        engine.finish(b)
+
+
+def test_two_engines_share_one_copy_of_each_chunk(vllm_daemon):
+    keys = offload_keys("shared", 5)
+    before = daemon_chunks(vllm_daemon)
+    with Engine([kvstored_tier(vllm_daemon)]) as a, Engine([kvstored_tier(vllm_daemon)]) as b:
+        store_and_cascade(a, keys)
+        ctx = b.request()
+        assert b.lookup(ctx, keys) == [HIT] * len(keys)
+        assert exact(b.load(ctx, keys), keys)
+        b.finish(ctx)
+        b.evict_primary()
+        store_and_cascade(b, keys)  # the same chunks again, now from b: the daemon has them already
+    assert daemon_chunks(vllm_daemon) == before + len(keys)
+
+
+def test_other_model_or_layout_never_collides(vllm_daemon):
+    keys = offload_keys("collide", 3)
+    with Engine([kvstored_tier(vllm_daemon)]) as writer:
+        store_and_cascade(writer, keys)
+    for config in ({"model": "org/other-model"}, {"dtype": "float16"}, {"blocks_per_chunk": 2},
+                   {"layer_names": ("model.layers.0.attn",)}):
+        with Engine([kvstored_tier(vllm_daemon)], **config) as other:
+            ctx = other.request()
+            assert other.lookup(ctx, keys) == [MISS] * len(keys), config
+            other.finish(ctx)
+
+
+def test_cache_salt_scopes_chunks(vllm_daemon):
+    keys = offload_keys("salted", 3)
+    with Engine([kvstored_tier(vllm_daemon)]) as writer:
+        store_and_cascade(writer, keys, kv_transfer_params={"cache_salt": "tenant-a"})
+    with Engine([kvstored_tier(vllm_daemon)]) as reader:
+        for params, expected in ((None, MISS), ({"cache_salt": "tenant-b"}, MISS), ({"cache_salt": "tenant-a"}, HIT)):
+            ctx = reader.request(kv_transfer_params=params)
+            assert reader.lookup(ctx, keys) == [expected] * len(keys), params
+            if expected is HIT:
+                assert exact(reader.load(ctx, keys), keys)
+            reader.finish(ctx)
+
+
+def test_reset_cache_drains_jobs_and_keeps_the_daemon_copy(vllm_daemon):
+    keys = offload_keys("drain", 6)
+    with Engine([kvstored_tier(vllm_daemon)]) as engine:
+        ctx = engine.request()
+        engine.store(ctx, keys)  # cascades in flight
+        engine.evict_primary()  # drain_jobs() waits for them, then the primary tier is emptied
+        assert not engine.tier.has_pending_work()
+        engine.finish(ctx)
+        ctx = engine.request()
+        assert engine.lookup(ctx, keys) == [HIT] * len(keys)
+        assert exact(engine.load(ctx, keys), keys)
+        engine.finish(ctx)
+
+
+def test_kv_events_are_well_formed(vllm_daemon):
+    keys = offload_keys("events", 4)
+    with Engine([kvstored_tier(vllm_daemon)]) as engine:
+        store_and_cascade(engine, keys)
+        events = engine.events()
+    ours = [e for e in events if e.ownership == "kvstored"]
+    assert len(ours) == 1 and ours[0].keys == keys and not ours[0].removed
+    assert ours[0].medium is Medium.CPU and ours[0].locality.value == "LOCAL"
+
+    # Through vLLM's own translation and wire encoding.
+    tracker = OffloadingEventsTracker(OffloadingKVEventsConfig(enable_kv_cache_events=True,
+                                                               self_describing_kv_events=False))
+    translated = list(tracker.take_events(ours))
+    assert all(isinstance(e, BlockStored) for e in translated)
+    expected_hashes = [[maybe_convert_block_hash(BlockHash(get_offload_block_hash(k)))] for k in keys]
+    assert [e.block_hashes for e in translated] == expected_hashes
+    assert {(e.medium, e.ownership, e.locality, e.group_idx) for e in translated} == {("CPU", "kvstored", "LOCAL", 0)}
+    import msgspec
+
+    wire = msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=translated))
+    decoded = msgspec.msgpack.decode(wire, type=KVEventBatch)
+    assert [e.block_hashes for e in decoded.events] == [e.block_hashes for e in translated]
+
+
+def test_every_stat_is_declared(vllm_daemon):
+    extra = {"cpu_bytes_to_use": 8 << 20, "secondary_tiers": [kvstored_tier(vllm_daemon)]}
+    declared = TieringOffloadingSpec.build_metric_definitions(extra)
+    with Engine([kvstored_tier(vllm_daemon)]) as engine:
+        store_and_cascade(engine, offload_keys("stats", 2))
+        ctx = engine.request()
+        engine.lookup(ctx, offload_keys("stats-miss", 2))
+        engine.finish(ctx)
+        emitted = set(engine.stats().data["types"])
+    ours = {name for name in emitted if "kvstored" in name}
+    assert ours and ours <= set(declared)
+    assert emitted <= set(declared)
+
+
+def test_module_path_form_needs_no_plugin(vllm_daemon):
+    config = {"type": "KvstoredTierManager", "module_path": "kvstored_client.vllm.tier",
+              "socket": str(vllm_daemon.socket)}
+    assert SecondaryTierFactory.get_tier_class(config) is KvstoredTierManager
+    keys = offload_keys("module-path", 2)
+    with Engine([config]) as engine:
+        store_and_cascade(engine, keys)
+    with Engine([kvstored_tier(vllm_daemon)]) as engine:
+        ctx = engine.request()
+        assert engine.lookup(ctx, keys) == [HIT] * 2
+        engine.finish(ctx)
+
+
+def test_daemon_absent_then_started(own_daemon):
+    daemon = own_daemon()
+    keys = offload_keys("late-daemon", 3)
+    with Engine([kvstored_tier(daemon)]) as engine:  # no daemon yet: nothing raises
+        ctx = engine.request()
+        assert engine.lookup(ctx, keys) == [MISS] * 3
+        assert engine.store(ctx, keys) == keys
+        engine.settle()  # the cascade is dropped (a failed cascade job), the primary copy stays
+        engine.finish(ctx)
+
+        daemon.start()
+        wait_connected(engine)
+        more = offload_keys("late-daemon-2", 3)
+        store_and_cascade(engine, more)
+    assert daemon_chunks(daemon) == 3
+
+
+def test_daemon_killed_mid_run_gives_misses_then_reconnects(own_daemon):
+    daemon = own_daemon().start()
+    keys = offload_keys("killed", 4)
+    with Engine([kvstored_tier(daemon)]) as engine:
+        store_and_cascade(engine, keys)
+        engine.evict_primary()
+
+        daemon.kill()  # SIGKILL: no goodbye
+        ctx = engine.request()
+        assert engine.lookup(ctx, keys) == [MISS] * 4  # the daemon's RAM died with it
+        assert engine.store(ctx, offload_keys("killed-later", 2))
+        engine.settle()
+        engine.finish(ctx)
+        assert engine.stats().data["data"][KvstoredMetrics.CONNECTED][("kvstored",)] == 0
+
+        daemon.start()  # a new daemon on the same socket: the tier reconnects by itself
+        wait_connected(engine)
+        again = offload_keys("killed-again", 3)
+        store_and_cascade(engine, again)
+        engine.evict_primary()
+        ctx = engine.request()
+        assert engine.lookup(ctx, again) == [HIT] * 3
+        assert exact(engine.load(ctx, again), again)
+        engine.finish(ctx)
+        opened = engine.stats().data["data"][KvstoredMetrics.SESSIONS_OPENED]
+        assert sum(opened.values()) >= 1
+
+
+def test_daemon_killed_during_a_load_fails_it_and_vllm_recomputes(own_daemon):
+    daemon = own_daemon().start()
+    keys = offload_keys("load-killed", 4)
+    with Engine([kvstored_tier(daemon)]) as engine:
+        store_and_cascade(engine, keys)
+        engine.evict_primary()
+        ctx = engine.request()
+        deadline = time.monotonic() + SETTLE_LIMIT_S
+        while True:  # until the daemon answered HIT and vLLM queued the promotions
+            with engine.manager.lock:
+                answers = [engine.manager.lookup(k, ctx) for k in keys]
+            if LookupResult.HIT_PENDING in answers:
+                break
+            engine.step()
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        daemon.kill()  # promotions queued (submitted at the end of this step): they fail, nothing raises
+        assert engine.lookup(ctx, keys) == [MISS] * 4  # vLLM will recompute these
+        engine.finish(ctx)
+
+
+def test_stopped_daemon_answers_miss_and_drops_stores(own_daemon):
+    daemon = own_daemon().start()
+    keys = offload_keys("stopped", 3)
+    with Engine([kvstored_tier(daemon, lookup_timeout_s=0.1)]) as engine:
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            ctx = engine.request()
+            assert engine.lookup(ctx, keys) == [MISS] * 3  # the lookup deadline passed
+            engine.store(ctx, offload_keys("stopped-store", 2))
+            engine.step()
+            dropped = engine.stats().data["data"].get(KvstoredMetrics.DROPPED_CHUNKS, {})
+            assert sum(dropped.values()) == 2  # dropped at once while the daemon is slow
+            engine.finish(ctx)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        engine.settle()
+
+
+@pytest.mark.parametrize("salt", [None, "t"])
+def test_unregistered_key_length_is_registered_on_first_use(vllm_daemon, salt):
+    keys = [k[4:] for k in offload_keys(f"short-{salt}", 2)]  # 16-byte-hash style keys (32 bytes)
+    params = {"cache_salt": salt} if salt else None
+    with Engine([kvstored_tier(vllm_daemon)]) as engine:
+        store_and_cascade(engine, keys, kv_transfer_params=params)
+        ctx = engine.request(kv_transfer_params=params)
+        engine.evict_primary()
+        assert engine.lookup(ctx, keys) == [HIT] * 2
+        engine.finish(ctx)

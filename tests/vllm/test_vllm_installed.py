@@ -1,0 +1,5 @@
+from tests.vllm.conftest import VLLM_ERROR
+
+
+def test_vllm_is_installed():
+    assert not VLLM_ERROR, VLLM_ERROR
