@@ -41,8 +41,17 @@ system-deps:
 vllm-deps: setup
 	VENV=$(VENV) ./tests/vllm/install_vllm.sh
 
-bench: setup
-	$(BIN)/python bench/local_path.py
+# Benchmarks (not tests): figures beside same-run baselines; JSON and the chart under results/.
+# About 10 minutes on a 2-core VM; e.g. BENCH_MULTITURN_ARGS="--conversations 16,64,128,256" for less.
+BENCH_MULTITURN_ARGS ?=
+bench: setup system-deps
+	./deploy/install-system-deps.sh redis-server
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev,bench]'
+	mkdir -p results
+	$(BIN)/python bench/local_path.py --json results/local_path.json
+	$(BIN)/python bench/tiers.py --json results/tiers.json
+	$(BIN)/python bench/compare.py --json results/compare.json
+	$(BIN)/python bench/multiturn.py --json results/multiturn.json --plot results/multiturn.png $(BENCH_MULTITURN_ARGS)
 
 clean:
 	rm -rf $(VENV) var results $(GEN)/*_pb2*.py $(GEN)/*_pb2*.pyi kvstored/shm/*.so build

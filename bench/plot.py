@@ -1,0 +1,105 @@
+"""Charts for the kvstored benchmarks (matplotlib, PNG).
+
+  .venv/bin/python bench/plot.py results/multiturn.json results/multiturn.png
+
+`plot_multiturn(doc, path)`: modelled throughput, overall hit rate and the hit rate of each tier
+(GPU, RAM, fs, S3) versus the number of simultaneous conversations, one line per configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+LABELS = {"none": "no offload", "ram": "RAM", "ram+fs": "RAM + fs", "ram+fs+s3": "RAM + fs + S3"}
+STYLE = {  # colour, marker
+    "none": ("#7f7f7f", "o"),
+    "ram": ("#1f77b4", "s"),
+    "ram+fs": ("#2ca02c", "^"),
+    "ram+fs+s3": ("#d62728", "D"),
+}
+HAS_TIER = {"none": {"gpu"}, "ram": {"gpu", "ram"}, "ram+fs": {"gpu", "ram", "fs"},
+            "ram+fs+s3": {"gpu", "ram", "fs", "s3"}}
+TIER_TITLES = {"gpu": "GPU prefix cache", "ram": "kvstored RAM tier", "fs": "kvstored fs tier",
+               "s3": "kvstored S3 tier"}
+
+
+def plot_multiturn(doc: dict[str, Any], path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in doc["results"] if not r.get("skipped")]
+    configs = [c for c in LABELS if any(r["config"] == c for r in runs)]
+    fig = plt.figure(figsize=(13, 8.5), dpi=110)
+    grid = fig.add_gridspec(2, 4, height_ratios=[1.5, 1], hspace=0.42, wspace=0.32)
+    ax_tp = fig.add_subplot(grid[0, 0:2])
+    ax_hit = fig.add_subplot(grid[0, 2:4])
+    tier_axes = [fig.add_subplot(grid[1, i]) for i in range(4)]
+    counts = sorted({r["conversations"] for r in runs})
+
+    for config in configs:
+        rs = sorted((r for r in runs if r["config"] == config), key=lambda r: r["conversations"])
+        xs = [r["conversations"] for r in rs]
+        colour, marker = STYLE[config]
+        kw = dict(color=colour, marker=marker, label=LABELS[config], linewidth=2, markersize=6)
+        ax_tp.plot(xs, [r["throughput_tokens_s"] / 1000 for r in rs], **kw)
+        ax_hit.plot(xs, [100 * r["hit_rate_overall"] for r in rs], **kw)
+        for ax, tier in zip(tier_axes, TIER_TITLES):
+            if tier not in HAS_TIER[config]:
+                continue
+            ax.plot(xs, [100 * r["hit_rate"].get(tier, 0.0) for r in rs], **{**kw, "linewidth": 1.5, "markersize": 4})
+
+    model = doc.get("model", {})
+    scale = model.get("byte_scale")
+    ax_tp.set_title("Modelled throughput (prompt tokens/s)")
+    ax_tp.set_ylabel("thousand tokens/s")
+    ax_hit.set_title("Hit rate, all tiers (share of reusable tokens)")
+    ax_hit.set_ylabel("%")
+    ax_hit.set_ylim(-3, 103)
+    for ax, title in zip(tier_axes, TIER_TITLES.values()):
+        ax.set_title(title, fontsize=10)
+        ax.set_ylim(-3, 103)
+        ax.set_xlabel("conversations", fontsize=9)
+        ax.tick_params(labelsize=8)
+    tier_axes[0].set_ylabel("hit rate %")
+    for ax in (ax_tp, ax_hit, *tier_axes):
+        ax.set_xticks(counts)
+        ax.grid(True, alpha=0.3)
+    for ax in (ax_tp, ax_hit):
+        ax.set_xlabel("simultaneous conversations")
+    ax_tp.set_ylim(bottom=0)
+    ax_tp.legend(loc="best", fontsize=9)
+
+    w = doc.get("workload", {})
+    machine = doc.get("machine", {})
+    fig.suptitle(
+        f"kvstored multi-turn benchmark: {w.get('initial_tokens')} + {w.get('turn_tokens')} tokens/turn, "
+        f"{w.get('turns')} turns; modelled {model.get('model_name', 'GPU')} at "
+        f"{model.get('prefill_tokens_per_s', 0):,.0f} prefill tokens/s",
+        fontsize=12,
+    )
+    foot = (f"Real daemon, real transfers of KV scaled 1/{scale:g} (load times x{scale:g}); "
+            f"{machine.get('cpus')} CPUs, {machine.get('mem_total_gib')} GiB, git {machine.get('git')}; "
+            f"{doc.get('s3_server', '')}")
+    fig.text(0.5, 0.01, foot, ha="center", fontsize=8, color="#555555")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print(__doc__.strip().splitlines()[2], file=sys.stderr)
+        return 2
+    doc = json.loads(Path(argv[0]).read_text())
+    plot_multiturn(doc, argv[1])
+    print(f"plot written to {argv[1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
