@@ -45,6 +45,7 @@ class RamEntry:
     persisted: bool = False  # a lower tier holds a copy: dropping it loses nothing
     writing: bool = False  # a write-down is reading its pages
     touched: bool = False  # used while being written down: keep it afterwards
+    probation: bool = False  # promoted and not yet read: its first release puts it at the cold end
 
     @property
     def pinned(self) -> bool:
@@ -158,7 +159,7 @@ class RamTier:
         if entry.state is not EntryState.RESERVED:
             raise ValueError("commit of a chunk that is not reserved")
         entry.state = EntryState.READY
-        entry.persisted = persisted
+        entry.persisted = entry.probation = persisted
         self.counters.written_bytes += entry.size
         if persisted:
             self.counters.promotions += 1
@@ -195,10 +196,17 @@ class RamTier:
             return
         if entry.writing:
             entry.touched = True  # finish_writeback decides
-        elif entry.indexed:
-            self._lru[entry.chunk] = entry  # reading it was a use: most recent
-        else:
+        elif not entry.indexed:
             self._free(entry)
+        elif entry.probation:
+            # A chunk promoted for one load and read once goes to the cold end: it still has its
+            # copy below, and under cyclic reuse (multi-turn sessions larger than RAM) keeping it
+            # would push out chunks that hit sooner. A second read treats it like any other.
+            entry.probation = False
+            self._lru[entry.chunk] = entry
+            self._lru.move_to_end(entry.chunk, last=False)
+        else:
+            self._lru[entry.chunk] = entry  # reading it was a use: most recent
 
     def ready_chunks(self) -> list[ChunkId]:
         return [c for c, e in self._index.items() if e.state is EntryState.READY]

@@ -248,3 +248,27 @@ def test_a_reservation_that_cannot_fit_evicts_nothing(tier):
     res = tier.reserve(cid("big"), 3 * PAGE)
     assert res.outcome is ReserveOutcome.RESERVED
     assert res.evicted == [cid("c"), cid("d"), cid("a")]
+
+
+def test_a_promoted_chunk_read_once_goes_to_the_cold_end_then_lives_normally():
+    from kvstored.tiers.ram import RamTier
+
+    page = 4096
+    ram = RamTier(4 * page, page, has_lower_tiers=True)
+    stored = [("ns", bytes([i]) * 32) for i in range(3)]
+    for chunk in stored:
+        ram.commit(ram.reserve(chunk, page).entry)
+    promoted = ("ns", b"p" * 32)
+    ram.commit(ram.reserve(promoted, page).entry, persisted=True)
+    ram.release(ram.acquire(promoted))  # its one load: now first in line for eviction
+
+    evicted = ram.reserve(("ns", b"x" * 32), page).evicted
+    assert evicted == [promoted]
+    assert all(ram.contains(c, touch=False) for c in stored)
+
+    # read twice: an ordinary recently used chunk afterwards
+    ram.commit(ram.reserve(promoted, page).entry, persisted=True)  # room: stored[0] is evicted
+    ram.release(ram.acquire(promoted))
+    ram.release(ram.acquire(promoted))
+    evicted = ram.reserve(("ns", b"y" * 32), page).evicted
+    assert promoted not in evicted
