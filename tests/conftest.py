@@ -16,22 +16,14 @@ from typing import Callable
 
 import pytest
 
-from tests.support.daemon import Daemon, DaemonError
+from tests.support.daemon import Daemon, stop_all
 
 SHARED_CPU_BYTES = "64MiB"
 SHARED_MAX_BATCH_KEYS = 64
 
 
 def _finish(daemons: list[Daemon]) -> None:
-    errors = []
-    for d in daemons:
-        try:
-            if d.running:
-                d.stop()
-        except DaemonError as exc:
-            errors.append(str(exc))
-        finally:
-            d.cleanup()
+    errors = stop_all(daemons)
     if errors:
         pytest.fail("daemon teardown failed:\n" + "\n".join(errors), pytrace=False)
 

@@ -89,3 +89,19 @@ def chunk_relpath(chunk: ChunkId) -> str:
     """Content-addressed name with two levels of fan-out: <ns>/<k[0:2]>/<k[2:4]>/<key hex>.kv"""
     hexkey = chunk[1].hex()
     return f"{chunk[0]}/{hexkey[0:2]}/{hexkey[2:4]}/{hexkey}.kv"
+
+
+def parse_relpath(relpath: str) -> ChunkId | None:
+    """The chunk a relative name holds, if it is exactly a name chunk_relpath() writes."""
+    parts = relpath.split("/")
+    if len(parts) != 4 or not parts[0] or parts[0].startswith(".") or not parts[3].endswith(".kv"):
+        return None
+    ns, d1, d2, leaf = parts
+    hexkey = leaf[:-3]
+    if len(hexkey) < 4 or hexkey[0:2] != d1 or hexkey[2:4] != d2:
+        return None
+    try:
+        key = bytes.fromhex(hexkey)
+    except ValueError:
+        return None
+    return (ns, key) if key.hex() == hexkey else None  # upper case or other spellings: not ours

@@ -439,7 +439,7 @@ class FsTier(SecondaryTier):
             for d1 in self._scandir(ns_dir.path, now):
                 for d2 in self._scandir(d1.path, now):
                     for f in self._scandir(d2.path, now, dirs=False):
-                        chunk = _parse_name(ns_dir.name, d1.name, d2.name, f.name)
+                        chunk = chunkfile.parse_relpath(f"{ns_dir.name}/{d1.name}/{d2.name}/{f.name}")
                         if chunk is None:
                             continue
                         try:
@@ -601,19 +601,3 @@ def _result_or_nothing(fut: asyncio.Future):
     except OSError as exc:
         log.debug("fs tier job failed: %s", exc)
         return None
-
-
-def _parse_name(ns: str, d1: str, d2: str, name: str) -> ChunkId | None:
-    """The chunk a file under <ns>/<d1>/<d2>/ names, if it is a chunk file at its proper place."""
-    if not name.endswith(".kv") or ns.startswith("."):
-        return None
-    hexkey = name[:-3]
-    if len(hexkey) < 4 or hexkey[0:2] != d1 or hexkey[2:4] != d2:
-        return None
-    try:
-        key = bytes.fromhex(hexkey)
-    except ValueError:
-        return None
-    if key.hex() != hexkey:  # upper case or other spellings are not names we write
-        return None
-    return ns, key

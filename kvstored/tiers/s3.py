@@ -260,7 +260,7 @@ class S3Tier(SecondaryTier):
                 kwargs["ContinuationToken"] = token
             page = await self._retrying(lambda: self._client.list_objects_v2(**kwargs))
             for obj in page.get("Contents", ()):
-                chunk = _parse_key(obj["Key"][len(self.prefix):])
+                chunk = chunkfile.parse_relpath(obj["Key"][len(self.prefix):])
                 if chunk is not None:
                     found.append((chunk, int(obj["Size"]), obj["LastModified"].timestamp()))
             token = page.get("NextContinuationToken")
@@ -538,19 +538,3 @@ def _check(body: _Body, chunk: ChunkId, size: int) -> str | None:
     except CorruptChunk as exc:
         return str(exc)
     return None
-
-
-def _parse_key(name: str) -> ChunkId | None:
-    """The chunk an object name (prefix removed) holds, if it is a chunk name as _key() writes it."""
-    parts = name.split("/")
-    if len(parts) != 4 or not parts[0] or not parts[3].endswith(".kv"):
-        return None
-    ns, d1, d2, leaf = parts
-    hexkey = leaf[:-3]
-    if len(hexkey) < 4 or hexkey[0:2] != d1 or hexkey[2:4] != d2:
-        return None
-    try:
-        key = bytes.fromhex(hexkey)
-    except ValueError:
-        return None
-    return (ns, key) if key.hex() == hexkey else None

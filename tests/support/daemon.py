@@ -53,6 +53,21 @@ class DaemonError(AssertionError):
     pass
 
 
+def stop_all(daemons: Iterable["Daemon"]) -> list[str]:
+    """SIGTERM every daemon still running (each must exit cleanly), clean up all of them; returns
+    the teardown failures for the fixture to report."""
+    errors = []
+    for d in daemons:
+        try:
+            if d.running:
+                d.stop()
+        except DaemonError as exc:
+            errors.append(str(exc))
+        finally:
+            d.cleanup()
+    return errors
+
+
 class Daemon:
     def __init__(
         self,

@@ -18,7 +18,8 @@ from kvstored.tiers import chunkfile
 from kvstored.tiers.base import AdmissionPolicy, RemovalCause, TierUsage, WriteOutcome
 from kvstored.tiers.chunkfile import HEADER_BYTES
 from kvstored.tiers.resilience import Backoff, BreakerState, CircuitBreaker, NegativeCache
-from kvstored.tiers.s3 import S3Tier, S3TierError, _parse_key
+from kvstored.tiers.chunkfile import parse_relpath as _parse_key
+from kvstored.tiers.s3 import S3Tier, S3TierError
 from tests.support.s3 import FaultProxy, MotoServer, free_port
 
 PAGE = 4096

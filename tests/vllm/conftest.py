@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.daemon import Daemon, DaemonError
+from tests.support.daemon import Daemon, stop_all
 
 INSTALL_HINT = "vllm==0.33.0 is not installed in this venv: run tests/vllm/install_vllm.sh"
 
@@ -26,15 +26,7 @@ collect_ignore = [p.name for p in HERE.glob("test_*.py") if p.name != "test_vllm
 
 
 def _stop(daemons: list[Daemon]) -> None:
-    errors = []
-    for d in daemons:
-        try:
-            if d.running:
-                d.stop()
-        except DaemonError as exc:
-            errors.append(str(exc))
-        finally:
-            d.cleanup()
+    errors = stop_all(daemons)
     if errors:
         pytest.fail("daemon teardown failed:\n" + "\n".join(errors), pytrace=False)
 
