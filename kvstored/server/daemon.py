@@ -15,7 +15,7 @@ import signal
 import socket
 import stat
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -25,10 +25,8 @@ from kvstored import __version__
 from kvstored.config import Config, ConfigError, FsTierConfig, TierConfig
 from kvstored.logs import setup_logging
 from kvstored.namespaces import NamespaceRegistry
-from kvstored.observability.http import MetricsServer
 from kvstored.observability.metrics import DaemonMetrics
 from kvstored.observability.events import EventBus
-from kvstored.observability.zmq_events import ZmqEventPublisher
 from kvstored.server.errors import ErrorMappingInterceptor
 from kvstored.server.service import KVStoreService
 from kvstored.server.session_socket import SessionSocketServer
@@ -43,6 +41,10 @@ from kvstored.tiers.factory import build_lower_tiers
 from kvstored.tiers.ram import RamTier
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:  # optional features import their libraries (aiohttp, pyzmq) only when enabled
+    from kvstored.observability.http import MetricsServer
+    from kvstored.observability.zmq_events import ZmqEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +127,9 @@ class Daemon:
         await self.chain.start()
         self.zmq_events: ZmqEventPublisher | None = None
         if cfg.events_zmq_endpoint:
-            self.zmq_events = ZmqEventPublisher(
+            from kvstored.observability import zmq_events
+
+            self.zmq_events = zmq_events.ZmqEventPublisher(
                 cfg.events_zmq_endpoint, cfg.events_zmq_replay_endpoint or None, cfg.events_zmq_topic,
                 cfg.events_encoding, self.namespaces.block_tokens, cfg.events_buffer,
             )
@@ -171,7 +175,9 @@ class Daemon:
 
     async def _start_metrics(self, addr: str) -> None:
         """A taken metrics port costs the metrics, not the cache: log it and serve on."""
-        server = MetricsServer(self.metrics.registry, addr)
+        from kvstored.observability import http
+
+        server = http.MetricsServer(self.metrics.registry, addr)
         try:
             await server.start()
         except OSError as exc:
