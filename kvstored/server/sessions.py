@@ -34,6 +34,11 @@ class Session:
     handles: dict[int, Handle] = field(default_factory=dict)
     regions: dict[int, Region] = field(default_factory=dict)
     namespaces: set[str] = field(default_factory=set)  # tenant namespaces this session registered
+    closed: bool = False  # its connection ended: a request still in flight must not grant it anything
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise UnknownSession(f"session {self.session_id} closed while the request was in flight")
 
     def take(self, handle_id: int, kinds: tuple[HandleKind, ...]) -> Handle:
         handle = self.handles.get(handle_id)

@@ -185,6 +185,7 @@ class TierChain:
 
     async def reserve(self, session: Session, ns: Namespace, keys: Sequence[bytes]) -> list[SlotGrant]:
         await self.writeback.make_room(len(keys) * self.ram.pages_for(ns.chunk_bytes) * self.ram.page_bytes)
+        session.check_open()  # it may have closed while we waited: grant nothing it could leak
         grants, evicted = [], []
         for key in keys:
             result = self.ram.reserve((ns.namespace_id, key), ns.chunk_bytes)
@@ -212,9 +213,14 @@ class TierChain:
 
     async def acquire(self, session: Session, ns: Namespace, keys: Sequence[bytes]) -> list[LeaseGrant]:
         """Leases for the leading cached keys (promoted from below first); stops at the first miss."""
+        entries = await self._lease_prefix(ns, keys)
+        if session.closed:  # it closed while promotions ran: nobody would ever release these
+            for entry in entries:
+                self.ram.release(entry)
+            session.check_open()
         return [
             LeaseGrant(self._grant(session, HandleKind.LEASE, entry), tuple(self.ram.extents(entry)))
-            for entry in await self._lease_prefix(ns, keys)
+            for entry in entries
         ]
 
     def release(self, session: Session, handles: Sequence[int]) -> int:
@@ -224,6 +230,7 @@ class TierChain:
         return len(taken)
 
     def close_session(self, session: Session) -> None:
+        session.closed = True
         for handle in session.handles.values():
             self._drop(handle)
         session.handles.clear()

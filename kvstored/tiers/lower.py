@@ -122,7 +122,7 @@ class WriteBack:
         views = self._ram.page_views(entry, self._pool)
         futures = []
         for lower in self._lower:
-            job = _write_job(lower, entry.chunk, views, entry.size, self._events)
+            job = _write_job(lower, entry, views, self._events)
             future = lower.queue.submit(Priority.WRITEDOWN, job)
             if future is not None:
                 futures.append(future)
@@ -161,9 +161,16 @@ class _WriteDown:
     outcomes: list[WriteOutcome] = field(default_factory=list)
 
 
-def _write_job(lower: LowerTier, chunk: ChunkId, views: list[memoryview], size: int, events: EventBus):
+def _write_job(lower: LowerTier, entry: RamEntry, views: list[memoryview], events: EventBus):
+    chunk = entry.chunk
+
     async def job() -> WriteOutcome:
-        outcome = await lower.timed("write", lower.tier.write(chunk, views, size))
+        if not entry.indexed:  # deleted while queued: writing it now would bring it back
+            return WriteOutcome.FAILED
+        outcome = await lower.timed("write", lower.tier.write(chunk, views, entry.size))
+        if not entry.indexed:  # deleted while being written: undo
+            await lower.timed("remove", lower.tier.remove(chunk))
+            return WriteOutcome.FAILED
         if outcome is WriteOutcome.WRITTEN:
             events.publish(EventType.STORED, Cause.WRITTEN_DOWN, lower.tier.name, lower.tier.kind, [chunk])
         return outcome
@@ -230,8 +237,11 @@ class Promoter:
             if not future.cancelled() and future.exception() is not None:
                 log.warning("promotion from %s failed: %s", lower.tier.name, future.exception())
             if ok:
+                deleted = not entry.indexed  # deleted while it was read: commit() just frees it
                 self._ram.commit(entry, persisted=True)
-                self._events.publish(EventType.STORED, Cause.PROMOTED, "ram", TierKind.RAM, [chunk])
+                ok = not deleted
+                if ok:
+                    self._events.publish(EventType.STORED, Cause.PROMOTED, "ram", TierKind.RAM, [chunk])
             else:
                 self._ram.abort(entry)
             del self._in_flight[chunk]

@@ -212,17 +212,21 @@ class RamTier:
         return [c for c, e in self._index.items() if e.state is EntryState.READY]
 
     def chunks_of(self, namespace_id: str) -> list[ChunkId]:
-        """READY chunks of a namespace (a scan: for admin operations, not the data path)."""
-        return [c for c, e in self._index.items() if c[0] == namespace_id and e.state is EntryState.READY]
+        """Chunks of a namespace, READY or being written (a scan: for admin operations)."""
+        return [c for c in self._index if c[0] == namespace_id]
 
     def delete(self, chunk: ChunkId) -> bool:
+        """Remove a chunk; True if a READY one was there. A chunk still being written (a promotion
+        or a client's reservation) is unindexed too, so its commit frees it instead of bringing a
+        deleted chunk back."""
         entry = self._index.get(chunk)
-        if entry is None or entry.state is not EntryState.READY:
+        if entry is None:
             return False
+        ready = entry.state is EntryState.READY
         self._unindex(entry)
-        if not entry.pinned:
+        if ready and not entry.pinned:
             self._free(entry)
-        return True
+        return ready
 
     # -- write-back -------------------------------------------------------------------------
 
