@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import enum
 import logging
 import os
 import platform
@@ -14,6 +16,21 @@ from kvstored.config import ConfigError, env_name, flag_name, load_config, optio
 from kvstored.logs import setup_logging
 
 log = logging.getLogger("kvstored")
+
+
+def _shown_default(f: dataclasses.Field) -> str:
+    value = f.default
+    if value is dataclasses.MISSING or value in (None, (), ""):
+        return ""
+    if isinstance(value, enum.Enum):
+        value = value.value
+    elif isinstance(value, bool):
+        value = str(value).lower()
+    elif f.name == "socket_mode":
+        value = f"0{value:o}"
+    elif isinstance(value, tuple):
+        value = ":".join(map(str, value))
+    return f"; default {value}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
             metavar=f.metadata["metavar"] or None,
             default=None,
             action="append" if f.metadata["repeat"] else "store",
-            help=f"{f.metadata['help']} (env {env_name(f.name)})",
+            help=f"{f.metadata['help']}{_shown_default(f)} (env {env_name(f.name)})",
         )
     return parser
 

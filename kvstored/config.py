@@ -206,8 +206,9 @@ def _parse_tiers(value: Any) -> tuple[TierConfig, ...]:
 class Config:
     socket: Path = field(
         default_factory=default_socket_path,
-        metadata=_opt("unix socket of the gRPC API; the session socket is <socket>.session", _parse_socket,
-                      "PATH"),
+        metadata=_opt("unix socket of the gRPC API; the session socket is <socket>.session (default: "
+                      "/run/kvstored/kvstored.sock as root, else $XDG_RUNTIME_DIR/kvstored/kvstored.sock)",
+                      _parse_socket, "PATH"),
     )
     socket_mode: int = field(
         default=0o660, metadata=_opt("permission bits of both sockets (octal)", _parse_mode, "MODE")
