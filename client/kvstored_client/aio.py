@@ -65,7 +65,11 @@ class AsyncClient(ClientBase):
 
     async def register_region(self, path_or_fd: str | os.PathLike | int, name: str | None = None) -> Region:
         region = self._open_region(path_or_fd, name)
-        await self._run(lambda _s: ops.nothing(), fallback=None, session=True)
+        try:
+            await self._run(lambda _s: ops.nothing(), fallback=None, session=True)
+        except KvstoredError:  # refused: forget it, or every later call fails too
+            self._forget_region(region)
+            raise
         return region
 
     async def store_from_region(
@@ -88,6 +92,9 @@ class AsyncClient(ClientBase):
 
     async def _run(self, build: Callable[[PoolSession | None], ops.Op], fallback: Any, session: bool = False) -> Any:
         deadline = time.monotonic() + self.deadline_s
+        if self._forked():  # a forked child starts afresh: its own lock, channel and session
+            self._lock = asyncio.Lock()
+            self._channel = self._stub = None
         async with self._lock:
             return await self._drive(self._plan(build, fallback, session), deadline)
 
@@ -112,6 +119,9 @@ class AsyncClient(ClientBase):
                     effect = plan.throw(from_rpc_error(exc))
                 except KvstoredError as exc:
                     effect = plan.throw(exc)
+                except BaseException:  # cancelled mid-call
+                    self._abandon(plan, effect)
+                    raise
                 else:
                     effect = plan.send(result)
         except StopIteration as stop:

@@ -39,6 +39,7 @@ CHANNEL_OPTIONS = (
 )
 RESTART_ERRORS = (UnknownSession, UnknownRegion, UnknownNamespace)
 OPEN_SESSION = object()  # plan effect: "give me a session" -> (session, newly opened)
+HANDLE_METHODS = frozenset({"Reserve", "Commit", "Acquire", "Release"})  # calls that grant or end handles
 Plan = Generator[Any, Any, Any]
 
 
@@ -113,6 +114,17 @@ class ClientBase:
         for region in self._regions:
             region.region_id = 0
         return True
+
+    def _forget_region(self, region: Region) -> None:
+        self._regions.remove(region)
+        os.close(region.fd)
+
+    def _abandon(self, plan: Plan, effect: Any) -> None:
+        """Interrupted mid-call (task cancelled, KeyboardInterrupt): the daemon may have granted
+        reservations or leases we will never hear of. Closing the session is what frees them."""
+        plan.close()
+        if effect is OPEN_SESSION or effect.method in HANDLE_METHODS:
+            self._drop_session()
 
     def _close_regions(self) -> None:
         for region in self._regions:
@@ -218,7 +230,11 @@ class Client(ClientBase):
     def register_region(self, path_or_fd: str | os.PathLike | int, name: str | None = None) -> Region:
         """Register a shared-memory file (by path, or an open fd which is dup'ed)."""
         region = self._open_region(path_or_fd, name)
-        self._run(lambda _s: ops.nothing(), fallback=None, session=True)  # attach now if reachable
+        try:
+            self._run(lambda _s: ops.nothing(), fallback=None, session=True)  # attach now if reachable
+        except KvstoredError:  # refused (empty file...): forget it, or every later call fails too
+            self._forget_region(region)
+            raise
         return region
 
     def store_from_region(
@@ -241,9 +257,10 @@ class Client(ClientBase):
 
     def _run(self, build: Callable[[PoolSession | None], ops.Op], fallback: Any, session: bool = False) -> Any:
         deadline = time.monotonic() + self.deadline_s
+        if self._forked():  # before the lock: another thread may have held it at fork time
+            self._lock = threading.Lock()
+            self._channel = self._stub = None
         with self._lock:
-            if self._forked():
-                self._channel = self._stub = None
             return self._drive(self._plan(build, fallback, session), deadline)
 
     def _get_stub(self) -> pb_grpc.KVStoreStub:
@@ -266,6 +283,9 @@ class Client(ClientBase):
                     effect = plan.throw(from_rpc_error(exc))
                 except KvstoredError as exc:
                     effect = plan.throw(exc)
+                except BaseException:
+                    self._abandon(plan, effect)
+                    raise
                 else:
                     effect = plan.send(result)
         except StopIteration as stop:

@@ -161,3 +161,69 @@ def test_forked_child_gets_its_own_session(shared_daemon, ns_name):
         out = np.zeros_like(data)
         assert c.load(ns, keys, out) == 2  # the parent's session still works
         np.testing.assert_array_equal(out, data)
+
+
+async def test_cancelled_async_calls_leak_no_reservations_or_leases(daemon, ns_name):
+    """A task cancelled while the daemon's answer is on its way back must not leave handles it
+    never learned of: the client gives up its session, which frees them."""
+    import asyncio
+    import random
+
+    rng = random.Random(7)
+    async with daemon.async_client() as c:
+        ns = await c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
+        for i in range(60):
+            keys = make_keys(f"{ns_name}-{i}", 4)
+            task = asyncio.ensure_future(c.store(ns, keys, payloads(keys, CHUNK)))
+            await asyncio.sleep(rng.uniform(0, 0.003))
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            out = np.zeros((4, CHUNK), np.uint8)
+            task = asyncio.ensure_future(c.load(ns, keys, out))
+            await asyncio.sleep(rng.uniform(0, 0.003))
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        stats = daemon.stats()
+        assert stats.reservations == 0 and stats.leases == 0
+        keys = make_keys(f"{ns_name}-after", 4)
+        assert (await c.store(ns, keys, payloads(keys, CHUNK))).stored == 4  # and it still works
+
+
+def test_a_refused_region_is_forgotten_and_the_client_keeps_working(daemon, ns_name, tmp_path):
+    from kvstored_client.errors import InvalidArgument
+
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    keys = make_keys(ns_name, 2)
+    with daemon.client() as c:
+        ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
+        with pytest.raises(InvalidArgument, match="empty"):
+            c.register_region(empty)
+        assert c.store(ns, keys, payloads(keys, CHUNK)).stored == 2
+        assert c.load(ns, keys, np.zeros((2, CHUNK), np.uint8)) == 2
+
+
+def test_a_child_forked_while_another_thread_holds_the_client_works(daemon, ns_name):
+    keys = make_keys(ns_name, 2)
+    with daemon.client() as c:
+        ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
+        assert c.store(ns, keys, payloads(keys, CHUNK)).stored == 2
+        with c._lock:  # as if another thread were in the middle of a call at fork time
+            pid = os.fork()
+            if pid == 0:
+                ok = False
+                try:
+                    ok = c.lookup(ns, keys).prefix_hits == 2
+                finally:
+                    os._exit(0 if ok else 1)
+        import time
+
+        deadline = time.monotonic() + 30
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung on the lock its parent's thread held")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+        assert c.lookup(ns, keys).prefix_hits == 2
