@@ -12,7 +12,7 @@ What is measured
 - fs raw baseline ("raw"): the same bytes (the chunkfile header page + the payload: the very file
   contents the tier writes, headers encoded before timing), one file per chunk in ONE directory:
   open(O_CREAT|O_EXCL|O_DIRECT) + one pwritev + close; open(O_DIRECT) + one preadv + close. It runs
-  on `--fs-threads` plain threads (= the tier's io_threads, 4 as in the daemon) looping back to back
+  on `--fs-threads` plain threads (= the tier's io_threads, 8 as in the daemon) looping back to back
   over the chunks: as many I/Os at the disk at once as the tier's pool, and no event loop at all.
 - fs diagnostic ("raw, tier paths"): the same raw I/O at the tier's own file names
   (<ns>/<k0k1>/<k2k3>/<key hex>.kv). Its ratio (no target) separates the tier's software cost from
@@ -49,7 +49,7 @@ What is measured
   threads were; one more S3 round under cProfile (the loop thread): own time per function.
 
 Usage: .venv/bin/python bench/tiers.py [--fs-gib 1] [--s3-mib 256] [--rounds 3] [--s3 rgw|moto|off]
-                                       [--fs-threads 4] [--fs-inflight 8] [--s3-inflight 16]
+                                       [--fs-threads 8] [--fs-inflight 8] [--s3-inflight 16]
                                        [--drop 3|1] [--fresh-root] [--dir DIR] [--profile]
                                        [--json PATH]
 Exit status: 0 if every targeted row passes, 1 if one misses, 2 if a part could not run.
@@ -862,7 +862,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--fs", choices=("on", "off"), default="on")
     ap.add_argument("--s3", choices=("rgw", "moto", "off"), default="rgw")
-    ap.add_argument("--fs-threads", type=int, default=4, help="fs tier io_threads = raw threads (daemon: 4)")
+    ap.add_argument("--fs-threads", type=int, default=8, help="fs tier io_threads = raw threads (daemon: 8)")
     ap.add_argument("--fs-inflight", type=int, default=8, help="fs tier operations in flight (daemon: 8)")
     ap.add_argument("--s3-inflight", type=int, default=16, help="S3 requests in flight, tier and raw (daemon: 16)")
     ap.add_argument("--s3-timeout", type=float, default=5.0, help="S3 per-operation timeout (daemon: 5 s)")
