@@ -292,6 +292,20 @@ def _fmt(v: float | None, unit: str) -> str:
     return f"{v:.{digits}f} {unit}"
 
 
+def print_aligned(table: Sequence[Sequence[str]], right: set[int], file=None) -> None:
+    """A header row, a rule, then the rows; columns in `right` are right-aligned."""
+    file = file or sys.stdout
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+
+    def line(row: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+
+    print(line(table[0]), file=file)
+    print("  ".join("-" * w for w in widths), file=file)
+    for row in table[1:]:
+        print(line(row), file=file)
+
+
 def print_table(rows: Sequence[Row], title: str = "", file=None) -> None:
     file = file or sys.stdout
     header = ["measurement", "value", "median", "baseline", "baseline value", "ratio", "target", "result"]
@@ -308,18 +322,9 @@ def print_table(rows: Sequence[Row], title: str = "", file=None) -> None:
             f"{cmp} {r.target:.2f}x" if r.target is not None else "",
             r.status,
         ])
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    right = {1, 2, 4, 5}
     if title:
         print(title, file=file)
-
-    def line(row: list[str]) -> str:
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
-
-    print(line(table[0]), file=file)
-    print("  ".join("-" * w for w in widths), file=file)
-    for row in table[1:]:
-        print(line(row), file=file)
+    print_aligned(table, right={1, 2, 4, 5}, file=file)
     notes = [r for r in rows if r.note]
     for r in notes:
         print(f"  * {r.name}: {r.note}", file=file)

@@ -79,7 +79,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 
 from _common import (  # noqa: E402
-    GIB, MIB, REPO, fill_pattern, load_average, machine_info, populate, write_json,
+    GIB, MIB, REPO, fill_pattern, load_average, machine_info, populate, print_aligned, write_json,
 )
 
 sys.path.insert(0, str(REPO))
@@ -268,16 +268,7 @@ def print_table(pairs: Sequence[Pair], file=None) -> None:
     header = ["measurement", "tier GiB/s", "raw GiB/s", "ratio", "target", "result"]
     rows = [header] + [[p.name, f"{p.tier_median:.2f}", f"{p.raw_median:.2f}", f"{p.ratio:.2f}x",
                         f">= {p.target:.2f}x" if p.target is not None else "-", p.status] for p in pairs]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    right = {1, 2, 3}
-
-    def line(r: list[str]) -> str:
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-
-    print(line(rows[0]), file=file)
-    print("  ".join("-" * w for w in widths), file=file)
-    for r in rows[1:]:
-        print(line(r), file=file)
+    print_aligned(rows, right={1, 2, 3}, file=file)
     print("per round: tier/raw GiB/s = paired ratio; CPU s per GiB (this process, tier/raw"
           "[; S3 server tier/raw]):", file=file)
     for p in pairs:

@@ -125,10 +125,11 @@ class TierChain:
         removed = [self.ram.delete(c) for c in chunks]
         self._publish_ram(EventType.REMOVED, Cause.DELETED, [c for c, r in zip(chunks, removed) if r])
         for lower in self.lower:
-            gone = [chunk for chunk in chunks if await lower.timed("remove", lower.tier.remove(chunk))]
+            below = await lower.remove_all(chunks)
+            gone = [c for c, hit in zip(chunks, below) if hit]
             if gone:
                 self.events.publish(EventType.REMOVED, Cause.DELETED, lower.tier.name, lower.tier.kind, gone)
-            removed = [r or c in gone for r, c in zip(removed, chunks)]
+            removed = [r or hit for r, hit in zip(removed, below)]
         return sum(removed)
 
     async def clear_namespace(self, ns: Namespace) -> int:
@@ -137,8 +138,7 @@ class TierChain:
         removed = sum(self.ram.delete(c) for c in chunks)
         self.events.publish_cleared("ram", TierKind.RAM, ns.namespace_id)
         for lower in self.lower:
-            for chunk in lower.tier.known_chunks(ns.namespace_id):
-                removed += await lower.timed("remove", lower.tier.remove(chunk))
+            removed += sum(await lower.remove_all(lower.tier.known_chunks(ns.namespace_id)))
             self.events.publish_cleared(lower.tier.name, lower.tier.kind, ns.namespace_id)
         return removed
 

@@ -53,6 +53,16 @@ class LowerTier:
         finally:
             self.observe(self.tier.name, op, time.perf_counter() - start)
 
+    async def remove_all(self, chunks: Sequence[ChunkId]) -> list[bool]:
+        """Remove chunks at deletion priority (behind loads and write-downs already queued),
+        concurrently within the tier's bound. A delete is never skipped: with the backlog full,
+        it runs directly."""
+        def remove(chunk: ChunkId):
+            return self.timed("remove", self.tier.remove(chunk))
+
+        queued = [self.queue.submit(Priority.DELETE, functools.partial(remove, c)) for c in chunks]
+        return list(await asyncio.gather(*(q if q is not None else remove(c) for q, c in zip(queued, chunks))))
+
 
 class WriteBack:
     def __init__(

@@ -3,25 +3,16 @@
 from __future__ import annotations
 
 import signal
-import time
 
 import numpy as np
 
 from kvstored_client import StoreResult, Tier
 from tests.support import worker
 from tests.support.data import make_keys, payloads
+from tests.support.wait import wait_for
 
 CHUNK = 256 << 10
 PAGE = 64 << 10
-
-
-def wait_for(cond, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def test_one_process_stores_another_loads_while_both_connected(shared_daemon, ns_name):

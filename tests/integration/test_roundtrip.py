@@ -16,6 +16,7 @@ from kvstored_client import StoreResult, Tier, chunk_keys
 from kvstored_client.keys import namespace_id_for
 from tests.support.data import make_keys, payload, payloads
 from tests.support.rpc import pb, raw
+from tests.support.wait import wait_for
 
 CHUNK = 96 << 10  # 1.5 pages of 64 KiB: the last extent of every chunk is a partial page
 
@@ -300,17 +301,6 @@ def test_register_region_by_path_over_grpc(shared_daemon, ns_name, shm_dir):
     # The session is gone: so is its region.
     with raw(shared_daemon.socket, session=False) as r:
         assert wait_for(lambda: r.stats().regions == before)
-
-
-def wait_for(cond, timeout: float = 20.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 # -- async client --------------------------------------------------------------------------------

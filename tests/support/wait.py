@@ -1,0 +1,16 @@
+"""Polling for conditions that settle asynchronously (a daemon noticing a closed session...)."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 30.0) -> bool:
+    """True as soon as `cond()` is; False if it still is not after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
