@@ -8,7 +8,7 @@
 #   tests/gpu/run.sh --device cpu --layers 4 --blocks 64   (dry run of the same path, no GPU)
 #
 # Needs on that machine: torch (CUDA), numpy, grpcio, protobuf >= 7.35.1 (the generated code's
-# version), uvloop, prometheus-client, xxhash, grpcio-health-checking, grpcio-reflection, and the
+# version), uvloop, prometheus-client, grpcio-health-checking, grpcio-reflection, and the
 # generated protobuf modules (client/kvstored_client/_gen/kvstored/v1/*_pb2*.py, made by
 # `make setup`; git ignores them, so carry them). Missing Python packages can travel as wheels in
 # .whl/ at the repository root: they are installed into a temporary directory first.
@@ -31,7 +31,7 @@ import importlib, sys
 
 missing = []
 for module, package in [("torch", "torch"), ("numpy", "numpy"), ("grpc", "grpcio"), ("google.protobuf", "protobuf"),
-                        ("uvloop", "uvloop"), ("prometheus_client", "prometheus-client"), ("xxhash", "xxhash"),
+                        ("uvloop", "uvloop"), ("prometheus_client", "prometheus-client"),
                         ("grpc_health.v1", "grpcio-health-checking"), ("grpc_reflection.v1alpha", "grpcio-reflection")]:
     try:
         importlib.import_module(module)
