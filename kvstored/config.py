@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, get_args
 
+from kvstored.shm.copier import default_copy_threads
 from kvstored.sizes import parse_size
 from kvstored.tiers.base import AdmissionPolicy
 from kvstored.observability.events import EventEncoding
@@ -235,6 +236,11 @@ class Config:
         metadata=_opt("on x86-64 glibc, restart once with GLIBC_TUNABLES making copies above 1 MiB use "
                       "cache-bypassing stores (glibc's own threshold can be hundreds of MiB)", _parse_bool, "BOOL"),
     )
+    copy_threads: int = field(
+        default_factory=default_copy_threads,
+        metadata=_opt("threads copying between client regions and the pool; a large batch is split across "
+                      "them (default: one per 8 cores, 2 to 8)", int, "N"),
+    )
     max_batch_keys: int = field(
         default=8192, metadata=_opt("most keys one request may carry", int, "N")
     )
@@ -314,6 +320,8 @@ class Config:
             raise ConfigError(
                 f"cpu_bytes ({self.cpu_bytes}) must hold at least one page ({self.page_bytes} bytes)"
             )
+        if not 1 <= self.copy_threads <= 64:
+            raise ConfigError(f"copy_threads must be 1 to 64, got {self.copy_threads}")
         if self.max_batch_keys <= 0:
             raise ConfigError(f"max_batch_keys must be positive, got {self.max_batch_keys}")
         if self.grace_seconds < 0:

@@ -121,7 +121,8 @@ class Daemon:
             self.pool,
             self.sessions,
             lower,
-            ChainPolicy(cfg.write_policy, cfg.headroom_bytes if lower else 0, cfg.writeback_wait_seconds),
+            ChainPolicy(cfg.write_policy, cfg.headroom_bytes if lower else 0, cfg.writeback_wait_seconds,
+                        cfg.copy_threads),
             EventBus(cfg.events_buffer),
         )
         await self.chain.start()

@@ -12,17 +12,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
-
-import numpy as np
 
 from kvstored.errors import InvalidRequest, PoolExhausted, RegionShrunk, TierStartError
 from kvstored.namespaces import Namespace
 from kvstored.server.sessions import Handle, HandleKind, Session, SessionRegistry
+from kvstored.shm.copier import Copier, CopyJob, default_copy_threads
 from kvstored.shm.copy import MappingVanished
-from kvstored.shm.copy import copy as guarded_copy
 from kvstored.shm.mapping import Region, SharedPool
 from kvstored.observability.events import Cause, EventBus, EventType
 from kvstored.tiers.base import ChunkId, RemovalCause, SecondaryTier, TierKind
@@ -57,6 +54,7 @@ class ChainPolicy:
     write_policy: WritePolicy = WritePolicy.WRITE_BACK
     headroom_bytes: int = 0  # RAM kept free by write-back (0: none)
     writeback_wait_s: float = 1.0  # how long a store may wait for write-downs to free RAM
+    copy_threads: int = field(default_factory=default_copy_threads)  # region <-> pool copies
 
 
 class TierChain:
@@ -74,7 +72,7 @@ class TierChain:
         self.lower = list(lower)
         self._pool = pool
         self._sessions = sessions
-        self._copier = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstored-copy")
+        self._copier = Copier(policy.copy_threads)
         pool_view = memoryview(pool.array)
         self.writeback = WriteBack(
             ram, pool_view, self.lower, policy.write_policy, policy.headroom_bytes, policy.writeback_wait_s,
@@ -265,9 +263,9 @@ class TierChain:
             else:
                 dropped += 1
         self._publish_ram(EventType.REMOVED, Cause.EVICTED, evicted)
-        jobs = [(offset, self.ram.extents(entry)) for entry, offset in stored]
+        jobs = [CopyJob(offset, self.ram.extents(entry)) for entry, offset in stored]
         try:
-            await self._copy(_copy_region_to_pool, region, self._pool.array, jobs)
+            await self._copy(region, jobs, to_pool=True)
         except BaseException:
             for entry, _ in stored:
                 self.ram.abort(entry)
@@ -284,8 +282,8 @@ class TierChain:
         _check_offsets(ns, region, keys, offsets)
         leased = list(zip(await self._lease_prefix(ns, keys), offsets))
         try:
-            jobs = [(offset, self.ram.extents(entry)) for entry, offset in leased]
-            await self._copy(_copy_pool_to_region, region, self._pool.array, jobs)
+            jobs = [CopyJob(offset, self.ram.extents(entry)) for entry, offset in leased]
+            await self._copy(region, jobs, to_pool=False)
         finally:
             for entry, _ in leased:
                 self.ram.release(entry)
@@ -297,15 +295,13 @@ class TierChain:
             await lower.queue.close()
         for lower in self.lower:
             await lower.tier.close()
-        self._copier.shutdown(wait=True)
+        self._copier.close()
 
     # -- helpers --------------------------------------------------------------------------
 
-    async def _copy(self, fn, region: Region, pool: np.ndarray, jobs) -> None:
-        if not jobs:
-            return
+    async def _copy(self, region: Region, jobs: list[CopyJob], to_pool: bool) -> None:
         try:
-            await asyncio.get_running_loop().run_in_executor(self._copier, fn, region.array, pool, jobs)
+            await self._copier.run(region.array, self._pool.array, jobs, to_pool)
         except MappingVanished:
             raise RegionShrunk(
                 f"region {region.region_id} ({region.name}) shrank during the copy: register it again"
@@ -347,16 +343,3 @@ def _check_offsets(ns: Namespace, region: Region, keys: Sequence[bytes], offsets
                 f"{region.region_id} ({region.size} bytes)"
             )
 
-
-def _copy_region_to_pool(region: np.ndarray, pool: np.ndarray, jobs: list[tuple[int, list[Extent]]]) -> None:
-    for offset, extents in jobs:
-        for ext in extents:
-            guarded_copy(pool[ext.offset:ext.offset + ext.length], region[offset:offset + ext.length])
-            offset += ext.length
-
-
-def _copy_pool_to_region(region: np.ndarray, pool: np.ndarray, jobs: list[tuple[int, list[Extent]]]) -> None:
-    for offset, extents in jobs:
-        for ext in extents:
-            guarded_copy(region[offset:offset + ext.length], pool[ext.offset:ext.offset + ext.length])
-            offset += ext.length
