@@ -58,7 +58,7 @@ class AsyncClient(ClientBase):
         return await self._run(lambda s: ops.lookup(ns, keys, s), LookupResult.miss(len(keys)), session=ns.private)
 
     async def store(self, ns: Namespace, keys: Sequence[bytes], data: Any) -> StoreResult:
-        return await self._run(lambda s: ops.store(s, ns, keys, data), StoreResult(dropped=len(keys)), session=True)
+        return await self._run(lambda s: ops.store(s, ns, keys, data), StoreResult.all_dropped(len(keys)), session=True)
 
     async def load(self, ns: Namespace, keys: Sequence[bytes], out: Any) -> int:
         return await self._run(lambda s: ops.load(s, ns, keys, out), fallback=0, session=True)
@@ -76,7 +76,7 @@ class AsyncClient(ClientBase):
         self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
     ) -> StoreResult:
         return await self._run(
-            lambda s: ops.store_from_region(s, ns, region, keys, offsets), StoreResult(dropped=len(keys)), session=True
+            lambda s: ops.store_from_region(s, ns, region, keys, offsets), StoreResult.all_dropped(len(keys)), session=True
         )
 
     async def load_to_region(

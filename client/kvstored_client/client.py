@@ -221,7 +221,7 @@ class Client(ClientBase):
 
     def store(self, ns: Namespace, keys: Sequence[bytes], data: Any) -> StoreResult:
         """Copy chunks into the daemon's pool. `data`: one buffer of len(keys) chunks, or a list."""
-        return self._run(lambda s: ops.store(s, ns, keys, data), StoreResult(dropped=len(keys)), session=True)
+        return self._run(lambda s: ops.store(s, ns, keys, data), StoreResult.all_dropped(len(keys)), session=True)
 
     def load(self, ns: Namespace, keys: Sequence[bytes], out: Any) -> int:
         """Copy the leading cached chunks into `out`; returns how many were loaded."""
@@ -241,7 +241,7 @@ class Client(ClientBase):
         self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
     ) -> StoreResult:
         return self._run(
-            lambda s: ops.store_from_region(s, ns, region, keys, offsets), StoreResult(dropped=len(keys)), session=True
+            lambda s: ops.store_from_region(s, ns, region, keys, offsets), StoreResult.all_dropped(len(keys)), session=True
         )
 
     def load_to_region(self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]) -> int:

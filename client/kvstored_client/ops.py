@@ -70,11 +70,30 @@ class LookupResult:
         return cls(0, [Tier.NONE] * n)
 
 
+class StoreOutcome(enum.IntEnum):
+    """What a region store did with one key; mirrors kvstored.v1.StoreOutcome."""
+
+    UNKNOWN = 0         # a daemon too old to say
+    STORED = 1          # copied in by this call
+    ALREADY_PRESENT = 2
+    IN_PROGRESS = 3     # another writer is storing it
+    DROPPED = 4         # no space, or the daemon unavailable
+
+
+_STORE_OUTCOMES = {int(o): o for o in StoreOutcome}
+
+
 @dataclass(frozen=True)
 class StoreResult:
     stored: int = 0
     already_present: int = 0
     dropped: int = 0  # no space, another writer, or the daemon unavailable
+    # Per key, in request order (empty from a daemon that predates it); counts compare equal without it.
+    outcomes: tuple[StoreOutcome, ...] = field(default=(), compare=False)
+
+    @classmethod
+    def all_dropped(cls, n: int) -> "StoreResult":
+        return cls(dropped=n, outcomes=(StoreOutcome.DROPPED,) * n)
 
 
 @dataclass
@@ -155,7 +174,8 @@ def store_from_region(
     resp = yield Call("StoreFromRegion", pb.RegionTransferRequest(
         session_id=session.session_id, namespace_id=ns.namespace_id, region_id=region.region_id,
         keys=keys, offsets=offsets))
-    return StoreResult(resp.stored, resp.already_present, resp.dropped)
+    return StoreResult(resp.stored, resp.already_present, resp.dropped,
+                       tuple(_STORE_OUTCOMES.get(o, StoreOutcome.UNKNOWN) for o in resp.outcomes))
 
 
 def load_to_region(

@@ -25,6 +25,12 @@ _SLOT_STATE = {
     ReserveOutcome.IN_PROGRESS: pb.SLOT_STATE_IN_PROGRESS,
     ReserveOutcome.NO_SPACE: pb.SLOT_STATE_NO_SPACE,
 }
+_STORE_OUTCOMES = {
+    ReserveOutcome.RESERVED: pb.STORE_OUTCOME_STORED,
+    ReserveOutcome.ALREADY_PRESENT: pb.STORE_OUTCOME_ALREADY_PRESENT,
+    ReserveOutcome.IN_PROGRESS: pb.STORE_OUTCOME_IN_PROGRESS,
+    ReserveOutcome.NO_SPACE: pb.STORE_OUTCOME_DROPPED,
+}
 
 
 def _event(e: KvEvent) -> pb.KvEvent:
@@ -140,10 +146,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         ns = self._ns_keys(request.namespace_id, request.keys)
         region = session.region(request.region_id)
         if not self._visible(ns, session):
-            return pb.StoreFromRegionResponse(dropped=len(request.keys))
-        counts = await self._chain.store_from_region(session, ns, region, request.keys, request.offsets)
+            return pb.StoreFromRegionResponse(dropped=len(request.keys),
+                                              outcomes=[pb.STORE_OUTCOME_DROPPED] * len(request.keys))
+        result = await self._chain.store_from_region(session, ns, region, request.keys, request.offsets)
         return pb.StoreFromRegionResponse(
-            stored=counts.stored, already_present=counts.already_present, dropped=counts.dropped
+            stored=result.count(ReserveOutcome.RESERVED),
+            already_present=result.count(ReserveOutcome.ALREADY_PRESENT),
+            dropped=result.count(ReserveOutcome.IN_PROGRESS, ReserveOutcome.NO_SPACE),
+            outcomes=[_STORE_OUTCOMES[o] for o in result.per_key],
         )
 
     async def LoadToRegion(self, request: pb.RegionTransferRequest, context) -> pb.LoadToRegionResponse:

@@ -43,10 +43,13 @@ class LeaseGrant:
 
 
 @dataclass(frozen=True, slots=True)
-class StoreCounts:
-    stored: int = 0
-    already_present: int = 0
-    dropped: int = 0
+class StoreOutcomes:
+    """What a region store did with each key, in request order (RESERVED: copied in now)."""
+
+    per_key: list[ReserveOutcome]
+
+    def count(self, *outcomes: ReserveOutcome) -> int:
+        return sum(1 for o in self.per_key if o in outcomes)
 
 
 @dataclass(frozen=True)
@@ -249,19 +252,16 @@ class TierChain:
 
     async def store_from_region(
         self, session: Session, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
-    ) -> StoreCounts:
+    ) -> StoreOutcomes:
         _check_offsets(ns, region, keys, offsets)
         await self.writeback.make_room(len(keys) * self.ram.pages_for(ns.chunk_bytes) * self.ram.page_bytes)
-        stored, present, dropped, evicted = [], 0, 0, []
+        stored, per_key, evicted = [], [], []
         for key, offset in zip(keys, offsets):
             result = self.ram.reserve((ns.namespace_id, key), ns.chunk_bytes)
             evicted += result.evicted
+            per_key.append(result.outcome)
             if result.entry is not None:
                 stored.append((result.entry, offset))
-            elif result.outcome is ReserveOutcome.ALREADY_PRESENT:
-                present += 1
-            else:
-                dropped += 1
         self._publish_ram(EventType.REMOVED, Cause.EVICTED, evicted)
         jobs = [CopyJob(offset, self.ram.extents(entry)) for entry, offset in stored]
         try:
@@ -274,7 +274,7 @@ class TierChain:
             self.ram.commit(entry)
         self._publish_ram(EventType.STORED, Cause.STORED, [entry.chunk for entry, _ in stored])
         self.writeback.after_commit([entry for entry, _ in stored])
-        return StoreCounts(len(stored), present, dropped)
+        return StoreOutcomes(per_key)
 
     async def load_to_region(
         self, session: Session, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]

@@ -9,7 +9,7 @@ import tempfile
 import numpy as np
 import pytest
 
-from kvstored_client import StoreResult, Tier
+from kvstored_client import StoreOutcome, StoreResult, Tier
 from tests.support.data import make_keys, payloads
 from tests.support.rpc import raw
 
@@ -179,7 +179,8 @@ def test_store_into_a_fully_leased_pool_reports_dropped(small, ns_name):
 
             new = make_keys(ns_name + "/new", 2)
             region = c.register_region(region_path)
-            assert c.store_from_region(ns, region, new, [0, PAGE]) == StoreResult(dropped=2)
+            dropped = c.store_from_region(ns, region, new, [0, PAGE])
+            assert dropped == StoreResult(dropped=2) and dropped.outcomes == (StoreOutcome.DROPPED,) * 2
             assert c.store(ns, new, payloads(new, PAGE)) == StoreResult(dropped=2)
             assert c.lookup(ns, held).prefix_hits == SLOTS  # nothing was evicted
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstored_client import StoreResult, Tier, chunk_keys
+from kvstored_client import StoreOutcome, StoreResult, Tier, chunk_keys
 from kvstored_client.keys import namespace_id_for
 from tests.support.data import make_keys, payload, payloads
 from tests.support.rpc import pb, raw
@@ -224,8 +224,12 @@ def test_region_by_fd_round_trip(shared_daemon, ns_name, shm_dir):
         ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
         region = c.register_region(path)
         assert region.size == size and region.region_id != 0
-        assert c.store_from_region(ns, region, keys, store_offsets) == StoreResult(stored=n)
+        result = c.store_from_region(ns, region, keys, store_offsets)
+        assert result == StoreResult(stored=n) and result.outcomes == (StoreOutcome.STORED,) * n
         assert c.lookup(ns, keys).prefix_hits == n
+        again = c.store_from_region(ns, region, keys[:1] + make_keys(ns_name + "/more", 1), store_offsets[:2])
+        assert again.outcomes == (StoreOutcome.ALREADY_PRESENT, StoreOutcome.STORED)
+        assert c.delete(ns, make_keys(ns_name + "/more", 1)) == 1
         assert c.load_to_region(ns, region, keys, load_offsets) == n
         for off, row in zip(load_offsets, data):
             np.testing.assert_array_equal(read_file(path, off, CHUNK), row)

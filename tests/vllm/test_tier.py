@@ -276,3 +276,37 @@ def test_unregistered_key_length_is_registered_on_first_use(vllm_daemon, salt):
         engine.evict_primary()
         assert engine.lookup(ctx, keys) == [HIT] * 2
         engine.finish(ctx)
+
+
+def test_a_partly_dropped_store_reports_exactly_the_chunks_the_daemon_holds(own_daemon):
+    """RAM with room for one more chunk, the rest leased by another client: of a 4-chunk cascade,
+    one is present already, one is stored, two are dropped. The job fails (vLLM keeps its own
+    copy); the KV event names exactly the two chunks the daemon holds."""
+    from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+    from kvstored_client.vllm.driver import DaemonLink, outcome
+
+    daemon = own_daemon(cpu_bytes="1MiB").start()  # four 256 KiB chunks
+    held = offload_keys("held", 3)
+    with Engine([kvstored_tier(daemon)]) as first:
+        store_and_cascade(first, held)
+        namespace_id = first.tier._namespace_for(len(held[0]), b"")
+    link = DaemonLink(daemon.socket, "lease-holder")
+    try:
+        assert link.settle(SETTLE_LIMIT_S)
+        leases = outcome(link.call("Acquire", pb.AcquireRequest(session_id=link.session_id, namespace_id=namespace_id,
+                                                               keys=held)))
+        assert leases.ok and len(leases.response.leases) == 3
+
+        new = offload_keys("new", 3)
+        with Engine([kvstored_tier(daemon)]) as second:
+            ctx = second.request()
+            assert second.store(ctx, [held[0], *new]) == [held[0], *new]
+            second.settle()
+            second.finish(ctx)
+            events = [e for e in second.events() if e.ownership == "kvstored"]
+            dropped = second.stats().data["data"].get(KvstoredMetrics.DROPPED_CHUNKS, {})
+        assert [e.keys for e in events] == [[held[0], new[0]]]
+        assert daemon_chunks(daemon) == 4
+        assert dropped == {("kvstored", "daemon_full"): 2}
+    finally:
+        link.close()

@@ -75,6 +75,7 @@ log = logging.getLogger(__name__)
 TIER_TYPE = "kvstored"
 _DRAIN_WARN_S = 5.0
 _SHUTDOWN_DRAIN_S = 10.0
+_HELD = frozenset((pb.STORE_OUTCOME_STORED, pb.STORE_OUTCOME_ALREADY_PRESENT))  # in the daemon after a store
 
 
 class KvstoredMetrics:
@@ -569,29 +570,31 @@ class KvstoredTierManager(SecondaryTierManager):
 
     def _finish_store(self, transfer: _Transfer) -> None:
         self._inflight_store_chunks -= len(transfer.keys)
-        stored = present = dropped = 0
-        error = False
+        stored, held, dropped, error = 0, [], 0, False
         for future, start in transfer.futures:
+            batch = transfer.keys[start:start + self._rpc_chunks]
             result = outcome(future)
-            if result.ok:
-                stored += result.response.stored
-                present += result.response.already_present
-                dropped += result.response.dropped
-            else:
+            if not result.ok:
                 error = True
-                n = min(self._rpc_chunks, len(transfer.keys) - start)
-                dropped += n
+                dropped += len(batch)
                 self._rpc_error(result)
+                continue
+            response = result.response
+            stored += response.stored
+            dropped += response.dropped
+            if len(response.outcomes) == len(batch):
+                held += [k for k, o in zip(batch, response.outcomes) if o in _HELD]
+            elif not response.dropped:  # a daemon without per-key outcomes: all or nothing
+                held += batch
         if dropped:
             self._count_dropped("error" if error else "daemon_full", dropped)
-        success = not error and dropped == 0
-        if success and self.events is not None:
+        # Routers hear of every chunk the daemon now holds, even when part of the job was dropped.
+        if held and self.events is not None:
             self.events.append(OffloadingEvent(
-                keys=list(transfer.keys), medium=self.medium, removed=False, locality=self.locality,
-                ownership=self.tier_type,
+                keys=held, medium=self.medium, removed=False, locality=self.locality, ownership=self.tier_type,
             ))
         self._finished.append(JobResult(
-            job_id=transfer.job_id, success=success,
+            job_id=transfer.job_id, success=not error and dropped == 0,
             transfer_time=time.monotonic() - transfer.started_at,
             transfer_bytes=stored * self.block_size_bytes,
         ))
