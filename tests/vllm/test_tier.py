@@ -289,7 +289,7 @@ def test_a_partly_dropped_store_reports_exactly_the_chunks_the_daemon_holds(own_
     held = offload_keys("held", 3)
     with Engine([kvstored_tier(daemon)]) as first:
         store_and_cascade(first, held)
-        namespace_id = first.tier._namespace_for(len(held[0]), b"")
+        namespace_id = first.tier._namespaces.id_for(len(held[0]))
     link = DaemonLink(daemon.socket, "lease-holder")
     try:
         assert link.settle(SETTLE_LIMIT_S)

@@ -66,7 +66,7 @@ from kvstored_client.paths import default_socket_path
 from kvstored_client.vllm.blockcopy import ChunkExtents, KVLayout, LayerRef
 from kvstored_client.vllm.driver import DaemonLink, LinkOptions, LinkState, outcome
 from kvstored_client.vllm.namespace import (
-    SHA256_OFFLOAD_KEY_BYTES, WORKER_PART_FORMAT, LayoutInfo, layout_info, namespace_spec, request_cache_salt,
+    SHA256_OFFLOAD_KEY_BYTES, WORKER_PART_FORMAT, LayoutInfo, RequestNamespaces, layout_info, namespace_spec,
 )
 from kvstored_client.vllm.pool_worker import PoolTransferEngine
 
@@ -201,18 +201,13 @@ class _Acquire:
     expired: bool = False  # answered MISS already (deadline): its leases are released on arrival
 
 
-@dataclass(frozen=True, slots=True)
-class _Scope:
-    cache_salt: bytes
-
-
 class KvstoredDirectManager(OffloadingManager):
     def __init__(self, spec: KvstoredOffloadingSpec) -> None:
         self._spec = spec
         self._world = spec.world_size
         self._link = DaemonLink(spec.socket, f"vllm-direct-{spec.config.engine_id}-pid{os.getpid()}",
                                 options=LinkOptions(connect_timeout_s=spec.connect_timeout_s))
-        self._namespaces: dict[tuple[int, bytes], str] = {}
+        self._namespaces = RequestNamespaces(spec.namespace_spec, self._link.namespace)
         self._probes: dict[tuple[str, OffloadKey], _Probe] = {}
         self._leases: dict[tuple[str, OffloadKey], _Lease] = {}
         self._req_keys: dict[str, set[tuple[str, OffloadKey]]] = {}
@@ -222,7 +217,7 @@ class KvstoredDirectManager(OffloadingManager):
         self._to_release: list[int] = []
         self._releases: list[grpc.Future] = []
         self._stats = OffloadingConnectorStats()
-        self._link.settle(spec.connect_timeout_s, (self._namespace(SHA256_OFFLOAD_KEY_BYTES, b""),))
+        self._link.settle(spec.connect_timeout_s, (self._namespaces.id_for(SHA256_OFFLOAD_KEY_BYTES),))
 
     @property
     def connected(self) -> bool:
@@ -232,9 +227,7 @@ class KvstoredDirectManager(OffloadingManager):
 
     @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        salt = request_cache_salt(req_context.kv_transfer_params)
-        if salt:
-            req_context.set_state(_Scope(salt))
+        self._namespaces.on_new_request(req_context)
         return RequestOffloadingContext()
 
     @override
@@ -311,9 +304,8 @@ class KvstoredDirectManager(OffloadingManager):
     @override
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         to_store = [k for k in keys if (self._namespace_of(k, req_context), k) not in self._leases]
-        scope = req_context.get_state(_Scope)
         return PrepareStoreOutput(keys_to_store=to_store,
-                                  store_spec=KvstoredStoreSpec(to_store, scope.cache_salt if scope else b""),
+                                  store_spec=KvstoredStoreSpec(to_store, self._namespaces.salt_of(req_context)),
                                   evicted_keys=[])
 
     # -- the rest of the manager API ----------------------------------------------------------
@@ -346,16 +338,8 @@ class KvstoredDirectManager(OffloadingManager):
             del self._leases[probe_key]
             self._probes.pop(probe_key, None)  # a later lookup asks again
 
-    def _namespace(self, key_bytes: int, salt: bytes) -> str:
-        scope = (key_bytes, salt)
-        namespace_id = self._namespaces.get(scope)
-        if namespace_id is None:
-            namespace_id = self._namespaces[scope] = self._link.namespace(self._spec.namespace_spec(key_bytes, salt))
-        return namespace_id
-
     def _namespace_of(self, key: OffloadKey, req_context: ReqContext) -> str:
-        scope = req_context.get_state(_Scope)
-        return self._namespace(len(key), scope.cache_salt if scope else b"")
+        return self._namespaces.id_of(key, req_context)
 
     def _flush_lookups(self) -> None:
         now = time.monotonic()

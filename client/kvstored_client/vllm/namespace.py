@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from kvstored_client.ops import NamespaceSpec
 
@@ -85,3 +85,40 @@ def request_cache_salt(kv_transfer_params: dict[str, Any] | None) -> bytes:
     if salt is None or salt == "":
         return b""
     return salt.encode() if isinstance(salt, str) else bytes(salt)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSaltScope:
+    """A request's cache salt, kept as its ReqContext state."""
+
+    cache_salt: bytes
+
+
+class RequestNamespaces:
+    """The namespace ids one manager uses, per (key length, cache salt), registered with the
+    daemon through `register` on first use (both the tier and the direct spec)."""
+
+    def __init__(self, make_spec: Callable[[int, bytes], NamespaceSpec], register: Callable[[NamespaceSpec], str]):
+        self._make_spec = make_spec
+        self._register = register
+        self._ids: dict[tuple[int, bytes], str] = {}
+
+    @staticmethod
+    def on_new_request(req_context: Any) -> None:
+        salt = request_cache_salt(req_context.kv_transfer_params)
+        if salt:
+            req_context.set_state(CacheSaltScope(salt))
+
+    @staticmethod
+    def salt_of(req_context: Any) -> bytes:
+        scope = req_context.get_state(CacheSaltScope)
+        return scope.cache_salt if scope else b""
+
+    def id_for(self, key_bytes: int, salt: bytes = b"") -> str:
+        namespace_id = self._ids.get((key_bytes, salt))
+        if namespace_id is None:
+            namespace_id = self._ids[(key_bytes, salt)] = self._register(self._make_spec(key_bytes, salt))
+        return namespace_id
+
+    def id_of(self, key: bytes, req_context: Any) -> str:
+        return self.id_for(len(key), self.salt_of(req_context))

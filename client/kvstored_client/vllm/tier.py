@@ -62,7 +62,7 @@ from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client.paths import default_socket_path
 from kvstored_client.vllm.driver import DaemonLink, LinkOptions, LinkState, outcome
 from kvstored_client.vllm.namespace import (
-    SHA256_OFFLOAD_KEY_BYTES, TIER_ROW_FORMAT, layout_info, namespace_spec, request_cache_salt,
+    SHA256_OFFLOAD_KEY_BYTES, TIER_ROW_FORMAT, RequestNamespaces, layout_info, namespace_spec,
 )
 from kvstored_client.vllm.region import RegionNotShareable, region_file
 
@@ -119,13 +119,6 @@ class _Transfer:
     queued_at: float
     started_at: float = 0.0
     futures: list[tuple[grpc.Future, int]] = field(default_factory=list)  # (future, first key index)
-
-
-@dataclass(frozen=True, slots=True)
-class _RequestScope:
-    """Per-request state kept on the ReqContext: the cache salt that scopes its namespace."""
-
-    cache_salt: bytes
 
 
 class KvstoredTierManager(SecondaryTierManager):
@@ -202,7 +195,9 @@ class KvstoredTierManager(SecondaryTierManager):
             region_name=region_name,
             options=LinkOptions(connect_timeout_s=float(connect_timeout_s), rpc_timeout_s=float(connect_timeout_s)),
         )
-        self._namespaces: dict[tuple[int, bytes], str] = {}  # (key length, cache salt) -> namespace id
+        self._namespaces = RequestNamespaces(
+            lambda key_bytes, salt: namespace_spec(self._layout, self.block_size_bytes, key_bytes, salt),
+            self._link.namespace)
         self._probes: dict[tuple[str, OffloadKey], _Probe] = {}
         self._req_probes: dict[str, set[tuple[str, OffloadKey]]] = {}
         self._batch: dict[str, list[OffloadKey]] = {}  # namespace id -> keys not sent yet
@@ -217,7 +212,7 @@ class KvstoredTierManager(SecondaryTierManager):
         self._sessions_reported = 0
         if self._region_fd is not None:
             # Start-up (not a scheduler step): wait briefly so the first requests find the session up.
-            self._link.settle(float(connect_timeout_s), (self._namespace_for(key_bytes, b""),))
+            self._link.settle(float(connect_timeout_s), (self._namespaces.id_for(key_bytes),))
 
     @property
     def connected(self) -> bool:
@@ -228,9 +223,7 @@ class KvstoredTierManager(SecondaryTierManager):
 
     @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        salt = request_cache_salt(req_context.kv_transfer_params)
-        if salt:
-            req_context.set_state(_RequestScope(salt))
+        self._namespaces.on_new_request(req_context)
         return RequestOffloadingContext()
 
     @override
@@ -424,17 +417,8 @@ class KvstoredTierManager(SecondaryTierManager):
             return self._link.state is LinkState.DOWN
         return time.monotonic() < self._slow_until
 
-    def _namespace_for(self, key_bytes: int, salt: bytes) -> str:
-        scope = (key_bytes, salt)
-        namespace_id = self._namespaces.get(scope)
-        if namespace_id is None:
-            spec = namespace_spec(self._layout, self.block_size_bytes, key_bytes, salt)
-            namespace_id = self._namespaces[scope] = self._link.namespace(spec)
-        return namespace_id
-
     def _namespace_of(self, key: OffloadKey, req_context: ReqContext) -> str | None:
-        scope = req_context.get_state(_RequestScope)
-        namespace_id = self._namespace_for(len(key), scope.cache_salt if scope else b"")
+        namespace_id = self._namespaces.id_of(key, req_context)
         return None if self._link.namespace_broken(namespace_id) else namespace_id
 
     # -- internals: lookups ---------------------------------------------------------------------
