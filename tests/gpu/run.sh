@@ -12,6 +12,7 @@
 # generated protobuf modules (client/kvstored_client/_gen/kvstored/v1/*_pb2*.py, made by
 # `make setup`; git ignores them, so carry them). Missing Python packages can travel as wheels in
 # .whl/ at the repository root: they are installed into a temporary directory first.
+# tests/gpu/bundle.sh prepares both (run it where PyPI is reachable).
 set -euo pipefail
 
 cd "$(dirname "$0")/../.."
@@ -20,6 +21,7 @@ export PYTHONUNBUFFERED=1
 
 if [ -d .whl ] && compgen -G ".whl/*.whl" >/dev/null; then
     site=$(mktemp -d /tmp/kvstored-gpu-site.XXXXXX)
+    trap 'rm -rf "$site"' EXIT
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
@@ -50,4 +52,4 @@ except Exception as exc:  # protobuf runtime older than the generated code
              "carry a protobuf>=7.35.1 wheel in .whl/")
 EOF
 
-exec timeout 280 "$PY" tests/gpu/gpu_check.py "$@"
+timeout 280 "$PY" tests/gpu/gpu_check.py "$@"
