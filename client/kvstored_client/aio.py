@@ -28,8 +28,11 @@ class AsyncClient(ClientBase):
         deadline_s: float = DEFAULT_DEADLINE_S,
         client_name: str | None = None,
         populate: bool = True,
+        copy_threads: int | None = None,
     ) -> None:
-        super().__init__(socket, deadline_s, client_name, populate)
+        """copy_threads: threads splitting a large store/load between your buffers and the pool
+        (default: up to 4, one per core)."""
+        super().__init__(socket, deadline_s, client_name, populate, copy_threads)
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.KVStoreStub | None = None
         self._lock = asyncio.Lock()

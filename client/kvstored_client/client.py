@@ -17,6 +17,7 @@ import grpc
 
 from kvstored_client import ops
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
+from kvstored_client.buffers import default_copy_threads
 from kvstored_client.errors import (
     KvstoredError, Unavailable, UnknownNamespace, UnknownRegion, UnknownSession, from_rpc_error,
 )
@@ -46,11 +47,13 @@ Plan = Generator[Any, Any, Any]
 class ClientBase:
     """State shared by the sync and async clients: namespaces, regions, recovery decisions."""
 
-    def __init__(self, socket: str | os.PathLike | None, deadline_s: float, client_name: str | None, populate: bool):
+    def __init__(self, socket: str | os.PathLike | None, deadline_s: float, client_name: str | None, populate: bool,
+                 copy_threads: int | None):
         self.socket = Path(socket) if socket else default_socket_path()
         self.deadline_s = deadline_s
         self.client_name = client_name or f"pid-{os.getpid()}"
         self.populate = populate
+        self.copy_threads = copy_threads or default_copy_threads()
         self._namespaces: dict[str, NamespaceSpec] = {}
         self._regions: list[Region] = []
         self._session: PoolSession | None = None
@@ -168,7 +171,7 @@ class ClientBase:
         """Blocking: the current session (opened if needed, regions attached) and whether it is new."""
         fresh = self._session is None
         if fresh:
-            self._session = PoolSession.open(self.socket, self.client_name, timeout, self.populate)
+            self._session = PoolSession.open(self.socket, self.client_name, timeout, self.populate, self.copy_threads)
         if self._unattached():
             try:
                 self._attach_regions(self._session)
@@ -186,8 +189,11 @@ class Client(ClientBase):
         deadline_s: float = DEFAULT_DEADLINE_S,
         client_name: str | None = None,
         populate: bool = True,
+        copy_threads: int | None = None,
     ) -> None:
-        super().__init__(socket, deadline_s, client_name, populate)
+        """copy_threads: threads splitting a large store/load between your buffers and the pool
+        (default: up to 4, one per core)."""
+        super().__init__(socket, deadline_s, client_name, populate, copy_threads)
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.KVStoreStub | None = None
         self._lock = threading.Lock()  # one operation at a time per client

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generator, Sequence
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
-from kvstored_client.buffers import chunk_views, copy_in, copy_out
+from kvstored_client.buffers import chunk_views
 from kvstored_client.errors import PoolExhausted
 from kvstored_client.session import PoolSession
 
@@ -71,7 +71,7 @@ class LookupResult:
 
 
 class StoreOutcome(enum.IntEnum):
-    """What a region store did with one key; mirrors kvstored.v1.StoreOutcome."""
+    """What a store did with one key; mirrors kvstored.v1.StoreOutcome."""
 
     UNKNOWN = 0         # a daemon too old to say
     STORED = 1          # copied in by this call
@@ -81,6 +81,9 @@ class StoreOutcome(enum.IntEnum):
 
 
 _STORE_OUTCOMES = {int(o): o for o in StoreOutcome}
+_SLOT_OUTCOMES = {pb.SLOT_STATE_ALREADY_PRESENT: StoreOutcome.ALREADY_PRESENT,
+                  pb.SLOT_STATE_IN_PROGRESS: StoreOutcome.IN_PROGRESS, pb.SLOT_STATE_NO_SPACE: StoreOutcome.DROPPED,
+                  pb.SLOT_STATE_UNSPECIFIED: StoreOutcome.UNKNOWN}
 
 
 @dataclass(frozen=True)
@@ -136,13 +139,12 @@ def store(session: PoolSession, ns: Namespace, keys: Sequence[bytes], data: Any)
         resp = yield Call("Reserve", pb.ReserveRequest(
             session_id=session.session_id, namespace_id=ns.namespace_id, keys=keys))
     except PoolExhausted:  # every page is leased or being written: a cache drops the store
-        return StoreResult(dropped=len(keys))
+        return StoreResult.all_dropped(len(keys))
     reserved = [(slot, view) for slot, view in zip(resp.slots, views) if slot.state == pb.SLOT_STATE_RESERVED]
     present = sum(1 for slot in resp.slots if slot.state == pb.SLOT_STATE_ALREADY_PRESENT)
     handles = [slot.handle for slot, _ in reserved]
     try:
-        for slot, view in reserved:
-            copy_in(session, slot.extents, view)
+        session.copier.copy(session, [(slot.extents, view) for slot, view in reserved], to_pool=True)
     except BaseException:
         if handles:
             yield Call("Release", pb.ReleaseRequest(session_id=session.session_id, handles=handles))
@@ -150,7 +152,10 @@ def store(session: PoolSession, ns: Namespace, keys: Sequence[bytes], data: Any)
     committed = 0
     if handles:
         committed = (yield Call("Commit", pb.CommitRequest(session_id=session.session_id, handles=handles))).committed
-    return StoreResult(committed, present, len(keys) - committed - present)
+    stored = StoreOutcome.STORED if committed == len(handles) else StoreOutcome.UNKNOWN
+    outcomes = tuple(stored if slot.state == pb.SLOT_STATE_RESERVED else _SLOT_OUTCOMES[slot.state]
+                     for slot in resp.slots)
+    return StoreResult(committed, present, len(keys) - committed - present, outcomes)
 
 
 def load(session: PoolSession, ns: Namespace, keys: Sequence[bytes], out: Any) -> Op:
@@ -160,8 +165,8 @@ def load(session: PoolSession, ns: Namespace, keys: Sequence[bytes], out: Any) -
     if not resp.leases:
         return 0
     try:
-        for lease, view in zip(resp.leases, views):
-            copy_out(session, lease.extents, view)
+        session.copier.copy(session, [(lease.extents, view) for lease, view in zip(resp.leases, views)],
+                            to_pool=False)
     finally:
         yield Call("Release", pb.ReleaseRequest(
             session_id=session.session_id, handles=[lease.handle for lease in resp.leases]))

@@ -21,8 +21,12 @@ MAX_PACKET = 64 << 10
 
 
 class PoolSession:
-    def __init__(self, sock: socket.socket, welcome: pb.Welcome, pool_fd: int, populate: bool) -> None:
+    def __init__(self, sock: socket.socket, welcome: pb.Welcome, pool_fd: int, populate: bool,
+                 copy_threads: int = 1) -> None:
+        from kvstored_client.buffers import ChunkCopier  # buffers imports this module
+
         self._sock = sock
+        self.copier = ChunkCopier(copy_threads)
         self.session_id = welcome.session_id
         self.pool_bytes = welcome.pool_bytes
         self.page_bytes = welcome.page_bytes
@@ -35,7 +39,8 @@ class PoolSession:
         self._torch_pool = None
 
     @classmethod
-    def open(cls, socket: Path | str, client_name: str, timeout: float, populate: bool = True) -> "PoolSession":
+    def open(cls, socket: Path | str, client_name: str, timeout: float, populate: bool = True,
+             copy_threads: int = 1) -> "PoolSession":
         sock = _connect(session_socket_path(socket), timeout)
         try:
             reply, fds = _request(sock, pb.SessionRequest(hello=pb.Hello(client_name=client_name)))
@@ -44,7 +49,7 @@ class PoolSession:
                     os.close(fd)
                 raise Unavailable(f"unexpected session reply: {reply}")
             sock.settimeout(timeout)
-            return cls(sock, reply.welcome, fds[0], populate)
+            return cls(sock, reply.welcome, fds[0], populate, copy_threads)
         except BaseException:
             sock.close()
             raise
@@ -65,6 +70,7 @@ class PoolSession:
         return self._torch_pool
 
     def close(self) -> None:
+        self.copier.close()
         self._sock.close()
         self._torch_pool = None
         self.pool = None

@@ -55,13 +55,15 @@ def test_numpy_round_trip(shared_daemon, ns_name):
         keys = make_keys(ns_name, 6)
         data = payloads(keys, CHUNK)
         assert c.lookup(ns, keys).prefix_hits == 0
-        assert c.store(ns, keys, data) == StoreResult(stored=6)
+        first = c.store(ns, keys, data)
+        assert first == StoreResult(stored=6) and first.outcomes == (StoreOutcome.STORED,) * 6
         look = c.lookup(ns, keys)
         assert look.prefix_hits == 6 and look.tiers == [Tier.RAM] * 6
         out = np.zeros_like(data)
         assert c.load(ns, keys, out) == 6
         np.testing.assert_array_equal(out, data)
-        assert c.store(ns, keys, data) == StoreResult(already_present=6)
+        again = c.store(ns, keys, data)
+        assert again == StoreResult(already_present=6) and again.outcomes == (StoreOutcome.ALREADY_PRESENT,) * 6
 
     # A different client (another session, another mapping of the pool) reads the same bytes.
     with shared_daemon.client() as other:
@@ -70,6 +72,20 @@ def test_numpy_round_trip(shared_daemon, ns_name):
         out = np.zeros_like(data)
         assert other.load(ns2, keys, out) == 6
         np.testing.assert_array_equal(out, data)
+
+
+@pytest.mark.parametrize("copy_threads", [1, 4])
+def test_large_batches_split_across_copy_threads_move_exact_bytes(shared_daemon, ns_name, copy_threads):
+    chunk = 4 << 20
+    with shared_daemon.client(copy_threads=copy_threads) as c:
+        ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=chunk)
+        keys = make_keys(ns_name, 8)  # 32 MiB: four 8 MiB parts with 4 threads
+        data = payloads(keys, chunk)
+        assert c.store(ns, keys, data) == StoreResult(stored=8)
+        out = np.zeros_like(data)
+        assert c.load(ns, keys, out) == 8
+        np.testing.assert_array_equal(out, data)
+        assert c.delete(ns, keys) == 8
 
 
 def test_numpy_other_dtypes_and_shapes(shared_daemon, ns_name):

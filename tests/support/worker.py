@@ -12,7 +12,6 @@ With --wait, store/verify block on stdin after printing, keeping their session o
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
@@ -84,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(0, len(keys), args.batch):
             batch = keys[i:i + args.batch]
             res = client.store(ns, batch, payloads(batch, args.chunk))
-            for k, v in dataclasses.asdict(res).items():
-                totals[k] += v
+            for k in totals:
+                totals[k] += getattr(res, k)
         _emit(totals)
     elif args.command == "verify":
         out = np.zeros((len(keys), args.chunk), dtype=np.uint8)

@@ -1,0 +1,84 @@
+"""The client's batch copier: how it splits a batch, and that it never leaves a copy running."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from kvstored_client import buffers
+from kvstored_client.buffers import MIN_PART_BYTES, ChunkCopier
+
+
+class FakeExtent:
+    def __init__(self, offset: int, length: int) -> None:
+        self.offset, self.length = offset, length
+
+
+class PoolOnly:
+    """What copy_in/copy_out read from a session: the pool array."""
+
+    def __init__(self, size: int) -> None:
+        self.pool = np.zeros(size, dtype=np.uint8)
+
+
+def batch(n: int, chunk: int):
+    src = np.random.default_rng(n).integers(0, 256, n * chunk, dtype=np.uint8)
+    # chunk i goes to pool slot n-1-i, split in two extents
+    pairs = [([FakeExtent((n - 1 - i) * chunk, chunk // 2), FakeExtent((n - 1 - i) * chunk + chunk // 2, chunk // 2)],
+              src[i * chunk:(i + 1) * chunk]) for i in range(n)]
+    return src, pairs
+
+
+def test_small_batches_and_one_thread_stay_on_the_callers_thread():
+    _, pairs = batch(4, 1 << 20)  # 4 MiB in all
+    assert len(ChunkCopier(4)._split(pairs)) == 1
+    _, big = batch(8, 4 << 20)
+    assert len(ChunkCopier(1)._split(big)) == 1
+    parts = ChunkCopier(4)._split(big)
+    assert len(parts) == 4 and [p for part in parts for p in part] == big
+
+
+@pytest.mark.parametrize("to_pool", [True, False])
+def test_split_copies_are_exact_both_ways(to_pool):
+    n, chunk = 8, MIN_PART_BYTES // 2
+    src, pairs = batch(n, chunk)
+    session = PoolOnly(n * chunk)
+    copier = ChunkCopier(3)
+    try:
+        if to_pool:
+            copier.copy(session, pairs, to_pool=True)
+            expected = src.reshape(n, chunk)[::-1].reshape(-1)
+            np.testing.assert_array_equal(session.pool, expected)
+        else:
+            session.pool[:] = src
+            outs = [(ext, np.zeros(chunk, np.uint8)) for ext, _ in pairs]
+            copier.copy(session, outs, to_pool=False)
+            for i, (_, out) in enumerate(outs):
+                np.testing.assert_array_equal(out, src[(n - 1 - i) * chunk:(n - i) * chunk])
+    finally:
+        copier.close()
+
+
+def test_an_error_is_raised_after_every_part_finished(monkeypatch):
+    finished = []
+    gate = threading.Event()
+
+    def copy_in(session, extents, view):
+        if extents[0].offset == 0:
+            raise ValueError("bad chunk")
+        gate.wait(5)
+        finished.append(extents[0].offset)
+
+    monkeypatch.setattr(buffers, "copy_in", copy_in)
+    _, pairs = batch(4, MIN_PART_BYTES)
+    copier = ChunkCopier(4)
+    try:
+        threading.Timer(0.05, gate.set).start()
+        with pytest.raises(ValueError, match="bad chunk"):
+            copier.copy(PoolOnly(1), pairs, to_pool=True)
+        assert len(finished) == 3  # the failing part did not cut the others short
+    finally:
+        gate.set()
+        copier.close()
