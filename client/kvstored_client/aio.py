@@ -12,7 +12,10 @@ import grpc
 
 from kvstored_client import ops
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
-from kvstored_client.client import CHANNEL_OPTIONS, DEFAULT_DEADLINE_S, OPEN_SESSION, RAISE, ClientBase, Plan, _remaining
+from kvstored_client.buffers import MIN_PART_BYTES as OFF_LOOP_COPY_BYTES  # smaller copies: a thread hop costs more
+from kvstored_client.client import (
+    CHANNEL_OPTIONS, DEFAULT_DEADLINE_S, OPEN_SESSION, RAISE, ClientBase, Plan, _remaining,
+)
 from kvstored_client.errors import KvstoredError, from_rpc_error
 from kvstored_client.ops import LookupResult, Namespace, NamespaceSpec, Region, StoreResult
 from kvstored_client.session import PoolSession
@@ -116,12 +119,19 @@ class AsyncClient(ClientBase):
                     if effect is OPEN_SESSION:
                         # socket work and the pool mapping's page population run off the loop
                         result = await asyncio.to_thread(self._session_step, _remaining(deadline))
+                    elif isinstance(effect, ops.Copy):
+                        result = effect.run() if effect.nbytes < OFF_LOOP_COPY_BYTES else await _to_the_end(effect.run)
                     else:
                         result = await self._call(getattr(stub, effect.method), effect.request, deadline)
                 except grpc.RpcError as exc:
                     effect = plan.throw(from_rpc_error(exc))
                 except KvstoredError as exc:
                     effect = plan.throw(exc)
+                except Exception as exc:
+                    if not isinstance(effect, ops.Copy):
+                        self._abandon(plan, effect)
+                        raise
+                    effect = plan.throw(exc)  # a failed copy: the plan gives its slots back
                 except BaseException:  # cancelled mid-call
                     self._abandon(plan, effect)
                     raise
@@ -137,3 +147,18 @@ class AsyncClient(ClientBase):
             if not self._worth_waiting(exc):
                 raise
             return await method(request, timeout=_remaining(deadline), wait_for_ready=True)
+
+
+async def _to_the_end(fn: Callable[[], Any]) -> Any:
+    """Run fn in a thread. If the caller is cancelled meanwhile, wait for fn anyway (it is
+    writing pool slots that are given back right after), then re-raise the cancellation."""
+    task = asyncio.ensure_future(asyncio.to_thread(fn))
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.wait((task,))
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError()
+    return task.result()

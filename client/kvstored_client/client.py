@@ -126,7 +126,7 @@ class ClientBase:
         """Interrupted mid-call (task cancelled, KeyboardInterrupt): the daemon may have granted
         reservations or leases we will never hear of. Closing the session is what frees them."""
         plan.close()
-        if effect is OPEN_SESSION or effect.method in HANDLE_METHODS:
+        if effect is OPEN_SESSION or isinstance(effect, ops.Copy) or effect.method in HANDLE_METHODS:
             self._drop_session()
 
     def _close_regions(self) -> None:
@@ -283,12 +283,19 @@ class Client(ClientBase):
                 try:
                     if effect is OPEN_SESSION:
                         result = self._session_step(_remaining(deadline))
+                    elif isinstance(effect, ops.Copy):
+                        result = effect.run()
                     else:
                         result = self._call(getattr(stub, effect.method), effect.request, deadline)
                 except grpc.RpcError as exc:
                     effect = plan.throw(from_rpc_error(exc))
                 except KvstoredError as exc:
                     effect = plan.throw(exc)
+                except Exception as exc:
+                    if not isinstance(effect, ops.Copy):
+                        self._abandon(plan, effect)
+                        raise
+                    effect = plan.throw(exc)  # a failed copy: the plan gives its slots back
                 except BaseException:
                     self._abandon(plan, effect)
                     raise

@@ -115,7 +115,24 @@ class Call:
     request: Any
 
 
-Op = Generator[Call, Any, Any]
+@dataclass(frozen=True)
+class Copy:
+    """Copy chunks between caller buffers and pool slots: (extents, view) per chunk. The async
+    client runs large ones off its event loop."""
+
+    session: PoolSession
+    pairs: list[tuple[Sequence[Any], Any]]
+    to_pool: bool
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(ext.length) for extents, _ in self.pairs for ext in extents)
+
+    def run(self) -> None:
+        self.session.copier.copy(self.session, self.pairs, self.to_pool)
+
+
+Op = Generator[Call | Copy, Any, Any]
 
 
 def nothing() -> Op:
@@ -144,7 +161,9 @@ def store(session: PoolSession, ns: Namespace, keys: Sequence[bytes], data: Any)
     present = sum(1 for slot in resp.slots if slot.state == pb.SLOT_STATE_ALREADY_PRESENT)
     handles = [slot.handle for slot, _ in reserved]
     try:
-        session.copier.copy(session, [(slot.extents, view) for slot, view in reserved], to_pool=True)
+        yield Copy(session, [(slot.extents, view) for slot, view in reserved], to_pool=True)
+    except GeneratorExit:  # abandoned: the driver drops the session, which frees the slots
+        raise
     except BaseException:
         if handles:
             yield Call("Release", pb.ReleaseRequest(session_id=session.session_id, handles=handles))
@@ -164,12 +183,16 @@ def load(session: PoolSession, ns: Namespace, keys: Sequence[bytes], out: Any) -
         session_id=session.session_id, namespace_id=ns.namespace_id, keys=keys))
     if not resp.leases:
         return 0
+    release = Call("Release", pb.ReleaseRequest(
+        session_id=session.session_id, handles=[lease.handle for lease in resp.leases]))
     try:
-        session.copier.copy(session, [(lease.extents, view) for lease, view in zip(resp.leases, views)],
-                            to_pool=False)
-    finally:
-        yield Call("Release", pb.ReleaseRequest(
-            session_id=session.session_id, handles=[lease.handle for lease in resp.leases]))
+        yield Copy(session, [(lease.extents, view) for lease, view in zip(resp.leases, views)], to_pool=False)
+    except GeneratorExit:  # abandoned: the driver drops the session, which frees the leases
+        raise
+    except BaseException:
+        yield release
+        raise
+    yield release
     return len(resp.leases)
 
 

@@ -227,3 +227,50 @@ def test_a_child_forked_while_another_thread_holds_the_client_works(daemon, ns_n
             pytest.fail("the forked child hung on the lock its parent's thread held")
         assert os.waitstatus_to_exitcode(done[1]) == 0
         assert c.lookup(ns, keys).prefix_hits == 2
+
+
+async def test_async_client_copies_large_batches_off_its_loop_and_waits_for_them_when_cancelled(daemon, ns_name,
+                                                                                               monkeypatch):
+    """A large store copies in a thread (the event loop keeps serving); a task cancelled during
+    that copy ends only after the copy did (its slots are given back right after), and leaves no
+    reservation behind."""
+    import asyncio
+    import threading
+
+    from kvstored_client.buffers import ChunkCopier
+
+    copying, release = threading.Event(), threading.Event()
+    seen: list[tuple[int, bool]] = []
+    real_copy = ChunkCopier.copy
+
+    def gated_copy(self, session, pairs, to_pool):
+        seen.append((threading.get_ident(), to_pool))
+        if len(seen) == 1:
+            copying.set()
+            release.wait(10)
+        real_copy(self, session, pairs, to_pool)
+        seen.append((threading.get_ident(), None))  # finished
+
+    monkeypatch.setattr(ChunkCopier, "copy", gated_copy)
+    chunk = 4 << 20  # 4 chunks = 16 MiB: copied off the loop
+    keys = make_keys(ns_name, 4)
+    async with daemon.async_client(deadline_s=10.0) as c:
+        ns = await c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=chunk)
+        task = asyncio.ensure_future(c.store(ns, keys, payloads(keys, chunk)))
+        await asyncio.to_thread(copying.wait, 10)
+        assert seen[0][0] != threading.get_ident()  # not on the loop's thread
+        task.cancel()
+        await asyncio.sleep(0.05)
+        assert not task.done(), "the cancelled store returned while its copy was still running"
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert seen[-1][1] is None  # the copy had finished
+        stats = daemon.stats()
+        assert stats.reservations == 0 and stats.leases == 0
+
+        data = payloads(keys, chunk)
+        assert (await c.store(ns, keys, data)).stored == 4
+        out = np.zeros_like(data)
+        assert await c.load(ns, keys, out) == 4
+        np.testing.assert_array_equal(out, data)
