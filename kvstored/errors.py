@@ -60,5 +60,9 @@ class ShuttingDown(KvstoredError):
     pass
 
 
+class TierUnavailable(KvstoredError):
+    """A tier below RAM could not carry out a request (e.g. an S3 DELETE failed): retry later."""
+
+
 class WatcherLagged(KvstoredError):
     """An event watcher fell further behind than its queue holds."""

@@ -29,6 +29,7 @@ STATUS: dict[type[errors.KvstoredError], grpc.StatusCode] = {
     errors.BatchTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.PoolExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.ShuttingDown: grpc.StatusCode.UNAVAILABLE,
+    errors.TierUnavailable: grpc.StatusCode.UNAVAILABLE,
     errors.WatcherLagged: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 

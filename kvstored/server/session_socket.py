@@ -26,6 +26,7 @@ from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 log = logging.getLogger(__name__)
 
 MAX_PACKET = 64 << 10
+ACCEPT_RETRY_S = 0.1
 
 
 async def _recv_with_fds(sock: socket.socket) -> tuple[bytes, list[int]]:
@@ -72,7 +73,7 @@ class SessionSocketServer:
         if self._accept_task is not None:
             self._accept_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._accept_task
+                await self._accept_task  # the loop never ends with an error: see _accept_loop
         if self._listener is not None:
             self._listener.close()
             with contextlib.suppress(FileNotFoundError):
@@ -88,7 +89,12 @@ class SessionSocketServer:
     async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            conn, _ = await loop.sock_accept(listener)
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except OSError as exc:  # EMFILE, ENFILE, ECONNABORTED...: keep accepting once it passes
+                log.error("session socket: cannot accept a connection: %s", exc)
+                await asyncio.sleep(ACCEPT_RETRY_S)
+                continue
             conn.setblocking(False)
             task = asyncio.create_task(self._serve(conn), name="session")
             self._conn_tasks.add(task)
@@ -99,8 +105,10 @@ class SessionSocketServer:
         try:
             while True:
                 data, fds = await _recv_with_fds(conn)
-                if not data:
-                    return  # peer closed: the session ends
+                if not data:  # the peer closed (clients never send an empty message): the session ends
+                    for fd in fds:  # a zero-length packet may still carry fds
+                        os.close(fd)
+                    return
                 try:
                     request = pb.SessionRequest.FromString(data)
                     kind = request.WhichOneof("kind")

@@ -13,9 +13,11 @@ import asyncio
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Coroutine, Sequence, TypeVar
 
-from kvstored.errors import InvalidRequest, PoolExhausted, RegionShrunk, TierStartError
+from kvstored.errors import (
+    InvalidRequest, KvstoredError, PoolExhausted, RegionShrunk, TierStartError, TierUnavailable,
+)
 from kvstored.namespaces import Namespace
 from kvstored.server.sessions import Handle, HandleKind, Session, SessionRegistry
 from kvstored.shm.copier import Copier, CopyJob, default_copy_threads
@@ -23,10 +25,11 @@ from kvstored.shm.copy import MappingVanished
 from kvstored.shm.mapping import Region, SharedPool
 from kvstored.observability.events import Cause, EventBus, EventType
 from kvstored.tiers.base import ChunkId, RemovalCause, SecondaryTier, TierKind
-from kvstored.tiers.lower import LowerTier, Promoter, WriteBack, WritePolicy
+from kvstored.tiers.lower import DeletionGuard, LowerTier, Promoter, WriteBack, WritePolicy
 from kvstored.tiers.ram import Extent, RamEntry, RamTier, ReserveOutcome
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +84,9 @@ class TierChain:
             ram, pool_view, self.lower, policy.write_policy, policy.headroom_bytes, policy.writeback_wait_s,
             self.events,
         )
-        self.promoter = Promoter(ram, pool_view, self.lower, self.events)
+        self._deleting = DeletionGuard()
+        self._deletes: set[asyncio.Task] = set()  # run to the end even if their caller gives up
+        self.promoter = Promoter(ram, pool_view, self.lower, self.events, self._deleting)
         for lower_tier in self.lower:
             lower_tier.tier.removal_listener = self._tier_removed
 
@@ -121,27 +126,54 @@ class TierChain:
         return tiers
 
     async def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
-        """Remove from every tier; counts keys that were anywhere."""
+        """Remove from every tier; counts keys that were anywhere. Runs to the end even if the
+        caller is cancelled (a half-done delete would leave copies below)."""
         chunks = [(ns.namespace_id, k) for k in keys]
-        removed = [self.ram.delete(c) for c in chunks]
-        self._publish_ram(EventType.REMOVED, Cause.DELETED, [c for c, r in zip(chunks, removed) if r])
-        for lower in self.lower:
-            below = await lower.remove_all(chunks)
-            gone = [c for c, hit in zip(chunks, below) if hit]
-            if gone:
-                self.events.publish(EventType.REMOVED, Cause.DELETED, lower.tier.name, lower.tier.kind, gone)
-            removed = [r or hit for r, hit in zip(removed, below)]
-        return sum(removed)
+        return await self._unskippable(self._delete(chunks))
 
     async def clear_namespace(self, ns: Namespace) -> int:
         """Remove every chunk of `ns` this daemon knows of, from every tier (an admin operation)."""
-        chunks = self.ram.chunks_of(ns.namespace_id)
-        removed = sum(self.ram.delete(c) for c in chunks)
-        self.events.publish_cleared("ram", TierKind.RAM, ns.namespace_id)
-        for lower in self.lower:
-            removed += sum(await lower.remove_all(lower.tier.known_chunks(ns.namespace_id)))
-            self.events.publish_cleared(lower.tier.name, lower.tier.kind, ns.namespace_id)
+        return await self._unskippable(self._clear(ns.namespace_id))
+
+    async def _delete(self, chunks: list[ChunkId]) -> int:
+        failures = []
+        with self._deleting.chunks(chunks):
+            removed = [self.ram.delete(c) for c in chunks]
+            self._publish_ram(EventType.REMOVED, Cause.DELETED, [c for c, r in zip(chunks, removed) if r])
+            for lower in self.lower:
+                below = await lower.remove_all(chunks)
+                failures += below.failures
+                gone = [c for c, hit in zip(chunks, below.gone) if hit]
+                if gone:
+                    self.events.publish(EventType.REMOVED, Cause.DELETED, lower.tier.name, lower.tier.kind, gone)
+                removed = [r or hit for r, hit in zip(removed, below.gone)]
+        _raise_first(failures)
+        return sum(removed)
+
+    async def _clear(self, namespace_id: str) -> int:
+        failures = []
+        with self._deleting.namespace(namespace_id):
+            chunks = self.ram.chunks_of(namespace_id)
+            removed = sum(self.ram.delete(c) for c in chunks)
+            self.events.publish_cleared("ram", TierKind.RAM, namespace_id)
+            for lower in self.lower:
+                below = await lower.remove_all(lower.tier.known_chunks(namespace_id))
+                failures += below.failures
+                removed += sum(below.gone)
+                self.events.publish_cleared(lower.tier.name, lower.tier.kind, namespace_id)
+        _raise_first(failures)
         return removed
+
+    async def _unskippable(self, work: Coroutine[Any, Any, T]) -> T:
+        task = asyncio.ensure_future(work)
+        self._deletes.add(task)
+        task.add_done_callback(self._delete_done)
+        return await asyncio.shield(task)
+
+    def _delete_done(self, task: asyncio.Task) -> None:
+        self._deletes.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("delete failed: %s", task.exception())  # its caller may have gone already
 
     async def _lease_prefix(self, ns: Namespace, keys: Sequence[bytes]) -> list[RamEntry]:
         """Lease the leading chunks, promoting from below what RAM lacks; stops at the first miss.
@@ -179,7 +211,8 @@ class TierChain:
             if future is None:
                 break
             waits.append(future)
-        results = await asyncio.gather(*waits)
+        # Shielded: the promotion is shared with other callers, whom our cancellation must not fail.
+        results = await asyncio.gather(*(asyncio.shield(w) for w in waits))
         return bool(results) and results[0]
 
     # -- pool mapping ---------------------------------------------------------------------
@@ -255,6 +288,7 @@ class TierChain:
     ) -> StoreOutcomes:
         _check_offsets(ns, region, keys, offsets)
         await self.writeback.make_room(len(keys) * self.ram.pages_for(ns.chunk_bytes) * self.ram.page_bytes)
+        session.check_open()  # it may have closed (and its regions with it) while we waited
         stored, per_key, evicted = [], [], []
         for key, offset in zip(keys, offsets):
             result = self.ram.reserve((ns.namespace_id, key), ns.chunk_bytes)
@@ -282,6 +316,7 @@ class TierChain:
         _check_offsets(ns, region, keys, offsets)
         leased = list(zip(await self._lease_prefix(ns, keys), offsets))
         try:
+            session.check_open()  # it may have closed (and its regions with it) while we waited
             jobs = [CopyJob(offset, self.ram.extents(entry)) for entry, offset in leased]
             await self._copy(region, jobs, to_pool=False)
         finally:
@@ -290,7 +325,10 @@ class TierChain:
         return len(leased)
 
     async def close(self) -> None:
-        """Stop the I/O queues (abandoning queued write-downs: this is a cache), then the tiers."""
+        """Let deletes finish, stop the I/O queues (abandoning queued write-downs: this is a
+        cache), then the tiers."""
+        if self._deletes:
+            await asyncio.wait(self._deletes)
         for lower in self.lower:
             await lower.queue.close()
         for lower in self.lower:
@@ -343,3 +381,14 @@ def _check_offsets(ns: Namespace, region: Region, keys: Sequence[bytes], offsets
                 f"{region.region_id} ({region.size} bytes)"
             )
 
+
+
+def _raise_first(failures: list[BaseException]) -> None:
+    """After every tier had its turn: report the first failed removal (TierUnavailable and the
+    like reach the caller as such; anything else becomes TierUnavailable naming it)."""
+    if not failures:
+        return
+    first = failures[0]
+    if isinstance(first, KvstoredError):
+        raise first
+    raise TierUnavailable(f"{len(failures)} removal(s) below RAM failed, first: {first!r}; retry the delete") from first

@@ -11,10 +11,12 @@ Both only do bookkeeping on the event loop; the bytes move in the tiers' own I/O
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import functools
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Sequence, TypeVar
 
@@ -39,6 +41,12 @@ def _ignore(tier: str, op: str, seconds: float) -> None:
     pass
 
 
+@dataclass(frozen=True)
+class Removal:
+    gone: list[bool]  # per chunk: a copy was there and is gone now
+    failures: list[BaseException]
+
+
 @dataclass
 class LowerTier:
     tier: SecondaryTier
@@ -53,15 +61,17 @@ class LowerTier:
         finally:
             self.observe(self.tier.name, op, time.perf_counter() - start)
 
-    async def remove_all(self, chunks: Sequence[ChunkId]) -> list[bool]:
+    async def remove_all(self, chunks: Sequence[ChunkId]) -> Removal:
         """Remove chunks at deletion priority (behind loads and write-downs already queued),
         concurrently within the tier's bound. A delete is never skipped: with the backlog full,
-        it runs directly."""
+        it runs directly. Every removal has ended when this returns, failed ones included."""
         def remove(chunk: ChunkId):
             return self.timed("remove", self.tier.remove(chunk))
 
         queued = [self.queue.submit(Priority.DELETE, functools.partial(remove, c)) for c in chunks]
-        return list(await asyncio.gather(*(q if q is not None else remove(c) for q, c in zip(queued, chunks))))
+        results = await asyncio.gather(*(q if q is not None else remove(c) for q, c in zip(queued, chunks)),
+                                       return_exceptions=True)
+        return Removal([r is True for r in results], [r for r in results if isinstance(r, BaseException)])
 
 
 class WriteBack:
@@ -188,12 +198,45 @@ def _write_job(lower: LowerTier, entry: RamEntry, views: list[memoryview], event
     return job
 
 
+class DeletionGuard:
+    """Chunks and namespaces being deleted. Nothing is found below or promoted for them until the
+    delete has removed every copy: a read racing the delete would bring the deleted bytes back."""
+
+    def __init__(self) -> None:
+        self._chunks: Counter[ChunkId] = Counter()
+        self._namespaces: Counter[str] = Counter()
+
+    def blocks(self, chunk: ChunkId) -> bool:
+        return bool(self._chunks[chunk] or self._namespaces[chunk[0]])
+
+    @contextlib.contextmanager
+    def chunks(self, chunks: Sequence[ChunkId]):
+        self._chunks.update(chunks)
+        try:
+            yield
+        finally:
+            self._chunks.subtract(chunks)
+            self._chunks = +self._chunks  # drop the zeros
+
+    @contextlib.contextmanager
+    def namespace(self, namespace_id: str):
+        self._namespaces[namespace_id] += 1
+        try:
+            yield
+        finally:
+            self._namespaces[namespace_id] -= 1
+            if not self._namespaces[namespace_id]:
+                del self._namespaces[namespace_id]
+
+
 class Promoter:
-    def __init__(self, ram: RamTier, pool: memoryview, lower: Sequence[LowerTier], events: EventBus) -> None:
+    def __init__(self, ram: RamTier, pool: memoryview, lower: Sequence[LowerTier], events: EventBus,
+                 deleting: DeletionGuard) -> None:
         self._events = events
         self._ram = ram
         self._pool = pool
         self._lower = list(lower)
+        self._deleting = deleting
         self._in_flight: dict[ChunkId, tuple[asyncio.Future, TierKind]] = {}
 
     def in_flight(self, chunk: ChunkId) -> TierKind:
@@ -203,7 +246,7 @@ class Promoter:
     async def find(self, chunks: Sequence[ChunkId]) -> list[int | None]:
         """Index of the first lower tier holding each chunk (None: nowhere)."""
         found: list[int | None] = [None] * len(chunks)
-        todo = list(range(len(chunks)))
+        todo = [i for i, chunk in enumerate(chunks) if not self._deleting.blocks(chunk)]
         for index, lower in enumerate(self._lower):
             if not todo:
                 break
@@ -224,6 +267,8 @@ class Promoter:
         RAM is used (prefetch must not push out chunks a load is about to need)."""
         if chunk in self._in_flight:
             return self._in_flight[chunk][0]
+        if self._deleting.blocks(chunk):
+            return None
         if not evict and self._ram.free_bytes < self._ram.pages_for(size) * self._ram.page_bytes:
             return None
         reservation = self._ram.reserve(chunk, size)

@@ -38,12 +38,13 @@ from botocore.exceptions import (
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
+from kvstored.errors import TierUnavailable
 from kvstored.tiers import chunkfile
 from kvstored.tiers.base import (
     AdmissionPolicy, ChunkId, RemovalCause, SecondaryTier, TierKind, TierUsage, WriteOutcome,
 )
 from kvstored.tiers.chunkfile import HEADER_BYTES, CorruptChunk
-from kvstored.tiers.fs_index import FsIndex, Reservation
+from kvstored.tiers.fs_index import FsIndex
 from kvstored.tiers.views import trim
 from kvstored.tiers.resilience import Backoff, CircuitBreaker, NegativeCache, Permit
 
@@ -108,6 +109,13 @@ def classify(exc: BaseException) -> S3Failure | None:
 
 
 @dataclass(frozen=True)
+class _DeleteClaim:
+    chunk: ChunkId
+    done: asyncio.Future            # resolved when this DELETE has ended (or was abandoned)
+    after: asyncio.Future | None    # an earlier DELETE of the same chunk, which goes first
+
+
+@dataclass(frozen=True)
 class _Body:
     length: int  # the object's length
     data: bytes | None  # its bytes, unless the length was wrong (then it is not read)
@@ -155,6 +163,9 @@ class S3Tier(SecondaryTier):
         self._backoff = backoff
         self._breaker = CircuitBreaker(breaker_failures, breaker_reset_s)
         self._missing = NegativeCache(negative_cache_s)
+        # Chunks whose DELETE failed: the object may still be there, but it must not be found
+        # (the chunk was deleted or evicted) until a PUT replaces it or a DELETE succeeds.
+        self._undeleted: set[ChunkId] = set()
         self._index = FsIndex(capacity_bytes or _UNBOUNDED, admission)  # objects known to exist, LRU first
         self._slots = asyncio.Semaphore(max_concurrency)
         self._pending: dict[ChunkId, asyncio.Future] = {}  # writes in flight -> their WriteOutcome
@@ -211,7 +222,7 @@ class S3Tier(SecondaryTier):
             raise
         victims = self._index.shrink_to_capacity()  # the listing found more than the capacity
         if victims:
-            await self._evict(victims)
+            await self._evict(self._claim_deletes(victims))
         log.info("s3 tier %s: bucket %s prefix %r at %s: %d objects, %d bytes known (capacity %d)",
                  self.name, self.bucket, self.prefix, self.endpoint_url or "AWS", len(self._index),
                  self._index.used_bytes, self.capacity_bytes)
@@ -280,7 +291,7 @@ class S3Tier(SecondaryTier):
         for i, chunk in enumerate(chunks):
             if self._index.touch(chunk) is not None:
                 out[i] = True
-            elif chunk not in self._missing and chunk not in self._pending:
+            elif chunk not in self._missing and chunk not in self._pending and chunk not in self._undeleted:
                 ask.setdefault(chunk, []).append(i)
         if ask:
             async with asyncio.TaskGroup() as group:
@@ -308,11 +319,14 @@ class S3Tier(SecondaryTier):
         if not reservation.granted:
             self.counters.rejected_full += 1
             return WriteOutcome.REJECTED_FULL
+        # The victims left the index just now: claim their deletes at once, so a write of one of
+        # them waits for its DELETE instead of being deleted by it.
+        victims = self._claim_deletes(reservation.victims)
         done = asyncio.get_running_loop().create_future()
         self._pending[chunk] = done
         outcome = WriteOutcome.FAILED
         try:
-            outcome = await self._put(chunk, _encode(chunk, views, size), size, reservation)
+            outcome = await self._put(chunk, views, size, victims)
             return outcome
         finally:
             self._index.release(reservation)
@@ -321,6 +335,8 @@ class S3Tier(SecondaryTier):
 
     async def read(self, chunk: ChunkId, views: Sequence[memoryview], size: int) -> bool:
         targets = trim(views, size)
+        if chunk in self._undeleted:
+            return False
         if not self.available:
             self.skipped += 1
             return False
@@ -364,7 +380,10 @@ class S3Tier(SecondaryTier):
         known = self._index.discard(chunk) is not None
         if not known and chunk in self._missing:
             return False
-        return await self._delete(chunk)
+        if not await self._delete(chunk):
+            raise TierUnavailable(f"s3 tier {self.name}: could not delete {self._key(chunk)}; it will not be "
+                                  f"served, retry the delete")
+        return True
 
     def known_chunks(self, namespace_id: str) -> list[ChunkId]:
         return self._index.chunks_of(namespace_id)
@@ -403,12 +422,16 @@ class S3Tier(SecondaryTier):
             length = int(response["ContentLength"])
             return _Body(length, await stream.read() if length == expected else None)
 
-    async def _put(self, chunk: ChunkId, body: bytes, size: int, reservation: Reservation) -> WriteOutcome:
+    async def _put(self, chunk: ChunkId, views: Sequence[memoryview], size: int,
+                   victims: list[_DeleteClaim]) -> WriteOutcome:
         key = self._key(chunk)
-        while (prior := self._deleting.get(chunk)) is not None:  # an eviction/removal of the old copy
-            await asyncio.wait((prior,))
-        if reservation.victims:
-            await self._evict(reservation.victims)
+        try:
+            body = _encode(chunk, views, size)
+            while (prior := self._deleting.get(chunk)) is not None:  # an eviction/removal of the old copy
+                await asyncio.wait((prior,))
+        finally:
+            if victims:  # out of the index already: their objects go whatever happens here
+                await self._evict(victims)
         try:
             await self._call(lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=body))
         except _Skipped:
@@ -418,37 +441,57 @@ class S3Tier(SecondaryTier):
             return WriteOutcome.FAILED
         self._index.insert(chunk, len(body), time.time())
         self._missing.discard(chunk)
+        self._undeleted.discard(chunk)
         self.counters.writes += 1
         self.counters.written_bytes += size
         return WriteOutcome.WRITTEN
 
-    async def _delete(self, chunk: ChunkId) -> bool:
-        while (prior := self._deleting.get(chunk)) is not None:
-            await asyncio.wait((prior,))
+    def _claim_deletes(self, victims: Sequence[tuple[ChunkId, object]]) -> list[_DeleteClaim]:
+        return [self._claim_delete(chunk) for chunk, _entry in victims]
+
+    def _claim_delete(self, chunk: ChunkId) -> _DeleteClaim:
+        """Register a DELETE of `chunk` now (it runs after any earlier one): writes of the chunk
+        wait for it from this moment, not only once the DELETE is sent."""
+        claim = _DeleteClaim(chunk, asyncio.get_running_loop().create_future(), self._deleting.get(chunk))
+        self._deleting[chunk] = claim.done
+        return claim
+
+    async def _delete(self, chunk: ChunkId, claim: _DeleteClaim | None = None) -> bool:
+        claim = claim or self._claim_delete(chunk)
         key = self._key(chunk)
-        done = asyncio.get_running_loop().create_future()
-        self._deleting[chunk] = done
         try:
+            if claim.after is not None:
+                await asyncio.wait((claim.after,))
             await self._call(lambda: self._client.delete_object(Bucket=self.bucket, Key=key))
         except _Skipped:
+            self._undeleted.add(chunk)
             return False
         except S3Failure as exc:
             if exc.fault is not Fault.NOT_FOUND:
                 self._failed("delete", key, exc)
+                self._undeleted.add(chunk)
                 return False
         finally:
-            del self._deleting[chunk]
-            done.set_result(None)
+            self._settle_delete(claim)
         self._missing.add(chunk)
+        self._undeleted.discard(chunk)
         return True
 
-    async def _evict(self, victims: list[tuple[ChunkId, object]]) -> None:
+    def _settle_delete(self, claim: _DeleteClaim) -> None:
+        if self._deleting.get(claim.chunk) is claim.done:
+            del self._deleting[claim.chunk]
+        if not claim.done.done():
+            claim.done.set_result(None)
+
+    async def _evict(self, victims: list[_DeleteClaim]) -> None:
         self.counters.evictions += len(victims)
-        for chunk, _entry in victims:
-            self.notify_removed(chunk, RemovalCause.EVICTED)
-        async with asyncio.TaskGroup() as group:
-            for chunk, _entry in victims:
-                group.create_task(self._delete(chunk))
+        for claim in victims:
+            self.notify_removed(claim.chunk, RemovalCause.EVICTED)
+        try:
+            await asyncio.gather(*(self._delete(claim.chunk, claim) for claim in victims), return_exceptions=True)
+        finally:  # a DELETE cancelled before it ran must not leave writes of its chunk waiting forever
+            for claim in victims:
+                self._settle_delete(claim)
 
     def _failed(self, what: str, key: str, exc: S3Failure) -> None:
         self.counters.errors += 1

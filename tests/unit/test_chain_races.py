@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from kvstored.errors import UnknownSession
-from kvstored.io.scheduler import TierQueue
+from kvstored.io.scheduler import Priority, TierQueue
 from kvstored.namespaces import Namespace
 from kvstored.server.sessions import HandleKind, SessionRegistry
 from kvstored.shm.mapping import SharedPool
@@ -150,3 +150,94 @@ async def test_delete_during_a_queued_write_down_does_not_bring_the_chunk_back_b
     await asyncio.sleep(1.0)
     assert await chain.lookup(NS, [key(1)]) == [TierKind.NONE]
     assert ("ns", key(1)) not in tier.data
+
+
+def occupy_the_io_slot(chain) -> asyncio.Future:
+    """Keep the lower tier's single I/O slot busy for 0.2 s: what is queued next waits, in
+    priority order (loads before deletes)."""
+    return chain.lower[0].queue.submit(Priority.WRITEDOWN, lambda: asyncio.sleep(0.2))
+
+
+def write_chunk(chain, extents, byte: int) -> None:
+    for extent in extents:
+        chain._pool.array[extent.offset:extent.offset + extent.length] = byte
+
+
+async def first_word(chain, session, k: bytes) -> bytes | None:
+    leases = await chain.acquire(session, NS, [k])
+    if not leases:
+        return None
+    extent = leases[0].extents[0]
+    word = bytes(chain._pool.array[extent.offset:extent.offset + 4])
+    chain.release(session, [leases[0].handle])
+    return word
+
+
+async def test_a_load_arriving_during_a_delete_does_not_bring_the_deleted_bytes_back(rig):
+    """Delete drops RAM at once but removes below at deletion priority, behind queued I/O: a load
+    arriving in between must not promote the copy that is about to go."""
+    chain, sessions, tier = await rig(concurrency=1)
+    owner, other = sessions.open("owner"), sessions.open("other")
+    tier.data[("ns", key(1))] = b"OLD!" * (CHUNK // 4)
+    blocker = occupy_the_io_slot(chain)
+    deleting = asyncio.create_task(chain.delete(NS, [key(1)]))
+    await asyncio.sleep(0.01)
+    loading = asyncio.create_task(first_word(chain, other, key(1)))
+    assert await deleting == 1
+    assert await loading is None  # a miss: never the bytes being deleted
+    assert await chain.lookup(NS, [key(1)]) == [TierKind.NONE]
+    grant = (await chain.reserve(owner, NS, [key(1)]))[0]
+    assert grant.outcome is ReserveOutcome.RESERVED
+    write_chunk(chain, grant.extents, ord("N"))
+    chain.commit(owner, [grant.handle])
+    assert await first_word(chain, owner, key(1)) == b"NNNN"
+    await blocker
+
+
+async def test_a_cancelled_delete_still_removes_every_copy(rig):
+    chain, sessions, tier = await rig(concurrency=1)
+    tier.data[("ns", key(1))] = b"OLD!" * (CHUNK // 4)
+    blocker = occupy_the_io_slot(chain)  # the removal waits behind it
+    deleting = asyncio.create_task(chain.delete(NS, [key(1)]))
+    await asyncio.sleep(0.05)
+    deleting.cancel()  # the Delete RPC's deadline
+    with pytest.raises(asyncio.CancelledError):
+        await deleting
+    await blocker
+    await chain.close()  # waits for deletes still running
+    assert ("ns", key(1)) not in tier.data
+
+
+async def test_one_cancelled_load_does_not_fail_others_waiting_for_the_same_promotion(rig):
+    chain, sessions, tier = await rig(concurrency=2)
+    a, b = sessions.open("a"), sessions.open("b")
+    tier.data[("ns", key(1))] = b"DATA" * (CHUNK // 4)
+    first = asyncio.create_task(chain.acquire(a, NS, [key(1)]))
+    second = asyncio.create_task(chain.acquire(b, NS, [key(1)]))
+    await asyncio.sleep(0.05)
+    first.cancel()  # a's deadline
+    results = await asyncio.gather(first, second, return_exceptions=True)
+    assert isinstance(results[0], asyncio.CancelledError)
+    assert len(results[1]) == 1  # b got its lease
+    chain.release(b, [results[1][0].handle])
+    assert await first_word(chain, a, key(1)) == b"DATA"
+
+
+async def test_a_session_closing_during_a_region_load_gives_unknown_session(rig, tmp_path):
+    import os
+
+    chain, sessions, tier = await rig(concurrency=2)
+    session = sessions.open("c")
+    tier.data[("ns", key(1))] = b"DATA" * (CHUNK // 4)
+    path = tmp_path / "region"
+    path.write_bytes(bytes(CHUNK))
+    fd = os.open(path, os.O_RDWR)
+    region = chain.attach_region(session, "r", fd)
+    os.close(fd)
+    loading = asyncio.create_task(chain.load_to_region(session, NS, region, [key(1)], [0]))
+    await asyncio.sleep(0.05)  # waiting for the promotion
+    chain.close_session(session)
+    with pytest.raises(UnknownSession):
+        await loading
+    assert chain.ram.delete(("ns", key(1)))  # promoted, and no lease was left behind
+    assert chain.ram.used_bytes == 0

@@ -14,6 +14,7 @@ import uuid
 import pytest
 from aiobotocore.session import get_session
 
+from kvstored.errors import TierUnavailable
 from kvstored.tiers import chunkfile
 from kvstored.tiers.base import AdmissionPolicy, RemovalCause, TierUsage, WriteOutcome
 from kvstored.tiers.chunkfile import HEADER_BYTES
@@ -197,6 +198,23 @@ async def test_remove_deletes_the_object(make_tier, raw, bucket):
     assert not await tier.remove(chunk)  # just seen missing: nothing to delete
 
 
+async def test_a_failed_delete_is_reported_and_the_object_is_never_found_again(make_tier, moto, raw, bucket):
+    async with FaultProxy(moto.url, status=403, code="AccessDenied") as proxy:
+        tier = await make_tier(endpoint_url=proxy.url, negative_cache_s=0)
+        chunk = new_chunk()
+        await stored(tier, chunk)
+        proxy.fail_next = 1
+        with pytest.raises(TierUnavailable, match="could not delete"):
+            await tier.remove(chunk)
+        assert await exists(raw, bucket, chunkfile.chunk_relpath(chunk))  # still there...
+        assert await tier.contains([chunk]) == [False]  # ...but deleted as far as anyone asks
+        assert not await tier.read(chunk, Pages([3]).views, 3 * PAGE - 100)
+        data = await stored(tier, chunk)  # a new value replaces it
+        assert await tier.contains([chunk]) == [True]
+        dst = Pages([3])
+        assert await tier.read(chunk, dst.views, len(data)) and dst.bytes(len(data)) == data
+
+
 async def test_concurrent_writes_of_one_chunk_send_one_put(make_tier):
     tier = await make_tier()
     chunk = new_chunk()
@@ -313,6 +331,25 @@ async def test_start_lists_the_prefix_to_rebuild_the_lru_index(make_tier, raw, b
     third = await make_tier(prefix="p/", capacity_bytes=2 * obj)  # over capacity at start: shrinks
     assert third.usage() == TierUsage(2 * obj, 2 * obj, 2)
     assert third.counters.evictions == 1
+
+
+async def test_a_chunk_written_again_while_its_eviction_starts_survives_it(make_tier, raw, bucket):
+    """Writing b evicts a; a is written again at once. The new copy of a must wait for a's DELETE,
+    not be removed by it (the index would then claim an object that is gone)."""
+    size = PAGE
+    tier = await make_tier(capacity_bytes=2 * HEADER_BYTES + 4 * size)
+    a, b, c = (new_chunk() for _ in range(3))
+    await stored(tier, a, 3 * size, split=(3,))
+    await stored(tier, c, size, split=(1,))
+    # b evicts a, which frees room for the smaller new copy of a without evicting anything
+    data = os.urandom(size)
+    pages = Pages([1])
+    pages.fill(data)
+    outcomes = await asyncio.gather(stored(tier, b, size, split=(1,)), tier.write(a, pages.views, size))
+    assert outcomes[1] is WriteOutcome.WRITTEN
+    assert await exists(raw, bucket, chunkfile.chunk_relpath(a))
+    dst = Pages([1])
+    assert await tier.read(a, dst.views, size) and dst.bytes(size) == data
 
 
 async def test_second_eviction_admission(make_tier):
