@@ -60,7 +60,9 @@ class Session:
 class SessionRegistry:
     def __init__(self) -> None:
         self._sessions: dict[str, Session] = {}
-        self._ids = itertools.count(1)  # handle and region ids, unique daemon-wide
+        # Handle and region ids, unique daemon-wide, and (from a random start) across daemon runs:
+        # a client that has not noticed a restart yet must not name one of the new run's handles.
+        self._ids = itertools.count(1 + secrets.randbits(62))
 
     def __len__(self) -> int:
         return len(self._sessions)

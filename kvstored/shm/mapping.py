@@ -88,7 +88,9 @@ class Region:
             raise ValueError(f"region {name!r} is not a regular file")
         if info.st_size == 0:
             raise ValueError(f"region {name!r} is empty")
-        mapped = map_fd(fd, info.st_size, populate=True)
+        # Not populated: the client's memory is resident already, and populating a region of
+        # tens of GiB would stall the event loop for seconds (copies fault pages in as they go).
+        mapped = map_fd(fd, info.st_size, populate=False)
         own = os.dup(fd)
         return cls(region_id, name, info.st_size, np.frombuffer(mapped, dtype=np.uint8), mapped, own)
 

@@ -199,3 +199,25 @@ def test_config_from_flags_env_and_file_reaches_the_daemon(daemon_factory, ns_na
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, oct(path.stat().st_mode)
     lines = [line for line in d.log.splitlines() if line.strip()]
     assert lines and all(json.loads(line)["level"] for line in lines)  # JSON log lines
+
+
+def test_handles_of_one_run_never_name_the_next_runs(daemon, ns_name):
+    """A client that has not noticed a restart yet may send an old handle on its new session:
+    it must be refused, never commit or release one of the new run's reservations."""
+    def reserve(conn: RawConn) -> int:
+        ns = conn.register(ns_name, CHUNK)
+        slots = conn.call("Reserve", pb.ReserveRequest(session_id=conn.session_id, namespace_id=ns,
+                                                      keys=make_keys(ns_name, 1))).slots
+        return slots[0].handle
+
+    with raw(daemon.socket) as before:
+        old = reserve(before)
+    daemon.stop()
+    daemon.start()
+    with raw(daemon.socket) as after:
+        new = reserve(after)
+        assert new != old
+        err = rpc_error(after.call, "Commit", pb.CommitRequest(session_id=after.session_id, handles=[old]))
+        assert err.code().name == "FAILED_PRECONDITION"
+        assert after.stats().reservations == 1  # the new reservation is untouched
+        assert after.call("Commit", pb.CommitRequest(session_id=after.session_id, handles=[new])).committed == 1

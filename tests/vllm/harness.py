@@ -45,6 +45,7 @@ def offloading_config(
     enable_events: bool = True,
     rank: int = 0,
     world_size: int = 1,
+    kv_cache_layout: str | None = None,
 ) -> OffloadingConfig:
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=tokens_per_block, layer_names=layer_names, group_id=0),),
@@ -52,6 +53,7 @@ def offloading_config(
         enable_kv_cache_events=enable_events,
         extra_config=extra_config,
         engine_id=engine_id or f"test-{uuid.uuid4().hex[:12]}",
+        kv_cache_layout=kv_cache_layout,
         model=OffloadingModelConfig(name=model, dtype=dtype),
         cache=OffloadingCacheConfig(tokens_per_hash=tokens_per_block, blocks_per_chunk=blocks_per_chunk),
         parallel=OffloadingParallelConfig(

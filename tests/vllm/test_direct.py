@@ -217,6 +217,28 @@ def test_daemon_down_gives_misses_and_dropped_stores(own_daemon):
         assert engine.lookup(ctx, keys) == [HIT, HIT]
 
 
+def test_a_load_right_after_a_daemon_restart_waits_for_the_worker_to_reconnect(own_daemon):
+    """The scheduler's link comes back first and leases chunks of the restarted daemon while the
+    worker's link is still in its backoff: the load waits for the worker to map the new pool
+    (vLLM asserts that loads succeed), then moves the exact bytes."""
+    daemon = own_daemon(cpu_bytes="32MiB").start()
+    keys = offload_keys("direct-restart", 2)
+    with DirectEngine(daemon, seed=11) as engine:
+        worker = engine.workers[0]
+        daemon.kill()
+        for _ in range(5):  # the worker notices, and each failed reconnect doubles its backoff
+            worker.get_finished()
+            time.sleep(0.2)
+        daemon.start()
+        with DirectEngine(daemon, seed=12) as other:  # another vLLM stores a prefix in the new run
+            ctx = other.request()
+            other.store(ctx, keys, list(range(8)))
+            ctx = engine.request()
+            assert engine.lookup(ctx, keys) == [HIT, HIT]
+            engine.load(ctx, keys, list(range(8, 16)))  # asserts the job succeeded
+            assert same_blocks(engine, list(range(8, 16)), other, list(range(8)))
+
+
 def test_spec_is_registered_by_the_plugin():
     assert OffloadingSpecFactory.get_spec_cls({"spec_name": "KvstoredOffloadingSpec"}) is KvstoredOffloadingSpec
     assert OffloadingSpecFactory.get_spec_cls(

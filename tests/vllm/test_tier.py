@@ -94,14 +94,18 @@ def test_two_engines_share_one_copy_of_each_chunk(vllm_daemon):
 
 def test_other_model_or_layout_never_collides(vllm_daemon):
     keys = offload_keys("collide", 3)
-    with Engine([kvstored_tier(vllm_daemon)]) as writer:
+    with Engine([kvstored_tier(vllm_daemon)], kv_cache_layout="LBHNC") as writer:
         store_and_cascade(writer, keys)
     for config in ({"model": "org/other-model"}, {"dtype": "float16"}, {"blocks_per_chunk": 2},
-                   {"layer_names": ("model.layers.0.attn",)}):
+                   {"layer_names": ("model.layers.0.attn",)}, {"kv_cache_layout": "LBNHC"}):
         with Engine([kvstored_tier(vllm_daemon)], **config) as other:
             ctx = other.request()
             assert other.lookup(ctx, keys) == [MISS] * len(keys), config
             other.finish(ctx)
+    with Engine([kvstored_tier(vllm_daemon)], kv_cache_layout="LBHNC") as same:
+        ctx = same.request()
+        assert same.lookup(ctx, keys) == [HIT] * len(keys)
+        same.finish(ctx)
 
 
 def test_cache_salt_scopes_chunks(vllm_daemon):

@@ -244,12 +244,18 @@ class CudaRuntime:
         self._unregister = self._lib.cudaHostUnregister
         self._unregister.argtypes = [ctypes.c_void_p]
         self._unregister.restype = ctypes.c_int
+        # A failed runtime call leaves its error pending for the thread; torch's next launch
+        # check would raise it inside the model's forward pass. Clear it where we fail.
+        self._clear_error = self._lib.cudaGetLastError
+        self._clear_error.argtypes = []
+        self._clear_error.restype = ctypes.c_int
 
     def copy_async(self, copies: Copies, stream_handle: int) -> None:
         memcpy = self._memcpy
         for s, d, n in zip(copies.src.tolist(), copies.dst.tolist(), copies.sizes.tolist()):
             err = memcpy(d, s, n, _CUDA_MEMCPY_DEFAULT, stream_handle)
             if err:
+                self._clear_error()
                 raise RuntimeError(f"cudaMemcpyAsync failed with CUDA error {err}")
 
     def host_register(self, address: int, size: int) -> list[int]:
@@ -259,15 +265,18 @@ class CudaRuntime:
         for off in range(0, size, MAX_HOST_REGISTER_BYTES):
             n = min(MAX_HOST_REGISTER_BYTES, size - off)
             if self._register(address + off, n, _CUDA_HOST_REGISTER_PORTABLE):
+                self._clear_error()
                 for a in done:
                     self._unregister(a)
+                self._clear_error()
                 return []
             done.append(address + off)
         return done
 
     def host_unregister(self, addresses: list[int]) -> None:
         for a in addresses:
-            self._unregister(a)
+            if self._unregister(a):
+                self._clear_error()
 
 
 def _cudart_path() -> str:

@@ -185,6 +185,7 @@ class _Probe:
 @dataclass(slots=True)
 class _Lease:
     pool_id: str
+    epoch: int  # the link's session that holds the leases: they end with it
     handles: list[int]
     extents: list[list[tuple[int, int]]]  # per rank
     requests: set[str] = field(default_factory=set)
@@ -197,6 +198,7 @@ class _Acquire:
     namespace_id: str
     keys: list[OffloadKey]
     pool_id: str
+    epoch: int
     sent_at: float
     expired: bool = False  # answered MISS already (deadline): its leases are released on arrival
 
@@ -214,7 +216,7 @@ class KvstoredDirectManager(OffloadingManager):
         # (request, namespace) -> (request context, keys in lookup order)
         self._batch: dict[tuple[str, str], tuple[ReqContext, list[OffloadKey]]] = {}
         self._acquires: list[_Acquire] = []
-        self._to_release: list[int] = []
+        self._to_release: list[tuple[int, int]] = []  # (session epoch, handle)
         self._releases: list[grpc.Future] = []
         self._stats = OffloadingConnectorStats()
         self._link.settle(spec.connect_timeout_s, (self._namespaces.id_for(SHA256_OFFLOAD_KEY_BYTES),))
@@ -330,11 +332,12 @@ class KvstoredDirectManager(OffloadingManager):
         return False
 
     def _forget_dead_pool(self) -> None:
-        """Once the daemon that granted leases is gone, its idle leases are worthless: drop them
-        (its session went with it) so lookups ask the new daemon. Leases of loads in flight stay
-        until complete_load: the workers keep that pool mapped meanwhile."""
-        current = self._link.pool_id if self._link.ready else None
-        for probe_key in [k for k, lease in self._leases.items() if lease.pool_id != current and lease.loads <= 0]:
+        """Once the session that holds leases is gone (the daemon restarted, or the link was
+        reset), its idle leases are worthless: the daemon freed them, and their slots may hold
+        other chunks by now. Drop them so lookups ask again. Leases of loads in flight stay until
+        complete_load: the workers keep that pool mapped meanwhile."""
+        current = self._link.epoch if self._link.ready else -1
+        for probe_key in [k for k, lease in self._leases.items() if lease.epoch != current and lease.loads <= 0]:
             del self._leases[probe_key]
             self._probes.pop(probe_key, None)  # a later lookup asks again
 
@@ -359,7 +362,7 @@ class KvstoredDirectManager(OffloadingManager):
                 # No deadline: a lease granted after a client timeout would be leaked; a slow answer
                 # is turned into misses below instead, and its leases released when it arrives.
                 self._acquires.append(_Acquire(self._link.call("Acquire", request), namespace_id, keys,
-                                               self._link.pool_id, now))
+                                               self._link.pool_id, self._link.epoch, now))
                 self._stats.increase_counter(DirectMetrics.LOOKUP_RPCS)
             elif (self._link.state is LinkState.DOWN
                   or now - self._probes[(namespace_id, keys[0])].since > self._spec.lookup_timeout_s):
@@ -393,12 +396,12 @@ class KvstoredDirectManager(OffloadingManager):
                 mine = leases[i * self._world:(i + 1) * self._world]
                 probe = self._probes.get(probe_key)
                 if probe_key in self._leases or probe is None or not probe.requests:
-                    self._to_release.extend(lease.handle for lease in mine)
+                    self._to_release.extend((call.epoch, lease.handle) for lease in mine)
                     continue
-                self._leases[probe_key] = _Lease(call.pool_id, [lease.handle for lease in mine],
+                self._leases[probe_key] = _Lease(call.pool_id, call.epoch, [lease.handle for lease in mine],
                                                  [[(e.offset, e.length) for e in lease.extents] for lease in mine],
                                                  requests=set(probe.requests))
-            self._to_release.extend(lease.handle for lease in leases[whole * self._world:])
+            self._to_release.extend((call.epoch, lease.handle) for lease in leases[whole * self._world:])
             if not call.expired:
                 self._resolve(call.namespace_id, call.keys, whole)
         self._acquires = pending
@@ -416,16 +419,16 @@ class KvstoredDirectManager(OffloadingManager):
     def _maybe_release(self, probe_key: tuple[str, OffloadKey], lease: _Lease) -> None:
         if not lease.requests and lease.loads <= 0:
             del self._leases[probe_key]
-            self._to_release.extend(lease.handles)
+            self._to_release.extend((lease.epoch, handle) for handle in lease.handles)
 
     def _flush_releases(self) -> None:
         self._releases = [f for f in self._releases if not f.done() or self._release_failed(f)]
-        if self._to_release and self._link.ready:
-            handles, self._to_release = self._to_release, []
+        # Leases of an earlier session ended with it; their ids may name the new session's leases.
+        handles = [h for epoch, h in self._to_release if self._link.ready and epoch == self._link.epoch]
+        self._to_release.clear()
+        if handles:
             self._releases.append(self._link.call(
                 "Release", pb.ReleaseRequest(session_id=self._link.session_id, handles=handles)))
-        elif not self._link.ready:
-            self._to_release.clear()  # the session is gone, and its leases with it
 
     def _release_failed(self, future: grpc.Future) -> bool:
         result = outcome(future)

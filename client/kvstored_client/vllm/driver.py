@@ -183,6 +183,12 @@ class DaemonLink:
             time.sleep(0.001)
         return False
 
+    def reconnect_soon(self) -> None:
+        """Skip the rest of the backoff: the caller knows the daemon is back (e.g. another
+        process of this engine got leases from it)."""
+        if self.state is LinkState.DOWN:
+            self._retry_at = 0.0
+
     def fail(self, exc: BaseException, backoff: bool = True) -> None:
         """Drop the session; the next poll after the backoff starts a new one."""
         if self.state is not LinkState.DOWN:

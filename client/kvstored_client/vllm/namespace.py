@@ -54,6 +54,10 @@ def layout_info(offloading_spec: Any, chunk_format: str, parallel_agnostic: bool
     if include_rank:
         fields["rank"] = mapper.rank
     fields["chunk_format"] = chunk_format
+    # The page layout (e.g. HND vs NHD pages) changes the bytes; FileMapper only includes it for
+    # canonical layouts, so two engines with different attention backends would collide.
+    if getattr(config, "kv_cache_layout", None):
+        fields["kv_cache_layout"] = config.kv_cache_layout
     fields.update(extra or {})
     groups = config.groups
     block_tokens = groups[0].tokens_per_block * offloading_spec.blocks_per_chunk if groups else 0

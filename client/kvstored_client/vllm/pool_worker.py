@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import grpc
 import numpy as np
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
@@ -51,6 +52,7 @@ class _Store:
     deadline: float
     ready_event: Any = None      # CUDA event on the compute stream at submit time
     reserve: Any = None          # grpc future
+    epoch: int = 0               # the link's session when Reserve was sent: its handles die with it
     pool_id: str = ""
     handles: list[int] = field(default_factory=list)
     end_event: Any = None
@@ -64,8 +66,10 @@ class _Load:
     job_id: int
     pool_ids: set[str]
     submitted: float
-    num_bytes: int
+    num_bytes: int = 0
     end_event: Any = None
+    waiting: Any = None  # the copy to issue once its pool is mapped (after a daemon restart)
+    deadline: float = 0.0
 
 
 class PoolTransferEngine:
@@ -129,7 +133,7 @@ class PoolTransferEngine:
             if self.link.ready and self.link.pool_id in self.pools and self.link.namespace_ready(job.namespace_id):
                 request = pb.ReserveRequest(session_id=self.link.session_id, namespace_id=job.namespace_id,
                                             keys=job.keys)
-                job.reserve, job.pool_id = self.link.call("Reserve", request), self.link.pool_id
+                job.reserve, job.pool_id, job.epoch = self.link.call("Reserve", request), self.link.pool_id, self.link.epoch
             elif self.link.state is LinkState.DOWN or time.monotonic() > job.deadline:
                 self._report_store(job, dropped=True)
                 self._stores.pop(job.job_id)
@@ -137,11 +141,13 @@ class PoolTransferEngine:
         if job.reserve is not None and not job.copied and job.reserve.done():
             self._reserved(job)
         if job.copied and not job.reported and (job.end_event is None or job.end_event.query()):
-            self._report_store(job, dropped=not job.handles)
-            if job.handles:
+            committable = bool(job.handles) and self._same_session(job.epoch)
+            self._report_store(job, dropped=not committable)
+            if committable:
                 self._rpcs.append(self.link.call("Commit", pb.CommitRequest(session_id=self.link.session_id,
                                                                            handles=job.handles)))
-        if not job.reported and time.monotonic() > job.deadline:
+        if not job.reported and not job.copied and time.monotonic() > job.deadline:
+            # Only before copies are issued: once they are, the job ends when they do.
             self._report_store(job, dropped=True)  # the reservation, when it answers, is released
         if job.reported and (job.copied or job.reserve is None or job.reserve.done()):
             if not job.copied and job.reserve is not None:
@@ -174,7 +180,7 @@ class PoolTransferEngine:
         result = outcome(job.reserve)
         if result.ok:
             handles = [s.handle for s in result.response.slots if s.state == pb.SLOT_STATE_RESERVED]
-            if handles and self.link.ready:
+            if handles and self._same_session(job.epoch):
                 self._rpcs.append(self.link.call("Release", pb.ReleaseRequest(session_id=self.link.session_id,
                                                                              handles=handles)))
 
@@ -196,25 +202,37 @@ class PoolTransferEngine:
         chunk_pools[i] at `extents`. False when a pool is not mapped here (the job is then
         reported failed)."""
         now = time.monotonic()
-        needed = set(chunk_pools)
-        if not needed <= set(self.pools):
+        load = _Load(job_id, set(chunk_pools), now)
+        load.waiting = (np.asarray(gpu_blocks), group_sizes, block_indices, np.asarray(chunk_pools), extents,
+                        expedited)
+        self._loads[job_id] = load
+        if not load.pool_ids <= set(self.pools):
+            # The scheduler leased chunks of a daemon this worker has not reconnected to yet (a
+            # restart): hold the load until the session is back, within the connect timeout.
+            load.deadline = now + self._connect_timeout_s
+            self.link.reconnect_soon()
             self.link.poll()
             self._map_current_pool()
-        missing = needed - set(self.pools)
-        if missing:
-            log.error("kvstored: load job %d reads pool(s) %s, which this worker has not mapped", job_id, missing)
-            self._finished.append(Finished(job_id, False, 0, 0.0))
-            return False
-        blocks = np.asarray(gpu_blocks)
-        pools = np.asarray(chunk_pools)
-        num_bytes, event = 0, None
-        for pool_id in sorted(needed):
-            mine = extents if len(needed) == 1 else _only(extents, pools == pool_id)
+        return self._issue_load(load)
+
+    def _issue_load(self, load: _Load) -> bool:
+        """Start a waiting load whose pools are mapped; fail it once its deadline passed."""
+        if not load.pool_ids <= set(self.pools):
+            if time.monotonic() > load.deadline:
+                log.error("kvstored: load job %d reads pool(s) %s, which this worker could not map",
+                          load.job_id, load.pool_ids - set(self.pools))
+                del self._loads[load.job_id]
+                self._finished.append(Finished(load.job_id, False, 0, 0.0))
+                return False
+            return True
+        blocks, group_sizes, block_indices, pools, extents, expedited = load.waiting
+        load.waiting = None
+        for pool_id in sorted(load.pool_ids):
+            mine = extents if len(load.pool_ids) == 1 else _only(extents, pools == pool_id)
             copies = self.layout.copies(blocks, group_sizes, block_indices, mine, self.pools[pool_id].address,
                                         to_pool=False)
-            num_bytes += copies.total_bytes
-            event = self._run(copies, "expedited" if expedited else "load", None)
-        self._loads[job_id] = _Load(job_id, set(needed), now, num_bytes, event)
+            load.num_bytes += copies.total_bytes
+            load.end_event = self._run(copies, "expedited" if expedited else "load", None)
         return True
 
     # -- polling ----------------------------------------------------------------------------
@@ -229,7 +247,10 @@ class PoolTransferEngine:
         self._map_current_pool()
         for job in list(self._stores.values()):
             self._advance_store(job)
-        for job_id in [j for j, load in self._loads.items() if load.end_event is None or load.end_event.query()]:
+        for load in [load for load in self._loads.values() if load.waiting is not None]:
+            self._issue_load(load)
+        for job_id in [j for j, load in self._loads.items()
+                       if load.waiting is None and (load.end_event is None or load.end_event.query())]:
             load = self._loads.pop(job_id)
             self._finished.append(Finished(job_id, True, load.num_bytes, time.monotonic() - load.submitted))
         still = []
@@ -249,6 +270,9 @@ class PoolTransferEngine:
 
     def wait(self, job_ids: set[int]) -> None:
         """Block until those jobs no longer read or write their GPU blocks."""
+        while any(j in self._loads and self._loads[j].waiting is not None for j in job_ids):
+            self.poll()  # a load waiting for its pool: issued or failed within the connect timeout
+            time.sleep(0.001)
         for job_id in job_ids:
             load = self._loads.get(job_id)
             if load is not None and load.end_event is not None:
@@ -263,8 +287,11 @@ class PoolTransferEngine:
 
     def close(self) -> None:
         self.wait(set(self._stores) | set(self._loads))
-        for future in self._rpcs:
-            future.exception(timeout=self._connect_timeout_s)
+        for future in self._rpcs:  # last Commits / Releases: a stopped daemon must not stall shutdown
+            try:
+                future.exception(timeout=self._connect_timeout_s)
+            except (grpc.FutureTimeoutError, grpc.FutureCancelledError):
+                future.cancel()
         self.link.close()
         for pool in self.pools.values():
             pool.close()
@@ -288,6 +315,11 @@ class PoolTransferEngine:
             event = torch.cuda.Event()
             event.record(stream)
         return event
+
+    def _same_session(self, epoch: int) -> bool:
+        """Whether handles granted in session `epoch` are still ours (a new session means the
+        daemon dropped them, or restarted: its handle ids may name someone else's slots)."""
+        return self.link.ready and self.link.epoch == epoch
 
     def _map_current_pool(self) -> None:
         if self.link.ready and self.link.pool_fd is not None and self.link.pool_id not in self.pools:

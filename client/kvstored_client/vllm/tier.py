@@ -594,7 +594,8 @@ class KvstoredTierManager(SecondaryTierManager):
                 self._rpc_error(result)
         success = len(loaded) == len(transfer.keys)
         if not success:
-            failed = [k for k in transfer.keys if k not in set(loaded)]
+            loaded_set = set(loaded)
+            failed = [k for k in transfer.keys if k not in loaded_set]
             self._mark_miss(transfer.namespace_id, failed)
             self._stats.increase_counter(KvstoredMetrics.FAILED_LOAD_CHUNKS, len(failed), self._label)
         self._finished.append(JobResult(
