@@ -65,6 +65,28 @@ def test_store_then_load_round_trips_through_split_extents(extent_pages):
             assert torch.equal(mine[b], theirs[src_block])
 
 
+@pytest.mark.parametrize("to_pool", [True, False])
+def test_no_copy_crosses_a_separately_pinned_piece_of_the_pool(to_pool):
+    layout = kv_layout()
+    part = layout.part_bytes
+    pool = np.zeros(part * 4, dtype=np.uint8)
+    piece = 1000  # pieces far smaller than a copy: every merged copy is cut
+    extents = ChunkExtents.from_lists([[(0, part)], [(part, part)]])  # contiguous: copies merge across chunks
+    blocks = np.arange(8)
+    whole = layout.copies(blocks, [8], [0], extents, pool.ctypes.data, to_pool, piece_bytes=1 << 40)
+    cut = layout.copies(blocks, [8], [0], extents, pool.ctypes.data, to_pool, piece_bytes=piece)
+    assert cut.total_bytes == whole.total_bytes and len(cut) > len(whole)
+    pool_side = (cut.dst if to_pool else cut.src) - np.uint64(pool.ctypes.data)
+    last = pool_side + cut.sizes.astype(np.uint64) - np.uint64(1)
+    assert np.all(pool_side // piece == last // piece)
+    if to_pool:  # and the bytes land where the uncut copies put them
+        run_copies_cpu(cut)
+        expected = pool.copy()
+        pool[:] = 0
+        run_copies_cpu(whole)
+        assert np.array_equal(pool, expected)
+
+
 def test_chunks_without_slot_are_skipped():
     layout = kv_layout()
     pool = np.zeros(layout.part_bytes * 2, dtype=np.uint8)

@@ -132,8 +132,10 @@ class KVLayout:
         extents: ChunkExtents,
         pool_address: int,
         to_pool: bool,
+        piece_bytes: int = MAX_HOST_REGISTER_BYTES,
     ) -> Copies:
-        """The copies that move the given GPU blocks to (to_pool) or from their chunk parts."""
+        """The copies that move the given GPU blocks to (to_pool) or from their chunk parts. No
+        copy crosses a `piece_bytes` boundary of the pool (each piece is pinned on its own)."""
         gpu_addr, part_off, chunk_idx, sizes = [], [], [], []
         for g, blocks, chunks, subs in self.block_positions(gpu_blocks, group_sizes, block_indices, len(extents)):
             for ref in self.group_refs[g]:
@@ -155,7 +157,35 @@ class KVLayout:
         pool_addr, gpu_addr, sizes = _through_extents(extents, self.part_bytes, chunk_idx, part_off, sizes,
                                                        gpu_addr, pool_address)
         src, dst = (gpu_addr, pool_addr) if to_pool else (pool_addr, gpu_addr)
-        return _merge(src, dst, sizes)
+        return _split_at_pieces(_merge(src, dst, sizes), pool_address, piece_bytes, to_pool)
+
+
+def _split_at_pieces(copies: Copies, pool_address: int, piece_bytes: int, to_pool: bool) -> Copies:
+    """Cut copies whose pool side crosses a boundary between separately pinned pieces of the pool
+    (a DMA must stay within one registration)."""
+    pool_side = copies.dst if to_pool else copies.src
+    if len(copies) == 0:
+        return copies
+    start = pool_side - np.uint64(pool_address)
+    end = start + copies.sizes.astype(np.uint64) - np.uint64(1)
+    crossing = np.nonzero(start // np.uint64(piece_bytes) != end // np.uint64(piece_bytes))[0]
+    if len(crossing) == 0:
+        return copies
+    src, dst, sizes = copies.src.tolist(), copies.dst.tolist(), copies.sizes.tolist()
+    out_src, out_dst, out_sizes = [], [], []
+    cut = set(crossing.tolist())
+    for i, (s, d, n) in enumerate(zip(src, dst, sizes)):
+        if i not in cut:
+            out_src.append(s), out_dst.append(d), out_sizes.append(n)
+            continue
+        offset = 0
+        while offset < n:
+            pool_pos = (d if to_pool else s) + offset - pool_address
+            step = min(n - offset, piece_bytes - pool_pos % piece_bytes)
+            out_src.append(s + offset), out_dst.append(d + offset), out_sizes.append(step)
+            offset += step
+    return Copies(np.array(out_src, dtype=np.uint64), np.array(out_dst, dtype=np.uint64),
+                  np.array(out_sizes, dtype=np.int64))
 
 
 def _empty() -> Copies:
