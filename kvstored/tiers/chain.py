@@ -152,14 +152,22 @@ class TierChain:
 
     async def _clear(self, namespace_id: str) -> int:
         failures = []
+        # Each removed key is an event (routers in vLLM's format know no per-namespace clear),
+        # then one CLEARED per tier for watchers that track namespaces.
         with self._deleting.namespace(namespace_id):
             chunks = self.ram.chunks_of(namespace_id)
-            removed = sum(self.ram.delete(c) for c in chunks)
+            gone = [c for c in chunks if self.ram.delete(c)]
+            removed = len(gone)
+            self._publish_ram(EventType.REMOVED, Cause.DELETED, gone)
             self.events.publish_cleared("ram", TierKind.RAM, namespace_id)
             for lower in self.lower:
-                below = await lower.remove_all(lower.tier.known_chunks(namespace_id))
+                known = lower.tier.known_chunks(namespace_id)
+                below = await lower.remove_all(known)
                 failures += below.failures
-                removed += sum(below.gone)
+                gone = [c for c, hit in zip(known, below.gone) if hit]
+                removed += len(gone)
+                if gone:
+                    self.events.publish(EventType.REMOVED, Cause.DELETED, lower.tier.name, lower.tier.kind, gone)
                 self.events.publish_cleared(lower.tier.name, lower.tier.kind, namespace_id)
         _raise_first(failures)
         return removed

@@ -58,6 +58,7 @@ class _Read:
 @dataclass(slots=True)
 class _PendingWrite:
     done: asyncio.Future  # the WriteOutcome, for writers and removers of the same chunk meanwhile
+    removal: asyncio.Future | None = None  # a remove() waits for this write: its file goes next
 
 
 class FsTier(SecondaryTier):
@@ -176,6 +177,9 @@ class FsTier(SecondaryTier):
         pending = self._pending.get(chunk)
         if pending is not None:  # the same bytes are on their way: share that write's outcome
             outcome = await asyncio.shield(pending.done)
+            if pending.removal is not None:  # ...unless that file is being removed: write anew after
+                await asyncio.shield(pending.removal)
+                return await self.write(chunk, views, size)
             if outcome in (WriteOutcome.WRITTEN, WriteOutcome.ALREADY_PRESENT):
                 return WriteOutcome.ALREADY_PRESENT
             return outcome
@@ -282,18 +286,26 @@ class FsTier(SecondaryTier):
     async def remove(self, chunk: ChunkId) -> bool:
         path = self._path(chunk)
         pending = self._pending.get(chunk)
+        removal = None
         if pending is not None:  # let the write land, then remove what it wrote
+            if pending.removal is None:  # writes joining it meanwhile must not count on its file
+                pending.removal = asyncio.get_running_loop().create_future()
+            removal = pending.removal
             await asyncio.wait((pending.done,))
-        entry = self._index.discard(chunk)
-        if self._closed:
-            return entry is not None
-        items = [(chunk, path)]
-        gate = self._claim_unlinks(items)
         try:
-            unlinked = await self._run(_result_or_nothing, fs_io.unlink_files, [path])
+            entry = self._index.discard(chunk)
+            if self._closed:
+                return entry is not None
+            items = [(chunk, path)]
+            gate = self._claim_unlinks(items)
+            try:
+                unlinked = await self._run(_result_or_nothing, fs_io.unlink_files, [path])
+            finally:
+                self._settle_unlinks(items, gate)
+            return entry is not None or bool(unlinked)
         finally:
-            self._settle_unlinks(items, gate)
-        return entry is not None or bool(unlinked)
+            if removal is not None and not removal.done():
+                removal.set_result(None)
 
     def known_chunks(self, namespace_id: str) -> list[ChunkId]:
         return self._index.chunks_of(namespace_id)

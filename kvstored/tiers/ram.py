@@ -253,7 +253,8 @@ class RamTier:
         entry.writing, entry.touched = True, True
 
     def finish_writeback(self, entry: RamEntry, persisted: bool) -> bool:
-        """End a write-down. Returns True if the chunk left RAM (it was a victim, unused since)."""
+        """End a write-down. Returns True if the chunk left RAM now (it was a victim, unused
+        since); False too for a chunk deleted meanwhile (its removal was reported then)."""
         entry.writing = False
         entry.persisted = entry.persisted or persisted
         if persisted:
@@ -262,7 +263,7 @@ class RamTier:
             return False
         if not entry.indexed:
             self._free(entry)
-            return True
+            return False
         if entry.touched:
             self._lru[entry.chunk] = entry
             return False

@@ -14,7 +14,7 @@ from kvstored.server.sessions import HandleKind, SessionRegistry
 from kvstored.shm.mapping import SharedPool
 from kvstored.tiers.base import SecondaryTier, TierKind, TierUsage, WriteOutcome
 from kvstored.tiers.chain import ChainPolicy, TierChain
-from kvstored.tiers.lower import LowerTier
+from kvstored.tiers.lower import LowerTier, WritePolicy
 from kvstored.tiers.ram import RamTier, ReserveOutcome
 
 CHUNK = 64 << 10
@@ -241,3 +241,28 @@ async def test_a_session_closing_during_a_region_load_gives_unknown_session(rig,
         await loading
     assert chain.ram.delete(("ns", key(1)))  # promoted, and no lease was left behind
     assert chain.ram.used_bytes == 0
+
+
+async def test_a_chunk_deleted_and_stored_again_during_its_write_down_is_reported_once_as_stored(rig):
+    """The old write-down ends after the delete and the new store: no stale REMOVED(ram) may
+    follow the new STORED(ram) (a router would drop a chunk RAM holds)."""
+    chain, sessions, tier = await rig(delay=0.2)
+    chain.writeback.policy = WritePolicy.WRITE_THROUGH
+    events = []
+    chain.events.add_listener(lambda e: events.append((e.tier, e.type.name, e.cause.name)))
+    session = sessions.open("c")
+
+    async def store() -> None:
+        grant = (await chain.reserve(session, NS, [key(1)]))[0]
+        chain.commit(session, [grant.handle])
+
+    await store()  # its write-down starts
+    await asyncio.sleep(0.05)
+    deleting = asyncio.create_task(chain.delete(NS, [key(1)]))  # waits behind the write-down below
+    await asyncio.sleep(0.05)
+    await store()  # stored again while the first write-down still runs
+    assert await deleting == 1
+    await asyncio.sleep(0.6)
+    ram = [e for e in events if e[0] == "ram"]
+    assert ram == [("ram", "STORED", "STORED"), ("ram", "REMOVED", "DELETED"), ("ram", "STORED", "STORED")]
+    assert await chain.lookup(NS, [key(1)]) == [TierKind.RAM]

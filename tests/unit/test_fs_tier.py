@@ -594,3 +594,28 @@ async def test_concurrent_mix_keeps_index_and_disk_in_step(make_tier, tmp_path, 
     assert tier.usage().used_bytes == sum(files.values()) <= tier.usage().capacity_bytes
     assert tier.usage().chunks == len(files) and tmp_files(root) == []
     assert tier.counters.checksum_failures == 0 and tier.counters.errors == 0
+
+
+async def test_a_write_joining_one_whose_file_is_being_removed_writes_anew(tmp_path, monkeypatch):
+    """write(X) in flight, remove(X) queued behind it, then X written again (deleted and stored
+    again by a client): the new write must not report the file that the remove is about to unlink."""
+    from kvstored.tiers import fs_io
+
+    real = fs_io.pwritev_all
+    monkeypatch.setattr(fs_io, "pwritev_all", lambda fd, bufs: (time.sleep(0.2), real(fd, bufs))[1])
+    tier = FsTier("fs", tmp_path / "fs", 64 << 20)
+    await tier.start()
+    try:
+        buf = mmap.mmap(-1, 16 * 4096)
+        chunk = ("0123456789abcdef0123456789abcdef", hashlib.sha256(b"x").digest())
+        old = asyncio.create_task(tier.write(chunk, [memoryview(buf)], len(buf)))
+        await asyncio.sleep(0.05)
+        removing = asyncio.create_task(tier.remove(chunk))
+        await asyncio.sleep(0.05)
+        new = asyncio.create_task(tier.write(chunk, [memoryview(buf)], len(buf)))
+        assert await old is WriteOutcome.WRITTEN and await removing
+        assert await new is WriteOutcome.WRITTEN
+        assert (tmp_path / "fs" / chunkfile.chunk_relpath(chunk)).exists()
+        assert await tier.contains([chunk]) == [True]
+    finally:
+        await tier.close()
