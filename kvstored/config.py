@@ -110,6 +110,19 @@ def is_loopback(addr: str) -> bool:
         return False
 
 
+# ZMQ transports a PUB or ROUTER socket can bind; anything else fails only at bind, after the tiers started.
+ZMQ_TRANSPORTS = ("tcp", "ipc", "inproc", "pgm", "epgm", "tipc", "vmci", "ws", "wss")
+
+
+def _check_zmq_endpoint(option: str, endpoint: str) -> None:
+    transport, sep, address = endpoint.partition("://")
+    if not sep or transport not in ZMQ_TRANSPORTS or not address:
+        raise ConfigError(
+            f"{option} must be TRANSPORT://ADDRESS with a ZMQ transport ({', '.join(ZMQ_TRANSPORTS)}), "
+            f"e.g. tcp://127.0.0.1:5557; got {endpoint!r}"
+        )
+
+
 def parse_listen_addr(value: str) -> str:
     """HOST:PORT (IPv6 as [::1]:9464), or "" / "off" to disable; returns "" or the address."""
     value = str(value).strip()
@@ -161,9 +174,34 @@ TierConfig = FsTierConfig | S3TierConfig
 _TIER_TYPES: dict[str, type] = {"fs": FsTierConfig, "s3": S3TierConfig}
 _TIER_FIELD_PARSERS: dict[str, Callable[[Any], Any]] = {
     "root": Path, "bytes": parse_size, "admission": AdmissionPolicy, "io_threads": int, "direct_io": _parse_bool,
-    "concurrency": int, "max_backlog": int, "timeout_s": float, "negative_cache_s": float,
-    "breaker_failures": int, "breaker_reset_s": float, "create_bucket": _parse_bool,
+    "concurrency": int, "max_backlog": int, "timeout_s": _parse_seconds, "negative_cache_s": _parse_seconds,
+    "breaker_failures": int, "breaker_reset_s": _parse_seconds, "create_bucket": _parse_bool,
 }
+# Least value of each numeric tier option (the tiers only find out when built or, worse, run:
+# concurrency 0 starts no worker, so loads wait forever; max_backlog <= 0 drops every write-down).
+_TIER_MINIMUMS: dict[type, dict[str, float]] = {
+    FsTierConfig: {"bytes": 1, "io_threads": 1, "concurrency": 1, "max_backlog": 1},
+    S3TierConfig: {"bytes": 0, "concurrency": 1, "max_backlog": 1, "negative_cache_s": 0, "breaker_failures": 1,
+                   "breaker_reset_s": 0},
+}
+
+
+def _check_tier(tier: TierConfig) -> None:
+    """Range-check a tier's options; ConfigError names the tier, the option and the value."""
+    kind = "fs" if isinstance(tier, FsTierConfig) else "s3"
+    for option, least in _TIER_MINIMUMS[type(tier)].items():
+        value = getattr(tier, option)
+        if not value >= least:  # (also refuses nan)
+            raise ConfigError(f"{kind} tier {tier.name!r}: {option} must be >= {least}, got {value}")
+    if isinstance(tier, S3TierConfig) and not 0 < tier.timeout_s < math.inf:
+        raise ConfigError(f"s3 tier {tier.name!r}: timeout_s must be a finite number > 0, got {tier.timeout_s}")
+
+
+def _parse_tier_value(kind: str, option: str, raw: Any) -> Any:
+    try:
+        return _TIER_FIELD_PARSERS.get(option, str)(raw)
+    except (TypeError, ValueError) as exc:  # the parsers' own messages don't say which key
+        raise ConfigError(f"{kind} tier: bad value for {option}: {exc}") from None
 
 
 def _parse_tier(spec: Mapping[str, Any] | str) -> TierConfig:
@@ -186,10 +224,12 @@ def _parse_tier(spec: Mapping[str, Any] | str) -> TierConfig:
                      if f.default is dataclasses.MISSING and f.name not in spec)
     if missing:
         raise ValueError(f"{kind} tier: missing {', '.join(missing)}")
-    values = {k: _TIER_FIELD_PARSERS.get(k, str)(v) for k, v in spec.items()}
+    values = {k: _parse_tier_value(kind, k, v) for k, v in spec.items()}
     if "name" not in values:
         values["name"] = kind
-    return cls(**values)
+    tier = cls(**values)
+    _check_tier(tier)
+    return tier
 
 
 def _parse_tiers(value: Any) -> tuple[TierConfig, ...]:
@@ -326,6 +366,9 @@ class Config:
             raise ConfigError(f"max_batch_keys must be positive, got {self.max_batch_keys}")
         if self.grace_seconds < 0:
             raise ConfigError(f"grace_seconds must not be negative, got {self.grace_seconds}")
+        for tier in self.tiers:
+            _check_tier(tier)
+        self._validate_events()
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ConfigError("tls_cert_file and tls_key_file go together")
         if self.tls_client_ca_file and not self.tls_cert_file:
@@ -336,6 +379,21 @@ class Config:
                 f"(and tls_client_ca_file for mutual TLS)"
             )
         return self
+
+    def _validate_events(self) -> None:
+        if self.events_buffer < 0:
+            raise ConfigError(f"events_buffer must not be negative, got {self.events_buffer}")
+        if self.events_zmq_endpoint:
+            _check_zmq_endpoint("events_zmq_endpoint", self.events_zmq_endpoint)
+        if self.events_zmq_replay_endpoint:
+            _check_zmq_endpoint("events_zmq_replay_endpoint", self.events_zmq_replay_endpoint)
+            if not self.events_zmq_endpoint:  # the publisher serves replay: alone it would be ignored
+                raise ConfigError("events_zmq_replay_endpoint needs events_zmq_endpoint")
+            if self.events_zmq_replay_endpoint == self.events_zmq_endpoint:
+                raise ConfigError(
+                    f"events_zmq_replay_endpoint must differ from events_zmq_endpoint, "
+                    f"both are {self.events_zmq_endpoint!r}"
+                )
 
     @property
     def headroom_bytes(self) -> int:

@@ -5,9 +5,9 @@ a 4096-byte header then the payload (kvstored.tiers.chunkfile). O_DIRECT files a
 so a file may be longer than HEADER_BYTES + payload; the header's payload_len is the truth.
 
 Bookkeeping (index, LRU, capacity, admission) lives in FsIndex and runs on the event loop; every
-blocking file operation runs in the tier's own small thread pool. One pwritev / preadv moves a
-whole chunk straight between the caller's page-aligned views and the disk (O_DIRECT), falling back
-to buffered I/O where the filesystem or the buffers don't allow O_DIRECT.
+blocking file operation runs in the tier's own small thread pool. pwritev / preadv move a whole
+chunk straight between the caller's page-aligned views and the disk (O_DIRECT; one call per
+IOV_MAX views), falling back to buffered I/O where the filesystem or the buffers don't allow it.
 
 Several daemons may share a root: names are content addresses (the same name always holds the
 same bytes), files appear only by rename of a complete temporary file, a miss in the index is
@@ -48,11 +48,14 @@ TOUCH_INTERVAL_S = 60.0  # a read hit refreshes the file's mtime (restart LRU or
 INLINE_STATS = 8  # contains(): up to this many index misses are stat'ed on the loop, more in the pool
 CLAIMS_REMEMBERED = 4096  # recent unlinks remembered per chunk (see FsTier._may_adopt)
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+# Reading the file itself failed (bad sectors, fs checksums; a directory, socket or device under the
+# name): no retry will do better, so the chunk is dropped like a corrupt one.
+_UNREADABLE_ERRNOS = frozenset({errno.EIO, errno.EISDIR, errno.ENXIO, errno.EUCLEAN, errno.EBADMSG})
 _TMP_SEQ = itertools.count()  # next() is atomic under the GIL: unique temporary names per process
 
 
 class _Read:
-    HIT, MISS, CORRUPT = "hit", "miss", "corrupt"
+    HIT, MISS, CORRUPT, UNREADABLE = "hit", "miss", "corrupt", "unreadable"
 
 
 @dataclass(slots=True)
@@ -274,6 +277,11 @@ class FsTier(SecondaryTier):
                 self.counters.checksum_failures += 1
                 log.warning("fs tier %s: corrupt chunk file %s removed: %s", self.name, path, detail)
                 self._notify(chunk, RemovalCause.CORRUPT)
+            elif status is _Read.UNREADABLE:
+                self.counters.errors += 1
+                log.warning("fs tier %s: unreadable chunk file %s dropped: %s", self.name, path, detail)
+                if dropped:
+                    self._notify(chunk, RemovalCause.CORRUPT)
             elif dropped:
                 self._notify(chunk, RemovalCause.EVICTED)
             return False
@@ -425,6 +433,9 @@ class FsTier(SecondaryTier):
         return self._scan()
 
     def _probe_direct(self) -> bool:
+        """False only if the filesystem refuses O_DIRECT (EINVAL). Any other failure (a full disk,
+        a read-only root) says nothing about O_DIRECT and must not stop the start: the existing
+        files are still served, the start-up eviction may free space, and writes find out."""
         probe = os.path.join(self._root, f".odirect-probe.{os.getpid()}.{next(_TMP_SEQ)}{TMP_SUFFIX}")
         try:
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DIRECT, 0o644)
@@ -436,7 +447,9 @@ class FsTier(SecondaryTier):
         except OSError as exc:
             if exc.errno == errno.EINVAL:
                 return False
-            raise
+            log.warning("fs tier %s: cannot probe O_DIRECT under %s (%s); keeping it on",
+                        self.name, self._root, exc)
+            return True
         finally:
             fs_io.unlink_quiet(probe)  # also where open created the file before refusing O_DIRECT
 
@@ -540,7 +553,10 @@ class FsTier(SecondaryTier):
                     except OSError as exc:
                         if exc.errno != errno.EINVAL:
                             raise
-                        self._refuse_direct(exc)  # open took O_DIRECT but the I/O did not
+                        # open took O_DIRECT but this I/O did not: write this file buffered (only
+                        # open and the start probe speak for the filesystem as a whole)
+                        log.debug("fs tier %s: O_DIRECT write of %s refused (%s); writing it buffered",
+                                  self.name, tmp, exc)
                         os.close(fd)
                         fd = -1
                         fd, _ = self._open(tmp, (flags & ~os.O_EXCL) | os.O_TRUNC, False)
@@ -561,22 +577,29 @@ class FsTier(SecondaryTier):
     def _read_job(
         self, chunk: ChunkId, path: str, views: Sequence[memoryview], size: int, want_size: bool, touch: bool
     ) -> tuple[str, int, str | None]:
-        """(status, file size if `want_size`, what was wrong); a corrupt file is removed."""
+        """(status, file size if `want_size`, what was wrong); a corrupt or unreadable file is removed."""
         direct_bufs = fs_io.direct_buffers(views, size) if self._direct else None
         try:
             fd, direct = self._open(path, os.O_RDONLY | os.O_CLOEXEC, direct_bufs is not None)
         except FileNotFoundError:
             return _Read.MISS, 0, None
+        except OSError as exc:
+            if exc.errno not in _UNREADABLE_ERRNOS:
+                raise
+            return _Read.UNREADABLE, 0, str(exc)  # not a file we can open: nothing of ours to unlink
         try:
             header = fs_io.header_buffer()
             got = -1
             if direct:
-                try:  # one syscall; a short count is the end of the file
-                    got = os.preadv(fd, [header, *direct_bufs], 0)
+                try:
+                    got = fs_io.preadv_direct(fd, [header, *direct_bufs])
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
                         raise
-                    self._refuse_direct(exc)
+                    # open took O_DIRECT but this I/O did not: read this file buffered (only open
+                    # and the start probe speak for the filesystem as a whole)
+                    log.debug("fs tier %s: O_DIRECT read of %s refused (%s); reading it buffered",
+                              self.name, path, exc)
                     os.close(fd)
                     fd = -1
                     fd, _ = self._open(path, os.O_RDONLY | os.O_CLOEXEC, False)
@@ -598,6 +621,11 @@ class FsTier(SecondaryTier):
                 except OSError:
                     pass
             return _Read.HIT, os.fstat(fd).st_size if want_size else 0, None
+        except OSError as exc:
+            if exc.errno not in _UNREADABLE_ERRNOS or fd < 0:
+                raise
+            fs_io.unlink_if_same(path, fd)
+            return _Read.UNREADABLE, 0, str(exc)
         finally:
             if fd >= 0:
                 os.close(fd)

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstored.config import Config, ConfigError, env_name, flag_name, load_config, options
+from kvstored.config import (
+    Config, ConfigError, FsTierConfig, S3TierConfig, env_name, flag_name, load_config, options,
+)
 from kvstored.sizes import parse_size
 
 
@@ -179,6 +181,10 @@ BAD_VALUES = [
     ("socket_mode", "-1"),
     ("socket_mode", "77777"),  # not permission bits: chmod would silently keep 0o7777
     ("socket", "/tmp/" + "x" * 120 + "/kv.sock"),  # longer than a unix socket path can be
+    ("events_buffer", "-1"),
+    ("events_zmq_endpoint", "127.0.0.1:5557"),  # no transport: zmq's bind fails after the tiers started
+    ("events_zmq_endpoint", "tpc://127.0.0.1:5557"),
+    ("events_zmq_endpoint", "tcp://"),
 ]
 
 
@@ -258,3 +264,84 @@ def test_invalid_toml(tmp_path):
 
 def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
+
+
+# -- tiers and events: ranges -------------------------------------------------------------------
+
+# (tier spec, option, bad value as the message shows it)
+BAD_TIERS = [
+    ("kind=fs,root=/kv,bytes=1GiB,concurrency=0", "concurrency", "0"),  # no worker: loads wait forever
+    ("kind=fs,root=/kv,bytes=1GiB,max_backlog=-1", "max_backlog", "-1"),  # every write-down dropped
+    ("kind=fs,root=/kv,bytes=1GiB,max_backlog=0", "max_backlog", "0"),
+    ("kind=fs,root=/kv,bytes=0", "bytes", "0"),
+    ("kind=fs,root=/kv,bytes=1GiB,io_threads=0", "io_threads", "0"),
+    ("kind=fs,root=/kv,bytes=1GiB,io_threads=many", "io_threads", "many"),
+    ("kind=s3,bucket=kv,concurrency=0", "concurrency", "0"),
+    ("kind=s3,bucket=kv,max_backlog=-1", "max_backlog", "-1"),
+    ("kind=s3,bucket=kv,timeout_s=0", "timeout_s", "0"),
+    ("kind=s3,bucket=kv,timeout_s=inf", "timeout_s", "inf"),
+    ("kind=s3,bucket=kv,negative_cache_s=-1", "negative_cache_s", "-1"),
+    ("kind=s3,bucket=kv,breaker_failures=0", "breaker_failures", "0"),
+    ("kind=s3,bucket=kv,breaker_reset_s=nan", "breaker_reset_s", "nan"),
+]
+
+
+@pytest.mark.parametrize("spec, option, value", BAD_TIERS, ids=[s for s, _, _ in BAD_TIERS])
+def test_bad_tier_option_names_option_and_value(spec, option, value):
+    with pytest.raises(ConfigError) as info:
+        load_config({"tiers": [spec]}, {})
+    message = str(info.value)
+    assert "--tiers" in message and option in message and value in message
+
+
+def test_tier_ranges_in_toml_at_their_bounds(tmp_path):
+    good = write_toml(tmp_path, """
+[[tiers]]
+kind = "fs"
+root = "/kv"
+bytes = 1
+io_threads = 1
+concurrency = 1
+max_backlog = 1
+
+[[tiers]]
+kind = "s3"
+bucket = "kv"
+bytes = 0
+negative_cache_s = 0
+breaker_failures = 1
+breaker_reset_s = 0
+""")
+    fs, s3 = load_config({}, {}, good).tiers
+    assert (fs.bytes, fs.io_threads, fs.concurrency, fs.max_backlog) == (1, 1, 1, 1)
+    assert (s3.bytes, s3.negative_cache_s, s3.breaker_reset_s) == (0, 0.0, 0.0)
+    bad = write_toml(tmp_path, '[[tiers]]\nkind = "fs"\nroot = "/kv"\nbytes = "1GiB"\nmax_backlog = -1\n')
+    with pytest.raises(ConfigError) as info:
+        load_config({}, {}, bad)
+    assert str(bad) in str(info.value) and "max_backlog" in str(info.value) and "-1" in str(info.value)
+
+
+def test_validate_range_checks_tiers_built_directly():
+    with pytest.raises(ConfigError, match="concurrency must be >= 1, got 0"):
+        Config(tiers=(FsTierConfig(Path("/kv"), 1 << 30, concurrency=0),)).validate()
+    with pytest.raises(ConfigError, match="max_backlog must be >= 1, got -1"):
+        Config(tiers=(S3TierConfig("kv", max_backlog=-1),)).validate()
+
+
+def test_bad_events_options_name_the_value():
+    with pytest.raises(ConfigError, match="events_buffer.*-1"):
+        load_config({"events_buffer": "-1"}, {})
+    with pytest.raises(ConfigError, match="events_zmq_endpoint.*'127.0.0.1:5557'"):
+        load_config({"events_zmq_endpoint": "127.0.0.1:5557"}, {})
+    with pytest.raises(ConfigError, match="events_zmq_replay_endpoint.*'localhost:5558'"):
+        load_config({"events_zmq_endpoint": "tcp://127.0.0.1:5557", "events_zmq_replay_endpoint": "localhost:5558"}, {})
+
+
+def test_zmq_replay_needs_the_publisher_and_its_own_endpoint():
+    with pytest.raises(ConfigError, match="events_zmq_replay_endpoint needs events_zmq_endpoint"):
+        load_config({"events_zmq_replay_endpoint": "tcp://127.0.0.1:5558"}, {})
+    with pytest.raises(ConfigError, match="must differ"):
+        load_config({"events_zmq_endpoint": "ipc:///run/kv/ev", "events_zmq_replay_endpoint": "ipc:///run/kv/ev"}, {})
+    cfg = load_config({"events_zmq_endpoint": "ipc:///run/kv/ev", "events_zmq_replay_endpoint": "tcp://[::1]:5558",
+                       "events_buffer": "0"}, {})
+    assert (cfg.events_zmq_endpoint, cfg.events_buffer) == ("ipc:///run/kv/ev", 0)

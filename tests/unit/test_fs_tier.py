@@ -4,6 +4,7 @@ root, corruption, admission, a full disk (a 1 MiB tmpfs) and filesystems that re
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import mmap
 import os
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from kvstored.tiers import chunkfile
-from kvstored.tiers.base import AdmissionPolicy, WriteOutcome
+from kvstored.tiers.base import AdmissionPolicy, RemovalCause, WriteOutcome
 from kvstored.tiers.chunkfile import HEADER_BYTES
 from kvstored.tiers.fs import FsTier
 
@@ -57,6 +58,21 @@ def path_of(root: Path, c) -> Path:
 
 def tmp_files(root: Path) -> list[Path]:
     return [p for p in root.rglob(".*.tmp")]
+
+
+def failing(real, code: int, times: int = 1 << 30, before=None):
+    """`real`, except that its first `times` calls raise OSError(code) (after `before()`, if given)."""
+    left = [times]
+
+    def call(*args):
+        if left[0] > 0:
+            left[0] -= 1
+            if before is not None:
+                before()
+            raise OSError(code, os.strerror(code))
+        return real(*args)
+
+    return call
 
 
 @pytest.fixture
@@ -390,6 +406,51 @@ async def test_wrong_expected_size_is_corrupt(make_tier, tmp_path):
     assert tier.counters.checksum_failures == 1
 
 
+async def test_unreadable_file_is_dropped_and_unlinked(make_tier, tmp_path, monkeypatch):
+    """A file whose reads fail with EIO (a bad sector) is forgotten and removed, not offered by
+    contains() and re-read (and failed) on every lookup; a transient error (ENOMEM) keeps it."""
+    tier = await make_tier()
+    heard = []
+    tier.removal_listener = lambda t, c, cause: heard.append((c, cause))
+    await _write_one(tier, chunk(1))
+    path = path_of(tmp_path / "fs", chunk(1))
+    dst = Slot((4,))
+    monkeypatch.setattr(os, "preadv", failing(os.preadv, errno.ENOMEM, times=1))
+    assert not await tier.read(chunk(1), dst.views, PAGE * 4)
+    assert tier.counters.errors == 1 and path.exists() and await tier.contains([chunk(1)]) == [True]
+    monkeypatch.setattr(os, "preadv", failing(os.preadv, errno.EIO))
+    assert not await tier.read(chunk(1), dst.views, PAGE * 4)
+    monkeypatch.undo()
+    assert tier.counters.errors == 2 and tier.counters.checksum_failures == 0
+    assert not path.exists() and tier.usage().chunks == 0 and tier.usage().used_bytes == 0
+    assert heard == [(chunk(1), RemovalCause.CORRUPT)]
+    assert await tier.contains([chunk(1)]) == [False]
+    assert not await tier.read(chunk(1), dst.views, PAGE * 4)  # a plain miss now: no disk error
+    assert tier.counters.errors == 2
+    data = await _write_one(tier, chunk(1), seed=5)
+    assert await tier.read(chunk(1), dst.views, PAGE * 4) and dst.payload(PAGE * 4) == data
+
+
+async def test_unreadable_file_replaced_meanwhile_is_kept(make_tier, tmp_path, monkeypatch):
+    """The read failed on a file that a daemon sharing the root replaced meanwhile: the index
+    entry goes, the new file stays (and is adopted again)."""
+    tier = await make_tier()
+    data = await _write_one(tier, chunk(1))
+    path = path_of(tmp_path / "fs", chunk(1))
+    fresh = path.with_name(".fresh.tmp")
+
+    def replace() -> None:
+        shutil.copyfile(path, fresh)
+        os.replace(fresh, path)
+
+    monkeypatch.setattr(os, "preadv", failing(os.preadv, errno.EIO, times=1, before=replace))
+    dst = Slot((4,))
+    assert not await tier.read(chunk(1), dst.views, PAGE * 4)
+    assert tier.counters.errors == 1 and tier.usage().chunks == 0 and path.exists()
+    assert await tier.contains([chunk(1)]) == [True]
+    assert await tier.read(chunk(1), dst.views, PAGE * 4) and dst.payload(PAGE * 4) == data
+
+
 # -- admission ----------------------------------------------------------------------------------
 
 
@@ -477,6 +538,65 @@ async def test_odirect_refused_per_file_falls_back(ramfs):
         assert await tier.read(chunk(1), dst.views, size) and dst.payload(size) == data
     finally:
         await tier.close()
+
+
+@pytest.mark.parametrize(
+    "code, direct", [(errno.ENOSPC, True), (errno.EIO, True), (errno.EINVAL, False)], ids=["ENOSPC", "EIO", "EINVAL"]
+)
+async def test_failed_odirect_probe_does_not_stop_the_start(make_tier, tmp_path, monkeypatch, code, direct):
+    """Only EINVAL from the start-up probe means no O_DIRECT. A full disk (or any other error)
+    must not stop the start: the cache on disk is indexed and the start-up eviction frees space."""
+    root = tmp_path / "fs"
+    first = await make_tier(root)
+    datas = [await _write_one(first, chunk(i), seed=i) for i in range(4)]
+    await first.close()
+    file_bytes = path_of(root, chunk(0)).stat().st_size
+    monkeypatch.setattr(os, "pwrite", failing(os.pwrite, code))  # the probe's one write
+    tier = await make_tier(root, capacity=2 * file_bytes)
+    monkeypatch.undo()
+    assert tier.direct_io is direct
+    assert tier.usage().chunks == 2 and tier.usage().used_bytes == 2 * file_bytes
+    assert len(list(root.rglob("*.kv"))) == 2 and tmp_files(root) == []
+    kept = [i for i in range(4) if chunk(i) in tier._index]
+    dst = Slot((4,))
+    for i in kept:
+        assert await tier.read(chunk(i), dst.views, PAGE * 4) and dst.payload(PAGE * 4) == datas[i]
+
+
+async def test_fragmented_chunk_keeps_odirect(make_tier, monkeypatch):
+    """A chunk in more views than one preadv takes (IOV_MAX, 1024) is read in several calls, not
+    refused with EINVAL and taken as the filesystem refusing O_DIRECT."""
+    tier = await make_tier()
+    pages = 1100
+    size = pages * PAGE
+    src = Slot((1,) * pages)
+    data = src.fill(size, seed=11)
+    assert await tier.write(chunk(1), src.views, size) is WriteOutcome.WRITTEN
+    iovecs = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, offset: (iovecs.append(len(bufs)), real(fd, bufs, offset))[1])
+    dst = Slot((1,) * pages)
+    assert await tier.read(chunk(1), dst.views, size) and dst.payload(size) == data
+    assert tier.direct_io and tier.counters.errors == 0
+    assert max(iovecs) <= 1024 and sum(iovecs) >= 1 + pages
+
+
+async def test_einval_from_one_direct_io_falls_back_for_that_file_only(make_tier, tmp_path, monkeypatch):
+    """EINVAL from an O_DIRECT read or write (not from open) says nothing about the filesystem:
+    that file is read or written buffered, later ones use O_DIRECT again."""
+    tier = await make_tier()
+    src = Slot((4,))
+    data = src.fill(PAGE * 4 - 10, seed=3)
+    monkeypatch.setattr(os, "pwritev", failing(os.pwritev, errno.EINVAL, times=1))
+    assert await tier.write(chunk(1), src.views, PAGE * 4 - 10) is WriteOutcome.WRITTEN
+    assert path_of(tmp_path / "fs", chunk(1)).stat().st_size == HEADER_BYTES + PAGE * 4 - 10  # buffered
+    monkeypatch.setattr(os, "preadv", failing(os.preadv, errno.EINVAL, times=1))
+    dst = Slot((4,))
+    assert await tier.read(chunk(1), dst.views, PAGE * 4 - 10) and dst.payload(PAGE * 4 - 10) == data
+    monkeypatch.undo()
+    assert tier.direct_io and tier.counters.errors == 0
+    await _write_one(tier, chunk(2), PAGE * 4 - 10)
+    assert path_of(tmp_path / "fs", chunk(2)).stat().st_size == HEADER_BYTES + PAGE * 4  # O_DIRECT
 
 
 async def test_reads_files_written_buffered_with_odirect(make_tier, tmp_path):
