@@ -2,7 +2,8 @@
 
 The bus numbers events, keeps the last `buffer_events` for replay, and fans them out to
 subscribers (gRPC streams, the ZMQ publisher). Publishing never blocks and never fails: a
-subscriber that falls too far behind is cut off (it resumes by replaying from its last seq).
+subscriber that falls too far behind is cut off (it resumes by replaying from its last seq, as
+long as that seq is still buffered).
 """
 
 from __future__ import annotations
@@ -73,10 +74,16 @@ class EventBus:
     def __init__(self, buffer_events: int = 10_000, subscriber_queue: int = 10_000) -> None:
         self._seq = itertools.count(1)
         self._buffer: deque[KvEvent] = deque(maxlen=buffer_events)
-        self._subscriber_queue = subscriber_queue
+        # A subscriber holds no more than the buffer: it is cut off before it has fallen further
+        # behind than a resume could replay (with no buffer there is no resuming anyway).
+        self._subscriber_queue = min(subscriber_queue, buffer_events) if buffer_events > 0 else subscriber_queue
         self._subscriptions: set[Subscription] = set()
         self._listeners: list[Listener] = []
         self.last_seq = 0
+
+    @property
+    def buffer_events(self) -> int:
+        return self._buffer.maxlen or 0
 
     def add_listener(self, listener: Listener) -> None:
         self._listeners.append(listener)
@@ -104,8 +111,13 @@ class EventBus:
         for listener in self._listeners:
             listener(event)
 
+    @property
+    def oldest_seq(self) -> int:
+        """The seq of the oldest event still buffered (the next seq when none is)."""
+        return self._buffer[0].seq if self._buffer else self.last_seq + 1
+
     def replay(self, from_seq: int) -> list[KvEvent]:
-        """Buffered events with seq >= from_seq (older ones are gone: check the first seq)."""
+        """Buffered events with seq >= from_seq (older ones are gone: compare with oldest_seq)."""
         return [e for e in self._buffer if e.seq >= from_seq]
 
     def subscribe(self) -> Subscription:

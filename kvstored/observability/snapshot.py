@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvstored.io.scheduler import Priority
 from kvstored.tiers.base import TierKind
 from kvstored.tiers.chain import TierChain
 
@@ -51,6 +52,7 @@ def tier_snapshots(chain: TierChain) -> list[TierSnapshot]:
             stored_chunks=tc.writes, loaded_chunks=tc.reads, read_bytes=tc.read_bytes,
             written_bytes=tc.written_bytes, checksum_failures=tc.checksum_failures, errors=tc.errors,
             rejected_full=tc.rejected_full, rejected_admission=tc.rejected_admission,
-            dropped_backpressure=sum(lower.queue.dropped.values()), queued=sum(lower.queue.backlog.values()),
+            # only refused write-downs lose a copy: a refused delete runs directly
+            dropped_backpressure=lower.queue.dropped[Priority.WRITEDOWN], queued=sum(lower.queue.backlog.values()),
         ))
     return snaps

@@ -1,17 +1,22 @@
 """KV events on a ZMQ PUB socket in vLLM's wire format, for llm-d / Dynamo style routers.
 
 Each message is multipart `[topic, seq (8 bytes big-endian), msgpack(EventBatch)]`, where the
-batch is vLLM's array-like `[ts, [event, ...]]`. Events are BlockStored / BlockRemoved /
-AllBlocksCleared, encoded either as vLLM 0.33's tagged maps (`{"type": "BlockStored", ...}`) or
-as the positional arrays older consumers decode (`["BlockStored", hashes, parent, ...]`).
+batch is vLLM's array-like `[ts, [event, ...]]`. Events are BlockStored / BlockRemoved, encoded
+either as vLLM 0.33's tagged maps (`{"type": "BlockStored", ...}`) or as the positional arrays
+older consumers decode (`["BlockStored", hashes, parent, ...]`).
 A ROUTER replay socket answers `[b"", start_seq (8 bytes)]` with every buffered batch from that
 seq, then an end marker (seq -1), as vLLM's ZmqEventPublisher does.
+
+A namespace clear is published as BlockRemoved for each removed key only: vLLM's AllBlocksCleared
+means every block of the publisher, so the bus's per-namespace CLEARED is never sent. Batches are
+numbered by this publisher (no gaps where a CLEARED was left out), not by the bus.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections import deque
 from typing import Any, Callable
@@ -48,11 +53,17 @@ def encode_event(event: KvEvent, block_size: int, encoding: EventEncoding) -> An
             "type": "BlockRemoved", "block_hashes": hashes, "medium": medium,
             "locality": _LOCALITY.get(event.tier_kind), "ownership": event.tier,
         }
-    return ["AllBlocksCleared"] if encoding is EventEncoding.ARRAY else {"type": "AllBlocksCleared"}
+    raise ValueError(f"no vLLM event for {event.type!r}")  # CLEARED: see _published
 
 
 def encode_batch(event: KvEvent, block_size: int, encoding: EventEncoding) -> bytes:
     return msgpack.packb([event.ts, [encode_event(event, block_size, encoding)]], use_bin_type=True)
+
+
+def _published(event: KvEvent) -> bool:
+    """CLEARED is one namespace's: as AllBlocksCleared a router would forget every namespace.
+    The chain publishes the cleared keys as REMOVED events before it."""
+    return event.type is not EventType.CLEARED
 
 
 class ZmqEventPublisher:
@@ -71,6 +82,10 @@ class ZmqEventPublisher:
         self._encoding = encoding
         self._block_size_of = block_size_of
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        # Like vLLM's publisher: a full replay plus its end marker, twice over, fits in the
+        # ROUTER's send queue (past its high-water mark ROUTER silently drops messages).
+        self._replay_hwm = 2 * (buffer_batches + 1)
+        self._seq = itertools.count(1)
         self._ctx = zmq.asyncio.Context()  # the replay socket is served on the event loop
         self._pub_ctx = zmq.Context()  # PUB sends are plain non-blocking calls
         self._pub: zmq.Socket | None = None
@@ -84,6 +99,7 @@ class ZmqEventPublisher:
         self._pub.bind(self._endpoint)
         if self._replay_endpoint:
             self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.SNDHWM, self._replay_hwm)  # before bind: pipes take it then
             self._replay.bind(self._replay_endpoint)
             self._replay_task = asyncio.create_task(self._serve_replay(self._replay), name="zmq-replay")
         log.info("KV events on %s (replay %s, %s encoding)", self._endpoint, self._replay_endpoint or "off",
@@ -91,13 +107,13 @@ class ZmqEventPublisher:
 
     def __call__(self, event: KvEvent) -> None:
         """Bus listener: publish at once. PUB never blocks: past its high-water mark ZMQ drops."""
-        if self._pub is None:
+        if self._pub is None or not _published(event):
             return
         payload = encode_batch(event, self._block_size_of(event.namespace_id), self._encoding)
-        seq = event.seq.to_bytes(8, "big")
-        self._buffer.append((event.seq, payload))
+        seq = next(self._seq)
+        self._buffer.append((seq, payload))
         with contextlib.suppress(zmq.Again):
-            self._pub.send_multipart((self._topic, seq, payload), flags=zmq.NOBLOCK)
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
             self.sent += 1
 
     async def _serve_replay(self, sock: zmq.asyncio.Socket) -> None:

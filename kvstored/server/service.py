@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+import grpc
+
 from kvstored import __version__
 from kvstored.errors import BatchTooLarge, InvalidRequest, SessionRequired, WatcherLagged
 from kvstored.observability.events import KvEvent
@@ -205,6 +207,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def WatchEvents(self, request: pb.WatchEventsRequest, context):
         bus = self._chain.events
+        if request.from_seq and request.from_seq < bus.oldest_seq:
+            # Events between are gone: replaying what is left would skip them without a word.
+            # Ended here, not raised, so the error-mapping interceptor leaves the status as is.
+            context.set_code(grpc.StatusCode.OUT_OF_RANGE)
+            context.set_details(f"events from seq {request.from_seq} are no longer buffered; the oldest "
+                                f"available is seq {bus.oldest_seq} (events_buffer={bus.buffer_events})")
+            return
         sub = bus.subscribe()  # before the replay, so no event falls between the two
         try:
             last = 0

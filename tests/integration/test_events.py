@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
 import threading
 
@@ -12,7 +13,9 @@ import zmq
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
+from tests.support.daemon import short_tmpdir
 from tests.support.data import make_keys, payloads
+from tests.support.wait import wait_for
 
 CHUNK = 64 << 10
 
@@ -161,3 +164,106 @@ def test_watch_from_a_future_seq_waits_for_live_events(daemon):
             list(call)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # nothing to replay, still live
         assert stub.Stats(pb.StatsRequest(), timeout=5).version
+
+
+def _zmq_replay(replay_port: int) -> list[bytes]:
+    """Every buffered batch's payload, by vLLM's replay protocol (from seq 0 to the end marker)."""
+    ctx = zmq.Context()
+    try:
+        replay = ctx.socket(zmq.DEALER)
+        replay.RCVTIMEO = 10_000
+        replay.connect(f"tcp://127.0.0.1:{replay_port}")
+        replay.send_multipart([b"", (0).to_bytes(8, "big")])
+        payloads_ = []
+        while True:
+            _, _, seq, payload = replay.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                return payloads_
+            payloads_.append(payload)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_clear_namespace_reaches_zmq_routers_as_its_keys_removed_only(daemon_factory, ns_name):
+    try:
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+    except ImportError as exc:
+        pytest.fail(f"vllm 0.33 is needed for this test: run tests/vllm/install_vllm.sh ({exc})")
+    import msgspec as ms
+
+    root = short_tmpdir("kvfs")
+    pub_port, replay_port = _free_port(), _free_port()
+    d = daemon_factory([
+        "--events-zmq-endpoint", f"tcp://127.0.0.1:{pub_port}",
+        "--events-zmq-replay-endpoint", f"tcp://127.0.0.1:{replay_port}",
+        "--tiers", f"kind=fs,root={root},bytes=64MiB", "--write-policy", "write-through",
+    ])
+    a_keys, b_keys = make_keys("clear-a", 4), make_keys("clear-b", 4)
+    try:
+        with d.client() as kv:
+            a = kv.register_namespace(model=ns_name + "/a", dtype="u8", chunk_bytes=CHUNK, block_tokens=16)
+            b = kv.register_namespace(model=ns_name + "/b", dtype="u8", chunk_bytes=CHUNK, block_tokens=16)
+            assert kv.store(a, a_keys, payloads(a_keys, CHUNK)).stored == 4
+            assert kv.store(b, b_keys, payloads(b_keys, CHUNK)).stored == 4
+            # both namespaces in RAM and on disk, so the clear removes A from two tiers
+            assert wait_for(lambda: _fs_chunks(d) == 8)
+            with d.channel() as channel:
+                stub = pb_grpc.KVStoreStub(channel)
+                cleared = stub.ClearNamespace(pb.ClearNamespaceRequest(namespace_id=a.namespace_id), timeout=20)
+                assert cleared.removed == 8
+                grpc_events = _collect_through_cleared(stub, "fs")  # the chain clears the fs tier last
+            assert kv.lookup(b, b_keys).prefix_hits == 4
+        decoder = ms.msgpack.Decoder(type=KVEventBatch)
+        events = [e for p in _zmq_replay(replay_port) for e in decoder.decode(p).events]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    assert not [e for e in events if isinstance(e, AllBlocksCleared)]
+    removed = {(e.medium, h) for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes}
+    assert removed == {(medium, k) for medium in ("CPU", "STORAGE") for k in a_keys}
+    # A router applying vLLM's semantics still knows every block of B, on both media.
+    known = set()
+    for e in events:
+        if isinstance(e, BlockStored):
+            known |= {(e.medium, h) for h in e.block_hashes}
+        else:
+            known -= {(e.medium, h) for h in e.block_hashes}
+    assert known == {(medium, k) for medium in ("CPU", "STORAGE") for k in b_keys}
+    # gRPC watchers, which track namespaces, still get one CLEARED per tier for A.
+    assert sorted((e.tier, e.namespace_id) for e in grpc_events if e.type == pb.EVENT_TYPE_CLEARED) == [
+        ("fs", a.namespace_id), ("ram", a.namespace_id)]
+
+
+def _collect_through_cleared(stub, tier: str) -> list[pb.KvEvent]:
+    """Every event from seq 1 through the first CLEARED of `tier`."""
+    call = stub.WatchEvents(pb.WatchEventsRequest(from_seq=1), timeout=20)
+    events = []
+    for event in call:
+        events.append(event)
+        if event.type == pb.EVENT_TYPE_CLEARED and event.tier == tier:
+            call.cancel()
+            break
+    return events
+
+
+def _fs_chunks(d) -> int:
+    return next(t.chunks for t in d.stats().tiers if t.name == "fs")
+
+
+def test_watch_from_a_seq_no_longer_buffered_ends_out_of_range(daemon_factory, ns_name):
+    d = daemon_factory(["--events-buffer", "4"])
+    keys = make_keys("gone", 8)
+    with d.client() as kv:
+        ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
+        for key in keys:  # one STORED event each: seqs 1-8, only 5-8 still buffered
+            assert kv.store(ns, [key], payloads([key], CHUNK)).stored == 1
+    with d.channel() as channel:
+        stub = pb_grpc.KVStoreStub(channel)
+        call = stub.WatchEvents(pb.WatchEventsRequest(from_seq=4), timeout=20)
+        with pytest.raises(grpc.RpcError) as err:
+            next(call)  # instead of seq 5, silently past the lost seq 4
+        assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
+        assert "oldest available is seq 5" in err.value.details()
+        events = _collect(stub, from_seq=5, count=4)  # the oldest still buffered: nothing lost
+    assert [e.seq for e in events] == [5, 6, 7, 8]
+    assert [k for e in events for k in e.keys] == keys[4:]

@@ -268,6 +268,28 @@ def test_fs_tier_metrics_match_stats_and_pass_promtool(fs_run):
     run_promtool("check", "metrics", stdin=scraped.text)
 
 
+def test_refused_deletes_are_not_backpressure_drops(daemon_factory, tmp_path):
+    """drops{reason="backpressure"} counts refused write-downs (copies lost); a delete the queue
+    refuses runs directly, so it is not one."""
+    fs_tier = f"kind=fs,root={tmp_path},bytes=64MiB,concurrency=1,max_backlog=2"
+    d = daemon_factory(METRICS_PORT_0 + ["--tiers", fs_tier, "--write-policy", "write-through"], cpu_bytes="16MiB")
+    keys = make_keys("metrics-refused", 8)
+    with d.client() as kv:
+        ns = kv.register_namespace(model="metrics-refused", dtype="uint8", chunk_bytes=MIB)
+        assert kv.store(ns, keys, payloads(keys, MIB)).stored == 8  # 8 write-downs at once, 2 queued
+        refused_writes = _tier(quiet_stats(d), "fs").dropped_backpressure
+        assert refused_writes > 0
+        assert kv.delete(ns, keys) == 8  # 8 removals at once from the fs tier, 2 queued
+        stats = quiet_stats(d)
+        scraped = Scrape(scrape(d))
+    assert _tier(stats, "fs").dropped_backpressure == refused_writes
+    assert scraped.value("kvstored_tier_drops_total", tier="fs", kind="fs", reason="backpressure") == refused_writes
+
+
+def _tier(stats: pb.StatsResponse, name: str) -> pb.TierStats:
+    return next(t for t in stats.tiers if t.name == name)
+
+
 # -- dashboard, rules, scrape config --------------------------------------------------------------
 
 METRIC_NAME = re.compile(r"\b((?:kvstored|process)_[a-z0-9_]+)\b(\{[^}]*\})?")
