@@ -60,6 +60,10 @@ class ShuttingDown(KvstoredError):
     pass
 
 
+class TransferNotStarted(KvstoredError):
+    """A region transfer could not start within the caller's start_within_ms: nothing was copied."""
+
+
 class TierUnavailable(KvstoredError):
     """A tier below RAM could not carry out a request (e.g. an S3 DELETE failed): retry later."""
 

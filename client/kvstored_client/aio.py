@@ -6,7 +6,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import grpc
 
@@ -14,9 +14,9 @@ from kvstored_client import ops
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.buffers import MIN_PART_BYTES as OFF_LOOP_COPY_BYTES  # smaller copies: a thread hop costs more
 from kvstored_client.client import (
-    CHANNEL_OPTIONS, DEFAULT_DEADLINE_S, OPEN_SESSION, RAISE, ClientBase, Plan, _remaining,
+    CHANNEL_OPTIONS, DEFAULT_DEADLINE_S, OPEN_SESSION, RAISE, ClientBase, Plan, _bounded, _remaining,
 )
-from kvstored_client.errors import KvstoredError, from_rpc_error
+from kvstored_client.errors import KvstoredError
 from kvstored_client.ops import LookupResult, Namespace, NamespaceSpec, Region, StoreResult
 from kvstored_client.session import PoolSession
 
@@ -47,11 +47,15 @@ class AsyncClient(ClientBase):
         await self.close()
 
     async def close(self) -> None:
-        self._drop_session()
-        self._close_regions()
-        if self._channel is not None:
-            await self._channel.close()
+        if self._forked():
+            self._lock = asyncio.Lock()
             self._channel = self._stub = None
+        async with self._lock:  # not under a call's copy into the pool
+            self._drop_session()
+            self._close_regions()
+            if self._channel is not None:
+                await self._channel.close()
+                self._channel = self._stub = None
 
     async def register_namespace(self, spec: NamespaceSpec | None = None, **fields: Any) -> Namespace:
         spec = spec or NamespaceSpec(**fields)
@@ -73,6 +77,8 @@ class AsyncClient(ClientBase):
         region = self._open_region(path_or_fd, name)
         try:
             await self._run(lambda _s: ops.nothing(), fallback=None, session=True)
+            if region.refused is not None:
+                raise region.refused
         except KvstoredError:  # refused: forget it, or every later call fails too
             self._forget_region(region)
             raise
@@ -81,6 +87,7 @@ class AsyncClient(ClientBase):
     async def store_from_region(
         self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
     ) -> StoreResult:
+        self._usable(region)
         return await self._run(
             lambda s: ops.store_from_region(s, ns, region, keys, offsets), StoreResult.all_dropped(len(keys)), session=True
         )
@@ -88,6 +95,7 @@ class AsyncClient(ClientBase):
     async def load_to_region(
         self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
     ) -> int:
+        self._usable(region)
         return await self._run(lambda s: ops.load_to_region(s, ns, region, keys, offsets), fallback=0, session=True)
 
     async def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
@@ -117,14 +125,19 @@ class AsyncClient(ClientBase):
             while True:
                 try:
                     if effect is OPEN_SESSION:
-                        # socket work and the pool mapping's page population run off the loop
-                        result = await asyncio.to_thread(self._session_step, _remaining(deadline))
+                        # Off the loop (socket work, populating the pool mapping); a cancelled
+                        # caller still waits for it, or the next call would open a second one.
+                        timeout = _remaining(deadline)
+                        result = await _to_the_end(asyncio.to_thread(self._session_step, timeout))
                     elif isinstance(effect, ops.Copy):
-                        result = effect.run() if effect.nbytes < OFF_LOOP_COPY_BYTES else await _to_the_end(effect.run)
+                        result = (effect.run() if effect.nbytes < OFF_LOOP_COPY_BYTES
+                                  else await _to_the_end(asyncio.to_thread(effect.run)))
+                    elif effect.copy_grace_s:  # a region transfer: once sent, the daemon may be copying
+                        result = await _to_the_end(self._call(getattr(stub, effect.method), effect, deadline))
                     else:
-                        result = await self._call(getattr(stub, effect.method), effect.request, deadline)
+                        result = await self._call(getattr(stub, effect.method), effect, deadline)
                 except grpc.RpcError as exc:
-                    effect = plan.throw(from_rpc_error(exc))
+                    effect = plan.throw(self._rpc_failed(effect, exc))
                 except KvstoredError as exc:
                     effect = plan.throw(exc)
                 except Exception as exc:
@@ -140,19 +153,21 @@ class AsyncClient(ClientBase):
         except StopIteration as stop:
             return stop.value
 
-    async def _call(self, method, request, deadline: float):
+    async def _call(self, method, effect: ops.Call, deadline: float):
+        request, timeout = _bounded(effect, deadline)
         try:
-            return await method(request, timeout=_remaining(deadline))
+            return await method(request, timeout=timeout)
         except grpc.RpcError as exc:
             if not self._worth_waiting(exc):
                 raise
-            return await method(request, timeout=_remaining(deadline), wait_for_ready=True)
+            request, timeout = _bounded(effect, deadline)
+            return await method(request, timeout=timeout, wait_for_ready=True)
 
 
-async def _to_the_end(fn: Callable[[], Any]) -> Any:
-    """Run fn in a thread. If the caller is cancelled meanwhile, wait for fn anyway (it is
-    writing pool slots that are given back right after), then re-raise the cancellation."""
-    task = asyncio.ensure_future(asyncio.to_thread(fn))
+async def _to_the_end(work: Awaitable[Any]) -> Any:
+    """Await work; if the caller is cancelled meanwhile, still wait for it to end (it writes pool
+    slots or a region that are given back or reused right after), then re-raise the cancellation."""
+    task = asyncio.ensure_future(work)
     cancelled = False
     while not task.done():
         try:

@@ -19,7 +19,8 @@ from kvstored_client import ops
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.buffers import default_copy_threads
 from kvstored_client.errors import (
-    KvstoredError, Unavailable, UnknownNamespace, UnknownRegion, UnknownSession, from_rpc_error,
+    DeadlineExceeded, KvstoredError, TransferNotStarted, TransferOutcomeUnknown, Unavailable, UnknownNamespace,
+    UnknownRegion, UnknownSession, from_rpc_error,
 )
 from kvstored_client.keys import namespace_id_for
 from kvstored_client.ops import LookupResult, Namespace, NamespaceSpec, Region, StoreResult
@@ -41,6 +42,7 @@ CHANNEL_OPTIONS = (
 RESTART_ERRORS = (UnknownSession, UnknownRegion, UnknownNamespace)
 OPEN_SESSION = object()  # plan effect: "give me a session" -> (session, newly opened)
 HANDLE_METHODS = frozenset({"Reserve", "Commit", "Acquire", "Release"})  # calls that grant or end handles
+PROBE_TIMEOUT_S = 0.2
 Plan = Generator[Any, Any, Any]
 
 
@@ -84,6 +86,7 @@ class ClientBase:
         if exc.code() != grpc.StatusCode.UNAVAILABLE:
             return False
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(PROBE_TIMEOUT_S)  # a listener that never accepts must not hang the call
         try:
             probe.connect(str(self.socket))
             return True
@@ -93,13 +96,41 @@ class ClientBase:
             probe.close()
 
     def _unattached(self) -> bool:
-        return any(r.region_id == 0 for r in self._regions)
+        return any(r.region_id == 0 and r.refused is None for r in self._regions)
 
     def _attach_regions(self, session: PoolSession) -> None:
-        """Attach the regions this session does not know yet (all of them after a reconnect)."""
+        """Attach the regions this session does not know yet (all of them after a reconnect). One
+        the daemon refuses now (its file shrank to nothing...) fails the calls that use it, not
+        every call of this client."""
         for region in self._regions:
-            if region.region_id == 0:
-                region.region_id, region.size = session.attach_region(region.fd, region.name)
+            if region.region_id == 0 and region.refused is None:
+                try:
+                    region.region_id, region.size = session.attach_region(region.fd, region.name)
+                except Unavailable:
+                    raise
+                except KvstoredError as exc:
+                    log.warning("kvstored refused region %s on reconnect: %s", region.name, exc)
+                    region.refused = exc
+
+    @staticmethod
+    def _usable(region: Region) -> Region:
+        if region.refused is not None:
+            raise type(region.refused)(f"region {region.name} was refused by the daemon when the session was set "
+                                       f"up again ({region.refused}); register it again")
+        return region
+
+    def _rpc_failed(self, effect: Any, exc: grpc.RpcError) -> KvstoredError:
+        """The error a failed call raises into its plan. A handle call that timed out may have
+        been granted: the session goes, which frees whatever it was. A region transfer that got
+        no answer even after its grace may still be copying: say so rather than degrade."""
+        error = from_rpc_error(exc)
+        if effect.copy_grace_s and type(error) is DeadlineExceeded:
+            return TransferOutcomeUnknown(
+                f"{effect.method} got no answer {effect.copy_grace_s:.0f} s past its deadline: the daemon may "
+                f"still be copying, so region {effect.request.region_id}'s bytes are undefined for now")
+        if isinstance(error, DeadlineExceeded) and effect.method in HANDLE_METHODS:
+            self._drop_session()
+        return error
 
     def _drop_session(self) -> None:
         if self._session is not None:
@@ -156,7 +187,8 @@ class ClientBase:
                             yield from ops.register(spec, opened)
                 return (yield from build(opened))
             except Unavailable as exc:
-                self._drop_session()
+                if not isinstance(exc, (DeadlineExceeded, TransferNotStarted)):
+                    self._drop_session()  # the daemon is gone (a slow answer leaves the session be)
                 if fallback is RAISE:
                     raise
                 log.debug("kvstored unavailable, degrading: %s", exc)
@@ -205,11 +237,15 @@ class Client(ClientBase):
         self.close()
 
     def close(self) -> None:
-        self._drop_session()
-        self._close_regions()
-        if self._channel is not None:
-            self._channel.close()
+        if self._forked():
+            self._lock = threading.Lock()
             self._channel = self._stub = None
+        with self._lock:  # not under a call's copy into the pool
+            self._drop_session()
+            self._close_regions()
+            if self._channel is not None:
+                self._channel.close()
+                self._channel = self._stub = None
 
     # -- public API -------------------------------------------------------------------------
 
@@ -238,6 +274,8 @@ class Client(ClientBase):
         region = self._open_region(path_or_fd, name)
         try:
             self._run(lambda _s: ops.nothing(), fallback=None, session=True)  # attach now if reachable
+            if region.refused is not None:
+                raise region.refused
         except KvstoredError:  # refused (empty file...): forget it, or every later call fails too
             self._forget_region(region)
             raise
@@ -246,11 +284,16 @@ class Client(ClientBase):
     def store_from_region(
         self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
     ) -> StoreResult:
+        self._usable(region)
         return self._run(
             lambda s: ops.store_from_region(s, ns, region, keys, offsets), StoreResult.all_dropped(len(keys)), session=True
         )
 
     def load_to_region(self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]) -> int:
+        """Copy the leading cached chunks into the region; returns how many. Returns 0 (nothing
+        written) when the daemon is down or could not start within the deadline; raises
+        TransferOutcomeUnknown if a started copy gave no answer (see REGION_COPY_GRACE_S)."""
+        self._usable(region)
         return self._run(lambda s: ops.load_to_region(s, ns, region, keys, offsets), fallback=0, session=True)
 
     def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
@@ -286,9 +329,9 @@ class Client(ClientBase):
                     elif isinstance(effect, ops.Copy):
                         result = effect.run()
                     else:
-                        result = self._call(getattr(stub, effect.method), effect.request, deadline)
+                        result = self._call(getattr(stub, effect.method), effect, deadline)
                 except grpc.RpcError as exc:
-                    effect = plan.throw(from_rpc_error(exc))
+                    effect = plan.throw(self._rpc_failed(effect, exc))
                 except KvstoredError as exc:
                     effect = plan.throw(exc)
                 except Exception as exc:
@@ -303,18 +346,34 @@ class Client(ClientBase):
                     effect = plan.send(result)
         except StopIteration as stop:
             return stop.value
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # interrupted in the plan's own code: handles may be held
+                self._drop_session()
+            raise
 
-    def _call(self, method, request, deadline: float):
+    def _call(self, method, effect: ops.Call, deadline: float):
+        request, timeout = _bounded(effect, deadline)
         try:
-            return method(request, timeout=_remaining(deadline))
+            return method(request, timeout=timeout)
         except grpc.RpcError as exc:
             if not self._worth_waiting(exc):
                 raise
-            return method(request, timeout=_remaining(deadline), wait_for_ready=True)
+            request, timeout = _bounded(effect, deadline)
+            return method(request, timeout=timeout, wait_for_ready=True)
 
 
 def _remaining(deadline: float) -> float:
     left = deadline - time.monotonic()
     if left <= 0:
-        raise Unavailable("deadline exceeded")
+        raise DeadlineExceeded("deadline exceeded")
     return left
+
+
+def _bounded(effect: ops.Call, deadline: float) -> tuple[Any, float]:
+    """The request and the gRPC timeout for one call. A region transfer tells the daemon to start
+    within the deadline and is waited for a grace period longer (a started copy runs to the end)."""
+    left = _remaining(deadline)
+    if not effect.copy_grace_s:
+        return effect.request, left
+    effect.request.start_within_ms = max(1, int(left * 1000))
+    return effect.request, left + effect.copy_grace_s

@@ -17,6 +17,21 @@ class Unavailable(KvstoredError):
     retryable = True
 
 
+class DeadlineExceeded(Unavailable):
+    """No answer within the call's deadline (the daemon may be slow rather than gone)."""
+
+
+class TransferNotStarted(Unavailable):
+    """The daemon could not start a region transfer before its deadline: nothing was copied."""
+
+
+class TransferOutcomeUnknown(KvstoredError):
+    """A region transfer got no answer even well past its deadline: the daemon may still be
+    copying, so the region's bytes are not to be trusted (or overwritten) yet."""
+
+    retryable = True
+
+
 class InvalidArgument(KvstoredError):
     pass
 
@@ -71,11 +86,11 @@ class InternalError(KvstoredError):
 
 _BY_KIND = {cls.__name__: cls for cls in (
     UnknownNamespace, UnknownSession, UnknownRegion, RegionFileMissing, HandleNotHeld, RegionShrunk, BatchTooLarge,
-    PoolExhausted,
+    PoolExhausted, TransferNotStarted,
 )}
 _BY_CODE = {
     grpc.StatusCode.UNAVAILABLE: Unavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.CANCELLED: Unavailable,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.OUT_OF_RANGE: InvalidArgument,

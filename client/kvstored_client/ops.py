@@ -107,12 +107,20 @@ class Region:
     size: int
     fd: int
     region_id: int = 0
+    refused: Exception | None = None  # the daemon refused it when re-attaching: register it again
+
+
+# How long past its deadline a region transfer's answer is awaited: the daemon starts the copy
+# only within the deadline (start_within_ms) and, once started, finishes it; until it answers,
+# the region's bytes are the daemon's.
+REGION_COPY_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)
 class Call:
     method: str
     request: Any
+    copy_grace_s: float = 0.0  # > 0: a region transfer (the driver sets start_within_ms)
 
 
 @dataclass(frozen=True)
@@ -201,7 +209,7 @@ def store_from_region(
 ) -> Op:
     resp = yield Call("StoreFromRegion", pb.RegionTransferRequest(
         session_id=session.session_id, namespace_id=ns.namespace_id, region_id=region.region_id,
-        keys=keys, offsets=offsets))
+        keys=keys, offsets=offsets), REGION_COPY_GRACE_S)
     return StoreResult(resp.stored, resp.already_present, resp.dropped,
                        tuple(_STORE_OUTCOMES.get(o, StoreOutcome.UNKNOWN) for o in resp.outcomes))
 
@@ -211,7 +219,7 @@ def load_to_region(
 ) -> Op:
     resp = yield Call("LoadToRegion", pb.RegionTransferRequest(
         session_id=session.session_id, namespace_id=ns.namespace_id, region_id=region.region_id,
-        keys=keys, offsets=offsets))
+        keys=keys, offsets=offsets), REGION_COPY_GRACE_S)
     return resp.loaded
 
 

@@ -30,6 +30,7 @@ STATUS: dict[type[errors.KvstoredError], grpc.StatusCode] = {
     errors.PoolExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.ShuttingDown: grpc.StatusCode.UNAVAILABLE,
     errors.TierUnavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.TransferNotStarted: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.WatcherLagged: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 from pathlib import Path
@@ -33,6 +34,13 @@ _STORE_OUTCOMES = {
     ReserveOutcome.IN_PROGRESS: pb.STORE_OUTCOME_IN_PROGRESS,
     ReserveOutcome.NO_SPACE: pb.STORE_OUTCOME_DROPPED,
 }
+
+
+def _start_by(request: pb.RegionTransferRequest) -> float | None:
+    """The loop time after which a region transfer must not start copying (None: no limit)."""
+    if not request.start_within_ms:
+        return None
+    return asyncio.get_running_loop().time() + request.start_within_ms / 1000
 
 
 def _event(e: KvEvent) -> pb.KvEvent:
@@ -150,7 +158,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if not self._visible(ns, session):
             return pb.StoreFromRegionResponse(dropped=len(request.keys),
                                               outcomes=[pb.STORE_OUTCOME_DROPPED] * len(request.keys))
-        result = await self._chain.store_from_region(session, ns, region, request.keys, request.offsets)
+        result = await self._chain.store_from_region(session, ns, region, request.keys, request.offsets,
+                                                     _start_by(request))
         return pb.StoreFromRegionResponse(
             stored=result.count(ReserveOutcome.RESERVED),
             already_present=result.count(ReserveOutcome.ALREADY_PRESENT),
@@ -164,7 +173,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         region = session.region(request.region_id)
         if not self._visible(ns, session):
             return pb.LoadToRegionResponse(loaded=0)
-        loaded = await self._chain.load_to_region(session, ns, region, request.keys, request.offsets)
+        loaded = await self._chain.load_to_region(session, ns, region, request.keys, request.offsets,
+                                                  _start_by(request))
         return pb.LoadToRegionResponse(loaded=loaded)
 
     async def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteResponse:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Coroutine, Sequence, TypeVar
 
 from kvstored.errors import (
-    InvalidRequest, KvstoredError, PoolExhausted, RegionShrunk, TierStartError, TierUnavailable,
+    InvalidRequest, KvstoredError, PoolExhausted, RegionShrunk, TierStartError, TierUnavailable, TransferNotStarted,
 )
 from kvstored.namespaces import Namespace
 from kvstored.server.sessions import Handle, HandleKind, Session, SessionRegistry
@@ -292,11 +292,14 @@ class TierChain:
         return region
 
     async def store_from_region(
-        self, session: Session, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
+        self, session: Session, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int],
+        start_by: float | None = None,
     ) -> StoreOutcomes:
+        """start_by (loop time): copy nothing after it. Once the copy starts, it runs to the end."""
         _check_offsets(ns, region, keys, offsets)
         await self.writeback.make_room(len(keys) * self.ram.pages_for(ns.chunk_bytes) * self.ram.page_bytes)
         session.check_open()  # it may have closed (and its regions with it) while we waited
+        _check_start(start_by)  # (no await from here to the copy's start)
         stored, per_key, evicted = [], [], []
         for key, offset in zip(keys, offsets):
             result = self.ram.reserve((ns.namespace_id, key), ns.chunk_bytes)
@@ -319,12 +322,15 @@ class TierChain:
         return StoreOutcomes(per_key)
 
     async def load_to_region(
-        self, session: Session, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
+        self, session: Session, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int],
+        start_by: float | None = None,
     ) -> int:
+        """start_by (loop time): copy nothing after it. Once the copy starts, it runs to the end."""
         _check_offsets(ns, region, keys, offsets)
         leased = list(zip(await self._lease_prefix(ns, keys), offsets))
         try:
             session.check_open()  # it may have closed (and its regions with it) while we waited
+            _check_start(start_by)
             jobs = [CopyJob(offset, self.ram.extents(entry)) for entry, offset in leased]
             await self._copy(region, jobs, to_pool=False)
         finally:
@@ -372,6 +378,11 @@ class TierChain:
             self.ram.release(handle.entry)
         else:
             self.ram.abort(handle.entry)
+
+
+def _check_start(start_by: float | None) -> None:
+    if start_by is not None and asyncio.get_running_loop().time() > start_by:
+        raise TransferNotStarted("the transfer could not start within start_within_ms; nothing was copied")
 
 
 def _check_offsets(ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]) -> None:

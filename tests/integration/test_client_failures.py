@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from kvstored_client import AsyncClient, Client, LookupResult, StoreResult, Tier
 from kvstored_client.keys import namespace_id_for
 from tests.support.daemon import short_tmpdir
 from tests.support.data import make_keys, payloads
+from tests.support.wait import wait_for
 
 CHUNK = 64 << 10
 
@@ -274,3 +276,133 @@ async def test_async_client_copies_large_batches_off_its_loop_and_waits_for_them
         out = np.zeros_like(data)
         assert await c.load(ns, keys, out) == 4
         np.testing.assert_array_equal(out, data)
+
+
+def test_an_interrupt_inside_the_plan_itself_leaks_no_reservation(daemon, ns_name, monkeypatch):
+    """KeyboardInterrupt landing in the op's own code (between Reserve's answer and the copy)
+    must not leave the reservations held by a session that stays open."""
+    import types
+
+    from kvstored_client import ops
+    from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+
+    class InterruptOn(types.ModuleType):
+        def __getattr__(self, name):
+            if name == "SLOT_STATE_ALREADY_PRESENT":  # read by ops.store right after Reserve
+                raise KeyboardInterrupt
+            return getattr(pb, name)
+
+    keys = make_keys(ns_name, 4)
+    with daemon.client() as c:
+        ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
+        monkeypatch.setattr(ops, "pb", InterruptOn("pb"))
+        with pytest.raises(KeyboardInterrupt):
+            c.store(ns, keys, payloads(keys, CHUNK))
+        monkeypatch.setattr(ops, "pb", pb)
+        assert wait_for(lambda: daemon.stats().reservations == 0)
+        assert c.store(ns, keys, payloads(keys, CHUNK)).stored == 4
+
+
+def test_a_missed_deadline_keeps_a_healthy_session(daemon, ns_name):
+    keys = make_keys(ns_name, 2)
+    with daemon.client() as c:
+        ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
+        assert c.store(ns, keys, payloads(keys, CHUNK)).stored == 2
+        opened = daemon.stats().sessions
+        c.deadline_s = 1e-9  # every call misses its deadline before it is sent
+        assert c.lookup(ns, keys) == LookupResult.miss(2)
+        assert c.store(ns, keys, payloads(keys, CHUNK)).dropped == 2
+        assert daemon.stats().sessions == opened  # not dropped (and re-populated) for a slow call
+        c.deadline_s = 10.0
+        assert c.load(ns, keys, np.zeros((2, CHUNK), np.uint8)) == 2
+
+
+def test_a_region_refused_after_a_restart_fails_only_its_own_calls(daemon, ns_name, tmp_path):
+    from kvstored_client.errors import InvalidArgument
+
+    path = tmp_path / "region"
+    path.write_bytes(bytes(4 * CHUNK))
+    keys = make_keys(ns_name, 2)
+    with daemon.client(deadline_s=5.0) as c:
+        ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
+        region = c.register_region(path)
+        daemon.stop()
+        path.write_bytes(b"")  # the file is emptied while the daemon is away
+        daemon.start()
+        assert c.store(ns, keys, payloads(keys, CHUNK)).stored == 2  # other calls work
+        with pytest.raises(InvalidArgument, match="register it again"):
+            c.load_to_region(ns, region, keys, [0, CHUNK])
+        assert c.load(ns, keys, np.zeros((2, CHUNK), np.uint8)) == 2
+
+
+def test_a_listener_that_never_accepts_does_not_hang_calls(tmp_path, ns_name):
+    """gRPC fails fast on a socket whose backlog is full; the client's is-anyone-listening probe
+    must not then block forever in connect()."""
+    import socket
+    import threading
+
+    from kvstored_client import Client
+
+    path = tmp_path / "s.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(0)
+    queued = []
+    for _ in range(4):  # fill the backlog: further connects would block
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.connect(str(path))
+        except (BlockingIOError, OSError):
+            pass
+        queued.append(s)
+    results = []
+
+    def calls():
+        with Client(path, deadline_s=0.3) as c:
+            ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
+            for _ in range(3):
+                results.append(c.lookup(ns, make_keys(ns_name, 1)))
+
+    worker = threading.Thread(target=calls, daemon=True)
+    worker.start()
+    worker.join(60)  # a hang guard, not a timing assertion
+    try:
+        assert not worker.is_alive(), "a call hung on a socket that never accepts"
+        assert results == [LookupResult.miss(1)] * 3
+    finally:
+        for s in queued:
+            s.close()
+        listener.close()
+
+
+def test_load_to_region_never_writes_the_region_after_reporting_nothing_loaded(daemon_factory, ns_name, tmp_path):
+    """A region load that misses its deadline either loaded (and says so) or copied nothing: the
+    daemon starts a copy only within the deadline and the client waits for a started one."""
+    daemon = daemon_factory(cpu_bytes="192MiB")
+    chunk = 2 << 20
+    n = 64  # 128 MiB
+    path = tmp_path / "region"
+    path.write_bytes(bytes(n * chunk))
+    keys = make_keys(ns_name, n)
+    data = payloads(keys, chunk)
+    with daemon.client(deadline_s=10.0) as c:
+        ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=chunk)
+        region = c.register_region(path)
+        assert c.store(ns, keys, data).stored == n
+        offsets = [i * chunk for i in range(n)]
+        outcomes = set()
+        for deadline in (1e-4, 1e-3, 5e-3, 2e-2):
+            c.deadline_s = deadline
+            loaded = c.load_to_region(ns, region, keys, offsets)
+            outcomes.add(loaded > 0)
+            c.deadline_s = 10.0
+            mm = np.memmap(path, dtype=np.uint8, mode="r+")
+            if loaded:
+                assert np.array_equal(mm[:loaded * chunk].reshape(loaded, chunk), data[:loaded])
+            mm[:] = 0xAB  # the caller reuses its region
+            mm.flush()
+            assert c.lookup(ns, keys[:1]).prefix_hits == 1  # a round trip: a late copy would be under way
+            time.sleep(0.2)
+            assert (np.memmap(path, dtype=np.uint8, mode="r") == 0xAB).all(), f"overwritten (deadline {deadline})"
+            del mm
