@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstored.sizes import format_size
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
+from kvstored_client.errors import OLDEST_SEQ_KEY
 from kvstored_client.keys import namespace_id_for
 from kvstored_client.paths import default_socket_path
 
@@ -271,7 +272,8 @@ def event_line(d: dict[str, Any]) -> str:
 
 def watch(conn: Conn, from_seq: int) -> Iterator[pb.KvEvent]:
     """Events from `from_seq` on (0: live only); resumes by itself if the daemon cuts us off
-    for falling behind (events between are replayed while still buffered)."""
+    for falling behind (events between are replayed while still buffered). Events no longer
+    buffered are skipped with a warning: this is a viewer, not a router."""
     while True:
         last = from_seq - 1
         try:
@@ -280,10 +282,22 @@ def watch(conn: Conn, from_seq: int) -> Iterator[pb.KvEvent]:
                 yield event
             return  # the daemon is shutting down
         except grpc.RpcError as exc:
+            oldest = _oldest_seq(exc)
+            if exc.code() is grpc.StatusCode.OUT_OF_RANGE and oldest is not None:
+                print(f"{PROG}: events {from_seq}-{oldest - 1} are no longer buffered; from {oldest}", file=sys.stderr)
+                from_seq = oldest
+                continue
             if exc.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED or last < 0:
                 raise conn.error("WatchEvents", exc) from None
             print(f"{PROG}: fell behind after event {last}; resuming", file=sys.stderr)
             from_seq = last + 1
+
+
+def _oldest_seq(exc: grpc.RpcError) -> int | None:
+    for key, value in exc.trailing_metadata() or ():
+        if key == OLDEST_SEQ_KEY:
+            return int(value)
+    return None
 
 
 def cmd_events(conn: Conn, args: argparse.Namespace) -> int:

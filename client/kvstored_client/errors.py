@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 ERROR_KIND_KEY = "kvstored-error"
+OLDEST_SEQ_KEY = "kvstored-oldest-seq"  # trailing metadata of an OUT_OF_RANGE WatchEvents: resume here
 
 
 class KvstoredError(Exception):

@@ -21,6 +21,7 @@ from kvstored.tiers.chain import TierChain
 from kvstored.tiers.ram import Extent, ReserveOutcome
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
+from kvstored_client.errors import OLDEST_SEQ_KEY
 
 _SLOT_STATE = {
     ReserveOutcome.RESERVED: pb.SLOT_STATE_RESERVED,
@@ -221,6 +222,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             # Events between are gone: replaying what is left would skip them without a word.
             # Ended here, not raised, so the error-mapping interceptor leaves the status as is.
             context.set_code(grpc.StatusCode.OUT_OF_RANGE)
+            context.set_trailing_metadata(((OLDEST_SEQ_KEY, str(bus.oldest_seq)),))
             context.set_details(f"events from seq {request.from_seq} are no longer buffered; the oldest "
                                 f"available is seq {bus.oldest_seq} (events_buffer={bus.buffer_events})")
             return

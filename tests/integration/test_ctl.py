@@ -108,6 +108,19 @@ def test_events_replays_and_tails(daemon):
         assert line.split()[0] == "1" and "stored" in line and keys[0].hex()[:16] in line
 
 
+def test_events_from_a_seq_no_longer_buffered_start_at_the_oldest_with_a_warning(daemon_factory):
+    daemon = daemon_factory(extra_args=["--events-buffer", "4"], cpu_bytes="64MiB")
+    kv, ns, keys = stored(daemon, "events-gone", 1)
+    with kv:
+        for _ in range(3):  # 7 events in all: seqs 1-3 are gone from a 4-event buffer
+            kv.delete(ns, keys)
+            assert kv.store(ns, keys, payloads(keys, MIB)).stored == 1
+        proc = ctl("events", "--json", "--from-seq", "1", "--count", "2", socket_path=daemon.socket)
+        assert proc.returncode == 0, proc.stderr
+        assert [json.loads(line)["seq"] for line in proc.stdout.splitlines()] == [4, 5]
+        assert "events 1-3 are no longer buffered" in proc.stderr
+
+
 def test_daemon_down_is_one_line_naming_the_socket(tmp_path):
     missing = tmp_path / "none.sock"
     stale = tmp_path / "stale.sock"
