@@ -354,12 +354,34 @@ class Client(ClientBase):
     def _call(self, method, effect: ops.Call, deadline: float):
         request, timeout = _bounded(effect, deadline)
         try:
-            return method(request, timeout=timeout)
+            return _to_the_end(method, request, timeout, False) if effect.copy_grace_s else method(request, timeout=timeout)
         except grpc.RpcError as exc:
             if not self._worth_waiting(exc):
                 raise
             request, timeout = _bounded(effect, deadline)
+            if effect.copy_grace_s:
+                return _to_the_end(method, request, timeout, True)
             return method(request, timeout=timeout, wait_for_ready=True)
+
+
+def _to_the_end(method, request: Any, timeout: float, wait_for_ready: bool) -> Any:
+    """A region transfer: once sent, the daemon may be copying into the caller's region, so an
+    interrupt (Ctrl-C) waits for the answer (bounded by the call's timeout) before it is raised."""
+    future = method.future(request, timeout=timeout, wait_for_ready=wait_for_ready)
+    interrupted: BaseException | None = None
+    while True:
+        try:
+            result = future.result()
+            break
+        except grpc.RpcError:
+            if interrupted is not None:
+                raise interrupted from None
+            raise
+        except BaseException as exc:  # KeyboardInterrupt
+            interrupted = exc
+    if interrupted is not None:
+        raise interrupted
+    return result
 
 
 def _remaining(deadline: float) -> float:

@@ -406,3 +406,36 @@ def test_load_to_region_never_writes_the_region_after_reporting_nothing_loaded(d
             time.sleep(0.2)
             assert (np.memmap(path, dtype=np.uint8, mode="r") == 0xAB).all(), f"overwritten (deadline {deadline})"
             del mm
+
+
+def test_ctrl_c_during_a_region_transfer_waits_for_the_daemons_answer(daemon, ns_name, tmp_path):
+    """Once a region transfer is sent the daemon may be copying into the region: a
+    KeyboardInterrupt is raised only after the daemon has answered."""
+    import threading
+
+    path = tmp_path / "region"
+    path.write_bytes(bytes(2 * CHUNK))
+    keys = make_keys(ns_name, 2)
+    with daemon.client(deadline_s=5.0) as c:
+        ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
+        region = c.register_region(path)
+        assert c.store(ns, keys, payloads(keys, CHUNK)).stored == 2
+        resumed = threading.Event()
+        previous = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+
+        def resume_later():
+            time.sleep(0.5)
+            resumed.set()  # set before SIGCONT: no answer can come before it
+            os.kill(daemon.pid, signal.SIGCONT)
+
+        os.kill(daemon.pid, signal.SIGSTOP)
+        threading.Thread(target=resume_later, daemon=True).start()
+        signal.setitimer(signal.ITIMER_REAL, 0.2)  # Ctrl-C while the daemon cannot answer
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                c.load_to_region(ns, region, keys, [0, CHUNK])
+            assert resumed.is_set(), "the interrupt was raised before the daemon answered"
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+            os.kill(daemon.pid, signal.SIGCONT)
