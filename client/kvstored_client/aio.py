@@ -87,7 +87,6 @@ class AsyncClient(ClientBase):
     async def store_from_region(
         self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
     ) -> StoreResult:
-        self._usable(region)
         return await self._run(
             lambda s: ops.store_from_region(s, ns, region, keys, offsets), StoreResult.all_dropped(len(keys)), session=True
         )
@@ -95,7 +94,6 @@ class AsyncClient(ClientBase):
     async def load_to_region(
         self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
     ) -> int:
-        self._usable(region)
         return await self._run(lambda s: ops.load_to_region(s, ns, region, keys, offsets), fallback=0, session=True)
 
     async def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:

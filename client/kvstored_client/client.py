@@ -1,5 +1,6 @@
 """Synchronous client. Every call has a deadline; when the daemon is down or slow, lookups report a
-miss, stores and loads report nothing done, and nothing raises or hangs. It reconnects by itself:
+miss, stores and loads report nothing done, and nothing raises or hangs (a region transfer, once
+sent, is waited for up to ops.REGION_COPY_GRACE_S longer: the daemon may be copying). It reconnects by itself:
 a restarted daemon is noticed (unknown session/namespace) and the session, the namespaces and the
 regions are set up again."""
 
@@ -19,8 +20,8 @@ from kvstored_client import ops
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.buffers import default_copy_threads
 from kvstored_client.errors import (
-    DeadlineExceeded, KvstoredError, TransferNotStarted, TransferOutcomeUnknown, Unavailable, UnknownNamespace,
-    UnknownRegion, UnknownSession, from_rpc_error,
+    DeadlineExceeded, KvstoredError, TierUnavailable, TransferNotStarted, TransferOutcomeUnknown, Unavailable,
+    UnknownNamespace, UnknownRegion, UnknownSession, from_rpc_error,
 )
 from kvstored_client.keys import namespace_id_for
 from kvstored_client.ops import LookupResult, Namespace, NamespaceSpec, Region, StoreResult
@@ -112,13 +113,6 @@ class ClientBase:
                     log.warning("kvstored refused region %s on reconnect: %s", region.name, exc)
                     region.refused = exc
 
-    @staticmethod
-    def _usable(region: Region) -> Region:
-        if region.refused is not None:
-            raise type(region.refused)(f"region {region.name} was refused by the daemon when the session was set "
-                                       f"up again ({region.refused}); register it again")
-        return region
-
     def _rpc_failed(self, effect: Any, exc: grpc.RpcError) -> KvstoredError:
         """The error a failed call raises into its plan. A handle call that timed out may have
         been granted: the session goes, which frees whatever it was. A region transfer that got
@@ -187,7 +181,7 @@ class ClientBase:
                             yield from ops.register(spec, opened)
                 return (yield from build(opened))
             except Unavailable as exc:
-                if not isinstance(exc, (DeadlineExceeded, TransferNotStarted)):
+                if not isinstance(exc, (DeadlineExceeded, TransferNotStarted, TierUnavailable)):
                     self._drop_session()  # the daemon is gone (a slow answer leaves the session be)
                 if fallback is RAISE:
                     raise
@@ -284,7 +278,6 @@ class Client(ClientBase):
     def store_from_region(
         self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
     ) -> StoreResult:
-        self._usable(region)
         return self._run(
             lambda s: ops.store_from_region(s, ns, region, keys, offsets), StoreResult.all_dropped(len(keys)), session=True
         )
@@ -293,7 +286,6 @@ class Client(ClientBase):
         """Copy the leading cached chunks into the region; returns how many. Returns 0 (nothing
         written) when the daemon is down or could not start within the deadline; raises
         TransferOutcomeUnknown if a started copy gave no answer (see REGION_COPY_GRACE_S)."""
-        self._usable(region)
         return self._run(lambda s: ops.load_to_region(s, ns, region, keys, offsets), fallback=0, session=True)
 
     def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:

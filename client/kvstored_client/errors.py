@@ -22,6 +22,11 @@ class DeadlineExceeded(Unavailable):
     """No answer within the call's deadline (the daemon may be slow rather than gone)."""
 
 
+class TierUnavailable(Unavailable):
+    """A tier below RAM could not carry out the request (e.g. an S3 DELETE failed): retry it.
+    The daemon itself is fine."""
+
+
 class TransferNotStarted(Unavailable):
     """The daemon could not start a region transfer before its deadline: nothing was copied."""
 
@@ -87,7 +92,7 @@ class InternalError(KvstoredError):
 
 _BY_KIND = {cls.__name__: cls for cls in (
     UnknownNamespace, UnknownSession, UnknownRegion, RegionFileMissing, HandleNotHeld, RegionShrunk, BatchTooLarge,
-    PoolExhausted, TransferNotStarted,
+    PoolExhausted, TransferNotStarted, TierUnavailable,
 )}
 _BY_CODE = {
     grpc.StatusCode.UNAVAILABLE: Unavailable,

@@ -113,7 +113,7 @@ class Region:
 # How long past its deadline a region transfer's answer is awaited: the daemon starts the copy
 # only within the deadline (start_within_ms) and, once started, finishes it; until it answers,
 # the region's bytes are the daemon's.
-REGION_COPY_GRACE_S = 30.0
+REGION_COPY_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -204,9 +204,18 @@ def load(session: PoolSession, ns: Namespace, keys: Sequence[bytes], out: Any) -
     return len(resp.leases)
 
 
+def _usable(region: Region) -> Region:
+    """A region the daemon refused when this session was set up fails its calls (only them)."""
+    if region.refused is not None:
+        raise type(region.refused)(f"region {region.name} was refused by the daemon when the session was set "
+                                   f"up again ({region.refused}); register it again")
+    return region
+
+
 def store_from_region(
     session: PoolSession, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
 ) -> Op:
+    _usable(region)
     resp = yield Call("StoreFromRegion", pb.RegionTransferRequest(
         session_id=session.session_id, namespace_id=ns.namespace_id, region_id=region.region_id,
         keys=keys, offsets=offsets), REGION_COPY_GRACE_S)
@@ -217,6 +226,7 @@ def store_from_region(
 def load_to_region(
     session: PoolSession, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
 ) -> Op:
+    _usable(region)
     resp = yield Call("LoadToRegion", pb.RegionTransferRequest(
         session_id=session.session_id, namespace_id=ns.namespace_id, region_id=region.region_id,
         keys=keys, offsets=offsets), REGION_COPY_GRACE_S)

@@ -329,9 +329,11 @@ def test_a_region_refused_after_a_restart_fails_only_its_own_calls(daemon, ns_na
         daemon.stop()
         path.write_bytes(b"")  # the file is emptied while the daemon is away
         daemon.start()
+        with pytest.raises(InvalidArgument, match="register it again"):  # the first call after it
+            c.load_to_region(ns, region, keys, [0, CHUNK])
         assert c.store(ns, keys, payloads(keys, CHUNK)).stored == 2  # other calls work
         with pytest.raises(InvalidArgument, match="register it again"):
-            c.load_to_region(ns, region, keys, [0, CHUNK])
+            c.store_from_region(ns, region, keys, [0, CHUNK])
         assert c.load(ns, keys, np.zeros((2, CHUNK), np.uint8)) == 2
 
 
@@ -391,11 +393,9 @@ def test_load_to_region_never_writes_the_region_after_reporting_nothing_loaded(d
         region = c.register_region(path)
         assert c.store(ns, keys, data).stored == n
         offsets = [i * chunk for i in range(n)]
-        outcomes = set()
-        for deadline in (1e-4, 1e-3, 5e-3, 2e-2):
+        for deadline in (1e-4, 1e-3, 5e-3, 2e-2):  # shorter than the copy: it may start, then outlast it
             c.deadline_s = deadline
             loaded = c.load_to_region(ns, region, keys, offsets)
-            outcomes.add(loaded > 0)
             c.deadline_s = 10.0
             mm = np.memmap(path, dtype=np.uint8, mode="r+")
             if loaded:

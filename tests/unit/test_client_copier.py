@@ -65,14 +65,16 @@ def test_an_error_is_raised_after_every_part_finished(monkeypatch):
     finished = []
     gate = threading.Event()
 
+    n = 4
+
     def copy_in(session, extents, view):
-        if extents[0].offset == 0:
+        if extents[0].offset == (n - 1) * MIN_PART_BYTES:  # the first chunk's part fails at once
             raise ValueError("bad chunk")
         gate.wait(5)
         finished.append(extents[0].offset)
 
     monkeypatch.setattr(buffers, "copy_in", copy_in)
-    _, pairs = batch(4, MIN_PART_BYTES)
+    _, pairs = batch(n, MIN_PART_BYTES)
     copier = ChunkCopier(4)
     try:
         threading.Timer(0.05, gate.set).start()

@@ -99,21 +99,28 @@ async def test_cancelled_caller_waits_for_every_thread(monkeypatch):
 
 
 async def test_a_failing_part_is_reported_after_the_others_finish(monkeypatch):
-    calls: list[int] = []
+    gate = threading.Event()
+    finished: list[int] = []
 
     def part(region, pool, jobs, to_pool):
-        calls.append(jobs[0].region_offset)
-        if jobs[0].region_offset == 1:
+        if jobs[0].region_offset == 0:  # the first part fails at once
             raise MappingVanished("region shrank")
+        gate.wait(10)
+        finished.append(jobs[0].region_offset)
 
     monkeypatch.setattr(copier_module, "_copy_part", part)
     copier = Copier(2)
     jobs = [CopyJob(0, [Extent(0, MIN_PART_BYTES)]), CopyJob(1, [Extent(0, MIN_PART_BYTES)])]
     try:
+        running = asyncio.ensure_future(copier.run(np.zeros(1, np.uint8), np.zeros(1, np.uint8), jobs, True))
+        await asyncio.sleep(0.05)
+        assert not running.done(), "the error surfaced while another part was still copying"
+        gate.set()
         with pytest.raises(MappingVanished, match="region shrank"):
-            await copier.run(np.zeros(1, np.uint8), np.zeros(1, np.uint8), jobs, True)
-        assert sorted(calls) == [0, 1]
+            await running
+        assert finished == [1]
     finally:
+        gate.set()
         copier.close()
 
 

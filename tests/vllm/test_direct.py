@@ -239,6 +239,33 @@ def test_a_load_right_after_a_daemon_restart_waits_for_the_worker_to_reconnect(o
             assert same_blocks(engine, list(range(8, 16)), other, list(range(8)))
 
 
+def test_leases_answered_in_a_session_that_ended_are_not_hits(own_daemon):
+    """An Acquire answered in one session and collected after the link reset: the daemon freed
+    those leases with the session, so they must not become HITs pointing at reused pages."""
+    from kvstored_client.errors import Unavailable
+    from tests.support.wait import wait_for
+
+    daemon = own_daemon(cpu_bytes="32MiB").start()
+    keys = offload_keys("stale-lease", 2)
+    with DirectEngine(daemon, seed=21) as writer, DirectEngine(daemon, seed=22) as reader:
+        writer.store(writer.request(), keys, list(range(8)))
+        manager = reader.manager
+        ctx = reader.request()
+        assert [manager.lookup(k, ctx) for k in keys] == [RETRY, RETRY]
+        manager.on_schedule_end(END_OF_STEP)  # the Acquire goes out
+        deadline = time.monotonic() + SETTLE_LIMIT_S
+        while not all(call.future.done() for call in manager._acquires):
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        manager._link.fail(Unavailable("reset for the test"), backoff=False)
+        assert manager._link.settle(SETTLE_LIMIT_S)
+        assert wait_for(lambda: daemon.stats().leases == 0)
+        assert [manager.lookup(k, ctx) for k in keys] == [MISS, MISS]  # answered in the old session
+        assert not manager._leases
+        assert reader.lookup(reader.request(), keys) == [HIT, HIT]  # asked again: fresh leases
+        assert daemon.stats().leases == 2
+
+
 def test_spec_is_registered_by_the_plugin():
     assert OffloadingSpecFactory.get_spec_cls({"spec_name": "KvstoredOffloadingSpec"}) is KvstoredOffloadingSpec
     assert OffloadingSpecFactory.get_spec_cls(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -35,6 +36,36 @@ class GatedEvent:
             time.sleep(0.001)
 
 
+class _GatedFuture:
+    """A Reserve future the engine sees as pending until the test opens the gate."""
+
+    def __init__(self, future, gate: threading.Event) -> None:
+        self.future, self.gate = future, gate
+
+    def done(self) -> bool:
+        return self.gate.is_set() and self.future.done()
+
+    def __getattr__(self, name):
+        return getattr(self.future, name)
+
+
+def gate_reserves(engine: PoolTransferEngine) -> threading.Event:
+    """Hold every store after its Reserve until the returned event is set (so a test can act
+    between the daemon's answer and the copy, whatever the machine's load)."""
+    gate = threading.Event()
+    call = engine.link.call
+    engine.link.call = lambda method, request, timeout=None: (
+        _GatedFuture(call(method, request, timeout), gate) if method == "Reserve" else call(method, request, timeout))
+    return gate
+
+
+def wait_answered(job) -> None:
+    deadline = time.monotonic() + SETTLE_LIMIT_S
+    while not job.reserve.future.done():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+
+
 def make_engine(daemon, **kwargs) -> tuple[PoolTransferEngine, str]:
     tensors = [torch.zeros((BLOCKS, PAGE), dtype=torch.int8) for _ in range(LAYERS)]
     layout = KVLayout(tensors, [[LayerRef(i, PAGE) for i in range(LAYERS)]], BPC)
@@ -60,7 +91,7 @@ def test_a_copy_outlasting_the_store_deadline_ends_the_job_only_when_it_does(own
     """vLLM may reuse the GPU blocks once a store is reported: a copy still running past
     store_timeout_s keeps the job open, and is committed when it ends (no reservation leaks)."""
     daemon = own_daemon(cpu_bytes="16MiB").start()
-    engine, ns = make_engine(daemon, store_timeout_s=0.05)
+    engine, ns = make_engine(daemon, store_timeout_s=SETTLE_LIMIT_S)
     gate = GatedEvent()
     real_run = engine._run
     engine._run = lambda copies, stream, after: (real_run(copies, stream, after), gate)[1]
@@ -68,7 +99,8 @@ def test_a_copy_outlasting_the_store_deadline_ends_the_job_only_when_it_does(own
         stored = keys("slow-copy", 2)
         engine.submit_store(7, np.arange(2 * BPC), [2 * BPC], [0], ns, stored)
         until(lambda: engine._stores[7].copied, engine)
-        time.sleep(0.1)  # past the store deadline, the copy still running
+        engine._stores[7].deadline = time.monotonic() - 1  # past the store deadline, the copy still running
+        engine.poll()
         assert all(f.job_id != 7 for f in engine.get_finished())
         gate.done = True
         finished = []
@@ -85,16 +117,47 @@ def test_a_copy_outlasting_the_store_deadline_ends_the_job_only_when_it_does(own
 def test_close_with_the_daemon_stopped_does_not_raise(own_daemon):
     daemon = own_daemon(cpu_bytes="16MiB").start()
     engine, ns = make_engine(daemon, connect_timeout_s=0.5)
+    gate = gate_reserves(engine)
     engine.submit_store(1, np.arange(BPC), [BPC], [0], ns, keys("stopped", 1))
-    job = engine._stores[1]
-    deadline = time.monotonic() + SETTLE_LIMIT_S
-    while not job.reserve.done():  # reserved; the copy and the Commit come with the next poll
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+    wait_answered(engine._stores[1])  # reserved; the copy and the Commit come with the next poll
     os.kill(daemon.pid, signal.SIGSTOP)  # the Commit goes out to a frozen daemon
+    gate.set()
     try:
         engine.get_finished()
         engine.close()  # vLLM's shutdown must not raise
         assert not engine.pools
     finally:
         os.kill(daemon.pid, signal.SIGCONT)
+
+
+def test_no_copy_into_slots_granted_to_a_session_that_ended(own_daemon):
+    """Reserve answered, then the worker's session resets (same daemon, same pool): the daemon
+    freed those slots and may have given them to another writer, so nothing is copied there."""
+    from kvstored_client import Client
+    from kvstored_client.errors import Unavailable
+    from tests.support.wait import wait_for
+
+    daemon = own_daemon(cpu_bytes="16MiB").start()
+    engine, ns = make_engine(daemon)
+    try:
+        for t in engine.layout.tensors:
+            t.fill_(7)
+        gate = gate_reserves(engine)
+        engine.submit_store(1, np.arange(BPC), [BPC], [0], ns, keys("dead", 1))
+        wait_answered(engine._stores[1])
+        engine.link.fail(Unavailable("reset for the test"), backoff=False)  # the daemon aborts the reservation
+        assert wait_for(lambda: daemon.stats().reservations == 0)
+        spec = namespace_spec(LayoutInfo("m", "bf16", "{}", 64), engine.layout.part_bytes, 36)
+        with Client(daemon.socket, deadline_s=10.0) as other:
+            other_ns = other.register_namespace(spec)
+            victim = keys("victim", 1)
+            data = np.full((1, engine.layout.part_bytes), 1, np.uint8)
+            assert other.store(other_ns, victim, data).stored == 1  # likely in the freed slot
+            assert engine.link.settle(SETTLE_LIMIT_S)
+            gate.set()
+            until(lambda: not engine._stores, engine)
+            out = np.zeros_like(data)
+            assert other.load(other_ns, victim, out) == 1
+            assert (out == 1).all(), "the ended session's copy overwrote another writer's chunk"
+    finally:
+        engine.close()

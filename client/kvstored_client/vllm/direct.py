@@ -240,6 +240,10 @@ class KvstoredDirectManager(OffloadingManager):
         probe_key = (namespace_id, key)
         req_id = req_context.req_id
         lease = self._leases.get(probe_key)
+        if lease is not None and not (self._link.ready and lease.epoch == self._link.epoch) and lease.loads <= 0:
+            del self._leases[probe_key]  # its session ended: the daemon freed it
+            self._probes.pop(probe_key, None)
+            lease = None
         if lease is not None:
             lease.requests.add(req_id)
             self._req_keys.setdefault(req_id, set()).add(probe_key)
@@ -390,6 +394,12 @@ class KvstoredDirectManager(OffloadingManager):
                     self._resolve(call.namespace_id, call.keys, 0)
                 continue
             leases = list(result.response.leases)
+            if not (self._link.ready and call.epoch == self._link.epoch):
+                # Answered in a session that has ended since: the daemon freed these leases, and
+                # their pages may hold other chunks by now. A miss (asked again next time).
+                if not call.expired:
+                    self._resolve(call.namespace_id, call.keys, 0)
+                continue
             whole = 0 if call.expired else len(leases) // self._world
             for i, key in enumerate(call.keys[:whole]):
                 probe_key = (call.namespace_id, key)

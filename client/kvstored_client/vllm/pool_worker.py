@@ -155,6 +155,11 @@ class PoolTransferEngine:
             self._stores.pop(job.job_id, None)
 
     def _reserved(self, job: _Store) -> None:
+        if not self._same_session(job.epoch):
+            # The session that was granted these slots has ended: the daemon freed them and may
+            # have handed them to another writer. Copy nothing.
+            job.copied = True
+            return
         result = outcome(job.reserve)
         if not result.ok:
             self.link.on_rpc_error(result)
