@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
 import stat
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from kvstored.errors import InvalidRequest, RegionFileMissing, RegionNotAllowed
+
+
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
+POPULATE_STEP_BYTES = 64 << 20  # a closing region stops its populate within one step
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def map_fd(fd: int, size: int, populate: bool) -> mmap.mmap:
@@ -79,6 +87,7 @@ class Region:
     array: np.ndarray
     _map: mmap.mmap
     _fd: int  # our own dup, to notice a file that shrank
+    _stop_populating: threading.Event = field(default_factory=threading.Event)
 
     @classmethod
     def from_fd(cls, region_id: int, name: str, fd: int) -> "Region":
@@ -88,11 +97,27 @@ class Region:
             raise ValueError(f"region {name!r} is not a regular file")
         if info.st_size == 0:
             raise ValueError(f"region {name!r} is empty")
-        # Not populated: the client's memory is resident already, and populating a region of
-        # tens of GiB would stall the event loop for seconds (copies fault pages in as they go).
+        # Not populated here: a region of tens of GiB would stall the event loop for seconds.
+        # populate() fills the page tables in steps instead (first copies fault pages in meanwhile).
         mapped = map_fd(fd, info.st_size, populate=False)
         own = os.dup(fd)
         return cls(region_id, name, info.st_size, np.frombuffer(mapped, dtype=np.uint8), mapped, own)
+
+    def populate(self) -> None:
+        """Fill the daemon's page tables for the region (first copies into an unpopulated mapping
+        ran 25-40% slower), in steps, without the GIL: run it in a thread. It holds a view of
+        the mapping, so close() leaves the unmapping to whichever of the two ends last."""
+        view = memoryview(self._map)
+        try:
+            address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+            for offset in range(0, self.size, POPULATE_STEP_BYTES):
+                if self._stop_populating.is_set():
+                    return
+                length = min(POPULATE_STEP_BYTES, self.size - offset)
+                if _libc.madvise(ctypes.c_void_p(address + offset), ctypes.c_size_t(length), MADV_POPULATE_WRITE):
+                    return  # an older kernel (EINVAL) or a file that shrank: faults will do
+        finally:
+            view.release()
 
     def current_size(self) -> int:
         """The file's size now: transfers check it first (and copies are guarded against a
@@ -100,6 +125,7 @@ class Region:
         return os.fstat(self._fd).st_size
 
     def close(self) -> None:
+        self._stop_populating.set()
         del self.array
         os.close(self._fd)
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Coroutine, Sequence, TypeVar
 
@@ -79,6 +80,7 @@ class TierChain:
         self._pool = pool
         self._sessions = sessions
         self._copier = Copier(policy.copy_threads)
+        self._populator = ThreadPoolExecutor(1, thread_name_prefix="kvstored-populate")
         pool_view = memoryview(pool.array)
         self.writeback = WriteBack(
             ram, pool_view, self.lower, policy.write_policy, policy.headroom_bytes, policy.writeback_wait_s,
@@ -289,6 +291,7 @@ class TierChain:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         session.regions[region.region_id] = region
+        self._populator.submit(region.populate)  # in the background; close() waits for the executor
         return region
 
     async def store_from_region(
@@ -348,6 +351,7 @@ class TierChain:
         for lower in self.lower:
             await lower.tier.close()
         self._copier.close()
+        self._populator.shutdown(wait=True, cancel_futures=True)
 
     # -- helpers --------------------------------------------------------------------------
 
