@@ -9,10 +9,11 @@ SYSTEM_SOCKET = Path("/run/kvstored/kvstored.sock")
 
 
 def default_socket_path() -> Path:
-    """$KVSTORED_SOCKET, else the systemd unit's path for root, else a per-user runtime dir."""
+    """$KVSTORED_SOCKET, else the systemd unit's path (for root, or when that daemon runs), else
+    a per-user runtime dir."""
     if os.environ.get("KVSTORED_SOCKET"):
         return Path(os.environ["KVSTORED_SOCKET"])
-    if os.geteuid() == 0:
+    if os.geteuid() == 0 or SYSTEM_SOCKET.exists():
         return SYSTEM_SOCKET
     runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvstored-{os.geteuid()}"
     return Path(runtime) / "kvstored" / "kvstored.sock"

@@ -1,0 +1,34 @@
+"""Generates the gRPC/protobuf modules from ../proto when the package is built (they are not in
+git), so `pip install ./client` works from a plain checkout; everything else is in pyproject.toml."""
+
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+HERE = Path(__file__).resolve().parent
+PROTO_ROOT = HERE.parent / "proto"
+GENERATED = HERE / "kvstored_client" / "_gen" / "kvstored" / "v1" / "kvstored_pb2.py"
+
+
+class BuildWithProtos(build_py):
+    def run(self) -> None:
+        protos = sorted(PROTO_ROOT.glob("kvstored/v1/*.proto"))
+        if protos:
+            self._generate(protos)
+        elif not GENERATED.exists():
+            raise SystemExit(f"kvstored-client: no generated protobuf code and no .proto files under {PROTO_ROOT}")
+        super().run()
+
+    @staticmethod
+    def _generate(protos: list[Path]) -> None:
+        from grpc_tools import protoc
+
+        args = ["protoc", f"-Ikvstored_client/_gen={PROTO_ROOT}", f"--python_out={HERE}", f"--pyi_out={HERE}",
+                f"--grpc_python_out={HERE}"]
+        args += [f"kvstored_client/_gen/{p.relative_to(PROTO_ROOT)}" for p in protos]
+        if protoc.main(args) != 0:
+            raise SystemExit("kvstored-client: protoc failed on " + ", ".join(map(str, protos)))
+
+
+setup(cmdclass={"build_py": BuildWithProtos})

@@ -1,0 +1,34 @@
+"""`pip install ./client` from a plain checkout: the generated protobuf modules are not in git, so
+the build must make them (the systemd recipe and the vLLM plugin install it this way)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+
+from tests.support.daemon import REPO_ROOT
+
+
+def test_client_wheel_built_from_a_checkout_carries_the_generated_modules(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(REPO_ROOT / "proto", src / "proto")
+    shutil.copytree(REPO_ROOT / "client", src / "client",
+                    ignore=shutil.ignore_patterns("*_pb2*.py", "*_pb2*.pyi", "*.egg-info", "build", "__pycache__"))
+    assert not list((src / "client").rglob("*_pb2.py"))  # as git has it
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    str(src / "client"), "-w", str(tmp_path / "dist")], check=True, timeout=300)
+    wheel = next((tmp_path / "dist").glob("kvstored_client-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    for module in ("kvstored_pb2.py", "kvstored_pb2_grpc.py"):
+        assert f"kvstored_client/_gen/kvstored/v1/{module}" in names
+
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True, timeout=300)
+    probe = subprocess.run([sys.executable, "-c", "from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb; "
+                            "print(pb.RegionTransferRequest(start_within_ms=5).start_within_ms)"],
+                           env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+                           cwd=tmp_path)
+    assert probe.returncode == 0 and probe.stdout.strip() == "5", probe.stderr
