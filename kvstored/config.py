@@ -306,6 +306,11 @@ class Config:
         metadata=_opt("RAM kept free by writing old chunks down ahead of need (default: 5%% of RAM, "
                       "at most 1GiB)", _parse_optional_size, "BYTES"),
     )
+    flush_on_stop_seconds: float = field(
+        default=10.0,
+        metadata=_opt("on SIGTERM, how long to spend writing chunks that have no copy below RAM down to "
+                      "the tiers (most recently used first), so a restart keeps them", _parse_seconds, "SECONDS"),
+    )
     writeback_wait_seconds: float = field(
         default=1.0,
         metadata=_opt("how long a store may wait for write-downs to free RAM before evicting "

@@ -44,6 +44,10 @@ class TierQueue:
             asyncio.create_task(self._work(), name=f"io-{self.name}-{i}") for i in range(self._concurrency)
         ]
 
+    def has_room(self, priority: Priority) -> bool:
+        """Whether submit() would take a job of this priority now."""
+        return priority is Priority.LOAD or self.backlog[priority] < self._max_backlog
+
     def submit(self, priority: Priority, job: Job) -> asyncio.Future | None:
         if priority is not Priority.LOAD and self.backlog[priority] >= self._max_backlog:
             self.dropped[priority] += 1

@@ -241,6 +241,9 @@ class Daemon:
         if self.metrics_server is not None:
             await self.metrics_server.stop()
         await self.session_server.close()
+        if cfg.flush_on_stop_seconds > 0 and self.chain.lower:
+            flushed = await self.chain.writeback.flush(cfg.flush_on_stop_seconds)
+            log.info("wrote %d chunk(s) down before stopping", flushed)
         if self.zmq_events is not None:
             await self.zmq_events.close()
         await self.chain.close()

@@ -128,6 +128,39 @@ class WriteBack:
             except TimeoutError:
                 return
 
+    async def flush(self, budget_s: float) -> int:
+        """At shutdown: write down chunks that have no copy below, most recently used first, for
+        up to `budget_s` (then the rest is lost with RAM). Returns how many were written down."""
+        if not self._lower or budget_s <= 0:
+            return 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget_s
+        flushed = []
+        for entry in self._ram.dirty_entries():
+            while not all(lower.queue.has_room(Priority.WRITEDOWN) for lower in self._lower):
+                if not await self._wait_for_space(deadline):
+                    return sum(e.persisted for e in flushed)
+            if not entry.indexed or entry.persisted or entry.writing:  # deleted or written meanwhile
+                continue
+            self._ram.begin_writeback(entry)
+            self._write_down(entry)
+            flushed.append(entry)
+        while self._writing_bytes and await self._wait_for_space(deadline):
+            pass
+        return sum(e.persisted for e in flushed)
+
+    async def _wait_for_space(self, deadline: float) -> bool:
+        """Wait until a write-down ends; False once the deadline has passed."""
+        remaining = deadline - asyncio.get_running_loop().time()
+        if remaining <= 0:
+            return False
+        self._space.clear()
+        try:
+            await asyncio.wait_for(self._space.wait(), remaining)
+        except TimeoutError:
+            return False
+        return True
+
     def _keep_headroom(self, wanted_free: int) -> None:
         shortfall = wanted_free - self._ram.free_bytes - self._writing_bytes
         if shortfall <= 0:

@@ -247,6 +247,10 @@ class RamTier:
                 to_write.append(entry)
         return to_write, evicted
 
+    def dirty_entries(self) -> list[RamEntry]:
+        """READY chunks with no copy below and no write-down running, most recently used first."""
+        return [entry for entry in reversed(self._lru.values()) if not entry.persisted]
+
     def begin_writeback(self, entry: RamEntry) -> None:
         """Pin a chunk for a write-through copy (it stays readable, not evictable)."""
         self._lru.pop(entry.chunk, None)

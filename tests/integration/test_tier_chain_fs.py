@@ -94,6 +94,28 @@ def test_restart_keeps_the_fs_tier_warm(daemon_factory, fs_root, ns_name):
         assert np.array_equal(load_all(kv, ns, present), payloads(present, CHUNK))
 
 
+@pytest.mark.parametrize("flush_s", ["10", "0"])
+def test_a_clean_stop_writes_ram_only_chunks_down(daemon_factory, fs_root, ns_name, flush_s):
+    """Write-back keeps new chunks in RAM only; SIGTERM writes them down (within
+    flush_on_stop_seconds) so a restart finds them. With 0, they are gone, as before."""
+    keys = make_keys("flush", 8)  # 512 KiB: fits in RAM, nothing is written down while running
+    d = daemon_factory(fs_args(fs_root) + ["--flush-on-stop-seconds", flush_s], cpu_bytes=RAM)
+    with d.client() as kv:
+        ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
+        fill(kv, ns, keys)
+    assert fs_files(fs_root) == set()
+    d.stop()
+    if flush_s == "0":
+        assert fs_files(fs_root) == set()
+        return
+    assert fs_files(fs_root) == {k.hex() for k in keys}
+    d.start(fs_args(fs_root))
+    with d.client() as kv:
+        ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
+        assert kv.lookup(ns, keys).tiers == [Tier.FS] * len(keys)
+        assert np.array_equal(load_all(kv, ns, keys), payloads(keys, CHUNK))
+
+
 def test_two_daemons_sharing_a_root_share_chunks(daemon_factory, fs_root, ns_name):
     a = daemon_factory(fs_args(fs_root), cpu_bytes=RAM)
     b = daemon_factory(fs_args(fs_root), cpu_bytes=RAM)
