@@ -97,6 +97,10 @@ def add_tcp_port(server: grpc.aio.Server, cfg: Config) -> int:
     return port
 
 
+class StoppedDuringStart(Exception):
+    """SIGTERM/SIGINT arrived before the daemon was serving."""
+
+
 class Daemon:
     def __init__(self, config: Config, reload_config: Callable[[], Config]) -> None:
         self.config = config
@@ -125,7 +129,7 @@ class Daemon:
                         cfg.copy_threads),
             EventBus(cfg.events_buffer),
         )
-        await self.chain.start()
+        await self._start_tiers()
         self.zmq_events: ZmqEventPublisher | None = None
         if cfg.events_zmq_endpoint:
             from kvstored.observability import zmq_events
@@ -173,6 +177,23 @@ class Daemon:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving on %s (sessions on %s)", cfg.socket, cfg.session_socket)
         notify("READY=1\nSTATUS=serving")
+
+    async def _start_tiers(self) -> None:
+        """Start the tiers (an S3 listing or a large fs index can take a while), giving up at
+        once if a stop is requested meanwhile: nothing serves yet, so nothing is lost."""
+        starting = asyncio.ensure_future(self.chain.start())
+        stop = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait((starting, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not starting.done():
+            starting.cancel()
+            await asyncio.wait((starting,))
+            await self.chain.close()
+            self.pool.close()
+            raise StoppedDuringStart("stop requested while the tiers were starting")
+        starting.result()  # a TierStartError ends the start here
 
     async def _start_metrics(self, addr: str) -> None:
         """A taken metrics port costs the metrics, not the cache: log it and serve on."""
@@ -259,7 +280,11 @@ async def run(config: Config, reload_config: Callable[[], Config]) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.request_stop)
     loop.add_signal_handler(signal.SIGHUP, daemon.reload)
-    await daemon.start()
+    try:
+        await daemon.start()
+    except StoppedDuringStart as exc:
+        log.info("%s; stopped", exc)
+        return
     try:
         await daemon.wait_stopped()
     finally:

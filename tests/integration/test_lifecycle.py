@@ -221,3 +221,31 @@ def test_handles_of_one_run_never_name_the_next_runs(daemon, ns_name):
         assert err.code().name == "FAILED_PRECONDITION"
         assert after.stats().reservations == 1  # the new reservation is untouched
         assert after.call("Commit", pb.CommitRequest(session_id=after.session_id, handles=[new])).committed == 1
+
+
+def test_sigterm_while_a_tier_is_starting_stops_at_once(daemon_factory, tmp_path):
+    """An S3 endpoint that accepts connections but never answers keeps the tier starting for its
+    whole timeout; a stop requested meanwhile must not wait for it."""
+    import socket
+    import time
+
+    black_hole = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    black_hole.bind(("127.0.0.1", 0))
+    black_hole.listen(64)  # connections queue up, nothing is ever read
+    port = black_hole.getsockname()[1]
+    d = daemon_factory(start=False)
+    try:
+        d.spawn(["--tiers", f"kind=s3,bucket=b,endpoint_url=http://127.0.0.1:{port},timeout_s=120,"
+                            "access_key=k,secret_key=s"])
+        deadline = time.monotonic() + 60
+        while "RAM tier" not in d.log:  # past the pool, into the tiers' start
+            assert d.proc.poll() is None, d.log
+            assert time.monotonic() < deadline, d.log
+            time.sleep(0.05)
+        time.sleep(0.5)
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.wait(timeout=30) == 0, d.log  # not the 120 s tier timeout
+        assert "stop requested while the tiers were starting" in d.log
+        assert not d.socket.exists() and not d.session_socket.exists()
+    finally:
+        black_hole.close()
