@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         tune_memcpy_and_reexec(argv)
     setup_logging(config.log_level, config.log_format)
 
-    from kvstored.errors import TierStartError
+    from kvstored.errors import ListenError, TierStartError
     from kvstored.server.daemon import SocketInUse, run
 
     try:
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # SIGHUP re-reads the same sources the daemon started from.
         uvloop.run(run(config, reload_config=lambda: load_config(flags, config_file=args.config)))
-    except (SocketInUse, TierStartError) as exc:
+    except (SocketInUse, TierStartError, ListenError) as exc:
         log.error("%s", exc)
         return 1
     except OSError as exc:

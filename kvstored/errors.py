@@ -52,6 +52,10 @@ class PoolExhausted(KvstoredError):
     """Every page of the pool is leased or reserved, so nothing can be evicted to make room."""
 
 
+class ListenError(Exception):
+    """An address the daemon was told to listen on cannot be bound (in use, not local...)."""
+
+
 class TierStartError(Exception):
     """A configured tier could not start (bad credentials, unusable root...): the daemon exits."""
 

@@ -25,6 +25,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from kvstored.errors import ListenError
 from kvstored.observability.events import EventEncoding, EventType, KvEvent
 from kvstored.tiers.base import TierKind
 
@@ -96,11 +97,11 @@ class ZmqEventPublisher:
     def start(self) -> None:
         self._pub = self._pub_ctx.socket(zmq.PUB)
         self._pub.set_hwm(100_000)
-        self._pub.bind(self._endpoint)
+        _bind(self._pub, self._endpoint, "events_zmq_endpoint")
         if self._replay_endpoint:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.SNDHWM, self._replay_hwm)  # before bind: pipes take it then
-            self._replay.bind(self._replay_endpoint)
+            _bind(self._replay, self._replay_endpoint, "events_zmq_replay_endpoint")
             self._replay_task = asyncio.create_task(self._serve_replay(self._replay), name="zmq-replay")
         log.info("KV events on %s (replay %s, %s encoding)", self._endpoint, self._replay_endpoint or "off",
                  self._encoding.value)
@@ -140,3 +141,10 @@ class ZmqEventPublisher:
         self._pub = self._replay = None
         self._ctx.term()
         self._pub_ctx.term()
+
+
+def _bind(sock: zmq.Socket, endpoint: str, option: str) -> None:
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        raise ListenError(f"cannot listen on {endpoint} ({option}): {exc}") from None

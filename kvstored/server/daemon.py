@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvstored.errors import ListenError
 from kvstored import __version__
 from kvstored.config import Config, ConfigError, FsTierConfig, TierConfig
 from kvstored.logs import setup_logging
@@ -88,11 +89,13 @@ def add_tcp_port(server: grpc.aio.Server, cfg: Config) -> int:
             root_certificates=ca,
             require_client_auth=ca is not None,
         )
-        port = server.add_secure_port(cfg.tcp_listen, creds)
-        mode = "mutual TLS" if ca else "TLS"
+        add, mode = (lambda: server.add_secure_port(cfg.tcp_listen, creds)), "mutual TLS" if ca else "TLS"
     else:
-        port = server.add_insecure_port(cfg.tcp_listen)
-        mode = "plaintext, loopback only"
+        add, mode = (lambda: server.add_insecure_port(cfg.tcp_listen)), "plaintext, loopback only"
+    try:
+        port = add()
+    except RuntimeError as exc:  # grpc's "Failed to bind to address ..."
+        raise ListenError(f"cannot listen on {cfg.tcp_listen} (tcp_listen): {exc}") from None
     log.info("TCP listener on %s port %d (%s)", cfg.tcp_listen.rpartition(":")[0], port, mode)
     return port
 
@@ -161,9 +164,9 @@ class Daemon:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server,
         )
-        self.server.add_insecure_port(f"unix:{cfg.socket}")
-        if cfg.tcp_listen:
+        if cfg.tcp_listen:  # first: a port that cannot be bound leaves no socket file behind
             self.tcp_port = add_tcp_port(self.server, cfg)
+        self.server.add_insecure_port(f"unix:{cfg.socket}")
         await self.server.start()
         os.chmod(cfg.socket, cfg.socket_mode)
         if cfg.metrics_addr:

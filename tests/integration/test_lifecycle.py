@@ -249,3 +249,23 @@ def test_sigterm_while_a_tier_is_starting_stops_at_once(daemon_factory, tmp_path
         assert not d.socket.exists() and not d.session_socket.exists()
     finally:
         black_hole.close()
+
+
+@pytest.mark.parametrize("option", ["--tcp-listen", "--events-zmq-endpoint"])
+def test_a_busy_port_is_one_clear_line_and_exit_1(daemon_factory, option):
+    import socket
+
+    busy = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    address = f"127.0.0.1:{port}" if option == "--tcp-listen" else f"tcp://127.0.0.1:{port}"
+    d = daemon_factory(start=False)
+    try:
+        d.spawn([option, address])
+        assert d.wait(timeout=60) == 1, d.log
+        assert f"cannot listen on {address}" in d.log
+        assert "Traceback" not in d.log
+        assert not d.socket.exists()
+    finally:
+        busy.close()
