@@ -5,30 +5,42 @@ from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
+from setuptools.command.sdist import sdist
 
 HERE = Path(__file__).resolve().parent
 PROTO_ROOT = HERE.parent / "proto"
 GENERATED = HERE / "kvstored_client" / "_gen" / "kvstored" / "v1" / "kvstored_pb2.py"
 
 
+def generate() -> None:
+    """Generate from ../proto when it is there (a checkout); an sdist carries the output instead."""
+    protos = sorted(PROTO_ROOT.glob("kvstored/v1/*.proto"))
+    if not protos:
+        if not GENERATED.exists():
+            raise SystemExit(f"kvstored-client: no generated protobuf code and no .proto files under {PROTO_ROOT}")
+        return
+    try:
+        from grpc_tools import protoc
+    except ImportError:
+        raise SystemExit("kvstored-client: building from a checkout needs grpcio-tools (pip install grpcio-tools)")
+
+    args = ["protoc", f"-Ikvstored_client/_gen={PROTO_ROOT}", f"--python_out={HERE}", f"--pyi_out={HERE}",
+            f"--grpc_python_out={HERE}"]
+    args += [f"kvstored_client/_gen/{p.relative_to(PROTO_ROOT)}" for p in protos]
+    if protoc.main(args) != 0:
+        raise SystemExit("kvstored-client: protoc failed on " + ", ".join(map(str, protos)))
+
+
 class BuildWithProtos(build_py):
     def run(self) -> None:
-        protos = sorted(PROTO_ROOT.glob("kvstored/v1/*.proto"))
-        if protos:
-            self._generate(protos)
-        elif not GENERATED.exists():
-            raise SystemExit(f"kvstored-client: no generated protobuf code and no .proto files under {PROTO_ROOT}")
+        generate()
         super().run()
 
-    @staticmethod
-    def _generate(protos: list[Path]) -> None:
-        from grpc_tools import protoc
 
-        args = ["protoc", f"-Ikvstored_client/_gen={PROTO_ROOT}", f"--python_out={HERE}", f"--pyi_out={HERE}",
-                f"--grpc_python_out={HERE}"]
-        args += [f"kvstored_client/_gen/{p.relative_to(PROTO_ROOT)}" for p in protos]
-        if protoc.main(args) != 0:
-            raise SystemExit("kvstored-client: protoc failed on " + ", ".join(map(str, protos)))
+class SdistWithProtos(sdist):
+    def run(self) -> None:
+        generate()  # before the file list is made: the sdist carries the generated modules
+        super().run()
 
 
-setup(cmdclass={"build_py": BuildWithProtos})
+setup(cmdclass={"build_py": BuildWithProtos, "sdist": SdistWithProtos})

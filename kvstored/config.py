@@ -246,7 +246,7 @@ def _parse_tiers(value: Any) -> tuple[TierConfig, ...]:
 @dataclass(frozen=True)
 class Config:
     socket: Path = field(
-        default_factory=default_socket_path,
+        default_factory=lambda: default_socket_path(for_daemon=True),
         metadata=_opt("unix socket of the gRPC API; the session socket is <socket>.session (default: "
                       "/run/kvstored/kvstored.sock as root, else $XDG_RUNTIME_DIR/kvstored/kvstored.sock)",
                       _parse_socket, "PATH"),

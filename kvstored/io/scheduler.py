@@ -38,6 +38,7 @@ class TierQueue:
         self._workers: list[asyncio.Task] = []
         self.backlog: Counter[Priority] = Counter()
         self.dropped: Counter[Priority] = Counter()
+        self._running: set[asyncio.Future] = set()
 
     def start(self) -> None:
         self._workers = [
@@ -47,6 +48,12 @@ class TierQueue:
     def has_room(self, priority: Priority) -> bool:
         """Whether submit() would take a job of this priority now."""
         return priority is Priority.LOAD or self.backlog[priority] < self._max_backlog
+
+    def withdraw(self, future: asyncio.Future) -> bool:
+        """Cancel a job that has not started (a worker skips it); a running one goes on."""
+        if future in self._running or future.done():
+            return False
+        return future.cancel()
 
     def submit(self, priority: Priority, job: Job) -> asyncio.Future | None:
         if priority is not Priority.LOAD and self.backlog[priority] >= self._max_backlog:
@@ -63,6 +70,7 @@ class TierQueue:
             self.backlog[priority] -= 1
             if future.cancelled():
                 continue
+            self._running.add(future)
             try:
                 result = await job()
             except asyncio.CancelledError:
@@ -74,6 +82,8 @@ class TierQueue:
             else:
                 if not future.done():
                     future.set_result(result)
+            finally:
+                self._running.discard(future)
 
     async def close(self) -> None:
         """Cancel the workers and every job still queued."""

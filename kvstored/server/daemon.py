@@ -192,8 +192,8 @@ class Daemon:
             stop.cancel()
         if not starting.done():
             starting.cancel()
+            await self.chain.close()  # closing tiers also stops an index scan in progress
             await asyncio.wait((starting,))
-            await self.chain.close()
             self.pool.close()
             raise StoppedDuringStart("stop requested while the tiers were starting")
         starting.result()  # a TierStartError ends the start here

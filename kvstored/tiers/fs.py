@@ -476,7 +476,10 @@ class FsTier(SecondaryTier):
         return entries
 
     def _scandir(self, path: str, now: float, dirs: bool = True):
-        """Entries of `path` (directories if `dirs`, else files), removing stale temporary files."""
+        """Entries of `path` (directories if `dirs`, else files), removing stale temporary files.
+        Yields nothing once the tier is closing (a stop during a long index rebuild)."""
+        if self._closed:
+            return
         try:
             with os.scandir(path) as it:
                 listing = list(it)

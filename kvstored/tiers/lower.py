@@ -135,19 +135,26 @@ class WriteBack:
             return 0
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget_s
-        flushed = []
-        for entry in self._ram.dirty_entries():
-            while not all(lower.queue.has_room(Priority.WRITEDOWN) for lower in self._lower):
-                if not await self._wait_for_space(deadline):
-                    return sum(e.persisted for e in flushed)
-            if not entry.indexed or entry.persisted or entry.writing:  # deleted or written meanwhile
-                continue
-            self._ram.begin_writeback(entry)
-            self._write_down(entry)
-            flushed.append(entry)
-        while self._writing_bytes and await self._wait_for_space(deadline):
-            pass
-        return sum(e.persisted for e in flushed)
+        flushed: list[RamEntry] = []
+        queued: list[tuple[TierQueue, asyncio.Future]] = []
+        try:
+            for entry in self._ram.dirty_entries():
+                while not all(lower.queue.has_room(Priority.WRITEDOWN) for lower in self._lower):
+                    if not await self._wait_for_space(deadline):
+                        return sum(e.persisted for e in flushed)
+                if not entry.indexed or entry.persisted or entry.writing:  # deleted or written meanwhile
+                    continue
+                self._ram.begin_writeback(entry)
+                queued += self._write_down(entry)
+                flushed.append(entry)
+            while self._writing_bytes and await self._wait_for_space(deadline):
+                pass
+            return sum(e.persisted for e in flushed)
+        finally:
+            # Out of time: what has not started never will (a delete queued behind it, and the
+            # stop itself, must not wait for it).
+            for queue, future in queued:
+                queue.withdraw(future)
 
     async def _wait_for_space(self, deadline: float) -> bool:
         """Wait until a write-down ends; False once the deadline has passed."""
@@ -171,21 +178,22 @@ class WriteBack:
         for entry in to_write:
             self._write_down(entry)
 
-    def _write_down(self, entry: RamEntry) -> None:
+    def _write_down(self, entry: RamEntry) -> list[tuple[TierQueue, asyncio.Future]]:
         views = self._ram.page_views(entry, self._pool)
         futures = []
         for lower in self._lower:
             job = _write_job(lower, entry, views, self._events)
             future = lower.queue.submit(Priority.WRITEDOWN, job)
             if future is not None:
-                futures.append(future)
+                futures.append((lower.queue, future))
         if not futures:  # every tier is behind: this chunk is dropped (counted by the queues)
             self._finish(entry, [], 0)
-            return
+            return []
         write = _WriteDown(entry, self._ram.pages_for(entry.size) * self._ram.page_bytes, len(futures))
         self._writing_bytes += write.nbytes
-        for future in futures:
+        for _, future in futures:
             future.add_done_callback(functools.partial(self._one_done, write))
+        return futures
 
     def _one_done(self, write: "_WriteDown", future: asyncio.Future) -> None:
         if future.cancelled():

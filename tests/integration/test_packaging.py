@@ -24,6 +24,17 @@ def test_client_wheel_built_from_a_checkout_carries_the_generated_modules(tmp_pa
     for module in ("kvstored_pb2.py", "kvstored_pb2_grpc.py"):
         assert f"kvstored_client/_gen/kvstored/v1/{module}" in names
 
+    # And from an sdist, which has no ../proto: it must carry the generated modules itself.
+    subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path / "sdist")], cwd=src / "client",
+                   check=True, timeout=300, capture_output=True)
+    sdist = next((tmp_path / "sdist").glob("kvstored_client-*.tar.gz"))
+    shutil.unpack_archive(sdist, tmp_path / "unpacked")
+    unpacked = next((tmp_path / "unpacked").iterdir())
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(unpacked),
+                    "-w", str(tmp_path / "from-sdist")], check=True, timeout=300)
+    from_sdist = next((tmp_path / "from-sdist").glob("kvstored_client-*.whl"))
+    assert "kvstored_client/_gen/kvstored/v1/kvstored_pb2.py" in zipfile.ZipFile(from_sdist).namelist()
+
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, timeout=300)

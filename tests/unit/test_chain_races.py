@@ -266,3 +266,20 @@ async def test_a_chunk_deleted_and_stored_again_during_its_write_down_is_reporte
     ram = [e for e in events if e[0] == "ram"]
     assert ram == [("ram", "STORED", "STORED"), ("ram", "REMOVED", "DELETED"), ("ram", "STORED", "STORED")]
     assert await chain.lookup(NS, [key(1)]) == [TierKind.RAM]
+
+
+async def test_a_flush_out_of_time_withdraws_its_queued_write_downs(rig):
+    """At stop, flush() fills the tier's queue; what has not started by the deadline must not run
+    after it (a delete queued behind would hold the stop for all of them)."""
+    chain, sessions, tier = await rig(delay=0.2, concurrency=1)
+    session = sessions.open("c")
+    for i in range(10):
+        grant = (await chain.reserve(session, NS, [key(20 + i)]))[0]
+        chain.commit(session, [grant.handle])
+    assert not tier.data  # write-back: nothing below yet
+    flushing = asyncio.create_task(chain.writeback.flush(0.3))
+    await asyncio.sleep(0.05)
+    deleting = asyncio.create_task(chain.delete(NS, [key(20)]))  # queued behind the write-downs
+    await flushing
+    await deleting
+    assert len(tier.data) < 9, "write-downs queued by the flush ran after its deadline"

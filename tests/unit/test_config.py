@@ -345,3 +345,31 @@ def test_zmq_replay_needs_the_publisher_and_its_own_endpoint():
     cfg = load_config({"events_zmq_endpoint": "ipc:///run/kv/ev", "events_zmq_replay_endpoint": "tcp://[::1]:5558",
                        "events_buffer": "0"}, {})
     assert (cfg.events_zmq_endpoint, cfg.events_buffer) == ("ipc:///run/kv/ev", 0)
+
+
+def test_a_system_socket_we_may_not_see_is_not_the_clients_default(monkeypatch):
+    """/run/kvstored is 0750: for a user outside its group, stat() fails with EACCES."""
+    from kvstored_client import paths
+
+    class Hidden:
+        def exists(self):
+            raise PermissionError(13, "Permission denied")
+
+    monkeypatch.delenv("KVSTORED_SOCKET", raising=False)
+    monkeypatch.setattr(paths, "SYSTEM_SOCKET", Hidden())
+    monkeypatch.setattr(paths.os, "geteuid", lambda: 1000)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1000")
+    assert paths.default_socket_path() == Path("/run/user/1000/kvstored/kvstored.sock")
+
+
+def test_the_daemons_default_socket_ignores_a_running_system_daemon(monkeypatch, tmp_path):
+    from kvstored_client import paths
+
+    system = tmp_path / "kvstored.sock"
+    system.touch()
+    monkeypatch.delenv("KVSTORED_SOCKET", raising=False)
+    monkeypatch.setattr(paths, "SYSTEM_SOCKET", system)
+    monkeypatch.setattr(paths.os, "geteuid", lambda: 1000)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1000")
+    assert paths.default_socket_path() == system  # a client finds the system daemon
+    assert paths.default_socket_path(for_daemon=True) == Path("/run/user/1000/kvstored/kvstored.sock")

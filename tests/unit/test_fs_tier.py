@@ -739,3 +739,28 @@ async def test_a_write_joining_one_whose_file_is_being_removed_writes_anew(tmp_p
         assert await tier.contains([chunk]) == [True]
     finally:
         await tier.close()
+
+
+async def test_closing_during_a_slow_index_rebuild_stops_it(tmp_path, monkeypatch):
+    """A stop during start-up must not wait for a scan of millions of files."""
+    from kvstored.tiers import fs as fs_module
+
+    root = tmp_path / "fs"
+    for i in range(30):
+        (root / f"{i:032x}").mkdir(parents=True)
+    calls = []
+    real_scandir = os.scandir
+
+    def slow_scandir(path):
+        calls.append(path)
+        time.sleep(0.05)  # a cold directory on a slow disk
+        return real_scandir(path)
+
+    monkeypatch.setattr(fs_module.os, "scandir", slow_scandir)
+    tier = FsTier("fs", root, 64 << 20)
+    starting = asyncio.create_task(tier.start())
+    await asyncio.sleep(0.2)
+    await tier.close()  # returns once the scan job has ended
+    starting.cancel()
+    await asyncio.gather(starting, return_exceptions=True)
+    assert len(calls) < 31, "the scan went on after the tier closed"
