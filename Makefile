@@ -2,6 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+RUN_STAMP := $(VENV)/.installed-run
 STAMP := $(VENV)/.installed
 GEN := client/kvstored_client/_gen/kvstored/v1
 PROTOS := $(wildcard proto/kvstored/v1/*.proto)
@@ -13,9 +14,15 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP) $(GEN)/kvstored_pb2.py
 
-# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml client/pyproject.toml setup.py kvstored/shm/_safecopy.c
+# The daemon alone (what `make run` needs): no torch, no test tools; building the client
+# generates the protobuf modules.
+$(RUN_STAMP): pyproject.toml client/pyproject.toml client/setup.py setup.py kvstored/shm/_safecopy.c $(PROTOS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -e ./client -e .
+	touch $@
+
+# Tests and benchmarks: torch first and pinned (an unpinned torch pulls a multi-GB CUDA build).
+$(STAMP): $(RUN_STAMP)
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
 	$(BIN)/pip install -q --disable-pip-version-check -e ./client -e '.[dev]'
 	touch $@
@@ -25,7 +32,7 @@ proto $(GEN)/kvstored_pb2.py: $(PROTOS) | $(STAMP)
 		--python_out=client --pyi_out=client --grpc_python_out=client \
 		$(patsubst proto/%,kvstored_client/_gen/%,$(PROTOS))
 
-run: setup
+run: $(RUN_STAMP)
 	mkdir -p var/fs
 	$(BIN)/kvstored serve $(RUN_ARGS)
 
