@@ -17,6 +17,7 @@ import pytest
 from kvstored_client import Tier
 from tests.support.daemon import REPO_ROOT, Daemon, short_tmpdir
 from tests.support.data import make_keys, payloads
+from tests.support.wait import wait_for
 
 CHUNK = 64 << 10
 RAM = "1MiB"
@@ -177,7 +178,9 @@ def test_fs_capacity_bound_evicts_least_recently_used_files(daemon_factory, fs_r
     on_disk = sum(p.stat().st_size for p in fs_root.rglob("*.kv"))
     assert stats["fs"].used_bytes <= 1 << 20 and on_disk <= 1 << 20
     assert stats["fs"].evictions > 0
-    assert stats["fs"].chunks == len(fs_files(fs_root))
+    # Write-downs (and the unlinks of their victims) may still be running after the stores return.
+    assert wait_for(lambda: tier_stats(d)["fs"].chunks == len(fs_files(fs_root))), \
+        (tier_stats(d)["fs"].chunks, len(fs_files(fs_root)))
 
 
 def test_disk_full_stops_fs_admission_and_ram_keeps_serving(daemon_factory, ns_name):
