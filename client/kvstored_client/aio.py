@@ -134,18 +134,8 @@ class AsyncClient(ClientBase):
                         result = await _to_the_end(self._call(getattr(stub, effect.method), effect, deadline))
                     else:
                         result = await self._call(getattr(stub, effect.method), effect, deadline)
-                except grpc.RpcError as exc:
-                    effect = plan.throw(self._rpc_failed(effect, exc))
-                except KvstoredError as exc:
-                    effect = plan.throw(exc)
-                except Exception as exc:
-                    if not isinstance(effect, ops.Copy):
-                        self._abandon(plan, effect)
-                        raise
-                    effect = plan.throw(exc)  # a failed copy: the plan gives its slots back
-                except BaseException:  # cancelled mid-call
-                    self._abandon(plan, effect)
-                    raise
+                except BaseException as exc:  # a cancellation is re-raised
+                    effect = self._failed(plan, effect, exc)
                 else:
                     effect = plan.send(result)
         except StopIteration as stop:

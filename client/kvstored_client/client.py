@@ -113,6 +113,17 @@ class ClientBase:
                     log.warning("kvstored refused region %s on reconnect: %s", region.name, exc)
                     region.refused = exc
 
+    def _failed(self, plan: Plan, effect: Any, exc: BaseException) -> Any:
+        """Where an effect's failure goes, for both drivers: RPC and domain errors, and a failed
+        copy (the plan gives its slots back), are thrown into the plan, whose next effect is
+        returned; anything else (an interrupt, a cancellation) abandons the plan and is raised."""
+        if isinstance(exc, grpc.RpcError):
+            return plan.throw(self._rpc_failed(effect, exc))
+        if isinstance(exc, KvstoredError) or (isinstance(exc, Exception) and isinstance(effect, ops.Copy)):
+            return plan.throw(exc)
+        self._abandon(plan, effect)
+        raise exc
+
     def _rpc_failed(self, effect: Any, exc: grpc.RpcError) -> KvstoredError:
         """The error a failed call raises into its plan. A handle call that timed out may have
         been granted: the session goes, which frees whatever it was. A region transfer that got
@@ -322,18 +333,8 @@ class Client(ClientBase):
                         result = effect.run()
                     else:
                         result = self._call(getattr(stub, effect.method), effect, deadline)
-                except grpc.RpcError as exc:
-                    effect = plan.throw(self._rpc_failed(effect, exc))
-                except KvstoredError as exc:
-                    effect = plan.throw(exc)
-                except Exception as exc:
-                    if not isinstance(effect, ops.Copy):
-                        self._abandon(plan, effect)
-                        raise
-                    effect = plan.throw(exc)  # a failed copy: the plan gives its slots back
-                except BaseException:
-                    self._abandon(plan, effect)
-                    raise
+                except BaseException as exc:
+                    effect = self._failed(plan, effect, exc)
                 else:
                     effect = plan.send(result)
         except StopIteration as stop:

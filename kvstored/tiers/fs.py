@@ -595,7 +595,7 @@ class FsTier(SecondaryTier):
             got = -1
             if direct:
                 try:
-                    got = fs_io.preadv_direct(fd, [header, *direct_bufs])
+                    got = fs_io.preadv_all(fd, [header, *direct_bufs], direct=True)
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
                         raise

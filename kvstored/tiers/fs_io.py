@@ -75,28 +75,17 @@ def pwritev_all(fd: int, bufs: list[memoryview]) -> int:
     return offset
 
 
-def preadv_all(fd: int, bufs: list[memoryview]) -> int:
+def preadv_all(fd: int, bufs: list[memoryview], direct: bool = False) -> int:
+    """Read into bufs until they are full or the file ends, at most _IOV_MAX buffers per call
+    (more is EINVAL). With O_DIRECT (`direct`), a count that is not whole pages is the end of
+    the file: reading on would start at an unaligned offset, which O_DIRECT refuses."""
     offset = 0
     while bufs:
         n = os.preadv(fd, bufs[:_IOV_MAX], offset)
         if n <= 0:
             break
         offset += n
-        bufs = advance(bufs, n)
-    return offset
-
-
-def preadv_direct(fd: int, bufs: list[memoryview]) -> int:
-    """preadv_all for O_DIRECT: page-aligned buffers of whole pages, at most _IOV_MAX per call
-    (more is EINVAL). A count that is not whole pages is the end of the file: reading on would
-    start at an unaligned offset, which O_DIRECT refuses."""
-    offset = 0
-    while bufs:
-        n = os.preadv(fd, bufs[:_IOV_MAX], offset)
-        if n <= 0:
-            break
-        offset += n
-        if n % ALIGN:
+        if direct and n % ALIGN:
             break
         bufs = advance(bufs, n)
     return offset
