@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstored.errors import ListenError
 from kvstored import __version__
-from kvstored.config import Config, ConfigError, FsTierConfig, TierConfig
+from kvstored.config import Config, ConfigError
 from kvstored.logs import setup_logging
 from kvstored.namespaces import NamespaceRegistry
 from kvstored.observability.metrics import DaemonMetrics
@@ -40,10 +40,10 @@ from kvstored.server.systemd import notify
 from kvstored.shm.copy import GUARDED as copy_guarded
 from kvstored.shm.mapping import SharedPool
 from kvstored.sizes import format_size
-from kvstored.tiers.base import AdmissionPolicy
 from kvstored.tiers.chain import ChainPolicy, TierChain
 from kvstored.tiers.factory import build_lower_tiers
 from kvstored.tiers.ram import RamTier
+from kvstored.tiers.registry import TierConfig, admission_changes
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 
@@ -126,11 +126,12 @@ class Daemon:
         self.pool = SharedPool(cfg.cpu_bytes, populate=cfg.populate)
         self.namespaces = NamespaceRegistry(cfg.cpu_bytes)
         lower = build_lower_tiers(cfg.tiers)
+        writable = any(t.capabilities.accepts_writedowns for t in lower)  # RAM's chunks can go down
         self.chain = TierChain(
-            RamTier(cfg.cpu_bytes, cfg.page_bytes, has_lower_tiers=bool(lower)),
+            RamTier(cfg.cpu_bytes, cfg.page_bytes, has_lower_tiers=writable),
             self.pool,
             lower,
-            ChainPolicy(cfg.write_policy, cfg.headroom_bytes if lower else 0, cfg.writeback_wait_seconds,
+            ChainPolicy(cfg.write_policy, cfg.headroom_bytes if writable else 0, cfg.writeback_wait_seconds,
                         cfg.copy_threads),
             EventBus(cfg.events_buffer),
         )
@@ -217,8 +218,8 @@ class Daemon:
         self._stopping.set()
 
     def reload(self) -> None:
-        """SIGHUP: read the configuration again; apply the log settings and fs tier admission,
-        and name every other change, which needs a restart."""
+        """SIGHUP: read the configuration again; apply the log settings and the tiers' admission
+        policies, and name every other change, which needs a restart."""
         try:
             new = self._reload_config()
         except (ConfigError, SystemExit) as exc:  # argparse exits on bad flags
@@ -242,16 +243,14 @@ class Daemon:
 
     def _reload_tiers(self, old: tuple[TierConfig, ...], new: tuple[TierConfig, ...],
                       applied: list[str]) -> tuple[TierConfig, ...] | None:
-        """Apply fs admission changes; None if anything else about the tiers changed."""
-        def rest(t: TierConfig) -> TierConfig:
-            return dataclasses.replace(t, admission=AdmissionPolicy.ALWAYS) if isinstance(t, FsTierConfig) else t
-
-        if len(old) != len(new) or any(rest(a) != rest(b) for a, b in zip(old, new)):
+        """Apply admission changes to every tier that has a policy; None if anything else about
+        the tiers changed."""
+        changes = admission_changes(old, new)
+        if changes is None:
             return None
-        for was, now, lower in zip(old, new, self.chain.lower):
-            if isinstance(now, FsTierConfig) and now.admission != was.admission:
-                lower.tier.set_admission(now.admission)
-                applied.append(f"tier {now.name} admission={now.admission.value}")
+        for index, policy in changes.items():
+            self.chain.lower[index].tier.set_admission(policy)
+            applied.append(f"tier {new[index].name} admission={policy.value}")
         return new
 
     async def wait_stopped(self) -> None:
