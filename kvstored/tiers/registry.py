@@ -13,7 +13,9 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, Mapping, Protocol, Sequence, TypeVar
+from typing import (
+    TYPE_CHECKING, Any, Callable, ClassVar, Generic, Mapping, Protocol, Sequence, TypeVar, runtime_checkable,
+)
 
 from kvstored.parsing import parse_bool, parse_seconds
 from kvstored.sizes import parse_size
@@ -38,6 +40,12 @@ class TierConfig(Protocol):
 
     @property
     def max_backlog(self) -> int: ...  # queued write-downs (and deletions) before new ones are dropped
+
+
+@runtime_checkable
+class _Admitting(Protocol):
+    @property
+    def admission(self) -> AdmissionPolicy: ...
 
 
 C = TypeVar("C", bound=TierConfig)
@@ -186,10 +194,9 @@ def spec_of(cfg: TierConfig) -> TierKindSpec[Any]:
 
 def admission_of(cfg: TierConfig) -> AdmissionPolicy | None:
     """The admission policy a tier's config sets; None for kinds without one."""
-    if not spec_of(cfg).capabilities.admission:
-        return None
-    policy: AdmissionPolicy = getattr(cfg, "admission")
-    return policy
+    if spec_of(cfg).capabilities.admission and isinstance(cfg, _Admitting):
+        return cfg.admission
+    return None
 
 
 def admission_changes(
