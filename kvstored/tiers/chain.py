@@ -22,10 +22,10 @@ from kvstored.errors import (
     InvalidRequest, KvstoredError, PoolExhausted, RegionShrunk, TierStartError, TierUnavailable,
 )
 from kvstored.namespaces import Namespace
+from kvstored.observability.events import Cause, EventBus, EventType
 from kvstored.shm.copier import Copier, CopyJob, default_copy_threads
 from kvstored.shm.copy import MappingVanished
 from kvstored.shm.mapping import Region, SharedPool
-from kvstored.observability.events import Cause, EventBus, EventType
 from kvstored.tiers.base import ChunkId, RemovalCause, SecondaryTier, TierKind
 from kvstored.tiers.lower import DeletionGuard, LowerTier, Promoter, WriteBack, WritePolicy
 from kvstored.tiers.ram import Extent, RamEntry, RamTier, ReserveOutcome
