@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import math
 import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, get_args
 
+from kvstored.observability.events import EventEncoding
+from kvstored.parsing import parse_bool, parse_seconds
 from kvstored.shm.copier import default_copy_threads
 from kvstored.sizes import parse_size
-from kvstored.tiers.base import AdmissionPolicy
-from kvstored.observability.events import EventEncoding
 from kvstored.tiers.lower import WritePolicy
+from kvstored.tiers.registry import KINDS as TIER_KINDS
+from kvstored.tiers.registry import TierConfig, spec_of
 from kvstored_client.paths import default_socket_path, session_socket_path
 
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -40,17 +41,6 @@ def _default_cpu_bytes() -> int:
     return physical_memory_bytes() // 4
 
 
-def _parse_bool(value: str | bool) -> bool:
-    if isinstance(value, bool):
-        return value
-    lowered = str(value).strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"not a boolean: {value!r} (use true/false)")
-
-
 def _parse_mode(value: str | int) -> int:
     mode = value if isinstance(value, int) else int(str(value), 8)
     if not 0 <= mode <= 0o777:
@@ -61,13 +51,6 @@ def _parse_mode(value: str | int) -> int:
 def _parse_dirs(value: str | list) -> tuple[Path, ...]:
     parts = value.split(":") if isinstance(value, str) else value
     return tuple(Path(os.path.realpath(p)) for p in parts if str(p).strip())
-
-
-def _parse_seconds(value: str | float) -> float:
-    seconds = float(value)
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"{value!r} is not a duration in seconds (a finite number >= 0)")
-    return seconds
 
 
 # sun_path holds 108 bytes with the terminating NUL; the session socket adds ".session".
@@ -134,74 +117,12 @@ def parse_listen_addr(value: str) -> str:
     return value
 
 
-@dataclass(frozen=True)
-class FsTierConfig:
-    """A local filesystem tier (NVMe). Files are content-addressed under `root`."""
-
-    root: Path
-    bytes: int
-    name: str = "fs"
-    admission: AdmissionPolicy = AdmissionPolicy.ALWAYS
-    io_threads: int = 8  # measured: 8 keeps the disk busier than 4 (bench/tiers.py)
-    direct_io: bool = True
-    concurrency: int = 8  # operations in flight
-    max_backlog: int = 256  # queued write-downs (and deletions) before new ones are dropped
-
-
-@dataclass(frozen=True)
-class S3TierConfig:
-    """An S3-compatible object store tier. Credentials default to the AWS chain."""
-
-    bucket: str
-    name: str = "s3"
-    prefix: str = ""
-    endpoint_url: str | None = None
-    region: str | None = None
-    access_key: str | None = None
-    secret_key: str | None = None
-    bytes: int = 0  # 0: unbounded
-    timeout_s: float = 5.0  # per operation, retries included
-    concurrency: int = 16
-    max_backlog: int = 64
-    admission: AdmissionPolicy = AdmissionPolicy.ALWAYS
-    negative_cache_s: float = 1.0  # how long a miss is remembered
-    breaker_failures: int = 3  # consecutive failures that open the circuit breaker
-    breaker_reset_s: float = 5.0  # how long an open breaker waits before probing again
-    create_bucket: bool = True
-
-
-TierConfig = FsTierConfig | S3TierConfig
-_TIER_TYPES: dict[str, type] = {"fs": FsTierConfig, "s3": S3TierConfig}
-_TIER_FIELD_PARSERS: dict[str, Callable[[Any], Any]] = {
-    "root": Path, "bytes": parse_size, "admission": AdmissionPolicy, "io_threads": int, "direct_io": _parse_bool,
-    "concurrency": int, "max_backlog": int, "timeout_s": _parse_seconds, "negative_cache_s": _parse_seconds,
-    "breaker_failures": int, "breaker_reset_s": _parse_seconds, "create_bucket": _parse_bool,
-}
-# Least value of each numeric tier option (the tiers only find out when built or, worse, run:
-# concurrency 0 starts no worker, so loads wait forever; max_backlog <= 0 drops every write-down).
-_TIER_MINIMUMS: dict[type, dict[str, float]] = {
-    FsTierConfig: {"bytes": 1, "io_threads": 1, "concurrency": 1, "max_backlog": 1},
-    S3TierConfig: {"bytes": 0, "concurrency": 1, "max_backlog": 1, "negative_cache_s": 0, "breaker_failures": 1,
-                   "breaker_reset_s": 0},
-}
-
-
 def _check_tier(tier: TierConfig) -> None:
     """Range-check a tier's options; ConfigError names the tier, the option and the value."""
-    kind = "fs" if isinstance(tier, FsTierConfig) else "s3"
-    for option, least in _TIER_MINIMUMS[type(tier)].items():
-        value = getattr(tier, option)
-        if not value >= least:  # (also refuses nan)
-            raise ConfigError(f"{kind} tier {tier.name!r}: {option} must be >= {least}, got {value}")
-    if isinstance(tier, S3TierConfig) and not 0 < tier.timeout_s < math.inf:
-        raise ConfigError(f"s3 tier {tier.name!r}: timeout_s must be a finite number > 0, got {tier.timeout_s}")
-
-
-def _parse_tier_value(kind: str, option: str, raw: Any) -> Any:
     try:
-        return _TIER_FIELD_PARSERS.get(option, str)(raw)
-    except (TypeError, ValueError) as exc:  # the parsers' own messages don't say which key
-        raise ConfigError(f"{kind} tier: bad value for {option}: {exc}") from None
+        spec_of(tier).validate(tier)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _parse_tier(spec: Mapping[str, Any] | str) -> TierConfig:
@@ -212,22 +133,26 @@ def _parse_tier(spec: Mapping[str, Any] | str) -> TierConfig:
             raise ValueError(f"tier {spec!r}: expected comma-separated key=value pairs")
         spec = {k.strip(): v.strip() for k, v in pairs}
     spec = dict(spec)
-    kind = spec.pop("kind", None)
-    if kind not in _TIER_TYPES:
-        raise ValueError(f"tier kind must be one of {', '.join(_TIER_TYPES)}, got {kind!r}")
-    cls = _TIER_TYPES[kind]
-    known = {f.name for f in dataclasses.fields(cls)}
+    label = spec.pop("kind", None)
+    kind = TIER_KINDS.get(label) if isinstance(label, str) else None
+    if kind is None:
+        raise ValueError(f"tier kind must be one of {', '.join(TIER_KINDS)}, got {label!r}")
+    fields = dataclasses.fields(kind.config)
+    known = {f.name for f in fields}
     unknown = sorted(set(spec) - known)
     if unknown:
-        raise ValueError(f"{kind} tier: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-    missing = sorted(f.name for f in dataclasses.fields(cls)
-                     if f.default is dataclasses.MISSING and f.name not in spec)
+        raise ValueError(f"{label} tier: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    missing = sorted(f.name for f in fields if f.default is dataclasses.MISSING and f.name not in spec)
     if missing:
-        raise ValueError(f"{kind} tier: missing {', '.join(missing)}")
-    values = {k: _parse_tier_value(kind, k, v) for k, v in spec.items()}
-    if "name" not in values:
-        values["name"] = kind
-    tier = cls(**values)
+        raise ValueError(f"{label} tier: missing {', '.join(missing)}")
+    values: dict[str, Any] = {}
+    for option, raw in spec.items():
+        try:
+            values[option] = kind.parse(option, raw)
+        except (TypeError, ValueError) as exc:  # the parsers' own messages don't say which key
+            raise ConfigError(f"{label} tier: bad value for {option}: {exc}") from None
+    values.setdefault("name", label)
+    tier = kind.config(**values)
     _check_tier(tier)
     return tier
 
@@ -264,7 +189,7 @@ class Config:
     )
     populate: bool = field(
         default=True,
-        metadata=_opt("touch every pool page at start so first copies run at full speed", _parse_bool, "BOOL"),
+        metadata=_opt("touch every pool page at start so first copies run at full speed", parse_bool, "BOOL"),
     )
     region_dirs: tuple[Path, ...] = field(
         default=(Path("/dev/shm"),),
@@ -274,7 +199,7 @@ class Config:
     tune_memcpy: bool = field(
         default=True,
         metadata=_opt("on x86-64 glibc, restart once with GLIBC_TUNABLES making copies above 1 MiB use "
-                      "cache-bypassing stores (glibc's own threshold can be hundreds of MiB)", _parse_bool, "BOOL"),
+                      "cache-bypassing stores (glibc's own threshold can be hundreds of MiB)", parse_bool, "BOOL"),
     )
     copy_threads: int = field(
         default_factory=default_copy_threads,
@@ -286,7 +211,7 @@ class Config:
     )
     grace_seconds: float = field(
         default=5.0,
-        metadata=_opt("on SIGTERM, how long in-flight calls may take to finish", _parse_seconds, "SECONDS"),
+        metadata=_opt("on SIGTERM, how long in-flight calls may take to finish", parse_seconds, "SECONDS"),
     )
     tiers: tuple[TierConfig, ...] = field(
         default=(),
@@ -309,12 +234,12 @@ class Config:
     flush_on_stop_seconds: float = field(
         default=10.0,
         metadata=_opt("on SIGTERM, how long to spend writing chunks that have no copy below RAM down to "
-                      "the tiers (most recently used first), so a restart keeps them", _parse_seconds, "SECONDS"),
+                      "the tiers (most recently used first), so a restart keeps them", parse_seconds, "SECONDS"),
     )
     writeback_wait_seconds: float = field(
         default=1.0,
         metadata=_opt("how long a store may wait for write-downs to free RAM before evicting "
-                      "chunks that have no copy below", _parse_seconds, "SECONDS"),
+                      "chunks that have no copy below", parse_seconds, "SECONDS"),
     )
     metrics_addr: str = field(
         default="127.0.0.1:9464",

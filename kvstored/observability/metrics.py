@@ -25,8 +25,7 @@ from prometheus_client.registry import Collector
 
 from kvstored import __version__
 from kvstored.namespaces import NamespaceRegistry
-from kvstored.observability.snapshot import TierSnapshot, tier_snapshots
-from kvstored.server.sessions import HandleKind, SessionRegistry
+from kvstored.observability.snapshot import SessionCountsSource, TierSnapshot, tier_snapshots
 from kvstored.tiers.chain import TierChain
 
 PREFIX = "kvstored"
@@ -56,7 +55,7 @@ TierOpObserver = Callable[[str, str, float], None]
 class KvstoredCollector(Collector):
     """Everything the daemon already counts, read once per scrape."""
 
-    def __init__(self, chain: TierChain, sessions: SessionRegistry, namespaces: NamespaceRegistry) -> None:
+    def __init__(self, chain: TierChain, sessions: SessionCountsSource, namespaces: NamespaceRegistry) -> None:
         self._chain = chain
         self._sessions = sessions
         self._namespaces = namespaces
@@ -69,12 +68,12 @@ class KvstoredCollector(Collector):
         info = InfoMetricFamily(f"{PREFIX}_build", "kvstored build information")
         info.add_metric([], {"version": __version__})
         yield info
-        yield _gauge("sessions", "open client sessions", len(self._sessions))
-        yield _gauge("leases", "outstanding read leases (chunks pinned in RAM for a reader)",
-                     self._sessions.count(HandleKind.LEASE))
+        counts = self._sessions()
+        yield _gauge("sessions", "open client sessions", counts.sessions)
+        yield _gauge("leases", "outstanding read leases (chunks pinned in RAM for a reader)", counts.leases)
         yield _gauge("reservations", "outstanding uncommitted reservations (chunks being written)",
-                     self._sessions.count(HandleKind.RESERVATION))
-        yield _gauge("regions", "client shared-memory regions attached", sum(len(s.regions) for s in self._sessions))
+                     counts.reservations)
+        yield _gauge("regions", "client shared-memory regions attached", counts.regions)
         yield _gauge("namespaces", "registered namespaces", len(self._namespaces))
         ns_info = InfoMetricFamily(
             f"{PREFIX}_namespace",
@@ -147,7 +146,8 @@ def tier_families(snaps: Iterable[TierSnapshot]) -> list:
 class DaemonMetrics:
     """The registry of one daemon and the few metrics observed as things happen."""
 
-    def __init__(self, chain: TierChain, sessions: SessionRegistry, namespaces: NamespaceRegistry) -> None:
+    def __init__(self, chain: TierChain, sessions: SessionCountsSource, namespaces: NamespaceRegistry) -> None:
+        """`sessions`: what the server's session broker counts now (read at each scrape)."""
         disable_created_metrics()  # no *_created series: process-wide, which suits a daemon
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(KvstoredCollector(chain, sessions, namespaces))

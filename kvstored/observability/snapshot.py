@@ -1,12 +1,25 @@
-"""One read of every tier's usage and counters, shared by the Stats RPC and /metrics."""
+"""One read of every tier's usage and counters, shared by the Stats RPC and /metrics; and the
+session counts the server hands both (observability reads them, it does not import the server)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from kvstored.io.scheduler import Priority
 from kvstored.tiers.base import TierKind
 from kvstored.tiers.chain import TierChain
+
+
+@dataclass(frozen=True)
+class SessionCounts:
+    sessions: int = 0  # open client sessions
+    leases: int = 0  # read leases held by sessions
+    reservations: int = 0  # uncommitted reservations held by sessions
+    regions: int = 0  # client regions attached
+
+
+SessionCountsSource = Callable[[], SessionCounts]
 
 
 @dataclass(frozen=True)

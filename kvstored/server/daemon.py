@@ -1,7 +1,11 @@
 """Daemon lifecycle: build the parts, serve, and shut down in a fixed order.
 
+Data flow: gRPC service (service.py) and session socket -> session broker (broker.py: sessions,
+handles, regions) -> tier chain (tiers/chain.py) -> tiers -> metrics and events (observability/).
+
 Shutdown order: health NOT_SERVING -> stop accepting sessions -> gRPC stop with a grace period
-(in-flight calls finish) -> end sessions (leases, regions) -> copy threads -> pool -> socket files.
+(in-flight calls finish) -> end sessions (leases, regions) -> region populates -> write-downs
+(flush) -> tiers and copy threads -> pool -> socket files.
 """
 
 from __future__ import annotations
@@ -23,23 +27,23 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstored.errors import ListenError
 from kvstored import __version__
-from kvstored.config import Config, ConfigError, FsTierConfig, TierConfig
+from kvstored.config import Config, ConfigError
 from kvstored.logs import setup_logging
 from kvstored.namespaces import NamespaceRegistry
 from kvstored.observability.metrics import DaemonMetrics
 from kvstored.observability.events import EventBus
+from kvstored.server.broker import SessionBroker
 from kvstored.server.errors import ErrorMappingInterceptor
 from kvstored.server.service import KVStoreService
 from kvstored.server.session_socket import SessionSocketServer
-from kvstored.server.sessions import SessionRegistry
 from kvstored.server.systemd import notify
 from kvstored.shm.copy import GUARDED as copy_guarded
 from kvstored.shm.mapping import SharedPool
 from kvstored.sizes import format_size
-from kvstored.tiers.base import AdmissionPolicy
 from kvstored.tiers.chain import ChainPolicy, TierChain
 from kvstored.tiers.factory import build_lower_tiers
 from kvstored.tiers.ram import RamTier
+from kvstored.tiers.registry import TierConfig, admission_changes
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 
@@ -120,19 +124,19 @@ class Daemon:
             log.warning("built without kvstored.shm._safecopy: a client truncating its region mid-copy "
                         "can crash the daemon (install a C compiler and reinstall)")
         self.pool = SharedPool(cfg.cpu_bytes, populate=cfg.populate)
-        self.sessions = SessionRegistry()
         self.namespaces = NamespaceRegistry(cfg.cpu_bytes)
         lower = build_lower_tiers(cfg.tiers)
+        writable = any(t.capabilities.accepts_writedowns for t in lower)  # RAM's chunks can go down
         self.chain = TierChain(
-            RamTier(cfg.cpu_bytes, cfg.page_bytes, has_lower_tiers=bool(lower)),
+            RamTier(cfg.cpu_bytes, cfg.page_bytes, has_lower_tiers=writable),
             self.pool,
-            self.sessions,
             lower,
-            ChainPolicy(cfg.write_policy, cfg.headroom_bytes if lower else 0, cfg.writeback_wait_seconds,
+            ChainPolicy(cfg.write_policy, cfg.headroom_bytes if writable else 0, cfg.writeback_wait_seconds,
                         cfg.copy_threads),
             EventBus(cfg.events_buffer),
         )
         await self._start_tiers()
+        self.broker = SessionBroker(self.chain)
         self.zmq_events: ZmqEventPublisher | None = None
         if cfg.events_zmq_endpoint:
             from kvstored.observability import zmq_events
@@ -149,13 +153,13 @@ class Daemon:
                      format_size(usage.used_bytes), format_size(usage.capacity_bytes) if usage.capacity_bytes
                      else "unbounded", usage.chunks)
 
-        self.metrics = DaemonMetrics(self.chain, self.sessions, self.namespaces)
+        self.metrics = DaemonMetrics(self.chain, self.broker.counts, self.namespaces)
         for lower_tier in self.chain.lower:
             lower_tier.observe = self.metrics.observe_tier_op
         self.metrics.preinit_grpc(pb.DESCRIPTOR.services_by_name["KVStore"])
         self.server = grpc.aio.server(interceptors=[self.metrics.interceptor, ErrorMappingInterceptor()])
         pb_grpc.add_KVStoreServicer_to_server(
-            KVStoreService(self.chain, self.namespaces, self.sessions, cfg.max_batch_keys, cfg.region_dirs),
+            KVStoreService(self.chain, self.broker, self.namespaces, cfg.max_batch_keys, cfg.region_dirs),
             self.server,
         )
         self.health = health.aio.HealthServicer()
@@ -173,7 +177,7 @@ class Daemon:
             await self._start_metrics(cfg.metrics_addr)
 
         self.session_server = SessionSocketServer(
-            cfg.session_socket, cfg.socket_mode, self.sessions, self.chain, self.pool
+            cfg.session_socket, cfg.socket_mode, self.broker, self.pool, self.chain.ram.page_bytes
         )
         await self.session_server.start()
         for name in ("", SERVICE_NAME):
@@ -214,8 +218,8 @@ class Daemon:
         self._stopping.set()
 
     def reload(self) -> None:
-        """SIGHUP: read the configuration again; apply the log settings and fs tier admission,
-        and name every other change, which needs a restart."""
+        """SIGHUP: read the configuration again; apply the log settings and the tiers' admission
+        policies, and name every other change, which needs a restart."""
         try:
             new = self._reload_config()
         except (ConfigError, SystemExit) as exc:  # argparse exits on bad flags
@@ -239,16 +243,14 @@ class Daemon:
 
     def _reload_tiers(self, old: tuple[TierConfig, ...], new: tuple[TierConfig, ...],
                       applied: list[str]) -> tuple[TierConfig, ...] | None:
-        """Apply fs admission changes; None if anything else about the tiers changed."""
-        def rest(t: TierConfig) -> TierConfig:
-            return dataclasses.replace(t, admission=AdmissionPolicy.ALWAYS) if isinstance(t, FsTierConfig) else t
-
-        if len(old) != len(new) or any(rest(a) != rest(b) for a, b in zip(old, new)):
+        """Apply admission changes to every tier that has a policy; None if anything else about
+        the tiers changed."""
+        changes = admission_changes(old, new)
+        if changes is None:
             return None
-        for was, now, lower in zip(old, new, self.chain.lower):
-            if isinstance(now, FsTierConfig) and now.admission != was.admission:
-                lower.tier.set_admission(now.admission)
-                applied.append(f"tier {now.name} admission={now.admission.value}")
+        for index, policy in changes.items():
+            self.chain.lower[index].tier.set_admission(policy)
+            applied.append(f"tier {new[index].name} admission={policy.value}")
         return new
 
     async def wait_stopped(self) -> None:
@@ -265,6 +267,7 @@ class Daemon:
         if self.metrics_server is not None:
             await self.metrics_server.stop()
         await self.session_server.close()
+        await self.broker.close()
         if cfg.flush_on_stop_seconds > 0 and self.chain.lower:
             flushed = await self.chain.writeback.flush(cfg.flush_on_stop_seconds)
             log.info("wrote %d chunk(s) down before stopping", flushed)

@@ -1,4 +1,5 @@
-"""gRPC servicer: translates protobuf messages to tier-chain calls and back. No logic of its own."""
+"""gRPC servicer: translates protobuf messages to session-broker and tier-chain calls and back.
+No logic of its own."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from kvstored.errors import BatchTooLarge, InvalidRequest, SessionRequired, Watc
 from kvstored.observability.events import KvEvent
 from kvstored.observability.snapshot import tier_snapshots
 from kvstored.namespaces import Namespace, NamespaceRegistry, check_keys
-from kvstored.server.sessions import HandleKind, Session, SessionRegistry
+from kvstored.server.broker import SessionBroker
+from kvstored.server.sessions import Session
 from kvstored.shm.mapping import open_region_file
 from kvstored.tiers.chain import TierChain
 from kvstored.tiers.ram import Extent, ReserveOutcome
@@ -57,24 +59,21 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def __init__(
         self,
         chain: TierChain,
+        broker: SessionBroker,
         namespaces: NamespaceRegistry,
-        sessions: SessionRegistry,
         max_batch_keys: int,
         region_dirs: Sequence[Path],
     ) -> None:
         self._region_dirs = tuple(region_dirs)
         self._chain = chain
         self._namespaces = namespaces
-        self._sessions = sessions
+        self._broker = broker
         self._max_keys = max_batch_keys
 
     def _ns_keys(self, namespace_id: str, keys: Sequence[bytes]) -> Namespace:
         ns = self._namespaces.get(namespace_id)
         check_keys(ns, keys, self._max_keys)
         return ns
-
-    def _optional_session(self, session_id: str) -> Session | None:
-        return self._sessions.get(session_id) if session_id else None
 
     @staticmethod
     def _visible(ns: Namespace, session: Session | None) -> bool:
@@ -88,7 +87,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def RegisterNamespace(self, request: pb.RegisterNamespaceRequest, context) -> pb.RegisterNamespaceResponse:
         spec = request.spec
-        session = self._optional_session(request.session_id)
+        session = self._broker.optional(request.session_id)
         if spec.tenant_salt and session is None:
             raise SessionRequired("a tenant namespace (tenant_salt set) must be registered with a session_id")
         ns = self._namespaces.register(
@@ -107,60 +106,60 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         ns = self._ns_keys(request.namespace_id, request.keys)
-        if not self._visible(ns, self._optional_session(request.session_id)):
+        if not self._visible(ns, self._broker.optional(request.session_id)):
             return pb.LookupResponse(prefix_hits=0, tiers=[0] * len(request.keys))
         tiers = [int(t) for t in await self._chain.lookup(ns, request.keys)]
         prefix = tiers.index(0) if 0 in tiers else len(tiers)
         return pb.LookupResponse(prefix_hits=prefix, tiers=tiers)
 
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
-        session = self._sessions.get(request.session_id)
+        session = self._broker.get(request.session_id)
         ns = self._ns_keys(request.namespace_id, request.keys)
         if not self._visible(ns, session):
             return pb.ReserveResponse(slots=[pb.Slot(state=pb.SLOT_STATE_NO_SPACE) for _ in request.keys])
-        grants = await self._chain.reserve(session, ns, request.keys)
+        slots = await self._broker.reserve(session, ns, request.keys)
         return pb.ReserveResponse(
-            slots=[pb.Slot(state=_SLOT_STATE[g.outcome], handle=g.handle, extents=_extents(g.extents)) for g in grants]
+            slots=[pb.Slot(state=_SLOT_STATE[s.outcome], handle=s.handle, extents=_extents(s.extents)) for s in slots]
         )
 
     async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
-        session = self._sessions.get(request.session_id)
+        session = self._broker.get(request.session_id)
         self._check_handles(request.handles)
-        return pb.CommitResponse(committed=self._chain.commit(session, request.handles))
+        return pb.CommitResponse(committed=self._broker.commit(session, request.handles))
 
     async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
-        session = self._sessions.get(request.session_id)
+        session = self._broker.get(request.session_id)
         ns = self._ns_keys(request.namespace_id, request.keys)
         if not self._visible(ns, session):
             return pb.AcquireResponse()
-        grants = await self._chain.acquire(session, ns, request.keys)
-        return pb.AcquireResponse(leases=[pb.Lease(handle=g.handle, extents=_extents(g.extents)) for g in grants])
+        leases = await self._broker.acquire(session, ns, request.keys)
+        return pb.AcquireResponse(leases=[pb.Lease(handle=g.handle, extents=_extents(g.extents)) for g in leases])
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
-        session = self._sessions.get(request.session_id)
+        session = self._broker.get(request.session_id)
         self._check_handles(request.handles)
-        return pb.ReleaseResponse(released=self._chain.release(session, request.handles))
+        return pb.ReleaseResponse(released=self._broker.release(session, request.handles))
 
     async def RegisterRegion(self, request: pb.RegisterRegionRequest, context) -> pb.RegisterRegionResponse:
-        session = self._sessions.get(request.session_id)
+        session = self._broker.get(request.session_id)
         if not request.path:
             raise InvalidRequest("RegisterRegion needs a path")
         fd = open_region_file(request.path, self._region_dirs)
         try:
-            region = self._chain.attach_region(session, request.path, fd)
+            region = self._broker.attach_region(session, request.path, fd)
         finally:
             os.close(fd)
         return pb.RegisterRegionResponse(region_id=region.region_id, size=region.size)
 
     async def StoreFromRegion(self, request: pb.RegionTransferRequest, context) -> pb.StoreFromRegionResponse:
-        session = self._sessions.get(request.session_id)
+        session = self._broker.get(request.session_id)
         ns = self._ns_keys(request.namespace_id, request.keys)
         region = session.region(request.region_id)
         if not self._visible(ns, session):
             return pb.StoreFromRegionResponse(dropped=len(request.keys),
                                               outcomes=[pb.STORE_OUTCOME_DROPPED] * len(request.keys))
-        result = await self._chain.store_from_region(session, ns, region, request.keys, request.offsets,
-                                                     _start_by(request))
+        result = await self._broker.store_from_region(session, ns, region, request.keys, request.offsets,
+                                                      _start_by(request))
         return pb.StoreFromRegionResponse(
             stored=result.count(ReserveOutcome.RESERVED),
             already_present=result.count(ReserveOutcome.ALREADY_PRESENT),
@@ -169,29 +168,29 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         )
 
     async def LoadToRegion(self, request: pb.RegionTransferRequest, context) -> pb.LoadToRegionResponse:
-        session = self._sessions.get(request.session_id)
+        session = self._broker.get(request.session_id)
         ns = self._ns_keys(request.namespace_id, request.keys)
         region = session.region(request.region_id)
         if not self._visible(ns, session):
             return pb.LoadToRegionResponse(loaded=0)
-        loaded = await self._chain.load_to_region(session, ns, region, request.keys, request.offsets,
-                                                  _start_by(request))
+        loaded = await self._broker.load_to_region(session, ns, region, request.keys, request.offsets,
+                                                   _start_by(request))
         return pb.LoadToRegionResponse(loaded=loaded)
 
     async def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteResponse:
         ns = self._ns_keys(request.namespace_id, request.keys)
-        if not self._visible(ns, self._optional_session(request.session_id)):
+        if not self._visible(ns, self._broker.optional(request.session_id)):
             return pb.DeleteResponse(deleted=0)
         return pb.DeleteResponse(deleted=await self._chain.delete(ns, request.keys))
 
     async def ClearNamespace(self, request: pb.ClearNamespaceRequest, context) -> pb.ClearNamespaceResponse:
         ns = self._namespaces.get(request.namespace_id)
-        if not self._visible(ns, self._optional_session(request.session_id)):
+        if not self._visible(ns, self._broker.optional(request.session_id)):
             return pb.ClearNamespaceResponse(removed=0)
         return pb.ClearNamespaceResponse(removed=await self._chain.clear_namespace(ns))
 
     async def ListNamespaces(self, request: pb.ListNamespacesRequest, context) -> pb.ListNamespacesResponse:
-        session = self._optional_session(request.session_id)
+        session = self._broker.optional(request.session_id)
         ram = self._chain.ram
         chunk_counts: dict[str, int] = {}
         for ns_id, _key in ram.ready_chunks():
@@ -209,10 +208,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return pb.StatsResponse(
             tiers=[pb.TierStats(**{**dataclasses.asdict(t), "kind": int(t.kind)}) for t in tier_snapshots(self._chain)],
             namespaces=len(self._namespaces),
-            sessions=len(self._sessions),
-            leases=self._sessions.count(HandleKind.LEASE),
-            reservations=self._sessions.count(HandleKind.RESERVATION),
-            regions=sum(len(s.regions) for s in self._sessions),
+            **dataclasses.asdict(self._broker.counts()),
             version=__version__,
         )
 

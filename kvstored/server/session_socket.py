@@ -17,10 +17,9 @@ import socket
 from pathlib import Path
 
 from kvstored.errors import KvstoredError
+from kvstored.server.broker import SessionBroker
 from kvstored.server.errors import status_for
-from kvstored.server.sessions import SessionRegistry
 from kvstored.shm.mapping import SharedPool
-from kvstored.tiers.chain import TierChain
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -50,12 +49,12 @@ def _send(sock: socket.socket, reply: pb.SessionReply, fds: list[int] | None = N
 
 
 class SessionSocketServer:
-    def __init__(self, path: Path, mode: int, sessions: SessionRegistry, chain: TierChain, pool: SharedPool) -> None:
+    def __init__(self, path: Path, mode: int, broker: SessionBroker, pool: SharedPool, page_bytes: int) -> None:
         self._path = path
         self._mode = mode
-        self._sessions = sessions
-        self._chain = chain
+        self._broker = broker
         self._pool = pool
+        self._page_bytes = page_bytes
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task | None = None
         self._conn_tasks: set[asyncio.Task] = set()
@@ -113,19 +112,19 @@ class SessionSocketServer:
                     request = pb.SessionRequest.FromString(data)
                     kind = request.WhichOneof("kind")
                     if kind == "hello" and session is None:
-                        session = self._sessions.open(request.hello.client_name)
+                        session = self._broker.open(request.hello.client_name)
                         log.info("session %s opened by %r", session.session_id[:8], session.client_name)
                         welcome = pb.Welcome(
                             session_id=session.session_id,
                             pool_bytes=self._pool.size,
-                            page_bytes=self._chain.ram.page_bytes,
+                            page_bytes=self._page_bytes,
                         )
                         _send(conn, pb.SessionReply(welcome=welcome), [self._pool.fd])
                     elif kind == "attach_region" and session is not None:
                         if len(fds) != 1:
                             _send_error(conn, "INVALID_ARGUMENT", f"AttachRegion needs exactly one fd, got {len(fds)}")
                             continue
-                        region = self._chain.attach_region(session, request.attach_region.name, fds[0])
+                        region = self._broker.attach_region(session, request.attach_region.name, fds[0])
                         attached = pb.RegionAttached(region_id=region.region_id, size=region.size)
                         _send(conn, pb.SessionReply(region_attached=attached))
                     else:
@@ -143,7 +142,7 @@ class SessionSocketServer:
         finally:
             conn.close()
             if session is not None:
-                self._chain.close_session(session)
+                self._broker.close_session(session)
                 log.info("session %s closed", session.session_id[:8])
 
 

@@ -1,7 +1,7 @@
-"""Client sessions and the handles (leases, reservations) and regions they hold.
+"""Client sessions and the handles (leases, reservations) and regions they hold: bookkeeping only.
 
-A session lives exactly as long as its connection to the session socket; closing it gives back
-everything it held, so a killed client never leaks leases.
+A session lives exactly as long as its connection to the session socket; the session broker
+(broker.py) gives back everything it held when it closes, so a killed client never leaks leases.
 """
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import enum
 import itertools
 import secrets
 from dataclasses import dataclass, field
+from typing import Iterator, Sequence
 
-from kvstored.errors import HandleNotHeld, UnknownRegion, UnknownSession
+from kvstored.errors import HandleNotHeld, InvalidRequest, UnknownRegion, UnknownSession
 from kvstored.shm.mapping import Region
 from kvstored.tiers.ram import RamEntry
 
@@ -40,15 +41,19 @@ class Session:
         if self.closed:
             raise UnknownSession(f"session {self.session_id} closed while the request was in flight")
 
-    def take(self, handle_id: int, kinds: tuple[HandleKind, ...]) -> Handle:
-        handle = self.handles.get(handle_id)
-        if handle is None or handle.kind not in kinds:
-            raise HandleNotHeld(
-                f"handle {handle_id} is not held by session {self.session_id} "
-                f"(already released or committed, or never granted)"
-            )
-        del self.handles[handle_id]
-        return handle
+    def take_all(self, handle_ids: Sequence[int], kinds: tuple[HandleKind, ...]) -> list[Handle]:
+        """Remove and return the handles of a batch, all or nothing: one bad handle (unknown,
+        of another kind, named twice) leaves every handle of the batch held."""
+        if len(set(handle_ids)) != len(handle_ids):
+            raise InvalidRequest("the same handle appears twice in one request")
+        for handle_id in handle_ids:
+            handle = self.handles.get(handle_id)
+            if handle is None or handle.kind not in kinds:
+                raise HandleNotHeld(
+                    f"handle {handle_id} is not held by session {self.session_id} "
+                    f"(already released or committed, or never granted)"
+                )
+        return [self.handles.pop(handle_id) for handle_id in handle_ids]
 
     def region(self, region_id: int) -> Region:
         try:
@@ -67,7 +72,7 @@ class SessionRegistry:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Session]:
         return iter(list(self._sessions.values()))
 
     def open(self, client_name: str) -> Session:

@@ -60,6 +60,15 @@ class RemovalCause(enum.Enum):
 RemovalListener = Callable[["SecondaryTier", ChunkId, RemovalCause], None]
 
 
+@dataclass(frozen=True)
+class TierCapabilities:
+    """What the chain may ask of a tier below RAM (declared per kind in tiers/registry.py)."""
+
+    accepts_writedowns: bool = True  # chunks leaving RAM (or new ones, write-through) are written to it
+    accepts_deletes: bool = True  # Delete and ClearNamespace remove chunks from it
+    admission: bool = False  # it has an admission policy (config `admission`, changed by SIGHUP)
+
+
 class SecondaryTier(abc.ABC):
     """A tier below RAM (fs, s3, peer). The tier chain drives it; it never touches the RAM tier.
 
@@ -68,6 +77,16 @@ class SecondaryTier(abc.ABC):
     number of pages long, so O_DIRECT can use them as they are; only the first `size` bytes,
     in order across the views, are the payload. Everything read must be verified (checksum,
     length, namespace and key) before `read` returns True: wrong bytes are never served.
+    Once `write` or `read` returns or raises (cancellation included), nothing may touch the
+    views any more: the chain frees or reuses those pages at once.
+
+    Failures: `contains`, `write` and `read` report them in their result (a miss, FAILED, False)
+    and count them in `counters.errors`; an exception that escapes one anyway is logged by the
+    chain and taken as that result. `remove` raises when a copy may remain (the caller's Delete
+    fails and can be retried). `start` raises when the tier cannot work as configured (the daemon
+    does not start). `close`, `usage`, `known_chunks` and `set_admission` do not raise.
+    The chain only calls `write` on tiers whose capabilities accept write-downs and `remove` on
+    tiers that accept deletes (besides undoing its own write of a chunk deleted meanwhile).
     """
 
     kind: ClassVar[TierKind]
@@ -83,31 +102,35 @@ class SecondaryTier(abc.ABC):
             self.removal_listener(self, chunk, cause)
 
     async def start(self) -> None:
-        """Open the tier (fs: rebuild the index from disk; s3: check the bucket)."""
+        """Open the tier (fs: rebuild the index from disk; s3: check the bucket). Raises when the
+        tier cannot work as configured."""
 
     async def close(self) -> None:
-        """Finish or abandon in-flight work and release resources."""
+        """Finish or abandon in-flight work and release resources. Does not raise."""
 
     @abc.abstractmethod
     async def contains(self, chunks: Sequence[ChunkId]) -> list[bool]:
-        """Which of `chunks` the tier holds (batched: one call per lookup)."""
+        """Which of `chunks` the tier holds, one bool per chunk, in order (batched: one call per
+        lookup). A tier that cannot tell answers False (a miss is never wrong, only slower)."""
 
     @abc.abstractmethod
     async def write(self, chunk: ChunkId, views: Sequence[memoryview], size: int) -> WriteOutcome:
-        ...
+        """Store the payload; the outcome says whether the tier now holds it (WRITTEN,
+        ALREADY_PRESENT) or why not (REJECTED_ADMISSION, REJECTED_FULL, FAILED)."""
 
     @abc.abstractmethod
     async def read(self, chunk: ChunkId, views: Sequence[memoryview], size: int) -> bool:
         """Fill `views` with the verified payload; False for a miss, a corrupt or a truncated copy
-        (corrupt or truncated copies are counted and removed)."""
+        (corrupt or truncated copies are counted and removed), or a failure."""
 
     @abc.abstractmethod
     async def remove(self, chunk: ChunkId) -> bool:
-        ...
+        """Remove the chunk: True if a copy was there and is gone, False if there was none.
+        Raises (TierUnavailable for the caller to see) when a copy may still be there."""
 
     @abc.abstractmethod
     def usage(self) -> TierUsage:
-        ...
+        """Capacity, bytes used and chunks held, now (cheap: read at every Stats call and scrape)."""
 
     def known_chunks(self, namespace_id: str) -> list[ChunkId]:
         """The chunks of a namespace this tier knows of (for clearing a namespace)."""

@@ -1,10 +1,13 @@
-"""The tier chain: the operations the gRPC service offers, over RAM (the gateway) and the tiers
-below it, in order.
+"""The tier chain: chunks over RAM (the gateway) and the tiers below it, in order.
 
 Lookups go RAM, then each lower tier; a hit below starts its promotion into RAM at once, so the
 load that follows finds it there (or waits for it). New chunks enter RAM; write-back moves them
 down before RAM drops them. Bookkeeping runs on the event loop; byte copies between a client
 region and the pool run in a small thread pool (numpy releases the GIL while copying).
+
+The chain grants RAM entries (reservations and leases) and knows nothing of who holds them: the
+server's session broker maps sessions, handles and regions onto what it returns, and hands each
+call a `proceed` check that says whether its caller still wants the grant.
 """
 
 from __future__ import annotations
@@ -12,19 +15,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Coroutine, Sequence, TypeVar
+from typing import Any, Callable, Coroutine, Sequence, TypeVar
 
 from kvstored.errors import (
-    InvalidRequest, KvstoredError, PoolExhausted, RegionShrunk, TierStartError, TierUnavailable, TransferNotStarted,
+    InvalidRequest, KvstoredError, PoolExhausted, RegionShrunk, TierStartError, TierUnavailable,
 )
 from kvstored.namespaces import Namespace
-from kvstored.server.sessions import Handle, HandleKind, Session, SessionRegistry
+from kvstored.observability.events import Cause, EventBus, EventType
 from kvstored.shm.copier import Copier, CopyJob, default_copy_threads
 from kvstored.shm.copy import MappingVanished
 from kvstored.shm.mapping import Region, SharedPool
-from kvstored.observability.events import Cause, EventBus, EventType
 from kvstored.tiers.base import ChunkId, RemovalCause, SecondaryTier, TierKind
 from kvstored.tiers.lower import DeletionGuard, LowerTier, Promoter, WriteBack, WritePolicy
 from kvstored.tiers.ram import Extent, RamEntry, RamTier, ReserveOutcome
@@ -33,16 +34,31 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+Proceed = Callable[[], None]
+"""The caller's last word: called once the chain has done its waiting (for room, promotions),
+right before it grants or copies anything, with no await in between. It raises to get nothing
+(its session closed meanwhile, its start deadline passed); the chain then gives back what it
+took on the caller's behalf and lets the exception through."""
+
+
+def always_proceed() -> None:
+    """A caller that always still wants what it asked for (tests, in-process callers)."""
+
+
 @dataclass(frozen=True, slots=True)
 class SlotGrant:
+    """A reserve() outcome; RESERVED ones carry the entry, to be commit()ed or abort()ed."""
+
     outcome: ReserveOutcome
-    handle: int = 0
+    entry: RamEntry | None = None
     extents: tuple[Extent, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class LeaseGrant:
-    handle: int
+    """A leased chunk: its pages stay put until release()."""
+
+    entry: RamEntry
     extents: tuple[Extent, ...]
 
 
@@ -69,7 +85,6 @@ class TierChain:
         self,
         ram: RamTier,
         pool: SharedPool,
-        sessions: SessionRegistry,
         lower: Sequence[LowerTier] = (),
         policy: ChainPolicy = ChainPolicy(),
         events: EventBus | None = None,
@@ -78,14 +93,13 @@ class TierChain:
         self.ram = ram
         self.lower = list(lower)
         self._pool = pool
-        self._sessions = sessions
         self._copier = Copier(policy.copy_threads)
-        self._populator = ThreadPoolExecutor(1, thread_name_prefix="kvstored-populate")
         pool_view = memoryview(pool.array)
         self.writeback = WriteBack(
             ram, pool_view, self.lower, policy.write_policy, policy.headroom_bytes, policy.writeback_wait_s,
             self.events,
         )
+        self._deletable = [t for t in self.lower if t.capabilities.accepts_deletes]
         self._deleting = DeletionGuard()
         self._deletes: set[asyncio.Task] = set()  # run to the end even if their caller gives up
         self.promoter = Promoter(ram, pool_view, self.lower, self.events, self._deleting)
@@ -128,13 +142,15 @@ class TierChain:
         return tiers
 
     async def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
-        """Remove from every tier; counts keys that were anywhere. Runs to the end even if the
-        caller is cancelled (a half-done delete would leave copies below)."""
+        """Remove from RAM and every tier that accepts deletes; counts keys that were anywhere.
+        Runs to the end even if the caller is cancelled (a half-done delete would leave copies
+        below)."""
         chunks = [(ns.namespace_id, k) for k in keys]
         return await self._unskippable(self._delete(chunks))
 
     async def clear_namespace(self, ns: Namespace) -> int:
-        """Remove every chunk of `ns` this daemon knows of, from every tier (an admin operation)."""
+        """Remove every chunk of `ns` this daemon knows of, from RAM and every tier that accepts
+        deletes (an admin operation)."""
         return await self._unskippable(self._clear(ns.namespace_id))
 
     async def _delete(self, chunks: list[ChunkId]) -> int:
@@ -142,7 +158,7 @@ class TierChain:
         with self._deleting.chunks(chunks):
             removed = [self.ram.delete(c) for c in chunks]
             self._publish_ram(EventType.REMOVED, Cause.DELETED, [c for c, r in zip(chunks, removed) if r])
-            for lower in self.lower:
+            for lower in self._deletable:
                 below = await lower.remove_all(chunks)
                 failures += below.failures
                 gone = [c for c, hit in zip(chunks, below.gone) if hit]
@@ -162,7 +178,7 @@ class TierChain:
             removed = len(gone)
             self._publish_ram(EventType.REMOVED, Cause.DELETED, gone)
             self.events.publish_cleared("ram", TierKind.RAM, namespace_id)
-            for lower in self.lower:
+            for lower in self._deletable:
                 known = lower.tier.known_chunks(namespace_id)
                 below = await lower.remove_all(known)
                 failures += below.failures
@@ -214,7 +230,7 @@ class TierChain:
         missing = [i for i, c in enumerate(chunks) if not self.ram.contains(c, touch=False)]
         found = await self.promoter.find([chunks[i] for i in missing]) if missing else []
         wanted = sum(1 for _ in itertools.takewhile(lambda t: t is not None, found))
-        await self.writeback.make_room(wanted * self.ram.pages_for(ns.chunk_bytes) * self.ram.page_bytes)
+        await self._make_room(ns, wanted)
         waits = []
         for i, tier_index in zip(missing, found):
             future = None if tier_index is None else self.promoter.start(chunks[i], ns.chunk_bytes, tier_index)
@@ -225,20 +241,22 @@ class TierChain:
         results = await asyncio.gather(*(asyncio.shield(w) for w in waits))
         return bool(results) and results[0]
 
-    # -- pool mapping ---------------------------------------------------------------------
+    # -- grants (pool mapping) ------------------------------------------------------------
 
-    async def reserve(self, session: Session, ns: Namespace, keys: Sequence[bytes]) -> list[SlotGrant]:
-        await self.writeback.make_room(len(keys) * self.ram.pages_for(ns.chunk_bytes) * self.ram.page_bytes)
-        session.check_open()  # it may have closed while we waited: grant nothing it could leak
+    async def reserve(
+        self, ns: Namespace, keys: Sequence[bytes], proceed: Proceed = always_proceed,
+    ) -> list[SlotGrant]:
+        """Reserve RAM for new chunks (waiting briefly for write-downs to make room)."""
+        await self._make_room(ns, len(keys))
+        proceed()  # nothing reserved yet: nothing to give back
         grants, evicted = [], []
         for key in keys:
             result = self.ram.reserve((ns.namespace_id, key), ns.chunk_bytes)
             evicted += result.evicted
             if result.entry is None:
                 grants.append(SlotGrant(result.outcome))
-                continue
-            handle = self._grant(session, HandleKind.RESERVATION, result.entry)
-            grants.append(SlotGrant(result.outcome, handle, tuple(self.ram.extents(result.entry))))
+            else:
+                grants.append(SlotGrant(result.outcome, result.entry, tuple(self.ram.extents(result.entry))))
         self._publish_ram(EventType.REMOVED, Cause.EVICTED, evicted)
         if keys and all(g.outcome is ReserveOutcome.NO_SPACE for g in grants):
             raise PoolExhausted(
@@ -247,62 +265,44 @@ class TierChain:
             )
         return grants
 
-    def commit(self, session: Session, handles: Sequence[int]) -> int:
-        taken = self._take_all(session, handles, (HandleKind.RESERVATION,))
-        for handle in taken:
-            self.ram.commit(handle.entry)
-        self._publish_ram(EventType.STORED, Cause.STORED, [h.entry.chunk for h in taken])
-        self.writeback.after_commit([h.entry for h in taken])
-        return len(taken)
+    def commit(self, entries: Sequence[RamEntry]) -> None:
+        """Publish reserved chunks whose bytes are in place."""
+        for entry in entries:
+            self.ram.commit(entry)
+        self._publish_ram(EventType.STORED, Cause.STORED, [entry.chunk for entry in entries])
+        self.writeback.after_commit(entries)
 
-    async def acquire(self, session: Session, ns: Namespace, keys: Sequence[bytes]) -> list[LeaseGrant]:
+    def abort(self, entries: Sequence[RamEntry]) -> None:
+        """Give back reservations that will not be committed."""
+        for entry in entries:
+            self.ram.abort(entry)
+
+    async def acquire(
+        self, ns: Namespace, keys: Sequence[bytes], proceed: Proceed = always_proceed,
+    ) -> list[LeaseGrant]:
         """Leases for the leading cached keys (promoted from below first); stops at the first miss."""
         entries = await self._lease_prefix(ns, keys)
-        if session.closed:  # it closed while promotions ran: nobody would ever release these
-            for entry in entries:
-                self.ram.release(entry)
-            session.check_open()
-        return [
-            LeaseGrant(self._grant(session, HandleKind.LEASE, entry), tuple(self.ram.extents(entry)))
-            for entry in entries
-        ]
-
-    def release(self, session: Session, handles: Sequence[int]) -> int:
-        taken = self._take_all(session, handles, (HandleKind.LEASE, HandleKind.RESERVATION))
-        for handle in taken:
-            self._drop(handle)
-        return len(taken)
-
-    def close_session(self, session: Session) -> None:
-        session.closed = True
-        for handle in session.handles.values():
-            self._drop(handle)
-        session.handles.clear()
-        for region in session.regions.values():
-            region.close()
-        session.regions.clear()
-        self._sessions.remove(session)
-
-    # -- region registration --------------------------------------------------------------
-
-    def attach_region(self, session: Session, name: str, fd: int) -> Region:
         try:
-            region = Region.from_fd(self._sessions.new_id(), name, fd)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from None
-        session.regions[region.region_id] = region
-        self._populator.submit(region.populate)  # in the background; close() waits for the executor
-        return region
+            proceed()
+        except BaseException:
+            self.release(entries)  # nobody would ever release these
+            raise
+        return [LeaseGrant(entry, tuple(self.ram.extents(entry))) for entry in entries]
+
+    def release(self, entries: Sequence[RamEntry]) -> None:
+        for entry in entries:
+            self.ram.release(entry)
+
+    # -- region transfers -----------------------------------------------------------------
 
     async def store_from_region(
-        self, session: Session, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int],
-        start_by: float | None = None,
+        self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int],
+        proceed: Proceed = always_proceed,
     ) -> StoreOutcomes:
-        """start_by (loop time): copy nothing after it. Once the copy starts, it runs to the end."""
+        """Copy chunks from a client region into RAM. Once the copy starts, it runs to the end."""
         _check_offsets(ns, region, keys, offsets)
-        await self.writeback.make_room(len(keys) * self.ram.pages_for(ns.chunk_bytes) * self.ram.page_bytes)
-        session.check_open()  # it may have closed (and its regions with it) while we waited
-        _check_start(start_by)  # (no await from here to the copy's start)
+        await self._make_room(ns, len(keys))
+        proceed()  # (no await from here to the copy's start)
         stored, per_key, evicted = [], [], []
         for key, offset in zip(keys, offsets):
             result = self.ram.reserve((ns.namespace_id, key), ns.chunk_bytes)
@@ -312,33 +312,29 @@ class TierChain:
                 stored.append((result.entry, offset))
         self._publish_ram(EventType.REMOVED, Cause.EVICTED, evicted)
         jobs = [CopyJob(offset, self.ram.extents(entry)) for entry, offset in stored]
+        entries = [entry for entry, _ in stored]
         try:
             await self._copy(region, jobs, to_pool=True)
         except BaseException:
-            for entry, _ in stored:
-                self.ram.abort(entry)
+            self.abort(entries)
             raise
-        for entry, _ in stored:
-            self.ram.commit(entry)
-        self._publish_ram(EventType.STORED, Cause.STORED, [entry.chunk for entry, _ in stored])
-        self.writeback.after_commit([entry for entry, _ in stored])
+        self.commit(entries)
         return StoreOutcomes(per_key)
 
     async def load_to_region(
-        self, session: Session, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int],
-        start_by: float | None = None,
+        self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int],
+        proceed: Proceed = always_proceed,
     ) -> int:
-        """start_by (loop time): copy nothing after it. Once the copy starts, it runs to the end."""
+        """Copy the leading cached chunks into a client region; returns how many. Once the copy
+        starts, it runs to the end."""
         _check_offsets(ns, region, keys, offsets)
         leased = list(zip(await self._lease_prefix(ns, keys), offsets))
         try:
-            session.check_open()  # it may have closed (and its regions with it) while we waited
-            _check_start(start_by)
+            proceed()  # (no await from here to the copy's start)
             jobs = [CopyJob(offset, self.ram.extents(entry)) for entry, offset in leased]
             await self._copy(region, jobs, to_pool=False)
         finally:
-            for entry, _ in leased:
-                self.ram.release(entry)
+            self.release([entry for entry, _ in leased])
         return len(leased)
 
     async def close(self) -> None:
@@ -351,9 +347,11 @@ class TierChain:
         for lower in self.lower:
             await lower.tier.close()
         self._copier.close()
-        self._populator.shutdown(wait=True, cancel_futures=True)
 
     # -- helpers --------------------------------------------------------------------------
+
+    async def _make_room(self, ns: Namespace, chunks: int) -> None:
+        await self.writeback.make_room(chunks * self.ram.pages_for(ns.chunk_bytes) * self.ram.page_bytes)
 
     async def _copy(self, region: Region, jobs: list[CopyJob], to_pool: bool) -> None:
         try:
@@ -362,31 +360,6 @@ class TierChain:
             raise RegionShrunk(
                 f"region {region.region_id} ({region.name}) shrank during the copy: register it again"
             ) from None
-
-    def _grant(self, session: Session, kind: HandleKind, entry: RamEntry) -> int:
-        handle_id = self._sessions.new_id()
-        session.handles[handle_id] = Handle(kind, entry)
-        return handle_id
-
-    def _take_all(self, session: Session, handles: Sequence[int], kinds) -> list[Handle]:
-        """All or nothing: one bad handle leaves every handle of the batch held."""
-        if len(set(handles)) != len(handles):
-            raise InvalidRequest("the same handle appears twice in one request")
-        for handle_id in handles:
-            if session.handles.get(handle_id) is None or session.handles[handle_id].kind not in kinds:
-                session.take(handle_id, kinds)  # raises HandleNotHeld naming it
-        return [session.take(h, kinds) for h in handles]
-
-    def _drop(self, handle: Handle) -> None:
-        if handle.kind is HandleKind.LEASE:
-            self.ram.release(handle.entry)
-        else:
-            self.ram.abort(handle.entry)
-
-
-def _check_start(start_by: float | None) -> None:
-    if start_by is not None and asyncio.get_running_loop().time() > start_by:
-        raise TransferNotStarted("the transfer could not start within start_within_ms; nothing was copied")
 
 
 def _check_offsets(ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]) -> None:
@@ -403,7 +376,6 @@ def _check_offsets(ns: Namespace, region: Region, keys: Sequence[bytes], offsets
                 f"offset {offset} (key {i}) + chunk_bytes {ns.chunk_bytes} is outside region "
                 f"{region.region_id} ({region.size} bytes)"
             )
-
 
 
 def _raise_first(failures: list[BaseException]) -> None:

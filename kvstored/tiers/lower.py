@@ -1,8 +1,9 @@
 """Moving chunks between the RAM tier and the tiers below it.
 
 - WriteBack: keeps some RAM free by writing the oldest dirty chunks down to every lower tier
-  before their RAM copy is dropped (write-back), or copies each new chunk down at once
-  (write-through). A chunk whose write-down is refused (backlog full) or fails is simply dropped.
+  that accepts write-downs before their RAM copy is dropped (write-back), or copies each new
+  chunk down at once (write-through). A chunk whose write-down is refused (backlog full) or
+  fails is simply dropped.
 - Promoter: finds chunks below RAM (one batched `contains` per tier) and copies hits up into RAM,
   verified by the tier, at load priority.
 Both only do bookkeeping on the event loop; the bytes move in the tiers' own I/O.
@@ -22,7 +23,7 @@ from typing import Awaitable, Callable, Sequence, TypeVar
 
 from kvstored.io.scheduler import Priority, TierQueue
 from kvstored.observability.events import Cause, EventBus, EventType
-from kvstored.tiers.base import ChunkId, SecondaryTier, TierKind, WriteOutcome
+from kvstored.tiers.base import ChunkId, SecondaryTier, TierCapabilities, TierKind, WriteOutcome
 from kvstored.tiers.ram import RamEntry, RamTier, ReserveOutcome
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class Removal:
 class LowerTier:
     tier: SecondaryTier
     queue: TierQueue
+    capabilities: TierCapabilities = field(default_factory=TierCapabilities)  # what the chain asks of it
     observe: OpObserver = _ignore  # the daemon plugs its latency histograms in here
 
     async def timed(self, op: str, awaitable: Awaitable[T]) -> T:
@@ -88,7 +90,7 @@ class WriteBack:
         self._events = events
         self._ram = ram
         self._pool = pool
-        self._lower = list(lower)
+        self._lower = [t for t in lower if t.capabilities.accepts_writedowns]
         self.policy = policy
         self._headroom = headroom_bytes
         self._wait_s = wait_s
@@ -230,7 +232,8 @@ def _write_job(lower: LowerTier, entry: RamEntry, views: list[memoryview], event
             return WriteOutcome.FAILED
         outcome = await lower.timed("write", lower.tier.write(chunk, views, entry.size))
         if not entry.indexed:  # deleted while being written: undo
-            await lower.timed("remove", lower.tier.remove(chunk))
+            if lower.capabilities.accepts_deletes:
+                await lower.timed("remove", lower.tier.remove(chunk))
             return WriteOutcome.FAILED
         if outcome is WriteOutcome.WRITTEN:
             events.publish(EventType.STORED, Cause.WRITTEN_DOWN, lower.tier.name, lower.tier.kind, [chunk])

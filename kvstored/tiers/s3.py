@@ -17,6 +17,8 @@ contains() answers from an index of objects known to exist (written, read or see
 and a short-lived negative cache, and HEADs the rest concurrently. With a capacity, the index is
 also the LRU order: it is rebuilt from a listing of the prefix at start, and writes delete the
 least recently used objects to stay within the capacity.
+The CPU work on a chunk (checksum and copy into one PUT body; verify and copy a GET body into the
+pool) runs in a small thread pool of the tier's own, as the fs tier's does: never on the loop.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import enum
 import logging
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
@@ -51,6 +54,7 @@ from kvstored.tiers.resilience import Backoff, CircuitBreaker, NegativeCache, Pe
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+CPU_THREADS = 2  # chunk encode/verify/copy: ~0.3 ms per 2 MiB each, a thread keeps up with many PUTs
 WARMUP_KEY = "_kvstored/warmup"  # under the prefix; never a chunk name (those end in .kv)
 _UNBOUNDED = sys.maxsize
 _THROTTLED_CODES = frozenset({
@@ -170,6 +174,8 @@ class S3Tier(SecondaryTier):
         self._slots = asyncio.Semaphore(max_concurrency)
         self._pending: dict[ChunkId, asyncio.Future] = {}  # writes in flight -> their WriteOutcome
         self._deleting: dict[ChunkId, asyncio.Future] = {}  # deletes in flight
+        self._cpu = ThreadPoolExecutor(max_workers=CPU_THREADS, thread_name_prefix=f"kvstored-s3-{name}")
+        self._cpu_jobs: set[asyncio.Future] = set()  # close() waits for them
         self._stack: AsyncExitStack | None = None
         self._client: Any = None
         self._ready = False  # bucket checked: again after each outage (probe), lazily if start() could not
@@ -229,6 +235,9 @@ class S3Tier(SecondaryTier):
 
     async def close(self) -> None:
         self._closed = True
+        self._cpu.shutdown(wait=False)  # no new jobs; those running end below
+        while self._cpu_jobs:
+            await asyncio.wait(list(self._cpu_jobs))
         if self._stack is not None:
             stack, self._stack = self._stack, None
             await stack.aclose()
@@ -352,7 +361,10 @@ class S3Tier(SecondaryTier):
             else:
                 self._failed("read", key, exc)
             return False
-        problem = _check(body, chunk, size)
+        try:
+            problem = await self._off_loop(_deliver, body, chunk, size, targets)
+        except _Skipped:
+            return False
         if problem is not None:
             self.counters.checksum_failures += 1
             log.warning("s3 tier %s: corrupt object %s deleted: %s", self.name, key, problem)
@@ -360,11 +372,6 @@ class S3Tier(SecondaryTier):
             self.notify_removed(chunk, RemovalCause.CORRUPT)
             await self._delete(chunk)
             return False
-        payload = memoryview(body.data)[HEADER_BYTES:]
-        offset = 0
-        for target in targets:
-            target[:] = payload[offset:offset + len(target)]
-            offset += len(target)
         self.counters.reads += 1
         self.counters.read_bytes += size
         if self._index.touch(chunk) is None and chunk not in self._pending:
@@ -426,9 +433,11 @@ class S3Tier(SecondaryTier):
                    victims: list[_DeleteClaim]) -> WriteOutcome:
         key = self._key(chunk)
         try:
-            body = _encode(chunk, views, size)
+            body = await self._off_loop(_encode, chunk, views, size)
             while (prior := self._deleting.get(chunk)) is not None:  # an eviction/removal of the old copy
                 await asyncio.wait((prior,))
+        except _Skipped:  # closed meanwhile
+            return WriteOutcome.FAILED
         finally:
             if victims:  # out of the index already: their objects go whatever happens here
                 await self._evict(victims)
@@ -492,6 +501,28 @@ class S3Tier(SecondaryTier):
         finally:  # a DELETE cancelled before it ran must not leave writes of its chunk waiting forever
             for claim in victims:
                 self._settle_delete(claim)
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in the tier's threads (raises _Skipped once the tier is closed). Waits for
+        the job to end even if the caller is cancelled meanwhile (then re-raises the
+        cancellation): the job reads or writes the caller's views, whose pages the chain reuses
+        as soon as the caller returns."""
+        loop = asyncio.get_running_loop()
+        try:
+            job = loop.run_in_executor(self._cpu, fn, *args)
+        except RuntimeError:  # the pool is shut down: close() ran
+            raise _Skipped from None
+        self._cpu_jobs.add(job)
+        job.add_done_callback(self._cpu_jobs.discard)
+        cancelled = False
+        while not job.done():
+            try:
+                await asyncio.wait((job,))
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError()
+        return job.result()
 
     def _failed(self, what: str, key: str, exc: S3Failure) -> None:
         self.counters.errors += 1
@@ -564,11 +595,28 @@ class S3Tier(SecondaryTier):
             await asyncio.sleep(delay)
 
 
+# -- CPU work on a chunk (the tier's threads) -----------------------------------------------
+
+
 def _encode(chunk: ChunkId, views: Sequence[memoryview], size: int) -> bytes:
     """The object: header + payload, in one buffer (one copy of the payload)."""
     parts = trim(views, size)
     header = chunkfile.encode_header(chunk, size, chunkfile.checksum(parts, size))
     return b"".join([header, *parts])
+
+
+def _deliver(body: _Body, chunk: ChunkId, size: int, targets: Sequence[memoryview]) -> str | None:
+    """Verify the object and copy its payload into `targets`; or say why it is not `chunk`'s
+    verified payload (then nothing is copied)."""
+    problem = _check(body, chunk, size)
+    if problem is not None or body.data is None:
+        return problem
+    payload = memoryview(body.data)[HEADER_BYTES:]
+    offset = 0
+    for target in targets:
+        target[:] = payload[offset:offset + len(target)]
+        offset += len(target)
+    return None
 
 
 def _check(body: _Body, chunk: ChunkId, size: int) -> str | None:

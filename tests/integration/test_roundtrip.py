@@ -375,19 +375,22 @@ def test_stats_count_namespaces_sessions_and_chunks(daemon, ns_name):
     assert wait_for(lambda: daemon.stats().sessions == 0)
 
 
-def test_registering_a_sparse_region_allocates_none_of_its_holes(shared_daemon, tmp_path):
+def test_registering_a_sparse_region_allocates_none_of_its_holes(daemon_factory):
     """The daemon fills its page tables for a region in the background, but never for a sparse
     file: that would allocate memory the client never used."""
-    import os
-    import time
-
+    d = daemon_factory(["--log-level", "debug"])
     path = Path("/dev/shm") / f"kvstored-sparse-{os.getpid()}"
     with open(path, "wb") as f:
         f.truncate(64 << 20)
     try:
-        with shared_daemon.client() as c:
-            c.register_region(path)
-            time.sleep(0.5)  # the background populate would be done by now
+        with d.client() as c:
+            region = c.register_region(path)
+
+            def populated() -> bool:
+                return any(line.endswith("background populate done") and f"region {region.region_id} (" in line
+                           for line in d.log.splitlines())
+
+            assert wait_for(populated), d.log
             assert os.stat(path).st_blocks == 0
     finally:
         path.unlink()

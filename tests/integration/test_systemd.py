@@ -22,9 +22,11 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstored.config import Config, FsTierConfig, S3TierConfig, load_config
+from kvstored.config import Config, load_config
+from kvstored.tiers.registry import KINDS, FsTierConfig, S3TierConfig
 from tests.support.daemon import REPO_ROOT, clean_env, kvstored_command, short_tmpdir
 from tests.support.data import make_keys, payloads
+from tests.support.s3 import MotoServer
 
 MIB = 1 << 20
 UNIT = REPO_ROOT / "deploy" / "systemd" / "kvstored.service"
@@ -163,8 +165,8 @@ def test_example_config_documents_and_accepts_every_option(tmp_path):
     for f in dataclasses.fields(Config):
         assert re.search(rf"^#?\s?({f.name}\s*=|\[\[{f.name}\]\])", text, re.M), \
             f"option {f.name} missing from {EXAMPLE.name}"
-    for cls in (FsTierConfig, S3TierConfig):
-        for f in dataclasses.fields(cls):
+    for kind in KINDS.values():
+        for f in dataclasses.fields(kind.config):
             assert re.search(rf"^#\s?{f.name}\s*=", text, re.M), f"tier key {f.name} missing from {EXAMPLE.name}"
 
     as_shipped = load_config(env={}, config_file=EXAMPLE)
@@ -182,14 +184,18 @@ def test_example_config_documents_and_accepts_every_option(tmp_path):
 
 # -- SIGHUP ------------------------------------------------------------------------------------------
 
-def test_sighup_applies_log_level_and_fs_admission_and_names_the_rest(daemon_factory):
+def test_sighup_applies_log_level_and_every_tiers_admission_and_names_the_rest(daemon_factory):
     root = short_tmpdir("kvhup")
     config = root / "kvstored.toml"
+    moto = MotoServer()
+    endpoint = moto.start()
 
     def write(log_level: str, admission: str, grace: float) -> None:
         config.write_text(
             f'log_level = "{log_level}"\ngrace_seconds = {grace}\n'
             f'[[tiers]]\nkind = "fs"\nroot = "{root / "fs"}"\nbytes = "64MiB"\nadmission = "{admission}"\n'
+            f'[[tiers]]\nkind = "s3"\nbucket = "hup"\nendpoint_url = "{endpoint.url}"\nregion = "{endpoint.region}"\n'
+            f'access_key = "{endpoint.access_key}"\nsecret_key = "{endpoint.secret_key}"\nadmission = "{admission}"\n'
         )
 
     try:
@@ -200,25 +206,28 @@ def test_sighup_applies_log_level_and_fs_admission_and_names_the_rest(daemon_fac
             ns = kv.register_namespace(model="hup", dtype="uint8", chunk_bytes=MIB)
             for i in range(0, 6, 2):
                 kv.store(ns, keys[i:i + 2], payloads(keys[i:i + 2], MIB))
-            fs = wait_for(lambda: (t := d.stats().tiers[1]).stored_chunks and t, "write-downs", lambda: d.log)
-            assert fs.rejected_admission == 0
+            wait_for(lambda: all(t.stored_chunks for t in d.stats().tiers[1:]), "write-downs", lambda: d.log)
+            assert [t.rejected_admission for t in d.stats().tiers[1:]] == [0, 0]
 
             write("debug", "second-eviction", 7.0)
             os.kill(d.pid, signal.SIGHUP)
             wait_for(lambda: "SIGHUP: configuration reloaded" in d.log, "the reload", lambda: d.log)
-            assert "applied: log_level=debug log_format=text; tier fs admission=second-eviction" in d.log
+            assert ("applied: log_level=debug log_format=text; tier fs admission=second-eviction; "
+                    "tier s3 admission=second-eviction") in d.log
             assert re.search(r"SIGHUP: grace_seconds changed but can only take effect after a restart", d.log)
 
-            for i in range(6, 12, 2):  # new chunks are now refused by the fs tier the first time
+            for i in range(6, 12, 2):  # new chunks are now refused by both tiers the first time
                 kv.store(ns, keys[i:i + 2], payloads(keys[i:i + 2], MIB))
-            wait_for(lambda: d.stats().tiers[1].rejected_admission > 0, "admission refusals", lambda: d.log)
+            wait_for(lambda: all(t.rejected_admission for t in d.stats().tiers[1:]), "admission refusals",
+                     lambda: d.log)
 
         config.write_text("log_level = [broken\n")
         os.kill(d.pid, signal.SIGHUP)
         wait_for(lambda: "SIGHUP: configuration not reloaded" in d.log, "the refusal", lambda: d.log)
-        assert "not valid TOML" in d.log
+        assert "not valid TOML" in d.log and "line 1" in d.log  # where in the file
         assert d.stats().tiers[0].name == "ram"  # still serving
     finally:
+        moto.stop()
         shutil.rmtree(root, ignore_errors=True)
 
 

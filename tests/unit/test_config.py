@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstored.config import (
-    Config, ConfigError, FsTierConfig, S3TierConfig, env_name, flag_name, load_config, options,
-)
+from kvstored.config import Config, ConfigError, env_name, flag_name, load_config, options
 from kvstored.sizes import parse_size
+from kvstored.tiers.registry import FsTierConfig, S3TierConfig
 
 
 def write_toml(tmp_path: Path, text: str) -> Path:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
+import threading
 import uuid
 
 import pytest
@@ -224,6 +225,36 @@ async def test_concurrent_writes_of_one_chunk_send_one_put(make_tier):
     outcomes = await asyncio.gather(*(tier.write(chunk, pages.views, 2 * PAGE) for _ in range(5)))
     assert sorted(o.name for o in outcomes) == ["ALREADY_PRESENT"] * 4 + ["WRITTEN"]
     assert tier.requests - before == 1
+
+
+async def test_chunks_are_encoded_verified_and_copied_off_the_event_loop(make_tier, monkeypatch):
+    """The checksum of a PUT body and of a GET body (and the copies around them) run in the
+    tier's threads, as the fs tier's do: a 2 MiB chunk on the loop stalls every other request."""
+    tier = await make_tier()
+    loop_thread = threading.current_thread()
+    threads: list[threading.Thread] = []
+    real_checksum = chunkfile.checksum
+
+    def checksum(views, size: int) -> int:  # the real one, noting where it runs
+        threads.append(threading.current_thread())
+        return real_checksum(views, size)
+
+    monkeypatch.setattr(chunkfile, "checksum", checksum)
+    chunk = new_chunk()
+    data = await stored(tier, chunk)
+    dst = Pages([3])
+    assert await tier.read(chunk, dst.views, len(data)) and dst.bytes(len(data)) == data
+    assert len(threads) == 2 and loop_thread not in threads
+
+
+async def test_a_closed_tier_refuses_writes_and_reads_without_raising(make_tier):
+    tier = await make_tier()
+    chunk = new_chunk()
+    await stored(tier, chunk)
+    await tier.close()
+    pages = Pages([3])
+    assert await tier.write(new_chunk(), pages.views, 100) is WriteOutcome.FAILED
+    assert await tier.read(chunk, pages.views, 3 * PAGE - 100) is False
 
 
 # -- lookups: index, negative cache, batching ----------------------------------------------------
