@@ -12,7 +12,7 @@ import grpc
 
 from kvstored_client import ops
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
-from kvstored_client.buffers import MIN_PART_BYTES as OFF_LOOP_COPY_BYTES  # smaller copies: a thread hop costs more
+from kvstored_client.copy_policy import MIN_PART_BYTES as OFF_LOOP_COPY_BYTES  # smaller: a thread hop costs more
 from kvstored_client.client import (
     CHANNEL_OPTIONS, DEFAULT_DEADLINE_S, OPEN_SESSION, RAISE, ClientBase, Plan, _bounded, _remaining,
 )

@@ -18,7 +18,7 @@ import grpc
 
 from kvstored_client import ops
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
-from kvstored_client.buffers import default_copy_threads
+from kvstored_client.copy_policy import client_copy_threads
 from kvstored_client.errors import (
     DeadlineExceeded, KvstoredError, TierUnavailable, TransferNotStarted, TransferOutcomeUnknown, Unavailable,
     UnknownNamespace, UnknownRegion, UnknownSession, from_rpc_error,
@@ -56,7 +56,7 @@ class ClientBase:
         self.deadline_s = deadline_s
         self.client_name = client_name or f"pid-{os.getpid()}"
         self.populate = populate
-        self.copy_threads = copy_threads or default_copy_threads()
+        self.copy_threads = copy_threads or client_copy_threads()
         self._namespaces: dict[str, NamespaceSpec] = {}
         self._regions: list[Region] = []
         self._session: PoolSession | None = None

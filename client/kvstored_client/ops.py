@@ -137,7 +137,7 @@ class Copy:
         return sum(int(ext.length) for extents, _ in self.pairs for ext in extents)
 
     def run(self) -> None:
-        self.session.copier.copy(self.session, self.pairs, self.to_pool)
+        self.session.copier.copy(self.session.arrays, self.pairs, self.to_pool)
 
 
 Op = Generator[Call | Copy, Any, Any]

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from kvstored_client.buffers import ChunkCopier, PoolArrays
 from kvstored_client.errors import InvalidArgument, RegionFileMissing, Unavailable, from_code
 from kvstored_client.paths import session_socket_path
 
@@ -23,8 +24,6 @@ MAX_PACKET = 64 << 10
 class PoolSession:
     def __init__(self, sock: socket.socket, welcome: pb.Welcome, pool_fd: int, populate: bool,
                  copy_threads: int = 1) -> None:
-        from kvstored_client.buffers import ChunkCopier  # buffers imports this module
-
         self._sock = sock
         self.copier = ChunkCopier(copy_threads)
         self.session_id = welcome.session_id
@@ -35,8 +34,7 @@ class PoolSession:
             self._map = mmap.mmap(pool_fd, self.pool_bytes, flags=flags)
         finally:
             os.close(pool_fd)
-        self.pool = np.frombuffer(self._map, dtype=np.uint8)
-        self._torch_pool = None
+        self.arrays = PoolArrays(self._map)
 
     @classmethod
     def open(cls, socket: Path | str, client_name: str, timeout: float, populate: bool = True,
@@ -61,19 +59,15 @@ class PoolSession:
             os.close(extra)
         return reply.region_attached.region_id, reply.region_attached.size
 
-    def torch_pool(self):
-        """The pool as a torch uint8 tensor (for copies to and from CUDA tensors)."""
-        if self._torch_pool is None:
-            import torch
-
-            self._torch_pool = torch.frombuffer(self._map, dtype=torch.uint8)
-        return self._torch_pool
+    @property
+    def pool(self) -> np.ndarray | None:
+        """The pool as a flat numpy uint8 array (None once closed)."""
+        return self.arrays.numpy
 
     def close(self) -> None:
         self.copier.close()
         self._sock.close()
-        self._torch_pool = None
-        self.pool = None
+        self.arrays.release()
         try:
             self._map.close()
         except BufferError:  # a caller still holds a view into the pool; freed with it
