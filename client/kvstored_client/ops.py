@@ -5,26 +5,16 @@ cleanup on failure exist in one place."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Any, Generator, Sequence
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client.buffers import chunk_views
 from kvstored_client.errors import PoolExhausted
+from kvstored_client.kinds import StoreOutcome, TierKind
 from kvstored_client.session import PoolSession
 
-
-class Tier(enum.IntEnum):
-    """Where a chunk was found; mirrors kvstored.v1.TierKind."""
-
-    NONE = 0
-    RAM = 1
-    FS = 2
-    S3 = 3
-    PEER = 4
-
-
+Tier = TierKind  # where a chunk was found (the client's name for it)
 _TIERS = {int(t): t for t in Tier}  # a dict lookup per key: Tier(value) costs ~0.4 us each
 
 
@@ -68,16 +58,6 @@ class LookupResult:
     @classmethod
     def miss(cls, n: int) -> "LookupResult":
         return cls(0, [Tier.NONE] * n)
-
-
-class StoreOutcome(enum.IntEnum):
-    """What a store did with one key; mirrors kvstored.v1.StoreOutcome."""
-
-    UNKNOWN = 0         # a daemon too old to say
-    STORED = 1          # copied in by this call
-    ALREADY_PRESENT = 2
-    IN_PROGRESS = 3     # another writer is storing it
-    DROPPED = 4         # no space, or the daemon unavailable
 
 
 _STORE_OUTCOMES = {int(o): o for o in StoreOutcome}
