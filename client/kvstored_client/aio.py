@@ -13,11 +13,10 @@ import grpc
 from kvstored_client import ops
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.copy_policy import MIN_PART_BYTES as OFF_LOOP_COPY_BYTES  # smaller: a thread hop costs more
-from kvstored_client.client import (
-    CHANNEL_OPTIONS, DEFAULT_DEADLINE_S, OPEN_SESSION, RAISE, ClientBase, Plan, _bounded, _remaining,
-)
+from kvstored_client.client import DEFAULT_DEADLINE_S, OPEN_SESSION, RAISE, ClientBase, Plan, _bounded, _remaining
 from kvstored_client.errors import KvstoredError
 from kvstored_client.ops import LookupResult, Namespace, NamespaceSpec, Region, StoreResult
+from kvstored_client.protocol import CHANNEL_OPTIONS, channel_target
 from kvstored_client.session import PoolSession
 
 log = logging.getLogger(__name__)
@@ -47,9 +46,7 @@ class AsyncClient(ClientBase):
         await self.close()
 
     async def close(self) -> None:
-        if self._forked():
-            self._lock = asyncio.Lock()
-            self._channel = self._stub = None
+        self._check_fork()
         async with self._lock:  # not under a call's copy into the pool
             self._drop_session()
             self._close_regions()
@@ -104,15 +101,17 @@ class AsyncClient(ClientBase):
 
     async def _run(self, build: Callable[[PoolSession | None], ops.Op], fallback: Any, session: bool = False) -> Any:
         deadline = time.monotonic() + self.deadline_s
-        if self._forked():  # a forked child starts afresh: its own lock, channel and session
-            self._lock = asyncio.Lock()
-            self._channel = self._stub = None
+        self._check_fork()
         async with self._lock:
             return await self._drive(self._plan(build, fallback, session), deadline)
 
+    def _new_transport(self) -> None:
+        self._lock = asyncio.Lock()
+        self._channel = self._stub = None
+
     def _get_stub(self) -> pb_grpc.KVStoreStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(f"unix:{self.socket}", options=CHANNEL_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(channel_target(self.socket), options=CHANNEL_OPTIONS)
             self._stub = pb_grpc.KVStoreStub(self._channel)
         return self._stub
 

@@ -26,6 +26,7 @@ from kvstored_client.errors import (
 from kvstored_client.keys import namespace_id_for
 from kvstored_client.ops import LookupResult, Namespace, NamespaceSpec, Region, StoreResult
 from kvstored_client.paths import default_socket_path
+from kvstored_client.protocol import CHANNEL_OPTIONS, ForkGuard, channel_target
 from kvstored_client.session import PoolSession, open_region_fd
 
 log = logging.getLogger(__name__)
@@ -33,13 +34,6 @@ log = logging.getLogger(__name__)
 DEFAULT_DEADLINE_S = 2.0
 RAISE = object()  # fallback marker: the error is the caller's to see
 
-# Reconnect quickly after a daemon restart instead of gRPC's default backoff (up to 120 s).
-CHANNEL_OPTIONS = (
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.max_receive_message_length", 64 << 20),
-)
 RESTART_ERRORS = (UnknownSession, UnknownRegion, UnknownNamespace)
 OPEN_SESSION = object()  # plan effect: "give me a session" -> (session, newly opened)
 HANDLE_METHODS = frozenset({"Reserve", "Commit", "Acquire", "Release"})  # calls that grant or end handles
@@ -60,7 +54,7 @@ class ClientBase:
         self._namespaces: dict[str, NamespaceSpec] = {}
         self._regions: list[Region] = []
         self._session: PoolSession | None = None
-        self._pid = os.getpid()
+        self._fork = ForkGuard()
 
     def _namespace_local(self, spec: NamespaceSpec) -> Namespace:
         ns_id = namespace_id_for(spec.model, spec.dtype, spec.chunk_bytes, spec.layout, spec.tenant_salt, spec.key_bytes)
@@ -144,15 +138,19 @@ class ClientBase:
         for region in self._regions:
             region.region_id = 0
 
-    def _forked(self) -> bool:
-        """A forked child must not use its parent's channel or session."""
-        if os.getpid() == self._pid:
-            return False
-        self._pid = os.getpid()
+    def _check_fork(self) -> None:
+        """A forked child must not use its parent's channel, session or lock (another thread may
+        have held it at fork time): it starts afresh. Call before taking the lock."""
+        if not self._fork.forked():
+            return
         self._session = None  # the parent's: not ours to close
         for region in self._regions:
             region.region_id = 0
-        return True
+        self._new_transport()
+
+    def _new_transport(self) -> None:
+        """Forget the channel and lock (a forked child's parent's) without closing them."""
+        raise NotImplementedError
 
     def _forget_region(self, region: Region) -> None:
         self._regions.remove(region)
@@ -242,9 +240,7 @@ class Client(ClientBase):
         self.close()
 
     def close(self) -> None:
-        if self._forked():
-            self._lock = threading.Lock()
-            self._channel = self._stub = None
+        self._check_fork()
         with self._lock:  # not under a call's copy into the pool
             self._drop_session()
             self._close_regions()
@@ -309,15 +305,17 @@ class Client(ClientBase):
 
     def _run(self, build: Callable[[PoolSession | None], ops.Op], fallback: Any, session: bool = False) -> Any:
         deadline = time.monotonic() + self.deadline_s
-        if self._forked():  # before the lock: another thread may have held it at fork time
-            self._lock = threading.Lock()
-            self._channel = self._stub = None
+        self._check_fork()
         with self._lock:
             return self._drive(self._plan(build, fallback, session), deadline)
 
+    def _new_transport(self) -> None:
+        self._lock = threading.Lock()
+        self._channel = self._stub = None
+
     def _get_stub(self) -> pb_grpc.KVStoreStub:
         if self._stub is None:
-            self._channel = grpc.insecure_channel(f"unix:{self.socket}", options=CHANNEL_OPTIONS)
+            self._channel = grpc.insecure_channel(channel_target(self.socket), options=CHANNEL_OPTIONS)
             self._stub = pb_grpc.KVStoreStub(self._channel)
         return self._stub
 
