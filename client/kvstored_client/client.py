@@ -11,19 +11,20 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Generator, Sequence
+from typing import Any
 
 import grpc
 
 from kvstored_client import ops
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.copy_policy import client_copy_threads
 from kvstored_client.errors import (
     DeadlineExceeded, KvstoredError, TierUnavailable, TransferNotStarted, TransferOutcomeUnknown, Unavailable,
     UnknownNamespace, UnknownRegion, UnknownSession, from_rpc_error,
 )
-from kvstored_client.keys import namespace_id_for
 from kvstored_client.ops import LookupResult, Namespace, NamespaceSpec, Region, StoreResult
 from kvstored_client.paths import default_socket_path
 from kvstored_client.protocol import CHANNEL_OPTIONS, ForkGuard, channel_target
@@ -57,7 +58,7 @@ class ClientBase:
         self._fork = ForkGuard()
 
     def _namespace_local(self, spec: NamespaceSpec) -> Namespace:
-        ns_id = namespace_id_for(spec.model, spec.dtype, spec.chunk_bytes, spec.layout, spec.tenant_salt, spec.key_bytes)
+        ns_id = spec.namespace_id()
         self._namespaces[ns_id] = spec
         return Namespace(ns_id, spec)
 
@@ -204,16 +205,24 @@ class ClientBase:
 
     def _session_step(self, timeout: float) -> tuple[PoolSession, bool]:
         """Blocking: the current session (opened if needed, regions attached) and whether it is new."""
-        fresh = self._session is None
-        if fresh:
-            self._session = PoolSession.open(self.socket, self.client_name, timeout, self.populate, self.copy_threads)
+        session, fresh = self._session, self._session is None
+        if session is None:
+            session = self._session = PoolSession.open(
+                self.socket, self.client_name, timeout, self.populate, self.copy_threads)
         if self._unattached():
             try:
-                self._attach_regions(self._session)
+                self._attach_regions(session)
             except BaseException:
                 self._drop_session()
                 raise
-        return self._session, fresh
+        return session, fresh
+
+
+def in_session(session: PoolSession | None) -> PoolSession:
+    """The session a call run with session=True is built with (the plan opens it first)."""
+    if session is None:
+        raise RuntimeError("a call that needs a session was built without one")
+    return session
 
 
 class Client(ClientBase):
@@ -233,7 +242,7 @@ class Client(ClientBase):
         self._stub: pb_grpc.KVStoreStub | None = None
         self._lock = threading.Lock()  # one operation at a time per client
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -264,11 +273,12 @@ class Client(ClientBase):
 
     def store(self, ns: Namespace, keys: Sequence[bytes], data: Any) -> StoreResult:
         """Copy chunks into the daemon's pool. `data`: one buffer of len(keys) chunks, or a list."""
-        return self._run(lambda s: ops.store(s, ns, keys, data), StoreResult.all_dropped(len(keys)), session=True)
+        return self._run(lambda s: ops.store(in_session(s), ns, keys, data), StoreResult.all_dropped(len(keys)),
+                         session=True)
 
     def load(self, ns: Namespace, keys: Sequence[bytes], out: Any) -> int:
         """Copy the leading cached chunks into `out`; returns how many were loaded."""
-        return self._run(lambda s: ops.load(s, ns, keys, out), fallback=0, session=True)
+        return self._run(lambda s: ops.load(in_session(s), ns, keys, out), fallback=0, session=True)
 
     def register_region(self, path_or_fd: str | os.PathLike | int, name: str | None = None) -> Region:
         """Register a shared-memory file (by path, or an open fd which is dup'ed)."""
@@ -285,20 +295,20 @@ class Client(ClientBase):
     def store_from_region(
         self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
     ) -> StoreResult:
-        return self._run(
-            lambda s: ops.store_from_region(s, ns, region, keys, offsets), StoreResult.all_dropped(len(keys)), session=True
-        )
+        return self._run(lambda s: ops.store_from_region(in_session(s), ns, region, keys, offsets),
+                         StoreResult.all_dropped(len(keys)), session=True)
 
     def load_to_region(self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]) -> int:
         """Copy the leading cached chunks into the region; returns how many. Returns 0 (nothing
         written) when the daemon is down or could not start within the deadline; raises
         TransferOutcomeUnknown if a started copy gave no answer (see REGION_COPY_GRACE_S)."""
-        return self._run(lambda s: ops.load_to_region(s, ns, region, keys, offsets), fallback=0, session=True)
+        return self._run(lambda s: ops.load_to_region(in_session(s), ns, region, keys, offsets), fallback=0,
+                         session=True)
 
     def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         return self._run(lambda s: ops.delete(ns, keys, s), fallback=RAISE, session=ns.private)
 
-    def stats(self):
+    def stats(self) -> pb.StatsResponse:
         return self._run(lambda _s: ops.stats(), fallback=RAISE)
 
     # -- machinery --------------------------------------------------------------------------
@@ -324,11 +334,12 @@ class Client(ClientBase):
         try:
             effect = next(plan)
             while True:
+                result: Any = None
                 try:
                     if effect is OPEN_SESSION:
                         result = self._session_step(_remaining(deadline))
                     elif isinstance(effect, ops.Copy):
-                        result = effect.run()
+                        effect.run()
                     else:
                         result = self._call(getattr(stub, effect.method), effect, deadline)
                 except BaseException as exc:
@@ -342,10 +353,12 @@ class Client(ClientBase):
                 self._drop_session()
             raise
 
-    def _call(self, method, effect: ops.Call, deadline: float):
+    def _call(self, method: Any, effect: ops.Call, deadline: float) -> Any:
         request, timeout = _bounded(effect, deadline)
         try:
-            return _to_the_end(method, request, timeout, False) if effect.copy_grace_s else method(request, timeout=timeout)
+            if effect.copy_grace_s:
+                return _to_the_end(method, request, timeout, False)
+            return method(request, timeout=timeout)
         except grpc.RpcError as exc:
             if not self._worth_waiting(exc):
                 raise
@@ -355,7 +368,7 @@ class Client(ClientBase):
             return method(request, timeout=timeout, wait_for_ready=True)
 
 
-def _to_the_end(method, request: Any, timeout: float, wait_for_ready: bool) -> Any:
+def _to_the_end(method: Any, request: Any, timeout: float, wait_for_ready: bool) -> Any:
     """A region transfer: once sent, the daemon may be copying into the caller's region, so an
     interrupt (Ctrl-C) waits for the answer (bounded by the call's timeout) before it is raised."""
     future = method.future(request, timeout=timeout, wait_for_ready=wait_for_ready)

@@ -5,12 +5,14 @@ cleanup on failure exist in one place."""
 
 from __future__ import annotations
 
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generator, Sequence
+from typing import Any
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client.buffers import chunk_views
 from kvstored_client.errors import PoolExhausted
+from kvstored_client.keys import namespace_id_for
 from kvstored_client.kinds import StoreOutcome, TierKind
 from kvstored_client.session import PoolSession
 
@@ -27,6 +29,11 @@ class NamespaceSpec:
     tenant_salt: bytes = b""
     key_bytes: int = 32
     block_tokens: int = 0  # tokens per chunk: reported in KV events
+
+    def namespace_id(self) -> str:
+        """The id every daemon derives for this namespace (computed locally)."""
+        return namespace_id_for(self.model, self.dtype, self.chunk_bytes, self.layout, self.tenant_salt,
+                                self.key_bytes)
 
     def to_proto(self) -> pb.NamespaceSpec:
         return pb.NamespaceSpec(
@@ -56,7 +63,7 @@ class LookupResult:
     tiers: list[Tier] = field(default_factory=list)
 
     @classmethod
-    def miss(cls, n: int) -> "LookupResult":
+    def miss(cls, n: int) -> LookupResult:
         return cls(0, [Tier.NONE] * n)
 
 
@@ -75,7 +82,7 @@ class StoreResult:
     outcomes: tuple[StoreOutcome, ...] = field(default=(), compare=False)
 
     @classmethod
-    def all_dropped(cls, n: int) -> "StoreResult":
+    def all_dropped(cls, n: int) -> StoreResult:
         return cls(dropped=n, outcomes=(StoreOutcome.DROPPED,) * n)
 
 

@@ -38,7 +38,8 @@ def test_small_batches_and_one_thread_stay_on_the_callers_thread():
 def test_split_copies_are_exact_both_ways(to_pool):
     n, chunk = 8, MIN_PART_BYTES // 2
     src, pairs = batch(n, chunk)
-    pool = PoolArrays(bytearray(n * chunk))
+    buffer = bytearray(n * chunk)
+    pool = PoolArrays(buffer)
     copier = ChunkCopier(3)
     try:
         if to_pool:
@@ -46,7 +47,7 @@ def test_split_copies_are_exact_both_ways(to_pool):
             expected = src.reshape(n, chunk)[::-1].reshape(-1)
             np.testing.assert_array_equal(pool.numpy, expected)
         else:
-            pool.numpy[:] = src
+            np.copyto(np.frombuffer(buffer, dtype=np.uint8), src)
             outs = [(ext, np.zeros(chunk, np.uint8)) for ext, _ in pairs]
             copier.copy(pool, outs, to_pool=False)
             for i, (_, out) in enumerate(outs):

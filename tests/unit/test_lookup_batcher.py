@@ -31,7 +31,7 @@ class Sender:
 
 
 def test_one_batch_per_namespace_and_a_hit_is_shared():
-    batcher: LookupBatcher[Req] = LookupBatcher()
+    batcher: LookupBatcher[bytes, Req] = LookupBatcher()
     r1, r2 = Req("r1"), Req("r2")
     assert batcher.ask(NS, A, r1) is None and batcher.ask(NS, B, r1) is None
     assert batcher.ask(NS, A, r2) is None  # already asked: joins, no second query
@@ -49,7 +49,7 @@ def test_one_batch_per_namespace_and_a_hit_is_shared():
 
 
 def test_keys_of_finished_requests_are_not_asked_for():
-    batcher: LookupBatcher[Req] = LookupBatcher()
+    batcher: LookupBatcher[bytes, Req] = LookupBatcher()
     batcher.ask(NS, A, Req("gone"))
     batcher.ask(NS, B, Req("stays"))
     assert batcher.request_finished("gone") == {(NS, A)}
@@ -59,7 +59,7 @@ def test_keys_of_finished_requests_are_not_asked_for():
 
 
 def test_an_answer_in_flight_outlives_its_requests_until_it_arrives():
-    batcher: LookupBatcher[Req] = LookupBatcher()
+    batcher: LookupBatcher[bytes, Req] = LookupBatcher()
     batcher.ask(NS, A, Req("r1"))
     batcher.flush(Sender(), give_up=False, timeout_s=NEVER)
     batcher.request_finished("r1")
@@ -69,7 +69,7 @@ def test_an_answer_in_flight_outlives_its_requests_until_it_arrives():
 
 
 def test_unsent_keys_expire_one_by_one_or_all_when_giving_up():
-    batcher: LookupBatcher[Req] = LookupBatcher()
+    batcher: LookupBatcher[bytes, Req] = LookupBatcher()
     r = Req("r")
     batcher.ask(NS, A, r)
     batcher.flush(Sender(accept=False), give_up=False, timeout_s=NEVER)
@@ -82,7 +82,7 @@ def test_unsent_keys_expire_one_by_one_or_all_when_giving_up():
 
 
 def test_per_request_batches_go_whole_and_hits_are_asked_again():
-    batcher: LookupBatcher[Req] = LookupBatcher(per_request=True, reask_hits=True)
+    batcher: LookupBatcher[bytes, Req] = LookupBatcher(per_request=True, reask_hits=True)
     r1, r2 = Req("r1"), Req("r2")
     for key in (A, B):
         batcher.ask(NS, key, r1)
@@ -101,17 +101,19 @@ def test_a_per_request_batch_expires_as_a_whole():
     """B waited past the deadline, C did not: a namespace batch gives up on B alone, a per-request
     batch (a prefix) on both."""
     for per_request, expected in ((False, (False, None)), (True, (False, False))):
-        batcher: LookupBatcher[Req] = LookupBatcher(per_request=per_request)
+        batcher: LookupBatcher[bytes, Req] = LookupBatcher(per_request=per_request)
         r = Req("r")
         batcher.ask(NS, B, r)
         batcher.ask(NS, C, r)
-        batcher.probe((NS, B)).since -= 10.0  # asked 10 s ago
+        probe = batcher.probe((NS, B))
+        assert probe is not None
+        probe.since -= 10.0  # asked 10 s ago
         batcher.flush(Sender(accept=False), give_up=False, timeout_s=5.0)
         assert (batcher.ask(NS, B, r), batcher.ask(NS, C, r)) == expected, per_request
 
 
 def test_mark_miss_turns_answered_verdicts_into_misses():
-    batcher: LookupBatcher[Req] = LookupBatcher()
+    batcher: LookupBatcher[bytes, Req] = LookupBatcher()
     r = Req("r")
     batcher.ask(NS, A, r)
     batcher.ask(NS, B, r)
@@ -119,4 +121,5 @@ def test_mark_miss_turns_answered_verdicts_into_misses():
     batcher.resolve(NS, [A], [True])
     batcher.mark_miss(NS, [A, B])
     assert batcher.ask(NS, A, r) is False
-    assert batcher.probe((NS, B)) is not None and batcher.probe((NS, B)).result is None  # unanswered: untouched
+    unanswered = batcher.probe((NS, B))
+    assert unanswered is not None and unanswered.result is None  # untouched

@@ -18,7 +18,10 @@ from kvstored_client import errors as client_errors
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 
 
-@pytest.mark.parametrize(("mirror", "proto_enum"), [(kinds.TierKind, pb.TierKind), (kinds.StoreOutcome, pb.StoreOutcome)])
+@pytest.mark.parametrize(("mirror", "proto_enum"), [
+    (kinds.TierKind, pb.TierKind),
+    (kinds.StoreOutcome, pb.StoreOutcome),
+])
 def test_wire_enums_have_exactly_the_proto_values(mirror, proto_enum):
     assert sorted(int(m) for m in mirror) == sorted(proto_enum.values())
     assert kinds.missing_members(mirror, proto_enum) == []
@@ -60,6 +63,6 @@ def test_daemon_and_client_split_copies_alike():
     for chunks, chunk_bytes in ((2, 1 << 20), (3, copy_policy.MIN_PART_BYTES), (8, copy_policy.MIN_PART_BYTES // 2),
                                 (16, 4 << 20)):
         jobs = [daemon_copier.CopyJob(0, [Extent(0, chunk_bytes)]) for _ in range(chunks)]
-        pairs = [([], np.broadcast_to(view, chunk_bytes)) for _ in range(chunks)]
+        pairs: list[tuple[list[Extent], np.ndarray]] = [([], np.broadcast_to(view, chunk_bytes)) for _ in range(chunks)]
         expected = copy_policy.part_count(chunks * chunk_bytes, chunks, 4)
         assert len(daemon_copier.split(jobs, 4)) == len(client._split(pairs)) == expected, (chunks, chunk_bytes)

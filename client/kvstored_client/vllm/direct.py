@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +62,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from kvstored_client.ops import NamespaceSpec
 from kvstored_client.paths import default_socket_path
 from kvstored_client.vllm.blockcopy import ChunkExtents, KVLayout, LayerRef
 from kvstored_client.vllm.driver import DaemonLink, LinkOptions, LinkState, outcome
@@ -88,7 +89,7 @@ class DirectMetrics:
 class KvstoredStoreSpec(LoadStoreSpec):
     """Chunks to store: their keys (each worker appends its rank) and the request's cache salt."""
 
-    def __init__(self, keys: list[bytes], cache_salt: bytes) -> None:
+    def __init__(self, keys: Sequence[bytes], cache_salt: bytes) -> None:
         self.keys = keys
         self.cache_salt = cache_salt
 
@@ -157,7 +158,7 @@ class KvstoredOffloadingSpec(OffloadingSpec):
         self._manager: KvstoredDirectManager | None = None
         self._worker: KvstoredOffloadingWorker | None = None
 
-    def namespace_spec(self, key_bytes: int, cache_salt: bytes):
+    def namespace_spec(self, key_bytes: int, cache_salt: bytes) -> NamespaceSpec:
         suffix = 0 if self.world_size == 1 else RANK_SUFFIX_BYTES
         return namespace_spec(self.layout, self.part_bytes, key_bytes + suffix, cache_salt)
 
@@ -206,9 +207,10 @@ class KvstoredDirectManager(OffloadingManager):
         self._namespaces = RequestNamespaces(spec.namespace_spec, self._link.namespace)
         # One Acquire per request and namespace (it answers a prefix); a hit is held as a lease,
         # so the batcher keeps no hit verdicts: a key whose lease went back is asked again.
-        self._batcher: LookupBatcher[ReqContext] = LookupBatcher(per_request=True, reask_hits=True)
-        self._leases: dict[ProbeKey, _Lease] = {}
-        self._req_leases: dict[str, set[ProbeKey]] = {}  # leases a request found without asking
+        self._batcher: LookupBatcher[OffloadKey, ReqContext] = LookupBatcher(
+            per_request=True, reask_hits=True)
+        self._leases: dict[ProbeKey[OffloadKey], _Lease] = {}
+        self._req_leases: dict[str, set[ProbeKey[OffloadKey]]] = {}  # leases a request found without asking
         self._acquires: list[_Acquire] = []
         self._to_release: list[tuple[int, int]] = []  # (session epoch, handle)
         self._releases: list[grpc.Future] = []
@@ -342,8 +344,10 @@ class KvstoredDirectManager(OffloadingManager):
         if not self._link.namespace_ready(namespace_id):
             return False
         # Acquire answers a prefix: ask in token order when the scheduler recorded positions.
-        positions = [ctx.get_offload_key_position(k) for k in keys] if ctx is not None else [None]
-        if None not in positions:
+        positions: list[int] = []
+        if ctx is not None:
+            positions = [p for p in map(ctx.get_offload_key_position, keys) if p is not None]
+        if len(positions) == len(keys):
             keys = [k for _, k in sorted(zip(positions, keys), key=lambda pk: pk[0])]
         parts = [part_key(k, r, self._world) for k in keys for r in range(self._world)]
         request = pb.AcquireRequest(session_id=self._link.session_id, namespace_id=namespace_id, keys=parts)
@@ -396,7 +400,7 @@ class KvstoredDirectManager(OffloadingManager):
         self._batcher.resolve(namespace_id, keys,
                               [i < hits and (namespace_id, key) in self._leases for i, key in enumerate(keys)])
 
-    def _maybe_release(self, probe_key: ProbeKey, lease: _Lease) -> None:
+    def _maybe_release(self, probe_key: ProbeKey[OffloadKey], lease: _Lease) -> None:
         if not lease.requests and lease.loads <= 0:
             del self._leases[probe_key]
             self._to_release.extend((lease.epoch, handle) for handle in lease.handles)

@@ -36,7 +36,6 @@ from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.errors import (
     InvalidArgument, KvstoredError, Unavailable, UnknownNamespace, UnknownRegion, UnknownSession, from_rpc_error,
 )
-from kvstored_client.keys import namespace_id_for
 from kvstored_client.ops import NamespaceSpec
 from kvstored_client.paths import session_socket_path
 from kvstored_client.protocol import CHANNEL_OPTIONS, Backoff, ForkGuard, Handshake, channel_target
@@ -204,7 +203,7 @@ class DaemonLink:
             for ns in self._namespaces.values():
                 ns.epoch = -1  # the daemon forgot them: register again
         elif result.code is grpc.StatusCode.UNAVAILABLE:
-            self.fail(result.error)
+            self.fail(result.error or Unavailable("UNAVAILABLE"))
 
     def close(self) -> None:
         if self._fork.forked():
@@ -223,8 +222,7 @@ class DaemonLink:
 
     def namespace(self, spec: NamespaceSpec) -> str:
         """The namespace id (computed locally, like every daemon does); starts tracking it."""
-        ns_id = namespace_id_for(spec.model, spec.dtype, spec.chunk_bytes, spec.layout, spec.tenant_salt,
-                                 spec.key_bytes)
+        ns_id = spec.namespace_id()
         if ns_id not in self._namespaces:
             self._namespaces[ns_id] = _NamespaceState(spec, ns_id)
         return ns_id

@@ -10,8 +10,8 @@ direct spec's leases) and asks again once that is gone (`reask_hits`).
 
 Batches are per namespace, or per request and namespace (`per_request`, for an RPC that answers
 a prefix, such as Acquire: such a batch is sent, or expires, as a whole). Keys whose requests
-all finished before their batch went out are not asked for. vLLM-free: keys are bytes, a request
-is anything with a `req_id`.
+all finished before their batch went out are not asked for. vLLM-free: keys are bytes (vLLM's
+OffloadKey), a request is anything with a `req_id` (vLLM's ReqContext).
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-ProbeKey = tuple[str, bytes]  # (namespace id, key)
-
 
 class Request(Protocol):
     @property
     def req_id(self) -> str: ...
 
 
+KeyT = TypeVar("KeyT", bound=bytes)
 RequestT = TypeVar("RequestT", bound=Request)
+ProbeKey = tuple[str, KeyT]  # (namespace id, key)
 
 
 @dataclass(slots=True)
@@ -43,34 +43,34 @@ class Probe:
 
 
 @dataclass(slots=True)
-class Batch(Generic[RequestT]):
+class Batch(Generic[KeyT, RequestT]):
     namespace_id: str
     req_id: str  # "" in per-namespace batches
     request: RequestT | None  # the request of a per-request batch (it knows its keys' positions)
-    keys: list[bytes] = field(default_factory=list)
+    keys: list[KeyT] = field(default_factory=list)
 
 
 # flush's `send(namespace_id, keys, request)`: True when the keys were sent (all of them).
-Send = Callable[[str, list[bytes], RequestT | None], bool]
+Send = Callable[[str, list[KeyT], RequestT | None], bool]
 
 
-class LookupBatcher(Generic[RequestT]):
+class LookupBatcher(Generic[KeyT, RequestT]):
     def __init__(self, *, per_request: bool = False, reask_hits: bool = False) -> None:
         self._per_request = per_request
         self._reask_hits = reask_hits
-        self._probes: dict[ProbeKey, Probe] = {}
-        self._by_request: dict[str, set[ProbeKey]] = {}
-        self._batches: dict[tuple[str, str], Batch[RequestT]] = {}
+        self._probes: dict[ProbeKey[KeyT], Probe] = {}
+        self._by_request: dict[str, set[ProbeKey[KeyT]]] = {}
+        self._batches: dict[tuple[str, str], Batch[KeyT, RequestT]] = {}
 
     @property
     def queued(self) -> bool:
         """Whether keys wait for the next flush."""
         return bool(self._batches)
 
-    def probe(self, probe_key: ProbeKey) -> Probe | None:
+    def probe(self, probe_key: ProbeKey[KeyT]) -> Probe | None:
         return self._probes.get(probe_key)
 
-    def ask(self, namespace_id: str, key: bytes, request: RequestT) -> bool | None:
+    def ask(self, namespace_id: str, key: KeyT, request: RequestT) -> bool | None:
         """The verdict on `key` for `request` so far: True (hit), False (miss) or None (asked,
         not answered yet: vLLM's RETRY). Queues the key when it needs asking."""
         probe_key = (namespace_id, key)
@@ -84,7 +84,7 @@ class LookupBatcher(Generic[RequestT]):
         self._by_request.setdefault(req_id, set()).add(probe_key)
         return probe.result
 
-    def request_finished(self, req_id: str) -> set[ProbeKey]:
+    def request_finished(self, req_id: str) -> set[ProbeKey[KeyT]]:
         """Forget the request; returns the keys it asked about. A verdict nobody waits for any
         more is dropped (one in flight once its answer is in)."""
         asked = self._by_request.pop(req_id, set())
@@ -97,11 +97,11 @@ class LookupBatcher(Generic[RequestT]):
                 del self._probes[probe_key]
         return asked
 
-    def forget(self, probe_key: ProbeKey) -> None:
+    def forget(self, probe_key: ProbeKey[KeyT]) -> None:
         """Drop a verdict: the next lookup of the key asks again."""
         self._probes.pop(probe_key, None)
 
-    def flush(self, send: Send[RequestT], give_up: bool, timeout_s: float) -> None:
+    def flush(self, send: Send[KeyT, RequestT], give_up: bool, timeout_s: float) -> None:
         """Offer every batch to `send`. One it does not send stays queued, except keys waiting
         `timeout_s` or more, or every key when `give_up` (the daemon is down): those are misses."""
         now = time.monotonic()
@@ -125,7 +125,7 @@ class LookupBatcher(Generic[RequestT]):
             if not batch.keys:
                 del self._batches[batch_key]
 
-    def resolve(self, namespace_id: str, keys: Iterable[bytes], found: Iterable[bool]) -> None:
+    def resolve(self, namespace_id: str, keys: Iterable[KeyT], found: Iterable[bool]) -> None:
         """The answers for sent (or expired) keys, in order."""
         for key, hit in zip(keys, found):
             probe_key = (namespace_id, key)
@@ -138,14 +138,14 @@ class LookupBatcher(Generic[RequestT]):
                 continue
             probe.result = hit
 
-    def mark_miss(self, namespace_id: str, keys: Iterable[bytes]) -> None:
+    def mark_miss(self, namespace_id: str, keys: Iterable[KeyT]) -> None:
         """Turn answered verdicts into misses (e.g. after the daemon failed to deliver them)."""
         for key in keys:
             probe = self._probes.get((namespace_id, key))
             if probe is not None and probe.result is not None:
                 probe.result = False
 
-    def _queue(self, namespace_id: str, key: bytes, request: RequestT) -> None:
+    def _queue(self, namespace_id: str, key: KeyT, request: RequestT) -> None:
         req_id = request.req_id if self._per_request else ""
         batch = self._batches.get((namespace_id, req_id))
         if batch is None:
@@ -153,7 +153,7 @@ class LookupBatcher(Generic[RequestT]):
                 namespace_id, req_id, request if self._per_request else None)
         batch.keys.append(key)
 
-    def _wanted(self, batch: Batch[RequestT], key: bytes) -> bool:
+    def _wanted(self, batch: Batch[KeyT, RequestT], key: KeyT) -> bool:
         """Whether a queued key is still to be asked for: a request that queued it still waits."""
         probe = self._probes.get((batch.namespace_id, key))
         return probe is not None and (not batch.req_id or batch.req_id in probe.requests)

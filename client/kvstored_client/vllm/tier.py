@@ -60,7 +60,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client.paths import default_socket_path
-from kvstored_client.vllm.driver import DaemonLink, LinkOptions, LinkState, outcome
+from kvstored_client.vllm.driver import DaemonLink, LinkOptions, LinkState, Outcome, outcome
 from kvstored_client.vllm.lookups import LookupBatcher
 from kvstored_client.vllm.namespace import (
     SHA256_OFFLOAD_KEY_BYTES, TIER_ROW_FORMAT, RequestNamespaces, layout_info, namespace_spec,
@@ -119,7 +119,7 @@ class KvstoredTierManager(SecondaryTierManager):
 
     def __init__(
         self,
-        offloading_spec: "OffloadingSpec",
+        offloading_spec: OffloadingSpec,
         primary_kv_view: memoryview,
         tier_type: str,
         socket: str | None = None,
@@ -133,7 +133,7 @@ class KvstoredTierManager(SecondaryTierManager):
         enable_kv_events: bool = True,
         locality: str | None = "LOCAL",
         client_name: str | None = None,
-        backpressure_detector: "BackpressureDetector | None" = None,
+        backpressure_detector: BackpressureDetector | None = None,
     ) -> None:
         """Args (all but the first three come from the tier's config dict):
         socket: the daemon's gRPC unix socket (default: $KVSTORED_SOCKET, else the standard path).
@@ -167,7 +167,8 @@ class KvstoredTierManager(SecondaryTierManager):
             self.events = []
 
         scheduler_region = getattr(offloading_spec, "_scheduler_mmap", None)
-        candidates = [scheduler_region.fd] if getattr(scheduler_region, "fd", None) is not None else []
+        scheduler_fd = getattr(scheduler_region, "fd", None)
+        candidates = [scheduler_fd] if scheduler_fd is not None else []
         self._region_fd: int | None = None
         self._region_base = 0
         try:
@@ -189,7 +190,7 @@ class KvstoredTierManager(SecondaryTierManager):
         self._namespaces = RequestNamespaces(
             lambda key_bytes, salt: namespace_spec(self._layout, self.block_size_bytes, key_bytes, salt),
             self._link.namespace)
-        self._batcher: LookupBatcher[ReqContext] = LookupBatcher()  # one lookup batch per namespace
+        self._batcher: LookupBatcher[OffloadKey, ReqContext] = LookupBatcher()  # one lookup batch per namespace
         self._lookups: list[_LookupCall] = []
         self._waiting: deque[_Transfer] = deque()  # waiting for the session / namespace
         self._running: dict[int, _Transfer] = {}
@@ -459,7 +460,7 @@ class KvstoredTierManager(SecondaryTierManager):
         if not self._waiting:
             return
         now = time.monotonic()
-        still = deque()
+        still: deque[_Transfer] = deque()
         while self._waiting:
             transfer = self._waiting.popleft()
             if self._link.ready and self._link.namespace_ready(transfer.namespace_id):
@@ -561,7 +562,7 @@ class KvstoredTierManager(SecondaryTierManager):
     def _count_dropped(self, reason: str, n: int) -> None:
         self._stats.increase_counter(KvstoredMetrics.DROPPED_CHUNKS, n, (self.tier_type, reason))
 
-    def _rpc_error(self, result) -> None:
+    def _rpc_error(self, result: Outcome) -> None:
         code = result.code.name if result.code is not None else "UNKNOWN"
         self._stats.increase_counter(KvstoredMetrics.RPC_ERRORS, 1, (self.tier_type, code))
         self._link.on_rpc_error(result)
