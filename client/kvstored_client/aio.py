@@ -6,18 +6,21 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import grpc
 
 from kvstored_client import ops
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
-from kvstored_client.buffers import MIN_PART_BYTES as OFF_LOOP_COPY_BYTES  # smaller copies: a thread hop costs more
 from kvstored_client.client import (
-    CHANNEL_OPTIONS, DEFAULT_DEADLINE_S, OPEN_SESSION, RAISE, ClientBase, Plan, _bounded, _remaining,
+    DEFAULT_DEADLINE_S, OPEN_SESSION, RAISE, ClientBase, Plan, _bounded, _remaining, in_session,
 )
+from kvstored_client.copy_policy import MIN_PART_BYTES as OFF_LOOP_COPY_BYTES  # smaller: a thread hop costs more
 from kvstored_client.errors import KvstoredError
 from kvstored_client.ops import LookupResult, Namespace, NamespaceSpec, Region, StoreResult
+from kvstored_client.protocol import CHANNEL_OPTIONS, channel_target
 from kvstored_client.session import PoolSession
 
 log = logging.getLogger(__name__)
@@ -40,16 +43,14 @@ class AsyncClient(ClientBase):
         self._stub: pb_grpc.KVStoreStub | None = None
         self._lock = asyncio.Lock()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
 
     async def close(self) -> None:
-        if self._forked():
-            self._lock = asyncio.Lock()
-            self._channel = self._stub = None
+        self._check_fork()
         async with self._lock:  # not under a call's copy into the pool
             self._drop_session()
             self._close_regions()
@@ -68,10 +69,11 @@ class AsyncClient(ClientBase):
         return await self._run(lambda s: ops.lookup(ns, keys, s), LookupResult.miss(len(keys)), session=ns.private)
 
     async def store(self, ns: Namespace, keys: Sequence[bytes], data: Any) -> StoreResult:
-        return await self._run(lambda s: ops.store(s, ns, keys, data), StoreResult.all_dropped(len(keys)), session=True)
+        return await self._run(lambda s: ops.store(in_session(s), ns, keys, data), StoreResult.all_dropped(len(keys)),
+                               session=True)
 
     async def load(self, ns: Namespace, keys: Sequence[bytes], out: Any) -> int:
-        return await self._run(lambda s: ops.load(s, ns, keys, out), fallback=0, session=True)
+        return await self._run(lambda s: ops.load(in_session(s), ns, keys, out), fallback=0, session=True)
 
     async def register_region(self, path_or_fd: str | os.PathLike | int, name: str | None = None) -> Region:
         region = self._open_region(path_or_fd, name)
@@ -87,32 +89,34 @@ class AsyncClient(ClientBase):
     async def store_from_region(
         self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
     ) -> StoreResult:
-        return await self._run(
-            lambda s: ops.store_from_region(s, ns, region, keys, offsets), StoreResult.all_dropped(len(keys)), session=True
-        )
+        return await self._run(lambda s: ops.store_from_region(in_session(s), ns, region, keys, offsets),
+                               StoreResult.all_dropped(len(keys)), session=True)
 
     async def load_to_region(
         self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
     ) -> int:
-        return await self._run(lambda s: ops.load_to_region(s, ns, region, keys, offsets), fallback=0, session=True)
+        return await self._run(lambda s: ops.load_to_region(in_session(s), ns, region, keys, offsets), fallback=0,
+                               session=True)
 
     async def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         return await self._run(lambda s: ops.delete(ns, keys, s), fallback=RAISE, session=ns.private)
 
-    async def stats(self):
+    async def stats(self) -> pb.StatsResponse:
         return await self._run(lambda _s: ops.stats(), fallback=RAISE)
 
     async def _run(self, build: Callable[[PoolSession | None], ops.Op], fallback: Any, session: bool = False) -> Any:
         deadline = time.monotonic() + self.deadline_s
-        if self._forked():  # a forked child starts afresh: its own lock, channel and session
-            self._lock = asyncio.Lock()
-            self._channel = self._stub = None
+        self._check_fork()
         async with self._lock:
             return await self._drive(self._plan(build, fallback, session), deadline)
 
+    def _new_transport(self) -> None:
+        self._lock = asyncio.Lock()
+        self._channel = self._stub = None
+
     def _get_stub(self) -> pb_grpc.KVStoreStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(f"unix:{self.socket}", options=CHANNEL_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(channel_target(self.socket), options=CHANNEL_OPTIONS)
             self._stub = pb_grpc.KVStoreStub(self._channel)
         return self._stub
 
@@ -121,6 +125,7 @@ class AsyncClient(ClientBase):
         try:
             effect = next(plan)
             while True:
+                result: Any = None
                 try:
                     if effect is OPEN_SESSION:
                         # Off the loop (socket work, populating the pool mapping); a cancelled
@@ -128,8 +133,10 @@ class AsyncClient(ClientBase):
                         timeout = _remaining(deadline)
                         result = await _to_the_end(asyncio.to_thread(self._session_step, timeout))
                     elif isinstance(effect, ops.Copy):
-                        result = (effect.run() if effect.nbytes < OFF_LOOP_COPY_BYTES
-                                  else await _to_the_end(asyncio.to_thread(effect.run)))
+                        if effect.nbytes < OFF_LOOP_COPY_BYTES:
+                            effect.run()
+                        else:
+                            await _to_the_end(asyncio.to_thread(effect.run))
                     elif effect.copy_grace_s:  # a region transfer: once sent, the daemon may be copying
                         result = await _to_the_end(self._call(getattr(stub, effect.method), effect, deadline))
                     else:
@@ -141,7 +148,7 @@ class AsyncClient(ClientBase):
         except StopIteration as stop:
             return stop.value
 
-    async def _call(self, method, effect: ops.Call, deadline: float):
+    async def _call(self, method: Any, effect: ops.Call, deadline: float) -> Any:
         request, timeout = _bounded(effect, deadline)
         try:
             return await method(request, timeout=timeout)

@@ -7,15 +7,46 @@ stay tensors and are copied against a torch view of the pool.
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from kvstored_client.session import PoolSession
+from kvstored_client.copy_policy import part_count
 
-MIN_PART_BYTES = 8 << 20  # below this a thread hand-off costs more than the parallel copy gains
+Pairs = Sequence[tuple[Sequence[Any], Any]]  # (pool extents, caller view) per chunk
+
+
+class PoolArrays:
+    """The daemon's pool as flat uint8 arrays: numpy, and a torch tensor made on first use (for
+    copies to and from CUDA tensors). `buffer` is the pool's mapping (anything writable that
+    exposes the buffer protocol)."""
+
+    def __init__(self, buffer: Any) -> None:
+        self._buffer = buffer
+        self.numpy: np.ndarray | None = np.frombuffer(buffer, dtype=np.uint8)
+        self._torch: Any = None
+
+    def torch(self) -> Any:
+        if self._torch is None:
+            import torch
+
+            self._torch = torch.frombuffer(self._buffer, dtype=torch.uint8)
+        return self._torch
+
+    def for_view(self, view: Any) -> Any:
+        """The array a copy against `view` uses: torch for tensors, numpy otherwise."""
+        if _is_torch(view):
+            return self.torch()
+        if self.numpy is None:
+            raise ValueError("the pool mapping is closed")
+        return self.numpy
+
+    def release(self) -> None:
+        """Drop the arrays, so the mapping can be closed."""
+        self.numpy = None
+        self._torch = None
 
 
 def _is_torch(obj: Any) -> bool:
@@ -56,13 +87,9 @@ def chunk_views(data: Any, n: int, chunk_bytes: int, writable: bool) -> list[Any
     return [flat[i * chunk_bytes:(i + 1) * chunk_bytes] for i in range(n)]
 
 
-def _pool_for(session: PoolSession, view: Any) -> Any:
-    return session.torch_pool() if _is_torch(view) else session.pool
-
-
-def copy_in(session: PoolSession, extents: Sequence[Any], src: Any) -> None:
+def copy_in(pool_arrays: PoolArrays, extents: Sequence[Any], src: Any) -> None:
     """src -> the pool slots described by extents (protobuf Extent messages)."""
-    pool, pos = _pool_for(session, src), 0
+    pool, pos = pool_arrays.for_view(src), 0
     for ext in extents:
         dst = pool[ext.offset:ext.offset + ext.length]
         if isinstance(dst, np.ndarray):
@@ -72,8 +99,9 @@ def copy_in(session: PoolSession, extents: Sequence[Any], src: Any) -> None:
         pos += ext.length
 
 
-def copy_out(session: PoolSession, extents: Sequence[Any], dst: Any) -> None:
-    pool, pos = _pool_for(session, dst), 0
+def copy_out(pool_arrays: PoolArrays, extents: Sequence[Any], dst: Any) -> None:
+    """The pool slots described by extents -> dst."""
+    pool, pos = pool_arrays.for_view(dst), 0
     for ext in extents:
         src = pool[ext.offset:ext.offset + ext.length]
         if isinstance(src, np.ndarray):
@@ -81,10 +109,6 @@ def copy_out(session: PoolSession, extents: Sequence[Any], dst: Any) -> None:
         else:
             dst[pos:pos + ext.length].copy_(src)
         pos += ext.length
-
-
-def default_copy_threads() -> int:
-    return max(1, min(4, os.cpu_count() or 1))
 
 
 class ChunkCopier:
@@ -98,25 +122,23 @@ class ChunkCopier:
         self.threads = threads
         self._executor: ThreadPoolExecutor | None = None
 
-    def copy(self, session: PoolSession, pairs: Sequence[tuple[Sequence[Any], Any]], to_pool: bool) -> None:
+    def copy(self, pool: PoolArrays, pairs: Pairs, to_pool: bool) -> None:
         """pairs: (extents, caller view) per chunk. Returns, or raises, only once no thread
         touches the pool for this batch (the caller releases the slots right after)."""
-        one = copy_in if to_pool else copy_out
         parts = self._split(pairs)
         if len(parts) == 1:
-            for extents, view in pairs:
-                one(session, extents, view)
+            _copy_part(pool, pairs, to_pool)
             return
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="kvstored-client-copy")
-        futures = [self._executor.submit(_copy_part, one, session, part) for part in parts]
+        futures = [self._executor.submit(_copy_part, pool, part, to_pool) for part in parts]
         _wait_all(futures)
 
-    def _split(self, pairs: Sequence[tuple[Sequence[Any], Any]]) -> list[Sequence[tuple[Sequence[Any], Any]]]:
+    def _split(self, pairs: Pairs) -> list[Pairs]:
         if self.threads == 1 or not pairs or _is_torch(pairs[0][1]):
             return [pairs]
         total = sum(len(view) for _, view in pairs)
-        n = max(1, min(self.threads, len(pairs), total // MIN_PART_BYTES))
+        n = part_count(total, len(pairs), self.threads)
         if n == 1:
             return [pairs]
         per = -(-len(pairs) // n)  # chunks of one batch share one size
@@ -128,12 +150,13 @@ class ChunkCopier:
             self._executor = None
 
 
-def _copy_part(one, session: PoolSession, part) -> None:
+def _copy_part(pool: PoolArrays, part: Pairs, to_pool: bool) -> None:
+    one: Callable[[PoolArrays, Sequence[Any], Any], None] = copy_in if to_pool else copy_out
     for extents, view in part:
-        one(session, extents, view)
+        one(pool, extents, view)
 
 
-def _wait_all(futures: list[Future]) -> None:
+def _wait_all(futures: list[Future[None]]) -> None:
     """Wait for every copy even if this thread is interrupted meanwhile; then raise the first error."""
     interrupted: BaseException | None = None
     while not all(f.done() for f in futures):

@@ -11,21 +11,23 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Generator, Sequence
+from typing import Any
 
 import grpc
 
 from kvstored_client import ops
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
-from kvstored_client.buffers import default_copy_threads
+from kvstored_client.copy_policy import client_copy_threads
 from kvstored_client.errors import (
     DeadlineExceeded, KvstoredError, TierUnavailable, TransferNotStarted, TransferOutcomeUnknown, Unavailable,
     UnknownNamespace, UnknownRegion, UnknownSession, from_rpc_error,
 )
-from kvstored_client.keys import namespace_id_for
 from kvstored_client.ops import LookupResult, Namespace, NamespaceSpec, Region, StoreResult
 from kvstored_client.paths import default_socket_path
+from kvstored_client.protocol import CHANNEL_OPTIONS, ForkGuard, channel_target
 from kvstored_client.session import PoolSession, open_region_fd
 
 log = logging.getLogger(__name__)
@@ -33,13 +35,6 @@ log = logging.getLogger(__name__)
 DEFAULT_DEADLINE_S = 2.0
 RAISE = object()  # fallback marker: the error is the caller's to see
 
-# Reconnect quickly after a daemon restart instead of gRPC's default backoff (up to 120 s).
-CHANNEL_OPTIONS = (
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.max_receive_message_length", 64 << 20),
-)
 RESTART_ERRORS = (UnknownSession, UnknownRegion, UnknownNamespace)
 OPEN_SESSION = object()  # plan effect: "give me a session" -> (session, newly opened)
 HANDLE_METHODS = frozenset({"Reserve", "Commit", "Acquire", "Release"})  # calls that grant or end handles
@@ -56,14 +51,14 @@ class ClientBase:
         self.deadline_s = deadline_s
         self.client_name = client_name or f"pid-{os.getpid()}"
         self.populate = populate
-        self.copy_threads = copy_threads or default_copy_threads()
+        self.copy_threads = copy_threads or client_copy_threads()
         self._namespaces: dict[str, NamespaceSpec] = {}
         self._regions: list[Region] = []
         self._session: PoolSession | None = None
-        self._pid = os.getpid()
+        self._fork = ForkGuard()
 
     def _namespace_local(self, spec: NamespaceSpec) -> Namespace:
-        ns_id = namespace_id_for(spec.model, spec.dtype, spec.chunk_bytes, spec.layout, spec.tenant_salt, spec.key_bytes)
+        ns_id = spec.namespace_id()
         self._namespaces[ns_id] = spec
         return Namespace(ns_id, spec)
 
@@ -144,15 +139,19 @@ class ClientBase:
         for region in self._regions:
             region.region_id = 0
 
-    def _forked(self) -> bool:
-        """A forked child must not use its parent's channel or session."""
-        if os.getpid() == self._pid:
-            return False
-        self._pid = os.getpid()
+    def _check_fork(self) -> None:
+        """A forked child must not use its parent's channel, session or lock (another thread may
+        have held it at fork time): it starts afresh. Call before taking the lock."""
+        if not self._fork.forked():
+            return
         self._session = None  # the parent's: not ours to close
         for region in self._regions:
             region.region_id = 0
-        return True
+        self._new_transport()
+
+    def _new_transport(self) -> None:
+        """Forget the channel and lock (a forked child's parent's) without closing them."""
+        raise NotImplementedError
 
     def _forget_region(self, region: Region) -> None:
         self._regions.remove(region)
@@ -206,16 +205,24 @@ class ClientBase:
 
     def _session_step(self, timeout: float) -> tuple[PoolSession, bool]:
         """Blocking: the current session (opened if needed, regions attached) and whether it is new."""
-        fresh = self._session is None
-        if fresh:
-            self._session = PoolSession.open(self.socket, self.client_name, timeout, self.populate, self.copy_threads)
+        session, fresh = self._session, self._session is None
+        if session is None:
+            session = self._session = PoolSession.open(
+                self.socket, self.client_name, timeout, self.populate, self.copy_threads)
         if self._unattached():
             try:
-                self._attach_regions(self._session)
+                self._attach_regions(session)
             except BaseException:
                 self._drop_session()
                 raise
-        return self._session, fresh
+        return session, fresh
+
+
+def in_session(session: PoolSession | None) -> PoolSession:
+    """The session a call run with session=True is built with (the plan opens it first)."""
+    if session is None:
+        raise RuntimeError("a call that needs a session was built without one")
+    return session
 
 
 class Client(ClientBase):
@@ -235,16 +242,14 @@ class Client(ClientBase):
         self._stub: pb_grpc.KVStoreStub | None = None
         self._lock = threading.Lock()  # one operation at a time per client
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
     def close(self) -> None:
-        if self._forked():
-            self._lock = threading.Lock()
-            self._channel = self._stub = None
+        self._check_fork()
         with self._lock:  # not under a call's copy into the pool
             self._drop_session()
             self._close_regions()
@@ -268,11 +273,12 @@ class Client(ClientBase):
 
     def store(self, ns: Namespace, keys: Sequence[bytes], data: Any) -> StoreResult:
         """Copy chunks into the daemon's pool. `data`: one buffer of len(keys) chunks, or a list."""
-        return self._run(lambda s: ops.store(s, ns, keys, data), StoreResult.all_dropped(len(keys)), session=True)
+        return self._run(lambda s: ops.store(in_session(s), ns, keys, data), StoreResult.all_dropped(len(keys)),
+                         session=True)
 
     def load(self, ns: Namespace, keys: Sequence[bytes], out: Any) -> int:
         """Copy the leading cached chunks into `out`; returns how many were loaded."""
-        return self._run(lambda s: ops.load(s, ns, keys, out), fallback=0, session=True)
+        return self._run(lambda s: ops.load(in_session(s), ns, keys, out), fallback=0, session=True)
 
     def register_region(self, path_or_fd: str | os.PathLike | int, name: str | None = None) -> Region:
         """Register a shared-memory file (by path, or an open fd which is dup'ed)."""
@@ -289,35 +295,37 @@ class Client(ClientBase):
     def store_from_region(
         self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
     ) -> StoreResult:
-        return self._run(
-            lambda s: ops.store_from_region(s, ns, region, keys, offsets), StoreResult.all_dropped(len(keys)), session=True
-        )
+        return self._run(lambda s: ops.store_from_region(in_session(s), ns, region, keys, offsets),
+                         StoreResult.all_dropped(len(keys)), session=True)
 
     def load_to_region(self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]) -> int:
         """Copy the leading cached chunks into the region; returns how many. Returns 0 (nothing
         written) when the daemon is down or could not start within the deadline; raises
         TransferOutcomeUnknown if a started copy gave no answer (see REGION_COPY_GRACE_S)."""
-        return self._run(lambda s: ops.load_to_region(s, ns, region, keys, offsets), fallback=0, session=True)
+        return self._run(lambda s: ops.load_to_region(in_session(s), ns, region, keys, offsets), fallback=0,
+                         session=True)
 
     def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         return self._run(lambda s: ops.delete(ns, keys, s), fallback=RAISE, session=ns.private)
 
-    def stats(self):
+    def stats(self) -> pb.StatsResponse:
         return self._run(lambda _s: ops.stats(), fallback=RAISE)
 
     # -- machinery --------------------------------------------------------------------------
 
     def _run(self, build: Callable[[PoolSession | None], ops.Op], fallback: Any, session: bool = False) -> Any:
         deadline = time.monotonic() + self.deadline_s
-        if self._forked():  # before the lock: another thread may have held it at fork time
-            self._lock = threading.Lock()
-            self._channel = self._stub = None
+        self._check_fork()
         with self._lock:
             return self._drive(self._plan(build, fallback, session), deadline)
 
+    def _new_transport(self) -> None:
+        self._lock = threading.Lock()
+        self._channel = self._stub = None
+
     def _get_stub(self) -> pb_grpc.KVStoreStub:
         if self._stub is None:
-            self._channel = grpc.insecure_channel(f"unix:{self.socket}", options=CHANNEL_OPTIONS)
+            self._channel = grpc.insecure_channel(channel_target(self.socket), options=CHANNEL_OPTIONS)
             self._stub = pb_grpc.KVStoreStub(self._channel)
         return self._stub
 
@@ -326,11 +334,12 @@ class Client(ClientBase):
         try:
             effect = next(plan)
             while True:
+                result: Any = None
                 try:
                     if effect is OPEN_SESSION:
                         result = self._session_step(_remaining(deadline))
                     elif isinstance(effect, ops.Copy):
-                        result = effect.run()
+                        effect.run()
                     else:
                         result = self._call(getattr(stub, effect.method), effect, deadline)
                 except BaseException as exc:
@@ -344,10 +353,12 @@ class Client(ClientBase):
                 self._drop_session()
             raise
 
-    def _call(self, method, effect: ops.Call, deadline: float):
+    def _call(self, method: Any, effect: ops.Call, deadline: float) -> Any:
         request, timeout = _bounded(effect, deadline)
         try:
-            return _to_the_end(method, request, timeout, False) if effect.copy_grace_s else method(request, timeout=timeout)
+            if effect.copy_grace_s:
+                return _to_the_end(method, request, timeout, False)
+            return method(request, timeout=timeout)
         except grpc.RpcError as exc:
             if not self._worth_waiting(exc):
                 raise
@@ -357,7 +368,7 @@ class Client(ClientBase):
             return method(request, timeout=timeout, wait_for_ready=True)
 
 
-def _to_the_end(method, request: Any, timeout: float, wait_for_ready: bool) -> Any:
+def _to_the_end(method: Any, request: Any, timeout: float, wait_for_ready: bool) -> Any:
     """A region transfer: once sent, the daemon may be copying into the caller's region, so an
     interrupt (Ctrl-C) waits for the answer (bounded by the call's timeout) before it is raised."""
     future = method.future(request, timeout=timeout, wait_for_ready=wait_for_ready)

@@ -5,26 +5,18 @@ cleanup on failure exist in one place."""
 
 from __future__ import annotations
 
-import enum
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generator, Sequence
+from typing import Any
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client.buffers import chunk_views
 from kvstored_client.errors import PoolExhausted
+from kvstored_client.keys import namespace_id_for
+from kvstored_client.kinds import StoreOutcome, TierKind
 from kvstored_client.session import PoolSession
 
-
-class Tier(enum.IntEnum):
-    """Where a chunk was found; mirrors kvstored.v1.TierKind."""
-
-    NONE = 0
-    RAM = 1
-    FS = 2
-    S3 = 3
-    PEER = 4
-
-
+Tier = TierKind  # where a chunk was found (the client's name for it)
 _TIERS = {int(t): t for t in Tier}  # a dict lookup per key: Tier(value) costs ~0.4 us each
 
 
@@ -37,6 +29,11 @@ class NamespaceSpec:
     tenant_salt: bytes = b""
     key_bytes: int = 32
     block_tokens: int = 0  # tokens per chunk: reported in KV events
+
+    def namespace_id(self) -> str:
+        """The id every daemon derives for this namespace (computed locally)."""
+        return namespace_id_for(self.model, self.dtype, self.chunk_bytes, self.layout, self.tenant_salt,
+                                self.key_bytes)
 
     def to_proto(self) -> pb.NamespaceSpec:
         return pb.NamespaceSpec(
@@ -66,18 +63,8 @@ class LookupResult:
     tiers: list[Tier] = field(default_factory=list)
 
     @classmethod
-    def miss(cls, n: int) -> "LookupResult":
+    def miss(cls, n: int) -> LookupResult:
         return cls(0, [Tier.NONE] * n)
-
-
-class StoreOutcome(enum.IntEnum):
-    """What a store did with one key; mirrors kvstored.v1.StoreOutcome."""
-
-    UNKNOWN = 0         # a daemon too old to say
-    STORED = 1          # copied in by this call
-    ALREADY_PRESENT = 2
-    IN_PROGRESS = 3     # another writer is storing it
-    DROPPED = 4         # no space, or the daemon unavailable
 
 
 _STORE_OUTCOMES = {int(o): o for o in StoreOutcome}
@@ -95,7 +82,7 @@ class StoreResult:
     outcomes: tuple[StoreOutcome, ...] = field(default=(), compare=False)
 
     @classmethod
-    def all_dropped(cls, n: int) -> "StoreResult":
+    def all_dropped(cls, n: int) -> StoreResult:
         return cls(dropped=n, outcomes=(StoreOutcome.DROPPED,) * n)
 
 
@@ -137,7 +124,7 @@ class Copy:
         return sum(int(ext.length) for extents, _ in self.pairs for ext in extents)
 
     def run(self) -> None:
-        self.session.copier.copy(self.session, self.pairs, self.to_pool)
+        self.session.copier.copy(self.session.arrays, self.pairs, self.to_pool)
 
 
 Op = Generator[Call | Copy, Any, Any]

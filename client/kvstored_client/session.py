@@ -1,4 +1,5 @@
-"""Client end of the session socket: opens a session, maps the daemon's pool, attaches regions.
+"""The session socket's I/O (blocking or not) and the blocking clients' session: opens a session,
+maps the daemon's pool, attaches regions. What is said over the socket is protocol.Handshake's.
 
 The mapping is made from the memfd the daemon sends (never by name: a client must not be able to
 unlink the daemon's memory, and access follows the socket's permissions).
@@ -13,76 +14,72 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
-from kvstored_client.errors import InvalidArgument, RegionFileMissing, Unavailable, from_code
+from kvstored_client.buffers import ChunkCopier, PoolArrays
+from kvstored_client.errors import InvalidArgument, RegionFileMissing, Unavailable
 from kvstored_client.paths import session_socket_path
-
-MAX_PACKET = 64 << 10
+from kvstored_client.protocol import MAX_FDS, MAX_PACKET, Handshake, Packet
 
 
 class PoolSession:
-    def __init__(self, sock: socket.socket, welcome: pb.Welcome, pool_fd: int, populate: bool,
-                 copy_threads: int = 1) -> None:
-        from kvstored_client.buffers import ChunkCopier  # buffers imports this module
+    """A session opened and used with blocking calls (each bounded by the socket's timeout)."""
 
+    def __init__(self, sock: socket.socket, handshake: Handshake, populate: bool, copy_threads: int = 1) -> None:
+        if handshake.welcome is None:
+            raise ValueError("PoolSession needs a welcomed handshake")
+        welcome = handshake.welcome
         self._sock = sock
+        self._handshake = handshake
         self.copier = ChunkCopier(copy_threads)
         self.session_id = welcome.session_id
         self.pool_bytes = welcome.pool_bytes
         self.page_bytes = welcome.page_bytes
         try:
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
-            self._map = mmap.mmap(pool_fd, self.pool_bytes, flags=flags)
+            self._map = mmap.mmap(welcome.pool_fd, self.pool_bytes, flags=flags)
         finally:
-            os.close(pool_fd)
-        self.pool = np.frombuffer(self._map, dtype=np.uint8)
-        self._torch_pool = None
+            os.close(welcome.pool_fd)
+        self.arrays = PoolArrays(self._map)
 
     @classmethod
     def open(cls, socket: Path | str, client_name: str, timeout: float, populate: bool = True,
-             copy_threads: int = 1) -> "PoolSession":
-        sock = _connect(session_socket_path(socket), timeout)
+             copy_threads: int = 1) -> PoolSession:
+        sock = connect(session_socket_path(socket), timeout)
         try:
-            reply, fds = _request(sock, pb.SessionRequest(hello=pb.Hello(client_name=client_name)))
-            if reply.WhichOneof("kind") != "welcome" or len(fds) != 1:
-                for fd in fds:
-                    os.close(fd)
-                raise Unavailable(f"unexpected session reply: {reply}")
-            sock.settimeout(timeout)
-            return cls(sock, reply.welcome, fds[0], populate, copy_threads)
+            handshake = Handshake(client_name)
+            handshake.welcome_from(*_exchange(sock, handshake.hello()))
+            return cls(sock, handshake, populate, copy_threads)
         except BaseException:
             sock.close()
             raise
 
     def attach_region(self, fd: int, name: str) -> tuple[int, int]:
         """Hand the daemon an open region file; returns (region id, size)."""
-        reply, fds = _request(self._sock, pb.SessionRequest(attach_region=pb.AttachRegion(name=name)), [fd])
-        for extra in fds:
-            os.close(extra)
-        return reply.region_attached.region_id, reply.region_attached.size
+        attached = self._handshake.attached_from(*_exchange(self._sock, self._handshake.attach_region(name, fd)))
+        return attached.region_id, attached.size
 
-    def torch_pool(self):
-        """The pool as a torch uint8 tensor (for copies to and from CUDA tensors)."""
-        if self._torch_pool is None:
-            import torch
-
-            self._torch_pool = torch.frombuffer(self._map, dtype=torch.uint8)
-        return self._torch_pool
+    @property
+    def pool(self) -> np.ndarray | None:
+        """The pool as a flat numpy uint8 array (None once closed)."""
+        return self.arrays.numpy
 
     def close(self) -> None:
         self.copier.close()
         self._sock.close()
-        self._torch_pool = None
-        self.pool = None
+        self.arrays.release()
         try:
             self._map.close()
         except BufferError:  # a caller still holds a view into the pool; freed with it
             pass
 
 
-def _connect(path: Path, timeout: float) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-    sock.settimeout(timeout)
+# -- session socket I/O, for both kinds of caller --------------------------------------------------
+
+def connect(path: Path, timeout: float | None) -> socket.socket:
+    """A connection to the session socket; timeout None: a non-blocking socket."""
+    kind = socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | (socket.SOCK_NONBLOCK if timeout is None else 0)
+    sock = socket.socket(socket.AF_UNIX, kind)
+    if timeout is not None:
+        sock.settimeout(timeout)
     try:
         sock.connect(str(path))
     except OSError as exc:
@@ -91,23 +88,46 @@ def _connect(path: Path, timeout: float) -> socket.socket:
     return sock
 
 
-def _request(sock: socket.socket, request: pb.SessionRequest, fds: list[int] | None = None):
+def send(sock: socket.socket, packet: Packet) -> None:
     try:
-        socket.send_fds(sock, [request.SerializeToString()], fds or [])
-        data, got_fds, _flags, _addr = socket.recv_fds(sock, MAX_PACKET, 4)
+        socket.send_fds(sock, [packet.data], list(packet.fds))
     except OSError as exc:  # includes timeouts
         raise Unavailable(f"session socket failed: {exc}") from None
-    if not data:
-        raise Unavailable("kvstored closed the session")
-    reply = pb.SessionReply.FromString(data)
-    if reply.WhichOneof("kind") == "error":
-        for fd in got_fds:
-            os.close(fd)
-        raise from_code(reply.error.code, reply.error.message)
-    return reply, got_fds
 
 
-def open_region_fd(path: str | os.PathLike) -> int:
+def receive(sock: socket.socket) -> tuple[bytes, list[int]] | None:
+    """The next packet and its fds (b"" when the daemon closed the session); None when a
+    non-blocking socket has nothing yet."""
+    try:
+        data, fds, _flags, _addr = socket.recv_fds(sock, MAX_PACKET, MAX_FDS)
+    except BlockingIOError:
+        return None
+    except OSError as exc:  # includes timeouts
+        raise Unavailable(f"session socket failed: {exc}") from None
+    return data, fds
+
+
+def peer_closed(sock: socket.socket) -> bool:
+    """Without blocking: whether the daemon has closed (or broken) the session."""
+    try:
+        data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    return not data
+
+
+def _exchange(sock: socket.socket, packet: Packet) -> tuple[bytes, list[int]]:
+    """Blocking: send one packet, return the reply."""
+    send(sock, packet)
+    reply = receive(sock)
+    if reply is None:  # only a non-blocking socket says "not yet"
+        raise Unavailable("session socket is non-blocking")
+    return reply
+
+
+def open_region_fd(path: str | os.PathLike[str]) -> int:
     try:
         return os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except FileNotFoundError:

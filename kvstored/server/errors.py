@@ -11,10 +11,9 @@ import logging
 import grpc
 
 from kvstored import errors
+from kvstored_client.errors import ERROR_KIND_KEY  # the client reads it: one definition
 
 log = logging.getLogger(__name__)
-
-ERROR_KIND_KEY = "kvstored-error"
 
 STATUS: dict[type[errors.KvstoredError], grpc.StatusCode] = {
     errors.InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,

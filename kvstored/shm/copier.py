@@ -9,7 +9,6 @@ caller then frees the pool pages those threads are writing or reading.
 from __future__ import annotations
 
 import asyncio
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
@@ -17,16 +16,13 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from kvstored.shm.copy import copy as guarded_copy
+from kvstored_client.copy_policy import MIN_PART_BYTES, daemon_copy_threads
 
 if TYPE_CHECKING:
     from kvstored.tiers.ram import Extent
 
-MIN_PART_BYTES = 8 << 20  # below this a thread hand-off costs more than the parallel copy gains
-
-
-def default_copy_threads() -> int:
-    """One thread per 8 cores, 2 to 8: copies share memory bandwidth with the engines' own work."""
-    return max(2, min(8, (os.cpu_count() or 2) // 8))
+# One split policy for the daemon's copier and the client's (see kvstored_client.copy_policy).
+default_copy_threads = daemon_copy_threads
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,17 +7,9 @@ import enum
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Sequence
 
+from kvstored_client.kinds import TierKind  # one enum for daemon, client and proto; NONE (0) is a miss
+
 ChunkId = tuple[str, bytes]  # (namespace id, key): keys are opaque bytes scoped by namespace
-
-
-class TierKind(enum.IntEnum):
-    """Mirrors kvstored.v1.TierKind; 0 is a miss."""
-
-    NONE = 0
-    RAM = 1
-    FS = 2
-    S3 = 3
-    PEER = 4
 
 
 class WriteOutcome(enum.Enum):

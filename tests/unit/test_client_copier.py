@@ -8,19 +8,13 @@ import numpy as np
 import pytest
 
 from kvstored_client import buffers
-from kvstored_client.buffers import MIN_PART_BYTES, ChunkCopier
+from kvstored_client.buffers import ChunkCopier, PoolArrays
+from kvstored_client.copy_policy import MIN_PART_BYTES
 
 
 class FakeExtent:
     def __init__(self, offset: int, length: int) -> None:
         self.offset, self.length = offset, length
-
-
-class PoolOnly:
-    """What copy_in/copy_out read from a session: the pool array."""
-
-    def __init__(self, size: int) -> None:
-        self.pool = np.zeros(size, dtype=np.uint8)
 
 
 def batch(n: int, chunk: int):
@@ -44,17 +38,18 @@ def test_small_batches_and_one_thread_stay_on_the_callers_thread():
 def test_split_copies_are_exact_both_ways(to_pool):
     n, chunk = 8, MIN_PART_BYTES // 2
     src, pairs = batch(n, chunk)
-    session = PoolOnly(n * chunk)
+    buffer = bytearray(n * chunk)
+    pool = PoolArrays(buffer)
     copier = ChunkCopier(3)
     try:
         if to_pool:
-            copier.copy(session, pairs, to_pool=True)
+            copier.copy(pool, pairs, to_pool=True)
             expected = src.reshape(n, chunk)[::-1].reshape(-1)
-            np.testing.assert_array_equal(session.pool, expected)
+            np.testing.assert_array_equal(pool.numpy, expected)
         else:
-            session.pool[:] = src
+            np.copyto(np.frombuffer(buffer, dtype=np.uint8), src)
             outs = [(ext, np.zeros(chunk, np.uint8)) for ext, _ in pairs]
-            copier.copy(session, outs, to_pool=False)
+            copier.copy(pool, outs, to_pool=False)
             for i, (_, out) in enumerate(outs):
                 np.testing.assert_array_equal(out, src[(n - 1 - i) * chunk:(n - i) * chunk])
     finally:
@@ -67,7 +62,7 @@ def test_an_error_is_raised_after_every_part_finished(monkeypatch):
 
     n = 4
 
-    def copy_in(session, extents, view):
+    def copy_in(pool, extents, view):
         if extents[0].offset == (n - 1) * MIN_PART_BYTES:  # the first chunk's part fails at once
             raise ValueError("bad chunk")
         gate.wait(5)
@@ -79,7 +74,7 @@ def test_an_error_is_raised_after_every_part_finished(monkeypatch):
     try:
         threading.Timer(0.05, gate.set).start()
         with pytest.raises(ValueError, match="bad chunk"):
-            copier.copy(PoolOnly(1), pairs, to_pool=True)
+            copier.copy(PoolArrays(bytearray(1)), pairs, to_pool=True)
         assert len(finished) == 3  # the failing part did not cut the others short
     finally:
         gate.set()

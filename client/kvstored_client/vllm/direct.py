@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,9 +62,11 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from kvstored_client.ops import NamespaceSpec
 from kvstored_client.paths import default_socket_path
 from kvstored_client.vllm.blockcopy import ChunkExtents, KVLayout, LayerRef
 from kvstored_client.vllm.driver import DaemonLink, LinkOptions, LinkState, outcome
+from kvstored_client.vllm.lookups import LookupBatcher, ProbeKey
 from kvstored_client.vllm.namespace import (
     SHA256_OFFLOAD_KEY_BYTES, WORKER_PART_FORMAT, LayoutInfo, RequestNamespaces, layout_info, namespace_spec,
 )
@@ -87,7 +89,7 @@ class DirectMetrics:
 class KvstoredStoreSpec(LoadStoreSpec):
     """Chunks to store: their keys (each worker appends its rank) and the request's cache salt."""
 
-    def __init__(self, keys: list[bytes], cache_salt: bytes) -> None:
+    def __init__(self, keys: Sequence[bytes], cache_salt: bytes) -> None:
         self.keys = keys
         self.cache_salt = cache_salt
 
@@ -156,7 +158,7 @@ class KvstoredOffloadingSpec(OffloadingSpec):
         self._manager: KvstoredDirectManager | None = None
         self._worker: KvstoredOffloadingWorker | None = None
 
-    def namespace_spec(self, key_bytes: int, cache_salt: bytes):
+    def namespace_spec(self, key_bytes: int, cache_salt: bytes) -> NamespaceSpec:
         suffix = 0 if self.world_size == 1 else RANK_SUFFIX_BYTES
         return namespace_spec(self.layout, self.part_bytes, key_bytes + suffix, cache_salt)
 
@@ -174,13 +176,6 @@ class KvstoredOffloadingSpec(OffloadingSpec):
 
 
 # -- scheduler side ------------------------------------------------------------------------------
-
-@dataclass(slots=True)
-class _Probe:
-    since: float
-    result: bool | None = None
-    requests: set[str] = field(default_factory=set)
-
 
 @dataclass(slots=True)
 class _Lease:
@@ -210,11 +205,12 @@ class KvstoredDirectManager(OffloadingManager):
         self._link = DaemonLink(spec.socket, f"vllm-direct-{spec.config.engine_id}-pid{os.getpid()}",
                                 options=LinkOptions(connect_timeout_s=spec.connect_timeout_s))
         self._namespaces = RequestNamespaces(spec.namespace_spec, self._link.namespace)
-        self._probes: dict[tuple[str, OffloadKey], _Probe] = {}
-        self._leases: dict[tuple[str, OffloadKey], _Lease] = {}
-        self._req_keys: dict[str, set[tuple[str, OffloadKey]]] = {}
-        # (request, namespace) -> (request context, keys in lookup order)
-        self._batch: dict[tuple[str, str], tuple[ReqContext, list[OffloadKey]]] = {}
+        # One Acquire per request and namespace (it answers a prefix); a hit is held as a lease,
+        # so the batcher keeps no hit verdicts: a key whose lease went back is asked again.
+        self._batcher: LookupBatcher[OffloadKey, ReqContext] = LookupBatcher(
+            per_request=True, reask_hits=True)
+        self._leases: dict[ProbeKey[OffloadKey], _Lease] = {}
+        self._req_leases: dict[str, set[ProbeKey[OffloadKey]]] = {}  # leases a request found without asking
         self._acquires: list[_Acquire] = []
         self._to_release: list[tuple[int, int]] = []  # (session epoch, handle)
         self._releases: list[grpc.Future] = []
@@ -242,33 +238,21 @@ class KvstoredDirectManager(OffloadingManager):
         lease = self._leases.get(probe_key)
         if lease is not None and not (self._link.ready and lease.epoch == self._link.epoch) and lease.loads <= 0:
             del self._leases[probe_key]  # its session ended: the daemon freed it
-            self._probes.pop(probe_key, None)
+            self._batcher.forget(probe_key)
             lease = None
         if lease is not None:
             lease.requests.add(req_id)
-            self._req_keys.setdefault(req_id, set()).add(probe_key)
+            self._req_leases.setdefault(req_id, set()).add(probe_key)
             return LookupResult.HIT
         if self._unusable():
             return LookupResult.MISS
-        probe = self._probes.get(probe_key)
-        # Ask: a new key, a hit whose lease went back since, or a miss another request saw earlier.
-        if probe is None or probe.result is True or (probe.result is False and req_id not in probe.requests):
-            requests = probe.requests if probe else set()
-            probe = self._probes[probe_key] = _Probe(since=time.monotonic(), requests=requests)
-            self._batch.setdefault((req_id, namespace_id), (req_context, []))[1].append(key)
-        probe.requests.add(req_id)
-        self._req_keys.setdefault(req_id, set()).add(probe_key)
-        return LookupResult.RETRY if probe.result is None else LookupResult.MISS
+        # A hit verdict without its lease is asked again by the batcher: only RETRY or MISS here.
+        return LookupResult.RETRY if self._batcher.ask(namespace_id, key, req_context) is None else LookupResult.MISS
 
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
         req_id = req_context.req_id
-        for probe_key in self._req_keys.pop(req_id, ()):
-            probe = self._probes.get(probe_key)
-            if probe is not None:
-                probe.requests.discard(req_id)
-                if not probe.requests and probe.result is not None:
-                    del self._probes[probe_key]
+        for probe_key in self._batcher.request_finished(req_id) | self._req_leases.pop(req_id, set()):
             lease = self._leases.get(probe_key)
             if lease is not None:
                 lease.requests.discard(req_id)
@@ -284,7 +268,7 @@ class KvstoredDirectManager(OffloadingManager):
 
     @override
     def has_pending_work(self) -> bool:
-        return bool(self._acquires or self._batch or self._releases or self._to_release)
+        return bool(self._acquires or self._batcher.queued or self._releases or self._to_release)
 
     # -- loads and stores -------------------------------------------------------------------
 
@@ -343,41 +327,36 @@ class KvstoredDirectManager(OffloadingManager):
         current = self._link.epoch if self._link.ready else -1
         for probe_key in [k for k, lease in self._leases.items() if lease.epoch != current and lease.loads <= 0]:
             del self._leases[probe_key]
-            self._probes.pop(probe_key, None)  # a later lookup asks again
+            self._batcher.forget(probe_key)  # a later lookup asks again
 
     def _namespace_of(self, key: OffloadKey, req_context: ReqContext) -> str:
         return self._namespaces.id_of(key, req_context)
 
     def _flush_lookups(self) -> None:
+        self._batcher.flush(self._send_acquire, self._link.state is LinkState.DOWN, self._spec.lookup_timeout_s)
         now = time.monotonic()
-        for (req_id, namespace_id), (ctx, keys) in list(self._batch.items()):
-            keys = [k for k in dict.fromkeys(keys) if (namespace_id, k) in self._probes]
-            if not keys:
-                del self._batch[(req_id, namespace_id)]
-                continue
-            # Acquire answers a prefix: ask in token order when the scheduler recorded positions.
-            positions = [ctx.get_offload_key_position(k) for k in keys]
-            if None not in positions:
-                keys = [k for _, k in sorted(zip(positions, keys), key=lambda pk: pk[0])]
-            if self._link.namespace_ready(namespace_id):
-                del self._batch[(req_id, namespace_id)]
-                parts = [part_key(k, r, self._world) for k in keys for r in range(self._world)]
-                request = pb.AcquireRequest(session_id=self._link.session_id, namespace_id=namespace_id, keys=parts)
-                # No deadline: a lease granted after a client timeout would be leaked; a slow answer
-                # is turned into misses below instead, and its leases released when it arrives.
-                self._acquires.append(_Acquire(self._link.call("Acquire", request), namespace_id, keys,
-                                               self._link.pool_id, self._link.epoch, now))
-                self._stats.increase_counter(DirectMetrics.LOOKUP_RPCS)
-            elif (self._link.state is LinkState.DOWN
-                  or now - self._probes[(namespace_id, keys[0])].since > self._spec.lookup_timeout_s):
-                del self._batch[(req_id, namespace_id)]
-                self._resolve(namespace_id, keys, 0)
-            else:
-                self._batch[(req_id, namespace_id)] = (ctx, keys)
         for call in self._acquires:
             if not call.expired and now - call.sent_at > self._spec.lookup_timeout_s:
                 call.expired = True
                 self._resolve(call.namespace_id, call.keys, 0)
+
+    def _send_acquire(self, namespace_id: str, keys: list[OffloadKey], ctx: ReqContext | None) -> bool:
+        if not self._link.namespace_ready(namespace_id):
+            return False
+        # Acquire answers a prefix: ask in token order when the scheduler recorded positions.
+        positions: list[int] = []
+        if ctx is not None:
+            positions = [p for p in map(ctx.get_offload_key_position, keys) if p is not None]
+        if len(positions) == len(keys):
+            keys = [k for _, k in sorted(zip(positions, keys), key=lambda pk: pk[0])]
+        parts = [part_key(k, r, self._world) for k in keys for r in range(self._world)]
+        request = pb.AcquireRequest(session_id=self._link.session_id, namespace_id=namespace_id, keys=parts)
+        # No deadline: a lease granted after a client timeout would be leaked; a slow answer
+        # is turned into misses in _flush_lookups instead, and its leases released when it arrives.
+        self._acquires.append(_Acquire(self._link.call("Acquire", request), namespace_id, keys,
+                                       self._link.pool_id, self._link.epoch, time.monotonic()))
+        self._stats.increase_counter(DirectMetrics.LOOKUP_RPCS)
+        return True
 
     def _collect_acquires(self) -> None:
         pending = []
@@ -404,7 +383,7 @@ class KvstoredDirectManager(OffloadingManager):
             for i, key in enumerate(call.keys[:whole]):
                 probe_key = (call.namespace_id, key)
                 mine = leases[i * self._world:(i + 1) * self._world]
-                probe = self._probes.get(probe_key)
+                probe = self._batcher.probe(probe_key)
                 if probe_key in self._leases or probe is None or not probe.requests:
                     self._to_release.extend((call.epoch, lease.handle) for lease in mine)
                     continue
@@ -418,15 +397,10 @@ class KvstoredDirectManager(OffloadingManager):
 
     def _resolve(self, namespace_id: str, keys: list[OffloadKey], hits: int) -> None:
         """The first `hits` keys are leased (HIT), the rest are misses."""
-        for i, key in enumerate(keys):
-            probe = self._probes.get((namespace_id, key))
-            if probe is None:
-                continue
-            probe.result = i < hits and (namespace_id, key) in self._leases
-            if not probe.requests:
-                del self._probes[(namespace_id, key)]
+        self._batcher.resolve(namespace_id, keys,
+                              [i < hits and (namespace_id, key) in self._leases for i, key in enumerate(keys)])
 
-    def _maybe_release(self, probe_key: tuple[str, OffloadKey], lease: _Lease) -> None:
+    def _maybe_release(self, probe_key: ProbeKey[OffloadKey], lease: _Lease) -> None:
         if not lease.requests and lease.loads <= 0:
             del self._leases[probe_key]
             self._to_release.extend((lease.epoch, handle) for handle in lease.handles)

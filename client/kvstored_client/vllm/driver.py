@@ -12,6 +12,9 @@ attached again and namespaces are registered again (`epoch` counts sessions).
 
 The channel and the session are created lazily in the process that uses them, and dropped when a
 fork is noticed: vLLM builds its scheduler-side objects after forking EngineCore.
+
+What is said to the daemon (the handshake, the channel's options, the backoff, fork detection) is
+kvstored_client.protocol's, shared with the blocking clients; this module only polls it along.
 """
 
 from __future__ import annotations
@@ -27,26 +30,18 @@ from typing import Any
 
 import grpc
 
+from kvstored_client import session
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.errors import (
-    InvalidArgument, KvstoredError, Unavailable, UnknownNamespace, UnknownRegion, UnknownSession, from_code,
-    from_rpc_error,
+    InvalidArgument, KvstoredError, Unavailable, UnknownNamespace, UnknownRegion, UnknownSession, from_rpc_error,
 )
-from kvstored_client.keys import namespace_id_for
 from kvstored_client.ops import NamespaceSpec
 from kvstored_client.paths import session_socket_path
+from kvstored_client.protocol import CHANNEL_OPTIONS, Backoff, ForkGuard, Handshake, channel_target
 
 log = logging.getLogger(__name__)
 
-MAX_PACKET = 64 << 10
-# Reconnect quickly after a daemon restart instead of gRPC's default backoff (up to 120 s).
-CHANNEL_OPTIONS = (
-    ("grpc.initial_reconnect_backoff_ms", 50),
-    ("grpc.min_reconnect_backoff_ms", 50),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.max_receive_message_length", 64 << 20),
-)
 # The server has dropped what this session set up: start a new session at once.
 SESSION_LOST = (UnknownSession, UnknownRegion)
 
@@ -137,10 +132,10 @@ class DaemonLink:
         self.pool_id = ""  # identity of the daemon's pool (its memfd's inode): changes when the daemon restarts
         self.counters = LinkCounters()
         self._sock: socket.socket | None = None
+        self._handshake: Handshake | None = None
         self._step_deadline = 0.0
-        self._retry_at = 0.0
-        self._backoff = options.backoff_min_s
-        self._pid = os.getpid()
+        self._backoff = Backoff(options.backoff_min_s, options.backoff_max_s)
+        self._fork = ForkGuard()
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.KVStoreStub | None = None
         self._namespaces: dict[str, _NamespaceState] = {}
@@ -157,7 +152,7 @@ class DaemonLink:
         now = time.monotonic()
         try:
             if self.state is LinkState.READY:
-                if self._peer_closed():
+                if self._sock is None or session.peer_closed(self._sock):
                     self.fail(Unavailable("kvstored closed the session (stopped or restarted)"), backoff=False)
                     return self._start_if_due(time.monotonic())
                 return True
@@ -187,7 +182,7 @@ class DaemonLink:
         """Skip the rest of the backoff: the caller knows the daemon is back (e.g. another
         process of this engine got leases from it)."""
         if self.state is LinkState.DOWN:
-            self._retry_at = 0.0
+            self._backoff.skip()
 
     def fail(self, exc: BaseException, backoff: bool = True) -> None:
         """Drop the session; the next poll after the backoff starts a new one."""
@@ -196,10 +191,7 @@ class DaemonLink:
         self.counters.failures += 1
         self.counters.last_error = str(exc)
         self._close_session()
-        delay = self._backoff if backoff else 0.0
-        self._retry_at = time.monotonic() + delay
-        if backoff:
-            self._backoff = min(self._backoff * 2, self.options.backoff_max_s)
+        self._backoff.failed(time.monotonic(), wait=backoff)
 
     def on_rpc_error(self, result: Outcome) -> None:
         """React to a failed RPC: connection problems drop the session, restarts reconnect at once."""
@@ -211,11 +203,13 @@ class DaemonLink:
             for ns in self._namespaces.values():
                 ns.epoch = -1  # the daemon forgot them: register again
         elif result.code is grpc.StatusCode.UNAVAILABLE:
-            self.fail(result.error)
+            self.fail(result.error or Unavailable("UNAVAILABLE"))
 
     def close(self) -> None:
+        if self._fork.forked():
+            self._channel = self._stub = None  # the parent's: not ours to close
         self._close_session()
-        if self._channel is not None and self._pid == os.getpid():
+        if self._channel is not None:
             self._channel.close()
         self._channel = self._stub = None
         self.state = LinkState.DOWN
@@ -228,8 +222,7 @@ class DaemonLink:
 
     def namespace(self, spec: NamespaceSpec) -> str:
         """The namespace id (computed locally, like every daemon does); starts tracking it."""
-        ns_id = namespace_id_for(spec.model, spec.dtype, spec.chunk_bytes, spec.layout, spec.tenant_salt,
-                                 spec.key_bytes)
+        ns_id = spec.namespace_id()
         if ns_id not in self._namespaces:
             self._namespaces[ns_id] = _NamespaceState(spec, ns_id)
         return ns_id
@@ -266,33 +259,37 @@ class DaemonLink:
     # -- internals --------------------------------------------------------------------------
 
     def _check_fork(self) -> None:
-        if os.getpid() != self._pid:  # a forked child must not touch its parent's channel or session
-            self._pid = os.getpid()
+        if self._fork.forked():  # a forked child must not touch its parent's channel or session
             self._channel = self._stub = None
             self._sock = None
+            self._handshake = None
             self.pool_fd = None
             self.state = LinkState.DOWN
-            self._retry_at = 0.0
+            self._backoff.skip()
 
     def _get_stub(self) -> pb_grpc.KVStoreStub:
         self._check_fork()
         if self._stub is None:
-            self._channel = grpc.insecure_channel(f"unix:{self.socket_path}", options=CHANNEL_OPTIONS)
+            self._channel = grpc.insecure_channel(channel_target(self.socket_path), options=CHANNEL_OPTIONS)
             self._stub = pb_grpc.KVStoreStub(self._channel)
         return self._stub
 
     def _start_if_due(self, now: float) -> bool:
-        if now < self._retry_at:
+        if not self._backoff.due(now):
             return False
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        handshake = Handshake(self.client_name)
         try:
-            sock.connect(str(session_socket_path(self.socket_path)))
-            _send(sock, pb.SessionRequest(hello=pb.Hello(client_name=self.client_name)))
-        except (OSError, Unavailable) as exc:
-            sock.close()
-            self.fail(Unavailable(f"kvstored is not reachable at {self.socket_path}: {exc}"))
+            sock = session.connect(session_socket_path(self.socket_path), timeout=None)
+        except Unavailable as exc:
+            self.fail(exc)
             return False
-        self._sock = sock
+        try:
+            session.send(sock, handshake.hello())
+        except Unavailable as exc:
+            sock.close()
+            self.fail(exc)
+            return False
+        self._sock, self._handshake = sock, handshake
         self.state = LinkState.HELLO
         self._step_deadline = now + self.options.connect_timeout_s
         self._get_stub()  # channel ready for the first RPCs
@@ -300,93 +297,52 @@ class DaemonLink:
         return self.ready
 
     def _advance(self) -> None:
+        sock, handshake = self._sock, self._handshake
+        if sock is None or handshake is None:
+            raise Unavailable("no session socket")
         if self.state is LinkState.HELLO:
-            reply = self._receive()
+            reply = session.receive(sock)
             if reply is None:
                 return
-            message, fds = reply
-            if message.WhichOneof("kind") != "welcome" or len(fds) != 1:
-                _close_all(fds)
-                raise Unavailable(f"unexpected session reply: {message}")
-            welcome = message.welcome
+            welcome = handshake.welcome_from(*reply)
             self.session_id = welcome.session_id
             self.pool_bytes, self.page_bytes = welcome.pool_bytes, welcome.page_bytes
-            pool = os.fstat(fds[0])
+            pool = os.fstat(welcome.pool_fd)
             self.pool_id = f"{pool.st_dev}:{pool.st_ino}"  # the same memfd in every process: one daemon run
             if self._keep_pool_fd:
-                self.pool_fd = fds[0]
+                self.pool_fd = welcome.pool_fd
             else:
-                os.close(fds[0])
+                os.close(welcome.pool_fd)
             if self._region_fd is None:
                 self._become_ready()
                 return
-            _send(self._sock, pb.SessionRequest(attach_region=pb.AttachRegion(name=self._region_name)),
-                  [self._region_fd])
+            session.send(sock, handshake.attach_region(self._region_name, self._region_fd))
             self.state = LinkState.ATTACH
             self._step_deadline = time.monotonic() + self.options.connect_timeout_s
         if self.state is LinkState.ATTACH:
-            reply = self._receive()
+            reply = session.receive(sock)
             if reply is None:
                 return
-            message, fds = reply
-            _close_all(fds)
-            if message.WhichOneof("kind") != "region_attached":
-                raise Unavailable(f"unexpected session reply: {message}")
-            self.region_id, self.region_size = message.region_attached.region_id, message.region_attached.size
+            attached = handshake.attached_from(*reply)
+            self.region_id, self.region_size = attached.region_id, attached.size
             self._become_ready()
 
     def _become_ready(self) -> None:
         self.state = LinkState.READY
         self.epoch += 1
         self.counters.sessions_opened += 1
-        self._backoff = self.options.backoff_min_s
+        self._backoff.succeeded()
         if self.epoch > 1:
             log.info("kvstored link up again (%s, session %s)", self.socket_path, self.session_id)
-
-    def _receive(self) -> tuple[pb.SessionReply, list[int]] | None:
-        try:
-            data, fds, _flags, _addr = socket.recv_fds(self._sock, MAX_PACKET, 4)
-        except BlockingIOError:
-            return None
-        except OSError as exc:
-            raise Unavailable(f"session socket failed: {exc}") from None
-        if not data:
-            _close_all(fds)
-            raise Unavailable("kvstored closed the session")
-        reply = pb.SessionReply.FromString(data)
-        if reply.WhichOneof("kind") == "error":
-            _close_all(fds)
-            raise from_code(reply.error.code, reply.error.message)
-        return reply, fds
-
-    def _peer_closed(self) -> bool:
-        try:
-            data = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return False
-        except OSError:
-            return True
-        return not data
 
     def _close_session(self) -> None:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        self._handshake = None
         if self.pool_fd is not None:
             os.close(self.pool_fd)
             self.pool_fd = None
         self.state = LinkState.DOWN
         self.session_id = ""
         self.region_id = 0
-
-
-def _send(sock: socket.socket, request: pb.SessionRequest, fds: list[int] | None = None) -> None:
-    try:
-        socket.send_fds(sock, [request.SerializeToString()], fds or [])
-    except OSError as exc:
-        raise Unavailable(f"session socket failed: {exc}") from None
-
-
-def _close_all(fds: list[int]) -> None:
-    for fd in fds:
-        os.close(fd)

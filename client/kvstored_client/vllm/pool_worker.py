@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import grpc
 import numpy as np
@@ -133,7 +134,8 @@ class PoolTransferEngine:
             if self.link.ready and self.link.pool_id in self.pools and self.link.namespace_ready(job.namespace_id):
                 request = pb.ReserveRequest(session_id=self.link.session_id, namespace_id=job.namespace_id,
                                             keys=job.keys)
-                job.reserve, job.pool_id, job.epoch = self.link.call("Reserve", request), self.link.pool_id, self.link.epoch
+                job.reserve = self.link.call("Reserve", request)
+                job.pool_id, job.epoch = self.link.pool_id, self.link.epoch
             elif self.link.state is LinkState.DOWN or time.monotonic() > job.deadline:
                 self._report_store(job, dropped=True)
                 self._stores.pop(job.job_id)

@@ -60,7 +60,8 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client.paths import default_socket_path
-from kvstored_client.vllm.driver import DaemonLink, LinkOptions, LinkState, outcome
+from kvstored_client.vllm.driver import DaemonLink, LinkOptions, LinkState, Outcome, outcome
+from kvstored_client.vllm.lookups import LookupBatcher
 from kvstored_client.vllm.namespace import (
     SHA256_OFFLOAD_KEY_BYTES, TIER_ROW_FORMAT, RequestNamespaces, layout_info, namespace_spec,
 )
@@ -92,16 +93,6 @@ class KvstoredMetrics:
 
 
 @dataclass(slots=True)
-class _Probe:
-    """One key's lookup verdict, shared by the requests that asked (like vLLM's AsyncLookupManager)."""
-
-    since: float
-    result: bool | None = None  # None: not answered yet
-    in_flight: bool = False
-    requests: set[str] = field(default_factory=set)
-
-
-@dataclass(slots=True)
 class _LookupCall:
     future: grpc.Future
     namespace_id: str
@@ -128,7 +119,7 @@ class KvstoredTierManager(SecondaryTierManager):
 
     def __init__(
         self,
-        offloading_spec: "OffloadingSpec",
+        offloading_spec: OffloadingSpec,
         primary_kv_view: memoryview,
         tier_type: str,
         socket: str | None = None,
@@ -142,7 +133,7 @@ class KvstoredTierManager(SecondaryTierManager):
         enable_kv_events: bool = True,
         locality: str | None = "LOCAL",
         client_name: str | None = None,
-        backpressure_detector: "BackpressureDetector | None" = None,
+        backpressure_detector: BackpressureDetector | None = None,
     ) -> None:
         """Args (all but the first three come from the tier's config dict):
         socket: the daemon's gRPC unix socket (default: $KVSTORED_SOCKET, else the standard path).
@@ -176,7 +167,8 @@ class KvstoredTierManager(SecondaryTierManager):
             self.events = []
 
         scheduler_region = getattr(offloading_spec, "_scheduler_mmap", None)
-        candidates = [scheduler_region.fd] if getattr(scheduler_region, "fd", None) is not None else []
+        scheduler_fd = getattr(scheduler_region, "fd", None)
+        candidates = [scheduler_fd] if scheduler_fd is not None else []
         self._region_fd: int | None = None
         self._region_base = 0
         try:
@@ -198,9 +190,7 @@ class KvstoredTierManager(SecondaryTierManager):
         self._namespaces = RequestNamespaces(
             lambda key_bytes, salt: namespace_spec(self._layout, self.block_size_bytes, key_bytes, salt),
             self._link.namespace)
-        self._probes: dict[tuple[str, OffloadKey], _Probe] = {}
-        self._req_probes: dict[str, set[tuple[str, OffloadKey]]] = {}
-        self._batch: dict[str, list[OffloadKey]] = {}  # namespace id -> keys not sent yet
+        self._batcher: LookupBatcher[OffloadKey, ReqContext] = LookupBatcher()  # one lookup batch per namespace
         self._lookups: list[_LookupCall] = []
         self._waiting: deque[_Transfer] = deque()  # waiting for the session / namespace
         self._running: dict[int, _Transfer] = {}
@@ -235,29 +225,14 @@ class KvstoredTierManager(SecondaryTierManager):
         namespace_id = self._namespace_of(key, req_context)
         if namespace_id is None:
             return LookupResult.MISS
-        probe_key = (namespace_id, key)
-        probe = self._probes.get(probe_key)
-        if probe is None or (probe.result is False and req_context.req_id not in probe.requests):
-            # A new key, or a miss another request saw earlier: ask (a hit is shared, a miss is not,
-            # so a chunk stored meanwhile is found by the next request).
-            requests = probe.requests if probe else set()
-            probe = self._probes[probe_key] = _Probe(since=time.monotonic(), requests=requests)
-            self._batch.setdefault(namespace_id, []).append(key)
-        probe.requests.add(req_context.req_id)
-        self._req_probes.setdefault(req_context.req_id, set()).add(probe_key)
-        if probe.result is None:
+        found = self._batcher.ask(namespace_id, key, req_context)
+        if found is None:
             return LookupResult.RETRY
-        return LookupResult.HIT if probe.result else LookupResult.MISS
+        return LookupResult.HIT if found else LookupResult.MISS
 
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
-        for probe_key in self._req_probes.pop(req_context.req_id, ()):
-            probe = self._probes.get(probe_key)
-            if probe is None:
-                continue
-            probe.requests.discard(req_context.req_id)
-            if not probe.requests and not probe.in_flight:
-                del self._probes[probe_key]
+        self._batcher.request_finished(req_context.req_id)
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
@@ -302,7 +277,7 @@ class KvstoredTierManager(SecondaryTierManager):
 
     @override
     def has_pending_work(self) -> bool:
-        return bool(self._running or self._waiting or self._lookups or self._batch)
+        return bool(self._running or self._waiting or self._lookups or self._batcher.queued)
 
     @override
     def drain_jobs(self) -> None:
@@ -424,39 +399,23 @@ class KvstoredTierManager(SecondaryTierManager):
     # -- internals: lookups ---------------------------------------------------------------------
 
     def _flush_lookups(self) -> None:
+        # Not sendable (session coming up, namespace registering, daemon slow or down): keys
+        # waiting longer than the lookup deadline are misses, all of them if the daemon is down.
         now = time.monotonic()
-        for namespace_id, keys in list(self._batch.items()):
-            # Keys whose requests all finished before the batch went out are not asked for.
-            keys = [k for k in dict.fromkeys(keys) if (namespace_id, k) in self._probes]
-            self._batch[namespace_id] = keys
-            if not keys:
-                del self._batch[namespace_id]
-                continue
-            if self._link.namespace_ready(namespace_id) and now >= self._slow_until:
-                del self._batch[namespace_id]
-                for start in range(0, len(keys), self._max_batch_keys):
-                    chunk = keys[start:start + self._max_batch_keys]
-                    request = pb.LookupRequest(namespace_id=namespace_id, keys=chunk, session_id=self._link.session_id)
-                    future = self._link.call("Lookup", request, timeout=self._lookup_timeout_s)
-                    self._lookups.append(_LookupCall(future, namespace_id, chunk, now))
-                    self._stats.increase_counter(KvstoredMetrics.LOOKUP_RPCS, 1, self._label)
-                    for key in chunk:
-                        probe = self._probes.get((namespace_id, key))
-                        if probe is not None:
-                            probe.in_flight = True
-                continue
-            # Not sendable now (session coming up, namespace registering, daemon slow or down):
-            # keys waiting longer than the lookup deadline are misses, all of them if the daemon is down.
-            give_up = self._link.state is LinkState.DOWN or now < self._slow_until
-            timeout = self._lookup_timeout_s
-            expired = {k for k in keys if give_up or now - self._probes[(namespace_id, k)].since >= timeout}
-            if expired:
-                self._resolve(namespace_id, list(expired), [False] * len(expired))
-                left = [k for k in keys if k not in expired]
-                if left:
-                    self._batch[namespace_id] = left
-                else:
-                    del self._batch[namespace_id]
+        give_up = self._link.state is LinkState.DOWN or now < self._slow_until
+        self._batcher.flush(self._send_lookups, give_up, self._lookup_timeout_s)
+
+    def _send_lookups(self, namespace_id: str, keys: list[OffloadKey], _request: ReqContext | None) -> bool:
+        now = time.monotonic()
+        if not (self._link.namespace_ready(namespace_id) and now >= self._slow_until):
+            return False
+        for start in range(0, len(keys), self._max_batch_keys):
+            chunk = keys[start:start + self._max_batch_keys]
+            request = pb.LookupRequest(namespace_id=namespace_id, keys=chunk, session_id=self._link.session_id)
+            future = self._link.call("Lookup", request, timeout=self._lookup_timeout_s)
+            self._lookups.append(_LookupCall(future, namespace_id, chunk, now))
+            self._stats.increase_counter(KvstoredMetrics.LOOKUP_RPCS, 1, self._label)
+        return True
 
     def _collect_lookups(self) -> None:
         pending = []
@@ -474,27 +433,8 @@ class KvstoredTierManager(SecondaryTierManager):
                 self._rpc_error(result)
                 if result.code is grpc.StatusCode.DEADLINE_EXCEEDED:
                     self._slow_until = now + self._lookup_timeout_s * 4
-            self._resolve(call.namespace_id, call.keys, found)
+            self._batcher.resolve(call.namespace_id, call.keys, found)
         self._lookups = pending
-
-    def _resolve(self, namespace_id: str, keys: list[OffloadKey], found: list[bool]) -> None:
-        for key, hit in zip(keys, found):
-            probe_key = (namespace_id, key)
-            probe = self._probes.get(probe_key)
-            if probe is None:
-                continue
-            probe.in_flight = False
-            if not probe.requests:
-                del self._probes[probe_key]
-                continue
-            probe.result = hit
-
-    def _mark_miss(self, namespace_id: str, keys: Iterable[OffloadKey]) -> None:
-        """After a failed load: stop offering chunks the daemon could not deliver (no livelock)."""
-        for key in keys:
-            probe = self._probes.get((namespace_id, key))
-            if probe is not None and probe.result is not None:
-                probe.result = False
 
     # -- internals: transfers -------------------------------------------------------------------
 
@@ -520,7 +460,7 @@ class KvstoredTierManager(SecondaryTierManager):
         if not self._waiting:
             return
         now = time.monotonic()
-        still = deque()
+        still: deque[_Transfer] = deque()
         while self._waiting:
             transfer = self._waiting.popleft()
             if self._link.ready and self._link.namespace_ready(transfer.namespace_id):
@@ -596,7 +536,7 @@ class KvstoredTierManager(SecondaryTierManager):
         if not success:
             loaded_set = set(loaded)
             failed = [k for k in transfer.keys if k not in loaded_set]
-            self._mark_miss(transfer.namespace_id, failed)
+            self._batcher.mark_miss(transfer.namespace_id, failed)  # no livelock on chunks it cannot deliver
             self._stats.increase_counter(KvstoredMetrics.FAILED_LOAD_CHUNKS, len(failed), self._label)
         self._finished.append(JobResult(
             job_id=transfer.job_id, success=success,
@@ -608,7 +548,7 @@ class KvstoredTierManager(SecondaryTierManager):
     def _fail_transfer(self, transfer: _Transfer, reason: str) -> None:
         """Fail a transfer that never reached the daemon (nothing touches the region)."""
         if transfer.is_load:
-            self._mark_miss(transfer.namespace_id, transfer.keys)
+            self._batcher.mark_miss(transfer.namespace_id, transfer.keys)
             self._stats.increase_counter(KvstoredMetrics.FAILED_LOAD_CHUNKS, len(transfer.keys), self._label)
             self._finished.append(JobResult(job_id=transfer.job_id, success=False))
         else:
@@ -622,7 +562,7 @@ class KvstoredTierManager(SecondaryTierManager):
     def _count_dropped(self, reason: str, n: int) -> None:
         self._stats.increase_counter(KvstoredMetrics.DROPPED_CHUNKS, n, (self.tier_type, reason))
 
-    def _rpc_error(self, result) -> None:
+    def _rpc_error(self, result: Outcome) -> None:
         code = result.code.name if result.code is not None else "UNKNOWN"
         self._stats.increase_counter(KvstoredMetrics.RPC_ERRORS, 1, (self.tier_type, code))
         self._link.on_rpc_error(result)

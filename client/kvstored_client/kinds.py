@@ -1,0 +1,42 @@
+"""Enums that cross the wire, for the daemon and the client alike, valued by the generated protobuf
+enums (kvstored.v1): a value cannot drift from the proto, and a proto value without a member here
+fails at import (below), not when a daemon first sends it."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+
+
+class TierKind(enum.IntEnum):
+    """Where a chunk is (kvstored.v1.TierKind); NONE (0) is a miss."""
+
+    NONE = pb.TIER_KIND_UNSPECIFIED
+    RAM = pb.TIER_KIND_RAM
+    FS = pb.TIER_KIND_FS
+    S3 = pb.TIER_KIND_S3
+    PEER = pb.TIER_KIND_PEER
+
+
+class StoreOutcome(enum.IntEnum):
+    """What a store did with one key (kvstored.v1.StoreOutcome)."""
+
+    UNKNOWN = pb.STORE_OUTCOME_UNSPECIFIED  # a daemon too old to say
+    STORED = pb.STORE_OUTCOME_STORED  # copied in by this call
+    ALREADY_PRESENT = pb.STORE_OUTCOME_ALREADY_PRESENT
+    IN_PROGRESS = pb.STORE_OUTCOME_IN_PROGRESS  # another writer is storing it
+    DROPPED = pb.STORE_OUTCOME_DROPPED  # no space, or the daemon unavailable
+
+
+def missing_members(mirror: type[enum.IntEnum], proto_enum: Any) -> list[str]:
+    """The proto enum's value names that `mirror` has no member for."""
+    have = {int(member) for member in mirror}
+    return [name for name, value in proto_enum.items() if value not in have]
+
+
+for _mirror, _proto in ((TierKind, pb.TierKind), (StoreOutcome, pb.StoreOutcome)):
+    if missing_members(_mirror, _proto):
+        raise ImportError(f"kvstored_client.kinds.{_mirror.__name__} has no member for "
+                          f"{', '.join(missing_members(_mirror, _proto))}: add it (the proto has it)")

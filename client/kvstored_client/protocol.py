@@ -1,0 +1,178 @@
+"""The client's side of a session with the daemon, without I/O: written once for the blocking
+clients (client.Client, aio.AsyncClient, through session.PoolSession) and the polled vLLM driver
+(vllm/driver.DaemonLink), which only differ in how they move the packets.
+
+- the gRPC channel's target and options (its reconnect backoff);
+- the session socket's packets: Hello -> Welcome (with the pool's memfd), then AttachRegion (with
+  a region's fd) -> RegionAttached, any of them answered by an error instead (`Handshake`);
+- when to try a new session after a failure (`Backoff`);
+- noticing that this process is a fork of the one that set the session up (`ForkGuard`).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+from os import PathLike
+
+from google.protobuf.message import DecodeError
+
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from kvstored_client.errors import Unavailable, from_code
+
+MAX_PACKET = 64 << 10  # one session socket packet (SEQPACKET keeps message boundaries)
+MAX_FDS = 4  # file descriptors accepted with one packet (a reply carries at most one)
+
+# Reconnect quickly after a daemon restart instead of gRPC's default backoff (up to 120 s).
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_receive_message_length", 64 << 20),
+)
+
+
+def channel_target(socket_path: str | PathLike[str]) -> str:
+    """The gRPC target of the daemon's unix socket."""
+    return f"unix:{os.fspath(socket_path)}"
+
+
+@dataclass(frozen=True)
+class Packet:
+    """One session socket message and the fds that travel with it (the sender keeps its own)."""
+
+    data: bytes
+    fds: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """A new session, and the daemon's pool: `pool_fd` (a memfd) belongs to the receiver."""
+
+    session_id: str
+    pool_bytes: int
+    page_bytes: int
+    pool_fd: int
+
+
+@dataclass(frozen=True)
+class RegionAttached:
+    region_id: int  # valid in this session only
+    size: int
+
+
+class Awaiting(enum.Enum):
+    NOTHING = "nothing"
+    WELCOME = "welcome"  # Hello sent
+    REGION_ATTACHED = "region_attached"  # AttachRegion sent
+
+
+class Handshake:
+    """One session's messages, in order: `hello()` first, `attach_region()` once welcomed, each
+    answered by one packet the caller hands to `welcome_from()` / `attached_from()`.
+
+    Those take ownership of the fds that came with the packet: an fd the reply carries is
+    returned, every other one is closed. An error reply raises its mapped KvstoredError (a
+    refused region leaves the session usable); a closed socket, an unexpected or undecodable
+    reply raises Unavailable (the session is unusable)."""
+
+    def __init__(self, client_name: str) -> None:
+        self.client_name = client_name
+        self.awaiting = Awaiting.NOTHING
+        self.welcome: Welcome | None = None
+
+    def hello(self) -> Packet:
+        self._expect(Awaiting.NOTHING, welcomed=False)
+        self.awaiting = Awaiting.WELCOME
+        return Packet(pb.SessionRequest(hello=pb.Hello(client_name=self.client_name)).SerializeToString())
+
+    def attach_region(self, name: str, fd: int) -> Packet:
+        """Hand the daemon an open region file (the fd is sent, not given away)."""
+        self._expect(Awaiting.NOTHING, welcomed=True)
+        self.awaiting = Awaiting.REGION_ATTACHED
+        return Packet(pb.SessionRequest(attach_region=pb.AttachRegion(name=name)).SerializeToString(), (fd,))
+
+    def welcome_from(self, data: bytes, fds: list[int]) -> Welcome:
+        reply = self._reply(Awaiting.WELCOME, data, fds)
+        if reply.WhichOneof("kind") != "welcome" or len(fds) != 1:
+            _close_all(fds)
+            raise Unavailable(f"unexpected session reply to Hello: {reply}")
+        welcome = reply.welcome
+        self.welcome = Welcome(welcome.session_id, welcome.pool_bytes, welcome.page_bytes, fds[0])
+        return self.welcome
+
+    def attached_from(self, data: bytes, fds: list[int]) -> RegionAttached:
+        reply = self._reply(Awaiting.REGION_ATTACHED, data, fds)
+        _close_all(fds)
+        if reply.WhichOneof("kind") != "region_attached":
+            raise Unavailable(f"unexpected session reply to AttachRegion: {reply}")
+        return RegionAttached(reply.region_attached.region_id, reply.region_attached.size)
+
+    def _reply(self, expected: Awaiting, data: bytes, fds: list[int]) -> pb.SessionReply:
+        self._expect(expected, welcomed=expected is not Awaiting.WELCOME)
+        self.awaiting = Awaiting.NOTHING
+        if not data:
+            _close_all(fds)
+            raise Unavailable("kvstored closed the session")
+        try:
+            reply = pb.SessionReply.FromString(data)
+        except DecodeError as exc:
+            _close_all(fds)
+            raise Unavailable(f"undecodable session reply: {exc}") from None
+        if reply.WhichOneof("kind") == "error":
+            _close_all(fds)
+            raise from_code(reply.error.code, reply.error.message)
+        return reply
+
+    def _expect(self, awaiting: Awaiting, welcomed: bool) -> None:
+        if self.awaiting is not awaiting or (self.welcome is not None) != welcomed:
+            raise RuntimeError(f"session handshake out of order: awaiting {self.awaiting.value}, "
+                               f"{'welcomed' if self.welcome else 'not welcomed'}")
+
+
+class Backoff:
+    """When to try a new session after a failure: `min_s`, doubling per failure up to `max_s`,
+    back to `min_s` once a session is up. Times are the caller's monotonic clock."""
+
+    def __init__(self, min_s: float, max_s: float) -> None:
+        self.min_s, self.max_s = min_s, max_s
+        self._delay = min_s
+        self._retry_at = 0.0
+
+    def due(self, now: float) -> bool:
+        return now >= self._retry_at
+
+    def failed(self, now: float, wait: bool = True) -> None:
+        """A failure at `now`; wait=False: try again at once (the daemon restarted, it is back)."""
+        self._retry_at = now + (self._delay if wait else 0.0)
+        if wait:
+            self._delay = min(self._delay * 2, self.max_s)
+
+    def succeeded(self) -> None:
+        self._delay = self.min_s
+
+    def skip(self) -> None:
+        """Try again at the next chance (the caller knows the daemon is back)."""
+        self._retry_at = 0.0
+
+
+class ForkGuard:
+    """Notices that its owner now runs in a forked child, which must not use its parent's channel,
+    session or locks (vLLM builds its scheduler-side objects, then forks EngineCore)."""
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+
+    def forked(self) -> bool:
+        """True once per fork: the first time it is asked in the child."""
+        pid = os.getpid()
+        if pid == self._pid:
+            return False
+        self._pid = pid
+        return True
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
