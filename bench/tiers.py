@@ -990,7 +990,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--fs", choices=("on", "off"), default="on")
     ap.add_argument("--s3", choices=("rgw", "moto", "off"), default="rgw")
     ap.add_argument("--fs-threads", type=int, default=8, help="fs tier io_threads = raw threads (daemon: 8)")
-    ap.add_argument("--fs-inflight", type=int, default=8, help="fs tier operations in flight (daemon: 8)")
+    ap.add_argument("--fs-inflight", type=int, default=16, help="fs tier operations in flight (daemon: 16)")
     ap.add_argument("--s3-inflight", type=int, default=16, help="S3 requests in flight, tier and raw (daemon: 16)")
     ap.add_argument("--s3-timeout", type=float, default=5.0, help="S3 per-operation timeout (daemon: 5 s)")
     ap.add_argument("--drop", type=int, choices=(1, 3), default=3,
