@@ -226,14 +226,23 @@ class TierChain:
         return leased
 
     async def _promote_prefix(self, ns: Namespace, chunks: Sequence[ChunkId]) -> bool:
-        """Promote the leading chunks that are below RAM and wait; False if the first is nowhere."""
+        """Promote the leading chunks that are below RAM and wait; False if the first is nowhere.
+
+        Every promotion starts as soon as RAM has room for it: at once into free RAM, the rest
+        as the write-downs started here for all of them free pages, so reads from below and
+        the write-downs making room for them run at the same time (bounded by the tier's
+        queue), instead of reading only once all the room is there."""
         missing = [i for i, c in enumerate(chunks) if not self.ram.contains(c, touch=False)]
         found = await self.promoter.find([chunks[i] for i in missing]) if missing else []
         wanted = sum(1 for _ in itertools.takewhile(lambda t: t is not None, found))
-        await self._make_room(ns, wanted)
+        slot = self._slot_bytes(ns)
+        self.writeback.start_room(wanted * slot, ns.chunk_bytes)
+        deadline = self.writeback.deadline()
         waits = []
-        for i, tier_index in zip(missing, found):
-            future = None if tier_index is None else self.promoter.start(chunks[i], ns.chunk_bytes, tier_index)
+        for i, tier_index in zip(missing[:wanted], found):
+            if self.promoter.in_flight(chunks[i]) is TierKind.NONE:  # (a shared one has its room)
+                await self.writeback.make_room(slot, ns.chunk_bytes, deadline)
+            future = self.promoter.start(chunks[i], ns.chunk_bytes, tier_index)
             if future is None:
                 break
             waits.append(future)
@@ -351,7 +360,11 @@ class TierChain:
     # -- helpers --------------------------------------------------------------------------
 
     async def _make_room(self, ns: Namespace, chunks: int) -> None:
-        await self.writeback.make_room(chunks * self.ram.pages_for(ns.chunk_bytes) * self.ram.page_bytes)
+        await self.writeback.make_room(chunks * self._slot_bytes(ns), ns.chunk_bytes)
+
+    def _slot_bytes(self, ns: Namespace) -> int:
+        """RAM one chunk of `ns` takes (whole pages)."""
+        return self.ram.pages_for(ns.chunk_bytes) * self.ram.page_bytes
 
     async def _copy(self, region: Region, jobs: list[CopyJob], to_pool: bool) -> None:
         try:

@@ -93,6 +93,8 @@ class WriteBack:
         self._lower = [t for t in lower if t.capabilities.accepts_writedowns]
         self.policy = policy
         self._headroom = headroom_bytes
+        # Write-downs that keep every I/O slot of the tiers busy (see _ahead).
+        self._depth = max((t.queue.concurrency for t in self._lower), default=0)
         self._wait_s = wait_s
         self._writing_bytes = 0
         self._space = asyncio.Event()  # set whenever a write-down finishes
@@ -112,15 +114,29 @@ class WriteBack:
                     self._write_down(entry)
         self._keep_headroom(self._headroom)
 
-    async def make_room(self, nbytes: int) -> None:
-        """Before reserving `nbytes`: start write-downs for the shortfall and wait (briefly) for
-        them, so stores don't evict chunks that have no copy below yet."""
+    def deadline(self) -> float:
+        """When a wait for room that starts now gives up (loop time)."""
+        return asyncio.get_running_loop().time() + self._wait_s
+
+    def start_room(self, nbytes: int, chunk_bytes: int) -> None:
+        """Start the write-downs that will free `nbytes` (and keep the pipeline full behind
+        them, see _ahead) without waiting for them."""
+        if self._lower and self._ram.free_bytes < nbytes:
+            self._keep_headroom(nbytes + self._ahead(chunk_bytes))
+
+    async def make_room(self, nbytes: int, chunk_bytes: int, deadline: float | None = None) -> None:
+        """Before reserving `nbytes` (in chunks of `chunk_bytes`): start write-downs for the
+        shortfall and wait (until `deadline`, by default the configured wait from now) for them,
+        so stores don't evict chunks that have no copy below yet.
+
+        While it waits, write-downs beyond the shortfall keep the tiers' I/O slots busy: the next
+        store's room is on its way while this one copies, instead of starting only when it asks."""
         if not self._lower:
             return
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._wait_s
+        deadline = self.deadline() if deadline is None else deadline
         while self._ram.free_bytes < nbytes:
-            self._keep_headroom(nbytes)
+            self._keep_headroom(nbytes + self._ahead(chunk_bytes))
             remaining = deadline - loop.time()
             if self._writing_bytes == 0 or remaining <= 0:
                 return  # reserve() evicts what it must; dirty drops are counted there
@@ -129,6 +145,14 @@ class WriteBack:
                 await asyncio.wait_for(self._space.wait(), remaining)
             except TimeoutError:
                 return
+
+    def _ahead(self, chunk_bytes: int) -> int:
+        """Room to free beyond a store's shortfall while RAM is short: the configured headroom,
+        and at least one write-down per I/O slot of the lower tiers (their queue's concurrency),
+        so the disk never idles between one store's write-downs and the next one's. At most a
+        quarter of RAM (a small pool would otherwise be written out whole)."""
+        pipeline = self._depth * self._ram.pages_for(chunk_bytes) * self._ram.page_bytes
+        return max(self._headroom, min(pipeline, self._ram.capacity_bytes // 4))
 
     async def flush(self, budget_s: float) -> int:
         """At shutdown: write down chunks that have no copy below, most recently used first, for
