@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -106,3 +108,20 @@ def test_the_helper_refuses_buffers_of_different_sizes():
         pytest.skip("kvstored_client._ntcopy is not built here")
     with pytest.raises(ValueError):
         buffers.copy_cpu(np.zeros(10, np.uint8), np.zeros(11, np.uint8))
+
+
+def test_the_client_copies_without_the_helper(tmp_path):
+    """Built without a C compiler (no kvstored_client._ntcopy): the client imports and copies
+    with numpy, and never imports the daemon."""
+    probe = subprocess.run(
+        [sys.executable, "-c",
+         "import sys; sys.modules['kvstored_client._ntcopy'] = None  # as if it was never built\n"
+         "import numpy as np\n"
+         "from kvstored_client import buffers\n"
+         "assert not buffers.STREAMING\n"
+         "src = np.arange(3 << 20, dtype=np.uint8); dst = np.zeros_like(src)\n"
+         "buffers.copy_cpu(dst, src); assert (dst == src).all()\n"
+         "assert not [m for m in sys.modules if m == 'kvstored' or m.startswith('kvstored.')]\n"
+         "print('ok')"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert probe.returncode == 0 and probe.stdout.strip() == "ok", probe.stderr
