@@ -7,7 +7,7 @@ in the same run. Targets: tier >= 0.90x raw for fs, >= 0.85x raw for S3.
 What is measured
 - The tiers are driven directly (no daemon, no gRPC): FsTier / S3Tier on a uvloop event loop, as
   the daemon runs them, fed by `--*-inflight` worker tasks (the daemon's per-tier queue
-  concurrency: 8 for fs, 16 for S3). Buffers are slices of a populated anonymous mmap (page-aligned,
+  concurrency: 16 for fs, whose 8 I/O threads take the queued reads first, 16 for S3). Buffers are slices of a populated anonymous mmap (page-aligned,
   like the daemon's pool), one view per chunk; loads go to a second such pool.
 - fs raw baseline ("raw"): the same bytes (the chunkfile header page + the payload: the very file
   contents the tier writes, headers encoded before timing), one file per chunk in ONE directory:
@@ -43,6 +43,16 @@ What is measured
 - S3 endpoint (--s3): `rgw` = a throwaway Ceph radosgw with a memstore OSD on loopback
   (tests/support/s3.py, deploy/ceph/start_rgw.sh), falling back to moto_server with a note if
   radosgw cannot start; `moto` = moto_server; `off` = skip S3.
+- Write-back row (issue 13): a daemon (`kvstored serve`, --wb-ram-mib of RAM, default 256 MiB)
+  with an fs tier on the same disk, write-back with the default settings. Its RAM is first
+  filled with chunks that have no copy below (untimed); then --wb-streams clients (default 2)
+  store the fs phase's bytes from one registered region, --wb-batch chunks per RPC (default 16,
+  what the vLLM tier sends): each chunk stored pushes an older one down to the disk. Baseline:
+  the fs tier alone storing the same number of chunks in the same round; limit: raw O_DIRECT.
+  The stream's first chunks are loaded back (from the disk) and compared in round 0; chunks
+  the daemon dropped without a copy below are reported.
+- Every row prints the physical limit it is bounded by (fs: raw O_DIRECT at the tier's queue
+  depth, i.e. --fs-threads; S3: the raw client's transport) and its ratio to it.
 - --profile adds diagnostics: single-thread CPU costs per chunk (xxh3, header, copies, SigV4's
   sha256 when payload signing is on); one instrumented fs store + load of each arm: time per chunk
   inside each pool job (tier) or op (raw), split by syscall and checksum, and how busy the I/O
