@@ -14,8 +14,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 
 class PriorityThreadPool:

@@ -88,7 +88,7 @@ async def test_a_load_reads_into_free_ram_while_write_downs_make_room_for_the_re
 async def test_a_stream_of_stores_and_loads_larger_than_ram_loses_nothing(rig):
     """Concurrent stores four times the size of RAM, then concurrent loads of all of it: every
     chunk pushed out of RAM was written down first, and every load serves the exact bytes."""
-    chain, tier = await rig(pool=16 * CHUNK, concurrency=4)
+    chain, _ = await rig(pool=16 * CHUNK, concurrency=4)
     rng = np.random.default_rng(7)
     payloads = {i: rng.integers(0, 256, CHUNK, dtype=np.uint8) for i in range(64)}
 
