@@ -15,6 +15,7 @@ import numpy as np
 
 from kvstored_client.copy_policy import part_count
 
+_stream_copy: Callable[[Any, Any], None] | None
 try:  # the optional C helper (client/setup.py): large copies with non-temporal stores
     from kvstored_client._ntcopy import copy as _stream_copy
 except ImportError:  # built without a C compiler: numpy (glibc memcpy, cached stores for chunk sizes)
