@@ -102,6 +102,7 @@ class TierChain:
         self._deletable = [t for t in self.lower if t.capabilities.accepts_deletes]
         self._deleting = DeletionGuard()
         self._deletes: set[asyncio.Task] = set()  # run to the end even if their caller gives up
+        self._prefetches: set[asyncio.Task] = set()  # promotions started by lookups, waiting for room
         self.promoter = Promoter(ram, pool_view, self.lower, self.events, self._deleting)
         for lower_tier in self.lower:
             lower_tier.tier.removal_listener = self._tier_removed
@@ -134,12 +135,52 @@ class TierChain:
         missing = [i for i, t in enumerate(tiers) if t is TierKind.NONE]
         if missing and self.lower:
             found = await self.promoter.find([chunks[i] for i in missing])
-            # Prefetch the leading hits into free RAM only (write-back keeps some free).
+            below = []
             for i, tier_index in zip(missing, found):
                 if tier_index is not None:
                     tiers[i] = self.lower[tier_index].tier.kind
-                    self.promoter.start(chunks[i], ns.chunk_bytes, tier_index, evict=False)
+                    below.append((i, chunks[i], tier_index))
+            leading = tiers.index(TierKind.NONE) if TierKind.NONE in tiers else len(tiers)
+            self._prefetch(ns, [(c, t) for i, c, t in below if i < leading])
+            for i, chunk, tier_index in below:  # hits past the first miss: into free RAM only
+                if i >= leading:
+                    self.promoter.start(chunk, ns.chunk_bytes, tier_index, evict=False)
         return tiers
+
+    def _prefetch(self, ns: Namespace, below: list[tuple[ChunkId, int]]) -> None:
+        """Start promoting the leading chunks a lookup found below RAM (the load that follows
+        needs them): all at once, bounded by the tiers' queues. Free RAM takes them now; for the
+        rest, write-downs start here and a background task promotes each as room appears, until
+        the write-back wait runs out (the load then promotes what is left). Evicting for them
+        follows the usual order: the least recently used chunks, after their write-down. At most
+        a quarter of RAM per lookup: more would evict the first of them (and chunks other loads
+        promoted) before their load could lease them."""
+        slot = self._slot_bytes(ns)
+        below = below[:self.ram.capacity_bytes // 4 // slot]
+        if not below:
+            return
+        self.writeback.start_room(len(below) * slot, ns.chunk_bytes)
+        for n, (chunk, tier_index) in enumerate(below):
+            if self.ram.free_bytes < slot:
+                task = asyncio.ensure_future(self._prefetch_when_room(ns, below[n:], self.writeback.deadline()))
+                self._prefetches.add(task)
+                task.add_done_callback(self._prefetch_done)
+                return
+            self.promoter.start(chunk, ns.chunk_bytes, tier_index, evict=False)
+
+    async def _prefetch_when_room(self, ns: Namespace, below: list[tuple[ChunkId, int]], deadline: float) -> None:
+        slot = self._slot_bytes(ns)
+        for chunk, tier_index in below:
+            if self.promoter.in_flight(chunk) is not TierKind.NONE:
+                continue  # (a load got there first)
+            await self.writeback.make_room(slot, ns.chunk_bytes, deadline)
+            if self.promoter.start(chunk, ns.chunk_bytes, tier_index, evict=False) is None:
+                return  # no room in time (or the chunk is being deleted): the load does the rest
+
+    def _prefetch_done(self, task: asyncio.Task) -> None:
+        self._prefetches.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("prefetch failed: %s", task.exception())  # the load promotes them itself
 
     async def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         """Remove from RAM and every tier that accepts deletes; counts keys that were anywhere.
@@ -351,6 +392,10 @@ class TierChain:
         cache), then the tiers."""
         if self._deletes:
             await asyncio.wait(self._deletes)
+        for task in self._prefetches:
+            task.cancel()
+        if self._prefetches:
+            await asyncio.wait(self._prefetches)
         for lower in self.lower:
             await lower.queue.close()
         for lower in self.lower:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvstored.namespaces import Namespace
-from kvstored.tiers.base import TierCapabilities
+from kvstored.tiers.base import TierCapabilities, TierKind
 from kvstored.tiers.ram import ReserveOutcome
 from tests.support.tiers import GatedMemoryTier, make_chain, settle, store
 
@@ -128,3 +128,44 @@ async def test_a_stream_of_stores_and_loads_larger_than_ram_loses_nothing(rig):
     await asyncio.gather(*(loader(list(range(k * 4, 64, 8))) for k in range(2)))
     await settle(lambda: chain.writeback.in_flight_bytes == 0, "the write-downs ended")
     assert chain.ram.counters.dropped_dirty == 0
+
+
+async def test_a_lookup_starts_every_promotion_its_load_will_need_even_with_ram_full(rig):
+    """The misses of a request are known at its lookup: the chunks found below RAM start their
+    promotion then, all of them (bounded by the tier's queue), the ones without room as the
+    write-downs started for them free it; the load that follows waits for those, reading
+    nothing twice."""
+    chain, tier = await rig(pool=16 * CHUNK, concurrency=4)
+    for i in range(3):
+        tier.data[("ns", key(50 + i))] = bytes([50 + i]) * CHUNK
+    for i in range(16):
+        await store(chain, NS, key(i), i)  # RAM full, nothing below yet
+    tier.close_gate("read")
+    found = await chain.lookup(NS, [key(50), key(51), key(52), key(99)])
+    assert found == [TierKind.FS, TierKind.FS, TierKind.FS, TierKind.NONE]
+    await tier.until_waiting("read", 3)  # all three read, no load asked yet
+    tier.open_gate("read")
+    leases = await chain.acquire(NS, [key(50), key(51), key(52)])
+    assert len(leases) == 3
+    for lease, i in zip(leases, range(50, 53)):
+        for extent in lease.extents:
+            assert (chain._pool.array[extent.offset:extent.offset + extent.length] == i).all()
+    chain.release([lease.entry for lease in leases])
+    assert tier.calls["read"] == 3  # nothing read twice
+    await settle(lambda: chain.writeback.in_flight_bytes == 0, "the write-downs ended")
+    assert chain.ram.counters.dropped_dirty == 0
+    for i in range(3):  # the oldest chunks made the room, after their write-down
+        assert tier.data[("ns", key(i))] == bytes([i]) * CHUNK
+
+
+async def test_closing_the_chain_ends_a_lookup_prefetch_still_waiting_for_room(rig):
+    chain, tier = await rig(pool=16 * CHUNK, concurrency=4)
+    tier.data[("ns", key(50))] = bytes([50]) * CHUNK
+    for i in range(16):
+        await store(chain, NS, key(i), i)
+    tier.close_gate("write")  # no room will come
+    assert await chain.lookup(NS, [key(50)]) == [TierKind.FS]
+    await tier.until_waiting("write")
+    assert chain._prefetches  # waiting for its room
+    await chain.close()  # with the write-downs still held: it must not wait for them
+    assert not chain._prefetches
