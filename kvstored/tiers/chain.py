@@ -140,25 +140,26 @@ class TierChain:
                 if tier_index is not None:
                     tiers[i] = self.lower[tier_index].tier.kind
                     below.append((i, chunks[i], tier_index))
-            leading = tiers.index(TierKind.NONE) if TierKind.NONE in tiers else len(tiers)
-            self._prefetch(ns, [(c, t) for i, c, t in below if i < leading])
-            for i, chunk, tier_index in below:  # hits past the first miss: into free RAM only
-                if i >= leading:
-                    self.promoter.start(chunk, ns.chunk_bytes, tier_index, evict=False)
+            # The load that follows needs the leading run (up to the first miss): room is made
+            # for those, up to a quarter of RAM per lookup (more would evict the first of them,
+            # and chunks other loads promoted, before their load could lease them).
+            first_miss = tiers.index(TierKind.NONE) if TierKind.NONE in tiers else len(tiers)
+            limit = max(1, self.ram.capacity_bytes // 4 // self._slot_bytes(ns))
+            leading = [(chunk, t) for i, chunk, t in below if i < first_miss][:limit]
+            self._prefetch(ns, leading)
+            for _, chunk, tier_index in below[len(leading):]:  # the others: into free RAM only
+                self.promoter.start(chunk, ns.chunk_bytes, tier_index, evict=False)
         return tiers
 
     def _prefetch(self, ns: Namespace, below: list[tuple[ChunkId, int]]) -> None:
-        """Start promoting the leading chunks a lookup found below RAM (the load that follows
-        needs them): all at once, bounded by the tiers' queues. Free RAM takes them now; for the
-        rest, write-downs start here and a background task promotes each as room appears, until
-        the write-back wait runs out (the load then promotes what is left). Evicting for them
-        follows the usual order: the least recently used chunks, after their write-down. At most
-        a quarter of RAM per lookup: more would evict the first of them (and chunks other loads
-        promoted) before their load could lease them."""
-        slot = self._slot_bytes(ns)
-        below = below[:self.ram.capacity_bytes // 4 // slot]
+        """Start promoting chunks a lookup found below RAM: all at once, bounded by the tiers'
+        queues. Free RAM takes them now; for the rest, write-downs start here and a background
+        task promotes each as room appears, until the write-back wait runs out (the load then
+        promotes what is left). Evicting for them follows the usual order: the least recently
+        used chunks, after their write-down."""
         if not below:
             return
+        slot = self._slot_bytes(ns)
         self.writeback.start_room(len(below) * slot, ns.chunk_bytes)
         for n, (chunk, tier_index) in enumerate(below):
             if self.ram.free_bytes < slot:
