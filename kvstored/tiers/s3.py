@@ -58,6 +58,11 @@ _THROTTLED_CODES = frozenset({
     "RequestTimeout", "ServiceUnavailable", "InternalError",
 })
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
+# A HEAD answers 403 without a code; the others come with a body.
+_CREDENTIAL_CODES = frozenset({"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+                               "InvalidToken", "ExpiredToken"})
+CREDENTIALS_HINT = (" (credentials refused: check access_key/secret_key, or AWS_ACCESS_KEY_ID/"
+                    "AWS_SECRET_ACCESS_KEY in the environment)")
 
 
 class S3TierError(Exception):
@@ -211,8 +216,9 @@ class S3Tier(SecondaryTier):
         except S3Failure as exc:
             if exc.fault.answered:
                 await self.close()
+                hint = CREDENTIALS_HINT if exc.detail in _CREDENTIAL_CODES else ""
                 raise S3TierError(f"s3 tier {self.name}: bucket {self.bucket!r} at "
-                                  f"{self.endpoint_url or 'AWS'} is not usable: {exc}") from exc
+                                  f"{self.endpoint_url or 'AWS'} is not usable: {exc}{hint}") from exc
             self._breaker.trip()
             log.warning("s3 tier %s: %s unreachable at start (%s); retrying in %.1f s",
                         self.name, self.endpoint_url or "S3", exc, self._breaker.reset_s)
