@@ -7,6 +7,8 @@ import enum
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Sequence
 
+from kvstored.choices import Choice
+
 ChunkId = tuple[str, bytes]  # (namespace id, key): keys are opaque bytes scoped by namespace
 
 
@@ -117,6 +119,6 @@ class SecondaryTier(abc.ABC):
         """Change the admission policy at run time (SIGHUP reload); tiers without one ignore it."""
 
 
-class AdmissionPolicy(enum.Enum):
+class AdmissionPolicy(Choice):
     ALWAYS = "always"
     SECOND_EVICTION = "second-eviction"  # store a chunk only the second time it is evicted
