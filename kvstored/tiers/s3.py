@@ -39,6 +39,7 @@ from botocore.exceptions import (
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from kvstored.errors import TierUnavailable
+from kvstored.sizes import format_size
 from kvstored.tiers import chunkfile
 from kvstored.tiers.base import (
     AdmissionPolicy, ChunkId, RemovalCause, SecondaryTier, TierKind, TierUsage, WriteOutcome,
@@ -229,9 +230,10 @@ class S3Tier(SecondaryTier):
         victims = self._index.shrink_to_capacity()  # the listing found more than the capacity
         if victims:
             await self._evict(self._claim_deletes(victims))
-        log.info("s3 tier %s: bucket %s prefix %r at %s: %d objects, %d bytes known (capacity %d)",
+        log.info("s3 tier %s: bucket %s prefix %r at %s: %d objects, %s known (capacity %s)",
                  self.name, self.bucket, self.prefix, self.endpoint_url or "AWS", len(self._index),
-                 self._index.used_bytes, self.capacity_bytes)
+                 format_size(self._index.used_bytes),
+                 format_size(self.capacity_bytes) if self.capacity_bytes else "unbounded")
 
     async def close(self) -> None:
         self._closed = True
