@@ -187,3 +187,32 @@ def test_kvstoredctl_commands_exist():
             used.update(found)
     assert used, "no kvstoredctl command in the README"
     assert used <= set(commands), f"the README uses kvstoredctl commands that do not exist: {used - set(commands)}"
+
+
+def test_every_exported_metric_is_documented(daemon_factory):
+    """The README's Metrics section names every kvstored_* family a daemon exports (tier series
+    may be written as `_suffix` after a full kvstored_tier_ name, as the list does)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.integration.test_metrics import METRICS_PORT_0, metrics_url
+
+    text = README.read_text()
+    section = text[text.index("### Metrics"):text.index("###", text.index("### Metrics") + 3)]
+    documented = set(re.findall(r"`(kvstored_\w+|_\w+)", section))
+    d = daemon_factory(METRICS_PORT_0)
+    with d.client() as kv:
+        kv.register_namespace(model="documented", dtype="u8", chunk_bytes=1 << 16)
+        with urllib.request.urlopen(metrics_url(d), timeout=10) as resp:
+            families = list(text_string_to_metric_families(resp.read().decode()))
+    suffix = {"counter": "_total", "info": "_info"}
+    missing = []
+    for family in families:
+        if not family.name.startswith("kvstored_"):
+            continue
+        name = family.name + suffix.get(family.type, "")
+        short = "_" + name.removeprefix("kvstored_tier_") if name.startswith("kvstored_tier_") else None
+        if name not in documented and family.name not in documented and short not in documented:
+            missing.append(name)
+    assert not missing, f"exported but not in the README's Metrics section: {missing}"
