@@ -330,6 +330,7 @@ class EventFeed:
         self._call: Any = None
         self._lock = threading.Lock()
         self._closed = False
+        self.ended = False  # the daemon ended the stream (it is stopping), as opposed to a quiet spell
         self._thread = threading.Thread(target=self._read, name="kvstoredctl-events", daemon=True)
 
     def __enter__(self) -> "EventFeed":
@@ -352,6 +353,7 @@ class EventFeed:
             except queue.Empty:
                 return
             if item is self._END:
+                self.ended = True
                 return
             if isinstance(item, CtlError):
                 raise item
@@ -392,8 +394,9 @@ def cmd_events(conn: Conn, args: argparse.Namespace) -> int:
             shown += 1
             if args.count and shown >= args.count:
                 return 0
+        why = "the daemon ended the stream" if feed.ended else f"none came for {wait:g}s (--wait)"
     if args.count:
-        print(f"{PROG}: {shown} of {args.count} events: none came for {wait:g}s (--wait)", file=sys.stderr)
+        print(f"{PROG}: {shown} of {args.count} events: {why}", file=sys.stderr)
     return 0
 
 
