@@ -22,7 +22,6 @@ import yaml
 
 from kvstored.cli import build_parser
 from kvstored.config import FsTierConfig, load_config, options
-from kvstored.sizes import parse_size
 from tests.support.daemon import REPO_ROOT, clean_env, short_tmpdir
 
 CONTAINERFILE = REPO_ROOT / "deploy" / "container" / "Containerfile"

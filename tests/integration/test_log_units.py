@@ -22,7 +22,8 @@ def test_start_up_lines_use_human_sizes(daemon_factory):
     finally:
         shutil.rmtree(root, ignore_errors=True)
     assert "RAM tier 16.0 MiB" in d.log
-    assert re.search(r"fs tier fs: 0 chunks, 0 B on disk under \S+ \(capacity 64\.0 MiB, O_DIRECT (on|off)\)", d.log), d.log
+    fs_line = r"fs tier fs: 0 chunks, 0 B on disk under \S+ \(capacity 64\.0 MiB, O_DIRECT (on|off)\)"
+    assert re.search(fs_line, d.log), d.log
     assert not re.search(r"\b\d{4,} bytes|capacity \d+[,)]", d.log), d.log  # e.g. "capacity 67108864)"
 
 

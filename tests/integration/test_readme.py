@@ -11,7 +11,6 @@ static checks below instead (the files they name exist, their JSON parses).
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import subprocess

@@ -98,7 +98,7 @@ def test_once_prints_one_frame_with_rates(laddered):
         proc = ctl("top", "--once", "--interval", "0.5", socket_path=laddered.socket)
         assert proc.returncode == 0, proc.stderr
         lines = proc.stdout.splitlines()
-        assert lines[0].startswith(f"kvstored ") and f"on {laddered.socket}" in lines[0] and "rates over" in lines[0]
+        assert lines[0].startswith("kvstored ") and f"on {laddered.socket}" in lines[0] and "rates over" in lines[0]
         assert lines[1].split()[0::2] == ["sessions", "leases", "reservations", "regions", "namespaces"]
         rows = table_rows(lines)
         assert list(rows) == ["ram", "fs"]
