@@ -1,5 +1,7 @@
 """Multi-turn benchmark of kvstored (not a test): the article's workload against the real daemon,
-with the GPU modelled.
+with the GPU modelled. Workload: multi-turn conversations with a 12K-token first prompt and 4K more
+tokens per turn, 8 turns, 20 s think time, at 16 to 256 simultaneous conversations. Compared: no
+offload, RAM tier, RAM + fs, RAM + fs + S3, by modelled throughput and hit rate of reusable tokens.
 
 Workload (every parameter is a flag; defaults are the article's): each conversation sends a
 12K-token prompt, then 7 more turns that each append 4K tokens (the answer plus the next

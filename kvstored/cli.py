@@ -17,6 +17,8 @@ from kvstored.logs import setup_logging
 
 log = logging.getLogger("kvstored")
 
+EXIT_CONFIG = 2  # the configuration cannot work: restarting will not help (RestartPreventExitStatus=2)
+
 
 def _shown_default(f: dataclasses.Field) -> str:
     value = f.default
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(flags, config_file=args.config)
     except ConfigError as exc:
         print(f"kvstored: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     if config.tune_memcpy:
         tune_memcpy_and_reexec(argv)
     setup_logging(config.log_level, config.log_format)
@@ -91,7 +93,13 @@ def main(argv: list[str] | None = None) -> int:
 
         # SIGHUP re-reads the same sources the daemon started from.
         uvloop.run(run(config, reload_config=lambda: load_config(flags, config_file=args.config)))
-    except (SocketInUse, TierStartError, ListenError) as exc:
+    except TierStartError as exc:
+        # Credentials, a bucket, an unusable root: a restart fails the same way, so this is a
+        # configuration error (exit 2, which the systemd unit does not restart on). An S3
+        # endpoint that does not answer is not one: the tier starts and retries in the background.
+        log.error("%s", exc)
+        return EXIT_CONFIG
+    except (SocketInUse, ListenError) as exc:
         log.error("%s", exc)
         return 1
     except OSError as exc:

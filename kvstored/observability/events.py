@@ -16,10 +16,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from kvstored.choices import Choice
 from kvstored.tiers.base import ChunkId, TierKind
 
 
-class EventEncoding(enum.Enum):
+class EventEncoding(Choice):
     """How ZMQ KV events are encoded."""
 
     MAP = "map"  # vLLM 0.33: each event a map tagged with "type"

@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Sequence
 
+from kvstored.choices import Choice
 from kvstored_client.kinds import TierKind  # one enum for daemon, client and proto; NONE (0) is a miss
 
 ChunkId = tuple[str, bytes]  # (namespace id, key): keys are opaque bytes scoped by namespace
@@ -132,6 +133,6 @@ class SecondaryTier(abc.ABC):
         """Change the admission policy at run time (SIGHUP reload); tiers without one ignore it."""
 
 
-class AdmissionPolicy(enum.Enum):
+class AdmissionPolicy(Choice):
     ALWAYS = "always"
     SECOND_EVICTION = "second-eviction"  # store a chunk only the second time it is evicted

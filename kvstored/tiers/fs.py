@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 
+from kvstored.sizes import format_size
 from kvstored.tiers import chunkfile
 from kvstored.tiers.base import (
     AdmissionPolicy, ChunkId, RemovalCause, SecondaryTier, TierKind, TierUsage, WriteOutcome,
@@ -119,9 +120,9 @@ class FsTier(SecondaryTier):
         entries = await self._run(lambda fut: fut.result(), self._start_job)
         self._index.load(entries)
         log.info(
-            "fs tier %s: %d chunks, %d bytes on disk under %s (capacity %d, O_DIRECT %s)",
-            self.name, len(self._index), self._index.used_bytes, self._root,
-            self._index.capacity_bytes, "on" if self._direct else "off",
+            "fs tier %s: %d chunks, %s on disk under %s (capacity %s, O_DIRECT %s)",
+            self.name, len(self._index), format_size(self._index.used_bytes), self._root,
+            format_size(self._index.capacity_bytes), "on" if self._direct else "off",
         )
         await self._enforce_capacity()
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import functools
 import logging
 import time
@@ -21,6 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Sequence, TypeVar
 
+from kvstored.choices import Choice
 from kvstored.io.scheduler import Priority, TierQueue
 from kvstored.observability.events import Cause, EventBus, EventType
 from kvstored.tiers.base import ChunkId, SecondaryTier, TierCapabilities, TierKind, WriteOutcome
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class WritePolicy(enum.Enum):
+class WritePolicy(Choice):
     WRITE_BACK = "write-back"
     WRITE_THROUGH = "write-through"
 

@@ -42,6 +42,7 @@ from botocore.exceptions import (
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from kvstored.errors import TierUnavailable
+from kvstored.sizes import format_size
 from kvstored.tiers import chunkfile
 from kvstored.tiers.base import (
     AdmissionPolicy, ChunkId, RemovalCause, SecondaryTier, TierKind, TierUsage, WriteOutcome,
@@ -62,6 +63,11 @@ _THROTTLED_CODES = frozenset({
     "RequestTimeout", "ServiceUnavailable", "InternalError",
 })
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
+# A HEAD answers 403 without a code; the others come with a body.
+_CREDENTIAL_CODES = frozenset({"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+                               "InvalidToken", "ExpiredToken"})
+CREDENTIALS_HINT = (" (credentials refused: check access_key/secret_key, or AWS_ACCESS_KEY_ID/"
+                    "AWS_SECRET_ACCESS_KEY in the environment)")
 
 
 class S3TierError(Exception):
@@ -217,8 +223,9 @@ class S3Tier(SecondaryTier):
         except S3Failure as exc:
             if exc.fault.answered:
                 await self.close()
+                hint = CREDENTIALS_HINT if exc.detail in _CREDENTIAL_CODES else ""
                 raise S3TierError(f"s3 tier {self.name}: bucket {self.bucket!r} at "
-                                  f"{self.endpoint_url or 'AWS'} is not usable: {exc}") from exc
+                                  f"{self.endpoint_url or 'AWS'} is not usable: {exc}{hint}") from exc
             self._breaker.trip()
             log.warning("s3 tier %s: %s unreachable at start (%s); retrying in %.1f s",
                         self.name, self.endpoint_url or "S3", exc, self._breaker.reset_s)
@@ -229,9 +236,10 @@ class S3Tier(SecondaryTier):
         victims = self._index.shrink_to_capacity()  # the listing found more than the capacity
         if victims:
             await self._evict(self._claim_deletes(victims))
-        log.info("s3 tier %s: bucket %s prefix %r at %s: %d objects, %d bytes known (capacity %d)",
+        log.info("s3 tier %s: bucket %s prefix %r at %s: %d objects, %s known (capacity %s)",
                  self.name, self.bucket, self.prefix, self.endpoint_url or "AWS", len(self._index),
-                 self._index.used_bytes, self.capacity_bytes)
+                 format_size(self._index.used_bytes),
+                 format_size(self.capacity_bytes) if self.capacity_bytes else "unbounded")
 
     async def close(self) -> None:
         self._closed = True
