@@ -21,7 +21,8 @@ import pytest
 import yaml
 
 from kvstored.cli import build_parser
-from kvstored.config import FsTierConfig, load_config, options
+from kvstored.config import load_config, options
+from kvstored.tiers.registry import FsTierConfig
 from tests.support.daemon import REPO_ROOT, clean_env, short_tmpdir
 
 CONTAINERFILE = REPO_ROOT / "deploy" / "container" / "Containerfile"

@@ -13,7 +13,8 @@ import tomllib
 import pytest
 
 from kvstored.cli import build_parser
-from kvstored.config import FsTierConfig, S3TierConfig, load_config, options
+from kvstored.config import load_config, options
+from kvstored.tiers.registry import FsTierConfig, S3TierConfig
 from tests.support.daemon import REPO_ROOT, clean_env
 
 MAKE = shutil.which("make")
