@@ -117,6 +117,8 @@ def tier_families(snaps: Iterable[TierSnapshot]) -> list:
     read_bytes = counter("read_bytes", "bytes read from this tier (secondary tiers)")
     written_bytes = counter("written_bytes", "bytes written to this tier (secondary tiers)")
     checksum = counter("checksum_failures", "corrupt or truncated copies found (removed, served as misses)")
+    bad_entries = counter("bad_entries", "entries under a chunk's name that are not chunk files (FIFO, socket, "
+                          "directory, symlink): never read, removed where possible, served as misses")
 
     for s in snaps:
         lv = [s.name, s.kind.name.lower()]
@@ -139,8 +141,9 @@ def tier_families(snaps: Iterable[TierSnapshot]) -> list:
         read_bytes.add_metric(lv, s.read_bytes)
         written_bytes.add_metric(lv, s.written_bytes)
         checksum.add_metric(lv, s.checksum_failures)
+        bad_entries.add_metric(lv, s.bad_entries)
     return [capacity, used, utilization, chunks, queued, lookups, hits, misses, stored, loaded, promotions,
-            writedowns, evictions, drops, read_bytes, written_bytes, checksum]
+            writedowns, evictions, drops, read_bytes, written_bytes, checksum, bad_entries]
 
 
 class DaemonMetrics:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import mmap
 import os
@@ -15,6 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from kvstored.errors import InvalidRequest, RegionFileMissing, RegionNotAllowed
+from kvstored.shm.beneath import open_beneath
 
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
@@ -59,22 +61,57 @@ class SharedPool:
 
 
 def open_region_file(path: str, allowed_dirs: Sequence[Path]) -> int:
-    """Open a region file named by a client, read-write. Only files under `allowed_dirs` (by
-    real path: no symlink escapes) may be named: anyone allowed on the socket must not be able to
-    make the daemon read or write its other files. (Passing an fd needs no such rule: the client
-    proves access by opening the file itself.)"""
-    real = Path(os.path.realpath(path))
-    if not any(real.is_relative_to(d) for d in allowed_dirs):
-        raise RegionNotAllowed(
-            f"region file {path!r} is outside the allowed directories ({', '.join(map(str, allowed_dirs))}); "
-            f"pass an open fd over the session socket instead"
-        )
+    """Open a region file named by a client, read-write. Only regular files under `allowed_dirs`
+    may be named: anyone allowed on the socket must not be able to make the daemon read or write
+    its other files. (Passing an fd needs no such rule: the client proves access by opening it.)
+
+    The path is resolved once only to learn which allowed directory it names and the name
+    beneath it; that is no check. The check is the open itself: beneath a descriptor of that
+    directory, with no symlink on the way (beneath.open_beneath), so a directory swapped for a
+    symlink meanwhile makes the open fail instead of leading outside. O_NONBLOCK: a FIFO under
+    the name must not block the daemon; it is refused by the fstat that follows."""
+    if "\0" in path:
+        raise InvalidRequest("region path contains a NUL byte")
     try:
-        return os.open(real, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        real = os.path.realpath(path)
+    except OSError:  # a symlink on the way changed while it was read: someone is racing us
+        raise _not_allowed(path, allowed_dirs, _RACED) from None
+    for directory in allowed_dirs:
+        relpath = os.path.relpath(real, directory)
+        if relpath != ".." and not relpath.startswith("../"):
+            break
+    else:
+        raise _not_allowed(path, allowed_dirs)
+    try:
+        dir_fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise InvalidRequest(f"cannot open the region directory {str(directory)!r}: {exc.strerror}") from None
+    try:
+        fd = open_beneath(dir_fd, relpath, os.O_RDWR | os.O_NONBLOCK | os.O_NOCTTY)
     except FileNotFoundError:
         raise RegionFileMissing(f"region file {path!r} does not exist") from None
     except OSError as exc:
+        if exc.errno in (errno.EXDEV, errno.ELOOP):
+            raise _not_allowed(path, allowed_dirs, _RACED) from None
+        if exc.errno in (errno.EISDIR, errno.ENXIO):  # a directory; a socket or a device without driver
+            raise InvalidRequest(f"region file {path!r} is not a regular file") from None
         raise InvalidRequest(f"cannot open region file {path!r}: {exc.strerror}") from None
+    finally:
+        os.close(dir_fd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise InvalidRequest(f"region file {path!r} is not a regular file")
+    return fd
+
+
+_RACED = " (a symlink appeared on its way while it was opened)"
+
+
+def _not_allowed(path: str, allowed_dirs: Sequence[Path], why: str = "") -> RegionNotAllowed:
+    return RegionNotAllowed(
+        f"region file {path!r} is outside the allowed directories ({', '.join(map(str, allowed_dirs))}){why}; "
+        f"pass an open fd over the session socket instead"
+    )
 
 
 @dataclass

@@ -33,6 +33,7 @@ class TierCounters:
     written_bytes: int = 0
     evictions: int = 0
     checksum_failures: int = 0
+    bad_entries: int = 0  # not a chunk file under a chunk's name (FIFO, socket, directory, symlink...)
     errors: int = 0
     rejected_full: int = 0
     rejected_admission: int = 0

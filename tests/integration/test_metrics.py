@@ -47,6 +47,7 @@ TIER_COUNTERS = {
     "promotions": "kvstored_tier_promotions_total",
     "writebacks": "kvstored_tier_writedowns_total",
     "checksum_failures": "kvstored_tier_checksum_failures_total",
+    "bad_entries": "kvstored_tier_bad_entries_total",
 }
 TIER_DROPS = {
     "dropped_backpressure": "backpressure",
