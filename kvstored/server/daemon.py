@@ -5,7 +5,7 @@ handles, regions) -> tier chain (tiers/chain.py) -> tiers -> metrics and events 
 
 Shutdown order: health NOT_SERVING -> stop accepting sessions -> gRPC stop with a grace period
 (in-flight calls finish) -> end sessions (leases, regions) -> region populates -> write-downs
-(flush) -> tiers and copy threads -> pool -> socket files.
+(flush) -> namespace records -> tiers and copy threads -> pool -> socket files.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from kvstored.observability.metrics import DaemonMetrics
 from kvstored.observability.events import EventBus
 from kvstored.server.broker import SessionBroker
 from kvstored.server.errors import ErrorMappingInterceptor
+from kvstored.server.namespace_records import NamespaceRecords
 from kvstored.server.service import KVStoreService
 from kvstored.server.session_socket import SessionSocketServer
 from kvstored.server.systemd import notify
@@ -135,7 +136,10 @@ class Daemon:
                         cfg.copy_threads),
             EventBus(cfg.events_buffer),
         )
+        self.records = NamespaceRecords([t.tier for t in lower], self.namespaces)
         await self._start_tiers()
+        self.chain.events.add_listener(self.records.on_event)
+        self.records.start()
         self.broker = SessionBroker(self.chain)
         self.zmq_events: ZmqEventPublisher | None = None
         if cfg.events_zmq_endpoint:
@@ -188,7 +192,7 @@ class Daemon:
     async def _start_tiers(self) -> None:
         """Start the tiers (an S3 listing or a large fs index can take a while), giving up at
         once if a stop is requested meanwhile: nothing serves yet, so nothing is lost."""
-        starting = asyncio.ensure_future(self.chain.start())
+        starting = asyncio.ensure_future(self._start_chain())
         stop = asyncio.ensure_future(self._stopping.wait())
         try:
             await asyncio.wait((starting, stop), return_when=asyncio.FIRST_COMPLETED)
@@ -201,6 +205,10 @@ class Daemon:
             self.pool.close()
             raise StoppedDuringStart("stop requested while the tiers were starting")
         starting.result()  # a TierStartError ends the start here
+
+    async def _start_chain(self) -> None:
+        await self.chain.start()
+        await self.records.recover()  # the namespaces the tiers hold, known before any client returns
 
     async def _start_metrics(self, addr: str) -> None:
         """A taken metrics port costs the metrics, not the cache: log it and serve on."""
@@ -271,6 +279,7 @@ class Daemon:
         if cfg.flush_on_stop_seconds > 0 and self.chain.lower:
             flushed = await self.chain.writeback.flush(cfg.flush_on_stop_seconds)
             log.info("wrote %d chunk(s) down before stopping", flushed)
+        await self.records.close()  # after the flush: its chunks' namespaces get their records
         if self.zmq_events is not None:
             await self.zmq_events.close()
         await self.chain.close()
