@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from os import PathLike
 
 from google.protobuf.message import DecodeError
@@ -201,9 +201,10 @@ class Reason(enum.Enum):
 class Condition:
     reason: Reason
     detail: str  # what was seen, naming the path (and the group, for permissions)
+    cause: str = field(default="", compare=False)  # the error at hand: varies within one condition
 
     def __str__(self) -> str:
-        return f"{self.reason.value}: {self.detail}"
+        return f"{self.reason.value}: {self.detail}" + (f": {self.cause}" if self.cause else "")
 
 
 class LinkHealth:

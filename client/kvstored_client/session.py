@@ -95,7 +95,8 @@ def diagnose(socket_path: Path | str) -> Condition | None:
     """Why the daemon at `socket_path` cannot be reached (its gRPC socket, then its session
     socket), or None when something listens on both. Never blocks: a unix-socket connect
     answers at once (a full backlog is reported as listening)."""
-    for path, kind in ((Path(socket_path), socket.SOCK_STREAM), (session_socket_path(socket_path), socket.SOCK_SEQPACKET)):
+    sockets = ((Path(socket_path), socket.SOCK_STREAM), (session_socket_path(socket_path), socket.SOCK_SEQPACKET))
+    for path, kind in sockets:
         condition = probe(path, kind)
         if condition is not None:
             return condition
@@ -110,7 +111,8 @@ def probe(path: Path | str, kind: int = socket.SOCK_STREAM) -> Condition | None:
         info = path.stat()
     except FileNotFoundError:
         where = "no such socket" if path.parent.is_dir() else f"no directory {path.parent}"
-        return Condition(Reason.NOT_FOUND, f"{path}: {where} (kvstored not running or still starting, or a different socket path?)")
+        return Condition(Reason.NOT_FOUND,
+                         f"{path}: {where} (kvstored not running or still starting, or a different socket path?)")
     except PermissionError:
         return Condition(Reason.PERMISSION_DENIED, _denied(path.parent, "directory"))
     except OSError as exc:

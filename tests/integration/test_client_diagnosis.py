@@ -19,7 +19,7 @@ import pytest
 
 from kvstored_client import Client
 from kvstored_client.vllm.driver import DaemonLink, LinkOptions
-from tests.support.daemon import REPO_ROOT, Daemon, clean_env, short_tmpdir
+from tests.support.daemon import REPO_ROOT, clean_env, short_tmpdir
 from tests.support.data import make_keys
 from tests.support.wait import wait_for
 

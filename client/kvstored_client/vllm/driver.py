@@ -354,5 +354,5 @@ def _listening_but(socket_path: Path, exc: BaseException) -> Condition:
     """The condition when both sockets accept connections and the session failed anyway."""
     if isinstance(exc, Unavailable):  # closed, not answering the handshake, UNAVAILABLE
         return Condition(Reason.RESTARTING, f"{socket_path} accepts connections but kvstored does not serve "
-                                            f"(starting, stopping or restarting): {exc}")
-    return Condition(Reason.REJECTED, f"kvstored at {socket_path} refused the session: {exc}")
+                                            f"(starting, stopping or restarting)", str(exc))
+    return Condition(Reason.REJECTED, f"kvstored at {socket_path} refused the session", str(exc))
