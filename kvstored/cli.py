@@ -85,12 +85,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvstored.errors import ListenError, TierStartError
     from kvstored.server.daemon import SocketInUse, run
+    from kvstored.shm.memory import PoolMemoryError
 
     try:
         import uvloop
 
         # SIGHUP re-reads the same sources the daemon started from.
         uvloop.run(run(config, reload_config=lambda: load_config(flags, config_file=args.config)))
+    except PoolMemoryError as exc:  # the machine cannot give the pool that was asked for: the config's to fix
+        log.error("%s", exc)
+        return 2
     except (SocketInUse, TierStartError, ListenError) as exc:
         log.error("%s", exc)
         return 1
