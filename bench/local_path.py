@@ -394,6 +394,10 @@ def main(argv: list[str] | None = None) -> int:
         help="what-if: run the daemon and the client processes with GLIBC_TUNABLES="
              "glibc.cpu.x86_non_temporal_threshold=BYTES (memcpy uses non-temporal stores from that size up)",
     )
+    ap.add_argument("--pool-pages", choices=("4k", "thp", "hugetlb"), default="4k",
+                    help="the daemon's pool_pages (hugetlb needs vm.nr_hugepages; thp needs shmem_enabled=advise); "
+                         "bench/pool.py compares the modes alone")
+    ap.add_argument("--numa-node", default="", help="the daemon's numa_node (a node or interleave; default unset)")
     args = ap.parse_args(argv)
     if args.nt_threshold is not None:
         # glibc reads tunables at process start: the daemon and the spawned clients inherit this
@@ -429,7 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average at start: {load_start:.2f}")
 
     results: dict[int, Any] = {}
-    with Daemon(cpu_bytes) as daemon:
+    pool_args = ["--pool-pages", args.pool_pages] + (["--numa-node", args.numa_node] if args.numa_node else [])
+    print(f"pool: {args.pool_pages} pages, NUMA {args.numa_node or 'unset'}")
+    with Daemon(cpu_bytes, extra_args=pool_args) as daemon:
         print(f"daemon pid {daemon.pid} on {daemon.socket} (ready in {daemon.start_s:.2f}s)")
         cfg = {"socket": str(daemon.socket), "chunk_bytes": chunk, "chunks": chunks, "batch": args.batch,
                "repeat": args.repeat, "warmup": args.warmup}

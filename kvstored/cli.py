@@ -87,16 +87,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvstored.errors import ListenError, TierStartError
     from kvstored.server.daemon import SocketInUse, run
+    from kvstored.shm.memory import PoolMemoryError
 
     try:
         import uvloop
 
         # SIGHUP re-reads the same sources the daemon started from.
         uvloop.run(run(config, reload_config=lambda: load_config(flags, config_file=args.config)))
-    except TierStartError as exc:
-        # Credentials, a bucket, an unusable root: a restart fails the same way, so this is a
-        # configuration error (exit 2, which the systemd unit does not restart on). An S3
-        # endpoint that does not answer is not one: the tier starts and retries in the background.
+    except (TierStartError, PoolMemoryError) as exc:
+        # Credentials, a bucket, an unusable root, a pool the machine cannot give: a restart fails
+        # the same way, so this is a configuration error (exit 2, which the systemd unit does not
+        # restart on). An S3 endpoint that does not answer is not one: the tier starts and retries
+        # in the background.
         log.error("%s", exc)
         return EXIT_CONFIG
     except (SocketInUse, ListenError) as exc:

@@ -7,6 +7,7 @@ variable names and the TOML keys are all derived from that declaration.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import ipaddress
 import os
 import tomllib
@@ -17,6 +18,7 @@ from typing import Any, Callable, Literal, Mapping, get_args
 from kvstored.observability.events import EventEncoding
 from kvstored.parsing import parse_bool, parse_seconds
 from kvstored.shm.copier import default_copy_threads
+from kvstored.shm.memory import NumaPlacement, PoolPages
 from kvstored.sizes import parse_size
 from kvstored.tiers.lower import WritePolicy
 from kvstored.tiers.registry import KINDS as TIER_KINDS
@@ -71,6 +73,17 @@ def _choice(literal: Any) -> Callable[[str], str]:
         if value not in allowed:
             raise ValueError(f"{value!r} is not one of {', '.join(allowed)}")
         return value
+
+    return parse
+
+
+def _choice_of(kind: type[enum.Enum]) -> Callable[[str], enum.Enum]:
+    """Parse an enum's value, naming the valid ones when it is not one."""
+    def parse(value: str) -> enum.Enum:
+        try:
+            return kind(str(value).strip().lower())
+        except ValueError:
+            raise ValueError(f"{value!r} is not one of {', '.join(str(m.value) for m in kind)}") from None
 
     return parse
 
@@ -190,6 +203,17 @@ class Config:
     populate: bool = field(
         default=True,
         metadata=_opt("touch every pool page at start so first copies run at full speed", parse_bool, "BOOL"),
+    )
+    pool_pages: PoolPages = field(
+        default=PoolPages.SMALL,
+        metadata=_opt("the pool's pages: 4k; thp (transparent huge pages: needs "
+                      "/sys/kernel/mm/transparent_hugepage/shmem_enabled = advise); hugetlb (2 MiB pages reserved "
+                      "with vm.nr_hugepages; cpu_bytes is rounded down to 2 MiB)", _choice_of(PoolPages), "PAGES"),
+    )
+    numa_node: NumaPlacement | None = field(
+        default=None,
+        metadata=_opt("place the pool on this NUMA node (e.g. the GPU's), or interleave across all nodes "
+                      "(default: unset, the kernel's first-touch policy)", NumaPlacement.parse, "NODE"),
     )
     region_dirs: tuple[Path, ...] = field(
         default=(Path("/dev/shm"),),

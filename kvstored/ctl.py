@@ -258,10 +258,11 @@ def cmd_namespaces(conn: Conn, args: argparse.Namespace) -> int:
     found = conn.call("ListNamespaces", pb.ListNamespacesRequest()).namespaces
     data = [{"namespace_id": n.namespace_id, "model": n.model, "dtype": n.dtype, "chunk_bytes": n.chunk_bytes,
              "layout": n.layout, "key_bytes": n.key_bytes, "block_tokens": n.block_tokens,
-             "ram_chunks": n.ram_chunks} for n in found]
+             "ram_chunks": n.ram_chunks, "recovered_from": list(n.recovered_from)} for n in found]
     rows = [(d["namespace_id"], d["model"], d["dtype"], format_size(d["chunk_bytes"]), d["layout"] or "-",
-             d["ram_chunks"]) for d in data]
-    emit(args, data, lambda: table(rows, ("NAMESPACE", "MODEL", "DTYPE", "CHUNK", "LAYOUT", "RAM CHUNKS")))
+             d["ram_chunks"], "recovered:" + ",".join(d["recovered_from"]) if d["recovered_from"] else "client")
+            for d in data]
+    emit(args, data, lambda: table(rows, ("NAMESPACE", "MODEL", "DTYPE", "CHUNK", "LAYOUT", "RAM CHUNKS", "SOURCE")))
     return 0
 
 
@@ -463,7 +464,8 @@ def build_parser() -> argparse.ArgumentParser:
     keyed(add("evict", cmd_evict, "delete keys from every tier", aliases=["delete"]))
     clear = add("clear", cmd_clear, "remove every chunk of a namespace the daemon knows of, from every tier")
     clear.add_argument("-n", "--namespace", required=True, metavar="ID", help="namespace id (32 hex digits)")
-    add("namespaces", cmd_namespaces, "the namespaces registered with the daemon (tenant namespaces are hidden)")
+    add("namespaces", cmd_namespaces, "the namespaces the daemon knows: registered by clients, or recovered at start "
+        "from its tiers' records (SOURCE recovered:TIERS); tenant namespaces are hidden")
 
     events = add("events", cmd_events, "tail KV events (stored/removed, per tier), one per line with the full "
                  "namespace id and keys (what lookup and evict take), until interrupted, --count events, or "

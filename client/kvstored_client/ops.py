@@ -86,6 +86,21 @@ class StoreResult:
         return cls(dropped=n, outcomes=(StoreOutcome.DROPPED,) * n)
 
 
+@dataclass(frozen=True)
+class Health:
+    """Client.health(): what the daemon's standard gRPC health check says, or why it could not be
+    asked. `status`: SERVING, NOT_SERVING (shutting down), UNREACHABLE, ... `reason`: why it is not
+    serving ("" when it is), e.g. "permission denied: not in group kvstored (...)"."""
+
+    socket: str
+    status: str
+    reason: str = ""
+
+    @property
+    def serving(self) -> bool:
+        return self.status == "SERVING"
+
+
 @dataclass
 class Region:
     """A registered shared-memory file. Its id is per session: re-attached after reconnects."""

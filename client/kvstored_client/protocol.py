@@ -6,20 +6,26 @@ clients (client.Client, aio.AsyncClient, through session.PoolSession) and the po
 - the session socket's packets: Hello -> Welcome (with the pool's memfd), then AttachRegion (with
   a region's fd) -> RegionAttached, any of them answered by an error instead (`Handshake`);
 - when to try a new session after a failure (`Backoff`);
-- noticing that this process is a fork of the one that set the session up (`ForkGuard`).
+- noticing that this process is a fork of the one that set the session up (`ForkGuard`);
+- whether the daemon is reachable and why not (`LinkHealth`: one WARNING per change of condition,
+  one INFO when it is back; session.diagnose() finds the condition);
+- the standard gRPC health check's wire format (`HEALTH_CHECK`), without grpcio-health-checking.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from os import PathLike
 
 from google.protobuf.message import DecodeError
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client.errors import Unavailable, from_code
+
+log = logging.getLogger(__name__)
 
 MAX_PACKET = 64 << 10  # one session socket packet (SEQPACKET keeps message boundaries)
 MAX_FDS = 4  # file descriptors accepted with one packet (a reply carries at most one)
@@ -176,3 +182,86 @@ class ForkGuard:
 def _close_all(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
+
+
+# -- reachability ----------------------------------------------------------------------------------
+
+class Reason(enum.Enum):
+    """Why the daemon could not be reached."""
+
+    NOT_FOUND = "not found"  # no socket at the path (not running, starting, or a wrong path)
+    REFUSED = "refused"  # a socket file nobody listens on (stopped or killed)
+    PERMISSION_DENIED = "permission denied"  # the socket or its directory is not ours to use
+    RESTARTING = "daemon restarting"  # it accepts connections but does not serve (starting, stopping)
+    REJECTED = "rejected"  # it answered the session with an error (a region it refused...)
+    UNUSABLE = "unusable"  # something else is at the path
+
+
+@dataclass(frozen=True)
+class Condition:
+    reason: Reason
+    detail: str  # what was seen, naming the path (and the group, for permissions)
+    cause: str = field(default="", compare=False)  # the error at hand: varies within one condition
+
+    def __str__(self) -> str:
+        return f"{self.reason.value}: {self.detail}" + (f": {self.cause}" if self.cause else "")
+
+
+class LinkHealth:
+    """The daemon's reachability as a client last saw it. Failures degrade silently (a miss, a
+    dropped store), so each change of condition is logged once as a WARNING naming the socket and
+    the reason, and the return as one INFO; repeats of the same condition say nothing."""
+
+    def __init__(self, socket_path: str | PathLike[str]) -> None:
+        self.socket_path = os.fspath(socket_path)
+        self.condition: Condition | None = None
+
+    def unreachable(self, condition: Condition) -> None:
+        if condition != self.condition:
+            log.warning("kvstored at %s is unreachable: %s; lookups miss and stores are dropped until it is back",
+                        self.socket_path, condition)
+        self.condition = condition
+
+    def reachable(self) -> None:
+        if self.condition is not None:
+            log.info("kvstored at %s is reachable again (was %s)", self.socket_path, self.condition.reason.value)
+        self.condition = None
+
+
+# -- the standard health check (grpc.health.v1), hand-coded: its request is empty when it asks
+# for the whole server, its response one enum field -----------------------------------------------
+
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+SERVING_STATUS = ("UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN")
+
+
+def encode_health_request(_: object = None) -> bytes:
+    return b""  # HealthCheckRequest(service=""): the server as a whole
+
+
+def decode_health_response(data: bytes) -> str:
+    """HealthCheckResponse -> its status name (field 1, a varint; absent means UNKNOWN)."""
+    status, i = 0, 0
+    while i < len(data):
+        tag, i = _varint(data, i)
+        if tag >> 3 == 1 and tag & 7 == 0:
+            status, i = _varint(data, i)
+        elif tag & 7 == 0:
+            _, i = _varint(data, i)
+        elif tag & 7 == 2:
+            length, i = _varint(data, i)
+            i += length
+        else:
+            raise ValueError(f"unexpected wire type {tag & 7} in a health response")
+    return SERVING_STATUS[status] if status < len(SERVING_STATUS) else f"STATUS_{status}"
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, i
+        shift += 7

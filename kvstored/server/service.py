@@ -200,6 +200,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 namespace_id=ns.namespace_id, model=ns.model, dtype=ns.dtype, chunk_bytes=ns.chunk_bytes,
                 layout=ns.layout, key_bytes=ns.key_bytes, block_tokens=ns.block_tokens, tenant=ns.private,
                 ram_chunks=chunk_counts.get(ns.namespace_id, 0),
+                recovered_from=self._namespaces.recovered_from(ns.namespace_id),
             )
             for ns in self._namespaces.all() if self._visible(ns, session)
         ])

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import mmap
 import os
 import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from kvstored.errors import InvalidRequest, RegionFileMissing, RegionNotAllowed
+from kvstored.shm import memory
 from kvstored.shm.beneath import open_beneath
+from kvstored.shm.memory import NumaPlacement, PoolPages, PopulateProgress
 
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
@@ -35,21 +36,33 @@ class SharedPool:
 
     A memfd has no path: clients get it over the session socket, so access follows the
     socket's permissions, and the memory goes away with the last process that maps it.
+    Its pages (4 KiB, THP, hugetlb) and NUMA placement are shm.memory's; populate=True fills it
+    here and now, populate=False leaves that to populate() (in steps, with progress and a stop).
     """
 
-    def __init__(self, size: int, populate: bool) -> None:
+    def __init__(self, size: int, populate: bool, *, pages: PoolPages = PoolPages.SMALL,
+                 numa: NumaPlacement | None = None) -> None:
+        self.memory = memory.create_memfd(size, pages, numa)
         self.size = size
-        self.fd = os.memfd_create("kvstored-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self.fd = self.memory.fd
+        self._map = self.memory.mapping
         try:
-            os.ftruncate(self.fd, size)
-            # Clients get this fd read-write: sealing its size means no client can shrink the
-            # pool under the daemon (its pages would vanish and the next copy would SIGBUS).
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            self._map = map_fd(self.fd, size, populate)
+            if populate:
+                memory.populate(self.memory)
         except BaseException:
+            self._map.close()
             os.close(self.fd)
             raise
         self.array = np.frombuffer(self._map, dtype=np.uint8)
+
+    def populate(self, progress: Callable[[PopulateProgress], None] | None = None,
+                 stop: threading.Event | None = None) -> bool:
+        """Fill every page (blocking: run it in a thread); False if `stop` ended it first."""
+        return memory.populate(self.memory, progress, stop)
+
+    def huge_page_bytes(self) -> int:
+        """How much of the pool the kernel backs with 2 MiB pages now."""
+        return memory.huge_page_bytes(self.memory)
 
     def close(self) -> None:
         del self.array

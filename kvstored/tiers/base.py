@@ -130,6 +130,25 @@ class SecondaryTier(abc.ABC):
         """The chunks of a namespace this tier knows of (for clearing a namespace)."""
         return []
 
+    async def namespace_chunks(self, namespace_id: str) -> list[ChunkId]:
+        """Every chunk of a namespace the tier holds, as completely as it can tell (clearing a
+        namespace; s3 lists them). Raises TierUnavailable when it cannot look."""
+        return self.known_chunks(namespace_id)
+
+    # Namespace records: one small record per namespace the tier holds chunks of
+    # (kvstored.namespaces.encode_record), so a restarted daemon knows its namespaces before any
+    # client registers them. A tier without storage of its own keeps none. These raise on failure.
+
+    async def save_namespace_record(self, namespace_id: str, record: bytes) -> None:
+        """Store (or replace) the record, atomically: a reader sees the old or the new one."""
+
+    async def remove_namespace_record(self, namespace_id: str) -> None:
+        """Remove the record, if there is one."""
+
+    async def namespace_records(self) -> dict[str, bytes]:
+        """Every record the tier holds, by namespace id."""
+        return {}
+
     def set_admission(self, policy: "AdmissionPolicy") -> None:
         """Change the admission policy at run time (SIGHUP reload); tiers without one ignore it."""
 

@@ -179,7 +179,11 @@ class TierChain:
             self._publish_ram(EventType.REMOVED, Cause.DELETED, gone)
             self.events.publish_cleared("ram", TierKind.RAM, namespace_id)
             for lower in self._deletable:
-                known = lower.tier.known_chunks(namespace_id)
+                try:
+                    known = await lower.tier.namespace_chunks(namespace_id)
+                except TierUnavailable as exc:  # could not look: clear what it knows, and say so
+                    failures.append(exc)
+                    known = lower.tier.known_chunks(namespace_id)
                 below = await lower.remove_all(known)
                 failures += below.failures
                 gone = [c for c, hit in zip(known, below.gone) if hit]

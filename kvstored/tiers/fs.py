@@ -42,7 +42,7 @@ from kvstored.tiers.base import (
     AdmissionPolicy, ChunkId, RemovalCause, SecondaryTier, TierKind, TierUsage, WriteOutcome,
 )
 from kvstored.tiers.chunkfile import HEADER_BYTES, CorruptChunk
-from kvstored.tiers import fs_io
+from kvstored.tiers import fs_io, fs_records
 from kvstored.tiers.fs_index import FsIndex
 from kvstored.tiers.views import check_views, trim
 
@@ -122,7 +122,7 @@ class FsTier(SecondaryTier):
     async def start(self) -> None:
         """Create the root, probe O_DIRECT, rebuild the index from the files on disk (oldest
         mtime = least recently used), remove stale temporary files, evict down to the capacity."""
-        entries, bad = await self._run(lambda fut: fut.result(), self._start_job)
+        entries, bad = await self._run(_result, self._start_job)
         self.counters.bad_entries += bad
         self._index.load(entries)
         log.info(
@@ -334,6 +334,15 @@ class FsTier(SecondaryTier):
 
     def known_chunks(self, namespace_id: str) -> list[ChunkId]:
         return self._index.chunks_of(namespace_id)
+
+    async def save_namespace_record(self, namespace_id: str, record: bytes) -> None:
+        await self._run(_result, fs_records.write_record, self._root, namespace_id, record)
+
+    async def remove_namespace_record(self, namespace_id: str) -> None:
+        await self._run(_result, fs_records.remove_record, self._root, namespace_id)
+
+    async def namespace_records(self) -> dict[str, bytes]:
+        return await self._run(_result, fs_records.read_records, self._root)
 
     def usage(self) -> TierUsage:
         """used_bytes: the indexed files and the temporary files of writes in flight (their
@@ -679,6 +688,10 @@ class _WriteFailed(Exception):
 
 
 # -- buffers and syscalls (pool threads) ---------------------------------------------------
+
+
+def _result(fut: asyncio.Future):
+    return fut.result()
 
 
 def _result_or_nothing(fut: asyncio.Future):

@@ -403,6 +403,66 @@ class S3Tier(SecondaryTier):
     def known_chunks(self, namespace_id: str) -> list[ChunkId]:
         return self._index.chunks_of(namespace_id)
 
+    async def namespace_chunks(self, namespace_id: str) -> list[ChunkId]:
+        """The namespace's objects under the prefix (a listing: without a capacity the index
+        holds only the objects this daemon has seen), and those in flight."""
+        found: dict[ChunkId, None] = dict.fromkeys(self._index.chunks_of(namespace_id))
+        found.update(dict.fromkeys(c for c in self._pending if c[0] == namespace_id))
+        ns_prefix = f"{self.prefix}{namespace_id}/"
+        for key, _size in await self._guarded("list", ns_prefix, self._list_keys(ns_prefix)):
+            chunk = chunkfile.parse_relpath(key[len(self.prefix):])
+            if chunk is not None and chunk[0] == namespace_id:
+                found[chunk] = None
+        return list(found)
+
+    async def save_namespace_record(self, namespace_id: str, record: bytes) -> None:
+        key = self.prefix + chunkfile.record_relpath(namespace_id)
+        await self._guarded("write", key, self._call(
+            lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=record)))
+
+    async def remove_namespace_record(self, namespace_id: str) -> None:
+        key = self.prefix + chunkfile.record_relpath(namespace_id)
+        await self._guarded("delete", key, self._call(
+            lambda: self._client.delete_object(Bucket=self.bucket, Key=key)))
+
+    async def namespace_records(self) -> dict[str, bytes]:
+        records_prefix = f"{self.prefix}{chunkfile.RECORDS_DIR}/"
+        names = {}
+        for key, size in await self._guarded("list", records_prefix, self._list_keys(records_prefix)):
+            namespace_id = chunkfile.parse_record_name(key[len(records_prefix):])
+            if namespace_id is not None and size <= chunkfile.MAX_RECORD_BYTES:
+                names[namespace_id] = key
+        bodies = await asyncio.gather(*(self._guarded("read", key, self._call(lambda key=key: self._read_all(key)))
+                                        for key in names.values()))
+        return dict(zip(names, bodies))
+
+    async def _read_all(self, key: str) -> bytes:
+        response = await self._client.get_object(Bucket=self.bucket, Key=key)
+        async with response["Body"] as stream:
+            return await stream.read()
+
+    async def _list_keys(self, prefix: str) -> list[tuple[str, int]]:
+        """(key, size) of every object under `prefix`, page after page (under the breaker)."""
+        found: list[tuple[str, int]] = []
+        token: str | None = None
+        while True:
+            kwargs = {"Bucket": self.bucket, "Prefix": prefix, **({"ContinuationToken": token} if token else {})}
+            page = await self._call(lambda kwargs=kwargs: self._client.list_objects_v2(**kwargs))
+            found += [(obj["Key"], int(obj["Size"])) for obj in page.get("Contents", ())]
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return found
+
+    async def _guarded(self, what: str, key: str, work: Awaitable[T]) -> T:
+        """`work`, with its S3 failure (or the open breaker) raised as TierUnavailable naming it."""
+        try:
+            return await work
+        except _Skipped:
+            raise TierUnavailable(f"s3 tier {self.name}: cannot {what} {key}: "
+                                  f"{self.endpoint_url or 'S3'} is not answering") from None
+        except S3Failure as exc:
+            raise TierUnavailable(f"s3 tier {self.name}: cannot {what} {key}: {exc}") from None
+
     def usage(self) -> TierUsage:
         return TierUsage(self.capacity_bytes, self._index.used_bytes, len(self._index))
 

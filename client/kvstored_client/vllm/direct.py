@@ -70,6 +70,7 @@ from kvstored_client.vllm.lookups import LookupBatcher, ProbeKey
 from kvstored_client.vllm.namespace import (
     SHA256_OFFLOAD_KEY_BYTES, WORKER_PART_FORMAT, LayoutInfo, RequestNamespaces, layout_info, namespace_spec,
 )
+from kvstored_client.vllm.plugin import socket_option
 from kvstored_client.vllm.pool_worker import PoolTransferEngine
 
 log = logging.getLogger(__name__)
@@ -146,7 +147,7 @@ class KvstoredOffloadingSpec(OffloadingSpec):
             raise ValueError("KvstoredOffloadingSpec supports the direct KV layout only "
                              "(remove canonical_layout from kv_connector_extra_config)")
         extra = self.extra_config
-        self.socket = str(extra.get("kvstored_socket") or default_socket_path())
+        self.socket = socket_option(extra) or str(default_socket_path())
         self.lookup_timeout_s = float(extra.get("kvstored_lookup_timeout_s", 0.25))
         self.connect_timeout_s = float(extra.get("kvstored_connect_timeout_s", 2.0))
         self.store_timeout_s = float(extra.get("kvstored_store_timeout_s", 2.0))

@@ -38,7 +38,9 @@ from kvstored_client.errors import (
 )
 from kvstored_client.ops import NamespaceSpec
 from kvstored_client.paths import session_socket_path
-from kvstored_client.protocol import CHANNEL_OPTIONS, Backoff, ForkGuard, Handshake, channel_target
+from kvstored_client.protocol import (
+    CHANNEL_OPTIONS, Backoff, Condition, ForkGuard, Handshake, LinkHealth, Reason, channel_target,
+)
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +133,7 @@ class DaemonLink:
         self.pool_fd: int | None = None  # the daemon's pool (only with keep_pool_fd); owned by the link
         self.pool_id = ""  # identity of the daemon's pool (its memfd's inode): changes when the daemon restarts
         self.counters = LinkCounters()
+        self.health = LinkHealth(self.socket_path)
         self._sock: socket.socket | None = None
         self._handshake: Handshake | None = None
         self._step_deadline = 0.0
@@ -185,12 +188,12 @@ class DaemonLink:
             self._backoff.skip()
 
     def fail(self, exc: BaseException, backoff: bool = True) -> None:
-        """Drop the session; the next poll after the backoff starts a new one."""
-        if self.state is not LinkState.DOWN:
-            log.warning("kvstored link down (%s): %s", self.socket_path, exc)
+        """Drop the session; the next poll after the backoff starts a new one. Why is logged once
+        per change of condition (protocol.LinkHealth), the return once."""
         self.counters.failures += 1
         self.counters.last_error = str(exc)
         self._close_session()
+        self.health.unreachable(session.diagnose(self.socket_path) or _listening_but(self.socket_path, exc))
         self._backoff.failed(time.monotonic(), wait=backoff)
 
     def on_rpc_error(self, result: Outcome) -> None:
@@ -332,8 +335,7 @@ class DaemonLink:
         self.epoch += 1
         self.counters.sessions_opened += 1
         self._backoff.succeeded()
-        if self.epoch > 1:
-            log.info("kvstored link up again (%s, session %s)", self.socket_path, self.session_id)
+        self.health.reachable()
 
     def _close_session(self) -> None:
         if self._sock is not None:
@@ -346,3 +348,11 @@ class DaemonLink:
         self.state = LinkState.DOWN
         self.session_id = ""
         self.region_id = 0
+
+
+def _listening_but(socket_path: Path, exc: BaseException) -> Condition:
+    """The condition when both sockets accept connections and the session failed anyway."""
+    if isinstance(exc, Unavailable):  # closed, not answering the handshake, UNAVAILABLE
+        return Condition(Reason.RESTARTING, f"{socket_path} accepts connections but kvstored does not serve "
+                                            f"(starting, stopping or restarting)", str(exc))
+    return Condition(Reason.REJECTED, f"kvstored at {socket_path} refused the session", str(exc))
