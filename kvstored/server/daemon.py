@@ -129,8 +129,8 @@ class Daemon:
         log.info("kvstored %s: RAM tier %s (%s pages, NUMA %s, populate=%s)", __version__, format_size(pool_bytes),
                  cfg.pool_pages.value, cfg.numa_node or "unset", cfg.populate)
         if pool_bytes != cfg.cpu_bytes:
-            log.info("RAM tier rounded down from %d to %d bytes: a hugetlb pool is whole 2 MiB pages",
-                     cfg.cpu_bytes, pool_bytes)
+            log.info("RAM tier rounded down from %s to %s: a hugetlb pool is whole 2 MiB pages",
+                     format_size(cfg.cpu_bytes), format_size(pool_bytes))
         if not copy_guarded:
             log.warning("built without kvstored.shm._safecopy: a client truncating its region mid-copy "
                         "can crash the daemon (install a C compiler and reinstall)")
