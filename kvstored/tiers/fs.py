@@ -78,12 +78,17 @@ class FsTier(SecondaryTier):
         admission: AdmissionPolicy = AdmissionPolicy.ALWAYS,
         io_threads: int = 8,
         direct_io: bool = True,
+        group_access: bool = False,
         *,
         full_backoff_s: float = FULL_BACKOFF_S,
         stale_tmp_s: float = STALE_TMP_S,
         touch_interval_s: float = TOUCH_INTERVAL_S,
     ) -> None:
         super().__init__(name)
+        # The daemon's data is the daemon's: chunk files 0600 and directories 0700 (group_access:
+        # 0640 / 0750, for a group that backs the files up, say). Files written with older modes
+        # are read as before.
+        self._file_mode, self._dir_mode = (0o640, 0o750) if group_access else (0o600, 0o700)
         if io_threads < 1:
             raise ValueError("fs tier needs at least one I/O thread")
         self.root = Path(root)
@@ -426,7 +431,7 @@ class FsTier(SecondaryTier):
     # 2-3.4 GiB/s for O_DIRECT here) to protect a cache whose loss only costs recomputation.
 
     def _start_job(self) -> list[tuple[ChunkId, int, float]]:
-        os.makedirs(self._root, exist_ok=True)
+        _make_dirs(self._root, self._dir_mode)
         if self._direct and not self._probe_direct():
             log.info("fs tier %s: %s refuses O_DIRECT; using buffered I/O", self.name, self._root)
             self._direct = False
@@ -438,7 +443,7 @@ class FsTier(SecondaryTier):
         files are still served, the start-up eviction may free space, and writes find out."""
         probe = os.path.join(self._root, f".odirect-probe.{os.getpid()}.{next(_TMP_SEQ)}{TMP_SUFFIX}")
         try:
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DIRECT, 0o644)
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DIRECT, self._file_mode)
             try:
                 os.pwrite(fd, fs_io.header_buffer(), 0)
             finally:
@@ -504,14 +509,14 @@ class FsTier(SecondaryTier):
         """Open `path`, with O_DIRECT if asked and allowed; (fd, whether O_DIRECT is on)."""
         if direct:
             try:
-                return os.open(path, flags | os.O_DIRECT, 0o644), True
+                return os.open(path, flags | os.O_DIRECT, self._file_mode), True
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
                 self._refuse_direct(exc)
                 if flags & os.O_EXCL:  # some filesystems (ramfs) create the file, then refuse O_DIRECT
                     fs_io.unlink_quiet(path)
-        return os.open(path, flags, 0o644), False
+        return os.open(path, flags, self._file_mode), False
 
     def _refuse_direct(self, exc: OSError) -> None:
         if self._direct:
@@ -547,7 +552,7 @@ class FsTier(SecondaryTier):
             try:
                 fd, direct = self._open(tmp, flags, direct_bufs is not None)
             except FileNotFoundError:
-                os.makedirs(directory, exist_ok=True)
+                _make_dirs(directory, self._dir_mode)
                 fd, direct = self._open(tmp, flags, direct_bufs is not None)
             try:
                 if direct:
@@ -635,6 +640,18 @@ class FsTier(SecondaryTier):
 
 
 # -- buffers and syscalls (pool threads) ---------------------------------------------------
+
+def _make_dirs(path: str | Path, mode: int) -> None:
+    """os.makedirs giving every directory it creates `mode` (os.makedirs: only the last one)."""
+    path = os.fspath(path)
+    parent = os.path.dirname(path)
+    if parent and parent != path and not os.path.isdir(parent):
+        _make_dirs(parent, mode)
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        pass
+
 
 
 def _result_or_nothing(fut: asyncio.Future):
