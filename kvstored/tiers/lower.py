@@ -36,6 +36,7 @@ class WritePolicy(enum.Enum):
 
 
 OpObserver = Callable[[str, str, float], None]  # (tier name, op, seconds)
+ArenaView = Callable[[int], memoryview]  # arena id -> the daemon's mapping of it
 
 
 def _ignore(tier: str, op: str, seconds: float) -> None:
@@ -80,7 +81,7 @@ class WriteBack:
     def __init__(
         self,
         ram: RamTier,
-        pool: memoryview,
+        arena_view: ArenaView,
         lower: Sequence[LowerTier],
         policy: WritePolicy,
         headroom_bytes: int,
@@ -89,7 +90,7 @@ class WriteBack:
     ) -> None:
         self._events = events
         self._ram = ram
-        self._pool = pool
+        self._arena_view = arena_view
         self._lower = [t for t in lower if t.capabilities.accepts_writedowns]
         self.policy = policy
         self._headroom = headroom_bytes
@@ -181,7 +182,7 @@ class WriteBack:
             self._write_down(entry)
 
     def _write_down(self, entry: RamEntry) -> list[tuple[TierQueue, asyncio.Future]]:
-        views = self._ram.page_views(entry, self._pool)
+        views = self._ram.page_views(entry, self._arena_view(entry.arena))
         futures = []
         for lower in self._lower:
             job = _write_job(lower, entry, views, self._events)
@@ -274,11 +275,11 @@ class DeletionGuard:
 
 
 class Promoter:
-    def __init__(self, ram: RamTier, pool: memoryview, lower: Sequence[LowerTier], events: EventBus,
+    def __init__(self, ram: RamTier, arena_view: ArenaView, lower: Sequence[LowerTier], events: EventBus,
                  deleting: DeletionGuard) -> None:
         self._events = events
         self._ram = ram
-        self._pool = pool
+        self._arena_view = arena_view
         self._lower = list(lower)
         self._deleting = deleting
         self._in_flight: dict[ChunkId, tuple[asyncio.Future, TierKind]] = {}
@@ -326,7 +327,7 @@ class Promoter:
             return None
         entry = reservation.entry
         lower = self._lower[tier_index]
-        views = self._ram.page_views(entry, self._pool)
+        views = self._ram.page_views(entry, self._arena_view(entry.arena))
         read = lower.queue.submit(Priority.LOAD, lambda: lower.timed("read", lower.tier.read(chunk, views, size)))
         result: asyncio.Future = asyncio.get_running_loop().create_future()
         self._in_flight[chunk] = (result, lower.tier.kind)

@@ -1,6 +1,14 @@
 """Host-RAM tier bookkeeping: which chunk lives in which pool pages, LRU order, leases.
 
 No bytes move here; callers copy through the pool using the extents this returns.
+
+Chunks live in arenas: arena 0 is the public pool every session maps, and each tenant has an
+arena of its own (see kvstored/server/tenants.py). There is one capacity and one LRU over all of
+them, a page allocator per arena, and quota scopes (a tenant's, a namespace's): a chunk that would
+take a scope over its limit evicts that scope's own least recently used chunks first.
+Memory: pages freed in a tenant arena beyond a small slack, and the public arena's free pages
+while the arenas together hold more than the capacity, are handed to `release` (which returns
+them to the kernel and calls `released`), so resident memory stays within the capacity.
 Invariants:
 - the LRU holds exactly the READY chunks with no leases and no write-down in flight (the
   evictable ones);
@@ -16,10 +24,17 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kvstored.shm.allocator import PageAllocator, PageRun
+from kvstored.shm.arenas import PUBLIC_ARENA
 from kvstored.tiers.base import ChunkId
+
+# Free memory kept for reuse (per tenant arena; and the arenas together beyond the capacity)
+# before it goes back to the kernel: a punched hole costs ~0.35 ms per 2 MiB and a later first
+# write into it runs at ~1/8 of a copy's speed, so a little is kept: 16 MiB, or 1/64 of the tier.
+DEFAULT_SLACK_BYTES = 16 << 20
+SLACK_FRACTION = 64
 
 
 class EntryState(enum.Enum):
@@ -35,10 +50,39 @@ class ReserveOutcome(enum.Enum):
 
 
 @dataclass(eq=False, slots=True)
+class QuotaScope:
+    """A byte quota over some chunks (a tenant's, a namespace's). Its LRU holds the scope's
+    evictable chunks, in the order of the tier's LRU."""
+
+    name: str
+    limit_pages: int
+    used_pages: int = 0
+    evictions: int = 0  # chunks evicted to keep this scope within its quota
+    lru: OrderedDict[ChunkId, RamEntry] = field(default_factory=OrderedDict)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a namespace's chunks go, and the quotas they count against."""
+
+    arena: int = PUBLIC_ARENA
+    scopes: tuple[QuotaScope, ...] = ()
+
+
+PUBLIC = Placement()
+# namespace id -> placement (None: nowhere, e.g. a tenant namespace whose arena is gone)
+PlacementOf = Callable[[str], "Placement | None"]
+Releaser = Callable[[int, list[PageRun]], None]  # (arena, runs) to return to the kernel
+
+
+@dataclass(eq=False, slots=True)
 class RamEntry:
     chunk: ChunkId
     size: int
     runs: list[PageRun]
+    arena: int = PUBLIC_ARENA
+    scopes: tuple[QuotaScope, ...] = ()
+    pages: int = 0
     state: EntryState = EntryState.RESERVED
     leases: int = 0
     indexed: bool = True
@@ -56,6 +100,7 @@ class RamEntry:
 class Extent:
     offset: int
     length: int
+    arena: int = PUBLIC_ARENA
 
 
 @dataclass(slots=True)
@@ -80,23 +125,89 @@ class Reservation:
 
 
 class RamTier:
-    def __init__(self, pool_bytes: int, page_bytes: int, has_lower_tiers: bool = False) -> None:
+    def __init__(
+        self, pool_bytes: int, page_bytes: int, has_lower_tiers: bool = False, populated: bool = True,
+        slack_bytes: int = DEFAULT_SLACK_BYTES,
+    ) -> None:
+        """pool_bytes: the capacity, and the size of the public arena; populated: whether the
+        public arena's memory is resident from the start."""
         self._has_lower = has_lower_tiers
         self.page_bytes = page_bytes
-        self.capacity_bytes = (pool_bytes // page_bytes) * page_bytes
-        self._alloc = PageAllocator(pool_bytes // page_bytes)
+        self._capacity_pages = pool_bytes // page_bytes
+        self.capacity_bytes = self._capacity_pages * page_bytes
+        self._arenas: dict[int, PageAllocator] = {PUBLIC_ARENA: PageAllocator(self._capacity_pages, populated)}
+        self._used_pages = 0  # pages held by chunks, all arenas together
+        self._resident_pages = self._arenas[PUBLIC_ARENA].resident_pages  # all arenas together
         self._index: dict[ChunkId, RamEntry] = {}
         self._lru: OrderedDict[ChunkId, RamEntry] = OrderedDict()  # oldest first
         self.counters = RamCounters()
         self._ready = 0  # READY chunks in the index
+        self._placement: PlacementOf = lambda _ns: PUBLIC
+        self._release: Releaser | None = None  # None: memory is never returned to the kernel
+        self._slack_pages = max(1, min(slack_bytes, self.capacity_bytes // SLACK_FRACTION) // page_bytes)
+        self._public_releasable = False
+        self._freed_in: set[int] = set()  # arenas with pages freed since the last trim
+        self._releasing_pages = 0  # handed to the releaser, not back yet
+
+    # -- arenas and memory ----------------------------------------------------------------
+
+    def set_placement(self, placement: PlacementOf) -> None:
+        self._placement = placement
+
+    def set_releaser(self, release: Releaser | None) -> None:
+        """`release(arena, runs)` returns pages to the kernel, then calls `released()`."""
+        self._release = release
+
+    def set_public_releasable(self, releasable: bool) -> None:
+        """Whether the public arena's free pages may be returned to the kernel (never while a
+        client has it pinned for DMA: its device would keep writing the old pages)."""
+        self._public_releasable = releasable
+        self._trim()
+
+    def add_arena(self, arena: int, size_bytes: int) -> None:
+        """A sparse arena (no page resident yet)."""
+        if arena in self._arenas:
+            raise ValueError(f"arena {arena} exists")
+        self._arenas[arena] = PageAllocator(size_bytes // self.page_bytes, resident=False)
+
+    def arena_idle(self, arena: int) -> bool:
+        """No page of the arena is held by a chunk or being released: it can be removed."""
+        alloc = self._arenas.get(arena)
+        return alloc is not None and alloc.free_pages == alloc.total_pages
+
+    def remove_arena(self, arena: int) -> None:
+        if arena == PUBLIC_ARENA or not self.arena_idle(arena):
+            raise ValueError(f"arena {arena} is in use")
+        self._resident_pages -= self._arenas.pop(arena).resident_pages
+        self._freed_in.discard(arena)
+
+    def released(self, arena: int, runs: list[PageRun], returned: bool = True) -> None:
+        """Runs handed to the releaser are done: returned to the kernel (holes now), or not."""
+        alloc = self._arenas[arena]
+        before = alloc.resident_pages
+        alloc.released(runs, returned)
+        self._resident_pages += alloc.resident_pages - before
+        self._releasing_pages -= sum(run.count for run in runs)
+
+    @property
+    def slack_bytes(self) -> int:
+        return self._slack_pages * self.page_bytes
+
+    @property
+    def resident_bytes(self) -> int:
+        """Memory the arenas may hold: pages of chunks, free pages kept for reuse, pages being
+        released (pages never written, or returned to the kernel, are not counted)."""
+        return self._resident_pages * self.page_bytes
+
+    # -- sizes ----------------------------------------------------------------------------
 
     @property
     def used_bytes(self) -> int:
-        return (self._alloc.total_pages - self._alloc.free_pages) * self.page_bytes
+        return self._used_pages * self.page_bytes
 
     @property
     def free_bytes(self) -> int:
-        return self._alloc.free_pages * self.page_bytes
+        return (self._capacity_pages - self._used_pages) * self.page_bytes
 
     def pages_for(self, size: int) -> int:
         return -(-size // self.page_bytes)
@@ -104,6 +215,8 @@ class RamTier:
     @property
     def chunk_count(self) -> int:
         return self._ready
+
+    # -- lookups --------------------------------------------------------------------------
 
     def contains(self, chunk: ChunkId, touch: bool = True) -> bool:
         """A READY chunk; a hit refreshes its recency."""
@@ -127,6 +240,8 @@ class RamTier:
             if hit:
                 if entry.chunk in lru:
                     lru.move_to_end(entry.chunk)
+                    for scope in entry.scopes:
+                        scope.lru.move_to_end(entry.chunk)
                 elif entry.writing:
                     entry.touched = True
         self.counters.lookups += len(out)
@@ -136,8 +251,12 @@ class RamTier:
     def _touch(self, entry: RamEntry) -> None:
         if entry.chunk in self._lru:
             self._lru.move_to_end(entry.chunk)
+            for scope in entry.scopes:
+                scope.lru.move_to_end(entry.chunk)
         elif entry.writing:
             entry.touched = True
+
+    # -- reservations ---------------------------------------------------------------------
 
     def reserve(self, chunk: ChunkId, size: int) -> Reservation:
         existing = self._index.get(chunk)
@@ -145,13 +264,28 @@ class RamTier:
             if existing.state is EntryState.READY:
                 return Reservation(ReserveOutcome.ALREADY_PRESENT)
             return Reservation(ReserveOutcome.IN_PROGRESS)
+        placement = self._placement(chunk[0])
+        alloc = self._arenas.get(placement.arena) if placement is not None else None
+        if placement is None or alloc is None:
+            return Reservation(ReserveOutcome.NO_SPACE)
         pages = self.pages_for(size)
         evicted: list[ChunkId] = []
-        runs = self._alloc.allocate(pages) if self._make_room(pages, evicted) else None
+        runs = None
+        # Over a quota, the scope's own chunks make room first; then the tier's LRU.
+        if (all(self._fit_scope(scope, pages, evicted) for scope in placement.scopes)
+                and self._make_room(pages, evicted) and self._fit_arena(placement.arena, pages, evicted)):
+            before = alloc.resident_pages
+            runs = alloc.allocate(pages)
+            self._resident_pages += alloc.resident_pages - before
         if runs is None:
+            self._trim()
             return Reservation(ReserveOutcome.NO_SPACE, evicted=evicted)
-        entry = RamEntry(chunk, size, runs)
+        entry = RamEntry(chunk, size, runs, placement.arena, placement.scopes, pages)
+        self._used_pages += pages
+        for scope in placement.scopes:
+            scope.used_pages += pages
         self._index[chunk] = entry
+        self._trim()
         return Reservation(ReserveOutcome.RESERVED, entry, evicted)
 
     def commit(self, entry: RamEntry, persisted: bool = False) -> None:
@@ -167,15 +301,19 @@ class RamTier:
             self.counters.stored += 1
         if entry.indexed:
             self._ready += 1
-            self._lru[entry.chunk] = entry
+            self._lru_add(entry)
         else:  # deleted while being written
             self._free(entry)
+            self._trim()
 
     def abort(self, entry: RamEntry) -> None:
         if entry.state is not EntryState.RESERVED:
             raise ValueError("abort of a chunk that is not reserved")
         self._unindex(entry)
         self._free(entry)
+        self._trim()
+
+    # -- leases ---------------------------------------------------------------------------
 
     def acquire(self, chunk: ChunkId) -> RamEntry | None:
         """Lease a READY chunk: its pages stay put until release()."""
@@ -183,7 +321,7 @@ class RamTier:
         if entry is None or entry.state is not EntryState.READY:
             return None
         entry.leases += 1
-        self._lru.pop(chunk, None)
+        self._lru_remove(entry)
         self.counters.loaded += 1
         self.counters.read_bytes += entry.size
         return entry
@@ -198,15 +336,15 @@ class RamTier:
             entry.touched = True  # finish_writeback decides
         elif not entry.indexed:
             self._free(entry)
+            self._trim()
         elif entry.probation:
             # A chunk promoted for one load and read once goes to the cold end: it still has its
             # copy below, and under cyclic reuse (multi-turn sessions larger than RAM) keeping it
             # would push out chunks that hit sooner. A second read treats it like any other.
             entry.probation = False
-            self._lru[entry.chunk] = entry
-            self._lru.move_to_end(entry.chunk, last=False)
+            self._lru_add(entry, coldest=True)
         else:
-            self._lru[entry.chunk] = entry  # reading it was a use: most recent
+            self._lru_add(entry)  # reading it was a use: most recent
 
     def ready_chunks(self) -> list[ChunkId]:
         return [c for c, e in self._index.items() if e.state is EntryState.READY]
@@ -214,6 +352,25 @@ class RamTier:
     def chunks_of(self, namespace_id: str) -> list[ChunkId]:
         """Chunks of a namespace, READY or being written (a scan: for admin operations)."""
         return [c for c in self._index if c[0] == namespace_id]
+
+    def usage_by_namespace(self) -> dict[str, tuple[int, int]]:
+        """Per namespace: (READY chunks, bytes of pages held by its chunks) (a scan: for admin
+        operations)."""
+        out: dict[str, tuple[int, int]] = {}
+        for (ns, _key), entry in self._index.items():
+            chunks, nbytes = out.get(ns, (0, 0))
+            out[ns] = (chunks + (entry.state is EntryState.READY), nbytes + entry.pages * self.page_bytes)
+        return out
+
+    def attach_scope(self, namespace_id: str, scope: QuotaScope) -> None:
+        """Count a namespace's chunks already in RAM against a new quota scope."""
+        for chunk in self.chunks_of(namespace_id):
+            entry = self._index[chunk]
+            entry.scopes = (*entry.scopes, scope)
+            scope.used_pages += entry.pages
+        for chunk, entry in self._lru.items():  # in LRU order
+            if scope in entry.scopes:
+                scope.lru[chunk] = entry
 
     def delete(self, chunk: ChunkId) -> bool:
         """Remove a chunk; True if a READY one was there. A chunk still being written (a promotion
@@ -226,6 +383,7 @@ class RamTier:
         self._unindex(entry)
         if ready and not entry.pinned:
             self._free(entry)
+            self._trim()
         return ready
 
     # -- write-back -------------------------------------------------------------------------
@@ -237,14 +395,16 @@ class RamTier:
         evicted: list[ChunkId] = []
         covered = 0
         while covered < bytes_wanted and self._lru:
-            _, entry = self._lru.popitem(last=False)
-            covered += sum(r.count for r in entry.runs) * self.page_bytes
+            entry = next(iter(self._lru.values()))
+            self._lru_remove(entry)
+            covered += entry.pages * self.page_bytes
             if entry.persisted:
                 self._evict(entry)
                 evicted.append(entry.chunk)
             else:
                 entry.writing, entry.touched = True, False
                 to_write.append(entry)
+        self._trim()
         return to_write, evicted
 
     def dirty_entries(self) -> list[RamEntry]:
@@ -253,7 +413,7 @@ class RamTier:
 
     def begin_writeback(self, entry: RamEntry) -> None:
         """Pin a chunk for a write-through copy (it stays readable, not evictable)."""
-        self._lru.pop(entry.chunk, None)
+        self._lru_remove(entry)
         entry.writing, entry.touched = True, True
 
     def finish_writeback(self, entry: RamEntry, persisted: bool) -> bool:
@@ -267,17 +427,30 @@ class RamTier:
             return False
         if not entry.indexed:
             self._free(entry)
+            self._trim()
             return False
         if entry.touched:
-            self._lru[entry.chunk] = entry
+            self._lru_add(entry)
             return False
         self._evict(entry)
+        self._trim()
         return True
 
-    def page_views(self, entry: RamEntry, pool: memoryview) -> list[memoryview]:
-        """The chunk's whole pages as views of `pool` (page-aligned, page-multiple lengths)."""
+    def page_views(self, entry: RamEntry, arena: memoryview) -> list[memoryview]:
+        """The chunk's whole pages as views of its arena's mapping `arena` (page-aligned,
+        page-multiple lengths)."""
         pb = self.page_bytes
-        return [pool[r.start * pb:(r.start + r.count) * pb] for r in entry.runs]
+        return [arena[r.start * pb:(r.start + r.count) * pb] for r in entry.runs]
+
+    def extents(self, entry: RamEntry) -> list[Extent]:
+        out, remaining = [], entry.size
+        for run in entry.runs:
+            length = min(run.count * self.page_bytes, remaining)
+            out.append(Extent(run.start * self.page_bytes, length, entry.arena))
+            remaining -= length
+        return out
+
+    # -- internals ------------------------------------------------------------------------
 
     def _evict(self, entry: RamEntry) -> None:
         if not entry.persisted and self._has_lower:
@@ -286,41 +459,107 @@ class RamTier:
         self._free(entry)
         self.counters.evictions += 1
 
-    def extents(self, entry: RamEntry) -> list[Extent]:
-        out, remaining = [], entry.size
-        for run in entry.runs:
-            length = min(run.count * self.page_bytes, remaining)
-            out.append(Extent(run.start * self.page_bytes, length))
-            remaining -= length
-        return out
-
     def _make_room(self, pages: int, evicted: list[ChunkId]) -> bool:
         """Evict LRU chunks (appended to `evicted`) until `pages` are free; False if leases and
         reservations pin too much of the pool."""
-        short = pages - self._alloc.free_pages
+        short = pages - (self._capacity_pages - self._used_pages)
         if short <= 0:
             return True
         for entry in self._lru.values():  # oldest first: would evicting these be enough?
-            short -= sum(r.count for r in entry.runs)
+            short -= entry.pages
             if short <= 0:
                 break
         else:
             return False  # no: evict nothing, a cache entry lost for nothing is worse
-        while self._alloc.free_pages < pages:
+        while self._capacity_pages - self._used_pages < pages:
             if not self._lru:
                 return False
-            _, victim = self._lru.popitem(last=False)
+            victim = next(iter(self._lru.values()))
             self._evict(victim)
             evicted.append(victim.chunk)
         return True
+
+    def _fit_scope(self, scope: QuotaScope, pages: int, evicted: list[ChunkId]) -> bool:
+        """Evict the scope's own LRU chunks until `pages` more fit in its quota; False (evicting
+        nothing) if its leased and reserved chunks alone leave no room."""
+        short = scope.used_pages + pages - scope.limit_pages
+        if short <= 0:
+            return True
+        for entry in scope.lru.values():
+            short -= entry.pages
+            if short <= 0:
+                break
+        else:
+            return False
+        while scope.used_pages + pages > scope.limit_pages:
+            victim = next(iter(scope.lru.values()))
+            self._evict(victim)
+            scope.evictions += 1
+            evicted.append(victim.chunk)
+        return True
+
+    def _fit_arena(self, arena: int, pages: int, evicted: list[ChunkId]) -> bool:
+        """The arena's own free pages may fall short while some are being released (or, for a
+        tenant, when its arena is smaller than the capacity): evict its own oldest chunks."""
+        alloc = self._arenas[arena]
+        if alloc.free_pages >= pages:
+            return True
+        for victim in [e for e in self._lru.values() if e.arena == arena]:
+            self._evict(victim)
+            evicted.append(victim.chunk)
+            if alloc.free_pages >= pages:
+                return True
+        return False
+
+    def _lru_add(self, entry: RamEntry, coldest: bool = False) -> None:
+        self._lru[entry.chunk] = entry
+        if coldest:
+            self._lru.move_to_end(entry.chunk, last=False)
+        for scope in entry.scopes:
+            scope.lru[entry.chunk] = entry
+            if coldest:
+                scope.lru.move_to_end(entry.chunk, last=False)
+
+    def _lru_remove(self, entry: RamEntry) -> None:
+        if self._lru.pop(entry.chunk, None) is not None:
+            for scope in entry.scopes:
+                scope.lru.pop(entry.chunk, None)
 
     def _unindex(self, entry: RamEntry) -> None:
         if entry.indexed:
             entry.indexed = False
             self._ready -= entry.state is EntryState.READY
             del self._index[entry.chunk]
-            self._lru.pop(entry.chunk, None)
+            self._lru_remove(entry)
 
     def _free(self, entry: RamEntry) -> None:
-        self._alloc.free(entry.runs)
+        if not entry.runs:
+            return
+        self._arenas[entry.arena].free(entry.runs)
         entry.runs = []
+        self._used_pages -= entry.pages
+        for scope in entry.scopes:
+            scope.used_pages -= entry.pages
+        self._freed_in.add(entry.arena)
+
+    def _trim(self) -> None:
+        """Return free memory beyond the slack to the kernel: a tenant arena's beyond its slack;
+        the public arena's while all arenas together hold more than the capacity (plus slack)."""
+        if self._release is None:
+            self._freed_in.clear()
+            return
+        for arena in self._freed_in:
+            if arena != PUBLIC_ARENA and arena in self._arenas:
+                self._give_back(arena, self._arenas[arena].resident_free_pages - self._slack_pages)
+        self._freed_in.clear()
+        if self._public_releasable:
+            excess = self._resident_pages - self._releasing_pages - self._capacity_pages - self._slack_pages
+            self._give_back(PUBLIC_ARENA, excess)
+
+    def _give_back(self, arena: int, pages: int) -> None:
+        if pages <= 0 or self._release is None:
+            return
+        runs = self._arenas[arena].take_resident(pages)
+        if runs:
+            self._releasing_pages += sum(run.count for run in runs)
+            self._release(arena, runs)
