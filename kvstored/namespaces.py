@@ -3,6 +3,7 @@ so every process and every daemon that declares the same namespace agrees on its
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -21,7 +22,18 @@ class Namespace:
     layout: str
     key_bytes: int
     block_tokens: int = 0  # tokens per chunk, for KV events (0: not given)
-    private: bool = False  # registered with a tenant salt: only its sessions may see it
+    tenant: str = ""  # registered with a tenant salt: that tenant's key (see tenant_key); "" public
+
+    @property
+    def private(self) -> bool:
+        """A tenant namespace: only the sessions that registered it may see it."""
+        return bool(self.tenant)
+
+
+def tenant_key(salt: bytes) -> str:
+    """A tenant's name inside the daemon (arenas, quotas, metrics): a digest of its salt, which
+    itself is never kept or shown. "" for no salt."""
+    return hashlib.sha256(b"kvstored-tenant\0" + salt).hexdigest()[:16] if salt else ""
 
 
 class NamespaceRegistry:
@@ -50,7 +62,7 @@ class NamespaceRegistry:
                 f"key_bytes must be between {MIN_KEY_BYTES} and {MAX_KEY_BYTES}, got {key_bytes}"
             )
         ns_id = namespace_id_for(model, dtype, chunk_bytes, layout, tenant_salt, key_bytes)
-        ns = Namespace(ns_id, model, dtype, chunk_bytes, layout, key_bytes, block_tokens, bool(tenant_salt))
+        ns = Namespace(ns_id, model, dtype, chunk_bytes, layout, key_bytes, block_tokens, tenant_key(tenant_salt))
         known = self._by_id.setdefault(ns_id, ns)
         if block_tokens and not known.block_tokens:
             self._by_id[ns_id] = known = ns
@@ -67,6 +79,9 @@ class NamespaceRegistry:
             raise UnknownNamespace(
                 f"unknown namespace {namespace_id!r}: register it first (RegisterNamespace)"
             ) from None
+
+    def find(self, namespace_id: str) -> Namespace | None:
+        return self._by_id.get(namespace_id)
 
     def all(self) -> list[Namespace]:
         return list(self._by_id.values())
