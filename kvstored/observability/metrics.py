@@ -87,10 +87,11 @@ class KvstoredCollector(Collector):
         yield _gauge("namespaces", "registered namespaces", len(self._namespaces))
         ns_info = InfoMetricFamily(
             f"{PREFIX}_namespace",
-            f"registered namespaces (the first {MAX_NAMESPACE_SERIES}): id -> model, dtype, chunk size",
+            f"registered public namespaces (the first {MAX_NAMESPACE_SERIES}): id -> model, dtype, chunk size",
             labels=["namespace", "model", "dtype", "chunk_bytes"],
         )
-        for ns in self._namespaces.all()[:MAX_NAMESPACE_SERIES]:
+        # Tenant namespaces are not named: whoever reaches /metrics must learn nothing of them.
+        for ns in [ns for ns in self._namespaces.all() if not ns.private][:MAX_NAMESPACE_SERIES]:
             ns_info.add_metric([ns.namespace_id, ns.model, ns.dtype, str(ns.chunk_bytes)], {})
         yield ns_info
 

@@ -149,11 +149,14 @@ class Tenancy:
         return None if tenant is None else self._usage(tenant_key, tenant.scope)
 
     def snapshot(self) -> QuotaSnapshot:
-        """Every tenant's quota and use, and every namespace's that has a quota (for metrics).
-        A tenant is named by its arena id: its key is a digest of its salt, and a digest of a
-        guessable salt would give the salt (the tenant's credential) away."""
+        """Every tenant's quota and use, and every public namespace's that has a quota (for
+        metrics, which anyone who reaches them may read). A tenant is named by its arena id: its
+        key is a digest of its salt, and a digest of a guessable salt would give the salt (the
+        tenant's credential) away; its namespaces are not named at all."""
+        public = [(ns_id, scope) for ns_id, scope in self._ns_scopes.items()
+                  if not (ns := self._namespaces.find(ns_id)) or not ns.private]
         return QuotaSnapshot([self._usage(str(t.arena.arena_id), t.scope) for t in self._tenants.values()],
-                             [self._usage(ns_id, scope) for ns_id, scope in self._ns_scopes.items()])
+                             [self._usage(ns_id, scope) for ns_id, scope in public])
 
     # -- sessions and arenas --------------------------------------------------------------
 
