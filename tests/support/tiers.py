@@ -120,7 +120,7 @@ async def store(chain: TierChain, ns: Namespace, key: bytes, byte: int) -> None:
 
 def fill(chain: TierChain, extents, byte: int) -> None:
     for extent in extents:
-        chain._pool.array[extent.offset:extent.offset + extent.length] = byte
+        chain.arenas.array(extent.arena)[extent.offset:extent.offset + extent.length] = byte
 
 
 async def first_word(chain: TierChain, ns: Namespace, key: bytes) -> bytes | None:
@@ -129,6 +129,6 @@ async def first_word(chain: TierChain, ns: Namespace, key: bytes) -> bytes | Non
     if not leases:
         return None
     extent = leases[0].extents[0]
-    word = bytes(chain._pool.array[extent.offset:extent.offset + 4])
+    word = bytes(chain.arenas.array(extent.arena)[extent.offset:extent.offset + 4])
     chain.release([leases[0].entry])
     return word
