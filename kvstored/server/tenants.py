@@ -1,6 +1,7 @@
 """Tenants: each tenant (a tenant_salt) keeps its chunks in an arena of its own, within a quota.
 
-- A tenant's arena (a sparse memfd, as large as the tenant's quota) is created when one of its
+- A tenant's arena (a sparse memfd, twice as large as the tenant's quota: pages being returned
+  to the kernel never leave it short of room within its quota) is created when one of its
   namespaces is first registered and handed (OpenArena) only to sessions that registered one of
   its namespaces; no other session has a mapping of its bytes. It goes once no session holds it
   and none of its chunks is in RAM.
@@ -202,7 +203,7 @@ class Tenancy:
         if len(self._tenants) >= self._max_tenants:
             raise TooManyTenants(f"{len(self._tenants)} tenants hold arenas (max_tenants={self._max_tenants}); "
                                  f"a new tenant can register once one has no session and no chunk in RAM")
-        size = self._tenant_pages * self._page
+        size = 2 * self._tenant_pages * self._page  # address space only: memory follows use
         arena = self._arenas.create(key, size)
         self._ram.add_arena(arena.arena_id, size)
         tenant = Tenant(key, arena, QuotaScope(f"arena:{arena.arena_id}", self._tenant_pages))
@@ -217,9 +218,7 @@ class Tenancy:
             raise InvalidRequest(f"quota_bytes {quota_bytes} is less than one chunk ({ns.chunk_bytes} bytes) "
                                  f"of namespace {ns.namespace_id}")
         cap = self.tenant_quota_bytes if ns.private else self._ram.capacity_bytes
-        pages = min(quota_bytes, cap) // self._page
-        if pages < self._ram.pages_for(ns.chunk_bytes):  # a chunk takes whole pages
-            pages = self._ram.pages_for(ns.chunk_bytes)
+        pages = max(min(quota_bytes, cap) // self._page, self._ram.pages_for(ns.chunk_bytes))  # whole chunks
         scope = self._ns_scopes.get(ns.namespace_id)
         if scope is not None:
             scope.limit_pages = pages

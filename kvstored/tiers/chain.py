@@ -351,7 +351,13 @@ class TierChain:
     # -- helpers --------------------------------------------------------------------------
 
     async def _make_room(self, ns: Namespace, chunks: int) -> None:
-        await self.writeback.make_room(chunks * self.ram.pages_for(ns.chunk_bytes) * self.ram.page_bytes)
+        """Write down what a reservation would evict: within the namespace's quotas (its tenant's,
+        its own) first, then in the tier."""
+        nbytes = chunks * self.ram.pages_for(ns.chunk_bytes) * self.ram.page_bytes
+        placement = self.ram.placement_of(ns.namespace_id)
+        for scope in placement.scopes if placement is not None else ():
+            await self.writeback.make_room(nbytes, scope)
+        await self.writeback.make_room(nbytes)
 
     async def _copy(self, region: Region, entries: Sequence[RamEntry], jobs: list[CopyJob], to_pool: bool) -> None:
         """Copy the chunks of one namespace (so of one arena)."""

@@ -24,7 +24,7 @@ from typing import Awaitable, Callable, Sequence, TypeVar
 from kvstored.io.scheduler import Priority, TierQueue
 from kvstored.observability.events import Cause, EventBus, EventType
 from kvstored.tiers.base import ChunkId, SecondaryTier, TierCapabilities, TierKind, WriteOutcome
-from kvstored.tiers.ram import RamEntry, RamTier, ReserveOutcome
+from kvstored.tiers.ram import QuotaScope, RamEntry, RamTier, ReserveOutcome
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -113,17 +113,19 @@ class WriteBack:
                     self._write_down(entry)
         self._keep_headroom(self._headroom)
 
-    async def make_room(self, nbytes: int) -> None:
+    async def make_room(self, nbytes: int, scope: QuotaScope | None = None) -> None:
         """Before reserving `nbytes`: start write-downs for the shortfall and wait (briefly) for
-        them, so stores don't evict chunks that have no copy below yet."""
+        them, so stores don't evict chunks that have no copy below yet. `scope`: room within a
+        quota (a tenant's, a namespace's), made by writing down that scope's own oldest chunks."""
         if not self._lower:
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._wait_s
-        while self._ram.free_bytes < nbytes:
-            self._keep_headroom(nbytes)
+        while self._ram.room_bytes(scope) < nbytes:
+            self._keep_headroom(nbytes, scope)
             remaining = deadline - loop.time()
-            if self._writing_bytes == 0 or remaining <= 0:
+            writing = self._writing_bytes if scope is None else self._ram.writing_bytes(scope)
+            if writing == 0 or remaining <= 0:
                 return  # reserve() evicts what it must; dirty drops are counted there
             self._space.clear()
             try:
@@ -171,11 +173,12 @@ class WriteBack:
             return False
         return True
 
-    def _keep_headroom(self, wanted_free: int) -> None:
-        shortfall = wanted_free - self._ram.free_bytes - self._writing_bytes
+    def _keep_headroom(self, wanted_free: int, scope: QuotaScope | None = None) -> None:
+        writing = self._writing_bytes if scope is None else self._ram.writing_bytes(scope)
+        shortfall = wanted_free - self._ram.room_bytes(scope) - writing
         if shortfall <= 0:
             return
-        to_write, evicted = self._ram.writeback_victims(shortfall)
+        to_write, evicted = self._ram.writeback_victims(shortfall, scope)
         if evicted:
             self._events.publish(EventType.REMOVED, Cause.EVICTED, "ram", TierKind.RAM, evicted)
         for entry in to_write:

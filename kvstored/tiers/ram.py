@@ -6,9 +6,10 @@ Chunks live in arenas: arena 0 is the public pool every session maps, and each t
 arena of its own (see kvstored/server/tenants.py). There is one capacity and one LRU over all of
 them, a page allocator per arena, and quota scopes (a tenant's, a namespace's): a chunk that would
 take a scope over its limit evicts that scope's own least recently used chunks first.
-Memory: pages freed in a tenant arena beyond a small slack, and the public arena's free pages
-while the arenas together hold more than the capacity, are handed to `release` (which returns
-them to the kernel and calls `released`), so resident memory stays within the capacity.
+Memory: whenever the arenas together hold more than the capacity plus a small slack (a tenant
+arena's pages become memory only when first written), free pages of the arena holding the most
+are handed to `release` (which returns them to the kernel and calls `released`), so resident
+memory stays within the capacity; free pages are otherwise kept for reuse.
 Invariants:
 - the LRU holds exactly the READY chunks with no leases and no write-down in flight (the
   evictable ones);
@@ -30,9 +31,9 @@ from kvstored.shm.allocator import PageAllocator, PageRun
 from kvstored.shm.arenas import PUBLIC_ARENA
 from kvstored.tiers.base import ChunkId
 
-# Free memory kept for reuse (per tenant arena; and the arenas together beyond the capacity)
-# before it goes back to the kernel: a punched hole costs ~0.35 ms per 2 MiB and a later first
-# write into it runs at ~1/8 of a copy's speed, so a little is kept: 16 MiB, or 1/64 of the tier.
+# Memory the arenas together may hold beyond the capacity before free pages go back to the
+# kernel (a punched hole costs ~0.35 ms per 2 MiB, and a later first write into it runs at ~1/8
+# of a copy's speed, so a little is tolerated): 16 MiB, or 1/64 of the tier.
 DEFAULT_SLACK_BYTES = 16 << 20
 SLACK_FRACTION = 64
 
@@ -57,6 +58,7 @@ class QuotaScope:
     name: str
     limit_pages: int
     used_pages: int = 0
+    writing_pages: int = 0  # of chunks being written down (pinned until that ends)
     evictions: int = 0  # chunks evicted to keep this scope within its quota
     lru: OrderedDict[ChunkId, RamEntry] = field(default_factory=OrderedDict)
 
@@ -146,7 +148,6 @@ class RamTier:
         self._release: Releaser | None = None  # None: memory is never returned to the kernel
         self._slack_pages = max(1, min(slack_bytes, self.capacity_bytes // SLACK_FRACTION) // page_bytes)
         self._public_releasable = False
-        self._freed_in: set[int] = set()  # arenas with pages freed since the last trim
         self._releasing_pages = 0  # handed to the releaser, not back yet
 
     # -- arenas and memory ----------------------------------------------------------------
@@ -179,7 +180,6 @@ class RamTier:
         if arena == PUBLIC_ARENA or not self.arena_idle(arena):
             raise ValueError(f"arena {arena} is in use")
         self._resident_pages -= self._arenas.pop(arena).resident_pages
-        self._freed_in.discard(arena)
 
     def released(self, arena: int, runs: list[PageRun], returned: bool = True) -> None:
         """Runs handed to the releaser are done: returned to the kernel (holes now), or not."""
@@ -204,6 +204,19 @@ class RamTier:
     @property
     def used_bytes(self) -> int:
         return self._used_pages * self.page_bytes
+
+    def room_bytes(self, scope: QuotaScope | None = None) -> int:
+        """What may still be reserved: in the tier (scope None), or within a quota scope."""
+        if scope is None:
+            return self.free_bytes
+        return max(0, scope.limit_pages - scope.used_pages) * self.page_bytes
+
+    def writing_bytes(self, scope: QuotaScope) -> int:
+        """Pages of the scope's chunks being written down (their room comes when that ends)."""
+        return scope.writing_pages * self.page_bytes
+
+    def placement_of(self, namespace_id: str) -> Placement | None:
+        return self._placement(namespace_id)
 
     @property
     def free_bytes(self) -> int:
@@ -276,16 +289,16 @@ class RamTier:
                 and self._make_room(pages, evicted) and self._fit_arena(placement.arena, pages, evicted)):
             before = alloc.resident_pages
             runs = alloc.allocate(pages)
-            self._resident_pages += alloc.resident_pages - before
+            if alloc.resident_pages > before:  # it took holes: the arenas hold more memory now
+                self._resident_pages += alloc.resident_pages - before
+                self._trim(placement.arena)
         if runs is None:
-            self._trim()
             return Reservation(ReserveOutcome.NO_SPACE, evicted=evicted)
         entry = RamEntry(chunk, size, runs, placement.arena, placement.scopes, pages)
         self._used_pages += pages
         for scope in placement.scopes:
             scope.used_pages += pages
         self._index[chunk] = entry
-        self._trim()
         return Reservation(ReserveOutcome.RESERVED, entry, evicted)
 
     def commit(self, entry: RamEntry, persisted: bool = False) -> None:
@@ -304,14 +317,12 @@ class RamTier:
             self._lru_add(entry)
         else:  # deleted while being written
             self._free(entry)
-            self._trim()
 
     def abort(self, entry: RamEntry) -> None:
         if entry.state is not EntryState.RESERVED:
             raise ValueError("abort of a chunk that is not reserved")
         self._unindex(entry)
         self._free(entry)
-        self._trim()
 
     # -- leases ---------------------------------------------------------------------------
 
@@ -336,7 +347,6 @@ class RamTier:
             entry.touched = True  # finish_writeback decides
         elif not entry.indexed:
             self._free(entry)
-            self._trim()
         elif entry.probation:
             # A chunk promoted for one load and read once goes to the cold end: it still has its
             # copy below, and under cyclic reuse (multi-turn sessions larger than RAM) keeping it
@@ -383,28 +393,30 @@ class RamTier:
         self._unindex(entry)
         if ready and not entry.pinned:
             self._free(entry)
-            self._trim()
         return ready
 
     # -- write-back -------------------------------------------------------------------------
 
-    def writeback_victims(self, bytes_wanted: int) -> tuple[list[RamEntry], list[ChunkId]]:
-        """Oldest first, until `bytes_wanted` bytes are covered: clean chunks are evicted now
-        (returned as ids), dirty ones are pinned for write-down (returned as entries)."""
+    def writeback_victims(self, bytes_wanted: int, scope: QuotaScope | None = None,
+                          ) -> tuple[list[RamEntry], list[ChunkId]]:
+        """Oldest first (of the tier, or of a quota scope), until `bytes_wanted` bytes are
+        covered: clean chunks are evicted now (returned as ids), dirty ones are pinned for
+        write-down (returned as entries)."""
         to_write: list[RamEntry] = []
         evicted: list[ChunkId] = []
         covered = 0
-        while covered < bytes_wanted and self._lru:
-            entry = next(iter(self._lru.values()))
+        lru = self._lru if scope is None else scope.lru
+        while covered < bytes_wanted and lru:
+            entry = next(iter(lru.values()))
             self._lru_remove(entry)
             covered += entry.pages * self.page_bytes
             if entry.persisted:
                 self._evict(entry)
                 evicted.append(entry.chunk)
             else:
-                entry.writing, entry.touched = True, False
+                self._set_writing(entry, True)
+                entry.touched = False
                 to_write.append(entry)
-        self._trim()
         return to_write, evicted
 
     def dirty_entries(self) -> list[RamEntry]:
@@ -414,12 +426,13 @@ class RamTier:
     def begin_writeback(self, entry: RamEntry) -> None:
         """Pin a chunk for a write-through copy (it stays readable, not evictable)."""
         self._lru_remove(entry)
-        entry.writing, entry.touched = True, True
+        self._set_writing(entry, True)
+        entry.touched = True
 
     def finish_writeback(self, entry: RamEntry, persisted: bool) -> bool:
         """End a write-down. Returns True if the chunk left RAM now (it was a victim, unused
         since); False too for a chunk deleted meanwhile (its removal was reported then)."""
-        entry.writing = False
+        self._set_writing(entry, False)
         entry.persisted = entry.persisted or persisted
         if persisted:
             self.counters.writebacks += 1
@@ -427,13 +440,11 @@ class RamTier:
             return False
         if not entry.indexed:
             self._free(entry)
-            self._trim()
             return False
         if entry.touched:
             self._lru_add(entry)
             return False
         self._evict(entry)
-        self._trim()
         return True
 
     def page_views(self, entry: RamEntry, arena: memoryview) -> list[memoryview]:
@@ -511,6 +522,12 @@ class RamTier:
                 return True
         return False
 
+    def _set_writing(self, entry: RamEntry, writing: bool) -> None:
+        if entry.writing != writing:
+            entry.writing = writing
+            for scope in entry.scopes:
+                scope.writing_pages += entry.pages if writing else -entry.pages
+
     def _lru_add(self, entry: RamEntry, coldest: bool = False) -> None:
         self._lru[entry.chunk] = entry
         if coldest:
@@ -540,21 +557,23 @@ class RamTier:
         self._used_pages -= entry.pages
         for scope in entry.scopes:
             scope.used_pages -= entry.pages
-        self._freed_in.add(entry.arena)
 
-    def _trim(self) -> None:
-        """Return free memory beyond the slack to the kernel: a tenant arena's beyond its slack;
-        the public arena's while all arenas together hold more than the capacity (plus slack)."""
+    def _trim(self, allocated_in: int | None = None) -> None:
+        """While the arenas together hold more than the capacity plus the slack, return free
+        pages to the kernel, from the arena holding the most (never the one just allocated in,
+        whose free pages the rest of its batch wants, nor the public one while it is pinned)."""
         if self._release is None:
-            self._freed_in.clear()
             return
-        for arena in self._freed_in:
-            if arena != PUBLIC_ARENA and arena in self._arenas:
-                self._give_back(arena, self._arenas[arena].resident_free_pages - self._slack_pages)
-        self._freed_in.clear()
-        if self._public_releasable:
-            excess = self._resident_pages - self._releasing_pages - self._capacity_pages - self._slack_pages
-            self._give_back(PUBLIC_ARENA, excess)
+        excess = self._resident_pages - self._releasing_pages - self._capacity_pages - self._slack_pages
+        while excess > 0:
+            candidates = [(alloc.resident_free_pages, arena) for arena, alloc in self._arenas.items()
+                          if alloc.resident_free_pages and arena != allocated_in
+                          and (arena != PUBLIC_ARENA or self._public_releasable)]
+            if not candidates:
+                return
+            free, arena = max(candidates)
+            self._give_back(arena, min(free, excess))
+            excess -= min(free, excess)
 
     def _give_back(self, arena: int, pages: int) -> None:
         if pages <= 0 or self._release is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstored.tiers.ram import RamTier, ReserveOutcome
+from kvstored.tiers.ram import Placement, QuotaScope, RamTier, ReserveOutcome
 
 PAGE = 4096
 NS = "ns"
@@ -276,9 +276,6 @@ def test_a_promoted_chunk_read_once_goes_to_the_cold_end_then_lives_normally():
 
 # -- arenas and quotas ----------------------------------------------------------------------------
 
-from kvstored.tiers.ram import Placement, QuotaScope  # noqa: E402
-
-
 def tenants_tier(capacity_pages: int = 16, **kwargs) -> tuple[RamTier, dict[str, Placement], list]:
     """A tier whose namespaces "quiet" and "noisy" are tenants (arenas 1 and 2, 8 pages each);
     every other namespace is public. Returns the tier, the placements and the releases asked."""
@@ -361,16 +358,22 @@ def test_a_namespace_scope_attached_later_counts_the_chunks_already_there():
     assert scope.used_pages == 4
 
 
-def test_freed_tenant_pages_beyond_the_slack_are_released_and_come_back_as_holes():
-    tier, _, releases = tenants_tier()
-    chunks = store(tier, "quiet", 4)
-    for chunk in chunks:
-        tier.delete(chunk)
-    assert [(arena, sum(r.count for r in runs)) for arena, runs in releases] == [(1, 1), (1, 1), (1, 1)]
-    assert tier.resident_bytes == 16 * PAGE + 4 * PAGE  # released pages count until done
+def test_free_pages_go_back_only_past_the_capacity_and_from_the_arena_holding_the_most():
+    tier, _, releases = tenants_tier()  # the pool is resident (16 pages); slack 1 page
+    quiet = store(tier, "quiet", 4)  # 20 pages resident, but nothing may go: the pool is pinned
+    assert releases == [] and tier.resident_bytes == 20 * PAGE
+    for chunk in quiet:
+        tier.delete(chunk)  # freed pages stay for reuse: freeing adds no memory
+    assert releases == []
+    store(tier, "noisy", 2)  # 22 resident: the quiet tenant's free pages go (never noisy's own)
+    assert [(arena, sum(r.count for r in runs)) for arena, runs in releases] == [(1, 4)]
+    tier.set_public_releasable(True)  # and one of the pool's, for the rest
+    assert [(arena, sum(r.count for r in runs)) for arena, runs in releases] == [(1, 4), (0, 1)]
+    assert tier.resident_bytes == 22 * PAGE  # pages count until they are back
     for arena, runs in releases:
         tier.released(arena, runs)
-    assert tier.resident_bytes == 16 * PAGE + 1 * PAGE  # the slack stays
+    assert tier.resident_bytes == 17 * PAGE  # the capacity plus the slack
+    assert store(tier, "quiet", 2, "again")  # its released pages are holes again, and usable
 
 
 def test_the_public_arena_gives_back_what_tenants_hold_when_allowed():
@@ -387,7 +390,7 @@ def test_the_public_arena_gives_back_what_tenants_hold_when_allowed():
 
 
 def test_an_arena_is_removable_only_when_idle():
-    tier, _, releases = tenants_tier()
+    tier, _, _ = tenants_tier()
     [chunk] = store(tier, "noisy", 1)
     assert not tier.arena_idle(2)
     with pytest.raises(ValueError):
@@ -396,3 +399,17 @@ def test_an_arena_is_removable_only_when_idle():
     assert tier.arena_idle(2)
     tier.remove_arena(2)
     assert tier.reserve(("noisy", b"x"), PAGE).outcome is ReserveOutcome.NO_SPACE  # no arena: nowhere
+
+
+def test_write_back_victims_of_a_scope_are_its_own_and_count_as_writing():
+    tier = RamTier(16 * PAGE, PAGE, has_lower_tiers=True)
+    scope = QuotaScope("noisy", 8)
+    tier.set_placement(lambda ns: Placement(0, (scope,)) if ns == "noisy" else Placement())
+    public = store(tier, "public", 4)
+    noisy = store(tier, "noisy", 8)
+    to_write, evicted = tier.writeback_victims(3 * PAGE, scope)
+    assert [e.chunk for e in to_write] == noisy[:3] and evicted == []
+    assert tier.writing_bytes(scope) == 3 * PAGE and tier.room_bytes(scope) == 0
+    assert tier.finish_writeback(to_write[0], persisted=True)
+    assert tier.writing_bytes(scope) == 2 * PAGE and tier.room_bytes(scope) == PAGE
+    assert all(tier.contains(c, touch=False) for c in public)
