@@ -18,7 +18,7 @@ import zmq
 from kvstored_client import ops
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
-from kvstored_client.errors import FailedPrecondition, NotFound
+from kvstored_client.errors import NotFound
 from kvstored_client.protocol import Handshake
 from kvstored_client.session import PoolSession, connect
 from tests.support.daemon import REPO_ROOT, clean_env
@@ -312,9 +312,9 @@ def _memfd_bytes(pid: int) -> dict[str, int]:
 
 def test_arenas_together_stay_within_the_ram_tier(daemon_factory, ns_name):
     """The pool is populated (16 MiB); a tenant then stores 8 MiB into its sparse arena: the pool
-    gives free pages back so both together hold no more than the RAM tier (plus a slack). When
-    the tenant's chunks go, its arena's memory goes back to the kernel too (the pool's comes
-    back when it is written again)."""
+    gives free pages back so both together hold no more than the RAM tier (plus a slack). Once
+    the tenant's chunks are gone and public ones fill the pool again, the tenant's arena gives
+    its memory back."""
     d = daemon_factory(["--tenant-quota", "50%"], cpu_bytes="16MiB")
     capacity, slack = 16 << 20, (16 << 20) // 64  # the RAM tier keeps 1/64 of itself (at most 16 MiB) for reuse
     keys = make_keys("resident", 128)
@@ -326,7 +326,12 @@ def test_arenas_together_stay_within_the_ram_tier(daemon_factory, ns_name):
         assert any("arena" in name and size >= 8 << 20 for name, size in held.items()), held
         assert wait_for(lambda: sum(_memfd_bytes(d.pid).values()) <= capacity + slack), _memfd_bytes(d.pid)
         assert kv.delete(ns, keys) == 128
+        public = kv.register_namespace(model=ns_name + "/public", dtype="u8", chunk_bytes=CHUNK)
+        fill = make_keys("resident-public", 256)  # the whole RAM tier
+        for i in range(0, 256, 64):
+            assert kv.store(public, fill[i:i + 64], payloads(fill[i:i + 64], CHUNK)).stored == 64
         assert wait_for(lambda: max(size for name, size in _memfd_bytes(d.pid).items() if "arena" in name) <= slack)
+        assert wait_for(lambda: sum(_memfd_bytes(d.pid).values()) <= capacity + slack), _memfd_bytes(d.pid)
 
 
 def test_quotas_are_counted_in_metrics_and_shown_by_kvstoredctl(daemon_factory, ns_name):
@@ -363,3 +368,27 @@ def test_quotas_are_counted_in_metrics_and_shown_by_kvstoredctl(daemon_factory, 
         text = ok("namespaces", socket_path=d.socket)
         assert "QUOTA" in text and "1.0 MiB" in text
         assert "1 tenant(s)" in text and "4.0 MiB" in text
+
+
+def test_a_tenant_over_its_quota_writes_its_own_oldest_chunks_down_first(daemon_factory, ns_name, tmp_path):
+    """With a tier below RAM, a tenant at its quota does not drop its oldest chunks: they are
+    written down (write-back within the quota), and come back (into its arena) on a load."""
+    from tests.support.daemon import short_tmpdir
+
+    root = short_tmpdir("kvfs")
+    d = daemon_factory(["--tenant-quota", "2MiB", "--tiers", f"kind=fs,root={root},bytes=64MiB"],
+                       cpu_bytes="16MiB")
+    keys = make_keys("spill", 96)  # 6 MiB: three times the quota
+    data = payloads(keys, CHUNK)
+    with d.client() as kv:
+        ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK, tenant_salt=SALT_A)
+        for i in range(0, 96, 8):
+            assert kv.store(ns, keys[i:i + 8], data[i:i + 8]).stored == 8
+        [ram] = [t for t in d.stats().tiers if t.kind == pb.TIER_KIND_RAM]
+        assert ram.dropped_dirty == 0 and ram.writebacks >= 64
+        out = np.zeros_like(data)
+        for i in range(0, 96, 8):
+            assert kv.load(ns, keys[i:i + 8], out[i:i + 8]) == 8
+        assert np.array_equal(out, data)
+        mine = {n.namespace_id: n for n in _list(d, kv._session.session_id).namespaces}[ns.namespace_id]
+        assert mine.tenant_ram_bytes <= 2 << 20
