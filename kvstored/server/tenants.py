@@ -113,10 +113,10 @@ class Tenancy:
             raise SessionRequired("a tenant namespace (tenant_salt set) must be registered with a session_id")
         if quota_bytes:
             self._set_quota(ns, quota_bytes)
-        quota = self._ns_scopes[ns.namespace_id].limit_pages * self._page if ns.namespace_id in self._ns_scopes else 0
-        if not ns.private:
+        own = self._ns_scopes.get(ns.namespace_id)
+        quota = own.limit_pages * self._page if own is not None else 0
+        if session is None or not ns.private:
             return Registration(PUBLIC_ARENA, self._arenas.get(PUBLIC_ARENA).size, quota)
-        assert session is not None
         tenant = self._tenants.get(ns.tenant) or self._new_tenant(ns.tenant)
         tenant.sessions.add(session.session_id)
         session.tenants.add(ns.tenant)
