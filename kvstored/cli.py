@@ -32,7 +32,7 @@ def _shown_default(f: dataclasses.Field) -> str:
         value = f"0{value:o}"
     elif isinstance(value, tuple):
         value = ":".join(map(str, value))
-    return f"; default {value}"
+    return "; default " + str(value).replace("%", "%%")  # argparse formats help with %
 
 
 def build_parser() -> argparse.ArgumentParser:

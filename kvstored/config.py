@@ -96,6 +96,34 @@ def _parse_optional_size(value: str | int | None) -> int | None:
     return None if value in (None, "", "auto") else parse_size(value)
 
 
+@dataclass(frozen=True)
+class Share:
+    """A size given as bytes, or as a fraction of something sized later (e.g. of cpu_bytes)."""
+
+    bytes: int = 0
+    fraction: float = 0.0  # used when bytes is 0
+
+    def of(self, whole: int) -> int:
+        return self.bytes if self.bytes else int(whole * self.fraction)
+
+    def __str__(self) -> str:
+        return str(self.bytes) if self.bytes else f"{self.fraction:.0%}"
+
+
+def _parse_share(value: str | float) -> Share:
+    """"50%", 0.5 (a fraction, up to 1) or a size ("8GiB", 8589934592)."""
+    text = str(value).strip()
+    if text.endswith("%"):
+        fraction = float(text[:-1]) / 100
+    elif isinstance(value, float) or (text.replace(".", "", 1).isdigit() and "." in text):
+        fraction = float(text)
+    else:
+        return Share(bytes=parse_size(value))
+    if not 0 < fraction <= 1:
+        raise ValueError(f"{value!r}: a fraction must be above 0 and at most 1 (100%)")
+    return Share(fraction=fraction)
+
+
 def is_loopback(addr: str) -> bool:
     host = addr.rpartition(":")[0].strip("[]")
     if host == "localhost":
@@ -297,10 +325,26 @@ class Config:
         default="", metadata=_opt("ZMQ ROUTER endpoint answering vLLM-style replay requests", str, "ENDPOINT")
     )
     events_zmq_topic: str = field(default="", metadata=_opt("topic frame of every ZMQ event message", str, "TOPIC"))
+    events_zmq_tenants: bool = field(
+        default=False,
+        metadata=_opt("also publish tenant namespaces' events (ids and keys) on ZMQ: routers are trusted "
+                      "infrastructure; off, only public namespaces' events are published", parse_bool, "BOOL"),
+    )
     events_encoding: EventEncoding = field(
         default=EventEncoding.MAP,
         metadata=_opt("map: vLLM 0.33 tagged maps; array: positional arrays for older llm-d/Dynamo decoders",
                       EventEncoding, "ENCODING"),
+    )
+    tenant_quota: Share = field(
+        default=Share(fraction=0.5),
+        metadata=_opt("RAM each tenant (tenant_salt) may hold, as a fraction (50%%, 0.5) or bytes (8GiB); over it, "
+                      "a tenant's new chunks evict its own oldest ones. Also the size of its arena (address "
+                      "space, not memory)", _parse_share, "SHARE"),
+    )
+    max_tenants: int = field(
+        default=1024,
+        metadata=_opt("tenants that may hold an arena at once (one memfd each; an arena goes once no session "
+                      "holds it and it has no chunk in RAM)", int, "N"),
     )
     log_level: LogLevel = field(default="info", metadata=_opt("log level", _choice(LogLevel), "LEVEL"))
     log_format: LogFormat = field(
@@ -318,6 +362,10 @@ class Config:
             raise ConfigError(f"copy_threads must be 1 to 64, got {self.copy_threads}")
         if self.max_batch_keys <= 0:
             raise ConfigError(f"max_batch_keys must be positive, got {self.max_batch_keys}")
+        if self.tenant_quota_bytes < self.page_bytes:
+            raise ConfigError(f"tenant_quota ({self.tenant_quota}) must hold at least one page ({self.page_bytes} bytes)")
+        if self.max_tenants < 0:
+            raise ConfigError(f"max_tenants must not be negative, got {self.max_tenants}")
         if self.grace_seconds < 0:
             raise ConfigError(f"grace_seconds must not be negative, got {self.grace_seconds}")
         for tier in self.tiers:
@@ -354,6 +402,10 @@ class Config:
         if self.writeback_headroom is not None:
             return self.writeback_headroom
         return min(self.cpu_bytes // 20, 1 << 30)
+
+    @property
+    def tenant_quota_bytes(self) -> int:
+        return min(self.tenant_quota.of(self.cpu_bytes), self.cpu_bytes)
 
     @property
     def session_socket(self) -> Path:

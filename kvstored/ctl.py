@@ -255,14 +255,24 @@ def cmd_clear(conn: Conn, args: argparse.Namespace) -> int:
 
 
 def cmd_namespaces(conn: Conn, args: argparse.Namespace) -> int:
-    found = conn.call("ListNamespaces", pb.ListNamespacesRequest()).namespaces
+    listed = conn.call("ListNamespaces", pb.ListNamespacesRequest())
     data = [{"namespace_id": n.namespace_id, "model": n.model, "dtype": n.dtype, "chunk_bytes": n.chunk_bytes,
              "layout": n.layout, "key_bytes": n.key_bytes, "block_tokens": n.block_tokens,
-             "ram_chunks": n.ram_chunks, "recovered_from": list(n.recovered_from)} for n in found]
+             "ram_chunks": n.ram_chunks, "ram_bytes": n.ram_bytes, "quota_bytes": n.quota_bytes,
+             "recovered_from": list(n.recovered_from)}
+            for n in listed.namespaces]
     rows = [(d["namespace_id"], d["model"], d["dtype"], format_size(d["chunk_bytes"]), d["layout"] or "-",
-             d["ram_chunks"], "recovered:" + ",".join(d["recovered_from"]) if d["recovered_from"] else "client")
+             d["ram_chunks"], format_size(d["ram_bytes"]), format_size(d["quota_bytes"]) if d["quota_bytes"] else "-",
+             "recovered:" + ",".join(d["recovered_from"]) if d["recovered_from"] else "client")
             for d in data]
-    emit(args, data, lambda: table(rows, ("NAMESPACE", "MODEL", "DTYPE", "CHUNK", "LAYOUT", "RAM CHUNKS", "SOURCE")))
+
+    def text() -> str:
+        listing = table(rows, ("NAMESPACE", "MODEL", "DTYPE", "CHUNK", "LAYOUT", "RAM CHUNKS", "RAM", "QUOTA",
+                                "SOURCE"))
+        return (f"{listing}\n{listed.tenants} tenant(s) (their namespaces are not shown) hold "
+                f"{format_size(listed.tenant_ram_bytes)} of RAM; quota {format_size(listed.tenant_quota_bytes)} each")
+
+    emit(args, data, text)
     return 0
 
 
@@ -464,8 +474,9 @@ def build_parser() -> argparse.ArgumentParser:
     keyed(add("evict", cmd_evict, "delete keys from every tier", aliases=["delete"]))
     clear = add("clear", cmd_clear, "remove every chunk of a namespace the daemon knows of, from every tier")
     clear.add_argument("-n", "--namespace", required=True, metavar="ID", help="namespace id (32 hex digits)")
-    add("namespaces", cmd_namespaces, "the namespaces the daemon knows: registered by clients, or recovered at start "
-        "from its tiers' records (SOURCE recovered:TIERS); tenant namespaces are hidden")
+    add("namespaces", cmd_namespaces, "the namespaces the daemon knows (registered by clients, or recovered at start "
+        "from its tiers' records: SOURCE recovered:TIERS), their RAM use and quota; tenant namespaces are hidden "
+        "(tenants are shown in aggregate)")
 
     events = add("events", cmd_events, "tail KV events (stored/removed, per tier), one per line with the full "
                  "namespace id and keys (what lookup and evict take), until interrupted, --count events, or "

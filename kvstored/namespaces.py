@@ -7,6 +7,7 @@ so an operator can inspect and purge what is on disk before any client returns."
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass
 from typing import Sequence
@@ -26,7 +27,24 @@ class Namespace:
     layout: str
     key_bytes: int
     block_tokens: int = 0  # tokens per chunk, for KV events (0: not given)
-    private: bool = False  # registered with a tenant salt: only its sessions may see it
+    tenant: str = ""  # registered with a tenant salt: that tenant's key (see tenant_key); "" public
+
+    @property
+    def private(self) -> bool:
+        """A tenant namespace: only the sessions that registered it may see it."""
+        return bool(self.tenant)
+
+
+def tenant_key(salt: bytes) -> str:
+    """A tenant's name inside the daemon (arenas, quotas, metrics): a digest of its salt, which
+    itself is never kept or shown. "" for no salt."""
+    return hashlib.sha256(b"kvstored-tenant\0" + salt).hexdigest()[:16] if salt else ""
+
+
+# The tenant of a tenant namespace recovered from a tier's record: the record keeps no salt (nor
+# anything derived from it), so the namespace is private to nobody until a session registers it
+# again with its salt, which replaces this with the real tenant key.
+RECOVERED_TENANT = "recovered"
 
 
 RECORD_FORMAT = 1
@@ -36,7 +54,7 @@ def encode_record(ns: Namespace) -> bytes:
     """The record a tier keeps of a namespace it holds chunks of. A tenant namespace's record says
     so, without its salt: recovered, it stays private until a session registers it again."""
     fields = asdict(ns)
-    fields["tenant"] = fields.pop("private")
+    fields["tenant"] = ns.private  # whether, never which (see RECOVERED_TENANT)
     return json.dumps({"format": RECORD_FORMAT, **fields}, sort_keys=True).encode()
 
 
@@ -52,7 +70,8 @@ def decode_record(namespace_id: str, raw: bytes) -> Namespace:
             namespace_id=_typed(fields, "namespace_id", str), model=_typed(fields, "model", str),
             dtype=_typed(fields, "dtype", str), chunk_bytes=_typed(fields, "chunk_bytes", int),
             layout=_typed(fields, "layout", str), key_bytes=_typed(fields, "key_bytes", int),
-            block_tokens=_typed(fields, "block_tokens", int), private=_typed(fields, "tenant", bool),
+            block_tokens=_typed(fields, "block_tokens", int),
+            tenant=RECOVERED_TENANT if _typed(fields, "tenant", bool) else "",
         )
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"namespace record is not JSON: {exc}") from None
@@ -90,11 +109,14 @@ class NamespaceRegistry:
         key_bytes = key_bytes or DEFAULT_KEY_BYTES
         self._check_sizes(chunk_bytes, key_bytes)
         ns_id = namespace_id_for(model, dtype, chunk_bytes, layout, tenant_salt, key_bytes)
-        ns = Namespace(ns_id, model, dtype, chunk_bytes, layout, key_bytes, block_tokens, bool(tenant_salt))
+        ns = Namespace(ns_id, model, dtype, chunk_bytes, layout, key_bytes, block_tokens, tenant_key(tenant_salt))
         known = self._by_id.setdefault(ns_id, ns)
-        if block_tokens and not known.block_tokens:
+        if self._recovered.pop(ns_id, None) is not None or (block_tokens and not known.block_tokens):
+            # A registration replaces what a record said (a recovered tenant namespace learns its
+            # tenant here); block_tokens, once given, is kept.
+            ns = ns if block_tokens or not known.block_tokens else Namespace(
+                ns_id, model, dtype, chunk_bytes, layout, key_bytes, known.block_tokens, ns.tenant)
             self._by_id[ns_id] = known = ns
-        self._recovered.pop(ns_id, None)
         return known
 
     def recover(self, ns: Namespace, tier: str) -> None:

@@ -149,6 +149,8 @@ class AsyncClient(ClientBase):
                         # caller still waits for it, or the next call would open a second one.
                         timeout = _remaining(deadline)
                         result = await _to_the_end(asyncio.to_thread(self._session_step, timeout))
+                    elif isinstance(effect, ops.MapArena):  # socket work, off the loop (as OPEN_SESSION)
+                        await _to_the_end(asyncio.to_thread(effect.run))
                     elif isinstance(effect, ops.Copy):
                         if effect.nbytes < OFF_LOOP_COPY_BYTES:
                             effect.run()

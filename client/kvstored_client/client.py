@@ -172,7 +172,7 @@ class ClientBase:
         """Interrupted mid-call (task cancelled, KeyboardInterrupt): the daemon may have granted
         reservations or leases we will never hear of. Closing the session is what frees them."""
         plan.close()
-        if effect is OPEN_SESSION or isinstance(effect, ops.Copy) or effect.method in HANDLE_METHODS:
+        if effect is OPEN_SESSION or isinstance(effect, (ops.Copy, ops.MapArena)) or effect.method in HANDLE_METHODS:
             self._drop_session()
 
     def _close_regions(self) -> None:
@@ -368,7 +368,7 @@ class Client(ClientBase):
                 try:
                     if effect is OPEN_SESSION:
                         result = self._session_step(_remaining(deadline))
-                    elif isinstance(effect, ops.Copy):
+                    elif isinstance(effect, (ops.Copy, ops.MapArena)):
                         effect.run()
                     else:
                         result = self._call(getattr(stub, effect.method), effect, deadline)

@@ -4,7 +4,8 @@ clients (client.Client, aio.AsyncClient, through session.PoolSession) and the po
 
 - the gRPC channel's target and options (its reconnect backoff);
 - the session socket's packets: Hello -> Welcome (with the pool's memfd), then AttachRegion (with
-  a region's fd) -> RegionAttached, any of them answered by an error instead (`Handshake`);
+  a region's fd) -> RegionAttached and OpenArena -> ArenaOpened (with a tenant arena's memfd), any
+  of them answered by an error instead (`Handshake`);
 - when to try a new session after a failure (`Backoff`);
 - noticing that this process is a fork of the one that set the session up (`ForkGuard`);
 - whether the daemon is reachable and why not (`LinkHealth`: one WARNING per change of condition,
@@ -68,10 +69,20 @@ class RegionAttached:
     size: int
 
 
+@dataclass(frozen=True)
+class ArenaOpened:
+    """A tenant's arena (its chunks' pool slots): `fd` (a memfd) belongs to the receiver."""
+
+    arena_id: int
+    size: int
+    fd: int
+
+
 class Awaiting(enum.Enum):
     NOTHING = "nothing"
     WELCOME = "welcome"  # Hello sent
     REGION_ATTACHED = "region_attached"  # AttachRegion sent
+    ARENA_OPENED = "arena_opened"  # OpenArena sent
 
 
 class Handshake:
@@ -83,21 +94,30 @@ class Handshake:
     refused region leaves the session usable); a closed socket, an unexpected or undecodable
     reply raises Unavailable (the session is unusable)."""
 
-    def __init__(self, client_name: str) -> None:
+    def __init__(self, client_name: str, pins_pool: bool = False) -> None:
+        """pins_pool: this client pins the pool for DMA (the daemon then keeps its memory)."""
         self.client_name = client_name
+        self.pins_pool = pins_pool
         self.awaiting = Awaiting.NOTHING
         self.welcome: Welcome | None = None
 
     def hello(self) -> Packet:
         self._expect(Awaiting.NOTHING, welcomed=False)
         self.awaiting = Awaiting.WELCOME
-        return Packet(pb.SessionRequest(hello=pb.Hello(client_name=self.client_name)).SerializeToString())
+        hello = pb.Hello(client_name=self.client_name, arenas=True, pins_pool=self.pins_pool)
+        return Packet(pb.SessionRequest(hello=hello).SerializeToString())
 
     def attach_region(self, name: str, fd: int) -> Packet:
         """Hand the daemon an open region file (the fd is sent, not given away)."""
         self._expect(Awaiting.NOTHING, welcomed=True)
         self.awaiting = Awaiting.REGION_ATTACHED
         return Packet(pb.SessionRequest(attach_region=pb.AttachRegion(name=name)).SerializeToString(), (fd,))
+
+    def open_arena(self, arena_id: int) -> Packet:
+        """Ask for a tenant arena this session registered a namespace of."""
+        self._expect(Awaiting.NOTHING, welcomed=True)
+        self.awaiting = Awaiting.ARENA_OPENED
+        return Packet(pb.SessionRequest(open_arena=pb.OpenArena(arena_id=arena_id)).SerializeToString())
 
     def welcome_from(self, data: bytes, fds: list[int]) -> Welcome:
         reply = self._reply(Awaiting.WELCOME, data, fds)
@@ -114,6 +134,13 @@ class Handshake:
         if reply.WhichOneof("kind") != "region_attached":
             raise Unavailable(f"unexpected session reply to AttachRegion: {reply}")
         return RegionAttached(reply.region_attached.region_id, reply.region_attached.size)
+
+    def arena_from(self, data: bytes, fds: list[int]) -> ArenaOpened:
+        reply = self._reply(Awaiting.ARENA_OPENED, data, fds)
+        if reply.WhichOneof("kind") != "arena_opened" or len(fds) != 1:
+            _close_all(fds)
+            raise Unavailable(f"unexpected session reply to OpenArena: {reply}")
+        return ArenaOpened(reply.arena_opened.arena_id, reply.arena_opened.size, fds[0])
 
     def _reply(self, expected: Awaiting, data: bytes, fds: list[int]) -> pb.SessionReply:
         self._expect(expected, welcomed=expected is not Awaiting.WELCOME)

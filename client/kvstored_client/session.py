@@ -1,8 +1,10 @@
 """The session socket's I/O (blocking or not) and the blocking clients' session: opens a session,
-maps the daemon's pool, attaches regions. What is said over the socket is protocol.Handshake's.
+maps the daemon's pool and the arenas of its tenants, attaches regions. What is said over the
+socket is protocol.Handshake's.
 
-The mapping is made from the memfd the daemon sends (never by name: a client must not be able to
-unlink the daemon's memory, and access follows the socket's permissions).
+Mappings are made from the memfds the daemon sends (never by name: a client must not be able to
+unlink the daemon's memory, and access follows the socket's permissions). A tenant arena is not
+populated: it is sparse, and populating it would allocate all of it.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class PoolSession:
         finally:
             os.close(welcome.pool_fd)
         self.arrays = PoolArrays(self._map)
+        self._arenas: dict[int, tuple[mmap.mmap, PoolArrays]] = {}  # tenant arenas mapped
 
     @classmethod
     def open(cls, socket: Path | str, client_name: str, timeout: float, populate: bool = True,
@@ -54,6 +57,24 @@ class PoolSession:
         except BaseException:
             sock.close()
             raise
+
+    def map_arena(self, arena_id: int) -> None:
+        """Map a tenant arena (this session registered one of its namespaces) unless mapped."""
+        if arena_id == 0 or arena_id in self._arenas:
+            return
+        opened = self._handshake.arena_from(*_exchange(self._sock, self._handshake.open_arena(arena_id)))
+        try:
+            mapped = mmap.mmap(opened.fd, opened.size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(opened.fd)
+        self._arenas[arena_id] = (mapped, PoolArrays(mapped))
+
+    def arena_arrays(self, arena_id: int) -> PoolArrays:
+        """The arrays of an arena's mapping (0: the pool); a tenant arena is mapped on first use."""
+        if arena_id == 0:
+            return self.arrays
+        self.map_arena(arena_id)
+        return self._arenas[arena_id][1]
 
     def attach_region(self, fd: int, name: str) -> tuple[int, int]:
         """Hand the daemon an open region file; returns (region id, size)."""
@@ -69,10 +90,13 @@ class PoolSession:
         self.copier.close()
         self._sock.close()
         self.arrays.release()
-        try:
-            self._map.close()
-        except BufferError:  # a caller still holds a view into the pool; freed with it
-            pass
+        for mapped, arrays in [(self._map, self.arrays), *self._arenas.values()]:
+            arrays.release()
+            try:
+                mapped.close()
+            except BufferError:  # a caller still holds a view into the pool; freed with it
+                pass
+        self._arenas.clear()
 
 
 # -- session socket I/O, for both kinds of caller --------------------------------------------------

@@ -23,6 +23,25 @@ SessionCountsSource = Callable[[], SessionCounts]
 
 
 @dataclass(frozen=True)
+class QuotaUsage:
+    """A RAM quota and its use: a tenant's (name: its key) or a namespace's (name: its id)."""
+
+    name: str
+    quota_bytes: int
+    used_bytes: int
+    evictions: int  # chunks evicted to keep within the quota
+
+
+@dataclass(frozen=True)
+class QuotaSnapshot:
+    tenants: list[QuotaUsage]  # every tenant holding an arena
+    namespaces: list[QuotaUsage]  # every namespace with a quota of its own
+
+
+QuotaSource = Callable[[], QuotaSnapshot]
+
+
+@dataclass(frozen=True)
 class TierSnapshot:
     name: str
     kind: TierKind

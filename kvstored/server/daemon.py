@@ -5,7 +5,8 @@ handles, regions) -> tier chain (tiers/chain.py) -> tiers -> metrics and events 
 
 Shutdown order: health NOT_SERVING -> stop accepting sessions -> gRPC stop with a grace period
 (in-flight calls finish) -> end sessions (leases, regions) -> region populates -> write-downs
-(flush) -> namespace records -> tiers and copy threads -> pool -> socket files.
+(flush) -> namespace records -> tiers and copy threads -> page releases -> arenas and pool -> socket
+files.
 """
 
 from __future__ import annotations
@@ -32,15 +33,17 @@ from kvstored.config import Config, ConfigError
 from kvstored.logs import setup_logging
 from kvstored.namespaces import NamespaceRegistry
 from kvstored.observability.metrics import DaemonMetrics
-from kvstored.observability.events import EventBus
+from kvstored.observability.events import EventBus, KvEvent
 from kvstored.server.broker import SessionBroker
 from kvstored.server.errors import ErrorMappingInterceptor
 from kvstored.server.namespace_records import NamespaceRecords
 from kvstored.server.service import KVStoreService
 from kvstored.server.session_socket import SessionSocketServer
+from kvstored.server.tenants import Tenancy, TenantPolicy, events_for
 from kvstored.server.systemd import notify
 from kvstored.shm.copy import GUARDED as copy_guarded
 from kvstored.shm import memory
+from kvstored.shm.arenas import ArenaSet, PageReleaser
 from kvstored.shm.mapping import SharedPool
 from kvstored.shm.memory import PoolPages, PopulateProgress
 from kvstored.sizes import format_size
@@ -137,12 +140,18 @@ class Daemon:
         self.pool = SharedPool(pool_bytes, populate=False, pages=cfg.pool_pages, numa=cfg.numa_node)
         if cfg.populate:
             await self._populate_pool()
+        self.arenas = ArenaSet(self.pool)
         self.namespaces = NamespaceRegistry(pool_bytes)
         lower = build_lower_tiers(cfg.tiers)
         writable = any(t.capabilities.accepts_writedowns for t in lower)  # RAM's chunks can go down
+        ram = RamTier(pool_bytes, cfg.page_bytes, has_lower_tiers=writable, populated=cfg.populate)
+        self.releaser = PageReleaser(self.arenas, cfg.page_bytes, ram.released)
+        ram.set_releaser(self.releaser.release)
+        self.tenancy = Tenancy(ram, self.arenas, self.namespaces,
+                               TenantPolicy(cfg.tenant_quota_bytes, cfg.max_tenants))
         self.chain = TierChain(
-            RamTier(pool_bytes, cfg.page_bytes, has_lower_tiers=writable),
-            self.pool,
+            ram,
+            self.arenas,
             lower,
             ChainPolicy(cfg.write_policy, cfg.headroom_bytes if writable else 0, cfg.writeback_wait_seconds,
                         cfg.copy_threads),
@@ -152,7 +161,7 @@ class Daemon:
         await self._start_tiers()
         self.chain.events.add_listener(self.records.on_event)
         self.records.start()
-        self.broker = SessionBroker(self.chain)
+        self.broker = SessionBroker(self.chain, tenancy=self.tenancy)
         self.zmq_events: ZmqEventPublisher | None = None
         if cfg.events_zmq_endpoint:
             from kvstored.observability import zmq_events
@@ -162,20 +171,21 @@ class Daemon:
                 cfg.events_encoding, self.namespaces.block_tokens, cfg.events_buffer,
             )
             self.zmq_events.start()
-            self.chain.events.add_listener(self.zmq_events)
+            self.chain.events.add_listener(self._zmq_listener(self.zmq_events, cfg.events_zmq_tenants))
         for t in lower:
             usage = t.tier.usage()
             log.info("tier %s (%s): %s used of %s, %d chunks", t.tier.name, t.tier.kind.name.lower(),
                      format_size(usage.used_bytes), format_size(usage.capacity_bytes) if usage.capacity_bytes
                      else "unbounded", usage.chunks)
 
-        self.metrics = DaemonMetrics(self.chain, self.broker.counts, self.namespaces)
+        self.metrics = DaemonMetrics(self.chain, self.broker.counts, self.namespaces, self.tenancy.snapshot)
         for lower_tier in self.chain.lower:
             lower_tier.observe = self.metrics.observe_tier_op
         self.metrics.preinit_grpc(pb.DESCRIPTOR.services_by_name["KVStore"])
         self.server = grpc.aio.server(interceptors=[self.metrics.interceptor, ErrorMappingInterceptor()])
         pb_grpc.add_KVStoreServicer_to_server(
-            KVStoreService(self.chain, self.broker, self.namespaces, cfg.max_batch_keys, cfg.region_dirs),
+            KVStoreService(self.chain, self.broker, self.namespaces, cfg.max_batch_keys, cfg.region_dirs,
+                           self.tenancy),
             self.server,
         )
         self.health = health.aio.HealthServicer()
@@ -193,7 +203,7 @@ class Daemon:
             await self._start_metrics(cfg.metrics_addr)
 
         self.session_server = SessionSocketServer(
-            cfg.session_socket, cfg.socket_mode, self.broker, self.pool, self.chain.ram.page_bytes
+            cfg.session_socket, cfg.socket_mode, self.broker, self.pool, self.chain.ram.page_bytes, self.tenancy
         )
         await self.session_server.start()
         for name in ("", SERVICE_NAME):
@@ -226,6 +236,18 @@ class Daemon:
             log.info("RAM tier: %s of %s in 2 MiB pages", format_size(self.pool.huge_page_bytes()),
                      format_size(self.pool.size))
 
+    def _zmq_listener(self, publisher: ZmqEventPublisher, tenants: bool) -> Callable[[KvEvent], None]:
+        """Routers get public namespaces' events; tenant namespaces' too only if configured."""
+        if tenants:
+            return publisher
+        public = events_for(self.namespaces, None)
+
+        def listener(event: KvEvent) -> None:
+            if public(event):
+                publisher(event)
+
+        return listener
+
     async def _start_tiers(self) -> None:
         """Start the tiers (an S3 listing or a large fs index can take a while), giving up at
         once if a stop is requested meanwhile: nothing serves yet, so nothing is lost."""
@@ -239,6 +261,8 @@ class Daemon:
             starting.cancel()
             await self.chain.close()  # closing tiers also stops an index scan in progress
             await asyncio.wait((starting,))
+            await self.releaser.close()
+            self.arenas.close()
             self.pool.close()
             raise StoppedDuringStart("stop requested while the tiers were starting")
         starting.result()  # a TierStartError ends the start here
@@ -320,6 +344,8 @@ class Daemon:
         if self.zmq_events is not None:
             await self.zmq_events.close()
         await self.chain.close()
+        await self.releaser.close()
+        self.arenas.close()
         self.pool.close()
         with contextlib.suppress(FileNotFoundError):
             cfg.socket.unlink()

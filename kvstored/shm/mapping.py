@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import mmap
 import os
 import stat
@@ -24,6 +25,10 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
 POPULATE_STEP_BYTES = 64 << 20  # a closing region stops its populate within one step
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 
 def map_fd(fd: int, size: int, populate: bool) -> mmap.mmap:
@@ -71,6 +76,27 @@ class SharedPool:
         except BufferError:  # a copy still holds a view; the kernel frees it at exit
             pass
         os.close(self.fd)
+
+
+def create_arena_memfd(name: str, size: int) -> int:
+    """A sparse memfd of `size` bytes for a tenant arena: no page is allocated until written,
+    and its size is sealed like the pool's (clients get it read-write)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Return a byte range of a memfd to the kernel (it reads as zeros, and is allocated again by
+    its next write). Removes the pages from every process's mapping: never for pages in use."""
+    if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length):
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
 
 
 def open_region_file(path: str, allowed_dirs: Sequence[Path]) -> int:

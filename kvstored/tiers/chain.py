@@ -25,7 +25,8 @@ from kvstored.namespaces import Namespace
 from kvstored.observability.events import Cause, EventBus, EventType
 from kvstored.shm.copier import Copier, CopyJob, default_copy_threads
 from kvstored.shm.copy import MappingVanished
-from kvstored.shm.mapping import Region, SharedPool
+from kvstored.shm.arenas import ArenaSet
+from kvstored.shm.mapping import Region
 from kvstored.tiers.base import ChunkId, RemovalCause, SecondaryTier, TierKind
 from kvstored.tiers.lower import DeletionGuard, LowerTier, Promoter, WriteBack, WritePolicy
 from kvstored.tiers.ram import Extent, RamEntry, RamTier, ReserveOutcome
@@ -84,7 +85,7 @@ class TierChain:
     def __init__(
         self,
         ram: RamTier,
-        pool: SharedPool,
+        arenas: ArenaSet,
         lower: Sequence[LowerTier] = (),
         policy: ChainPolicy = ChainPolicy(),
         events: EventBus | None = None,
@@ -92,17 +93,16 @@ class TierChain:
         self.events = events or EventBus()
         self.ram = ram
         self.lower = list(lower)
-        self._pool = pool
+        self.arenas = arenas
         self._copier = Copier(policy.copy_threads)
-        pool_view = memoryview(pool.array)
         self.writeback = WriteBack(
-            ram, pool_view, self.lower, policy.write_policy, policy.headroom_bytes, policy.writeback_wait_s,
+            ram, arenas.view, self.lower, policy.write_policy, policy.headroom_bytes, policy.writeback_wait_s,
             self.events,
         )
         self._deletable = [t for t in self.lower if t.capabilities.accepts_deletes]
         self._deleting = DeletionGuard()
         self._deletes: set[asyncio.Task] = set()  # run to the end even if their caller gives up
-        self.promoter = Promoter(ram, pool_view, self.lower, self.events, self._deleting)
+        self.promoter = Promoter(ram, arenas.view, self.lower, self.events, self._deleting)
         for lower_tier in self.lower:
             lower_tier.tier.removal_listener = self._tier_removed
 
@@ -318,7 +318,7 @@ class TierChain:
         jobs = [CopyJob(offset, self.ram.extents(entry)) for entry, offset in stored]
         entries = [entry for entry, _ in stored]
         try:
-            await self._copy(region, jobs, to_pool=True)
+            await self._copy(region, entries, jobs, to_pool=True)
         except BaseException:
             self.abort(entries)
             raise
@@ -336,7 +336,7 @@ class TierChain:
         try:
             proceed()  # (no await from here to the copy's start)
             jobs = [CopyJob(offset, self.ram.extents(entry)) for entry, offset in leased]
-            await self._copy(region, jobs, to_pool=False)
+            await self._copy(region, [entry for entry, _ in leased], jobs, to_pool=False)
         finally:
             self.release([entry for entry, _ in leased])
         return len(leased)
@@ -355,11 +355,20 @@ class TierChain:
     # -- helpers --------------------------------------------------------------------------
 
     async def _make_room(self, ns: Namespace, chunks: int) -> None:
-        await self.writeback.make_room(chunks * self.ram.pages_for(ns.chunk_bytes) * self.ram.page_bytes)
+        """Write down what a reservation would evict: within the namespace's quotas (its tenant's,
+        its own) first, then in the tier."""
+        nbytes = chunks * self.ram.pages_for(ns.chunk_bytes) * self.ram.page_bytes
+        placement = self.ram.placement_of(ns.namespace_id)
+        for scope in placement.scopes if placement is not None else ():
+            await self.writeback.make_room(nbytes, scope)
+        await self.writeback.make_room(nbytes)
 
-    async def _copy(self, region: Region, jobs: list[CopyJob], to_pool: bool) -> None:
+    async def _copy(self, region: Region, entries: Sequence[RamEntry], jobs: list[CopyJob], to_pool: bool) -> None:
+        """Copy the chunks of one namespace (so of one arena)."""
+        if not jobs:
+            return
         try:
-            await self._copier.run(region.array, self._pool.array, jobs, to_pool)
+            await self._copier.run(region.array, self.arenas.array(entries[0].arena), jobs, to_pool)
         except MappingVanished:
             raise RegionShrunk(
                 f"region {region.region_id} ({region.name}) shrank during the copy: register it again"

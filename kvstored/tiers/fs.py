@@ -84,12 +84,17 @@ class FsTier(SecondaryTier):
         admission: AdmissionPolicy = AdmissionPolicy.ALWAYS,
         io_threads: int = 8,
         direct_io: bool = True,
+        group_access: bool = False,
         *,
         full_backoff_s: float = FULL_BACKOFF_S,
         stale_tmp_s: float = STALE_TMP_S,
         touch_interval_s: float = TOUCH_INTERVAL_S,
     ) -> None:
         super().__init__(name)
+        # The daemon's data is the daemon's: chunk files 0600 and directories 0700 (group_access:
+        # 0640 / 0750, for a group that backs the files up, say). Files written with older modes
+        # are read as before.
+        self._file_mode, self._dir_mode = (0o640, 0o750) if group_access else (0o600, 0o700)
         if io_threads < 1:
             raise ValueError("fs tier needs at least one I/O thread")
         self.root = Path(root)
@@ -336,7 +341,8 @@ class FsTier(SecondaryTier):
         return self._index.chunks_of(namespace_id)
 
     async def save_namespace_record(self, namespace_id: str, record: bytes) -> None:
-        await self._run(_result, fs_records.write_record, self._root, namespace_id, record)
+        await self._run(_result, fs_records.write_record, self._root, namespace_id, record,
+                        self._file_mode, self._dir_mode)
 
     async def remove_namespace_record(self, namespace_id: str) -> None:
         await self._run(_result, fs_records.remove_record, self._root, namespace_id)
@@ -459,7 +465,7 @@ class FsTier(SecondaryTier):
     # 2-3.4 GiB/s for O_DIRECT here) to protect a cache whose loss only costs recomputation.
 
     def _start_job(self) -> tuple[list[tuple[ChunkId, int, float]], int]:
-        os.makedirs(self._root, exist_ok=True)
+        fs_io.make_dirs(self._root, self._dir_mode)
         if self._direct and not self._probe_direct():
             log.info("fs tier %s: %s refuses O_DIRECT; using buffered I/O", self.name, self._root)
             self._direct = False
@@ -470,7 +476,7 @@ class FsTier(SecondaryTier):
         a read-only root) says nothing about O_DIRECT and must not stop the start: the existing
         files are still served, the start-up eviction may free space, and writes find out."""
         try:
-            fd, probe = fs_io.create_tmp(os.path.join(self._root, "odirect-probe.kv"))
+            fd, probe = fs_io.create_tmp(os.path.join(self._root, "odirect-probe.kv"), self._file_mode)
         except OSError as exc:
             log.warning("fs tier %s: cannot probe O_DIRECT under %s (%s); keeping it on", self.name, self._root, exc)
             return True
@@ -590,10 +596,10 @@ class FsTier(SecondaryTier):
         header[:] = chunkfile.encode_header(chunk, size, chunkfile.checksum(views, size))
         direct_bufs = fs_io.direct_buffers(views, size) if self._direct else None
         try:
-            fd, tmp = fs_io.create_tmp(path)
+            fd, tmp = fs_io.create_tmp(path, self._file_mode)
         except FileNotFoundError:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd, tmp = fs_io.create_tmp(path)
+            fs_io.make_dirs(os.path.dirname(path), self._dir_mode)
+            fd, tmp = fs_io.create_tmp(path, self._file_mode)
         try:
             if direct_bufs is not None and self._use_direct(fd):
                 try:

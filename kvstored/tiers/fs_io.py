@@ -224,7 +224,7 @@ def tmp_name(final: str) -> str:
     return os.path.join(directory, f".{name[:-3]}.{os.getpid()}.{_RUN_NONCE}.{next(_TMP_SEQ)}{TMP_SUFFIX}")
 
 
-def create_tmp(final: str, mode: int = 0o644) -> tuple[int, str]:
+def create_tmp(final: str, mode: int = 0o600) -> tuple[int, str]:
     """Create and lock a new temporary file for `final`; (fd, path). The lock lives as long as
     the fd: close it only after the rename (or the unlink)."""
     for _ in range(_CREATE_TRIES):
@@ -273,3 +273,15 @@ def remove_if_abandoned(path: str, stale_s: float) -> bool:
         return unlink_if_same(path, fd)  # (still holding the lock: see create_tmp)
     finally:
         os.close(fd)
+
+
+def make_dirs(path: str | os.PathLike[str], mode: int) -> None:
+    """os.makedirs giving every directory it creates `mode` (os.makedirs: only the last one)."""
+    path = os.fspath(path)
+    parent = os.path.dirname(path)
+    if parent and parent != path and not os.path.isdir(parent):
+        make_dirs(parent, mode)
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        pass

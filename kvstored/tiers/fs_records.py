@@ -8,20 +8,20 @@ import itertools
 import logging
 import os
 
-from kvstored.tiers import chunkfile
+from kvstored.tiers import chunkfile, fs_io
 
 log = logging.getLogger(__name__)
 
 _TMP_SEQ = itertools.count()
 
 
-def write_record(root: str, namespace_id: str, record: bytes) -> None:
+def write_record(root: str, namespace_id: str, record: bytes, file_mode: int = 0o600, dir_mode: int = 0o700) -> None:
     path = os.path.join(root, chunkfile.record_relpath(namespace_id))
     directory, name = os.path.split(path)
-    os.makedirs(directory, exist_ok=True)
+    fs_io.make_dirs(directory, dir_mode)
     # ".<name>.<pid>.<n>.tmp": the tier's index rebuild removes such files once they are stale
     tmp = os.path.join(directory, f".{name}.{os.getpid()}.{next(_TMP_SEQ)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, file_mode)
     try:
         try:
             os.write(fd, record)

@@ -24,7 +24,7 @@ from kvstored.choices import Choice
 from kvstored.io.scheduler import Priority, TierQueue
 from kvstored.observability.events import Cause, EventBus, EventType
 from kvstored.tiers.base import ChunkId, SecondaryTier, TierCapabilities, TierKind, WriteOutcome
-from kvstored.tiers.ram import RamEntry, RamTier, ReserveOutcome
+from kvstored.tiers.ram import QuotaScope, RamEntry, RamTier, ReserveOutcome
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -36,6 +36,7 @@ class WritePolicy(Choice):
 
 
 OpObserver = Callable[[str, str, float], None]  # (tier name, op, seconds)
+ArenaView = Callable[[int], memoryview]  # arena id -> the daemon's mapping of it
 
 
 def _ignore(tier: str, op: str, seconds: float) -> None:
@@ -80,7 +81,7 @@ class WriteBack:
     def __init__(
         self,
         ram: RamTier,
-        pool: memoryview,
+        arena_view: ArenaView,
         lower: Sequence[LowerTier],
         policy: WritePolicy,
         headroom_bytes: int,
@@ -89,7 +90,7 @@ class WriteBack:
     ) -> None:
         self._events = events
         self._ram = ram
-        self._pool = pool
+        self._arena_view = arena_view
         self._lower = [t for t in lower if t.capabilities.accepts_writedowns]
         self.policy = policy
         self._headroom = headroom_bytes
@@ -112,17 +113,19 @@ class WriteBack:
                     self._write_down(entry)
         self._keep_headroom(self._headroom)
 
-    async def make_room(self, nbytes: int) -> None:
+    async def make_room(self, nbytes: int, scope: QuotaScope | None = None) -> None:
         """Before reserving `nbytes`: start write-downs for the shortfall and wait (briefly) for
-        them, so stores don't evict chunks that have no copy below yet."""
+        them, so stores don't evict chunks that have no copy below yet. `scope`: room within a
+        quota (a tenant's, a namespace's), made by writing down that scope's own oldest chunks."""
         if not self._lower:
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._wait_s
-        while self._ram.free_bytes < nbytes:
-            self._keep_headroom(nbytes)
+        while self._ram.room_bytes(scope) < nbytes:
+            self._keep_headroom(nbytes, scope)
             remaining = deadline - loop.time()
-            if self._writing_bytes == 0 or remaining <= 0:
+            writing = self._writing_bytes if scope is None else self._ram.writing_bytes(scope)
+            if writing == 0 or remaining <= 0:
                 return  # reserve() evicts what it must; dirty drops are counted there
             self._space.clear()
             try:
@@ -170,18 +173,19 @@ class WriteBack:
             return False
         return True
 
-    def _keep_headroom(self, wanted_free: int) -> None:
-        shortfall = wanted_free - self._ram.free_bytes - self._writing_bytes
+    def _keep_headroom(self, wanted_free: int, scope: QuotaScope | None = None) -> None:
+        writing = self._writing_bytes if scope is None else self._ram.writing_bytes(scope)
+        shortfall = wanted_free - self._ram.room_bytes(scope) - writing
         if shortfall <= 0:
             return
-        to_write, evicted = self._ram.writeback_victims(shortfall)
+        to_write, evicted = self._ram.writeback_victims(shortfall, scope)
         if evicted:
             self._events.publish(EventType.REMOVED, Cause.EVICTED, "ram", TierKind.RAM, evicted)
         for entry in to_write:
             self._write_down(entry)
 
     def _write_down(self, entry: RamEntry) -> list[tuple[TierQueue, asyncio.Future]]:
-        views = self._ram.page_views(entry, self._pool)
+        views = self._ram.page_views(entry, self._arena_view(entry.arena))
         futures = []
         for lower in self._lower:
             job = _write_job(lower, entry, views, self._events)
@@ -274,11 +278,11 @@ class DeletionGuard:
 
 
 class Promoter:
-    def __init__(self, ram: RamTier, pool: memoryview, lower: Sequence[LowerTier], events: EventBus,
+    def __init__(self, ram: RamTier, arena_view: ArenaView, lower: Sequence[LowerTier], events: EventBus,
                  deleting: DeletionGuard) -> None:
         self._events = events
         self._ram = ram
-        self._pool = pool
+        self._arena_view = arena_view
         self._lower = list(lower)
         self._deleting = deleting
         self._in_flight: dict[ChunkId, tuple[asyncio.Future, TierKind]] = {}
@@ -326,7 +330,7 @@ class Promoter:
             return None
         entry = reservation.entry
         lower = self._lower[tier_index]
-        views = self._ram.page_views(entry, self._pool)
+        views = self._ram.page_views(entry, self._arena_view(entry.arena))
         read = lower.queue.submit(Priority.LOAD, lambda: lower.timed("read", lower.tier.read(chunk, views, size)))
         result: asyncio.Future = asyncio.get_running_loop().create_future()
         self._in_flight[chunk] = (result, lower.tier.kind)

@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 from kvstored.io.scheduler import TierQueue
 from kvstored.namespaces import Namespace
+from kvstored.shm.arenas import ArenaSet
 from kvstored.shm.mapping import SharedPool
 from kvstored.tiers.base import ChunkId, SecondaryTier, TierCapabilities, TierKind, TierUsage, WriteOutcome
 from kvstored.tiers.chain import ChainPolicy, TierChain
@@ -105,7 +106,8 @@ def make_chain(
     lower = [LowerTier(tier, TierQueue(tier.name, concurrency, 64), capabilities=caps) for tier, caps in tiers]
     # Stores wait for write-downs as long as a test holds them (no timeout decides a race).
     policy = policy or ChainPolicy(writeback_wait_s=60.0)
-    return TierChain(RamTier(pool, page, has_lower_tiers=bool(lower)), SharedPool(pool, populate=False), lower, policy)
+    return TierChain(RamTier(pool, page, has_lower_tiers=bool(lower)), ArenaSet(SharedPool(pool, populate=False)), lower,
+                     policy)
 
 
 async def store(chain: TierChain, ns: Namespace, key: bytes, byte: int) -> None:
@@ -118,7 +120,7 @@ async def store(chain: TierChain, ns: Namespace, key: bytes, byte: int) -> None:
 
 def fill(chain: TierChain, extents, byte: int) -> None:
     for extent in extents:
-        chain._pool.array[extent.offset:extent.offset + extent.length] = byte
+        chain.arenas.array(extent.arena)[extent.offset:extent.offset + extent.length] = byte
 
 
 async def first_word(chain: TierChain, ns: Namespace, key: bytes) -> bytes | None:
@@ -127,6 +129,6 @@ async def first_word(chain: TierChain, ns: Namespace, key: bytes) -> bytes | Non
     if not leases:
         return None
     extent = leases[0].extents[0]
-    word = bytes(chain._pool.array[extent.offset:extent.offset + 4])
+    word = bytes(chain.arenas.array(extent.arena)[extent.offset:extent.offset + 4])
     chain.release([leases[0].entry])
     return word

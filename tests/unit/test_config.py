@@ -388,3 +388,28 @@ def test_pool_pages_and_numa_node_from_every_source(tmp_path):
         load_config({"numa_node": "gpu0"}, {})
     with pytest.raises(ConfigError, match="bad value for pool_pages: '2m' is not one of 4k, thp, hugetlb"):
         load_config({"pool_pages": "2m"}, {})
+
+
+# -- tenant quota --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw, expected", [("50%", 8 << 30), ("0.25", 4 << 30), (0.25, 4 << 30), ("4GiB", 4 << 30),
+                                           ("100%", 16 << 30), ("64GiB", 16 << 30)])
+def test_tenant_quota_is_a_fraction_of_the_ram_tier_or_bytes(raw, expected):
+    cfg = load_config(flags={"cpu_bytes": "16GiB", "tenant_quota": raw}, env={})
+    assert cfg.tenant_quota_bytes == expected  # never more than the RAM tier
+
+
+def test_tenant_quota_defaults_to_half_the_ram_tier():
+    assert load_config(flags={"cpu_bytes": "16GiB"}, env={}).tenant_quota_bytes == 8 << 30
+
+
+@pytest.mark.parametrize("raw", ["150%", "0%", "1.5", "-1", "lots"])
+def test_bad_tenant_quota_names_the_option(raw):
+    with pytest.raises(ConfigError, match="tenant_quota"):
+        load_config(flags={"tenant_quota": raw}, env={})
+
+
+def test_a_tenant_quota_below_one_page_is_refused():
+    with pytest.raises(ConfigError, match="tenant_quota"):
+        load_config(flags={"cpu_bytes": "1GiB", "tenant_quota": "4KiB"}, env={})

@@ -9,6 +9,7 @@ import hashlib
 import mmap
 import os
 import shutil
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -991,3 +992,29 @@ async def test_a_symlink_under_a_chunk_name_is_not_adopted(make_tier, tmp_path):
     target.parent.mkdir(parents=True, exist_ok=True)
     target.symlink_to(valid_copy)
     assert await a.contains([chunk(1), chunk(2)]) == [True, False]
+
+
+# -- permissions -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("group_access", "file_mode", "dir_mode"), [(False, 0o600, 0o700), (True, 0o640, 0o750)])
+async def test_chunk_files_and_directories_are_the_daemons(make_tier, tmp_path, group_access, file_mode, dir_mode):
+    """Chunk files 0600 under 0700 directories (group_access: 0640 / 0750), whatever the umask
+    leaves; a file written with an older, wider mode is still served."""
+    old_umask = os.umask(0o022)
+    try:
+        root = tmp_path / "deep" / "fs"
+        tier = await make_tier(root, group_access=group_access)
+        src = Slot((4,))
+        data = src.fill(4 * PAGE, seed=3)
+        assert await tier.write(chunk(1), src.views, 4 * PAGE) is WriteOutcome.WRITTEN
+    finally:
+        os.umask(old_umask)
+    path = path_of(root, chunk(1))
+    assert stat.S_IMODE(path.stat().st_mode) == file_mode
+    for directory in (root, *[p for p in path.parents if root in p.parents]):
+        assert stat.S_IMODE(directory.stat().st_mode) == dir_mode, directory
+    path.chmod(0o644)  # as written by an earlier release
+    dst = Slot((4,))
+    assert await tier.read(chunk(1), dst.views, 4 * PAGE)
+    assert dst.payload(4 * PAGE) == data

@@ -3,12 +3,13 @@ fooled by a record into exposing a tenant's namespace), and the registry's recov
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from kvstored.errors import InvalidRequest
-from kvstored.namespaces import Namespace, NamespaceRegistry, decode_record, encode_record
+from kvstored.namespaces import RECOVERED_TENANT, Namespace, NamespaceRegistry, decode_record, encode_record
 from kvstored.tiers.fs import FsTier
 
 MIB = 1 << 20
@@ -22,7 +23,10 @@ def test_a_record_round_trips_and_names_no_salt():
     for ns in (registered(), registered(b"tenant-secret")):
         raw = encode_record(ns)
         assert b"tenant-secret" not in raw and b"salt" not in raw
-        assert decode_record(ns.namespace_id, raw) == ns
+        assert ns.tenant.encode() not in raw or not ns.private  # nor the tenant key derived from it
+        back = decode_record(ns.namespace_id, raw)
+        # A recovered tenant namespace is private to no tenant until registered again with its salt
+        assert back == (dataclasses.replace(ns, tenant=RECOVERED_TENANT) if ns.private else ns)
     assert json.loads(encode_record(registered(b"x")))["tenant"] is True
 
 
@@ -65,6 +69,21 @@ def test_registry_marks_recovered_namespaces_until_a_client_registers_them():
     assert reg.recovered_from(ns.namespace_id) == ()
     reg.recover(ns, "peer")  # (a registration stands)
     assert reg.recovered_from(ns.namespace_id) == ()
+
+
+def test_a_recovered_tenant_namespace_learns_its_tenant_when_registered_again():
+    """Recovered, a tenant namespace belongs to no tenant (its record keeps no salt); registered
+    again with the salt it gets that tenant's key, so two tenants' recovered namespaces never
+    share an arena or a quota."""
+    registry = NamespaceRegistry(64 * MIB)
+    mine, theirs = registered(b"salt-a"), registered(b"salt-b")
+    for ns in (mine, theirs):
+        registry.recover(decode_record(ns.namespace_id, encode_record(ns)), "fs")
+        assert registry.get(ns.namespace_id).tenant == RECOVERED_TENANT
+    again = registry.register("m", "bf16", MIB, "tp1", b"salt-a", 32)
+    assert again.tenant == mine.tenant != theirs.tenant and again.block_tokens == 16
+    assert registry.recovered_from(mine.namespace_id) == ()
+    assert registry.get(theirs.namespace_id).tenant == RECOVERED_TENANT
 
 
 def test_registry_refuses_to_recover_what_it_could_not_serve():
