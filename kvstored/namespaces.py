@@ -6,10 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvstored.errors import BatchTooLarge, InvalidRequest, UnknownNamespace
+from kvstored.errors import BatchTooLarge, InvalidRequest, UnknownNamespace, shown
 from kvstored_client.keys import namespace_id_for
 
 MIN_KEY_BYTES, MAX_KEY_BYTES, DEFAULT_KEY_BYTES = 8, 64, 32
+MAX_NAME_BYTES = 4096  # model, dtype, layout, tenant salt: each namespace is kept (and listed) for good
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,10 @@ class NamespaceRegistry:
     ) -> Namespace:
         if not model:
             raise InvalidRequest("namespace needs a model name")
+        for name, value in (("model", model), ("dtype", dtype), ("layout", layout), ("tenant_salt", tenant_salt)):
+            size = len(value.encode() if isinstance(value, str) else value)
+            if size > MAX_NAME_BYTES:
+                raise InvalidRequest(f"namespace {name} is {size} bytes; at most {MAX_NAME_BYTES}")
         if chunk_bytes <= 0:
             raise InvalidRequest("namespace chunk_bytes must be positive")
         if chunk_bytes > self._pool_bytes:
@@ -65,7 +70,7 @@ class NamespaceRegistry:
             return self._by_id[namespace_id]
         except KeyError:
             raise UnknownNamespace(
-                f"unknown namespace {namespace_id!r}: register it first (RegisterNamespace)"
+                f"unknown namespace {shown(namespace_id)}: register it first (RegisterNamespace)"
             ) from None
 
     def all(self) -> list[Namespace]:

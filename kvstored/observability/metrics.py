@@ -14,6 +14,7 @@ the status codes, `namespace` by MAX_NAMESPACE_SERIES.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from typing import Callable, Iterable, Iterator
 
@@ -267,8 +268,20 @@ class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
             finally:
                 handled.labels(service, method, code).inc()
 
+        async def writer(request, context: grpc.aio.ServicerContext):  # a handler that writes its stream itself
+            code = "UNKNOWN"
+            try:
+                await inner(request, context)
+                code = _code_name(context.code() or grpc.StatusCode.OK)
+            except BaseException as exc:
+                code = _failure_code(exc, context)
+                raise
+            finally:
+                handled.labels(service, method, code).inc()
+
         return grpc.unary_stream_rpc_method_handler(
-            stream, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer,
+            stream if inspect.isasyncgenfunction(inner) else writer,
+            request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer,
         )
 
 
