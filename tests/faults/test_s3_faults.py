@@ -9,10 +9,8 @@
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
-from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -22,6 +20,7 @@ from kvstored_client import Tier
 from kvstored_client.errors import ERROR_KIND_KEY
 from tests.support.daemon import short_tmpdir
 from tests.support.data import make_keys, payloads
+from tests.support.loader import VerifyingLoader
 from tests.support.rpc import pb, raw
 from tests.support.s3 import RadosGW, RgwUnavailable
 from tests.support.wait import wait_for
@@ -92,50 +91,6 @@ def test_a_region_load_waiting_on_a_frozen_radosgw_gives_up_at_its_start_deadlin
         assert region_path.read_bytes() == payloads([in_s3_only], CHUNK).tobytes()
 
 
-@dataclass
-class LoaderCounts:
-    loads: int = 0
-    chunks: int = 0
-    wrong_bytes: int = 0  # chunks whose bytes differed from their key's payload
-    short: int = 0  # loads that returned fewer chunks than asked
-
-
-class Loader:
-    """A client loading chunks of RAM and fs in a loop (batches of 4), verifying every byte."""
-
-    def __init__(self, daemon, ns_name: str, keys: list[bytes]) -> None:
-        self.counts = LoaderCounts()
-        self._daemon, self._ns_name, self._keys = daemon, ns_name, keys
-        self._stop = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        rng = np.random.default_rng(7)
-        expected = payloads(self._keys, CHUNK)
-        try:
-            with self._daemon.client(deadline_s=30.0) as c:
-                ns = c.register_namespace(model=self._ns_name, dtype="uint8", chunk_bytes=CHUNK)
-                while not self._stop.is_set():
-                    picks = rng.choice(len(self._keys), 4, replace=False)
-                    out = np.zeros((4, CHUNK), np.uint8)
-                    loaded = c.load(ns, [self._keys[i] for i in picks], out)
-                    self.counts.loads += 1
-                    self.counts.chunks += loaded
-                    self.counts.short += loaded < 4
-                    self.counts.wrong_bytes += sum(not np.array_equal(out[j], expected[i])
-                                                   for j, i in enumerate(picks[:loaded]))
-        except BaseException as exc:  # noqa: BLE001 - reported by stop()
-            self._error = exc
-
-    def stop(self) -> LoaderCounts:
-        self._stop.set()
-        self._thread.join(60)
-        assert not self._thread.is_alive() and self._error is None, self._error
-        return self.counts
-
-
 def lookups_reaching_s3(daemon, c, ns, label: str, count: int) -> tuple[int, float]:
     """`count` lookups of keys stored nowhere (each asks S3, past RAM and fs): the S3 operations
     that failed meanwhile, and how long it took."""
@@ -162,7 +117,7 @@ def test_radosgw_frozen_then_stopped_costs_a_few_timeouts_not_one_per_lookup(dae
             assert c.store(ns, keys[i:i + 8], payloads(keys[i:i + 8], CHUNK)).stored == 8
         assert wait_for(lambda: tier_stats(d, "s3").stored_chunks == 64 and tier_stats(d, "s3").queued == 0)
         assert c.lookup(ns, keys[:1]).tiers == [Tier.S3]
-        loader = Loader(d, ns_name, keys[32:])
+        loader = VerifyingLoader(d, ns_name, CHUNK, keys[32:])
         phases = []
         for phase in ("frozen", "stopped"):
             loads_before = loader.counts.loads

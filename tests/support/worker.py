@@ -4,8 +4,8 @@ Commands (each prints one JSON line on stdout):
   store   store n chunks (keys from --label), print the StoreResult
   verify  load n chunks and compare them with their expected bytes
   hold    store n chunks, lease them all through this client's session (and reserve
-          --reserve more keys without committing), print the lease handles, then block
-          until killed or stdin closes
+          --reserve more keys without committing; with --scribble, fill those slots with
+          0xEE), print the lease handles, then block until killed or stdin closes
 With --wait, store/verify block on stdin after printing, keeping their session open.
 """
 
@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--reserve", type=int, default=0)
     p.add_argument("--wait", action="store_true")
+    p.add_argument("--scribble", action="store_true")
     args = p.parse_args(argv)
 
     client = Client(args.socket, deadline_s=20.0, client_name=f"worker-{args.command}-{args.label}")
@@ -104,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
             rkeys = make_keys(args.label + "/reserved", args.reserve)
             slots = stub.Reserve(pb.ReserveRequest(session_id=session.session_id, namespace_id=ns.namespace_id, keys=rkeys))
             reserved = [s.handle for s in slots.slots if s.state == pb.SLOT_STATE_RESERVED]
+            if args.scribble:  # half-written chunks that are never committed
+                for slot in slots.slots:
+                    for extent in slot.extents:
+                        session.pool[extent.offset:extent.offset + extent.length] = 0xEE
         _emit({
             "stored": res.stored,
             "leases": [lease.handle for lease in leases.leases],
