@@ -12,10 +12,11 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from kvstored.errors import BatchTooLarge, InvalidRequest, UnknownNamespace
+from kvstored.errors import BatchTooLarge, InvalidRequest, UnknownNamespace, shown
 from kvstored_client.keys import namespace_id_for
 
 MIN_KEY_BYTES, MAX_KEY_BYTES, DEFAULT_KEY_BYTES = 8, 64, 32
+MAX_NAME_BYTES = 4096  # model, dtype, layout, tenant salt: each namespace is kept (and listed) for good
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +107,10 @@ class NamespaceRegistry:
     ) -> Namespace:
         if not model:
             raise InvalidRequest("namespace needs a model name")
+        for name, value in (("model", model), ("dtype", dtype), ("layout", layout), ("tenant_salt", tenant_salt)):
+            size = len(value.encode() if isinstance(value, str) else value)
+            if size > MAX_NAME_BYTES:
+                raise InvalidRequest(f"namespace {name} is {size} bytes; at most {MAX_NAME_BYTES}")
         key_bytes = key_bytes or DEFAULT_KEY_BYTES
         self._check_sizes(chunk_bytes, key_bytes)
         ns_id = namespace_id_for(model, dtype, chunk_bytes, layout, tenant_salt, key_bytes)
@@ -161,7 +166,7 @@ class NamespaceRegistry:
             return self._by_id[namespace_id]
         except KeyError:
             raise UnknownNamespace(
-                f"unknown namespace {namespace_id!r}: register it first (RegisterNamespace)"
+                f"unknown namespace {shown(namespace_id)}: register it first (RegisterNamespace)"
             ) from None
 
     def all(self) -> list[Namespace]:

@@ -172,7 +172,7 @@ class AsyncClient(ClientBase):
         try:
             return await method(request, timeout=timeout)
         except grpc.RpcError as exc:
-            if not self._worth_waiting(exc):
+            if not self._retry_when_ready(effect, exc):
                 raise
             request, timeout = _bounded(effect, deadline)
             return await method(request, timeout=timeout, wait_for_ready=True)

@@ -22,7 +22,7 @@ from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.copy_policy import client_copy_threads
 from kvstored_client.errors import (
     DeadlineExceeded, KvstoredError, TierUnavailable, TransferNotStarted, TransferOutcomeUnknown, Unavailable,
-    UnknownNamespace, UnknownRegion, UnknownSession, from_rpc_error,
+    UnknownNamespace, UnknownRegion, UnknownSession, from_rpc_error, may_have_run, never_sent,
 )
 from kvstored_client.ops import Health, LookupResult, Namespace, NamespaceSpec, Region, StoreResult
 from kvstored_client.paths import default_socket_path
@@ -132,16 +132,31 @@ class ClientBase:
 
     def _rpc_failed(self, effect: Any, exc: grpc.RpcError) -> KvstoredError:
         """The error a failed call raises into its plan. A handle call that timed out may have
-        been granted: the session goes, which frees whatever it was. A region transfer that got
-        no answer even after its grace may still be copying: say so rather than degrade."""
+        been granted: the session goes, which frees whatever it was. A region transfer that was
+        sent and got no answer may have copied (part of) its batch: say so rather than degrade
+        (0 / dropped means nothing was copied)."""
         error = from_rpc_error(exc)
-        if effect.copy_grace_s and type(error) is DeadlineExceeded:
+        if effect.copy_grace_s and may_have_run(exc):
+            region = effect.request.region_id
+            if isinstance(error, DeadlineExceeded):
+                return TransferOutcomeUnknown(
+                    f"{effect.method} got no answer {effect.copy_grace_s:.0f} s past its deadline: the daemon may "
+                    f"still be copying, so region {region}'s bytes are undefined for now")
+            self._drop_session()  # the daemon is gone or the connection broke: a new session next time
             return TransferOutcomeUnknown(
-                f"{effect.method} got no answer {effect.copy_grace_s:.0f} s past its deadline: the daemon may "
-                f"still be copying, so region {effect.request.region_id}'s bytes are undefined for now")
+                f"{effect.method} was sent, but the daemon did not answer ({exc.details()}): it may have copied "
+                f"part of the batch, so region {region}'s bytes at the transfer's offsets are undefined")
         if isinstance(error, DeadlineExceeded) and effect.method in HANDLE_METHODS:
             self._drop_session()
         return error
+
+    def _retry_when_ready(self, effect: Any, exc: grpc.RpcError) -> bool:
+        """Whether to send the call again, waiting for the daemon: only if it may be coming up
+        and, for a region transfer, only if the first try was never sent (a sent one may have
+        copied, and its retry would report the second try's count)."""
+        if effect.copy_grace_s and not never_sent(exc):
+            return False
+        return self._worth_waiting(exc)
 
     def _drop_session(self) -> None:
         if self._session is not None:
@@ -315,7 +330,8 @@ class Client(ClientBase):
     def load_to_region(self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]) -> int:
         """Copy the leading cached chunks into the region; returns how many. Returns 0 (nothing
         written) when the daemon is down or could not start within the deadline; raises
-        TransferOutcomeUnknown if a started copy gave no answer (see REGION_COPY_GRACE_S)."""
+        TransferOutcomeUnknown if the request was sent and no answer came (see REGION_COPY_GRACE_S;
+        the daemon died or the connection broke)."""
         return self._run(lambda s: ops.load_to_region(in_session(s), ns, region, keys, offsets), fallback=0,
                          session=True)
 
@@ -390,7 +406,7 @@ class Client(ClientBase):
                 return _to_the_end(method, request, timeout, False)
             return method(request, timeout=timeout)
         except grpc.RpcError as exc:
-            if not self._worth_waiting(exc):
+            if not self._retry_when_ready(effect, exc):
                 raise
             request, timeout = _bounded(effect, deadline)
             if effect.copy_grace_s:

@@ -16,6 +16,7 @@ using the most RAM.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from typing import Callable, Iterable, Iterator
 
@@ -305,8 +306,20 @@ class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
             finally:
                 handled.labels(service, method, code).inc()
 
+        async def writer(request, context: grpc.aio.ServicerContext):  # a handler that writes its stream itself
+            code = "UNKNOWN"
+            try:
+                await inner(request, context)
+                code = _code_name(context.code() or grpc.StatusCode.OK)
+            except BaseException as exc:
+                code = _failure_code(exc, context)
+                raise
+            finally:
+                handled.labels(service, method, code).inc()
+
         return grpc.unary_stream_rpc_method_handler(
-            stream, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer,
+            stream if inspect.isasyncgenfunction(inner) else writer,
+            request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer,
         )
 
 

@@ -143,15 +143,17 @@ class SessionBroker:
         self, session: Session, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int],
         start_by: float | None = None,
     ) -> StoreOutcomes:
-        """start_by (loop time): copy nothing after it."""
-        return await self._chain.store_from_region(ns, region, keys, offsets, self._proceed(session, start_by))
+        """start_by (loop time): copy nothing after it (and wait for room no longer)."""
+        return await self._chain.store_from_region(ns, region, keys, offsets, self._proceed(session, start_by),
+                                                   start_by)
 
     async def load_to_region(
         self, session: Session, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int],
         start_by: float | None = None,
     ) -> int:
-        """start_by (loop time): copy nothing after it."""
-        return await self._chain.load_to_region(ns, region, keys, offsets, self._proceed(session, start_by))
+        """start_by (loop time): copy nothing after it (and wait for promotions no longer)."""
+        return await self._chain.load_to_region(ns, region, keys, offsets, self._proceed(session, start_by),
+                                                start_by)
 
     # -- helpers --------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from typing import Sequence
 import grpc
 
 from kvstored import __version__
-from kvstored.errors import BatchTooLarge, InvalidRequest, SessionRequired, WatcherLagged
+from kvstored.errors import BatchTooLarge, InvalidRequest, SessionRequired, WatcherLagged, shown
 from kvstored.observability.events import KvEvent
 from kvstored.observability.snapshot import tier_snapshots
 from kvstored.namespaces import Namespace, NamespaceRegistry, check_keys
@@ -32,6 +32,8 @@ _SLOT_STATE = {
     ReserveOutcome.IN_PROGRESS: pb.SLOT_STATE_IN_PROGRESS,
     ReserveOutcome.NO_SPACE: pb.SLOT_STATE_NO_SPACE,
 }
+MAX_PATH_BYTES = 4096  # Linux's PATH_MAX, terminating NUL included
+
 _STORE_OUTCOMES = {
     ReserveOutcome.RESERVED: pb.STORE_OUTCOME_STORED,
     ReserveOutcome.ALREADY_PRESENT: pb.STORE_OUTCOME_ALREADY_PRESENT,
@@ -45,6 +47,18 @@ def _start_by(request: pb.RegionTransferRequest) -> float | None:
     if not request.start_within_ms:
         return None
     return asyncio.get_running_loop().time() + request.start_within_ms / 1000
+
+
+def _region_path(path: str) -> str:
+    """A region path as a request may name it: the OS takes no NUL and no path of PATH_MAX or more."""
+    if not path:
+        raise InvalidRequest("RegisterRegion needs a path")
+    if "\x00" in path:
+        raise InvalidRequest(f"region path {shown(path)} contains a NUL byte")
+    size = len(path.encode())
+    if size >= MAX_PATH_BYTES:
+        raise InvalidRequest(f"region path {shown(path)} is {size} bytes; paths are shorter than {MAX_PATH_BYTES}")
+    return path
 
 
 def _event(e: KvEvent) -> pb.KvEvent:
@@ -161,9 +175,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def RegisterRegion(self, request: pb.RegisterRegionRequest, context) -> pb.RegisterRegionResponse:
         session = self._broker.get(request.session_id)
-        if not request.path:
-            raise InvalidRequest("RegisterRegion needs a path")
-        fd = open_region_file(request.path, self._region_dirs)
+        fd = open_region_file(_region_path(request.path), self._region_dirs)
         try:
             region = self._broker.attach_region(session, request.path, fd)
         finally:

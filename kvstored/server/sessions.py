@@ -12,7 +12,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-from kvstored.errors import HandleNotHeld, InvalidRequest, UnknownRegion, UnknownSession
+from kvstored.errors import HandleNotHeld, InvalidRequest, UnknownRegion, UnknownSession, shown
 from kvstored.shm.mapping import Region
 from kvstored.tiers.ram import RamEntry
 
@@ -88,7 +88,7 @@ class SessionRegistry:
             return self._sessions[session_id]
         except KeyError:
             raise UnknownSession(
-                f"unknown session {session_id!r}: sessions live as long as their connection "
+                f"unknown session {shown(session_id)}: sessions live as long as their connection "
                 f"to the session socket"
             ) from None
 

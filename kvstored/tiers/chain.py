@@ -16,10 +16,10 @@ import asyncio
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Coroutine, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Coroutine, Sequence, TypeVar
 
 from kvstored.errors import (
-    InvalidRequest, KvstoredError, PoolExhausted, RegionShrunk, TierStartError, TierUnavailable,
+    InvalidRequest, KvstoredError, PoolExhausted, RegionShrunk, TierStartError, TierUnavailable, TransferNotStarted,
 )
 from kvstored.namespaces import Namespace
 from kvstored.observability.events import Cause, EventBus, EventType
@@ -102,6 +102,7 @@ class TierChain:
         self._deletable = [t for t in self.lower if t.capabilities.accepts_deletes]
         self._deleting = DeletionGuard()
         self._deletes: set[asyncio.Task] = set()  # run to the end even if their caller gives up
+        self._outwaited: set[asyncio.Future] = set()  # waits a transfer gave up at its start deadline
         self.promoter = Promoter(ram, arenas.view, self.lower, self.events, self._deleting)
         for lower_tier in self.lower:
             lower_tier.tier.removal_listener = self._tier_removed
@@ -205,8 +206,11 @@ class TierChain:
         if not task.cancelled() and task.exception() is not None:
             log.warning("delete failed: %s", task.exception())  # its caller may have gone already
 
-    async def _lease_prefix(self, ns: Namespace, keys: Sequence[bytes]) -> list[RamEntry]:
+    async def _lease_prefix(
+        self, ns: Namespace, keys: Sequence[bytes], start_by: float | None = None,
+    ) -> list[RamEntry]:
         """Lease the leading chunks, promoting from below what RAM lacks; stops at the first miss.
+        Waiting for lower tiers ends at `start_by` (loop time) with TransferNotStarted.
 
         Leased chunks are pinned, so promoting the rest can only evict chunks further on, which
         the next round promotes again (a few rounds at most while RAM holds the batch)."""
@@ -221,7 +225,7 @@ class TierChain:
                     leased.append(entry)
                 if len(leased) == len(chunks) or not self.lower:
                     break
-                if not await self._promote_prefix(ns, chunks[len(leased):]):
+                if not await self._promote_prefix(ns, chunks[len(leased):], start_by):
                     break
         except BaseException:
             for entry in leased:
@@ -229,12 +233,12 @@ class TierChain:
             raise
         return leased
 
-    async def _promote_prefix(self, ns: Namespace, chunks: Sequence[ChunkId]) -> bool:
+    async def _promote_prefix(self, ns: Namespace, chunks: Sequence[ChunkId], start_by: float | None = None) -> bool:
         """Promote the leading chunks that are below RAM and wait; False if the first is nowhere."""
         missing = [i for i, c in enumerate(chunks) if not self.ram.contains(c, touch=False)]
-        found = await self.promoter.find([chunks[i] for i in missing]) if missing else []
+        found = await self._until(start_by, self.promoter.find([chunks[i] for i in missing])) if missing else []
         wanted = sum(1 for _ in itertools.takewhile(lambda t: t is not None, found))
-        await self._make_room(ns, wanted)
+        await self._until(start_by, self._make_room(ns, wanted))
         waits = []
         for i, tier_index in zip(missing, found):
             future = None if tier_index is None else self.promoter.start(chunks[i], ns.chunk_bytes, tier_index)
@@ -242,8 +246,32 @@ class TierChain:
                 break
             waits.append(future)
         # Shielded: the promotion is shared with other callers, whom our cancellation must not fail.
-        results = await asyncio.gather(*(asyncio.shield(w) for w in waits))
+        results = await self._until(start_by, asyncio.gather(*(asyncio.shield(w) for w in waits)))
         return bool(results) and results[0]
+
+    async def _until(self, start_by: float | None, work: Awaitable[T]) -> T:
+        """Await `work`, or raise TransferNotStarted once `start_by` (loop time) has passed. The
+        work itself is not cancelled: lookups and promotions serve other callers too (and a
+        lookup's verdict teaches the tier's circuit breaker); it ends in the background."""
+        if start_by is None:
+            return await work
+        task = asyncio.ensure_future(work)
+        try:
+            await asyncio.wait((task,), timeout=max(0.0, start_by - asyncio.get_running_loop().time()))
+        except BaseException:  # our caller is cancelled: as if it had awaited `work` itself
+            task.cancel()
+            raise
+        if task.done():
+            return task.result()
+        self._outwaited.add(task)
+        task.add_done_callback(self._outwaited_done)
+        raise TransferNotStarted("the transfer could not start within start_within_ms (lower tiers were too slow "
+                                 "to deliver its chunks); nothing was copied")
+
+    def _outwaited_done(self, task: asyncio.Future) -> None:
+        self._outwaited.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("a wait given up by a transfer failed later: %s", task.exception())
 
     # -- grants (pool mapping) ------------------------------------------------------------
 
@@ -301,11 +329,12 @@ class TierChain:
 
     async def store_from_region(
         self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int],
-        proceed: Proceed = always_proceed,
+        proceed: Proceed = always_proceed, start_by: float | None = None,
     ) -> StoreOutcomes:
-        """Copy chunks from a client region into RAM. Once the copy starts, it runs to the end."""
+        """Copy chunks from a client region into RAM. Once the copy starts, it runs to the end.
+        Waiting for room ends at `start_by` (loop time) with TransferNotStarted."""
         _check_offsets(ns, region, keys, offsets)
-        await self._make_room(ns, len(keys))
+        await self._until(start_by, self._make_room(ns, len(keys)))
         proceed()  # (no await from here to the copy's start)
         stored, per_key, evicted = [], [], []
         for key, offset in zip(keys, offsets):
@@ -327,12 +356,13 @@ class TierChain:
 
     async def load_to_region(
         self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int],
-        proceed: Proceed = always_proceed,
+        proceed: Proceed = always_proceed, start_by: float | None = None,
     ) -> int:
         """Copy the leading cached chunks into a client region; returns how many. Once the copy
-        starts, it runs to the end."""
+        starts, it runs to the end. Waiting for promotions ends at `start_by` (loop time) with
+        TransferNotStarted."""
         _check_offsets(ns, region, keys, offsets)
-        leased = list(zip(await self._lease_prefix(ns, keys), offsets))
+        leased = list(zip(await self._lease_prefix(ns, keys, start_by), offsets))
         try:
             proceed()  # (no await from here to the copy's start)
             jobs = [CopyJob(offset, self.ram.extents(entry)) for entry, offset in leased]
@@ -348,6 +378,10 @@ class TierChain:
             await asyncio.wait(self._deletes)
         for lower in self.lower:
             await lower.queue.close()
+        for waited in list(self._outwaited):  # the queues are closed: what they waited for will not come
+            waited.cancel()
+        if self._outwaited:
+            await asyncio.wait(self._outwaited)
         for lower in self.lower:
             await lower.tier.close()
         self._copier.close()

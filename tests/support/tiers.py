@@ -1,4 +1,4 @@
-"""A small real lower tier for chain tests: chunks in a dict, reads and writes held at gates.
+"""A small real lower tier for chain tests: chunks in a dict, lookups, reads and writes held at gates.
 
 No timing: a test closes a gate, waits until an operation has arrived at it (`until`), does what
 it wants to race with that operation, then opens the gate.
@@ -19,7 +19,7 @@ from kvstored.tiers.chain import ChainPolicy, TierChain
 from kvstored.tiers.lower import LowerTier
 from kvstored.tiers.ram import RamTier
 
-GATED_OPS = ("read", "write")
+GATED_OPS = ("contains", "read", "write")
 SPINS = 100_000  # loop turns `settle` waits at most (a hang fails the test instead)
 
 
@@ -33,7 +33,7 @@ async def settle(predicate: Callable[[], bool], what: str = "the condition") -> 
 
 
 class GatedMemoryTier(SecondaryTier):
-    """Chunks in a dict. Reads and writes wait at their gate (open unless closed); a read takes the
+    """Chunks in a dict. Lookups, reads and writes wait at their gate (open unless closed); a read takes the
     bytes before its gate, and a write hands them over after it, as a real tier's I/O would."""
 
     kind = TierKind.FS
@@ -65,6 +65,7 @@ class GatedMemoryTier(SecondaryTier):
 
     async def contains(self, chunks: Sequence[ChunkId]) -> list[bool]:
         self.calls["contains"] += 1
+        await self._gate("contains")
         return [c in self.data for c in chunks]
 
     async def write(self, chunk: ChunkId, views: Sequence[memoryview], size: int) -> WriteOutcome:

@@ -4,8 +4,8 @@ Commands (each prints one JSON line on stdout):
   store   store n chunks (keys from --label), print the StoreResult
   verify  load n chunks and compare them with their expected bytes
   hold    store n chunks, lease them all through this client's session (and reserve
-          --reserve more keys without committing), print the lease handles, then block
-          until killed or stdin closes
+          --reserve more keys without committing; with --scribble, fill those slots with
+          0xEE), print the lease handles, then block until killed or stdin closes
   mix     until stdin closes: store batches of new keys, look up and load random earlier ones
           (every loaded byte compared with its key's payload), now and then delete one; print
           the totals (the daemon may be killed meanwhile: misses and drops are fine, wrong
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import subprocess
 import sys
 import threading
 
@@ -32,8 +33,6 @@ from tests.support.data import make_keys, payloads
 
 def spawn(command: str, socket, model: str, chunk: int, label: str, n: int, *extra: str) -> "subprocess.Popen":
     """Start a worker process (stdin/stdout piped; close stdin to let a --wait/hold worker exit)."""
-    import subprocess
-
     from tests.support.daemon import REPO_ROOT, clean_env
 
     argv = [sys.executable, "-m", "tests.support.worker", command, "--socket", str(socket), "--model", model,
@@ -80,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reserve", type=int, default=0)
     p.add_argument("--wait", action="store_true")
     p.add_argument("--deadline", type=float, default=20.0, help="the client's deadline_s")
+    p.add_argument("--scribble", action="store_true")
     args = p.parse_args(argv)
 
     client = Client(args.socket, deadline_s=args.deadline, client_name=f"worker-{args.command}-{args.label}")
@@ -116,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
             rkeys = make_keys(args.label + "/reserved", args.reserve)
             slots = stub.Reserve(pb.ReserveRequest(session_id=session.session_id, namespace_id=ns.namespace_id, keys=rkeys))
             reserved = [s.handle for s in slots.slots if s.state == pb.SLOT_STATE_RESERVED]
+            if args.scribble:  # half-written chunks that are never committed
+                for slot in slots.slots:
+                    for extent in slot.extents:
+                        session.pool[extent.offset:extent.offset + extent.length] = 0xEE
         _emit({
             "stored": res.stored,
             "leases": [lease.handle for lease in leases.leases],
