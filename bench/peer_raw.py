@@ -10,15 +10,16 @@ a fetching process, on loopback and/or between two network namespaces joined by 
   messages in flight (1 = posted one after another, the fastest pattern measured here);
 - peer tcp / peer ucx: kvstored.peer through tests/peer/node.py (a serving and a fetching node,
   one page run per chunk and slot as the RAM tier allocates them when it can), `--concurrency`
-  transfers in flight, each: a control round trip (JSON lines over TCP, standing in for the
-  daemon's gRPC), the bytes into the slot, the xxh3 check. Not compared byte for byte here (the
-  tests do that).
+  orders of `--batch` chunks in flight, each: a control round trip (JSON lines over TCP,
+  standing in for the daemon's gRPC), the bytes into the slots, the xxh3 checks. Not compared
+  byte for byte here (the tests do that).
 Throughput is measured at the receiver from the end of the first chunk to the end of the last.
 Each round runs every arm once, in a rotating order; the table shows medians over rounds and
 ratio = median(peer) / median(raw of the same transport), target >= 0.8x.
 
 Usage: .venv/bin/python bench/peer_raw.py [--where loopback,netns] [--transports tcp,ucx]
-                                          [--gib 1] [--rounds 3] [--concurrency 4] [--json PATH]
+                                          [--gib 1] [--rounds 3] [--concurrency 4] [--batch 8]
+                                          [--json PATH]
 Exit status: 0 if every targeted row passes, 1 if one misses, 2 if a part could not run.
 The module also serves a later bench/peer.py: `measure_raw(...)`, `measure_peer(...)`.
 """
@@ -262,7 +263,7 @@ def measure_raw(transport: str, place: Place, nbytes: int, chunk: int, ucx_windo
         _finish(recv, *([send] if send else []))
 
 
-def measure_peer(transport: str, place: Place, nbytes: int, chunk: int, concurrency: int) -> Sample:
+def measure_peer(transport: str, place: Place, nbytes: int, chunk: int, concurrency: int, batch: int = 1) -> Sample:
     """kvstored.peer moving `nbytes` from a serving node to a fetching node."""
     count = nbytes // chunk
     node = [sys.executable, "-m", "tests.peer.node"]
@@ -274,7 +275,7 @@ def measure_peer(transport: str, place: Place, nbytes: int, chunk: int, concurre
         ready = _read_json(server, "ready")
         fetcher = _spawn(place.argv(place.fetcher, [
             *node, "fetch", *common, "--once", "--no-verify", "--quiet", "--progress-every", str(count + 1),
-            "--concurrency", str(concurrency), "--timeout-s", "30",
+            "--concurrency", str(concurrency), "--batch", str(batch), "--timeout-s", "30",
             "--data", f"{place.server_host}:{ready['data_port']}",
             "--control", f"{place.server_host}:{ready['control_port']}",
         ]))
@@ -314,7 +315,7 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict]:
                 if kind == "raw":
                     value = measure_raw(transport, place, nbytes, chunk, args.ucx_window)
                 else:
-                    value = measure_peer(transport, place, nbytes, chunk, args.concurrency)
+                    value = measure_peer(transport, place, nbytes, chunk, args.concurrency, args.batch)
                 key = f"{kind} {transport} ({place.name})"
                 samples.setdefault(key, []).append(value)
                 print(f"round {r}: {key}: {value.gib_s:.2f} GiB/s, CPU s/GiB fetcher {value.cpu_s_per_gib[0]:.2f} "
@@ -363,7 +364,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--gib", type=float, default=1.0)
     p.add_argument("--chunk-mib", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--concurrency", type=int, default=4, help="peer transfers in flight")
+    p.add_argument("--concurrency", type=int, default=4, help="peer orders in flight")
+    p.add_argument("--batch", type=int, default=8, help="chunks per peer order")
     p.add_argument("--ucx-window", type=int, default=1, help="raw ucx messages in flight")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
@@ -378,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bench failed: {exc}", file=sys.stderr)
         return 2
     print_table(rows, title=f"peer data plane vs raw transports ({args.gib:g} GiB of {args.chunk_mib} MiB chunks, "
-                            f"{args.concurrency} in flight, median of {args.rounds} rounds)")
+                            f"{args.concurrency} orders of {args.batch} in flight, median of {args.rounds} rounds)")
     if args.json:
         write_json(args.json, {"bench": "peer_raw", "machine": machine_info(), "args": vars(args),
                                "rows": [r.to_json() for r in rows], "samples": samples})

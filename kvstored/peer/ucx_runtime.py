@@ -98,6 +98,12 @@ def _reset() -> None:
         return
     gc.collect()  # endpoints and listeners hold the context until collected
     try:
+        # ucxx's notifier thread checks for its stop once a second; waking it now makes the stop
+        # (and a daemon's shutdown) a second shorter. (A private attribute: without it, we wait.)
+        state.ucxx.core._ctx.worker.stop_request_notifier_thread()
+    except Exception:
+        pass
+    try:
         state.ucxx.reset()  # stops the notifier thread first
     except Exception as exc:  # something still holds an endpoint: the context can't be used again
         _broken = f"UCX could not be shut down cleanly and cannot start again in this process: {exc}"

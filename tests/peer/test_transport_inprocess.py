@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import pytest_asyncio
 import xxhash
 
 from kvstored.errors import ListenError
@@ -19,7 +20,8 @@ from kvstored.peer import (
     PeerAddress, ReceiveOutcome, Receipt, SendOrder, SendOutcome, Slot, Source, TransportConfig, TransportKind,
     UcxConfig, make_link, make_server,
 )
-from kvstored.peer import wire
+from kvstored.peer import ucx_runtime, wire
+from kvstored.peer.ucx_runtime import ucx_installed
 from tests.peer.conftest import TRANSPORTS
 
 SIZE = 1 << 20
@@ -54,8 +56,23 @@ class Pool:
         return b"".join(bytes(v) for v in self.slot(s))
 
 
-@pytest.fixture(params=TRANSPORTS)
-async def pair(request):
+# One event loop for the module: UCX's context is bound to a loop and shutting it down waits up to
+# a second for ucxx's notifier thread, so the module keeps one context for all its tests.
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def ucx_context():
+    if not ucx_installed():
+        yield
+        return
+    ucx_runtime.acquire(CONFIG.ucx.options(), CONFIG.connect_timeout_s)
+    yield
+    ucx_runtime.release()
+
+
+@pytest_asyncio.fixture(params=TRANSPORTS, loop_scope="module")
+async def pair(request, ucx_context):
     kind = TransportKind(request.param)
     server = make_server(kind, "127.0.0.1", 0, CONFIG)
     address = await server.start()
@@ -281,7 +298,7 @@ class FakeServer:
         self.sock.close()
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(loop_scope="module")
 async def fake():
     server = FakeServer()
     link = make_link(TransportKind.TCP, server.address, CONFIG)
