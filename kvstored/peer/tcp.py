@@ -52,6 +52,7 @@ class TcpLink(PeerLink):
     def __init__(self, address: PeerAddress, config: TransportConfig) -> None:
         super().__init__(address, config)
         self._idle: list[_Conn] = []
+        self._busy: set[_Conn] = set()
         self._open = 0  # connections made and not closed (idle or in use)
         self._waiters: list[asyncio.Future] = []
         self._closed = False
@@ -138,12 +139,15 @@ class TcpLink(PeerLink):
             while self._idle:
                 conn = self._idle.pop()
                 if not sockio.peer_gone(conn.sock):
+                    self._busy.add(conn)
                     return conn
                 self._discard(conn)
             if self._open < self.config.tcp_connections:
                 self._open += 1
                 try:
-                    return await self._connect(loop, deadline)
+                    conn = await self._connect(loop, deadline)
+                    self._busy.add(conn)
+                    return conn
                 except BaseException:
                     self._open -= 1
                     self._wake_one()
@@ -196,6 +200,7 @@ class TcpLink(PeerLink):
         return _Conn(sock, link_id)
 
     def _checkin(self, conn: _Conn, reusable: bool) -> None:
+        self._busy.discard(conn)
         if reusable and not self._closed:
             self._idle.append(conn)
             self._wake_one()
@@ -220,7 +225,11 @@ class TcpLink(PeerLink):
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_result(None)
-        # transfers in flight keep their connection until they end (each within its own timeout)
+        for conn in self._busy:  # transfers in flight fail at once (their reads see the end)
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 def _failure(verdict: flow.Verdict, address: PeerAddress) -> ReceiveResult:

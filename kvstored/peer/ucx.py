@@ -87,7 +87,8 @@ class UcxLink(PeerLink):
         return int(self._conn is not None and self._conn.alive())
 
     async def start(self) -> None:
-        """Start UCX now (importing ucxx blocks the loop for ~0.5 s: better at start than in a transfer)."""
+        """Start UCX now (importing ucxx blocks the loop for ~0.5 s: better at start than in a
+        transfer). Raises TransportUnavailable."""
         self._runtime()
 
     async def _receive(self, slots: Sequence[Slot], ask: Ask, timeout_s: float) -> list[ReceiveResult]:
@@ -176,17 +177,14 @@ class UcxLink(PeerLink):
 
     def _runtime(self) -> ModuleType:
         if self._ucxx is None:
-            try:
-                self._ucxx = ucx_runtime.acquire(self.config.ucx.options(), self.config.connect_timeout_s)
-            except TransportUnavailable as exc:
-                raise PeerUnreachable(str(exc)) from None
+            self._ucxx = ucx_runtime.acquire(self.config.ucx.options(), self.config.connect_timeout_s)
         return self._ucxx
 
     async def _connect(self, loop: asyncio.AbstractEventLoop, deadline: float) -> _Endpoint:
-        ucxx = self._runtime()
-        conn: _Endpoint | None = None
         lifeline = Lifeline()
+        ok = False
         try:
+            ucxx = self._runtime()
             async with asyncio.timeout(self.config.connect_timeout_s):
                 await loop.create_connection(lambda: lifeline, self.address.host, self.address.port)
                 lifeline.write(wire.encode_ucx_hello(bytes(ucxx.get_worker_address())))
@@ -194,17 +192,18 @@ class UcxLink(PeerLink):
                 length = wire.decode_address_len(await lifeline.read_exactly(wire.ADDRESS_LEN_BYTES))
                 address = ucxx.get_ucx_address_from_buffer(await lifeline.read_exactly(length))
                 ep = await ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=True)
-                conn = _Endpoint(ep, link_id, lifeline)
+            ok = True
         except TimeoutError:
-            self.counters.connect_failures += 1
-            lifeline.close()
             if loop.time() >= deadline:
                 raise
             raise PeerUnreachable(f"connecting to {self.address} over UCX timed out") from None
-        except Exception as exc:  # OSError, UCXError, PeerError
-            self.counters.connect_failures += 1
-            lifeline.close()
+        except Exception as exc:  # OSError, UCXError, PeerError, TransportUnavailable
             raise PeerUnreachable(f"cannot connect to {self.address} over UCX: {exc}") from None
+        finally:
+            if not ok:  # (also when the caller's deadline cancelled us)
+                self.counters.connect_failures += 1
+                lifeline.close()
+        conn = _Endpoint(ep, link_id, lifeline)
         lifeline.on_lost = lambda: self._drop(conn)  # the server's process is gone: fail its transfers now
         self.counters.connects += 1
         return conn
@@ -268,7 +267,6 @@ class UcxServer(PeerServer):
         self._server: asyncio.Server | None = None
         self._links: dict[int, _Link] = {}
         self._handshakes: set[asyncio.Task] = set()
-        self._closed = False
 
     @property
     def links(self) -> int:
@@ -394,7 +392,6 @@ class UcxServer(PeerServer):
         return SendResult(SendOutcome.FAILED, f"sending to the fetcher failed: {verdict.describe()}", quarantine)
 
     async def close(self) -> None:
-        self._closed = True
         if self._server is not None:
             self._server.close()
             self._server = None

@@ -224,6 +224,25 @@ async def test_a_cancelled_receive_leaves_nothing_behind(pair):
     assert (await link.receive(pool.slot(0), SIZE, sender(server, pool, 1), 5.0)).ok
 
 
+async def test_closing_the_link_fails_transfers_in_flight(pair):
+    server, link = pair
+    pool = Pool()
+    asked = asyncio.Event()
+
+    async def hang(order: SendOrder) -> None:
+        asked.set()
+        await asyncio.Event().wait()
+
+    task = asyncio.get_running_loop().create_task(link.receive(pool.slot(0), SIZE, hang, 30.0))
+    await asked.wait()
+    await link.close()
+    result = await asyncio.wait_for(task, 10.0)  # a bound, not a measurement: 30 s is the transfer's own
+    assert result.outcome is ReceiveOutcome.FAILED and result.quarantine is None
+    assert link.connections == 0
+    result = await link.receive(pool.slot(0), SIZE, sender(server, pool, 0), 5.0)
+    assert result.outcome is ReceiveOutcome.FAILED and "closed" in result.detail
+
+
 async def test_orders_the_server_cannot_serve(pair):
     server, link = pair
     pool = Pool()
