@@ -26,8 +26,8 @@ class Verdict:
     def describe(self) -> str:
         if self.error is None:
             return self.stop.value
-        text = str(self.error) or type(self.error).__name__
-        return f"{type(self.error).__name__}: {text}" if str(self.error) else text
+        text = str(self.error)
+        return f"{type(self.error).__name__}: {text}" if text else type(self.error).__name__
 
 
 async def wait_transfer(

@@ -300,7 +300,8 @@ class PeerServer(abc.ABC):
 
     @abc.abstractmethod
     async def start(self) -> PeerAddress:
-        """Listen; returns the bound address (port 0 picks one). Raises kvstored.errors.ListenError."""
+        """Listen; returns the bound address (port 0 picks one). Raises kvstored.errors.ListenError
+        (address unusable) or TransportUnavailable (UCX cannot start)."""
 
     async def send(self, order: SendOrder, sources: Sequence[Source | None], timeout_s: float) -> SendResult:
         """Answer every transfer of `order`: send its chunk from `sources` (same order), or tell the
