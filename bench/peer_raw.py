@@ -3,11 +3,13 @@
 In the same run, the same bytes (`--gib`, in `--chunk-mib` chunks) move from a serving process to
 a fetching process, on loopback and/or between two network namespaces joined by a bridge
 (tests/support/netns.py; needs root):
-- raw tcp: one socket; the sender sendall()s each chunk from a populated mmap, the receiver
-  recv_into()s it straight into a ring of slots (blocking calls, no event loop);
+- raw tcp: one socket; the sender sendall()s each chunk from a populated mmap holding all of them
+  (as the serving node does: a small ring would be sent from the CPU cache), the receiver
+  recv_into()s it straight into as many slots as the fetching node uses, in turn (blocking
+  calls, no event loop);
 - raw ucx: ucxx with the data plane's UCX settings (tcp transport, 2 MiB segments, host bounce
-  buffers), tag send/receive of one chunk per message into a ring of slots; `--ucx-window`
-  messages in flight (1 = posted one after another, the fastest pattern measured here);
+  buffers), tag send/receive of one chunk per message, same buffers; `--ucx-window` messages in
+  flight (1 = posted one after another, the fastest pattern measured here);
 - peer tcp / peer ucx: kvstored.peer through tests/peer/node.py (a serving and a fetching node,
   one page run per chunk and slot as the RAM tier allocates them when it can), `--concurrency`
   orders of `--batch` chunks in flight, each: a control round trip (JSON lines over TCP,
@@ -50,7 +52,6 @@ from kvstored.peer.transport import UcxConfig  # noqa: E402
 from tests.support import netns  # noqa: E402
 
 TARGET = 0.8
-SLOTS = 8  # receive ring (chunks land in these slots in turn)
 EVENT_TIMEOUT_S = 300.0
 
 
@@ -112,10 +113,13 @@ def _finish(*procs: subprocess.Popen) -> None:
 # -- raw arms (run as `python bench/peer_raw.py raw-...`) -------------------------------------
 
 
-def _ring(chunk: int) -> list[memoryview]:
-    pool = mmap.mmap(-1, SLOTS * chunk, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+def _ring(chunk: int, n: int) -> list[memoryview]:
+    """`n` populated chunk buffers: the sender's are all the chunks it sends (as the serving node
+    holds them: a small ring would be served from the CPU cache), the receiver's as many slots
+    as the fetching node uses."""
+    pool = mmap.mmap(-1, n * chunk, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
     mv = memoryview(pool)
-    return [mv[i * chunk:(i + 1) * chunk] for i in range(SLOTS)]
+    return [mv[i * chunk:(i + 1) * chunk] for i in range(n)]
 
 
 def _emit(event: str, **fields) -> None:
@@ -134,10 +138,10 @@ def raw_tcp_recv(args: argparse.Namespace) -> None:
     listener.listen(1)
     _emit("ready", port=listener.getsockname()[1])
     conn, _ = listener.accept()
-    ring = _ring(args.chunk)
+    ring = _ring(args.chunk, args.slots)
     first_end = cpu0 = 0.0
     for i in range(args.count):
-        view, got = ring[i % SLOTS], 0
+        view, got = ring[i % args.slots], 0
         while got < args.chunk:
             n = conn.recv_into(view[got:])
             if not n:
@@ -153,10 +157,10 @@ def raw_tcp_recv(args: argparse.Namespace) -> None:
 def raw_tcp_send(args: argparse.Namespace) -> None:
     conn = socket.create_connection((args.host, args.port))
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    ring = _ring(args.chunk)
+    ring = _ring(args.chunk, args.count)
     cpu0 = _cpu()
     for i in range(args.count):
-        conn.sendall(ring[i % SLOTS])
+        conn.sendall(ring[i])
     _emit("done", cpu_s_per_gib=(_cpu() - cpu0) / (args.count * args.chunk / GIB))
     conn.shutdown(socket.SHUT_WR)
     conn.recv(1)  # until the receiver closes
@@ -195,13 +199,13 @@ async def _windowed(count: int, window: int, op) -> tuple[float, float, float]:
 def raw_ucx_recv(args: argparse.Namespace) -> None:
     async def main() -> None:
         ucxx = _ucxx(args.devices)
-        ring = _ring(args.chunk)
+        ring = _ring(args.chunk, args.slots)
         done: asyncio.Future = asyncio.get_running_loop().create_future()
 
         async def on_endpoint(ep) -> None:
             try:
                 first_end, end, cpu = await _windowed(
-                    args.count, args.window, lambda i: ep.recv(ring[i % SLOTS], tag=i, force_tag=True))
+                    args.count, args.window, lambda i: ep.recv(ring[i % args.slots], tag=i, force_tag=True))
                 gib = (args.count - 1) * args.chunk / GIB
                 done.set_result({"gib_s": gib / (end - first_end), "cpu_s_per_gib": cpu / gib})
                 await ep.recv(bytearray(1), tag=args.count, force_tag=True)  # the sender's "bye"
@@ -223,10 +227,10 @@ def raw_ucx_recv(args: argparse.Namespace) -> None:
 def raw_ucx_send(args: argparse.Namespace) -> None:
     async def main() -> None:
         ucxx = _ucxx(args.devices)
-        ring = _ring(args.chunk)
+        ring = _ring(args.chunk, args.count)
         ep = await ucxx.create_endpoint(args.host, args.port)
         _, _, cpu = await _windowed(args.count, args.window,
-                                    lambda i: ep.send(ring[i % SLOTS], tag=i, force_tag=True))
+                                    lambda i: ep.send(ring[i], tag=i, force_tag=True))
         _emit("done", cpu_s_per_gib=cpu / ((args.count - 1) * args.chunk / GIB))
         await ep.send(bytearray(1), tag=args.count, force_tag=True)
         ucxx.stop_notifier_thread()
@@ -244,11 +248,12 @@ class Sample:
     cpu_s_per_gib: tuple[float, float]  # (fetching side, serving side), all threads
 
 
-def measure_raw(transport: str, place: Place, nbytes: int, chunk: int, ucx_window: int = 1) -> Sample:
-    """One raw transfer of `nbytes` from place.server to place.fetcher."""
+def measure_raw(transport: str, place: Place, nbytes: int, chunk: int, slots: int, ucx_window: int = 1) -> Sample:
+    """One raw transfer of `nbytes` from place.server to place.fetcher, landing in `slots` buffers."""
     count = nbytes // chunk
     me = [sys.executable, str(Path(__file__).resolve())]
-    common = ["--chunk", str(chunk), "--count", str(count), "--devices", place.devices, "--window", str(ucx_window)]
+    common = ["--chunk", str(chunk), "--count", str(count), "--slots", str(slots), "--devices", place.devices,
+              "--window", str(ucx_window)]
     host = place.fetcher.ip if place.fetcher else "127.0.0.1"
     recv = _spawn(place.argv(place.fetcher, [*me, f"raw-{transport}-recv", "--host", host, *common]))
     send = None
@@ -313,7 +318,8 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict]:
             shift = r % len(arms)
             for place, transport, kind in arms[shift:] + arms[:shift]:
                 if kind == "raw":
-                    value = measure_raw(transport, place, nbytes, chunk, args.ucx_window)
+                    value = measure_raw(transport, place, nbytes, chunk, 2 * args.concurrency * args.batch,
+                                        args.ucx_window)
                 else:
                     value = measure_peer(transport, place, nbytes, chunk, args.concurrency, args.batch)
                 key = f"{kind} {transport} ({place.name})"
@@ -359,6 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         r.add_argument("--count", type=int, required=True)
         r.add_argument("--devices", default="lo")
         r.add_argument("--window", type=int, default=1)
+        r.add_argument("--slots", type=int, default=64)
     p.add_argument("--where", default="loopback,netns")
     p.add_argument("--transports", default="tcp,ucx")
     p.add_argument("--gib", type=float, default=1.0)
