@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 from kvstored.errors import ListenError
 from kvstored.peer import flow, ucx_runtime, wire
-from kvstored.peer.errors import PeerError, PeerUnreachable, ProtocolError, TransportUnavailable
+from kvstored.peer.errors import PeerError, PeerUnreachable
 from kvstored.peer.lifeline import Lifeline
 from kvstored.peer.transport import (
     Ask, PeerAddress, PeerLink, PeerServer, ReceiveOutcome, ReceiveResult, Receipt, SendOrder,

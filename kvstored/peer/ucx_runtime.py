@@ -83,7 +83,6 @@ def acquire(options: dict[str, str], connect_timeout_s: float) -> ModuleType:
 
 def release() -> None:
     """One user less; the last one shuts the context down (its threads stop)."""
-    global _state
     if _state is None or _state.users <= 0:
         return
     _state.users -= 1

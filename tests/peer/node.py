@@ -145,6 +145,9 @@ async def serve(args: argparse.Namespace) -> None:
         nonlocal leased
         leased -= n
 
+    def unlease_later(n: int):
+        return lambda _: unlease(n)
+
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonlocal leased
         try:
@@ -164,7 +167,7 @@ async def serve(args: argparse.Namespace) -> None:
                         result = await server.send(order, sources, args.send_timeout_s)
                     finally:
                         if result is not None and result.quarantine is not None:
-                            result.quarantine.settled.add_done_callback(lambda _, n=len(sources): unlease(n))
+                            result.quarantine.settled.add_done_callback(unlease_later(len(sources)))
                         else:
                             unlease(len(sources))
                     resp = {"outcome": result.outcome.value, "detail": result.detail,
@@ -273,7 +276,7 @@ async def fetch(args: argparse.Namespace) -> None:
                 slot_ids = [await free.get() for _ in indices]
                 slots = [Slot(views_of(mv, s * size, slot_runs(s, size)), size) for s in slot_ids]
 
-                async def ask(order: SendOrder) -> list[Receipt]:
+                async def ask(order: SendOrder, indices: list[int] = indices) -> list[Receipt]:
                     resp = await control.request({"op": "send", "chunks": indices, "order": order_to_json(order)})
                     if resp["outcome"] != "sent":
                         raise RuntimeError(f"server: {resp['outcome']}: {resp['detail']}")
