@@ -18,6 +18,7 @@ import logging
 from dataclasses import dataclass, field
 
 from kvstored.errors import InvalidRequest, PoolExhausted, SessionRequired, UnknownRegion
+from kvstored.sizes import format_size
 from kvstored.namespaces import Namespace, NamespaceRegistry
 from kvstored.observability.events import EventFilter, KvEvent
 from kvstored.observability.snapshot import QuotaSnapshot, QuotaUsage
@@ -210,7 +211,7 @@ class Tenancy:
         self._tenants[key] = tenant
         self._by_arena[arena.arena_id] = tenant
         self._placements.clear()
-        log.debug("tenant arena %d of %d bytes", arena.arena_id, size)
+        log.debug("tenant arena %d of %s (address space)", arena.arena_id, format_size(size))
         return tenant
 
     def _set_quota(self, ns: Namespace, quota_bytes: int) -> None:
