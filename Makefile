@@ -6,19 +6,25 @@ RUN_STAMP := $(VENV)/.installed-run
 STAMP := $(VENV)/.installed
 GEN := client/kvstored_client/_gen/kvstored/v1
 PROTOS := $(wildcard proto/kvstored/v1/*.proto)
-# The daemon of `make run`: RAM tier + an fs tier under ./var (ignored by git).
-RUN_ARGS ?= --socket var/kvstored.sock --tiers kind=fs,root=var/fs,bytes=20GiB
+# The daemon of `make run`: RAM tier + an fs tier under ./var (ignored by git). RUN_ARGS adds to
+# these (a later --socket wins, another --tiers adds a tier); RUN_DEFAULT_ARGS= drops them.
+RUN_DEFAULT_ARGS ?= --socket var/kvstored.sock --tiers kind=fs,root=var/fs,bytes=20GiB
+RUN_ARGS ?=
 PYTEST_ARGS ?=
 
 .PHONY: setup proto run test bench system-deps vllm-deps clean
 
 setup: $(STAMP) $(GEN)/kvstored_pb2.py
 
-# The daemon alone (what `make run` needs): no torch, no test tools; building the client
-# generates the protobuf modules.
+# The daemon alone (what `make run` needs) and the tools to look at it (kvstoredctl, grpcurl): no
+# torch, no test tools; building the client generates the protobuf modules.
 $(RUN_STAMP): pyproject.toml client/pyproject.toml client/setup.py setup.py kvstored/shm/_safecopy.c $(PROTOS)
+	@test -x $(BIN)/python || $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
+		echo "kvstored needs Python >= 3.11; $(PYTHON) is $$($(PYTHON) -V 2>&1). On Ubuntu 22.04:" \
+			"sudo add-apt-repository ppa:deadsnakes/ppa && sudo apt-get install python3.11 python3.11-venv" \
+			"python3.11-dev, or uv python install 3.11; then: make $(MAKECMDGOALS) PYTHON=python3.11" >&2; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check -e ./client -e .
+	$(BIN)/pip install -q --disable-pip-version-check -e ./client -e '.[tools]'
 	touch $@
 
 # Tests and benchmarks: torch first and pinned (an unpinned torch pulls a multi-GB CUDA build).
@@ -34,7 +40,7 @@ proto $(GEN)/kvstored_pb2.py: $(PROTOS) | $(STAMP)
 
 run: $(RUN_STAMP)
 	mkdir -p var/fs
-	$(BIN)/kvstored serve $(RUN_ARGS)
+	$(BIN)/kvstored serve $(RUN_DEFAULT_ARGS) $(RUN_ARGS)
 
 # Exit code 5 (no tests collected) is a failure, not a pass.
 test: setup system-deps vllm-deps

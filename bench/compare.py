@@ -1,4 +1,7 @@
-"""kvstored against the alternatives, in one run, on the same 2 MiB chunks (not a test).
+"""kvstored against the alternatives, in one run, on the same 2 MiB chunks (not a test): kvstored's
+local path (Client.store/load through the shared pool) and its fs tier, beside Redis 7 GET/SET
+(redis-py + hiredis on loopback, LMCache's usual remote backend), a raw memcpy of the same bytes,
+and raw O_DIRECT reads/writes (the disk ceiling of the fs tier).
 
 Systems (each moves the same working set, default 1 GiB = 512 chunks of 2 MiB, from and into
 populated private numpy buffers of one client process):

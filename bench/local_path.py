@@ -1,4 +1,7 @@
-"""Benchmark of kvstored's local data path (not a test).
+"""Benchmark of kvstored's local data path (not a test): store and load of a working set (1 GiB of
+2 MiB chunks) through pool mapping and through region registration, with 1 and 2 client
+processes, beside a numpy memcpy of the same bytes; lookup latency of 1 and 256 keys beside an
+empty gRPC round trip. Every baseline is measured in the same run.
 
 Stores, then loads, a working set (default 1 GiB) in fixed chunks (default 2 MiB) through both
 primitives, with 1 and 2 client processes, and prints GiB/s beside a plain numpy memcpy of the
@@ -396,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:
         help="what-if: run the daemon and the client processes with GLIBC_TUNABLES="
              "glibc.cpu.x86_non_temporal_threshold=BYTES (memcpy uses non-temporal stores from that size up)",
     )
+    ap.add_argument("--pool-pages", choices=("4k", "thp", "hugetlb"), default="4k",
+                    help="the daemon's pool_pages (hugetlb needs vm.nr_hugepages; thp needs shmem_enabled=advise); "
+                         "bench/pool.py compares the modes alone")
+    ap.add_argument("--numa-node", default="", help="the daemon's numa_node (a node or interleave; default unset)")
     args = ap.parse_args(argv)
     if args.nt_threshold is not None:
         # glibc reads tunables at process start: the daemon and the spawned clients inherit this
@@ -431,7 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average at start: {load_start:.2f}")
 
     results: dict[int, Any] = {}
-    with Daemon(cpu_bytes) as daemon:
+    pool_args = ["--pool-pages", args.pool_pages] + (["--numa-node", args.numa_node] if args.numa_node else [])
+    print(f"pool: {args.pool_pages} pages, NUMA {args.numa_node or 'unset'}")
+    with Daemon(cpu_bytes, extra_args=pool_args) as daemon:
         print(f"daemon pid {daemon.pid} on {daemon.socket} (ready in {daemon.start_s:.2f}s)")
         cfg = {"socket": str(daemon.socket), "chunk_bytes": chunk, "chunks": chunks, "batch": args.batch,
                "repeat": args.repeat, "warmup": args.warmup}

@@ -13,15 +13,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+# fallbacks for JSON written before the configurations were listed in it (doc["configs"])
 LABELS = {"none": "no offload", "ram": "RAM", "ram+fs": "RAM + fs", "ram+fs+s3": "RAM + fs + S3"}
+HAS_TIER = {"none": ["gpu"], "ram": ["gpu", "ram"], "ram+fs": ["gpu", "ram", "fs"],
+            "ram+fs+s3": ["gpu", "ram", "fs", "s3"]}
 STYLE = {  # colour, marker
     "none": ("#7f7f7f", "o"),
     "ram": ("#1f77b4", "s"),
     "ram+fs": ("#2ca02c", "^"),
     "ram+fs+s3": ("#d62728", "D"),
 }
-HAS_TIER = {"none": {"gpu"}, "ram": {"gpu", "ram"}, "ram+fs": {"gpu", "ram", "fs"},
-            "ram+fs+s3": {"gpu", "ram", "fs", "s3"}}
+EXTRA_STYLES = [("#9467bd", "v"), ("#8c564b", "P"), ("#e377c2", "X"), ("#17becf", "*")]  # configurations added later
 TIER_TITLES = {"gpu": "GPU prefix cache", "ram": "kvstored RAM tier", "fs": "kvstored fs tier",
                "s3": "kvstored S3 tier"}
 
@@ -33,7 +35,12 @@ def plot_multiturn(doc: dict[str, Any], path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = [r for r in doc["results"] if not r.get("skipped")]
-    configs = [c for c in LABELS if any(r["config"] == c for r in runs)]
+    listed = doc.get("configs") or [{"key": k, "label": v, "tiers": HAS_TIER[k]} for k, v in LABELS.items()]
+    labels = {c["key"]: c["label"] for c in listed}
+    has_tier = {c["key"]: set(c["tiers"]) for c in listed}
+    extra = iter(EXTRA_STYLES)
+    style = {c["key"]: STYLE.get(c["key"]) or next(extra, ("#000000", "o")) for c in listed}
+    configs = [c["key"] for c in listed if any(r["config"] == c["key"] for r in runs)]
     fig = plt.figure(figsize=(13, 8.5), dpi=110)
     grid = fig.add_gridspec(2, 4, height_ratios=[1.5, 1], hspace=0.42, wspace=0.32)
     ax_tp = fig.add_subplot(grid[0, 0:2])
@@ -44,12 +51,12 @@ def plot_multiturn(doc: dict[str, Any], path: str | Path) -> None:
     for config in configs:
         rs = sorted((r for r in runs if r["config"] == config), key=lambda r: r["conversations"])
         xs = [r["conversations"] for r in rs]
-        colour, marker = STYLE[config]
-        kw = dict(color=colour, marker=marker, label=LABELS[config], linewidth=2, markersize=6)
+        colour, marker = style[config]
+        kw = dict(color=colour, marker=marker, label=labels[config], linewidth=2, markersize=6)
         ax_tp.plot(xs, [r["throughput_tokens_s"] / 1000 for r in rs], **kw)
         ax_hit.plot(xs, [100 * r["hit_rate_overall"] for r in rs], **kw)
         for ax, tier in zip(tier_axes, TIER_TITLES):
-            if tier not in HAS_TIER[config]:
+            if tier not in has_tier[config]:
                 continue
             ax.plot(xs, [100 * r["hit_rate"].get(tier, 0.0) for r in rs], **{**kw, "linewidth": 1.5, "markersize": 4})
 
@@ -78,13 +85,18 @@ def plot_multiturn(doc: dict[str, Any], path: str | Path) -> None:
     machine = doc.get("machine", {})
     fig.suptitle(
         f"kvstored multi-turn benchmark: {w.get('initial_tokens')} + {w.get('turn_tokens')} tokens/turn, "
-        f"{w.get('turns')} turns; modelled {model.get('model_name', 'GPU')} at "
+        f"{w.get('turns')} turns\nmodelled {model.get('model_name', 'GPU')}: "
+        f"{model.get('model_kv_bytes_per_token', 0):,} KV bytes/token, "
         f"{model.get('prefill_tokens_per_s', 0):,.0f} prefill tokens/s",
         fontsize=12,
     )
-    foot = (f"Real daemon, real transfers of KV scaled 1/{scale:g} (load times x{scale:g}); "
-            f"{machine.get('cpus')} CPUs, {machine.get('mem_total_gib')} GiB, git {machine.get('git')}; "
-            f"{doc.get('s3_server', '')}")
+    load = doc.get("load_average")
+    conv = doc.get("sizes_in_conversations", {})
+    foot = (f"Real daemon, real transfers of KV scaled 1/{scale:g} (load times x{scale:g}); modelled GPU cache "
+            f"{conv.get('gpu', 0):.0f} conversations, RAM tier {conv.get('ram', 0):g}, fs {conv.get('fs', 0):g}; "
+            f"{machine.get('cpus')} CPUs, {machine.get('mem_total_gib')} GiB, git {machine.get('git')}"
+            + (f", load average {load['min']:.1f}-{load['max']:.1f}" if load else "")
+            + f"; {doc.get('s3_server', '')}")
     fig.text(0.5, 0.01, foot, ha="center", fontsize=8, color="#555555")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, bbox_inches="tight")

@@ -1,4 +1,6 @@
-"""Benchmark of kvstored's secondary tiers against the raw I/O beneath them (not a test).
+"""Benchmark of kvstored's secondary tiers against the raw I/O beneath them (not a test): the fs
+tier beside raw O_DIRECT pwritev/preadv of the same bytes (cold reads: page cache dropped), and
+the S3 tier beside raw aiobotocore put/get of the same objects (radosgw or moto), in one run.
 
 Issue 3 part 7: fs tier store/load GiB/s for 2 MiB chunks beside raw O_DIRECT pwritev/preadv of
 the same bytes, and S3 tier store/load beside raw aiobotocore put/get of the same objects, all

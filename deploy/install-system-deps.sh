@@ -4,8 +4,9 @@
 #   prometheus: promtool, to check /metrics, the alert rules and the scrape config
 #   systemd: systemd-analyze, to verify the unit file
 #   openssl: throwaway certificates for the TLS listener tests; curl: the radosgw start script
+#   tmux: a real terminal for the test that drives `kvstoredctl top`
 set -euo pipefail
-packages=(ceph-mon ceph-osd radosgw prometheus systemd openssl curl "$@")
+packages=(ceph-mon ceph-osd radosgw prometheus systemd openssl curl tmux "$@")
 need=()
 for pkg in "${packages[@]}"; do dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg"); done
 [ ${#need[@]} -eq 0 ] && exit 0

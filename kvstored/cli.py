@@ -17,6 +17,8 @@ from kvstored.logs import setup_logging
 
 log = logging.getLogger("kvstored")
 
+EXIT_CONFIG = 2  # the configuration cannot work: restarting will not help (RestartPreventExitStatus=2)
+
 
 def _shown_default(f: dataclasses.Field) -> str:
     value = f.default
@@ -30,7 +32,7 @@ def _shown_default(f: dataclasses.Field) -> str:
         value = f"0{value:o}"
     elif isinstance(value, tuple):
         value = ":".join(map(str, value))
-    return f"; default {value}"
+    return "; default " + str(value).replace("%", "%%")  # argparse formats help with %
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,20 +80,28 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(flags, config_file=args.config)
     except ConfigError as exc:
         print(f"kvstored: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     if config.tune_memcpy:
         tune_memcpy_and_reexec(argv)
     setup_logging(config.log_level, config.log_format)
 
     from kvstored.errors import ListenError, TierStartError
     from kvstored.server.daemon import SocketInUse, run
+    from kvstored.shm.memory import PoolMemoryError
 
     try:
         import uvloop
 
         # SIGHUP re-reads the same sources the daemon started from.
         uvloop.run(run(config, reload_config=lambda: load_config(flags, config_file=args.config)))
-    except (SocketInUse, TierStartError, ListenError) as exc:
+    except (TierStartError, PoolMemoryError) as exc:
+        # Credentials, a bucket, an unusable root, a pool the machine cannot give: a restart fails
+        # the same way, so this is a configuration error (exit 2, which the systemd unit does not
+        # restart on). An S3 endpoint that does not answer is not one: the tier starts and retries
+        # in the background.
+        log.error("%s", exc)
+        return EXIT_CONFIG
+    except (SocketInUse, ListenError) as exc:
         log.error("%s", exc)
         return 1
     except OSError as exc:

@@ -7,6 +7,7 @@ variable names and the TOML keys are all derived from that declaration.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import ipaddress
 import os
 import tomllib
@@ -17,6 +18,7 @@ from typing import Any, Callable, Literal, Mapping, get_args
 from kvstored.observability.events import EventEncoding
 from kvstored.parsing import parse_bool, parse_seconds
 from kvstored.shm.copier import default_copy_threads
+from kvstored.shm.memory import NumaPlacement, PoolPages
 from kvstored.sizes import parse_size
 from kvstored.tiers.lower import WritePolicy
 from kvstored.tiers.registry import KINDS as TIER_KINDS
@@ -75,12 +77,51 @@ def _choice(literal: Any) -> Callable[[str], str]:
     return parse
 
 
+def _choice_of(kind: type[enum.Enum]) -> Callable[[str], enum.Enum]:
+    """Parse an enum's value, naming the valid ones when it is not one."""
+    def parse(value: str) -> enum.Enum:
+        try:
+            return kind(str(value).strip().lower())
+        except ValueError:
+            raise ValueError(f"{value!r} is not one of {', '.join(str(m.value) for m in kind)}") from None
+
+    return parse
+
+
 def _opt(help_text: str, parse: Callable[[Any], Any], metavar: str = "", repeat: bool = False) -> dict[str, Any]:
     return {"help": help_text, "parse": parse, "metavar": metavar, "repeat": repeat}
 
 
 def _parse_optional_size(value: str | int | None) -> int | None:
     return None if value in (None, "", "auto") else parse_size(value)
+
+
+@dataclass(frozen=True)
+class Share:
+    """A size given as bytes, or as a fraction of something sized later (e.g. of cpu_bytes)."""
+
+    bytes: int = 0
+    fraction: float = 0.0  # used when bytes is 0
+
+    def of(self, whole: int) -> int:
+        return self.bytes if self.bytes else int(whole * self.fraction)
+
+    def __str__(self) -> str:
+        return str(self.bytes) if self.bytes else f"{self.fraction:.0%}"
+
+
+def _parse_share(value: str | float) -> Share:
+    """"50%", 0.5 (a fraction, up to 1) or a size ("8GiB", 8589934592)."""
+    text = str(value).strip()
+    if text.endswith("%"):
+        fraction = float(text[:-1]) / 100
+    elif isinstance(value, float) or (text.replace(".", "", 1).isdigit() and "." in text):
+        fraction = float(text)
+    else:
+        return Share(bytes=parse_size(value))
+    if not 0 < fraction <= 1:
+        raise ValueError(f"{value!r}: a fraction must be above 0 and at most 1 (100%)")
+    return Share(fraction=fraction)
 
 
 def is_loopback(addr: str) -> bool:
@@ -191,6 +232,17 @@ class Config:
         default=True,
         metadata=_opt("touch every pool page at start so first copies run at full speed", parse_bool, "BOOL"),
     )
+    pool_pages: PoolPages = field(
+        default=PoolPages.SMALL,
+        metadata=_opt("the pool's pages: 4k; thp (transparent huge pages: needs "
+                      "/sys/kernel/mm/transparent_hugepage/shmem_enabled = advise); hugetlb (2 MiB pages reserved "
+                      "with vm.nr_hugepages; cpu_bytes is rounded down to 2 MiB)", _choice_of(PoolPages), "PAGES"),
+    )
+    numa_node: NumaPlacement | None = field(
+        default=None,
+        metadata=_opt("place the pool on this NUMA node (e.g. the GPU's), or interleave across all nodes "
+                      "(default: unset, the kernel's first-touch policy)", NumaPlacement.parse, "NODE"),
+    )
     region_dirs: tuple[Path, ...] = field(
         default=(Path("/dev/shm"),),
         metadata=_opt("directories RegisterRegion may name files in, ':'-separated (regions passed as an "
@@ -273,10 +325,26 @@ class Config:
         default="", metadata=_opt("ZMQ ROUTER endpoint answering vLLM-style replay requests", str, "ENDPOINT")
     )
     events_zmq_topic: str = field(default="", metadata=_opt("topic frame of every ZMQ event message", str, "TOPIC"))
+    events_zmq_tenants: bool = field(
+        default=False,
+        metadata=_opt("also publish tenant namespaces' events (ids and keys) on ZMQ: routers are trusted "
+                      "infrastructure; off, only public namespaces' events are published", parse_bool, "BOOL"),
+    )
     events_encoding: EventEncoding = field(
         default=EventEncoding.MAP,
         metadata=_opt("map: vLLM 0.33 tagged maps; array: positional arrays for older llm-d/Dynamo decoders",
                       EventEncoding, "ENCODING"),
+    )
+    tenant_quota: Share = field(
+        default=Share(fraction=0.5),
+        metadata=_opt("RAM each tenant (tenant_salt) may hold, as a fraction (50%%, 0.5) or bytes (8GiB); over it, "
+                      "a tenant's new chunks evict its own oldest ones. Also the size of its arena (address "
+                      "space, not memory)", _parse_share, "SHARE"),
+    )
+    max_tenants: int = field(
+        default=1024,
+        metadata=_opt("tenants that may hold an arena at once (one memfd each; an arena goes once no session "
+                      "holds it and it has no chunk in RAM)", int, "N"),
     )
     log_level: LogLevel = field(default="info", metadata=_opt("log level", _choice(LogLevel), "LEVEL"))
     log_format: LogFormat = field(
@@ -294,6 +362,10 @@ class Config:
             raise ConfigError(f"copy_threads must be 1 to 64, got {self.copy_threads}")
         if self.max_batch_keys <= 0:
             raise ConfigError(f"max_batch_keys must be positive, got {self.max_batch_keys}")
+        if self.tenant_quota_bytes < self.page_bytes:
+            raise ConfigError(f"tenant_quota ({self.tenant_quota}) must hold at least one page ({self.page_bytes} bytes)")
+        if self.max_tenants < 0:
+            raise ConfigError(f"max_tenants must not be negative, got {self.max_tenants}")
         if self.grace_seconds < 0:
             raise ConfigError(f"grace_seconds must not be negative, got {self.grace_seconds}")
         for tier in self.tiers:
@@ -330,6 +402,10 @@ class Config:
         if self.writeback_headroom is not None:
             return self.writeback_headroom
         return min(self.cpu_bytes // 20, 1 << 30)
+
+    @property
+    def tenant_quota_bytes(self) -> int:
+        return min(self.tenant_quota.of(self.cpu_bytes), self.cpu_bytes)
 
     @property
     def session_socket(self) -> Path:

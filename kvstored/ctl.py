@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -17,7 +19,9 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstored.sizes import format_size
+from kvstored import top
+from kvstored.sizes import format_size, parse_size
+from kvstored.top import drops, kind_name
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.errors import OLDEST_SEQ_KEY
@@ -26,10 +30,14 @@ from kvstored_client.paths import default_socket_path
 
 PROG = "kvstoredctl"
 BATCH_KEYS = 1024  # keys per request; well below the daemon's default max_batch_keys
+DEFAULT_COUNT_WAIT_S = 5.0  # `events --count N`: give up after this long without an event
 
 EPILOG = """\
 The socket defaults to $KVSTORED_SOCKET, else /run/kvstored/kvstored.sock as root, else
 $XDG_RUNTIME_DIR/kvstored/kvstored.sock."""
+
+
+NEED_GROUP = "run as root or as a member of the socket's group"
 
 
 class CtlError(Exception):
@@ -46,9 +54,14 @@ class Conn:
 
     def _open(self) -> grpc.Channel:
         if self._channel is None:
-            if not self.socket.exists():
+            try:
+                os.stat(self.socket)
+            except (FileNotFoundError, NotADirectoryError):
                 raise CtlError(f"cannot reach kvstored at {self.socket}: no such socket "
-                               f"(is kvstored running? use --socket or KVSTORED_SOCKET)")
+                               f"(is kvstored running? use --socket or KVSTORED_SOCKET)") from None
+            except PermissionError:  # e.g. /run/kvstored is 0750 and we are not in its group
+                raise CtlError(f"cannot reach kvstored at {self.socket}: permission denied on "
+                               f"{self.socket.parent} ({NEED_GROUP})") from None
             self._channel = grpc.insecure_channel(f"unix:{self.socket}")
         return self._channel
 
@@ -74,7 +87,7 @@ class Conn:
         code = exc.code()
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             if not os.access(self.socket, os.R_OK | os.W_OK):
-                why = "permission denied (run as root or as a member of the socket's group)"
+                why = f"permission denied ({NEED_GROUP})"
             elif code is grpc.StatusCode.DEADLINE_EXCEEDED:
                 why = f"no answer within {self.timeout:g}s"
             else:
@@ -95,10 +108,6 @@ def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
 
 
-def kind_name(kind: int) -> str:
-    return pb.TierKind.Name(kind).removeprefix("TIER_KIND_").lower()
-
-
 def ratio(part: int, whole: int) -> float | None:
     return part / whole if whole else None
 
@@ -114,10 +123,6 @@ def tier_dict(t: pb.TierStats) -> dict[str, Any]:
     d["hit_ratio"] = ratio(t.hits, t.lookups)
     d["utilization"] = ratio(t.used_bytes, t.capacity_bytes)
     return d
-
-
-def drops(t: pb.TierStats) -> int:
-    return t.dropped_backpressure + t.rejected_admission + t.rejected_full + t.errors + t.dropped_dirty
 
 
 def emit(args: argparse.Namespace, data: Any, text: Callable[[], str]) -> None:
@@ -148,6 +153,13 @@ def batches(items: Sequence[bytes], n: int = BATCH_KEYS) -> Iterator[Sequence[by
 
 class UsageError(Exception):
     """Bad input: exit code 2."""
+
+
+def size_arg(value: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 # -- commands -----------------------------------------------------------------------------------
@@ -243,13 +255,24 @@ def cmd_clear(conn: Conn, args: argparse.Namespace) -> int:
 
 
 def cmd_namespaces(conn: Conn, args: argparse.Namespace) -> int:
-    found = conn.call("ListNamespaces", pb.ListNamespacesRequest()).namespaces
+    listed = conn.call("ListNamespaces", pb.ListNamespacesRequest())
     data = [{"namespace_id": n.namespace_id, "model": n.model, "dtype": n.dtype, "chunk_bytes": n.chunk_bytes,
              "layout": n.layout, "key_bytes": n.key_bytes, "block_tokens": n.block_tokens,
-             "ram_chunks": n.ram_chunks} for n in found]
+             "ram_chunks": n.ram_chunks, "ram_bytes": n.ram_bytes, "quota_bytes": n.quota_bytes,
+             "recovered_from": list(n.recovered_from)}
+            for n in listed.namespaces]
     rows = [(d["namespace_id"], d["model"], d["dtype"], format_size(d["chunk_bytes"]), d["layout"] or "-",
-             d["ram_chunks"]) for d in data]
-    emit(args, data, lambda: table(rows, ("NAMESPACE", "MODEL", "DTYPE", "CHUNK", "LAYOUT", "RAM CHUNKS")))
+             d["ram_chunks"], format_size(d["ram_bytes"]), format_size(d["quota_bytes"]) if d["quota_bytes"] else "-",
+             "recovered:" + ",".join(d["recovered_from"]) if d["recovered_from"] else "client")
+            for d in data]
+
+    def text() -> str:
+        listing = table(rows, ("NAMESPACE", "MODEL", "DTYPE", "CHUNK", "LAYOUT", "RAM CHUNKS", "RAM", "QUOTA",
+                                "SOURCE"))
+        return (f"{listing}\n{listed.tenants} tenant(s) (their namespaces are not shown) hold "
+                f"{format_size(listed.tenant_ram_bytes)} of RAM; quota {format_size(listed.tenant_quota_bytes)} each")
+
+    emit(args, data, text)
     return 0
 
 
@@ -263,21 +286,26 @@ def event_dict(e: pb.KvEvent) -> dict[str, Any]:
 
 
 def event_line(d: dict[str, Any]) -> str:
+    """One line per event, ids and keys in full: what `lookup -n NAMESPACE KEY...` takes."""
     stamp = time.strftime("%H:%M:%S", time.localtime(d["ts"])) + f".{int(d['ts'] * 1000) % 1000:03d}"
-    keys = d["keys"]
-    shown = " ".join(k[:16] for k in keys[:3]) + (f" (+{len(keys) - 3})" if len(keys) > 3 else "")
     return (f"{d['seq']:>8} {stamp} {d['type']:<8} {d['cause']:<12} {d['tier']:<6} "
-            f"{d['namespace_id'][:12]} {len(keys):>4} keys  {shown}")
+            f"{d['namespace_id']:<32} {len(d['keys']):>4}  {' '.join(d['keys'])}").rstrip()
 
 
-def watch(conn: Conn, from_seq: int) -> Iterator[pb.KvEvent]:
+EVENTS_HEADER = f"{'SEQ':>8} {'TIME':<12} {'TYPE':<8} {'CAUSE':<12} {'TIER':<6} {'NAMESPACE':<32} {'KEYS':>4}"
+
+
+def watch(conn: Conn, from_seq: int, on_call: Callable[[Any], None] = lambda call: None) -> Iterator[pb.KvEvent]:
     """Events from `from_seq` on (0: live only); resumes by itself if the daemon cuts us off
     for falling behind (events between are replayed while still buffered). Events no longer
-    buffered are skipped with a warning: this is a viewer, not a router."""
+    buffered are skipped with a warning: this is a viewer, not a router. `on_call` gets each
+    stream call (so another thread can cancel it)."""
     while True:
         last = from_seq - 1
         try:
-            for event in conn.kv.WatchEvents(pb.WatchEventsRequest(from_seq=from_seq)):
+            call = conn.kv.WatchEvents(pb.WatchEventsRequest(from_seq=from_seq))
+            on_call(call)
+            for event in call:
                 last = event.seq
                 yield event
             return  # the daemon is shutting down
@@ -300,19 +328,105 @@ def _oldest_seq(exc: grpc.RpcError) -> int | None:
     return None
 
 
+class EventFeed:
+    """`watch()` read on a thread, so that the caller can stop waiting once no event has come
+    for a while (a gRPC stream has no read timeout). Use with `with`: leaving cancels the stream."""
+
+    _END = object()
+
+    def __init__(self, conn: Conn, from_seq: int) -> None:
+        self._conn = conn
+        self._from_seq = from_seq
+        self._queue: queue.Queue = queue.Queue()
+        self._call: Any = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self.ended = False  # the daemon ended the stream (it is stopping), as opposed to a quiet spell
+        self._thread = threading.Thread(target=self._read, name="kvstoredctl-events", daemon=True)
+
+    def __enter__(self) -> "EventFeed":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with self._lock:
+            self._closed = True
+            call = self._call
+        if call is not None:
+            call.cancel()
+        self._thread.join(timeout=self._conn.timeout)
+
+    def events(self, idle_s: float | None) -> Iterator[pb.KvEvent]:
+        """Events until the stream ends or, with `idle_s`, until none arrived for that long."""
+        while True:
+            try:
+                item = self._queue.get(timeout=idle_s)
+            except queue.Empty:
+                return
+            if item is self._END:
+                self.ended = True
+                return
+            if isinstance(item, CtlError):
+                raise item
+            yield item
+
+    def _on_call(self, call: Any) -> None:
+        with self._lock:
+            self._call = call
+            closed = self._closed
+        if closed:
+            call.cancel()
+
+    def _read(self) -> None:
+        try:
+            for event in watch(self._conn, self._from_seq, self._on_call):
+                self._queue.put(event)
+        except CtlError as exc:
+            if not self._closed:  # a cancelled stream is how we stop it
+                self._queue.put(exc)
+        finally:
+            self._queue.put(self._END)
+
+
 def cmd_events(conn: Conn, args: argparse.Namespace) -> int:
+    if args.wait is not None and args.wait < 0:
+        raise UsageError(f"--wait must be >= 0 seconds, got {args.wait:g}")
+    # --count alone stops once the buffer is replayed and nothing more comes (it waited forever)
+    wait = args.wait if args.wait is not None else (DEFAULT_COUNT_WAIT_S if args.count else 0)
     shown = 0
     if not args.json:
-        print(f"{'SEQ':>8} {'TIME':<12} {'TYPE':<8} {'CAUSE':<12} {'TIER':<6} {'NAMESPACE':<12} {'KEYS':>4}",
-              flush=True)
-    for event in watch(conn, args.from_seq):
-        if args.namespace and event.namespace_id != args.namespace:
-            continue
-        d = event_dict(event)
-        print(json.dumps(d) if args.json else event_line(d), flush=True)
-        shown += 1
-        if args.count and shown >= args.count:
-            break
+        print(EVENTS_HEADER, flush=True)
+    with EventFeed(conn, args.from_seq) as feed:
+        for event in feed.events(wait or None):
+            if args.namespace and event.namespace_id != args.namespace:
+                continue
+            d = event_dict(event)
+            print(json.dumps(d) if args.json else event_line(d), flush=True)
+            shown += 1
+            if args.count and shown >= args.count:
+                return 0
+        why = "the daemon ended the stream" if feed.ended else f"none came for {wait:g}s (--wait)"
+    if args.count:
+        print(f"{PROG}: {shown} of {args.count} events: {why}", file=sys.stderr)
+    return 0
+
+
+def cmd_top(conn: Conn, args: argparse.Namespace) -> int:
+    if not args.interval > 0:
+        raise UsageError(f"--interval must be > 0 seconds, got {args.interval:g}")
+    source = top.StatsSource(str(conn.socket), lambda: conn.call("Stats", pb.StatsRequest()), CtlError)
+    if args.once:
+        # rates need two answers: the second comes --interval after the first
+        first = source.sample()
+        time.sleep(args.interval)
+        frame = top.build_frame(str(conn.socket), source.sample(), first)
+        emit(args, top.frame_dict(frame), lambda: "\n".join(top.render(frame)))
+        return 0
+    if args.json:
+        raise UsageError("--json needs --once (the live view is for a terminal)")
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise UsageError("the live view needs a terminal; use --once (and --json) in scripts")
+    top.run_live(source, args.interval)
     return 0
 
 
@@ -360,19 +474,35 @@ def build_parser() -> argparse.ArgumentParser:
     keyed(add("evict", cmd_evict, "delete keys from every tier", aliases=["delete"]))
     clear = add("clear", cmd_clear, "remove every chunk of a namespace the daemon knows of, from every tier")
     clear.add_argument("-n", "--namespace", required=True, metavar="ID", help="namespace id (32 hex digits)")
-    add("namespaces", cmd_namespaces, "the namespaces registered with the daemon (tenant namespaces are hidden)")
+    add("namespaces", cmd_namespaces, "the namespaces the daemon knows (registered by clients, or recovered at start "
+        "from its tiers' records: SOURCE recovered:TIERS), their RAM use and quota; tenant namespaces are hidden "
+        "(tenants are shown in aggregate)")
 
-    events = add("events", cmd_events, "tail KV events (stored/removed, per tier), one per line, until "
-                 "interrupted")
+    events = add("events", cmd_events, "tail KV events (stored/removed, per tier), one per line with the full "
+                 "namespace id and keys (what lookup and evict take), until interrupted, --count events, or "
+                 "--wait seconds without one")
     events.add_argument("--from-seq", type=int, default=0, metavar="N",
                         help="replay buffered events from seq N first (1: all still buffered; default: live only)")
-    events.add_argument("--count", type=int, default=0, metavar="N", help="stop after N events")
+    events.add_argument("--count", type=int, default=0, metavar="N",
+                        help=f"stop after N events, or when none came for --wait seconds "
+                             f"(default {DEFAULT_COUNT_WAIT_S:g}; fewer than N: a note on stderr, exit 0)")
+    events.add_argument("--wait", type=float, default=None, metavar="SECONDS",
+                        help="stop when no event came for SECONDS (0: wait forever, the default without --count)")
     events.add_argument("-n", "--namespace", metavar="ID", help="only this namespace's events")
+
+    view = add("top", cmd_top, "a live view like top: per tier hit rate, utilization, bytes/s in and out, "
+               "queue depth, drops, promotions and evictions, with sessions and leases; rates are "
+               "differences between Stats answers --interval apart. q or Ctrl-C quits")
+    view.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
+                      help="seconds between refreshes, and the span of the rates (default 1)")
+    view.add_argument("--once", action="store_true",
+                      help="print one frame (rates over one --interval) and exit: for scripts, with --json")
 
     nsid = add("namespace-id", cmd_namespace_id, "the id a namespace spec gets (computed here; no daemon needed)")
     nsid.add_argument("--model", required=True)
     nsid.add_argument("--dtype", required=True)
-    nsid.add_argument("--chunk-bytes", required=True, type=int)
+    nsid.add_argument("--chunk-bytes", required=True, type=size_arg, metavar="SIZE",
+                      help="chunk size in bytes or with a unit, as the daemon takes it: 2097152, 2MiB")
     nsid.add_argument("--layout", default="")
     nsid.add_argument("--key-bytes", type=int, default=32)
     nsid.add_argument("--tenant-salt-hex", type=bytes.fromhex, default=b"", metavar="HEX")

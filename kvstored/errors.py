@@ -3,6 +3,15 @@ maps them to gRPC status codes."""
 
 from __future__ import annotations
 
+SHOWN_CHARS = 64
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """A value a caller sent, for an error message: its repr, cut to `limit` characters plus
+    "..." (an id or path of 16 KiB echoed whole would not fit in a gRPC status)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
 
 class KvstoredError(Exception):
     """Base of every error the daemon reports to a caller."""

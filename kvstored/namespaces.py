@@ -1,15 +1,22 @@
 """Namespace registry: model/layout scopes for keys. Ids are derived from the declaring fields,
-so every process and every daemon that declares the same namespace agrees on its id."""
+so every process and every daemon that declares the same namespace agrees on its id.
+
+A namespace is known by registration (a client declares it) or by recovery: the tiers below RAM
+keep a small record of each namespace they hold chunks of (`encode_record`), read back at start,
+so an operator can inspect and purge what is on disk before any client returns."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from kvstored.errors import BatchTooLarge, InvalidRequest, UnknownNamespace
+from kvstored.errors import BatchTooLarge, InvalidRequest, UnknownNamespace, shown
 from kvstored_client.keys import namespace_id_for
 
 MIN_KEY_BYTES, MAX_KEY_BYTES, DEFAULT_KEY_BYTES = 8, 64, 32
+MAX_NAME_BYTES = 4096  # model, dtype, layout, tenant salt: each namespace is kept (and listed) for good
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,13 +28,75 @@ class Namespace:
     layout: str
     key_bytes: int
     block_tokens: int = 0  # tokens per chunk, for KV events (0: not given)
-    private: bool = False  # registered with a tenant salt: only its sessions may see it
+    tenant: str = ""  # registered with a tenant salt: that tenant's key (see tenant_key); "" public
+
+    @property
+    def private(self) -> bool:
+        """A tenant namespace: only the sessions that registered it may see it."""
+        return bool(self.tenant)
+
+
+def tenant_key(salt: bytes) -> str:
+    """A tenant's name inside the daemon (arenas, quotas, metrics): a digest of its salt, which
+    itself is never kept or shown. "" for no salt."""
+    return hashlib.sha256(b"kvstored-tenant\0" + salt).hexdigest()[:16] if salt else ""
+
+
+# The tenant of a tenant namespace recovered from a tier's record: the record keeps no salt (nor
+# anything derived from it), so the namespace is private to nobody until a session registers it
+# again with its salt, which replaces this with the real tenant key.
+RECOVERED_TENANT = "recovered"
+
+
+RECORD_FORMAT = 1
+
+
+def encode_record(ns: Namespace) -> bytes:
+    """The record a tier keeps of a namespace it holds chunks of. A tenant namespace's record says
+    so, without its salt: recovered, it stays private until a session registers it again."""
+    fields = asdict(ns)
+    fields["tenant"] = ns.private  # whether, never which (see RECOVERED_TENANT)
+    return json.dumps({"format": RECORD_FORMAT, **fields}, sort_keys=True).encode()
+
+
+def decode_record(namespace_id: str, raw: bytes) -> Namespace:
+    """The namespace a record describes; ValueError (naming what is wrong) for anything that is
+    not a record of `namespace_id`. A public namespace's id must follow from its fields, so a
+    record cannot make a tenant's namespace public."""
+    try:
+        fields = json.loads(raw)
+        if not isinstance(fields, dict) or fields.get("format") != RECORD_FORMAT:
+            raise ValueError(f"not a format-{RECORD_FORMAT} namespace record")
+        ns = Namespace(
+            namespace_id=_typed(fields, "namespace_id", str), model=_typed(fields, "model", str),
+            dtype=_typed(fields, "dtype", str), chunk_bytes=_typed(fields, "chunk_bytes", int),
+            layout=_typed(fields, "layout", str), key_bytes=_typed(fields, "key_bytes", int),
+            block_tokens=_typed(fields, "block_tokens", int),
+            tenant=RECOVERED_TENANT if _typed(fields, "tenant", bool) else "",
+        )
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"namespace record is not JSON: {exc}") from None
+    if ns.namespace_id != namespace_id:
+        raise ValueError(f"record names namespace {ns.namespace_id!r}, stored as {namespace_id!r}")
+    public = namespace_id_for(ns.model, ns.dtype, ns.chunk_bytes, ns.layout, b"", ns.key_bytes) == namespace_id
+    if public == ns.private:
+        raise ValueError("its fields give a public namespace id for a tenant namespace" if public
+                         else "its fields do not give its namespace id")
+    return ns
+
+
+def _typed(fields: dict, name: str, kind: type):
+    value = fields.get(name)
+    if type(value) is not kind:  # (bool is an int: exact types only)
+        raise ValueError(f"namespace record field {name!r} must be {kind.__name__}, got {value!r}")
+    return value
 
 
 class NamespaceRegistry:
     def __init__(self, pool_bytes: int) -> None:
         self._pool_bytes = pool_bytes
         self._by_id: dict[str, Namespace] = {}
+        self._recovered: dict[str, tuple[str, ...]] = {}  # recovered and not registered since: tier names
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -38,34 +107,66 @@ class NamespaceRegistry:
     ) -> Namespace:
         if not model:
             raise InvalidRequest("namespace needs a model name")
+        for name, value in (("model", model), ("dtype", dtype), ("layout", layout), ("tenant_salt", tenant_salt)):
+            size = len(value.encode() if isinstance(value, str) else value)
+            if size > MAX_NAME_BYTES:
+                raise InvalidRequest(f"namespace {name} is {size} bytes; at most {MAX_NAME_BYTES}")
+        key_bytes = key_bytes or DEFAULT_KEY_BYTES
+        self._check_sizes(chunk_bytes, key_bytes)
+        ns_id = namespace_id_for(model, dtype, chunk_bytes, layout, tenant_salt, key_bytes)
+        ns = Namespace(ns_id, model, dtype, chunk_bytes, layout, key_bytes, block_tokens, tenant_key(tenant_salt))
+        known = self._by_id.setdefault(ns_id, ns)
+        if self._recovered.pop(ns_id, None) is not None or (block_tokens and not known.block_tokens):
+            # A registration replaces what a record said (a recovered tenant namespace learns its
+            # tenant here); block_tokens, once given, is kept.
+            ns = ns if block_tokens or not known.block_tokens else Namespace(
+                ns_id, model, dtype, chunk_bytes, layout, key_bytes, known.block_tokens, ns.tenant)
+            self._by_id[ns_id] = known = ns
+        return known
+
+    def recover(self, ns: Namespace, tier: str) -> None:
+        """Know `ns` from a tier's record (at start). Raises InvalidRequest if this daemon could
+        not serve it (a chunk larger than the RAM tier, a key length out of range)."""
+        self._check_sizes(ns.chunk_bytes, ns.key_bytes)
+        known = self._by_id.get(ns.namespace_id)
+        tiers = self._recovered.get(ns.namespace_id, ())
+        if known is not None and not tiers:
+            return  # registered by a client: that registration stands
+        if known is None or (ns.block_tokens and not known.block_tokens):
+            self._by_id[ns.namespace_id] = ns
+        if tier not in tiers:
+            self._recovered[ns.namespace_id] = tiers + (tier,)
+
+    def recovered_from(self, namespace_id: str) -> tuple[str, ...]:
+        """The tiers whose records brought the namespace back at start; () once a client has
+        registered it (or for one only registered)."""
+        return self._recovered.get(namespace_id, ())
+
+    def find(self, namespace_id: str) -> Namespace | None:
+        return self._by_id.get(namespace_id)
+
+    def block_tokens(self, namespace_id: str) -> int:
+        ns = self._by_id.get(namespace_id)
+        return ns.block_tokens if ns else 0
+
+    def _check_sizes(self, chunk_bytes: int, key_bytes: int) -> None:
         if chunk_bytes <= 0:
             raise InvalidRequest("namespace chunk_bytes must be positive")
         if chunk_bytes > self._pool_bytes:
             raise InvalidRequest(
                 f"chunk_bytes {chunk_bytes} exceeds the RAM tier ({self._pool_bytes} bytes)"
             )
-        key_bytes = key_bytes or DEFAULT_KEY_BYTES
         if not MIN_KEY_BYTES <= key_bytes <= MAX_KEY_BYTES:
             raise InvalidRequest(
                 f"key_bytes must be between {MIN_KEY_BYTES} and {MAX_KEY_BYTES}, got {key_bytes}"
             )
-        ns_id = namespace_id_for(model, dtype, chunk_bytes, layout, tenant_salt, key_bytes)
-        ns = Namespace(ns_id, model, dtype, chunk_bytes, layout, key_bytes, block_tokens, bool(tenant_salt))
-        known = self._by_id.setdefault(ns_id, ns)
-        if block_tokens and not known.block_tokens:
-            self._by_id[ns_id] = known = ns
-        return known
-
-    def block_tokens(self, namespace_id: str) -> int:
-        ns = self._by_id.get(namespace_id)
-        return ns.block_tokens if ns else 0
 
     def get(self, namespace_id: str) -> Namespace:
         try:
             return self._by_id[namespace_id]
         except KeyError:
             raise UnknownNamespace(
-                f"unknown namespace {namespace_id!r}: register it first (RegisterNamespace)"
+                f"unknown namespace {shown(namespace_id)}: register it first (RegisterNamespace)"
             ) from None
 
     def all(self) -> list[Namespace]:

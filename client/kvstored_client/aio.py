@@ -19,8 +19,10 @@ from kvstored_client.client import (
 )
 from kvstored_client.copy_policy import MIN_PART_BYTES as OFF_LOOP_COPY_BYTES  # smaller: a thread hop costs more
 from kvstored_client.errors import KvstoredError
-from kvstored_client.ops import LookupResult, Namespace, NamespaceSpec, Region, StoreResult
-from kvstored_client.protocol import CHANNEL_OPTIONS, channel_target
+from kvstored_client.ops import Health, LookupResult, Namespace, NamespaceSpec, Region, StoreResult
+from kvstored_client.protocol import (
+    CHANNEL_OPTIONS, HEALTH_CHECK, channel_target, decode_health_response, encode_health_request,
+)
 from kvstored_client.session import PoolSession
 
 log = logging.getLogger(__name__)
@@ -104,6 +106,17 @@ class AsyncClient(ClientBase):
     async def stats(self) -> pb.StatsResponse:
         return await self._run(lambda _s: ops.stats(), fallback=RAISE)
 
+    async def health(self) -> Health:
+        """Client.health() for asyncio: the daemon's standard health check; never raises."""
+        self._check_fork()
+        async with self._lock:
+            check = self._get_channel().unary_unary(HEALTH_CHECK, request_serializer=encode_health_request,
+                                              response_deserializer=decode_health_response)
+            try:
+                return self._health_of(await check(None, timeout=self.deadline_s), None)
+            except grpc.RpcError as exc:
+                return self._health_of(None, exc)
+
     async def _run(self, build: Callable[[PoolSession | None], ops.Op], fallback: Any, session: bool = False) -> Any:
         deadline = time.monotonic() + self.deadline_s
         self._check_fork()
@@ -114,10 +127,14 @@ class AsyncClient(ClientBase):
         self._lock = asyncio.Lock()
         self._channel = self._stub = None
 
+    def _get_channel(self) -> grpc.aio.Channel:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(channel_target(self.socket), options=CHANNEL_OPTIONS)
+        return self._channel
+
     def _get_stub(self) -> pb_grpc.KVStoreStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(channel_target(self.socket), options=CHANNEL_OPTIONS)
-            self._stub = pb_grpc.KVStoreStub(self._channel)
+            self._stub = pb_grpc.KVStoreStub(self._get_channel())
         return self._stub
 
     async def _drive(self, plan: Plan, deadline: float) -> Any:
@@ -132,6 +149,8 @@ class AsyncClient(ClientBase):
                         # caller still waits for it, or the next call would open a second one.
                         timeout = _remaining(deadline)
                         result = await _to_the_end(asyncio.to_thread(self._session_step, timeout))
+                    elif isinstance(effect, ops.MapArena):  # socket work, off the loop (as OPEN_SESSION)
+                        await _to_the_end(asyncio.to_thread(effect.run))
                     elif isinstance(effect, ops.Copy):
                         if effect.nbytes < OFF_LOOP_COPY_BYTES:
                             effect.run()
@@ -153,7 +172,7 @@ class AsyncClient(ClientBase):
         try:
             return await method(request, timeout=timeout)
         except grpc.RpcError as exc:
-            if not self._worth_waiting(exc):
+            if not self._retry_when_ready(effect, exc):
                 raise
             request, timeout = _bounded(effect, deadline)
             return await method(request, timeout=timeout, wait_for_ready=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -23,12 +22,15 @@ from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.copy_policy import client_copy_threads
 from kvstored_client.errors import (
     DeadlineExceeded, KvstoredError, TierUnavailable, TransferNotStarted, TransferOutcomeUnknown, Unavailable,
-    UnknownNamespace, UnknownRegion, UnknownSession, from_rpc_error,
+    UnknownNamespace, UnknownRegion, UnknownSession, from_rpc_error, may_have_run, never_sent,
 )
-from kvstored_client.ops import LookupResult, Namespace, NamespaceSpec, Region, StoreResult
+from kvstored_client.ops import Health, LookupResult, Namespace, NamespaceSpec, Region, StoreResult
 from kvstored_client.paths import default_socket_path
-from kvstored_client.protocol import CHANNEL_OPTIONS, ForkGuard, channel_target
-from kvstored_client.session import PoolSession, open_region_fd
+from kvstored_client.protocol import (
+    CHANNEL_OPTIONS, HEALTH_CHECK, Condition, ForkGuard, LinkHealth, Reason, channel_target, decode_health_response,
+    encode_health_request,
+)
+from kvstored_client.session import PoolSession, diagnose, open_region_fd, probe
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,6 @@ RAISE = object()  # fallback marker: the error is the caller's to see
 RESTART_ERRORS = (UnknownSession, UnknownRegion, UnknownNamespace)
 OPEN_SESSION = object()  # plan effect: "give me a session" -> (session, newly opened)
 HANDLE_METHODS = frozenset({"Reserve", "Commit", "Acquire", "Release"})  # calls that grant or end handles
-PROBE_TIMEOUT_S = 0.2
 Plan = Generator[Any, Any, Any]
 
 
@@ -56,6 +57,7 @@ class ClientBase:
         self._regions: list[Region] = []
         self._session: PoolSession | None = None
         self._fork = ForkGuard()
+        self.link_health = LinkHealth(self.socket)  # why calls degrade: logged once per change
 
     def _namespace_local(self, spec: NamespaceSpec) -> Namespace:
         ns_id = spec.namespace_id()
@@ -79,17 +81,26 @@ class ClientBase:
         """UNAVAILABLE while something listens on the socket: the daemon is (re)starting or the
         channel is in its reconnect backoff, so wait for it within the deadline. Nobody
         listening (no socket, or a stale one): fail fast, so callers degrade at once."""
-        if exc.code() != grpc.StatusCode.UNAVAILABLE:
-            return False
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        probe.settimeout(PROBE_TIMEOUT_S)  # a listener that never accepts must not hang the call
-        try:
-            probe.connect(str(self.socket))
-            return True
-        except OSError:
-            return False
-        finally:
-            probe.close()
+        return exc.code() == grpc.StatusCode.UNAVAILABLE and probe(self.socket) is None
+
+    def _unreachable(self) -> Condition:
+        """Why the daemon did not serve the last call; logged once per change (LinkHealth)."""
+        condition = diagnose(self.socket) or Condition(
+            Reason.RESTARTING, f"{self.socket} accepts connections but kvstored does not serve (starting, "
+                               f"stopping or restarting)")
+        self.link_health.unreachable(condition)
+        return condition
+
+    def _health_of(self, status: str | None, error: grpc.RpcError | None) -> Health:
+        """health()'s answer from the check's status, or from why it failed."""
+        if status == "SERVING":
+            self.link_health.reachable()
+            return Health(str(self.socket), status)
+        if status is not None:
+            return Health(str(self.socket), status, "kvstored is shutting down" if status == "NOT_SERVING" else "")
+        if error is not None and error.code() != grpc.StatusCode.UNAVAILABLE:
+            return Health(str(self.socket), "UNREACHABLE", f"{error.code().name}: {error.details()}")
+        return Health(str(self.socket), "UNREACHABLE", str(self._unreachable()))
 
     def _unattached(self) -> bool:
         return any(r.region_id == 0 and r.refused is None for r in self._regions)
@@ -121,16 +132,31 @@ class ClientBase:
 
     def _rpc_failed(self, effect: Any, exc: grpc.RpcError) -> KvstoredError:
         """The error a failed call raises into its plan. A handle call that timed out may have
-        been granted: the session goes, which frees whatever it was. A region transfer that got
-        no answer even after its grace may still be copying: say so rather than degrade."""
+        been granted: the session goes, which frees whatever it was. A region transfer that was
+        sent and got no answer may have copied (part of) its batch: say so rather than degrade
+        (0 / dropped means nothing was copied)."""
         error = from_rpc_error(exc)
-        if effect.copy_grace_s and type(error) is DeadlineExceeded:
+        if effect.copy_grace_s and may_have_run(exc):
+            region = effect.request.region_id
+            if isinstance(error, DeadlineExceeded):
+                return TransferOutcomeUnknown(
+                    f"{effect.method} got no answer {effect.copy_grace_s:.0f} s past its deadline: the daemon may "
+                    f"still be copying, so region {region}'s bytes are undefined for now")
+            self._drop_session()  # the daemon is gone or the connection broke: a new session next time
             return TransferOutcomeUnknown(
-                f"{effect.method} got no answer {effect.copy_grace_s:.0f} s past its deadline: the daemon may "
-                f"still be copying, so region {effect.request.region_id}'s bytes are undefined for now")
+                f"{effect.method} was sent, but the daemon did not answer ({exc.details()}): it may have copied "
+                f"part of the batch, so region {region}'s bytes at the transfer's offsets are undefined")
         if isinstance(error, DeadlineExceeded) and effect.method in HANDLE_METHODS:
             self._drop_session()
         return error
+
+    def _retry_when_ready(self, effect: Any, exc: grpc.RpcError) -> bool:
+        """Whether to send the call again, waiting for the daemon: only if it may be coming up
+        and, for a region transfer, only if the first try was never sent (a sent one may have
+        copied, and its retry would report the second try's count)."""
+        if effect.copy_grace_s and not never_sent(exc):
+            return False
+        return self._worth_waiting(exc)
 
     def _drop_session(self) -> None:
         if self._session is not None:
@@ -161,7 +187,7 @@ class ClientBase:
         """Interrupted mid-call (task cancelled, KeyboardInterrupt): the daemon may have granted
         reservations or leases we will never hear of. Closing the session is what frees them."""
         plan.close()
-        if effect is OPEN_SESSION or isinstance(effect, ops.Copy) or effect.method in HANDLE_METHODS:
+        if effect is OPEN_SESSION or isinstance(effect, (ops.Copy, ops.MapArena)) or effect.method in HANDLE_METHODS:
             self._drop_session()
 
     def _close_regions(self) -> None:
@@ -189,10 +215,13 @@ class ClientBase:
                     if fresh:  # tenant namespaces live in the session that registered them
                         for spec in self._private_specs():
                             yield from ops.register(spec, opened)
-                return (yield from build(opened))
+                result = yield from build(opened)
+                self.link_health.reachable()
+                return result
             except Unavailable as exc:
                 if not isinstance(exc, (DeadlineExceeded, TransferNotStarted, TierUnavailable)):
                     self._drop_session()  # the daemon is gone (a slow answer leaves the session be)
+                    self._unreachable()
                 if fallback is RAISE:
                     raise
                 log.debug("kvstored unavailable, degrading: %s", exc)
@@ -301,7 +330,8 @@ class Client(ClientBase):
     def load_to_region(self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]) -> int:
         """Copy the leading cached chunks into the region; returns how many. Returns 0 (nothing
         written) when the daemon is down or could not start within the deadline; raises
-        TransferOutcomeUnknown if a started copy gave no answer (see REGION_COPY_GRACE_S)."""
+        TransferOutcomeUnknown if the request was sent and no answer came (see REGION_COPY_GRACE_S;
+        the daemon died or the connection broke)."""
         return self._run(lambda s: ops.load_to_region(in_session(s), ns, region, keys, offsets), fallback=0,
                          session=True)
 
@@ -310,6 +340,18 @@ class Client(ClientBase):
 
     def stats(self) -> pb.StatsResponse:
         return self._run(lambda _s: ops.stats(), fallback=RAISE)
+
+    def health(self) -> Health:
+        """Ask the daemon's standard gRPC health check (within the deadline); never raises. Not
+        serving: `reason` says why (no socket, refused, permission denied naming the group...)."""
+        self._check_fork()
+        with self._lock:
+            check = self._get_channel().unary_unary(HEALTH_CHECK, request_serializer=encode_health_request,
+                                              response_deserializer=decode_health_response)
+            try:
+                return self._health_of(check(None, timeout=self.deadline_s), None)
+            except grpc.RpcError as exc:
+                return self._health_of(None, exc)
 
     # -- machinery --------------------------------------------------------------------------
 
@@ -323,10 +365,14 @@ class Client(ClientBase):
         self._lock = threading.Lock()
         self._channel = self._stub = None
 
+    def _get_channel(self) -> grpc.Channel:
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(channel_target(self.socket), options=CHANNEL_OPTIONS)
+        return self._channel
+
     def _get_stub(self) -> pb_grpc.KVStoreStub:
         if self._stub is None:
-            self._channel = grpc.insecure_channel(channel_target(self.socket), options=CHANNEL_OPTIONS)
-            self._stub = pb_grpc.KVStoreStub(self._channel)
+            self._stub = pb_grpc.KVStoreStub(self._get_channel())
         return self._stub
 
     def _drive(self, plan: Plan, deadline: float) -> Any:
@@ -338,7 +384,7 @@ class Client(ClientBase):
                 try:
                     if effect is OPEN_SESSION:
                         result = self._session_step(_remaining(deadline))
-                    elif isinstance(effect, ops.Copy):
+                    elif isinstance(effect, (ops.Copy, ops.MapArena)):
                         effect.run()
                     else:
                         result = self._call(getattr(stub, effect.method), effect, deadline)
@@ -360,7 +406,7 @@ class Client(ClientBase):
                 return _to_the_end(method, request, timeout, False)
             return method(request, timeout=timeout)
         except grpc.RpcError as exc:
-            if not self._worth_waiting(exc):
+            if not self._retry_when_ready(effect, exc):
                 raise
             request, timeout = _bounded(effect, deadline)
             if effect.copy_grace_s:

@@ -32,8 +32,10 @@ class TransferNotStarted(Unavailable):
 
 
 class TransferOutcomeUnknown(KvstoredError):
-    """A region transfer got no answer even well past its deadline: the daemon may still be
-    copying, so the region's bytes are not to be trusted (or overwritten) yet."""
+    """A region transfer was sent but got no answer: none even well past its deadline (the
+    daemon may still be copying), or the daemon died / the connection broke before it answered
+    (it may have copied part of the batch). The region's bytes at the transfer's offsets are not
+    to be trusted (nor overwritten while the daemon may still be copying)."""
 
     retryable = True
 
@@ -106,6 +108,34 @@ _BY_CODE = {
 }
 
 
+# Statuses gRPC itself gives a call that broke off (the daemon's own answers carry ERROR_KIND_KEY).
+_BROKEN_OFF = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.DATA_LOSS,
+})
+_NO_CONNECTION = "failed to connect to all addresses"  # gRPC's words when no connection could carry the call
+
+
+def never_sent(exc: grpc.RpcError) -> bool:
+    """The call failed before it was sent: gRPC had no connection to the daemon to put it on."""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and (exc.details() or "").startswith(_NO_CONNECTION)
+
+
+def may_have_run(exc: grpc.RpcError) -> bool:
+    """Whether the daemon may have carried out (part of) a call that failed: it was sent, and
+    what ended it is not the daemon's answer but a broken connection, a dead daemon or a timeout."""
+    if _kind(exc):
+        return False
+    return exc.code() in _BROKEN_OFF and not never_sent(exc)
+
+
+def _kind(exc: grpc.RpcError) -> str:
+    for key, value in exc.trailing_metadata() or ():
+        if key == ERROR_KIND_KEY:
+            return value
+    return ""
+
+
 def from_code(code_name: str, message: str, kind: str = "") -> KvstoredError:
     if kind in _BY_KIND:
         return _BY_KIND[kind](message)
@@ -116,9 +146,4 @@ def from_code(code_name: str, message: str, kind: str = "") -> KvstoredError:
 def from_rpc_error(exc: grpc.RpcError) -> KvstoredError:
     """Map a failed call (sync or aio) to the exception tree; keeps the daemon's message."""
     code = exc.code()
-    kind = ""
-    trailing = exc.trailing_metadata() or ()
-    for key, value in trailing:
-        if key == ERROR_KIND_KEY:
-            kind = value
-    return from_code(code.name if code else "UNKNOWN", exc.details() or str(code), kind)
+    return from_code(code.name if code else "UNKNOWN", exc.details() or str(code), _kind(exc))

@@ -1,5 +1,5 @@
 """Client operations written once, without I/O: each is a generator that yields the RPCs it needs
-(`Call`) and receives their responses. The sync and async clients only differ in how they run
+(`Call`) and the local work around them (`Copy`, `MapArena`), and receives their results. The sync and async clients only differ in how they run
 a Call, so the data-path logic (reserve -> copy -> commit; acquire -> copy -> release) and its
 cleanup on failure exist in one place."""
 
@@ -11,7 +11,7 @@ from typing import Any
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client.buffers import chunk_views
-from kvstored_client.errors import PoolExhausted
+from kvstored_client.errors import InternalError, PoolExhausted
 from kvstored_client.keys import namespace_id_for
 from kvstored_client.kinds import StoreOutcome, TierKind
 from kvstored_client.session import PoolSession
@@ -38,6 +38,7 @@ class NamespaceSpec:
     tenant_salt: bytes = b""
     key_bytes: int = 32
     block_tokens: int = 0  # tokens per chunk: reported in KV events
+    quota_bytes: int = 0  # RAM quota of the namespace (capped by the daemon; 0: none); not part of the id
 
     def namespace_id(self) -> str:
         """The id every daemon derives for this namespace (computed locally)."""
@@ -48,6 +49,7 @@ class NamespaceSpec:
         return pb.NamespaceSpec(
             model=self.model, dtype=self.dtype, chunk_bytes=self.chunk_bytes, layout=self.layout,
             tenant_salt=self.tenant_salt, key_bytes=self.key_bytes, block_tokens=self.block_tokens,
+            quota_bytes=self.quota_bytes,
         )
 
 
@@ -95,6 +97,21 @@ class StoreResult:
         return cls(dropped=n, outcomes=(StoreOutcome.DROPPED,) * n)
 
 
+@dataclass(frozen=True)
+class Health:
+    """Client.health(): what the daemon's standard gRPC health check says, or why it could not be
+    asked. `status`: SERVING, NOT_SERVING (shutting down), UNREACHABLE, ... `reason`: why it is not
+    serving ("" when it is), e.g. "permission denied: not in group kvstored (...)"."""
+
+    socket: str
+    status: str
+    reason: str = ""
+
+    @property
+    def serving(self) -> bool:
+        return self.status == "SERVING"
+
+
 @dataclass
 class Region:
     """A registered shared-memory file. Its id is per session: re-attached after reconnects."""
@@ -121,22 +138,42 @@ class Call:
 
 @dataclass(frozen=True)
 class Copy:
-    """Copy chunks between caller buffers and pool slots: (extents, view) per chunk. The async
-    client runs large ones off its event loop."""
+    """Copy chunks between caller buffers and pool slots of one arena: (extents, view) per chunk.
+    The async client runs large ones off its event loop."""
 
     session: PoolSession
     pairs: list[tuple[Sequence[Any], Any]]
     to_pool: bool
+    arena: int = 0  # the arena the extents lie in (0: the public pool)
 
     @property
     def nbytes(self) -> int:
         return sum(int(ext.length) for extents, _ in self.pairs for ext in extents)
 
     def run(self) -> None:
-        self.session.copier.copy(self.session.arrays, self.pairs, self.to_pool)
+        self.session.copier.copy(self.session.arena_arrays(self.arena), self.pairs, self.to_pool)
 
 
-Op = Generator[Call | Copy, Any, Any]
+@dataclass(frozen=True)
+class MapArena:
+    """Map a tenant's arena (a blocking exchange on the session socket)."""
+
+    session: PoolSession
+    arena: int
+
+    def run(self) -> None:
+        self.session.map_arena(self.arena)
+
+
+Op = Generator[Call | Copy | MapArena, Any, Any]
+
+
+def _arena_of(extent_lists: Sequence[Sequence[Any]]) -> int:
+    """The one arena a batch's extents lie in (a namespace's chunks share one)."""
+    arenas = {int(ext.arena) for extents in extent_lists for ext in extents}
+    if len(arenas) > 1:
+        raise InternalError(f"the daemon granted one namespace's chunks in several arenas ({sorted(arenas)})")
+    return arenas.pop() if arenas else 0
 
 
 def nothing() -> Op:
@@ -165,7 +202,8 @@ def store(session: PoolSession, ns: Namespace, keys: Sequence[bytes], data: Any)
     present = sum(1 for slot in resp.slots if slot.state == pb.SLOT_STATE_ALREADY_PRESENT)
     handles = [slot.handle for slot, _ in reserved]
     try:
-        yield Copy(session, [(slot.extents, view) for slot, view in reserved], to_pool=True)
+        arena = _arena_of([slot.extents for slot, _ in reserved])
+        yield Copy(session, [(slot.extents, view) for slot, view in reserved], to_pool=True, arena=arena)
     except GeneratorExit:  # abandoned: the driver drops the session, which frees the slots
         raise
     except BaseException:
@@ -190,7 +228,9 @@ def load(session: PoolSession, ns: Namespace, keys: Sequence[bytes], out: Any) -
     release = Call("Release", pb.ReleaseRequest(
         session_id=session.session_id, handles=[lease.handle for lease in resp.leases]))
     try:
-        yield Copy(session, [(lease.extents, view) for lease, view in zip(resp.leases, views)], to_pool=False)
+        arena = _arena_of([lease.extents for lease in resp.leases])
+        yield Copy(session, [(lease.extents, view) for lease, view in zip(resp.leases, views)], to_pool=False,
+                   arena=arena)
     except GeneratorExit:  # abandoned: the driver drops the session, which frees the leases
         raise
     except BaseException:
@@ -241,4 +281,6 @@ def stats() -> Op:
 def register(spec: NamespaceSpec, session: PoolSession | None = None) -> Op:
     request = pb.RegisterNamespaceRequest(spec=spec.to_proto(), session_id=_sid(session))
     resp = yield Call("RegisterNamespace", request)
+    if resp.arena_id and session is not None:  # a tenant's: its chunks' slots are in its own arena
+        yield MapArena(session, resp.arena_id)
     return Namespace(resp.namespace_id, spec)

@@ -4,22 +4,29 @@ clients (client.Client, aio.AsyncClient, through session.PoolSession) and the po
 
 - the gRPC channel's target and options (its reconnect backoff);
 - the session socket's packets: Hello -> Welcome (with the pool's memfd), then AttachRegion (with
-  a region's fd) -> RegionAttached, any of them answered by an error instead (`Handshake`);
+  a region's fd) -> RegionAttached and OpenArena -> ArenaOpened (with a tenant arena's memfd), any
+  of them answered by an error instead (`Handshake`);
 - when to try a new session after a failure (`Backoff`);
-- noticing that this process is a fork of the one that set the session up (`ForkGuard`).
+- noticing that this process is a fork of the one that set the session up (`ForkGuard`);
+- whether the daemon is reachable and why not (`LinkHealth`: one WARNING per change of condition,
+  one INFO when it is back; session.diagnose() finds the condition);
+- the standard gRPC health check's wire format (`HEALTH_CHECK`), without grpcio-health-checking.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from os import PathLike
 
 from google.protobuf.message import DecodeError
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client.errors import Unavailable, from_code
+
+log = logging.getLogger(__name__)
 
 MAX_PACKET = 64 << 10  # one session socket packet (SEQPACKET keeps message boundaries)
 MAX_FDS = 4  # file descriptors accepted with one packet (a reply carries at most one)
@@ -62,10 +69,20 @@ class RegionAttached:
     size: int
 
 
+@dataclass(frozen=True)
+class ArenaOpened:
+    """A tenant's arena (its chunks' pool slots): `fd` (a memfd) belongs to the receiver."""
+
+    arena_id: int
+    size: int
+    fd: int
+
+
 class Awaiting(enum.Enum):
     NOTHING = "nothing"
     WELCOME = "welcome"  # Hello sent
     REGION_ATTACHED = "region_attached"  # AttachRegion sent
+    ARENA_OPENED = "arena_opened"  # OpenArena sent
 
 
 class Handshake:
@@ -77,21 +94,30 @@ class Handshake:
     refused region leaves the session usable); a closed socket, an unexpected or undecodable
     reply raises Unavailable (the session is unusable)."""
 
-    def __init__(self, client_name: str) -> None:
+    def __init__(self, client_name: str, pins_pool: bool = False) -> None:
+        """pins_pool: this client pins the pool for DMA (the daemon then keeps its memory)."""
         self.client_name = client_name
+        self.pins_pool = pins_pool
         self.awaiting = Awaiting.NOTHING
         self.welcome: Welcome | None = None
 
     def hello(self) -> Packet:
         self._expect(Awaiting.NOTHING, welcomed=False)
         self.awaiting = Awaiting.WELCOME
-        return Packet(pb.SessionRequest(hello=pb.Hello(client_name=self.client_name)).SerializeToString())
+        hello = pb.Hello(client_name=self.client_name, arenas=True, pins_pool=self.pins_pool)
+        return Packet(pb.SessionRequest(hello=hello).SerializeToString())
 
     def attach_region(self, name: str, fd: int) -> Packet:
         """Hand the daemon an open region file (the fd is sent, not given away)."""
         self._expect(Awaiting.NOTHING, welcomed=True)
         self.awaiting = Awaiting.REGION_ATTACHED
         return Packet(pb.SessionRequest(attach_region=pb.AttachRegion(name=name)).SerializeToString(), (fd,))
+
+    def open_arena(self, arena_id: int) -> Packet:
+        """Ask for a tenant arena this session registered a namespace of."""
+        self._expect(Awaiting.NOTHING, welcomed=True)
+        self.awaiting = Awaiting.ARENA_OPENED
+        return Packet(pb.SessionRequest(open_arena=pb.OpenArena(arena_id=arena_id)).SerializeToString())
 
     def welcome_from(self, data: bytes, fds: list[int]) -> Welcome:
         reply = self._reply(Awaiting.WELCOME, data, fds)
@@ -108,6 +134,13 @@ class Handshake:
         if reply.WhichOneof("kind") != "region_attached":
             raise Unavailable(f"unexpected session reply to AttachRegion: {reply}")
         return RegionAttached(reply.region_attached.region_id, reply.region_attached.size)
+
+    def arena_from(self, data: bytes, fds: list[int]) -> ArenaOpened:
+        reply = self._reply(Awaiting.ARENA_OPENED, data, fds)
+        if reply.WhichOneof("kind") != "arena_opened" or len(fds) != 1:
+            _close_all(fds)
+            raise Unavailable(f"unexpected session reply to OpenArena: {reply}")
+        return ArenaOpened(reply.arena_opened.arena_id, reply.arena_opened.size, fds[0])
 
     def _reply(self, expected: Awaiting, data: bytes, fds: list[int]) -> pb.SessionReply:
         self._expect(expected, welcomed=expected is not Awaiting.WELCOME)
@@ -176,3 +209,86 @@ class ForkGuard:
 def _close_all(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
+
+
+# -- reachability ----------------------------------------------------------------------------------
+
+class Reason(enum.Enum):
+    """Why the daemon could not be reached."""
+
+    NOT_FOUND = "not found"  # no socket at the path (not running, starting, or a wrong path)
+    REFUSED = "refused"  # a socket file nobody listens on (stopped or killed)
+    PERMISSION_DENIED = "permission denied"  # the socket or its directory is not ours to use
+    RESTARTING = "daemon restarting"  # it accepts connections but does not serve (starting, stopping)
+    REJECTED = "rejected"  # it answered the session with an error (a region it refused...)
+    UNUSABLE = "unusable"  # something else is at the path
+
+
+@dataclass(frozen=True)
+class Condition:
+    reason: Reason
+    detail: str  # what was seen, naming the path (and the group, for permissions)
+    cause: str = field(default="", compare=False)  # the error at hand: varies within one condition
+
+    def __str__(self) -> str:
+        return f"{self.reason.value}: {self.detail}" + (f": {self.cause}" if self.cause else "")
+
+
+class LinkHealth:
+    """The daemon's reachability as a client last saw it. Failures degrade silently (a miss, a
+    dropped store), so each change of condition is logged once as a WARNING naming the socket and
+    the reason, and the return as one INFO; repeats of the same condition say nothing."""
+
+    def __init__(self, socket_path: str | PathLike[str]) -> None:
+        self.socket_path = os.fspath(socket_path)
+        self.condition: Condition | None = None
+
+    def unreachable(self, condition: Condition) -> None:
+        if condition != self.condition:
+            log.warning("kvstored at %s is unreachable: %s; lookups miss and stores are dropped until it is back",
+                        self.socket_path, condition)
+        self.condition = condition
+
+    def reachable(self) -> None:
+        if self.condition is not None:
+            log.info("kvstored at %s is reachable again (was %s)", self.socket_path, self.condition.reason.value)
+        self.condition = None
+
+
+# -- the standard health check (grpc.health.v1), hand-coded: its request is empty when it asks
+# for the whole server, its response one enum field -----------------------------------------------
+
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+SERVING_STATUS = ("UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN")
+
+
+def encode_health_request(_: object = None) -> bytes:
+    return b""  # HealthCheckRequest(service=""): the server as a whole
+
+
+def decode_health_response(data: bytes) -> str:
+    """HealthCheckResponse -> its status name (field 1, a varint; absent means UNKNOWN)."""
+    status, i = 0, 0
+    while i < len(data):
+        tag, i = _varint(data, i)
+        if tag >> 3 == 1 and tag & 7 == 0:
+            status, i = _varint(data, i)
+        elif tag & 7 == 0:
+            _, i = _varint(data, i)
+        elif tag & 7 == 2:
+            length, i = _varint(data, i)
+            i += length
+        else:
+            raise ValueError(f"unexpected wire type {tag & 7} in a health response")
+    return SERVING_STATUS[status] if status < len(SERVING_STATUS) else f"STATUS_{status}"
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, i
+        shift += 7

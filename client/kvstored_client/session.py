@@ -1,15 +1,20 @@
 """The session socket's I/O (blocking or not) and the blocking clients' session: opens a session,
-maps the daemon's pool, attaches regions. What is said over the socket is protocol.Handshake's.
+maps the daemon's pool and the arenas of its tenants, attaches regions. What is said over the
+socket is protocol.Handshake's.
 
-The mapping is made from the memfd the daemon sends (never by name: a client must not be able to
-unlink the daemon's memory, and access follows the socket's permissions).
+Mappings are made from the memfds the daemon sends (never by name: a client must not be able to
+unlink the daemon's memory, and access follows the socket's permissions). A tenant arena is not
+populated: it is sparse, and populating it would allocate all of it.
 """
 
 from __future__ import annotations
 
+import grp
 import mmap
 import os
+import pwd
 import socket
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +22,7 @@ import numpy as np
 from kvstored_client.buffers import ChunkCopier, PoolArrays
 from kvstored_client.errors import InvalidArgument, RegionFileMissing, Unavailable
 from kvstored_client.paths import session_socket_path
-from kvstored_client.protocol import MAX_FDS, MAX_PACKET, Handshake, Packet
+from kvstored_client.protocol import MAX_FDS, MAX_PACKET, Condition, Handshake, Packet, Reason
 
 
 class PoolSession:
@@ -39,6 +44,7 @@ class PoolSession:
         finally:
             os.close(welcome.pool_fd)
         self.arrays = PoolArrays(self._map)
+        self._arenas: dict[int, tuple[mmap.mmap, PoolArrays]] = {}  # tenant arenas mapped
 
     @classmethod
     def open(cls, socket: Path | str, client_name: str, timeout: float, populate: bool = True,
@@ -51,6 +57,24 @@ class PoolSession:
         except BaseException:
             sock.close()
             raise
+
+    def map_arena(self, arena_id: int) -> None:
+        """Map a tenant arena (this session registered one of its namespaces) unless mapped."""
+        if arena_id == 0 or arena_id in self._arenas:
+            return
+        opened = self._handshake.arena_from(*_exchange(self._sock, self._handshake.open_arena(arena_id)))
+        try:
+            mapped = mmap.mmap(opened.fd, opened.size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(opened.fd)
+        self._arenas[arena_id] = (mapped, PoolArrays(mapped))
+
+    def arena_arrays(self, arena_id: int) -> PoolArrays:
+        """The arrays of an arena's mapping (0: the pool); a tenant arena is mapped on first use."""
+        if arena_id == 0:
+            return self.arrays
+        self.map_arena(arena_id)
+        return self._arenas[arena_id][1]
 
     def attach_region(self, fd: int, name: str) -> tuple[int, int]:
         """Hand the daemon an open region file; returns (region id, size)."""
@@ -66,10 +90,13 @@ class PoolSession:
         self.copier.close()
         self._sock.close()
         self.arrays.release()
-        try:
-            self._map.close()
-        except BufferError:  # a caller still holds a view into the pool; freed with it
-            pass
+        for mapped, arrays in [(self._map, self.arrays), *self._arenas.values()]:
+            arrays.release()
+            try:
+                mapped.close()
+            except BufferError:  # a caller still holds a view into the pool; freed with it
+                pass
+        self._arenas.clear()
 
 
 # -- session socket I/O, for both kinds of caller --------------------------------------------------
@@ -86,6 +113,71 @@ def connect(path: Path, timeout: float | None) -> socket.socket:
         sock.close()
         raise Unavailable(f"kvstored is not reachable at {path}: {exc.strerror or exc}") from None
     return sock
+
+
+def diagnose(socket_path: Path | str) -> Condition | None:
+    """Why the daemon at `socket_path` cannot be reached (its gRPC socket, then its session
+    socket), or None when something listens on both. Never blocks: a unix-socket connect
+    answers at once (a full backlog is reported as listening)."""
+    sockets = ((Path(socket_path), socket.SOCK_STREAM), (session_socket_path(socket_path), socket.SOCK_SEQPACKET))
+    for path, kind in sockets:
+        condition = probe(path, kind)
+        if condition is not None:
+            return condition
+    return None
+
+
+def probe(path: Path | str, kind: int = socket.SOCK_STREAM) -> Condition | None:
+    """One socket (gRPC's: a stream; the session socket: seqpacket): why it cannot be connected
+    to, or None when something listens on it."""
+    path = Path(path)
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        where = "no such socket" if path.parent.is_dir() else f"no directory {path.parent}"
+        return Condition(Reason.NOT_FOUND,
+                         f"{path}: {where} (kvstored not running or still starting, or a different socket path?)")
+    except PermissionError:
+        return Condition(Reason.PERMISSION_DENIED, _denied(path.parent, "directory"))
+    except OSError as exc:
+        return Condition(Reason.UNUSABLE, f"{path}: {exc.strerror or exc}")
+    if not stat.S_ISSOCK(info.st_mode):
+        return Condition(Reason.UNUSABLE, f"{path} is not a socket")
+    conn = socket.socket(socket.AF_UNIX, kind | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+    try:
+        conn.connect(str(path))
+    except (BlockingIOError, InterruptedError):
+        return None  # listening, its backlog full: busy, not gone
+    except ConnectionRefusedError:
+        return Condition(Reason.REFUSED, f"{path}: nothing listens on it (kvstored stopped or was killed)")
+    except PermissionError:
+        return Condition(Reason.PERMISSION_DENIED, _denied(path, "socket"))
+    except OSError as exc:
+        return Condition(Reason.UNUSABLE, f"{path}: {exc.strerror or exc}")
+    finally:
+        conn.close()
+    return None
+
+
+def _denied(path: Path, what: str) -> str:
+    """Whose `path` is, and whether this process is in its group (the usual fix: join it)."""
+    try:
+        info = path.stat()
+    except OSError:
+        return f"{what} {path}: access denied"
+    group = _name(grp.getgrgid, info.st_gid)
+    owner = _name(pwd.getpwuid, info.st_uid)
+    mode = f"mode {stat.S_IMODE(info.st_mode):04o}, owner {owner}, group {group}"
+    if info.st_gid not in (os.getegid(), *os.getgroups()):
+        return f"not in group {group} ({what} {path}: {mode})"
+    return f"{what} {path}: {mode}"
+
+
+def _name(lookup, ident: int) -> str:
+    try:
+        return lookup(ident)[0]
+    except KeyError:
+        return str(ident)
 
 
 def send(sock: socket.socket, packet: Packet) -> None:

@@ -3,7 +3,9 @@
 The bus numbers events, keeps the last `buffer_events` for replay, and fans them out to
 subscribers (gRPC streams, the ZMQ publisher). Publishing never blocks and never fails: a
 subscriber that falls too far behind is cut off (it resumes by replaying from its last seq, as
-long as that seq is still buffered).
+long as that seq is still buffered). A subscriber may see only some events (`EventFilter`: tenant
+namespaces' events go only to sessions that may see them); the others neither reach its queue
+nor count towards its lag.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from kvstored.choices import Choice
 from kvstored.tiers.base import ChunkId, TierKind
 
 
-class EventEncoding(enum.Enum):
+class EventEncoding(Choice):
     """How ZMQ KV events are encoded."""
 
     MAP = "map"  # vLLM 0.33: each event a map tagged with "type"
@@ -53,13 +56,21 @@ class KvEvent:
     keys: tuple[bytes, ...]
 
 
+EventFilter = Callable[[KvEvent], bool]  # True: the subscriber may see this event
+
+
+def everything(event: KvEvent) -> bool:
+    return True
+
+
 class Subscription:
-    def __init__(self, maxsize: int) -> None:
+    def __init__(self, maxsize: int, accepts: EventFilter = everything) -> None:
         self.queue: asyncio.Queue[KvEvent | None] = asyncio.Queue(maxsize)  # None: the bus closed
         self.lagged = False  # set when the queue overflowed: the stream must end
+        self.accepts = accepts
 
     def offer(self, event: KvEvent) -> None:
-        if self.lagged:
+        if self.lagged or not self.accepts(event):
             return
         try:
             self.queue.put_nowait(event)
@@ -120,8 +131,8 @@ class EventBus:
         """Buffered events with seq >= from_seq (older ones are gone: compare with oldest_seq)."""
         return [e for e in self._buffer if e.seq >= from_seq]
 
-    def subscribe(self) -> Subscription:
-        sub = Subscription(self._subscriber_queue)
+    def subscribe(self, accepts: EventFilter = everything) -> Subscription:
+        sub = Subscription(self._subscriber_queue, accepts)
         self._subscriptions.add(sub)
         return sub
 

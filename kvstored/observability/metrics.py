@@ -8,12 +8,15 @@ secondary-tier operation latency (`DaemonMetrics.observe_tier_op`, for the tier 
 Names follow the Prometheus conventions: `kvstored_` prefix, base units (`_bytes`, `_seconds`),
 `_total` on counters. Label cardinality is bounded: `tier` and `kind` by the configured tiers,
 `reason` and `op` by fixed lists, `service`/`method`/`code` by the registered gRPC handlers and
-the status codes, `namespace` by MAX_NAMESPACE_SERIES.
+the status codes, `namespace` by MAX_NAMESPACE_SERIES (and, for quotas, only namespaces that have one),
+`tenant` (its arena id: never anything derived from its salt) by MAX_TENANT_SERIES, the tenants
+using the most RAM.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from typing import Callable, Iterable, Iterator
 
@@ -25,7 +28,9 @@ from prometheus_client.registry import Collector
 
 from kvstored import __version__
 from kvstored.namespaces import NamespaceRegistry
-from kvstored.observability.snapshot import SessionCountsSource, TierSnapshot, tier_snapshots
+from kvstored.observability.snapshot import (
+    QuotaSnapshot, QuotaSource, QuotaUsage, SessionCountsSource, TierSnapshot, tier_snapshots,
+)
 from kvstored.tiers.chain import TierChain
 
 PREFIX = "kvstored"
@@ -48,6 +53,7 @@ TIER_OP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
                    10.0, 30.0)
 
 MAX_NAMESPACE_SERIES = 64  # kvstored_namespace_info series at most; the rest are only counted
+MAX_TENANT_SERIES = 32  # per-tenant series for the tenants using the most RAM; the rest are only counted
 
 TierOpObserver = Callable[[str, str, float], None]
 
@@ -55,14 +61,19 @@ TierOpObserver = Callable[[str, str, float], None]
 class KvstoredCollector(Collector):
     """Everything the daemon already counts, read once per scrape."""
 
-    def __init__(self, chain: TierChain, sessions: SessionCountsSource, namespaces: NamespaceRegistry) -> None:
+    def __init__(self, chain: TierChain, sessions: SessionCountsSource, namespaces: NamespaceRegistry,
+                 quotas: QuotaSource) -> None:
         self._chain = chain
         self._sessions = sessions
         self._namespaces = namespaces
+        self._quotas = quotas
 
     def collect(self) -> Iterator:
         yield from tier_families(tier_snapshots(self._chain))
         yield from self._daemon_families()
+        yield _gauge("ram_resident_bytes", "memory the RAM tier's arenas hold (chunks, and free pages kept for "
+                     "reuse); free pages beyond a small slack go back to the kernel", self._chain.ram.resident_bytes)
+        yield from quota_families(self._quotas())
 
     def _daemon_families(self) -> Iterator:
         info = InfoMetricFamily(f"{PREFIX}_build", "kvstored build information")
@@ -77,12 +88,35 @@ class KvstoredCollector(Collector):
         yield _gauge("namespaces", "registered namespaces", len(self._namespaces))
         ns_info = InfoMetricFamily(
             f"{PREFIX}_namespace",
-            f"registered namespaces (the first {MAX_NAMESPACE_SERIES}): id -> model, dtype, chunk size",
+            f"registered public namespaces (the first {MAX_NAMESPACE_SERIES}): id -> model, dtype, chunk size",
             labels=["namespace", "model", "dtype", "chunk_bytes"],
         )
-        for ns in self._namespaces.all()[:MAX_NAMESPACE_SERIES]:
+        # Tenant namespaces are not named: whoever reaches /metrics must learn nothing of them.
+        for ns in [ns for ns in self._namespaces.all() if not ns.private][:MAX_NAMESPACE_SERIES]:
             ns_info.add_metric([ns.namespace_id, ns.model, ns.dtype, str(ns.chunk_bytes)], {})
         yield ns_info
+
+
+def quota_families(snap: QuotaSnapshot) -> Iterator:
+    """Tenants' and namespaces' RAM quotas: the MAX_TENANT_SERIES tenants using the most RAM, and
+    the MAX_NAMESPACE_SERIES namespaces with a quota using the most."""
+    yield _gauge("tenants", "tenants holding an arena (a session registered one of their namespaces, or "
+                 "their chunks are in RAM)", len(snap.tenants))
+    for label, series, cap in (("tenant", snap.tenants, MAX_TENANT_SERIES),
+                               ("namespace", snap.namespaces, MAX_NAMESPACE_SERIES)):
+        top: list[QuotaUsage] = sorted(series, key=lambda u: -u.used_bytes)[:cap]
+        quota = GaugeMetricFamily(f"{PREFIX}_{label}_quota_bytes", f"RAM quota of the {label} (the {cap} "
+                                  f"using the most RAM)", labels=[label])
+        used = GaugeMetricFamily(f"{PREFIX}_{label}_ram_bytes", f"RAM the {label}'s chunks hold (the {cap} "
+                                 f"using the most)", labels=[label])
+        evictions = CounterMetricFamily(f"{PREFIX}_{label}_quota_evictions", f"chunks of the {label} evicted "
+                                        f"to keep it within its quota (the {cap} using the most RAM)",
+                                        labels=[label])
+        for u in top:
+            quota.add_metric([u.name], u.quota_bytes)
+            used.add_metric([u.name], u.used_bytes)
+            evictions.add_metric([u.name], u.evictions)
+        yield from (quota, used, evictions)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
@@ -117,6 +151,8 @@ def tier_families(snaps: Iterable[TierSnapshot]) -> list:
     read_bytes = counter("read_bytes", "bytes read from this tier (secondary tiers)")
     written_bytes = counter("written_bytes", "bytes written to this tier (secondary tiers)")
     checksum = counter("checksum_failures", "corrupt or truncated copies found (removed, served as misses)")
+    bad_entries = counter("bad_entries", "entries under a chunk's name that are not chunk files (FIFO, socket, "
+                          "directory, symlink): never read, removed where possible, served as misses")
 
     for s in snaps:
         lv = [s.name, s.kind.name.lower()]
@@ -139,18 +175,21 @@ def tier_families(snaps: Iterable[TierSnapshot]) -> list:
         read_bytes.add_metric(lv, s.read_bytes)
         written_bytes.add_metric(lv, s.written_bytes)
         checksum.add_metric(lv, s.checksum_failures)
+        bad_entries.add_metric(lv, s.bad_entries)
     return [capacity, used, utilization, chunks, queued, lookups, hits, misses, stored, loaded, promotions,
-            writedowns, evictions, drops, read_bytes, written_bytes, checksum]
+            writedowns, evictions, drops, read_bytes, written_bytes, checksum, bad_entries]
 
 
 class DaemonMetrics:
     """The registry of one daemon and the few metrics observed as things happen."""
 
-    def __init__(self, chain: TierChain, sessions: SessionCountsSource, namespaces: NamespaceRegistry) -> None:
-        """`sessions`: what the server's session broker counts now (read at each scrape)."""
+    def __init__(self, chain: TierChain, sessions: SessionCountsSource, namespaces: NamespaceRegistry,
+                 quotas: QuotaSource) -> None:
+        """`sessions`, `quotas`: what the server's session broker counts and its tenants' quotas
+        now (read at each scrape)."""
         disable_created_metrics()  # no *_created series: process-wide, which suits a daemon
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(KvstoredCollector(chain, sessions, namespaces))
+        self.registry.register(KvstoredCollector(chain, sessions, namespaces, quotas))
         ProcessCollector(registry=self.registry)
         self.grpc_handled = Counter(
             f"{PREFIX}_grpc_server_handled", "gRPC calls completed (streams when they end), by method and status code",
@@ -267,8 +306,20 @@ class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
             finally:
                 handled.labels(service, method, code).inc()
 
+        async def writer(request, context: grpc.aio.ServicerContext):  # a handler that writes its stream itself
+            code = "UNKNOWN"
+            try:
+                await inner(request, context)
+                code = _code_name(context.code() or grpc.StatusCode.OK)
+            except BaseException as exc:
+                code = _failure_code(exc, context)
+                raise
+            finally:
+                handled.labels(service, method, code).inc()
+
         return grpc.unary_stream_rpc_method_handler(
-            stream, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer,
+            stream if inspect.isasyncgenfunction(inner) else writer,
+            request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer,
         )
 
 

@@ -23,6 +23,25 @@ SessionCountsSource = Callable[[], SessionCounts]
 
 
 @dataclass(frozen=True)
+class QuotaUsage:
+    """A RAM quota and its use: a tenant's (name: its key) or a namespace's (name: its id)."""
+
+    name: str
+    quota_bytes: int
+    used_bytes: int
+    evictions: int  # chunks evicted to keep within the quota
+
+
+@dataclass(frozen=True)
+class QuotaSnapshot:
+    tenants: list[QuotaUsage]  # every tenant holding an arena
+    namespaces: list[QuotaUsage]  # every namespace with a quota of its own
+
+
+QuotaSource = Callable[[], QuotaSnapshot]
+
+
+@dataclass(frozen=True)
 class TierSnapshot:
     name: str
     kind: TierKind
@@ -40,6 +59,7 @@ class TierSnapshot:
     writebacks: int = 0
     dropped_dirty: int = 0
     checksum_failures: int = 0
+    bad_entries: int = 0
     errors: int = 0
     rejected_full: int = 0
     rejected_admission: int = 0
@@ -63,7 +83,8 @@ def tier_snapshots(chain: TierChain) -> list[TierSnapshot]:
             name=tier.name, kind=tier.kind, capacity_bytes=usage.capacity_bytes, used_bytes=usage.used_bytes,
             chunks=usage.chunks, lookups=tc.lookups, hits=tc.hits, evictions=tc.evictions,
             stored_chunks=tc.writes, loaded_chunks=tc.reads, read_bytes=tc.read_bytes,
-            written_bytes=tc.written_bytes, checksum_failures=tc.checksum_failures, errors=tc.errors,
+            written_bytes=tc.written_bytes, checksum_failures=tc.checksum_failures, bad_entries=tc.bad_entries,
+            errors=tc.errors,
             rejected_full=tc.rejected_full, rejected_admission=tc.rejected_admission,
             # only refused write-downs lose a copy: a refused delete runs directly
             dropped_backpressure=lower.queue.dropped[Priority.WRITEDOWN], queued=sum(lower.queue.backlog.values()),

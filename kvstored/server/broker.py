@@ -22,6 +22,7 @@ from kvstored.errors import InvalidRequest, TransferNotStarted
 from kvstored.namespaces import Namespace
 from kvstored.observability.snapshot import SessionCounts
 from kvstored.server.sessions import Handle, HandleKind, Session, SessionRegistry
+from kvstored.server.tenants import Tenancy
 from kvstored.shm.mapping import Region
 from kvstored.tiers.chain import Proceed, StoreOutcomes, TierChain
 from kvstored.tiers.ram import Extent, RamEntry, ReserveOutcome
@@ -45,17 +46,22 @@ class Lease:
 
 
 class SessionBroker:
-    def __init__(self, chain: TierChain, sessions: SessionRegistry | None = None) -> None:
+    def __init__(self, chain: TierChain, sessions: SessionRegistry | None = None,
+                 tenancy: Tenancy | None = None) -> None:
         self._chain = chain
         self.sessions = sessions or SessionRegistry()
+        self._tenancy = tenancy
         # Regions are populated in the background, one at a time; close() waits for them.
         self._populator = ThreadPoolExecutor(1, thread_name_prefix="kvstored-populate")
         self._populating: set[asyncio.Future] = set()
 
     # -- sessions -------------------------------------------------------------------------
 
-    def open(self, client_name: str) -> Session:
-        return self.sessions.open(client_name)
+    def open(self, client_name: str, arenas: bool = False, pins_pool: bool = False) -> Session:
+        session = self.sessions.open(client_name, arenas, pins_pool)
+        if self._tenancy is not None:
+            self._tenancy.session_opened(session)
+        return session
 
     def get(self, session_id: str) -> Session:
         return self.sessions.get(session_id)
@@ -75,6 +81,8 @@ class SessionBroker:
             region.close()
         session.regions.clear()
         self.sessions.remove(session)
+        if self._tenancy is not None:  # after its handles: its tenants' arenas may be idle now
+            self._tenancy.session_closed(session)
 
     def counts(self) -> SessionCounts:
         return SessionCounts(
@@ -135,15 +143,17 @@ class SessionBroker:
         self, session: Session, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int],
         start_by: float | None = None,
     ) -> StoreOutcomes:
-        """start_by (loop time): copy nothing after it."""
-        return await self._chain.store_from_region(ns, region, keys, offsets, self._proceed(session, start_by))
+        """start_by (loop time): copy nothing after it (and wait for room no longer)."""
+        return await self._chain.store_from_region(ns, region, keys, offsets, self._proceed(session, start_by),
+                                                   start_by)
 
     async def load_to_region(
         self, session: Session, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int],
         start_by: float | None = None,
     ) -> int:
-        """start_by (loop time): copy nothing after it."""
-        return await self._chain.load_to_region(ns, region, keys, offsets, self._proceed(session, start_by))
+        """start_by (loop time): copy nothing after it (and wait for promotions no longer)."""
+        return await self._chain.load_to_region(ns, region, keys, offsets, self._proceed(session, start_by),
+                                                start_by)
 
     # -- helpers --------------------------------------------------------------------------
 

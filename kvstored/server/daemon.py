@@ -5,7 +5,8 @@ handles, regions) -> tier chain (tiers/chain.py) -> tiers -> metrics and events 
 
 Shutdown order: health NOT_SERVING -> stop accepting sessions -> gRPC stop with a grace period
 (in-flight calls finish) -> end sessions (leases, regions) -> region populates -> write-downs
-(flush) -> tiers and copy threads -> pool -> socket files.
+(flush) -> namespace records -> tiers and copy threads -> page releases -> arenas and pool -> socket
+files.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import signal
 import socket
 import stat
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -31,14 +33,19 @@ from kvstored.config import Config, ConfigError
 from kvstored.logs import setup_logging
 from kvstored.namespaces import NamespaceRegistry
 from kvstored.observability.metrics import DaemonMetrics
-from kvstored.observability.events import EventBus
+from kvstored.observability.events import EventBus, KvEvent
 from kvstored.server.broker import SessionBroker
 from kvstored.server.errors import ErrorMappingInterceptor
+from kvstored.server.namespace_records import NamespaceRecords
 from kvstored.server.service import KVStoreService
 from kvstored.server.session_socket import SessionSocketServer
+from kvstored.server.tenants import Tenancy, TenantPolicy, events_for
 from kvstored.server.systemd import notify
 from kvstored.shm.copy import GUARDED as copy_guarded
+from kvstored.shm import memory
+from kvstored.shm.arenas import ArenaSet, PageReleaser
 from kvstored.shm.mapping import SharedPool
+from kvstored.shm.memory import PoolPages, PopulateProgress
 from kvstored.sizes import format_size
 from kvstored.tiers.chain import ChainPolicy, TierChain
 from kvstored.tiers.factory import build_lower_tiers
@@ -119,24 +126,42 @@ class Daemon:
         cfg = self.config
         claim_socket_path(cfg.socket)
         claim_socket_path(cfg.session_socket)
-        log.info("kvstored %s: RAM tier %s (populate=%s)", __version__, format_size(cfg.cpu_bytes), cfg.populate)
+        pool_bytes = memory.pool_size(cfg.cpu_bytes, cfg.pool_pages)
+        for warning in memory.check_request(pool_bytes, cfg.pool_pages, cfg.numa_node, cfg.populate):
+            log.warning("%s", warning)  # (what the machine cannot give at all raised PoolMemoryError)
+        log.info("kvstored %s: RAM tier %s (%s pages, NUMA %s, populate=%s)", __version__, format_size(pool_bytes),
+                 cfg.pool_pages.value, cfg.numa_node or "unset", cfg.populate)
+        if pool_bytes != cfg.cpu_bytes:
+            log.info("RAM tier rounded down from %s to %s: a hugetlb pool is whole 2 MiB pages",
+                     format_size(cfg.cpu_bytes), format_size(pool_bytes))
         if not copy_guarded:
             log.warning("built without kvstored.shm._safecopy: a client truncating its region mid-copy "
                         "can crash the daemon (install a C compiler and reinstall)")
-        self.pool = SharedPool(cfg.cpu_bytes, populate=cfg.populate)
-        self.namespaces = NamespaceRegistry(cfg.cpu_bytes)
+        self.pool = SharedPool(pool_bytes, populate=False, pages=cfg.pool_pages, numa=cfg.numa_node)
+        if cfg.populate:
+            await self._populate_pool()
+        self.arenas = ArenaSet(self.pool)
+        self.namespaces = NamespaceRegistry(pool_bytes)
         lower = build_lower_tiers(cfg.tiers)
         writable = any(t.capabilities.accepts_writedowns for t in lower)  # RAM's chunks can go down
+        ram = RamTier(pool_bytes, cfg.page_bytes, has_lower_tiers=writable, populated=cfg.populate)
+        self.releaser = PageReleaser(self.arenas, cfg.page_bytes, ram.released)
+        ram.set_releaser(self.releaser.release)
+        self.tenancy = Tenancy(ram, self.arenas, self.namespaces,
+                               TenantPolicy(cfg.tenant_quota_bytes, cfg.max_tenants))
         self.chain = TierChain(
-            RamTier(cfg.cpu_bytes, cfg.page_bytes, has_lower_tiers=writable),
-            self.pool,
+            ram,
+            self.arenas,
             lower,
             ChainPolicy(cfg.write_policy, cfg.headroom_bytes if writable else 0, cfg.writeback_wait_seconds,
                         cfg.copy_threads),
             EventBus(cfg.events_buffer),
         )
+        self.records = NamespaceRecords([t.tier for t in lower], self.namespaces)
         await self._start_tiers()
-        self.broker = SessionBroker(self.chain)
+        self.chain.events.add_listener(self.records.on_event)
+        self.records.start()
+        self.broker = SessionBroker(self.chain, tenancy=self.tenancy)
         self.zmq_events: ZmqEventPublisher | None = None
         if cfg.events_zmq_endpoint:
             from kvstored.observability import zmq_events
@@ -146,20 +171,21 @@ class Daemon:
                 cfg.events_encoding, self.namespaces.block_tokens, cfg.events_buffer,
             )
             self.zmq_events.start()
-            self.chain.events.add_listener(self.zmq_events)
+            self.chain.events.add_listener(self._zmq_listener(self.zmq_events, cfg.events_zmq_tenants))
         for t in lower:
             usage = t.tier.usage()
             log.info("tier %s (%s): %s used of %s, %d chunks", t.tier.name, t.tier.kind.name.lower(),
                      format_size(usage.used_bytes), format_size(usage.capacity_bytes) if usage.capacity_bytes
                      else "unbounded", usage.chunks)
 
-        self.metrics = DaemonMetrics(self.chain, self.broker.counts, self.namespaces)
+        self.metrics = DaemonMetrics(self.chain, self.broker.counts, self.namespaces, self.tenancy.snapshot)
         for lower_tier in self.chain.lower:
             lower_tier.observe = self.metrics.observe_tier_op
         self.metrics.preinit_grpc(pb.DESCRIPTOR.services_by_name["KVStore"])
         self.server = grpc.aio.server(interceptors=[self.metrics.interceptor, ErrorMappingInterceptor()])
         pb_grpc.add_KVStoreServicer_to_server(
-            KVStoreService(self.chain, self.broker, self.namespaces, cfg.max_batch_keys, cfg.region_dirs),
+            KVStoreService(self.chain, self.broker, self.namespaces, cfg.max_batch_keys, cfg.region_dirs,
+                           self.tenancy),
             self.server,
         )
         self.health = health.aio.HealthServicer()
@@ -177,7 +203,7 @@ class Daemon:
             await self._start_metrics(cfg.metrics_addr)
 
         self.session_server = SessionSocketServer(
-            cfg.session_socket, cfg.socket_mode, self.broker, self.pool, self.chain.ram.page_bytes
+            cfg.session_socket, cfg.socket_mode, self.broker, self.pool, self.chain.ram.page_bytes, self.tenancy
         )
         await self.session_server.start()
         for name in ("", SERVICE_NAME):
@@ -185,10 +211,47 @@ class Daemon:
         log.info("serving on %s (sessions on %s)", cfg.socket, cfg.session_socket)
         notify("READY=1\nSTATUS=serving")
 
+    async def _populate_pool(self) -> None:
+        """Fill the pool's pages in a thread (10 GiB took 13 s here), saying how far it is (log and
+        systemd status, extending the start timeout) and giving up at once on SIGTERM."""
+        stop = threading.Event()
+        job = asyncio.ensure_future(asyncio.to_thread(self.pool.populate, _report_populate, stop))
+        waiter = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait((job, waiter), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+            if not job.done():  # stopping (or cancelled): the thread ends within one step
+                stop.set()
+                await asyncio.wait((job,))
+        try:
+            finished = job.result()
+        except BaseException:
+            self.pool.close()
+            raise
+        if not finished:
+            self.pool.close()
+            raise StoppedDuringStart("stop requested while populating the RAM tier")
+        if self.pool.memory.pages is not PoolPages.SMALL:
+            log.info("RAM tier: %s of %s in 2 MiB pages", format_size(self.pool.huge_page_bytes()),
+                     format_size(self.pool.size))
+
+    def _zmq_listener(self, publisher: ZmqEventPublisher, tenants: bool) -> Callable[[KvEvent], None]:
+        """Routers get public namespaces' events; tenant namespaces' too only if configured."""
+        if tenants:
+            return publisher
+        public = events_for(self.namespaces, None)
+
+        def listener(event: KvEvent) -> None:
+            if public(event):
+                publisher(event)
+
+        return listener
+
     async def _start_tiers(self) -> None:
         """Start the tiers (an S3 listing or a large fs index can take a while), giving up at
         once if a stop is requested meanwhile: nothing serves yet, so nothing is lost."""
-        starting = asyncio.ensure_future(self.chain.start())
+        starting = asyncio.ensure_future(self._start_chain())
         stop = asyncio.ensure_future(self._stopping.wait())
         try:
             await asyncio.wait((starting, stop), return_when=asyncio.FIRST_COMPLETED)
@@ -198,9 +261,15 @@ class Daemon:
             starting.cancel()
             await self.chain.close()  # closing tiers also stops an index scan in progress
             await asyncio.wait((starting,))
+            await self.releaser.close()
+            self.arenas.close()
             self.pool.close()
             raise StoppedDuringStart("stop requested while the tiers were starting")
         starting.result()  # a TierStartError ends the start here
+
+    async def _start_chain(self) -> None:
+        await self.chain.start()
+        await self.records.recover()  # the namespaces the tiers hold, known before any client returns
 
     async def _start_metrics(self, addr: str) -> None:
         """A taken metrics port costs the metrics, not the cache: log it and serve on."""
@@ -271,13 +340,31 @@ class Daemon:
         if cfg.flush_on_stop_seconds > 0 and self.chain.lower:
             flushed = await self.chain.writeback.flush(cfg.flush_on_stop_seconds)
             log.info("wrote %d chunk(s) down before stopping", flushed)
+        await self.records.close()  # after the flush: its chunks' namespaces get their records
         if self.zmq_events is not None:
             await self.zmq_events.close()
         await self.chain.close()
+        await self.releaser.close()
+        self.arenas.close()
         self.pool.close()
         with contextlib.suppress(FileNotFoundError):
             cfg.socket.unlink()
         log.info("stopped")
+
+
+EXTEND_START_S = 30  # each progress report gives systemd's start timeout this much more
+
+
+def _report_populate(progress: PopulateProgress) -> None:
+    """Populate progress, from its thread: a log line and systemd's status."""
+    if progress.done_bytes == 0:
+        log.info("populating the RAM tier (%s)", format_size(progress.total_bytes))
+    elif progress.finished:
+        log.info("RAM tier populated: %s in %.1f s (%s/s)", format_size(progress.total_bytes), progress.elapsed_s,
+                 format_size(int(progress.rate)))
+    else:
+        log.info("populating the RAM tier: %s", progress.describe())
+    notify(f"STATUS=populating the RAM tier: {progress.describe()}\nEXTEND_TIMEOUT_USEC={EXTEND_START_S * 1_000_000}")
 
 
 async def run(config: Config, reload_config: Callable[[], Config]) -> None:

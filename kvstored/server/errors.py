@@ -2,18 +2,31 @@
 
 The error's class name also travels as trailing metadata (`kvstored-error`), so clients can
 react to the kind of failure (re-open a session, re-register a namespace) without parsing text.
+
+Bad input never reaches a servicer as an exception of gRPC's own: request bytes that decode to
+no message become InvalidRequest here (gRPC would answer UNKNOWN and log a traceback per
+request). Status messages are cut to MAX_DETAILS_BYTES: they travel in a trailer, which a
+client's gRPC refuses beyond 8 KiB. What a client can trigger at will is logged through a
+LogLimiter (one line per kind per interval).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
 
 import grpc
 
 from kvstored import errors
+from kvstored.logs import LogLimiter
 from kvstored_client.errors import ERROR_KIND_KEY  # the client reads it: one definition
 
 log = logging.getLogger(__name__)
+limited = LogLimiter(log)
+
+MAX_DETAILS_BYTES = 1024  # UTF-8 bytes; percent-encoded in the trailer, at most ~3 KiB
 
 STATUS: dict[type[errors.KvstoredError], grpc.StatusCode] = {
     errors.InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -41,46 +54,106 @@ def status_for(exc: errors.KvstoredError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def bounded(text: str, limit: int = MAX_DETAILS_BYTES) -> str:
+    """`text` cut to `limit` UTF-8 bytes (at a character boundary), "..." marking the cut."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    return data[:limit - 3].decode(errors="ignore") + "..."
+
+
 async def abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: str) -> None:
     if isinstance(exc, errors.KvstoredError):
         context.set_trailing_metadata(((ERROR_KIND_KEY, type(exc).__name__),))
-        await context.abort(status_for(exc), str(exc))
-    log.error("internal error in %s", method, exc_info=exc)
+        await context.abort(status_for(exc), bounded(str(exc)))
+    limited.log(f"internal {method}", logging.ERROR, "internal error in %s", method, exc_info=exc)
+    context.set_trailing_metadata(((ERROR_KIND_KEY, "InternalError"),))
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see daemon log")
 
 
+@dataclass(frozen=True, slots=True)
+class Undecodable:
+    """What the request deserializer hands on for bytes that are no request message."""
+
+    problem: str
+
+
+def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+    message_type = getattr(getattr(deserialize, "__self__", None), "DESCRIPTOR", None)
+    type_name = message_type.full_name if message_type is not None else "request message"
+
+    def tolerant(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, or whatever else a parser raises on garbage
+            return Undecodable(f"the request is not a valid {type_name} ({len(data)} bytes): {exc}")
+
+    return tolerant
+
+
+def _decoded(request: Any, method: str) -> Any:
+    if isinstance(request, Undecodable):
+        limited.log(f"undecodable {method}", logging.WARNING, "undecodable request to %s: %s", method,
+                    request.problem)
+        raise errors.InvalidRequest(request.problem)
+    return request
+
+
+async def _decoded_all(requests: AsyncIterator[Any], method: str) -> AsyncIterator[Any]:
+    async for request in requests:
+        yield _decoded(request, method)
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps unary and server-streaming handlers: KvstoredError -> its status; anything else ->
-    INTERNAL, logged."""
+    """Wraps every handler: undecodable requests -> InvalidRequest; KvstoredError -> its status;
+    anything else -> INTERNAL, logged."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is not None and handler.unary_unary is not None:
-            inner = handler.unary_unary
+        if handler is None:
+            return None
+        return _mapped(handler, handler_call_details.method)
 
-            async def unary(request, context: grpc.aio.ServicerContext):
-                try:
-                    return await inner(request, context)
-                except Exception as exc:
-                    await abort_for(exc, context, method)
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler is not None and handler.unary_stream is not None:
-            inner_stream = handler.unary_stream
+def _mapped(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    codecs = {"request_deserializer": _tolerant(handler.request_deserializer),
+              "response_serializer": handler.response_serializer}
 
-            async def stream(request, context: grpc.aio.ServicerContext):
-                try:
-                    async for item in inner_stream(request, context):
-                        yield item
-                except Exception as exc:
-                    await abort_for(exc, context, method)
+    def one(request: Any) -> Any:
+        return _decoded(request, method)
 
-            return grpc.unary_stream_rpc_method_handler(
-                stream, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
+    def each(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        return _decoded_all(requests, method)
+
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(_guarded(handler.unary_unary, one, method), **codecs)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(_guarded(handler.stream_unary, each, method), **codecs)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(_guarded(handler.unary_stream, one, method), **codecs)
+    return grpc.stream_stream_rpc_method_handler(_guarded(handler.stream_stream, each, method), **codecs)
+
+
+def _guarded(inner: Callable[..., Any], decode: Callable[[Any], Any], method: str) -> Callable[..., Any]:
+    """`inner` with its request(s) decoded first and its errors mapped to a status, in the same
+    style as `inner` (grpc.aio runs an async generator's items, or a coroutine that returns the
+    response or writes the stream itself, as the health service's Watch does)."""
+    if inspect.isasyncgenfunction(inner):
+        async def stream(request, context: grpc.aio.ServicerContext):
+            try:
+                async for item in inner(decode(request), context):
+                    yield item
+            except Exception as exc:
+                await abort_for(exc, context, method)
+
+        return stream
+
+    async def call(request, context: grpc.aio.ServicerContext):
+        try:
+            return await inner(decode(request), context)
+        except Exception as exc:
+            await abort_for(exc, context, method)
+
+    return call

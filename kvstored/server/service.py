@@ -12,12 +12,13 @@ from typing import Sequence
 import grpc
 
 from kvstored import __version__
-from kvstored.errors import BatchTooLarge, InvalidRequest, SessionRequired, WatcherLagged
+from kvstored.errors import BatchTooLarge, InvalidRequest, SessionRequired, WatcherLagged, shown
 from kvstored.observability.events import KvEvent
 from kvstored.observability.snapshot import tier_snapshots
 from kvstored.namespaces import Namespace, NamespaceRegistry, check_keys
 from kvstored.server.broker import SessionBroker
 from kvstored.server.sessions import Session
+from kvstored.server.tenants import ArenasUnsupported, Tenancy, events_for, visible
 from kvstored.shm.mapping import open_region_file
 from kvstored.tiers.base import TierKind
 from kvstored.tiers.chain import TierChain
@@ -32,6 +33,8 @@ _SLOT_STATE = {
     ReserveOutcome.IN_PROGRESS: pb.SLOT_STATE_IN_PROGRESS,
     ReserveOutcome.NO_SPACE: pb.SLOT_STATE_NO_SPACE,
 }
+MAX_PATH_BYTES = 4096  # Linux's PATH_MAX, terminating NUL included
+
 _STORE_OUTCOMES = {
     ReserveOutcome.RESERVED: pb.STORE_OUTCOME_STORED,
     ReserveOutcome.ALREADY_PRESENT: pb.STORE_OUTCOME_ALREADY_PRESENT,
@@ -47,13 +50,25 @@ def _start_by(request: pb.RegionTransferRequest) -> float | None:
     return asyncio.get_running_loop().time() + request.start_within_ms / 1000
 
 
+def _region_path(path: str) -> str:
+    """A region path as a request may name it: the OS takes no NUL and no path of PATH_MAX or more."""
+    if not path:
+        raise InvalidRequest("RegisterRegion needs a path")
+    if "\x00" in path:
+        raise InvalidRequest(f"region path {shown(path)} contains a NUL byte")
+    size = len(path.encode())
+    if size >= MAX_PATH_BYTES:
+        raise InvalidRequest(f"region path {shown(path)} is {size} bytes; paths are shorter than {MAX_PATH_BYTES}")
+    return path
+
+
 def _event(e: KvEvent) -> pb.KvEvent:
     return pb.KvEvent(seq=e.seq, ts=e.ts, type=int(e.type), cause=int(e.cause), tier=e.tier,
                       tier_kind=int(e.tier_kind), namespace_id=e.namespace_id, keys=e.keys)
 
 
 def _extents(extents: Sequence[Extent]) -> list[pb.Extent]:
-    return [pb.Extent(offset=e.offset, length=e.length) for e in extents]
+    return [pb.Extent(offset=e.offset, length=e.length, arena=e.arena) for e in extents]
 
 
 class KVStoreService(pb_grpc.KVStoreServicer):
@@ -64,8 +79,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         namespaces: NamespaceRegistry,
         max_batch_keys: int,
         region_dirs: Sequence[Path],
+        tenancy: Tenancy,
     ) -> None:
         self._region_dirs = tuple(region_dirs)
+        self._tenancy = tenancy
         self._chain = chain
         self._namespaces = namespaces
         self._broker = broker
@@ -80,7 +97,17 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def _visible(ns: Namespace, session: Session | None) -> bool:
         """Tenant namespaces exist only for the sessions that registered them: for anyone else
         every key answers exactly as a miss (and stores are dropped)."""
-        return not ns.private or (session is not None and ns.namespace_id in session.namespaces)
+        return visible(ns, session)
+
+    @staticmethod
+    def _check_arenas(ns: Namespace, session: Session) -> None:
+        """A client that knows only the public pool would copy a tenant's chunk at the right
+        offsets of the wrong arena: refuse it the slots (its region transfers still work)."""
+        if ns.private and not session.arenas:
+            raise ArenasUnsupported(
+                f"namespace {ns.namespace_id} is a tenant namespace, whose chunks live in the tenant's own "
+                f"arena, and this session's client maps only the public pool: upgrade the client, or use "
+                f"region transfers (StoreFromRegion / LoadToRegion)")
 
     def _check_handles(self, handles: Sequence[int]) -> None:
         if len(handles) > self._max_keys:
@@ -95,6 +122,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             spec.model, spec.dtype, spec.chunk_bytes, spec.layout, spec.tenant_salt, spec.key_bytes,
             spec.block_tokens,
         )
+        placed = self._tenancy.register(session, ns, spec.quota_bytes)
         if ns.private:
             session.namespaces.add(ns.namespace_id)
         return pb.RegisterNamespaceResponse(
@@ -103,6 +131,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             key_bytes=ns.key_bytes,
             pool_bytes=self._chain.ram.capacity_bytes,
             page_bytes=self._chain.ram.page_bytes,
+            arena_id=placed.arena_id,
+            arena_bytes=placed.arena_bytes,
+            quota_bytes=placed.quota_bytes,
         )
 
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
@@ -119,6 +150,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         ns = self._ns_keys(request.namespace_id, request.keys)
         if not self._visible(ns, session):
             return pb.ReserveResponse(slots=[pb.Slot(state=pb.SLOT_STATE_NO_SPACE) for _ in request.keys])
+        self._check_arenas(ns, session)
         slots = await self._broker.reserve(session, ns, request.keys)
         return pb.ReserveResponse(
             slots=[pb.Slot(state=_SLOT_STATE[s.outcome], handle=s.handle, extents=_extents(s.extents)) for s in slots]
@@ -134,6 +166,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         ns = self._ns_keys(request.namespace_id, request.keys)
         if not self._visible(ns, session):
             return pb.AcquireResponse()
+        self._check_arenas(ns, session)
         leases = await self._broker.acquire(session, ns, request.keys)
         return pb.AcquireResponse(leases=[pb.Lease(handle=g.handle, extents=_extents(g.extents)) for g in leases])
 
@@ -144,9 +177,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def RegisterRegion(self, request: pb.RegisterRegionRequest, context) -> pb.RegisterRegionResponse:
         session = self._broker.get(request.session_id)
-        if not request.path:
-            raise InvalidRequest("RegisterRegion needs a path")
-        fd = open_region_file(request.path, self._region_dirs)
+        fd = open_region_file(_region_path(request.path), self._region_dirs)
         try:
             region = self._broker.attach_region(session, request.path, fd)
         finally:
@@ -193,18 +224,26 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def ListNamespaces(self, request: pb.ListNamespacesRequest, context) -> pb.ListNamespacesResponse:
         session = self._broker.optional(request.session_id)
-        ram = self._chain.ram
-        chunk_counts: dict[str, int] = {}
-        for ns_id, _key in ram.ready_chunks():
-            chunk_counts[ns_id] = chunk_counts.get(ns_id, 0) + 1
-        return pb.ListNamespacesResponse(namespaces=[
-            pb.NamespaceInfo(
+        usage = self._chain.ram.usage_by_namespace()
+        infos = []
+        for ns in self._namespaces.all():
+            if not self._visible(ns, session):
+                continue
+            chunks, ram_bytes = usage.get(ns.namespace_id, (0, 0))
+            own = self._tenancy.namespace_usage(ns.namespace_id)
+            tenant = self._tenancy.tenant_usage(ns.tenant) if ns.private else None
+            infos.append(pb.NamespaceInfo(
                 namespace_id=ns.namespace_id, model=ns.model, dtype=ns.dtype, chunk_bytes=ns.chunk_bytes,
                 layout=ns.layout, key_bytes=ns.key_bytes, block_tokens=ns.block_tokens, tenant=ns.private,
-                ram_chunks=chunk_counts.get(ns.namespace_id, 0),
-            )
-            for ns in self._namespaces.all() if self._visible(ns, session)
-        ])
+                ram_chunks=chunks, ram_bytes=ram_bytes, quota_bytes=own.quota_bytes if own else 0,
+                tenant_quota_bytes=tenant.quota_bytes if tenant else 0,
+                tenant_ram_bytes=tenant.used_bytes if tenant else 0,
+                recovered_from=self._namespaces.recovered_from(ns.namespace_id),
+            ))
+        tenants = self._tenancy.snapshot().tenants
+        return pb.ListNamespacesResponse(namespaces=infos, tenants=len(tenants),
+                                         tenant_ram_bytes=sum(t.used_bytes for t in tenants),
+                                         tenant_quota_bytes=self._tenancy.tenant_quota_bytes)
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         return pb.StatsResponse(
@@ -216,6 +255,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def WatchEvents(self, request: pb.WatchEventsRequest, context):
         bus = self._chain.events
+        accepts = events_for(self._namespaces, self._broker.optional(request.session_id))
         if request.from_seq and request.from_seq < bus.oldest_seq:
             # Events between are gone: replaying what is left would skip them without a word.
             # Ended here, not raised, so the error-mapping interceptor leaves the status as is.
@@ -224,12 +264,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             context.set_details(f"events from seq {request.from_seq} are no longer buffered; the oldest "
                                 f"available is seq {bus.oldest_seq} (events_buffer={bus.buffer_events})")
             return
-        sub = bus.subscribe()  # before the replay, so no event falls between the two
+        sub = bus.subscribe(accepts)  # before the replay, so no event falls between the two
         try:
             last = 0
             if request.from_seq:
                 for event in bus.replay(request.from_seq):
-                    yield _event(event)
+                    if accepts(event):
+                        yield _event(event)
                     last = event.seq
             while True:
                 event = await sub.queue.get()

@@ -1,8 +1,9 @@
 """The session socket: a SOCK_SEQPACKET unix socket beside the gRPC one.
 
-gRPC cannot carry file descriptors, and the data path needs two: the daemon hands each client
-its pool (a memfd), and a client hands the daemon a region file it may not be able to open by
-path (vLLM's region is mode 0600 under another user). One packet is one protobuf message; fds ride
+gRPC cannot carry file descriptors, and the data path needs them: the daemon hands each client
+its pool (a memfd) and the arenas of the tenants it registered (OpenArena), and a client hands
+the daemon a region file it may not be able to open by path (vLLM's region is mode 0600 under
+another user). One packet is one protobuf message; fds ride
 along as SCM_RIGHTS. The connection *is* the session: when it closes, for any reason, the
 session's leases, reservations and regions are given back.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 from kvstored.errors import KvstoredError
 from kvstored.server.broker import SessionBroker
 from kvstored.server.errors import status_for
+from kvstored.server.tenants import Tenancy
 from kvstored.shm.mapping import SharedPool
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 
@@ -49,10 +51,12 @@ def _send(sock: socket.socket, reply: pb.SessionReply, fds: list[int] | None = N
 
 
 class SessionSocketServer:
-    def __init__(self, path: Path, mode: int, broker: SessionBroker, pool: SharedPool, page_bytes: int) -> None:
+    def __init__(self, path: Path, mode: int, broker: SessionBroker, pool: SharedPool, page_bytes: int,
+                 tenancy: Tenancy) -> None:
         self._path = path
         self._mode = mode
         self._broker = broker
+        self._tenancy = tenancy
         self._pool = pool
         self._page_bytes = page_bytes
         self._listener: socket.socket | None = None
@@ -112,7 +116,8 @@ class SessionSocketServer:
                     request = pb.SessionRequest.FromString(data)
                     kind = request.WhichOneof("kind")
                     if kind == "hello" and session is None:
-                        session = self._broker.open(request.hello.client_name)
+                        hello = request.hello
+                        session = self._broker.open(hello.client_name, hello.arenas, hello.pins_pool)
                         log.info("session %s opened by %r", session.session_id[:8], session.client_name)
                         welcome = pb.Welcome(
                             session_id=session.session_id,
@@ -127,6 +132,10 @@ class SessionSocketServer:
                         region = self._broker.attach_region(session, request.attach_region.name, fds[0])
                         attached = pb.RegionAttached(region_id=region.region_id, size=region.size)
                         _send(conn, pb.SessionReply(region_attached=attached))
+                    elif kind == "open_arena" and session is not None:
+                        arena = self._tenancy.open_arena(session, request.open_arena.arena_id)
+                        opened = pb.ArenaOpened(arena_id=arena.arena_id, size=arena.size)
+                        _send(conn, pb.SessionReply(arena_opened=opened), [arena.fd])
                     else:
                         _send_error(conn, "FAILED_PRECONDITION", f"unexpected session message {kind!r}")
                 except KvstoredError as exc:

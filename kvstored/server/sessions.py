@@ -12,7 +12,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-from kvstored.errors import HandleNotHeld, InvalidRequest, UnknownRegion, UnknownSession
+from kvstored.errors import HandleNotHeld, InvalidRequest, UnknownRegion, UnknownSession, shown
 from kvstored.shm.mapping import Region
 from kvstored.tiers.ram import RamEntry
 
@@ -35,6 +35,9 @@ class Session:
     handles: dict[int, Handle] = field(default_factory=dict)
     regions: dict[int, Region] = field(default_factory=dict)
     namespaces: set[str] = field(default_factory=set)  # tenant namespaces this session registered
+    tenants: set[str] = field(default_factory=set)  # keys of the tenants whose arenas it may map
+    arenas: bool = False  # its client maps tenant arenas (Hello.arenas)
+    pins_pool: bool = False  # its client pins the public pool for DMA (Hello.pins_pool)
     closed: bool = False  # its connection ended: a request still in flight must not grant it anything
 
     def check_open(self) -> None:
@@ -75,8 +78,8 @@ class SessionRegistry:
     def __iter__(self) -> Iterator[Session]:
         return iter(list(self._sessions.values()))
 
-    def open(self, client_name: str) -> Session:
-        session = Session(secrets.token_hex(16), client_name)
+    def open(self, client_name: str, arenas: bool = False, pins_pool: bool = False) -> Session:
+        session = Session(secrets.token_hex(16), client_name, arenas=arenas, pins_pool=pins_pool)
         self._sessions[session.session_id] = session
         return session
 
@@ -85,7 +88,7 @@ class SessionRegistry:
             return self._sessions[session_id]
         except KeyError:
             raise UnknownSession(
-                f"unknown session {session_id!r}: sessions live as long as their connection "
+                f"unknown session {shown(session_id)}: sessions live as long as their connection "
                 f"to the session socket"
             ) from None
 

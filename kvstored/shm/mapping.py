@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import mmap
 import os
@@ -10,17 +11,24 @@ import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from kvstored.errors import InvalidRequest, RegionFileMissing, RegionNotAllowed
+from kvstored.shm import memory
+from kvstored.shm.beneath import open_beneath
+from kvstored.shm.memory import NumaPlacement, PoolPages, PopulateProgress
 
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
 POPULATE_STEP_BYTES = 64 << 20  # a closing region stops its populate within one step
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 
 def map_fd(fd: int, size: int, populate: bool) -> mmap.mmap:
@@ -33,21 +41,33 @@ class SharedPool:
 
     A memfd has no path: clients get it over the session socket, so access follows the
     socket's permissions, and the memory goes away with the last process that maps it.
+    Its pages (4 KiB, THP, hugetlb) and NUMA placement are shm.memory's; populate=True fills it
+    here and now, populate=False leaves that to populate() (in steps, with progress and a stop).
     """
 
-    def __init__(self, size: int, populate: bool) -> None:
+    def __init__(self, size: int, populate: bool, *, pages: PoolPages = PoolPages.SMALL,
+                 numa: NumaPlacement | None = None) -> None:
+        self.memory = memory.create_memfd(size, pages, numa)
         self.size = size
-        self.fd = os.memfd_create("kvstored-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self.fd = self.memory.fd
+        self._map = self.memory.mapping
         try:
-            os.ftruncate(self.fd, size)
-            # Clients get this fd read-write: sealing its size means no client can shrink the
-            # pool under the daemon (its pages would vanish and the next copy would SIGBUS).
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            self._map = map_fd(self.fd, size, populate)
+            if populate:
+                memory.populate(self.memory)
         except BaseException:
+            self._map.close()
             os.close(self.fd)
             raise
         self.array = np.frombuffer(self._map, dtype=np.uint8)
+
+    def populate(self, progress: Callable[[PopulateProgress], None] | None = None,
+                 stop: threading.Event | None = None) -> bool:
+        """Fill every page (blocking: run it in a thread); False if `stop` ended it first."""
+        return memory.populate(self.memory, progress, stop)
+
+    def huge_page_bytes(self) -> int:
+        """How much of the pool the kernel backs with 2 MiB pages now."""
+        return memory.huge_page_bytes(self.memory)
 
     def close(self) -> None:
         del self.array
@@ -58,23 +78,79 @@ class SharedPool:
         os.close(self.fd)
 
 
-def open_region_file(path: str, allowed_dirs: Sequence[Path]) -> int:
-    """Open a region file named by a client, read-write. Only files under `allowed_dirs` (by
-    real path: no symlink escapes) may be named: anyone allowed on the socket must not be able to
-    make the daemon read or write its other files. (Passing an fd needs no such rule: the client
-    proves access by opening the file itself.)"""
-    real = Path(os.path.realpath(path))
-    if not any(real.is_relative_to(d) for d in allowed_dirs):
-        raise RegionNotAllowed(
-            f"region file {path!r} is outside the allowed directories ({', '.join(map(str, allowed_dirs))}); "
-            f"pass an open fd over the session socket instead"
-        )
+def create_arena_memfd(name: str, size: int) -> int:
+    """A sparse memfd of `size` bytes for a tenant arena: no page is allocated until written,
+    and its size is sealed like the pool's (clients get it read-write)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        return os.open(real, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Return a byte range of a memfd to the kernel (it reads as zeros, and is allocated again by
+    its next write). Removes the pages from every process's mapping: never for pages in use."""
+    if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length):
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
+
+
+def open_region_file(path: str, allowed_dirs: Sequence[Path]) -> int:
+    """Open a region file named by a client, read-write. Only regular files under `allowed_dirs`
+    may be named: anyone allowed on the socket must not be able to make the daemon read or write
+    its other files. (Passing an fd needs no such rule: the client proves access by opening it.)
+
+    The path is resolved once only to learn which allowed directory it names and the name
+    beneath it; that is no check. The check is the open itself: beneath a descriptor of that
+    directory, with no symlink on the way (beneath.open_beneath), so a directory swapped for a
+    symlink meanwhile makes the open fail instead of leading outside. O_NONBLOCK: a FIFO under
+    the name must not block the daemon; it is refused by the fstat that follows."""
+    if "\0" in path:
+        raise InvalidRequest("region path contains a NUL byte")
+    try:
+        real = os.path.realpath(path)
+    except OSError:  # a symlink on the way changed while it was read: someone is racing us
+        raise _not_allowed(path, allowed_dirs, _RACED) from None
+    for directory in allowed_dirs:
+        relpath = os.path.relpath(real, directory)
+        if relpath != ".." and not relpath.startswith("../"):
+            break
+    else:
+        raise _not_allowed(path, allowed_dirs)
+    try:
+        dir_fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise InvalidRequest(f"cannot open the region directory {str(directory)!r}: {exc.strerror}") from None
+    try:
+        fd = open_beneath(dir_fd, relpath, os.O_RDWR | os.O_NONBLOCK | os.O_NOCTTY)
     except FileNotFoundError:
         raise RegionFileMissing(f"region file {path!r} does not exist") from None
     except OSError as exc:
+        if exc.errno in (errno.EXDEV, errno.ELOOP):
+            raise _not_allowed(path, allowed_dirs, _RACED) from None
+        if exc.errno in (errno.EISDIR, errno.ENXIO):  # a directory; a socket or a device without driver
+            raise InvalidRequest(f"region file {path!r} is not a regular file") from None
         raise InvalidRequest(f"cannot open region file {path!r}: {exc.strerror}") from None
+    finally:
+        os.close(dir_fd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise InvalidRequest(f"region file {path!r} is not a regular file")
+    return fd
+
+
+_RACED = " (a symlink appeared on its way while it was opened)"
+
+
+def _not_allowed(path: str, allowed_dirs: Sequence[Path], why: str = "") -> RegionNotAllowed:
+    return RegionNotAllowed(
+        f"region file {path!r} is outside the allowed directories ({', '.join(map(str, allowed_dirs))}){why}; "
+        f"pass an open fd over the session socket instead"
+    )
 
 
 @dataclass

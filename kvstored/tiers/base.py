@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Sequence
 
+from kvstored.choices import Choice
 from kvstored_client.kinds import TierKind  # one enum for daemon, client and proto; NONE (0) is a miss
 
 ChunkId = tuple[str, bytes]  # (namespace id, key): keys are opaque bytes scoped by namespace
@@ -32,6 +33,7 @@ class TierCounters:
     written_bytes: int = 0
     evictions: int = 0
     checksum_failures: int = 0
+    bad_entries: int = 0  # not a chunk file under a chunk's name (FIFO, socket, directory, symlink...)
     errors: int = 0
     rejected_full: int = 0
     rejected_admission: int = 0
@@ -128,10 +130,29 @@ class SecondaryTier(abc.ABC):
         """The chunks of a namespace this tier knows of (for clearing a namespace)."""
         return []
 
+    async def namespace_chunks(self, namespace_id: str) -> list[ChunkId]:
+        """Every chunk of a namespace the tier holds, as completely as it can tell (clearing a
+        namespace; s3 lists them). Raises TierUnavailable when it cannot look."""
+        return self.known_chunks(namespace_id)
+
+    # Namespace records: one small record per namespace the tier holds chunks of
+    # (kvstored.namespaces.encode_record), so a restarted daemon knows its namespaces before any
+    # client registers them. A tier without storage of its own keeps none. These raise on failure.
+
+    async def save_namespace_record(self, namespace_id: str, record: bytes) -> None:
+        """Store (or replace) the record, atomically: a reader sees the old or the new one."""
+
+    async def remove_namespace_record(self, namespace_id: str) -> None:
+        """Remove the record, if there is one."""
+
+    async def namespace_records(self) -> dict[str, bytes]:
+        """Every record the tier holds, by namespace id."""
+        return {}
+
     def set_admission(self, policy: "AdmissionPolicy") -> None:
         """Change the admission policy at run time (SIGHUP reload); tiers without one ignore it."""
 
 
-class AdmissionPolicy(enum.Enum):
+class AdmissionPolicy(Choice):
     ALWAYS = "always"
     SECOND_EVICTION = "second-eviction"  # store a chunk only the second time it is evicted

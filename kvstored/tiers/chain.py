@@ -16,19 +16,20 @@ import asyncio
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Coroutine, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Coroutine, Sequence, TypeVar
 
 from kvstored.errors import (
-    InvalidRequest, KvstoredError, PoolExhausted, RegionShrunk, TierStartError, TierUnavailable,
+    InvalidRequest, KvstoredError, PoolExhausted, RegionShrunk, TierStartError, TierUnavailable, TransferNotStarted,
 )
 from kvstored.namespaces import Namespace
 from kvstored.observability.events import Cause, EventBus, EventType
 from kvstored.shm.copier import Copier, CopyJob, default_copy_threads
 from kvstored.shm.copy import MappingVanished
-from kvstored.shm.mapping import Region, SharedPool
+from kvstored.shm.arenas import ArenaSet
+from kvstored.shm.mapping import Region
 from kvstored.tiers.base import ChunkId, RemovalCause, SecondaryTier, TierKind
 from kvstored.tiers.lower import DeletionGuard, LowerTier, Promoter, WriteBack, WritePolicy
-from kvstored.tiers.ram import Extent, RamEntry, RamTier, ReserveOutcome
+from kvstored.tiers.ram import Extent, QuotaScope, RamEntry, RamTier, ReserveOutcome
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -84,7 +85,7 @@ class TierChain:
     def __init__(
         self,
         ram: RamTier,
-        pool: SharedPool,
+        arenas: ArenaSet,
         lower: Sequence[LowerTier] = (),
         policy: ChainPolicy = ChainPolicy(),
         events: EventBus | None = None,
@@ -92,18 +93,18 @@ class TierChain:
         self.events = events or EventBus()
         self.ram = ram
         self.lower = list(lower)
-        self._pool = pool
+        self.arenas = arenas
         self._copier = Copier(policy.copy_threads)
-        pool_view = memoryview(pool.array)
         self.writeback = WriteBack(
-            ram, pool_view, self.lower, policy.write_policy, policy.headroom_bytes, policy.writeback_wait_s,
+            ram, arenas.view, self.lower, policy.write_policy, policy.headroom_bytes, policy.writeback_wait_s,
             self.events,
         )
         self._deletable = [t for t in self.lower if t.capabilities.accepts_deletes]
         self._deleting = DeletionGuard()
         self._deletes: set[asyncio.Task] = set()  # run to the end even if their caller gives up
         self._prefetches: set[asyncio.Task] = set()  # promotions started by lookups, waiting for room
-        self.promoter = Promoter(ram, pool_view, self.lower, self.events, self._deleting)
+        self._outwaited: set[asyncio.Future] = set()  # waits a transfer gave up at its start deadline
+        self.promoter = Promoter(ram, arenas.view, self.lower, self.events, self._deleting)
         for lower_tier in self.lower:
             lower_tier.tier.removal_listener = self._tier_removed
 
@@ -144,7 +145,8 @@ class TierChain:
             # for those, up to a quarter of RAM per lookup (more would evict the first of them,
             # and chunks other loads promoted, before their load could lease them).
             first_miss = tiers.index(TierKind.NONE) if TierKind.NONE in tiers else len(tiers)
-            limit = max(1, self.ram.capacity_bytes // 4 // self._slot_bytes(ns))
+            room = min(self.ram.limit_bytes(scope) for scope in (None, *self._scopes(ns)))  # (or of a quota)
+            limit = max(1, room // 4 // self._slot_bytes(ns))
             leading = [(chunk, t) for i, chunk, t in below if i < first_miss][:limit]
             self._prefetch(ns, leading)
             for _, chunk, tier_index in below[len(leading):]:  # the others: into free RAM only
@@ -160,9 +162,9 @@ class TierChain:
         if not below:
             return
         slot = self._slot_bytes(ns)
-        self.writeback.start_room(len(below) * slot, ns.chunk_bytes)
+        self._start_room(ns, len(below) * slot)
         for n, (chunk, tier_index) in enumerate(below):
-            if self.ram.free_bytes < slot:
+            if not self._has_room(ns, slot):
                 task = asyncio.ensure_future(self._prefetch_when_room(ns, below[n:], self.writeback.deadline()))
                 self._prefetches.add(task)
                 task.add_done_callback(self._prefetch_done)
@@ -170,11 +172,10 @@ class TierChain:
             self.promoter.start(chunk, ns.chunk_bytes, tier_index, evict=False)
 
     async def _prefetch_when_room(self, ns: Namespace, below: list[tuple[ChunkId, int]], deadline: float) -> None:
-        slot = self._slot_bytes(ns)
         for chunk, tier_index in below:
             if self.promoter.in_flight(chunk) is not TierKind.NONE:
                 continue  # (a load got there first)
-            await self.writeback.make_room(slot, ns.chunk_bytes, deadline)
+            await self._make_room(ns, 1, deadline)
             if self.promoter.start(chunk, ns.chunk_bytes, tier_index, evict=False) is None:
                 return  # no room in time (or the chunk is being deleted): the load does the rest
 
@@ -221,7 +222,11 @@ class TierChain:
             self._publish_ram(EventType.REMOVED, Cause.DELETED, gone)
             self.events.publish_cleared("ram", TierKind.RAM, namespace_id)
             for lower in self._deletable:
-                known = lower.tier.known_chunks(namespace_id)
+                try:
+                    known = await lower.tier.namespace_chunks(namespace_id)
+                except TierUnavailable as exc:  # could not look: clear what it knows, and say so
+                    failures.append(exc)
+                    known = lower.tier.known_chunks(namespace_id)
                 below = await lower.remove_all(known)
                 failures += below.failures
                 gone = [c for c, hit in zip(known, below.gone) if hit]
@@ -243,8 +248,11 @@ class TierChain:
         if not task.cancelled() and task.exception() is not None:
             log.warning("delete failed: %s", task.exception())  # its caller may have gone already
 
-    async def _lease_prefix(self, ns: Namespace, keys: Sequence[bytes]) -> list[RamEntry]:
+    async def _lease_prefix(
+        self, ns: Namespace, keys: Sequence[bytes], start_by: float | None = None,
+    ) -> list[RamEntry]:
         """Lease the leading chunks, promoting from below what RAM lacks; stops at the first miss.
+        Waiting for lower tiers ends at `start_by` (loop time) with TransferNotStarted.
 
         Leased chunks are pinned, so promoting the rest can only evict chunks further on, which
         the next round promotes again (a few rounds at most while RAM holds the batch)."""
@@ -259,7 +267,7 @@ class TierChain:
                     leased.append(entry)
                 if len(leased) == len(chunks) or not self.lower:
                     break
-                if not await self._promote_prefix(ns, chunks[len(leased):]):
+                if not await self._promote_prefix(ns, chunks[len(leased):], start_by):
                     break
         except BaseException:
             for entry in leased:
@@ -267,30 +275,57 @@ class TierChain:
             raise
         return leased
 
-    async def _promote_prefix(self, ns: Namespace, chunks: Sequence[ChunkId]) -> bool:
+    async def _promote_prefix(self, ns: Namespace, chunks: Sequence[ChunkId], start_by: float | None = None) -> bool:
         """Promote the leading chunks that are below RAM and wait; False if the first is nowhere.
+        Waiting ends at `start_by` (loop time) with TransferNotStarted.
 
         Every promotion starts as soon as RAM has room for it: at once into free RAM, the rest
         as the write-downs started here for all of them free pages, so reads from below and
         the write-downs making room for them run at the same time (bounded by the tier's
         queue), instead of reading only once all the room is there."""
         missing = [i for i, c in enumerate(chunks) if not self.ram.contains(c, touch=False)]
-        found = await self.promoter.find([chunks[i] for i in missing]) if missing else []
+        found = await self._until(start_by, self.promoter.find([chunks[i] for i in missing])) if missing else []
         wanted = sum(1 for _ in itertools.takewhile(lambda t: t is not None, found))
         slot = self._slot_bytes(ns)
-        self.writeback.start_room(wanted * slot, ns.chunk_bytes)
-        deadline = self.writeback.deadline()
+        self._start_room(ns, wanted * slot)
+        deadline = self.writeback.deadline()  # one wait for room, shared by all of them
+        if start_by is not None:
+            deadline = min(deadline, start_by)
         waits = []
         for i, tier_index in zip(missing[:wanted], found):
             if self.promoter.in_flight(chunks[i]) is TierKind.NONE:  # (a shared one has its room)
-                await self.writeback.make_room(slot, ns.chunk_bytes, deadline)
+                await self._make_room(ns, 1, deadline)
+                _check_started(start_by)  # it gave up at start_by: start (and evict for) nothing more
             future = self.promoter.start(chunks[i], ns.chunk_bytes, tier_index)
             if future is None:
                 break
             waits.append(future)
         # Shielded: the promotion is shared with other callers, whom our cancellation must not fail.
-        results = await asyncio.gather(*(asyncio.shield(w) for w in waits))
+        results = await self._until(start_by, asyncio.gather(*(asyncio.shield(w) for w in waits)))
         return bool(results) and results[0]
+
+    async def _until(self, start_by: float | None, work: Awaitable[T]) -> T:
+        """Await `work`, or raise TransferNotStarted once `start_by` (loop time) has passed. The
+        work itself is not cancelled: lookups and promotions serve other callers too (and a
+        lookup's verdict teaches the tier's circuit breaker); it ends in the background."""
+        if start_by is None:
+            return await work
+        task = asyncio.ensure_future(work)
+        try:
+            await asyncio.wait((task,), timeout=max(0.0, start_by - asyncio.get_running_loop().time()))
+        except BaseException:  # our caller is cancelled: as if it had awaited `work` itself
+            task.cancel()
+            raise
+        if task.done():
+            return task.result()
+        self._outwaited.add(task)
+        task.add_done_callback(self._outwaited_done)
+        raise _not_started()
+
+    def _outwaited_done(self, task: asyncio.Future) -> None:
+        self._outwaited.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("a wait given up by a transfer failed later: %s", task.exception())
 
     # -- grants (pool mapping) ------------------------------------------------------------
 
@@ -348,11 +383,12 @@ class TierChain:
 
     async def store_from_region(
         self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int],
-        proceed: Proceed = always_proceed,
+        proceed: Proceed = always_proceed, start_by: float | None = None,
     ) -> StoreOutcomes:
-        """Copy chunks from a client region into RAM. Once the copy starts, it runs to the end."""
+        """Copy chunks from a client region into RAM. Once the copy starts, it runs to the end.
+        Waiting for room ends at `start_by` (loop time) with TransferNotStarted."""
         _check_offsets(ns, region, keys, offsets)
-        await self._make_room(ns, len(keys))
+        await self._until(start_by, self._make_room(ns, len(keys)))
         proceed()  # (no await from here to the copy's start)
         stored, per_key, evicted = [], [], []
         for key, offset in zip(keys, offsets):
@@ -365,7 +401,7 @@ class TierChain:
         jobs = [CopyJob(offset, self.ram.extents(entry)) for entry, offset in stored]
         entries = [entry for entry, _ in stored]
         try:
-            await self._copy(region, jobs, to_pool=True)
+            await self._copy(region, entries, jobs, to_pool=True)
         except BaseException:
             self.abort(entries)
             raise
@@ -374,16 +410,17 @@ class TierChain:
 
     async def load_to_region(
         self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int],
-        proceed: Proceed = always_proceed,
+        proceed: Proceed = always_proceed, start_by: float | None = None,
     ) -> int:
         """Copy the leading cached chunks into a client region; returns how many. Once the copy
-        starts, it runs to the end."""
+        starts, it runs to the end. Waiting for promotions ends at `start_by` (loop time) with
+        TransferNotStarted."""
         _check_offsets(ns, region, keys, offsets)
-        leased = list(zip(await self._lease_prefix(ns, keys), offsets))
+        leased = list(zip(await self._lease_prefix(ns, keys, start_by), offsets))
         try:
             proceed()  # (no await from here to the copy's start)
             jobs = [CopyJob(offset, self.ram.extents(entry)) for entry, offset in leased]
-            await self._copy(region, jobs, to_pool=False)
+            await self._copy(region, [entry for entry, _ in leased], jobs, to_pool=False)
         finally:
             self.release([entry for entry, _ in leased])
         return len(leased)
@@ -399,26 +436,64 @@ class TierChain:
             await asyncio.wait(self._prefetches)
         for lower in self.lower:
             await lower.queue.close()
+        for waited in list(self._outwaited):  # the queues are closed: what they waited for will not come
+            waited.cancel()
+        if self._outwaited:
+            await asyncio.wait(self._outwaited)
         for lower in self.lower:
             await lower.tier.close()
         self._copier.close()
 
     # -- helpers --------------------------------------------------------------------------
 
-    async def _make_room(self, ns: Namespace, chunks: int) -> None:
-        await self.writeback.make_room(chunks * self._slot_bytes(ns), ns.chunk_bytes)
+    async def _make_room(self, ns: Namespace, chunks: int, deadline: float | None = None) -> None:
+        """Write down what a reservation would evict: within the namespace's quotas (its tenant's,
+        its own) first, then in the tier; each wait ends at `deadline` (by default the write-back
+        wait from when it starts)."""
+        nbytes = chunks * self._slot_bytes(ns)
+        for scope in self._scopes(ns):
+            await self.writeback.make_room(nbytes, ns.chunk_bytes, deadline, scope)
+        await self.writeback.make_room(nbytes, ns.chunk_bytes, deadline)
+
+    def _start_room(self, ns: Namespace, nbytes: int) -> None:
+        """Start the write-downs _make_room would wait for (quotas first), without waiting."""
+        for scope in self._scopes(ns):
+            self.writeback.start_room(nbytes, ns.chunk_bytes, scope)
+        self.writeback.start_room(nbytes, ns.chunk_bytes)
+
+    def _has_room(self, ns: Namespace, nbytes: int) -> bool:
+        """Whether `nbytes` of `ns` fit without evicting: in the tier and in its quotas."""
+        return all(self.ram.room_bytes(scope) >= nbytes for scope in (None, *self._scopes(ns)))
+
+    def _scopes(self, ns: Namespace) -> tuple[QuotaScope, ...]:
+        placement = self.ram.placement_of(ns.namespace_id)
+        return placement.scopes if placement is not None else ()
 
     def _slot_bytes(self, ns: Namespace) -> int:
         """RAM one chunk of `ns` takes (whole pages)."""
         return self.ram.pages_for(ns.chunk_bytes) * self.ram.page_bytes
 
-    async def _copy(self, region: Region, jobs: list[CopyJob], to_pool: bool) -> None:
+    async def _copy(self, region: Region, entries: Sequence[RamEntry], jobs: list[CopyJob], to_pool: bool) -> None:
+        """Copy the chunks of one namespace (so of one arena)."""
+        if not jobs:
+            return
         try:
-            await self._copier.run(region.array, self._pool.array, jobs, to_pool)
+            await self._copier.run(region.array, self.arenas.array(entries[0].arena), jobs, to_pool)
         except MappingVanished:
             raise RegionShrunk(
                 f"region {region.region_id} ({region.name}) shrank during the copy: register it again"
             ) from None
+
+
+def _not_started() -> TransferNotStarted:
+    return TransferNotStarted("the transfer could not start within start_within_ms (lower tiers were too slow "
+                              "to deliver its chunks); nothing was copied")
+
+
+def _check_started(start_by: float | None) -> None:
+    """Raise TransferNotStarted if the start deadline `start_by` (loop time) has passed."""
+    if start_by is not None and asyncio.get_running_loop().time() >= start_by:
+        raise _not_started()
 
 
 def _check_offsets(ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]) -> None:

@@ -105,3 +105,23 @@ def parse_relpath(relpath: str) -> ChunkId | None:
     except ValueError:
         return None
     return (ns, key) if key.hex() == hexkey else None  # upper case or other spellings: not ours
+
+
+# Namespace records (kvstored.namespaces.encode_record) live beside the chunks, under a name no
+# chunk can have (chunk names are <namespace id>/<k0k1>/<k2k3>/<key hex>.kv).
+RECORDS_DIR = "_kvstored/namespaces"
+RECORD_SUFFIX = ".json"
+MAX_RECORD_BYTES = 64 << 10  # a record is a few hundred bytes; anything bigger is not one
+
+
+def record_relpath(namespace_id: str) -> str:
+    if not namespace_id or namespace_id[0] == "." or "/" in namespace_id or "\0" in namespace_id:
+        raise ValueError(f"namespace id {namespace_id!r} cannot name a record")
+    return f"{RECORDS_DIR}/{namespace_id}{RECORD_SUFFIX}"
+
+
+def parse_record_name(name: str) -> str | None:
+    """The namespace id a record's file/object name (within RECORDS_DIR) is for, if it is one."""
+    if name.startswith(".") or not name.endswith(RECORD_SUFFIX) or "/" in name:
+        return None
+    return name[:-len(RECORD_SUFFIX)] or None

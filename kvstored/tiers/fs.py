@@ -12,13 +12,19 @@ IOV_MAX views), falling back to buffered I/O where the filesystem or the buffers
 Several daemons may share a root: names are content addresses (the same name always holds the
 same bytes), files appear only by rename of a complete temporary file, a miss in the index is
 checked on disk and adopted, and a corrupt file is removed only if it is still the file we read.
+A temporary file is locked by its writer while it exists (fs_io.create_tmp), so a start removes
+the ones of killed writers and keeps those of live ones; a tier counts its own in used_bytes.
+
+Anything but a regular file under a chunk's name (a FIFO, socket, device, directory, symlink) is
+never opened for I/O: every open is O_NONBLOCK | O_NOFOLLOW and checked with fstat, O_DIRECT is
+turned on (fcntl) only once the file is known to be regular. Such an entry is a miss, counted
+(`bad_entries`), and removed if it still is the entry seen (directories only when empty).
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
-import itertools
 import logging
 import os
 import stat
@@ -31,32 +37,31 @@ from typing import Callable, Sequence
 
 from kvstored.io.scheduler import Priority
 from kvstored.io.threads import PriorityThreadPool
+from kvstored.sizes import format_size
 from kvstored.tiers import chunkfile
 from kvstored.tiers.base import (
     AdmissionPolicy, ChunkId, RemovalCause, SecondaryTier, TierKind, TierUsage, WriteOutcome,
 )
 from kvstored.tiers.chunkfile import HEADER_BYTES, CorruptChunk
-from kvstored.tiers import fs_io
+from kvstored.tiers import fs_io, fs_records
 from kvstored.tiers.fs_index import FsIndex
 from kvstored.tiers.views import check_views, trim
 
 log = logging.getLogger(__name__)
 
-TMP_SUFFIX = ".tmp"  # temporary files are ".<key hex>.<pid>.<n>.tmp", next to their final name
-STALE_TMP_S = 60.0  # older temporary files are from crashed writers; younger ones may be live
+STALE_TMP_S = 60.0  # where the filesystem has no file locks: older temporary files are abandoned
 FULL_BACKOFF_S = 1.0  # after ENOSPC, writes are refused for this long
 TOUCH_INTERVAL_S = 60.0  # a read hit refreshes the file's mtime (restart LRU order) at most this often
 INLINE_STATS = 8  # contains(): up to this many index misses are stat'ed on the loop, more in the pool
 CLAIMS_REMEMBERED = 4096  # recent unlinks remembered per chunk (see FsTier._may_adopt)
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-# Reading the file itself failed (bad sectors, fs checksums; a directory, socket or device under the
-# name): no retry will do better, so the chunk is dropped like a corrupt one.
-_UNREADABLE_ERRNOS = frozenset({errno.EIO, errno.EISDIR, errno.ENXIO, errno.EUCLEAN, errno.EBADMSG})
-_TMP_SEQ = itertools.count()  # next() is atomic under the GIL: unique temporary names per process
+# Reading the file itself failed (bad sectors, fs checksums): no retry will do better, so the
+# chunk is dropped like a corrupt one.
+_UNREADABLE_ERRNOS = frozenset({errno.EIO, errno.ENXIO, errno.EUCLEAN, errno.EBADMSG})
 
 
 class _Read:
-    HIT, MISS, CORRUPT, UNREADABLE = "hit", "miss", "corrupt", "unreadable"
+    HIT, MISS, CORRUPT, UNREADABLE, NOT_REGULAR = "hit", "miss", "corrupt", "unreadable", "not regular"
 
 
 @dataclass(slots=True)
@@ -67,7 +72,8 @@ class _PendingWrite:
 
 class FsTier(SecondaryTier):
     """Counters: lookups/hits per chunk asked of contains(); reads/read_bytes per verified chunk
-    served; writes/written_bytes per chunk written (payload bytes); evictions per file evicted."""
+    served; writes/written_bytes per chunk written (payload bytes); evictions per file evicted;
+    bad_entries per non-regular entry found under a chunk's name (by a read, a write or a start)."""
 
     kind = TierKind.FS
 
@@ -79,12 +85,17 @@ class FsTier(SecondaryTier):
         admission: AdmissionPolicy = AdmissionPolicy.ALWAYS,
         io_threads: int = 8,
         direct_io: bool = True,
+        group_access: bool = False,
         *,
         full_backoff_s: float = FULL_BACKOFF_S,
         stale_tmp_s: float = STALE_TMP_S,
         touch_interval_s: float = TOUCH_INTERVAL_S,
     ) -> None:
         super().__init__(name)
+        # The daemon's data is the daemon's: chunk files 0600 and directories 0700 (group_access:
+        # 0640 / 0750, for a group that backs the files up, say). Files written with older modes
+        # are read as before.
+        self._file_mode, self._dir_mode = (0o640, 0o750) if group_access else (0o600, 0o700)
         if io_threads < 1:
             raise ValueError("fs tier needs at least one I/O thread")
         self.root = Path(root)
@@ -118,12 +129,13 @@ class FsTier(SecondaryTier):
     async def start(self) -> None:
         """Create the root, probe O_DIRECT, rebuild the index from the files on disk (oldest
         mtime = least recently used), remove stale temporary files, evict down to the capacity."""
-        entries = await self._run(Priority.LOAD, lambda fut: fut.result(), self._start_job)
+        entries, bad = await self._run(Priority.LOAD, _result, self._start_job)
+        self.counters.bad_entries += bad
         self._index.load(entries)
         log.info(
-            "fs tier %s: %d chunks, %d bytes on disk under %s (capacity %d, O_DIRECT %s)",
-            self.name, len(self._index), self._index.used_bytes, self._root,
-            self._index.capacity_bytes, "on" if self._direct else "off",
+            "fs tier %s: %d chunks, %s on disk under %s (capacity %s, O_DIRECT %s)",
+            self.name, len(self._index), format_size(self._index.used_bytes), self._root,
+            format_size(self._index.capacity_bytes), "on" if self._direct else "off",
         )
         await self._enforce_capacity()
 
@@ -215,26 +227,32 @@ class FsTier(SecondaryTier):
 
         def _finish(fut: asyncio.Future) -> WriteOutcome:
             self._index.release(reservation)
+            odd, error = None, None
             try:
-                fut.result()
+                file_size, existed, odd = fut.result()
+            except _WriteFailed as failed:  # over an odd entry that could not be replaced
+                odd, error = failed.odd, failed.error
             except OSError as exc:
-                if exc.errno in _FULL_ERRNOS:
-                    if loop.time() >= self._full_until:
-                        log.warning("fs tier %s: disk full under %s (%s); refusing writes for %.1f s",
-                                    self.name, self._root, exc.strerror, self._full_backoff_s)
-                    self._full_until = loop.time() + self._full_backoff_s
-                    self.counters.rejected_full += 1
-                    return WriteOutcome.REJECTED_FULL
-                self.counters.errors += 1
-                log.warning("fs tier %s: cannot write %s: %s", self.name, path, exc)
-                return WriteOutcome.FAILED
-            file_size, existed = fut.result()
-            self._index.insert(chunk, file_size, time.time())
-            if existed:  # written by a daemon sharing the root: adopted, not rewritten
-                return WriteOutcome.ALREADY_PRESENT
-            self.counters.writes += 1
-            self.counters.written_bytes += size
-            return WriteOutcome.WRITTEN
+                error = exc
+            if odd is not None:
+                self._bad_entry(odd)
+            if error is None:
+                self._index.insert(chunk, file_size, time.time())
+                if existed:  # written by a daemon sharing the root: adopted, not rewritten
+                    return WriteOutcome.ALREADY_PRESENT
+                self.counters.writes += 1
+                self.counters.written_bytes += size
+                return WriteOutcome.WRITTEN
+            if error.errno in _FULL_ERRNOS:
+                if loop.time() >= self._full_until:
+                    log.warning("fs tier %s: disk full under %s (%s); refusing writes for %.1f s",
+                                self.name, self._root, error.strerror, self._full_backoff_s)
+                self._full_until = loop.time() + self._full_backoff_s
+                self.counters.rejected_full += 1
+                return WriteOutcome.REJECTED_FULL
+            self.counters.errors += 1
+            log.warning("fs tier %s: cannot write %s: %s", self.name, path, error)
+            return WriteOutcome.FAILED
 
         try:
             while (prior := self._unlinking.get(chunk)) is not None:  # an eviction or remove of
@@ -284,6 +302,10 @@ class FsTier(SecondaryTier):
                 log.warning("fs tier %s: unreadable chunk file %s dropped: %s", self.name, path, detail)
                 if dropped:
                     self._notify(chunk, RemovalCause.CORRUPT)
+            elif status is _Read.NOT_REGULAR:
+                self._bad_entry(detail)
+                if dropped:
+                    self._notify(chunk, RemovalCause.CORRUPT)
             elif dropped:
                 self._notify(chunk, RemovalCause.EVICTED)
             return False
@@ -320,8 +342,23 @@ class FsTier(SecondaryTier):
     def known_chunks(self, namespace_id: str) -> list[ChunkId]:
         return self._index.chunks_of(namespace_id)
 
+    async def save_namespace_record(self, namespace_id: str, record: bytes) -> None:
+        # With the write-downs: a record left behind them would leave, after a crash, chunks on
+        # disk whose namespace is not recovered.
+        await self._run(Priority.WRITEDOWN, _result, fs_records.write_record, self._root, namespace_id,
+                        record, self._file_mode, self._dir_mode)
+
+    async def remove_namespace_record(self, namespace_id: str) -> None:
+        await self._run(Priority.DELETE, _result, fs_records.remove_record, self._root, namespace_id)
+
+    async def namespace_records(self) -> dict[str, bytes]:
+        return await self._run(Priority.LOAD, _result, fs_records.read_records, self._root)
+
     def usage(self) -> TierUsage:
-        return TierUsage(self._index.capacity_bytes, self._index.used_bytes, len(self._index))
+        """used_bytes: the indexed files and the temporary files of writes in flight (their
+        reservations: a temporary file never outgrows the room reserved for it)."""
+        index = self._index
+        return TierUsage(index.capacity_bytes, index.used_bytes + index.reserved_bytes, len(index))
 
     def set_admission(self, policy: AdmissionPolicy) -> None:
         self._index.admission = policy
@@ -399,6 +436,10 @@ class FsTier(SecondaryTier):
         for chunk, _ in victims:
             self._notify(chunk, RemovalCause.EVICTED)
 
+    def _bad_entry(self, what: str) -> None:
+        self.counters.bad_entries += 1
+        log.warning("fs tier %s: %s", self.name, what)
+
     def _notify(self, chunk: ChunkId, cause: RemovalCause) -> None:
         try:
             self.notify_removed(chunk, cause)
@@ -428,8 +469,8 @@ class FsTier(SecondaryTier):
     # fsync would cost most of the write bandwidth (buffered write+fsync ~0.4 GiB/s against
     # 2-3.4 GiB/s for O_DIRECT here) to protect a cache whose loss only costs recomputation.
 
-    def _start_job(self) -> list[tuple[ChunkId, int, float]]:
-        os.makedirs(self._root, exist_ok=True)
+    def _start_job(self) -> tuple[list[tuple[ChunkId, int, float]], int]:
+        fs_io.make_dirs(self._root, self._dir_mode)
         if self._direct and not self._probe_direct():
             log.info("fs tier %s: %s refuses O_DIRECT; using buffered I/O", self.name, self._root)
             self._direct = False
@@ -439,13 +480,14 @@ class FsTier(SecondaryTier):
         """False only if the filesystem refuses O_DIRECT (EINVAL). Any other failure (a full disk,
         a read-only root) says nothing about O_DIRECT and must not stop the start: the existing
         files are still served, the start-up eviction may free space, and writes find out."""
-        probe = os.path.join(self._root, f".odirect-probe.{os.getpid()}.{next(_TMP_SEQ)}{TMP_SUFFIX}")
         try:
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DIRECT, 0o644)
-            try:
-                os.pwrite(fd, fs_io.header_buffer(), 0)
-            finally:
-                os.close(fd)
+            fd, probe = fs_io.create_tmp(os.path.join(self._root, "odirect-probe.kv"), self._file_mode)
+        except OSError as exc:
+            log.warning("fs tier %s: cannot probe O_DIRECT under %s (%s); keeping it on", self.name, self._root, exc)
+            return True
+        try:
+            fs_io.set_direct(fd, True)
+            os.pwrite(fd, fs_io.header_buffer(), 0)
             return True
         except OSError as exc:
             if exc.errno == errno.EINVAL:
@@ -454,19 +496,21 @@ class FsTier(SecondaryTier):
                         self.name, self._root, exc)
             return True
         finally:
-            fs_io.unlink_quiet(probe)  # also where open created the file before refusing O_DIRECT
+            fs_io.unlink_quiet(probe)
+            os.close(fd)
 
-    def _scan(self) -> list[tuple[ChunkId, int, float]]:
-        """Every chunk file under the root, named by its path: <ns>/<k0k1>/<k2k3>/<key hex>.kv.
+    def _scan(self) -> tuple[list[tuple[ChunkId, int, float]], int]:
+        """Every chunk file under the root, named by its path: <ns>/<k0k1>/<k2k3>/<key hex>.kv,
+        and how many chunk names held something else (skipped; removed where they can be).
 
         Parsing names (one stat per file) instead of reading headers keeps a restart over millions
         of files fast; the contents are verified on every read anyway."""
         entries: list[tuple[ChunkId, int, float]] = []
-        now = time.time()
-        for ns_dir in self._scandir(self._root, now):
-            for d1 in self._scandir(ns_dir.path, now):
-                for d2 in self._scandir(d1.path, now):
-                    for f in self._scandir(d2.path, now, dirs=False):
+        bad = 0
+        for ns_dir in self._scandir(self._root):
+            for d1 in self._scandir(ns_dir.path):
+                for d2 in self._scandir(d1.path):
+                    for f in self._scandir(d2.path, dirs_only=False):
                         chunk = chunkfile.parse_relpath(f"{ns_dir.name}/{d1.name}/{d2.name}/{f.name}")
                         if chunk is None:
                             continue
@@ -476,11 +520,16 @@ class FsTier(SecondaryTier):
                             continue
                         if stat.S_ISREG(st.st_mode):
                             entries.append((chunk, st.st_size, st.st_mtime))
-        return entries
+                            continue
+                        bad += 1
+                        removed = fs_io.remove_if_same(f.path, st)
+                        log.warning("fs tier %s: %s is %s, not a chunk file%s", self.name, f.path,
+                                    fs_io.describe(st.st_mode), "; removed" if removed else "; left alone")
+        return entries, bad
 
-    def _scandir(self, path: str, now: float, dirs: bool = True):
-        """Entries of `path` (directories if `dirs`, else files), removing stale temporary files.
-        Yields nothing once the tier is closing (a stop during a long index rebuild)."""
+    def _scandir(self, path: str, dirs_only: bool = True):
+        """Entries of `path` (only directories if `dirs_only`), removing temporary files no live
+        writer holds. Yields nothing once the tier is closing (a stop during a long rebuild)."""
         if self._closed:
             return
         try:
@@ -489,38 +538,29 @@ class FsTier(SecondaryTier):
         except OSError:
             return
         for entry in listing:
-            name = entry.name
-            if name.startswith(".") and name.endswith(TMP_SUFFIX):
-                try:
-                    if now - entry.stat(follow_symlinks=False).st_mtime > self._stale_tmp_s:
-                        os.unlink(entry.path)
-                except OSError:
-                    pass
+            if fs_io.is_tmp_name(entry.name):
+                fs_io.remove_if_abandoned(entry.path, self._stale_tmp_s)
                 continue
             try:
-                if entry.is_dir(follow_symlinks=False) == dirs:
+                if not dirs_only or entry.is_dir(follow_symlinks=False):
                     yield entry
             except OSError:
                 continue
 
-    def _open(self, path: str, flags: int, direct: bool) -> tuple[int, bool]:
-        """Open `path`, with O_DIRECT if asked and allowed; (fd, whether O_DIRECT is on)."""
-        if direct:
-            try:
-                return os.open(path, flags | os.O_DIRECT, 0o644), True
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self._refuse_direct(exc)
-                if flags & os.O_EXCL:  # some filesystems (ramfs) create the file, then refuse O_DIRECT
-                    fs_io.unlink_quiet(path)
-        return os.open(path, flags, 0o644), False
-
-    def _refuse_direct(self, exc: OSError) -> None:
-        if self._direct:
-            self._direct = False
-            log.info("fs tier %s: O_DIRECT refused under %s (%s); using buffered I/O",
-                     self.name, self._root, exc)
+    def _use_direct(self, fd: int) -> bool:
+        """Turn O_DIRECT on for `fd`, a regular file of ours; False (and buffered I/O from now on)
+        if the filesystem refuses it."""
+        try:
+            fs_io.set_direct(fd, True)
+            return True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            if self._direct:
+                self._direct = False
+                log.info("fs tier %s: O_DIRECT refused under %s (%s); using buffered I/O",
+                         self.name, self._root, exc)
+            return False
 
     def _write_job(
         self,
@@ -529,50 +569,61 @@ class FsTier(SecondaryTier):
         views: Sequence[memoryview],
         size: int,
         victims: list[tuple[ChunkId, str]],
-    ) -> tuple[int, bool]:
+    ) -> tuple[int, bool, str | None]:
         """Unlink evicted files, write the chunk to a temporary file, rename it into place.
-        (file size, whether the file was there already: content addressing makes it the same bytes)."""
+        (file size, whether the file was there already: content addressing makes it the same
+        bytes, the odd entry found under the name if any)."""
         for _, victim in victims:
             fs_io.unlink_quiet(victim)
+        odd = None
         try:
-            st = os.stat(path)
-            if stat.S_ISREG(st.st_mode) and st.st_size >= HEADER_BYTES + size:
-                return st.st_size, True
+            st = os.lstat(path)
         except OSError:
-            pass
+            st = None
+        if st is not None and stat.S_ISREG(st.st_mode):
+            if st.st_size >= HEADER_BYTES + size:
+                return st.st_size, True, None
+        elif st is not None:  # the rename replaces anything but a directory, which must go first
+            what = fs_io.describe(st.st_mode)
+            if stat.S_ISDIR(st.st_mode) and not fs_io.remove_if_same(path, st):
+                odd = f"{path} is {what} (not empty: left alone), not a chunk file"
+            else:
+                odd = f"{path} was {what}, not a chunk file; replaced"
+        try:
+            return (*self._write_file(chunk, path, views, size), odd)
+        except OSError as exc:
+            if odd is None:
+                raise
+            raise _WriteFailed(exc, odd) from None
+
+    def _write_file(self, chunk: ChunkId, path: str, views: Sequence[memoryview], size: int) -> tuple[int, bool]:
         header = fs_io.header_buffer()
         header[:] = chunkfile.encode_header(chunk, size, chunkfile.checksum(views, size))
-        directory, name = os.path.split(path)
-        tmp = os.path.join(directory, f".{name[:-3]}.{os.getpid()}.{next(_TMP_SEQ)}{TMP_SUFFIX}")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         direct_bufs = fs_io.direct_buffers(views, size) if self._direct else None
         try:
-            try:
-                fd, direct = self._open(tmp, flags, direct_bufs is not None)
-            except FileNotFoundError:
-                os.makedirs(directory, exist_ok=True)
-                fd, direct = self._open(tmp, flags, direct_bufs is not None)
-            try:
-                if direct:
-                    try:
-                        return self._finish_file(fd, tmp, path, [header, *direct_bufs])
-                    except OSError as exc:
-                        if exc.errno != errno.EINVAL:
-                            raise
-                        # open took O_DIRECT but this I/O did not: write this file buffered (only
-                        # open and the start probe speak for the filesystem as a whole)
-                        log.debug("fs tier %s: O_DIRECT write of %s refused (%s); writing it buffered",
-                                  self.name, tmp, exc)
-                        os.close(fd)
-                        fd = -1
-                        fd, _ = self._open(tmp, (flags & ~os.O_EXCL) | os.O_TRUNC, False)
-                return self._finish_file(fd, tmp, path, [header, *trim(views, size)])
-            finally:
-                if fd >= 0:
-                    os.close(fd)
+            fd, tmp = fs_io.create_tmp(path, self._file_mode)
+        except FileNotFoundError:
+            fs_io.make_dirs(os.path.dirname(path), self._dir_mode)
+            fd, tmp = fs_io.create_tmp(path, self._file_mode)
+        try:
+            if direct_bufs is not None and self._use_direct(fd):
+                try:
+                    return self._finish_file(fd, tmp, path, [header, *direct_bufs])
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    # O_DIRECT was taken but this I/O was not: write this file buffered (only
+                    # the filesystem refusing the flag speaks for all files)
+                    log.debug("fs tier %s: O_DIRECT write of %s refused (%s); writing it buffered",
+                              self.name, tmp, exc)
+                    fs_io.set_direct(fd, False)
+                    os.ftruncate(fd, 0)
+            return self._finish_file(fd, tmp, path, [header, *trim(views, size)])
         except BaseException:
             fs_io.unlink_quiet(tmp)
             raise
+        finally:
+            os.close(fd)  # after the rename or the unlink: releases the writer's lock
 
     @staticmethod
     def _finish_file(fd: int, tmp: str, path: str, bufs: list[memoryview]) -> tuple[int, bool]:
@@ -583,12 +634,16 @@ class FsTier(SecondaryTier):
     def _read_job(
         self, chunk: ChunkId, path: str, views: Sequence[memoryview], size: int, want_size: bool, touch: bool
     ) -> tuple[str, int, str | None]:
-        """(status, file size if `want_size`, what was wrong); a corrupt or unreadable file is removed."""
+        """(status, file size if `want_size`, what was wrong); a corrupt or unreadable file, or
+        anything but a regular file, is removed (if it is still what was seen)."""
         direct_bufs = fs_io.direct_buffers(views, size) if self._direct else None
         try:
-            fd, direct = self._open(path, os.O_RDONLY | os.O_CLOEXEC, direct_bufs is not None)
+            fd = fs_io.open_regular(path, os.O_RDONLY)
         except FileNotFoundError:
             return _Read.MISS, 0, None
+        except fs_io.NotRegularFile as exc:
+            removed = fs_io.remove_if_same(path, exc.seen)
+            return _Read.NOT_REGULAR, 0, f"{exc}: {'removed' if removed else 'left alone'}, served as a miss"
         except OSError as exc:
             if exc.errno not in _UNREADABLE_ERRNOS:
                 raise
@@ -596,19 +651,17 @@ class FsTier(SecondaryTier):
         try:
             header = fs_io.header_buffer()
             got = -1
-            if direct:
+            if direct_bufs is not None and self._use_direct(fd):
                 try:
                     got = fs_io.preadv_all(fd, [header, *direct_bufs], direct=True)
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
                         raise
-                    # open took O_DIRECT but this I/O did not: read this file buffered (only open
-                    # and the start probe speak for the filesystem as a whole)
+                    # O_DIRECT was taken but this I/O was not: read this file buffered (only the
+                    # filesystem refusing the flag speaks for all files)
                     log.debug("fs tier %s: O_DIRECT read of %s refused (%s); reading it buffered",
                               self.name, path, exc)
-                    os.close(fd)
-                    fd = -1
-                    fd, _ = self._open(path, os.O_RDONLY | os.O_CLOEXEC, False)
+                    fs_io.set_direct(fd, False)
             if got < 0:
                 got = fs_io.preadv_all(fd, [header, *trim(views, size)])
             try:
@@ -628,16 +681,28 @@ class FsTier(SecondaryTier):
                     pass
             return _Read.HIT, os.fstat(fd).st_size if want_size else 0, None
         except OSError as exc:
-            if exc.errno not in _UNREADABLE_ERRNOS or fd < 0:
+            if exc.errno not in _UNREADABLE_ERRNOS:
                 raise
             fs_io.unlink_if_same(path, fd)
             return _Read.UNREADABLE, 0, str(exc)
         finally:
-            if fd >= 0:
-                os.close(fd)
+            os.close(fd)
+
+
+class _WriteFailed(Exception):
+    """A write over an odd entry failed: both are reported."""
+
+    def __init__(self, error: OSError, odd: str) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.odd = odd
 
 
 # -- buffers and syscalls (pool threads) ---------------------------------------------------
+
+
+def _result(fut: asyncio.Future):
+    return fut.result()
 
 
 def _result_or_nothing(fut: asyncio.Future):

@@ -1,13 +1,18 @@
 """Blocking file I/O for the fs tier, run in its thread pool: aligned buffers, vectored reads and
-writes that finish partial transfers, unlinks and stats."""
+writes that finish partial transfers, opens that never block or follow symlinks, temporary files
+with a live-writer lock, unlinks and stats."""
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import itertools
 import mmap
 import os
+import secrets
 import stat
 import threading
+import time
 from typing import Sequence
 
 import numpy as np
@@ -103,22 +108,180 @@ def unlink_files(paths: list[str]) -> int:
     return sum(unlink_quiet(p) for p in paths)
 
 
-def unlink_if_same(path: str, fd: int) -> None:
+def unlink_if_same(path: str, fd: int) -> bool:
     """Remove `path` if it still names the file open as `fd` (a sharing daemon may have replaced it)."""
     try:
-        mine, there = os.fstat(fd), os.stat(path)
+        return remove_if_same(path, os.fstat(fd))
     except OSError:
-        return
-    if (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino):
-        unlink_quiet(path)
+        return False
+
+
+def remove_if_same(path: str, seen: os.stat_result) -> bool:
+    """Remove the entry at `path` if it is still the one `seen` (same inode): unlink it, or rmdir
+    a directory (only an empty one: a tree under a chunk's name is not the tier's to delete)."""
+    try:
+        there = os.lstat(path)
+        if (there.st_dev, there.st_ino) != (seen.st_dev, seen.st_ino):
+            return False
+        if stat.S_ISDIR(there.st_mode):
+            os.rmdir(path)
+        else:
+            os.unlink(path)
+        return True
+    except OSError:
+        return False
 
 
 def stat_files(paths: list[str]) -> list[os.stat_result | None]:
+    """lstat of each path, None unless it is a regular file (a symlink is never one of ours)."""
     out: list[os.stat_result | None] = []
     for path in paths:
         try:
-            st = os.stat(path)
+            st = os.lstat(path)
         except OSError:
             st = None
         out.append(st if st is not None and stat.S_ISREG(st.st_mode) else None)
     return out
+
+
+# -- entries that are not regular files ---------------------------------------------------------
+
+
+class NotRegularFile(Exception):
+    """The name holds something other than a regular file: a FIFO, socket, device, directory or
+    symlink. Never opened for I/O (a FIFO would block the thread, a directory refuses O_DIRECT)."""
+
+    def __init__(self, path: str, seen: os.stat_result) -> None:
+        super().__init__(f"{path} is {describe(seen.st_mode)}, not a regular file")
+        self.path = path
+        self.seen = seen
+
+
+def describe(mode: int) -> str:
+    for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISLNK, "a symlink"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return what
+    return "a regular file" if stat.S_ISREG(mode) else "an unknown kind of file"
+
+
+def open_regular(path: str, flags: int) -> int:
+    """Open `path` only if it is a regular file, never blocking: O_NONBLOCK (opening a FIFO for
+    reading would wait for a writer forever), O_NOFOLLOW, then fstat. O_NONBLOCK is cleared
+    again on the regular file. Raises NotRegularFile, or OSError as open(2) does."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.EOPNOTSUPP):
+            raise  # (ELOOP: a symlink; ENXIO: a socket or a device without driver)
+        seen = os.lstat(path)
+        if stat.S_ISREG(seen.st_mode):  # replaced by a file meanwhile: let the caller retry
+            raise
+        raise NotRegularFile(path, seen) from None
+    try:
+        seen = os.fstat(fd)
+        if not stat.S_ISREG(seen.st_mode):
+            raise NotRegularFile(path, seen)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def set_direct(fd: int, on: bool) -> None:
+    """Turn O_DIRECT on or off for an open file. EINVAL (turning it on) means the filesystem
+    refuses O_DIRECT: the same answer open(O_DIRECT) gives, but only ever about a regular file."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
+
+
+# -- temporary files and their writers ----------------------------------------------------------
+#
+# A write goes to a temporary file renamed into place once complete. A writer killed with -9
+# leaves its temporary file behind, and several daemons may share a root, so a start must tell
+# the files of dead writers (remove) from those of live ones (keep). The writer holds flock(2) on
+# its temporary file for as long as it writes: the kernel drops the lock when the process dies,
+# however it dies, so "can I take the lock?" is "is the writer gone?", with no guess. pid +
+# start time in the name would be a guess: pids are per pid namespace (two containers sharing a
+# root see different ones) and get reused. The lock is taken right after the exclusive create;
+# a sweeper that wins that instant unlinks the file while holding the lock, and the writer,
+# seeing its file unlinked (st_nlink 0) once it has the lock, starts over under a new name.
+# Filesystems without flock (ENOLCK, EOPNOTSUPP: some network filesystems) fall back on age.
+# The names carry the pid (for people) and a per-run nonce (unique across pid namespaces).
+
+TMP_SUFFIX = ".tmp"  # temporary files are ".<key hex>.<pid>.<nonce>.<n>.tmp", next to their final name
+_RUN_NONCE = secrets.token_hex(4)
+_TMP_SEQ = itertools.count()  # next() is atomic under the GIL: unique temporary names per process
+_CREATE_TRIES = 4
+_NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL})
+
+
+def tmp_name(final: str) -> str:
+    """A fresh temporary name next to `final` (a path ending in .kv)."""
+    directory, name = os.path.split(final)
+    return os.path.join(directory, f".{name[:-3]}.{os.getpid()}.{_RUN_NONCE}.{next(_TMP_SEQ)}{TMP_SUFFIX}")
+
+
+def create_tmp(final: str, mode: int = 0o600) -> tuple[int, str]:
+    """Create and lock a new temporary file for `final`; (fd, path). The lock lives as long as
+    the fd: close it only after the rename (or the unlink)."""
+    for _ in range(_CREATE_TRIES):
+        tmp = tmp_name(final)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a sweeper judged it abandoned this very instant: it unlinks it
+            os.close(fd)
+            continue
+        except OSError as exc:
+            if exc.errno not in _NO_LOCKS:
+                os.close(fd)
+                unlink_quiet(tmp)
+                raise
+            return fd, tmp  # no locks here: sweepers go by age
+        if os.fstat(fd).st_nlink == 0:  # ...and did, before we had the lock
+            os.close(fd)
+            continue
+        return fd, tmp
+    raise OSError(errno.EAGAIN, "temporary files keep being removed under the writer", final)
+
+
+def is_tmp_name(name: str) -> bool:
+    return name.startswith(".") and name.endswith(TMP_SUFFIX)
+
+
+def remove_if_abandoned(path: str, stale_s: float) -> bool:
+    """Remove a temporary file that no live writer holds (True if removed). Where the filesystem
+    has no locks, one older than `stale_s` counts as abandoned. Anything but a regular file under
+    a temporary name is nobody's write: removed without being opened for I/O."""
+    try:
+        fd = open_regular(path, os.O_RDONLY)
+    except NotRegularFile as exc:
+        return remove_if_same(path, exc.seen)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # a live writer holds it
+        except OSError as exc:
+            if exc.errno not in _NO_LOCKS or time.time() - os.fstat(fd).st_mtime <= stale_s:
+                return False
+        return unlink_if_same(path, fd)  # (still holding the lock: see create_tmp)
+    finally:
+        os.close(fd)
+
+
+def make_dirs(path: str | os.PathLike[str], mode: int) -> None:
+    """os.makedirs giving every directory it creates `mode` (os.makedirs: only the last one)."""
+    path = os.fspath(path)
+    parent = os.path.dirname(path)
+    if parent and parent != path and not os.path.isdir(parent):
+        make_dirs(parent, mode)
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        pass

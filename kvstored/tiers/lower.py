@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import functools
 import logging
 import time
@@ -21,21 +20,23 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Sequence, TypeVar
 
+from kvstored.choices import Choice
 from kvstored.io.scheduler import Priority, TierQueue
 from kvstored.observability.events import Cause, EventBus, EventType
 from kvstored.tiers.base import ChunkId, SecondaryTier, TierCapabilities, TierKind, WriteOutcome
-from kvstored.tiers.ram import RamEntry, RamTier, ReserveOutcome
+from kvstored.tiers.ram import QuotaScope, RamEntry, RamTier, ReserveOutcome
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class WritePolicy(enum.Enum):
+class WritePolicy(Choice):
     WRITE_BACK = "write-back"
     WRITE_THROUGH = "write-through"
 
 
 OpObserver = Callable[[str, str, float], None]  # (tier name, op, seconds)
+ArenaView = Callable[[int], memoryview]  # arena id -> the daemon's mapping of it
 
 
 def _ignore(tier: str, op: str, seconds: float) -> None:
@@ -80,7 +81,7 @@ class WriteBack:
     def __init__(
         self,
         ram: RamTier,
-        pool: memoryview,
+        arena_view: ArenaView,
         lower: Sequence[LowerTier],
         policy: WritePolicy,
         headroom_bytes: int,
@@ -89,7 +90,7 @@ class WriteBack:
     ) -> None:
         self._events = events
         self._ram = ram
-        self._pool = pool
+        self._arena_view = arena_view
         self._lower = [t for t in lower if t.capabilities.accepts_writedowns]
         self.policy = policy
         self._headroom = headroom_bytes
@@ -118,16 +119,19 @@ class WriteBack:
         """When a wait for room that starts now gives up (loop time)."""
         return asyncio.get_running_loop().time() + self._wait_s
 
-    def start_room(self, nbytes: int, chunk_bytes: int) -> None:
-        """Start the write-downs that will free `nbytes` (and keep the pipeline full behind
-        them, see _ahead) without waiting for them."""
-        if self._lower and self._ram.free_bytes < nbytes:
-            self._keep_headroom(nbytes + self._ahead(chunk_bytes))
+    def start_room(self, nbytes: int, chunk_bytes: int, scope: QuotaScope | None = None) -> None:
+        """Start the write-downs that will free `nbytes` (and, in the tier, keep the pipeline
+        full behind them, see _ahead) without waiting for them. `scope` as for make_room."""
+        if self._lower and self._ram.room_bytes(scope) < nbytes:
+            self._keep_headroom(nbytes + self._ahead(chunk_bytes, scope), scope)
 
-    async def make_room(self, nbytes: int, chunk_bytes: int, deadline: float | None = None) -> None:
+    async def make_room(
+        self, nbytes: int, chunk_bytes: int, deadline: float | None = None, scope: QuotaScope | None = None,
+    ) -> None:
         """Before reserving `nbytes` (in chunks of `chunk_bytes`): start write-downs for the
         shortfall and wait (until `deadline`, by default the configured wait from now) for them,
-        so stores don't evict chunks that have no copy below yet.
+        so stores don't evict chunks that have no copy below yet. `scope`: room within a quota
+        (a tenant's, a namespace's), made by writing down that scope's own oldest chunks.
 
         While it waits, write-downs beyond the shortfall keep the tiers' I/O slots busy: the next
         store's room is on its way while this one copies, instead of starting only when it asks."""
@@ -135,10 +139,11 @@ class WriteBack:
             return
         loop = asyncio.get_running_loop()
         deadline = self.deadline() if deadline is None else deadline
-        while self._ram.free_bytes < nbytes:
-            self._keep_headroom(nbytes + self._ahead(chunk_bytes))
+        while self._ram.room_bytes(scope) < nbytes:
+            self._keep_headroom(nbytes + self._ahead(chunk_bytes, scope), scope)
             remaining = deadline - loop.time()
-            if self._writing_bytes == 0 or remaining <= 0:
+            writing = self._writing_bytes if scope is None else self._ram.writing_bytes(scope)
+            if writing == 0 or remaining <= 0:
                 return  # reserve() evicts what it must; dirty drops are counted there
             self._space.clear()
             try:
@@ -146,11 +151,15 @@ class WriteBack:
             except TimeoutError:
                 return
 
-    def _ahead(self, chunk_bytes: int) -> int:
+    def _ahead(self, chunk_bytes: int, scope: QuotaScope | None = None) -> int:
         """Room to free beyond a store's shortfall while RAM is short: the configured headroom,
         and at least one write-down per I/O slot of the lower tiers (their queue's concurrency),
         so the disk never idles between one store's write-downs and the next one's. At most a
-        quarter of RAM (a small pool would otherwise be written out whole)."""
+        quarter of RAM (a small pool would otherwise be written out whole). Within a quota
+        scope, none: a scope's write-downs free only its shortfall (its own oldest chunks), the
+        tier's room that follows keeps the pipeline full."""
+        if scope is not None:
+            return 0
         pipeline = self._depth * self._ram.pages_for(chunk_bytes) * self._ram.page_bytes
         return max(self._headroom, min(pipeline, self._ram.capacity_bytes // 4))
 
@@ -194,18 +203,19 @@ class WriteBack:
             return False
         return True
 
-    def _keep_headroom(self, wanted_free: int) -> None:
-        shortfall = wanted_free - self._ram.free_bytes - self._writing_bytes
+    def _keep_headroom(self, wanted_free: int, scope: QuotaScope | None = None) -> None:
+        writing = self._writing_bytes if scope is None else self._ram.writing_bytes(scope)
+        shortfall = wanted_free - self._ram.room_bytes(scope) - writing
         if shortfall <= 0:
             return
-        to_write, evicted = self._ram.writeback_victims(shortfall)
+        to_write, evicted = self._ram.writeback_victims(shortfall, scope)
         if evicted:
             self._events.publish(EventType.REMOVED, Cause.EVICTED, "ram", TierKind.RAM, evicted)
         for entry in to_write:
             self._write_down(entry)
 
     def _write_down(self, entry: RamEntry) -> list[tuple[TierQueue, asyncio.Future]]:
-        views = self._ram.page_views(entry, self._pool)
+        views = self._ram.page_views(entry, self._arena_view(entry.arena))
         futures = []
         for lower in self._lower:
             job = _write_job(lower, entry, views, self._events)
@@ -298,11 +308,11 @@ class DeletionGuard:
 
 
 class Promoter:
-    def __init__(self, ram: RamTier, pool: memoryview, lower: Sequence[LowerTier], events: EventBus,
+    def __init__(self, ram: RamTier, arena_view: ArenaView, lower: Sequence[LowerTier], events: EventBus,
                  deleting: DeletionGuard) -> None:
         self._events = events
         self._ram = ram
-        self._pool = pool
+        self._arena_view = arena_view
         self._lower = list(lower)
         self._deleting = deleting
         self._in_flight: dict[ChunkId, tuple[asyncio.Future, TierKind]] = {}
@@ -350,7 +360,7 @@ class Promoter:
             return None
         entry = reservation.entry
         lower = self._lower[tier_index]
-        views = self._ram.page_views(entry, self._pool)
+        views = self._ram.page_views(entry, self._arena_view(entry.arena))
         read = lower.queue.submit(Priority.LOAD, lambda: lower.timed("read", lower.tier.read(chunk, views, size)))
         result: asyncio.Future = asyncio.get_running_loop().create_future()
         self._in_flight[chunk] = (result, lower.tier.kind)

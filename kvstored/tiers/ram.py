@@ -1,6 +1,15 @@
 """Host-RAM tier bookkeeping: which chunk lives in which pool pages, LRU order, leases.
 
 No bytes move here; callers copy through the pool using the extents this returns.
+
+Chunks live in arenas: arena 0 is the public pool every session maps, and each tenant has an
+arena of its own (see kvstored/server/tenants.py). There is one capacity and one LRU over all of
+them, a page allocator per arena, and quota scopes (a tenant's, a namespace's): a chunk that would
+take a scope over its limit evicts that scope's own least recently used chunks first.
+Memory: whenever the arenas together hold more than the capacity plus a small slack (a tenant
+arena's pages become memory only when first written), free pages of the arena holding the most
+are handed to `release` (which returns them to the kernel and calls `released`), so resident
+memory stays within the capacity; free pages are otherwise kept for reuse.
 Invariants:
 - the LRU holds exactly the READY chunks with no leases and no write-down in flight (the
   evictable ones);
@@ -17,10 +26,17 @@ import enum
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kvstored.shm.allocator import PageAllocator, PageRun
+from kvstored.shm.arenas import PUBLIC_ARENA
 from kvstored.tiers.base import ChunkId
+
+# Memory the arenas together may hold beyond the capacity before free pages go back to the
+# kernel (a punched hole costs ~0.35 ms per 2 MiB, and a later first write into it runs at ~1/8
+# of a copy's speed, so a little is tolerated): 16 MiB, or 1/64 of the tier.
+DEFAULT_SLACK_BYTES = 16 << 20
+SLACK_FRACTION = 64
 
 
 class EntryState(enum.Enum):
@@ -36,10 +52,40 @@ class ReserveOutcome(enum.Enum):
 
 
 @dataclass(eq=False, slots=True)
+class QuotaScope:
+    """A byte quota over some chunks (a tenant's, a namespace's). Its LRU holds the scope's
+    evictable chunks, in the order of the tier's LRU."""
+
+    name: str
+    limit_pages: int
+    used_pages: int = 0
+    writing_pages: int = 0  # of chunks being written down (pinned until that ends)
+    evictions: int = 0  # chunks evicted to keep this scope within its quota
+    lru: OrderedDict[ChunkId, RamEntry] = field(default_factory=OrderedDict)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a namespace's chunks go, and the quotas they count against."""
+
+    arena: int = PUBLIC_ARENA
+    scopes: tuple[QuotaScope, ...] = ()
+
+
+PUBLIC = Placement()
+# namespace id -> placement (None: nowhere, e.g. a tenant namespace whose arena is gone)
+PlacementOf = Callable[[str], "Placement | None"]
+Releaser = Callable[[int, list[PageRun]], None]  # (arena, runs) to return to the kernel
+
+
+@dataclass(eq=False, slots=True)
 class RamEntry:
     chunk: ChunkId
     size: int
     runs: list[PageRun]
+    arena: int = PUBLIC_ARENA
+    scopes: tuple[QuotaScope, ...] = ()
+    pages: int = 0
     state: EntryState = EntryState.RESERVED
     leases: int = 0
     indexed: bool = True
@@ -57,6 +103,7 @@ class RamEntry:
 class Extent:
     offset: int
     length: int
+    arena: int = PUBLIC_ARENA
 
 
 @dataclass(slots=True)
@@ -81,23 +128,104 @@ class Reservation:
 
 
 class RamTier:
-    def __init__(self, pool_bytes: int, page_bytes: int, has_lower_tiers: bool = False) -> None:
+    def __init__(
+        self, pool_bytes: int, page_bytes: int, has_lower_tiers: bool = False, populated: bool = True,
+        slack_bytes: int = DEFAULT_SLACK_BYTES,
+    ) -> None:
+        """pool_bytes: the capacity, and the size of the public arena; populated: whether the
+        public arena's memory is resident from the start."""
         self._has_lower = has_lower_tiers
         self.page_bytes = page_bytes
-        self.capacity_bytes = (pool_bytes // page_bytes) * page_bytes
-        self._alloc = PageAllocator(pool_bytes // page_bytes)
+        self._capacity_pages = pool_bytes // page_bytes
+        self.capacity_bytes = self._capacity_pages * page_bytes
+        self._arenas: dict[int, PageAllocator] = {PUBLIC_ARENA: PageAllocator(self._capacity_pages, populated)}
+        self._used_pages = 0  # pages held by chunks, all arenas together
+        self._resident_pages = self._arenas[PUBLIC_ARENA].resident_pages  # all arenas together
         self._index: dict[ChunkId, RamEntry] = {}
         self._lru: OrderedDict[ChunkId, RamEntry] = OrderedDict()  # oldest first
         self.counters = RamCounters()
         self._ready = 0  # READY chunks in the index
+        self._placement: PlacementOf = lambda _ns: PUBLIC
+        self._release: Releaser | None = None  # None: memory is never returned to the kernel
+        self._slack_pages = max(1, min(slack_bytes, self.capacity_bytes // SLACK_FRACTION) // page_bytes)
+        self._public_releasable = False
+        self._releasing_pages = 0  # handed to the releaser, not back yet
+
+    # -- arenas and memory ----------------------------------------------------------------
+
+    def set_placement(self, placement: PlacementOf) -> None:
+        self._placement = placement
+
+    def set_releaser(self, release: Releaser | None) -> None:
+        """`release(arena, runs)` returns pages to the kernel, then calls `released()`."""
+        self._release = release
+
+    def set_public_releasable(self, releasable: bool) -> None:
+        """Whether the public arena's free pages may be returned to the kernel (never while a
+        client has it pinned for DMA: its device would keep writing the old pages)."""
+        self._public_releasable = releasable
+        self._trim()
+
+    def add_arena(self, arena: int, size_bytes: int) -> None:
+        """A sparse arena (no page resident yet)."""
+        if arena in self._arenas:
+            raise ValueError(f"arena {arena} exists")
+        self._arenas[arena] = PageAllocator(size_bytes // self.page_bytes, resident=False)
+
+    def arena_idle(self, arena: int) -> bool:
+        """No page of the arena is held by a chunk or being released: it can be removed."""
+        alloc = self._arenas.get(arena)
+        return alloc is not None and alloc.free_pages == alloc.total_pages
+
+    def remove_arena(self, arena: int) -> None:
+        if arena == PUBLIC_ARENA or not self.arena_idle(arena):
+            raise ValueError(f"arena {arena} is in use")
+        self._resident_pages -= self._arenas.pop(arena).resident_pages
+
+    def released(self, arena: int, runs: list[PageRun], returned: bool = True) -> None:
+        """Runs handed to the releaser are done: returned to the kernel (holes now), or not."""
+        alloc = self._arenas[arena]
+        before = alloc.resident_pages
+        alloc.released(runs, returned)
+        self._resident_pages += alloc.resident_pages - before
+        self._releasing_pages -= sum(run.count for run in runs)
+
+    @property
+    def slack_bytes(self) -> int:
+        return self._slack_pages * self.page_bytes
+
+    @property
+    def resident_bytes(self) -> int:
+        """Memory the arenas may hold: pages of chunks, free pages kept for reuse, pages being
+        released (pages never written, or returned to the kernel, are not counted)."""
+        return self._resident_pages * self.page_bytes
+
+    # -- sizes ----------------------------------------------------------------------------
 
     @property
     def used_bytes(self) -> int:
-        return (self._alloc.total_pages - self._alloc.free_pages) * self.page_bytes
+        return self._used_pages * self.page_bytes
+
+    def room_bytes(self, scope: QuotaScope | None = None) -> int:
+        """What may still be reserved: in the tier (scope None), or within a quota scope."""
+        if scope is None:
+            return self.free_bytes
+        return max(0, scope.limit_pages - scope.used_pages) * self.page_bytes
+
+    def limit_bytes(self, scope: QuotaScope | None = None) -> int:
+        """The most that may be held: the tier's capacity (scope None), or a scope's quota."""
+        return self.capacity_bytes if scope is None else scope.limit_pages * self.page_bytes
+
+    def writing_bytes(self, scope: QuotaScope) -> int:
+        """Pages of the scope's chunks being written down (their room comes when that ends)."""
+        return scope.writing_pages * self.page_bytes
+
+    def placement_of(self, namespace_id: str) -> Placement | None:
+        return self._placement(namespace_id)
 
     @property
     def free_bytes(self) -> int:
-        return self._alloc.free_pages * self.page_bytes
+        return (self._capacity_pages - self._used_pages) * self.page_bytes
 
     def pages_for(self, size: int) -> int:
         return -(-size // self.page_bytes)
@@ -105,6 +233,8 @@ class RamTier:
     @property
     def chunk_count(self) -> int:
         return self._ready
+
+    # -- lookups --------------------------------------------------------------------------
 
     def contains(self, chunk: ChunkId, touch: bool = True) -> bool:
         """A READY chunk; a hit refreshes its recency."""
@@ -131,6 +261,9 @@ class RamTier:
                 except KeyError:  # leased or being written down: not in the LRU
                     if entry.writing:
                         entry.touched = True
+                else:
+                    for scope in entry.scopes:  # in the tier's LRU, so in its scopes' too
+                        scope.lru.move_to_end(entry.chunk)
         self.counters.lookups += len(out)
         self.counters.hits += sum(out)
         return out
@@ -138,8 +271,12 @@ class RamTier:
     def _touch(self, entry: RamEntry) -> None:
         if entry.chunk in self._lru:
             self._lru.move_to_end(entry.chunk)
+            for scope in entry.scopes:
+                scope.lru.move_to_end(entry.chunk)
         elif entry.writing:
             entry.touched = True
+
+    # -- reservations ---------------------------------------------------------------------
 
     def reserve(self, chunk: ChunkId, size: int) -> Reservation:
         existing = self._index.get(chunk)
@@ -147,12 +284,27 @@ class RamTier:
             if existing.state is EntryState.READY:
                 return Reservation(ReserveOutcome.ALREADY_PRESENT)
             return Reservation(ReserveOutcome.IN_PROGRESS)
+        placement = self._placement(chunk[0])
+        alloc = self._arenas.get(placement.arena) if placement is not None else None
+        if placement is None or alloc is None:
+            return Reservation(ReserveOutcome.NO_SPACE)
         pages = self.pages_for(size)
         evicted: list[ChunkId] = []
-        runs = self._alloc.allocate(pages) if self._make_room(pages, evicted) else None
+        runs = None
+        # Over a quota, the scope's own chunks make room first; then the tier's LRU.
+        if (all(self._fit_scope(scope, pages, evicted) for scope in placement.scopes)
+                and self._make_room(pages, evicted) and self._fit_arena(placement.arena, pages, evicted)):
+            before = alloc.resident_pages
+            runs = alloc.allocate(pages)
+            if alloc.resident_pages > before:  # it took holes: the arenas hold more memory now
+                self._resident_pages += alloc.resident_pages - before
+                self._trim(placement.arena)
         if runs is None:
             return Reservation(ReserveOutcome.NO_SPACE, evicted=evicted)
-        entry = RamEntry(chunk, size, runs)
+        entry = RamEntry(chunk, size, runs, placement.arena, placement.scopes, pages)
+        self._used_pages += pages
+        for scope in placement.scopes:
+            scope.used_pages += pages
         self._index[chunk] = entry
         return Reservation(ReserveOutcome.RESERVED, entry, evicted)
 
@@ -169,7 +321,7 @@ class RamTier:
             self.counters.stored += 1
         if entry.indexed:
             self._ready += 1
-            self._lru[entry.chunk] = entry
+            self._lru_add(entry)
         else:  # deleted while being written
             self._free(entry)
 
@@ -179,13 +331,15 @@ class RamTier:
         self._unindex(entry)
         self._free(entry)
 
+    # -- leases ---------------------------------------------------------------------------
+
     def acquire(self, chunk: ChunkId) -> RamEntry | None:
         """Lease a READY chunk: its pages stay put until release()."""
         entry = self._index.get(chunk)
         if entry is None or entry.state is not EntryState.READY:
             return None
         entry.leases += 1
-        self._lru.pop(chunk, None)
+        self._lru_remove(entry)
         self.counters.loaded += 1
         self.counters.read_bytes += entry.size
         return entry
@@ -205,10 +359,9 @@ class RamTier:
             # copy below, and under cyclic reuse (multi-turn sessions larger than RAM) keeping it
             # would push out chunks that hit sooner. A second read treats it like any other.
             entry.probation = False
-            self._lru[entry.chunk] = entry
-            self._lru.move_to_end(entry.chunk, last=False)
+            self._lru_add(entry, coldest=True)
         else:
-            self._lru[entry.chunk] = entry  # reading it was a use: most recent
+            self._lru_add(entry)  # reading it was a use: most recent
 
     def ready_chunks(self) -> list[ChunkId]:
         return [c for c, e in self._index.items() if e.state is EntryState.READY]
@@ -216,6 +369,25 @@ class RamTier:
     def chunks_of(self, namespace_id: str) -> list[ChunkId]:
         """Chunks of a namespace, READY or being written (a scan: for admin operations)."""
         return [c for c in self._index if c[0] == namespace_id]
+
+    def usage_by_namespace(self) -> dict[str, tuple[int, int]]:
+        """Per namespace: (READY chunks, bytes of pages held by its chunks) (a scan: for admin
+        operations)."""
+        out: dict[str, tuple[int, int]] = {}
+        for (ns, _key), entry in self._index.items():
+            chunks, nbytes = out.get(ns, (0, 0))
+            out[ns] = (chunks + (entry.state is EntryState.READY), nbytes + entry.pages * self.page_bytes)
+        return out
+
+    def attach_scope(self, namespace_id: str, scope: QuotaScope) -> None:
+        """Count a namespace's chunks already in RAM against a new quota scope."""
+        for chunk in self.chunks_of(namespace_id):
+            entry = self._index[chunk]
+            entry.scopes = (*entry.scopes, scope)
+            scope.used_pages += entry.pages
+        for chunk, entry in self._lru.items():  # in LRU order
+            if scope in entry.scopes:
+                scope.lru[chunk] = entry
 
     def delete(self, chunk: ChunkId) -> bool:
         """Remove a chunk; True if a READY one was there. A chunk still being written (a promotion
@@ -232,20 +404,25 @@ class RamTier:
 
     # -- write-back -------------------------------------------------------------------------
 
-    def writeback_victims(self, bytes_wanted: int) -> tuple[list[RamEntry], list[ChunkId]]:
-        """Oldest first, until `bytes_wanted` bytes are covered: clean chunks are evicted now
-        (returned as ids), dirty ones are pinned for write-down (returned as entries)."""
+    def writeback_victims(self, bytes_wanted: int, scope: QuotaScope | None = None,
+                          ) -> tuple[list[RamEntry], list[ChunkId]]:
+        """Oldest first (of the tier, or of a quota scope), until `bytes_wanted` bytes are
+        covered: clean chunks are evicted now (returned as ids), dirty ones are pinned for
+        write-down (returned as entries)."""
         to_write: list[RamEntry] = []
         evicted: list[ChunkId] = []
         covered = 0
-        while covered < bytes_wanted and self._lru:
-            _, entry = self._lru.popitem(last=False)
-            covered += sum(r.count for r in entry.runs) * self.page_bytes
+        lru = self._lru if scope is None else scope.lru
+        while covered < bytes_wanted and lru:
+            entry = next(iter(lru.values()))
+            self._lru_remove(entry)
+            covered += entry.pages * self.page_bytes
             if entry.persisted:
                 self._evict(entry)
                 evicted.append(entry.chunk)
             else:
-                entry.writing, entry.touched = True, False
+                self._set_writing(entry, True)
+                entry.touched = False
                 to_write.append(entry)
         return to_write, evicted
 
@@ -255,13 +432,14 @@ class RamTier:
 
     def begin_writeback(self, entry: RamEntry) -> None:
         """Pin a chunk for a write-through copy (it stays readable, not evictable)."""
-        self._lru.pop(entry.chunk, None)
-        entry.writing, entry.touched = True, True
+        self._lru_remove(entry)
+        self._set_writing(entry, True)
+        entry.touched = True
 
     def finish_writeback(self, entry: RamEntry, persisted: bool) -> bool:
         """End a write-down. Returns True if the chunk left RAM now (it was a victim, unused
         since); False too for a chunk deleted meanwhile (its removal was reported then)."""
-        entry.writing = False
+        self._set_writing(entry, False)
         entry.persisted = entry.persisted or persisted
         if persisted:
             self.counters.writebacks += 1
@@ -271,15 +449,26 @@ class RamTier:
             self._free(entry)
             return False
         if entry.touched:
-            self._lru[entry.chunk] = entry
+            self._lru_add(entry)
             return False
         self._evict(entry)
         return True
 
-    def page_views(self, entry: RamEntry, pool: memoryview) -> list[memoryview]:
-        """The chunk's whole pages as views of `pool` (page-aligned, page-multiple lengths)."""
+    def page_views(self, entry: RamEntry, arena: memoryview) -> list[memoryview]:
+        """The chunk's whole pages as views of its arena's mapping `arena` (page-aligned,
+        page-multiple lengths)."""
         pb = self.page_bytes
-        return [pool[r.start * pb:(r.start + r.count) * pb] for r in entry.runs]
+        return [arena[r.start * pb:(r.start + r.count) * pb] for r in entry.runs]
+
+    def extents(self, entry: RamEntry) -> list[Extent]:
+        out, remaining = [], entry.size
+        for run in entry.runs:
+            length = min(run.count * self.page_bytes, remaining)
+            out.append(Extent(run.start * self.page_bytes, length, entry.arena))
+            remaining -= length
+        return out
+
+    # -- internals ------------------------------------------------------------------------
 
     def _evict(self, entry: RamEntry) -> None:
         if not entry.persisted and self._has_lower:
@@ -288,41 +477,115 @@ class RamTier:
         self._free(entry)
         self.counters.evictions += 1
 
-    def extents(self, entry: RamEntry) -> list[Extent]:
-        out, remaining = [], entry.size
-        for run in entry.runs:
-            length = min(run.count * self.page_bytes, remaining)
-            out.append(Extent(run.start * self.page_bytes, length))
-            remaining -= length
-        return out
-
     def _make_room(self, pages: int, evicted: list[ChunkId]) -> bool:
         """Evict LRU chunks (appended to `evicted`) until `pages` are free; False if leases and
         reservations pin too much of the pool."""
-        short = pages - self._alloc.free_pages
+        short = pages - (self._capacity_pages - self._used_pages)
         if short <= 0:
             return True
         for entry in self._lru.values():  # oldest first: would evicting these be enough?
-            short -= sum(r.count for r in entry.runs)
+            short -= entry.pages
             if short <= 0:
                 break
         else:
             return False  # no: evict nothing, a cache entry lost for nothing is worse
-        while self._alloc.free_pages < pages:
+        while self._capacity_pages - self._used_pages < pages:
             if not self._lru:
                 return False
-            _, victim = self._lru.popitem(last=False)
+            victim = next(iter(self._lru.values()))
             self._evict(victim)
             evicted.append(victim.chunk)
         return True
+
+    def _fit_scope(self, scope: QuotaScope, pages: int, evicted: list[ChunkId]) -> bool:
+        """Evict the scope's own LRU chunks until `pages` more fit in its quota; False (evicting
+        nothing) if its leased and reserved chunks alone leave no room."""
+        short = scope.used_pages + pages - scope.limit_pages
+        if short <= 0:
+            return True
+        for entry in scope.lru.values():
+            short -= entry.pages
+            if short <= 0:
+                break
+        else:
+            return False
+        while scope.used_pages + pages > scope.limit_pages:
+            victim = next(iter(scope.lru.values()))
+            self._evict(victim)
+            scope.evictions += 1
+            evicted.append(victim.chunk)
+        return True
+
+    def _fit_arena(self, arena: int, pages: int, evicted: list[ChunkId]) -> bool:
+        """The arena's own free pages may fall short while some are being released (or, for a
+        tenant, when its arena is smaller than the capacity): evict its own oldest chunks."""
+        alloc = self._arenas[arena]
+        if alloc.free_pages >= pages:
+            return True
+        for victim in [e for e in self._lru.values() if e.arena == arena]:
+            self._evict(victim)
+            evicted.append(victim.chunk)
+            if alloc.free_pages >= pages:
+                return True
+        return False
+
+    def _set_writing(self, entry: RamEntry, writing: bool) -> None:
+        if entry.writing != writing:
+            entry.writing = writing
+            for scope in entry.scopes:
+                scope.writing_pages += entry.pages if writing else -entry.pages
+
+    def _lru_add(self, entry: RamEntry, coldest: bool = False) -> None:
+        self._lru[entry.chunk] = entry
+        if coldest:
+            self._lru.move_to_end(entry.chunk, last=False)
+        for scope in entry.scopes:
+            scope.lru[entry.chunk] = entry
+            if coldest:
+                scope.lru.move_to_end(entry.chunk, last=False)
+
+    def _lru_remove(self, entry: RamEntry) -> None:
+        if self._lru.pop(entry.chunk, None) is not None:
+            for scope in entry.scopes:
+                scope.lru.pop(entry.chunk, None)
 
     def _unindex(self, entry: RamEntry) -> None:
         if entry.indexed:
             entry.indexed = False
             self._ready -= entry.state is EntryState.READY
             del self._index[entry.chunk]
-            self._lru.pop(entry.chunk, None)
+            self._lru_remove(entry)
 
     def _free(self, entry: RamEntry) -> None:
-        self._alloc.free(entry.runs)
+        if not entry.runs:
+            return
+        self._arenas[entry.arena].free(entry.runs)
         entry.runs = []
+        self._used_pages -= entry.pages
+        for scope in entry.scopes:
+            scope.used_pages -= entry.pages
+
+    def _trim(self, allocated_in: int | None = None) -> None:
+        """While the arenas together hold more than the capacity plus the slack, return free
+        pages to the kernel, from the arena holding the most (never the one just allocated in,
+        whose free pages the rest of its batch wants, nor the public one while it is pinned)."""
+        if self._release is None:
+            return
+        excess = self._resident_pages - self._releasing_pages - self._capacity_pages - self._slack_pages
+        while excess > 0:
+            candidates = [(alloc.resident_free_pages, arena) for arena, alloc in self._arenas.items()
+                          if alloc.resident_free_pages and arena != allocated_in
+                          and (arena != PUBLIC_ARENA or self._public_releasable)]
+            if not candidates:
+                return
+            free, arena = max(candidates)
+            self._give_back(arena, min(free, excess))
+            excess -= min(free, excess)
+
+    def _give_back(self, arena: int, pages: int) -> None:
+        if pages <= 0 or self._release is None:
+            return
+        runs = self._arenas[arena].take_resident(pages)
+        if runs:
+            self._releasing_pages += sum(run.count for run in runs)
+            self._release(arena, runs)

@@ -106,6 +106,7 @@ class FsTierConfig:
     admission: AdmissionPolicy = AdmissionPolicy.ALWAYS
     io_threads: int = 8  # measured: 8 keeps the disk busier than 4 (bench/tiers.py)
     direct_io: bool = True
+    group_access: bool = False  # files 0640 / directories 0750 instead of 0600 / 0700
     # Operations in flight: twice io_threads, so a thread that ends one I/O starts the next queued
     # one at once (reads first) instead of waiting for the event loop to submit it.
     concurrency: int = 16
@@ -116,12 +117,12 @@ def _build_fs(cfg: FsTierConfig) -> SecondaryTier:
     from kvstored.tiers.fs import FsTier
 
     return FsTier(cfg.name, cfg.root, cfg.bytes, admission=cfg.admission, io_threads=cfg.io_threads,
-                  direct_io=cfg.direct_io)
+                  direct_io=cfg.direct_io, group_access=cfg.group_access)
 
 
 FS = TierKindSpec(
     label="fs", kind=TierKind.FS, config=FsTierConfig, build=_build_fs,
-    parsers={**COMMON_PARSERS, "root": Path, "io_threads": int, "direct_io": parse_bool},
+    parsers={**COMMON_PARSERS, "root": Path, "io_threads": int, "direct_io": parse_bool, "group_access": parse_bool},
     # (the tiers only find out when built or, worse, run: concurrency 0 starts no worker, so loads
     # wait forever; max_backlog <= 0 drops every write-down)
     minimums={"bytes": 1, "io_threads": 1, "concurrency": 1, "max_backlog": 1},

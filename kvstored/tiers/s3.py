@@ -42,6 +42,7 @@ from botocore.exceptions import (
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from kvstored.errors import TierUnavailable
+from kvstored.sizes import format_size
 from kvstored.tiers import chunkfile
 from kvstored.tiers.base import (
     AdmissionPolicy, ChunkId, RemovalCause, SecondaryTier, TierKind, TierUsage, WriteOutcome,
@@ -62,6 +63,11 @@ _THROTTLED_CODES = frozenset({
     "RequestTimeout", "ServiceUnavailable", "InternalError",
 })
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
+# A HEAD answers 403 without a code; the others come with a body.
+_CREDENTIAL_CODES = frozenset({"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+                               "InvalidToken", "ExpiredToken"})
+CREDENTIALS_HINT = (" (credentials refused: check access_key/secret_key, or AWS_ACCESS_KEY_ID/"
+                    "AWS_SECRET_ACCESS_KEY in the environment)")
 
 
 class S3TierError(Exception):
@@ -217,8 +223,9 @@ class S3Tier(SecondaryTier):
         except S3Failure as exc:
             if exc.fault.answered:
                 await self.close()
+                hint = CREDENTIALS_HINT if exc.detail in _CREDENTIAL_CODES else ""
                 raise S3TierError(f"s3 tier {self.name}: bucket {self.bucket!r} at "
-                                  f"{self.endpoint_url or 'AWS'} is not usable: {exc}") from exc
+                                  f"{self.endpoint_url or 'AWS'} is not usable: {exc}{hint}") from exc
             self._breaker.trip()
             log.warning("s3 tier %s: %s unreachable at start (%s); retrying in %.1f s",
                         self.name, self.endpoint_url or "S3", exc, self._breaker.reset_s)
@@ -229,9 +236,10 @@ class S3Tier(SecondaryTier):
         victims = self._index.shrink_to_capacity()  # the listing found more than the capacity
         if victims:
             await self._evict(self._claim_deletes(victims))
-        log.info("s3 tier %s: bucket %s prefix %r at %s: %d objects, %d bytes known (capacity %d)",
+        log.info("s3 tier %s: bucket %s prefix %r at %s: %d objects, %s known (capacity %s)",
                  self.name, self.bucket, self.prefix, self.endpoint_url or "AWS", len(self._index),
-                 self._index.used_bytes, self.capacity_bytes)
+                 format_size(self._index.used_bytes),
+                 format_size(self.capacity_bytes) if self.capacity_bytes else "unbounded")
 
     async def close(self) -> None:
         self._closed = True
@@ -394,6 +402,66 @@ class S3Tier(SecondaryTier):
 
     def known_chunks(self, namespace_id: str) -> list[ChunkId]:
         return self._index.chunks_of(namespace_id)
+
+    async def namespace_chunks(self, namespace_id: str) -> list[ChunkId]:
+        """The namespace's objects under the prefix (a listing: without a capacity the index
+        holds only the objects this daemon has seen), and those in flight."""
+        found: dict[ChunkId, None] = dict.fromkeys(self._index.chunks_of(namespace_id))
+        found.update(dict.fromkeys(c for c in self._pending if c[0] == namespace_id))
+        ns_prefix = f"{self.prefix}{namespace_id}/"
+        for key, _size in await self._guarded("list", ns_prefix, self._list_keys(ns_prefix)):
+            chunk = chunkfile.parse_relpath(key[len(self.prefix):])
+            if chunk is not None and chunk[0] == namespace_id:
+                found[chunk] = None
+        return list(found)
+
+    async def save_namespace_record(self, namespace_id: str, record: bytes) -> None:
+        key = self.prefix + chunkfile.record_relpath(namespace_id)
+        await self._guarded("write", key, self._call(
+            lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=record)))
+
+    async def remove_namespace_record(self, namespace_id: str) -> None:
+        key = self.prefix + chunkfile.record_relpath(namespace_id)
+        await self._guarded("delete", key, self._call(
+            lambda: self._client.delete_object(Bucket=self.bucket, Key=key)))
+
+    async def namespace_records(self) -> dict[str, bytes]:
+        records_prefix = f"{self.prefix}{chunkfile.RECORDS_DIR}/"
+        names = {}
+        for key, size in await self._guarded("list", records_prefix, self._list_keys(records_prefix)):
+            namespace_id = chunkfile.parse_record_name(key[len(records_prefix):])
+            if namespace_id is not None and size <= chunkfile.MAX_RECORD_BYTES:
+                names[namespace_id] = key
+        bodies = await asyncio.gather(*(self._guarded("read", key, self._call(lambda key=key: self._read_all(key)))
+                                        for key in names.values()))
+        return dict(zip(names, bodies))
+
+    async def _read_all(self, key: str) -> bytes:
+        response = await self._client.get_object(Bucket=self.bucket, Key=key)
+        async with response["Body"] as stream:
+            return await stream.read()
+
+    async def _list_keys(self, prefix: str) -> list[tuple[str, int]]:
+        """(key, size) of every object under `prefix`, page after page (under the breaker)."""
+        found: list[tuple[str, int]] = []
+        token: str | None = None
+        while True:
+            kwargs = {"Bucket": self.bucket, "Prefix": prefix, **({"ContinuationToken": token} if token else {})}
+            page = await self._call(lambda kwargs=kwargs: self._client.list_objects_v2(**kwargs))
+            found += [(obj["Key"], int(obj["Size"])) for obj in page.get("Contents", ())]
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return found
+
+    async def _guarded(self, what: str, key: str, work: Awaitable[T]) -> T:
+        """`work`, with its S3 failure (or the open breaker) raised as TierUnavailable naming it."""
+        try:
+            return await work
+        except _Skipped:
+            raise TierUnavailable(f"s3 tier {self.name}: cannot {what} {key}: "
+                                  f"{self.endpoint_url or 'S3'} is not answering") from None
+        except S3Failure as exc:
+            raise TierUnavailable(f"s3 tier {self.name}: cannot {what} {key}: {exc}") from None
 
     def usage(self) -> TierUsage:
         return TierUsage(self.capacity_bytes, self._index.used_bytes, len(self._index))

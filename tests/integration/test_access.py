@@ -12,7 +12,7 @@ import pytest
 from kvstored_client import ops
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
-from tests.support.daemon import Daemon, DaemonError
+from tests.support.daemon import Daemon
 from tests.support.data import make_keys, payloads
 from tests.support.tls import make_certs
 

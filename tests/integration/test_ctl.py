@@ -104,8 +104,27 @@ def test_events_replays_and_tails(daemon):
 
         text = ok("events", "--from-seq", "1", "--count", "1", "-n", ns.namespace_id, socket_path=daemon.socket)
         header, line = text.splitlines()
-        assert header.split()[:3] == ["SEQ", "TIME", "TYPE"]
-        assert line.split()[0] == "1" and "stored" in line and keys[0].hex()[:16] in line
+        assert header.split() == ["SEQ", "TIME", "TYPE", "CAUSE", "TIER", "NAMESPACE", "KEYS"]
+        fields = line.split()
+        assert fields[0] == "1" and fields[2:5] == ["stored", "stored", "ram"]
+        # the namespace id and the keys in full: what lookup takes
+        assert fields[5] == ns.namespace_id and fields[6] == "2" and fields[7:] == [k.hex() for k in keys]
+        looked = ok("lookup", "-n", fields[5], *fields[7:], socket_path=daemon.socket)
+        assert "1 of 2 cached, 0 leading" in looked  # keys[0] was deleted above
+
+
+def test_events_count_stops_when_fewer_are_buffered(daemon):
+    kv, ns, keys = stored(daemon, "events-few", 1)
+    with kv:
+        proc = ctl("events", "--json", "--from-seq", "1", "--count", "5", "--wait", "0.5", socket_path=daemon.socket)
+        assert proc.returncode == 0, proc.stderr
+        assert [json.loads(line)["seq"] for line in proc.stdout.splitlines()] == [1]
+        assert "1 of 5 events: none came for 0.5s (--wait)" in proc.stderr
+        # without --count, --wait ends the tail too (no note: no number was asked for)
+        proc = ctl("events", "--from-seq", "1", "--wait", "0.5", socket_path=daemon.socket)
+        assert proc.returncode == 0 and proc.stderr == "" and len(proc.stdout.splitlines()) == 2
+        proc = ctl("events", "--wait", "-1", socket_path=daemon.socket)
+        assert proc.returncode == 2 and "--wait must be >= 0" in proc.stderr
 
 
 def test_events_from_a_seq_no_longer_buffered_start_at_the_oldest_with_a_warning(daemon_factory):
@@ -151,6 +170,10 @@ def test_namespace_id_is_the_daemons_id(shared_daemon):
     kv.close()
     got = ok("namespace-id", "--model", "ctl-nsid", "--dtype", "uint8", "--chunk-bytes", str(MIB)).strip()
     assert got == ns.namespace_id
+    # sizes as the daemon takes them
+    assert ok("namespace-id", "--model", "ctl-nsid", "--dtype", "uint8", "--chunk-bytes", "1MiB").strip() == got
+    proc = ctl("namespace-id", "--model", "m", "--dtype", "d", "--chunk-bytes", "2 parsecs")
+    assert proc.returncode == 2 and "not a byte size: '2 parsecs'" in proc.stderr
     salted = json.loads(ok("--json", "namespace-id", "--model", "m", "--dtype", "bf16", "--chunk-bytes", "4096",
                            "--layout", "tp2", "--key-bytes", "16", "--tenant-salt-hex", "abcd"))
     assert salted["namespace_id"] == namespace_id_for("m", "bf16", 4096, "tp2", b"\xab\xcd", 16)

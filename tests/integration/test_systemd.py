@@ -131,6 +131,9 @@ def test_exec_start_notifies_ready_when_serving_and_stops_on_sigterm():
                 pytest.fail(f"no sd_notify message within {WAIT_S}s:\n{read_log()}")
 
         ready = next_message()
+        while ready.startswith("STATUS=populating the RAM tier"):  # start-up progress comes first
+            assert "EXTEND_TIMEOUT_USEC=" in ready, ready
+            ready = next_message()
         assert "READY=1" in ready.splitlines(), ready
         with grpc.insecure_channel(f"unix:{sock}") as channel:  # serving the moment READY=1 arrives
             resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)

@@ -238,8 +238,7 @@ def test_kill_9_during_heavy_write_downs_then_restart_serves_exact_bytes(daemon_
     d.start(fs_args(fs_root, capacity="256MiB"))
     on_disk = fs_files(fs_root)
     assert tier_stats(d)["fs"].chunks == len(on_disk)  # the index matches the files
-    assert not list(fs_root.rglob("*.tmp")) or all(p.stat().st_mtime > time.time() - 120
-                                                   for p in fs_root.rglob("*.tmp"))
+    assert not list(fs_root.rglob("*.tmp"))  # no live writer holds them: removed at start
     keys = [bytes.fromhex(h) for h in sorted(on_disk)]
     with d.client() as kv:
         ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)

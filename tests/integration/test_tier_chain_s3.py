@@ -105,3 +105,21 @@ def test_restart_with_an_empty_fs_tier_still_serves_from_s3(daemon_factory, rgw,
         ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
         assert kv.lookup(ns, s3_keys).tiers == [Tier.S3] * len(s3_keys)
         assert np.array_equal(load_all(kv, ns, s3_keys), payloads(s3_keys, CHUNK))
+
+
+@pytest.mark.parametrize("access_key, secret_key", [("kvstored-nobody", "whatever"), (None, "not-the-secret")],
+                         ids=["unknown-key", "wrong-secret"])
+def test_credentials_refused_at_start_exit_2_without_a_restart_loop(daemon_factory, rgw, access_key, secret_key):
+    """Bad credentials are a configuration error: exit 2 (RestartPreventExitStatus=2 in the unit),
+    not 1, which systemd's Restart=on-failure would retry every 2 s forever."""
+    _, endpoint = rgw
+    d = daemon_factory(start=False)
+    # from the environment, as the systemd unit's EnvironmentFile hands them over
+    creds = {"AWS_ACCESS_KEY_ID": access_key or endpoint.access_key, "AWS_SECRET_ACCESS_KEY": secret_key}
+    d.spawn(["--tiers", f"kind=s3,bucket=kv-creds,endpoint_url={endpoint.url},region=us-east-1,timeout_s=5"],
+            env=creds)
+    assert d.wait(timeout=120) == 2, d.log
+    errors = [line for line in d.log.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "cannot start tier 's3'" in errors[0], d.log
+    assert "rejected: 403 (credentials refused: check access_key/secret_key" in errors[0]
+    assert "Traceback" not in d.log and not d.socket.exists()

@@ -2,7 +2,7 @@
 fault-injecting HTTP proxy.
 
 - RadosGW: a throwaway single-node Ceph cluster in a temp dir on free loopback ports (~2-3 s);
-  the gateway alone can be stopped and started again (the objects survive).
+  the gateway alone can be stopped and started again (the objects survive), or frozen (SIGSTOP).
 - MotoServer: `moto_server` as a subprocess on a free (or given) loopback port (everything in RAM).
 - FaultProxy: an aiohttp reverse proxy on the test's loop that answers the next N requests with an
   S3 error (503 SlowDown by default) instead of forwarding them, and counts what it sees.
@@ -11,6 +11,7 @@ fault-injecting HTTP proxy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import shutil
@@ -115,6 +116,20 @@ class RadosGW:
     def stop_gateway(self) -> None:
         """Stop radosgw only (the mon and the OSD keep the objects)."""
         subprocess.run([str(STOP_RGW), "--rgw-only", str(self.dir)], check=True, timeout=60)
+
+    def gateway_pid(self) -> int:
+        return int((self.dir / "run" / "client.rgw.a.pid").read_text().strip())
+
+    @contextlib.contextmanager
+    def gateway_frozen(self):
+        """radosgw stopped with SIGSTOP for the duration: connections are accepted by the kernel,
+        requests get no answer (a hung gateway, not a dead one). SIGCONT on the way out."""
+        pid = self.gateway_pid()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield pid
+        finally:
+            os.kill(pid, signal.SIGCONT)
 
     def start_gateway(self) -> None:
         out = subprocess.run([str(START_RGW), "--rgw-only", str(self.dir)], capture_output=True, text=True,

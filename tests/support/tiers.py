@@ -1,4 +1,4 @@
-"""A small real lower tier for chain tests: chunks in a dict, reads and writes held at gates.
+"""A small real lower tier for chain tests: chunks in a dict, lookups, reads and writes held at gates.
 
 No timing: a test closes a gate, waits until an operation has arrived at it (`until`), does what
 it wants to race with that operation, then opens the gate.
@@ -12,13 +12,14 @@ from typing import Callable, Sequence
 
 from kvstored.io.scheduler import TierQueue
 from kvstored.namespaces import Namespace
+from kvstored.shm.arenas import ArenaSet
 from kvstored.shm.mapping import SharedPool
 from kvstored.tiers.base import ChunkId, SecondaryTier, TierCapabilities, TierKind, TierUsage, WriteOutcome
 from kvstored.tiers.chain import ChainPolicy, TierChain
 from kvstored.tiers.lower import LowerTier
 from kvstored.tiers.ram import RamTier
 
-GATED_OPS = ("read", "write")
+GATED_OPS = ("contains", "read", "write")
 SPINS = 100_000  # loop turns `settle` waits at most (a hang fails the test instead)
 
 
@@ -32,7 +33,7 @@ async def settle(predicate: Callable[[], bool], what: str = "the condition") -> 
 
 
 class GatedMemoryTier(SecondaryTier):
-    """Chunks in a dict. Reads and writes wait at their gate (open unless closed); a read takes the
+    """Chunks in a dict. Lookups, reads and writes wait at their gate (open unless closed); a read takes the
     bytes before its gate, and a write hands them over after it, as a real tier's I/O would."""
 
     kind = TierKind.FS
@@ -64,6 +65,7 @@ class GatedMemoryTier(SecondaryTier):
 
     async def contains(self, chunks: Sequence[ChunkId]) -> list[bool]:
         self.calls["contains"] += 1
+        await self._gate("contains")
         return [c in self.data for c in chunks]
 
     async def write(self, chunk: ChunkId, views: Sequence[memoryview], size: int) -> WriteOutcome:
@@ -105,7 +107,8 @@ def make_chain(
     lower = [LowerTier(tier, TierQueue(tier.name, concurrency, 64), capabilities=caps) for tier, caps in tiers]
     # Stores wait for write-downs as long as a test holds them (no timeout decides a race).
     policy = policy or ChainPolicy(writeback_wait_s=60.0)
-    return TierChain(RamTier(pool, page, has_lower_tiers=bool(lower)), SharedPool(pool, populate=False), lower, policy)
+    return TierChain(RamTier(pool, page, has_lower_tiers=bool(lower)), ArenaSet(SharedPool(pool, populate=False)), lower,
+                     policy)
 
 
 async def store(chain: TierChain, ns: Namespace, key: bytes, byte: int) -> None:
@@ -118,7 +121,7 @@ async def store(chain: TierChain, ns: Namespace, key: bytes, byte: int) -> None:
 
 def fill(chain: TierChain, extents, byte: int) -> None:
     for extent in extents:
-        chain._pool.array[extent.offset:extent.offset + extent.length] = byte
+        chain.arenas.array(extent.arena)[extent.offset:extent.offset + extent.length] = byte
 
 
 async def first_word(chain: TierChain, ns: Namespace, key: bytes) -> bytes | None:
@@ -127,6 +130,6 @@ async def first_word(chain: TierChain, ns: Namespace, key: bytes) -> bytes | Non
     if not leases:
         return None
     extent = leases[0].extents[0]
-    word = bytes(chain._pool.array[extent.offset:extent.offset + 4])
+    word = bytes(chain.arenas.array(extent.arena)[extent.offset:extent.offset + 4])
     chain.release([leases[0].entry])
     return word

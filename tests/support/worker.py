@@ -4,8 +4,12 @@ Commands (each prints one JSON line on stdout):
   store   store n chunks (keys from --label), print the StoreResult
   verify  load n chunks and compare them with their expected bytes
   hold    store n chunks, lease them all through this client's session (and reserve
-          --reserve more keys without committing), print the lease handles, then block
-          until killed or stdin closes
+          --reserve more keys without committing; with --scribble, fill those slots with
+          0xEE), print the lease handles, then block until killed or stdin closes
+  mix     until stdin closes: store batches of new keys, look up and load random earlier ones
+          (every loaded byte compared with its key's payload), now and then delete one; print
+          the totals (the daemon may be killed meanwhile: misses and drops are fine, wrong
+          bytes are not)
 With --wait, store/verify block on stdin after printing, keeping their session open.
 """
 
@@ -13,11 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
+import subprocess
 import sys
+import threading
 
 import numpy as np
 
 from kvstored_client import Client
+from kvstored_client.errors import Unavailable
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from tests.support.data import make_keys, payloads
@@ -25,8 +33,6 @@ from tests.support.data import make_keys, payloads
 
 def spawn(command: str, socket, model: str, chunk: int, label: str, n: int, *extra: str) -> "subprocess.Popen":
     """Start a worker process (stdin/stdout piped; close stdin to let a --wait/hold worker exit)."""
-    import subprocess
-
     from tests.support.daemon import REPO_ROOT, clean_env
 
     argv = [sys.executable, "-m", "tests.support.worker", command, "--socket", str(socket), "--model", model,
@@ -62,7 +68,7 @@ def _emit(obj) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("command", choices=["store", "verify", "hold"])
+    p.add_argument("command", choices=["store", "verify", "hold", "mix"])
     p.add_argument("--socket", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--chunk", type=int, required=True)
@@ -72,10 +78,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--reserve", type=int, default=0)
     p.add_argument("--wait", action="store_true")
+    p.add_argument("--deadline", type=float, default=20.0, help="the client's deadline_s")
+    p.add_argument("--scribble", action="store_true")
     args = p.parse_args(argv)
 
-    client = Client(args.socket, deadline_s=20.0, client_name=f"worker-{args.command}-{args.label}")
+    client = Client(args.socket, deadline_s=args.deadline, client_name=f"worker-{args.command}-{args.label}")
     ns = client.register_namespace(model=args.model, dtype="uint8", chunk_bytes=args.chunk)
+    if args.command == "mix":
+        _emit(_mix(client, ns, args))
+        client.close()
+        return 0
     keys = make_keys(args.label, args.n, args.start)
 
     if args.command == "store":
@@ -104,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
             rkeys = make_keys(args.label + "/reserved", args.reserve)
             slots = stub.Reserve(pb.ReserveRequest(session_id=session.session_id, namespace_id=ns.namespace_id, keys=rkeys))
             reserved = [s.handle for s in slots.slots if s.state == pb.SLOT_STATE_RESERVED]
+            if args.scribble:  # half-written chunks that are never committed
+                for slot in slots.slots:
+                    for extent in slot.extents:
+                        session.pool[extent.offset:extent.offset + extent.length] = 0xEE
         _emit({
             "stored": res.stored,
             "leases": [lease.handle for lease in leases.leases],
@@ -117,6 +133,40 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdin.read()
     client.close()
     return 0
+
+
+def _mix(client, ns, args) -> dict:
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    rng = random.Random(args.label)
+    stored: list[bytes] = []
+    totals = {"rounds": 0, "stored": 0, "dropped": 0, "loaded": 0, "loaded_bytes": 0, "mismatched": 0,
+              "lookups": 0, "deleted": 0, "delete_unavailable": 0}
+    out = np.empty((args.batch, args.chunk), dtype=np.uint8)
+    while not stop.is_set():
+        keys = make_keys(f"{args.label}/{totals['rounds']}", args.batch)
+        res = client.store(ns, keys, payloads(keys, args.chunk))
+        totals["stored"] += res.stored + res.already_present
+        totals["dropped"] += res.dropped
+        if res.dropped == 0:
+            stored += keys
+        sample = rng.sample(stored, min(args.batch, len(stored)))
+        if sample:
+            totals["lookups"] += client.lookup(ns, sample).prefix_hits
+            out[:] = 0
+            n = client.load(ns, sample, out[:len(sample)])
+            expected = payloads(sample[:n], args.chunk)
+            totals["mismatched"] += sum(not np.array_equal(out[i], expected[i]) for i in range(n))
+            totals["loaded"] += n
+            totals["loaded_bytes"] += n * args.chunk
+        if totals["rounds"] % 8 == 7 and stored:
+            victim = stored.pop(rng.randrange(len(stored)))
+            try:
+                totals["deleted"] += client.delete(ns, [victim])
+            except Unavailable:  # deletes raise when the daemon is gone (a miss would lie)
+                totals["delete_unavailable"] += 1
+        totals["rounds"] += 1
+    return totals
 
 
 if __name__ == "__main__":

@@ -173,3 +173,75 @@ def test_bad_arguments():
         alloc.allocate(0)
     assert alloc.allocate(5) is None
     assert alloc.free_pages == 4
+
+
+# -- resident pages and holes ---------------------------------------------------------------------
+
+def test_a_sparse_allocator_starts_with_holes_and_counts_what_it_hands_out_as_resident():
+    alloc = PageAllocator(8, resident=False)
+    assert (alloc.resident_pages, alloc.resident_free_pages) == (0, 0)
+    runs = alloc.allocate(3)
+    assert alloc.resident_pages == 3  # its writer touches them
+    alloc.free(runs)
+    assert (alloc.resident_pages, alloc.resident_free_pages, alloc.free_pages) == (3, 3, 8)
+
+
+def test_resident_free_pages_are_handed_out_before_holes():
+    alloc = PageAllocator(8, resident=False)
+    first = alloc.allocate(2)
+    alloc.allocate(6)
+    alloc.free(first)  # pages 0..1 resident, nothing else free
+    runs = alloc.allocate(2)
+    assert pages_of(runs) == {0, 1}
+    assert alloc.resident_pages == 8
+
+
+def test_pages_taken_for_release_are_unavailable_until_released_as_holes():
+    alloc = PageAllocator(8)
+    taken = alloc.take_resident(5)
+    assert sum(r.count for r in taken) == 5
+    assert (alloc.free_pages, alloc.releasing_pages, alloc.resident_pages) == (3, 5, 8)
+    assert alloc.allocate(4) is None  # what is being released cannot be handed out
+    alloc.released(taken)
+    assert (alloc.free_pages, alloc.releasing_pages, alloc.resident_pages, alloc.resident_free_pages) == (8, 0, 3, 3)
+    runs = alloc.allocate(3)  # the resident ones first
+    assert alloc.resident_pages == 3 and alloc.resident_free_pages == 0
+    alloc.allocate(5)  # then holes, which become resident
+    assert alloc.resident_pages == 8
+    assert len(runs) == 1
+
+
+def test_a_failed_release_gives_the_pages_back_as_resident():
+    alloc = PageAllocator(4)
+    taken = alloc.take_resident(4)
+    alloc.released(taken, returned=False)
+    assert (alloc.free_pages, alloc.resident_free_pages, alloc.resident_pages) == (4, 4, 4)
+    with pytest.raises(ValueError):
+        alloc.released(taken)  # not taken any more
+
+
+def test_randomized_residency_accounting_stays_consistent():
+    rng = random.Random(99)
+    alloc = PageAllocator(48, resident=False)
+    held: list[list[PageRun]] = []
+    releasing: list[list[PageRun]] = []
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.4:
+            runs = alloc.allocate(rng.randint(1, 6))
+            if runs is not None:
+                held.append(runs)
+        elif op < 0.7 and held:
+            alloc.free(held.pop(rng.randrange(len(held))))
+        elif op < 0.85:
+            taken = alloc.take_resident(rng.randint(1, 8))
+            if taken:
+                releasing.append(taken)
+        elif releasing:
+            alloc.released(releasing.pop(rng.randrange(len(releasing))), returned=rng.random() < 0.8)
+        in_use = sum(r.count for runs in held for r in runs)
+        being_released = sum(r.count for runs in releasing for r in runs)
+        assert alloc.free_pages + in_use + being_released == 48
+        assert alloc.releasing_pages == being_released
+        assert in_use + being_released + alloc.resident_free_pages <= alloc.resident_pages <= 48
+        assert alloc.resident_pages == in_use + being_released + alloc.resident_free_pages

@@ -122,3 +122,36 @@ def test_fork_guard_fires_once_in_the_child_only():
     os.close(read)
     os.waitpid(pid, 0)
     assert guard.forked() is False
+
+
+# -- reachability and the health check's wire format ------------------------------------------------
+
+def test_link_health_logs_each_change_of_condition_once(caplog):
+    import logging
+
+    from kvstored_client.protocol import Condition, LinkHealth, Reason
+
+    caplog.set_level(logging.INFO, logger="kvstored_client")
+    health = LinkHealth("/run/x.sock")
+    gone = Condition(Reason.NOT_FOUND, "/run/x.sock: no such socket")
+    health.reachable()  # never down: nothing to say
+    for _ in range(3):
+        health.unreachable(gone)
+    health.unreachable(Condition(Reason.REFUSED, "/run/x.sock: nothing listens on it"))
+    health.reachable()
+    health.reachable()
+    assert [(r.levelname, r.getMessage().split(";")[0]) for r in caplog.records] == [
+        ("WARNING", "kvstored at /run/x.sock is unreachable: not found: /run/x.sock: no such socket"),
+        ("WARNING", "kvstored at /run/x.sock is unreachable: refused: /run/x.sock: nothing listens on it"),
+        ("INFO", "kvstored at /run/x.sock is reachable again (was refused)"),
+    ]
+
+
+def test_health_responses_decode_as_grpc_health_encodes_them():
+    from grpc_health.v1 import health_pb2
+
+    from kvstored_client.protocol import decode_health_response, encode_health_request
+
+    assert encode_health_request() == health_pb2.HealthCheckRequest(service="").SerializeToString()
+    for name, value in health_pb2.HealthCheckResponse.ServingStatus.items():
+        assert decode_health_response(health_pb2.HealthCheckResponse(status=value).SerializeToString()) == name

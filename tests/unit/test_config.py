@@ -372,3 +372,44 @@ def test_the_daemons_default_socket_ignores_a_running_system_daemon(monkeypatch,
     monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1000")
     assert paths.default_socket_path() == system  # a client finds the system daemon
     assert paths.default_socket_path(for_daemon=True) == Path("/run/user/1000/kvstored/kvstored.sock")
+
+
+def test_pool_pages_and_numa_node_from_every_source(tmp_path):
+    from kvstored.shm.memory import NumaPlacement, PoolPages
+
+    assert (Config().pool_pages, Config().numa_node) == (PoolPages.SMALL, None)
+    assert load_config({"pool_pages": "hugetlb", "numa_node": "1"}, {}).numa_node == NumaPlacement(1)
+    cfg = load_config({}, {env_name("pool_pages"): "THP", env_name("numa_node"): "interleave"})
+    assert (cfg.pool_pages, cfg.numa_node, str(cfg.numa_node)) == (PoolPages.THP, NumaPlacement(None), "interleave")
+    path = tmp_path / "c.toml"
+    path.write_text('pool_pages = "4k"\nnuma_node = 0\n')
+    assert load_config({}, {}, path).numa_node == NumaPlacement(0)
+    with pytest.raises(ConfigError, match="bad value for numa_node: 'gpu0' is not a NUMA node number, interleave"):
+        load_config({"numa_node": "gpu0"}, {})
+    with pytest.raises(ConfigError, match="bad value for pool_pages: '2m' is not one of 4k, thp, hugetlb"):
+        load_config({"pool_pages": "2m"}, {})
+
+
+# -- tenant quota --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw, expected", [("50%", 8 << 30), ("0.25", 4 << 30), (0.25, 4 << 30), ("4GiB", 4 << 30),
+                                           ("100%", 16 << 30), ("64GiB", 16 << 30)])
+def test_tenant_quota_is_a_fraction_of_the_ram_tier_or_bytes(raw, expected):
+    cfg = load_config(flags={"cpu_bytes": "16GiB", "tenant_quota": raw}, env={})
+    assert cfg.tenant_quota_bytes == expected  # never more than the RAM tier
+
+
+def test_tenant_quota_defaults_to_half_the_ram_tier():
+    assert load_config(flags={"cpu_bytes": "16GiB"}, env={}).tenant_quota_bytes == 8 << 30
+
+
+@pytest.mark.parametrize("raw", ["150%", "0%", "1.5", "-1", "lots"])
+def test_bad_tenant_quota_names_the_option(raw):
+    with pytest.raises(ConfigError, match="tenant_quota"):
+        load_config(flags={"tenant_quota": raw}, env={})
+
+
+def test_a_tenant_quota_below_one_page_is_refused():
+    with pytest.raises(ConfigError, match="tenant_quota"):
+        load_config(flags={"cpu_bytes": "1GiB", "tenant_quota": "4KiB"}, env={})

@@ -9,6 +9,7 @@ import hashlib
 import mmap
 import os
 import shutil
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -613,27 +614,100 @@ async def test_reads_files_written_buffered_with_odirect(make_tier, tmp_path):
 # -- leftovers --------------------------------------------------------------------------------------
 
 
-async def test_stale_tmp_files_removed_fresh_kept(make_tier, tmp_path):
+def _hold_lock(path: Path) -> int:
+    """Open and flock `path` as a live writer does (the fd keeps the lock until closed)."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+async def test_leftover_tmp_files_go_at_start_unless_a_live_writer_holds_them(make_tier, tmp_path):
+    """Temporary files of a killed writer (kill -9) are removed by the next start however young
+    they are; one a live writer holds (a daemon sharing the root) stays, however old."""
     root = tmp_path / "fs"
     first = await make_tier(root)
     await _write_one(first, chunk(1))
     await first.close()
     leaf = path_of(root, chunk(1)).parent
-    old, fresh = leaf / f".{key(1).hex()}.999.1.tmp", leaf / f".{key(1).hex()}.999.2.tmp"
-    old_probe = root / ".odirect-probe.999.3.tmp"
-    for p in (old, fresh, old_probe):
+    dead_fresh, dead_old = leaf / f".{key(1).hex()}.999.ab.1.tmp", leaf / f".{key(1).hex()}.999.ab.2.tmp"
+    dead_probe = root / ".odirect-probe.999.3.tmp"
+    for p in (dead_fresh, dead_old, dead_probe):
+        p.write_bytes(b"partial")
+    then = time.time() - 600
+    os.utime(dead_old, (then, then))
+    dead_fifo = leaf / f".{key(2).hex()}.999.ab.4.tmp"
+    os.mkfifo(dead_fifo)  # a tmp name on something else: nobody's write, and no reason to block
+    live = leaf / f".{key(3).hex()}.998.cd.1.tmp"
+    live_fd = _hold_lock(live)
+    os.utime(live, (then, then))
+    try:
+        (root / NS / "zz").mkdir()  # stray entries are ignored, not served
+        (leaf / "not-a-chunk.kv").write_bytes(b"?")
+        second = await make_tier(root)
+        assert not any(p.exists() for p in (dead_fresh, dead_old, dead_probe, dead_fifo))
+        assert live.exists()
+        assert second.usage().chunks == 1
+        assert await second.contains([chunk(1)]) == [True]
+    finally:
+        os.close(live_fd)
+
+
+async def test_without_file_locks_tmp_files_go_by_age(make_tier, tmp_path, monkeypatch):
+    """A filesystem without flock (some network filesystems): liveness falls back to age."""
+    import fcntl
+
+    root = tmp_path / "fs"
+    leaf = root / NS / "00" / "00"
+    leaf.mkdir(parents=True)
+    old, fresh = leaf / ".0000aa.999.ab.1.tmp", leaf / ".0000aa.999.ab.2.tmp"
+    for p in (old, fresh):
         p.write_bytes(b"partial")
     then = time.time() - 600
     os.utime(old, (then, then))
-    os.utime(old_probe, (then, then))
-    (root / NS / "zz").mkdir()  # stray entries are ignored, not served
-    (leaf / "not-a-chunk.kv").write_bytes(b"?")
+    monkeypatch.setattr(fcntl, "flock", failing(fcntl.flock, errno.ENOLCK))
+    await make_tier(root)
+    assert not old.exists() and fresh.exists()
 
-    second = await make_tier(root)
-    assert not old.exists() and not old_probe.exists()
-    assert fresh.exists()
-    assert second.usage().chunks == 1
-    assert await second.contains([chunk(1)]) == [True]
+
+async def test_writes_in_flight_count_in_used_bytes_and_survive_a_sharing_start(make_tier, tmp_path, monkeypatch):
+    """A write's temporary file takes disk space while it exists: counted in used_bytes (and
+    against the capacity). A daemon starting on the same root meanwhile must leave it alone."""
+    import threading
+
+    from kvstored.tiers import fs_io
+
+    root = tmp_path / "fs"
+    tier = await make_tier(root)
+    entered, release = threading.Event(), threading.Event()
+    real = fs_io.pwritev_all
+
+    def gated(fd, bufs):
+        entered.set()
+        release.wait()
+        return real(fd, bufs)
+
+    monkeypatch.setattr(fs_io, "pwritev_all", gated)
+    size = PAGE * 4 - 100
+    src = Slot((4,))
+    data = src.fill(size, seed=1)
+    loop = asyncio.get_running_loop()
+    writing = asyncio.ensure_future(tier.write(chunk(1), src.views, size))
+    try:
+        assert await loop.run_in_executor(None, entered.wait, 30)
+        assert tier.usage().used_bytes == HEADER_BYTES + PAGE * 4 and tier.usage().chunks == 0
+        [tmp] = tmp_files(root)
+        other = await make_tier(root)  # sweeps leftovers: this one has a live writer
+        assert tmp.exists() and other.usage().chunks == 0
+    finally:
+        release.set()
+    assert await writing is WriteOutcome.WRITTEN
+    monkeypatch.undo()
+    file_bytes = path_of(root, chunk(1)).stat().st_size
+    assert tier.usage().used_bytes == file_bytes and tier.usage().chunks == 1 and tmp_files(root) == []
+    dst = Slot((4,))
+    assert await other.read(chunk(1), dst.views, size) and dst.payload(size) == data
 
 
 # -- removal events and cancellation ------------------------------------------------------------
@@ -764,3 +838,183 @@ async def test_closing_during_a_slow_index_rebuild_stops_it(tmp_path, monkeypatc
     starting.cancel()
     await asyncio.gather(starting, return_exceptions=True)
     assert len(calls) < 31, "the scan went on after the tier closed"
+
+
+# -- odd entries under chunk names (issue #12, defect 3) ----------------------------------------
+
+
+def make_odd_entry(path: Path, kind: str, target: Path | None = None):
+    """Put a non-regular entry at `path` (whatever was there goes). Returns what must stay open
+    (a bound socket)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "socket":
+        import socket
+        import tempfile
+
+        sock = socket.socket(socket.AF_UNIX)
+        short = Path(tempfile.mkdtemp(dir="/tmp")) / "s"  # unix socket paths are short: bind, then move
+        sock.bind(str(short))
+        os.rename(short, path)
+        short.parent.rmdir()
+        return sock
+    elif kind == "symlink":
+        path.symlink_to(target)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "full directory":
+        path.mkdir()
+        (path / "inside").write_bytes(b"x")
+    else:
+        raise ValueError(kind)
+    return None
+
+
+async def _unless_blocked(aw, fifos: list[Path]):
+    """Await `aw`; if it blocks on FIFOs, release them (open their writing ends) and fail.
+    A hang guard, not a timing check: reads that do not block answer in milliseconds."""
+    task = asyncio.ensure_future(aw)
+    try:
+        return await asyncio.wait_for(asyncio.shield(task), 30)
+    except asyncio.TimeoutError:
+        while not task.done():  # reads queued behind the blocked ones block in their turn
+            for fifo in fifos:
+                try:
+                    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # lets a blocked open() return
+                except OSError:
+                    pass
+            await asyncio.wait((task,), timeout=0.1)
+        pytest.fail(f"fs reads blocked on {fifos}")
+
+
+ODD_KINDS = ["fifo", "socket", "symlink", "directory", "full directory"]
+
+
+@pytest.mark.parametrize("kind", ODD_KINDS)
+async def test_odd_entry_under_a_chunk_name_is_a_counted_miss_removed_alone(make_tier, tmp_path, kind):
+    """A FIFO must not block an I/O thread, a directory must not turn O_DIRECT off for the whole
+    tier, a symlink is not followed (even to a valid copy): each is a miss, counted, removed
+    where it can be, and affects nothing but itself."""
+    root = tmp_path / "fs"
+    tier = await make_tier(root)
+    heard = []
+    tier.removal_listener = lambda t, c, cause: heard.append((c, cause))
+    size = PAGE * 4
+    data = {i: await _write_one(tier, chunk(i), size, seed=i) for i in range(3)}
+    path = path_of(root, chunk(1))
+    valid_copy = tmp_path / "copy.kv"
+    shutil.copyfile(path, valid_copy)
+    keep = make_odd_entry(path, kind, target=valid_copy)
+    try:
+        dst = Slot((4,))
+        assert not await _unless_blocked(tier.read(chunk(1), dst.views, size), [path])
+        assert tier.direct_io, "one odd entry turned O_DIRECT off for the whole tier"
+        assert (path.exists() or path.is_symlink()) == (kind == "full directory")  # removed where possible
+        assert tier.counters.bad_entries == 1
+        assert tier.counters.checksum_failures == 0 and tier.counters.reads == 0
+        assert heard == [(chunk(1), RemovalCause.CORRUPT)]
+        assert tier.usage().chunks == 2 and await tier.contains([chunk(1)]) == [False]
+        # everything else is served exactly, with O_DIRECT (page-rounded files)
+        for i in (0, 2):
+            assert await tier.read(chunk(i), dst.views, size) and dst.payload(size) == data[i]
+        await _write_one(tier, chunk(3), PAGE * 4 - 10, seed=3)
+        assert path_of(root, chunk(3)).stat().st_size == HEADER_BYTES + PAGE * 4
+        assert valid_copy.exists()  # a symlink's target is never touched
+        # the chunk can be written again (over whatever is left), then it is served
+        src = Slot((4,))
+        src.array[:size] = np.frombuffer(data[1], dtype=np.uint8)
+        outcome = await tier.write(chunk(1), src.views, size)
+        if kind == "full directory":  # not ours to empty: the write fails, counted
+            assert outcome is WriteOutcome.FAILED and tier.counters.errors == 1
+            assert tier.counters.bad_entries == 2 and path.is_dir()
+        else:
+            assert outcome is WriteOutcome.WRITTEN and not path.is_symlink()
+            assert await tier.read(chunk(1), dst.views, size) and dst.payload(size) == data[1]
+        assert tmp_files(root) == []
+    finally:
+        if keep is not None:
+            keep.close()
+
+
+async def test_as_many_fifos_as_io_threads_block_nothing(make_tier, tmp_path):
+    """With every I/O thread stuck on a FIFO, no fs read could run and a stop never completed."""
+    root = tmp_path / "fs"
+    tier = await make_tier(root, io_threads=2)
+    size = PAGE * 2
+    data = {i: await _write_one(tier, chunk(i), size, seed=i) for i in range(4)}
+    for i in (0, 1, 2):
+        make_odd_entry(path_of(root, chunk(i)), "fifo")
+    results = await _unless_blocked(asyncio.gather(*(tier.read(chunk(i), Slot((2,)).views, size) for i in (0, 1, 2))),
+                                    [path_of(root, chunk(i)) for i in (0, 1, 2)])
+    assert results == [False] * 3 and tier.counters.bad_entries == 3
+    dst = Slot((2,))
+    assert await tier.read(chunk(3), dst.views, size) and dst.payload(size) == data[3]
+    assert not any(path_of(root, chunk(i)).exists() for i in (0, 1, 2))
+
+
+async def test_rebuild_skips_counts_and_removes_odd_entries(make_tier, tmp_path):
+    root = tmp_path / "fs"
+    first = await make_tier(root)
+    size = PAGE * 2
+    data = {i: await _write_one(first, chunk(i), size, seed=i) for i in range(6)}
+    await first.close()
+    valid_copy = tmp_path / "copy.kv"
+    shutil.copyfile(path_of(root, chunk(0)), valid_copy)
+    keep = [make_odd_entry(path_of(root, chunk(i)), kind, target=valid_copy)
+            for i, kind in enumerate(ODD_KINDS)]
+    try:
+        second = await make_tier(root)
+        assert second.counters.bad_entries == len(ODD_KINDS)
+        assert second.usage().chunks == 1 and await second.contains([chunk(i) for i in range(6)]) == [False] * 5 + [True]
+        assert [path_of(root, chunk(i)).exists() or path_of(root, chunk(i)).is_symlink()
+                for i in range(5)] == [kind == "full directory" for kind in ODD_KINDS]
+        dst = Slot((2,))
+        assert await second.read(chunk(5), dst.views, size) and dst.payload(size) == data[5]
+        assert second.direct_io and valid_copy.exists()
+    finally:
+        for sock in keep:
+            if sock is not None:
+                sock.close()
+
+
+async def test_a_symlink_under_a_chunk_name_is_not_adopted(make_tier, tmp_path):
+    """contains() adopts files a daemon sharing the root wrote, not symlinks (to anything)."""
+    root = tmp_path / "fs"
+    a = await make_tier(root)
+    await _write_one(a, chunk(1))
+    valid_copy = tmp_path / "copy.kv"
+    shutil.copyfile(path_of(root, chunk(1)), valid_copy)
+    target = path_of(root, chunk(2))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.symlink_to(valid_copy)
+    assert await a.contains([chunk(1), chunk(2)]) == [True, False]
+
+
+# -- permissions -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("group_access", "file_mode", "dir_mode"), [(False, 0o600, 0o700), (True, 0o640, 0o750)])
+async def test_chunk_files_and_directories_are_the_daemons(make_tier, tmp_path, group_access, file_mode, dir_mode):
+    """Chunk files 0600 under 0700 directories (group_access: 0640 / 0750), whatever the umask
+    leaves; a file written with an older, wider mode is still served."""
+    old_umask = os.umask(0o022)
+    try:
+        root = tmp_path / "deep" / "fs"
+        tier = await make_tier(root, group_access=group_access)
+        src = Slot((4,))
+        data = src.fill(4 * PAGE, seed=3)
+        assert await tier.write(chunk(1), src.views, 4 * PAGE) is WriteOutcome.WRITTEN
+    finally:
+        os.umask(old_umask)
+    path = path_of(root, chunk(1))
+    assert stat.S_IMODE(path.stat().st_mode) == file_mode
+    for directory in (root, *[p for p in path.parents if root in p.parents]):
+        assert stat.S_IMODE(directory.stat().st_mode) == dir_mode, directory
+    path.chmod(0o644)  # as written by an earlier release
+    dst = Slot((4,))
+    assert await tier.read(chunk(1), dst.views, 4 * PAGE)
+    assert dst.payload(4 * PAGE) == data

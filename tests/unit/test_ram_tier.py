@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstored.tiers.ram import RamTier, ReserveOutcome
+from kvstored.tiers.ram import Placement, QuotaScope, RamTier, ReserveOutcome
 
 PAGE = 4096
 NS = "ns"
@@ -272,3 +272,144 @@ def test_a_promoted_chunk_read_once_goes_to_the_cold_end_then_lives_normally():
     ram.release(ram.acquire(promoted))
     evicted = ram.reserve(("ns", b"y" * 32), page).evicted
     assert promoted not in evicted
+
+
+# -- arenas and quotas ----------------------------------------------------------------------------
+
+def tenants_tier(capacity_pages: int = 16, **kwargs) -> tuple[RamTier, dict[str, Placement], list]:
+    """A tier whose namespaces "quiet" and "noisy" are tenants (arenas 1 and 2, 8 pages each);
+    every other namespace is public. Returns the tier, the placements and the releases asked."""
+    tier = RamTier(capacity_pages * PAGE, PAGE, slack_bytes=PAGE, **kwargs)
+    placements = {}
+    for arena, name in ((1, "quiet"), (2, "noisy")):
+        tier.add_arena(arena, 8 * PAGE)
+        placements[name] = Placement(arena, (QuotaScope(name, 8),))
+    tier.set_placement(lambda ns: placements.get(ns, Placement()))
+    releases: list = []
+    tier.set_releaser(lambda arena, runs: releases.append((arena, runs)))
+    return tier, placements, releases
+
+
+def store(tier: RamTier, ns: str, n: int, label: str = "") -> list[tuple[str, bytes]]:
+    chunks = [(ns, f"{label or ns}-{i}".encode()) for i in range(n)]
+    for chunk in chunks:
+        res = tier.reserve(chunk, PAGE)
+        assert res.outcome is ReserveOutcome.RESERVED, (chunk, res)
+        tier.commit(res.entry)
+    return chunks
+
+
+def test_a_tenant_over_its_quota_evicts_only_its_own_oldest_chunks():
+    tier, placements, _ = tenants_tier()
+    quiet = store(tier, "quiet", 4)
+    noisy = store(tier, "noisy", 40)
+    assert all(tier.contains(c, touch=False) for c in quiet)
+    assert [tier.contains(c, touch=False) for c in noisy] == [False] * 32 + [True] * 8
+    assert placements["noisy"].scopes[0].used_pages == 8
+    assert placements["noisy"].scopes[0].evictions == 32
+    assert tier.counters.evictions == 32
+
+
+def test_a_quota_full_of_pinned_chunks_refuses_without_evicting():
+    tier, _, _ = tenants_tier()
+    noisy = store(tier, "noisy", 8)
+    leases = [tier.acquire(c) for c in noisy]
+    res = tier.reserve(("noisy", b"more"), PAGE)
+    assert res.outcome is ReserveOutcome.NO_SPACE and res.evicted == []
+    for lease in leases:
+        tier.release(lease)
+    assert tier.reserve(("noisy", b"more"), PAGE).evicted == [noisy[0]]
+
+
+def test_recency_within_a_quota_follows_hits():
+    tier, _, _ = tenants_tier()
+    noisy = store(tier, "noisy", 8)
+    assert tier.contains_many("noisy", [noisy[0][1]]) == [True]  # now the most recent
+    assert tier.reserve(("noisy", b"new"), PAGE).evicted == [noisy[1]]
+
+
+def test_tenant_chunks_live_in_their_arena_and_public_ones_in_the_pool():
+    tier, _, _ = tenants_tier()
+    res = tier.reserve(("quiet", b"x"), PAGE + 1)
+    assert {e.arena for e in tier.extents(res.entry)} == {1}
+    assert sum(e.length for e in tier.extents(res.entry)) == PAGE + 1
+    res = tier.reserve(("public", b"x"), PAGE)
+    assert [e.arena for e in tier.extents(res.entry)] == [0]
+
+
+def test_one_capacity_over_all_arenas():
+    tier, _, _ = tenants_tier(capacity_pages=12)
+    store(tier, "quiet", 8)
+    public = store(tier, "public", 6)  # 14 pages wanted, 12 held: the LRU's oldest go first
+    assert tier.used_bytes == 12 * PAGE
+    assert tier.contains(public[-1], touch=False)
+    assert not tier.contains(("quiet", b"quiet-0"), touch=False)
+
+
+def test_a_namespace_scope_attached_later_counts_the_chunks_already_there():
+    tier = RamTier(16 * PAGE, PAGE)
+    old = store(tier, "ns1", 5)
+    scope = QuotaScope("ns1", 4)
+    tier.attach_scope("ns1", scope)
+    tier.set_placement(lambda ns: Placement(0, (scope,)) if ns == "ns1" else Placement())
+    assert scope.used_pages == 5
+    res = tier.reserve(("ns1", b"new"), PAGE)  # 6 pages wanted, 4 allowed: the two oldest go
+    assert res.evicted == old[:2]
+    assert scope.used_pages == 4
+
+
+def test_free_pages_go_back_only_past_the_capacity_and_from_the_arena_holding_the_most():
+    tier, _, releases = tenants_tier()  # the pool is resident (16 pages); slack 1 page
+    quiet = store(tier, "quiet", 4)  # 20 pages resident, but nothing may go: the pool is pinned
+    assert releases == [] and tier.resident_bytes == 20 * PAGE
+    for chunk in quiet:
+        tier.delete(chunk)  # freed pages stay for reuse: freeing adds no memory
+    assert releases == []
+    store(tier, "noisy", 2)  # 22 resident: the quiet tenant's free pages go (never noisy's own)
+    assert [(arena, sum(r.count for r in runs)) for arena, runs in releases] == [(1, 4)]
+    tier.set_public_releasable(True)  # and one of the pool's, for the rest
+    assert [(arena, sum(r.count for r in runs)) for arena, runs in releases] == [(1, 4), (0, 1)]
+    assert tier.resident_bytes == 22 * PAGE  # pages count until they are back
+    for arena, runs in releases:
+        tier.released(arena, runs)
+    assert tier.resident_bytes == 17 * PAGE  # the capacity plus the slack
+    assert store(tier, "quiet", 2, "again")  # its released pages are holes again, and usable
+
+
+def test_the_public_arena_gives_back_what_tenants_hold_when_allowed():
+    tier, _, releases = tenants_tier(populated=True)
+    store(tier, "quiet", 6)
+    assert releases == []  # pinned by a client: nothing may go
+    tier.set_public_releasable(True)
+    assert [(arena, sum(r.count for r in runs)) for arena, runs in releases] == [(0, 5)]  # 16 + 6 - 16 - slack 1
+    store(tier, "quiet", 2, "more")
+    assert [arena for arena, _ in releases] == [0, 0, 0]  # one more page each
+    for arena, runs in releases:
+        tier.released(arena, runs)
+    assert tier.resident_bytes == 17 * PAGE
+
+
+def test_an_arena_is_removable_only_when_idle():
+    tier, _, _ = tenants_tier()
+    [chunk] = store(tier, "noisy", 1)
+    assert not tier.arena_idle(2)
+    with pytest.raises(ValueError):
+        tier.remove_arena(2)
+    tier.delete(chunk)
+    assert tier.arena_idle(2)
+    tier.remove_arena(2)
+    assert tier.reserve(("noisy", b"x"), PAGE).outcome is ReserveOutcome.NO_SPACE  # no arena: nowhere
+
+
+def test_write_back_victims_of_a_scope_are_its_own_and_count_as_writing():
+    tier = RamTier(16 * PAGE, PAGE, has_lower_tiers=True)
+    scope = QuotaScope("noisy", 8)
+    tier.set_placement(lambda ns: Placement(0, (scope,)) if ns == "noisy" else Placement())
+    public = store(tier, "public", 4)
+    noisy = store(tier, "noisy", 8)
+    to_write, evicted = tier.writeback_victims(3 * PAGE, scope)
+    assert [e.chunk for e in to_write] == noisy[:3] and evicted == []
+    assert tier.writing_bytes(scope) == 3 * PAGE and tier.room_bytes(scope) == 0
+    assert tier.finish_writeback(to_write[0], persisted=True)
+    assert tier.writing_bytes(scope) == 2 * PAGE and tier.room_bytes(scope) == PAGE
+    assert all(tier.contains(c, touch=False) for c in public)

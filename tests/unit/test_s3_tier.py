@@ -620,3 +620,38 @@ def test_object_names_parse_back_to_chunks():
     assert _parse_key(chunkfile.chunk_relpath(chunk)) == chunk
     for name in ("notes.txt", "_kvstored/warmup", "ns/ab/cd/abce00.kv", "ns/ab/cd/ABCD00.kv", "a/b/ns/ab/cd/abcd.kv"):
         assert _parse_key(name) is None
+
+
+# -- namespace records and clearing a namespace -----------------------------------------------
+
+
+async def test_namespace_records_live_under_the_prefix_and_are_not_chunks(make_tier, raw, bucket):
+    tier = await make_tier(prefix="node-a/", capacity_bytes=1 << 30)
+    ns_id = "0123456789abcdef0123456789abcdef"
+    await tier.save_namespace_record(ns_id, b'{"format": 1}')
+    assert await exists(raw, bucket, f"node-a/_kvstored/namespaces/{ns_id}.json")
+    assert await tier.namespace_records() == {ns_id: b'{"format": 1}'}
+    restarted = await make_tier(prefix="node-a/", capacity_bytes=1 << 30)  # lists the prefix at start
+    assert restarted.usage().chunks == 0 and await restarted.namespace_records() == {ns_id: b'{"format": 1}'}
+    await tier.remove_namespace_record(ns_id)
+    assert await tier.namespace_records() == {}
+    assert not await exists(raw, bucket, f"node-a/_kvstored/namespaces/{ns_id}.json")
+
+
+async def test_namespace_chunks_lists_objects_an_unbounded_tier_never_saw(make_tier):
+    writer = await make_tier()
+    ns, other = "0123456789abcdef0123456789abcdef", "fedcba9876543210fedcba9876543210"
+    chunks = [new_chunk(ns) for _ in range(3)]
+    for chunk in chunks + [new_chunk(other)]:
+        await stored(writer, chunk)
+    fresh = await make_tier()  # no capacity: no listing at start, an empty index
+    assert fresh.known_chunks(ns) == []
+    assert sorted(await fresh.namespace_chunks(ns)) == sorted(chunks)
+
+
+async def test_namespace_records_of_an_unreachable_endpoint_raise_tier_unavailable(make_tier):
+    tier = await make_tier(endpoint_url=f"http://127.0.0.1:{free_port()}", timeout_s=0.5, breaker_failures=1)
+    with pytest.raises(TierUnavailable, match="cannot list"):
+        await tier.namespace_records()
+    with pytest.raises(TierUnavailable, match="cannot list"):
+        await tier.namespace_chunks("0123456789abcdef0123456789abcdef")

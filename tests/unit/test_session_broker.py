@@ -17,9 +17,10 @@ from kvstored.server.sessions import SessionRegistry
 from kvstored.shm.mapping import Region
 from kvstored.tiers.base import TierCapabilities
 from kvstored.tiers.ram import ReserveOutcome
-from tests.support.tiers import GatedMemoryTier, make_chain, store
+from tests.support.tiers import GatedMemoryTier, make_chain, settle, store
 
 CHUNK = 64 << 10
+HANG_S = 30.0  # a hang guard only: the gates stay closed until the test opens them
 NS = Namespace("ns", "m", "uint8", CHUNK, "", 32)
 
 
@@ -135,6 +136,51 @@ async def test_a_region_transfer_past_its_start_deadline_copies_nothing(rig, reg
     with pytest.raises(TransferNotStarted):
         await broker.load_to_region(session, NS, region, [key(2)], [0], start_by=past)
     assert broker.counts().leases == 0 and chain.ram.delete(("ns", key(2))) and chain.ram.used_bytes == 0
+
+
+async def deadline_outcome(transfer) -> BaseException | None:
+    """Run a region transfer whose lower tier is held at a gate; what it raised (None: it
+    returned) once it gave up by itself."""
+    task = asyncio.create_task(transfer)
+    done, _ = await asyncio.wait({task}, timeout=HANG_S)
+    assert task in done, "the transfer waited on past its start deadline"
+    return task.exception()
+
+
+@pytest.mark.parametrize("gate", ["contains", "read"])
+async def test_a_region_load_waiting_on_a_slow_lower_tier_gives_up_at_its_start_deadline(rig, region_fd, gate):
+    """Waiting for a lookup or a promotion counts against the start deadline. The shared work is
+    not cancelled: it ends later, and the chunk is there for the next load."""
+    broker, chain, tier = await rig()
+    session = broker.open("c")
+    region = broker.attach_region(session, "r", region_fd)
+    tier.data[("ns", key(1))] = b"DATA" * (CHUNK // 4)
+    tier.close_gate(gate)
+    start_by = asyncio.get_running_loop().time() + 0.05
+    error = await deadline_outcome(broker.load_to_region(session, NS, region, [key(1)], [0], start_by=start_by))
+    assert isinstance(error, TransferNotStarted), error
+    assert tier.waiting[gate] == 1  # still under way
+    assert bytes(region.array[:CHUNK]) == bytes(CHUNK) and broker.counts().leases == 0
+    tier.open_gate(gate)
+    if gate == "read":
+        await settle(lambda: chain.ram.contains(("ns", key(1)), touch=False), "the promotion landing in RAM")
+    assert await broker.load_to_region(session, NS, region, [key(1)], [0]) == 1
+    assert bytes(region.array[:8]) == b"DATADATA"
+
+
+async def test_a_region_store_waiting_for_room_gives_up_at_its_start_deadline(rig, region_fd):
+    broker, chain, tier = await rig(pool=4 * CHUNK)
+    for i in range(4):  # RAM full of dirty chunks: the store waits for a write-down
+        await store(chain, NS, key(10 + i), i)
+    tier.close_gate("write")
+    session = broker.open("c")
+    region = broker.attach_region(session, "r", region_fd)
+    start_by = asyncio.get_running_loop().time() + 0.05
+    error = await deadline_outcome(broker.store_from_region(session, NS, region, [key(1)], [0], start_by=start_by))
+    assert isinstance(error, TransferNotStarted), error
+    assert tier.waiting["write"] >= 1
+    assert ("ns", key(1)) not in chain.ram.chunks_of("ns") and broker.counts().reservations == 0
+    tier.open_gate("write")
 
 
 async def test_handle_batches_are_all_or_nothing(rig):

@@ -65,7 +65,7 @@ def offloading_config(
 
 
 def kvstored_tier(daemon, **options) -> dict[str, Any]:
-    return {"type": "kvstored", "socket": str(daemon.socket), **options}
+    return {"type": "kvstored", "kvstored_socket": str(daemon.socket), **options}
 
 
 class Engine:

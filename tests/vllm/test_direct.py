@@ -196,6 +196,34 @@ def test_other_layout_and_cache_salt_never_collide(vllm_daemon):
             assert reader.lookup(reader.request({"cache_salt": "a"}), keys) == [HIT, HIT]
 
 
+def test_cache_salted_chunks_round_trip_through_the_tenants_arena(vllm_daemon):
+    """A request's cache_salt puts its chunks in the tenant's own arena: the writer's workers
+    store into it, another engine's workers open it (registering the namespace) and load the
+    exact blocks; the public pool holds none of them."""
+    keys = offload_keys("direct-salted", 2)
+    src_blocks = list(range(8))
+    with DirectEngine(vllm_daemon, world_size=2, seed=11) as writer:
+        ctx = writer.request({"cache_salt": "tenant-x"})
+        assert writer.store(ctx, keys, src_blocks) == keys
+        writer.manager.on_request_finished(ctx)
+        for w in writer.workers:
+            engine = w._engine
+            public = engine.pools[engine.link.pool_id].array
+            assert len(engine.pools) == 2  # the pool, and the tenant's arena
+            for cache in writer.caches:
+                for t in cache:
+                    assert bytes(t[0].numpy()) not in bytes(public)
+        with DirectEngine(vllm_daemon, world_size=2, seed=12) as reader:
+            ctx = reader.request({"cache_salt": "tenant-x"})
+            assert reader.lookup(ctx, keys) == [HIT, HIT]
+            dst_blocks = list(range(30, 38))
+            assert not same_blocks(writer, src_blocks, reader, dst_blocks)
+            reader.load(ctx, keys, dst_blocks)
+            assert same_blocks(writer, src_blocks, reader, dst_blocks)
+            reader.manager.on_request_finished(ctx)
+            reader.settle()
+
+
 def test_daemon_down_gives_misses_and_dropped_stores(own_daemon):
     daemon = own_daemon().start()
     keys = offload_keys("direct-down", 2)

@@ -175,7 +175,7 @@ def test_every_stat_is_declared(vllm_daemon):
 
 def test_module_path_form_needs_no_plugin(vllm_daemon):
     config = {"type": "KvstoredTierManager", "module_path": "kvstored_client.vllm.tier",
-              "socket": str(vllm_daemon.socket)}
+              "socket": str(vllm_daemon.socket)}  # the alias of kvstored_socket
     assert SecondaryTierFactory.get_tier_class(config) is KvstoredTierManager
     keys = offload_keys("module-path", 2)
     with Engine([config]) as engine:

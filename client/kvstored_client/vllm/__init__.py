@@ -1,7 +1,7 @@
 """vLLM 0.33 integration of kvstored.
 
 - `tier.KvstoredTierManager`: the daemon as a secondary tier of vLLM's TieringOffloadingSpec
-  (`"secondary_tiers": [{"type": "kvstored", "socket": ...}]`).
+  (`"secondary_tiers": [{"type": "kvstored", "kvstored_socket": ...}]`).
 - `direct.KvstoredOffloadingSpec`: an OffloadingSpec whose worker copies GPU blocks straight into
   the daemon's shared-memory pool (`"spec_name": "KvstoredOffloadingSpec"`).
 - `plugin.register`: the `vllm.general_plugins` entry point that registers both names.

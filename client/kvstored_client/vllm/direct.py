@@ -65,11 +65,12 @@ from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client.ops import NamespaceSpec
 from kvstored_client.paths import default_socket_path
 from kvstored_client.vllm.blockcopy import ChunkExtents, KVLayout, LayerRef
-from kvstored_client.vllm.driver import DaemonLink, LinkOptions, LinkState, outcome
+from kvstored_client.vllm.driver import DaemonLink, LinkOptions, LinkState, arena_key, outcome
 from kvstored_client.vllm.lookups import LookupBatcher, ProbeKey
 from kvstored_client.vllm.namespace import (
     SHA256_OFFLOAD_KEY_BYTES, WORKER_PART_FORMAT, LayoutInfo, RequestNamespaces, layout_info, namespace_spec,
 )
+from kvstored_client.vllm.plugin import socket_option
 from kvstored_client.vllm.pool_worker import PoolTransferEngine
 
 log = logging.getLogger(__name__)
@@ -98,12 +99,17 @@ class KvstoredStoreSpec(LoadStoreSpec):
 
 
 class KvstoredLoadSpec(LoadStoreSpec):
-    """Leased chunks to load: chunk i, rank r lives in pool pool_ids[i] at the extents
-    ext_offsets/ext_lengths[starts[i * world_size + r]:starts[i * world_size + r + 1]]."""
+    """Leased chunks to load: chunk i, rank r lives in pool pool_ids[i] (an arena key) at the
+    extents ext_offsets/ext_lengths[starts[i * world_size + r]:starts[i * world_size + r + 1]].
+    With a cache salt the chunks are a tenant's: each worker registers the namespace (key_bytes,
+    cache_salt) in its own session to map the tenant's arena."""
 
-    def __init__(self, world_size: int, pool_ids: list[str], per_part: list[list[tuple[int, int]]]) -> None:
+    def __init__(self, world_size: int, pool_ids: list[str], per_part: list[list[tuple[int, int]]],
+                 key_bytes: int = SHA256_OFFLOAD_KEY_BYTES, cache_salt: bytes = b"") -> None:
         self.world_size = world_size
         self.pool_ids = pool_ids
+        self.key_bytes = key_bytes
+        self.cache_salt = cache_salt
         extents = ChunkExtents.from_lists(per_part)
         self.starts, self.ext_offsets, self.ext_lengths = extents.starts, extents.ext_offsets, extents.ext_lengths
 
@@ -146,7 +152,7 @@ class KvstoredOffloadingSpec(OffloadingSpec):
             raise ValueError("KvstoredOffloadingSpec supports the direct KV layout only "
                              "(remove canonical_layout from kv_connector_extra_config)")
         extra = self.extra_config
-        self.socket = str(extra.get("kvstored_socket") or default_socket_path())
+        self.socket = socket_option(extra) or str(default_socket_path())
         self.lookup_timeout_s = float(extra.get("kvstored_lookup_timeout_s", 0.25))
         self.connect_timeout_s = float(extra.get("kvstored_connect_timeout_s", 2.0))
         self.store_timeout_s = float(extra.get("kvstored_store_timeout_s", 2.0))
@@ -280,7 +286,8 @@ class KvstoredDirectManager(OffloadingManager):
             lease.loads += 1
             pool_ids.append(lease.pool_id)
             per_part.extend(lease.extents)
-        return KvstoredLoadSpec(self._world, pool_ids, per_part)
+        key_bytes = len(next(iter(keys))) if keys else SHA256_OFFLOAD_KEY_BYTES
+        return KvstoredLoadSpec(self._world, pool_ids, per_part, key_bytes, self._namespaces.salt_of(req_context))
 
     @override
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -387,7 +394,9 @@ class KvstoredDirectManager(OffloadingManager):
                 if probe_key in self._leases or probe is None or not probe.requests:
                     self._to_release.extend((call.epoch, lease.handle) for lease in mine)
                     continue
-                self._leases[probe_key] = _Lease(call.pool_id, call.epoch, [lease.handle for lease in mine],
+                arena = next((e.arena for lease in mine for e in lease.extents), 0)
+                self._leases[probe_key] = _Lease(arena_key(call.pool_id, arena), call.epoch,
+                                                 [lease.handle for lease in mine],
                                                  [[(e.offset, e.length) for e in lease.extents] for lease in mine],
                                                  requests=set(probe.requests))
             self._to_release.extend((call.epoch, lease.handle) for lease in leases[whole * self._world:])
@@ -460,8 +469,12 @@ class KvstoredOffloadingWorker(OffloadingWorker):
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
                     expedited: bool = False) -> bool:
         assert isinstance(src_spec, KvstoredLoadSpec)
+        namespace_id = ""
+        if src_spec.cache_salt:  # a tenant's chunks: its arena opens once the namespace is registered here
+            ns_spec = self._spec.namespace_spec(src_spec.key_bytes, src_spec.cache_salt)
+            namespace_id = self._engine.link.namespace(ns_spec)
         self._engine.submit_load(job_id, dst_spec.block_ids, dst_spec.group_sizes, dst_spec.block_indices,
-                                 src_spec.pool_ids, src_spec.for_rank(self._spec.rank), expedited)
+                                 src_spec.pool_ids, src_spec.for_rank(self._spec.rank), expedited, namespace_id)
         return True  # a failure is reported through get_finished()
 
     @override

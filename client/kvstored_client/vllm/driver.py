@@ -6,7 +6,9 @@ RPCs are issued with gRPC's `stub.Method.future(...)` and collected later with `
 no thread and no event loop of our own; gRPC's channel does the I/O.
 
 State machine:  DOWN --(retry time reached)--> HELLO --(Welcome)--> ATTACH --(RegionAttached)--> READY
-Any failure returns to DOWN with an exponential backoff. A daemon restart shows up as the session
+Any failure returns to DOWN with an exponential backoff. A link that maps the pool (keep_pool_fd)
+also opens, while READY, the arenas of the tenant namespaces it registers (OpenArena, one at a
+time): such a namespace is ready only once its arena is (`arena_fds`). A daemon restart shows up as the session
 socket closing (or as UNAVAILABLE / unknown-session errors) and starts a new session: the region is
 attached again and namespaces are registered again (`epoch` counts sessions).
 
@@ -38,12 +40,25 @@ from kvstored_client.errors import (
 )
 from kvstored_client.ops import NamespaceSpec
 from kvstored_client.paths import session_socket_path
-from kvstored_client.protocol import CHANNEL_OPTIONS, Backoff, ForkGuard, Handshake, channel_target
+from kvstored_client.protocol import (
+    CHANNEL_OPTIONS, Backoff, Condition, ForkGuard, Handshake, LinkHealth, Reason, channel_target,
+)
 
 log = logging.getLogger(__name__)
 
 # The server has dropped what this session set up: start a new session at once.
 SESSION_LOST = (UnknownSession, UnknownRegion)
+
+
+def arena_key(pool_id: str, arena: int) -> str:
+    """Names one arena of one daemon run: the pool's id for the public arena (0), else the pool's
+    id and the arena's (arena ids are never reused within a run)."""
+    return pool_id if arena == 0 else f"{pool_id}#{arena}"
+
+
+def run_of(key: str) -> str:
+    """The pool id (daemon run) an arena key belongs to."""
+    return key.partition("#")[0]
 
 
 class LinkState(enum.Enum):
@@ -69,6 +84,7 @@ class _NamespaceState:
     future: grpc.Future | None = None
     future_epoch: int = -1
     broken: str = ""                 # a permanent error (invalid spec): never usable
+    arena_id: int = 0                # the arena its chunks live in (0: the public pool)
 
 
 @dataclass
@@ -113,14 +129,18 @@ class DaemonLink:
         region_fd: int | None = None,
         region_name: str = "",
         keep_pool_fd: bool = False,
+        pins_pool: bool = False,
         options: LinkOptions = LinkOptions(),
     ) -> None:
+        """keep_pool_fd: keep the pool's memfd (and open tenant arenas) to map them; pins_pool:
+        the pool is pinned for DMA (told to the daemon, which then keeps the pool's memory)."""
         self.socket_path = Path(socket_path)
         self.client_name = client_name
         self.options = options
         self._region_fd = region_fd  # owned by the caller; sent (dup'ed by the kernel) on every new session
         self._region_name = region_name
         self._keep_pool_fd = keep_pool_fd
+        self._pins_pool = pins_pool
         self.state = LinkState.DOWN
         self.epoch = 0  # sessions opened so far; state tied to a session records its epoch
         self.session_id = ""
@@ -130,7 +150,11 @@ class DaemonLink:
         self.page_bytes = 0
         self.pool_fd: int | None = None  # the daemon's pool (only with keep_pool_fd); owned by the link
         self.pool_id = ""  # identity of the daemon's pool (its memfd's inode): changes when the daemon restarts
+        self.arena_fds: dict[int, tuple[int, int]] = {}  # tenant arena -> (memfd, size); only with keep_pool_fd
+        self._arenas_wanted: list[int] = []
+        self._arena_asked: int | None = None  # OpenArena sent, reply not read yet
         self.counters = LinkCounters()
+        self.health = LinkHealth(self.socket_path)
         self._sock: socket.socket | None = None
         self._handshake: Handshake | None = None
         self._step_deadline = 0.0
@@ -152,6 +176,10 @@ class DaemonLink:
         now = time.monotonic()
         try:
             if self.state is LinkState.READY:
+                if self._arena_asked is not None or self._arenas_wanted:
+                    self._open_arenas(now)
+                    if self.state is not LinkState.READY:
+                        return self._start_if_due(time.monotonic())
                 if self._sock is None or session.peer_closed(self._sock):
                     self.fail(Unavailable("kvstored closed the session (stopped or restarted)"), backoff=False)
                     return self._start_if_due(time.monotonic())
@@ -185,12 +213,12 @@ class DaemonLink:
             self._backoff.skip()
 
     def fail(self, exc: BaseException, backoff: bool = True) -> None:
-        """Drop the session; the next poll after the backoff starts a new one."""
-        if self.state is not LinkState.DOWN:
-            log.warning("kvstored link down (%s): %s", self.socket_path, exc)
+        """Drop the session; the next poll after the backoff starts a new one. Why is logged once
+        per change of condition (protocol.LinkHealth), the return once."""
         self.counters.failures += 1
         self.counters.last_error = str(exc)
         self._close_session()
+        self.health.unreachable(session.diagnose(self.socket_path) or _listening_but(self.socket_path, exc))
         self._backoff.failed(time.monotonic(), wait=backoff)
 
     def on_rpc_error(self, result: Outcome) -> None:
@@ -234,13 +262,14 @@ class DaemonLink:
         if ns.broken or not self.ready:
             return False
         if ns.epoch == self.epoch:
-            return True
+            return self._arena_open(ns.arena_id)
         if ns.future is not None and ns.future.done():
             result, issued_in = outcome(ns.future), ns.future_epoch
             ns.future = None
             if result.ok and issued_in == self.epoch:
                 ns.epoch = self.epoch
-                return True
+                ns.arena_id = result.response.arena_id
+                return self._arena_open(ns.arena_id)
             if isinstance(result.error, InvalidArgument):
                 ns.broken = str(result.error)
                 log.error("kvstored refused namespace %s: %s", namespace_id, result.error)
@@ -256,6 +285,42 @@ class DaemonLink:
     def namespace_broken(self, namespace_id: str) -> str:
         return self._namespaces[namespace_id].broken
 
+    def arena_of(self, namespace_id: str) -> int:
+        """The arena of a namespace registered in this session (0 until it is)."""
+        return self._namespaces[namespace_id].arena_id
+
+    # -- tenant arenas ----------------------------------------------------------------------
+
+    def _arena_open(self, arena_id: int) -> bool:
+        """Whether this link has what it needs of the arena: nothing unless it maps the pool."""
+        if arena_id == 0 or not self._keep_pool_fd or arena_id in self.arena_fds:
+            return True
+        if arena_id not in self._arenas_wanted and arena_id != self._arena_asked:
+            self._arenas_wanted.append(arena_id)
+            self._open_arenas(time.monotonic())
+        return arena_id in self.arena_fds
+
+    def _open_arenas(self, now: float) -> None:
+        """One OpenArena at a time on the session socket, without blocking."""
+        sock, handshake = self._sock, self._handshake
+        try:
+            if sock is None or handshake is None:
+                raise Unavailable("no session socket")
+            if self._arena_asked is not None:
+                if now > self._step_deadline:
+                    raise Unavailable(f"kvstored did not answer OpenArena within {self.options.connect_timeout_s}s")
+                reply = session.receive(sock)
+                if reply is None:
+                    return
+                opened = handshake.arena_from(*reply)
+                self.arena_fds[opened.arena_id] = (opened.fd, opened.size)
+                self._arena_asked = None
+            if self._arenas_wanted:
+                self._arena_asked = self._arenas_wanted.pop(0)
+                session.send(sock, handshake.open_arena(self._arena_asked))
+                self._step_deadline = now + self.options.connect_timeout_s
+        except KvstoredError as exc:
+            self.fail(exc)
     # -- internals --------------------------------------------------------------------------
 
     def _check_fork(self) -> None:
@@ -264,6 +329,8 @@ class DaemonLink:
             self._sock = None
             self._handshake = None
             self.pool_fd = None
+            self.arena_fds = {}  # the parent's fds: not ours to close
+            self._arenas_wanted, self._arena_asked = [], None
             self.state = LinkState.DOWN
             self._backoff.skip()
 
@@ -277,7 +344,7 @@ class DaemonLink:
     def _start_if_due(self, now: float) -> bool:
         if not self._backoff.due(now):
             return False
-        handshake = Handshake(self.client_name)
+        handshake = Handshake(self.client_name, self._pins_pool)
         try:
             sock = session.connect(session_socket_path(self.socket_path), timeout=None)
         except Unavailable as exc:
@@ -332,8 +399,7 @@ class DaemonLink:
         self.epoch += 1
         self.counters.sessions_opened += 1
         self._backoff.succeeded()
-        if self.epoch > 1:
-            log.info("kvstored link up again (%s, session %s)", self.socket_path, self.session_id)
+        self.health.reachable()
 
     def _close_session(self) -> None:
         if self._sock is not None:
@@ -343,6 +409,18 @@ class DaemonLink:
         if self.pool_fd is not None:
             os.close(self.pool_fd)
             self.pool_fd = None
+        for fd, _size in self.arena_fds.values():
+            os.close(fd)
+        self.arena_fds.clear()
+        self._arenas_wanted, self._arena_asked = [], None
         self.state = LinkState.DOWN
         self.session_id = ""
         self.region_id = 0
+
+
+def _listening_but(socket_path: Path, exc: BaseException) -> Condition:
+    """The condition when both sockets accept connections and the session failed anyway."""
+    if isinstance(exc, Unavailable):  # closed, not answering the handshake, UNAVAILABLE
+        return Condition(Reason.RESTARTING, f"{socket_path} accepts connections but kvstored does not serve "
+                                            f"(starting, stopping or restarting)", str(exc))
+    return Condition(Reason.REJECTED, f"kvstored at {socket_path} refused the session", str(exc))

@@ -10,7 +10,12 @@ nothing is committed. A reservation that answers after its job gave up is releas
 into: once a job is reported, its GPU blocks are not read again.
 
 Load (pool -> GPU): the scheduler already holds leases on the chunks (its Acquire), and the spec
-carries their extents and the pool's identity; the worker only copies. Leases come from one daemon
+carries their extents and the pool's identity; the worker only copies.
+
+A tenant namespace's chunks (a request's cache_salt) live in the tenant's own arena, which the
+worker's session opens once it has registered the namespace; such arenas are mapped but not
+pinned (pinning a sparse arena would allocate all of it, and the daemon returns its free pages
+to the kernel, which a pin would silently keep), so their copies are staged by the driver. Leases come from one daemon
 run; the worker keeps that run's pool mapped while loads use it, even if the daemon has restarted
 meanwhile (the memory stays valid while mapped), so a lease is never read from a different pool.
 """
@@ -28,7 +33,7 @@ import numpy as np
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client.vllm.blockcopy import ChunkExtents, Copies, CudaRuntime, KVLayout, MappedPool, run_copies_cpu
-from kvstored_client.vllm.driver import DaemonLink, LinkOptions, LinkState, outcome
+from kvstored_client.vllm.driver import DaemonLink, LinkOptions, LinkState, arena_key, outcome
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +72,7 @@ class _Load:
     job_id: int
     pool_ids: set[str]
     submitted: float
+    namespace_id: str = ""  # a tenant namespace whose arena this worker must open first
     num_bytes: int = 0
     end_event: Any = None
     waiting: Any = None  # the copy to issue once its pool is mapped (after a daemon restart)
@@ -90,8 +96,9 @@ class PoolTransferEngine:
         self._connect_timeout_s = connect_timeout_s
         self._populate = populate
         options = LinkOptions(connect_timeout_s=connect_timeout_s, rpc_timeout_s=connect_timeout_s)
-        self.link = DaemonLink(socket_path, client_name, keep_pool_fd=True, options=options)
         self.cuda = CudaRuntime() if layout.is_cuda else None
+        self.link = DaemonLink(socket_path, client_name, keep_pool_fd=True, pins_pool=self.cuda is not None,
+                               options=options)
         if self.cuda is not None:
             import torch
 
@@ -173,7 +180,9 @@ class PoolTransferEngine:
         per_chunk = [[(e.offset, e.length) for e in s.extents] if s.state == pb.SLOT_STATE_RESERVED else []
                      for s in slots]
         job.handles = [s.handle for s in slots if s.state == pb.SLOT_STATE_RESERVED]
-        pool = self.pools.get(job.pool_id)
+        arena = next((s.extents[0].arena for s in slots if s.state == pb.SLOT_STATE_RESERVED and s.extents), 0)
+        self._map_current_pool()  # a tenant arena opened since the Reserve was sent
+        pool = self.pools.get(arena_key(job.pool_id, arena))
         if pool is None or not job.handles:
             job.copied = True
             return
@@ -204,18 +213,20 @@ class PoolTransferEngine:
 
     def submit_load(self, job_id: int, gpu_blocks: np.ndarray, group_sizes: Sequence[int],
                     block_indices: Sequence[int], chunk_pools: Sequence[str], extents: ChunkExtents,
-                    expedited: bool = False) -> bool:
+                    expedited: bool = False, namespace_id: str = "") -> bool:
         """Start a load of chunks whose leases the scheduler holds; chunk i lives in pool
-        chunk_pools[i] at `extents`. False when a pool is not mapped here (the job is then
-        reported failed)."""
+        chunk_pools[i] (an arena_key) at `extents`. namespace_id: the chunks' tenant namespace
+        (registered here to open its arena). False when a pool is not mapped here (the job is
+        then reported failed)."""
         now = time.monotonic()
-        load = _Load(job_id, set(chunk_pools), now)
+        load = _Load(job_id, set(chunk_pools), now, namespace_id)
         load.waiting = (np.asarray(gpu_blocks), group_sizes, block_indices, np.asarray(chunk_pools), extents,
                         expedited)
         self._loads[job_id] = load
         if not load.pool_ids <= set(self.pools):
             # The scheduler leased chunks of a daemon this worker has not reconnected to yet (a
-            # restart): hold the load until the session is back, within the connect timeout.
+            # restart), or of a tenant arena it has not opened yet: hold the load until it has,
+            # within the connect timeout.
             load.deadline = now + self._connect_timeout_s
             self.link.reconnect_soon()
             self.link.poll()
@@ -224,6 +235,9 @@ class PoolTransferEngine:
 
     def _issue_load(self, load: _Load) -> bool:
         """Start a waiting load whose pools are mapped; fail it once its deadline passed."""
+        if not load.pool_ids <= set(self.pools) and load.namespace_id and self.link.ready:
+            self.link.namespace_ready(load.namespace_id)  # registers it and opens its arena
+            self._map_current_pool()
         if not load.pool_ids <= set(self.pools):
             if time.monotonic() > load.deadline:
                 log.error("kvstored: load job %d reads pool(s) %s, which this worker could not map",
@@ -299,10 +313,10 @@ class PoolTransferEngine:
                 future.exception(timeout=self._connect_timeout_s)
             except (grpc.FutureTimeoutError, grpc.FutureCancelledError):
                 future.cancel()
-        self.link.close()
-        for pool in self.pools.values():
+        for pool in self.pools.values():  # unpinned before the session ends (the daemon keeps pinned memory)
             pool.close()
         self.pools.clear()
+        self.link.close()
 
     # -- internals --------------------------------------------------------------------------
 
@@ -329,9 +343,15 @@ class PoolTransferEngine:
         return self.link.ready and self.link.epoch == epoch
 
     def _map_current_pool(self) -> None:
-        if self.link.ready and self.link.pool_fd is not None and self.link.pool_id not in self.pools:
+        if not self.link.ready:
+            return
+        if self.link.pool_fd is not None and self.link.pool_id not in self.pools:
             self.pools[self.link.pool_id] = MappedPool(self.link.pool_fd, self.link.pool_bytes, self.link.pool_id,
                                                        self.cuda, populate=self._populate)
+        for arena, (fd, size) in self.link.arena_fds.items():
+            key = arena_key(self.link.pool_id, arena)
+            if key not in self.pools:  # sparse: neither populated nor pinned
+                self.pools[key] = MappedPool(fd, size, key, None, populate=False)
 
     def _drop_old_pools(self) -> None:
         """Unmap pools of earlier daemon runs once unused for a while: the scheduler may still hand
@@ -340,7 +360,11 @@ class PoolTransferEngine:
             return
         now = time.monotonic()
         used = {p for j in self._loads.values() for p in j.pool_ids} | {j.pool_id for j in self._stores.values()}
-        for pool_id in [p for p in self.pools if p != self.link.pool_id]:
+        used |= {arena_key(j.pool_id, a) for j in self._stores.values() for a in self.link.arena_fds}
+        current = {self.link.pool_id} | {arena_key(self.link.pool_id, a) for a in self.link.arena_fds}
+        for key in current:
+            self._retired.pop(key, None)
+        for pool_id in [p for p in self.pools if p not in current]:
             retired = self._retired.setdefault(pool_id, now)
             if pool_id not in used and now - retired > self._retain_old_pool_s:
                 self.pools.pop(pool_id).close()

@@ -3,7 +3,7 @@
     "kv_connector_extra_config": {
         "spec_name": "TieringOffloadingSpec",
         "cpu_bytes_to_use": 8589934592,
-        "secondary_tiers": [{"type": "kvstored", "socket": "/run/kvstored/kvstored.sock"}]
+        "secondary_tiers": [{"type": "kvstored", "kvstored_socket": "/run/kvstored/kvstored.sock"}]
     }
 
 (`"type": "kvstored"` comes from the `vllm.general_plugins` entry point; without the plugin use
@@ -65,6 +65,7 @@ from kvstored_client.vllm.lookups import LookupBatcher
 from kvstored_client.vllm.namespace import (
     SHA256_OFFLOAD_KEY_BYTES, TIER_ROW_FORMAT, RequestNamespaces, layout_info, namespace_spec,
 )
+from kvstored_client.vllm.plugin import SOCKET_OPTION, socket_option
 from kvstored_client.vllm.region import RegionNotShareable, region_file
 
 if TYPE_CHECKING:
@@ -122,6 +123,7 @@ class KvstoredTierManager(SecondaryTierManager):
         offloading_spec: OffloadingSpec,
         primary_kv_view: memoryview,
         tier_type: str,
+        kvstored_socket: str | None = None,
         socket: str | None = None,
         lookup_timeout_s: float = 0.25,
         connect_timeout_s: float = 1.0,
@@ -136,7 +138,8 @@ class KvstoredTierManager(SecondaryTierManager):
         backpressure_detector: BackpressureDetector | None = None,
     ) -> None:
         """Args (all but the first three come from the tier's config dict):
-        socket: the daemon's gRPC unix socket (default: $KVSTORED_SOCKET, else the standard path).
+        kvstored_socket: the daemon's gRPC unix socket (default: $KVSTORED_SOCKET, else the
+            standard path); the same name as in the direct spec. `socket` is an alias.
         lookup_timeout_s: a lookup batch unanswered this long counts as all misses.
         connect_timeout_s: one step of the session handshake may take this long.
         queue_timeout_s: a transfer waits at most this long for the session to come up.
@@ -181,7 +184,7 @@ class KvstoredTierManager(SecondaryTierManager):
             region_name = ""
 
         self._link = DaemonLink(
-            socket or default_socket_path(),
+            socket_option({SOCKET_OPTION: kvstored_socket, "socket": socket}) or default_socket_path(),
             client_name or f"vllm-tier-{offloading_spec.config.engine_id}-pid{os.getpid()}",
             region_fd=self._region_fd,
             region_name=region_name,
@@ -376,11 +379,11 @@ class KvstoredTierManager(SecondaryTierManager):
     @classmethod
     @override
     def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
-        return ("kvstored_socket",)
+        return (SOCKET_OPTION,)
 
     @override
     def config_info(self) -> ConfigInfoMapping:
-        return {"kvstored_socket": str(self._link.socket_path)}
+        return {SOCKET_OPTION: str(self._link.socket_path)}
 
     # -- internals: namespaces ------------------------------------------------------------------
 

@@ -1,0 +1,220 @@
+"""Benchmark of the pool's page modes and NUMA placement (not a test).
+
+For each pool_pages mode (4k, thp, hugetlb) and NUMA placement (unset, a node, interleave) it
+builds the daemon's pool exactly as the daemon does (kvstored.shm.memory: create_memfd, populate)
+and maps it a second time as a client does (mmap of the memfd, MAP_POPULATE), then measures:
+
+  populate        the daemon populating the pool at start (GiB/s)
+  client attach   a client mapping the whole pool (mmap + MAP_POPULATE): what every session pays
+  page tables     the client's page-table bytes for the mapping (VmPTE growth), per GiB of pool
+  copy 2 MiB      copies of whole 2 MiB chunks into the client's mapping (np.copyto), GiB/s
+  copy 64 KiB     64 KiB pieces at random offsets across the whole pool (the RAM tier's pages are
+                  64 KiB): the pattern most exposed to TLB misses, GiB/s
+  huge            how much of the pool the kernel backs with 2 MiB pages (/proc/self/smaps)
+
+The configurations are measured in rounds, --rounds times, in a different (seeded) order each
+round: the machine may be shared (a load burst then hits every configuration alike), and how fast
+huge pages are populated depends on what ran before (after a 4k pool is freed, THP needs
+compaction to find 2 MiB of free contiguous memory). Each figure is the best round; populate
+also shows the median. Every figure is
+printed beside the 4k pool without NUMA policy measured in the same run (ratio).
+A mode the machine cannot give prints the daemon's own error (e.g. no hugetlb pages reserved).
+--reserve-hugepages (root) raises vm.nr_hugepages for the run and restores it; --thp-shmem MODE
+(root) sets /sys/kernel/mm/transparent_hugepage/shmem_enabled for the run and restores it.
+
+Usage: .venv/bin/python bench/pool.py [--size 2GiB] [--rounds 5] [--modes 4k,thp,hugetlb]
+                                      [--numa unset,0,interleave] [--reserve-hugepages]
+                                      [--thp-shmem advise] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import mmap
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+from _common import GIB, MIB, load_average, machine_info, print_aligned, write_json  # noqa: E402
+from kvstored.shm import memory  # noqa: E402
+from kvstored.shm.memory import NumaPlacement, PoolMemoryError, PoolPages  # noqa: E402
+from kvstored.sizes import format_size, parse_size  # noqa: E402
+
+PIECE = 64 << 10
+CHUNK = 2 << 20
+COPY_BYTES = 512 * MIB  # copied per repeat (each pattern)
+
+
+@dataclass
+class Result:
+    mode: str
+    numa: str
+    error: str = ""
+    populate_gib_s: float = 0.0
+    attach_s: float = 0.0
+    pte_bytes_per_gib: float = 0.0
+    copy_chunk_gib_s: float = 0.0
+    copy_piece_gib_s: float = 0.0
+    huge_bytes: int = 0
+    samples: dict[str, list[float]] = field(default_factory=dict)
+
+
+def vm_pte() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmPTE:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def best(rounds: list[Result]) -> Result:
+    """The best of each figure over the rounds of one configuration (samples kept)."""
+    ok = [r for r in rounds if not r.error]
+    if not ok:
+        return rounds[0]
+    return Result(ok[0].mode, ok[0].numa, "", max(r.populate_gib_s for r in ok), min(r.attach_s for r in ok),
+                  min(r.pte_bytes_per_gib for r in ok), max(r.copy_chunk_gib_s for r in ok),
+                  max(r.copy_piece_gib_s for r in ok), max(r.huge_bytes for r in ok),
+                  {f: [getattr(r, f) for r in ok] for f in ("populate_gib_s", "attach_s", "copy_chunk_gib_s",
+                                                            "copy_piece_gib_s")})
+
+
+def measure(size: int, pages: PoolPages, numa: NumaPlacement | None, src: np.ndarray) -> Result:
+    """One round of one configuration."""
+    result = Result(pages.value, str(numa) if numa else "unset")
+    try:
+        memory.check_request(size, pages, numa, populate=True)
+        start = time.perf_counter()
+        mem = memory.create_memfd(size, pages, numa)
+    except PoolMemoryError as exc:
+        result.error = str(exc)
+        return result
+    try:
+        memory.populate(mem)
+        result.populate_gib_s = size / (time.perf_counter() - start) / GIB
+        result.huge_bytes = memory.huge_page_bytes(mem)
+        pte = vm_pte()
+        start = time.perf_counter()
+        client = mmap.mmap(mem.fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)  # as kvstored_client maps it
+        result.attach_s = time.perf_counter() - start
+        result.pte_bytes_per_gib = (vm_pte() - pte) / (size / GIB)
+        try:
+            pool = np.frombuffer(client, dtype=np.uint8)
+            rng = np.random.default_rng(1)
+            chunk_slots = rng.permutation(size // CHUNK)[:COPY_BYTES // CHUNK]
+            piece_slots = rng.integers(0, size // PIECE, COPY_BYTES // PIECE)
+            t = time.perf_counter()
+            for i, slot in enumerate(chunk_slots):
+                at = int(slot) * CHUNK
+                np.copyto(pool[at:at + CHUNK], src[(i * CHUNK) % len(src):][:CHUNK])
+            result.copy_chunk_gib_s = len(chunk_slots) * CHUNK / (time.perf_counter() - t) / GIB
+            t = time.perf_counter()
+            for i, slot in enumerate(piece_slots):
+                at = int(slot) * PIECE
+                np.copyto(pool[at:at + PIECE], src[(i * PIECE) % len(src):][:PIECE])
+            result.copy_piece_gib_s = len(piece_slots) * PIECE / (time.perf_counter() - t) / GIB
+            del pool
+        finally:
+            client.close()
+    finally:
+        mem.mapping.close()
+        os.close(mem.fd)
+    return result
+
+
+@contextlib.contextmanager
+def system_setting(path: Path, value: str | None) -> Iterator[None]:
+    """Write `value` into a sysfs/procfs file for the block (root), then restore it."""
+    if value is None:
+        yield
+        return
+    text = path.read_text()
+    before = text[text.index("[") + 1:text.index("]")] if "[" in text else text.strip()
+    path.write_text(value)
+    try:
+        yield
+    finally:
+        path.write_text(before)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="2GiB", help="pool size (default 2GiB)")
+    parser.add_argument("--rounds", type=int, default=5, help="round-robin rounds; the best one counts (default 5)")
+    parser.add_argument("--modes", default="4k,thp,hugetlb", help="pool_pages modes to compare")
+    parser.add_argument("--numa", default="unset,0,interleave", help="NUMA placements to compare")
+    parser.add_argument("--reserve-hugepages", action="store_true",
+                        help="(root) raise vm.nr_hugepages for the run so hugetlb can be measured")
+    parser.add_argument("--thp-shmem", metavar="MODE", help="(root) set transparent_hugepage/shmem_enabled for the run")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    size = parse_size(args.size)
+    modes = [PoolPages(m) for m in args.modes.split(",")]
+    placements = [NumaPlacement.parse(n) for n in args.numa.split(",")]
+    src = np.random.default_rng(0).integers(0, 255, 64 * MIB, dtype=np.uint8)
+
+    huge_needed = 0
+    if args.reserve_hugepages and PoolPages.HUGETLB in modes:
+        huge_needed = max(0, size // memory.HUGE_PAGE_BYTES - memory.free_huge_pages(None))
+    nr = Path("/proc/sys/vm/nr_hugepages")
+    nr_value = str(int(nr.read_text()) + huge_needed) if huge_needed else None
+    print(f"pool {format_size(size)}; NUMA nodes {memory.numa_nodes()}; THP shmem_enabled "
+          f"{memory.thp_shmem_mode()!r}{' -> ' + repr(args.thp_shmem) if args.thp_shmem else ''}; free huge pages "
+          f"{memory.free_huge_pages(None)}{f' (+{huge_needed} reserved for the run)' if huge_needed else ''}; "
+          f"load average {load_average():.1f}")
+    configs = [(pages, numa) for pages in modes for numa in placements]
+    rounds: dict[tuple, list[Result]] = {c: [] for c in configs}
+    with system_setting(memory.THP_SHMEM, args.thp_shmem), system_setting(nr, nr_value):
+        order = np.random.default_rng(2)
+        for _ in range(args.rounds):
+            for index in order.permutation(len(configs)):
+                pages, numa = configs[index]
+                if not (rounds[(pages, numa)] and rounds[(pages, numa)][0].error):
+                    rounds[(pages, numa)].append(measure(size, pages, numa, src))
+    results = [best(rounds[c]) for c in configs]
+
+    base = next((r for r in results if r.mode == "4k" and r.numa == "unset" and not r.error), None)
+
+    def cell(r: Result, value: float, ref: float, fmt: str) -> str:
+        text = fmt.format(value)
+        return f"{text} ({value / ref:.2f}x)" if base is not None and ref else text
+
+    table = [["pages", "numa", "populate GiB/s (best, median)", "client attach s", "page tables/GiB",
+              "copy 2 MiB GiB/s",
+              "copy 64 KiB GiB/s", "in 2 MiB pages"]]
+    for r in results:
+        if r.error:
+            table.append([r.mode, r.numa, "-", "-", "-", "-", "-", "-"])
+            continue
+        b = base or r
+        populate = cell(r, r.populate_gib_s, b.populate_gib_s, "{:.2f}")
+        populate += f" med {statistics.median(r.samples['populate_gib_s']):.2f}"
+        table.append([r.mode, r.numa, populate,
+                      cell(r, r.attach_s, b.attach_s, "{:.3f}"), format_size(int(r.pte_bytes_per_gib)),
+                      cell(r, r.copy_chunk_gib_s, b.copy_chunk_gib_s, "{:.2f}"),
+                      cell(r, r.copy_piece_gib_s, b.copy_piece_gib_s, "{:.2f}"),
+                      f"{100 * r.huge_bytes / size:.0f}%"])
+    print_aligned(table, right={2, 3, 4, 5, 6, 7})
+    for r in results:
+        if r.error:
+            print(f"  * {r.mode} / numa {r.numa}: {r.error}")
+    if args.json:
+        write_json(args.json, {"machine": machine_info(), "size": size, "rounds": args.rounds, "copy_bytes": COPY_BYTES,
+                               "results": [vars(r) for r in results],
+                               "medians": {f"{r.mode}/{r.numa}": {k: statistics.median(v) for k, v in r.samples.items()}
+                                           for r in results if r.samples}})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""Benchmark of what tenant isolation costs on the local data path (not a test).
+
+A tenant's chunks live in an arena of its own (a sparse memfd only its sessions map) instead of
+the public pool. This stores and loads the same bytes through a public namespace and through a
+tenant namespace, interleaved, in the same run, and prints the tenant's GiB/s beside the public
+one's:
+
+  warm      both namespaces store new keys each repeat within a quota of one working set, so
+            each evicts its own previous chunks and reuses their pages: the steady state of a
+            cache. Pool mapping (the client copies) and region registration (the daemon copies).
+  first     a tenant seen for the first time (a fresh arena: every page a hole) stores a
+            quarter working set: every page is allocated and zeroed by its first write.
+  release   returning freed pages to the kernel (fallocate PUNCH_HOLE, what the daemon does in a
+            thread for a tenant's memory beyond its slack), beside the memcpy of the same bytes.
+
+Method: one daemon (RAM tier 2.5x the working set, populated; tenant_quota and the public
+namespace's quota_bytes = one working set), one client process; buffers populated before timing;
+public and tenant phases alternate which goes first; --warmup repeats discarded, best of --repeat
+reported (median beside it); every load is checked against its source in the first repeat. The
+CPU rows (client + daemon CPU seconds per GiB, median) hardly move when other processes share
+the CPUs, unlike GiB/s.
+
+Usage: .venv/bin/python bench/tenants.py [--gib 0.5] [--chunk-mib 2] [--batch 64] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+
+from _common import (  # noqa: E402
+    GIB, MIB, Daemon, Row, ShmFile, Stats, fill_pattern, load_average, machine_info, populate, print_table,
+    process_cpu_seconds, write_json,
+)
+
+WARM_TARGET = 0.9  # a tenant's steady state should cost next to nothing
+
+
+def punch_gib_s(nbytes: int, chunk: int) -> tuple[float, float]:
+    """(GiB/s returning touched memfd pages to the kernel in chunk-sized holes, GiB/s of a memcpy
+    of the same bytes)."""
+    from kvstored.shm.mapping import create_arena_memfd, punch_hole
+
+    fd = create_arena_memfd("bench-punch", nbytes)
+    try:
+        mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+        arr = np.frombuffer(mapped, dtype=np.uint8)
+        src = populate(np.empty(nbytes, dtype=np.uint8))
+        arr[:] = src  # every page resident and mapped, as in the daemon and a client
+        t0 = time.perf_counter()
+        arr[:] = src
+        copy_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for off in range(0, nbytes, chunk):
+            punch_hole(fd, off, chunk)
+        punch_s = time.perf_counter() - t0
+        del arr
+        mapped.close()
+    finally:
+        os.close(fd)
+    return nbytes / punch_s / GIB, nbytes / copy_s / GIB
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gib", type=float, default=0.5, help="working set in GiB (default 0.5)")
+    ap.add_argument("--chunk-mib", type=float, default=2.0, help="chunk size in MiB (default 2)")
+    ap.add_argument("--batch", type=int, default=64, help="chunks per request (default 64)")
+    ap.add_argument("--repeat", type=int, default=5, help="timed repeats (default 5; best is reported)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed repeats first (default 1)")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    args = ap.parse_args(argv)
+
+    from kvstored_client import Client, NamespaceSpec
+
+    chunk = int(args.chunk_mib * MIB)
+    n = -(-int(args.gib * GIB) // chunk)
+    ws = n * chunk
+    cpu_bytes = -(-int(ws * 2.5) // (64 << 10)) * (64 << 10)
+    info = machine_info()
+    print(f"kvstored tenant-isolation benchmark: working set {ws / GIB:.3f} GiB = {n} chunks of {args.chunk_mib:g} "
+          f"MiB, {args.batch} per request, best of {args.repeat} (+{args.warmup} warm-up); RAM tier "
+          f"{cpu_bytes / GIB:.2f} GiB; {info['cpus']} CPUs, kernel {info['kernel']}; git {info['git']}")
+    load_start = load_average()
+
+    src = populate(np.empty(ws, dtype=np.uint8))
+    fill_pattern(src, chunk, seed=7)
+    dst = populate(np.empty(ws, dtype=np.uint8))
+    region_file = ShmFile(2 * ws, prefix="kvstored-bench-tenants")
+    region_file.array[:ws] = src
+    offsets_in = [i * chunk for i in range(n)]
+    offsets_out = [ws + i * chunk for i in range(n)]
+    batches = [(b, min(b + args.batch, n)) for b in range(0, n, args.batch)]
+    samples: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}  # client + daemon CPU ms per GiB
+    errors: list[str] = []
+
+    with Daemon(cpu_bytes, extra_args=["--tenant-quota", str(ws)]) as daemon, \
+            Client(daemon.socket, deadline_s=60.0, client_name="bench-tenants") as kv:
+        namespaces = {
+            "public": kv.register_namespace(NamespaceSpec(model="bench/tenants", dtype="uint8", chunk_bytes=chunk,
+                                                          quota_bytes=ws)),
+            "tenant": kv.register_namespace(NamespaceSpec(model="bench/tenants", dtype="uint8", chunk_bytes=chunk,
+                                                          tenant_salt=b"bench-tenant")),
+        }
+        region = kv.register_region(region_file.path)
+        region_file.unlink()
+
+        def timed(name: str, rep: int, nbytes: int, fn: Callable[[], None]) -> None:
+            c0, d0 = time.process_time(), process_cpu_seconds(daemon.pid)
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            c1, d1 = time.process_time(), process_cpu_seconds(daemon.pid)
+            if rep >= args.warmup:
+                samples.setdefault(name, []).append(nbytes / (t1 - t0) / GIB)
+                cpu.setdefault(name, []).append((c1 - c0 + d1 - d0) * 1e3 * GIB / nbytes)
+
+        for rep in range(args.warmup + args.repeat):
+            order = list(namespaces.items())
+            for who, ns in order if rep % 2 else order[::-1]:
+                keys = [f"{who}/{rep}/{i}".encode().ljust(32, b".") for i in range(n)]
+                rkeys = [f"{who}/r{rep}/{i}".encode().ljust(32, b".") for i in range(n)]
+
+                what = f"{who} rep {rep}"
+
+                def store(keys=keys, ns=ns, what=what) -> None:
+                    for b0, b1 in batches:
+                        if kv.store(ns, keys[b0:b1], src[b0 * chunk:b1 * chunk]).stored != b1 - b0:
+                            errors.append(f"{what}: store")
+
+                def load(keys=keys, ns=ns, what=what) -> None:
+                    for b0, b1 in batches:
+                        if kv.load(ns, keys[b0:b1], dst[b0 * chunk:b1 * chunk]) != b1 - b0:
+                            errors.append(f"{what}: load")
+
+                def region_store(rkeys=rkeys, ns=ns, what=what) -> None:
+                    for b0, b1 in batches:
+                        if kv.store_from_region(ns, region, rkeys[b0:b1], offsets_in[b0:b1]).stored != b1 - b0:
+                            errors.append(f"{what}: region store")
+
+                def region_load(rkeys=rkeys, ns=ns, what=what) -> None:
+                    for b0, b1 in batches:
+                        if kv.load_to_region(ns, region, rkeys[b0:b1], offsets_out[b0:b1]) != b1 - b0:
+                            errors.append(f"{what}: region load")
+
+                dst[:] = 0
+                timed(f"{who}_store", rep, ws, store)
+                timed(f"{who}_load", rep, ws, load)
+                if rep == 0 and not np.array_equal(dst, src):
+                    errors.append(f"{who}: loaded bytes differ")
+                timed(f"{who}_region_store", rep, ws, region_store)
+                timed(f"{who}_region_load", rep, ws, region_load)
+                if rep == 0 and not np.array_equal(region_file.array[ws:], src):
+                    errors.append(f"{who}: region loaded bytes differ")
+
+            # A tenant seen for the first time: a fresh arena, every page a hole.
+            first = kv.register_namespace(NamespaceSpec(model="bench/tenants", dtype="uint8", chunk_bytes=chunk,
+                                                        tenant_salt=f"bench-first-{rep}".encode()))
+            quarter = batches[:max(1, len(batches) // 4)]
+            fkeys = [f"first/{rep}/{i}".encode().ljust(32, b".") for i in range(n)]
+            nbytes = sum(b1 - b0 for b0, b1 in quarter) * chunk
+
+            def first_store(first=first, quarter=quarter, fkeys=fkeys) -> None:
+                for b0, b1 in quarter:
+                    kv.store(first, fkeys[b0:b1], src[b0 * chunk:b1 * chunk])
+
+            timed("first_store", rep, nbytes, first_store)
+            for b0, b1 in quarter:
+                kv.delete(first, fkeys[b0:b1])
+        resident = kv.stats()  # (the daemon is alive and answering)
+        assert resident.version
+
+    punch, copy = punch_gib_s(min(ws, 256 * MIB), chunk)
+    region_file.close()
+    best = {k: Stats.of(v) for k, v in samples.items()}
+
+    def row(label: str, phase: str, base: str, target: float | None) -> Row:
+        return Row(label, best[phase].best, "GiB/s", base.replace("_", " "), best[base].best, target,
+                   median=best[phase].median)
+
+    def cpu_row(label: str, phase: str, base: str) -> Row:
+        return Row(label, statistics.median(cpu[phase]), "ms", base.replace("_", " "),
+                   statistics.median(cpu[base]), higher_is_better=False)
+
+    rows = [
+        Row("public pool mapping store", best["public_store"].best, "GiB/s", median=best["public_store"].median),
+        row("tenant pool mapping store (warm)", "tenant_store", "public_store", WARM_TARGET),
+        Row("public pool mapping load", best["public_load"].best, "GiB/s", median=best["public_load"].median),
+        row("tenant pool mapping load (warm)", "tenant_load", "public_load", WARM_TARGET),
+        row("tenant region store (warm)", "tenant_region_store", "public_region_store", WARM_TARGET),
+        row("tenant region load (warm)", "tenant_region_load", "public_region_load", WARM_TARGET),
+        row("first tenant store, fresh arena (first touch)", "first_store", "public_store", None),
+        Row("returning pages to the kernel (punch)", punch, "GiB/s", "memcpy of the same bytes", copy),
+        cpu_row("CPU per GiB: tenant pool store", "tenant_store", "public_store"),
+        cpu_row("CPU per GiB: tenant pool load", "tenant_load", "public_load"),
+        cpu_row("CPU per GiB: tenant region store", "tenant_region_store", "public_region_store"),
+        cpu_row("CPU per GiB: tenant region load", "tenant_region_load", "public_region_load"),
+        cpu_row("CPU per GiB: first tenant store", "first_store", "public_store"),
+    ]
+    print()
+    print_table(rows, title="results (value = best repeat, median = median repeat; same run)")
+    load_end = load_average()
+    if max(load_start, load_end) > 1.0:
+        print(f"\nWARNING: load average {load_start:.2f} at start, {load_end:.2f} at end: noisy figures.")
+    for e in errors:
+        print(f"ERROR: {e}")
+    if args.json:
+        write_json(args.json, {"rows": [r.to_json() for r in rows], "samples": samples, "cpu_ms_per_gib": cpu,
+                               "errors": errors,
+                               "machine": info})
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

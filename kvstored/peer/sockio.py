@@ -1,0 +1,109 @@
+"""Non-blocking socket I/O on the event loop straight into and out of pool views (no buffering
+layer in between: asyncio streams would copy every byte once more)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Callable, Sequence
+
+from kvstored.peer.errors import PeerUnreachable
+from kvstored.tiers.views import as_bytes
+
+_IOV_MAX = 1024
+
+
+async def recv_into_all(
+    loop: asyncio.AbstractEventLoop,
+    sock: socket.socket,
+    views: Sequence[memoryview],
+    moved: Callable[[int], None] | None = None,
+) -> None:
+    """Fill every view in order, scattering each read across them (recvmsg_into), and reading on
+    while data is there before waiting for more (a wait costs more than a read); `moved(n)` after
+    each read. PeerUnreachable if the peer closes the connection first. Cancelling it stops the
+    reads at once: nothing is written into the views afterwards."""
+    pending = [as_bytes(v) for v in views if len(v)]
+    while pending:
+        try:
+            n = sock.recvmsg_into(pending[:_IOV_MAX])[0]
+        except (BlockingIOError, InterruptedError):
+            await _ready(loop, sock, reading=True)
+            continue
+        if n == 0:
+            raise PeerUnreachable("the peer closed the connection mid-transfer")
+        if moved is not None:
+            moved(n)
+        pending = _advance(pending, n)
+
+
+async def send_all(
+    loop: asyncio.AbstractEventLoop,
+    sock: socket.socket,
+    bufs: Sequence[memoryview],
+    moved: Callable[[int], None] | None = None,
+) -> int:
+    """Write every buffer in order, gathered (sendmsg), waiting for room as needed; `moved(n)`
+    after each write. Cancelling it stops the writes at once (the stream is then broken: close
+    the socket)."""
+    pending = [as_bytes(b) for b in bufs if len(b)]
+    total = 0
+    while pending:
+        try:
+            n = sock.sendmsg(pending[:_IOV_MAX])
+        except (BlockingIOError, InterruptedError):
+            await _ready(loop, sock, reading=False)
+            continue
+        total += n
+        if moved is not None:
+            moved(n)
+        pending = _advance(pending, n)
+    return total
+
+
+async def _ready(loop: asyncio.AbstractEventLoop, sock: socket.socket, reading: bool) -> None:
+    ready = loop.create_future()
+    fd = sock.fileno()
+    if reading:
+        loop.add_reader(fd, _wake, ready)
+    else:
+        loop.add_writer(fd, _wake, ready)
+    try:
+        await ready
+    finally:
+        if reading:
+            loop.remove_reader(fd)
+        else:
+            loop.remove_writer(fd)
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
+    i = 0
+    while i < len(bufs) and n >= len(bufs[i]):
+        n -= len(bufs[i])
+        i += 1
+    rest = bufs[i:]
+    if n:
+        rest[0] = rest[0][n:]
+    return rest
+
+
+def peer_gone(sock: socket.socket) -> bool:
+    """Whether an idle connection is unusable: closed by the peer, or holding bytes nobody asked
+    for (a frame of an abandoned transfer)."""
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+    return True  # b"" (closed) or unexpected bytes
+
+
+def tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
