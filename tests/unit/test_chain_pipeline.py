@@ -79,7 +79,7 @@ async def test_a_load_reads_into_free_ram_while_write_downs_make_room_for_the_re
     assert len(leases) == 3
     for lease, i in zip(leases, range(50, 53)):
         for extent in lease.extents:
-            assert (chain._pool.array[extent.offset:extent.offset + extent.length] == i).all()
+            assert (chain.arenas.array(extent.arena)[extent.offset:extent.offset + extent.length] == i).all()
     chain.release([lease.entry for lease in leases])
     await settle(lambda: chain.writeback.in_flight_bytes == 0, "the write-downs ended")
     assert chain.ram.counters.dropped_dirty == 0
@@ -99,7 +99,7 @@ async def test_a_stream_of_stores_and_loads_larger_than_ram_loses_nothing(rig):
             assert grant.outcome is ReserveOutcome.RESERVED
             offset = 0
             for extent in grant.extents:
-                chain._pool.array[extent.offset:extent.offset + extent.length] = \
+                chain.arenas.array(extent.arena)[extent.offset:extent.offset + extent.length] = \
                     payloads[i][offset:offset + extent.length]
                 offset += extent.length
         chain.commit([g.entry for g in grants])
@@ -116,7 +116,7 @@ async def test_a_stream_of_stores_and_loads_larger_than_ram_loses_nothing(rig):
         try:
             assert len(leases) == 4, f"batch {first}: {len(leases)} of 4 loaded"
             for lease, i in zip(leases, range(first, first + 4)):
-                got = np.concatenate([chain._pool.array[e.offset:e.offset + e.length] for e in lease.extents])
+                got = np.concatenate([chain.arenas.array(e.arena)[e.offset:e.offset + e.length] for e in lease.extents])
                 np.testing.assert_array_equal(got, payloads[i])
         finally:
             chain.release([lease.entry for lease in leases])
@@ -149,7 +149,7 @@ async def test_a_lookup_starts_every_promotion_its_load_will_need_even_with_ram_
     assert len(leases) == 3
     for lease, i in zip(leases, range(50, 53)):
         for extent in lease.extents:
-            assert (chain._pool.array[extent.offset:extent.offset + extent.length] == i).all()
+            assert (chain.arenas.array(extent.arena)[extent.offset:extent.offset + extent.length] == i).all()
     chain.release([lease.entry for lease in leases])
     assert tier.calls["read"] == 3  # nothing read twice
     await settle(lambda: chain.writeback.in_flight_bytes == 0, "the write-downs ended")
