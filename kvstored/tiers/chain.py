@@ -164,7 +164,7 @@ class TierChain:
         slot = self._slot_bytes(ns)
         self._start_room(ns, len(below) * slot)
         for n, (chunk, tier_index) in enumerate(below):
-            if not self._has_room(ns, slot):
+            if not self.ram.fits(ns.namespace_id, ns.chunk_bytes):
                 task = asyncio.ensure_future(self._prefetch_when_room(ns, below[n:], self.writeback.deadline()))
                 self._prefetches.add(task)
                 task.add_done_callback(self._prefetch_done)
@@ -460,10 +460,6 @@ class TierChain:
         for scope in self._scopes(ns):
             self.writeback.start_room(nbytes, ns.chunk_bytes, scope)
         self.writeback.start_room(nbytes, ns.chunk_bytes)
-
-    def _has_room(self, ns: Namespace, nbytes: int) -> bool:
-        """Whether `nbytes` of `ns` fit without evicting: in the tier and in its quotas."""
-        return all(self.ram.room_bytes(scope) >= nbytes for scope in (None, *self._scopes(ns)))
 
     def _scopes(self, ns: Namespace) -> tuple[QuotaScope, ...]:
         placement = self.ram.placement_of(ns.namespace_id)

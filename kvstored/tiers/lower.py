@@ -342,12 +342,13 @@ class Promoter:
     def start(self, chunk: ChunkId, size: int, tier_index: int, evict: bool = True) -> asyncio.Future | None:
         """Begin copying `chunk` up from lower tier `tier_index`; the future resolves to True
         once it is READY in RAM (False if it could not be promoted). Without `evict`, only free
-        RAM is used (prefetch must not push out chunks a load is about to need)."""
+        RAM is used, within the namespace's quotas too (prefetch must not push out chunks a load
+        is about to need, nor a quota's chunks before their write-down)."""
         if chunk in self._in_flight:
             return self._in_flight[chunk][0]
         if self._deleting.blocks(chunk):
             return None
-        if not evict and self._ram.free_bytes < self._ram.pages_for(size) * self._ram.page_bytes:
+        if not evict and not self._ram.fits(chunk[0], size):
             return None
         reservation = self._ram.reserve(chunk, size)
         if reservation.evicted:

@@ -212,6 +212,17 @@ class RamTier:
             return self.free_bytes
         return max(0, scope.limit_pages - scope.used_pages) * self.page_bytes
 
+    def fits(self, namespace_id: str, size: int) -> bool:
+        """Whether a chunk of `size` of the namespace can be reserved now without evicting
+        anything: room in the tier, in each of its quotas and in its arena."""
+        placement = self._placement(namespace_id)
+        alloc = self._arenas.get(placement.arena) if placement is not None else None
+        if placement is None or alloc is None:
+            return False
+        pages = self.pages_for(size)
+        return (self._capacity_pages - self._used_pages >= pages and alloc.free_pages >= pages
+                and all(scope.used_pages + pages <= scope.limit_pages for scope in placement.scopes))
+
     def limit_bytes(self, scope: QuotaScope | None = None) -> int:
         """The most that may be held: the tier's capacity (scope None), or a scope's quota."""
         return self.capacity_bytes if scope is None else scope.limit_pages * self.page_bytes

@@ -12,7 +12,7 @@ import pytest
 
 from kvstored.namespaces import Namespace
 from kvstored.tiers.base import TierCapabilities, TierKind
-from kvstored.tiers.ram import ReserveOutcome
+from kvstored.tiers.ram import PUBLIC, Placement, QuotaScope, ReserveOutcome
 from tests.support.tiers import GatedMemoryTier, make_chain, settle, store
 
 CHUNK = 64 << 10
@@ -169,3 +169,42 @@ async def test_closing_the_chain_ends_a_lookup_prefetch_still_waiting_for_room(r
     assert chain._prefetches  # waiting for its room
     await chain.close()  # with the write-downs still held: it must not wait for them
     assert not chain._prefetches
+
+
+async def test_a_lookup_for_a_namespace_at_its_quota_makes_room_within_the_quota(rig):
+    """A tenant's (or namespace's) quota is full while the tier has room: the promotions a lookup
+    starts (the leading quarter of the quota) wait for write-downs of the quota's own oldest
+    chunks, the others are not prefetched at all, instead of evicting those chunks without a
+    copy below; the other namespaces' chunks stay in RAM, not written down."""
+    chain, tier = await rig(pool=16 * CHUNK, concurrency=4)
+    quota = QuotaScope("t", limit_pages=4 * chain.ram.pages_for(CHUNK))
+    chain.ram.set_placement(lambda ns: Placement(scopes=(quota,)) if ns == "t" else PUBLIC)
+    tenant_ns = Namespace("t", "m", "uint8", CHUNK, "", 32)
+    for i in range(8):
+        await store(chain, NS, key(i), i)  # public chunks, no copy below; the tier keeps room
+    for i in range(4):
+        await store(chain, tenant_ns, key(20 + i), 20 + i)  # the quota full, no copy below
+    for i in range(2):
+        tier.data[("t", key(50 + i))] = bytes([50 + i]) * CHUNK  # below RAM only
+    tier.close_gate("write")
+    found = await chain.lookup(tenant_ns, [key(50), key(51)])
+    assert found == [TierKind.FS, TierKind.FS]
+    await tier.until_waiting("write")  # the quota's oldest goes down first (a quarter of 4 chunks)
+    assert chain.ram.counters.dropped_dirty == 0 and quota.evictions == 0
+    assert tier.calls["read"] == 0  # no room within the quota yet: nothing read
+    tier.open_gate("write")
+    await settle(lambda: chain.ram.contains(("t", key(50)), touch=False), "the prefetch landing once it had room")
+    leases = await chain.acquire(tenant_ns, [key(50), key(51)])
+    assert len(leases) == 2
+    for lease, i in zip(leases, range(50, 52)):
+        for extent in lease.extents:
+            assert (chain.arenas.array(extent.arena)[extent.offset:extent.offset + extent.length] == i).all()
+    chain.release([lease.entry for lease in leases])
+    assert tier.calls["read"] == 2  # nothing read twice
+    await settle(lambda: chain.writeback.in_flight_bytes == 0, "the write-downs ended")
+    assert chain.ram.counters.dropped_dirty == 0
+    assert quota.used_pages <= quota.limit_pages
+    for i in range(2):  # the quota's oldest made the room, after their write-down
+        assert tier.data[("t", key(20 + i))] == bytes([20 + i]) * CHUNK
+    assert not any(chunk[0] == "ns" for chunk in tier.data)  # nothing public was pushed down
+    assert all(chain.ram.contains(("ns", key(i)), touch=False) for i in range(8))
