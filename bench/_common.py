@@ -18,12 +18,15 @@ import json
 import mmap
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -393,3 +396,92 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+# -- physical limits (what a path is bounded by on this machine) --------------------------------
+
+
+def drop_page_cache(level: int = 3) -> bool:
+    """sync, then drop the page cache (1) or also dentries and inodes (3); root only."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write(f"{level}\n")
+        return True
+    except OSError:
+        return False
+
+
+def aligned_pool(nbytes: int) -> mmap.mmap:
+    """A populated anonymous mapping: page-aligned, as O_DIRECT needs and as the daemon's pool is."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    buf = mmap.mmap(-1, nbytes, flags=flags)
+    populate(np.frombuffer(buf, dtype=np.uint8))
+    return buf
+
+
+def memcpy_gib_s(nbytes: int = 256 * MIB, repeat: int = 3) -> float:
+    """One large numpy copy between two populated buffers (glibc uses non-temporal stores at this
+    size): the memory-bandwidth ceiling of one core, best of `repeat`."""
+    src = populate(np.empty(nbytes, dtype=np.uint8))
+    dst = populate(np.empty(nbytes, dtype=np.uint8))
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / GIB
+
+
+@dataclass(frozen=True)
+class DiskLimit:
+    """Raw O_DIRECT of one file per chunk (header page + payload, as the fs tier writes them)."""
+
+    write_gib_s: float
+    read_gib_s: float  # page cache dropped first (when root); O_DIRECT reads bypass it anyway
+    queue_depth: int
+    chunk_bytes: int
+
+
+def raw_odirect(directory: str | os.PathLike, chunks: int, chunk_bytes: int, queue_depth: int) -> DiskLimit:
+    """Write then read `chunks` files of 4 KiB + chunk_bytes with O_DIRECT from `queue_depth`
+    threads (as many I/Os at the disk at once as the tier under test has), on the same disk."""
+    root = Path(tempfile.mkdtemp(prefix="kvstored-raw-odirect-", dir=directory))
+    buf = aligned_pool(4096 + chunk_bytes)
+    view = memoryview(buf)
+    paths = [str(root / f"{i:06d}.raw") for i in range(chunks)]
+    local = threading.local()
+
+    def write(path: str) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT | os.O_CLOEXEC, 0o644)
+        try:
+            if os.pwritev(fd, [view], 0) != len(view):
+                raise RuntimeError("short O_DIRECT write")
+        finally:
+            os.close(fd)
+
+    def read(path: str) -> None:
+        mine = getattr(local, "buf", None)
+        if mine is None:
+            mine = local.buf = memoryview(aligned_pool(len(view)))
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+        try:
+            if os.preadv(fd, [mine], 0) != len(mine):
+                raise RuntimeError("short O_DIRECT read")
+        finally:
+            os.close(fd)
+
+    try:
+        with ThreadPoolExecutor(queue_depth) as pool:
+            os.sync()
+            t0 = time.perf_counter()
+            list(pool.map(write, paths))
+            w = time.perf_counter() - t0
+            drop_page_cache()
+            t0 = time.perf_counter()
+            list(pool.map(read, paths))
+            r = time.perf_counter() - t0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    total = chunks * chunk_bytes
+    return DiskLimit(total / w / GIB, total / r / GIB, queue_depth, chunk_bytes)

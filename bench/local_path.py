@@ -31,7 +31,12 @@ Method
 - The machine may be shared: the load average is printed, with a warning when it is high.
 - --nt-threshold BYTES is a what-if: daemon and clients run with glibc's non-temporal memcpy
   threshold lowered. glibc derives the threshold from the L3 size the CPU reports (181.5 MiB on
-  this VM), so 2 MiB chunk copies use cached stores and run at ~0.6x of a large copy.
+  this VM), so 2 MiB chunk copies with memcpy use cached stores and run at ~0.6x of a large copy
+  (the "memcpy in pieces" row). The client copies chunks with its own non-temporal helper
+  (kvstored_client._ntcopy; numpy where it is not built); the daemon lowers glibc's threshold
+  for its own region copies.
+- Beside the ratios: the physical limits (one large memcpy per process, an empty gRPC round
+  trip) and the load average at start and end.
 - The breakdown's "cpu ratio" (memcpy CPU / client+daemon CPU for the same bytes) is the steadier
   number when other processes share the CPUs.
 - Lookups: keys present in the cache; the empty round trip, Client.lookup(1 key),
@@ -461,6 +466,11 @@ def main(argv: list[str] | None = None) -> int:
                             "ms rows: percentiles over all calls)")
     print_breakdown(results)
     load_end = load_average()
+    limits = ", ".join(f"one memcpy {s['phases']['memcpy']['best_gib_s']:.2f} GiB/s with {n} process"
+                       f"{'es' if n > 1 else ''}" for n, s in results.items())
+    print(f"\nphysical limits on this machine (the baselines above): {limits} (every data row copies the same "
+          f"bytes once); an empty gRPC round trip {lookups['empty_rtt']['p50_ms']:.3f} ms p50 (the raw transport "
+          f"under every lookup); load average {load_start:.2f} at start, {load_end:.2f} at end")
     if max(load_start, load_end) > 1.0:
         print(f"\nWARNING: load average {load_start:.2f} at start, {load_end:.2f} at end: other processes were "
               f"competing for the {info['cpus']} CPUs; GiB/s and latencies are noisy (best-of helps, ratios less so).")

@@ -9,7 +9,7 @@ in the same run. Targets: tier >= 0.90x raw for fs, >= 0.85x raw for S3.
 What is measured
 - The tiers are driven directly (no daemon, no gRPC): FsTier / S3Tier on a uvloop event loop, as
   the daemon runs them, fed by `--*-inflight` worker tasks (the daemon's per-tier queue
-  concurrency: 8 for fs, 16 for S3). Buffers are slices of a populated anonymous mmap (page-aligned,
+  concurrency: 16 for fs, whose 8 I/O threads take the queued reads first, 16 for S3). Buffers are slices of a populated anonymous mmap (page-aligned,
   like the daemon's pool), one view per chunk; loads go to a second such pool.
 - fs raw baseline ("raw"): the same bytes (the chunkfile header page + the payload: the very file
   contents the tier writes, headers encoded before timing), one file per chunk in ONE directory:
@@ -45,6 +45,16 @@ What is measured
 - S3 endpoint (--s3): `rgw` = a throwaway Ceph radosgw with a memstore OSD on loopback
   (tests/support/s3.py, deploy/ceph/start_rgw.sh), falling back to moto_server with a note if
   radosgw cannot start; `moto` = moto_server; `off` = skip S3.
+- Write-back row (issue 13): a daemon (`kvstored serve`, --wb-ram-mib of RAM, default 256 MiB)
+  with an fs tier on the same disk, write-back with the default settings. Its RAM is first
+  filled with chunks that have no copy below (untimed); then --wb-streams clients (default 2)
+  store the fs phase's bytes from one registered region, --wb-batch chunks per RPC (default 16,
+  what the vLLM tier sends): each chunk stored pushes an older one down to the disk. Baseline:
+  the fs tier alone storing the same number of chunks in the same round; limit: raw O_DIRECT.
+  The stream's first chunks are loaded back (from the disk) and compared in round 0; chunks
+  the daemon dropped without a copy below are reported.
+- Every row prints the physical limit it is bounded by (fs: raw O_DIRECT at the tier's queue
+  depth, i.e. --fs-threads; S3: the raw client's transport) and its ratio to it.
 - --profile adds diagnostics: single-thread CPU costs per chunk (xxh3, header, copies, SigV4's
   sha256 when payload signing is on); one instrumented fs store + load of each arm: time per chunk
   inside each pool job (tier) or op (raw), split by syscall and checksum, and how busy the I/O
@@ -92,6 +102,9 @@ from kvstored.tiers.chunkfile import HEADER_BYTES  # noqa: E402
 
 TARGET_FS = 0.90
 TARGET_S3 = 0.85
+TARGET_WRITEBACK = 0.90  # write-back stream through a daemon vs the fs tier alone (issue 13 part 1)
+WB_REGION_SLOTS = 64  # chunks in the write-back clients' region (the stream cycles through them)
+WB_VERIFY_CHUNKS = 32
 NAMESPACE = "bench"
 PAGE = mmap.PAGESIZE
 
@@ -235,6 +248,11 @@ class Pair:
     target: float | None  # None: diagnostic row
     tier: list[Sample] = field(default_factory=list)
     raw: list[Sample] = field(default_factory=list)
+    limit: list[Sample] = field(default_factory=list)  # the physical limit (default: raw)
+
+    @property
+    def limit_median(self) -> float:
+        return statistics.median(s.gib_s for s in (self.limit or self.raw))
 
     @property
     def tier_median(self) -> float:
@@ -260,17 +278,23 @@ class Pair:
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "tier_gib_s": self.tier_median,
-                "raw_gib_s": self.raw_median, "ratio": self.ratio, "target": self.target, "status": self.status,
+                "raw_gib_s": self.raw_median, "limit_gib_s": self.limit_median, "ratio": self.ratio,
+                "target": self.target, "status": self.status,
                 "tier_samples": [vars(s) for s in self.tier], "raw_samples": [vars(s) for s in self.raw],
                 "paired_ratios": self.paired}
 
 
 def print_table(pairs: Sequence[Pair], file=None) -> None:
     file = file or sys.stdout
-    header = ["measurement", "tier GiB/s", "raw GiB/s", "ratio", "target", "result"]
+    header = ["measurement", "tier GiB/s", "baseline GiB/s", "ratio", "target", "result", "limit GiB/s",
+              "of limit"]
     rows = [header] + [[p.name, f"{p.tier_median:.2f}", f"{p.raw_median:.2f}", f"{p.ratio:.2f}x",
-                        f">= {p.target:.2f}x" if p.target is not None else "-", p.status] for p in pairs]
-    print_aligned(rows, right={1, 2, 3}, file=file)
+                        f">= {p.target:.2f}x" if p.target is not None else "-", p.status,
+                        f"{p.limit_median:.2f}", f"{p.tier_median / p.limit_median:.2f}x"] for p in pairs]
+    print_aligned(rows, right={1, 2, 3, 6, 7}, file=file)
+    print("baseline: raw O_DIRECT / raw aiobotocore of the same bytes (the write-back row: the fs tier alone); "
+          "limit: the physical limit of the row on this machine (fs: raw O_DIRECT at the tier's queue depth; "
+          "S3: the raw client's transport)", file=file)
     print("per round: tier/raw GiB/s = paired ratio; CPU s per GiB (this process, tier/raw"
           "[; S3 server tier/raw]):", file=file)
     for p in pairs:
@@ -364,6 +388,97 @@ async def tier_load(tier, chunks, views, size: int, inflight: int) -> float:
     return await drive(len(chunks), inflight, op)
 
 
+class WriteBackStream:
+    """A daemon whose RAM (--wb-ram-mib) is a fraction of the stream, with an fs tier (write-back,
+    the default policy and queue settings), fed by `streams` clients storing from one registered
+    region in RPCs of `batch` chunks (what the vLLM tier sends). RAM is first filled with chunks
+    that have no copy below (untimed), so every chunk of the timed stream pushes an older one
+    down to the disk: the rate is what write-back sustains when RAM is full."""
+
+    def __init__(self, args, src: Pool, workdir: Path, rnd: int) -> None:
+        from _common import Daemon, ShmFile
+        from kvstored_client import Client, NamespaceSpec
+
+        self.n, self.size = args.fs_chunks, args.chunk_bytes
+        self._src = src
+        self.batch, self.streams = args.wb_batch, args.wb_streams
+        ram = args.wb_ram_mib * MIB
+        self.prefill = ram // self.size
+        self.root = workdir / f"wb-{rnd}"
+        self.keys = [hashlib.blake2b(f"wb:{rnd}:{i}".encode(), digest_size=32).digest()
+                     for i in range(self.prefill + self.n)]
+        self.daemon = Daemon(ram, extra_args=["--tiers", f"kind=fs,root={self.root},bytes={64 * GIB}",
+                                              "--flush-on-stop-seconds", "0"])
+        self.daemon.start()
+        # The region holds SLOTS chunks (the stream cycles through them, as vLLM's primary tier is
+        # reused) plus a scratch area for verify(): small, so the daemon's background populate of
+        # each client's mapping is over before the timed stream starts.
+        self.slots = min(WB_REGION_SLOTS, len(src.views))
+        self.region_file = ShmFile((self.slots + WB_VERIFY_CHUNKS) * self.size, prefix="kvstored-bench-wb")
+        self.region_file.array[:self.slots * self.size] = src.array[:self.slots * self.size]
+        self.clients = [Client(str(self.daemon.socket), deadline_s=120.0, client_name=f"bench-wb-{k}")
+                        for k in range(self.streams)]
+        spec = NamespaceSpec(model="bench/writeback", dtype="uint8", chunk_bytes=self.size)
+        self.ns = [c.register_namespace(spec) for c in self.clients]
+        self.regions = [c.register_region(self.region_file.path) for c in self.clients]
+        if not args.fresh_root:  # an fs root in use, like the fs tier alone's
+            tier_dirs(self.root, [(self.ns[0].namespace_id, k) for k in self.keys])
+        self.dropped = 0
+        self._store(0, self.prefill)
+
+    def _store(self, first: int, end: int) -> None:
+        batches = [(b, min(b + self.batch, end)) for b in range(first, end, self.batch)]
+        counter = itertools.count()
+        errors: list[str] = []
+
+        def stream(k: int) -> None:
+            client, ns, region = self.clients[k], self.ns[k], self.regions[k]
+            while (j := next(counter)) < len(batches):
+                b0, b1 = batches[j]
+                r = client.store_from_region(ns, region, self.keys[b0:b1],
+                                             [(i % self.slots) * self.size for i in range(b0, b1)])
+                if r.stored != b1 - b0:
+                    errors.append(f"batch {b0}: {r}")
+
+        threads = [threading.Thread(target=stream, args=(k,)) for k in range(self.streams)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise RuntimeError(f"write-back stream: {len(errors)} store(s) incomplete, first: {errors[0]}")
+
+    def run(self) -> float:
+        t0 = time.perf_counter()
+        self._store(self.prefill, self.prefill + self.n)
+        wall = time.perf_counter() - t0
+        ram = {t.name: t for t in self.clients[0].stats().tiers}["ram"]
+        self.dropped = ram.dropped_dirty
+        return wall
+
+    def verify(self) -> None:
+        """The first chunks of the timed stream (on the disk by now) load back byte-exact."""
+        k = min(WB_VERIFY_CHUNKS, self.n)
+        first = self.prefill
+        scratch = self.slots * self.size
+        got = self.clients[0].load_to_region(self.ns[0], self.regions[0], self.keys[first:first + k],
+                                             [scratch + i * self.size for i in range(k)])
+        if got != k:
+            raise RuntimeError(f"write-back: loaded {got} of the stream's first {k} chunks back")
+        for i in range(k):
+            c = (first + i) % self.slots
+            if not np.array_equal(self.region_file.array[scratch + i * self.size:scratch + (i + 1) * self.size],
+                                  self._src.array[c * self.size:(c + 1) * self.size]):
+                raise RuntimeError(f"write-back: chunk {first + i} came back with other bytes")
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        self.region_file.close()
+        self.daemon.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
 def bench_fs(runner: asyncio.Runner, args, src: Pool, dst: Pool, workdir: Path,
              notes: list[str]) -> tuple[list[Pair], dict]:
     from kvstored.tiers.fs import FsTier
@@ -381,6 +496,9 @@ def bench_fs(runner: asyncio.Runner, args, src: Pool, dst: Pool, workdir: Path,
     if inflight != threads:  # as many I/Os at the disk as the tier has operations in flight
         baselines.append((Pair(f"fs store [raw, {inflight} threads]", None),
                           Pair(f"fs load [raw, {inflight} threads]", None), True, inflight))
+    writeback = Pair(f"write-back stream into a daemon ({args.wb_ram_mib} MiB RAM) [vs fs tier alone]",
+                     TARGET_WRITEBACK) if args.writeback == "on" else None
+    wb_dropped = 0
     dropped = True
     direct = True
     for rnd in range(args.rounds):
@@ -412,8 +530,21 @@ def bench_fs(runner: asyncio.Runner, args, src: Pool, dst: Pool, workdir: Path,
             for (st, ld, _, k), raw in zip(baselines, raws):
                 stores.append((st.raw, raw_store(raw, k)))
                 loads.append((ld.raw, raw_load(raw, k)))
-            for samples, fn in rotated(stores, rnd):
-                samples.append(measure(nbytes, fn, prepare=os.sync))
+            wb = WriteBackStream(args, src, workdir, rnd) if writeback is not None else None
+            if wb is not None:
+                stores.append((writeback.tier, wb.run))
+            try:
+                for samples, fn in rotated(stores, rnd):
+                    samples.append(measure(nbytes, fn, prepare=os.sync))
+                if wb is not None:
+                    wb_dropped += wb.dropped
+                    writeback.raw.append(baselines[0][0].tier[-1])  # the fs tier alone, this round
+                    writeback.limit.append(baselines[0][0].raw[-1])
+                    if rnd == 0:
+                        wb.verify()
+            finally:
+                if wb is not None:
+                    wb.close()
             if rnd == 0:
                 dst.array[:nbytes] = 0
             for samples, fn in rotated(loads, rnd):
@@ -425,6 +556,9 @@ def bench_fs(runner: asyncio.Runner, args, src: Pool, dst: Pool, workdir: Path,
                 st.tier.append(baselines[0][0].tier[-1])
                 ld.tier.append(baselines[0][1].tier[-1])
             labels = ["raw", "raw-tier-paths", f"raw-{inflight}-threads"]
+            if writeback is not None:
+                say(f"  fs round {rnd}: write-back stream into the daemon {writeback.tier[-1].gib_s:.2f} GiB/s "
+                    f"(fs tier alone {writeback.raw[-1].gib_s:.2f}, raw O_DIRECT {writeback.limit[-1].gib_s:.2f})")
             say(f"  fs round {rnd}: store tier {baselines[0][0].tier[-1].gib_s:.2f} " +
                 " ".join(f"{label} {b[0].raw[-1].gib_s:.2f}" for label, b in zip(labels, baselines)) +
                 f" | load tier {baselines[0][1].tier[-1].gib_s:.2f} " +
@@ -439,10 +573,22 @@ def bench_fs(runner: asyncio.Runner, args, src: Pool, dst: Pool, workdir: Path,
     if not direct:
         notes.append(f"fs: the tier fell back to BUFFERED I/O under {workdir} (O_DIRECT refused): the "
                      "comparison with raw O_DIRECT is not meaningful")
+    if wb_dropped:
+        notes.append(f"write-back: the daemon's RAM dropped {wb_dropped} chunk(s) with no copy below (write-downs "
+                     "fell behind the stream): those stores were not kept")
+    if writeback is not None:
+        notes.append(f"write-back stream: {args.wb_streams} clients storing from a registered region in RPCs of "
+                     f"{args.wb_batch} chunks, {n} chunks timed after RAM was filled with chunks that have no copy "
+                     "below (each stored chunk pushes one down); baseline = the fs tier alone storing the same "
+                     "chunks this round; limit = raw O_DIRECT this round")
     info = {"chunks": n, "chunk_bytes": size, "threads": threads, "inflight": inflight,
             "direct_io": direct, "drop_caches": args.drop if dropped else None, "fresh_root": args.fresh_root,
             "dir": str(workdir)}
-    return [p for b in baselines for p in b[:2]], info
+    pairs = [p for b in baselines for p in b[:2]]
+    for p in pairs:  # every fs row is bounded by raw O_DIRECT at the tier's depth
+        if not p.limit:
+            p.limit = list(baselines[0][0].raw if "store" in p.name else baselines[0][1].raw)
+    return pairs + ([writeback] if writeback is not None else []), info
 
 
 # -- S3 -------------------------------------------------------------------------------------------
@@ -856,11 +1002,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--fs", choices=("on", "off"), default="on")
     ap.add_argument("--s3", choices=("rgw", "moto", "off"), default="rgw")
     ap.add_argument("--fs-threads", type=int, default=8, help="fs tier io_threads = raw threads (daemon: 8)")
-    ap.add_argument("--fs-inflight", type=int, default=8, help="fs tier operations in flight (daemon: 8)")
+    ap.add_argument("--fs-inflight", type=int, default=16, help="fs tier operations in flight (daemon: 16)")
     ap.add_argument("--s3-inflight", type=int, default=16, help="S3 requests in flight, tier and raw (daemon: 16)")
     ap.add_argument("--s3-timeout", type=float, default=5.0, help="S3 per-operation timeout (daemon: 5 s)")
     ap.add_argument("--drop", type=int, choices=(1, 3), default=3,
                     help="drop_caches level before fs loads: 3 = page cache + dentries/inodes, 1 = page cache")
+    ap.add_argument("--writeback", choices=("on", "off"), default="on",
+                    help="the write-back stream row (a daemon with an fs tier and little RAM)")
+    ap.add_argument("--wb-ram-mib", type=int, default=256, help="the write-back daemon's RAM (default 256 MiB)")
+    ap.add_argument("--wb-streams", type=int, default=2, help="clients storing at once (default 2)")
+    ap.add_argument("--wb-batch", type=int, default=16, help="chunks per store RPC (default 16, as the vLLM tier)")
     ap.add_argument("--fresh-root", action="store_true", help="fs roots without their fan-out directories")
     ap.add_argument("--memstore-bytes", type=int, default=2 * GIB, help="radosgw memstore OSD size")
     ap.add_argument("--dir", type=Path, default=None, help="parent of the fs roots (default: the temp dir)")

@@ -1,9 +1,10 @@
 """Generates the gRPC/protobuf modules from ../proto when the package is built (they are not in
-git), so `pip install ./client` works from a plain checkout; everything else is in pyproject.toml."""
+git), so `pip install ./client` works from a plain checkout, and builds the optional copy helper
+(kvstored_client/_ntcopy.c); everything else is in pyproject.toml."""
 
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 from setuptools.command.sdist import sdist
 
@@ -43,4 +44,8 @@ class SdistWithProtos(sdist):
         super().run()
 
 
-setup(cmdclass={"build_py": BuildWithProtos, "sdist": SdistWithProtos})
+# The non-temporal copy helper is optional: without a C compiler the client copies with numpy.
+setup(
+    cmdclass={"build_py": BuildWithProtos, "sdist": SdistWithProtos},
+    ext_modules=[Extension("kvstored_client._ntcopy", ["kvstored_client/_ntcopy.c"], optional=True)],
+)

@@ -20,6 +20,15 @@ Tier = TierKind  # where a chunk was found (the client's name for it)
 _TIERS = {int(t): t for t in Tier}  # a dict lookup per key: Tier(value) costs ~0.4 us each
 
 
+def _tier_kinds(wire: Any) -> list[TierKind]:
+    """A response's repeated tier values as TierKinds; a batch all in one tier (the usual answer)
+    in one go. (A slice copies the repeated field in C; iterating it costs ~40 ns per value.)"""
+    values = wire[:]
+    if values and values.count(values[0]) == len(values):
+        return [_TIERS[values[0]]] * len(values)
+    return list(map(_TIERS.__getitem__, values))
+
+
 @dataclass(frozen=True)
 class NamespaceSpec:
     model: str
@@ -179,7 +188,7 @@ def _sid(session: PoolSession | None) -> str:
 
 def lookup(ns: Namespace, keys: Sequence[bytes], session: PoolSession | None = None) -> Op:
     resp = yield Call("Lookup", pb.LookupRequest(namespace_id=ns.namespace_id, keys=keys, session_id=_sid(session)))
-    return LookupResult(resp.prefix_hits, list(map(_TIERS.__getitem__, resp.tiers)))
+    return LookupResult(resp.prefix_hits, _tier_kinds(resp.tiers))
 
 
 def store(session: PoolSession, ns: Namespace, keys: Sequence[bytes], data: Any) -> Op:

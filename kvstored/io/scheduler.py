@@ -40,6 +40,11 @@ class TierQueue:
         self.dropped: Counter[Priority] = Counter()
         self._running: set[asyncio.Future] = set()
 
+    @property
+    def concurrency(self) -> int:
+        """Jobs run at once (worker tasks)."""
+        return self._concurrency
+
     def start(self) -> None:
         self._workers = [
             asyncio.create_task(self._work(), name=f"io-{self.name}-{i}") for i in range(self._concurrency)

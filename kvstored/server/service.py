@@ -20,6 +20,7 @@ from kvstored.server.broker import SessionBroker
 from kvstored.server.sessions import Session
 from kvstored.server.tenants import ArenasUnsupported, Tenancy, events_for, visible
 from kvstored.shm.mapping import open_region_file
+from kvstored.tiers.base import TierKind
 from kvstored.tiers.chain import TierChain
 from kvstored.tiers.ram import Extent, ReserveOutcome
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
@@ -136,11 +137,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         )
 
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
-        ns = self._ns_keys(request.namespace_id, request.keys)
+        keys = request.keys[:]  # once, in C: every pass over the repeated field makes new bytes objects
+        ns = self._ns_keys(request.namespace_id, keys)
         if not self._visible(ns, self._broker.optional(request.session_id)):
-            return pb.LookupResponse(prefix_hits=0, tiers=[0] * len(request.keys))
-        tiers = [int(t) for t in await self._chain.lookup(ns, request.keys)]
-        prefix = tiers.index(0) if 0 in tiers else len(tiers)
+            return pb.LookupResponse(prefix_hits=0, tiers=[0] * len(keys))
+        tiers = await self._chain.lookup(ns, keys)  # TierKind is an int: no per-key conversion
+        prefix = tiers.index(TierKind.NONE) if TierKind.NONE in tiers else len(tiers)
         return pb.LookupResponse(prefix_hits=prefix, tiers=tiers)
 
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:

@@ -29,7 +29,7 @@ from kvstored.shm.arenas import ArenaSet
 from kvstored.shm.mapping import Region
 from kvstored.tiers.base import ChunkId, RemovalCause, SecondaryTier, TierKind
 from kvstored.tiers.lower import DeletionGuard, LowerTier, Promoter, WriteBack, WritePolicy
-from kvstored.tiers.ram import Extent, RamEntry, RamTier, ReserveOutcome
+from kvstored.tiers.ram import Extent, QuotaScope, RamEntry, RamTier, ReserveOutcome
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -102,6 +102,7 @@ class TierChain:
         self._deletable = [t for t in self.lower if t.capabilities.accepts_deletes]
         self._deleting = DeletionGuard()
         self._deletes: set[asyncio.Task] = set()  # run to the end even if their caller gives up
+        self._prefetches: set[asyncio.Task] = set()  # promotions started by lookups, waiting for room
         self._outwaited: set[asyncio.Future] = set()  # waits a transfer gave up at its start deadline
         self.promoter = Promoter(ram, arenas.view, self.lower, self.events, self._deleting)
         for lower_tier in self.lower:
@@ -135,12 +136,53 @@ class TierChain:
         missing = [i for i, t in enumerate(tiers) if t is TierKind.NONE]
         if missing and self.lower:
             found = await self.promoter.find([chunks[i] for i in missing])
-            # Prefetch the leading hits into free RAM only (write-back keeps some free).
+            below = []
             for i, tier_index in zip(missing, found):
                 if tier_index is not None:
                     tiers[i] = self.lower[tier_index].tier.kind
-                    self.promoter.start(chunks[i], ns.chunk_bytes, tier_index, evict=False)
+                    below.append((i, chunks[i], tier_index))
+            # The load that follows needs the leading run (up to the first miss): room is made
+            # for those, up to a quarter of RAM per lookup (more would evict the first of them,
+            # and chunks other loads promoted, before their load could lease them).
+            first_miss = tiers.index(TierKind.NONE) if TierKind.NONE in tiers else len(tiers)
+            room = min(self.ram.limit_bytes(scope) for scope in (None, *self._scopes(ns)))  # (or of a quota)
+            limit = max(1, room // 4 // self._slot_bytes(ns))
+            leading = [(chunk, t) for i, chunk, t in below if i < first_miss][:limit]
+            self._prefetch(ns, leading)
+            for _, chunk, tier_index in below[len(leading):]:  # the others: into free RAM only
+                self.promoter.start(chunk, ns.chunk_bytes, tier_index, evict=False)
         return tiers
+
+    def _prefetch(self, ns: Namespace, below: list[tuple[ChunkId, int]]) -> None:
+        """Start promoting chunks a lookup found below RAM: all at once, bounded by the tiers'
+        queues. Free RAM takes them now; for the rest, write-downs start here and a background
+        task promotes each as room appears, until the write-back wait runs out (the load then
+        promotes what is left). Evicting for them follows the usual order: the least recently
+        used chunks, after their write-down."""
+        if not below:
+            return
+        slot = self._slot_bytes(ns)
+        self._start_room(ns, len(below) * slot)
+        for n, (chunk, tier_index) in enumerate(below):
+            if not self.ram.fits(ns.namespace_id, ns.chunk_bytes):
+                task = asyncio.ensure_future(self._prefetch_when_room(ns, below[n:], self.writeback.deadline()))
+                self._prefetches.add(task)
+                task.add_done_callback(self._prefetch_done)
+                return
+            self.promoter.start(chunk, ns.chunk_bytes, tier_index, evict=False)
+
+    async def _prefetch_when_room(self, ns: Namespace, below: list[tuple[ChunkId, int]], deadline: float) -> None:
+        for chunk, tier_index in below:
+            if self.promoter.in_flight(chunk) is not TierKind.NONE:
+                continue  # (a load got there first)
+            await self._make_room(ns, 1, deadline)
+            if self.promoter.start(chunk, ns.chunk_bytes, tier_index, evict=False) is None:
+                return  # no room in time (or the chunk is being deleted): the load does the rest
+
+    def _prefetch_done(self, task: asyncio.Task) -> None:
+        self._prefetches.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("prefetch failed: %s", task.exception())  # the load promotes them itself
 
     async def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         """Remove from RAM and every tier that accepts deletes; counts keys that were anywhere.
@@ -234,14 +276,27 @@ class TierChain:
         return leased
 
     async def _promote_prefix(self, ns: Namespace, chunks: Sequence[ChunkId], start_by: float | None = None) -> bool:
-        """Promote the leading chunks that are below RAM and wait; False if the first is nowhere."""
+        """Promote the leading chunks that are below RAM and wait; False if the first is nowhere.
+        Waiting ends at `start_by` (loop time) with TransferNotStarted.
+
+        Every promotion starts as soon as RAM has room for it: at once into free RAM, the rest
+        as the write-downs started here for all of them free pages, so reads from below and
+        the write-downs making room for them run at the same time (bounded by the tier's
+        queue), instead of reading only once all the room is there."""
         missing = [i for i, c in enumerate(chunks) if not self.ram.contains(c, touch=False)]
         found = await self._until(start_by, self.promoter.find([chunks[i] for i in missing])) if missing else []
         wanted = sum(1 for _ in itertools.takewhile(lambda t: t is not None, found))
-        await self._until(start_by, self._make_room(ns, wanted))
+        slot = self._slot_bytes(ns)
+        self._start_room(ns, wanted * slot)
+        deadline = self.writeback.deadline()  # one wait for room, shared by all of them
+        if start_by is not None:
+            deadline = min(deadline, start_by)
         waits = []
-        for i, tier_index in zip(missing, found):
-            future = None if tier_index is None else self.promoter.start(chunks[i], ns.chunk_bytes, tier_index)
+        for i, tier_index in zip(missing[:wanted], found):
+            if self.promoter.in_flight(chunks[i]) is TierKind.NONE:  # (a shared one has its room)
+                await self._make_room(ns, 1, deadline)
+                _check_started(start_by)  # it gave up at start_by: start (and evict for) nothing more
+            future = self.promoter.start(chunks[i], ns.chunk_bytes, tier_index)
             if future is None:
                 break
             waits.append(future)
@@ -265,8 +320,7 @@ class TierChain:
             return task.result()
         self._outwaited.add(task)
         task.add_done_callback(self._outwaited_done)
-        raise TransferNotStarted("the transfer could not start within start_within_ms (lower tiers were too slow "
-                                 "to deliver its chunks); nothing was copied")
+        raise _not_started()
 
     def _outwaited_done(self, task: asyncio.Future) -> None:
         self._outwaited.discard(task)
@@ -376,6 +430,10 @@ class TierChain:
         cache), then the tiers."""
         if self._deletes:
             await asyncio.wait(self._deletes)
+        for task in self._prefetches:
+            task.cancel()
+        if self._prefetches:
+            await asyncio.wait(self._prefetches)
         for lower in self.lower:
             await lower.queue.close()
         for waited in list(self._outwaited):  # the queues are closed: what they waited for will not come
@@ -388,14 +446,28 @@ class TierChain:
 
     # -- helpers --------------------------------------------------------------------------
 
-    async def _make_room(self, ns: Namespace, chunks: int) -> None:
+    async def _make_room(self, ns: Namespace, chunks: int, deadline: float | None = None) -> None:
         """Write down what a reservation would evict: within the namespace's quotas (its tenant's,
-        its own) first, then in the tier."""
-        nbytes = chunks * self.ram.pages_for(ns.chunk_bytes) * self.ram.page_bytes
+        its own) first, then in the tier; each wait ends at `deadline` (by default the write-back
+        wait from when it starts)."""
+        nbytes = chunks * self._slot_bytes(ns)
+        for scope in self._scopes(ns):
+            await self.writeback.make_room(nbytes, ns.chunk_bytes, deadline, scope)
+        await self.writeback.make_room(nbytes, ns.chunk_bytes, deadline)
+
+    def _start_room(self, ns: Namespace, nbytes: int) -> None:
+        """Start the write-downs _make_room would wait for (quotas first), without waiting."""
+        for scope in self._scopes(ns):
+            self.writeback.start_room(nbytes, ns.chunk_bytes, scope)
+        self.writeback.start_room(nbytes, ns.chunk_bytes)
+
+    def _scopes(self, ns: Namespace) -> tuple[QuotaScope, ...]:
         placement = self.ram.placement_of(ns.namespace_id)
-        for scope in placement.scopes if placement is not None else ():
-            await self.writeback.make_room(nbytes, scope)
-        await self.writeback.make_room(nbytes)
+        return placement.scopes if placement is not None else ()
+
+    def _slot_bytes(self, ns: Namespace) -> int:
+        """RAM one chunk of `ns` takes (whole pages)."""
+        return self.ram.pages_for(ns.chunk_bytes) * self.ram.page_bytes
 
     async def _copy(self, region: Region, entries: Sequence[RamEntry], jobs: list[CopyJob], to_pool: bool) -> None:
         """Copy the chunks of one namespace (so of one arena)."""
@@ -407,6 +479,17 @@ class TierChain:
             raise RegionShrunk(
                 f"region {region.region_id} ({region.name}) shrank during the copy: register it again"
             ) from None
+
+
+def _not_started() -> TransferNotStarted:
+    return TransferNotStarted("the transfer could not start within start_within_ms (lower tiers were too slow "
+                              "to deliver its chunks); nothing was copied")
+
+
+def _check_started(start_by: float | None) -> None:
+    """Raise TransferNotStarted if the start deadline `start_by` (loop time) has passed."""
+    if start_by is not None and asyncio.get_running_loop().time() >= start_by:
+        raise _not_started()
 
 
 def _check_offsets(ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]) -> None:

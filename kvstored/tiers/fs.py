@@ -30,12 +30,13 @@ import os
 import stat
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 
+from kvstored.io.scheduler import Priority
+from kvstored.io.threads import PriorityThreadPool
 from kvstored.sizes import format_size
 from kvstored.tiers import chunkfile
 from kvstored.tiers.base import (
@@ -104,7 +105,8 @@ class FsTier(SecondaryTier):
         self._full_backoff_s = full_backoff_s
         self._stale_tmp_s = stale_tmp_s
         self._touch_interval_s = touch_interval_s
-        self._executor = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"kvstored-fs-{name}")
+        # Reads first: the tier's queue keeps more operations in flight than there are threads.
+        self._executor = PriorityThreadPool(io_threads, f"kvstored-fs-{name}")
         self._inflight: set[asyncio.Future] = set()  # every job in the pool (close() waits for them)
         self._pending: dict[ChunkId, _PendingWrite] = {}  # writes in flight
         self._unlinking: dict[ChunkId, asyncio.Future] = {}  # dropped chunks whose files are being unlinked
@@ -127,7 +129,7 @@ class FsTier(SecondaryTier):
     async def start(self) -> None:
         """Create the root, probe O_DIRECT, rebuild the index from the files on disk (oldest
         mtime = least recently used), remove stale temporary files, evict down to the capacity."""
-        entries, bad = await self._run(_result, self._start_job)
+        entries, bad = await self._run(Priority.LOAD, _result, self._start_job)
         self.counters.bad_entries += bad
         self._index.load(entries)
         log.info(
@@ -167,7 +169,7 @@ class FsTier(SecondaryTier):
         if len(paths) <= INLINE_STATS:
             found = fs_io.stat_files(paths)
         else:
-            found = await self._run(_result_or_nothing, fs_io.stat_files, paths)
+            found = await self._run(Priority.LOAD, _result_or_nothing, fs_io.stat_files, paths)
         adopted = 0
         for i, st in zip(misses, found or ()):
             if st is None:
@@ -255,7 +257,7 @@ class FsTier(SecondaryTier):
         try:
             while (prior := self._unlinking.get(chunk)) is not None:  # an eviction or remove of
                 await asyncio.wait((prior,))  # this chunk's old file must land first
-            return await self._run(finish, self._write_job, chunk, path, views, size, victims)
+            return await self._run(Priority.WRITEDOWN, finish, self._write_job, chunk, path, views, size, victims)
         finally:
             self._settle_unlinks(victims, gate)
             self._index.release(reservation)  # no-op unless the job never ran
@@ -308,7 +310,7 @@ class FsTier(SecondaryTier):
                 self._notify(chunk, RemovalCause.EVICTED)
             return False
 
-        hit = await self._run(finish, self._read_job, chunk, path, views, size, entry is None, touch)
+        hit = await self._run(Priority.LOAD, finish, self._read_job, chunk, path, views, size, entry is None, touch)
         if hit and entry is None:
             await self._enforce_capacity()
         return hit
@@ -329,7 +331,7 @@ class FsTier(SecondaryTier):
             items = [(chunk, path)]
             gate = self._claim_unlinks(items)
             try:
-                unlinked = await self._run(_result_or_nothing, fs_io.unlink_files, [path])
+                unlinked = await self._run(Priority.DELETE, _result_or_nothing, fs_io.unlink_files, [path])
             finally:
                 self._settle_unlinks(items, gate)
             return entry is not None or bool(unlinked)
@@ -341,14 +343,16 @@ class FsTier(SecondaryTier):
         return self._index.chunks_of(namespace_id)
 
     async def save_namespace_record(self, namespace_id: str, record: bytes) -> None:
-        await self._run(_result, fs_records.write_record, self._root, namespace_id, record,
-                        self._file_mode, self._dir_mode)
+        # With the write-downs: a record left behind them would leave, after a crash, chunks on
+        # disk whose namespace is not recovered.
+        await self._run(Priority.WRITEDOWN, _result, fs_records.write_record, self._root, namespace_id,
+                        record, self._file_mode, self._dir_mode)
 
     async def remove_namespace_record(self, namespace_id: str) -> None:
-        await self._run(_result, fs_records.remove_record, self._root, namespace_id)
+        await self._run(Priority.DELETE, _result, fs_records.remove_record, self._root, namespace_id)
 
     async def namespace_records(self) -> dict[str, bytes]:
-        return await self._run(_result, fs_records.read_records, self._root)
+        return await self._run(Priority.LOAD, _result, fs_records.read_records, self._root)
 
     def usage(self) -> TierUsage:
         """used_bytes: the indexed files and the temporary files of writes in flight (their
@@ -369,15 +373,16 @@ class FsTier(SecondaryTier):
             )
         return os.path.join(self._root, chunkfile.chunk_relpath(chunk))
 
-    async def _run(self, finish: Callable[[asyncio.Future], object], fn, *args):
-        """Run `fn(*args)` in the tier's pool and return `finish(future)` (bookkeeping, on the loop).
+    async def _run(self, priority: Priority, finish: Callable[[asyncio.Future], object], fn, *args):
+        """Run `fn(*args)` in the tier's pool (before queued jobs of lower priority) and return
+        `finish(future)` (bookkeeping, on the loop).
 
         Waits for the job to end even if the caller is cancelled meanwhile (then re-raises the
         cancellation after the bookkeeping), so once read()/write() return or raise, no thread
         touches the caller's views any more."""
         loop = asyncio.get_running_loop()
         try:
-            fut = loop.run_in_executor(self._executor, fn, *args)
+            fut = asyncio.wrap_future(self._executor.submit(priority, fn, *args), loop=loop)
         except RuntimeError:  # the pool is shut down: close() ran
             fut = loop.create_future()
             fut.set_exception(OSError(errno.ESHUTDOWN, f"fs tier {self.name} is closed"))
@@ -449,7 +454,7 @@ class FsTier(SecondaryTier):
             self._evicted(items)
             gate = self._claim_unlinks(items)
             try:
-                await self._run(_result_or_nothing, fs_io.unlink_files, [p for _, p in items])
+                await self._run(Priority.DELETE, _result_or_nothing, fs_io.unlink_files, [p for _, p in items])
             finally:
                 self._settle_unlinks(items, gate)
 

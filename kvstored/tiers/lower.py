@@ -94,6 +94,8 @@ class WriteBack:
         self._lower = [t for t in lower if t.capabilities.accepts_writedowns]
         self.policy = policy
         self._headroom = headroom_bytes
+        # Write-downs that keep every I/O slot of the tiers busy (see _ahead).
+        self._depth = max((t.queue.concurrency for t in self._lower), default=0)
         self._wait_s = wait_s
         self._writing_bytes = 0
         self._space = asyncio.Event()  # set whenever a write-down finishes
@@ -113,16 +115,32 @@ class WriteBack:
                     self._write_down(entry)
         self._keep_headroom(self._headroom)
 
-    async def make_room(self, nbytes: int, scope: QuotaScope | None = None) -> None:
-        """Before reserving `nbytes`: start write-downs for the shortfall and wait (briefly) for
-        them, so stores don't evict chunks that have no copy below yet. `scope`: room within a
-        quota (a tenant's, a namespace's), made by writing down that scope's own oldest chunks."""
+    def deadline(self) -> float:
+        """When a wait for room that starts now gives up (loop time)."""
+        return asyncio.get_running_loop().time() + self._wait_s
+
+    def start_room(self, nbytes: int, chunk_bytes: int, scope: QuotaScope | None = None) -> None:
+        """Start the write-downs that will free `nbytes` (and, in the tier, keep the pipeline
+        full behind them, see _ahead) without waiting for them. `scope` as for make_room."""
+        if self._lower and self._ram.room_bytes(scope) < nbytes:
+            self._keep_headroom(nbytes + self._ahead(chunk_bytes, scope), scope)
+
+    async def make_room(
+        self, nbytes: int, chunk_bytes: int, deadline: float | None = None, scope: QuotaScope | None = None,
+    ) -> None:
+        """Before reserving `nbytes` (in chunks of `chunk_bytes`): start write-downs for the
+        shortfall and wait (until `deadline`, by default the configured wait from now) for them,
+        so stores don't evict chunks that have no copy below yet. `scope`: room within a quota
+        (a tenant's, a namespace's), made by writing down that scope's own oldest chunks.
+
+        While it waits, write-downs beyond the shortfall keep the tiers' I/O slots busy: the next
+        store's room is on its way while this one copies, instead of starting only when it asks."""
         if not self._lower:
             return
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._wait_s
+        deadline = self.deadline() if deadline is None else deadline
         while self._ram.room_bytes(scope) < nbytes:
-            self._keep_headroom(nbytes, scope)
+            self._keep_headroom(nbytes + self._ahead(chunk_bytes, scope), scope)
             remaining = deadline - loop.time()
             writing = self._writing_bytes if scope is None else self._ram.writing_bytes(scope)
             if writing == 0 or remaining <= 0:
@@ -132,6 +150,18 @@ class WriteBack:
                 await asyncio.wait_for(self._space.wait(), remaining)
             except TimeoutError:
                 return
+
+    def _ahead(self, chunk_bytes: int, scope: QuotaScope | None = None) -> int:
+        """Room to free beyond a store's shortfall while RAM is short: the configured headroom,
+        and at least one write-down per I/O slot of the lower tiers (their queue's concurrency),
+        so the disk never idles between one store's write-downs and the next one's. At most a
+        quarter of RAM (a small pool would otherwise be written out whole). Within a quota
+        scope, none: a scope's write-downs free only its shortfall (its own oldest chunks), the
+        tier's room that follows keeps the pipeline full."""
+        if scope is not None:
+            return 0
+        pipeline = self._depth * self._ram.pages_for(chunk_bytes) * self._ram.page_bytes
+        return max(self._headroom, min(pipeline, self._ram.capacity_bytes // 4))
 
     async def flush(self, budget_s: float) -> int:
         """At shutdown: write down chunks that have no copy below, most recently used first, for
@@ -312,12 +342,13 @@ class Promoter:
     def start(self, chunk: ChunkId, size: int, tier_index: int, evict: bool = True) -> asyncio.Future | None:
         """Begin copying `chunk` up from lower tier `tier_index`; the future resolves to True
         once it is READY in RAM (False if it could not be promoted). Without `evict`, only free
-        RAM is used (prefetch must not push out chunks a load is about to need)."""
+        RAM is used, within the namespace's quotas too (prefetch must not push out chunks a load
+        is about to need, nor a quota's chunks before their write-down)."""
         if chunk in self._in_flight:
             return self._in_flight[chunk][0]
         if self._deleting.blocks(chunk):
             return None
-        if not evict and self._ram.free_bytes < self._ram.pages_for(size) * self._ram.page_bytes:
+        if not evict and not self._ram.fits(chunk[0], size):
             return None
         reservation = self._ram.reserve(chunk, size)
         if reservation.evicted:

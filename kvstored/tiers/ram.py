@@ -23,6 +23,7 @@ already held below ("persisted": promoted from a lower tier, or written down) ar
 from __future__ import annotations
 
 import enum
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -211,6 +212,21 @@ class RamTier:
             return self.free_bytes
         return max(0, scope.limit_pages - scope.used_pages) * self.page_bytes
 
+    def fits(self, namespace_id: str, size: int) -> bool:
+        """Whether a chunk of `size` of the namespace can be reserved now without evicting
+        anything: room in the tier, in each of its quotas and in its arena."""
+        placement = self._placement(namespace_id)
+        alloc = self._arenas.get(placement.arena) if placement is not None else None
+        if placement is None or alloc is None:
+            return False
+        pages = self.pages_for(size)
+        return (self._capacity_pages - self._used_pages >= pages and alloc.free_pages >= pages
+                and all(scope.used_pages + pages <= scope.limit_pages for scope in placement.scopes))
+
+    def limit_bytes(self, scope: QuotaScope | None = None) -> int:
+        """The most that may be held: the tier's capacity (scope None), or a scope's quota."""
+        return self.capacity_bytes if scope is None else scope.limit_pages * self.page_bytes
+
     def writing_bytes(self, scope: QuotaScope) -> int:
         """Pages of the scope's chunks being written down (their room comes when that ends)."""
         return scope.writing_pages * self.page_bytes
@@ -243,20 +259,22 @@ class RamTier:
         return True
 
     def contains_many(self, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
-        """`contains` for a batch in one pass (lookups of hundreds of keys per engine step)."""
-        index, lru, ready = self._index, self._lru, EntryState.READY
-        out = []
-        for key in keys:
-            entry = index.get((namespace_id, key))
-            hit = entry is not None and entry.state is ready
-            out.append(hit)
+        """`contains` for a batch in one pass (lookups of hundreds of keys per engine step): the
+        index lookups run in C (map over zip), only the hits' recency is Python."""
+        entries = list(map(self._index.get, zip(itertools.repeat(namespace_id), keys)))
+        ready = EntryState.READY
+        out = [entry is not None and entry.state is ready for entry in entries]
+        move_to_end = self._lru.move_to_end
+        for entry, hit in zip(entries, out):
             if hit:
-                if entry.chunk in lru:
-                    lru.move_to_end(entry.chunk)
-                    for scope in entry.scopes:
+                try:
+                    move_to_end(entry.chunk)
+                except KeyError:  # leased or being written down: not in the LRU
+                    if entry.writing:
+                        entry.touched = True
+                else:
+                    for scope in entry.scopes:  # in the tier's LRU, so in its scopes' too
                         scope.lru.move_to_end(entry.chunk)
-                elif entry.writing:
-                    entry.touched = True
         self.counters.lookups += len(out)
         self.counters.hits += sum(out)
         return out

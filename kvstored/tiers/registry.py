@@ -107,7 +107,9 @@ class FsTierConfig:
     io_threads: int = 8  # measured: 8 keeps the disk busier than 4 (bench/tiers.py)
     direct_io: bool = True
     group_access: bool = False  # files 0640 / directories 0750 instead of 0600 / 0700
-    concurrency: int = 8  # operations in flight
+    # Operations in flight: twice io_threads, so a thread that ends one I/O starts the next queued
+    # one at once (reads first) instead of waiting for the event loop to submit it.
+    concurrency: int = 16
     max_backlog: int = 256  # queued write-downs (and deletions) before new ones are dropped
 
 

@@ -23,6 +23,8 @@ def test_client_wheel_built_from_a_checkout_carries_the_generated_modules(tmp_pa
     names = zipfile.ZipFile(wheel).namelist()
     for module in ("kvstored_pb2.py", "kvstored_pb2_grpc.py"):
         assert f"kvstored_client/_gen/kvstored/v1/{module}" in names
+    if shutil.which("cc") or shutil.which("gcc"):  # the optional copy helper is built where it can be
+        assert any(n.startswith("kvstored_client/_ntcopy.") and n.endswith(".so") for n in names), names
 
     # And from an sdist, which has no ../proto: it must carry the generated modules itself.
     subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path / "sdist")], cwd=src / "client",
@@ -30,6 +32,7 @@ def test_client_wheel_built_from_a_checkout_carries_the_generated_modules(tmp_pa
     sdist = next((tmp_path / "sdist").glob("kvstored_client-*.tar.gz"))
     shutil.unpack_archive(sdist, tmp_path / "unpacked")
     unpacked = next((tmp_path / "unpacked").iterdir())
+    assert (unpacked / "kvstored_client" / "_ntcopy.c").exists()  # the helper's source travels with it
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(unpacked),
                     "-w", str(tmp_path / "from-sdist")], check=True, timeout=300)
     from_sdist = next((tmp_path / "from-sdist").glob("kvstored_client-*.whl"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -79,3 +81,47 @@ def test_an_error_is_raised_after_every_part_finished(monkeypatch):
     finally:
         gate.set()
         copier.close()
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["helper", "numpy"])
+@pytest.mark.parametrize("size, dst_shift, src_shift", [
+    (0, 0, 0), (7, 3, 1), (4096, 0, 0), (256 << 10, 0, 0), ((2 << 20) + 77, 5, 11), ((1 << 20) + 63, 1, 0),
+])
+def test_chunk_copies_are_exact_at_any_size_and_alignment(monkeypatch, streaming, size, dst_shift, src_shift):
+    """The streaming helper aligns the destination, streams 64-byte blocks and copies the tail
+    plainly: every byte lands, nothing outside the destination is touched. Without the helper
+    (no C compiler) numpy copies the same bytes."""
+    if streaming and not buffers.STREAMING:
+        pytest.skip("kvstored_client._ntcopy is not built here")
+    if not streaming:
+        monkeypatch.setattr(buffers, "_stream_copy", None)
+    rng = np.random.default_rng(size)
+    src = rng.integers(0, 256, size + 64, dtype=np.uint8)
+    dst = np.full(size + 64, 0xEE, dtype=np.uint8)
+    buffers.copy_cpu(dst[dst_shift:dst_shift + size], src[src_shift:src_shift + size])
+    np.testing.assert_array_equal(dst[dst_shift:dst_shift + size], src[src_shift:src_shift + size])
+    assert (dst[:dst_shift] == 0xEE).all() and (dst[dst_shift + size:] == 0xEE).all()
+
+
+def test_the_helper_refuses_buffers_of_different_sizes():
+    if not buffers.STREAMING:
+        pytest.skip("kvstored_client._ntcopy is not built here")
+    with pytest.raises(ValueError):
+        buffers.copy_cpu(np.zeros(10, np.uint8), np.zeros(11, np.uint8))
+
+
+def test_the_client_copies_without_the_helper(tmp_path):
+    """Built without a C compiler (no kvstored_client._ntcopy): the client imports and copies
+    with numpy, and never imports the daemon."""
+    probe = subprocess.run(
+        [sys.executable, "-c",
+         "import sys; sys.modules['kvstored_client._ntcopy'] = None  # as if it was never built\n"
+         "import numpy as np\n"
+         "from kvstored_client import buffers\n"
+         "assert not buffers.STREAMING\n"
+         "src = np.arange(3 << 20, dtype=np.uint8); dst = np.zeros_like(src)\n"
+         "buffers.copy_cpu(dst, src); assert (dst == src).all()\n"
+         "assert not [m for m in sys.modules if m == 'kvstored' or m.startswith('kvstored.')]\n"
+         "print('ok')"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert probe.returncode == 0 and probe.stdout.strip() == "ok", probe.stderr

@@ -183,6 +183,29 @@ async def test_a_region_store_waiting_for_room_gives_up_at_its_start_deadline(ri
     tier.open_gate("write")
 
 
+async def test_a_region_load_waiting_for_room_to_promote_gives_up_at_its_start_deadline(rig, region_fd):
+    """A promotion's wait for room (write-downs of dirty chunks) ends at the start deadline, not
+    the longer write-back wait: nothing is copied, and nothing without a copy below is evicted
+    for a transfer that will not start."""
+    broker, chain, tier = await rig(pool=4 * CHUNK)
+    for i in range(4):  # RAM full of dirty chunks: the promotion waits for a write-down
+        await store(chain, NS, key(10 + i), i)
+    tier.data[("ns", key(1))] = b"DATA" * (CHUNK // 4)  # below RAM only
+    tier.close_gate("write")
+    session = broker.open("c")
+    region = broker.attach_region(session, "r", region_fd)
+    start_by = asyncio.get_running_loop().time() + 0.05
+    error = await deadline_outcome(broker.load_to_region(session, NS, region, [key(1)], [0], start_by=start_by))
+    assert isinstance(error, TransferNotStarted), error
+    assert tier.waiting["write"] >= 1  # the write-downs making room go on
+    assert chain.ram.counters.dropped_dirty == 0 and ("ns", key(1)) not in chain.ram.chunks_of("ns")
+    assert bytes(region.array[:CHUNK]) == bytes(CHUNK) and broker.counts().leases == 0
+    tier.open_gate("write")
+    assert await broker.load_to_region(session, NS, region, [key(1)], [0]) == 1
+    assert bytes(region.array[:8]) == b"DATADATA"
+    assert chain.ram.counters.dropped_dirty == 0
+
+
 async def test_handle_batches_are_all_or_nothing(rig):
     broker, chain, _ = await rig()
     session, other = broker.open("a"), broker.open("b")
