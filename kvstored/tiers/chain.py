@@ -15,17 +15,24 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Coroutine, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from kvstored.errors import (
-    InvalidRequest, KvstoredError, PoolExhausted, RegionShrunk, TierStartError, TierUnavailable, TransferNotStarted,
+    InvalidRequest,
+    KvstoredError,
+    PoolExhausted,
+    RegionShrunk,
+    TierStartError,
+    TierUnavailable,
+    TransferNotStarted,
 )
 from kvstored.namespaces import Namespace
 from kvstored.observability.events import Cause, EventBus, EventType
+from kvstored.shm.arenas import ArenaSet
 from kvstored.shm.copier import Copier, CopyJob, default_copy_threads
 from kvstored.shm.copy import MappingVanished
-from kvstored.shm.arenas import ArenaSet
 from kvstored.shm.mapping import Region
 from kvstored.tiers.base import ChunkId, RemovalCause, SecondaryTier, TierKind
 from kvstored.tiers.lower import DeletionGuard, LowerTier, Promoter, WriteBack, WritePolicy

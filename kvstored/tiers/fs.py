@@ -30,19 +30,23 @@ import os
 import stat
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
-
 
 from kvstored.sizes import format_size
-from kvstored.tiers import chunkfile
+from kvstored.tiers import chunkfile, fs_io, fs_records
 from kvstored.tiers.base import (
-    AdmissionPolicy, ChunkId, RemovalCause, SecondaryTier, TierKind, TierUsage, WriteOutcome,
+    AdmissionPolicy,
+    ChunkId,
+    RemovalCause,
+    SecondaryTier,
+    TierKind,
+    TierUsage,
+    WriteOutcome,
 )
 from kvstored.tiers.chunkfile import HEADER_BYTES, CorruptChunk
-from kvstored.tiers import fs_io, fs_records
 from kvstored.tiers.fs_index import FsIndex
 from kvstored.tiers.views import check_views, trim
 

@@ -17,8 +17,9 @@ import functools
 import logging
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Sequence, TypeVar
+from typing import TypeVar
 
 from kvstored.choices import Choice
 from kvstored.io.scheduler import Priority, TierQueue
@@ -201,7 +202,7 @@ class WriteBack:
             future.add_done_callback(functools.partial(self._one_done, write))
         return futures
 
-    def _one_done(self, write: "_WriteDown", future: asyncio.Future) -> None:
+    def _one_done(self, write: _WriteDown, future: asyncio.Future) -> None:
         if future.cancelled():
             write.outcomes.append(WriteOutcome.FAILED)
         elif future.exception() is not None:

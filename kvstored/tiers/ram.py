@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from kvstored.shm.allocator import PageAllocator, PageRun
 from kvstored.shm.arenas import PUBLIC_ARENA
