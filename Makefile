@@ -12,7 +12,7 @@ RUN_DEFAULT_ARGS ?= --socket var/kvstored.sock --tiers kind=fs,root=var/fs,bytes
 RUN_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup proto run test bench system-deps vllm-deps clean
+.PHONY: setup proto run test lint bench system-deps vllm-deps clean
 
 setup: $(STAMP) $(GEN)/kvstored_pb2.py
 
@@ -42,8 +42,13 @@ run: $(RUN_STAMP)
 	mkdir -p var/fs
 	$(BIN)/kvstored serve $(RUN_DEFAULT_ARGS) $(RUN_ARGS)
 
+# Static checks: ruff (lint + import order) and mypy on the daemon and the client (pyproject.toml).
+lint: setup
+	$(BIN)/ruff check kvstored client
+	$(BIN)/mypy
+
 # Exit code 5 (no tests collected) is a failure, not a pass.
-test: setup system-deps vllm-deps
+test: lint setup system-deps vllm-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 

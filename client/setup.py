@@ -23,7 +23,8 @@ def generate() -> None:
     try:
         from grpc_tools import protoc
     except ImportError:
-        raise SystemExit("kvstored-client: building from a checkout needs grpcio-tools (pip install grpcio-tools)")
+        raise SystemExit(
+            "kvstored-client: building from a checkout needs grpcio-tools (pip install grpcio-tools)") from None
 
     args = ["protoc", f"-Ikvstored_client/_gen={PROTO_ROOT}", f"--python_out={HERE}", f"--pyi_out={HERE}",
             f"--grpc_python_out={HERE}"]

@@ -11,5 +11,5 @@ class Choice(enum.Enum):
     naming every valid value, which the config error passes on to the user."""
 
     @classmethod
-    def _missing_(cls, value: Any) -> "Choice":
+    def _missing_(cls, value: Any) -> Choice:
         raise ValueError(f"{value!r} is not one of {', '.join(str(m.value) for m in cls)}")

@@ -11,9 +11,10 @@ import enum
 import ipaddress
 import os
 import tomllib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, get_args
+from typing import Any, Literal, get_args
 
 from kvstored.observability.events import EventEncoding
 from kvstored.parsing import parse_bool, parse_seconds
@@ -351,7 +352,7 @@ class Config:
         default="text", metadata=_opt("log line format", _choice(LogFormat), "FORMAT")
     )
 
-    def validate(self) -> "Config":
+    def validate(self) -> Config:
         if self.page_bytes <= 0 or self.page_bytes % 4096:
             raise ConfigError(f"page_bytes must be a positive multiple of 4096, got {self.page_bytes}")
         if self.cpu_bytes < self.page_bytes:
@@ -363,7 +364,8 @@ class Config:
         if self.max_batch_keys <= 0:
             raise ConfigError(f"max_batch_keys must be positive, got {self.max_batch_keys}")
         if self.tenant_quota_bytes < self.page_bytes:
-            raise ConfigError(f"tenant_quota ({self.tenant_quota}) must hold at least one page ({self.page_bytes} bytes)")
+            raise ConfigError(
+                f"tenant_quota ({self.tenant_quota}) must hold at least one page ({self.page_bytes} bytes)")
         if self.max_tenants < 0:
             raise ConfigError(f"max_tenants must not be negative, got {self.max_tenants}")
         if self.grace_seconds < 0:

@@ -13,8 +13,9 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -344,7 +345,7 @@ class EventFeed:
         self.ended = False  # the daemon ended the stream (it is stopping), as opposed to a quiet spell
         self._thread = threading.Thread(target=self._read, name="kvstoredctl-events", daemon=True)
 
-    def __enter__(self) -> "EventFeed":
+    def __enter__(self) -> EventFeed:
         self._thread.start()
         return self
 

@@ -6,8 +6,9 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from kvstored.config import LogFormat, LogLevel
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 from kvstored.errors import BatchTooLarge, InvalidRequest, UnknownNamespace, shown
 from kvstored_client.keys import namespace_id_for

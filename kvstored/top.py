@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import curses
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 
@@ -89,11 +90,11 @@ def _ratio(part: int, whole: int) -> float | None:
 def _row(t: pb.TierStats, before: pb.TierStats | None, dt: float | None) -> TierRow:
     rates: dict[str, float | None] = {}
     # counters that went back: the daemon restarted between the two answers
-    usable = (before is not None and dt is not None and dt > 0 and t.hits >= before.hits
-              and all(_counter(t, field) >= _counter(before, field) for _, field, _ in RATES))
+    prev = before if (before is not None and dt is not None and dt > 0 and t.hits >= before.hits
+                      and all(_counter(t, field) >= _counter(before, field) for _, field, _ in RATES)) else None
     for column, field, _ in RATES:
-        rates[f"{column}_per_s"] = (_counter(t, field) - _counter(before, field)) / dt if usable else None
-    interval_hit = _ratio(t.hits - before.hits, t.lookups - before.lookups) if usable else None
+        rates[f"{column}_per_s"] = (_counter(t, field) - _counter(prev, field)) / dt if prev and dt else None
+    interval_hit = _ratio(t.hits - prev.hits, t.lookups - prev.lookups) if prev else None
     return TierRow(
         name=t.name, kind=kind_name(t.kind), used_bytes=t.used_bytes, capacity_bytes=t.capacity_bytes,
         utilization=_ratio(t.used_bytes, t.capacity_bytes), chunks=t.chunks, queued=t.queued,
@@ -194,7 +195,7 @@ class StatsSource:
         return build_frame(self._socket, current, previous)
 
 
-def _draw(screen: "curses.window", lines: Sequence[str]) -> None:
+def _draw(screen: curses.window, lines: Sequence[str]) -> None:
     screen.erase()
     height, width = screen.getmaxyx()
     table_start = next((i for i, line in enumerate(lines) if line.startswith("TIER")), -1)
@@ -208,7 +209,7 @@ def _draw(screen: "curses.window", lines: Sequence[str]) -> None:
     screen.refresh()
 
 
-def _loop(screen: "curses.window", source: StatsSource, interval_s: float) -> None:
+def _loop(screen: curses.window, source: StatsSource, interval_s: float) -> None:
     try:
         curses.curs_set(0)
     except curses.error:  # a terminal that cannot hide the cursor

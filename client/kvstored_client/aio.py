@@ -15,13 +15,24 @@ from kvstored_client import ops
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.client import (
-    DEFAULT_DEADLINE_S, OPEN_SESSION, RAISE, ClientBase, Plan, _bounded, _remaining, in_session,
+    DEFAULT_DEADLINE_S,
+    OPEN_SESSION,
+    RAISE,
+    ClientBase,
+    Plan,
+    _bounded,
+    _remaining,
+    in_session,
 )
 from kvstored_client.copy_policy import MIN_PART_BYTES as OFF_LOOP_COPY_BYTES  # smaller: a thread hop costs more
 from kvstored_client.errors import KvstoredError
 from kvstored_client.ops import Health, LookupResult, Namespace, NamespaceSpec, Region, StoreResult
 from kvstored_client.protocol import (
-    CHANNEL_OPTIONS, HEALTH_CHECK, channel_target, decode_health_response, encode_health_request,
+    CHANNEL_OPTIONS,
+    HEALTH_CHECK,
+    channel_target,
+    decode_health_response,
+    encode_health_request,
 )
 from kvstored_client.session import PoolSession
 

@@ -21,13 +21,30 @@ from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.copy_policy import client_copy_threads
 from kvstored_client.errors import (
-    DeadlineExceeded, KvstoredError, TierUnavailable, TransferNotStarted, TransferOutcomeUnknown, Unavailable,
-    UnknownNamespace, UnknownRegion, UnknownSession, from_rpc_error, may_have_run, never_sent,
+    DeadlineExceeded,
+    KvstoredError,
+    TierUnavailable,
+    TransferNotStarted,
+    TransferOutcomeUnknown,
+    Unavailable,
+    UnknownNamespace,
+    UnknownRegion,
+    UnknownSession,
+    from_rpc_error,
+    may_have_run,
+    never_sent,
 )
 from kvstored_client.ops import Health, LookupResult, Namespace, NamespaceSpec, Region, StoreResult
 from kvstored_client.paths import default_socket_path
 from kvstored_client.protocol import (
-    CHANNEL_OPTIONS, HEALTH_CHECK, Condition, ForkGuard, LinkHealth, Reason, channel_target, decode_health_response,
+    CHANNEL_OPTIONS,
+    HEALTH_CHECK,
+    Condition,
+    ForkGuard,
+    LinkHealth,
+    Reason,
+    channel_target,
+    decode_health_response,
     encode_health_request,
 )
 from kvstored_client.session import PoolSession, diagnose, open_region_fd, probe

@@ -7,7 +7,7 @@ prefix changes every later key (each key hashes its parent key and its own token
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

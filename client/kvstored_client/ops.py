@@ -1,7 +1,7 @@
 """Client operations written once, without I/O: each is a generator that yields the RPCs it needs
-(`Call`) and the local work around them (`Copy`, `MapArena`), and receives their results. The sync and async clients only differ in how they run
-a Call, so the data-path logic (reserve -> copy -> commit; acquire -> copy -> release) and its
-cleanup on failure exist in one place."""
+(`Call`) and the local work around them (`Copy`, `MapArena`), and receives their results. The sync
+and async clients only differ in how they run a Call, so the data-path logic (reserve -> copy ->
+commit; acquire -> copy -> release) and its cleanup on failure exist in one place."""
 
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ import enum
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 from kvstored.choices import Choice
 from kvstored.tiers.base import ChunkId, TierKind

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
@@ -29,7 +29,12 @@ from prometheus_client.registry import Collector
 from kvstored import __version__
 from kvstored.namespaces import NamespaceRegistry
 from kvstored.observability.snapshot import (
-    QuotaSnapshot, QuotaSource, QuotaUsage, SessionCountsSource, TierSnapshot, tier_snapshots,
+    QuotaSnapshot,
+    QuotaSource,
+    QuotaUsage,
+    SessionCountsSource,
+    TierSnapshot,
+    tier_snapshots,
 )
 from kvstored.tiers.chain import TierChain
 
@@ -196,7 +201,8 @@ class DaemonMetrics:
             ["service", "method", "code"], registry=self.registry,
         )
         self.grpc_seconds = Histogram(
-            f"{PREFIX}_grpc_server_handling_seconds", "unary gRPC call latency in the daemon, by method and status code",
+            f"{PREFIX}_grpc_server_handling_seconds",
+            "unary gRPC call latency in the daemon, by method and status code",
             ["service", "method", "code"], buckets=GRPC_BUCKETS, registry=self.registry,
         )
         self.tier_op_seconds = Histogram(

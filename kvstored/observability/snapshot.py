@@ -3,8 +3,8 @@ session counts the server hands both (observability reads them, it does not impo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from kvstored.io.scheduler import Priority
 from kvstored.tiers.base import TierKind

@@ -19,7 +19,8 @@ import contextlib
 import itertools
 import logging
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgpack
 import zmq

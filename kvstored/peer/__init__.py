@@ -5,9 +5,25 @@ from kvstored.peer.errors import PeerError, PeerUnreachable, ProtocolError, Tran
 from kvstored.peer.factory import choose_transport, local_transports, make_link, make_server
 from kvstored.peer.quarantine import Quarantine
 from kvstored.peer.transport import (
-    Ask, LinkCounters, PeerAddress, PeerLink, PeerServer, ReceiveOutcome, ReceiveResult, Receipt,
-    SendOrder, SendOutcome, SendResult, ServerCounters, Slot, Source, Transfer, TransportConfig,
-    TransportKind, TransportPreference, UcxConfig,
+    Ask,
+    LinkCounters,
+    PeerAddress,
+    PeerLink,
+    PeerServer,
+    Receipt,
+    ReceiveOutcome,
+    ReceiveResult,
+    SendOrder,
+    SendOutcome,
+    SendResult,
+    ServerCounters,
+    Slot,
+    Source,
+    Transfer,
+    TransportConfig,
+    TransportKind,
+    TransportPreference,
+    UcxConfig,
 )
 
 __all__ = [

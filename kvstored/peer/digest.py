@@ -5,7 +5,7 @@ from the cache, a fraction of that."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import xxhash
 

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from kvstored.peer.errors import TransportUnavailable
 from kvstored.peer.transport import (
-    PeerAddress, PeerLink, PeerServer, TransportConfig, TransportKind, TransportPreference,
+    PeerAddress,
+    PeerLink,
+    PeerServer,
+    TransportConfig,
+    TransportKind,
+    TransportPreference,
 )
 from kvstored.peer.ucx_runtime import ucx_installed
 

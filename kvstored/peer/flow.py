@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Sequence, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 

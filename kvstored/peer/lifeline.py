@@ -11,7 +11,7 @@ this socket is ours to time out.
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 from kvstored.peer.errors import PeerUnreachable
 

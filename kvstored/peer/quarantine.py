@@ -8,7 +8,7 @@ must not reuse them (or, on the serving side, unpin them) until `settled` is don
 from __future__ import annotations
 
 import asyncio
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from kvstored.peer.errors import PeerUnreachable
 from kvstored.tiers.views import as_bytes

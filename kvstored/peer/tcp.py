@@ -20,16 +20,30 @@ import asyncio
 import logging
 import secrets
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from kvstored.errors import ListenError
 from kvstored.peer import flow, sockio, wire
 from kvstored.peer.digest import StreamDigest
 from kvstored.peer.errors import PeerError, PeerUnreachable, ProtocolError
 from kvstored.peer.transport import (
-    Ask, PeerAddress, PeerLink, PeerServer, ReceiveOutcome, ReceiveResult, Receipt, SendOrder,
-    SendOutcome, SendResult, Slot, Source, Transfer, TransportConfig, TransportKind, failed_all,
+    Ask,
+    PeerAddress,
+    PeerLink,
+    PeerServer,
+    Receipt,
+    ReceiveOutcome,
+    ReceiveResult,
+    SendOrder,
+    SendOutcome,
+    SendResult,
+    Slot,
+    Source,
+    Transfer,
+    TransportConfig,
+    TransportKind,
+    failed_all,
     next_transfer_id,
 )
 from kvstored.tiers.views import trim
@@ -379,7 +393,7 @@ class TcpServer(PeerServer):
             # hashed as the kernel copies each piece out (it is in the cache then), unless given
             digest = None if source.checksum is not None else StreamDigest(pieces, skip=len(prefix))
             await sockio.send_all(loop, link.sock, [memoryview(prefix), *pieces], digest.moved if digest else None)
-            checksum = source.checksum if digest is None else digest.intdigest()
+            checksum = digest.intdigest() if digest is not None else source.checksum or 0
             pending_sum = wire.encode_sum(checksum)
             receipts.append(Receipt(transfer.transfer_id, True, source.size, checksum))
         if pending_sum:

@@ -33,8 +33,9 @@ import abc
 import enum
 import itertools
 import secrets
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, ClassVar, Mapping, Sequence
+from typing import ClassVar
 
 from kvstored.peer.quarantine import Quarantine, Quarantines
 

@@ -24,17 +24,32 @@ import asyncio
 import dataclasses
 import logging
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Sequence
+from typing import Any
 
 from kvstored.errors import ListenError
 from kvstored.peer import flow, ucx_runtime, wire
 from kvstored.peer.errors import PeerError, PeerUnreachable
 from kvstored.peer.lifeline import Lifeline
 from kvstored.peer.transport import (
-    Ask, PeerAddress, PeerLink, PeerServer, ReceiveOutcome, ReceiveResult, Receipt, SendOrder,
-    SendOutcome, SendResult, Slot, Source, Transfer, TransportConfig, TransportKind, failed_all,
+    Ask,
+    PeerAddress,
+    PeerLink,
+    PeerServer,
+    Receipt,
+    ReceiveOutcome,
+    ReceiveResult,
+    SendOrder,
+    SendOutcome,
+    SendResult,
+    Slot,
+    Source,
+    Transfer,
+    TransportConfig,
+    TransportKind,
+    failed_all,
     next_transfer_id,
 )
 from kvstored.tiers.chunkfile import checksum as payload_checksum
@@ -280,7 +295,8 @@ class UcxServer(PeerServer):
         except OSError as exc:
             self._ucxx = None
             ucx_runtime.release()
-            raise ListenError(f"cannot listen for UCX peers on {self.host}:{self.port}: {exc.strerror or exc}") from None
+            raise ListenError(
+                f"cannot listen for UCX peers on {self.host}:{self.port}: {exc.strerror or exc}") from None
         return PeerAddress(self.host, self._server.sockets[0].getsockname()[1])
 
     def _lifeline(self) -> Lifeline:
@@ -388,8 +404,10 @@ class UcxServer(PeerServer):
             return None
         self._drop(order.link_id)
         if verdict.stop is flow.Stop.TIMED_OUT:
-            return SendResult(SendOutcome.TIMED_OUT, "the fetcher did not take the bytes in time", quarantine)
-        return SendResult(SendOutcome.FAILED, f"sending to the fetcher failed: {verdict.describe()}", quarantine)
+            return SendResult(SendOutcome.TIMED_OUT, "the fetcher did not take the bytes in time",
+                              quarantine=quarantine)
+        return SendResult(SendOutcome.FAILED, f"sending to the fetcher failed: {verdict.describe()}",
+                          quarantine=quarantine)
 
     async def close(self) -> None:
         if self._server is not None:

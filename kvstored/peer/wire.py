@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from kvstored.peer.errors import ProtocolError
 from kvstored.tiers.views import as_bytes

@@ -14,9 +14,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Sequence
 
 from kvstored.errors import InvalidRequest, TransferNotStarted
 from kvstored.namespaces import Namespace

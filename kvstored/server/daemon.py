@@ -20,30 +20,31 @@ import signal
 import socket
 import stat
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvstored.errors import ListenError
 from kvstored import __version__
 from kvstored.config import Config, ConfigError
+from kvstored.errors import ListenError
 from kvstored.logs import setup_logging
 from kvstored.namespaces import NamespaceRegistry
-from kvstored.observability.metrics import DaemonMetrics
 from kvstored.observability.events import EventBus, KvEvent
+from kvstored.observability.metrics import DaemonMetrics
 from kvstored.server.broker import SessionBroker
 from kvstored.server.errors import ErrorMappingInterceptor
 from kvstored.server.namespace_records import NamespaceRecords
 from kvstored.server.service import KVStoreService
 from kvstored.server.session_socket import SessionSocketServer
-from kvstored.server.tenants import Tenancy, TenantPolicy, events_for
 from kvstored.server.systemd import notify
-from kvstored.shm.copy import GUARDED as copy_guarded
+from kvstored.server.tenants import Tenancy, TenantPolicy, events_for
 from kvstored.shm import memory
 from kvstored.shm.arenas import ArenaSet, PageReleaser
+from kvstored.shm.copy import GUARDED as copy_guarded
 from kvstored.shm.mapping import SharedPool
 from kvstored.shm.memory import PoolPages, PopulateProgress
 from kvstored.sizes import format_size
@@ -299,8 +300,9 @@ class Daemon:
             setup_logging(new.log_level, new.log_format)
             applied.append(f"log_level={new.log_level} log_format={new.log_format}")
         tiers = self._reload_tiers(old.tiers, new.tiers, applied)
+        live = ("log_level", "log_format", "tiers")  # applied above, or tier by tier
         restart = [f.name for f in dataclasses.fields(Config)
-                   if f.name not in ("log_level", "log_format", "tiers") and getattr(old, f.name) != getattr(new, f.name)]
+                   if f.name not in live and getattr(old, f.name) != getattr(new, f.name)]
         if tiers is None:
             restart.append("tiers")
         self.config = dataclasses.replace(old, log_level=new.log_level, log_format=new.log_format,

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import grpc
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from kvstored.errors import KvstoredError
 from kvstored.namespaces import Namespace, NamespaceRegistry, decode_record, encode_record

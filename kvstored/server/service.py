@@ -6,16 +6,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import grpc
 
 from kvstored import __version__
 from kvstored.errors import BatchTooLarge, InvalidRequest, SessionRequired, WatcherLagged, shown
+from kvstored.namespaces import Namespace, NamespaceRegistry, check_keys
 from kvstored.observability.events import KvEvent
 from kvstored.observability.snapshot import tier_snapshots
-from kvstored.namespaces import Namespace, NamespaceRegistry, check_keys
 from kvstored.server.broker import SessionBroker
 from kvstored.server.sessions import Session
 from kvstored.server.tenants import ArenasUnsupported, Tenancy, events_for, visible
@@ -123,7 +123,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             spec.block_tokens,
         )
         placed = self._tenancy.register(session, ns, spec.quota_bytes)
-        if ns.private:
+        if ns.private and session is not None:  # (a tenant namespace always has one: checked above)
             session.namespaces.add(ns.namespace_id)
         return pb.RegisterNamespaceResponse(
             namespace_id=ns.namespace_id,
@@ -273,12 +273,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                         yield _event(event)
                     last = event.seq
             while True:
-                event = await sub.queue.get()
-                if event is None:
+                live = await sub.queue.get()
+                if live is None:
                     return
-                if event.seq > last:
-                    yield _event(event)
-                    last = event.seq
+                if live.seq > last:
+                    yield _event(live)
+                    last = live.seq
                 if sub.lagged and sub.queue.empty():
                     raise WatcherLagged(
                         f"event watcher fell behind after seq {last}; resume with from_seq={last + 1}"

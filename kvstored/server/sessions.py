@@ -9,8 +9,8 @@ from __future__ import annotations
 import enum
 import itertools
 import secrets
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 from kvstored.errors import HandleNotHeld, InvalidRequest, UnknownRegion, UnknownSession, shown
 from kvstored.shm.mapping import Region

@@ -18,12 +18,12 @@ import logging
 from dataclasses import dataclass, field
 
 from kvstored.errors import InvalidRequest, PoolExhausted, SessionRequired, UnknownRegion
-from kvstored.sizes import format_size
 from kvstored.namespaces import Namespace, NamespaceRegistry
 from kvstored.observability.events import EventFilter, KvEvent
 from kvstored.observability.snapshot import QuotaSnapshot, QuotaUsage
 from kvstored.server.sessions import Session
 from kvstored.shm.arenas import PUBLIC_ARENA, Arena, ArenaSet
+from kvstored.sizes import format_size
 from kvstored.tiers.ram import PUBLIC, Placement, QuotaScope, RamTier
 
 log = logging.getLogger(__name__)

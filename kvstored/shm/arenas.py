@@ -17,9 +17,9 @@ import itertools
 import logging
 import mmap
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -42,7 +42,7 @@ class Arena:
     _map: mmap.mmap | None = None  # tenant arenas only: the public one is the SharedPool's
 
     def __post_init__(self) -> None:
-        self.view = memoryview(self.array)
+        self.view = memoryview(self.array.data)
 
     def close(self) -> None:
         self.view.release()

@@ -9,9 +9,10 @@ caller then frees the pool pages those threads are writing or reading.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -54,7 +55,7 @@ class Copier:
                 await asyncio.wait(futures)
             except asyncio.CancelledError:
                 cancelled = True
-        errors = [f.exception() for f in futures if f.exception() is not None]
+        errors = [exc for f in futures if (exc := f.exception()) is not None]
         if cancelled:
             raise asyncio.CancelledError()
         if errors:

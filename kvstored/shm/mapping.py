@@ -9,9 +9,9 @@ import mmap
 import os
 import stat
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -19,7 +19,6 @@ from kvstored.errors import InvalidRequest, RegionFileMissing, RegionNotAllowed
 from kvstored.shm import memory
 from kvstored.shm.beneath import open_beneath
 from kvstored.shm.memory import NumaPlacement, PoolPages, PopulateProgress
-
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
 POPULATE_STEP_BYTES = 64 << 20  # a closing region stops its populate within one step
@@ -166,7 +165,7 @@ class Region:
     _stop_populating: threading.Event = field(default_factory=threading.Event)
 
     @classmethod
-    def from_fd(cls, region_id: int, name: str, fd: int) -> "Region":
+    def from_fd(cls, region_id: int, name: str, fd: int) -> Region:
         """Map `fd` (the caller keeps ownership of it). Raises ValueError for unusable files."""
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):

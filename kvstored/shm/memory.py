@@ -24,9 +24,9 @@ import platform
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from kvstored.sizes import format_size
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import abc
 import enum
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Sequence
+from typing import ClassVar
 
 from kvstored.choices import Choice
 from kvstored_client.kinds import TierKind  # one enum for daemon, client and proto; NONE (0) is a miss
@@ -149,7 +150,7 @@ class SecondaryTier(abc.ABC):
         """Every record the tier holds, by namespace id."""
         return {}
 
-    def set_admission(self, policy: "AdmissionPolicy") -> None:
+    def set_admission(self, policy: AdmissionPolicy) -> None:
         """Change the admission policy at run time (SIGHUP reload); tiers without one ignore it."""
 
 

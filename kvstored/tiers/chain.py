@@ -15,17 +15,24 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Coroutine, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from kvstored.errors import (
-    InvalidRequest, KvstoredError, PoolExhausted, RegionShrunk, TierStartError, TierUnavailable, TransferNotStarted,
+    InvalidRequest,
+    KvstoredError,
+    PoolExhausted,
+    RegionShrunk,
+    TierStartError,
+    TierUnavailable,
+    TransferNotStarted,
 )
 from kvstored.namespaces import Namespace
 from kvstored.observability.events import Cause, EventBus, EventType
+from kvstored.shm.arenas import ArenaSet
 from kvstored.shm.copier import Copier, CopyJob, default_copy_threads
 from kvstored.shm.copy import MappingVanished
-from kvstored.shm.arenas import ArenaSet
 from kvstored.shm.mapping import Region
 from kvstored.tiers.base import ChunkId, RemovalCause, SecondaryTier, TierKind
 from kvstored.tiers.lower import DeletionGuard, LowerTier, Promoter, WriteBack, WritePolicy
@@ -197,7 +204,7 @@ class TierChain:
         return await self._unskippable(self._clear(ns.namespace_id))
 
     async def _delete(self, chunks: list[ChunkId]) -> int:
-        failures = []
+        failures: list[BaseException] = []
         with self._deleting.chunks(chunks):
             removed = [self.ram.delete(c) for c in chunks]
             self._publish_ram(EventType.REMOVED, Cause.DELETED, [c for c, r in zip(chunks, removed) if r])
@@ -212,7 +219,7 @@ class TierChain:
         return sum(removed)
 
     async def _clear(self, namespace_id: str) -> int:
-        failures = []
+        failures: list[BaseException] = []
         # Each removed key is an event (routers in vLLM's format know no per-namespace clear),
         # then one CLEARED per tier for watchers that track namespaces.
         with self._deleting.namespace(namespace_id):
@@ -293,6 +300,8 @@ class TierChain:
             deadline = min(deadline, start_by)
         waits = []
         for i, tier_index in zip(missing[:wanted], found):
+            if tier_index is None:  # (the first `wanted` were found: takewhile above)
+                break
             if self.promoter.in_flight(chunks[i]) is TierKind.NONE:  # (a shared one has its room)
                 await self._make_room(ns, 1, deadline)
                 _check_started(start_by)  # it gave up at start_by: start (and evict for) nothing more

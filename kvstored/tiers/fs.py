@@ -30,20 +30,24 @@ import os
 import stat
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
-
 
 from kvstored.io.scheduler import Priority
 from kvstored.io.threads import PriorityThreadPool
 from kvstored.sizes import format_size
-from kvstored.tiers import chunkfile
+from kvstored.tiers import chunkfile, fs_io, fs_records
 from kvstored.tiers.base import (
-    AdmissionPolicy, ChunkId, RemovalCause, SecondaryTier, TierKind, TierUsage, WriteOutcome,
+    AdmissionPolicy,
+    ChunkId,
+    RemovalCause,
+    SecondaryTier,
+    TierKind,
+    TierUsage,
+    WriteOutcome,
 )
 from kvstored.tiers.chunkfile import HEADER_BYTES, CorruptChunk
-from kvstored.tiers import fs_io, fs_records
 from kvstored.tiers.fs_index import FsIndex
 from kvstored.tiers.views import check_views, trim
 
@@ -287,7 +291,7 @@ class FsTier(SecondaryTier):
                 current = self._index.touch(chunk)
                 if current is None and self._may_adopt(chunk, epoch) and chunk not in self._pending:
                     self._index.insert(chunk, file_size, now)  # written by a daemon sharing the root
-                elif touch and current is entry:
+                elif touch and current is not None and current is entry:
                     current.mtime = now
                 return True
             # the file vanished (evicted by a daemon sharing the root) or was bad: forget it,

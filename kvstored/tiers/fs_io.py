@@ -13,7 +13,7 @@ import secrets
 import stat
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

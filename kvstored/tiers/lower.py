@@ -17,8 +17,9 @@ import functools
 import logging
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Sequence, TypeVar
+from typing import TypeVar
 
 from kvstored.choices import Choice
 from kvstored.io.scheduler import Priority, TierQueue
@@ -231,7 +232,7 @@ class WriteBack:
             future.add_done_callback(functools.partial(self._one_done, write))
         return futures
 
-    def _one_done(self, write: "_WriteDown", future: asyncio.Future) -> None:
+    def _one_done(self, write: _WriteDown, future: asyncio.Future) -> None:
         if future.cancelled():
             write.outcomes.append(WriteOutcome.FAILED)
         elif future.exception() is not None:
@@ -354,15 +355,18 @@ class Promoter:
         if reservation.evicted:
             self._events.publish(EventType.REMOVED, Cause.EVICTED, "ram", TierKind.RAM, reservation.evicted)
         if reservation.outcome is ReserveOutcome.ALREADY_PRESENT:  # landed meanwhile
-            done: asyncio.Future = asyncio.get_running_loop().create_future()
-            done.set_result(True)
-            return done
+            landed: asyncio.Future = asyncio.get_running_loop().create_future()
+            landed.set_result(True)
+            return landed
         if reservation.entry is None:
             return None
         entry = reservation.entry
         lower = self._lower[tier_index]
         views = self._ram.page_views(entry, self._arena_view(entry.arena))
         read = lower.queue.submit(Priority.LOAD, lambda: lower.timed("read", lower.tier.read(chunk, views, size)))
+        if read is None:  # (loads are never refused: only write-downs and deletions have a backlog bound)
+            self._ram.abort(entry)
+            return None
         result: asyncio.Future = asyncio.get_running_loop().create_future()
         self._in_flight[chunk] = (result, lower.tier.kind)
 

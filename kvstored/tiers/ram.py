@@ -25,8 +25,8 @@ from __future__ import annotations
 import enum
 import itertools
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from kvstored.shm.allocator import PageAllocator, PageRun
 from kvstored.shm.arenas import PUBLIC_ARENA
@@ -266,7 +266,7 @@ class RamTier:
         out = [entry is not None and entry.state is ready for entry in entries]
         move_to_end = self._lru.move_to_end
         for entry, hit in zip(entries, out):
-            if hit:
+            if hit and entry is not None:
                 try:
                     move_to_end(entry.chunk)
                 except KeyError:  # leased or being written down: not in the LRU

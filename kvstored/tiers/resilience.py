@@ -10,8 +10,8 @@ import enum
 import random
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Callable, Hashable
 
 Clock = Callable[[], float]
 

@@ -25,19 +25,25 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 import sys
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import aiohttp
 from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
 from botocore.exceptions import (
-    BotoCoreError, ClientError, HTTPClientError, IncompleteReadError, NoCredentialsError,
+    BotoCoreError,
+    ClientError,
+    HTTPClientError,
+    IncompleteReadError,
+    NoCredentialsError,
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
@@ -45,14 +51,21 @@ from kvstored.errors import TierUnavailable
 from kvstored.sizes import format_size
 from kvstored.tiers import chunkfile
 from kvstored.tiers.base import (
-    AdmissionPolicy, ChunkId, RemovalCause, SecondaryTier, TierKind, TierUsage, WriteOutcome,
+    AdmissionPolicy,
+    ChunkId,
+    RemovalCause,
+    SecondaryTier,
+    TierKind,
+    TierUsage,
+    WriteOutcome,
 )
 from kvstored.tiers.chunkfile import HEADER_BYTES, CorruptChunk
 from kvstored.tiers.fs_index import FsIndex
-from kvstored.tiers.views import trim
 from kvstored.tiers.resilience import Backoff, CircuitBreaker, NegativeCache, Permit
+from kvstored.tiers.views import trim
 
 log = logging.getLogger(__name__)
+DEFAULT_BACKOFF = Backoff()
 
 T = TypeVar("T")
 CPU_THREADS = 2  # chunk encode/verify/copy: ~0.3 ms per 2 MiB each, a thread keeps up with many PUTs
@@ -156,7 +169,7 @@ class S3Tier(SecondaryTier):
         breaker_reset_s: float = 5.0,
         create_bucket: bool = True,
         admission: AdmissionPolicy = AdmissionPolicy.ALWAYS,
-        backoff: Backoff = Backoff(),
+        backoff: Backoff = DEFAULT_BACKOFF,
     ) -> None:
         super().__init__(name)
         if max_concurrency < 1 or timeout_s <= 0 or capacity_bytes < 0:
@@ -286,7 +299,7 @@ class S3Tier(SecondaryTier):
             kwargs = {"Bucket": self.bucket, "Prefix": self.prefix}
             if token:
                 kwargs["ContinuationToken"] = token
-            page = await self._retrying(lambda: self._client.list_objects_v2(**kwargs))
+            page = await self._retrying(functools.partial(self._client.list_objects_v2, **kwargs))
             for obj in page.get("Contents", ()):
                 chunk = chunkfile.parse_relpath(obj["Key"][len(self.prefix):])
                 if chunk is not None:
@@ -432,7 +445,7 @@ class S3Tier(SecondaryTier):
             namespace_id = chunkfile.parse_record_name(key[len(records_prefix):])
             if namespace_id is not None and size <= chunkfile.MAX_RECORD_BYTES:
                 names[namespace_id] = key
-        bodies = await asyncio.gather(*(self._guarded("read", key, self._call(lambda key=key: self._read_all(key)))
+        bodies = await asyncio.gather(*(self._guarded("read", key, self._call(functools.partial(self._read_all, key)))
                                         for key in names.values()))
         return dict(zip(names, bodies))
 
@@ -447,7 +460,7 @@ class S3Tier(SecondaryTier):
         token: str | None = None
         while True:
             kwargs = {"Bucket": self.bucket, "Prefix": prefix, **({"ContinuationToken": token} if token else {})}
-            page = await self._call(lambda kwargs=kwargs: self._client.list_objects_v2(**kwargs))
+            page = await self._call(functools.partial(self._client.list_objects_v2, **kwargs))
             found += [(obj["Key"], int(obj["Size"])) for obj in page.get("Contents", ())]
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:

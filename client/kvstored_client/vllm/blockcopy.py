@@ -17,8 +17,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -61,7 +61,7 @@ class ChunkExtents:
         self.ext_lengths = np.asarray(ext_lengths, dtype=np.uint64)
 
     @classmethod
-    def from_lists(cls, per_chunk: Sequence[Sequence[tuple[int, int]]]) -> "ChunkExtents":
+    def from_lists(cls, per_chunk: Sequence[Sequence[tuple[int, int]]]) -> ChunkExtents:
         starts = np.zeros(len(per_chunk) + 1, dtype=np.int64)
         starts[1:] = np.cumsum([len(e) for e in per_chunk])
         flat = [x for e in per_chunk for x in e]
@@ -136,20 +136,23 @@ class KVLayout:
     ) -> Copies:
         """The copies that move the given GPU blocks to (to_pool) or from their chunk parts. No
         copy crosses a `piece_bytes` boundary of the pool (each piece is pinned on its own)."""
-        gpu_addr, part_off, chunk_idx, sizes = [], [], [], []
+        gpu_parts: list[np.ndarray] = []
+        off_parts: list[np.ndarray] = []
+        idx_parts: list[np.ndarray] = []
+        size_parts: list[np.ndarray] = []
         for g, blocks, chunks, subs in self.block_positions(gpu_blocks, group_sizes, block_indices, len(extents)):
             for ref in self.group_refs[g]:
                 t = ref.tensor_idx
-                gpu_addr.append(self._base[t] + blocks.astype(np.uint64) * np.uint64(self.page_bytes[t]))
-                part_off.append(self.tensor_offsets[t] + subs * self.page_bytes[t])
-                chunk_idx.append(chunks)
-                sizes.append(np.full(len(blocks), ref.page_size_bytes, dtype=np.int64))
-        if not sizes:
+                gpu_parts.append(self._base[t] + blocks.astype(np.uint64) * np.uint64(self.page_bytes[t]))
+                off_parts.append(self.tensor_offsets[t] + subs * self.page_bytes[t])
+                idx_parts.append(chunks)
+                size_parts.append(np.full(len(blocks), ref.page_size_bytes, dtype=np.int64))
+        if not size_parts:
             return _empty()
-        gpu_addr = np.concatenate(gpu_addr).astype(np.uint64)
-        part_off = np.concatenate(part_off)
-        chunk_idx = np.concatenate(chunk_idx)
-        sizes = np.concatenate(sizes)
+        gpu_addr = np.concatenate(gpu_parts).astype(np.uint64)
+        part_off = np.concatenate(off_parts)
+        chunk_idx = np.concatenate(idx_parts)
+        sizes = np.concatenate(size_parts)
         # Drop blocks of chunks that have no slot (not reserved, or already present).
         has_slot = np.diff(extents.starts) > 0
         keep = has_slot[chunk_idx]
@@ -172,17 +175,23 @@ def _split_at_pieces(copies: Copies, pool_address: int, piece_bytes: int, to_poo
     if len(crossing) == 0:
         return copies
     src, dst, sizes = copies.src.tolist(), copies.dst.tolist(), copies.sizes.tolist()
-    out_src, out_dst, out_sizes = [], [], []
+    out_src: list[int] = []
+    out_dst: list[int] = []
+    out_sizes: list[int] = []
     cut = set(crossing.tolist())
     for i, (s, d, n) in enumerate(zip(src, dst, sizes)):
         if i not in cut:
-            out_src.append(s), out_dst.append(d), out_sizes.append(n)
+            out_src.append(s)
+            out_dst.append(d)
+            out_sizes.append(n)
             continue
         offset = 0
         while offset < n:
             pool_pos = (d if to_pool else s) + offset - pool_address
             step = min(n - offset, piece_bytes - pool_pos % piece_bytes)
-            out_src.append(s + offset), out_dst.append(d + offset), out_sizes.append(step)
+            out_src.append(s + offset)
+            out_dst.append(d + offset)
+            out_sizes.append(step)
             offset += step
     return Copies(np.array(out_src, dtype=np.uint64), np.array(out_dst, dtype=np.uint64),
                   np.array(out_sizes, dtype=np.int64))
@@ -291,7 +300,7 @@ class CudaRuntime:
     def host_register(self, address: int, size: int) -> list[int]:
         """Pin [address, address+size) in pieces; returns the registered piece addresses (empty if
         the driver refused, e.g. a memlock limit: copies then still work, staged by the driver)."""
-        done = []
+        done: list[int] = []
         for off in range(0, size, MAX_HOST_REGISTER_BYTES):
             n = min(MAX_HOST_REGISTER_BYTES, size - off)
             if self._register(address + off, n, _CUDA_HOST_REGISTER_PORTABLE):
@@ -345,7 +354,7 @@ class MappedPool:
         self.map = mmap.mmap(fd, size, flags=flags)
         self.size = size
         self.pool_id = pool_id
-        self.array = np.frombuffer(self.map, dtype=np.uint8)
+        self.array: np.ndarray | None = np.frombuffer(self.map, dtype=np.uint8)
         self.address = self.array.ctypes.data
         self._cuda = cuda
         self.pinned = cuda.host_register(self.address, size) if cuda is not None else []

@@ -39,7 +39,6 @@ from typing import Any
 
 import grpc
 from typing_extensions import override
-
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
@@ -68,7 +67,12 @@ from kvstored_client.vllm.blockcopy import ChunkExtents, KVLayout, LayerRef
 from kvstored_client.vllm.driver import DaemonLink, LinkOptions, LinkState, arena_key, outcome
 from kvstored_client.vllm.lookups import LookupBatcher, ProbeKey
 from kvstored_client.vllm.namespace import (
-    SHA256_OFFLOAD_KEY_BYTES, WORKER_PART_FORMAT, LayoutInfo, RequestNamespaces, layout_info, namespace_spec,
+    SHA256_OFFLOAD_KEY_BYTES,
+    WORKER_PART_FORMAT,
+    LayoutInfo,
+    RequestNamespaces,
+    layout_info,
+    namespace_spec,
 )
 from kvstored_client.vllm.plugin import socket_option
 from kvstored_client.vllm.pool_worker import PoolTransferEngine

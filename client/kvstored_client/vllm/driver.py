@@ -36,12 +36,25 @@ from kvstored_client import session
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.errors import (
-    InvalidArgument, KvstoredError, Unavailable, UnknownNamespace, UnknownRegion, UnknownSession, from_rpc_error,
+    InvalidArgument,
+    KvstoredError,
+    Unavailable,
+    UnknownNamespace,
+    UnknownRegion,
+    UnknownSession,
+    from_rpc_error,
 )
 from kvstored_client.ops import NamespaceSpec
 from kvstored_client.paths import session_socket_path
 from kvstored_client.protocol import (
-    CHANNEL_OPTIONS, Backoff, Condition, ForkGuard, Handshake, LinkHealth, Reason, channel_target,
+    CHANNEL_OPTIONS,
+    Backoff,
+    Condition,
+    ForkGuard,
+    Handshake,
+    LinkHealth,
+    Reason,
+    channel_target,
 )
 
 log = logging.getLogger(__name__)

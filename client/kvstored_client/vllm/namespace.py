@@ -15,8 +15,9 @@ with `key_bytes = len(key)`.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from kvstored_client.ops import NamespaceSpec
 

@@ -10,8 +10,8 @@ from /proc/self/maps, and a candidate fd is accepted only if it is the same inod
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import numpy as np
 

@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import grpc
 from typing_extensions import override
-
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
     ConfigInfoMapping,
@@ -63,7 +62,11 @@ from kvstored_client.paths import default_socket_path
 from kvstored_client.vllm.driver import DaemonLink, LinkOptions, LinkState, Outcome, outcome
 from kvstored_client.vllm.lookups import LookupBatcher
 from kvstored_client.vllm.namespace import (
-    SHA256_OFFLOAD_KEY_BYTES, TIER_ROW_FORMAT, RequestNamespaces, layout_info, namespace_spec,
+    SHA256_OFFLOAD_KEY_BYTES,
+    TIER_ROW_FORMAT,
+    RequestNamespaces,
+    layout_info,
+    namespace_spec,
 )
 from kvstored_client.vllm.plugin import SOCKET_OPTION, socket_option
 from kvstored_client.vllm.region import RegionNotShareable, region_file
