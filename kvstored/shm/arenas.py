@@ -31,6 +31,15 @@ log = logging.getLogger(__name__)
 PUBLIC_ARENA = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Extent:
+    """A run of a chunk's bytes in one arena (what clients and the copiers address)."""
+
+    offset: int
+    length: int
+    arena: int = PUBLIC_ARENA
+
+
 @dataclass(eq=False)
 class Arena:
     arena_id: int

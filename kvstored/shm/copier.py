@@ -20,7 +20,7 @@ from kvstored.shm.copy import copy as guarded_copy
 from kvstored_client.copy_policy import MIN_PART_BYTES, daemon_copy_threads
 
 if TYPE_CHECKING:
-    from kvstored.tiers.ram import Extent
+    from kvstored.shm.arenas import Extent
 
 # One split policy for the daemon's copier and the client's (see kvstored_client.copy_policy).
 default_copy_threads = daemon_copy_threads

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvstored.shm.allocator import PageAllocator, PageRun
-from kvstored.shm.arenas import PUBLIC_ARENA
+from kvstored.shm.arenas import PUBLIC_ARENA, Extent
 from kvstored.tiers.base import ChunkId
 
 # Memory the arenas together may hold beyond the capacity before free pages go back to the
@@ -97,13 +97,6 @@ class RamEntry:
     @property
     def pinned(self) -> bool:
         return self.leases > 0 or self.writing
-
-
-@dataclass(frozen=True, slots=True)
-class Extent:
-    offset: int
-    length: int
-    arena: int = PUBLIC_ARENA
 
 
 @dataclass(slots=True)
