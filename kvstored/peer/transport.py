@@ -36,6 +36,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, ClassVar, Mapping, Sequence
 
+from kvstored.choices import Choice
 from kvstored.peer.quarantine import Quarantine, Quarantines
 
 
@@ -44,7 +45,7 @@ class TransportKind(enum.Enum):
     UCX = "ucx"
 
 
-class TransportPreference(enum.Enum):
+class TransportPreference(Choice):
     """A peer tier's `transport` setting."""
 
     AUTO = "auto"  # UCX when both sides have it, else TCP
