@@ -1,9 +1,9 @@
 """The serving side of the peer tier: what this daemon gives its peers, and the data servers
 (TCP data port; UCX port where UCX may be used) they fetch through.
 
-A fetch is served from RAM and from this node's own tiers (promoted into free RAM first, never
-evicting this node's chunks for a peer), never from this daemon's own peers (no loops, no
-amplification) and never for a tenant namespace. Each chunk sent is pinned by a lease that lives
+A fetch is served from RAM and from this node's own tiers (promoted into RAM first, as a local
+load would be: such a chunk is read once and goes to the cold end of the LRU), never from this
+daemon's own peers (no loops, no amplification) and never for a tenant namespace. Each chunk sent is pinned by a lease that lives
 as long as its send: at most the fetch's timeout (the fetcher's, capped at MAX_SEND_S), so a
 fetcher that dies or vanishes frees it by itself (its gRPC call is cancelled, or the send times
 out). A send whose transfer could not be stopped in time keeps its leases until its quarantine
@@ -191,11 +191,17 @@ class PeerServing:
         loop = asyncio.get_running_loop()
         try:
             found = await promoter.find([chunks[i] for i in missing], local_only=True)
+            wanted = sum(1 for t in found if t is not None)
+            if wanted:  # as a local load would: dirty chunks go down before RAM makes room
+                try:
+                    await asyncio.wait_for(self._chain.make_room(ns, wanted), max(0.0, promote_by - loop.time()))
+                except TimeoutError:
+                    pass  # (reserving evicts what it must)
             waits: dict[int, asyncio.Future] = {}
             for i, tier_index in zip(missing, found):
                 if tier_index is None or promoter.in_flight(chunks[i]) is TierKind.PEER:
                     continue
-                future = promoter.start(chunks[i], ns.chunk_bytes, tier_index, evict=False)
+                future = promoter.start(chunks[i], ns.chunk_bytes, tier_index)
                 if future is not None:
                     waits[i] = future
             if waits:

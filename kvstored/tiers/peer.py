@@ -168,7 +168,7 @@ class PeerTier(SecondaryTier):
                 self._replaced.append(fetcher)
             fetcher = self._fetchers[record] = PeerFetcher(
                 link, self._asker(record), self.config.max_batch, self.config.fetch_timeout_s,
-                record.breaker.begin, lambda results, r=record: self._verdict(r, results), self._busy)
+                lambda r=record: self._gate(r), lambda results, r=record: self._verdict(r, results), self._busy)
         return fetcher
 
     def _asker(self, record: PeerRecord):
@@ -177,7 +177,6 @@ class PeerTier(SecondaryTier):
 
         def ask_for(ns: Namespace, keys: list[bytes]):
             async def ask(order: SendOrder) -> Sequence[Receipt]:
-                record.counters.fetches += 1
                 request = fetch_request(order, self.incarnation, ns.namespace_id, ns.chunk_bytes, ns.key_bytes,
                                         keys, timeout_s)
                 response = await channel.fetch(request, timeout_s)
@@ -186,6 +185,14 @@ class PeerTier(SecondaryTier):
             return ask
 
         return ask_for
+
+    @staticmethod
+    def _gate(record: PeerRecord) -> bool:
+        """A batch may go to the peer (its breaker's turn taken): counted as a fetch."""
+        if not record.breaker.begin():
+            return False
+        record.counters.fetches += 1
+        return True
 
     def _verdict(self, record: PeerRecord, results: list[ReceiveResult]) -> None:
         """One verdict per batch for the peer's breaker: a failure or timeout opens it (after
