@@ -7,7 +7,8 @@ A peer's supervisor loops: handshake (Hello over its control channel) -> pick th
 down at start is simply retried: the daemon never waits for its peers. A new incarnation (the
 peer restarted) retires its index slot (O(1)) and is read whole again; a peer that turns out to
 be this daemon (same incarnation) is marked SELF and left alone; one whose chunk format or
-namespace-id derivation differs is marked INCOMPATIBLE, logged once, and asked again rarely.
+namespace-id derivation differs is marked INCOMPATIBLE, logged once (again only if the reason
+changes), and asked again every 12 x reconnect_s (it may be upgraded).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from kvstored.tiers.peer_index import PeerIndex
 log = logging.getLogger(__name__)
 
 FIRST_RETRY_S = 0.1
-INCOMPATIBLE_RETRY_S = 60.0  # a peer that cannot share chunks is asked again this rarely (an upgrade)
+INCOMPATIBLE_RETRIES = 12  # a peer that cannot share chunks is asked again after 12 x reconnect_s (an upgrade)
 
 
 class _Incompatible(Exception):
@@ -162,7 +163,7 @@ class PeerFleet:
             except _Incompatible as exc:
                 self._set(record, PeerState.INCOMPATIBLE, str(exc), level=logging.ERROR)
                 self._retire(record)
-                await asyncio.sleep(INCOMPATIBLE_RETRY_S)
+                await asyncio.sleep(INCOMPATIBLE_RETRIES * self.settings.reconnect_s)
                 continue
             except (grpc.aio.AioRpcError, PeerError, PeerRestarted, OSError, TimeoutError) as exc:
                 self._set(record, PeerState.DOWN, _describe(exc))
