@@ -12,7 +12,10 @@ pairs (mutual TLS on the control plane there), over each transport.
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -21,6 +24,7 @@ from kvstored_client import Tier
 from tests.peer.conftest import TRANSPORTS
 from tests.support import netns
 from tests.support.cluster import Cluster
+from tests.support.daemon import clean_env
 from tests.support.data import make_keys, payloads
 from tests.support.peer_loader import PeerLoader
 
@@ -87,6 +91,7 @@ def check_store_on_a_load_on_b(cluster: Cluster, model: str) -> None:
     keys = make_keys(model, 8)
     store_on(a, fields, keys)
     cluster.wait_indexed(1, 0, len(keys))
+    fetches_before = b.peer(a).fetches
     with b.client() as kv:
         ns = kv.register_namespace(**fields)
         assert kv.lookup(ns, keys).tiers == [Tier.PEER] * len(keys)  # the index, no round trip
@@ -94,6 +99,7 @@ def check_store_on_a_load_on_b(cluster: Cluster, model: str) -> None:
         assert kv.load(ns, keys, out) == len(keys)
         assert np.array_equal(out, payloads(keys, CHUNK))
         assert kv.lookup(ns, keys).tiers == [Tier.RAM] * len(keys)  # promoted like an fs/S3 hit
+    assert b.peer(a).fetches - fetches_before < len(keys)  # concurrent reads from A went in batches
     with c.client() as kv:
         ns = kv.register_namespace(**fields)
         out = np.zeros((len(keys), CHUNK), np.uint8)
@@ -138,6 +144,34 @@ def test_chunks_on_a_peers_disk_are_served_and_deletes_stay_local(loopback, requ
         assert kv.load(ns, keys[:4], out) == 4 and np.array_equal(out, payloads(keys[:4], CHUNK))
     assert a.stats().tiers[0].promotions > 0  # A's RAM took them back from its disk to send them
     settled(loopback)
+
+
+def test_kvstoredctl_peers_and_lookup(loopback, request):
+    a, b, c = loopback
+    fields = ns_fields(model_of(request))
+    keys = make_keys(model_of(request), 2)
+    store_on(a, fields, keys)
+    loopback.wait_indexed(2, 0, len(keys))
+    with c.client() as kv:
+        ns_id = kv.register_namespace(**fields).namespace_id
+        looked = json.loads(ctl(c, "lookup", "--json", "-n", ns_id, *(k.hex() for k in keys)))
+        assert [k["tier"] for k in looked["keys"]] == ["peer", "peer"] and looked["prefix_hits"] == 2
+    listing = json.loads(ctl(c, "peers", "--json"))
+    assert listing["enabled"] and listing["transports"] and listing["index_entries"] >= len(keys)
+    by_address = {p["address"]: p for p in listing["peers"]}
+    assert set(by_address) == {a.address, b.address}  # its own address skipped
+    row = by_address[a.address]
+    assert row["state"] == "up" and row["transport"] == loopback.transport and row["breaker"] == "closed"
+    assert row["indexed_chunks"] == c.peer(a).indexed_chunks >= len(keys)
+    table = ctl(c, "peers")
+    assert a.address in table and "BREAKER" in table and "up" in table
+
+
+def ctl(d, *args: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "kvstored.ctl", "--socket", str(d.socket), *args],
+                          capture_output=True, text=True, timeout=60, env=clean_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
 
 
 def test_a_tenants_chunk_is_never_fetched(loopback, request):
