@@ -246,6 +246,9 @@ def check_fault(cluster: Cluster, model: str, fault: str) -> None:
             full = loader.snapshot().full
             cluster.wait_for("B loading A's chunks again", lambda: loader.snapshot().full >= full + 4)
         log = loader.stop()
+    print(f"peer fault {fault} over {cluster.transport}{' across namespaces' if cluster.net else ''}: "
+          f"{log.loads} loads ({log.full} whole, {log.missed} missed, {log.partial} partial), "
+          f"{fetches_in_fault} fetches during the fault, {log.wrong} wrong chunks, {len(log.exceptions)} exceptions")
     assert log.exceptions == [] and log.wrong == 0, log
     if fault in ("sigkill", "restart"):
         # A new incarnation: B reads it whole again; what the old one held in RAM is forgotten
