@@ -27,7 +27,7 @@ MAX_MESSAGE_BYTES = 64 << 20  # a snapshot batch of long keys; events of large b
 # What the daemon's own server must allow for its peers' keepalive pings.
 SERVER_OPTIONS = (
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
     ("grpc.http2.max_ping_strikes", 0),
 )
 

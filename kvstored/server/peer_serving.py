@@ -3,8 +3,8 @@
 
 A fetch is served from RAM and from this node's own tiers (promoted into RAM first, as a local
 load would be: such a chunk is read once and goes to the cold end of the LRU), never from this
-daemon's own peers (no loops, no amplification) and never for a tenant namespace. Each chunk sent is pinned by a lease that lives
-as long as its send: at most the fetch's timeout (the fetcher's, capped at MAX_SEND_S), so a
+daemon's own peers (no loops, no amplification) and never for a tenant namespace. Each chunk
+sent is pinned by a lease that lives as long as its send: at most the fetch's timeout (the fetcher's, capped at MAX_SEND_S), so a
 fetcher that dies or vanishes frees it by itself (its gRPC call is cancelled, or the send times
 out). A send whose transfer could not be stopped in time keeps its leases until its quarantine
 settles: the pages are never handed to another chunk while the network may still read them.
@@ -18,7 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from kvstored.errors import InvalidRequest, PeerIncompatible, TierStartError
+from kvstored.errors import BatchTooLarge, InvalidRequest, PeerIncompatible, TierStartError
 from kvstored.namespaces import Namespace, NamespaceRegistry
 from kvstored.observability.events import EventBus
 from kvstored.peer.errors import TransportUnavailable
@@ -37,6 +37,7 @@ from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 log = logging.getLogger(__name__)
 
 MAX_SEND_S = 30.0  # a lease never outlives this, whatever the fetcher asks
+MAX_FETCH_KEYS = 1024  # chunks one fetch may ask for (fetchers send max_batch, 16 by default)
 SNAPSHOT_BATCH_KEYS = 8192
 MAX_FETCHERS_TRACKED = 1024  # per-fetcher byte counts kept; older fetchers' go to other_sent_bytes
 
@@ -143,17 +144,20 @@ class PeerServing:
             return fetch_response(result, self.incarnation)
         if len(request.keys) != len(order.transfers):
             raise InvalidRequest(f"{len(request.keys)} keys for {len(order.transfers)} transfers")
+        if len(request.keys) > MAX_FETCH_KEYS:
+            raise BatchTooLarge(f"a fetch of {len(request.keys)} chunks; at most {MAX_FETCH_KEYS}")
         timeout_s = min(max(request.timeout_ms, 1) / 1000, MAX_SEND_S)
         ns = self._shareable(request)
         if ns is None:
             self.counters.refused_chunks += len(request.keys)
             return fetch_response(await server.refuse(order, timeout_s), self.incarnation)
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s  # the leases' time to live: promotions, then the send
         entries = await self._lease(ns, request.keys, loop.time() + timeout_s / 2)
         sources = [self._source(e) if e is not None else None for e in entries]
         result = None
         try:
-            result = await server.send(order, sources, timeout_s)
+            result = await server.send(order, sources, max(0.001, deadline - loop.time()))
         finally:
             self._release(server, entries, sources, result)
         self._count(request.incarnation, result, len(request.keys))

@@ -23,6 +23,8 @@ import asyncio
 import logging
 from typing import Sequence
 
+import grpc
+
 from kvstored.namespaces import Namespace, NamespaceRegistry
 from kvstored.peer.control import ClientTls
 from kvstored.peer.fetcher import REFUSED, PeerFetcher
@@ -64,6 +66,7 @@ class PeerTier(SecondaryTier):
         self.fleet = PeerFleet(settings, self.membership, self.index, _client_tls(cfg, options))
         self._fetchers: dict[PeerRecord, PeerFetcher] = {}
         self._replaced: list[PeerFetcher] = []  # of links since replaced: closed with the tier
+        self._refused: set[tuple] = set()  # (peer, incarnation, namespace) refusals logged
         self._busy: dict[tuple[int, int], asyncio.Future] = {}  # slots a transfer may still touch
         self._closed = False
 
@@ -166,6 +169,9 @@ class PeerTier(SecondaryTier):
         if fetcher is None or fetcher.link is not link:
             if fetcher is not None:
                 self._replaced.append(fetcher)
+            for gone in [r for r in self._fetchers if r.address not in self.membership.peers]:
+                self._replaced.append(self._fetchers.pop(gone))  # a peer DNS no longer names
+            self._replaced = [f for f in self._replaced if f.in_flight]  # kept while their batches run
             fetcher = self._fetchers[record] = PeerFetcher(
                 link, self._asker(record), self.config.max_batch, self.config.fetch_timeout_s,
                 lambda r=record: self._gate(r), lambda results, r=record: self._verdict(r, results), self._busy)
@@ -179,12 +185,23 @@ class PeerTier(SecondaryTier):
             async def ask(order: SendOrder) -> Sequence[Receipt]:
                 request = fetch_request(order, self.incarnation, ns.namespace_id, ns.chunk_bytes, ns.key_bytes,
                                         keys, timeout_s)
-                response = await channel.fetch(request, timeout_s)
+                try:
+                    response = await channel.fetch(request, timeout_s)
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:  # a namespace the peer sizes otherwise
+                        self._refused_once(record, ns, exc.details() or "")
+                    raise
                 return receipts_of(response)
 
             return ask
 
         return ask_for
+
+    def _refused_once(self, record: PeerRecord, ns: Namespace, why: str) -> None:
+        mark = (record.address, record.incarnation, ns.namespace_id)
+        if mark not in self._refused:
+            self._refused.add(mark)
+            log.error("peer %s refuses to serve namespace %s: %s", record.address, ns.namespace_id, why)
 
     @staticmethod
     def _gate(record: PeerRecord) -> bool:

@@ -198,6 +198,25 @@ def test_a_tenants_chunk_is_never_fetched(loopback, request):
     assert after.served_chunks + after.refused_chunks == served_before  # ...and A saw no fetch
 
 
+def test_a_fetcher_killed_mid_transfer_leaves_no_lease_behind(loopback, request):
+    a, b, _ = loopback
+    fields = ns_fields(model_of(request))
+    keys = make_keys(model_of(request), 16)
+    store_on(a, fields, keys)
+    loopback.wait_indexed(1, 0, len(keys))
+    served = a.status().served_chunks
+    with PeerLoader(b, fields, keys, CHUNK) as loader:
+        loopback.wait_for("B loading A's chunks", lambda: loader.snapshot().full >= 4)
+        loopback.kill(1)
+        loader.stop()
+    assert a.status().served_chunks > served
+    loopback.wait_for("A's leases back to 0", lambda: a.stats().peer_leases == 0 and a.status().leases == 0)
+    loopback.restart(1)
+    loopback.wait_up(1)
+    loopback.wait_up(0)
+    settled(loopback)
+
+
 FAULTS = ["sigkill", "sigstop", "restart"]
 
 

@@ -123,6 +123,35 @@ def test_fetch_checks_the_namespace_and_never_serves_a_tenants_chunks(node):
     assert node.stats().peer_leases == 0
 
 
+def test_malformed_peer_requests_get_a_status_and_the_daemon_serves_on(node):
+    with node.client() as kv:
+        ns = kv.register_namespace(model="malformed", dtype="u8", chunk_bytes=CHUNK)
+        keys = make_keys("malformed", 1)
+        kv.store(ns, keys, payloads(keys, CHUNK))
+    channel, stub = peer_stub(node)
+
+    def fetch(**fields) -> grpc.StatusCode | int:
+        base = dict(incarnation=5, namespace_id=ns.namespace_id, chunk_bytes=CHUNK, key_bytes=32, keys=keys,
+                    transport="tcp", link_id=1, timeout_ms=500,
+                    transfers=[pb.PeerTransfer(transfer_id=1, size=CHUNK, segments=[CHUNK])])
+        try:
+            return stub.Fetch(pb.FetchRequest(**{**base, **fields}), timeout=10).outcome
+        except grpc.RpcError as exc:
+            return exc.code()
+
+    with channel:
+        assert fetch(transport="rdma") is grpc.StatusCode.INVALID_ARGUMENT
+        assert fetch(transport="ucx") == pb.SEND_OUTCOME_INVALID  # this daemon serves over TCP only
+        assert fetch(keys=keys * 2) is grpc.StatusCode.INVALID_ARGUMENT
+        assert fetch(keys=[b"short"]) is grpc.StatusCode.INVALID_ARGUMENT
+        assert fetch(keys=keys * 2000, transfers=[pb.PeerTransfer(transfer_id=i, size=CHUNK, segments=[CHUNK])
+                                                  for i in range(2000)]) is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert fetch(namespace_id="nope") == pb.SEND_OUTCOME_NO_LINK  # unknown namespace: not here
+        assert fetch(transfers=[pb.PeerTransfer(transfer_id=1, size=CHUNK, segments=[1])]) == pb.SEND_OUTCOME_INVALID
+        assert fetch(timeout_ms=0) == pb.SEND_OUTCOME_NO_LINK
+    assert node.stats().peer_leases == 0 and "Traceback" not in node.log
+
+
 async def test_a_follower_whose_events_are_gone_reads_the_peer_whole_again(node):
     """Resuming from a seq the peer no longer buffers (events_buffer 16) ends in OUT_OF_RANGE:
     the follower takes a snapshot into a fresh slot, then follows from there."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 import signal
 import socket
 import time
-from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import grpc
@@ -91,7 +90,7 @@ class Cluster:
             options.setdefault("ucx_net_devices", "lo")
             options.setdefault("tcp_port", "0")
             options.setdefault("ucx_port", "0")
-        spec = ",".join([f"kind=peer", f"transport={transport}",
+        spec = ",".join(["kind=peer", f"transport={transport}",
                          *([f"peers={' '.join(addresses)}"] if not peers_dns else [f"peers_dns={peers_dns}"]),
                          *(f"{k}={v}" for k, v in options.items())])
         self.daemons = []
