@@ -167,6 +167,10 @@ class PeerFleet:
                 continue
             except (grpc.aio.AioRpcError, PeerError, PeerRestarted, OSError, TimeoutError) as exc:
                 self._set(record, PeerState.DOWN, _describe(exc))
+            except Exception as exc:  # a bug: say so loudly (once per reason), and keep trying
+                if record.detail != _describe(exc):
+                    log.error("peer %s: unexpected error, retrying", record.address, exc_info=exc)
+                self._set(record, PeerState.DOWN, _describe(exc))
             await asyncio.sleep(wait)
             wait = min(wait * 2, self.settings.reconnect_s)
 

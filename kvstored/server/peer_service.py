@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 
 from kvstored.errors import PeerTierDisabled
 from kvstored.observability.events import EventBus
-from kvstored.peer.handshake import incompatibility
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 
@@ -32,6 +31,8 @@ class PeerService(pb_grpc.PeerServicer):
 
     async def Hello(self, request: pb.PeerHello, context) -> pb.PeerHello:
         serving = self._need()
+        from kvstored.peer.handshake import incompatibility  # (with a peer tier only: its imports, xxhash)
+
         serving.check_fetcher(request, incompatibility(request), context.peer())
         assert serving.hello is not None
         return serving.hello.to_proto()

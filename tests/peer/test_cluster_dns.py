@@ -1,7 +1,8 @@
 """Peers found through DNS (a Kubernetes headless Service's name resolves to every pod): three
 daemons in network namespaces, each configured with only peers_dns and listening on 0.0.0.0 (so
-only the handshake's incarnation tells a daemon that one of the addresses is its own). The
-name's addresses change while they run: a node added is found, a node removed is dropped."""
+only the handshake's incarnation tells a daemon that one of the addresses is its own), checking
+the peers' certificate for a name (tls_server_name) rather than their addresses. The name's
+addresses change while they run: a node added is found, a node removed is dropped."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def test_peers_come_and_go_with_the_names_addresses(topology):
     nodes = topology.nodes
     topology.hosts(NAME, nodes[:2])  # node 2 is not (yet) behind the name
     with Cluster(3, "tcp", net=topology, peers_dns=f"{NAME}:{PEER_PORT}", listen_any=True,
-                 peer_options={"dns_interval_s": "0.2"}) as cluster:
+                 # peers reached by IP, their certificate checked for the name it carries
+                 peer_options={"dns_interval_s": "0.2", "tls_server_name": "localhost"}) as cluster:
         cluster.start()
         a, b, c = cluster
         cluster.wait_for("node 0 finding itself and node 1", lambda: states(a) == {
