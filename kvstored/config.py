@@ -372,6 +372,14 @@ class Config:
             raise ConfigError(f"grace_seconds must not be negative, got {self.grace_seconds}")
         for tier in self.tiers:
             _check_tier(tier)
+            try:
+                spec_of(tier).validate_in(tier, self)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        for label, spec in TIER_KINDS.items():
+            named = [t.name for t in self.tiers if spec_of(t) is spec]
+            if spec.at_most_one and len(named) > 1:
+                raise ConfigError(f"at most one {label} tier, got {len(named)}: {', '.join(named)}")
         self._validate_events()
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ConfigError("tls_cert_file and tls_key_file go together")

@@ -76,6 +76,13 @@ class Conn:
         except grpc.RpcError as exc:
             raise self.error(method, exc) from None
 
+    def call_peer(self, method: str, request: Any) -> Any:
+        """A call to the daemon's peer control service (kvstored.v1.Peer)."""
+        try:
+            return getattr(pb_grpc.PeerStub(self._open()), method)(request, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise self.error(method, exc) from None
+
     def health(self) -> str:
         stub = health_pb2_grpc.HealthStub(self._open())
         try:
@@ -272,6 +279,48 @@ def cmd_namespaces(conn: Conn, args: argparse.Namespace) -> int:
                                 "SOURCE"))
         return (f"{listing}\n{listed.tenants} tenant(s) (their namespaces are not shown) hold "
                 f"{format_size(listed.tenant_ram_bytes)} of RAM; quota {format_size(listed.tenant_quota_bytes)} each")
+
+    emit(args, data, text)
+    return 0
+
+
+def _peer_name(enum: Any, value: int, prefix: str) -> str:
+    return enum.Name(value).removeprefix(prefix).lower()
+
+
+def cmd_peers(conn: Conn, args: argparse.Namespace) -> int:
+    status = conn.call_peer("Status", pb.PeerStatusRequest())
+    peers = [{
+        "address": p.address, "state": _peer_name(pb.PeerState, p.state, "PEER_STATE_"),
+        "transport": p.transport or None, "incarnation": p.incarnation, "indexed_chunks": p.indexed_chunks,
+        "received_bytes": p.received_bytes, "sent_bytes": p.sent_bytes,
+        "breaker": _peer_name(pb.BreakerState, p.breaker, "BREAKER_STATE_"), "fetches": p.fetches,
+        "received_chunks": p.received_chunks, "missing_chunks": p.missing_chunks, "corrupt_chunks": p.corrupt_chunks,
+        "failed_chunks": p.failed_chunks, "timed_out_chunks": p.timed_out_chunks,
+        "refused_by_breaker": p.refused_by_breaker, "events": p.events, "resyncs": p.resyncs, "detail": p.detail,
+    } for p in status.peers]
+    data = {
+        "enabled": status.enabled, "incarnation": status.incarnation, "transports": list(status.transports),
+        "tcp_port": status.tcp_port, "ucx_port": status.ucx_port, "index_entries": status.index_entries,
+        "index_capacity": status.index_capacity, "index_evictions": status.index_evictions,
+        "leases": status.leases, "reservations": status.reservations, "served_chunks": status.served_chunks,
+        "served_bytes": status.served_bytes, "refused_chunks": status.refused_chunks,
+        "other_sent_bytes": status.other_sent_bytes, "peers": peers,
+    }
+
+    def text() -> str:
+        if not status.enabled:
+            return f"no peer tier on {conn.socket} (configure [[tiers]] kind = \"peer\")"
+        ports = ", ".join(f"{t} port {status.tcp_port if t == 'tcp' else status.ucx_port}" for t in status.transports)
+        head = (f"serving peers on {ports}; index {status.index_entries} of {status.index_capacity} chunks; "
+                f"leased to peers {status.leases}, slots fetching {status.reservations}; "
+                f"served {status.served_chunks} chunks ({format_size(status.served_bytes)})\n")
+        rows = [(p["address"], p["state"], p["transport"] or "-", p["indexed_chunks"],
+                 format_size(p["received_bytes"]), format_size(p["sent_bytes"]), p["breaker"], p["fetches"],
+                 p["missing_chunks"], p["failed_chunks"] + p["timed_out_chunks"], p["detail"] or "")
+                for p in peers]
+        return head + "\n" + table(rows, ("PEER", "STATE", "TRANSPORT", "INDEXED", "IN", "OUT", "BREAKER",
+                                          "FETCHES", "MISSING", "FAILED", "DETAIL"))
 
     emit(args, data, text)
     return 0
@@ -490,6 +539,10 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument("--wait", type=float, default=None, metavar="SECONDS",
                         help="stop when no event came for SECONDS (0: wait forever, the default without --count)")
     events.add_argument("-n", "--namespace", metavar="ID", help="only this namespace's events")
+
+    add("peers", cmd_peers, "the peer tier: each peer's address, state, data transport, chunks indexed, bytes "
+        "fetched from it (IN) and served to it (OUT), breaker, fetches, stale index entries (MISSING) and failed "
+        "fetches; what this daemon serves and leases to peers")
 
     view = add("top", cmd_top, "a live view like top: per tier hit rate, utilization, bytes/s in and out, "
                "queue depth, drops, promotions and evictions, with sessions and leases; rates are "

@@ -77,6 +77,15 @@ class TransferNotStarted(KvstoredError):
     """A region transfer could not start within the caller's start_within_ms: nothing was copied."""
 
 
+class PeerIncompatible(KvstoredError):
+    """A peer whose chunk format, namespace-id derivation or namespace sizes differ from this
+    daemon's: the two cannot share chunks."""
+
+
+class PeerTierDisabled(KvstoredError):
+    """A peer RPC reached a daemon that has no peer tier."""
+
+
 class TierUnavailable(KvstoredError):
     """A tier below RAM could not carry out a request (e.g. an S3 DELETE failed): retry later."""
 

@@ -10,7 +10,9 @@ Names follow the Prometheus conventions: `kvstored_` prefix, base units (`_bytes
 `reason` and `op` by fixed lists, `service`/`method`/`code` by the registered gRPC handlers and
 the status codes, `namespace` by MAX_NAMESPACE_SERIES (and, for quotas, only namespaces that have one),
 `tenant` (its arena id: never anything derived from its salt) by MAX_TENANT_SERIES, the tenants
-using the most RAM.
+using the most RAM, `peer` (its address) by kvstored.peer.membership.MAX_PEER_LABELS: the first 64
+peers found, the rest summed under peer="other" (with, for bytes sent, fetchers that are not
+among the peers).
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from prometheus_client.registry import Collector
 from kvstored import __version__
 from kvstored.namespaces import NamespaceRegistry
 from kvstored.observability.snapshot import (
+    PeerRow,
+    PeersSnapshot,
+    PeersSource,
     QuotaSnapshot,
     QuotaSource,
     QuotaUsage,
@@ -67,11 +72,12 @@ class KvstoredCollector(Collector):
     """Everything the daemon already counts, read once per scrape."""
 
     def __init__(self, chain: TierChain, sessions: SessionCountsSource, namespaces: NamespaceRegistry,
-                 quotas: QuotaSource) -> None:
+                 quotas: QuotaSource, peers: PeersSource = lambda: None) -> None:
         self._chain = chain
         self._sessions = sessions
         self._namespaces = namespaces
         self._quotas = quotas
+        self._peers = peers
 
     def collect(self) -> Iterator:
         yield from tier_families(tier_snapshots(self._chain))
@@ -79,6 +85,9 @@ class KvstoredCollector(Collector):
         yield _gauge("ram_resident_bytes", "memory the RAM tier's arenas hold (chunks, and free pages kept for "
                      "reuse); free pages beyond a small slack go back to the kernel", self._chain.ram.resident_bytes)
         yield from quota_families(self._quotas())
+        peers = self._peers()
+        if peers is not None:
+            yield from peer_families(peers)
 
     def _daemon_families(self) -> Iterator:
         info = InfoMetricFamily(f"{PREFIX}_build", "kvstored build information")
@@ -122,6 +131,67 @@ def quota_families(snap: QuotaSnapshot) -> Iterator:
             used.add_metric([u.name], u.used_bytes)
             evictions.add_metric([u.name], u.evictions)
         yield from (quota, used, evictions)
+
+
+PEER_STATES = ("connecting", "up", "down", "incompatible", "self")
+PEER_OUTCOMES = {  # outcome label -> PeerRow field
+    "received": "received_chunks", "missing": "missing_chunks", "corrupt": "corrupt_chunks",
+    "failed": "failed_chunks", "timed_out": "timed_out_chunks", "breaker_open": "refused_by_breaker",
+}
+PEER_COUNTERS = {  # metric (without kvstored_peer_ and _total) -> (PeerRow field, help)
+    "received_bytes": ("received_bytes", "chunk bytes fetched from the peer (verified)"),
+    "sent_bytes": ("sent_bytes", "chunk bytes served to the peer (\"other\" also counts fetchers that are not "
+                   "among the peers)"),
+    "fetches": ("fetches", "orders sent to the peer (one batch of chunks each)"),
+    "events": ("events", "the peer's KV events applied to the remote-location index"),
+    "resyncs": ("resyncs", "snapshots taken of the peer (first contact, a restart, events no longer buffered)"),
+}
+
+
+def peer_families(snap: PeersSnapshot) -> Iterator:
+    """The peer tier: per peer (label `peer`, at most MAX_PEER_LABELS values plus "other"), the
+    index, and what is leased to or received from peers."""
+    by_label: dict[str, list[PeerRow]] = {}
+    for row in snap.peers:
+        by_label.setdefault(row.label, []).append(row)
+    states = GaugeMetricFamily(f"{PREFIX}_peers", "peers by state", labels=["state"])
+    for state in PEER_STATES:
+        states.add_metric([state], sum(1 for row in snap.peers if row.state == state))
+    up = GaugeMetricFamily(f"{PREFIX}_peer_up", "1 when the peer is up (handshake done, its events followed; "
+                           "\"other\": how many are)", labels=["peer"])
+    breaker = GaugeMetricFamily(f"{PREFIX}_peer_breaker_open", "1 while the peer's breaker is open or probing: "
+                                "its chunks are misses (\"other\": how many are)", labels=["peer"])
+    indexed = GaugeMetricFamily(f"{PREFIX}_peer_indexed_chunks", "chunks the remote-location index says the peer "
+                                "holds", labels=["peer"])
+    chunks = CounterMetricFamily(f"{PREFIX}_peer_fetched_chunks", "chunks asked of the peer, by outcome: "
+                                 "received, missing (a stale index entry), corrupt, failed, timed_out, "
+                                 "breaker_open (not asked: its breaker was open)", labels=["peer", "outcome"])
+    counters = {name: CounterMetricFamily(f"{PREFIX}_peer_{name}", doc, labels=["peer"])
+                for name, (_, doc) in PEER_COUNTERS.items()}
+    for label, rows in by_label.items():
+        up.add_metric([label], sum(1 for row in rows if row.state == "up"))
+        breaker.add_metric([label], sum(1 for row in rows if row.breaker != "closed"))
+        indexed.add_metric([label], sum(row.indexed_chunks for row in rows))
+        for outcome, field in PEER_OUTCOMES.items():
+            chunks.add_metric([label, outcome], sum(getattr(row, field) for row in rows))
+        for name, (field, _) in PEER_COUNTERS.items():
+            extra = snap.other_sent_bytes if name == "sent_bytes" and label == "other" else 0
+            counters[name].add_metric([label], sum(getattr(row, field) for row in rows) + extra)
+    if snap.other_sent_bytes and "other" not in by_label:
+        counters["sent_bytes"].add_metric(["other"], snap.other_sent_bytes)
+    yield from (states, up, breaker, indexed, chunks, *counters.values())
+    yield _gauge("peer_index_entries", "chunks in the remote-location index (all peers)", snap.index_entries)
+    yield _gauge("peer_index_capacity", "most chunks the remote-location index holds (index_entries)",
+                 snap.index_capacity)
+    yield CounterMetricFamily(f"{PREFIX}_peer_index_evictions", "index entries dropped to stay within its capacity",
+                              value=snap.index_evictions)
+    yield _gauge("peer_leases", "chunks pinned in RAM while they are sent to peers", snap.leases)
+    yield _gauge("peer_reservations", "RAM slots peer fetches are receiving into (or that stay quarantined)",
+                 snap.reservations)
+    yield CounterMetricFamily(f"{PREFIX}_peer_served_chunks", "chunks sent to peers", value=snap.served_chunks)
+    yield CounterMetricFamily(f"{PREFIX}_peer_served_bytes", "chunk bytes sent to peers", value=snap.served_bytes)
+    yield CounterMetricFamily(f"{PREFIX}_peer_refused_chunks", "chunks peers asked for that were not here (or "
+                              "not theirs to have: tenant namespaces)", value=snap.refused_chunks)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
@@ -189,12 +259,12 @@ class DaemonMetrics:
     """The registry of one daemon and the few metrics observed as things happen."""
 
     def __init__(self, chain: TierChain, sessions: SessionCountsSource, namespaces: NamespaceRegistry,
-                 quotas: QuotaSource) -> None:
-        """`sessions`, `quotas`: what the server's session broker counts and its tenants' quotas
-        now (read at each scrape)."""
+                 quotas: QuotaSource, peers: PeersSource = lambda: None) -> None:
+        """`sessions`, `quotas`, `peers`: what the server's session broker counts, its tenants'
+        quotas and the peer tier's state now (read at each scrape)."""
         disable_created_metrics()  # no *_created series: process-wide, which suits a daemon
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(KvstoredCollector(chain, sessions, namespaces, quotas))
+        self.registry.register(KvstoredCollector(chain, sessions, namespaces, quotas, peers))
         ProcessCollector(registry=self.registry)
         self.grpc_handled = Counter(
             f"{PREFIX}_grpc_server_handled", "gRPC calls completed (streams when they end), by method and status code",

@@ -42,6 +42,52 @@ QuotaSource = Callable[[], QuotaSnapshot]
 
 
 @dataclass(frozen=True)
+class PeerRow:
+    """One peer as this daemon sees it (kvstoredctl peers, /metrics)."""
+
+    address: str
+    label: str  # its metrics label: its address for the first 64 peers, else "other"
+    state: str  # connecting, up, down, incompatible, self
+    transport: str  # "tcp", "ucx" or ""
+    incarnation: int
+    indexed_chunks: int
+    received_bytes: int  # fetched from it
+    sent_bytes: int  # served to it
+    breaker: str  # closed, open, half_open
+    received_chunks: int = 0
+    missing_chunks: int = 0
+    corrupt_chunks: int = 0
+    failed_chunks: int = 0
+    timed_out_chunks: int = 0
+    fetches: int = 0  # orders sent to it
+    refused_by_breaker: int = 0
+    events: int = 0
+    resyncs: int = 0
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class PeersSnapshot:
+    incarnation: int
+    peers: list[PeerRow]
+    index_entries: int
+    index_capacity: int
+    index_evictions: int
+    leases: int  # serving side: chunks pinned while sent to peers
+    reservations: int  # fetching side: slots received into, or quarantined
+    served_chunks: int
+    served_bytes: int
+    refused_chunks: int
+    other_sent_bytes: int  # served to fetchers not among the peers
+    transports: tuple[str, ...]
+    tcp_port: int
+    ucx_port: int
+
+
+PeersSource = Callable[[], "PeersSnapshot | None"]  # None: no peer tier
+
+
+@dataclass(frozen=True)
 class TierSnapshot:
     name: str
     kind: TierKind

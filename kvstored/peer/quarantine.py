@@ -74,5 +74,8 @@ def _span(view: memoryview) -> tuple[int, int]:
     return (start, start + view.nbytes)
 
 
+span_of = _span  # (public: the peer tier keys slots in flight by it)
+
+
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] < b[1] and b[0] < a[1]

@@ -37,6 +37,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from kvstored.choices import Choice
 from kvstored.peer.quarantine import Quarantine, Quarantines
 
 
@@ -45,7 +46,7 @@ class TransportKind(enum.Enum):
     UCX = "ucx"
 
 
-class TransportPreference(enum.Enum):
+class TransportPreference(Choice):
     """A peer tier's `transport` setting."""
 
     AUTO = "auto"  # UCX when both sides have it, else TCP

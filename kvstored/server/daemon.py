@@ -3,10 +3,11 @@
 Data flow: gRPC service (service.py) and session socket -> session broker (broker.py: sessions,
 handles, regions) -> tier chain (tiers/chain.py) -> tiers -> metrics and events (observability/).
 
-Shutdown order: health NOT_SERVING -> stop accepting sessions -> gRPC stop with a grace period
-(in-flight calls finish) -> end sessions (leases, regions) -> region populates -> write-downs
-(flush) -> namespace records -> tiers and copy threads -> page releases -> arenas and pool -> socket
-files.
+Shutdown order: health NOT_SERVING -> event streams end -> the peer tier stops following its
+peers and closes its data links -> stop accepting sessions -> gRPC stop with a grace period
+(in-flight calls finish, fetches by peers included) -> stop serving peers (data servers) -> end
+sessions (leases, regions) -> region populates -> write-downs (flush) -> namespace records ->
+tiers and copy threads -> page releases -> arenas and pool -> socket files.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import contextlib
 import dataclasses
 import logging
 import os
+import secrets
 import signal
 import socket
 import stat
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -35,9 +37,12 @@ from kvstored.logs import setup_logging
 from kvstored.namespaces import NamespaceRegistry
 from kvstored.observability.events import EventBus, KvEvent
 from kvstored.observability.metrics import DaemonMetrics
+from kvstored.peer.control import SERVER_OPTIONS as PEER_KEEPALIVE_OPTIONS
 from kvstored.server.broker import SessionBroker
 from kvstored.server.errors import ErrorMappingInterceptor
 from kvstored.server.namespace_records import NamespaceRecords
+from kvstored.server.peer_service import SERVICE_NAME as PEER_SERVICE_NAME
+from kvstored.server.peer_service import PeerService
 from kvstored.server.service import KVStoreService
 from kvstored.server.session_socket import SessionSocketServer
 from kvstored.server.systemd import notify
@@ -48,16 +53,19 @@ from kvstored.shm.copy import GUARDED as copy_guarded
 from kvstored.shm.mapping import SharedPool
 from kvstored.shm.memory import PoolPages, PopulateProgress
 from kvstored.sizes import format_size
+from kvstored.tiers.base import TierKind
 from kvstored.tiers.chain import ChainPolicy, TierChain
 from kvstored.tiers.factory import build_lower_tiers
 from kvstored.tiers.ram import RamTier
-from kvstored.tiers.registry import TierConfig, admission_changes
+from kvstored.tiers.registry import TierConfig, TierContext, admission_changes
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 
-if TYPE_CHECKING:  # optional features import their libraries (aiohttp, pyzmq) only when enabled
+if TYPE_CHECKING:  # optional features import their libraries (aiohttp, pyzmq, ucxx) only when enabled
     from kvstored.observability.http import MetricsServer
     from kvstored.observability.zmq_events import ZmqEventPublisher
+    from kvstored.server.peer_serving import PeerServing
+    from kvstored.tiers.peer import PeerTier
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +130,9 @@ class Daemon:
         self._reload_config = reload_config
         self._stopping = asyncio.Event()
         self.metrics_server: MetricsServer | None = None
+        self.incarnation = secrets.randbits(63) | 1  # this run of the daemon, as its peers know it
+        self.peer_tier: PeerTier | None = None
+        self.peer_serving: PeerServing | None = None
 
     async def start(self) -> None:
         cfg = self.config
@@ -143,7 +154,7 @@ class Daemon:
             await self._populate_pool()
         self.arenas = ArenaSet(self.pool)
         self.namespaces = NamespaceRegistry(pool_bytes)
-        lower = build_lower_tiers(cfg.tiers)
+        lower = build_lower_tiers(cfg.tiers, TierContext(self.namespaces, cfg, self.incarnation))
         writable = any(t.capabilities.accepts_writedowns for t in lower)  # RAM's chunks can go down
         ram = RamTier(pool_bytes, cfg.page_bytes, has_lower_tiers=writable, populated=cfg.populate)
         self.releaser = PageReleaser(self.arenas, cfg.page_bytes, ram.released)
@@ -159,7 +170,19 @@ class Daemon:
             EventBus(cfg.events_buffer),
         )
         self.records = NamespaceRecords([t.tier for t in lower], self.namespaces)
-        await self._start_tiers()
+        try:
+            await self._start_peer_serving()
+            await self._start_tiers()
+        except BaseException:
+            await self._close_peers()  # (UCX's threads would keep the process from exiting)
+            raise
+        try:
+            await self._start_serving(cfg, lower)
+        except BaseException:
+            await self._close_peers()
+            raise
+
+    async def _start_serving(self, cfg: Config, lower: list) -> None:
         self.chain.events.add_listener(self.records.on_event)
         self.records.start()
         self.broker = SessionBroker(self.chain, tenancy=self.tenancy)
@@ -179,20 +202,26 @@ class Daemon:
                      format_size(usage.used_bytes), format_size(usage.capacity_bytes) if usage.capacity_bytes
                      else "unbounded", usage.chunks)
 
-        self.metrics = DaemonMetrics(self.chain, self.broker.counts, self.namespaces, self.tenancy.snapshot)
+        self.metrics = DaemonMetrics(self.chain, self.broker.counts, self.namespaces, self.tenancy.snapshot,
+                                     self._peers_snapshot)
         for lower_tier in self.chain.lower:
             lower_tier.observe = self.metrics.observe_tier_op
         self.metrics.preinit_grpc(pb.DESCRIPTOR.services_by_name["KVStore"])
-        self.server = grpc.aio.server(interceptors=[self.metrics.interceptor, ErrorMappingInterceptor()])
+        self.metrics.preinit_grpc(pb.DESCRIPTOR.services_by_name["Peer"])
+        self.server = grpc.aio.server(interceptors=[self.metrics.interceptor, ErrorMappingInterceptor()],
+                                      options=PEER_KEEPALIVE_OPTIONS)
         pb_grpc.add_KVStoreServicer_to_server(
             KVStoreService(self.chain, self.broker, self.namespaces, cfg.max_batch_keys, cfg.region_dirs,
-                           self.tenancy),
+                           self.tenancy, self._peer_counts),
             self.server,
         )
+        pb_grpc.add_PeerServicer_to_server(PeerService(self.peer_serving, self.peer_tier, self.chain.events),
+                                           self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            (SERVICE_NAME, PEER_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME),
             self.server,
         )
         if cfg.tcp_listen:  # first: a port that cannot be bound leaves no socket file behind
@@ -211,6 +240,41 @@ class Daemon:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving on %s (sessions on %s)", cfg.socket, cfg.session_socket)
         notify("READY=1\nSTATUS=serving")
+
+    async def _start_peer_serving(self) -> None:
+        """With a peer tier: listen on the data ports and tell the tier how to introduce this
+        daemon, before the tier starts reaching its peers."""
+        found = next((t.tier for t in self.chain.lower if t.tier.kind is TierKind.PEER), None)
+        if found is None:
+            return
+        from kvstored.server.peer_serving import PeerServing
+        from kvstored.tiers.peer import PeerTier  # (imported only with a peer tier: see above)
+
+        tier = cast(PeerTier, found)
+        self.peer_tier = tier
+        self.peer_serving = PeerServing(self.chain, self.namespaces, tier.config, self.config.tcp_listen,
+                                        self.incarnation)
+        tier.serve_as(await self.peer_serving.start())
+
+    async def _close_peers(self) -> None:
+        """Stop following the peers and close the data links, then stop serving them."""
+        if self.peer_tier is not None:
+            await self.peer_tier.close()
+        if self.peer_serving is not None:
+            await self.peer_serving.close()
+
+    def _peer_counts(self) -> tuple[int, int]:
+        """(chunks leased to peers, RAM slots peer fetches hold) for Stats."""
+        if self.peer_serving is None or self.peer_tier is None:
+            return 0, 0
+        return self.peer_serving.leases, self.peer_tier.reservations
+
+    def _peers_snapshot(self):
+        if self.peer_serving is None or self.peer_tier is None:
+            return None
+        from kvstored.server.peer_status import peers_snapshot
+
+        return peers_snapshot(self.peer_serving, self.peer_tier)
 
     async def _populate_pool(self) -> None:
         """Fill the pool's pages in a thread (10 GiB took 13 s here), saying how far it is (log and
@@ -262,6 +326,7 @@ class Daemon:
             starting.cancel()
             await self.chain.close()  # closing tiers also stops an index scan in progress
             await asyncio.wait((starting,))
+            await self._close_peers()
             await self.releaser.close()
             self.arenas.close()
             self.pool.close()
@@ -333,8 +398,12 @@ class Daemon:
         notify("STOPPING=1")
         await self.health.enter_graceful_shutdown()
         self.chain.events.close()  # event streams end now instead of holding the grace period
+        if self.peer_tier is not None:
+            await self.peer_tier.close()  # stop following the peers; their reads end as misses
         await self.session_server.stop_accepting()
         await self.server.stop(cfg.grace_seconds)
+        if self.peer_serving is not None:
+            await self.peer_serving.close()  # after the grace period: peers' fetches in flight finish
         if self.metrics_server is not None:
             await self.metrics_server.stop()
         await self.session_server.close()

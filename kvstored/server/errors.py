@@ -45,6 +45,8 @@ STATUS: dict[type[errors.KvstoredError], grpc.StatusCode] = {
     errors.TierUnavailable: grpc.StatusCode.UNAVAILABLE,
     errors.TransferNotStarted: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.WatcherLagged: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.PeerIncompatible: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.PeerTierDisabled: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
@@ -80,7 +80,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         max_batch_keys: int,
         region_dirs: Sequence[Path],
         tenancy: Tenancy,
+        peer_counts: Callable[[], tuple[int, int]] = lambda: (0, 0),
     ) -> None:
+        self._peer_counts = peer_counts  # (chunks leased to peers, RAM slots peer fetches hold)
         self._region_dirs = tuple(region_dirs)
         self._tenancy = tenancy
         self._chain = chain
@@ -246,11 +248,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                                          tenant_quota_bytes=self._tenancy.tenant_quota_bytes)
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
+        peer_leases, peer_reservations = self._peer_counts()
         return pb.StatsResponse(
             tiers=[pb.TierStats(**{**dataclasses.asdict(t), "kind": int(t.kind)}) for t in tier_snapshots(self._chain)],
             namespaces=len(self._namespaces),
             **dataclasses.asdict(self._broker.counts()),
             version=__version__,
+            peer_leases=peer_leases,
+            peer_reservations=peer_reservations,
         )
 
     async def WatchEvents(self, request: pb.WatchEventsRequest, context):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import asyncio
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -62,6 +63,9 @@ class TierCapabilities:
     accepts_writedowns: bool = True  # chunks leaving RAM (or new ones, write-through) are written to it
     accepts_deletes: bool = True  # Delete and ClearNamespace remove chunks from it
     admission: bool = False  # it has an admission policy (config `admission`, changed by SIGHUP)
+    # Its chunks are on this node: peers are served from it (fs). Not shared storage (s3: a peer
+    # reads the bucket itself) and never another node's chunks (peer: no loops, no amplification).
+    local: bool = True
 
 
 class SecondaryTier(abc.ABC):
@@ -152,6 +156,13 @@ class SecondaryTier(abc.ABC):
 
     def set_admission(self, policy: AdmissionPolicy) -> None:
         """Change the admission policy at run time (SIGHUP reload); tiers without one ignore it."""
+
+    def views_busy(self, views: Sequence[memoryview]) -> asyncio.Future | None:
+        """After a `read` into `views` failed or was cancelled: a future that is done once nothing
+        touches them any more, if something still may (a network transfer that could not be stopped
+        in time: kvstored.peer.quarantine); None when they are free now (every tier but peer). The
+        chain keeps the slot reserved until then."""
+        return None
 
 
 class AdmissionPolicy(Choice):

@@ -455,6 +455,11 @@ class TierChain:
 
     # -- helpers --------------------------------------------------------------------------
 
+    async def make_room(self, ns: Namespace, chunks: int) -> None:
+        """Room for `chunks` new chunks of `ns`, dirty ones written down first (for callers that
+        promote on their own: the peer tier's serving side)."""
+        await self._make_room(ns, chunks)
+
     async def _make_room(self, ns: Namespace, chunks: int, deadline: float | None = None) -> None:
         """Write down what a reservation would evict: within the namespace's quotas (its tenant's,
         its own) first, then in the tier; each wait ends at `deadline` (by default the write-back

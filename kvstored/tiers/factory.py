@@ -6,13 +6,14 @@ from collections.abc import Sequence
 
 from kvstored.io.scheduler import TierQueue
 from kvstored.tiers.lower import LowerTier
-from kvstored.tiers.registry import TierConfig, spec_of
+from kvstored.tiers.registry import TierConfig, TierContext, spec_of
 
 
-def build_lower_tiers(configs: Sequence[TierConfig]) -> list[LowerTier]:
+def build_lower_tiers(configs: Sequence[TierConfig], context: TierContext | None = None) -> list[LowerTier]:
+    context = context if context is not None else TierContext()
     lower = []
     for cfg in configs:
         spec = spec_of(cfg)
-        lower.append(LowerTier(spec.build(cfg), TierQueue(cfg.name, cfg.concurrency, cfg.max_backlog),
+        lower.append(LowerTier(spec.build(cfg, context), TierQueue(cfg.name, cfg.concurrency, cfg.max_backlog),
                                capabilities=spec.capabilities))
     return lower

@@ -322,13 +322,16 @@ class Promoter:
         entry = self._in_flight.get(chunk)
         return entry[1] if entry else TierKind.NONE
 
-    async def find(self, chunks: Sequence[ChunkId]) -> list[int | None]:
-        """Index of the first lower tier holding each chunk (None: nowhere)."""
+    async def find(self, chunks: Sequence[ChunkId], local_only: bool = False) -> list[int | None]:
+        """Index of the first lower tier holding each chunk (None: nowhere). `local_only`: only
+        tiers whose chunks are on this node (what peers are served from: never a peer tier)."""
         found: list[int | None] = [None] * len(chunks)
         todo = [i for i, chunk in enumerate(chunks) if not self._deleting.blocks(chunk)]
         for index, lower in enumerate(self._lower):
             if not todo:
                 break
+            if local_only and not lower.capabilities.local:
+                continue
             try:
                 present = await lower.timed("lookup", lower.tier.contains([chunks[i] for i in todo]))
             except Exception as exc:  # a failing tier is a miss, never an error for the caller
@@ -381,7 +384,13 @@ class Promoter:
                 if ok:
                     self._events.publish(EventType.STORED, Cause.PROMOTED, "ram", TierKind.RAM, [chunk])
             else:
-                self._ram.abort(entry)
+                # A network read that could not be stopped may still write these pages (peer tier):
+                # the slot stays reserved (invisible, not reusable) until it cannot.
+                busy = lower.tier.views_busy(views)
+                if busy is None:
+                    self._ram.abort(entry)
+                else:
+                    busy.add_done_callback(lambda _: self._ram.abort(entry))
             del self._in_flight[chunk]
             if not result.done():
                 result.set_result(ok)

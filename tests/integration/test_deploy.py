@@ -22,7 +22,7 @@ import yaml
 
 from kvstored.cli import build_parser
 from kvstored.config import load_config, options
-from kvstored.tiers.registry import FsTierConfig
+from kvstored.tiers.registry import FsTierConfig, PeerTierConfig, data_ports
 from tests.support.daemon import REPO_ROOT, clean_env, short_tmpdir
 
 CONTAINERFILE = REPO_ROOT / "deploy" / "container" / "Containerfile"
@@ -300,6 +300,20 @@ def test_manifests_fit_together():
     assert {p["targetPort"] for p in service["ports"]} <= port_names
     metrics_port = next(p["containerPort"] for p in daemon["ports"] if p["name"] == "metrics")
     assert config.metrics_addr.endswith(f":{metrics_port}") and not config.metrics_addr.startswith("127.")
+
+    # The peer tier finds the other pods through this Service, on the ports the pods have.
+    (peer,) = [t for t in config.tiers if isinstance(t, PeerTierConfig)]
+    name = docs["Service/kvstored-peers"]["metadata"]
+    host, _, port = peer.peers_dns.rpartition(":")
+    assert host.startswith(f"{name['name']}.{name['namespace']}.svc")
+    container_ports = {p["name"]: p["containerPort"] for p in daemon["ports"]}
+    assert int(port) == container_ports["peer"] == int(config.tcp_listen.rpartition(":")[2])
+    assert data_ports(peer, config.tcp_listen) == (container_ports["peer-data"], container_ports["peer-ucx"])
+    assert {p["name"] for p in service["ports"]} >= {"peer", "peer-data", "peer-ucx"}
+    # its TLS files are in the mounted Secret
+    tls_dir = next(path for path, volume in mounts.items() if "secret" in volumes[volume])
+    assert all(str(f).startswith(tls_dir + "/") for f in (config.tls_cert_file, config.tls_key_file,
+                                                             config.tls_client_ca_file))
 
     # The client example: same host directory, the daemon's gid, a socket inside that directory.
     client = docs["Pod/vllm-llama"]["spec"]

@@ -38,6 +38,7 @@ def b64(key: bytes) -> str:
 def test_list_shows_the_services(grpcurl_run):
     services = set(grpcurl_run("list").stdout.split())
     assert "kvstored.v1.KVStore" in services
+    assert "kvstored.v1.Peer" in services  # the peer tier's control plane (Status answers without one)
     assert "grpc.health.v1.Health" in services
     assert any(s.startswith("grpc.reflection.") and s.endswith(".ServerReflection") for s in services), services
 

@@ -205,7 +205,7 @@ def test_ram_metrics_match_stats_and_pass_promtool(daemon_factory):
     assert scraped.value(handled, service=kv_service, method="Lookup", code="NOT_FOUND") == 1
     assert scraped.value(handled, service=kv_service, method="RegisterRegion", code="OK") == 0  # pre-created
     for labels, count in scraped.series(handled).items():
-        if dict(labels)["method"] != "WatchEvents":
+        if dict(labels)["method"] not in ("WatchEvents", "Snapshot"):  # server streams are not timed
             assert scraped.value("kvstored_grpc_server_handling_seconds_count", **dict(labels)) == count
     assert_histograms_consistent(scraped, "kvstored_grpc_server_handling_seconds")
     assert scraped.value("process_resident_memory_bytes") > 0
@@ -229,14 +229,19 @@ def test_metrics_port_taken_or_off_keeps_serving(daemon_factory):
 
 @pytest.fixture(scope="module")
 def fs_run():
-    """One daemon with 4 MiB of RAM over a 256 MiB fs tier, driven through write-back and
-    promotion; yields its scrape and the quiet Stats around it."""
+    """One daemon with 4 MiB of RAM over a 256 MiB fs tier (and a peer tier), driven through
+    write-back and promotion; yields its scrape and the quiet Stats around it."""
     from tests.support.daemon import Daemon
+
+    from tests.support.cluster import free_port
 
     root = short_tmpdir("kvfs")
     d = Daemon(cpu_bytes="4MiB")
     try:
-        d.start(METRICS_PORT_0 + ["--tiers", f"kind=fs,root={root},bytes=256MiB"])
+        # ... and a peer tier whose one peer is down: its per-peer series are in the scrape
+        peer = f"kind=peer,peers=127.0.0.1:{free_port()},transport=tcp,tcp_port=0"
+        d.start(METRICS_PORT_0 + ["--tiers", f"kind=fs,root={root},bytes=256MiB", "--tiers", peer,
+                                  "--tcp-listen", f"127.0.0.1:{free_port()}"])
         keys = make_keys("metrics-fs", 12)
         with d.client() as kv:
             ns = kv.register_namespace(model="metrics-fs", dtype="uint8", chunk_bytes=MIB)
@@ -255,6 +260,18 @@ def fs_run():
     finally:
         d.cleanup()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_peer_metrics_have_a_bounded_peer_label(fs_run):
+    scraped = fs_run[0]
+    assert scraped.value("kvstored_peers", state="down") + scraped.value("kvstored_peers", state="connecting") == 1
+    assert scraped.value("kvstored_peer_index_capacity") == 1_000_000
+    assert scraped.value("kvstored_peer_leases") == scraped.value("kvstored_peer_reservations") == 0
+    (series,) = scraped.series("kvstored_peer_up")
+    assert dict(series).keys() == {"peer"} and dict(series)["peer"].startswith("127.0.0.1:")
+    outcomes = {dict(k)["outcome"] for k in scraped.series("kvstored_peer_fetched_chunks_total")}
+    assert outcomes == {"received", "missing", "corrupt", "failed", "timed_out", "breaker_open"}
+    assert scraped.value("kvstored_tier_lookups_total", tier="peer", kind="peer") == 0  # fs above held it all
 
 
 def test_fs_tier_metrics_match_stats_and_pass_promtool(fs_run):

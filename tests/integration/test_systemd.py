@@ -23,7 +23,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstored.config import Config, load_config
-from kvstored.tiers.registry import KINDS, FsTierConfig, S3TierConfig
+from kvstored.tiers.registry import KINDS, FsTierConfig, PeerTierConfig, S3TierConfig
 from tests.support.daemon import REPO_ROOT, clean_env, kvstored_command, short_tmpdir
 from tests.support.data import make_keys, payloads
 from tests.support.s3 import MotoServer
@@ -178,9 +178,10 @@ def test_example_config_documents_and_accepts_every_option(tmp_path):
     full = tmp_path / "full.toml"
     full.write_text(uncommented_example())
     cfg = load_config(env={}, config_file=full)
-    fs, s3 = cfg.tiers
+    fs, s3, peer = cfg.tiers
     assert isinstance(fs, FsTierConfig) and fs.root == Path("/var/cache/kvstored") and fs.bytes == 500 << 30
     assert isinstance(s3, S3TierConfig) and s3.bucket == "kvcache"
+    assert isinstance(peer, PeerTierConfig) and peer.peers == ("10.0.0.2:7070", "10.0.0.3:7070")
     assert cfg.socket == Path("/run/kvstored/kvstored.sock") and cfg.socket_mode == 0o660
     assert cfg.metrics_addr == "127.0.0.1:9464"
 

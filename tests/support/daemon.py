@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -77,7 +77,9 @@ class Daemon:
         cpu_bytes: str = "16MiB",
         page_bytes: str | None = None,
         populate: bool = True,
+        wrap: Callable[[list[str]], list[str]] | None = None,
     ) -> None:
+        self._wrap = wrap  # e.g. run it in a network namespace: Node.exec
         self.workdir = Path(workdir) if workdir else short_tmpdir()
         self._own_workdir = workdir is None
         self.socket = Path(socket) if socket else self.workdir / "kv.sock"
@@ -133,8 +135,9 @@ class Daemon:
         self.log_path = self.workdir / f"daemon-{self._starts}.log"
         log = open(self.log_path, "wb")
         try:
+            argv = kvstored_command() + self.base_args + list(extra_args)
             self.proc = subprocess.Popen(
-                kvstored_command() + self.base_args + list(extra_args),
+                self._wrap(argv) if self._wrap else argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

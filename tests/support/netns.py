@@ -61,6 +61,7 @@ def _kill_inside(ns: str) -> None:
 def _delete(ns: str) -> None:
     _kill_inside(ns)
     _ip("netns", "delete", ns, check=False)
+    shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)  # (Topology.hosts)
 
 
 def cleanup_stale() -> list[str]:
@@ -136,6 +137,17 @@ class Topology:
             _delete(ns)
         _ip("netns", "add", ns)
         self._made.append(ns)
+
+    def hosts(self, name: str, nodes: Sequence[Node]) -> None:
+        """Make `name` resolve to these nodes' addresses inside every node namespace (`ip netns
+        exec` mounts /etc/netns/<ns>/hosts over /etc/hosts): a stand-in for a headless Service.
+        Rewritten in place, so processes already running see the change."""
+        text = "127.0.0.1 localhost\n" + "".join(f"{n.ip} {name}\n" for n in nodes)
+        for node in self.nodes:
+            path = f"/etc/netns/{node.ns}/hosts"
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as fh:
+                fh.write(text)
 
     def cut(self, node: Node) -> None:
         """Take the node's link down: its packets go nowhere, no connection is reset."""

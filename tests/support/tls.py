@@ -21,11 +21,13 @@ def _run(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
-def make_certs(directory: Path) -> Certs:
+def make_certs(directory: Path, ips: tuple[str, ...] = ("127.0.0.1",)) -> Certs:
+    """A CA, and a server and a client certificate it signed, both valid for `ips` and localhost
+    (a cluster's nodes may share one: it serves their listeners and identifies them as clients)."""
     d = directory
     _run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kvstored-test-ca",
          "-keyout", "ca.key", "-out", "ca.pem", cwd=d)
-    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    (d / "san.cnf").write_text("subjectAltName=" + ",".join([*(f"IP:{ip}" for ip in ips), "DNS:localhost"]) + "\n")
     for name, cn in (("server", "127.0.0.1"), ("client", "kvstored-test-client")):
         _run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={cn}", "-keyout", f"{name}.key",
              "-out", f"{name}.csr", cwd=d)

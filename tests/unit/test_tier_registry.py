@@ -17,7 +17,7 @@ SECOND = AdmissionPolicy.SECOND_EVICTION
 
 
 def test_each_kind_is_found_by_its_label_and_by_its_config():
-    assert set(KINDS) == {"fs", "s3"}
+    assert set(KINDS) == {"fs", "s3", "peer"}
     for label, spec in KINDS.items():
         assert spec.label == label
         fields = {f.name for f in dataclasses.fields(spec.config)}

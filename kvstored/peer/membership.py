@@ -1,0 +1,194 @@
+"""Who the peers are and how each one is doing: bookkeeping only (no I/O).
+
+Peers come from a static list and from a DNS name (a Kubernetes headless Service: every address
+it resolves to is a peer), resolved again every few seconds by the peer tier; this daemon's own
+address is skipped (by address when it is listed as such, by incarnation at the handshake when
+it is reached through another address, e.g. its pod IP).
+
+Each peer has a state (CONNECTING, UP, DOWN, INCOMPATIBLE, SELF), the facts its handshake told
+(incarnation, transports, data ports, serving tiers), its slot in the remote-location index,
+counters, and a circuit breaker: after `failures` consecutive failed fetches (a failure or a
+timeout, not a miss) its chunks count as misses for `reset_s`, then one fetch probes it. So a
+peer that hangs costs `failures` timeouts, not one per lookup.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvstored.peer.transport import PeerAddress, TransportKind
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+
+MAX_PEER_LABELS = 64  # peers with a metrics label of their own; the others are aggregated as "other"
+OTHER_LABEL = "other"
+
+Clock = Callable[[], float]
+
+
+class PeerState(enum.IntEnum):
+    CONNECTING = pb.PEER_STATE_CONNECTING
+    UP = pb.PEER_STATE_UP
+    DOWN = pb.PEER_STATE_DOWN
+    INCOMPATIBLE = pb.PEER_STATE_INCOMPATIBLE
+    SELF = pb.PEER_STATE_SELF
+
+
+class BreakerState(enum.IntEnum):
+    CLOSED = pb.BREAKER_STATE_CLOSED
+    OPEN = pb.BREAKER_STATE_OPEN
+    HALF_OPEN = pb.BREAKER_STATE_HALF_OPEN
+
+
+class Breaker:
+    def __init__(self, failures: int, reset_s: float, clock: Clock = time.monotonic) -> None:
+        self._threshold = failures
+        self._reset_s = reset_s
+        self._clock = clock
+        self._failures = 0
+        self._opened_at: float | None = None
+        self._probing = False
+        self.opened = 0  # times it opened
+
+    @property
+    def state(self) -> BreakerState:
+        if self._opened_at is None:
+            return BreakerState.CLOSED
+        if self._clock() - self._opened_at < self._reset_s:
+            return BreakerState.OPEN
+        return BreakerState.HALF_OPEN
+
+    def available(self) -> bool:
+        """Whether a fetch may be tried now (half-open: while no probe is out)."""
+        state = self.state
+        return state is BreakerState.CLOSED or (state is BreakerState.HALF_OPEN and not self._probing)
+
+    def begin(self) -> bool:
+        """Take a turn for one fetch; False when the breaker says no (the chunk is a miss)."""
+        state = self.state
+        if state is BreakerState.CLOSED:
+            return True
+        if state is BreakerState.HALF_OPEN and not self._probing:
+            self._probing = True
+            return True
+        return False
+
+    def success(self) -> None:
+        self._failures = 0
+        self._opened_at = None
+        self._probing = False
+
+    def failure(self) -> None:
+        self._probing = False
+        if self._opened_at is not None:  # a failed probe: open again for another period
+            self._opened_at = self._clock()
+            self.opened += 1
+            return
+        self._failures += 1
+        if self._failures >= self._threshold:
+            self._opened_at = self._clock()
+            self.opened += 1
+
+    def cancelled(self) -> None:
+        """A fetch that ended without a verdict (its caller gave up): the probe turn goes back."""
+        self._probing = False
+
+
+@dataclass(frozen=True)
+class Hello:
+    """What a peer's handshake said about it."""
+
+    incarnation: int
+    transports: frozenset[TransportKind]
+    tcp_port: int
+    ucx_port: int
+    tiers: tuple[str, ...]  # the tiers it serves peers from, RAM first
+    address: str = ""
+
+    def tier_position(self, tier: str) -> int | None:
+        try:
+            return self.tiers.index(tier)
+        except ValueError:
+            return None
+
+
+@dataclass
+class PeerCounters:
+    received_chunks: int = 0
+    received_bytes: int = 0
+    missing_chunks: int = 0  # the index said so, the peer did not have it
+    corrupt_chunks: int = 0
+    failed_chunks: int = 0
+    timed_out_chunks: int = 0
+    fetches: int = 0  # orders sent
+    events: int = 0  # its KV events applied to the index
+    resyncs: int = 0  # snapshots taken of it
+    refused_by_breaker: int = 0  # reads not tried: the breaker was open
+
+
+@dataclass(eq=False)
+class PeerRecord:
+    address: PeerAddress  # its control address (tcp_listen)
+    label: str  # its metrics label
+    breaker: Breaker
+    static: bool = True  # from the static list (else from DNS)
+    state: PeerState = PeerState.CONNECTING
+    detail: str = ""  # why it is down or incompatible
+    hello: Hello | None = None
+    transport: TransportKind | None = None
+    slot: int | None = None  # in the remote-location index, while its events are followed
+    last_seq: int = 0  # of its events applied
+    counters: PeerCounters = field(default_factory=PeerCounters)
+
+    @property
+    def incarnation(self) -> int:
+        return self.hello.incarnation if self.hello else 0
+
+    def usable(self) -> bool:
+        """Its chunks may be fetched now."""
+        return self.state is PeerState.UP and self.transport is not None and self.breaker.available()
+
+
+def parse_address(text: str) -> PeerAddress:
+    host, _, port = text.strip().rpartition(":")
+    return PeerAddress(host.strip("[]"), int(port))
+
+
+class Membership:
+    def __init__(self, static: Sequence[str], own: str, breaker_failures: int, breaker_reset_s: float,
+                 clock: Clock = time.monotonic) -> None:
+        self._own = parse_address(own) if own else None
+        self._breaker = (breaker_failures, breaker_reset_s, clock)
+        self.peers: dict[PeerAddress, PeerRecord] = {}
+        for text in static:
+            address = parse_address(text)
+            if address != self._own and address not in self.peers:
+                self._add(address, static=True)
+
+    def _add(self, address: PeerAddress, static: bool) -> PeerRecord:
+        labelled = sum(1 for r in self.peers.values() if r.label != OTHER_LABEL)
+        label = str(address) if labelled < MAX_PEER_LABELS else OTHER_LABEL
+        record = PeerRecord(address, label, Breaker(*self._breaker), static=static)
+        self.peers[address] = record
+        return record
+
+    def update_dns(self, resolved: Iterable[PeerAddress]) -> tuple[list[PeerRecord], list[PeerRecord]]:
+        """The addresses a DNS name gives now: (records added, records removed). Static peers stay
+        whatever DNS says."""
+        now = {a for a in resolved if a != self._own}
+        added = [self._add(a, static=False) for a in sorted(now, key=str) if a not in self.peers]
+        gone = [r for a, r in self.peers.items() if not r.static and a not in now]
+        for record in gone:
+            del self.peers[record.address]
+        return added, gone
+
+    def by_slot(self, slot: int) -> PeerRecord | None:
+        for record in self.peers.values():
+            if record.slot == slot:
+                return record
+        return None
+
+    def records(self) -> list[PeerRecord]:
+        return list(self.peers.values())

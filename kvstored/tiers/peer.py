@@ -1,0 +1,268 @@
+"""The peer tier: chunks other kvstored daemons hold in their RAM or on their local tiers.
+
+- `contains` asks only the remote-location index (kvstored/tiers/peer_index.py), fed by every
+  peer's KV events: a miss never costs a network round trip. A chunk counts as there when a
+  peer that is UP and whose breaker lets fetches through holds it. Tenant namespaces are never
+  looked up (nor indexed: peers stream public namespaces' events only).
+- `read` fetches from the best holder (a peer holding it in RAM first) straight into the RAM
+  slot the chain reserved, verified by the transport against the chunk format's checksum;
+  concurrent reads from one peer go as one batch (kvstored/peer/fetcher.py). Only RECEIVED is a
+  hit. MISSING (the index was stale) drops that entry; CORRUPT counts as a checksum failure;
+  FAILED and TIMED_OUT count against the peer's breaker. Every read ends within
+  fetch_timeout_s (plus settle_timeout_s after a failure), as a hit or a miss.
+- Nothing is ever written down to a peer or deleted from it (the registry's capabilities say so,
+  the chain honours them): a Delete on this daemon leaves the peers' copies alone.
+
+The connections to the peers (handshake, events, data links) are kvstored/peer/fleet.py; the
+serving side (what this daemon gives its peers) is kvstored/server/peer_serving.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Sequence
+
+import grpc
+
+from kvstored.namespaces import Namespace, NamespaceRegistry
+from kvstored.peer.control import ClientTls
+from kvstored.peer.fetcher import REFUSED, PeerFetcher
+from kvstored.peer.fleet import FleetSettings, PeerFleet
+from kvstored.peer.handshake import LocalHello
+from kvstored.peer.membership import Membership, PeerRecord
+from kvstored.peer.messages import fetch_request, receipts_of
+from kvstored.peer.quarantine import span_of
+from kvstored.peer.transport import (
+    Receipt,
+    ReceiveOutcome,
+    ReceiveResult,
+    SendOrder,
+    Slot,
+    TransportConfig,
+    UcxConfig,
+)
+from kvstored.tiers.base import ChunkId, SecondaryTier, TierKind, TierUsage, WriteOutcome
+from kvstored.tiers.peer_index import SLOT_MASK, TIER_BITS, PeerIndex
+from kvstored.tiers.registry import PeerTierConfig, TierContext
+
+log = logging.getLogger(__name__)
+
+FAILURES = (ReceiveOutcome.FAILED, ReceiveOutcome.TIMED_OUT)
+
+
+class PeerTier(SecondaryTier):
+    kind = TierKind.PEER
+
+    def __init__(self, cfg: PeerTierConfig, ctx: TierContext) -> None:
+        super().__init__(cfg.name)
+        self.config = cfg
+        self._namespaces = ctx.namespaces if ctx.namespaces is not None else NamespaceRegistry(1 << 62)
+        self.incarnation = ctx.incarnation
+        options = ctx.options
+        own = options.tcp_listen if options is not None else ""
+        self.index = PeerIndex(cfg.index_entries)
+        self.membership = Membership(cfg.peers, own, cfg.breaker_failures, cfg.breaker_reset_s)
+        transport = TransportConfig(
+            connect_timeout_s=cfg.connect_timeout_s, settle_timeout_s=cfg.settle_timeout_s,
+            tcp_connections=cfg.tcp_connections, ucx=UcxConfig(tls=cfg.ucx_tls, net_devices=cfg.ucx_net_devices),
+        )
+        settings = FleetSettings(cfg.transport, transport, cfg.connect_timeout_s, cfg.reconnect_s,
+                                 cfg.peers_dns, cfg.dns_interval_s)
+        self.fleet = PeerFleet(settings, self.membership, self.index, _client_tls(cfg, options))
+        self._fetchers: dict[PeerRecord, PeerFetcher] = {}
+        self._replaced: list[PeerFetcher] = []  # of links since replaced: closed with the tier
+        self._refused: set[tuple] = set()  # (peer, incarnation, namespace) refusals logged
+        self._busy: dict[tuple[int, int], asyncio.Future] = {}  # slots a transfer may still touch
+        self._closed = False
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def serve_as(self, hello: LocalHello) -> None:
+        """How this daemon introduces itself to its peers (its serving side's ports and tiers)."""
+        self.fleet.local = hello
+
+    async def start(self) -> None:
+        await self.fleet.start()
+
+    async def close(self) -> None:
+        """Stop following the peers, end the reads (each within its timeout), close the links."""
+        if self._closed:
+            return
+        self._closed = True
+        fetchers, self._fetchers = [*self._fetchers.values(), *self._replaced], {}
+        for fetcher in fetchers:
+            await fetcher.close()
+        await self.fleet.close()
+
+    # -- the tier contract ------------------------------------------------------------------
+
+    async def contains(self, chunks: Sequence[ChunkId]) -> list[bool]:
+        out = [False] * len(chunks)
+        by_ns: dict[str, list[int]] = {}
+        for i, chunk in enumerate(chunks):
+            by_ns.setdefault(chunk[0], []).append(i)
+        usable = self._usable_mask()
+        for namespace_id, positions in by_ns.items():
+            if not usable or not self._shareable(namespace_id):
+                continue
+            masks = self.index.contains(namespace_id, [chunks[i][1] for i in positions])
+            for i, mask in zip(positions, masks):
+                out[i] = bool(mask & usable)
+        self.counters.lookups += len(out)
+        self.counters.hits += sum(out)
+        return out
+
+    async def read(self, chunk: ChunkId, views: Sequence[memoryview], size: int) -> bool:
+        ns = self._namespaces.find(chunk[0])
+        if self._closed or ns is None or not self._shareable(chunk[0]) or size != ns.chunk_bytes:
+            return False
+        record = self._holder(chunk)
+        if record is None:
+            return False
+        fetcher = self._fetcher(record)
+        if fetcher is None:
+            return False
+        result = await fetcher.read(ns, chunk[1], Slot(list(views), size))
+        return self._judge(record, chunk, result, size)
+
+    async def write(self, chunk: ChunkId, views: Sequence[memoryview], size: int) -> WriteOutcome:
+        return WriteOutcome.FAILED  # never called: the tier accepts no write-downs (registry)
+
+    async def remove(self, chunk: ChunkId) -> bool:
+        return False  # never called: a peer's chunks are its own (registry)
+
+    def usage(self) -> TierUsage:
+        return TierUsage(0, 0, len(self.index))
+
+    def views_busy(self, views: Sequence[memoryview]) -> asyncio.Future | None:
+        if not views:
+            return None
+        return self._busy.get(span_of(views[0]))
+
+    @property
+    def reservations(self) -> int:
+        """Slots a fetch is receiving into, or that a quarantine still holds."""
+        return len(self._busy)
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _shareable(self, namespace_id: str) -> bool:
+        """Only public namespaces this daemon knows are ever asked of peers."""
+        ns = self._namespaces.find(namespace_id)
+        return ns is not None and not ns.private
+
+    def _usable_mask(self) -> int:
+        mask = 0
+        for record in self.membership.records():
+            if record.slot is not None and record.usable() and record.address in self.fleet.links:
+                mask |= SLOT_MASK << (record.slot * TIER_BITS)
+        return mask
+
+    def _holder(self, chunk: ChunkId) -> PeerRecord | None:
+        """The best peer to fetch from: holding it in RAM rather than on disk, UP, breaker shut."""
+        for holder in self.index.holders(chunk):
+            record = self.membership.by_slot(holder.slot)
+            if record is not None and record.usable() and record.address in self.fleet.links:
+                return record
+        return None
+
+    def _fetcher(self, record: PeerRecord) -> PeerFetcher | None:
+        link = self.fleet.links.get(record.address)
+        if link is None:
+            return None
+        fetcher = self._fetchers.get(record)
+        if fetcher is None or fetcher.link is not link:
+            if fetcher is not None:
+                self._replaced.append(fetcher)
+            for gone in [r for r in self._fetchers if r.address not in self.membership.peers]:
+                self._replaced.append(self._fetchers.pop(gone))  # a peer DNS no longer names
+            self._replaced = [f for f in self._replaced if f.in_flight]  # kept while their batches run
+            fetcher = self._fetchers[record] = PeerFetcher(
+                link, self._asker(record), self.config.max_batch, self.config.fetch_timeout_s,
+                functools.partial(self._gate, record), functools.partial(self._verdict, record), self._busy)
+        return fetcher
+
+    def _asker(self, record: PeerRecord):
+        channel = self.fleet.channel(record)
+        timeout_s = self.config.fetch_timeout_s
+
+        def ask_for(ns: Namespace, keys: list[bytes]):
+            async def ask(order: SendOrder) -> Sequence[Receipt]:
+                request = fetch_request(order, self.incarnation, ns.namespace_id, ns.chunk_bytes, ns.key_bytes,
+                                        keys, timeout_s)
+                try:
+                    response = await channel.fetch(request, timeout_s)
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:  # a namespace the peer sizes otherwise
+                        self._refused_once(record, ns, exc.details() or "")
+                    raise
+                return receipts_of(response)
+
+            return ask
+
+        return ask_for
+
+    def _refused_once(self, record: PeerRecord, ns: Namespace, why: str) -> None:
+        mark = (record.address, record.incarnation, ns.namespace_id)
+        if mark not in self._refused:
+            self._refused.add(mark)
+            log.error("peer %s refuses to serve namespace %s: %s", record.address, ns.namespace_id, why)
+
+    @staticmethod
+    def _gate(record: PeerRecord) -> bool:
+        """A batch may go to the peer (its breaker's turn taken): counted as a fetch."""
+        if not record.breaker.begin():
+            return False
+        record.counters.fetches += 1
+        return True
+
+    def _verdict(self, record: PeerRecord, results: list[ReceiveResult]) -> None:
+        """One verdict per batch for the peer's breaker: a failure or timeout opens it (after
+        breaker_failures in a row), an answer (a hit, or an honest miss) closes it."""
+        if any(r.outcome in FAILURES for r in results):
+            record.breaker.failure()
+        elif any(r.outcome in (ReceiveOutcome.RECEIVED, ReceiveOutcome.MISSING) for r in results):
+            record.breaker.success()
+        else:
+            record.breaker.cancelled()
+
+    def _judge(self, record: PeerRecord, chunk: ChunkId, result: ReceiveResult, size: int) -> bool:
+        c, tc = record.counters, self.counters
+        if result is REFUSED:
+            c.refused_by_breaker += 1
+            return False
+        outcome = result.outcome
+        if outcome is ReceiveOutcome.RECEIVED:
+            c.received_chunks += 1
+            c.received_bytes += size
+            tc.reads += 1
+            tc.read_bytes += size
+            return True
+        if outcome is ReceiveOutcome.MISSING:
+            c.missing_chunks += 1
+            if record.slot is not None:
+                self.index.drop(record.slot, chunk[0], chunk[1])  # stale: a miss, and forgotten
+        elif outcome is ReceiveOutcome.CORRUPT:
+            c.corrupt_chunks += 1
+            tc.checksum_failures += 1
+            log.warning("peer %s sent a corrupt chunk (%s): served as a miss", record.address, result.detail)
+        elif outcome is ReceiveOutcome.TIMED_OUT:
+            c.timed_out_chunks += 1
+            tc.errors += 1
+        else:
+            c.failed_chunks += 1
+            tc.errors += 1
+            log.debug("peer %s: fetch failed: %s", record.address, result.detail)
+        return False
+
+
+def _client_tls(cfg: PeerTierConfig, options) -> ClientTls | None:
+    """TLS to the peers whenever this daemon's own listener uses it (one trust domain): their CA
+    (tls_ca_file, else the daemon's tls_client_ca_file, else the system's) and this daemon's
+    certificate, presented to peers that require mutual TLS."""
+    if options is None or not options.tls_cert_file:
+        return None
+    ca = cfg.tls_ca_file or options.tls_client_ca_file
+    return ClientTls.from_files(ca, options.tls_key_file, options.tls_cert_file, cfg.tls_server_name)
