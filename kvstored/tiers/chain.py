@@ -397,7 +397,12 @@ class TierChain:
         """Copy chunks from a client region into RAM. Once the copy starts, it runs to the end.
         Waiting for room ends at `start_by` (loop time) with TransferNotStarted."""
         _check_offsets(ns, region, keys, offsets)
-        await self._until(start_by, self._make_room(ns, len(keys)))
+        deadline = self.writeback.deadline()
+        # The wait runs in a task (see _until): other stores woken by the same write-down may
+        # have taken its room by the time we resume, so the room is checked again here.
+        while (await self._until(start_by, self._make_room(ns, len(keys), deadline))
+               and not self._has_room(ns, len(keys))):
+            pass
         proceed()  # (no await from here to the copy's start)
         stored, per_key, evicted = [], [], []
         for key, offset in zip(keys, offsets):
@@ -460,14 +465,27 @@ class TierChain:
         promote on their own: the peer tier's serving side)."""
         await self._make_room(ns, chunks)
 
-    async def _make_room(self, ns: Namespace, chunks: int, deadline: float | None = None) -> None:
+    async def _make_room(self, ns: Namespace, chunks: int, deadline: float | None = None) -> bool:
         """Write down what a reservation would evict: within the namespace's quotas (its tenant's,
-        its own) first, then in the tier; each wait ends at `deadline` (by default the write-back
-        wait from when it starts)."""
+        its own) first, then in the tier; the waits end at `deadline` (by default the write-back
+        wait from when it starts). Returns whether the room is there now (no await follows the
+        check); False once it gives up, and the reservation evicts what it must."""
         nbytes = chunks * self._slot_bytes(ns)
-        for scope in self._scopes(ns):
-            await self.writeback.make_room(nbytes, ns.chunk_bytes, deadline, scope)
-        await self.writeback.make_room(nbytes, ns.chunk_bytes, deadline)
+        deadline = self.writeback.deadline() if deadline is None else deadline
+        while True:
+            # Each wait may let others take the room an earlier one made: check them all again.
+            for scope in self._scopes(ns):
+                if not await self.writeback.make_room(nbytes, ns.chunk_bytes, deadline, scope):
+                    return False
+            if not await self.writeback.make_room(nbytes, ns.chunk_bytes, deadline):
+                return False
+            if self._has_room(ns, chunks):
+                return True
+
+    def _has_room(self, ns: Namespace, chunks: int) -> bool:
+        """Room for `chunks` chunks of `ns` in the tier and in each of its quotas, evicting nothing."""
+        nbytes = chunks * self._slot_bytes(ns)
+        return all(self.ram.room_bytes(scope) >= nbytes for scope in (None, *self._scopes(ns)))
 
     def _start_room(self, ns: Namespace, nbytes: int) -> None:
         """Start the write-downs _make_room would wait for (quotas first), without waiting."""

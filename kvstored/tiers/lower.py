@@ -128,16 +128,19 @@ class WriteBack:
 
     async def make_room(
         self, nbytes: int, chunk_bytes: int, deadline: float | None = None, scope: QuotaScope | None = None,
-    ) -> None:
+    ) -> bool:
         """Before reserving `nbytes` (in chunks of `chunk_bytes`): start write-downs for the
         shortfall and wait (until `deadline`, by default the configured wait from now) for them,
         so stores don't evict chunks that have no copy below yet. `scope`: room within a quota
         (a tenant's, a namespace's), made by writing down that scope's own oldest chunks.
 
         While it waits, write-downs beyond the shortfall keep the tiers' I/O slots busy: the next
-        store's room is on its way while this one copies, instead of starting only when it asks."""
+        store's room is on its way while this one copies, instead of starting only when it asks.
+
+        Returns whether the room is there now; False once it gives up (nothing being written
+        down that could free it, or the deadline passed)."""
         if not self._lower:
-            return
+            return self._ram.room_bytes(scope) >= nbytes
         loop = asyncio.get_running_loop()
         deadline = self.deadline() if deadline is None else deadline
         while self._ram.room_bytes(scope) < nbytes:
@@ -145,12 +148,13 @@ class WriteBack:
             remaining = deadline - loop.time()
             writing = self._writing_bytes if scope is None else self._ram.writing_bytes(scope)
             if writing == 0 or remaining <= 0:
-                return  # reserve() evicts what it must; dirty drops are counted there
+                return False  # reserve() evicts what it must; dirty drops are counted there
             self._space.clear()
             try:
                 await asyncio.wait_for(self._space.wait(), remaining)
             except TimeoutError:
-                return
+                return False
+        return True
 
     def _ahead(self, chunk_bytes: int, scope: QuotaScope | None = None) -> int:
         """Room to free beyond a store's shortfall while RAM is short: the configured headroom,

@@ -43,15 +43,21 @@ class GatedMemoryTier(SecondaryTier):
         self.data: dict[ChunkId, bytes] = {}
         self.calls: Counter[str] = Counter()  # operations called, by name
         self.waiting: Counter[str] = Counter()  # operations at their gate now
-        self._gates = {op: asyncio.Event() for op in GATED_OPS}
-        for gate in self._gates.values():
-            gate.set()
+        self._open = {op: True for op in GATED_OPS}
+        self._passes: Counter[str] = Counter()  # operations let through a closed gate, not yet taken
+        self._changed = {op: asyncio.Event() for op in GATED_OPS}
 
     def close_gate(self, op: str) -> None:
-        self._gates[op].clear()
+        self._open[op] = False
 
     def open_gate(self, op: str) -> None:
-        self._gates[op].set()
+        self._open[op] = True
+        self._changed[op].set()
+
+    def let_through(self, op: str, count: int = 1) -> None:
+        """Let `count` operations (waiting or to come) pass the closed gate, one each."""
+        self._passes[op] += count
+        self._changed[op].set()
 
     async def until_waiting(self, op: str, count: int = 1) -> None:
         await settle(lambda: self.waiting[op] >= count, f"{count} {op}(s) at the gate")
@@ -59,7 +65,12 @@ class GatedMemoryTier(SecondaryTier):
     async def _gate(self, op: str) -> None:
         self.waiting[op] += 1
         try:
-            await self._gates[op].wait()
+            while not self._open[op]:
+                if self._passes[op]:
+                    self._passes[op] -= 1
+                    return
+                self._changed[op].clear()  # (checked and cleared with no await between: no lost wake-up)
+                await self._changed[op].wait()
         finally:
             self.waiting[op] -= 1
 

@@ -272,3 +272,29 @@ async def test_a_failing_background_populate_is_logged_and_close_waits_for_it(ri
         finish.set()
         await closing
     assert "background populate failed" in caplog.text and "populate refused" in caplog.text
+
+
+async def test_region_stores_woken_by_the_same_write_down_do_not_both_take_its_room(rig, region_fd):
+    """Two region stores with a start deadline wait for room in RAM full of chunks with no copy
+    below. One write-down's room wakes both; the first takes it and the second waits for the
+    next write-down instead of evicting a chunk that has no copy below (data lost)."""
+    broker, chain, tier = await rig(pool=4 * CHUNK)
+    for i in range(4):
+        await store(chain, NS, key(10 + i), i)
+    tier.close_gate("write")
+    session = broker.open("c")
+    region = broker.attach_region(session, "r", region_fd)
+    start_by = asyncio.get_running_loop().time() + HANG_S
+    storing = [asyncio.create_task(broker.store_from_region(session, NS, region, [key(1 + k)], [k * CHUNK],
+                                                            start_by=start_by)) for k in range(2)]
+    await tier.until_waiting("write", 2)  # the first store's write-down, and one ahead of it
+    tier.let_through("write")  # room for one store: both wake
+    done, _ = await asyncio.wait(storing, timeout=HANG_S, return_when=asyncio.FIRST_COMPLETED)
+    assert len(done) == 1 and chain.ram.counters.dropped_dirty == 0  # the other waits for its own room
+    tier.open_gate("write")
+    outcomes = await asyncio.gather(*storing)
+    assert [o.per_key for o in outcomes] == [[ReserveOutcome.RESERVED]] * 2
+    await settle(lambda: chain.writeback.in_flight_bytes == 0, "the write-downs ended")
+    assert chain.ram.counters.dropped_dirty == 0
+    for i in range(4):  # every chunk pushed out of RAM is below, byte-exact
+        assert ("ns", key(10 + i)) in chain.ram.chunks_of("ns") or tier.data[("ns", key(10 + i))] == bytes([i]) * CHUNK
