@@ -738,7 +738,7 @@ def rendezvous_cost(node_counts: Sequence[int], groups: int = 2000) -> list[dict
         h = xxhash.xxh3_64_intdigest
         t0 = time.perf_counter()
         for key in keys:
-            max(range(n), key=lambda i, key=key: h(key, seeds[i]))
+            max((h(key, seed), i) for i, seed in enumerate(seeds))  # (the owner: the highest hash)
         per_group = (time.perf_counter() - t0) / groups
         rows.append({"nodes": n, "us_per_group": per_group * 1e6, "us_per_node": per_group / n * 1e6})
     return rows

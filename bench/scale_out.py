@@ -562,7 +562,8 @@ def print_report(doc: dict[str, Any], model: Model) -> None:
                   f"memory {fmt_bytes(b['memory_bytes'])})")
     print("\nthe router tier takes in, for the fleet:")
     for t in doc["router_tier"]:
-        print(f"  {t['nodes']:,} node{'s' if t['nodes'] != 1 else ''}: {t['keys_per_s']:,.0f} keys/s in {t['messages_per_s']:,.0f} messages/s "
+        nodes = f"{t['nodes']:,} node{'s' if t['nodes'] != 1 else ''}"
+        print(f"  {nodes}: {t['keys_per_s']:,.0f} keys/s in {t['messages_per_s']:,.0f} messages/s "
               f"({fmt_rate(t['inbound_bytes_per_s'])}), {t['cores']:.2f} cores at our per-key cost, "
               f"{t['index_entries']:,.0f} entries ({fmt_bytes(t['index_bytes'])})")
     s3 = doc["s3"]
