@@ -17,6 +17,13 @@ COMPARED = {
     "local_path.py": ["pool mapping", "region registration", "memcpy", "empty gRPC round trip"],
     "multiturn.py": ["12K-token first prompt", "4K more tokens per turn", "8 turns", "20 s think time",
                      "no offload", "RAM + fs + S3"],
+    "scale_calibrate.py": ["two real kvstored daemons", "index memory per remote entry", "171 B/entry",
+                           "follower CPU per event", "WatchEvents", "publisher CPU per subscriber", "local Lookup",
+                           "peer fetch round trip", "S3 PUT/GET latency", "radosgw", "load average"],
+    "scale_out.py": ["1 to 1000 kvstored nodes", "measured per-operation costs", "index memory",
+                     "inbound event traffic", "lookup cost", "S3 request rate and cost", "mesh as built",
+                     "node-level coalesced mesh", "directory shards placed by rendezvous hashing",
+                     "llm-d consuming KV events", "budget"],
     "tiers.py": ["raw O_DIRECT", "raw aiobotocore", "fs tier", "S3 tier"],
     "vllm_tier.py": ["vLLM's built-in fs tier", "TieringOffloadingManager"],
 }
@@ -136,3 +143,74 @@ def test_multiturn_small_run_reports_rows_with_their_limits(tmp_path):
     assert "fs loads" in vs_none["limit"]
     assert doc["load_average"]["max"] >= doc["load_average"]["min"] > 0
     assert "targets and ratios" in proc.stdout and "bounded by" in proc.stdout
+
+
+SCALE_DESIGNS = ["mesh", "coalesced", "directory", "router"]
+
+
+def scale_out(tmp_path, *args: str) -> dict:
+    out = tmp_path / "scale.json"
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "scale_out.py"), "--json", str(out), *args],
+                          capture_output=True, text=True, timeout=300, env=clean_env(), cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text()) | {"stdout": proc.stdout}
+
+
+def test_scale_out_models_the_committed_calibration(tmp_path):
+    """From the committed calibration (measured on real daemons): four designs at 1, 10, 100 and 1000
+    nodes, costs that grow with the fleet, and where each design leaves the budget, in the order the
+    designs are meant to scale (the mesh first, the router never: it keeps no index of the others)."""
+    doc = scale_out(tmp_path)
+    assert doc["calibration"]["path"].endswith("docs/scale-out-calibration.json")
+    assert doc["calibration"]["load_average"] and doc["calibration"]["cpu_model"] is not None
+    assert [d["key"] for d in doc["designs"]] == SCALE_DESIGNS
+    assert doc["nodes"] == [1, 10, 100, 1000]
+    fields = {"nodes", "cpu_fraction", "cpu_parts", "memory_bytes", "memory_parts", "inbound_bytes_per_s",
+              "lookup_ms", "coverage", "s3_puts_per_s", "s3_gets_per_s", "s3_usd_per_month"}
+    designs = {d["key"]: d for d in doc["designs"]}
+    for d in doc["designs"]:
+        assert [r["nodes"] for r in d["rows"]] == [1, 10, 100, 1000]
+        for rows in (d["rows"], d["curve"]):
+            assert all(fields <= set(r) for r in rows)
+            for before, after in zip(rows, rows[1:]):  # more nodes never cost a node less
+                for key in ("cpu_fraction", "memory_bytes", "inbound_bytes_per_s", "lookup_ms", "s3_gets_per_s"):
+                    assert after[key] >= before[key] - 1e-12, (d["key"], key, before["nodes"], after["nodes"])
+                assert after["coverage"] <= before["coverage"] + 1e-12
+        for r in d["rows"]:
+            assert r["cpu_fraction"] == sum(r["cpu_parts"].values())
+            assert r["memory_bytes"] == sum(r["memory_parts"].values())
+    one = [d["rows"][0] for d in doc["designs"]]
+    assert all(r["inbound_bytes_per_s"] == 0 and r["memory_parts"]["index"] == 0 for r in one)  # no peers yet
+    # The full mesh follows every peer: per node it grows with the fleet; a directory's stays flat.
+    mesh, directory = designs["mesh"]["rows"], designs["directory"]["rows"]
+    assert mesh[3]["inbound_bytes_per_s"] > 50 * mesh[1]["inbound_bytes_per_s"]
+    assert directory[3]["memory_parts"]["index"] == directory[1]["memory_parts"]["index"]
+    assert designs["router"]["rows"][3]["inbound_bytes_per_s"] == 0
+
+    breaks = {k: d["break"] for k, d in designs.items()}
+    assert breaks["router"] is None
+    assert 2 <= breaks["mesh"]["nodes"] <= breaks["coalesced"]["nodes"] < breaks["directory"]["nodes"]
+    for b in (breaks["mesh"], breaks["coalesced"], breaks["directory"]):
+        assert b["resource"] in ("cpu", "memory")
+        over = b["cpu_fraction"] > doc["budget"]["cpu_fraction"] or b["memory_bytes"] > doc["budget"]["memory_bytes"]
+        assert over
+    assert "where each design stops scaling" in doc["stdout"]
+    assert [v["variant"] for v in doc["sensitivity"]][0] == "as stated"
+    assert set(doc["sensitivity"][0]["breaks"]) == set(SCALE_DESIGNS)
+    basis = {b["figure"] for b in doc["basis"]}
+    assert {"turns per node", "chunk", "stores", "S3"} <= basis
+    assert doc["s3"]["puts_per_s_per_node"] > 0 and designs["mesh"]["rows"][1]["s3_usd_per_month"] > 0
+
+
+def test_scale_out_assumptions_are_flags(tmp_path):
+    """Halving the turn rate halves the events to follow: no design breaks sooner, and the stated
+    workload in the JSON is the one given."""
+    base = scale_out(tmp_path, "--max-nodes", "5000")
+    slow = scale_out(tmp_path, "--max-nodes", "5000", "--turns-per-s", "5", "--put-usd-per-1k", "0.01")
+    assert slow["fleet"]["turns_per_s"] == 5 and slow["fleet"]["put_usd_per_1k"] == 0.01
+    assert slow["rates"]["events_per_s"] == pytest.approx(base["rates"]["events_per_s"] / 2)
+    for b, s in zip(base["designs"], slow["designs"]):
+        if b["break"] is None:
+            assert s["break"] is None
+        elif s["break"] is not None:
+            assert s["break"]["nodes"] >= b["break"]["nodes"]
