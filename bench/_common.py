@@ -103,7 +103,8 @@ class Daemon:
         t0 = time.perf_counter()
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **self.env}, start_new_session=True
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **self.env}, start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         try:
             wait_serving(self.socket, self.start_timeout_s, self.proc)
@@ -138,6 +139,14 @@ class Daemon:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return ""
+
+
+def _die_with_parent() -> None:
+    """In the daemon before exec: SIGTERM it when the benchmark dies, even by SIGKILL (the OOM
+    killer picks the benchmark, which maps every daemon's pool), instead of leaving it running."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def wait_serving(socket_path: Path, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
