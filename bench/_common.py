@@ -94,7 +94,7 @@ class Daemon:
 
     def start(self) -> None:
         cmd = [
-            kvstored_executable(), "serve",
+            *_die_with_parent(), kvstored_executable(), "serve",
             "--socket", str(self.socket),
             "--cpu-bytes", str(self.cpu_bytes),
             "--log-level", self.log_level,
@@ -103,8 +103,7 @@ class Daemon:
         t0 = time.perf_counter()
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **self.env}, start_new_session=True,
-            preexec_fn=_die_with_parent,
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **self.env}, start_new_session=True
         )
         try:
             wait_serving(self.socket, self.start_timeout_s, self.proc)
@@ -141,12 +140,13 @@ class Daemon:
             return ""
 
 
-def _die_with_parent() -> None:
-    """In the daemon before exec: SIGTERM it when the benchmark dies, even by SIGKILL (the OOM
-    killer picks the benchmark, which maps every daemon's pool), instead of leaving it running."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+def _die_with_parent() -> list[str]:
+    """A prefix for the daemon's command that SIGTERMs it when the benchmark dies, even by SIGKILL
+    (the OOM killer picks the benchmark, which maps every daemon's pool), instead of leaving it
+    running: util-linux's setpriv sets PR_SET_PDEATHSIG and execs it. Not a preexec_fn: that
+    makes Popen fork() instead of vfork(), and gRPC's fork handlers then deadlock the benchmark."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM"] if setpriv else []
 
 
 def wait_serving(socket_path: Path, timeout_s: float, proc: subprocess.Popen | None = None) -> None:

@@ -695,8 +695,11 @@ def target_rows(results: Sequence[NodesRunResult], m: mt.Model, limits: mt.Limit
             f"{peers.peers.get('missing_chunks', 0)}, failed {peers.peers.get('failed_chunks', 0)}, timed out "
             f"{peers.peers.get('timed_out_chunks', 0)}")
         if islands is not None:
+            cap = islands.makespan_s / peers.think_floor_s  # no makespan is shorter than the think floor
             add(f"peers vs islands (no peers), {where}", peers.throughput_tokens_s, "tokens/s", "islands",
-                islands.throughput_tokens_s, TARGET_VS_ISLANDS, _limit(peers, "peer", limits, raw_tcp, breakeven))
+                islands.throughput_tokens_s, TARGET_VS_ISLANDS, _limit(peers, "peer", limits, raw_tcp, breakeven)
+                + f"; makespan {peers.makespan_s:,.0f} s, the conversations' own start and think times "
+                  f"{peers.think_floor_s:,.0f} s: at most {cap:.2f}x")
         if none is not None:
             add(f"peers vs no offload, {where}", peers.throughput_tokens_s, "tokens/s", "no offload",
                 none.throughput_tokens_s, None, _limit(peers, "peer", limits, raw_tcp, breakeven))
