@@ -211,17 +211,19 @@ class NodeSim(mt.Simulation):
     transfer happens while the lookup is measured, which the model would charge once instead of
     x the byte scale. For the fs and peer tiers, whose lookup itself is an index look-up, a
     lookup's time beyond `lookup_floor_s` (a lookup of RAM-resident keys, measured at the start)
-    is therefore moved to those tiers' load calls (by chunks) before they are charged. An S3
-    lookup's own time is its HEAD requests, charged as measured."""
+    is therefore moved to those tiers' load calls (by chunks) before they are charged. Not with an
+    S3 tier under them: there a lookup's own time is mostly its HEAD requests, charged as measured
+    (so the shared-bucket set-up keeps that bias, in its favour)."""
 
     lookup_floor_s = 0.0
+    move_lookup_excess = True
     moved_s = 0.0  # lookup time charged to fs/peer load calls instead
 
     def _segments(self, lookup_s: float, segments: Sequence[tuple[str, float, int]]
                   ) -> tuple[float, list[tuple[str, float, int]]]:
         lower = sum(n for tier, _, n in segments if tier in PREFETCHED_BY_LOOKUP)
         excess = lookup_s - self.lookup_floor_s
-        if not lower or excess <= 0:
+        if not self.move_lookup_excess or not lower or excess <= 0:
             return lookup_s, list(segments)
         self.moved_s += excess
         return self.lookup_floor_s, [(t, s + excess * n / lower if t in PREFETCHED_BY_LOOKUP else s, n)
@@ -589,6 +591,7 @@ def _run_one(config: NodesConfig, conversations: int, n: int, w: mt.Workload, m:
         for node in sim.nodes:
             assert node.offload is not None
             node.lookup_floor_s = calibrate_lookup_floor(node.offload)
+            node.move_lookup_excess = not config.uses("s3")
         sim.run()
         after = [o.stats() for o in offloads]
         peers = [peer_counters(nodes.peer_status(i)) for i in range(n)] if config.uses("peer") else []
