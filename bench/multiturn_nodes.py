@@ -29,6 +29,11 @@ clock runs far ahead of the wall clock, so before a node looks up a conversation
 background work the previous turn started is given time a 20 s think time would give it: at
 least `--settle-s` of wall time since that turn's store, and (shared S3) until the previous node's
 S3 tier has written what it stored. The waits are counted and printed; they are not charged.
+A lookup starts reading its hits below RAM at once; for fs and peer hits, the lookup's time beyond
+a calibrated lookup of RAM-resident keys is charged with those reads, x the byte scale (NodeSim).
+
+Sizes are per node: RAM 64 conversations by default (three nodes' pools and radosgw's memstore
+fit a 24 GiB machine), fs 512 (128 under S3), the GPU as modelled.
 """
 
 from __future__ import annotations
