@@ -62,6 +62,8 @@ vllm-deps: setup
 # Benchmarks (not tests): figures beside same-run baselines; JSON and the chart under results/.
 # About 10 minutes on a 2-core VM; e.g. BENCH_MULTITURN_ARGS="--conversations 16,64,128,256" for less.
 BENCH_MULTITURN_ARGS ?=
+# The multi-node sweep (3 daemons, turns routed round-robin): BENCH_NODES_ARGS adds to its flags.
+BENCH_NODES_ARGS ?= --conversations 64,128,256
 bench: setup system-deps
 	./deploy/install-system-deps.sh redis-server
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev,bench]'
@@ -70,6 +72,8 @@ bench: setup system-deps
 	$(BIN)/python bench/tiers.py --json results/tiers.json
 	$(BIN)/python bench/compare.py --json results/compare.json
 	$(BIN)/python bench/multiturn.py --json results/multiturn.json --plot results/multiturn.png $(BENCH_MULTITURN_ARGS)
+	$(BIN)/python bench/multiturn.py --nodes 3 --json results/multiturn-nodes.json --plot results/multiturn-nodes.png \
+		$(BENCH_NODES_ARGS)
 
 clean:
 	rm -rf $(VENV) var results $(GEN)/*_pb2*.py $(GEN)/*_pb2*.pyi kvstored/shm/*.so build

@@ -94,7 +94,7 @@ class Daemon:
 
     def start(self) -> None:
         cmd = [
-            kvstored_executable(), "serve",
+            *_die_with_parent(), kvstored_executable(), "serve",
             "--socket", str(self.socket),
             "--cpu-bytes", str(self.cpu_bytes),
             "--log-level", self.log_level,
@@ -138,6 +138,15 @@ class Daemon:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return ""
+
+
+def _die_with_parent() -> list[str]:
+    """A prefix for the daemon's command that SIGTERMs it when the benchmark dies, even by SIGKILL
+    (the OOM killer picks the benchmark, which maps every daemon's pool), instead of leaving it
+    running: util-linux's setpriv sets PR_SET_PDEATHSIG and execs it. Not a preexec_fn: that
+    makes Popen fork() instead of vfork(), and gRPC's fork handlers then deadlock the benchmark."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM"] if setpriv else []
 
 
 def wait_serving(socket_path: Path, timeout_s: float, proc: subprocess.Popen | None = None) -> None:

@@ -74,9 +74,13 @@ start times and think times are seeded per conversation; the order in which turn
 depends on the measured load times, so figures with offload move from run to run (no offload is
 exactly reproducible).
 
+Several nodes (--nodes N, bench/multiturn_nodes.py): N real daemons, one per modelled GPU node,
+each turn of a conversation routed round-robin to the next node; no offload, islands (RAM + fs),
+RAM + fs + peers, RAM + fs + a shared S3 bucket; hit rates per tier, PEER included.
+
 Usage: .venv/bin/python bench/multiturn.py [--model qwen3.6-35b-a3b|llama-3.1-8b]
            [--conversations 16,32,64,128,192,256] [--configs none,ram,ram+fs,ram+fs+s3]
-           [--s3 auto|radosgw|moto] [--json PATH] [--plot PATH] [--dry-run]
+           [--s3 auto|radosgw|moto] [--json PATH] [--plot PATH] [--dry-run] [--nodes N]
 """
 
 from __future__ import annotations
@@ -1448,7 +1452,9 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    import multiturn_nodes
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
     g = ap.add_argument_group("workload")
     g.add_argument("--initial-tokens", type=int, default=12 * 1024, help="first prompt of every conversation")
@@ -1480,10 +1486,14 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--serial-loads", action="store_true",
                    help="loads on the GPU's timeline instead of beside it (a pessimistic engine)")
     g = ap.add_argument_group("kvstored tiers")
-    g.add_argument("--configs", default=",".join(c.key for c in CONFIGS),
-                   help=f"among {', '.join(c.key for c in CONFIGS)}")
-    g.add_argument("--ram-conversations", type=float, default=128, help="RAM tier size, in conversations")
-    g.add_argument("--fs-conversations", type=float, default=512, help="fs tier size in RAM + fs, in conversations")
+    g.add_argument("--configs", default=None,
+                   help=f"among {', '.join(c.key for c in CONFIGS)} (default: all; with --nodes: "
+                        f"{', '.join(multiturn_nodes.CONFIG_KEYS)})")
+    g.add_argument("--ram-conversations", type=float, default=None,
+                   help=f"RAM tier size, in conversations (default: 128; with --nodes: "
+                        f"{multiturn_nodes.RAM_CONVERSATIONS:g} per node)")
+    g.add_argument("--fs-conversations", type=float, default=512,
+                   help="fs tier size in RAM + fs, in conversations (with --nodes: per node, also with peers)")
     g.add_argument("--s3-fs-conversations", type=float, default=128,
                    help="fs tier size in RAM + fs + S3, in conversations (smaller: S3 takes the overflow)")
     g.add_argument("--s3", default="auto", choices=("auto", "radosgw", "moto"),
@@ -1498,14 +1508,14 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--dry-run", action="store_true",
                    help="print the model, the sizes and the scaling (and write them with --json), run nothing")
     nt_threshold_arg(g)
-    args = ap.parse_args(argv)
-    apply_nt_threshold(args.nt_threshold)
+    multiturn_nodes.add_arguments(ap)
+    return ap
 
-    keys = [c.strip() for c in args.configs.split(",") if c.strip()]
-    bad = [c for c in keys if c not in CONFIG_BY_KEY]
-    if bad:
-        ap.error(f"unknown configuration(s) {bad}; choose among {', '.join(CONFIG_BY_KEY)}")
-    configs = [CONFIG_BY_KEY[c] for c in keys]
+
+def setup(ap: argparse.ArgumentParser, args: argparse.Namespace
+          ) -> tuple[Workload, Model, list[Basis], dict[str, float], Sizes, dict[str, float]]:
+    """The workload, the modelled model (with its basis and derivation) and the tier sizes from the
+    flags; argparse errors for what does not fit together."""
     w = Workload(args.initial_tokens, args.turn_tokens, args.turns, args.think_s, args.chunk_tokens, args.seed)
     if w.final_tokens // w.chunk_tokens < 1:
         ap.error("--chunk-tokens is larger than the last prompt")
@@ -1522,6 +1532,25 @@ def main(argv: list[str] | None = None) -> int:
                   s3_fs_bytes=int(args.s3_fs_conversations * conv_bytes))
     sizes_conv = {"gpu": m.gpu_tokens / w.final_tokens, "ram": args.ram_conversations, "fs": args.fs_conversations,
                   "s3_fs": args.s3_fs_conversations}
+    return w, m, basis, derivation, sizes, sizes_conv
+
+
+def main(argv: list[str] | None = None) -> int:
+    import multiturn_nodes
+
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    apply_nt_threshold(args.nt_threshold)
+    if args.ram_conversations is None:
+        args.ram_conversations = multiturn_nodes.RAM_CONVERSATIONS if args.nodes > 1 else 128.0
+    if args.nodes > 1:
+        return multiturn_nodes.main(ap, args, argv)
+    keys = [c.strip() for c in (args.configs or ",".join(CONFIG_BY_KEY)).split(",") if c.strip()]
+    bad = [c for c in keys if c not in CONFIG_BY_KEY]
+    if bad:
+        ap.error(f"unknown configuration(s) {bad}; choose among {', '.join(CONFIG_BY_KEY)}")
+    configs = [CONFIG_BY_KEY[c] for c in keys]
+    w, m, basis, derivation, sizes, sizes_conv = setup(ap, args)
     counts = parse_counts(args.conversations)
     workdir = Path(args.workdir)
 
@@ -1652,4 +1681,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.modules.setdefault("multiturn", sys.modules[__name__])  # multiturn_nodes imports this module, not a copy
     sys.exit(main())

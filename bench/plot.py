@@ -3,7 +3,9 @@
   .venv/bin/python bench/plot.py results/multiturn.json results/multiturn.png
 
 `plot_multiturn(doc, path)`: modelled throughput, overall hit rate and the hit rate of each tier
-(GPU, RAM, fs, S3) versus the number of simultaneous conversations, one line per configuration.
+(GPU, RAM, fs, S3; peer for the multi-node mode) versus the number of simultaneous conversations,
+one line per configuration. A multi-node document (`doc["nodes"]`) says so in the title and
+gives the tier sizes per node.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ STYLE = {  # colour, marker
     "ram": ("#1f77b4", "s"),
     "ram+fs": ("#2ca02c", "^"),
     "ram+fs+s3": ("#d62728", "D"),
+    "ram+fs+peer": ("#ff7f0e", "P"),
 }
 EXTRA_STYLES = [("#9467bd", "v"), ("#8c564b", "P"), ("#e377c2", "X"), ("#17becf", "*")]  # configurations added later
 TIER_TITLES = {"gpu": "GPU prefix cache", "ram": "kvstored RAM tier", "fs": "kvstored fs tier",
-               "s3": "kvstored S3 tier"}
+               "peer": "kvstored peer tier", "s3": "kvstored S3 tier"}
 
 
 def plot_multiturn(doc: dict[str, Any], path: str | Path) -> None:
@@ -41,11 +44,13 @@ def plot_multiturn(doc: dict[str, Any], path: str | Path) -> None:
     extra = iter(EXTRA_STYLES)
     style = {c["key"]: STYLE.get(c["key"]) or next(extra, ("#000000", "o")) for c in listed}
     configs = [c["key"] for c in listed if any(r["config"] == c["key"] for r in runs)]
-    fig = plt.figure(figsize=(13, 8.5), dpi=110)
-    grid = fig.add_gridspec(2, 4, height_ratios=[1.5, 1], hspace=0.42, wspace=0.32)
-    ax_tp = fig.add_subplot(grid[0, 0:2])
-    ax_hit = fig.add_subplot(grid[0, 2:4])
-    tier_axes = [fig.add_subplot(grid[1, i]) for i in range(4)]
+    tiers = [t for t in TIER_TITLES if any(t in has_tier[c] for c in configs)] or ["gpu"]
+    k = len(tiers)  # one small chart per tier below the two large ones, which split the width
+    fig = plt.figure(figsize=(13 if k <= 4 else 15, 8.5), dpi=110)
+    grid = fig.add_gridspec(2, 2 * k, height_ratios=[1.5, 1], hspace=0.42, wspace=1.0)
+    ax_tp = fig.add_subplot(grid[0, 0:k])
+    ax_hit = fig.add_subplot(grid[0, k:2 * k])
+    tier_axes = [fig.add_subplot(grid[1, 2 * i:2 * i + 2]) for i in range(k)]
     counts = sorted({r["conversations"] for r in runs})
 
     for config in configs:
@@ -55,7 +60,7 @@ def plot_multiturn(doc: dict[str, Any], path: str | Path) -> None:
         kw = dict(color=colour, marker=marker, label=labels[config], linewidth=2, markersize=6)
         ax_tp.plot(xs, [r["throughput_tokens_s"] / 1000 for r in rs], **kw)
         ax_hit.plot(xs, [100 * r["hit_rate_overall"] for r in rs], **kw)
-        for ax, tier in zip(tier_axes, TIER_TITLES):
+        for ax, tier in zip(tier_axes, tiers):
             if tier not in has_tier[config]:
                 continue
             ax.plot(xs, [100 * r["hit_rate"].get(tier, 0.0) for r in rs], **{**kw, "linewidth": 1.5, "markersize": 4})
@@ -67,8 +72,8 @@ def plot_multiturn(doc: dict[str, Any], path: str | Path) -> None:
     ax_hit.set_title("Hit rate, all tiers (share of reusable tokens)")
     ax_hit.set_ylabel("%")
     ax_hit.set_ylim(-3, 103)
-    for ax, title in zip(tier_axes, TIER_TITLES.values()):
-        ax.set_title(title, fontsize=10)
+    for ax, tier in zip(tier_axes, tiers):
+        ax.set_title(TIER_TITLES[tier], fontsize=10)
         ax.set_ylim(-3, 103)
         ax.set_xlabel("conversations", fontsize=9)
         ax.tick_params(labelsize=8)
@@ -83,17 +88,21 @@ def plot_multiturn(doc: dict[str, Any], path: str | Path) -> None:
 
     w = doc.get("workload", {})
     machine = doc.get("machine", {})
+    nodes = doc.get("nodes", 1)
+    routed = f", {nodes} nodes, turns routed round-robin (no KV awareness)" if nodes > 1 else ""
     fig.suptitle(
         f"kvstored multi-turn benchmark: {w.get('initial_tokens')} + {w.get('turn_tokens')} tokens/turn, "
-        f"{w.get('turns')} turns\nmodelled {model.get('model_name', 'GPU')}: "
+        f"{w.get('turns')} turns{routed}"
+        + f"\nmodelled {model.get('model_name', 'GPU')}" + (" on each node" if nodes > 1 else "") + ": "
         f"{model.get('model_kv_bytes_per_token', 0):,} KV bytes/token, "
         f"{model.get('prefill_tokens_per_s', 0):,.0f} prefill tokens/s",
         fontsize=12,
     )
     load = doc.get("load_average")
     conv = doc.get("sizes_in_conversations", {})
-    foot = (f"Real daemon, real transfers of KV scaled 1/{scale:g} (load times x{scale:g}); modelled GPU cache "
-            f"{conv.get('gpu', 0):.0f} conversations, RAM tier {conv.get('ram', 0):g}, fs {conv.get('fs', 0):g}; "
+    foot = (f"Real {'daemons' if nodes > 1 else 'daemon'}, real transfers of KV scaled 1/{scale:g} (load times "
+            f"x{scale:g}); modelled GPU cache {conv.get('gpu', 0):.0f} conversations, RAM tier {conv.get('ram', 0):g}, "
+            f"fs {conv.get('fs', 0):g}" + (" per node" if nodes > 1 else "") + "; "
             f"{machine.get('cpus')} CPUs, {machine.get('mem_total_gib')} GiB, git {machine.get('git')}"
             + (f", load average {load['min']:.1f}-{load['max']:.1f}" if load else "")
             + f"; {doc.get('s3_server', '')}")

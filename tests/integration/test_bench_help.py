@@ -214,3 +214,63 @@ def test_scale_out_assumptions_are_flags(tmp_path):
             assert s["break"] is None
         elif s["break"] is not None:
             assert s["break"]["nodes"] >= b["break"]["nodes"]
+
+
+def test_multiturn_help_names_the_multi_node_mode_and_its_set_ups():
+    text = bench_help("multiturn.py")
+    for phrase in ("--nodes", "round-robin (no KV awareness)", "islands (each node RAM + fs, no peers)",
+                   "RAM + fs + peers", "one shared S3 bucket", "PEER included", "--peer-transport", "--settle-s"):
+        assert phrase in text, f"bench/multiturn.py --help does not mention {phrase!r}:\n{text}"
+
+
+def test_multiturn_nodes_dry_run_plans_the_nodes(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "multiturn.py"), "--nodes", "3", "--dry-run",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300, env=clean_env(),
+                          cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert "results" not in doc and doc["benchmark"] == "multiturn-nodes" and doc["nodes"] == 3
+    assert [c["key"] for c in doc["configs"]] == ["none", "ram+fs", "ram+fs+peer", "ram+fs+s3"]
+    tiers = {c["key"]: c["tiers"] for c in doc["configs"]}
+    assert tiers["ram+fs+peer"] == ["gpu", "ram", "fs", "peer"] and "peer" not in tiers["ram+fs"]
+    assert "round robin" in doc["routing"] and doc["sizes_in_conversations"]["ram"] == 64
+    assert doc["model"]["model_key"] == "qwen3.6-35b-a3b" and doc["measured"] and doc["modelled"]
+    assert "routing" in proc.stdout and "MFU" in proc.stdout
+
+
+def test_multiturn_nodes_small_run_reports_peer_hits_and_rows(tmp_path):
+    """A tiny real cluster: 2 daemons, 4 conversations of 3 turns, every set-up (the shared bucket on
+    radosgw, or moto_server where Ceph is missing). A turn always lands on the other node, so only
+    the peer tier and the shared bucket find the previous turn's chunks."""
+    out = tmp_path / "run.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "bench" / "multiturn.py"), "--nodes", "2", "--conversations", "4",
+         "--initial-tokens", "8192", "--turn-tokens", "4096", "--turns", "3", "--think-s", "0.5",
+         "--gpu-tokens", "16384", "--ram-conversations", "2", "--fs-conversations", "8", "--s3-fs-conversations", "2",
+         "--settle-s", "0.5", "--no-limits", "--workdir", str(tmp_path / "work"), "--json", str(out)],
+        capture_output=True, text=True, timeout=600, env=clean_env(), cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    runs = {r["config"]: r for r in doc["results"]}
+    assert set(runs) == {"none", "ram+fs", "ram+fs+peer", "ram+fs+s3"}
+    assert not any(r["skipped"] for r in runs.values()), [r["skipped"] for r in runs.values()]
+    peers, islands, s3 = runs["ram+fs+peer"], runs["ram+fs"], runs["ram+fs+s3"]
+    assert all(r["corrupt_chunks"] == 0 for r in runs.values())
+    assert peers["hit_rate"]["peer"] > 0 and islands["hit_rate"]["peer"] == 0 and s3["hit_rate"]["s3"] > 0
+    assert peers["hit_rate_overall"] > islands["hit_rate_overall"]
+    # what the lookups called peer hits came over the wire: one node received what another served
+    peer_chunks = peers["hit_tokens"]["peer"] // 4096
+    assert peers["peers"]["received_chunks"] >= peer_chunks > 0
+    assert peers["peers"]["served_chunks"] == peers["peers"]["received_chunks"]
+    assert all(node["turns"] > 0 for node in peers["per_node"]) and len(peers["per_node"]) == 2
+
+    targeted = [r for r in doc["rows"] if r["target"] is not None]
+    assert {r["name"] for r in targeted} == {"peers: hit rate, 2 nodes, 4 conversations",
+                                             "peers vs islands (no peers), 2 nodes, 4 conversations"}
+    for r in doc["rows"]:
+        assert set(r) >= {"name", "value", "baseline", "ratio", "target", "status", "limit"}
+        if r["target"] is not None:
+            assert r["status"] == ("PASS" if r["ratio"] >= r["target"] else "MISS")
+    assert doc["load_average"]["max"] >= doc["load_average"]["min"] > 0
+    assert "targets and ratios" in proc.stdout and "raw TCP on loopback" in proc.stdout
