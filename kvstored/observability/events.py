@@ -81,6 +81,12 @@ class Subscription:
 Listener = Callable[[KvEvent], None]
 
 
+# Keys per event at most: a ClearNamespace of millions of keys would otherwise be one message
+# larger than a gRPC client takes (4 MiB by default; a peer's follower, 64 MiB), which no
+# subscriber could ever read past. 16,384 keys of 32 bytes: about 0.6 MB encoded.
+MAX_EVENT_KEYS = 16_384
+
+
 class EventBus:
     def __init__(self, buffer_events: int = 10_000, subscriber_queue: int = 10_000) -> None:
         self._seq = itertools.count(1)
@@ -102,13 +108,16 @@ class EventBus:
     def publish(
         self, type: EventType, cause: Cause, tier: str, tier_kind: TierKind, chunks: Iterable[ChunkId]
     ) -> None:
-        """One event per namespace among `chunks` (keys keep their order)."""
+        """One event per namespace among `chunks` (keys keep their order), split into events of
+        at most MAX_EVENT_KEYS keys."""
         by_ns: dict[str, list[bytes]] = {}
         for ns, key in chunks:
             by_ns.setdefault(ns, []).append(key)
         now = time.time()
         for ns, keys in by_ns.items():
-            self._emit(KvEvent(next(self._seq), now, type, cause, tier, tier_kind, ns, tuple(keys)))
+            for first in range(0, len(keys), MAX_EVENT_KEYS):
+                self._emit(KvEvent(next(self._seq), now, type, cause, tier, tier_kind, ns,
+                                   tuple(keys[first:first + MAX_EVENT_KEYS])))
 
     def publish_cleared(self, tier: str, tier_kind: TierKind, namespace_id: str) -> None:
         self._emit(KvEvent(next(self._seq), time.time(), EventType.CLEARED, Cause.DELETED, tier, tier_kind,

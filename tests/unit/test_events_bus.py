@@ -88,3 +88,23 @@ async def test_zmq_replay_of_a_full_buffer_reaches_a_reader_that_starts_late():
         await publisher.close()
     assert (len(seqs), ended) == (BATCHES, True)
     assert seqs == list(range(1, BATCHES + 1))
+
+
+def test_a_removal_of_millions_of_keys_is_published_in_events_a_grpc_client_can_read():
+    """A ClearNamespace's removals come as several events of at most MAX_EVENT_KEYS keys, in
+    order, each one WatchEvents message under gRPC's default 4 MiB receive limit (one event of
+    1.9M keys outgrew even a peer's 64 MiB limit, and no subscriber could read past it)."""
+    from kvstored.observability.events import MAX_EVENT_KEYS
+    from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+
+    bus = EventBus()
+    sub = bus.subscribe()
+    keys = [i.to_bytes(32, "big") for i in range(2 * MAX_EVENT_KEYS + 5)]
+    bus.publish(EventType.REMOVED, Cause.DELETED, "ram", TierKind.RAM, [(NS, k) for k in keys])
+    events = [sub.queue.get_nowait() for _ in range(sub.queue.qsize())]
+    assert [len(e.keys) for e in events] == [MAX_EVENT_KEYS, MAX_EVENT_KEYS, 5]
+    assert [k for e in events for k in e.keys] == keys
+    assert [e.seq for e in events] == [1, 2, 3] and bus.last_seq == 3
+    sizes = [pb.KvEvent(seq=e.seq, ts=e.ts, namespace_id=e.namespace_id, tier=e.tier, keys=e.keys).ByteSize()
+             for e in events]
+    assert max(sizes) < 4 << 20
