@@ -6,6 +6,7 @@
 - `populate()` / `fill_pattern()`: touch buffers before timing (fresh pages run ~10x slower).
 - `Stats`, `percentile()`, `aggregate_gib_s()`: timing arithmetic.
 - `Row`, `print_table()`, `write_json()`, `machine_info()`: reporting.
+- `start_s3()`: a throwaway Ceph radosgw on loopback, or moto_server when it cannot start (said so).
 
 Timestamps come from time.perf_counter() (CLOCK_MONOTONIC on Linux), which is system-wide, so
 (start, end) pairs from several processes can be combined into one wall-clock window.
@@ -267,6 +268,7 @@ class Row:
     higher_is_better: bool = True  # GiB/s: ratio >= target; latency: ratio <= target
     median: float | None = None
     note: str = ""
+    limit: str = ""  # the physical limit the row is bounded by, in words (printed when given)
 
     @property
     def ratio(self) -> float | None:
@@ -311,8 +313,9 @@ def print_aligned(table: Sequence[Sequence[str]], right: set[int], file=None) ->
 
 def print_table(rows: Sequence[Row], title: str = "", file=None) -> None:
     file = file or sys.stdout
+    limits = any(r.limit for r in rows)
     header = ["measurement", "value", "median", "baseline", "baseline value", "ratio", "target", "result"]
-    table = [header]
+    table = [header + (["bounded by"] if limits else [])]
     for r in rows:
         cmp = ">=" if r.higher_is_better else "<="
         table.append([
@@ -324,7 +327,7 @@ def print_table(rows: Sequence[Row], title: str = "", file=None) -> None:
             f"{r.ratio:.2f}x" if r.ratio is not None else "",
             f"{cmp} {r.target:.2f}x" if r.target is not None else "",
             r.status,
-        ])
+        ] + ([r.limit] if limits else []))
     if title:
         print(title, file=file)
     print_aligned(table, right={1, 2, 4, 5}, file=file)
@@ -485,3 +488,42 @@ def raw_odirect(directory: str | os.PathLike, chunks: int, chunk_bytes: int, que
         shutil.rmtree(root, ignore_errors=True)
     total = chunks * chunk_bytes
     return DiskLimit(total / w / GIB, total / r / GIB, queue_depth, chunk_bytes)
+
+
+@dataclass
+class S3Started:
+    """An S3 server on loopback (tests/support/s3.py): `kind` "rgw" or "moto"; `note` says why it
+    is moto when radosgw was asked for."""
+
+    kind: str
+    endpoint: Any  # tests.support.s3.S3Endpoint: url, keys, region, client_kwargs()
+    note: str
+    server: Any
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.server.stop()
+
+
+def start_s3(kind: str, memstore_bytes: int) -> S3Started:
+    """radosgw with a memstore OSD of `memstore_bytes` (RAM), falling back to moto_server (kind
+    "rgw"); or moto_server alone (kind "moto"). RuntimeError if neither starts."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from tests.support.s3 import MotoServer, RadosGW
+
+    errors = []
+    for k in (["rgw", "moto"] if kind == "rgw" else ["moto"]):
+        server = RadosGW(memstore_bytes=memstore_bytes) if k == "rgw" else MotoServer()
+        try:
+            endpoint = server.start()
+        except Exception as exc:  # noqa: BLE001 - fall back, then report
+            text = str(exc).strip()
+            errors.append(f"{k}: {text.splitlines()[0] if text else repr(exc)}")
+            with contextlib.suppress(Exception):
+                server.stop()
+            continue
+        note = ("S3: radosgw did NOT start (" + "; ".join(errors) + "); the S3 figures are against moto_server "
+                "(Python, in RAM), not a real S3 server") if errors else ""
+        return S3Started(k, endpoint, note, server)
+    raise RuntimeError("no S3 server: " + "; ".join(errors))
