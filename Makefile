@@ -60,7 +60,7 @@ vllm-deps: setup
 	VENV=$(VENV) ./tests/vllm/install_vllm.sh
 
 # Benchmarks (not tests): figures beside same-run baselines; JSON and the chart under results/.
-# About 10 minutes on a 2-core VM; e.g. BENCH_MULTITURN_ARGS="--conversations 16,64,128,256" for less.
+# About 12 minutes on a 2-core VM; e.g. BENCH_MULTITURN_ARGS="--conversations 16,64,128,256" for less.
 BENCH_MULTITURN_ARGS ?=
 bench: setup system-deps
 	./deploy/install-system-deps.sh redis-server
@@ -70,6 +70,7 @@ bench: setup system-deps
 	$(BIN)/python bench/tiers.py --json results/tiers.json
 	$(BIN)/python bench/compare.py --json results/compare.json
 	$(BIN)/python bench/multiturn.py --json results/multiturn.json --plot results/multiturn.png $(BENCH_MULTITURN_ARGS)
+	$(BIN)/python bench/peer.py --json results/peer.json
 
 clean:
 	rm -rf $(VENV) var results $(GEN)/*_pb2*.py $(GEN)/*_pb2*.pyi kvstored/shm/*.so build
