@@ -8,24 +8,26 @@ What runs, all on this machine over loopback, in one run:
   both) and one node B per transport (transport = "tcp" / "ucx"; each B lists A and itself, so
   it fetches from A only). A client of A stores `--gib` of `--chunk-mib` chunks (A's RAM holds
   them all; A has no other tier); once B's index names them, clients of B load them (`--clients`
-  at once, `--batch` chunks per load call): B fetches them from A into its RAM and each client
-  copies them out. Timed from the first load call to the last answer; then every byte is
-  compared and B deletes its copies (a local delete: A keeps its), so the next round fetches
-  again.
+  at once, `--batch` chunks per call) as vLLM's direct mode does: Acquire (B fetches them from
+  A into its RAM and leases them; a GPU would then read B's pool), Release. Timed from the first
+  call to the last answer; then every chunk is copied out of B's RAM and compared, and B deletes
+  its copies (a local delete: A keeps its), so the next round fetches again.
+- client load + copy out over tcp / ucx (information): the same with kvstored_client's `load`,
+  which also copies each chunk into the client's buffer (the CPU copy a CPU-side client adds).
 - raw tcp / raw ucx: the same bytes between two processes, no daemon and no checksum
   (bench/peer_raw.py measure_raw: one socket, sendall / recv_into; ucxx tagged messages).
 - fs tier, cold: a daemon with an fs tier on this disk (B's disk: one machine), the chunks
   written down once; each round it starts again (RAM empty, its index rebuilt from the disk)
-  after the page cache is dropped, and its clients load them as above.
+  after the page cache is dropped, and its clients load them as above (leases).
 - S3 tier: the same with an S3 tier on a real Ceph radosgw (memstore OSD) on loopback; on
   moto_server only if radosgw cannot start (said so).
 - physical limits of those two: raw O_DIRECT reads at the fs tier's 8 I/O threads; raw
   aiobotocore GETs of the S3 tier's own objects, 16 in flight.
 Each part runs its arms once per round, in a rotating order (the parts one after another, to
 keep the memory in use small); the table shows medians over rounds. Targets: peer tier >= 0.8x
-raw of the same transport. The fs and S3 rows are information: their GiB/s and their ratio to
-the peer tier over tcp. CPU per GiB: fetching side (B's daemon and its clients, or the raw
-receiver) + serving side (A's daemon, or the raw sender).
+raw of the same transport. The other rows are information: client loads against raw, fs and S3
+against the peer tier over tcp (ratio = the row / the peer tier). CPU per GiB: fetching side
+(B's daemon and its clients, or the raw receiver) + serving side (A's daemon, or the raw sender).
 
 Usage: .venv/bin/python bench/peer.py [--gib 1] [--rounds 3] [--transports tcp,ucx]
                                       [--batch 32] [--clients 2] [--fs on|off] [--s3 rgw|moto|off]
@@ -78,6 +80,7 @@ WAIT_S = 120.0  # bound on waiting for the cluster's state (never a measurement)
 FS_THREADS = 8  # the fs tier's io_threads (the daemon's default): raw O_DIRECT at that depth
 S3_INFLIGHT = 16  # the S3 tier's requests in flight (the daemon's default)
 STORE_BATCH = 64
+COPIED = "client load + copy out"
 
 
 @dataclass(frozen=True)
@@ -142,21 +145,72 @@ def ram_chunks(daemon: Daemon) -> int:
         return next(t.chunks for t in kv.stats().tiers if t.name == "ram")
 
 
+class Leaser:
+    """A client loading as vLLM's direct mode does (KvstoredOffloadingSpec): Acquire gives leases
+    on the chunks in the daemon's RAM, promoted from below first (the GPU would then read the
+    pool), then Release. No copy: what it waits for is the tier's work alone."""
+
+    def __init__(self, daemon: Daemon, namespace_id: str, name: str) -> None:
+        import grpc
+
+        from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+        from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
+        from kvstored_client.session import PoolSession
+
+        self._pb = pb
+        self._session = PoolSession.open(daemon.socket, name, timeout=10.0, populate=False)
+        self._channel = grpc.insecure_channel(f"unix:{daemon.socket}")
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._namespace_id = namespace_id
+
+    def load(self, keys: list[bytes], _out: np.ndarray) -> int:
+        pb, sid = self._pb, self._session.session_id
+        leases = self._stub.Acquire(pb.AcquireRequest(session_id=sid, namespace_id=self._namespace_id, keys=keys),
+                                    timeout=120.0).leases
+        self._stub.Release(pb.ReleaseRequest(session_id=sid, handles=[lease.handle for lease in leases]),
+                           timeout=120.0)
+        return len(leases)
+
+    def close(self) -> None:
+        self._channel.close()
+        self._session.close()
+
+
+class Copier:
+    """A client loading with kvstored_client's `load`: Acquire, copy into the caller's buffer, Release."""
+
+    def __init__(self, daemon: Daemon, chunks: Chunks, model: str, name: str) -> None:
+        from kvstored_client import Client
+
+        self._kv = Client(str(daemon.socket), deadline_s=120.0, client_name=name)
+        self._ns = namespace(self._kv, chunks, model)
+        self._kv.load(self._ns, [], np.empty((0, chunks.size), np.uint8))  # the session (and its pool mapping) now
+
+    def load(self, keys: list[bytes], out: np.ndarray) -> int:
+        return self._kv.load(self._ns, keys, out)
+
+    def close(self) -> None:
+        self._kv.close()
+
+
 def load_all(daemon: Daemon, chunks: Chunks, model: str, out: np.ndarray, batch: int, clients: int,
-             serving: Sequence[int] = ()) -> Measured:
+             copy: bool, serving: Sequence[int] = ()) -> Measured:
     """Load every chunk through `clients` clients of `daemon` (`batch` chunks per call, the calls
-    dealt out in turn) into `out`, timed from the first call to the last answer, with the CPU the
-    daemon, the clients (this process) and `serving` used meanwhile. RuntimeError if a chunk was
-    not loaded or came back with other bytes (checked after the clock stops)."""
+    dealt out in turn): leases (`copy` False) or copies into `out`. Timed from the first call to
+    the last answer, with the CPU the daemon, the clients (this process) and `serving` used
+    meanwhile. Then (untimed) every chunk is compared, copied out of the daemon's RAM: a
+    RuntimeError if one was not loaded or came back with other bytes."""
     from kvstored_client import Client
 
     out[:] = 0
     keys = chunks.keys
-    kvs = [Client(str(daemon.socket), deadline_s=120.0, client_name=f"bench-peer-{k}") for k in range(clients)]
+    with Client(str(daemon.socket), deadline_s=120.0) as kv:
+        namespace_id = namespace(kv, chunks, model).namespace_id
+    loaders: list[Leaser | Copier] = []
     try:
-        spaces = [namespace(kv, chunks, model) for kv in kvs]
-        for kv, ns in zip(kvs, spaces):  # the session (and its mapping of the pool) opens now, untimed
-            kv.load(ns, [], out[:0])
+        for k in range(clients):
+            loaders.append(Copier(daemon, chunks, model, f"bench-peer-{k}") if copy
+                           else Leaser(daemon, namespace_id, f"bench-peer-{k}"))
         starts = list(range(0, chunks.n, batch))
         loaded = [0] * len(starts)
         go = threading.Barrier(clients + 1)
@@ -165,7 +219,7 @@ def load_all(daemon: Daemon, chunks: Chunks, model: str, out: np.ndarray, batch:
             go.wait()
             for j in range(k, len(starts), clients):
                 s = starts[j]
-                loaded[j] = kvs[k].load(spaces[k], keys[s:s + batch], out[s:s + batch])
+                loaded[j] = loaders[k].load(keys[s:s + batch], out[s:s + batch])
 
         threads = [threading.Thread(target=run, args=(k,)) for k in range(clients)]
         for t in threads:
@@ -179,10 +233,14 @@ def load_all(daemon: Daemon, chunks: Chunks, model: str, out: np.ndarray, batch:
         me = time.process_time() - me0
         fetching, served = process_cpu_seconds(daemon.pid) - fetching0, cpu_of(serving) - serving0
     finally:
-        for kv in kvs:
-            kv.close()
+        for loader in loaders:
+            loader.close()
     if sum(loaded) != chunks.n:
         raise RuntimeError(f"{daemon.socket}: loaded {sum(loaded)} of {chunks.n} chunks")
+    if not copy:
+        with Client(str(daemon.socket), deadline_s=120.0) as kv:  # from the daemon's RAM now
+            if kv.load(namespace(kv, chunks, model), keys, out) != chunks.n:
+                raise RuntimeError(f"{daemon.socket}: the leased chunks did not stay in RAM")
     wrong = chunks.wrong(out)
     if wrong:
         raise RuntimeError(f"{daemon.socket}: {wrong} chunks came back with other bytes")
@@ -249,13 +307,13 @@ class Cluster:
                     raise RuntimeError(f"B ({transport}) never indexed A's {self.chunks.n} chunks: {status}")
                 time.sleep(0.1)
 
-    def measure(self, transport: str, out: np.ndarray, batch: int, clients: int) -> Measured:
+    def measure(self, transport: str, out: np.ndarray, batch: int, clients: int, copy: bool) -> Measured:
         from kvstored_client import Client
 
         b = self.b[transport]
         if ram_chunks(b):
             raise RuntimeError(f"before the load, B ({transport}) holds chunks in its RAM")
-        m = load_all(b, self.chunks, self.MODEL, out, batch, clients, serving=[self.a.pid])
+        m = load_all(b, self.chunks, self.MODEL, out, batch, clients, copy, serving=[self.a.pid])
         with Client(str(b.socket), deadline_s=60.0) as kv:  # B's copies only: A keeps its own
             kv.delete(namespace(kv, self.chunks, self.MODEL), self.chunks.keys)
         return m
@@ -297,6 +355,7 @@ class ColdTier:
                 raise RuntimeError(f"the daemon writing down to {self.spec} exited badly: {daemon.log_tail()}")
 
     def measure(self, out: np.ndarray, batch: int, clients: int, drop: bool) -> Measured:
+        """Leases, as the peer tier's row (the bytes in the daemon's RAM)."""
         daemon = self._daemon(0.0)
         if drop:
             drop_page_cache()
@@ -304,7 +363,7 @@ class ColdTier:
         try:
             if ram_chunks(daemon):
                 raise RuntimeError(f"{self.spec}: the restarted daemon holds chunks in RAM")
-            return load_all(daemon, self.chunks, self.model, out, batch, clients)
+            return load_all(daemon, self.chunks, self.model, out, batch, clients, copy=False)
         finally:
             daemon.stop()
 
@@ -410,7 +469,8 @@ def run(args: argparse.Namespace, notes: list[str], failures: list[str]) -> dict
             cluster.start()
             arms: dict[str, Callable[[], Measured]] = {}
             for t in transports:
-                arms[f"peer tier over {t}"] = lambda t=t: cluster.measure(t, out, args.batch, args.clients)
+                arms[f"peer tier over {t}"] = lambda t=t: cluster.measure(t, out, args.batch, args.clients, False)
+                arms[f"{COPIED} over {t}"] = lambda t=t: cluster.measure(t, out, args.batch, args.clients, True)
                 arms[f"raw {t}"] = lambda t=t: raw(t, chunks, slots=args.batch * args.clients)
             rounds(arms, args.rounds, samples, failures)
         finally:
@@ -453,13 +513,15 @@ def rows(samples: dict[str, list[Measured]]) -> list[Row]:
         return statistics.median(m.gib_s for m in samples[name]) if name in samples else None
 
     out: list[Row] = []
-    for name in samples:
-        if name.startswith("peer tier"):
-            raw = f"raw {name.rsplit(' ', 1)[1]}"
-            out.append(Row(name=name, value=median(name) or 0.0, unit="GiB/s", baseline_name=raw,
-                           baseline=median(raw), target=TARGET, median=median(name),
-                           limit=f"{raw} on loopback (the kernel's copies; same run)", note=_note(samples, name, raw)))
-    peer = next((r.name for r in out if r.name.endswith("tcp")), out[0].name if out else "")
+    for prefix, target in (("peer tier", TARGET), (COPIED, None)):  # the targeted rows first
+        for name in samples:
+            if name.startswith(prefix):
+                raw = f"raw {name.rsplit(' ', 1)[1]}"
+                out.append(Row(name=name, value=median(name) or 0.0, unit="GiB/s", baseline_name=raw,
+                               baseline=median(raw), target=target, median=median(name),
+                               limit=f"{raw} on loopback (the kernel's copies; same run)",
+                               note=_note(samples, name, raw)))
+    peer = next((r.name for r in out if r.name == "peer tier over tcp"), out[0].name if out else "")
     for name in samples:
         if name.startswith(("fs", "S3")):
             limit = "raw O_DIRECT read" if name.startswith("fs") else "raw S3 GET"
@@ -514,8 +576,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     samples = run(args, notes, failures)
     table = rows(samples)
     load1 = load_average()
-    print_table(table, title=f"\nB loading what only A holds ({args.clients} clients, {args.batch} chunks per load "
-                             "call) beside the raw transports; fs and S3: ratio = the row / the peer tier over tcp")
+    print_table(table, title=f"\nB loading what only A holds ({args.clients} clients, {args.batch} chunks per call) "
+                             "beside the raw transports; fs and S3: ratio = the row / the peer tier over tcp")
     for line in notes + failures:
         print(f"  * {line}")
     print(f"\nload average {load0:.2f} at start, {load1:.2f} at end; total {time.perf_counter() - t0:.0f} s")
