@@ -27,10 +27,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -86,7 +87,7 @@ class Daemon:
         assert self.proc is not None
         return self.proc.pid
 
-    def __enter__(self) -> "Daemon":
+    def __enter__(self) -> Daemon:
         self.start()
         return self
 
@@ -241,7 +242,7 @@ class Stats:
     samples: list[float] = field(default_factory=list)
 
     @classmethod
-    def of(cls, samples: Iterable[float], higher_is_better: bool = True) -> "Stats":
+    def of(cls, samples: Iterable[float], higher_is_better: bool = True) -> Stats:
         s = list(samples)
         hi, lo = max(s), min(s)
         return cls(hi if higher_is_better else lo, statistics.median(s), lo if higher_is_better else hi, s)
