@@ -6,7 +6,7 @@ What runs, all on this machine over loopback, in one run:
 - peer tier over tcp / over ucx: real daemons (`kvstored serve`) with a peer tier as in the
   README's "A cluster of nodes" (tcp_listen on loopback): node A (transport = "auto": it serves
   both) and one node B per transport (transport = "tcp" / "ucx"; each B lists A and itself, so
-  it fetches from A only). A client of A stores `--gib` of `--chunk-mib` chunks (A's RAM holds
+  it fetches from A only; fetch_timeout_s = 5). A client of A stores `--gib` of `--chunk-mib` chunks (A's RAM holds
   them all; A has no other tier); once B's index names them, clients of B load them (`--clients`
   at once, `--batch` chunks per call) as vLLM's direct mode does: Acquire (B fetches them from
   A into its RAM and leases them; a GPU would then read B's pool), Release. Timed from the first
@@ -80,6 +80,8 @@ WAIT_S = 120.0  # bound on waiting for the cluster's state (never a measurement)
 FS_THREADS = 8  # the fs tier's io_threads (the daemon's default): raw O_DIRECT at that depth
 S3_INFLIGHT = 16  # the S3 tier's requests in flight (the daemon's default)
 STORE_BATCH = 64
+# Not the default 1 s: a stall of this shared machine must not turn into misses (they end the run).
+FETCH_TIMEOUT_S = 5.0
 COPIED = "client load + copy out"
 
 
@@ -272,7 +274,7 @@ class Cluster:
 
         def node(transport: str, peers: Sequence[str], listen: str) -> Daemon:
             spec = ",".join(["kind=peer", f"transport={transport}", f"peers={' '.join(peers)}",
-                             "tcp_port=0", "ucx_port=0", "ucx_net_devices=lo"])
+                             "tcp_port=0", "ucx_port=0", "ucx_net_devices=lo", f"fetch_timeout_s={FETCH_TIMEOUT_S}"])
             return Daemon(ram_for(chunks), extra_args=["--metrics-addr", "off", "--tcp-listen", listen,
                                                        "--tiers", spec], start_timeout_s=WAIT_S)
 
@@ -287,25 +289,30 @@ class Cluster:
         for transport in self.b:
             self._wait_indexed(transport)
 
-    def _wait_indexed(self, transport: str) -> None:
+    def _a_seen_by(self, transport: str):
+        """B's view of A (kvstored.v1.Peer/Status): state, transport, index, counters."""
         import grpc
 
         from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
         from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 
-        deadline = time.monotonic() + WAIT_S
         with grpc.insecure_channel(f"unix:{self.b[transport].socket}") as channel:
-            stub = pb_grpc.PeerStub(channel)
-            while True:
-                status = stub.Status(pb.PeerStatusRequest(), timeout=10)
-                a = next((p for p in status.peers if p.address == self.addresses["A"]), None)
-                if a is not None and a.state == pb.PEER_STATE_UP and a.indexed_chunks >= self.chunks.n:
-                    if a.transport != transport:
-                        raise RuntimeError(f"B reaches A over {a.transport}, not {transport}")
-                    return
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"B ({transport}) never indexed A's {self.chunks.n} chunks: {status}")
-                time.sleep(0.1)
+            status = pb_grpc.PeerStub(channel).Status(pb.PeerStatusRequest(), timeout=10)
+        return next((p for p in status.peers if p.address == self.addresses["A"]), None)
+
+    def _wait_indexed(self, transport: str) -> None:
+        from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            a = self._a_seen_by(transport)
+            if a is not None and a.state == pb.PEER_STATE_UP and a.indexed_chunks >= self.chunks.n:
+                if a.transport != transport:
+                    raise RuntimeError(f"B reaches A over {a.transport}, not {transport}")
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"B ({transport}) never indexed A's {self.chunks.n} chunks: {a}")
+            time.sleep(0.1)
 
     def measure(self, transport: str, out: np.ndarray, batch: int, clients: int, copy: bool) -> Measured:
         from kvstored_client import Client
@@ -313,7 +320,13 @@ class Cluster:
         b = self.b[transport]
         if ram_chunks(b):
             raise RuntimeError(f"before the load, B ({transport}) holds chunks in its RAM")
-        m = load_all(b, self.chunks, self.MODEL, out, batch, clients, copy, serving=[self.a.pid])
+        try:
+            m = load_all(b, self.chunks, self.MODEL, out, batch, clients, copy, serving=[self.a.pid])
+        except RuntimeError as exc:
+            a = self._a_seen_by(transport)
+            raise RuntimeError(f"{exc}; B's counters for A: " + ", ".join(
+                f"{k} {getattr(a, k, '?')}" for k in ("missing_chunks", "corrupt_chunks", "failed_chunks",
+                                                     "timed_out_chunks", "refused_by_breaker"))) from None
         with Client(str(b.socket), deadline_s=60.0) as kv:  # B's copies only: A keeps its own
             kv.delete(namespace(kv, self.chunks, self.MODEL), self.chunks.keys)
         return m
