@@ -6,7 +6,8 @@
 - `populate()` / `fill_pattern()`: touch buffers before timing (fresh pages run ~10x slower).
 - `Stats`, `percentile()`, `aggregate_gib_s()`: timing arithmetic.
 - `Row`, `print_table()`, `write_json()`, `machine_info()`: reporting.
-- `start_s3()`: a throwaway Ceph radosgw on loopback, or moto_server when it cannot start (said so).
+- `start_s3()`: a throwaway Ceph radosgw on loopback, or moto_server when it cannot start (said so);
+  `make_bucket()`, `raw_s3_get()`: a bucket there, raw GETs of every object in one.
 
 Timestamps come from time.perf_counter() (CLOCK_MONOTONIC on Linux), which is system-wide, so
 (start, end) pairs from several processes can be combined into one wall-clock window.
@@ -528,3 +529,52 @@ def start_s3(kind: str, memstore_bytes: int) -> S3Started:
                 "(Python, in RAM), not a real S3 server") if errors else ""
         return S3Started(k, endpoint, note, server)
     raise RuntimeError("no S3 server: " + "; ".join(errors))
+
+
+def make_bucket(endpoint: Any, bucket: str) -> None:
+    import asyncio
+
+    from aiobotocore.session import get_session
+
+    async def create() -> None:
+        async with get_session().create_client("s3", **endpoint.client_kwargs()) as client:
+            await client.create_bucket(Bucket=bucket)
+
+    asyncio.run(create())
+
+
+def raw_s3_get(endpoint: Any, bucket: str, inflight: int) -> tuple[float, float]:
+    """GET every object of the bucket, `inflight` at a time, bodies read and dropped (aiobotocore,
+    as the S3 tier uses it): (GiB/s, this process's CPU s/GiB), from the first GET to the last."""
+    import asyncio
+
+    from aiobotocore.config import AioConfig
+    from aiobotocore.session import get_session
+
+    config = AioConfig(max_pool_connections=inflight, retries={"total_max_attempts": 1},
+                       s3={"addressing_style": "path"}, request_checksum_calculation="when_required",
+                       response_checksum_validation="when_required")
+
+    async def run() -> tuple[float, float]:
+        async with get_session().create_client("s3", config=config, **endpoint.client_kwargs()) as client:
+            names = []
+            async for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+                names += [o["Key"] for o in page.get("Contents", [])]
+            slots = asyncio.Semaphore(inflight)
+            total = 0
+
+            async def get(name: str) -> None:
+                nonlocal total
+                async with slots:
+                    response = await client.get_object(Bucket=bucket, Key=name)
+                    async with response["Body"] as stream:
+                        body = await stream.read()
+                total += len(body)  # (not `total += await ...`: that reads `total` before the await)
+
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            await asyncio.gather(*(get(n) for n in names))
+            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            gib = total / GIB
+            return gib / wall, cpu / gib
+
+    return asyncio.run(run())

@@ -38,7 +38,6 @@ Exit status: 0 if every targeted row passes, 1 if one misses, 2 if a part could 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import os
 import shutil
@@ -66,10 +65,12 @@ from bench._common import (  # noqa: E402
     drop_page_cache,
     load_average,
     machine_info,
+    make_bucket,
     populate,
     print_table,
     process_cpu_seconds,
     raw_odirect,
+    raw_s3_get,
     start_s3,
     write_json,
 )
@@ -393,49 +394,9 @@ def odirect(workdir: Path, chunks: Chunks) -> Measured:
     return Measured(limit.read_gib_s, (float("nan"), float("nan")))
 
 
-def make_bucket(endpoint, bucket: str) -> None:
-    from aiobotocore.session import get_session
-
-    async def create() -> None:
-        async with get_session().create_client("s3", **endpoint.client_kwargs()) as client:
-            await client.create_bucket(Bucket=bucket)
-
-    asyncio.run(create())
-
-
-def raw_s3_get(endpoint, bucket: str, inflight: int) -> Measured:
-    """GET every object of the bucket (the S3 tier's own: header + payload), `inflight` at a
-    time, bodies read and dropped (aiobotocore, as the tier)."""
-    from aiobotocore.config import AioConfig
-    from aiobotocore.session import get_session
-
-    config = AioConfig(max_pool_connections=inflight, retries={"total_max_attempts": 1},
-                       s3={"addressing_style": "path"}, request_checksum_calculation="when_required",
-                       response_checksum_validation="when_required")
-
-    async def run() -> Measured:
-        async with get_session().create_client("s3", config=config, **endpoint.client_kwargs()) as client:
-            names = []
-            async for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-                names += [o["Key"] for o in page.get("Contents", [])]
-            slots = asyncio.Semaphore(inflight)
-            total = 0
-
-            async def get(name: str) -> None:
-                nonlocal total
-                async with slots:
-                    response = await client.get_object(Bucket=bucket, Key=name)
-                    async with response["Body"] as stream:
-                        body = await stream.read()
-                total += len(body)  # (not `total += await ...`: that reads `total` before the await)
-
-            cpu0, t0 = time.process_time(), time.perf_counter()
-            await asyncio.gather(*(get(n) for n in names))
-            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-            gib = total / GIB
-            return Measured(gib / wall, (cpu / gib, float("nan")))
-
-    return asyncio.run(run())
+def raw_s3(endpoint, bucket: str) -> Measured:
+    gib_s, cpu = raw_s3_get(endpoint, bucket, S3_INFLIGHT)
+    return Measured(gib_s, (cpu, float("nan")))
 
 
 # -- driver -------------------------------------------------------------------------------------
@@ -506,7 +467,7 @@ def run(args: argparse.Namespace, notes: list[str], failures: list[str]) -> dict
                             f"access_key={ep.access_key},secret_key={ep.secret_key},bytes=0", chunks, "bench/peer-s3")
             cold.prepare()
             rounds({f"S3 tier ({server.kind})": lambda: cold.measure(out, args.batch, args.clients, drop=False),
-                    "raw S3 GET": lambda: raw_s3_get(ep, bucket, S3_INFLIGHT)}, args.rounds, samples, failures)
+                    "raw S3 GET": lambda: raw_s3(ep, bucket)}, args.rounds, samples, failures)
         finally:
             server.stop()
 
