@@ -60,7 +60,7 @@ vllm-deps: setup
 	VENV=$(VENV) ./tests/vllm/install_vllm.sh
 
 # Benchmarks (not tests): figures beside same-run baselines; JSON and the chart under results/.
-# About 10 minutes on a 2-core VM; e.g. BENCH_MULTITURN_ARGS="--conversations 16,64,128,256" for less.
+# About 12 minutes on a 2-core VM; e.g. BENCH_MULTITURN_ARGS="--conversations 16,64,128,256" for less.
 BENCH_MULTITURN_ARGS ?=
 # The multi-node sweep (3 daemons, turns routed round-robin): BENCH_NODES_ARGS adds to its flags.
 BENCH_NODES_ARGS ?= --conversations 64,128,256
@@ -74,6 +74,7 @@ bench: setup system-deps
 	$(BIN)/python bench/multiturn.py --json results/multiturn.json --plot results/multiturn.png $(BENCH_MULTITURN_ARGS)
 	$(BIN)/python bench/multiturn.py --nodes 3 --json results/multiturn-nodes.json --plot results/multiturn-nodes.png \
 		$(BENCH_NODES_ARGS)
+	$(BIN)/python bench/peer.py --json results/peer.json
 
 clean:
 	rm -rf $(VENV) var results $(GEN)/*_pb2*.py $(GEN)/*_pb2*.pyi kvstored/shm/*.so build

@@ -6,6 +6,8 @@
 - `populate()` / `fill_pattern()`: touch buffers before timing (fresh pages run ~10x slower).
 - `Stats`, `percentile()`, `aggregate_gib_s()`: timing arithmetic.
 - `Row`, `print_table()`, `write_json()`, `machine_info()`: reporting.
+- `start_s3()`: a throwaway Ceph radosgw on loopback, or moto_server when it cannot start (said so);
+  `make_bucket()`, `raw_s3_get()`: a bucket there, raw GETs of every object in one.
 
 Timestamps come from time.perf_counter() (CLOCK_MONOTONIC on Linux), which is system-wide, so
 (start, end) pairs from several processes can be combined into one wall-clock window.
@@ -26,10 +28,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -85,7 +88,7 @@ class Daemon:
         assert self.proc is not None
         return self.proc.pid
 
-    def __enter__(self) -> "Daemon":
+    def __enter__(self) -> Daemon:
         self.start()
         return self
 
@@ -249,7 +252,7 @@ class Stats:
     samples: list[float] = field(default_factory=list)
 
     @classmethod
-    def of(cls, samples: Iterable[float], higher_is_better: bool = True) -> "Stats":
+    def of(cls, samples: Iterable[float], higher_is_better: bool = True) -> Stats:
         s = list(samples)
         hi, lo = max(s), min(s)
         return cls(hi if higher_is_better else lo, statistics.median(s), lo if higher_is_better else hi, s)
@@ -276,6 +279,7 @@ class Row:
     higher_is_better: bool = True  # GiB/s: ratio >= target; latency: ratio <= target
     median: float | None = None
     note: str = ""
+    limit: str = ""  # the physical limit the row is bounded by, in words (printed when given)
 
     @property
     def ratio(self) -> float | None:
@@ -320,8 +324,9 @@ def print_aligned(table: Sequence[Sequence[str]], right: set[int], file=None) ->
 
 def print_table(rows: Sequence[Row], title: str = "", file=None) -> None:
     file = file or sys.stdout
+    limits = any(r.limit for r in rows)
     header = ["measurement", "value", "median", "baseline", "baseline value", "ratio", "target", "result"]
-    table = [header]
+    table = [header + (["bounded by"] if limits else [])]
     for r in rows:
         cmp = ">=" if r.higher_is_better else "<="
         table.append([
@@ -333,7 +338,7 @@ def print_table(rows: Sequence[Row], title: str = "", file=None) -> None:
             f"{r.ratio:.2f}x" if r.ratio is not None else "",
             f"{cmp} {r.target:.2f}x" if r.target is not None else "",
             r.status,
-        ])
+        ] + ([r.limit] if limits else []))
     if title:
         print(title, file=file)
     print_aligned(table, right={1, 2, 4, 5}, file=file)
@@ -494,3 +499,91 @@ def raw_odirect(directory: str | os.PathLike, chunks: int, chunk_bytes: int, que
         shutil.rmtree(root, ignore_errors=True)
     total = chunks * chunk_bytes
     return DiskLimit(total / w / GIB, total / r / GIB, queue_depth, chunk_bytes)
+
+
+@dataclass
+class S3Started:
+    """An S3 server on loopback (tests/support/s3.py): `kind` "rgw" or "moto"; `note` says why it
+    is moto when radosgw was asked for."""
+
+    kind: str
+    endpoint: Any  # tests.support.s3.S3Endpoint: url, keys, region, client_kwargs()
+    note: str
+    server: Any
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.server.stop()
+
+
+def start_s3(kind: str, memstore_bytes: int) -> S3Started:
+    """radosgw with a memstore OSD of `memstore_bytes` (RAM), falling back to moto_server (kind
+    "rgw"); or moto_server alone (kind "moto"). RuntimeError if neither starts."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from tests.support.s3 import MotoServer, RadosGW
+
+    errors = []
+    for k in (["rgw", "moto"] if kind == "rgw" else ["moto"]):
+        server = RadosGW(memstore_bytes=memstore_bytes) if k == "rgw" else MotoServer()
+        try:
+            endpoint = server.start()
+        except Exception as exc:  # noqa: BLE001 - fall back, then report
+            text = str(exc).strip()
+            errors.append(f"{k}: {text.splitlines()[0] if text else repr(exc)}")
+            with contextlib.suppress(Exception):
+                server.stop()
+            continue
+        note = ("S3: radosgw did NOT start (" + "; ".join(errors) + "); the S3 figures are against moto_server "
+                "(Python, in RAM), not a real S3 server") if errors else ""
+        return S3Started(k, endpoint, note, server)
+    raise RuntimeError("no S3 server: " + "; ".join(errors))
+
+
+def make_bucket(endpoint: Any, bucket: str) -> None:
+    import asyncio
+
+    from aiobotocore.session import get_session
+
+    async def create() -> None:
+        async with get_session().create_client("s3", **endpoint.client_kwargs()) as client:
+            await client.create_bucket(Bucket=bucket)
+
+    asyncio.run(create())
+
+
+def raw_s3_get(endpoint: Any, bucket: str, inflight: int) -> tuple[float, float]:
+    """GET every object of the bucket, `inflight` at a time, bodies read and dropped (aiobotocore,
+    as the S3 tier uses it): (GiB/s, this process's CPU s/GiB), from the first GET to the last."""
+    import asyncio
+
+    from aiobotocore.config import AioConfig
+    from aiobotocore.session import get_session
+
+    config = AioConfig(max_pool_connections=inflight, retries={"total_max_attempts": 1},
+                       s3={"addressing_style": "path"}, request_checksum_calculation="when_required",
+                       response_checksum_validation="when_required")
+
+    async def run() -> tuple[float, float]:
+        async with get_session().create_client("s3", config=config, **endpoint.client_kwargs()) as client:
+            names = []
+            async for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+                names += [o["Key"] for o in page.get("Contents", [])]
+            slots = asyncio.Semaphore(inflight)
+            total = 0
+
+            async def get(name: str) -> None:
+                nonlocal total
+                async with slots:
+                    response = await client.get_object(Bucket=bucket, Key=name)
+                    async with response["Body"] as stream:
+                        body = await stream.read()
+                total += len(body)  # (not `total += await ...`: that reads `total` before the await)
+
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            await asyncio.gather(*(get(n) for n in names))
+            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            gib = total / GIB
+            return gib / wall, cpu / gib
+
+    return asyncio.run(run())

@@ -97,6 +97,7 @@ class EventBus:
         self._subscriptions: set[Subscription] = set()
         self._listeners: list[Listener] = []
         self.last_seq = 0
+        self._soon: tuple[tuple[EventType, Cause, str, TierKind], list[ChunkId]] | None = None  # publish_soon's
 
     @property
     def buffer_events(self) -> int:
@@ -110,6 +111,7 @@ class EventBus:
     ) -> None:
         """One event per namespace among `chunks` (keys keep their order), split into events of
         at most MAX_EVENT_KEYS keys."""
+        self._flush_soon()
         by_ns: dict[str, list[bytes]] = {}
         for ns, key in chunks:
             by_ns.setdefault(ns, []).append(key)
@@ -119,7 +121,30 @@ class EventBus:
                 self._emit(KvEvent(next(self._seq), now, type, cause, tier, tier_kind, ns,
                                    tuple(keys[first:first + MAX_EVENT_KEYS])))
 
+    def publish_soon(
+        self, type: EventType, cause: Cause, tier: str, tier_kind: TierKind, chunks: Iterable[ChunkId]
+    ) -> None:
+        """publish(), at the end of this loop turn, together with the other calls of the same kind
+        made meanwhile: chunks that complete one by one (a batch of promotions) make one event per
+        namespace, so each subscriber (a peer following this daemon) gets one message, not one per
+        chunk. An event of another kind published meanwhile flushes these first: events keep the
+        order of the calls."""
+        kind = (type, cause, tier, tier_kind)
+        if self._soon is not None and self._soon[0] != kind:
+            self._flush_soon()
+        if self._soon is None:
+            self._soon = (kind, [])
+            asyncio.get_running_loop().call_soon(self._flush_soon)
+        self._soon[1].extend(chunks)
+
+    def _flush_soon(self) -> None:
+        if self._soon is not None:
+            (type, cause, tier, tier_kind), chunks = self._soon
+            self._soon = None
+            self.publish(type, cause, tier, tier_kind, chunks)
+
     def publish_cleared(self, tier: str, tier_kind: TierKind, namespace_id: str) -> None:
+        self._flush_soon()
         self._emit(KvEvent(next(self._seq), time.time(), EventType.CLEARED, Cause.DELETED, tier, tier_kind,
                            namespace_id, ()))
 
@@ -150,6 +175,7 @@ class EventBus:
 
     def close(self) -> None:
         """End every subscription (daemon shutdown): streams finish instead of being cut."""
+        self._flush_soon()
         for sub in self._subscriptions:
             while True:
                 try:

@@ -166,6 +166,10 @@ class PeerServing:
         sent: SendResult | None = None
         try:
             sent = await server.send(order, sources, max(0.001, deadline - loop.time()))
+            if sent.ok:  # the next send of these chunks hashes them no more
+                for entry, receipt in zip(entries, sent.receipts):
+                    if entry is not None and receipt.found:
+                        entry.checksum = receipt.checksum
         finally:
             self._release(server, entries, sources, sent)
         self._count(request.incarnation, sent, len(request.keys))
@@ -231,7 +235,7 @@ class PeerServing:
 
     def _source(self, entry: RamEntry) -> Source:
         views = self._chain.ram.page_views(entry, self._chain.arenas.view(entry.arena))
-        return Source(views, entry.size)
+        return Source(views, entry.size, entry.checksum)
 
     def _release(self, server: PeerServer, entries: list[RamEntry | None], sources: list[Source | None],
                  result: SendResult | None) -> None:

@@ -386,7 +386,7 @@ class Promoter:
                 self._ram.commit(entry, persisted=True)
                 ok = not deleted
                 if ok:
-                    self._events.publish(EventType.STORED, Cause.PROMOTED, "ram", TierKind.RAM, [chunk])
+                    self._events.publish_soon(EventType.STORED, Cause.PROMOTED, "ram", TierKind.RAM, [chunk])
             else:
                 # A network read that could not be stopped may still write these pages (peer tier):
                 # the slot stays reserved (invisible, not reusable) until it cannot.

@@ -93,6 +93,7 @@ class RamEntry:
     writing: bool = False  # a write-down is reading its pages
     touched: bool = False  # used while being written down: keep it afterwards
     probation: bool = False  # promoted and not yet read: its first release puts it at the cold end
+    checksum: int | None = None  # the payload's xxh3-64 once a send to a peer computed it (the bytes never change)
 
     @property
     def pinned(self) -> bool:

@@ -15,6 +15,7 @@ from tests.support.daemon import REPO_ROOT, clean_env
 COMPARED = {
     "compare.py": ["Redis 7 GET/SET", "raw memcpy", "raw O_DIRECT", "fs tier", "local"],
     "local_path.py": ["pool mapping", "region registration", "memcpy", "empty gRPC round trip"],
+    "peer.py": ["peer tier", "raw TCP socket", "raw ucxx", "fs tier", "S3 tier", "radosgw"],
     "multiturn.py": ["12K-token first prompt", "4K more tokens per turn", "8 turns", "20 s think time",
                      "no offload", "RAM + fs + S3"],
     "scale_calibrate.py": ["two real kvstored daemons", "index memory per remote entry", "171 B/entry",

@@ -8,6 +8,8 @@ pairs (mutual TLS on the control plane there), over each transport.
   hang), no wrong bytes, the breaker caps the fetches a frozen node costs, leases and
   reservations come back to 0 on both sides, and B fetches from the node again by itself.
 - A tenant's chunk is never fetched: B's client with the same salt misses, and A was never asked.
+- A chunk whose bytes changed in A's RAM after A sent it once (A hashes a chunk once) is refused
+  by the next fetcher: a miss, never wrong bytes.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ import numpy as np
 import pytest
 
 from kvstored_client import Tier
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
+from kvstored_client.session import PoolSession
 from tests.peer.conftest import TRANSPORTS
 from tests.support import netns
 from tests.support.cluster import Cluster
@@ -196,6 +201,49 @@ def test_a_tenants_chunk_is_never_fetched(loopback, request):
     assert b.peer(a).fetches == fetches_before  # nothing asked of A...
     after = a.status()
     assert after.served_chunks + after.refused_chunks == served_before  # ...and A saw no fetch
+
+
+def test_a_chunk_changed_in_the_servers_ram_after_its_first_send_is_refused(loopback, request):
+    """The serving node hashes a chunk at its first send only (a chunk's bytes never change in
+    RAM); if its pages were overwritten since (a client writing where it must not), the next
+    fetcher finds them not matching and refuses them: a miss, never the wrong bytes."""
+    a, b, _ = loopback
+    fields = ns_fields(model_of(request))
+    keys = make_keys(model_of(request), 1)
+    indexed_before = b.peer(a).indexed_chunks
+    store_on(a, fields, keys)
+    loopback.wait_indexed(1, 0, indexed_before + 1)
+    out = np.zeros((1, CHUNK), np.uint8)
+    with b.client() as kv:
+        ns = kv.register_namespace(**fields)
+        assert kv.load(ns, keys, out) == 1 and np.array_equal(out, payloads(keys, CHUNK))  # A hashed it
+        assert kv.delete(ns, keys) == 1  # B's copy only: the next load fetches from A again
+    overwrite_in_ram(a, fields, keys[0])
+    corrupt_before = b.peer(a).corrupt_chunks
+    out[:] = 0
+    with b.client() as kv:
+        assert kv.load(kv.register_namespace(**fields), keys, out) == 0 and not out.any()
+    assert b.peer(a).corrupt_chunks == corrupt_before + 1
+    settled(loopback)
+
+
+def overwrite_in_ram(daemon, fields: dict, key: bytes) -> None:
+    """Flip every byte of a chunk in the daemon's pool, through a client's mapping of it."""
+    with daemon.client() as kv:
+        namespace_id = kv.register_namespace(**fields).namespace_id
+    session = PoolSession.open(daemon.socket, "overwriter", timeout=10.0)
+    try:
+        with daemon.channel() as channel:
+            stub = pb_grpc.KVStoreStub(channel)
+            leases = stub.Acquire(pb.AcquireRequest(session_id=session.session_id, namespace_id=namespace_id,
+                                                    keys=[key]), timeout=10).leases
+            assert len(leases) == 1
+            pool = session.arrays.numpy
+            for extent in leases[0].extents:
+                pool[extent.offset:extent.offset + extent.length] ^= 0xFF
+            stub.Release(pb.ReleaseRequest(session_id=session.session_id, handles=[leases[0].handle]), timeout=10)
+    finally:
+        session.close()
 
 
 def test_a_fetcher_killed_mid_transfer_leaves_no_lease_behind(loopback, request):
