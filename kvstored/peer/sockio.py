@@ -8,7 +8,7 @@ import socket
 from collections.abc import Callable, Sequence
 
 from kvstored.peer.errors import PeerUnreachable
-from kvstored.tiers.views import as_bytes
+from kvstored.tiers.views import advance, as_bytes
 
 _IOV_MAX = 1024
 # A reader waiting for more of a frame is woken once this much of it (or all of it) is there, not
@@ -39,7 +39,7 @@ async def recv_into_all(
             raise PeerUnreachable("the peer closed the connection mid-transfer")
         if moved is not None:
             moved(n)
-        pending = _advance(pending, n)
+        pending = advance(pending, n)
 
 
 async def send_all(
@@ -62,7 +62,7 @@ async def send_all(
         total += n
         if moved is not None:
             moved(n)
-        pending = _advance(pending, n)
+        pending = advance(pending, n)
     return total
 
 
@@ -91,17 +91,6 @@ async def _ready(loop: asyncio.AbstractEventLoop, sock: socket.socket, reading: 
 def _wake(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
-
-
-def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
-    i = 0
-    while i < len(bufs) and n >= len(bufs[i]):
-        n -= len(bufs[i])
-        i += 1
-    rest = bufs[i:]
-    if n:
-        rest[0] = rest[0][n:]
-    return rest
 
 
 def peer_gone(sock: socket.socket) -> bool:

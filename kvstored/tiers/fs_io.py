@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvstored.tiers.chunkfile import HEADER_BYTES
-from kvstored.tiers.views import as_bytes
+from kvstored.tiers.views import advance, as_bytes
 
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffer addresses
 _IOV_MAX = 1024
@@ -56,17 +56,6 @@ def direct_buffers(views: Sequence[memoryview], size: int) -> list[memoryview] |
         out.append(view)
         remaining -= len(view)
     return out if remaining <= 0 else None
-
-
-def advance(bufs: list[memoryview], n: int) -> list[memoryview]:
-    i = 0
-    while i < len(bufs) and n >= len(bufs[i]):
-        n -= len(bufs[i])
-        i += 1
-    rest = bufs[i:]
-    if n:
-        rest[0] = rest[0][n:]
-    return rest
 
 
 def pwritev_all(fd: int, bufs: list[memoryview]) -> int:

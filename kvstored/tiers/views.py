@@ -32,3 +32,15 @@ def trim(views: Sequence[memoryview], size: int) -> list[memoryview]:
     if remaining > 0:
         raise ValueError(f"views hold fewer than {size} bytes")
     return out
+
+
+def advance(bufs: list[memoryview], n: int) -> list[memoryview]:
+    """What is left of `bufs` once a vectored read or write has moved `n` bytes."""
+    i = 0
+    while i < len(bufs) and n >= len(bufs[i]):
+        n -= len(bufs[i])
+        i += 1
+    rest = bufs[i:]
+    if n:
+        rest[0] = rest[0][n:]
+    return rest
