@@ -1669,15 +1669,20 @@ def main(argv: list[str] | None = None) -> int:
         "load_average": load,
         "sweep_s": total_s,
     })
-    if args.json:
-        write_json(args.json, doc)
-        print(f"JSON written to {args.json}")
-    if args.plot:
+    write_outputs(doc, args.json, args.plot)
+    return 0
+
+
+def write_outputs(doc: dict[str, Any], json_path: str | None, plot_path: str | None) -> None:
+    """The run's JSON and chart, where asked for (the multi-node mode writes its own the same way)."""
+    if json_path:
+        write_json(json_path, doc)
+        print(f"JSON written to {json_path}")
+    if plot_path:
         from plot import plot_multiturn
 
-        plot_multiturn(doc, args.plot)
-        print(f"plot written to {args.plot}")
-    return 0
+        plot_multiturn(doc, plot_path)
+        print(f"plot written to {plot_path}")
 
 
 if __name__ == "__main__":

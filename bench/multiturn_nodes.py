@@ -64,22 +64,11 @@ ROUTING = "round robin: turn t of conversation c on node (c + t - 1) mod N (no K
 
 
 @dataclass(frozen=True)
-class NodesConfig:
+class NodesConfig(mt.Config):
     """A set-up of every node. `lower`: the tiers under each node's RAM, in chain order, with the
     Sizes field that bounds each ("" for the peer tier, which holds nothing itself)."""
 
-    key: str
-    label: str
-    lower: tuple[tuple[str, str], ...] = ()
-    offload: bool = True
     write_through: bool = False  # copy every stored chunk down at once (a shared bucket sees it)
-
-    @property
-    def tiers(self) -> tuple[str, ...]:
-        return ("gpu",) + (("ram", *(kind for kind, _ in self.lower)) if self.offload else ())
-
-    def uses(self, kind: str) -> bool:
-        return any(k == kind for k, _ in self.lower)
 
 
 CONFIGS = (
@@ -958,12 +947,5 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
         "load_average": load,
         "sweep_s": total_s,
     })
-    if args.json:
-        write_json(args.json, doc)
-        print(f"JSON written to {args.json}")
-    if args.plot:
-        from plot import plot_multiturn
-
-        plot_multiturn(doc, args.plot)
-        print(f"plot written to {args.plot}")
+    mt.write_outputs(doc, args.json, args.plot)
     return 0
