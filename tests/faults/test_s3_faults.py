@@ -22,7 +22,7 @@ from tests.support.daemon import short_tmpdir
 from tests.support.data import make_keys, payloads
 from tests.support.loader import VerifyingLoader
 from tests.support.rpc import pb, raw
-from tests.support.s3 import RadosGW, RgwUnavailable
+from tests.support.s3 import radosgw_or_fail
 from tests.support.wait import wait_for
 
 CHUNK = 64 << 10
@@ -31,12 +31,7 @@ RECOVERY_S = 120.0  # a hang guard for "the tier serves again"
 
 @pytest.fixture(scope="module")
 def rgw():
-    try:
-        RadosGW.check_installed()
-    except RgwUnavailable as exc:
-        pytest.fail(str(exc), pytrace=False)
-    gateway = RadosGW()
-    with gateway as endpoint:
+    with radosgw_or_fail() as (gateway, endpoint):
         yield gateway, endpoint
 
 

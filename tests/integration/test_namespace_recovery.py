@@ -15,7 +15,7 @@ from tests.integration.test_ctl import ctl, ok
 from tests.integration.test_tier_chain_fs import CHUNK, load_all
 from tests.support.daemon import short_tmpdir
 from tests.support.data import make_keys, payloads
-from tests.support.s3 import RadosGW, RgwUnavailable
+from tests.support.s3 import radosgw_or_fail
 from tests.support.wait import wait_for
 
 SALT = b"tenant-a-secret"
@@ -23,11 +23,7 @@ SALT = b"tenant-a-secret"
 
 @pytest.fixture(scope="module")
 def rgw():
-    try:
-        RadosGW.check_installed()
-    except RgwUnavailable as exc:
-        pytest.fail(str(exc), pytrace=False)
-    with RadosGW() as endpoint:
+    with radosgw_or_fail() as (_, endpoint):
         yield endpoint
 
 

@@ -18,7 +18,7 @@ from kvstored.tiers import chunkfile
 from kvstored.tiers.base import RemovalCause, TierUsage, WriteOutcome
 from kvstored.tiers.chunkfile import HEADER_BYTES
 from kvstored.tiers.s3 import S3Tier
-from tests.support.s3 import RadosGW, RgwUnavailable
+from tests.support.s3 import radosgw_or_fail
 
 PAGE = 4096
 CHUNK = 2 << 20
@@ -26,15 +26,7 @@ CHUNK = 2 << 20
 
 @pytest.fixture(scope="module")
 def rgw():
-    missing = None
-    try:
-        RadosGW.check_installed()
-    except RgwUnavailable as exc:
-        missing = str(exc)
-    if missing:
-        pytest.fail(missing, pytrace=False)
-    gateway = RadosGW()
-    with gateway:
+    with radosgw_or_fail() as (gateway, _):
         yield gateway
 
 

@@ -12,17 +12,12 @@ from kvstored_client import Tier
 from tests.integration.test_tier_chain_fs import CHUNK, fill, fs_files, load_all, tier_stats
 from tests.support.daemon import short_tmpdir
 from tests.support.data import make_keys, payloads
-from tests.support.s3 import RadosGW, RgwUnavailable
+from tests.support.s3 import radosgw_or_fail
 
 
 @pytest.fixture(scope="module")
 def rgw():
-    try:
-        RadosGW.check_installed()
-    except RgwUnavailable as exc:
-        pytest.fail(str(exc), pytrace=False)
-    gateway = RadosGW()
-    with gateway as endpoint:
+    with radosgw_or_fail() as (gateway, endpoint):
         yield gateway, endpoint
 
 

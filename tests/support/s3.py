@@ -21,10 +21,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 REPO = Path(__file__).resolve().parents[2]
@@ -162,6 +164,19 @@ class RadosGW:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def radosgw_or_fail() -> Iterator[tuple[RadosGW, S3Endpoint]]:
+    """A throwaway radosgw for a test module. Without radosgw the test fails (it is never
+    skipped): `make test` installs it."""
+    try:
+        RadosGW.check_installed()
+    except RgwUnavailable as exc:
+        pytest.fail(str(exc), pytrace=False)
+    gateway = RadosGW()
+    with gateway as endpoint:
+        yield gateway, endpoint
 
 
 class MotoServer:
