@@ -398,11 +398,11 @@ class TierChain:
         Waiting for room ends at `start_by` (loop time) with TransferNotStarted."""
         _check_offsets(ns, region, keys, offsets)
         deadline = self.writeback.deadline()
-        # The wait runs in a task (see _until): other stores woken by the same write-down may
-        # have taken its room by the time we resume, so the room is checked again here.
-        while (await self._until(start_by, self._make_room(ns, len(keys), deadline))
-               and not self._has_room(ns, len(keys))):
-            pass
+        if start_by is not None:
+            deadline = min(deadline, start_by)
+        # Awaited here, not in a task: the room _make_room saw is still there when it returns.
+        await self._make_room(ns, len(keys), deadline)
+        _check_started(start_by)
         proceed()  # (no await from here to the copy's start)
         stored, per_key, evicted = [], [], []
         for key, offset in zip(keys, offsets):
