@@ -89,7 +89,8 @@ def test_full_disk_refuses_writes_and_serves_exact_bytes(daemon_factory, ns_name
                            capture_output=True, text=True)
     if mount.returncode != 0:
         os.rmdir(mnt)
-        pytest.skip(f"cannot mount a tmpfs for a full disk (needs root, as in CI): {mount.stderr.strip()}")
+        pytest.fail(f"cannot mount a tmpfs for a full disk (needs root, as in CI): {mount.stderr.strip()}",
+                    pytrace=False)
     try:
         d = daemon_factory(fs_args(mnt, "64MiB"), cpu_bytes="1MiB")  # the tier thinks it has room
         keys = make_keys("faults-full", 96)  # 6 MiB through 1 MiB of RAM onto a 2 MiB disk

@@ -59,10 +59,7 @@ def loopback(request):
 
 @pytest.fixture(scope="module")
 def topology():
-    reason = netns.unavailable()
-    if reason:
-        pytest.skip(reason)
-    with netns.Topology(nodes=3) as net:
+    with netns.topology_or_fail(3) as net:
         yield net
 
 

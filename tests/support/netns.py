@@ -18,13 +18,16 @@ leaves its namespaces behind: the next Topology removes those whose owner proces
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import signal
 import subprocess
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Sequence
+
+import pytest
 
 PREFIX = "kvpn"
 SUBNET = "10.213.7"  # a /24 inside the switch namespace only
@@ -33,12 +36,23 @@ _NAME = re.compile(rf"^{PREFIX}(\d+)-(\w+)$")
 
 
 def unavailable() -> str | None:
-    """Why namespaces can't be used here (a reason to skip), or None."""
+    """Why namespaces can't be used here, or None."""
     if os.geteuid() != 0:
         return "network namespaces need root"
     if shutil.which("ip") is None:
         return "iproute2 (ip) is not installed"
     return None
+
+
+@contextlib.contextmanager
+def topology_or_fail(nodes: int) -> Iterator[Topology]:
+    """A topology of `nodes` namespaces for a test module; where namespaces can't be made the
+    test fails with the reason (never skipped: `make test` runs as root, as CI does)."""
+    reason = unavailable()
+    if reason:
+        pytest.fail(f"{reason} (the cluster tests need it; CI runs as root)", pytrace=False)
+    with Topology(nodes=nodes) as topology:
+        yield topology
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
