@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import time
 import uuid
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 
+from kvstored.tiers.chunkfile import chunk_relpath
 from kvstored_client import Tier
 from kvstored_client.errors import ERROR_KIND_KEY
 from tests.support.daemon import short_tmpdir
@@ -86,6 +88,15 @@ def test_a_region_load_waiting_on_a_frozen_radosgw_gives_up_at_its_start_deadlin
         assert region_path.read_bytes() == payloads([in_s3_only], CHUNK).tobytes()
 
 
+def only_on_s3(fs_root, namespace_id: str, keys: list[bytes], used: set[bytes]) -> bytes:
+    """One of `keys` (none of them in RAM) that the fs tier does not hold either: which of the
+    oldest chunks the full fs tier dropped depends on the order its concurrent writes ended."""
+    for key in keys:
+        if key not in used and not (Path(fs_root) / chunk_relpath((namespace_id, key))).exists():
+            return key
+    raise AssertionError("every early chunk is still on the fs tier: none can show an S3 read")
+
+
 def lookups_reaching_s3(daemon, c, ns, label: str, count: int) -> tuple[int, float]:
     """`count` lookups of keys stored nowhere (each asks S3, past RAM and fs): the S3 operations
     that failed meanwhile, and how long it took."""
@@ -105,15 +116,19 @@ def test_radosgw_frozen_then_stopped_costs_a_few_timeouts_not_one_per_lookup(dae
          "--tiers", s3_tier(endpoint, timeout_s="1", breaker_failures=str(failures), breaker_reset_s=str(reset_s))],
         cpu_bytes="1MiB",
     )
-    keys = make_keys(ns_name, 64)  # RAM holds the last 16, fs the last ~60 (4 KiB headers), S3 all
+    # RAM holds the last 16, fs ~60 (4 KiB headers; which of the first it drops varies), S3 all.
+    keys = make_keys(ns_name, 64)
     with d.client() as c:
         ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
         for i in range(0, 64, 8):
             assert c.store(ns, keys[i:i + 8], payloads(keys[i:i + 8], CHUNK)).stored == 8
         assert wait_for(lambda: tier_stats(d, "s3").stored_chunks == 64 and tier_stats(d, "s3").queued == 0)
-        assert c.lookup(ns, keys[:1]).tiers == [Tier.S3]
+        used: set[bytes] = set()
+        first = only_on_s3(root, ns.namespace_id, keys[:16], used)
+        used.add(first)
+        assert c.lookup(ns, [first]).tiers == [Tier.S3]
         loader = VerifyingLoader(d, ns_name, CHUNK, keys[32:])
-        phases = []
+        phases: list[tuple] = []
         for phase in ("frozen", "stopped"):
             loads_before = loader.counts.loads
             if phase == "frozen":
@@ -131,7 +146,8 @@ def test_radosgw_frozen_then_stopped_costs_a_few_timeouts_not_one_per_lookup(dae
             assert 1 <= failed <= allowed < lookups, phases
             assert loader.counts.loads > loads_before, f"no load of RAM/fs chunks completed while radosgw was {phase}"
             # Back: the tier recovers (a probe after reset_s finds the gateway) and serves a chunk only it holds.
-            only_in_s3 = keys[len(phases):len(phases) + 1]  # keys[1], then keys[2]: never promoted so far
+            only_in_s3 = [only_on_s3(root, ns.namespace_id, keys[:16], used)]  # never promoted so far
+            used.add(only_in_s3[0])
             s3_reads = tier_stats(d, "s3").loaded_chunks
             out = np.zeros((1, CHUNK), np.uint8)
             assert wait_for(lambda key=only_in_s3, into=out: c.load(ns, key, into) == 1, RECOVERY_S), phases
