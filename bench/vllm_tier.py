@@ -19,8 +19,9 @@ Three runs, one process, one disk (--dir):
   cold        and it has an fs tier with write-back (the default): storing pushes older chunks
               down to its disk as RAM fills (store target >= 1x fs); then the page cache is
               dropped and a restarted engine loads the working set back, in order, from the same
-              daemon: every chunk comes from the daemon's disk while the chunks still only in
-              its RAM are written down to make room (load target >= 1.5x fs)
+              daemon: the chunks on its disk come through its staging memory into the engine's
+              region (its RAM is full: nothing is evicted for them), the rest from its RAM
+              (load target >= 1.5x fs)
 
 Beside the ratios, the physical limits on this machine measured in the same run: raw O_DIRECT
 write and read of the same chunk files at the fs tier's queue depth (the daemon's fs tier:
@@ -177,14 +178,18 @@ class Engine:
             raise RuntimeError("the offloading manager made no progress")
 
 
-def daemon_tiers(daemon: Daemon) -> dict:
+def daemon_stats(daemon: Daemon):
     import grpc
 
     from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
     from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(f"unix:{daemon.socket}") as channel:
-        return {t.name: t for t in pb_grpc.KVStoreStub(channel).Stats(pb.StatsRequest(), timeout=10).tiers}
+        return pb_grpc.KVStoreStub(channel).Stats(pb.StatsRequest(), timeout=10)
+
+
+def daemon_tiers(daemon: Daemon) -> dict:
+    return {t.name: t for t in daemon_stats(daemon).tiers}
 
 
 def run_case(name: str, tier: dict, args, keys: list[bytes], daemon: Daemon | None = None) -> dict:
@@ -207,11 +212,14 @@ def run_case(name: str, tier: dict, args, keys: list[bytes], daemon: Daemon | No
         "page_cache_dropped": cold, "load_average": load_average(),
     }
     extra = ""
-    if below is not None:
+    if below is not None and daemon is not None:
         ram = daemon_tiers(daemon)["ram"]
+        staged = daemon_stats(daemon).staged_chunks
         result["daemon_after_store"] = {"fs_chunks": below.chunks, "fs_dropped_backpressure": below.dropped_backpressure}
+        result["daemon_after_load"] = {"staged_chunks": staged}
         extra = (f"; after the store the daemon's fs tier held {below.chunks} chunks "
-                 f"({below.dropped_backpressure} dropped by its queue), RAM {ram.chunks}")
+                 f"({below.dropped_backpressure} dropped by its queue), RAM {ram.chunks}; the load took "
+                 f"{staged} through staging")
     print(f"  {name:14s} store {result['store_gib_s']:6.2f} GiB/s   load {result['load_gib_s']:6.2f} GiB/s"
           f"   ({loaded} chunks loaded and verified, {missed} missed{extra}; load avg {result['load_average']:.2f})",
           flush=True)

@@ -294,6 +294,12 @@ class Config:
         metadata=_opt("how long a store may wait for write-downs to free RAM before evicting "
                       "chunks that have no copy below", parse_seconds, "SECONDS"),
     )
+    staging_bytes: int = field(
+        default=64 << 20,
+        metadata=_opt("memory, beside cpu_bytes, for region loads (vLLM's secondary-tier mode) while RAM is full: "
+                      "chunks below RAM are read into it, verified and copied into the engine's region, evicting "
+                      "nothing (0: such loads promote into RAM, evicting its oldest chunks)", parse_size, "BYTES"),
+    )
     metrics_addr: str = field(
         default="127.0.0.1:9464",
         metadata=_opt("where /metrics (Prometheus) listens, HOST:PORT (port 0: any free port; the log "
@@ -361,6 +367,8 @@ class Config:
             )
         if not 1 <= self.copy_threads <= 64:
             raise ConfigError(f"copy_threads must be 1 to 64, got {self.copy_threads}")
+        if self.staging_bytes and self.staging_bytes < 4096:
+            raise ConfigError(f"staging_bytes must be 0 (off) or at least one page (4096), got {self.staging_bytes}")
         if self.max_batch_keys <= 0:
             raise ConfigError(f"max_batch_keys must be positive, got {self.max_batch_keys}")
         if self.tenant_quota_bytes < self.page_bytes:

@@ -26,6 +26,7 @@ from kvstored_client.client import (
 )
 from kvstored_client.copy_policy import MIN_PART_BYTES as OFF_LOOP_COPY_BYTES  # smaller: a thread hop costs more
 from kvstored_client.errors import KvstoredError
+from kvstored_client.kinds import LoadInto
 from kvstored_client.ops import Health, LookupResult, Namespace, NamespaceSpec, Region, StoreResult
 from kvstored_client.protocol import (
     CHANNEL_OPTIONS,
@@ -78,8 +79,11 @@ class AsyncClient(ClientBase):
                                  session=ns.private)
         return result or ns
 
-    async def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult:
-        return await self._run(lambda s: ops.lookup(ns, keys, s), LookupResult.miss(len(keys)), session=ns.private)
+    async def lookup(self, ns: Namespace, keys: Sequence[bytes], load_into: LoadInto = LoadInto.POOL) -> LookupResult:
+        """Where each key is. `load_into`: what the load that follows uses, load (POOL) or
+        load_to_region (REGION); it decides how the daemon readies the hits below RAM."""
+        return await self._run(lambda s: ops.lookup(ns, keys, s, load_into), LookupResult.miss(len(keys)),
+                             session=ns.private)
 
     async def store(self, ns: Namespace, keys: Sequence[bytes], data: Any) -> StoreResult:
         return await self._run(lambda s: ops.store(in_session(s), ns, keys, data), StoreResult.all_dropped(len(keys)),

@@ -34,6 +34,7 @@ from kvstored_client.errors import (
     may_have_run,
     never_sent,
 )
+from kvstored_client.kinds import LoadInto
 from kvstored_client.ops import Health, LookupResult, Namespace, NamespaceSpec, Region, StoreResult
 from kvstored_client.paths import default_socket_path
 from kvstored_client.protocol import (
@@ -314,8 +315,11 @@ class Client(ClientBase):
         result = self._run(lambda s: ops.register(spec, s), None, session=ns.private)
         return result or ns
 
-    def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult:
-        return self._run(lambda s: ops.lookup(ns, keys, s), LookupResult.miss(len(keys)), session=ns.private)
+    def lookup(self, ns: Namespace, keys: Sequence[bytes], load_into: LoadInto = LoadInto.POOL) -> LookupResult:
+        """Where each key is. `load_into`: what the load that follows uses, load (POOL) or
+        load_to_region (REGION); it decides how the daemon readies the hits below RAM."""
+        return self._run(lambda s: ops.lookup(ns, keys, s, load_into), LookupResult.miss(len(keys)),
+                             session=ns.private)
 
     def store(self, ns: Namespace, keys: Sequence[bytes], data: Any) -> StoreResult:
         """Copy chunks into the daemon's pool. `data`: one buffer of len(keys) chunks, or a list."""

@@ -30,13 +30,22 @@ class StoreOutcome(enum.IntEnum):
     DROPPED = pb.STORE_OUTCOME_DROPPED  # no space, or the daemon unavailable
 
 
+class LoadInto(enum.IntEnum):
+    """Where the load that follows a lookup copies its chunks (kvstored.v1.LoadInto): POOL loads
+    (Acquire) need their chunks in RAM, so the lookup makes room for them; REGION loads
+    (LoadToRegion) take hits below RAM through staging memory when RAM is full."""
+
+    POOL = pb.LOAD_INTO_POOL
+    REGION = pb.LOAD_INTO_REGION
+
+
 def missing_members(mirror: type[enum.IntEnum], proto_enum: Any) -> list[str]:
     """The proto enum's value names that `mirror` has no member for."""
     have = {int(member) for member in mirror}
     return [name for name, value in proto_enum.items() if value not in have]
 
 
-for _mirror, _proto in ((TierKind, pb.TierKind), (StoreOutcome, pb.StoreOutcome)):
+for _mirror, _proto in ((TierKind, pb.TierKind), (StoreOutcome, pb.StoreOutcome), (LoadInto, pb.LoadInto)):
     if missing_members(_mirror, _proto):
         raise ImportError(f"kvstored_client.kinds.{_mirror.__name__} has no member for "
                           f"{', '.join(missing_members(_mirror, _proto))}: add it (the proto has it)")

@@ -13,7 +13,7 @@ from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client.buffers import chunk_views
 from kvstored_client.errors import InternalError, PoolExhausted
 from kvstored_client.keys import namespace_id_for
-from kvstored_client.kinds import StoreOutcome, TierKind
+from kvstored_client.kinds import LoadInto, StoreOutcome, TierKind
 from kvstored_client.session import PoolSession
 
 Tier = TierKind  # where a chunk was found (the client's name for it)
@@ -186,8 +186,10 @@ def _sid(session: PoolSession | None) -> str:
     return session.session_id if session is not None else ""
 
 
-def lookup(ns: Namespace, keys: Sequence[bytes], session: PoolSession | None = None) -> Op:
-    resp = yield Call("Lookup", pb.LookupRequest(namespace_id=ns.namespace_id, keys=keys, session_id=_sid(session)))
+def lookup(ns: Namespace, keys: Sequence[bytes], session: PoolSession | None = None,
+           load_into: LoadInto = LoadInto.POOL) -> Op:
+    resp = yield Call("Lookup", pb.LookupRequest(namespace_id=ns.namespace_id, keys=keys, session_id=_sid(session),
+                                                 load_into=load_into))
     return LookupResult(resp.prefix_hits, _tier_kinds(resp.tiers))
 
 

@@ -39,6 +39,7 @@ from kvstored.observability.snapshot import (
     QuotaUsage,
     SessionCountsSource,
     TierSnapshot,
+    staging_snapshot,
     tier_snapshots,
 )
 from kvstored.tiers.chain import TierChain
@@ -84,6 +85,13 @@ class KvstoredCollector(Collector):
         yield from self._daemon_families()
         yield _gauge("ram_resident_bytes", "memory the RAM tier's arenas hold (chunks, and free pages kept for "
                      "reuse); free pages beyond a small slack go back to the kernel", self._chain.ram.resident_bytes)
+        staging = staging_snapshot(self._chain)
+        yield _gauge("staging_capacity_bytes", "memory for region loads past a full RAM (staging_bytes; 0: off)",
+                     staging.capacity_bytes)
+        yield _gauge("staging_used_bytes", "staging memory holding chunks read for region loads", staging.used_bytes)
+        yield CounterMetricFamily(f"{PREFIX}_staged_chunks", "chunks region loads got from a tier below RAM "
+                                  "through staging (RAM had no free room: nothing evicted for them)",
+                                  value=staging.staged_chunks)
         yield from quota_families(self._quotas())
         peers = self._peers()
         if peers is not None:

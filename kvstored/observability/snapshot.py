@@ -113,6 +113,22 @@ class TierSnapshot:
     queued: int = 0
 
 
+@dataclass(frozen=True)
+class StagingSnapshot:
+    """Staging memory: region loads past a full RAM (tiers/staged.py)."""
+
+    capacity_bytes: int = 0  # 0: off (or no tier below RAM)
+    used_bytes: int = 0
+    staged_chunks: int = 0  # chunks region loads got from below RAM through it
+
+
+def staging_snapshot(chain: TierChain) -> StagingSnapshot:
+    staged = chain.staged
+    if staged is None:
+        return StagingSnapshot()
+    return StagingSnapshot(staged.staging.capacity_bytes, staged.staging.used_bytes, staged.served)
+
+
 def tier_snapshots(chain: TierChain) -> list[TierSnapshot]:
     ram, c = chain.ram, chain.ram.counters
     snaps = [

@@ -166,7 +166,7 @@ class Daemon:
             self.arenas,
             lower,
             ChainPolicy(cfg.write_policy, cfg.headroom_bytes if writable else 0, cfg.writeback_wait_seconds,
-                        cfg.copy_threads),
+                        cfg.copy_threads, cfg.staging_bytes),
             EventBus(cfg.events_buffer),
         )
         self.records = NamespaceRecords([t.tier for t in lower], self.namespaces)

@@ -15,7 +15,7 @@ from kvstored import __version__
 from kvstored.errors import BatchTooLarge, InvalidRequest, SessionRequired, WatcherLagged, shown
 from kvstored.namespaces import Namespace, NamespaceRegistry, check_keys
 from kvstored.observability.events import KvEvent
-from kvstored.observability.snapshot import tier_snapshots
+from kvstored.observability.snapshot import staging_snapshot, tier_snapshots
 from kvstored.server.broker import SessionBroker
 from kvstored.server.sessions import Session
 from kvstored.server.tenants import ArenasUnsupported, Tenancy, events_for, visible
@@ -26,6 +26,7 @@ from kvstored.tiers.ram import Extent, ReserveOutcome
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.errors import OLDEST_SEQ_KEY
+from kvstored_client.kinds import LoadInto
 
 _SLOT_STATE = {
     ReserveOutcome.RESERVED: pb.SLOT_STATE_RESERVED,
@@ -143,7 +144,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         ns = self._ns_keys(request.namespace_id, keys)
         if not self._visible(ns, self._broker.optional(request.session_id)):
             return pb.LookupResponse(prefix_hits=0, tiers=[0] * len(keys))
-        tiers = await self._chain.lookup(ns, keys)  # TierKind is an int: no per-key conversion
+        tiers = await self._chain.lookup(ns, keys, _load_into(request.load_into))  # (TierKind is an int)
         prefix = tiers.index(TierKind.NONE) if TierKind.NONE in tiers else len(tiers)
         return pb.LookupResponse(prefix_hits=prefix, tiers=tiers)
 
@@ -249,6 +250,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         peer_leases, peer_reservations = self._peer_counts()
+        staging = staging_snapshot(self._chain)
         return pb.StatsResponse(
             tiers=[pb.TierStats(**{**dataclasses.asdict(t), "kind": int(t.kind)}) for t in tier_snapshots(self._chain)],
             namespaces=len(self._namespaces),
@@ -256,6 +258,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             version=__version__,
             peer_leases=peer_leases,
             peer_reservations=peer_reservations,
+            staging_capacity_bytes=staging.capacity_bytes,
+            staging_used_bytes=staging.used_bytes,
+            staged_chunks=staging.staged_chunks,
         )
 
     async def WatchEvents(self, request: pb.WatchEventsRequest, context):
@@ -290,3 +295,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     )
         finally:
             bus.unsubscribe(sub)
+
+
+def _load_into(value: int) -> LoadInto:
+    try:
+        return LoadInto(value)
+    except ValueError:
+        raise InvalidRequest(
+            f"load_into {value} is not a LoadInto value ({', '.join(f'{m.value}: {m.name}' for m in LoadInto)})"
+        ) from None

@@ -19,6 +19,8 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import numpy as np
+
 from kvstored.errors import (
     InvalidRequest,
     KvstoredError,
@@ -34,9 +36,13 @@ from kvstored.shm.arenas import ArenaSet
 from kvstored.shm.copier import Copier, CopyJob, default_copy_threads
 from kvstored.shm.copy import MappingVanished
 from kvstored.shm.mapping import Region
+from kvstored.shm.staging import Staging
 from kvstored.tiers.base import ChunkId, RemovalCause, SecondaryTier, TierKind
 from kvstored.tiers.lower import DeletionGuard, LowerTier, Promoter, WriteBack, WritePolicy
 from kvstored.tiers.ram import Extent, QuotaScope, RamEntry, RamTier, ReserveOutcome
+from kvstored.tiers.region_load import RegionLoader
+from kvstored.tiers.staged import StagedReads
+from kvstored_client.kinds import LoadInto
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -86,6 +92,7 @@ class ChainPolicy:
     headroom_bytes: int = 0  # RAM kept free by write-back (0: none)
     writeback_wait_s: float = 1.0  # how long a store may wait for write-downs to free RAM
     copy_threads: int = field(default_factory=default_copy_threads)  # region <-> pool copies
+    staging_bytes: int = 64 << 20  # region loads past a full RAM read through it (0: they promote, evicting)
 
 
 class TierChain:
@@ -112,6 +119,11 @@ class TierChain:
         self._prefetches: set[asyncio.Task] = set()  # promotions started by lookups, waiting for room
         self._outwaited: set[asyncio.Future] = set()  # waits a transfer gave up at its start deadline
         self.promoter = Promoter(ram, arenas.view, self.lower, self.events, self._deleting)
+        self.staged: StagedReads | None = None
+        self._region_loader: RegionLoader | None = None
+        if policy.staging_bytes and self.lower:
+            self.staged = StagedReads(Staging(policy.staging_bytes), self.lower, self._deleting)
+            self._region_loader = RegionLoader(ram, arenas, self.promoter, self.staged, self._until, self._copy_out)
         for lower_tier in self.lower:
             lower_tier.tier.removal_listener = self._tier_removed
 
@@ -133,8 +145,11 @@ class TierChain:
 
     # -- lookup / delete ------------------------------------------------------------------
 
-    async def lookup(self, ns: Namespace, keys: Sequence[bytes]) -> list[TierKind]:
-        """Where each key is; hits below RAM start their promotion (prefetch)."""
+    async def lookup(self, ns: Namespace, keys: Sequence[bytes], load_into: LoadInto = LoadInto.POOL,
+                     ) -> list[TierKind]:
+        """Where each key is; hits below RAM start their promotion (prefetch). A region load
+        (`load_into`) gets them through staging when RAM is full: its lookup only promotes
+        into free RAM, evicting nothing."""
         in_ram = self.ram.contains_many(ns.namespace_id, keys)
         if all(in_ram):
             return [TierKind.RAM] * len(keys)
@@ -148,6 +163,10 @@ class TierChain:
                 if tier_index is not None:
                     tiers[i] = self.lower[tier_index].tier.kind
                     below.append((i, chunks[i], tier_index))
+            if load_into is LoadInto.REGION and self._region_loader is not None and self._region_loader.serves(ns):
+                for _, chunk, tier_index in below:
+                    self.promoter.start(chunk, ns.chunk_bytes, tier_index, evict=False)
+                return tiers
             # The load that follows needs the leading run (up to the first miss): room is made
             # for those, up to a quarter of RAM per lookup (more would evict the first of them,
             # and chunks other loads promoted, before their load could lease them).
@@ -428,8 +447,11 @@ class TierChain:
     ) -> int:
         """Copy the leading cached chunks into a client region; returns how many. Once the copy
         starts, it runs to the end. Waiting for promotions ends at `start_by` (loop time) with
-        TransferNotStarted."""
+        TransferNotStarted. Hits below RAM come through staging when RAM has no free room
+        (region_load.py): a started transfer then goes on as staging pages come back."""
         _check_offsets(ns, region, keys, offsets)
+        if self._region_loader is not None and self._region_loader.serves(ns):
+            return await self._region_loader.load(ns, region, keys, offsets, proceed, start_by)
         leased = list(zip(await self._lease_prefix(ns, keys, start_by), offsets))
         try:
             proceed()  # (no await from here to the copy's start)
@@ -450,6 +472,8 @@ class TierChain:
             await asyncio.wait(self._prefetches)
         for lower in self.lower:
             await lower.queue.close()
+        if self.staged is not None:
+            await self.staged.close()
         for waited in list(self._outwaited):  # the queues are closed: what they waited for will not come
             waited.cancel()
         if self._outwaited:
@@ -503,10 +527,16 @@ class TierChain:
 
     async def _copy(self, region: Region, entries: Sequence[RamEntry], jobs: list[CopyJob], to_pool: bool) -> None:
         """Copy the chunks of one namespace (so of one arena)."""
-        if not jobs:
-            return
+        if jobs:
+            await self._copy_between(region, self.arenas.array(entries[0].arena), jobs, to_pool)
+
+    async def _copy_out(self, region: Region, source: np.ndarray, jobs: list[CopyJob]) -> None:
+        """Copy chunks from the pool or staging (`source`) into a region."""
+        await self._copy_between(region, source, jobs, to_pool=False)
+
+    async def _copy_between(self, region: Region, pool: np.ndarray, jobs: list[CopyJob], to_pool: bool) -> None:
         try:
-            await self._copier.run(region.array, self.arenas.array(entries[0].arena), jobs, to_pool)
+            await self._copier.run(region.array, pool, jobs, to_pool)
         except MappingVanished:
             raise RegionShrunk(
                 f"region {region.region_id} ({region.name}) shrank during the copy: register it again"

@@ -281,20 +281,43 @@ def _write_job(lower: LowerTier, entry: RamEntry, views: list[memoryview], event
     return job
 
 
+@dataclass(eq=False)
+class DeletionWatch:
+    """A read of `chunk` outside RAM (staging): `deleted` once a delete of it began meanwhile."""
+
+    chunk: ChunkId
+    deleted: bool = False
+
+
 class DeletionGuard:
     """Chunks and namespaces being deleted. Nothing is found below or promoted for them until the
-    delete has removed every copy: a read racing the delete would bring the deleted bytes back."""
+    delete has removed every copy: a read racing the delete would bring the deleted bytes back.
+    Reads that land outside RAM are watched: a delete that begins while one runs marks it."""
 
     def __init__(self) -> None:
         self._chunks: Counter[ChunkId] = Counter()
         self._namespaces: Counter[str] = Counter()
+        self._watches: set[DeletionWatch] = set()
 
     def blocks(self, chunk: ChunkId) -> bool:
         return bool(self._chunks[chunk] or self._namespaces[chunk[0]])
 
     @contextlib.contextmanager
+    def watch(self, chunk: ChunkId):
+        watch = DeletionWatch(chunk, self.blocks(chunk))
+        self._watches.add(watch)
+        try:
+            yield watch
+        finally:
+            self._watches.discard(watch)
+
+    @contextlib.contextmanager
     def chunks(self, chunks: Sequence[ChunkId]):
         self._chunks.update(chunks)
+        if self._watches:
+            deleting = set(chunks)
+            for watch in self._watches:
+                watch.deleted |= watch.chunk in deleting
         try:
             yield
         finally:
@@ -304,6 +327,8 @@ class DeletionGuard:
     @contextlib.contextmanager
     def namespace(self, namespace_id: str):
         self._namespaces[namespace_id] += 1
+        for watch in self._watches:
+            watch.deleted |= watch.chunk[0] == namespace_id
         try:
             yield
         finally:
@@ -325,6 +350,11 @@ class Promoter:
     def in_flight(self, chunk: ChunkId) -> TierKind:
         entry = self._in_flight.get(chunk)
         return entry[1] if entry else TierKind.NONE
+
+    def pending(self, chunk: ChunkId) -> asyncio.Future | None:
+        """The promotion of `chunk` under way (as start() returns it), if any."""
+        entry = self._in_flight.get(chunk)
+        return entry[0] if entry else None
 
     async def find(self, chunks: Sequence[ChunkId], local_only: bool = False) -> list[int | None]:
         """Index of the first lower tier holding each chunk (None: nowhere). `local_only`: only

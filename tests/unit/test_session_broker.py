@@ -16,6 +16,7 @@ from kvstored.server.broker import SessionBroker
 from kvstored.server.sessions import SessionRegistry
 from kvstored.shm.mapping import Region
 from kvstored.tiers.base import TierCapabilities
+from kvstored.tiers.chain import ChainPolicy
 from kvstored.tiers.ram import ReserveOutcome
 from tests.support.tiers import GatedMemoryTier, make_chain, settle, store
 
@@ -32,9 +33,10 @@ def key(i: int) -> bytes:
 async def rig():
     made = []
 
-    async def make(pool: int = 1 << 20):
+    async def make(pool: int = 1 << 20, staging_bytes: int = ChainPolicy.staging_bytes):
         tier = GatedMemoryTier()
-        chain = make_chain([(tier, TierCapabilities())], pool=pool)
+        chain = make_chain([(tier, TierCapabilities())], pool=pool,
+                           policy=ChainPolicy(writeback_wait_s=60.0, staging_bytes=staging_bytes))
         await chain.start()
         broker = SessionBroker(chain)
         made.append((broker, chain))
@@ -184,10 +186,11 @@ async def test_a_region_store_waiting_for_room_gives_up_at_its_start_deadline(ri
 
 
 async def test_a_region_load_waiting_for_room_to_promote_gives_up_at_its_start_deadline(rig, region_fd):
-    """A promotion's wait for room (write-downs of dirty chunks) ends at the start deadline, not
-    the longer write-back wait: nothing is copied, and nothing without a copy below is evicted
-    for a transfer that will not start."""
-    broker, chain, tier = await rig(pool=4 * CHUNK)
+    """Without staging (staging_bytes 0), a region load promotes like Acquire: its wait for room
+    (write-downs of dirty chunks) ends at the start deadline, not the longer write-back wait:
+    nothing is copied, and nothing without a copy below is evicted for a transfer that will not
+    start. (With staging, the load evicts nothing: tests/unit/test_region_staging.py.)"""
+    broker, chain, tier = await rig(pool=4 * CHUNK, staging_bytes=0)
     for i in range(4):  # RAM full of dirty chunks: the promotion waits for a write-down
         await store(chain, NS, key(10 + i), i)
     tier.data[("ns", key(1))] = b"DATA" * (CHUNK // 4)  # below RAM only

@@ -21,6 +21,7 @@ from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 @pytest.mark.parametrize(("mirror", "proto_enum"), [
     (kinds.TierKind, pb.TierKind),
     (kinds.StoreOutcome, pb.StoreOutcome),
+    (kinds.LoadInto, pb.LoadInto),
 ])
 def test_wire_enums_have_exactly_the_proto_values(mirror, proto_enum):
     assert sorted(int(m) for m in mirror) == sorted(proto_enum.values())

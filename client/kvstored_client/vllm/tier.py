@@ -417,7 +417,10 @@ class KvstoredTierManager(SecondaryTierManager):
             return False
         for start in range(0, len(keys), self._max_batch_keys):
             chunk = keys[start:start + self._max_batch_keys]
-            request = pb.LookupRequest(namespace_id=namespace_id, keys=chunk, session_id=self._link.session_id)
+            # The loads that follow copy into vLLM's primary region: hits below the daemon's
+            # RAM reach it through staging memory when RAM is full, evicting nothing.
+            request = pb.LookupRequest(namespace_id=namespace_id, keys=chunk, session_id=self._link.session_id,
+                                       load_into=pb.LOAD_INTO_REGION)
             future = self._link.call("Lookup", request, timeout=self._lookup_timeout_s)
             self._lookups.append(_LookupCall(future, namespace_id, chunk, now))
             self._stats.increase_counter(KvstoredMetrics.LOOKUP_RPCS, 1, self._label)

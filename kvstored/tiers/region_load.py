@@ -1,0 +1,222 @@
+"""load_to_region when RAM may be full: hits below RAM come through staging memory, evicting nothing.
+
+The chunks of a load, in order: RAM hits are leased; promotions under way are awaited; a hit
+below RAM is promoted into free RAM if RAM has some, else read from its tier into staging pages
+(tiers/staged.py). Nothing is evicted or written down for a region load: the engine's region is
+where its chunks live next.
+
+Before the copy starts, the load waits (until `start_by`) for its leases, its promotions and the
+staged reads staging had pages for; then it copies that leading run. Staging is bounded, so a
+long load goes on from there: as pages come back, the next chunks are read and each is copied
+in order once verified. A load never waits for pages while it holds any, so two loads cannot
+wait on each other. The load ends at the first chunk found nowhere or not delivered; it returns
+how many leading chunks it copied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvstored.namespaces import Namespace
+from kvstored.shm.arenas import ArenaSet
+from kvstored.shm.copier import CopyJob
+from kvstored.shm.mapping import Region
+from kvstored.shm.staging import StagingSlot
+from kvstored.tiers.base import ChunkId, TierKind
+from kvstored.tiers.lower import Promoter
+from kvstored.tiers.ram import RamEntry, RamTier
+from kvstored.tiers.staged import StagedReads
+
+Until = Callable[[float | None, Awaitable[Any]], Awaitable[Any]]  # the chain's start-deadline wait
+Copy = Callable[[Region, np.ndarray, list[CopyJob]], Awaitable[None]]  # pool or staging -> region
+
+
+@dataclass(eq=False)
+class _Step:
+    """One chunk of the load and where its bytes come from."""
+
+    chunk: ChunkId
+    offset: int  # in the region
+    size: int
+    lease: RamEntry | None = None  # in RAM, leased
+    promotion: asyncio.Future | None = None  # being promoted into RAM: leased once it lands
+    below: int | None = None  # to be read through staging from this lower tier
+    read: asyncio.Task[StagingSlot | None] | None = None  # that read, under way
+    slot: StagingSlot | None = None  # read and verified
+    failed: bool = False  # not delivered: the load ends before it
+
+    @property
+    def ready(self) -> bool:
+        return self.lease is not None or self.slot is not None
+
+    @property
+    def waiting_for_pages(self) -> bool:
+        return self.below is not None  # (cleared once its read starts)
+
+
+class RegionLoader:
+    def __init__(self, ram: RamTier, arenas: ArenaSet, promoter: Promoter, staged: StagedReads,
+                 until: Until, copy: Copy) -> None:
+        self._ram = ram
+        self._arenas = arenas
+        self._promoter = promoter
+        self._staged = staged
+        self._until = until
+        self._copy = copy
+
+    def serves(self, ns: Namespace) -> bool:
+        """Whether staging can hold a chunk of `ns` (else its region loads promote, evicting)."""
+        return self._staged.staging.holds(ns.chunk_bytes)
+
+    async def load(self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int],
+                   proceed: Callable[[], None], start_by: float | None) -> int:
+        steps = await self._plan(ns, keys, offsets, start_by)
+        try:
+            await self._ready_first(steps, start_by)
+            proceed()  # (no await from here to the copy's start)
+            copied = await self._copy_leading(region, steps)
+            copied = await self._go_on(region, steps, copied)
+        finally:
+            self._abandon(steps)
+        return copied
+
+    # -- before the copy starts -------------------------------------------------------------
+
+    async def _plan(self, ns: Namespace, keys: Sequence[bytes], offsets: Sequence[int],
+                    start_by: float | None) -> list[_Step]:
+        """A step per leading chunk that is somewhere: leased, promoting, or to be staged."""
+        chunks = [(ns.namespace_id, k) for k in keys]
+        steps: list[_Step] = []
+        for chunk, offset in zip(chunks, offsets):  # the leading RAM hits: no lookup below needed
+            entry = self._ram.acquire(chunk)
+            if entry is None:
+                break
+            steps.append(_Step(chunk, offset, ns.chunk_bytes, lease=entry))
+        rest = list(zip(chunks, offsets))[len(steps):]
+        if not rest:
+            return steps
+        unknown = [c for c, _ in rest
+                   if not self._ram.contains(c, touch=False) and self._promoter.in_flight(c) is TierKind.NONE]
+        try:
+            found = dict(zip(unknown, await self._until(start_by, self._promoter.find(unknown)))) if unknown else {}
+        except BaseException:
+            self._abandon(steps)
+            raise
+        for chunk, offset in rest:
+            step = _Step(chunk, offset, ns.chunk_bytes, self._ram.acquire(chunk), self._promoter.pending(chunk))
+            tier_index = found.get(chunk)
+            if step.lease is None and step.promotion is None and tier_index is not None:
+                if self._ram.fits(ns.namespace_id, ns.chunk_bytes):  # free RAM: promote (others may want it)
+                    step.promotion = self._promoter.start(chunk, ns.chunk_bytes, tier_index, evict=False)
+                if step.promotion is None and not self._staged.blocked(chunk):
+                    step.below = tier_index
+            if step.lease is None and step.promotion is None and step.below is None:
+                break  # found nowhere: the load ends before it
+            steps.append(step)
+        return steps
+
+    async def _ready_first(self, steps: list[_Step], start_by: float | None) -> None:
+        """Wait (until start_by) for the promotions and for the staged reads staging has pages
+        for now; for pages too when the first chunk needs them (other loads hold them all)."""
+        self._launch(steps, 0)
+        while steps and steps[0].waiting_for_pages:
+            await self._until(start_by, self._staged.staging.wait_for_room())
+            self._launch(steps, 0)
+        waits = [s.promotion for s in steps if s.promotion is not None] + [s.read for s in steps if s.read]
+        if waits:  # shielded: promotions serve other loads too; staged reads end on their own
+            await self._until(start_by, asyncio.gather(*map(asyncio.shield, waits), return_exceptions=True))
+        for step in steps:
+            self._settle(step)
+
+    def _launch(self, steps: list[_Step], start: int) -> None:
+        """Start the staged reads from `start` on, in order, while staging has pages."""
+        for step in steps[start:]:
+            if step.below is None:
+                continue
+            slot = self._staged.staging.try_take(step.size)
+            if slot is None:
+                return  # in order: the later ones wait for pages behind this one
+            step.read = self._staged.start(step.chunk, slot, step.below)
+            step.below = None
+
+    def _settle(self, step: _Step) -> None:
+        """A promotion or a staged read that ended: lease the promoted chunk, keep the slot."""
+        if step.promotion is not None and step.promotion.done() and step.lease is None and not step.failed:
+            landed = not step.promotion.cancelled() and step.promotion.exception() is None and step.promotion.result()
+            step.lease = self._ram.acquire(step.chunk) if landed else None
+            step.failed = step.lease is None
+            step.promotion = None
+        if step.read is not None and step.read.done() and step.slot is None and not step.failed:
+            step.slot = step.read.result() if not step.read.cancelled() else None
+            step.failed = step.slot is None
+            step.read = None
+
+    # -- copies -----------------------------------------------------------------------------
+
+    async def _copy_leading(self, region: Region, steps: list[_Step]) -> int:
+        """Copy the leading run of ready steps, RAM's and staging's each in one batch."""
+        n = 0
+        while n < len(steps) and steps[n].ready:
+            n += 1
+        leases = [(s.offset, s.lease) for s in steps[:n] if s.lease is not None]
+        slots = [(s.offset, s.slot) for s in steps[:n] if s.slot is not None]
+        if leases:
+            await self._copy(region, self._arenas.array(leases[0][1].arena),
+                             [CopyJob(offset, self._ram.extents(entry)) for offset, entry in leases])
+        if slots:
+            staging = self._staged.staging
+            await self._copy(region, staging.array, [CopyJob(offset, staging.extents(slot)) for offset, slot in slots])
+        for step in steps[:n]:
+            self._give_back(step)
+        self._staged.served += len(slots)
+        return n
+
+    async def _go_on(self, region: Region, steps: list[_Step], copied: int) -> int:
+        """Once the copy has started: the chunks staging had no pages for, each read as pages come
+        back and copied in order. Runs to the end (a started transfer is not given up)."""
+        staging = self._staged.staging
+        while copied < len(steps) and not steps[copied].failed:
+            step = steps[copied]
+            self._launch(steps, copied)
+            if step.waiting_for_pages:  # (then no later step holds pages: reads start in order)
+                await staging.wait_for_room()
+                continue
+            if step.read is not None:
+                await asyncio.wait((step.read,))
+                self._settle(step)
+            if step.slot is not None:
+                await self._copy(region, staging.array, [CopyJob(step.offset, staging.extents(step.slot))])
+                self._staged.served += 1
+            elif step.lease is not None:
+                await self._copy(region, self._arenas.array(step.lease.arena),
+                                 [CopyJob(step.offset, self._ram.extents(step.lease))])
+            else:
+                break
+            self._give_back(step)
+            copied += 1
+        return copied
+
+    # -- giving back ------------------------------------------------------------------------
+
+    def _give_back(self, step: _Step) -> None:
+        if step.lease is not None:
+            self._ram.release(step.lease)
+            step.lease = None
+        if step.slot is not None:
+            self._staged.staging.give(step.slot)
+            step.slot = None
+
+    def _abandon(self, steps: list[_Step]) -> None:
+        """What the load will not copy: leases and pages back now, reads' pages once they end."""
+        for step in steps:
+            self._give_back(step)
+            if step.read is not None:
+                self._staged.give_back_when_done(step.read)
+                step.read = None
+            step.below = None
+            step.failed = True

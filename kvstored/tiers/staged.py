@@ -1,0 +1,88 @@
+"""Region loads past a full RAM: chunks read from a lower tier into staging memory.
+
+When RAM has no free room, promoting a chunk for a region load would evict another (after writing
+it down, if it has no copy below) only to copy the chunk out once: the engine's region is where
+it lives next. A staged read skips that: the tier reads the chunk into staging pages at load
+priority and verifies it, the chain copies it into the region and gives the pages back. A delete
+that begins while a staged read runs voids it (its bytes are never served).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from kvstored.io.scheduler import Priority
+from kvstored.shm.staging import Staging, StagingSlot
+from kvstored.tiers.base import ChunkId
+from kvstored.tiers.lower import DeletionGuard, LowerTier
+
+log = logging.getLogger(__name__)
+
+
+class StagedReads:
+    def __init__(self, staging: Staging, lower: Sequence[LowerTier], deleting: DeletionGuard) -> None:
+        self.staging = staging
+        self._lower = list(lower)
+        self._deleting = deleting
+        self._reads: set[asyncio.Task] = set()
+        self.served = 0  # chunks a region load got through staging
+
+    def start(self, chunk: ChunkId, slot: StagingSlot, tier_index: int) -> asyncio.Task[StagingSlot | None]:
+        """Read `chunk` from lower tier `tier_index` into `slot` (taken from `staging`). The task's
+        result is the slot holding the verified chunk, for its owner to give back; or None (a
+        miss, a corrupt copy, a failure, a delete meanwhile), the slot given back already."""
+        task = asyncio.ensure_future(self._read(chunk, slot, self._lower[tier_index]))
+        self._reads.add(task)
+        task.add_done_callback(self._reads.discard)
+        return task
+
+    def blocked(self, chunk: ChunkId) -> bool:
+        return self._deleting.blocks(chunk)
+
+    async def _read(self, chunk: ChunkId, slot: StagingSlot, lower: LowerTier) -> StagingSlot | None:
+        views = self.staging.views(slot)
+        size = slot.size
+        with self._deleting.watch(chunk) as watch:
+            read = lower.queue.submit(Priority.LOAD, lambda: lower.timed("read", lower.tier.read(chunk, views, size)))
+            if read is None:  # (loads are never refused)
+                self.staging.give(slot)
+                return None
+            try:
+                # Shielded: the tier may be writing the pages; they go back only once it ends.
+                ok = bool(await asyncio.shield(read))
+            except asyncio.CancelledError:
+                read.add_done_callback(lambda _: self._give_back(slot, lower, views))
+                raise
+            except Exception as exc:
+                log.warning("staged read from %s failed: %s", lower.tier.name, exc)
+                ok = False
+            if ok and not watch.deleted:
+                return slot
+        self._give_back(slot, lower, views)
+        return None
+
+    def _give_back(self, slot: StagingSlot, lower: LowerTier, views: list[memoryview]) -> None:
+        busy = lower.tier.views_busy(views)  # a peer transfer that could not be stopped
+        if busy is None:
+            self.staging.give(slot)
+        else:
+            self.staging.give_when(slot, busy)
+
+    def give_back_when_done(self, task: asyncio.Task[StagingSlot | None]) -> None:
+        """A read whose load gave up: its slot goes back when it ends."""
+        def done(finished: asyncio.Task[StagingSlot | None]) -> None:
+            if not finished.cancelled() and finished.exception() is None and (slot := finished.result()) is not None:
+                self.staging.give(slot)
+
+        task.add_done_callback(done)
+
+    async def close(self) -> None:
+        """Stop the reads (each gives its pages back once its tier is done with them), then
+        staging memory."""
+        for task in self._reads:
+            task.cancel()
+        if self._reads:
+            await asyncio.wait(self._reads)
+        self.staging.close()
