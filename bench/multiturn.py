@@ -87,6 +87,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import enum
 import heapq
 import mmap
 import os
@@ -95,7 +96,7 @@ import sys
 import tempfile
 import time
 from collections import OrderedDict, deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -284,6 +285,15 @@ MODELS = {m.key: m for m in (
 DEFAULT_MODEL = "qwen3.6-35b-a3b"
 
 
+class Transfer(enum.Enum):
+    """How the modelled engine moves chunks to and from kvstored: as vLLM's tier (mode 1) does,
+    through a registered region (StoreFromRegion, LoadToRegion after a REGION lookup), or as the
+    direct spec (mode 2) does, through the pool mapping (Reserve/Commit, Acquire/Release)."""
+
+    REGION = "region"
+    POOL = "pool"
+
+
 @dataclass(frozen=True)
 class Model:
     """What the simulation uses: the figures below, derived from a ModelSpec or overridden."""
@@ -295,6 +305,7 @@ class Model:
     gpu_tokens: int
     serial_loads: bool = False
     model_key: str = ""
+    transfer: Transfer = field(default_factory=lambda: Transfer.REGION)
 
     @property
     def byte_scale(self) -> float:
@@ -444,7 +455,8 @@ class Offload:
 
     TIER_NAMES = {1: "ram", 2: "fs", 3: "s3", 4: "peer"}
 
-    def __init__(self, socket: Path, chunk_bytes: int, chunk_tokens: int, max_chunks: int, seed: int) -> None:
+    def __init__(self, socket: Path, chunk_bytes: int, chunk_tokens: int, max_chunks: int, seed: int,
+                 transfer: Transfer = Transfer.REGION) -> None:
         from kvstored_client import Client, NamespaceSpec
 
         self.client = Client(socket, deadline_s=120.0, client_name="bench-multiturn")
@@ -452,10 +464,23 @@ class Offload:
             model="bench/multiturn", dtype="scaled-bf16", chunk_bytes=chunk_bytes, layout="sim",
             block_tokens=chunk_tokens))
         self.chunk_bytes = chunk_bytes
+        self.transfer = transfer
         rng = np.random.default_rng(seed)
         self._noise = populate(rng.integers(0, 256, chunk_bytes, dtype=np.uint8))
-        self._staging = populate(np.empty(max_chunks * chunk_bytes, dtype=np.uint8))
-        self._out = populate(np.empty(max_chunks * chunk_bytes, dtype=np.uint8))
+        span = max_chunks * chunk_bytes
+        self._region = self._region_path = None
+        if transfer is Transfer.REGION:  # one shared file: stores' chunks, then loads', then the call floor's
+            fd, path = tempfile.mkstemp(prefix="kvstored-bench-multiturn-", dir="/dev/shm")
+            os.ftruncate(fd, 2 * span + 4096)
+            os.close(fd)
+            self._region_path = Path(path)
+            whole = populate(np.memmap(path, dtype=np.uint8, mode="r+"))
+            self._staging, self._out, self._floor_out = whole[:span], whole[span:2 * span], whole[2 * span:]
+            self._region = self.client.register_region(path)
+        else:
+            self._staging = populate(np.empty(span, dtype=np.uint8))
+            self._out = populate(np.empty(span, dtype=np.uint8))
+            self._floor_out = populate(np.empty(4096, dtype=np.uint8))
         self.max_chunks = max_chunks
         self.call_floor_s = self._calibrate_call_floor()
         self.store_s = 0.0
@@ -463,24 +488,43 @@ class Offload:
         self.corrupt = 0
 
     def _calibrate_call_floor(self, calls: int = 40) -> float:
-        """The fixed cost of one load call (Acquire + Release RPCs, client bookkeeping), measured
-        with a 4 KiB chunk in a namespace of its own: charged once per call, as measured, while
-        the rest of a load's time is charged per byte."""
+        """The fixed cost of one load call (Acquire + Release RPCs, or one LoadToRegion, and client
+        bookkeeping), measured with a 4 KiB chunk in a namespace of its own: charged once per
+        call, as measured, while the rest of a load's time is charged per byte."""
         from kvstored_client import NamespaceSpec
 
         ns = self.client.register_namespace(NamespaceSpec(model="bench/multiturn-call-floor", dtype="u8",
                                                           chunk_bytes=4096))
         key = b"\x01" * 32
-        self.client.store(ns, [key], np.ones(4096, dtype=np.uint8))
-        out = populate(np.empty(4096, dtype=np.uint8))
+        self._floor_out[:] = 1
+        self._store(ns, [key], self._floor_out, 2 * self.max_chunks * self.chunk_bytes)
         times = []
         for _ in range(calls):
             t0 = time.perf_counter()
-            if self.client.load(ns, [key], out) != 1:
+            if self._load(ns, [key], self._floor_out, 2 * self.max_chunks * self.chunk_bytes) != 1:
                 raise RuntimeError("call-floor calibration: the 4 KiB chunk did not load")
             times.append(time.perf_counter() - t0)
         self.client.delete(ns, [key])
         return float(np.median(times[calls // 4:]))
+
+    def _store(self, ns, keys: Sequence[bytes], buf: np.ndarray, region_offset: int):
+        """Store len(keys) chunks held in `buf` (which, in region mode, is the region at `region_offset`)."""
+        if self._region is None:
+            return self.client.store(ns, keys, buf)
+        cb = ns.chunk_bytes
+        return self.client.store_from_region(ns, self._region, keys, [region_offset + i * cb for i in range(len(keys))])
+
+    def _load(self, ns, keys: Sequence[bytes], out: np.ndarray, region_offset: int) -> int:
+        if self._region is None:
+            return self.client.load(ns, keys, out)
+        cb = ns.chunk_bytes
+        return self.client.load_to_region(ns, self._region, keys, [region_offset + i * cb for i in range(len(keys))])
+
+    @property
+    def _load_into(self):
+        from kvstored_client import LoadInto
+
+        return LoadInto.REGION if self._region is not None else LoadInto.POOL
 
     @property
     def namespace_id(self) -> str:
@@ -488,6 +532,8 @@ class Offload:
 
     def close(self) -> None:
         self.client.close()
+        if self._region_path is not None:
+            self._region_path.unlink(missing_ok=True)
 
     def stats(self) -> dict[str, dict[str, int]]:
         fields = ("read_bytes", "written_bytes", "loaded_chunks", "stored_chunks", "hits", "lookups", "evictions",
@@ -510,7 +556,7 @@ class Offload:
             for row, (key, conv, index) in enumerate(batch):
                 buf[row, :HEADER] = np.frombuffer(_header(key, conv, index), dtype=np.uint8)
             t0 = time.perf_counter()
-            result = self.client.store(self.ns, [k for k, _, _ in batch], buf)
+            result = self._store(self.ns, [k for k, _, _ in batch], buf, 0)
             self.store_s += time.perf_counter() - t0
             self.store_counts["stored"] += result.stored
             self.store_counts["already_present"] += result.already_present
@@ -519,7 +565,7 @@ class Offload:
     def lookup_load(self, keys: Sequence[bytes], conv: int, first_index: int) -> LoadResult:
         """Look the keys up; load the leading hits, one timed call per run of the same tier."""
         t0 = time.perf_counter()
-        found = self.client.lookup(self.ns, keys)
+        found = self.client.lookup(self.ns, keys, load_into=self._load_into)
         lookup_s = time.perf_counter() - t0
         hits = {name: 0 for name in TIERS}
         seconds = {name: 0.0 for name in TIERS}
@@ -534,7 +580,8 @@ class Offload:
             while end < n and tiers[end] == tier:
                 end += 1
             t1 = time.perf_counter()
-            got = self.client.load(self.ns, keys[start:end], self._out[start * cb:end * cb])
+            got = self._load(self.ns, keys[start:end], self._out[start * cb:end * cb],
+                             self.max_chunks * cb + start * cb)
             elapsed = time.perf_counter() - t1
             seconds[tier] = seconds.get(tier, 0.0) + elapsed
             for i in range(start, start + got):  # wrong bytes are counted, never served as a hit
@@ -964,7 +1011,8 @@ def _run_one(config: Config, conversations: int, w: Workload, m: Model, sizes: S
         return RunResult(config.key, conversations, skipped=f"daemon did not start: {exc}: {daemon.failure_log}")
     offload = None
     try:
-        offload = Offload(daemon.socket, chunk_bytes, w.chunk_tokens, w.final_tokens // w.chunk_tokens, w.seed)
+        offload = Offload(daemon.socket, chunk_bytes, w.chunk_tokens, w.final_tokens // w.chunk_tokens, w.seed,
+                          m.transfer)
         before = offload.stats()
         sim = Simulation(w, m, conversations, offload)
         sim.run()
@@ -1485,6 +1533,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPU prefix cache capacity in tokens (overrides --gpu-conversations)")
     g.add_argument("--serial-loads", action="store_true",
                    help="loads on the GPU's timeline instead of beside it (a pessimistic engine)")
+    g.add_argument("--transfer", type=Transfer, choices=list(Transfer), default=Transfer.REGION,
+                   metavar="{region,pool}",
+                   help="how the engine moves chunks: region (vLLM's kvstored tier, mode 1: StoreFromRegion, "
+                        "LoadToRegion) or pool (the direct spec, mode 2: pool mapping)")
     g = ap.add_argument_group("kvstored tiers")
     g.add_argument("--configs", default=None,
                    help=f"among {', '.join(c.key for c in CONFIGS)} (default: all; with --nodes: "
@@ -1525,6 +1577,7 @@ def setup(ap: argparse.ArgumentParser, args: argparse.Namespace
     m, basis, derivation = derive_model(
         MODELS[args.model], w, args.kv_bytes_per_token, args.serial_loads, args.model_kv_bytes_per_token,
         args.prefill_tokens_per_s, args.gpu_tokens, args.gpu_conversations)
+    m = replace(m, transfer=args.transfer)
     if m.gpu_tokens < w.final_tokens:
         ap.error(f"the GPU cache ({m.gpu_tokens:,} tokens) must hold at least one whole prompt ({w.final_tokens:,})")
     conv_bytes = w.final_tokens * m.kv_bytes_per_token
