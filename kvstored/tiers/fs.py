@@ -381,23 +381,25 @@ class FsTier(SecondaryTier):
         """Run `fn(*args)` in the tier's pool (before queued jobs of lower priority) and return
         `finish(future)` (bookkeeping, on the loop).
 
-        Waits for the job to end even if the caller is cancelled meanwhile (then re-raises the
-        cancellation after the bookkeeping), so once read()/write() return or raise, no thread
-        touches the caller's views any more."""
+        Waits for the job to end even if the caller is cancelled meanwhile (the job's future
+        cannot be cancelled; the cancellation is re-raised after the bookkeeping), so once
+        read()/write() return or raise, no thread touches the caller's views any more."""
         loop = asyncio.get_running_loop()
+        fut: asyncio.Future
         try:
-            fut = asyncio.wrap_future(self._executor.submit(priority, fn, *args), loop=loop)
+            fut = self._executor.submit_async(loop, priority, fn, *args)
         except RuntimeError:  # the pool is shut down: close() ran
             fut = loop.create_future()
             fut.set_exception(OSError(errno.ESHUTDOWN, f"fs tier {self.name} is closed"))
         self._inflight.add(fut)
         fut.add_done_callback(self._inflight.discard)
         cancelled = False
-        while not fut.done():
-            try:
-                await asyncio.wait((fut,))
-            except asyncio.CancelledError:
-                cancelled = True
+        try:
+            await fut
+        except asyncio.CancelledError:  # raised only once the job has ended (see JobFuture)
+            cancelled = True
+        except Exception:  # the job's failure: finish() decides what it means
+            pass
         result = finish(fut)
         if cancelled:
             raise asyncio.CancelledError()
@@ -560,11 +562,13 @@ class FsTier(SecondaryTier):
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-            if self._direct:
-                self._direct = False
-                log.info("fs tier %s: O_DIRECT refused under %s (%s); using buffered I/O",
-                         self.name, self._root, exc)
+            self._direct_refused(str(exc))
             return False
+
+    def _direct_refused(self, why: str) -> None:
+        if self._direct:
+            self._direct = False
+            log.info("fs tier %s: O_DIRECT refused under %s (%s); using buffered I/O", self.name, self._root, why)
 
     def _write_job(
         self,
@@ -642,7 +646,7 @@ class FsTier(SecondaryTier):
         anything but a regular file, is removed (if it is still what was seen)."""
         direct_bufs = fs_io.direct_buffers(views, size) if self._direct else None
         try:
-            fd = fs_io.open_regular(path, os.O_RDONLY)
+            fd, direct = fs_io.open_regular(path, os.O_RDONLY, direct=direct_bufs is not None)
         except FileNotFoundError:
             return _Read.MISS, 0, None
         except fs_io.NotRegularFile as exc:
@@ -655,7 +659,9 @@ class FsTier(SecondaryTier):
         try:
             header = fs_io.header_buffer()
             got = -1
-            if direct_bufs is not None and self._use_direct(fd):
+            if direct_bufs is not None and not direct:  # the filesystem refuses O_DIRECT
+                self._direct_refused("fcntl(O_DIRECT): EINVAL")
+            elif direct_bufs is not None:
                 try:
                     got = fs_io.preadv_all(fd, [header, *direct_bufs], direct=True)
                 except OSError as exc:

@@ -541,6 +541,25 @@ async def test_odirect_refused_per_file_falls_back(ramfs):
         await tier.close()
 
 
+async def test_odirect_refused_at_the_first_read_falls_back(make_tier, ramfs):
+    writer = await make_tier(ramfs)
+    size = PAGE * 3
+    src = Slot((3,))
+    data = src.fill(size, seed=10)
+    assert await writer.write(chunk(1), src.views, size) is WriteOutcome.WRITTEN
+    tier = FsTier("fs", ramfs, 1 << 20)  # not started: no probe, the read's open finds out
+    try:
+        assert tier.direct_io
+        dst = Slot((3,))
+        assert await tier.read(chunk(1), dst.views, size) and dst.payload(size) == data
+        assert not tier.direct_io and tier.counters.errors == 0
+        path_of(ramfs, chunk(1)).write_bytes(path_of(ramfs, chunk(1)).read_bytes()[:-1] + b"?")
+        assert not await tier.read(chunk(1), dst.views, size)  # the buffered path verifies too
+        assert tier.counters.checksum_failures == 1 and not path_of(ramfs, chunk(1)).exists()
+    finally:
+        await tier.close()
+
+
 @pytest.mark.parametrize(
     "code, direct", [(errno.ENOSPC, True), (errno.EIO, True), (errno.EINVAL, False)], ids=["ENOSPC", "EIO", "EINVAL"]
 )

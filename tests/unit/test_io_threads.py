@@ -1,8 +1,10 @@
 """The tiers' priority thread pool: most urgent queued job first, FIFO within a priority; nothing
-queued is lost at shutdown; errors reach the submitter."""
+queued is lost at shutdown; errors reach the submitter; a job submitted from the event loop
+outlives its caller's cancellation."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -80,3 +82,48 @@ def test_a_cancelled_queued_job_never_runs():
     kept.result(10)
     pool.shutdown()
     assert ran == ["kept"]
+
+
+async def test_submit_async_delivers_results_and_errors_on_the_loop():
+    pool = PriorityThreadPool(2, "test")
+    loop = asyncio.get_running_loop()
+
+    def fail() -> None:
+        raise OSError(5, "boom")
+
+    assert await pool.submit_async(loop, Priority.LOAD, lambda x: x * 2, 21) == 42
+    with pytest.raises(OSError, match="boom"):
+        await pool.submit_async(loop, Priority.LOAD, fail)
+    pool.shutdown()
+
+
+async def test_a_cancelled_caller_sees_the_cancellation_only_once_its_job_has_ended():
+    pool = PriorityThreadPool(1, "test")
+    loop = asyncio.get_running_loop()
+    started, gate = threading.Event(), threading.Event()
+    ended: list[str] = []
+
+    def job() -> str:
+        started.set()
+        gate.wait(10)
+        ended.append("job")
+        return "done"
+
+    future = pool.submit_async(loop, Priority.LOAD, job)
+
+    async def caller() -> None:
+        try:
+            await future
+        finally:
+            ended.append(f"caller, job ended: {future.done()}")
+
+    task = asyncio.create_task(caller())
+    assert await asyncio.to_thread(started.wait, 10)
+    task.cancel()
+    await asyncio.sleep(0.05)
+    assert not task.done() and not future.cancel()  # still waiting for the job, which runs on
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert ended == ["job", "caller, job ended: True"] and future.result() == "done"
+    pool.shutdown()
