@@ -148,8 +148,8 @@ class TierChain:
     async def lookup(self, ns: Namespace, keys: Sequence[bytes], load_into: LoadInto = LoadInto.POOL,
                      ) -> list[TierKind]:
         """Where each key is; hits below RAM start their promotion (prefetch). A region load
-        (`load_into`) gets them through staging when RAM is full: its lookup only promotes
-        into free RAM, evicting nothing."""
+        (`load_into`) gets them through staging when RAM is full: its lookup promotes into free
+        RAM and reads ahead into staging, evicting nothing."""
         in_ram = self.ram.contains_many(ns.namespace_id, keys)
         if all(in_ram):
             return [TierKind.RAM] * len(keys)
@@ -163,14 +163,13 @@ class TierChain:
                 if tier_index is not None:
                     tiers[i] = self.lower[tier_index].tier.kind
                     below.append((i, chunks[i], tier_index))
+            first_miss = tiers.index(TierKind.NONE) if TierKind.NONE in tiers else len(tiers)
             if load_into is LoadInto.REGION and self._region_loader is not None and self._region_loader.serves(ns):
-                for _, chunk, tier_index in below:
-                    self.promoter.start(chunk, ns.chunk_bytes, tier_index, evict=False)
+                self._prefetch_for_region(ns, below, first_miss)
                 return tiers
             # The load that follows needs the leading run (up to the first miss): room is made
             # for those, up to a quarter of RAM per lookup (more would evict the first of them,
             # and chunks other loads promoted, before their load could lease them).
-            first_miss = tiers.index(TierKind.NONE) if TierKind.NONE in tiers else len(tiers)
             room = min(self.ram.limit_bytes(scope) for scope in (None, *self._scopes(ns)))  # (or of a quota)
             limit = max(1, room // 4 // self._slot_bytes(ns))
             leading = [(chunk, t) for i, chunk, t in below if i < first_miss][:limit]
@@ -178,6 +177,16 @@ class TierChain:
             for _, chunk, tier_index in below[len(leading):]:  # the others: into free RAM only
                 self.promoter.start(chunk, ns.chunk_bytes, tier_index, evict=False)
         return tiers
+
+    def _prefetch_for_region(self, ns: Namespace, below: list[tuple[int, ChunkId, int]], first_miss: int) -> None:
+        """A region load follows: hits below RAM start their promotion into free RAM; once RAM has
+        none, the leading ones (up to the first miss) are read ahead into staging, as far as its
+        prefetch half has pages. Nothing is evicted."""
+        staged = self.staged
+        for i, chunk, tier_index in below:
+            if self.promoter.start(chunk, ns.chunk_bytes, tier_index, evict=False) is None:
+                if staged is None or i >= first_miss or not staged.prefetch(chunk, ns.chunk_bytes, tier_index):
+                    break
 
     def _prefetch(self, ns: Namespace, below: list[tuple[ChunkId, int]]) -> None:
         """Start promoting chunks a lookup found below RAM: all at once, bounded by the tiers'

@@ -302,14 +302,22 @@ class DeletionGuard:
     def blocks(self, chunk: ChunkId) -> bool:
         return bool(self._chunks[chunk] or self._namespaces[chunk[0]])
 
-    @contextlib.contextmanager
-    def watch(self, chunk: ChunkId):
+    def add_watch(self, chunk: ChunkId) -> DeletionWatch:
+        """Watch `chunk` until drop_watch()."""
         watch = DeletionWatch(chunk, self.blocks(chunk))
         self._watches.add(watch)
+        return watch
+
+    def drop_watch(self, watch: DeletionWatch) -> None:
+        self._watches.discard(watch)
+
+    @contextlib.contextmanager
+    def watch(self, chunk: ChunkId):
+        watch = self.add_watch(chunk)
         try:
             yield watch
         finally:
-            self._watches.discard(watch)
+            self.drop_watch(watch)
 
     @contextlib.contextmanager
     def chunks(self, chunks: Sequence[ChunkId]):

@@ -1,9 +1,9 @@
 """load_to_region when RAM may be full: hits below RAM come through staging memory, evicting nothing.
 
-The chunks of a load, in order: RAM hits are leased; promotions under way are awaited; a hit
-below RAM is promoted into free RAM if RAM has some, else read from its tier into staging pages
-(tiers/staged.py). Nothing is evicted or written down for a region load: the engine's region is
-where its chunks live next.
+The chunks of a load, in order: RAM hits are leased; promotions under way are awaited; reads
+ahead by the load's lookup are claimed; a hit below RAM is promoted into free RAM if RAM has
+some, else read from its tier into staging pages (tiers/staged.py). Nothing is evicted or written
+down for a region load: the engine's region is where its chunks live next.
 
 Before the copy starts, the load waits (until `start_by`) for its leases, its promotions and the
 staged reads staging had pages for; then it copies that leading run. Staging is bounded, so a
@@ -45,7 +45,8 @@ class _Step:
     size: int
     lease: RamEntry | None = None  # in RAM, leased
     promotion: asyncio.Future | None = None  # being promoted into RAM: leased once it lands
-    below: int | None = None  # to be read through staging from this lower tier
+    tier: int | None = None  # the lower tier it is read from through staging
+    below: int | None = None  # = tier while that read waits for pages
     read: asyncio.Task[StagingSlot | None] | None = None  # that read, under way
     slot: StagingSlot | None = None  # read and verified
     failed: bool = False  # not delivered: the load ends before it
@@ -100,24 +101,34 @@ class RegionLoader:
         rest = list(zip(chunks, offsets))[len(steps):]
         if not rest:
             return steps
-        unknown = [c for c, _ in rest
-                   if not self._ram.contains(c, touch=False) and self._promoter.in_flight(c) is TierKind.NONE]
+        ahead = {c: claimed for c, _ in rest if (claimed := self._staged.claim(c)) is not None}  # by its lookup
+        unknown = [c for c, _ in rest if c not in ahead and not self._ram.contains(c, touch=False)
+                   and self._promoter.in_flight(c) is TierKind.NONE]
         try:
             found = dict(zip(unknown, await self._until(start_by, self._promoter.find(unknown)))) if unknown else {}
         except BaseException:
+            for read, _ in ahead.values():
+                self._staged.give_back_when_done(read)
             self._abandon(steps)
             raise
         for chunk, offset in rest:
             step = _Step(chunk, offset, ns.chunk_bytes, self._ram.acquire(chunk), self._promoter.pending(chunk))
+            if chunk in ahead:
+                step.read, step.tier = ahead.pop(chunk)
+                if step.lease is not None or step.promotion is not None:  # (there anyway: not needed)
+                    self._staged.give_back_when_done(step.read)
+                    step.read = step.tier = None
             tier_index = found.get(chunk)
-            if step.lease is None and step.promotion is None and tier_index is not None:
+            if step.lease is None and step.promotion is None and step.read is None and tier_index is not None:
                 if self._ram.fits(ns.namespace_id, ns.chunk_bytes):  # free RAM: promote (others may want it)
                     step.promotion = self._promoter.start(chunk, ns.chunk_bytes, tier_index, evict=False)
                 if step.promotion is None and not self._staged.blocked(chunk):
-                    step.below = tier_index
-            if step.lease is None and step.promotion is None and step.below is None:
+                    step.tier = step.below = tier_index
+            if step.lease is None and step.promotion is None and step.tier is None:
                 break  # found nowhere: the load ends before it
             steps.append(step)
+        for read, _ in ahead.values():  # past the end of the load
+            self._staged.give_back_when_done(read)
         return steps
 
     async def _ready_first(self, steps: list[_Step], start_by: float | None) -> None:
@@ -125,7 +136,8 @@ class RegionLoader:
         for now; for pages too when the first chunk needs them (other loads hold them all)."""
         self._launch(steps, 0)
         while steps and steps[0].waiting_for_pages:
-            await self._until(start_by, self._staged.staging.wait_for_room())
+            if not self._hold_none_after(steps, 0):
+                await self._until(start_by, self._staged.staging.wait_for_room())
             self._launch(steps, 0)
         waits = [s.promotion for s in steps if s.promotion is not None] + [s.read for s in steps if s.read]
         if waits:  # shielded: promotions serve other loads too; staged reads end on their own
@@ -183,8 +195,9 @@ class RegionLoader:
         while copied < len(steps) and not steps[copied].failed:
             step = steps[copied]
             self._launch(steps, copied)
-            if step.waiting_for_pages:  # (then no later step holds pages: reads start in order)
-                await staging.wait_for_room()
+            if step.waiting_for_pages:
+                if not self._hold_none_after(steps, copied):
+                    await staging.wait_for_room()
                 continue
             if step.read is not None:
                 await asyncio.wait((step.read,))
@@ -210,6 +223,24 @@ class RegionLoader:
         if step.slot is not None:
             self._staged.staging.give(step.slot)
             step.slot = None
+
+    def _hold_none_after(self, steps: list[_Step], index: int) -> bool:
+        """Before waiting for pages: give back those of later steps (only reads ahead by a lookup
+        can hold them: reads start in order), to read those chunks again later. A load that
+        waits for pages holds none, so no two loads wait on each other. True if pages came back
+        now (then there is no need to wait)."""
+        gave = False
+        for step in steps[index + 1:]:
+            if step.read is not None:
+                self._staged.give_back_when_done(step.read)
+                step.read = None
+            if step.slot is not None:
+                self._staged.staging.give(step.slot)
+                step.slot = None
+                gave = True
+            if step.tier is not None and not step.failed:
+                step.below = step.tier
+        return gave
 
     def _abandon(self, steps: list[_Step]) -> None:
         """What the load will not copy: leases and pages back now, reads' pages once they end."""

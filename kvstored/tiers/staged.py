@@ -5,6 +5,10 @@ it down, if it has no copy below) only to copy the chunk out once: the engine's 
 it lives next. A staged read skips that: the tier reads the chunk into staging pages at load
 priority and verifies it, the chain copies it into the region and gives the pages back. A delete
 that begins while a staged read runs voids it (its bytes are never served).
+
+A lookup that announces a region load reads ahead the same way (prefetch), into at most half of
+staging, so loads always have the other half; its load claims the read. One that no load claims
+within PREFETCH_HOLD_S gives its pages back; a delete voids it until then too.
 """
 
 from __future__ import annotations
@@ -12,13 +16,23 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvstored.io.scheduler import Priority
 from kvstored.shm.staging import Staging, StagingSlot
 from kvstored.tiers.base import ChunkId
-from kvstored.tiers.lower import DeletionGuard, LowerTier
+from kvstored.tiers.lower import DeletionGuard, DeletionWatch, LowerTier
 
 log = logging.getLogger(__name__)
+PREFETCH_HOLD_S = 2.0  # how long a chunk a lookup read ahead waits for its load (engines load within a step or two)
+
+
+@dataclass(eq=False)
+class _Prefetch:
+    read: asyncio.Task[StagingSlot | None]
+    tier_index: int
+    watch: DeletionWatch  # deletes after the read, until its load claims it
+    expiry: asyncio.TimerHandle | None = None
 
 
 class StagedReads:
@@ -27,6 +41,7 @@ class StagedReads:
         self._lower = list(lower)
         self._deleting = deleting
         self._reads: set[asyncio.Task] = set()
+        self._prefetches: dict[ChunkId, _Prefetch] = {}
         self.served = 0  # chunks a region load got through staging
 
     def start(self, chunk: ChunkId, slot: StagingSlot, tier_index: int) -> asyncio.Task[StagingSlot | None]:
@@ -40,6 +55,60 @@ class StagedReads:
 
     def blocked(self, chunk: ChunkId) -> bool:
         return self._deleting.blocks(chunk)
+
+    # -- reading ahead for a lookup -----------------------------------------------------------
+
+    def prefetch(self, chunk: ChunkId, size: int, tier_index: int) -> bool:
+        """Read `chunk` ahead for the region load a lookup announced, if it is not being deleted
+        and the pages fit in the prefetch half of staging; False when it did not start."""
+        if chunk in self._prefetches:
+            return True
+        staging = self.staging
+        if self._deleting.blocks(chunk) or staging.used_bytes + size > staging.capacity_bytes // 2:
+            return False
+        slot = staging.try_take(size)
+        if slot is None:
+            return False
+        prefetch = _Prefetch(self.start(chunk, slot, tier_index), tier_index, self._deleting.add_watch(chunk))
+        self._prefetches[chunk] = prefetch
+        prefetch.read.add_done_callback(lambda _: self._read_ahead(chunk, prefetch))
+        return True
+
+    def prefetched(self, chunk: ChunkId) -> bool:
+        return chunk in self._prefetches
+
+    def claim(self, chunk: ChunkId) -> tuple[asyncio.Task[StagingSlot | None], int] | None:
+        """A load takes the read ahead of `chunk` (done or not) and the tier it reads from; None
+        if there is none (or a delete voided it)."""
+        prefetch = self._forget(chunk)
+        if prefetch is None:
+            return None
+        if prefetch.watch.deleted:
+            self.give_back_when_done(prefetch.read)
+            return None
+        return prefetch.read, prefetch.tier_index
+
+    def _read_ahead(self, chunk: ChunkId, prefetch: _Prefetch) -> None:
+        if self._prefetches.get(chunk) is not prefetch:
+            return  # claimed meanwhile
+        read = prefetch.read
+        if read.cancelled() or read.exception() is not None or read.result() is None:
+            self._forget(chunk)  # (its pages went back with the failed read)
+            return
+        prefetch.expiry = asyncio.get_running_loop().call_later(PREFETCH_HOLD_S, self._unclaimed, chunk, prefetch)
+
+    def _unclaimed(self, chunk: ChunkId, prefetch: _Prefetch) -> None:
+        if self._prefetches.get(chunk) is prefetch:
+            self._forget(chunk)
+            self.give_back_when_done(prefetch.read)
+
+    def _forget(self, chunk: ChunkId) -> _Prefetch | None:
+        prefetch = self._prefetches.pop(chunk, None)
+        if prefetch is not None:
+            if prefetch.expiry is not None:
+                prefetch.expiry.cancel()
+            self._deleting.drop_watch(prefetch.watch)
+        return prefetch
 
     async def _read(self, chunk: ChunkId, slot: StagingSlot, lower: LowerTier) -> StagingSlot | None:
         views = self.staging.views(slot)
@@ -81,6 +150,10 @@ class StagedReads:
     async def close(self) -> None:
         """Stop the reads (each gives its pages back once its tier is done with them), then
         staging memory."""
+        for chunk in list(self._prefetches):
+            prefetch = self._forget(chunk)
+            if prefetch is not None:
+                self.give_back_when_done(prefetch.read)
         for task in self._reads:
             task.cancel()
         if self._reads:

@@ -229,3 +229,75 @@ async def test_chunks_larger_than_staging_are_promoted_as_acquire_would(rig):
     assert chunk_at(region, 0) == payload(0)
     assert tier.calls["write"] >= 1 and chain.ram.counters.dropped_dirty == 0
     assert chain.ram.contains(("ns", key(0)), touch=False) and chain.staged.served == 0
+
+
+async def test_a_region_lookup_reads_ahead_into_staging_and_its_load_claims_the_read(rig):
+    chain, tier, region = await rig()
+    await fill_ram_with_dirty_chunks(chain, tier)
+    for i in range(2):
+        tier.data[("ns", key(i))] = payload(i)
+    assert await chain.lookup(NS, [key(0), key(1)], LoadInto.REGION) == [TierKind.FS] * 2
+    await settle(lambda: tier.calls["read"] == 2, "the reads ahead")
+    assert chain.staged.staging.used_bytes == 2 * CHUNK and tier.calls["write"] == 0
+    assert await load(chain, region, [key(0), key(1)]) == 2
+    assert [chunk_at(region, i) for i in range(2)] == [payload(0), payload(1)]
+    assert tier.calls["read"] == 2  # nothing read twice
+    assert chain.staged.served == 2 and chain.staged.staging.used_bytes == 0
+
+
+async def test_reads_ahead_take_at_most_half_of_staging(rig):
+    chain, tier, _ = await rig(staging_chunks=4)
+    await fill_ram_with_dirty_chunks(chain, tier)
+    for i in range(4):
+        tier.data[("ns", key(i))] = payload(i)
+    await chain.lookup(NS, [key(i) for i in range(4)], LoadInto.REGION)
+    await settle(lambda: tier.calls["read"] == 2, "the reads ahead")
+    await asyncio.sleep(0)
+    assert tier.calls["read"] == 2 and chain.staged.staging.used_bytes == 2 * CHUNK
+
+
+async def test_a_read_ahead_no_load_claims_gives_its_pages_back(rig, monkeypatch):
+    monkeypatch.setattr("kvstored.tiers.staged.PREFETCH_HOLD_S", 0.0)
+    chain, tier, _ = await rig()
+    await fill_ram_with_dirty_chunks(chain, tier)
+    tier.data[("ns", key(0))] = payload(0)
+    await chain.lookup(NS, [key(0)], LoadInto.REGION)
+    await settle(lambda: tier.calls["read"] == 1, "the read ahead")
+    await settle(lambda: chain.staged.staging.used_bytes == 0, "its pages coming back")
+    assert not chain.staged.prefetched(("ns", key(0)))
+
+
+async def test_a_chunk_deleted_after_it_was_read_ahead_is_not_served(rig):
+    chain, tier, region = await rig()
+    await fill_ram_with_dirty_chunks(chain, tier)
+    tier.data[("ns", key(0))] = payload(0)
+    await chain.lookup(NS, [key(0)], LoadInto.REGION)
+    await settle(lambda: chain.staged.staging.used_bytes == CHUNK and tier.calls["read"] == 1, "the read ahead")
+    await settle(lambda: all(t.done() for t in chain.staged._reads), "the read ahead ending")
+    assert await chain.delete(NS, [key(0)]) == 1
+    tier.data[("ns", key(0))] = payload(9)  # (even if the tier had it again, the staged bytes are void)
+    assert await load(chain, region, [key(0)]) == 1
+    assert chunk_at(region, 0) == payload(9)  # read again, not the bytes read before the delete
+    assert tier.calls["read"] == 2
+    await settle(lambda: chain.staged.staging.used_bytes == 0, "the pages coming back")
+
+
+async def test_a_load_holding_reads_ahead_gives_them_back_before_it_waits_for_pages(rig):
+    """Staging for 4 chunks: a lookup read k2 and k3 ahead (the prefetch half), load B holds the
+    other half at the gate, load A wants k0..k3. A gives k2 and k3 back instead of waiting for
+    pages while holding them, and both loads finish."""
+    chain, tier, region = await rig(staging_chunks=4)
+    await fill_ram_with_dirty_chunks(chain, tier)
+    for i in range(6):
+        tier.data[("ns", key(i))] = payload(i)
+    await chain.lookup(NS, [key(2), key(3)], LoadInto.REGION)
+    await settle(lambda: tier.calls["read"] == 2 and all(t.done() for t in chain.staged._reads), "the reads ahead")
+    tier.close_gate("read")
+    b = asyncio.create_task(chain.load_to_region(NS, region, [key(4), key(5)], [4 * CHUNK, 5 * CHUNK]))
+    await tier.until_waiting("read", 2)
+    a = asyncio.create_task(load(chain, region, [key(i) for i in range(4)]))
+    await tier.until_waiting("read", 4)  # A read k0 and k1 with the pages k2 and k3 gave back
+    tier.open_gate("read")
+    assert await asyncio.wait_for(asyncio.gather(a, b), HANG_S) == [4, 2]
+    assert [chunk_at(region, i) for i in range(6)] == [payload(i) for i in range(6)]
+    assert chain.staged.staging.used_bytes == 0
