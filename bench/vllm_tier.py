@@ -215,15 +215,28 @@ def run_case(name: str, tier: dict, args, keys: list[bytes], daemon: Daemon | No
     if below is not None and daemon is not None:
         ram = daemon_tiers(daemon)["ram"]
         staged = daemon_stats(daemon).staged_chunks
+        read = daemon_tiers(daemon)["fs"].loaded_chunks - below.loaded_chunks
         result["daemon_after_store"] = {"fs_chunks": below.chunks, "fs_dropped_backpressure": below.dropped_backpressure}
-        result["daemon_after_load"] = {"staged_chunks": staged}
+        result["daemon_after_load"] = {"staged_chunks": staged, "fs_chunks_read": read}
         extra = (f"; after the store the daemon's fs tier held {below.chunks} chunks "
-                 f"({below.dropped_backpressure} dropped by its queue), RAM {ram.chunks}; the load took "
-                 f"{staged} through staging")
+                 f"({below.dropped_backpressure} dropped by its queue), RAM {ram.chunks}; the load read {read} "
+                 f"from disk, {staged} through staging")
     print(f"  {name:14s} store {result['store_gib_s']:6.2f} GiB/s   load {result['load_gib_s']:6.2f} GiB/s"
           f"   ({loaded} chunks loaded and verified, {missed} missed{extra}; load avg {result['load_average']:.2f})",
           flush=True)
     return result
+
+
+def _cold_load_bound(r: dict, chunk: int, limits: dict, fs_load_gib_s: float) -> str:
+    """The fastest the cold load could be on this machine: the chunks it read from disk at the raw
+    O_DIRECT read rate, the rest at memcpy speed (the disk is the bound when that is below target)."""
+    from_disk = r["daemon_after_load"]["fs_chunks_read"] * chunk
+    from_ram = max(0, r["loaded"] * chunk - from_disk)
+    seconds = from_disk / (limits["odirect_read_gib_s"] * GIB) + from_ram / (limits["memcpy_gib_s"] * GIB)
+    bound = r["loaded"] * chunk / seconds / GIB
+    r["bound_gib_s"] = bound
+    return (f"bound: {r['daemon_after_load']['fs_chunks_read']} chunks from disk at raw read speed + the rest at "
+            f"memcpy = {bound:.2f} GiB/s = {bound / fs_load_gib_s:.2f}x vLLM fs, reached {r['load_gib_s'] / bound:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
             note = f"raw O_DIRECT {op} {limit:.2f} GiB/s (depth {limits['queue_depth']}): {r[f'{op}_gib_s'] / limit:.2f}x"
             if key == "kvstored_ram":
                 note = f"memcpy {limits['memcpy_gib_s']:.2f} GiB/s: {r[f'{op}_gib_s'] / limits['memcpy_gib_s']:.2f}x"
+            if key == "kvstored_cold" and op == "load" and "daemon_after_load" in r:
+                note += "; " + _cold_load_bound(r, args.chunk, limits, fs["load_gib_s"])
             if r["missed"] and op == "load":
                 note += f"; {r['missed']} chunks missed"
             rows.append(Row(f"{label} {op}", r[f"{op}_gib_s"], "GiB/s", f"vLLM fs {op}", fs[f"{op}_gib_s"],

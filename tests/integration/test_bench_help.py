@@ -116,15 +116,17 @@ def test_multiturn_overrides_win_and_say_so(tmp_path):
     assert dry_run(tmp_path, "--gpu-conversations", "64")["gpu_tokens"] == 64 * 40_960
 
 
-def test_multiturn_small_run_reports_rows_with_their_limits(tmp_path):
-    """A tiny sweep against a real daemon (RAM of one conversation, so the fs tier serves loads):
-    the JSON has the target rows (name, value, baseline, ratio, target, status) and what bounds each."""
+@pytest.mark.parametrize("transfer", ["region", "pool"])
+def test_multiturn_small_run_reports_rows_with_their_limits(tmp_path, transfer):
+    """A tiny sweep against a real daemon (RAM of one conversation, so the fs tier serves loads),
+    moving chunks as vLLM's tier does (region) or as the direct spec does (pool): the JSON has the
+    target rows (name, value, baseline, ratio, target, status) and what bounds each."""
     out = tmp_path / "run.json"
     proc = subprocess.run(
         [sys.executable, str(REPO_ROOT / "bench" / "multiturn.py"), "--conversations", "4", "--configs",
          "none,ram,ram+fs", "--initial-tokens", "8192", "--turn-tokens", "4096", "--turns", "3", "--think-s", "0.5",
          "--gpu-tokens", "16384", "--ram-conversations", "1", "--fs-conversations", "8", "--no-limits",
-         "--workdir", str(tmp_path / "work"), "--json", str(out)],
+         "--transfer", transfer, "--workdir", str(tmp_path / "work"), "--json", str(out)],
         capture_output=True, text=True, timeout=600, env=clean_env(), cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
@@ -143,6 +145,7 @@ def test_multiturn_small_run_reports_rows_with_their_limits(tmp_path):
     assert runs["ram+fs"]["hit_rate"]["fs"] > 0 and runs["ram+fs"]["corrupt_chunks"] == 0
     assert "fs loads" in vs_none["limit"]
     assert doc["load_average"]["max"] >= doc["load_average"]["min"] > 0
+    assert doc["model"]["transfer"] == transfer
     assert "targets and ratios" in proc.stdout and "bounded by" in proc.stdout
 
 
@@ -274,4 +277,5 @@ def test_multiturn_nodes_small_run_reports_peer_hits_and_rows(tmp_path):
         if r["target"] is not None:
             assert r["status"] == ("PASS" if r["ratio"] >= r["target"] else "MISS")
     assert doc["load_average"]["max"] >= doc["load_average"]["min"] > 0
+    assert doc["model"]["transfer"] == transfer
     assert "targets and ratios" in proc.stdout and "raw TCP on loopback" in proc.stdout
