@@ -578,7 +578,7 @@ def _run_one(config: NodesConfig, conversations: int, n: int, w: mt.Workload, m:
         chunk_bytes = w.chunk_tokens * m.kv_bytes_per_token
         for d in nodes.daemons:
             offloads.append(mt.Offload(d.socket, chunk_bytes, w.chunk_tokens, w.final_tokens // w.chunk_tokens,
-                                       w.seed))
+                                       w.seed, m.transfer))
         before = [o.stats() for o in offloads]
         written = (lambda i: s3_written(offloads[i].stats())) if config.uses("s3") else None
         sim = ClusterSim(w, m, conversations, offloads, settle_s, written, [s3_written(b) for b in before])
@@ -835,7 +835,8 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
         "nodes": n,
         "routing": ROUTING,
         "workload": asdict(w),
-        "model": {**asdict(m), "byte_scale": m.byte_scale, "spec": asdict(mt.MODELS[args.model]),
+        "model": {**asdict(m), "transfer": m.transfer.value, "byte_scale": m.byte_scale,
+                  "spec": asdict(mt.MODELS[args.model]),
                   "derivation": derivation, "basis": [asdict(b) for b in basis]},
         "configs": [{"key": c.key, "label": c.label, "tiers": list(c.tiers), "write_through": c.write_through}
                     for c in configs],
