@@ -180,12 +180,17 @@ def cmd_status(conn: Conn, args: argparse.Namespace) -> int:
         "sessions": stats.sessions, "leases": stats.leases, "reservations": stats.reservations,
         "regions": stats.regions, "namespaces": stats.namespaces,
         "tiers": [tier_dict(t) for t in stats.tiers],
+        "staging": {"capacity_bytes": stats.staging_capacity_bytes, "used_bytes": stats.staging_used_bytes,
+                    "staged_chunks": stats.staged_chunks},
     }
 
     def text() -> str:
+        staging = (f"staging {format_size(stats.staging_used_bytes)} of {format_size(stats.staging_capacity_bytes)} "
+                   f"in use, {stats.staged_chunks} chunks loaded through it" if stats.staging_capacity_bytes
+                   else "staging off")
         head = (f"kvstored {stats.version} on {conn.socket}: {health}\n"
                 f"sessions {stats.sessions}  leases {stats.leases}  reservations {stats.reservations}  "
-                f"regions {stats.regions}  namespaces {stats.namespaces}\n")
+                f"regions {stats.regions}  namespaces {stats.namespaces}  {staging}\n")
         rows = [(t.name, kind_name(t.kind), format_size(t.used_bytes),
                  format_size(t.capacity_bytes) if t.capacity_bytes else "unbounded",
                  percent(ratio(t.used_bytes, t.capacity_bytes)), t.chunks, percent(ratio(t.hits, t.lookups)),

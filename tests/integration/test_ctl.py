@@ -45,6 +45,7 @@ def test_status_stats_and_health_report_what_stats_says(daemon):
         stats = daemon.stats()
         assert data["health"] == "SERVING" and data["version"] == stats.version
         assert (data["sessions"], data["leases"], data["namespaces"]) == (1, 0, 1)
+        assert data["staging"] == {"capacity_bytes": 0, "used_bytes": 0, "staged_chunks": 0}  # no tier below RAM
         assert [t["name"] for t in data["tiers"]] == [t.name for t in stats.tiers] == ["ram"]
         ram, ram_stats = data["tiers"][0], stats.tiers[0]
         for field in ("capacity_bytes", "used_bytes", "chunks", "lookups", "hits", "evictions", "stored_chunks"):
@@ -53,7 +54,7 @@ def test_status_stats_and_health_report_what_stats_says(daemon):
         assert ram["utilization"] == ram_stats.used_bytes / ram_stats.capacity_bytes
 
         text = ok("status", socket_path=daemon.socket)
-        assert f"on {daemon.socket}: SERVING" in text
+        assert f"on {daemon.socket}: SERVING" in text and "staging off" in text
         header = next(line for line in text.splitlines() if line.startswith("TIER"))
         assert header.split()[:4] == ["TIER", "KIND", "USED", "CAPACITY"]
         ram_line = next(line for line in text.splitlines() if line.startswith("ram "))

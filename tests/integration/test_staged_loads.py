@@ -3,6 +3,9 @@ client's region through staging memory, verified, and nothing in RAM is evicted 
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -11,6 +14,7 @@ import numpy as np
 import pytest
 
 from kvstored_client import LoadInto, TierKind
+from tests.support.daemon import clean_env
 from tests.support.data import make_keys, payloads
 from tests.support.rpc import pb, raw, rpc_error
 from tests.support.wait import wait_for
@@ -61,6 +65,11 @@ def test_a_region_load_past_a_full_ram_comes_through_staging(daemon_factory, ns_
         promoted = ram_of(after).promotions - ram_of(before).promotions  # (into free RAM, if there was some)
         assert staged + promoted == 12 and staged >= 12 - RAM_CHUNKS
         assert after.staging_capacity_bytes == 3 * CHUNK and after.staging_used_bytes == 0
+    status = subprocess.run([sys.executable, "-m", "kvstored.ctl", "--socket", str(d.socket), "--json", "status"],
+                            capture_output=True, text=True, timeout=60, env=clean_env())
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["staging"] == {"capacity_bytes": 3 * CHUNK, "used_bytes": 0,
+                                                    "staged_chunks": after.staged_chunks}
 
 
 def test_staging_off_region_loads_promote_into_ram(daemon_factory, ns_name, shm_dir, tmp_path):
