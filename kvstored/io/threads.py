@@ -78,9 +78,12 @@ class PriorityThreadPool:
         future = JobFuture(loop=loop)
 
         def run() -> None:
-            result, error = None, None
+            result: Any = None
+            error: BaseException | None = None
             try:
                 result = fn(*args)
+            except StopIteration as exc:  # (a future refuses it: its awaiter would wait forever)
+                error = RuntimeError(f"job raised StopIteration: {exc!r}")
             except BaseException as exc:  # delivered to the submitter
                 error = exc
             try:

@@ -163,6 +163,7 @@ class Region:
     _map: mmap.mmap
     _fd: int  # our own dup, to notice a file that shrank
     _stop_populating: threading.Event = field(default_factory=threading.Event)
+    closed: bool = False  # its session ended: transfers still running copy no more into it
 
     @classmethod
     def from_fd(cls, region_id: int, name: str, fd: int) -> Region:
@@ -203,6 +204,9 @@ class Region:
         return os.fstat(self._fd).st_size
 
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         self._stop_populating.set()
         del self.array
         os.close(self._fd)

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import mmap
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -49,18 +51,20 @@ class Staging:
         return (self._pages.total_pages - self._pages.free_pages) * PAGE_BYTES
 
     def holds(self, size: int) -> bool:
-        """Whether a chunk of `size` bytes can ever be staged (fits in the whole budget)."""
-        return _pages(size) <= self._pages.total_pages
+        """Whether chunks of `size` bytes are staged: at most half of staging each, so a load that
+        waits for pages is never starved by loads of smaller chunks taking them one by one."""
+        return _pages(size) <= self._pages.total_pages // 2
 
     def try_take(self, size: int) -> StagingSlot | None:
         """Pages for a chunk of `size` bytes, if enough are free now."""
         runs = self._pages.allocate(_pages(size))
         return StagingSlot(tuple(runs), size) if runs is not None else None
 
-    async def wait_for_room(self) -> None:
-        """Until some pages come back (then try_take again)."""
+    def wait_for_room(self) -> Coroutine[Any, Any, Any]:
+        """Until some pages come back (then try_take again). Armed when called, not when first
+        awaited: pages given back before the awaiting task first runs still wake it."""
         self._returned.clear()
-        await self._returned.wait()
+        return self._returned.wait()
 
     def give(self, slot: StagingSlot) -> None:
         """Give pages back; nothing may touch them any more."""

@@ -29,6 +29,7 @@ from kvstored.errors import (
     TierStartError,
     TierUnavailable,
     TransferNotStarted,
+    UnknownRegion,
 )
 from kvstored.namespaces import Namespace
 from kvstored.observability.events import Cause, EventBus, EventType
@@ -544,6 +545,9 @@ class TierChain:
         await self._copy_between(region, source, jobs, to_pool=False)
 
     async def _copy_between(self, region: Region, pool: np.ndarray, jobs: list[CopyJob], to_pool: bool) -> None:
+        if region.closed:  # (a long region load goes on between copies: its session may end meanwhile)
+            raise UnknownRegion(f"region {region.region_id} ({region.name}) was closed during the transfer "
+                                f"(its session ended)")
         try:
             await self._copier.run(region.array, pool, jobs, to_pool)
         except MappingVanished:

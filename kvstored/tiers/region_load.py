@@ -30,7 +30,7 @@ from kvstored.shm.staging import StagingSlot
 from kvstored.tiers.base import ChunkId, TierKind
 from kvstored.tiers.lower import Promoter
 from kvstored.tiers.ram import RamEntry, RamTier
-from kvstored.tiers.staged import StagedReads
+from kvstored.tiers.staged import StagedRead, StagedReads
 
 Until = Callable[[float | None, Awaitable[Any]], Awaitable[Any]]  # the chain's start-deadline wait
 Copy = Callable[[Region, np.ndarray, list[CopyJob]], Awaitable[None]]  # pool or staging -> region
@@ -47,7 +47,7 @@ class _Step:
     promotion: asyncio.Future | None = None  # being promoted into RAM: leased once it lands
     tier: int | None = None  # the lower tier it is read from through staging
     below: int | None = None  # = tier while that read waits for pages
-    read: asyncio.Task[StagingSlot | None] | None = None  # that read, under way
+    read: StagedRead | None = None  # that read, under way
     slot: StagingSlot | None = None  # read and verified
     failed: bool = False  # not delivered: the load ends before it
 
@@ -101,35 +101,41 @@ class RegionLoader:
         rest = list(zip(chunks, offsets))[len(steps):]
         if not rest:
             return steps
-        ahead = {c: claimed for c, _ in rest if (claimed := self._staged.claim(c)) is not None}  # by its lookup
-        unknown = [c for c, _ in rest if c not in ahead and not self._ram.contains(c, touch=False)
+        # Pinned before the lookup below awaits: a full RAM would evict them meanwhile.
+        leases = {c: entry for c, _ in rest if (entry := self._ram.acquire(c)) is not None}
+        ahead = {c: claimed for c, _ in rest if c not in leases and (claimed := self._staged.claim(c)) is not None}
+        unknown = [c for c, _ in rest if c not in leases and c not in ahead
                    and self._promoter.in_flight(c) is TierKind.NONE]
         try:
             found = dict(zip(unknown, await self._until(start_by, self._promoter.find(unknown)))) if unknown else {}
         except BaseException:
-            for read, _ in ahead.values():
-                self._staged.give_back_when_done(read)
+            self._drop(leases, ahead)
             self._abandon(steps)
             raise
         for chunk, offset in rest:
-            step = _Step(chunk, offset, ns.chunk_bytes, self._ram.acquire(chunk), self._promoter.pending(chunk))
-            if chunk in ahead:
-                step.read, step.tier = ahead.pop(chunk)
-                if step.lease is not None or step.promotion is not None:  # (there anyway: not needed)
-                    self._staged.give_back_when_done(step.read)
-                    step.read = step.tier = None
-            tier_index = found.get(chunk)
-            if step.lease is None and step.promotion is None and step.read is None and tier_index is not None:
-                if self._ram.fits(ns.namespace_id, ns.chunk_bytes):  # free RAM: promote (others may want it)
-                    step.promotion = self._promoter.start(chunk, ns.chunk_bytes, tier_index, evict=False)
-                if step.promotion is None and not self._staged.blocked(chunk):
-                    step.tier = step.below = tier_index
+            step = _Step(chunk, offset, ns.chunk_bytes, leases.pop(chunk, None) or self._ram.acquire(chunk))
+            if step.lease is None and chunk in ahead:
+                step.read, step.tier = ahead.pop(chunk)  # read ahead by its lookup
+            elif step.lease is None:
+                step.promotion = self._promoter.pending(chunk)
+                tier_index = found.get(chunk)
+                if step.promotion is None and tier_index is not None and not self._staged.blocked(chunk):
+                    step.tier = tier_index  # (a promotion that lands and goes again is staged instead)
+                    if self._ram.fits(ns.namespace_id, ns.chunk_bytes):  # free RAM: promote (others may want it)
+                        step.promotion = self._promoter.start(chunk, ns.chunk_bytes, tier_index, evict=False)
+                    if step.promotion is None:
+                        step.below = tier_index
             if step.lease is None and step.promotion is None and step.tier is None:
                 break  # found nowhere: the load ends before it
             steps.append(step)
-        for read, _ in ahead.values():  # past the end of the load
-            self._staged.give_back_when_done(read)
+        self._drop(leases, ahead)  # past the end of the load
         return steps
+
+    def _drop(self, leases: dict[ChunkId, RamEntry], ahead: dict[ChunkId, tuple[StagedRead, int]]) -> None:
+        for entry in leases.values():
+            self._ram.release(entry)
+        for read, _ in ahead.values():
+            self._staged.give_back_when_done(read)
 
     async def _ready_first(self, steps: list[_Step], start_by: float | None) -> None:
         """Wait (until start_by) for the promotions and for the staged reads staging has pages
@@ -161,8 +167,11 @@ class RegionLoader:
         if step.promotion is not None and step.promotion.done() and step.lease is None and not step.failed:
             landed = not step.promotion.cancelled() and step.promotion.exception() is None and step.promotion.result()
             step.lease = self._ram.acquire(step.chunk) if landed else None
-            step.failed = step.lease is None
             step.promotion = None
+            if step.lease is None and landed and step.tier is not None:
+                step.below = step.tier  # landed and evicted again before its lease: read it through staging
+            else:
+                step.failed = step.lease is None
         if step.read is not None and step.read.done() and step.slot is None and not step.failed:
             step.slot = step.read.result() if not step.read.cancelled() else None
             step.failed = step.slot is None
@@ -231,6 +240,8 @@ class RegionLoader:
         now (then there is no need to wait)."""
         gave = False
         for step in steps[index + 1:]:
+            if step.read is None and step.slot is None:
+                continue  # (leased, promoting, failed, or already waiting for pages)
             if step.read is not None:
                 self._staged.give_back_when_done(step.read)
                 step.read = None
@@ -238,8 +249,7 @@ class RegionLoader:
                 self._staged.staging.give(step.slot)
                 step.slot = None
                 gave = True
-            if step.tier is not None and not step.failed:
-                step.below = step.tier
+            step.below = step.tier
         return gave
 
     def _abandon(self, steps: list[_Step]) -> None:

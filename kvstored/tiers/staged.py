@@ -24,12 +24,13 @@ from kvstored.tiers.base import ChunkId
 from kvstored.tiers.lower import DeletionGuard, DeletionWatch, LowerTier
 
 log = logging.getLogger(__name__)
+StagedRead = asyncio.Future  # resolves to the StagingSlot holding the verified chunk, or None
 PREFETCH_HOLD_S = 2.0  # how long a chunk a lookup read ahead waits for its load (engines load within a step or two)
 
 
 @dataclass(eq=False)
 class _Prefetch:
-    read: asyncio.Task[StagingSlot | None]
+    read: StagedRead
     tier_index: int
     watch: DeletionWatch  # deletes after the read, until its load claims it
     expiry: asyncio.TimerHandle | None = None
@@ -40,18 +41,46 @@ class StagedReads:
         self.staging = staging
         self._lower = list(lower)
         self._deleting = deleting
-        self._reads: set[asyncio.Task] = set()
         self._prefetches: dict[ChunkId, _Prefetch] = {}
+        self._closing = False
         self.served = 0  # chunks a region load got through staging
 
-    def start(self, chunk: ChunkId, slot: StagingSlot, tier_index: int) -> asyncio.Task[StagingSlot | None]:
-        """Read `chunk` from lower tier `tier_index` into `slot` (taken from `staging`). The task's
-        result is the slot holding the verified chunk, for its owner to give back; or None (a
-        miss, a corrupt copy, a failure, a delete meanwhile), the slot given back already."""
-        task = asyncio.ensure_future(self._read(chunk, slot, self._lower[tier_index]))
-        self._reads.add(task)
-        task.add_done_callback(self._reads.discard)
-        return task
+    def start(self, chunk: ChunkId, slot: StagingSlot, tier_index: int) -> StagedRead:
+        """Read `chunk` from lower tier `tier_index` into `slot` (taken from `staging`), queued at
+        load priority now. The result is the slot holding the verified chunk, for its owner to
+        give back; or None (a miss, a corrupt copy, a failure, a delete meanwhile, the chain
+        closing), the slot given back already: once nothing writes into it any more."""
+        outcome: StagedRead = asyncio.get_running_loop().create_future()
+        if self._closing:
+            self.staging.give(slot)
+            outcome.set_result(None)
+            return outcome
+        lower = self._lower[tier_index]
+        views = self.staging.views(slot)
+        watch = self._deleting.add_watch(chunk)
+        size = slot.size
+        read = lower.queue.submit(Priority.LOAD, lambda: lower.timed("read", lower.tier.read(chunk, views, size)))
+        if read is None:  # (loads are never refused)
+            self._deleting.drop_watch(watch)
+            self.staging.give(slot)
+            outcome.set_result(None)
+            return outcome
+
+        def done(read: asyncio.Future) -> None:
+            self._deleting.drop_watch(watch)
+            failed = None if read.cancelled() else read.exception()
+            if failed is not None:
+                log.warning("staged read from %s failed: %s", lower.tier.name, failed)
+            if not read.cancelled() and failed is None and read.result() and not watch.deleted \
+                    and not outcome.cancelled():
+                outcome.set_result(slot)
+                return
+            self._give_back(slot, lower, views)
+            if not outcome.done():
+                outcome.set_result(None)
+
+        read.add_done_callback(done)
+        return outcome
 
     def blocked(self, chunk: ChunkId) -> bool:
         return self._deleting.blocks(chunk)
@@ -64,7 +93,7 @@ class StagedReads:
         if chunk in self._prefetches:
             return True
         staging = self.staging
-        if self._deleting.blocks(chunk) or staging.used_bytes + size > staging.capacity_bytes // 2:
+        if self._closing or self._deleting.blocks(chunk) or staging.used_bytes + size > staging.capacity_bytes // 2:
             return False
         slot = staging.try_take(size)
         if slot is None:
@@ -77,7 +106,7 @@ class StagedReads:
     def prefetched(self, chunk: ChunkId) -> bool:
         return chunk in self._prefetches
 
-    def claim(self, chunk: ChunkId) -> tuple[asyncio.Task[StagingSlot | None], int] | None:
+    def claim(self, chunk: ChunkId) -> tuple[StagedRead, int] | None:
         """A load takes the read ahead of `chunk` (done or not) and the tier it reads from; None
         if there is none (or a delete voided it)."""
         prefetch = self._forget(chunk)
@@ -110,28 +139,6 @@ class StagedReads:
             self._deleting.drop_watch(prefetch.watch)
         return prefetch
 
-    async def _read(self, chunk: ChunkId, slot: StagingSlot, lower: LowerTier) -> StagingSlot | None:
-        views = self.staging.views(slot)
-        size = slot.size
-        with self._deleting.watch(chunk) as watch:
-            read = lower.queue.submit(Priority.LOAD, lambda: lower.timed("read", lower.tier.read(chunk, views, size)))
-            if read is None:  # (loads are never refused)
-                self.staging.give(slot)
-                return None
-            try:
-                # Shielded: the tier may be writing the pages; they go back only once it ends.
-                ok = bool(await asyncio.shield(read))
-            except asyncio.CancelledError:
-                read.add_done_callback(lambda _: self._give_back(slot, lower, views))
-                raise
-            except Exception as exc:
-                log.warning("staged read from %s failed: %s", lower.tier.name, exc)
-                ok = False
-            if ok and not watch.deleted:
-                return slot
-        self._give_back(slot, lower, views)
-        return None
-
     def _give_back(self, slot: StagingSlot, lower: LowerTier, views: list[memoryview]) -> None:
         busy = lower.tier.views_busy(views)  # a peer transfer that could not be stopped
         if busy is None:
@@ -139,23 +146,21 @@ class StagedReads:
         else:
             self.staging.give_when(slot, busy)
 
-    def give_back_when_done(self, task: asyncio.Task[StagingSlot | None]) -> None:
+    def give_back_when_done(self, task: StagedRead) -> None:
         """A read whose load gave up: its slot goes back when it ends."""
-        def done(finished: asyncio.Task[StagingSlot | None]) -> None:
+        def done(finished: StagedRead) -> None:
             if not finished.cancelled() and finished.exception() is None and (slot := finished.result()) is not None:
                 self.staging.give(slot)
 
         task.add_done_callback(done)
 
     async def close(self) -> None:
-        """Stop the reads (each gives its pages back once its tier is done with them), then
-        staging memory."""
+        """After the tiers' queues have closed (every read has ended or been dropped, and given its
+        pages back): drop the reads ahead, take no more reads, release staging memory."""
+        self._closing = True
         for chunk in list(self._prefetches):
             prefetch = self._forget(chunk)
             if prefetch is not None:
                 self.give_back_when_done(prefetch.read)
-        for task in self._reads:
-            task.cancel()
-        if self._reads:
-            await asyncio.wait(self._reads)
+        await asyncio.sleep(0)  # (the reads' last callbacks)
         self.staging.close()

@@ -94,6 +94,9 @@ async def test_submit_async_delivers_results_and_errors_on_the_loop():
     assert await pool.submit_async(loop, Priority.LOAD, lambda x: x * 2, 21) == 42
     with pytest.raises(OSError, match="boom"):
         await pool.submit_async(loop, Priority.LOAD, fail)
+    # A future refuses StopIteration; the caller must still get an outcome, not wait forever.
+    with pytest.raises(RuntimeError, match="StopIteration"):
+        await asyncio.wait_for(pool.submit_async(loop, Priority.LOAD, next, iter(())), 30)
     pool.shutdown()
 
 

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from kvstored.errors import TransferNotStarted
+from kvstored.errors import TransferNotStarted, UnknownRegion
 from kvstored.namespaces import Namespace
 from kvstored.shm.mapping import Region
 from kvstored.tiers.base import TierCapabilities, TierKind
@@ -60,6 +60,10 @@ async def fill_ram_with_dirty_chunks(chain, tier, count: int = 4) -> None:
     for i in range(count):
         await store(chain, NS, key(100 + i), 100 + i)
     tier.close_gate("write")
+
+
+def reads_ahead_done(chain) -> bool:
+    return all(p.read.done() for p in chain.staged._prefetches.values())
 
 
 def chunk_at(region: Region, index: int) -> bytes:
@@ -199,9 +203,10 @@ async def test_a_region_lookup_evicts_nothing_and_starts_no_write_down(rig):
     await fill_ram_with_dirty_chunks(chain, tier)
     tier.data[("ns", key(0))] = payload(0)
     assert await chain.lookup(NS, [key(0)], LoadInto.REGION) == [TierKind.FS]
-    await asyncio.sleep(0)
-    assert tier.calls["write"] == 0 and tier.calls["read"] == 0  # no room: nothing promoted, nothing pushed out
-    assert not chain._prefetches
+    await settle(lambda: tier.calls["read"] == 1, "the read ahead")
+    assert chain.staged.staging.used_bytes == CHUNK  # read ahead into staging, not RAM
+    assert tier.calls["write"] == 0 and not chain._prefetches  # nothing pushed out of RAM for it
+    assert sorted(chain.ram.chunks_of("ns")) == sorted(("ns", key(100 + i)) for i in range(4))
 
 
 async def test_closing_the_chain_with_a_staged_read_held_gives_its_pages_back(rig):
@@ -273,7 +278,7 @@ async def test_a_chunk_deleted_after_it_was_read_ahead_is_not_served(rig):
     tier.data[("ns", key(0))] = payload(0)
     await chain.lookup(NS, [key(0)], LoadInto.REGION)
     await settle(lambda: chain.staged.staging.used_bytes == CHUNK and tier.calls["read"] == 1, "the read ahead")
-    await settle(lambda: all(t.done() for t in chain.staged._reads), "the read ahead ending")
+    await settle(lambda: reads_ahead_done(chain), "the read ahead ending")
     assert await chain.delete(NS, [key(0)]) == 1
     tier.data[("ns", key(0))] = payload(9)  # (even if the tier had it again, the staged bytes are void)
     assert await load(chain, region, [key(0)]) == 1
@@ -291,7 +296,7 @@ async def test_a_load_holding_reads_ahead_gives_them_back_before_it_waits_for_pa
     for i in range(6):
         tier.data[("ns", key(i))] = payload(i)
     await chain.lookup(NS, [key(2), key(3)], LoadInto.REGION)
-    await settle(lambda: tier.calls["read"] == 2 and all(t.done() for t in chain.staged._reads), "the reads ahead")
+    await settle(lambda: tier.calls["read"] == 2 and reads_ahead_done(chain), "the reads ahead")
     tier.close_gate("read")
     b = asyncio.create_task(chain.load_to_region(NS, region, [key(4), key(5)], [4 * CHUNK, 5 * CHUNK]))
     await tier.until_waiting("read", 2)
@@ -301,3 +306,62 @@ async def test_a_load_holding_reads_ahead_gives_them_back_before_it_waits_for_pa
     assert await asyncio.wait_for(asyncio.gather(a, b), HANG_S) == [4, 2]
     assert [chunk_at(region, i) for i in range(6)] == [payload(i) for i in range(6)]
     assert chain.staged.staging.used_bytes == 0
+
+
+async def test_pages_given_back_just_before_a_deadline_bound_wait_still_wake_it(rig):
+    """A load with a start deadline whose first chunk finds no pages gives back the read ahead it
+    claimed for its second chunk and waits for pages: that give-back wakes it (the wait is armed
+    before the pages come back), so it reads its first chunk at once instead of at the deadline."""
+    chain, tier, region = await rig(staging_chunks=2)
+    await fill_ram_with_dirty_chunks(chain, tier)
+    for i in (0, 1, 9):
+        tier.data[("ns", key(i))] = payload(i)
+    await chain.lookup(NS, [key(1)], LoadInto.REGION)
+    await settle(lambda: chain.staged.prefetched(("ns", key(1))) and reads_ahead_done(chain), "k1 read ahead")
+    tier.close_gate("read")
+    holder = asyncio.create_task(chain.load_to_region(NS, region, [key(9)], [7 * CHUNK]))
+    await tier.until_waiting("read")  # the holder has the other page
+    start_by = asyncio.get_running_loop().time() + HANG_S
+    loading = asyncio.create_task(chain.load_to_region(NS, region, [key(0), key(1)], [0, CHUNK], start_by=start_by))
+    await tier.until_waiting("read", 2)  # k0 read with k1's pages, well before the deadline
+    tier.open_gate("read")
+    assert await asyncio.wait_for(loading, HANG_S) == 2 and await holder == 1
+    assert [chunk_at(region, 0), chunk_at(region, 1)] == [payload(0), payload(1)]
+    assert chain.staged.staging.used_bytes == 0
+
+
+async def test_a_region_closed_between_copies_ends_the_load_with_unknown_region(rig):
+    """A load longer than staging has started copying when its session ends (the region closes):
+    the next copy stops with UnknownRegion (NOT_FOUND), and every page comes back."""
+    chain, tier, region = await rig(staging_chunks=2)
+    await fill_ram_with_dirty_chunks(chain, tier)
+    for i in range(4):
+        tier.data[("ns", key(i))] = payload(i)
+    tier.close_gate("read")
+    loading = asyncio.create_task(load(chain, region, [key(i) for i in range(4)]))
+    await tier.until_waiting("read", 2)
+    tier.let_through("read", 2)  # k0 and k1: the transfer starts
+    await tier.until_waiting("read", 2)  # k2 and k3, with the pages k0 and k1 gave back
+    region.close()
+    tier.open_gate("read")
+    with pytest.raises(UnknownRegion, match="closed during the transfer"):
+        await loading
+    await settle(lambda: chain.staged.staging.used_bytes == 0, "the pages coming back")
+
+
+async def test_ram_hits_behind_a_miss_are_pinned_while_the_load_looks_below(rig):
+    """The load's second chunk is in RAM (clean, at the cold end) while its first is looked up
+    below: a store meanwhile evicts the cold end, but not that chunk: the load gets both."""
+    chain, tier, region = await rig()
+    tier.data[("ns", key(1))] = payload(1)
+    chain.release([lease.entry for lease in await chain.acquire(NS, [key(1)])])  # promoted: clean, cold end
+    for i in range(3):
+        await store(chain, NS, key(100 + i), 100 + i)  # RAM full
+    tier.data[("ns", key(0))] = payload(0)
+    tier.close_gate("contains")
+    loading = asyncio.create_task(load(chain, region, [key(0), key(1)]))
+    await tier.until_waiting("contains")
+    await store(chain, NS, key(103), 103)  # needs room: the clean cold end would go first
+    tier.open_gate("contains")
+    assert await loading == 2
+    assert [chunk_at(region, 0), chunk_at(region, 1)] == [payload(0), payload(1)]
