@@ -413,3 +413,11 @@ def test_bad_tenant_quota_names_the_option(raw):
 def test_a_tenant_quota_below_one_page_is_refused():
     with pytest.raises(ConfigError, match="tenant_quota"):
         load_config(flags={"cpu_bytes": "1GiB", "tenant_quota": "4KiB"}, env={})
+
+
+def test_staging_bytes_is_off_or_at_least_a_page():
+    assert load_config({}, {}).staging_bytes == 64 << 20
+    assert load_config({"staging_bytes": "0"}, {}).staging_bytes == 0  # off: region loads promote
+    assert load_config({}, {"KVSTORED_STAGING_BYTES": "256MiB"}).staging_bytes == 256 << 20
+    with pytest.raises(ConfigError, match="staging_bytes must be 0 .* got 100"):
+        load_config({"staging_bytes": "100"}, {})
