@@ -769,15 +769,17 @@ class Simulation:
         self.charged_fixed[tier] = self.charged_fixed.get(tier, 0.0) + fixed
         return charged
 
+    hit_tiers: tuple[str, ...] = TIERS  # where a reusable chunk can be found
+
     def serve_load(self, rec: TurnRecord) -> float:
         """The turn reaches the loader: GPU prefix, then kvstored for the rest; the prompt becomes
-        resident on the GPU and what that evicts is stored into kvstored. Returns the load time
-        to charge (0 when nothing comes from kvstored)."""
+        resident on the GPU and what that evicts is stored into kvstored (store_after). Returns
+        the load time to charge (0 when nothing comes from kvstored)."""
         w = self.w
         keys = self.keys[rec.conv][:rec.prompt_tokens // w.chunk_tokens]
         reusable = keys[:rec.reusable_chunks]
         on_gpu = self.gpu.prefix_hits(reusable)
-        hits = {t: 0 for t in TIERS}
+        hits = dict.fromkeys(self.hit_tiers, 0)
         hits["gpu"] = on_gpu
         load_s = 0.0
         if self.offload is not None and on_gpu < len(reusable):
@@ -786,16 +788,26 @@ class Simulation:
             self.shortfall += res.looked_up - res.loaded
             for tier, count in res.hits.items():
                 hits[tier] = hits.get(tier, 0) + count
-            load_s = res.lookup_s + sum(self.charge(*seg) for seg in res.segments)
+            lookup_s, segments = self._segments(res.lookup_s, res.segments)
+            load_s = lookup_s + sum(self.charge(*seg) for seg in segments)
             rec.load_seconds = res.seconds
         rec.hits = hits
-        cached = sum(hits.values()) * w.chunk_tokens
-        rec.prefill_s = (rec.prompt_tokens - cached) / self.m.prefill_tokens_per_s
+        cached = sum(hits.values())
+        rec.prefill_s = (rec.prompt_tokens - cached * w.chunk_tokens) / self.m.prefill_tokens_per_s
         rec.load_s = load_s
-        evicted = self.gpu.admit(keys, rec.conv)
+        self.store_after(keys, rec.conv, cached)
+        return load_s
+
+    def _segments(self, lookup_s: float, segments: Sequence[tuple[str, float, int]]
+                  ) -> tuple[float, Sequence[tuple[str, float, int]]]:
+        """The measured lookup and load calls, as they are charged (here: as measured)."""
+        return lookup_s, segments
+
+    def store_after(self, keys: Sequence[bytes], conv: int, cached: int) -> None:
+        """The prompt becomes resident on the GPU: what that evicts is stored into kvstored."""
+        evicted = self.gpu.admit(keys, conv)
         if self.offload is not None and evicted:
             self.offload.store(evicted)
-        return load_s
 
 
 def _conversation_keys(w: Workload, conv: int, namespace_id: str) -> list[bytes]:

@@ -223,31 +223,12 @@ class NodeSim(mt.Simulation):
         return self.lookup_floor_s, [(t, s + excess * n / lower if t in PREFETCHED_BY_LOOKUP else s, n)
                                      for t, s, n in segments]
 
-    def serve_load(self, rec: mt.TurnRecord) -> float:
-        w = self.w
-        keys = self.keys[rec.conv][:rec.prompt_tokens // w.chunk_tokens]
-        reusable = keys[:rec.reusable_chunks]
-        on_gpu = self.gpu.prefix_hits(reusable)
-        hits = dict.fromkeys(NODE_TIERS, 0)
-        hits["gpu"] = on_gpu
-        load_s = 0.0
-        if self.offload is not None and on_gpu < len(reusable):
-            res = self.offload.lookup_load(reusable[on_gpu:], rec.conv, on_gpu)
-            self.lookup_s.append(res.lookup_s)
-            self.shortfall += res.looked_up - res.loaded
-            for tier, count in res.hits.items():
-                hits[tier] = hits.get(tier, 0) + count
-            lookup_s, segments = self._segments(res.lookup_s, res.segments)
-            load_s = lookup_s + sum(self.charge(*seg) for seg in segments)
-            rec.load_seconds = res.seconds
-        rec.hits = hits
-        cached = sum(hits.values())
-        rec.prefill_s = (rec.prompt_tokens - cached * w.chunk_tokens) / self.m.prefill_tokens_per_s
-        rec.load_s = load_s
-        self.gpu.admit(keys, rec.conv)  # what it evicts was stored when it was computed
+    hit_tiers = NODE_TIERS
+
+    def store_after(self, keys: Sequence[bytes], conv: int, cached: int) -> None:
+        self.gpu.admit(keys, conv)  # what it evicts was stored when it was computed
         if self.offload is not None and cached < len(keys):
-            self.offload.store([(key, rec.conv, i) for i, key in enumerate(keys[cached:], cached)])
-        return load_s
+            self.offload.store([(key, conv, i) for i, key in enumerate(keys[cached:], cached)])
 
 
 @dataclass
