@@ -34,20 +34,31 @@ def region_of(path: Path) -> np.ndarray:
     return np.memmap(path, dtype=np.uint8, mode="r+")
 
 
-def test_a_region_load_past_a_full_ram_comes_through_staging(daemon_factory, ns_name, shm_dir, tmp_path):
-    d = daemon_factory(["--tiers", f"kind=fs,root={tmp_path / 'fs'},bytes=64MiB",
-                        "--staging-bytes", str(3 * CHUNK)], cpu_bytes=str(RAM_CHUNKS * CHUNK))
+def daemon_with_fs(daemon_factory, tmp_path, staging_bytes: int):
+    return daemon_factory(["--tiers", f"kind=fs,root={tmp_path / 'fs'},bytes=64MiB",
+                           "--staging-bytes", str(staging_bytes)], cpu_bytes=str(RAM_CHUNKS * CHUNK))
+
+
+def store_past_ram(d, c, ns_name: str, path: Path):
+    """N chunks (three times RAM) stored from a region at `path`, the oldest written down to the
+    fs tier; the region zeroed afterwards. Returns (namespace, region, keys, payloads, offsets)."""
     keys = make_keys(ns_name, N)
     data = payloads(keys, CHUNK)
-    path = shm_dir / "region"
     path.write_bytes(data.tobytes())
     offsets = [i * CHUNK for i in range(N)]
+    ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
+    region = c.register_region(path)
+    for first in range(0, N, 4):  # write-back moves the oldest to disk
+        assert c.store_from_region(ns, region, keys[first:first + 4], offsets[first:first + 4]).stored == 4
+    assert wait_for(lambda: fs_of(d.stats()).chunks >= N - RAM_CHUNKS)
+    return ns, region, keys, data, offsets
+
+
+def test_a_region_load_past_a_full_ram_comes_through_staging(daemon_factory, ns_name, shm_dir, tmp_path):
+    d = daemon_with_fs(daemon_factory, tmp_path, 3 * CHUNK)
+    path = shm_dir / "region"
     with d.client() as c:
-        ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
-        region = c.register_region(path)
-        for first in range(0, N, 4):  # three times RAM: write-back moves the oldest to disk
-            assert c.store_from_region(ns, region, keys[first:first + 4], offsets[first:first + 4]).stored == 4
-        assert wait_for(lambda: fs_of(d.stats()).chunks >= N - RAM_CHUNKS)  # the oldest written down
+        ns, region, keys, data, offsets = store_past_ram(d, c, ns_name, path)
         recent = c.lookup(ns, keys[-RAM_CHUNKS // 2:]).tiers
         assert recent == [TierKind.RAM] * (RAM_CHUNKS // 2)
         region_of(path)[:] = 0
@@ -73,19 +84,10 @@ def test_a_region_load_past_a_full_ram_comes_through_staging(daemon_factory, ns_
 
 
 def test_staging_off_region_loads_promote_into_ram(daemon_factory, ns_name, shm_dir, tmp_path):
-    d = daemon_factory(["--tiers", f"kind=fs,root={tmp_path / 'fs'},bytes=64MiB", "--staging-bytes", "0"],
-                       cpu_bytes=str(RAM_CHUNKS * CHUNK))
-    keys = make_keys(ns_name, N)
-    data = payloads(keys, CHUNK)
+    d = daemon_with_fs(daemon_factory, tmp_path, 0)
     path = shm_dir / "region"
-    path.write_bytes(data.tobytes())
-    offsets = [i * CHUNK for i in range(N)]
     with d.client() as c:
-        ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
-        region = c.register_region(path)
-        for first in range(0, N, 4):
-            assert c.store_from_region(ns, region, keys[first:first + 4], offsets[first:first + 4]).stored == 4
-        assert wait_for(lambda: fs_of(d.stats()).chunks >= N - RAM_CHUNKS)  # the oldest written down
+        ns, region, keys, data, offsets = store_past_ram(d, c, ns_name, path)
         region_of(path)[:] = 0
         assert c.lookup(ns, keys[:4], load_into=LoadInto.REGION).prefix_hits == 4
         assert c.load_to_region(ns, region, keys[:4], offsets[:4]) == 4
