@@ -312,14 +312,6 @@ class DeletionGuard:
         self._watches.discard(watch)
 
     @contextlib.contextmanager
-    def watch(self, chunk: ChunkId):
-        watch = self.add_watch(chunk)
-        try:
-            yield watch
-        finally:
-            self.drop_watch(watch)
-
-    @contextlib.contextmanager
     def chunks(self, chunks: Sequence[ChunkId]):
         self._chunks.update(chunks)
         if self._watches:

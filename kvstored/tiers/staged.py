@@ -103,9 +103,6 @@ class StagedReads:
         prefetch.read.add_done_callback(lambda _: self._read_ahead(chunk, prefetch))
         return True
 
-    def prefetched(self, chunk: ChunkId) -> bool:
-        return chunk in self._prefetches
-
     def claim(self, chunk: ChunkId) -> tuple[StagedRead, int] | None:
         """A load takes the read ahead of `chunk` (done or not) and the tier it reads from; None
         if there is none (or a delete voided it)."""
