@@ -91,20 +91,12 @@ class RegionLoader:
     async def _plan(self, ns: Namespace, keys: Sequence[bytes], offsets: Sequence[int],
                     start_by: float | None) -> list[_Step]:
         """A step per leading chunk that is somewhere: leased, promoting, or to be staged."""
-        chunks = [(ns.namespace_id, k) for k in keys]
+        wanted = [((ns.namespace_id, k), offset) for k, offset in zip(keys, offsets)]
         steps: list[_Step] = []
-        for chunk, offset in zip(chunks, offsets):  # the leading RAM hits: no lookup below needed
-            entry = self._ram.acquire(chunk)
-            if entry is None:
-                break
-            steps.append(_Step(chunk, offset, ns.chunk_bytes, lease=entry))
-        rest = list(zip(chunks, offsets))[len(steps):]
-        if not rest:
-            return steps
-        # Pinned before the lookup below awaits: a full RAM would evict them meanwhile.
-        leases = {c: entry for c, _ in rest if (entry := self._ram.acquire(c)) is not None}
-        ahead = {c: claimed for c, _ in rest if c not in leases and (claimed := self._staged.claim(c)) is not None}
-        unknown = [c for c, _ in rest if c not in leases and c not in ahead
+        # RAM hits pinned before the lookup below awaits: a full RAM would evict them meanwhile.
+        leases = {c: entry for c, _ in wanted if (entry := self._ram.acquire(c)) is not None}
+        ahead = {c: claimed for c, _ in wanted if c not in leases and (claimed := self._staged.claim(c)) is not None}
+        unknown = [c for c, _ in wanted if c not in leases and c not in ahead
                    and self._promoter.in_flight(c) is TierKind.NONE]
         try:
             found = dict(zip(unknown, await self._until(start_by, self._promoter.find(unknown)))) if unknown else {}
@@ -112,7 +104,7 @@ class RegionLoader:
             self._drop(leases, ahead)
             self._abandon(steps)
             raise
-        for chunk, offset in rest:
+        for chunk, offset in wanted:
             step = _Step(chunk, offset, ns.chunk_bytes, leases.pop(chunk, None) or self._ram.acquire(chunk))
             if step.lease is None and chunk in ahead:
                 step.read, step.tier = ahead.pop(chunk)  # read ahead by its lookup
