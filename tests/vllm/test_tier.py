@@ -6,11 +6,13 @@ import os
 import signal
 import time
 
+import numpy as np
 import pytest
 from vllm.distributed.kv_events import BlockStored, KVEventBatch
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import OffloadingEventsTracker
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadingKVEventsConfig, get_offload_block_hash
+from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
@@ -314,3 +316,26 @@ def test_a_partly_dropped_store_reports_exactly_the_chunks_the_daemon_holds(own_
         assert dropped == {("kvstored", "daemon_full"): 2}
     finally:
         link.close()
+
+
+@pytest.mark.parametrize("daemon_up", [True, False], ids=["daemon_up", "daemon_down"])
+def test_empty_store_and_load_jobs_succeed(own_daemon, daemon_up):
+    """vLLM's secondary-tier contract: store and load batches of any size, the empty one included,
+    succeed (a failed empty job counts as a failed cascade or promotion)."""
+    daemon = own_daemon().start()
+    with Engine([kvstored_tier(daemon)]) as engine:
+        wait_connected(engine)
+        if not daemon_up:
+            daemon.stop()
+        ctx = engine.request()
+        empty = np.zeros(0, dtype=np.int64)
+        engine.tier.submit_store(TransferJob(job_id=101, keys=[], chunk_ids=empty, is_promotion=False,
+                                             req_context=ctx))
+        engine.tier.submit_load(TransferJob(job_id=102, keys=[], chunk_ids=empty, is_promotion=True,
+                                            req_context=ctx))
+        results = {r.job_id: r for r in engine.tier.get_finished_jobs()}
+        assert sorted(results) == [101, 102]
+        assert all(r.success and r.transfer_bytes == 0 for r in results.values())
+        dropped = engine.stats().data["data"].get(KvstoredMetrics.DROPPED_CHUNKS, {})
+        assert sum(dropped.values()) == 0
+        engine.finish(ctx)

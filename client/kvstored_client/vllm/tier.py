@@ -449,13 +449,18 @@ class KvstoredTierManager(SecondaryTierManager):
 
     def _transfer(self, job: TransferJob, is_load: bool) -> _Transfer | None:
         keys = list(job.keys)
+        if not keys:
+            # vLLM's secondary-tier contract: a batch of any size succeeds, the empty one included
+            # (a failure would count as a failed cascade or promotion).
+            self._finished.append(JobResult(job_id=job.job_id, success=True, transfer_time=0.0, transfer_bytes=0))
+            return None
         stride = self.block_size_bytes
         offsets = [self._region_base + int(c) * stride for c in job.chunk_ids]
         namespace_id = None
         if keys and self._region_fd is not None:
             namespace_id = self._namespace_of(keys[0], job.req_context)
         transfer = _Transfer(job.job_id, is_load, namespace_id or "", keys, offsets, time.monotonic())
-        if namespace_id is None or not keys:
+        if namespace_id is None:
             if is_load:
                 self._fail_transfer(transfer, "tier disabled")
             else:
