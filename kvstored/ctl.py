@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import queue
+import shutil
 import sys
 import threading
 import time
@@ -475,7 +476,8 @@ def cmd_top(conn: Conn, args: argparse.Namespace) -> int:
         first = source.sample()
         time.sleep(args.interval)
         frame = top.build_frame(str(conn.socket), source.sample(), first)
-        emit(args, top.frame_dict(frame), lambda: "\n".join(top.render(frame)))
+        width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None  # a pipe gets every column
+        emit(args, top.frame_dict(frame), lambda: "\n".join(top.render(frame, width=width)))
         return 0
     if args.json:
         raise UsageError("--json needs --once (the live view is for a terminal)")

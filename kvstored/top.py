@@ -143,6 +143,9 @@ def _per_s(value: float | None, size: bool = False) -> str:
 
 COLUMNS = ("TIER", "KIND", "USED", "CAP", "UTIL", "CHUNKS", "HIT%", "HIT%ALL", "LOOKUP/s", "IN/s", "OUT/s",
            "QUEUE", "DROP/s", "PROMO/s", "EVICT/s")
+# Dropped first to last while the table is wider than the terminal (as top and htop do); TIER,
+# USED, HIT%, IN/s, OUT/s and DROP/s always stay (52 columns with 8-character tier names).
+SHED_ORDER = ("HIT%ALL", "CAP", "PROMO/s", "EVICT/s", "CHUNKS", "QUEUE", "KIND", "LOOKUP/s", "UTIL")
 
 
 def _cells(t: TierRow) -> list[str]:
@@ -152,9 +155,10 @@ def _cells(t: TierRow) -> list[str]:
             _per_s(t.drops_per_s), _per_s(t.promotions_per_s), _per_s(t.evictions_per_s)]
 
 
-def render(frame: Frame, clock: str | None = None) -> list[str]:
+def render(frame: Frame, clock: str | None = None, width: int | None = None) -> list[str]:
     """The frame as lines: two header lines, a blank, the column header, one row per tier.
-    Values never contain spaces, so a row splits into its columns on whitespace."""
+    Values never contain spaces, so a row splits into its columns on whitespace. With `width`,
+    columns in SHED_ORDER are left out until the table fits."""
     stamp = clock or time.strftime("%H:%M:%S")
     every = "first sample" if frame.interval_s is None else f"rates over {frame.interval_s:.1f}s"
     lines = [f"kvstored {frame.version} on {frame.socket}  {stamp}  ({every}; q quits)",
@@ -164,7 +168,12 @@ def render(frame: Frame, clock: str | None = None) -> list[str]:
         lines.append(f"! {frame.error}")
     rows = [list(COLUMNS)] + [_cells(t) for t in frame.tiers]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
-    table = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+    shown = list(range(len(COLUMNS)))
+    shed = [COLUMNS.index(name) for name in SHED_ORDER]
+    while width is not None and shed and sum(widths[i] for i in shown) + 2 * (len(shown) - 1) > width:
+        shown.remove(shed.pop(0))
+    left_aligned = {COLUMNS.index("TIER"), COLUMNS.index("KIND")}
+    table = ["  ".join(r[i].ljust(widths[i]) if i in left_aligned else r[i].rjust(widths[i]) for i in shown).rstrip()
              for r in rows]
     return lines + [""] + table
 
@@ -216,7 +225,7 @@ def _loop(screen: curses.window, source: StatsSource, interval_s: float) -> None
         pass
     while True:
         frame = source.next_frame()
-        lines = [frame] if isinstance(frame, str) else render(frame)
+        lines = [frame] if isinstance(frame, str) else render(frame, width=screen.getmaxyx()[1] - 1)
         _draw(screen, lines)
         deadline = time.monotonic() + interval_s
         while (left := deadline - time.monotonic()) > 0:

@@ -79,7 +79,7 @@ def ctl(*args: str, socket_path: Path) -> subprocess.CompletedProcess:
 
 def table_rows(lines: list[str]) -> dict[str, dict[str, str]]:
     """{tier: {column: value}} from a rendered frame (values have no spaces)."""
-    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["TIER", "KIND"])
+    start = next(i for i, line in enumerate(lines) if line.split()[:1] == ["TIER"])
     header = lines[start].split()
     rows = {}
     for line in lines[start + 1:]:
@@ -204,6 +204,17 @@ def test_live_view_in_a_terminal(laddered, tmp_path):
             assert rows["ram"]["IN/s"] != "0" and rows["ram"]["KIND"] == "ram" and rows["fs"]["KIND"] == "fs"
             screen = tmux.screen("top")
             assert screen[0].startswith("kvstored ") and "sessions" in screen[1]
+
+            # 80 columns: the table sheds its least needed columns instead of being cut.
+            tmux("resize-window", "-t", "top", "-x", "80", "-y", "20")
+
+            def fits_80(lines):
+                header = next((line for line in lines if line.startswith("TIER")), "")
+                rows = table_rows(lines) if header else {}
+                return rows if header.rstrip().endswith("DROP/s") and set(rows) == {"ram", "fs"} else None
+
+            narrow = tmux.wait_for("top", fits_80, "a table that fits 80 columns, DROP/s last")
+            assert all("IN/s" in row and "DROP/s" in row for row in narrow.values())
 
             # A narrower, shorter terminal: still drawing (new frames come), clipped to the width.
             tmux("resize-window", "-t", "top", "-x", "50", "-y", "8")

@@ -77,6 +77,24 @@ def test_rendered_rows_split_into_columns():
     assert (fs["CAP"], fs["UTIL"], fs["HIT%"], fs["IN/s"]) == ("inf", "-", "-", "0")
 
 
+def test_a_narrow_terminal_sheds_the_least_needed_columns():
+    frame = top.build_frame("/s", top.Sample(12.0, AFTER), top.Sample(10.0, BEFORE))
+    wide = top.render(frame, clock="12:00:00")
+    assert max(len(line) for line in wide[3:]) > 80  # the full table does not fit 80 columns
+    for width in (80, 60):
+        lines = top.render(frame, clock="12:00:00", width=width)
+        table = lines[3:]
+        assert all(len(line) <= width for line in table), (width, table)
+        header = table[0].split()
+        assert {"TIER", "USED", "HIT%", "IN/s", "OUT/s", "DROP/s"} <= set(header)
+        assert header == [c for c in top.COLUMNS if c in header]  # order kept
+        shed = [c for c in top.COLUMNS if c not in header]
+        assert shed and set(shed) == set(top.SHED_ORDER[:len(shed)])  # shed in SHED_ORDER's order
+        rows = {line.split()[0]: dict(zip(header, line.split())) for line in table[1:]}
+        assert rows["ram"]["IN/s"] == "1.0G" and rows["ram"]["DROP/s"] == "1.5"  # cells stay under their column
+    assert top.render(frame, clock="12:00:00", width=1000) == wide
+
+
 def test_json_shape():
     frame = top.build_frame("/s", top.Sample(12.0, AFTER), top.Sample(10.0, BEFORE), error=None)
     d = top.frame_dict(frame)
