@@ -60,7 +60,7 @@ vllm-deps: setup
 	VENV=$(VENV) ./tests/vllm/install_vllm.sh
 
 # Benchmarks (not tests): figures beside same-run baselines; JSON and the chart under results/.
-# About 12 minutes on a 2-core VM; e.g. BENCH_MULTITURN_ARGS="--conversations 16,64,128,256" for less.
+# About 20 minutes on a 2-core VM; e.g. BENCH_MULTITURN_ARGS="--conversations 16,64,128,256" for less.
 BENCH_MULTITURN_ARGS ?=
 # The multi-node sweep (3 daemons, turns routed round-robin): BENCH_NODES_ARGS adds to its flags.
 BENCH_NODES_ARGS ?= --conversations 64,128,256
