@@ -19,9 +19,11 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from kvstored.chain.chain import TierChain
+from kvstored.chunks.ids import ChunkId, TierKind
 from kvstored.errors import BatchTooLarge, InvalidRequest, PeerIncompatible, TierStartError
+from kvstored.events.bus import EventBus
 from kvstored.namespaces import Namespace, NamespaceRegistry
-from kvstored.observability.events import EventBus
 from kvstored.peer.errors import TransportUnavailable
 from kvstored.peer.factory import local_transports, make_server
 from kvstored.peer.handshake import LocalHello
@@ -36,10 +38,8 @@ from kvstored.peer.transport import (
     TransportPreference,
     UcxConfig,
 )
-from kvstored.tiers.base import ChunkId, TierKind
-from kvstored.tiers.chain import TierChain
+from kvstored.tiers.config import PeerTierConfig, data_ports
 from kvstored.tiers.ram import RamEntry
-from kvstored.tiers.registry import PeerTierConfig, data_ports
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -28,9 +28,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvstored.chunks.ids import ChunkId
 from kvstored.shm.allocator import PageAllocator, PageRun
 from kvstored.shm.arenas import PUBLIC_ARENA, Extent
-from kvstored.tiers.base import ChunkId
 
 # Memory the arenas together may hold beyond the capacity before free pages go back to the
 # kernel (a punched hole costs ~0.35 ms per 2 MiB, and a later first write into it runs at ~1/8

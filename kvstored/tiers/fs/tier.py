@@ -1,11 +1,11 @@
 """Filesystem (NVMe) tier: one content-addressed file per chunk under a root directory.
 
 Layout: root / chunkfile.chunk_relpath(chunk), i.e. <namespace>/<k0k1>/<k2k3>/<key hex>.kv, each file
-a 4096-byte header then the payload (kvstored.tiers.chunkfile). O_DIRECT files are page-rounded,
+a 4096-byte header then the payload (kvstored.chunks.chunkfile). O_DIRECT files are page-rounded,
 so a file may be longer than HEADER_BYTES + payload; the header's payload_len is the truth.
 
-Bookkeeping (index, LRU, capacity, admission) lives in FsIndex and runs on the event loop; every
-blocking file operation runs in the tier's own small thread pool. pwritev / preadv move a whole
+Bookkeeping (index, LRU, capacity, admission) lives in CapacityIndex (tiers/capacity.py) and runs
+on the event loop; every blocking file operation runs in the tier's own small thread pool. pwritev / preadv move a whole
 chunk straight between the caller's page-aligned views and the disk (O_DIRECT; one call per
 IOV_MAX views), falling back to buffered I/O where the filesystem or the buffers don't allow it.
 
@@ -34,22 +34,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvstored.chunks import chunkfile
+from kvstored.chunks.chunkfile import HEADER_BYTES, CorruptChunk
+from kvstored.chunks.ids import ChunkId, RemovalCause, TierKind
+from kvstored.chunks.views import check_views, trim
 from kvstored.io.scheduler import Priority
 from kvstored.io.threads import PriorityThreadPool
 from kvstored.sizes import format_size
-from kvstored.tiers import chunkfile, fs_io, fs_records
-from kvstored.tiers.base import (
-    AdmissionPolicy,
-    ChunkId,
-    RemovalCause,
-    SecondaryTier,
-    TierKind,
-    TierUsage,
-    WriteOutcome,
-)
-from kvstored.tiers.chunkfile import HEADER_BYTES, CorruptChunk
-from kvstored.tiers.fs_index import FsIndex
-from kvstored.tiers.views import check_views, trim
+from kvstored.tiers.base import AdmissionPolicy, SecondaryTier, TierUsage, WriteOutcome
+from kvstored.tiers.capacity import CapacityIndex
+from kvstored.tiers.fs import io as fs_io
+from kvstored.tiers.fs import records as fs_records
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +99,7 @@ class FsTier(SecondaryTier):
             raise ValueError("fs tier needs at least one I/O thread")
         self.root = Path(root)
         self._root = str(self.root)
-        self._index = FsIndex(capacity_bytes, admission)
+        self._index = CapacityIndex(capacity_bytes, admission)
         self._direct = direct_io  # cleared (once, for good) when the filesystem refuses O_DIRECT
         self._full_backoff_s = full_backoff_s
         self._stale_tmp_s = stale_tmp_s

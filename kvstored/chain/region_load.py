@@ -2,7 +2,7 @@
 
 The chunks of a load, in order: RAM hits are leased; promotions under way are awaited; reads
 ahead by the load's lookup are claimed; a hit below RAM is promoted into free RAM if RAM has
-some, else read from its tier into staging pages (tiers/staged.py). Nothing is evicted or written
+some, else read from its tier into staging pages (chain/staged.py). Nothing is evicted or written
 down for a region load: the engine's region is where its chunks live next.
 
 Before the copy starts, the load waits (until `start_by`) for its leases, its promotions and the
@@ -22,15 +22,15 @@ from typing import Any
 
 import numpy as np
 
+from kvstored.chain.promotion import Promoter
+from kvstored.chain.staged import StagedRead, StagedReads
+from kvstored.chunks.ids import ChunkId, TierKind
 from kvstored.namespaces import Namespace
 from kvstored.shm.arenas import ArenaSet
 from kvstored.shm.copier import CopyJob
 from kvstored.shm.mapping import Region
 from kvstored.shm.staging import StagingSlot
-from kvstored.tiers.base import ChunkId, TierKind
-from kvstored.tiers.lower import Promoter
 from kvstored.tiers.ram import RamEntry, RamTier
-from kvstored.tiers.staged import StagedRead, StagedReads
 
 Until = Callable[[float | None, Awaitable[Any]], Awaitable[Any]]  # the chain's start-deadline wait
 Copy = Callable[[Region, np.ndarray, list[CopyJob]], Awaitable[None]]  # pool or staging -> region

@@ -21,6 +21,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from kvstored.chain.lower import LowerTier
+from kvstored.chain.promotion import DeletionGuard, Promoter
+from kvstored.chain.region_load import RegionLoader
+from kvstored.chain.staged import StagedReads
+from kvstored.chain.writeback import WriteBack, WritePolicy
+from kvstored.chunks.ids import ChunkId, RemovalCause, TierKind
 from kvstored.errors import (
     InvalidRequest,
     KvstoredError,
@@ -31,18 +37,15 @@ from kvstored.errors import (
     TransferNotStarted,
     UnknownRegion,
 )
+from kvstored.events.bus import Cause, EventBus, EventType
 from kvstored.namespaces import Namespace
-from kvstored.observability.events import Cause, EventBus, EventType
 from kvstored.shm.arenas import ArenaSet
 from kvstored.shm.copier import Copier, CopyJob, default_copy_threads
 from kvstored.shm.copy import MappingVanished
 from kvstored.shm.mapping import Region
 from kvstored.shm.staging import Staging
-from kvstored.tiers.base import ChunkId, RemovalCause, SecondaryTier, TierKind
-from kvstored.tiers.lower import DeletionGuard, LowerTier, Promoter, WriteBack, WritePolicy
+from kvstored.tiers.base import SecondaryTier
 from kvstored.tiers.ram import Extent, QuotaScope, RamEntry, RamTier, ReserveOutcome
-from kvstored.tiers.region_load import RegionLoader
-from kvstored.tiers.staged import StagedReads
 from kvstored_client.kinds import LoadInto
 
 log = logging.getLogger(__name__)
