@@ -3,7 +3,9 @@
 WriteBack keeps some RAM free by writing the oldest dirty chunks down to every lower tier that
 accepts write-downs before their RAM copy is dropped (write-back), or copies each new chunk down
 at once (write-through). A chunk whose write-down is refused (backlog full) or fails is simply
-dropped. Bookkeeping only, on the event loop; the bytes move in the tiers' own I/O.
+dropped. WriteBackState is the state machine (which chunks go down, what becomes of them after);
+RamTier only pins and unpins their pages. Bookkeeping only, on the event loop; the bytes move in
+the tiers' own I/O.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 
 from kvstored.chain.lower import ArenaView, LowerTier
 from kvstored.choices import Choice
-from kvstored.chunks.ids import TierKind
+from kvstored.chunks.ids import ChunkId, TierKind
 from kvstored.events.bus import Cause, EventBus, EventType
 from kvstored.io.scheduler import Priority, TierQueue
 from kvstored.tiers.base import WriteOutcome
@@ -28,6 +30,55 @@ log = logging.getLogger(__name__)
 class WritePolicy(Choice):
     WRITE_BACK = "write-back"
     WRITE_THROUGH = "write-through"
+
+
+class WriteBackState:
+    """The write-back state machine over RAM's chunks (bookkeeping only: WriteBack does the I/O).
+
+    A READY chunk is dirty until a lower tier holds a copy (`persisted`). A write-down pins it
+    (RamTier.start_writing) either as a victim, dropped once written unless used meanwhile (a
+    use sets `touched`), or as a keeper (write-through, the flush at stop), back in the LRU
+    afterwards. Clean chunks are never written down: making room evicts them as they are.
+    """
+
+    def __init__(self, ram: RamTier) -> None:
+        self._ram = ram
+
+    def victims(self, bytes_wanted: int, scope: QuotaScope | None = None) -> tuple[list[RamEntry], list[ChunkId]]:
+        """Oldest first (of the tier, or of a quota scope), until `bytes_wanted` bytes are
+        covered: clean chunks are evicted now (returned as ids), dirty ones are pinned for
+        write-down as victims (returned as entries)."""
+        ram = self._ram
+        to_write: list[RamEntry] = []
+        evicted: list[ChunkId] = []
+        covered = 0
+        while covered < bytes_wanted and (entry := ram.lru_head(scope)) is not None:
+            covered += entry.pages * ram.page_bytes
+            if entry.persisted:
+                ram.evict(entry)
+                evicted.append(entry.chunk)
+            else:
+                ram.start_writing(entry)
+                entry.touched = False
+                to_write.append(entry)
+        return to_write, evicted
+
+    def dirty(self) -> list[RamEntry]:
+        """READY chunks with no copy below and no write-down running, most recently used first."""
+        return [entry for entry in self._ram.lru_newest_first() if not entry.persisted]
+
+    def begin_keeping(self, entry: RamEntry) -> None:
+        """Pin a chunk for a copy it keeps after (write-through, flush): readable, not evictable."""
+        self._ram.start_writing(entry)
+        entry.touched = True
+
+    def finish(self, entry: RamEntry, persisted: bool) -> bool:
+        """End a write-down. Returns True if the chunk left RAM now (a victim, unused since);
+        False too for a chunk deleted meanwhile (its removal was reported then)."""
+        entry.persisted = entry.persisted or persisted
+        if persisted:
+            self._ram.counters.writebacks += 1
+        return self._ram.end_writing(entry, keep=entry.touched)
 
 
 class WriteBack:
@@ -43,6 +94,7 @@ class WriteBack:
     ) -> None:
         self._events = events
         self._ram = ram
+        self.state = WriteBackState(ram)
         self._arena_view = arena_view
         self._lower = [t for t in lower if t.capabilities.accepts_writedowns]
         self.policy = policy
@@ -64,7 +116,7 @@ class WriteBack:
         if self.policy is WritePolicy.WRITE_THROUGH:
             for entry in entries:
                 if entry.indexed:
-                    self._ram.begin_writeback(entry)
+                    self.state.begin_keeping(entry)
                     self._write_down(entry)
         self._keep_headroom(self._headroom)
 
@@ -130,13 +182,13 @@ class WriteBack:
         flushed: list[RamEntry] = []
         queued: list[tuple[TierQueue, asyncio.Future]] = []
         try:
-            for entry in self._ram.dirty_entries():
+            for entry in self.state.dirty():
                 while not all(lower.queue.has_room(Priority.WRITEDOWN) for lower in self._lower):
                     if not await self._wait_for_space(deadline):
                         return sum(e.persisted for e in flushed)
                 if not entry.indexed or entry.persisted or entry.writing:  # deleted or written meanwhile
                     continue
-                self._ram.begin_writeback(entry)
+                self.state.begin_keeping(entry)
                 queued += self._write_down(entry)
                 flushed.append(entry)
             while self._writing_bytes and await self._wait_for_space(deadline):
@@ -165,7 +217,7 @@ class WriteBack:
         shortfall = wanted_free - self._ram.room_bytes(scope) - writing
         if shortfall <= 0:
             return
-        to_write, evicted = self._ram.writeback_victims(shortfall, scope)
+        to_write, evicted = self.state.victims(shortfall, scope)
         if evicted:
             self._events.publish(EventType.REMOVED, Cause.EVICTED, "ram", TierKind.RAM, evicted)
         for entry in to_write:
@@ -201,7 +253,7 @@ class WriteBack:
 
     def _finish(self, entry: RamEntry, outcomes: list[WriteOutcome], nbytes: int) -> None:
         persisted = any(o in (WriteOutcome.WRITTEN, WriteOutcome.ALREADY_PRESENT) for o in outcomes)
-        if self._ram.finish_writeback(entry, persisted):
+        if self.state.finish(entry, persisted):
             self._events.publish(EventType.REMOVED, Cause.EVICTED, "ram", TierKind.RAM, [entry.chunk])
         self._writing_bytes -= nbytes
         self._space.set()
