@@ -237,7 +237,7 @@ class Daemon:
             await self._start_metrics(cfg.metrics_addr)
 
         self.session_server = SessionSocketServer(
-            cfg.session_socket, cfg.socket_mode, self.broker, self.pool, self.chain.ram.page_bytes, self.tenancy
+            cfg.session_socket, cfg.socket_mode, self.broker, self.pool, self.chain.page_bytes, self.tenancy
         )
         await self.session_server.start()
         for name in ("", SERVICE_NAME):

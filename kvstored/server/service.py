@@ -132,8 +132,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             namespace_id=ns.namespace_id,
             chunk_bytes=ns.chunk_bytes,
             key_bytes=ns.key_bytes,
-            pool_bytes=self._chain.ram.capacity_bytes,
-            page_bytes=self._chain.ram.page_bytes,
+            pool_bytes=self._chain.pool_bytes,
+            page_bytes=self._chain.page_bytes,
             arena_id=placed.arena_id,
             arena_bytes=placed.arena_bytes,
             quota_bytes=placed.quota_bytes,
@@ -227,7 +227,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def ListNamespaces(self, request: pb.ListNamespacesRequest, context) -> pb.ListNamespacesResponse:
         session = self._broker.optional(request.session_id)
-        usage = self._chain.ram.usage_by_namespace()
+        usage = self._chain.ram_usage_by_namespace()
         infos = []
         for ns in self._namespaces.all():
             if not self._visible(ns, session):

@@ -139,3 +139,26 @@ def test_the_circle_check_sees_a_circle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     assert "kvstored.chain.chain" in import_graph()["kvstored.chain.stats"]
+
+
+# -- the chain's insides stay in the chain ---------------------------------------------------------
+
+
+def _chain_insides_reached(path: Path) -> list[str]:
+    """`<something named *chain*>.ram` / `.promoter` / `._private` (a reader leases through
+    chain.leases; the chain's RAM tier and promoter are its own)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = node.value.attr if isinstance(node.value, ast.Attribute) else getattr(node.value, "id", "")
+        if "chain" in owner.lower() and (node.attr in ("ram", "promoter") or node.attr.startswith("_")):
+            found.append(f"{path.relative_to(REPO)}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_nothing_outside_the_chain_reaches_into_it():
+    sources = [p for p in (REPO / "kvstored").rglob("*.py") if "chain" not in p.relative_to(REPO).parts[:2]]
+    assert sources
+    wrong = [hit for p in sources for hit in _chain_insides_reached(p)]
+    assert not wrong, "\n".join(wrong)
