@@ -192,9 +192,9 @@ class Daemon:
         self.broker = SessionBroker(self.chain, tenancy=self.tenancy)
         self.zmq_events: ZmqEventPublisher | None = None
         if cfg.events_zmq_endpoint:
-            from kvstored.events import zmq_publisher as zmq_events
+            from kvstored.events import zmq_publisher
 
-            self.zmq_events = zmq_events.ZmqEventPublisher(
+            self.zmq_events = zmq_publisher.ZmqEventPublisher(
                 cfg.events_zmq_endpoint, cfg.events_zmq_replay_endpoint or None, cfg.events_zmq_topic,
                 cfg.events_encoding, self.namespaces.block_tokens, cfg.events_buffer,
             )
