@@ -665,7 +665,7 @@ def timed(call: Callable[[], object], reps: int) -> float:
 
 def index_bytes_by_slot(slots: Sequence[int], n: int = 20_000) -> list[dict[str, float]]:
     """tracemalloc per entry of a PeerIndex whose chunks are all held by the peer in `slot`."""
-    from kvstored.tiers.peer_index import PeerIndex
+    from kvstored.peer.index import PeerIndex
 
     rows = []
     for slot in slots:
@@ -685,7 +685,7 @@ def index_bytes_by_slot(slots: Sequence[int], n: int = 20_000) -> list[dict[str,
 
 def index_bytes_readme_way(n: int) -> float:
     """The README's measurement (tests/unit/test_peer_index.py), at n entries: 5 peers."""
-    from kvstored.tiers.peer_index import PeerIndex
+    from kvstored.peer.index import PeerIndex
 
     raw = [os.urandom(32) for _ in range(n)]
     index = PeerIndex(n)
@@ -703,7 +703,7 @@ def index_bytes_readme_way(n: int) -> float:
 def index_updates_by_slot(slots: Sequence[int], n: int = 20_000, rounds: int = 3) -> list[dict[str, float]]:
     """Time of one single-key add and remove at `slot` (what applying an event does to the index);
     the best of `rounds` (the machine is shared)."""
-    from kvstored.tiers.peer_index import PeerIndex
+    from kvstored.peer.index import PeerIndex
 
     rows = []
     for slot in slots:
@@ -748,7 +748,8 @@ async def _contains_cost(peers: int, keys_per_call: Sequence[int], reps: int) ->
     from kvstored.namespaces import NamespaceRegistry
     from kvstored.peer.transport import TransportKind
     from kvstored.tiers.peer import PeerTier
-    from kvstored.tiers.registry import PeerTierConfig, TierContext, TransportPreference
+    from kvstored.peer.transport import TransportPreference
+    from kvstored.tiers.config import PeerTierConfig, TierContext
 
     registry = NamespaceRegistry(1 << 30)
     ns = registry.register("scale-calibrate/contains", "u8", SMALL, "", b"", 32)

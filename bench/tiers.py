@@ -96,9 +96,9 @@ from _common import (  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 
-from kvstored.tiers import chunkfile  # noqa: E402
+from kvstored.chunks import chunkfile  # noqa: E402
 from kvstored.tiers.base import WriteOutcome  # noqa: E402
-from kvstored.tiers.chunkfile import HEADER_BYTES  # noqa: E402
+from kvstored.chunks.chunkfile import HEADER_BYTES  # noqa: E402
 
 TARGET_FS = 0.90
 TARGET_S3 = 0.85
@@ -481,7 +481,7 @@ class WriteBackStream:
 
 def bench_fs(runner: asyncio.Runner, args, src: Pool, dst: Pool, workdir: Path,
              notes: list[str]) -> tuple[list[Pair], dict]:
-    from kvstored.tiers.fs import FsTier
+    from kvstored.tiers.fs.tier import FsTier
 
     n, size = args.fs_chunks, args.chunk_bytes
     nbytes = n * size
@@ -886,7 +886,7 @@ _PROFILED_OS = ("open", "close", "pwritev", "preadv", "replace", "stat", "fstat"
 def profile_fs(runner: asyncio.Runner, args, src: Pool, dst: Pool, workdir: Path) -> dict[str, Any]:
     """One instrumented store + load of each fs arm: per chunk, the time inside the tier's pool job
     or the raw op, split into syscalls and the checksum; and how busy the I/O threads were."""
-    from kvstored.tiers.fs import FsTier
+    from kvstored.tiers.fs.tier import FsTier
 
     n, size = args.fs_chunks, args.chunk_bytes
     chunks = chunk_ids(n, "fsprof")

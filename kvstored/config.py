@@ -16,14 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from kvstored.observability.events import EventEncoding
+from kvstored.chain.writeback import WritePolicy
+from kvstored.events.bus import EventEncoding
 from kvstored.parsing import parse_bool, parse_seconds
 from kvstored.shm.copier import default_copy_threads
 from kvstored.shm.memory import NumaPlacement, PoolPages
 from kvstored.sizes import parse_size
-from kvstored.tiers.lower import WritePolicy
+from kvstored.tiers.config import TierConfig
 from kvstored.tiers.registry import KINDS as TIER_KINDS
-from kvstored.tiers.registry import TierConfig, spec_of
+from kvstored.tiers.registry import spec_of
 from kvstored_client.paths import default_socket_path, session_socket_path
 
 LogLevel = Literal["debug", "info", "warning", "error"]

@@ -1,7 +1,7 @@
 """Prometheus metrics of one daemon, in a registry of its own (tests run several daemons).
 
 Counters and gauges the tiers already keep are not counted twice: `KvstoredCollector` reads
-`tier_snapshots(chain)` (the same read the Stats RPC makes) at scrape time. Only what nobody
+the chain's snapshot (the same read the Stats RPC makes) at scrape time. Only what nobody
 else records is observed here: gRPC calls and their latency (`GrpcMetricsInterceptor`), and
 secondary-tier operation latency (`DaemonMetrics.observe_tier_op`, for the tier chain to call).
 
@@ -29,8 +29,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from kvstored import __version__
+from kvstored.chunks.ids import TierKind
 from kvstored.namespaces import NamespaceRegistry
 from kvstored.observability.snapshot import (
+    ChainSource,
     PeerRow,
     PeersSnapshot,
     PeersSource,
@@ -39,10 +41,7 @@ from kvstored.observability.snapshot import (
     QuotaUsage,
     SessionCountsSource,
     TierSnapshot,
-    staging_snapshot,
-    tier_snapshots,
 )
-from kvstored.tiers.chain import TierChain
 
 PREFIX = "kvstored"
 
@@ -72,7 +71,7 @@ TierOpObserver = Callable[[str, str, float], None]
 class KvstoredCollector(Collector):
     """Everything the daemon already counts, read once per scrape."""
 
-    def __init__(self, chain: TierChain, sessions: SessionCountsSource, namespaces: NamespaceRegistry,
+    def __init__(self, chain: ChainSource, sessions: SessionCountsSource, namespaces: NamespaceRegistry,
                  quotas: QuotaSource, peers: PeersSource = lambda: None) -> None:
         self._chain = chain
         self._sessions = sessions
@@ -81,11 +80,12 @@ class KvstoredCollector(Collector):
         self._peers = peers
 
     def collect(self) -> Iterator:
-        yield from tier_families(tier_snapshots(self._chain))
+        chain = self._chain()
+        yield from tier_families(chain.tiers)
         yield from self._daemon_families()
         yield _gauge("ram_resident_bytes", "memory the RAM tier's arenas hold (chunks, and free pages kept for "
-                     "reuse); free pages beyond a small slack go back to the kernel", self._chain.ram.resident_bytes)
-        staging = staging_snapshot(self._chain)
+                     "reuse); free pages beyond a small slack go back to the kernel", chain.ram_resident_bytes)
+        staging = chain.staging
         yield _gauge("staging_capacity_bytes", "memory for region loads past a full RAM (staging_bytes; 0: off)",
                      staging.capacity_bytes)
         yield _gauge("staging_used_bytes", "staging memory holding chunks read for region loads", staging.used_bytes)
@@ -266,10 +266,11 @@ def tier_families(snaps: Iterable[TierSnapshot]) -> list:
 class DaemonMetrics:
     """The registry of one daemon and the few metrics observed as things happen."""
 
-    def __init__(self, chain: TierChain, sessions: SessionCountsSource, namespaces: NamespaceRegistry,
+    def __init__(self, chain: ChainSource, sessions: SessionCountsSource, namespaces: NamespaceRegistry,
                  quotas: QuotaSource, peers: PeersSource = lambda: None) -> None:
-        """`sessions`, `quotas`, `peers`: what the server's session broker counts, its tenants'
-        quotas and the peer tier's state now (read at each scrape)."""
+        """`chain`, `sessions`, `quotas`, `peers`: the tier chain's snapshot, what the server's
+        session broker counts, its tenants' quotas and the peer tier's state now (read at each
+        scrape)."""
         disable_created_metrics()  # no *_created series: process-wide, which suits a daemon
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(KvstoredCollector(chain, sessions, namespaces, quotas, peers))
@@ -288,10 +289,10 @@ class DaemonMetrics:
             ["tier", "kind", "op"], buckets=TIER_OP_BUCKETS, registry=self.registry,
         )
         self._tier_ops: dict[tuple[str, str], Histogram] = {}
-        for lower in chain.lower:  # every series exists from the first scrape
+        below = [t for t in chain().tiers if t.kind is not TierKind.RAM]
+        for tier in below:  # every series exists from the first scrape
             for op in TIER_OPS:
-                child = self.tier_op_seconds.labels(lower.tier.name, lower.tier.kind.name.lower(), op)
-                self._tier_ops[(lower.tier.name, op)] = child
+                self._tier_ops[(tier.name, op)] = self.tier_op_seconds.labels(tier.name, tier.kind.name.lower(), op)
         self.interceptor = GrpcMetricsInterceptor(self.grpc_handled, self.grpc_seconds)
 
     def preinit_grpc(self, service: ServiceDescriptor) -> None:

@@ -1,14 +1,13 @@
-"""One read of every tier's usage and counters, shared by the Stats RPC and /metrics; and the
-session counts the server hands both (observability reads them, it does not import the server)."""
+"""What the Stats RPC and /metrics read: every tier's usage and counters (the chain fills a
+ChainSnapshot), the session counts the server hands both. Observability reads these; it imports
+neither the chain nor the server."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvstored.io.scheduler import Priority
-from kvstored.tiers.base import TierKind
-from kvstored.tiers.chain import TierChain
+from kvstored.chunks.ids import TierKind
 
 
 @dataclass(frozen=True)
@@ -115,40 +114,20 @@ class TierSnapshot:
 
 @dataclass(frozen=True)
 class StagingSnapshot:
-    """Staging memory: region loads past a full RAM (tiers/staged.py)."""
+    """Staging memory: region loads past a full RAM (chain/staged.py)."""
 
     capacity_bytes: int = 0  # 0: off (or no tier below RAM)
     used_bytes: int = 0
     staged_chunks: int = 0  # chunks region loads got from below RAM through it
 
 
-def staging_snapshot(chain: TierChain) -> StagingSnapshot:
-    staged = chain.staged
-    if staged is None:
-        return StagingSnapshot()
-    return StagingSnapshot(staged.staging.capacity_bytes, staged.staging.used_bytes, staged.served)
+@dataclass(frozen=True)
+class ChainSnapshot:
+    """One read of the tier chain, filled by the chain (kvstored/chain/stats.py)."""
+
+    tiers: list[TierSnapshot]  # RAM first, then the tiers below in order
+    staging: StagingSnapshot
+    ram_resident_bytes: int  # memory the RAM tier's arenas hold
 
 
-def tier_snapshots(chain: TierChain) -> list[TierSnapshot]:
-    ram, c = chain.ram, chain.ram.counters
-    snaps = [
-        TierSnapshot(
-            name="ram", kind=TierKind.RAM, capacity_bytes=ram.capacity_bytes, used_bytes=ram.used_bytes,
-            chunks=ram.chunk_count, lookups=c.lookups, hits=c.hits, evictions=c.evictions,
-            stored_chunks=c.stored, loaded_chunks=c.loaded, promotions=c.promotions, writebacks=c.writebacks,
-            dropped_dirty=c.dropped_dirty, read_bytes=c.read_bytes, written_bytes=c.written_bytes,
-        )
-    ]
-    for lower in chain.lower:
-        tier, tc, usage = lower.tier, lower.tier.counters, lower.tier.usage()
-        snaps.append(TierSnapshot(
-            name=tier.name, kind=tier.kind, capacity_bytes=usage.capacity_bytes, used_bytes=usage.used_bytes,
-            chunks=usage.chunks, lookups=tc.lookups, hits=tc.hits, evictions=tc.evictions,
-            stored_chunks=tc.writes, loaded_chunks=tc.reads, read_bytes=tc.read_bytes,
-            written_bytes=tc.written_bytes, checksum_failures=tc.checksum_failures, bad_entries=tc.bad_entries,
-            errors=tc.errors,
-            rejected_full=tc.rejected_full, rejected_admission=tc.rejected_admission,
-            # only refused write-downs lose a copy: a refused delete runs directly
-            dropped_backpressure=lower.queue.dropped[Priority.WRITEDOWN], queued=sum(lower.queue.backlog.values()),
-        ))
-    return snaps
+ChainSource = Callable[[], ChainSnapshot]

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from kvstored.tiers.views import as_bytes
+from kvstored.chunks.views import as_bytes
 
 
 class StreamDigest:

@@ -27,9 +27,9 @@ from kvstored.peer.errors import PeerError, TransportUnavailable
 from kvstored.peer.factory import choose_transport, local_transports, make_link
 from kvstored.peer.follow import Follower, PeerRestarted
 from kvstored.peer.handshake import LocalHello, hello_from_proto, incompatibility
+from kvstored.peer.index import PeerIndex
 from kvstored.peer.membership import Membership, PeerRecord, PeerState
 from kvstored.peer.transport import PeerAddress, PeerLink, TransportConfig, TransportKind, TransportPreference
-from kvstored.tiers.peer_index import PeerIndex
 
 log = logging.getLogger(__name__)
 

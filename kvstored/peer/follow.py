@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 import grpc
 
-from kvstored.observability.events import EventType
+from kvstored.events.bus import EventType
 from kvstored.peer.control import ControlChannel
+from kvstored.peer.index import PeerIndex, tier_bit
 from kvstored.peer.membership import PeerRecord
-from kvstored.tiers.peer_index import PeerIndex, tier_bit
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 
 log = logging.getLogger(__name__)

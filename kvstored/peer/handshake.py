@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvstored.chunks.chunkfile import VERSION as CHUNK_FORMAT_VERSION
 from kvstored.peer.membership import Hello
 from kvstored.peer.transport import TransportKind
-from kvstored.tiers.chunkfile import VERSION as CHUNK_FORMAT_VERSION
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client.keys import namespace_id_for
 

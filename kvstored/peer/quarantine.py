@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvstored.tiers.views import as_bytes
+from kvstored.chunks.views import as_bytes
 
 
 class Quarantine:

@@ -7,8 +7,8 @@ import asyncio
 import socket
 from collections.abc import Callable, Sequence
 
+from kvstored.chunks.views import advance, as_bytes
 from kvstored.peer.errors import PeerUnreachable
-from kvstored.tiers.views import advance, as_bytes
 
 _IOV_MAX = 1024
 # A reader waiting for more of a frame is woken once this much of it (or all of it) is there, not

@@ -23,6 +23,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvstored.chunks.views import trim
 from kvstored.errors import ListenError
 from kvstored.peer import flow, sockio, wire
 from kvstored.peer.digest import StreamDigest
@@ -46,7 +47,6 @@ from kvstored.peer.transport import (
     failed_all,
     next_transfer_id,
 )
-from kvstored.tiers.views import trim
 
 log = logging.getLogger(__name__)
 

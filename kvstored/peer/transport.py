@@ -9,7 +9,7 @@ A transfer of one or more chunks (a batch) is driven by the fetcher:
    The control plane (gRPC in the daemon) carries it to the serving daemon, which leases the
    chunks and calls `PeerServer.send` with their pages (None for a chunk it no longer holds),
    then answers with the `Receipt`s that call returned (found or not, length, xxh3-64 of the
-   payload: the chunk format's checksum, kvstored.tiers.chunkfile);
+   payload: the chunk format's checksum, kvstored.chunks.chunkfile);
 3. the bytes land straight in the slots (no copy, never through protobuf) and each chunk is
    verified before it is reported RECEIVED: over TCP against the frame that carries it (HEAD,
    payload, SUM: the receipt travels in-band, so `ask` may return None), over UCX against the

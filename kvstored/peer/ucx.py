@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from kvstored.chunks.chunkfile import checksum as payload_checksum
+from kvstored.chunks.views import trim
 from kvstored.errors import ListenError
 from kvstored.peer import flow, ucx_runtime, wire
 from kvstored.peer.errors import PeerError, PeerUnreachable
@@ -52,8 +54,6 @@ from kvstored.peer.transport import (
     failed_all,
     next_transfer_id,
 )
-from kvstored.tiers.chunkfile import checksum as payload_checksum
-from kvstored.tiers.views import trim
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 - HELLO (server -> fetcher, once per connection/endpoint): magic, version, the link id the server
   gave this connection. Orders name it, so the server knows where to send.
 - TCP frame: HEAD (magic, version, status OK / MISSING, transfer id, payload length), the payload,
-  SUM (the payload's xxh3-64, the chunk format's checksum, kvstored.tiers.chunkfile). SUM comes
+  SUM (the payload's xxh3-64, the chunk format's checksum, kvstored.chunks.chunkfile). SUM comes
   last so both sides hash each piece as it moves, while it is still in the CPU cache (from
   memory, hashing 2 MiB costs about half a raw transfer's CPU here). A MISSING frame is HEAD
   alone. The fetcher checks all of it before the bytes are served. (UCX has no frame: the
@@ -21,8 +21,8 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvstored.chunks.views import as_bytes
 from kvstored.peer.errors import ProtocolError
-from kvstored.tiers.views import as_bytes
 
 VERSION = 1
 HELLO_MAGIC = b"KVPEERH1"

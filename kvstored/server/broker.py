@@ -18,13 +18,13 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from kvstored.chain.chain import Proceed, StoreOutcomes, TierChain
 from kvstored.errors import InvalidRequest, TransferNotStarted
 from kvstored.namespaces import Namespace
 from kvstored.observability.snapshot import SessionCounts
 from kvstored.server.sessions import Handle, HandleKind, Session, SessionRegistry
 from kvstored.server.tenants import Tenancy
 from kvstored.shm.mapping import Region
-from kvstored.tiers.chain import Proceed, StoreOutcomes, TierChain
 from kvstored.tiers.ram import Extent, RamEntry, ReserveOutcome
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,8 @@
 """Daemon lifecycle: build the parts, serve, and shut down in a fixed order.
 
 Data flow: gRPC service (service.py) and session socket -> session broker (broker.py: sessions,
-handles, regions) -> tier chain (tiers/chain.py) -> tiers -> metrics and events (observability/).
+handles, regions) -> tier chain (chain/) -> tiers (tiers/) -> chunks, shm, io; events (events/)
+and metrics (observability/) beside them.
 
 Shutdown order: health NOT_SERVING -> event streams end -> the peer tier stops following its
 peers and closes its data links -> stop accepting sessions -> gRPC stop with a grace period
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import secrets
@@ -31,11 +33,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstored import __version__
+from kvstored.chain.chain import ChainPolicy, TierChain
+from kvstored.chain.factory import build_lower_tiers
+from kvstored.chain.stats import chain_snapshot
+from kvstored.chunks.ids import TierKind
 from kvstored.config import Config, ConfigError
 from kvstored.errors import ListenError
+from kvstored.events.bus import EventBus, KvEvent
 from kvstored.logs import setup_logging
 from kvstored.namespaces import NamespaceRegistry
-from kvstored.observability.events import EventBus, KvEvent
 from kvstored.observability.metrics import DaemonMetrics
 from kvstored.peer.control import SERVER_OPTIONS as PEER_KEEPALIVE_OPTIONS
 from kvstored.server.broker import SessionBroker
@@ -53,17 +59,15 @@ from kvstored.shm.copy import GUARDED as copy_guarded
 from kvstored.shm.mapping import SharedPool
 from kvstored.shm.memory import PoolPages, PopulateProgress
 from kvstored.sizes import format_size
-from kvstored.tiers.base import TierKind
-from kvstored.tiers.chain import ChainPolicy, TierChain
-from kvstored.tiers.factory import build_lower_tiers
+from kvstored.tiers.config import TierConfig, TierContext
 from kvstored.tiers.ram import RamTier
-from kvstored.tiers.registry import TierConfig, TierContext, admission_changes
+from kvstored.tiers.registry import admission_changes
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:  # optional features import their libraries (aiohttp, pyzmq, ucxx) only when enabled
+    from kvstored.events.zmq_publisher import ZmqEventPublisher
     from kvstored.observability.http import MetricsServer
-    from kvstored.observability.zmq_events import ZmqEventPublisher
     from kvstored.server.peer_serving import PeerServing
     from kvstored.tiers.peer import PeerTier
 
@@ -188,9 +192,9 @@ class Daemon:
         self.broker = SessionBroker(self.chain, tenancy=self.tenancy)
         self.zmq_events: ZmqEventPublisher | None = None
         if cfg.events_zmq_endpoint:
-            from kvstored.observability import zmq_events
+            from kvstored.events import zmq_publisher
 
-            self.zmq_events = zmq_events.ZmqEventPublisher(
+            self.zmq_events = zmq_publisher.ZmqEventPublisher(
                 cfg.events_zmq_endpoint, cfg.events_zmq_replay_endpoint or None, cfg.events_zmq_topic,
                 cfg.events_encoding, self.namespaces.block_tokens, cfg.events_buffer,
             )
@@ -202,8 +206,8 @@ class Daemon:
                      format_size(usage.used_bytes), format_size(usage.capacity_bytes) if usage.capacity_bytes
                      else "unbounded", usage.chunks)
 
-        self.metrics = DaemonMetrics(self.chain, self.broker.counts, self.namespaces, self.tenancy.snapshot,
-                                     self._peers_snapshot)
+        self.metrics = DaemonMetrics(functools.partial(chain_snapshot, self.chain), self.broker.counts,
+                                     self.namespaces, self.tenancy.snapshot, self._peers_snapshot)
         for lower_tier in self.chain.lower:
             lower_tier.observe = self.metrics.observe_tier_op
         self.metrics.preinit_grpc(pb.DESCRIPTOR.services_by_name["KVStore"])
@@ -233,7 +237,7 @@ class Daemon:
             await self._start_metrics(cfg.metrics_addr)
 
         self.session_server = SessionSocketServer(
-            cfg.session_socket, cfg.socket_mode, self.broker, self.pool, self.chain.ram.page_bytes, self.tenancy
+            cfg.session_socket, cfg.socket_mode, self.broker, self.pool, self.chain.page_bytes, self.tenancy
         )
         await self.session_server.start()
         for name in ("", SERVICE_NAME):

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstored.errors import KvstoredError
+from kvstored.events.bus import EventType, KvEvent
 from kvstored.namespaces import Namespace, NamespaceRegistry, decode_record, encode_record
-from kvstored.observability.events import EventType, KvEvent
 from kvstored.tiers.base import SecondaryTier
 
 log = logging.getLogger(__name__)

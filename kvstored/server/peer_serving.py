@@ -19,9 +19,11 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from kvstored.chain.chain import TierChain
+from kvstored.chain.leases import LeaseRequest, Reach
 from kvstored.errors import BatchTooLarge, InvalidRequest, PeerIncompatible, TierStartError
+from kvstored.events.bus import EventBus
 from kvstored.namespaces import Namespace, NamespaceRegistry
-from kvstored.observability.events import EventBus
 from kvstored.peer.errors import TransportUnavailable
 from kvstored.peer.factory import local_transports, make_server
 from kvstored.peer.handshake import LocalHello
@@ -36,10 +38,8 @@ from kvstored.peer.transport import (
     TransportPreference,
     UcxConfig,
 )
-from kvstored.tiers.base import ChunkId, TierKind
-from kvstored.tiers.chain import TierChain
+from kvstored.tiers.config import PeerTierConfig, data_ports
 from kvstored.tiers.ram import RamEntry
-from kvstored.tiers.registry import PeerTierConfig, data_ports
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -196,46 +196,14 @@ class PeerServing:
 
     async def _lease(self, ns: Namespace, keys: Sequence[bytes], promote_by: float) -> list[RamEntry | None]:
         """Leases for the chunks this node holds itself: in RAM, or promoted from its local tiers
-        into free RAM (waiting until `promote_by`). Never a chunk on its way from a peer."""
-        ram, promoter = self._chain.ram, self._chain.promoter
-        chunks: list[ChunkId] = [(ns.namespace_id, k) for k in keys]
-        entries: list[RamEntry | None] = [ram.acquire(c) for c in chunks]
-        self.leases += sum(e is not None for e in entries)
-        missing = [i for i, e in enumerate(entries) if e is None and promoter.in_flight(chunks[i]) is not TierKind.PEER]
-        if not missing or not self._chain.lower:
-            return entries
-        loop = asyncio.get_running_loop()
-        try:
-            found = await promoter.find([chunks[i] for i in missing], local_only=True)
-            wanted = sum(1 for t in found if t is not None)
-            if wanted:  # as a local load would: dirty chunks go down before RAM makes room
-                try:
-                    await asyncio.wait_for(self._chain.make_room(ns, wanted), max(0.0, promote_by - loop.time()))
-                except TimeoutError:
-                    pass  # (reserving evicts what it must)
-            waits: dict[int, asyncio.Future] = {}
-            for i, tier_index in zip(missing, found):
-                if tier_index is None or promoter.in_flight(chunks[i]) is TierKind.PEER:
-                    continue
-                future = promoter.start(chunks[i], ns.chunk_bytes, tier_index)
-                if future is not None:
-                    waits[i] = future
-            if waits:
-                # Shielded: a promotion is shared with this node's own readers.
-                await asyncio.wait([asyncio.shield(f) for f in waits.values()],
-                                   timeout=max(0.0, promote_by - loop.time()))
-            for i, future in waits.items():
-                if future.done() and not future.cancelled() and future.result():
-                    entries[i] = ram.acquire(chunks[i])
-                    self.leases += entries[i] is not None
-        except BaseException:
-            self._unlease([e for e in entries if e is not None])
-            raise
-        return entries
+        (waiting until `promote_by`). Never a chunk on its way from a peer."""
+        request = LeaseRequest(Reach.EACH, start_by=promote_by, local_only=True)
+        leased = await self._chain.leases.lease(ns, keys, request)
+        self.leases += len(leased.held)
+        return leased.entries
 
     def _source(self, entry: RamEntry) -> Source:
-        views = self._chain.ram.page_views(entry, self._chain.arenas.view(entry.arena))
-        return Source(views, entry.size, entry.checksum)
+        return Source(self._chain.leases.page_views(entry), entry.size, entry.checksum)
 
     def _release(self, server: PeerServer, entries: list[RamEntry | None], sources: list[Source | None],
                  result: SendResult | None) -> None:
@@ -287,7 +255,7 @@ class PeerServing:
         last_seq = events.last_seq
         public = {ns.namespace_id for ns in self._namespaces.all() if not ns.private}
         groups: dict[tuple[str, str], list[bytes]] = {}
-        for ns_id, key in self._chain.ram.ready_chunks():
+        for ns_id, key in self._chain.ready_chunks():
             if ns_id in public:
                 groups.setdefault(("ram", ns_id), []).append(key)
         for lower in self._chain.lower:

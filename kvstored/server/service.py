@@ -12,16 +12,16 @@ from pathlib import Path
 import grpc
 
 from kvstored import __version__
+from kvstored.chain.chain import TierChain
+from kvstored.chain.stats import chain_snapshot
+from kvstored.chunks.ids import TierKind
 from kvstored.errors import BatchTooLarge, InvalidRequest, SessionRequired, WatcherLagged, shown
+from kvstored.events.bus import KvEvent
 from kvstored.namespaces import Namespace, NamespaceRegistry, check_keys
-from kvstored.observability.events import KvEvent
-from kvstored.observability.snapshot import staging_snapshot, tier_snapshots
 from kvstored.server.broker import SessionBroker
 from kvstored.server.sessions import Session
 from kvstored.server.tenants import ArenasUnsupported, Tenancy, events_for, visible
 from kvstored.shm.mapping import open_region_file
-from kvstored.tiers.base import TierKind
-from kvstored.tiers.chain import TierChain
 from kvstored.tiers.ram import Extent, ReserveOutcome
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
@@ -132,8 +132,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             namespace_id=ns.namespace_id,
             chunk_bytes=ns.chunk_bytes,
             key_bytes=ns.key_bytes,
-            pool_bytes=self._chain.ram.capacity_bytes,
-            page_bytes=self._chain.ram.page_bytes,
+            pool_bytes=self._chain.pool_bytes,
+            page_bytes=self._chain.page_bytes,
             arena_id=placed.arena_id,
             arena_bytes=placed.arena_bytes,
             quota_bytes=placed.quota_bytes,
@@ -227,7 +227,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def ListNamespaces(self, request: pb.ListNamespacesRequest, context) -> pb.ListNamespacesResponse:
         session = self._broker.optional(request.session_id)
-        usage = self._chain.ram.usage_by_namespace()
+        usage = self._chain.ram_usage_by_namespace()
         infos = []
         for ns in self._namespaces.all():
             if not self._visible(ns, session):
@@ -250,9 +250,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         peer_leases, peer_reservations = self._peer_counts()
-        staging = staging_snapshot(self._chain)
+        snapshot = chain_snapshot(self._chain)
+        staging = snapshot.staging
         return pb.StatsResponse(
-            tiers=[pb.TierStats(**{**dataclasses.asdict(t), "kind": int(t.kind)}) for t in tier_snapshots(self._chain)],
+            tiers=[pb.TierStats(**{**dataclasses.asdict(t), "kind": int(t.kind)}) for t in snapshot.tiers],
             namespaces=len(self._namespaces),
             **dataclasses.asdict(self._broker.counts()),
             version=__version__,

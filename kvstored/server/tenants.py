@@ -18,8 +18,8 @@ import logging
 from dataclasses import dataclass, field
 
 from kvstored.errors import InvalidRequest, PoolExhausted, SessionRequired, UnknownRegion
+from kvstored.events.bus import EventFilter, KvEvent
 from kvstored.namespaces import Namespace, NamespaceRegistry
-from kvstored.observability.events import EventFilter, KvEvent
 from kvstored.observability.snapshot import QuotaSnapshot, QuotaUsage
 from kvstored.server.sessions import Session
 from kvstored.shm.arenas import PUBLIC_ARENA, Arena, ArenaSet

@@ -1,4 +1,4 @@
-"""What every tier shares: kinds, the secondary-tier interface, outcomes and counters."""
+"""What every tier shares: the secondary-tier interface, outcomes and counters."""
 
 from __future__ import annotations
 
@@ -10,9 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvstored.choices import Choice
-from kvstored_client.kinds import TierKind  # one enum for daemon, client and proto; NONE (0) is a miss
-
-ChunkId = tuple[str, bytes]  # (namespace id, key): keys are opaque bytes scoped by namespace
+from kvstored.chunks.ids import ChunkId, RemovalCause, TierKind
 
 
 class WriteOutcome(enum.Enum):
@@ -46,11 +44,6 @@ class TierUsage:
     capacity_bytes: int  # 0 = unbounded
     used_bytes: int
     chunks: int
-
-
-class RemovalCause(enum.Enum):
-    EVICTED = enum.auto()  # the tier's own capacity bound
-    CORRUPT = enum.auto()  # failed verification
 
 
 RemovalListener = Callable[["SecondaryTier", ChunkId, RemovalCause], None]

@@ -1,6 +1,6 @@
 """The peer tier: chunks other kvstored daemons hold in their RAM or on their local tiers.
 
-- `contains` asks only the remote-location index (kvstored/tiers/peer_index.py), fed by every
+- `contains` asks only the remote-location index (kvstored/peer/index.py), fed by every
   peer's KV events: a miss never costs a network round trip. A chunk counts as there when a
   peer that is UP and whose breaker lets fetches through holds it. Tenant namespaces are never
   looked up (nor indexed: peers stream public namespaces' events only).
@@ -26,11 +26,13 @@ from collections.abc import Sequence
 
 import grpc
 
+from kvstored.chunks.ids import ChunkId, TierKind
 from kvstored.namespaces import Namespace, NamespaceRegistry
 from kvstored.peer.control import ClientTls
 from kvstored.peer.fetcher import REFUSED, PeerFetcher
 from kvstored.peer.fleet import FleetSettings, PeerFleet
 from kvstored.peer.handshake import LocalHello
+from kvstored.peer.index import SLOT_MASK, TIER_BITS, PeerIndex
 from kvstored.peer.membership import Membership, PeerRecord
 from kvstored.peer.messages import fetch_request, receipts_of
 from kvstored.peer.quarantine import span_of
@@ -43,9 +45,8 @@ from kvstored.peer.transport import (
     TransportConfig,
     UcxConfig,
 )
-from kvstored.tiers.base import ChunkId, SecondaryTier, TierKind, TierUsage, WriteOutcome
-from kvstored.tiers.peer_index import SLOT_MASK, TIER_BITS, PeerIndex
-from kvstored.tiers.registry import PeerTierConfig, TierContext
+from kvstored.tiers.base import SecondaryTier, TierUsage, WriteOutcome
+from kvstored.tiers.config import PeerTierConfig, TierContext
 
 log = logging.getLogger(__name__)
 

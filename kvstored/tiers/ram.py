@@ -15,9 +15,10 @@ Invariants:
   evictable ones);
 - a chunk's pages return to the allocator only once it is out of the index, unleased and not
   being written down.
-Write-back: the chain's evictor pins the oldest dirty chunks (`begin_writeback`), writes them to
-the lower tiers, then drops them (`finish_writeback`) unless they were used meanwhile. Chunks
-already held below ("persisted": promoted from a lower tier, or written down) are dropped as is.
+Write-back (chain/writeback.py) pins the oldest dirty chunks while it writes them to the lower
+tiers (`start_writing`), then drops them (`end_writing`) unless they were used meanwhile (a use
+sets `touched`). Chunks already held below ("persisted": promoted from a lower tier, or written
+down) are dropped as is.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ from __future__ import annotations
 import enum
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from kvstored.chunks.ids import ChunkId
 from kvstored.shm.allocator import PageAllocator, PageRun
 from kvstored.shm.arenas import PUBLIC_ARENA, Extent
-from kvstored.tiers.base import ChunkId
 
 # Memory the arenas together may hold beyond the capacity before free pages go back to the
 # kernel (a punched hole costs ~0.35 ms per 2 MiB, and a later first write into it runs at ~1/8
@@ -356,7 +357,7 @@ class RamTier:
         if entry.leases:
             return
         if entry.writing:
-            entry.touched = True  # finish_writeback decides
+            entry.touched = True  # the write-down's end decides (chain/writeback.py)
         elif not entry.indexed:
             self._free(entry)
         elif entry.probation:
@@ -407,56 +408,35 @@ class RamTier:
             self._free(entry)
         return ready
 
-    # -- write-back -------------------------------------------------------------------------
+    # -- write-down pins (the write-back state machine is chain/writeback.py) ------------------
 
-    def writeback_victims(self, bytes_wanted: int, scope: QuotaScope | None = None,
-                          ) -> tuple[list[RamEntry], list[ChunkId]]:
-        """Oldest first (of the tier, or of a quota scope), until `bytes_wanted` bytes are
-        covered: clean chunks are evicted now (returned as ids), dirty ones are pinned for
-        write-down (returned as entries)."""
-        to_write: list[RamEntry] = []
-        evicted: list[ChunkId] = []
-        covered = 0
-        lru = self._lru if scope is None else scope.lru
-        while covered < bytes_wanted and lru:
-            entry = next(iter(lru.values()))
-            self._lru_remove(entry)
-            covered += entry.pages * self.page_bytes
-            if entry.persisted:
-                self._evict(entry)
-                evicted.append(entry.chunk)
-            else:
-                self._set_writing(entry, True)
-                entry.touched = False
-                to_write.append(entry)
-        return to_write, evicted
+    def lru_head(self, scope: QuotaScope | None = None) -> RamEntry | None:
+        """The least recently used evictable chunk (of the tier, or of a quota scope)."""
+        return next(iter((self._lru if scope is None else scope.lru).values()), None)
 
-    def dirty_entries(self) -> list[RamEntry]:
-        """READY chunks with no copy below and no write-down running, most recently used first."""
-        return [entry for entry in reversed(self._lru.values()) if not entry.persisted]
+    def lru_newest_first(self) -> Iterator[RamEntry]:
+        """The evictable chunks, most recently used first."""
+        return reversed(self._lru.values())
 
-    def begin_writeback(self, entry: RamEntry) -> None:
-        """Pin a chunk for a write-through copy (it stays readable, not evictable)."""
+    def start_writing(self, entry: RamEntry) -> None:
+        """A write-down reads the chunk's pages: it leaves the LRU (pinned) and stays readable."""
         self._lru_remove(entry)
         self._set_writing(entry, True)
-        entry.touched = True
 
-    def finish_writeback(self, entry: RamEntry, persisted: bool) -> bool:
-        """End a write-down. Returns True if the chunk left RAM now (it was a victim, unused
-        since); False too for a chunk deleted meanwhile (its removal was reported then)."""
+    def end_writing(self, entry: RamEntry, keep: bool) -> bool:
+        """The write-down ended. The chunk goes back into the LRU if `keep`, else leaves RAM now;
+        a leased one stays pinned (its release decides), a deleted one is freed. Returns True if
+        it left RAM now (False too for a deleted one: its removal was reported then)."""
         self._set_writing(entry, False)
-        entry.persisted = entry.persisted or persisted
-        if persisted:
-            self.counters.writebacks += 1
         if entry.leases:
             return False
         if not entry.indexed:
             self._free(entry)
             return False
-        if entry.touched:
+        if keep:
             self._lru_add(entry)
             return False
-        self._evict(entry)
+        self.evict(entry)
         return True
 
     def page_views(self, entry: RamEntry, arena: memoryview) -> list[memoryview]:
@@ -475,7 +455,8 @@ class RamTier:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _evict(self, entry: RamEntry) -> None:
+    def evict(self, entry: RamEntry) -> None:
+        """Drop an unpinned chunk from RAM (counted as an eviction)."""
         if not entry.persisted and self._has_lower:
             self.counters.dropped_dirty += 1
         self._unindex(entry)
@@ -498,7 +479,7 @@ class RamTier:
             if not self._lru:
                 return False
             victim = next(iter(self._lru.values()))
-            self._evict(victim)
+            self.evict(victim)
             evicted.append(victim.chunk)
         return True
 
@@ -516,7 +497,7 @@ class RamTier:
             return False
         while scope.used_pages + pages > scope.limit_pages:
             victim = next(iter(scope.lru.values()))
-            self._evict(victim)
+            self.evict(victim)
             scope.evictions += 1
             evicted.append(victim.chunk)
         return True
@@ -528,7 +509,7 @@ class RamTier:
         if alloc.free_pages >= pages:
             return True
         for victim in [e for e in self._lru.values() if e.arena == arena]:
-            self._evict(victim)
+            self.evict(victim)
             evicted.append(victim.chunk)
             if alloc.free_pages >= pages:
                 return True

@@ -47,22 +47,15 @@ from botocore.exceptions import (
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
+from kvstored.chunks import chunkfile
+from kvstored.chunks.chunkfile import HEADER_BYTES, CorruptChunk
+from kvstored.chunks.ids import ChunkId, RemovalCause, TierKind
+from kvstored.chunks.views import trim
 from kvstored.errors import TierUnavailable
 from kvstored.sizes import format_size
-from kvstored.tiers import chunkfile
-from kvstored.tiers.base import (
-    AdmissionPolicy,
-    ChunkId,
-    RemovalCause,
-    SecondaryTier,
-    TierKind,
-    TierUsage,
-    WriteOutcome,
-)
-from kvstored.tiers.chunkfile import HEADER_BYTES, CorruptChunk
-from kvstored.tiers.fs_index import FsIndex
+from kvstored.tiers.base import AdmissionPolicy, SecondaryTier, TierUsage, WriteOutcome
+from kvstored.tiers.capacity import CapacityIndex
 from kvstored.tiers.resilience import Backoff, CircuitBreaker, NegativeCache, Permit
-from kvstored.tiers.views import trim
 
 log = logging.getLogger(__name__)
 DEFAULT_BACKOFF = Backoff()
@@ -189,7 +182,7 @@ class S3Tier(SecondaryTier):
         # Chunks whose DELETE failed: the object may still be there, but it must not be found
         # (the chunk was deleted or evicted) until a PUT replaces it or a DELETE succeeds.
         self._undeleted: set[ChunkId] = set()
-        self._index = FsIndex(capacity_bytes or _UNBOUNDED, admission)  # objects known to exist, LRU first
+        self._index = CapacityIndex(capacity_bytes or _UNBOUNDED, admission)  # objects known to exist, LRU first
         self._slots = asyncio.Semaphore(max_concurrency)
         self._pending: dict[ChunkId, asyncio.Future] = {}  # writes in flight -> their WriteOutcome
         self._deleting: dict[ChunkId, asyncio.Future] = {}  # deletes in flight

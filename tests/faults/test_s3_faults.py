@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kvstored.tiers.chunkfile import chunk_relpath
+from kvstored.chunks.chunkfile import chunk_relpath
 from kvstored_client import Tier
 from kvstored_client.errors import ERROR_KIND_KEY
 from tests.support.daemon import short_tmpdir

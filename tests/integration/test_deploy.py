@@ -22,7 +22,7 @@ import yaml
 
 from kvstored.cli import build_parser
 from kvstored.config import load_config, options
-from kvstored.tiers.registry import FsTierConfig, PeerTierConfig, data_ports
+from kvstored.tiers.config import FsTierConfig, PeerTierConfig, data_ports
 from tests.support.daemon import REPO_ROOT, clean_env, short_tmpdir
 
 CONTAINERFILE = REPO_ROOT / "deploy" / "container" / "Containerfile"

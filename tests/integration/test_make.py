@@ -14,7 +14,7 @@ import pytest
 
 from kvstored.cli import build_parser
 from kvstored.config import load_config, options
-from kvstored.tiers.registry import FsTierConfig, S3TierConfig
+from kvstored.tiers.config import FsTierConfig, S3TierConfig
 from tests.support.daemon import REPO_ROOT, clean_env
 
 MAKE = shutil.which("make")

@@ -14,9 +14,10 @@ import uuid
 import pytest
 from aiobotocore.session import get_session
 
-from kvstored.tiers import chunkfile
-from kvstored.tiers.base import RemovalCause, TierUsage, WriteOutcome
-from kvstored.tiers.chunkfile import HEADER_BYTES
+from kvstored.chunks import chunkfile
+from kvstored.tiers.base import TierUsage, WriteOutcome
+from kvstored.chunks.ids import RemovalCause
+from kvstored.chunks.chunkfile import HEADER_BYTES
 from kvstored.tiers.s3 import S3Tier
 from tests.support.s3 import radosgw_or_fail
 

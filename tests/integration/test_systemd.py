@@ -23,7 +23,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstored.config import Config, load_config
-from kvstored.tiers.registry import KINDS, FsTierConfig, PeerTierConfig, S3TierConfig
+from kvstored.tiers.config import FsTierConfig, PeerTierConfig, S3TierConfig
+from kvstored.tiers.registry import KINDS
 from tests.support.daemon import REPO_ROOT, clean_env, kvstored_command, short_tmpdir
 from tests.support.data import make_keys, payloads
 from tests.support.s3 import MotoServer

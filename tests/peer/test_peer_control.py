@@ -17,7 +17,7 @@ from kvstored.peer.follow import Follower
 from kvstored.peer.handshake import LocalHello, hello_from_proto, namespace_fingerprint
 from kvstored.peer.membership import Breaker, PeerRecord
 from kvstored.peer.transport import PeerAddress, TransportKind
-from kvstored.tiers.peer_index import PeerIndex
+from kvstored.peer.index import PeerIndex
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from tests.support.cluster import free_port

@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvstored.tiers import chunkfile
+from kvstored.chunks import chunkfile
 
 
 def chunk_path(root: Path, namespace_id: str, key: bytes) -> Path:

@@ -14,9 +14,10 @@ from kvstored.io.scheduler import TierQueue
 from kvstored.namespaces import Namespace
 from kvstored.shm.arenas import ArenaSet
 from kvstored.shm.mapping import SharedPool
-from kvstored.tiers.base import ChunkId, SecondaryTier, TierCapabilities, TierKind, TierUsage, WriteOutcome
-from kvstored.tiers.chain import ChainPolicy, TierChain
-from kvstored.tiers.lower import LowerTier
+from kvstored.tiers.base import SecondaryTier, TierCapabilities, TierUsage, WriteOutcome
+from kvstored.chunks.ids import ChunkId, TierKind
+from kvstored.chain.chain import ChainPolicy, TierChain
+from kvstored.chain.lower import LowerTier
 from kvstored.tiers.ram import RamTier
 
 GATED_OPS = ("contains", "read", "write")

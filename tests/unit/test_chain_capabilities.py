@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from kvstored.namespaces import Namespace
-from kvstored.tiers.base import TierCapabilities, TierKind
-from kvstored.tiers.chain import ChainPolicy
-from kvstored.tiers.lower import WritePolicy
+from kvstored.tiers.base import TierCapabilities
+from kvstored.chunks.ids import TierKind
+from kvstored.chain.chain import ChainPolicy
+from kvstored.chain.writeback import WritePolicy
 from tests.support.tiers import GatedMemoryTier, first_word, make_chain, settle, store
 
 CHUNK = 64 << 10

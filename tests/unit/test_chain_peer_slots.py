@@ -8,7 +8,8 @@ import asyncio
 from typing import Sequence
 
 from kvstored.namespaces import Namespace
-from kvstored.tiers.base import ChunkId, TierCapabilities, TierKind
+from kvstored.tiers.base import TierCapabilities
+from kvstored.chunks.ids import ChunkId, TierKind
 from kvstored.tiers.ram import ReserveOutcome
 from tests.support.tiers import GatedMemoryTier, make_chain
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from kvstored.namespaces import Namespace
-from kvstored.tiers.base import TierCapabilities, TierKind
+from kvstored.tiers.base import TierCapabilities
+from kvstored.chunks.ids import TierKind
 from kvstored.tiers.ram import PUBLIC, Placement, QuotaScope, ReserveOutcome
 from tests.support.tiers import GatedMemoryTier, make_chain, settle, store
 

@@ -11,9 +11,10 @@ import pytest
 from kvstored.errors import UnknownSession
 from kvstored.io.scheduler import Priority
 from kvstored.namespaces import Namespace
-from kvstored.observability.events import KvEvent
-from kvstored.tiers.base import TierCapabilities, TierKind
-from kvstored.tiers.lower import WritePolicy
+from kvstored.events.bus import KvEvent
+from kvstored.tiers.base import TierCapabilities
+from kvstored.chunks.ids import TierKind
+from kvstored.chain.writeback import WritePolicy
 from kvstored.tiers.ram import ReserveOutcome
 from tests.support.tiers import GatedMemoryTier, first_word, make_chain, settle, store
 

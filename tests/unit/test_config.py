@@ -8,7 +8,7 @@ import pytest
 
 from kvstored.config import Config, ConfigError, env_name, flag_name, load_config, options
 from kvstored.sizes import parse_size
-from kvstored.tiers.registry import FsTierConfig, S3TierConfig
+from kvstored.tiers.config import FsTierConfig, S3TierConfig
 
 
 def write_toml(tmp_path: Path, text: str) -> Path:

@@ -7,9 +7,9 @@ import socket
 
 import zmq
 
-from kvstored.observability.events import Cause, EventBus, EventEncoding, EventType
-from kvstored.observability.zmq_events import END_SEQ, ZmqEventPublisher
-from kvstored.tiers.base import TierKind
+from kvstored.events.bus import Cause, EventBus, EventEncoding, EventType
+from kvstored.events.zmq_publisher import END_SEQ, ZmqEventPublisher
+from kvstored.chunks.ids import TierKind
 
 NS = "0123456789abcdef0123456789abcdef"
 BATCHES = 10_000  # the default events_buffer
@@ -94,7 +94,7 @@ def test_a_removal_of_millions_of_keys_is_published_in_events_a_grpc_client_can_
     """A ClearNamespace's removals come as several events of at most MAX_EVENT_KEYS keys, in
     order, each one WatchEvents message under gRPC's default 4 MiB receive limit (one event of
     1.9M keys outgrew even a peer's 64 MiB limit, and no subscriber could read past it)."""
-    from kvstored.observability.events import MAX_EVENT_KEYS
+    from kvstored.events.bus import MAX_EVENT_KEYS
     from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 
     bus = EventBus()

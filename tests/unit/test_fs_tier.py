@@ -17,10 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstored.tiers import chunkfile
-from kvstored.tiers.base import AdmissionPolicy, RemovalCause, WriteOutcome
-from kvstored.tiers.chunkfile import HEADER_BYTES
-from kvstored.tiers.fs import FsTier
+from kvstored.chunks import chunkfile
+from kvstored.tiers.base import AdmissionPolicy, WriteOutcome
+from kvstored.chunks.ids import RemovalCause
+from kvstored.chunks.chunkfile import HEADER_BYTES
+from kvstored.tiers.fs.tier import FsTier
 
 PAGE = 4096
 NS = "0123456789abcdef0123456789abcdef"
@@ -695,7 +696,7 @@ async def test_writes_in_flight_count_in_used_bytes_and_survive_a_sharing_start(
     against the capacity). A daemon starting on the same root meanwhile must leave it alone."""
     import threading
 
-    from kvstored.tiers import fs_io
+    from kvstored.tiers.fs import io as fs_io
 
     root = tmp_path / "fs"
     tier = await make_tier(root)
@@ -733,7 +734,7 @@ async def test_writes_in_flight_count_in_used_bytes_and_survive_a_sharing_start(
 
 
 async def test_removal_listener_hears_evictions_and_corruption(make_tier, tmp_path):
-    from kvstored.tiers.base import RemovalCause
+    from kvstored.chunks.ids import RemovalCause
 
     size = PAGE
     tier = await make_tier(capacity=2 * (HEADER_BYTES + size))
@@ -812,7 +813,7 @@ async def test_concurrent_mix_keeps_index_and_disk_in_step(make_tier, tmp_path, 
 async def test_a_write_joining_one_whose_file_is_being_removed_writes_anew(tmp_path, monkeypatch):
     """write(X) in flight, remove(X) queued behind it, then X written again (deleted and stored
     again by a client): the new write must not report the file that the remove is about to unlink."""
-    from kvstored.tiers import fs_io
+    from kvstored.tiers.fs import io as fs_io
 
     real = fs_io.pwritev_all
     monkeypatch.setattr(fs_io, "pwritev_all", lambda fd, bufs: (time.sleep(0.2), real(fd, bufs))[1])
@@ -836,7 +837,7 @@ async def test_a_write_joining_one_whose_file_is_being_removed_writes_anew(tmp_p
 
 async def test_closing_during_a_slow_index_rebuild_stops_it(tmp_path, monkeypatch):
     """A stop during start-up must not wait for a scan of millions of files."""
-    from kvstored.tiers import fs as fs_module
+    from kvstored.tiers.fs import tier as fs_module
 
     root = tmp_path / "fs"
     for i in range(30):

@@ -10,7 +10,7 @@ import pytest
 
 from kvstored.errors import InvalidRequest
 from kvstored.namespaces import RECOVERED_TENANT, Namespace, NamespaceRegistry, decode_record, encode_record
-from kvstored.tiers.fs import FsTier
+from kvstored.tiers.fs.tier import FsTier
 
 MIB = 1 << 20
 

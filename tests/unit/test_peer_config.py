@@ -9,7 +9,7 @@ import pytest
 
 from kvstored.config import ConfigError, load_config
 from kvstored.peer.transport import TransportPreference
-from kvstored.tiers.registry import PeerTierConfig, data_ports
+from kvstored.tiers.config import PeerTierConfig, data_ports
 
 ISSUE_TOML = """\
 tcp_listen = "127.0.0.1:7071"          # what peers connect to (TLS/mTLS beyond loopback, as today)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import tracemalloc
 
-from kvstored.tiers.peer_index import BYTES_PER_ENTRY, PeerIndex
+from kvstored.peer.index import BYTES_PER_ENTRY, PeerIndex
 
 NS, OTHER = "a" * 32, "b" * 32
 

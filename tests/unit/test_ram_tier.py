@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvstored.chain.writeback import WriteBackState
 from kvstored.tiers.ram import Placement, QuotaScope, RamTier, ReserveOutcome
 
 PAGE = 4096
@@ -407,9 +408,10 @@ def test_write_back_victims_of_a_scope_are_its_own_and_count_as_writing():
     tier.set_placement(lambda ns: Placement(0, (scope,)) if ns == "noisy" else Placement())
     public = store(tier, "public", 4)
     noisy = store(tier, "noisy", 8)
-    to_write, evicted = tier.writeback_victims(3 * PAGE, scope)
+    states = WriteBackState(tier)
+    to_write, evicted = states.victims(3 * PAGE, scope)
     assert [e.chunk for e in to_write] == noisy[:3] and evicted == []
     assert tier.writing_bytes(scope) == 3 * PAGE and tier.room_bytes(scope) == 0
-    assert tier.finish_writeback(to_write[0], persisted=True)
+    assert states.finish(to_write[0], persisted=True)
     assert tier.writing_bytes(scope) == 2 * PAGE and tier.room_bytes(scope) == PAGE
     assert all(tier.contains(c, touch=False) for c in public)

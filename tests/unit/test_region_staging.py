@@ -13,8 +13,9 @@ import pytest
 from kvstored.errors import TransferNotStarted, UnknownRegion
 from kvstored.namespaces import Namespace
 from kvstored.shm.mapping import Region
-from kvstored.tiers.base import TierCapabilities, TierKind
-from kvstored.tiers.chain import ChainPolicy
+from kvstored.tiers.base import TierCapabilities
+from kvstored.chunks.ids import TierKind
+from kvstored.chain.chain import ChainPolicy
 from kvstored_client.kinds import LoadInto
 from tests.support.tiers import GatedMemoryTier, make_chain, settle, store
 
@@ -267,7 +268,7 @@ async def test_reads_ahead_take_at_most_half_of_staging(rig):
 
 
 async def test_a_read_ahead_no_load_claims_gives_its_pages_back(rig, monkeypatch):
-    monkeypatch.setattr("kvstored.tiers.staged.PREFETCH_HOLD_S", 0.0)
+    monkeypatch.setattr("kvstored.chain.staged.PREFETCH_HOLD_S", 0.0)
     chain, tier, _ = await rig()
     await fill_ram_with_dirty_chunks(chain, tier)
     tier.data[("ns", key(0))] = payload(0)

@@ -16,11 +16,12 @@ import pytest
 from aiobotocore.session import get_session
 
 from kvstored.errors import TierUnavailable
-from kvstored.tiers import chunkfile
-from kvstored.tiers.base import AdmissionPolicy, RemovalCause, TierUsage, WriteOutcome
-from kvstored.tiers.chunkfile import HEADER_BYTES
+from kvstored.chunks import chunkfile
+from kvstored.tiers.base import AdmissionPolicy, TierUsage, WriteOutcome
+from kvstored.chunks.ids import RemovalCause
+from kvstored.chunks.chunkfile import HEADER_BYTES
 from kvstored.tiers.resilience import Backoff, BreakerState, CircuitBreaker, NegativeCache
-from kvstored.tiers.chunkfile import parse_relpath as _parse_key
+from kvstored.chunks.chunkfile import parse_relpath as _parse_key
 from kvstored.tiers.s3 import S3Tier, S3TierError
 from tests.support.s3 import FaultProxy, MotoServer, free_port
 

@@ -16,7 +16,7 @@ from kvstored.server.broker import SessionBroker
 from kvstored.server.sessions import SessionRegistry
 from kvstored.shm.mapping import Region
 from kvstored.tiers.base import TierCapabilities
-from kvstored.tiers.chain import ChainPolicy
+from kvstored.chain.chain import ChainPolicy
 from kvstored.tiers.ram import ReserveOutcome
 from tests.support.tiers import GatedMemoryTier, make_chain, settle, store
 

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from kvstored.config import load_config
-from kvstored.tiers.base import AdmissionPolicy, TierCapabilities, TierKind
-from kvstored.tiers.registry import KINDS, FsTierConfig, S3TierConfig, TierKindSpec, admission_changes, spec_of
+from kvstored.tiers.base import AdmissionPolicy, TierCapabilities
+from kvstored.chunks.ids import TierKind
+from kvstored.tiers.config import FsTierConfig, S3TierConfig
+from kvstored.tiers.registry import KINDS, TierKindSpec, admission_changes, spec_of
 
 SECOND = AdmissionPolicy.SECOND_EVICTION
 
@@ -52,7 +54,7 @@ def test_configuring_an_s3_tier_does_not_import_its_libraries():
         "import kvstored.server.daemon\n"
         "cfg = load_config({'tiers': ['kind=s3,bucket=kv', 'kind=fs,root=/kv,bytes=1GiB']}, {})\n"
         "assert len(cfg.tiers) == 2\n"
-        "loaded = [m for m in ('aiobotocore', 'kvstored.tiers.s3', 'kvstored.tiers.fs') if m in sys.modules]\n"
+        "loaded = [m for m in ('aiobotocore', 'kvstored.tiers.s3', 'kvstored.tiers.fs.tier') if m in sys.modules]\n"
         "print(loaded)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from kvstored import errors as daemon_errors
-from kvstored.observability import events
+from kvstored.events import bus as events
 from kvstored.server import errors as server_errors
 from kvstored.shm import copier as daemon_copier
-from kvstored.tiers import base
+from kvstored.chunks import ids
 from kvstored.tiers.ram import Extent
 from kvstored_client import Tier, buffers, copy_policy, kinds
 from kvstored_client import errors as client_errors
@@ -37,7 +37,7 @@ def test_a_proto_value_without_a_member_is_named():
 
 
 def test_daemon_and_client_share_one_tier_kind():
-    assert base.TierKind is kinds.TierKind and Tier is kinds.TierKind
+    assert ids.TierKind is kinds.TierKind and Tier is kinds.TierKind
 
 
 @pytest.mark.parametrize(("mirror", "proto_enum", "prefix"), [
@@ -45,7 +45,7 @@ def test_daemon_and_client_share_one_tier_kind():
     (events.Cause, pb.EventCause, "EVENT_CAUSE_"),
 ])
 def test_daemon_event_enums_match_the_proto(mirror, proto_enum, prefix):
-    """Still hand-written in kvstored/observability/events.py (not the client's to change): pinned."""
+    """Still hand-written in kvstored/events/bus.py (not the client's to change): pinned."""
     proto = {name.removeprefix(prefix): value for name, value in proto_enum.items() if value}
     assert {m.name: int(m) for m in mirror} == proto
 

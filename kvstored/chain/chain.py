@@ -13,14 +13,21 @@ call a `proceed` check that says whether its caller still wants the grant.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import numpy as np
-
+from kvstored.chain.leases import LeaseRequest, Leases
+from kvstored.chain.lower import LowerTier
+from kvstored.chain.promotion import DeletionGuard, Promoter
+from kvstored.chain.region_copy import RegionCopies
+from kvstored.chain.region_load import RegionLoader
+from kvstored.chain.room import RamRoom
+from kvstored.chain.staged import StagedReads
+from kvstored.chain.start_by import StartWaits, check_started
+from kvstored.chain.writeback import WriteBack, WritePolicy
+from kvstored.chunks.ids import ChunkId, RemovalCause, TierKind
 from kvstored.errors import (
     InvalidRequest,
     KvstoredError,
@@ -28,21 +35,15 @@ from kvstored.errors import (
     RegionShrunk,
     TierStartError,
     TierUnavailable,
-    TransferNotStarted,
-    UnknownRegion,
 )
+from kvstored.events.bus import Cause, EventBus, EventType
 from kvstored.namespaces import Namespace
-from kvstored.observability.events import Cause, EventBus, EventType
 from kvstored.shm.arenas import ArenaSet
-from kvstored.shm.copier import Copier, CopyJob, default_copy_threads
-from kvstored.shm.copy import MappingVanished
+from kvstored.shm.copier import CopyJob, default_copy_threads
 from kvstored.shm.mapping import Region
 from kvstored.shm.staging import Staging
-from kvstored.tiers.base import ChunkId, RemovalCause, SecondaryTier, TierKind
-from kvstored.tiers.lower import DeletionGuard, LowerTier, Promoter, WriteBack, WritePolicy
-from kvstored.tiers.ram import Extent, QuotaScope, RamEntry, RamTier, ReserveOutcome
-from kvstored.tiers.region_load import RegionLoader
-from kvstored.tiers.staged import StagedReads
+from kvstored.tiers.base import SecondaryTier
+from kvstored.tiers.ram import Extent, RamEntry, RamTier, ReserveOutcome
 from kvstored_client.kinds import LoadInto
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,8 @@ class TierChain:
         self.ram = ram
         self.lower = list(lower)
         self.arenas = arenas
-        self._copier = Copier(policy.copy_threads)
+        self._copies = RegionCopies(policy.copy_threads)
+        self._waits = StartWaits()  # waits a transfer gave up at its start deadline
         self.writeback = WriteBack(
             ram, arenas.view, self.lower, policy.write_policy, policy.headroom_bytes, policy.writeback_wait_s,
             self.events,
@@ -118,13 +120,14 @@ class TierChain:
         self._deleting = DeletionGuard()
         self._deletes: set[asyncio.Task] = set()  # run to the end even if their caller gives up
         self._prefetches: set[asyncio.Task] = set()  # promotions started by lookups, waiting for room
-        self._outwaited: set[asyncio.Future] = set()  # waits a transfer gave up at its start deadline
         self.promoter = Promoter(ram, arenas.view, self.lower, self.events, self._deleting)
+        self._room = RamRoom(ram, self.writeback)
+        self.leases = Leases(ram, arenas, self.promoter, self._room, self._waits, bool(self.lower))
         self.staged: StagedReads | None = None
         self._region_loader: RegionLoader | None = None
         if policy.staging_bytes and self.lower:
             self.staged = StagedReads(Staging(policy.staging_bytes), self.lower, self._deleting)
-            self._region_loader = RegionLoader(ram, arenas, self.promoter, self.staged, self._until, self._copy_out)
+            self._region_loader = RegionLoader(self.leases, self.staged, self._waits, self._copies)
         for lower_tier in self.lower:
             lower_tier.tier.removal_listener = self._tier_removed
 
@@ -171,8 +174,8 @@ class TierChain:
             # The load that follows needs the leading run (up to the first miss): room is made
             # for those, up to a quarter of RAM per lookup (more would evict the first of them,
             # and chunks other loads promoted, before their load could lease them).
-            room = min(self.ram.limit_bytes(scope) for scope in (None, *self._scopes(ns)))  # (or of a quota)
-            limit = max(1, room // 4 // self._slot_bytes(ns))
+            room = min(self.ram.limit_bytes(scope) for scope in (None, *self._room.scopes(ns)))  # (or of a quota)
+            limit = max(1, room // 4 // self._room.slot_bytes(ns))
             leading = [(chunk, t) for i, chunk, t in below if i < first_miss][:limit]
             self._prefetch(ns, leading)
             for _, chunk, tier_index in below[len(leading):]:  # the others: into free RAM only
@@ -197,8 +200,7 @@ class TierChain:
         used chunks, after their write-down."""
         if not below:
             return
-        slot = self._slot_bytes(ns)
-        self._start_room(ns, len(below) * slot)
+        self._room.start(ns, len(below) * self._room.slot_bytes(ns))
         for n, (chunk, tier_index) in enumerate(below):
             if not self.ram.fits(ns.namespace_id, ns.chunk_bytes):
                 task = asyncio.ensure_future(self._prefetch_when_room(ns, below[n:], self.writeback.deadline()))
@@ -211,7 +213,7 @@ class TierChain:
         for chunk, tier_index in below:
             if self.promoter.in_flight(chunk) is not TierKind.NONE:
                 continue  # (a load got there first)
-            await self._make_room(ns, 1, deadline)
+            await self._room.make(ns, 1, deadline)
             if self.promoter.start(chunk, ns.chunk_bytes, tier_index, evict=False) is None:
                 return  # no room in time (or the chunk is being deleted): the load does the rest
 
@@ -284,94 +286,13 @@ class TierChain:
         if not task.cancelled() and task.exception() is not None:
             log.warning("delete failed: %s", task.exception())  # its caller may have gone already
 
-    async def _lease_prefix(
-        self, ns: Namespace, keys: Sequence[bytes], start_by: float | None = None,
-    ) -> list[RamEntry]:
-        """Lease the leading chunks, promoting from below what RAM lacks; stops at the first miss.
-        Waiting for lower tiers ends at `start_by` (loop time) with TransferNotStarted.
-
-        Leased chunks are pinned, so promoting the rest can only evict chunks further on, which
-        the next round promotes again (a few rounds at most while RAM holds the batch)."""
-        chunks = [(ns.namespace_id, k) for k in keys]
-        leased: list[RamEntry] = []
-        try:
-            for _round in range(4):
-                while len(leased) < len(chunks):
-                    entry = self.ram.acquire(chunks[len(leased)])
-                    if entry is None:
-                        break
-                    leased.append(entry)
-                if len(leased) == len(chunks) or not self.lower:
-                    break
-                if not await self._promote_prefix(ns, chunks[len(leased):], start_by):
-                    break
-        except BaseException:
-            for entry in leased:
-                self.ram.release(entry)
-            raise
-        return leased
-
-    async def _promote_prefix(self, ns: Namespace, chunks: Sequence[ChunkId], start_by: float | None = None) -> bool:
-        """Promote the leading chunks that are below RAM and wait; False if the first is nowhere.
-        Waiting ends at `start_by` (loop time) with TransferNotStarted.
-
-        Every promotion starts as soon as RAM has room for it: at once into free RAM, the rest
-        as the write-downs started here for all of them free pages, so reads from below and
-        the write-downs making room for them run at the same time (bounded by the tier's
-        queue), instead of reading only once all the room is there."""
-        missing = [i for i, c in enumerate(chunks) if not self.ram.contains(c, touch=False)]
-        found = await self._until(start_by, self.promoter.find([chunks[i] for i in missing])) if missing else []
-        wanted = sum(1 for _ in itertools.takewhile(lambda t: t is not None, found))
-        slot = self._slot_bytes(ns)
-        self._start_room(ns, wanted * slot)
-        deadline = self.writeback.deadline()  # one wait for room, shared by all of them
-        if start_by is not None:
-            deadline = min(deadline, start_by)
-        waits = []
-        for i, tier_index in zip(missing[:wanted], found):
-            if tier_index is None:  # (the first `wanted` were found: takewhile above)
-                break
-            if self.promoter.in_flight(chunks[i]) is TierKind.NONE:  # (a shared one has its room)
-                await self._make_room(ns, 1, deadline)
-                _check_started(start_by)  # it gave up at start_by: start (and evict for) nothing more
-            future = self.promoter.start(chunks[i], ns.chunk_bytes, tier_index)
-            if future is None:
-                break
-            waits.append(future)
-        # Shielded: the promotion is shared with other callers, whom our cancellation must not fail.
-        results = await self._until(start_by, asyncio.gather(*(asyncio.shield(w) for w in waits)))
-        return bool(results) and results[0]
-
-    async def _until(self, start_by: float | None, work: Awaitable[T]) -> T:
-        """Await `work`, or raise TransferNotStarted once `start_by` (loop time) has passed. The
-        work itself is not cancelled: lookups and promotions serve other callers too (and a
-        lookup's verdict teaches the tier's circuit breaker); it ends in the background."""
-        if start_by is None:
-            return await work
-        task = asyncio.ensure_future(work)
-        try:
-            await asyncio.wait((task,), timeout=max(0.0, start_by - asyncio.get_running_loop().time()))
-        except BaseException:  # our caller is cancelled: as if it had awaited `work` itself
-            task.cancel()
-            raise
-        if task.done():
-            return task.result()
-        self._outwaited.add(task)
-        task.add_done_callback(self._outwaited_done)
-        raise _not_started()
-
-    def _outwaited_done(self, task: asyncio.Future) -> None:
-        self._outwaited.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("a wait given up by a transfer failed later: %s", task.exception())
-
     # -- grants (pool mapping) ------------------------------------------------------------
 
     async def reserve(
         self, ns: Namespace, keys: Sequence[bytes], proceed: Proceed = always_proceed,
     ) -> list[SlotGrant]:
         """Reserve RAM for new chunks (waiting briefly for write-downs to make room)."""
-        await self._make_room(ns, len(keys))
+        await self._room.make(ns, len(keys))
         proceed()  # nothing reserved yet: nothing to give back
         grants, evicted = [], []
         for key in keys:
@@ -405,7 +326,7 @@ class TierChain:
         self, ns: Namespace, keys: Sequence[bytes], proceed: Proceed = always_proceed,
     ) -> list[LeaseGrant]:
         """Leases for the leading cached keys (promoted from below first); stops at the first miss."""
-        entries = await self._lease_prefix(ns, keys)
+        entries = (await self.leases.lease(ns, keys)).held
         try:
             proceed()
         except BaseException:
@@ -414,8 +335,24 @@ class TierChain:
         return [LeaseGrant(entry, tuple(self.ram.extents(entry))) for entry in entries]
 
     def release(self, entries: Sequence[RamEntry]) -> None:
-        for entry in entries:
-            self.ram.release(entry)
+        self.leases.release(entries)
+
+    def ready_chunks(self) -> list[ChunkId]:
+        """Every chunk RAM holds (READY)."""
+        return self.ram.ready_chunks()
+
+    @property
+    def page_bytes(self) -> int:
+        return self.ram.page_bytes
+
+    @property
+    def pool_bytes(self) -> int:
+        """The RAM tier's capacity."""
+        return self.ram.capacity_bytes
+
+    def ram_usage_by_namespace(self) -> dict[str, tuple[int, int]]:
+        """Per namespace: (chunks in RAM, bytes of pages they hold) (a scan: for admin operations)."""
+        return self.ram.usage_by_namespace()
 
     # -- region transfers -----------------------------------------------------------------
 
@@ -426,12 +363,9 @@ class TierChain:
         """Copy chunks from a client region into RAM. Once the copy starts, it runs to the end.
         Waiting for room ends at `start_by` (loop time) with TransferNotStarted."""
         _check_offsets(ns, region, keys, offsets)
-        deadline = self.writeback.deadline()
-        if start_by is not None:
-            deadline = min(deadline, start_by)
-        # Awaited here, not in a task: the room _make_room saw is still there when it returns.
-        await self._make_room(ns, len(keys), deadline)
-        _check_started(start_by)
+        # Awaited here, not in a task: the room it saw is still there when it returns.
+        await self._room.make(ns, len(keys), self._room.deadline(start_by))
+        check_started(start_by)
         proceed()  # (no await from here to the copy's start)
         stored, per_key, evicted = [], [], []
         for key, offset in zip(keys, offsets):
@@ -462,7 +396,7 @@ class TierChain:
         _check_offsets(ns, region, keys, offsets)
         if self._region_loader is not None and self._region_loader.serves(ns):
             return await self._region_loader.load(ns, region, keys, offsets, proceed, start_by)
-        leased = list(zip(await self._lease_prefix(ns, keys, start_by), offsets))
+        leased = list(zip((await self.leases.lease(ns, keys, LeaseRequest(start_by=start_by))).held, offsets))
         try:
             proceed()  # (no await from here to the copy's start)
             jobs = [CopyJob(offset, self.ram.extents(entry)) for entry, offset in leased]
@@ -484,87 +418,17 @@ class TierChain:
             await lower.queue.close()
         if self.staged is not None:
             await self.staged.close()
-        for waited in list(self._outwaited):  # the queues are closed: what they waited for will not come
-            waited.cancel()
-        if self._outwaited:
-            await asyncio.wait(self._outwaited)
+        await self._waits.close()  # the queues are closed: what they waited for will not come
         for lower in self.lower:
             await lower.tier.close()
-        self._copier.close()
+        self._copies.close()
 
     # -- helpers --------------------------------------------------------------------------
-
-    async def make_room(self, ns: Namespace, chunks: int) -> None:
-        """Room for `chunks` new chunks of `ns`, dirty ones written down first (for callers that
-        promote on their own: the peer tier's serving side)."""
-        await self._make_room(ns, chunks)
-
-    async def _make_room(self, ns: Namespace, chunks: int, deadline: float | None = None) -> bool:
-        """Write down what a reservation would evict: within the namespace's quotas (its tenant's,
-        its own) first, then in the tier; the waits end at `deadline` (by default the write-back
-        wait from when it starts). Returns whether the room is there now (no await follows the
-        check); False once it gives up, and the reservation evicts what it must."""
-        nbytes = chunks * self._slot_bytes(ns)
-        deadline = self.writeback.deadline() if deadline is None else deadline
-        while True:
-            # Each wait may let others take the room an earlier one made: check them all again.
-            for scope in self._scopes(ns):
-                if not await self.writeback.make_room(nbytes, ns.chunk_bytes, deadline, scope):
-                    return False
-            if not await self.writeback.make_room(nbytes, ns.chunk_bytes, deadline):
-                return False
-            if self._has_room(ns, chunks):
-                return True
-
-    def _has_room(self, ns: Namespace, chunks: int) -> bool:
-        """Room for `chunks` chunks of `ns` in the tier and in each of its quotas, evicting nothing."""
-        nbytes = chunks * self._slot_bytes(ns)
-        return all(self.ram.room_bytes(scope) >= nbytes for scope in (None, *self._scopes(ns)))
-
-    def _start_room(self, ns: Namespace, nbytes: int) -> None:
-        """Start the write-downs _make_room would wait for (quotas first), without waiting."""
-        for scope in self._scopes(ns):
-            self.writeback.start_room(nbytes, ns.chunk_bytes, scope)
-        self.writeback.start_room(nbytes, ns.chunk_bytes)
-
-    def _scopes(self, ns: Namespace) -> tuple[QuotaScope, ...]:
-        placement = self.ram.placement_of(ns.namespace_id)
-        return placement.scopes if placement is not None else ()
-
-    def _slot_bytes(self, ns: Namespace) -> int:
-        """RAM one chunk of `ns` takes (whole pages)."""
-        return self.ram.pages_for(ns.chunk_bytes) * self.ram.page_bytes
 
     async def _copy(self, region: Region, entries: Sequence[RamEntry], jobs: list[CopyJob], to_pool: bool) -> None:
         """Copy the chunks of one namespace (so of one arena)."""
         if jobs:
-            await self._copy_between(region, self.arenas.array(entries[0].arena), jobs, to_pool)
-
-    async def _copy_out(self, region: Region, source: np.ndarray, jobs: list[CopyJob]) -> None:
-        """Copy chunks from the pool or staging (`source`) into a region."""
-        await self._copy_between(region, source, jobs, to_pool=False)
-
-    async def _copy_between(self, region: Region, pool: np.ndarray, jobs: list[CopyJob], to_pool: bool) -> None:
-        if region.closed:  # (a long region load goes on between copies: its session may end meanwhile)
-            raise UnknownRegion(f"region {region.region_id} ({region.name}) was closed during the transfer "
-                                f"(its session ended)")
-        try:
-            await self._copier.run(region.array, pool, jobs, to_pool)
-        except MappingVanished:
-            raise RegionShrunk(
-                f"region {region.region_id} ({region.name}) shrank during the copy: register it again"
-            ) from None
-
-
-def _not_started() -> TransferNotStarted:
-    return TransferNotStarted("the transfer could not start within start_within_ms (lower tiers were too slow "
-                              "to deliver its chunks); nothing was copied")
-
-
-def _check_started(start_by: float | None) -> None:
-    """Raise TransferNotStarted if the start deadline `start_by` (loop time) has passed."""
-    if start_by is not None and asyncio.get_running_loop().time() >= start_by:
-        raise _not_started()
+            await self._copies.copy(region, self.arenas.array(entries[0].arena), jobs, to_pool)
 
 
 def _check_offsets(ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]) -> None:

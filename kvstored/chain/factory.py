@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvstored.chain.lower import LowerTier
 from kvstored.io.scheduler import TierQueue
-from kvstored.tiers.lower import LowerTier
-from kvstored.tiers.registry import TierConfig, TierContext, spec_of
+from kvstored.tiers.config import TierConfig, TierContext
+from kvstored.tiers.registry import spec_of
 
 
 def build_lower_tiers(configs: Sequence[TierConfig], context: TierContext | None = None) -> list[LowerTier]:

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvstored.tiers.chunkfile import HEADER_BYTES
-from kvstored.tiers.views import advance, as_bytes
+from kvstored.chunks.chunkfile import HEADER_BYTES
+from kvstored.chunks.views import advance, as_bytes
 
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffer addresses
 _IOV_MAX = 1024

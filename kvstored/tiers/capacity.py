@@ -1,6 +1,6 @@
-"""Filesystem-tier bookkeeping: which chunks are on disk, LRU order, capacity, admission.
+"""Capacity bookkeeping the fs and s3 tiers share: which chunks are stored, LRU order, capacity, admission.
 
-No I/O here; FsTier does the file work and tells the index what happened.
+No I/O here; the tier (FsTier, S3Tier) does the work and tells the index what happened.
 Invariants:
 - `used_bytes` is the sum of the indexed files' sizes on disk;
 - `reserved_bytes` is the room promised to writes in flight (planned file sizes);
@@ -13,13 +13,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvstored.tiers.base import AdmissionPolicy, ChunkId
+from kvstored.chunks.ids import ChunkId
+from kvstored.tiers.base import AdmissionPolicy
 
 SEEN_ONCE_LIMIT = 100_000  # chunk ids remembered by SECOND_EVICTION admission
 
 
 @dataclass(eq=False, slots=True)
-class FsEntry:
+class CapacityEntry:
     """One file on disk. Identity matters: a reader removes an entry only if it is still the one it read."""
 
     size: int  # the file's length on disk (header + payload, page-rounded for O_DIRECT files)
@@ -30,10 +31,10 @@ class FsEntry:
 class Reservation:
     granted: bool
     size: int = 0
-    victims: list[tuple[ChunkId, FsEntry]] = field(default_factory=list)  # evicted: unlink their files
+    victims: list[tuple[ChunkId, CapacityEntry]] = field(default_factory=list)  # evicted: unlink their files
 
 
-class FsIndex:
+class CapacityIndex:
     def __init__(
         self,
         capacity_bytes: int,
@@ -46,7 +47,7 @@ class FsIndex:
         self.admission = admission
         self.used_bytes = 0
         self.reserved_bytes = 0
-        self._entries: OrderedDict[ChunkId, FsEntry] = OrderedDict()  # least recently used first
+        self._entries: OrderedDict[ChunkId, CapacityEntry] = OrderedDict()  # least recently used first
         self._seen_once: OrderedDict[ChunkId, None] = OrderedDict()
         self._seen_once_limit = seen_once_limit
 
@@ -59,27 +60,27 @@ class FsIndex:
     def chunks_of(self, namespace_id: str) -> list[ChunkId]:
         return [c for c in self._entries if c[0] == namespace_id]
 
-    def get(self, chunk: ChunkId) -> FsEntry | None:
+    def get(self, chunk: ChunkId) -> CapacityEntry | None:
         return self._entries.get(chunk)
 
-    def touch(self, chunk: ChunkId) -> FsEntry | None:
+    def touch(self, chunk: ChunkId) -> CapacityEntry | None:
         """Mark a use: the entry becomes the most recently used."""
         entry = self._entries.get(chunk)
         if entry is not None:
             self._entries.move_to_end(chunk)
         return entry
 
-    def insert(self, chunk: ChunkId, size: int, mtime: float) -> FsEntry:
+    def insert(self, chunk: ChunkId, size: int, mtime: float) -> CapacityEntry:
         """Index a file as the most recently used; replaces an entry for the same chunk."""
         old = self._entries.pop(chunk, None)
         if old is not None:
             self.used_bytes -= old.size
-        entry = FsEntry(size, mtime)
+        entry = CapacityEntry(size, mtime)
         self._entries[chunk] = entry
         self.used_bytes += size
         return entry
 
-    def discard(self, chunk: ChunkId, entry: FsEntry | None = None) -> FsEntry | None:
+    def discard(self, chunk: ChunkId, entry: CapacityEntry | None = None) -> CapacityEntry | None:
         """Drop `chunk` (only if its entry is still `entry`, when one is given)."""
         current = self._entries.get(chunk)
         if current is None or (entry is not None and current is not entry):
@@ -105,7 +106,7 @@ class FsIndex:
             self.reserved_bytes -= reservation.size
             reservation.granted = False
 
-    def shrink_to_capacity(self) -> list[tuple[ChunkId, FsEntry]]:
+    def shrink_to_capacity(self) -> list[tuple[ChunkId, CapacityEntry]]:
         """Evict LRU entries until the indexed files fit (after a rebuild or adopting files)."""
         return self._evict_until(self.capacity_bytes - self.reserved_bytes)
 
@@ -126,7 +127,7 @@ class FsIndex:
             self._seen_once.popitem(last=False)
         return False
 
-    def _evict_until(self, budget: int) -> list[tuple[ChunkId, FsEntry]]:
+    def _evict_until(self, budget: int) -> list[tuple[ChunkId, CapacityEntry]]:
         victims = []
         while self.used_bytes > budget and self._entries:
             chunk, entry = self._entries.popitem(last=False)

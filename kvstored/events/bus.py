@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvstored.choices import Choice
-from kvstored.tiers.base import ChunkId, TierKind
+from kvstored.chunks.ids import ChunkId, TierKind
 
 
 class EventEncoding(Choice):

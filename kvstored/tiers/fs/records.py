@@ -8,7 +8,8 @@ import itertools
 import logging
 import os
 
-from kvstored.tiers import chunkfile, fs_io
+from kvstored.chunks import chunkfile
+from kvstored.tiers.fs import io as fs_io
 
 log = logging.getLogger(__name__)
 

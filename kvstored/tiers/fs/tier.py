@@ -1,11 +1,12 @@
 """Filesystem (NVMe) tier: one content-addressed file per chunk under a root directory.
 
 Layout: root / chunkfile.chunk_relpath(chunk), i.e. <namespace>/<k0k1>/<k2k3>/<key hex>.kv, each file
-a 4096-byte header then the payload (kvstored.tiers.chunkfile). O_DIRECT files are page-rounded,
+a 4096-byte header then the payload (kvstored.chunks.chunkfile). O_DIRECT files are page-rounded,
 so a file may be longer than HEADER_BYTES + payload; the header's payload_len is the truth.
 
-Bookkeeping (index, LRU, capacity, admission) lives in FsIndex and runs on the event loop; every
-blocking file operation runs in the tier's own small thread pool. pwritev / preadv move a whole
+Bookkeeping (index, LRU, capacity, admission) lives in CapacityIndex (tiers/capacity.py) and runs
+on the event loop; every blocking file operation runs in the tier's own small thread pool (the
+job bodies: fs/jobs.py, on the syscalls of fs/io.py). pwritev / preadv move a whole
 chunk straight between the caller's page-aligned views and the disk (O_DIRECT; one call per
 IOV_MAX views), falling back to buffered I/O where the filesystem or the buffers don't allow it.
 
@@ -27,29 +28,24 @@ import asyncio
 import errno
 import logging
 import os
-import stat
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvstored.chunks import chunkfile
+from kvstored.chunks.chunkfile import HEADER_BYTES
+from kvstored.chunks.ids import ChunkId, RemovalCause, TierKind
+from kvstored.chunks.views import check_views
 from kvstored.io.scheduler import Priority
 from kvstored.io.threads import PriorityThreadPool
 from kvstored.sizes import format_size
-from kvstored.tiers import chunkfile, fs_io, fs_records
-from kvstored.tiers.base import (
-    AdmissionPolicy,
-    ChunkId,
-    RemovalCause,
-    SecondaryTier,
-    TierKind,
-    TierUsage,
-    WriteOutcome,
-)
-from kvstored.tiers.chunkfile import HEADER_BYTES, CorruptChunk
-from kvstored.tiers.fs_index import FsIndex
-from kvstored.tiers.views import check_views, trim
+from kvstored.tiers.base import AdmissionPolicy, SecondaryTier, TierUsage, WriteOutcome
+from kvstored.tiers.capacity import CapacityIndex
+from kvstored.tiers.fs import io as fs_io
+from kvstored.tiers.fs import records as fs_records
+from kvstored.tiers.fs.jobs import FsJobs, ReadStatus, WriteFailed
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +55,6 @@ TOUCH_INTERVAL_S = 60.0  # a read hit refreshes the file's mtime (restart LRU or
 INLINE_STATS = 8  # contains(): up to this many index misses are stat'ed on the loop, more in the pool
 CLAIMS_REMEMBERED = 4096  # recent unlinks remembered per chunk (see FsTier._may_adopt)
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-# Reading the file itself failed (bad sectors, fs checksums): no retry will do better, so the
-# chunk is dropped like a corrupt one.
-_UNREADABLE_ERRNOS = frozenset({errno.EIO, errno.ENXIO, errno.EUCLEAN, errno.EBADMSG})
-
-
-class _Read:
-    HIT, MISS, CORRUPT, UNREADABLE, NOT_REGULAR = "hit", "miss", "corrupt", "unreadable", "not regular"
 
 
 @dataclass(slots=True)
@@ -104,10 +93,8 @@ class FsTier(SecondaryTier):
             raise ValueError("fs tier needs at least one I/O thread")
         self.root = Path(root)
         self._root = str(self.root)
-        self._index = FsIndex(capacity_bytes, admission)
-        self._direct = direct_io  # cleared (once, for good) when the filesystem refuses O_DIRECT
+        self._index = CapacityIndex(capacity_bytes, admission)
         self._full_backoff_s = full_backoff_s
-        self._stale_tmp_s = stale_tmp_s
         self._touch_interval_s = touch_interval_s
         # Reads first: the tier's queue keeps more operations in flight than there are threads.
         self._executor = PriorityThreadPool(io_threads, f"kvstored-fs-{name}")
@@ -122,24 +109,26 @@ class FsTier(SecondaryTier):
         self._forgotten_epoch = 0
         self._full_until = 0.0  # loop.time() until which writes are refused (disk full)
         self._closed = False
+        self._jobs = FsJobs(name, self._root, self._file_mode, self._dir_mode, direct_io, stale_tmp_s,
+                            lambda: self._closed)
 
     @property
     def direct_io(self) -> bool:
         """Whether O_DIRECT is in use (False once the filesystem refused it)."""
-        return self._direct
+        return self._jobs.direct
 
     # -- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Create the root, probe O_DIRECT, rebuild the index from the files on disk (oldest
         mtime = least recently used), remove stale temporary files, evict down to the capacity."""
-        entries, bad = await self._run(Priority.LOAD, _result, self._start_job)
+        entries, bad = await self._run(Priority.LOAD, _result, self._jobs.start)
         self.counters.bad_entries += bad
         self._index.load(entries)
         log.info(
             "fs tier %s: %d chunks, %s on disk under %s (capacity %s, O_DIRECT %s)",
             self.name, len(self._index), format_size(self._index.used_bytes), self._root,
-            format_size(self._index.capacity_bytes), "on" if self._direct else "off",
+            format_size(self._index.capacity_bytes), "on" if self._jobs.direct else "off",
         )
         await self._enforce_capacity()
 
@@ -234,7 +223,7 @@ class FsTier(SecondaryTier):
             odd, error = None, None
             try:
                 file_size, existed, odd = fut.result()
-            except _WriteFailed as failed:  # over an odd entry that could not be replaced
+            except WriteFailed as failed:  # over an odd entry that could not be replaced
                 odd, error = failed.odd, failed.error
             except OSError as exc:
                 error = exc
@@ -261,7 +250,7 @@ class FsTier(SecondaryTier):
         try:
             while (prior := self._unlinking.get(chunk)) is not None:  # an eviction or remove of
                 await asyncio.wait((prior,))  # this chunk's old file must land first
-            return await self._run(Priority.WRITEDOWN, finish, self._write_job, chunk, path, views, size, victims)
+            return await self._run(Priority.WRITEDOWN, finish, self._jobs.write, chunk, path, views, size, victims)
         finally:
             self._settle_unlinks(victims, gate)
             self._index.release(reservation)  # no-op unless the job never ran
@@ -285,7 +274,7 @@ class FsTier(SecondaryTier):
                 self.counters.errors += 1
                 log.warning("fs tier %s: cannot read %s: %s", self.name, path, exc)
                 return False
-            if status is _Read.HIT:
+            if status is ReadStatus.HIT:
                 self.counters.reads += 1
                 self.counters.read_bytes += size
                 current = self._index.touch(chunk)
@@ -297,16 +286,16 @@ class FsTier(SecondaryTier):
             # the file vanished (evicted by a daemon sharing the root) or was bad: forget it,
             # unless a write indexed a new copy meanwhile
             dropped = entry is not None and self._index.discard(chunk, entry) is not None
-            if status is _Read.CORRUPT:
+            if status is ReadStatus.CORRUPT:
                 self.counters.checksum_failures += 1
                 log.warning("fs tier %s: corrupt chunk file %s removed: %s", self.name, path, detail)
                 self._notify(chunk, RemovalCause.CORRUPT)
-            elif status is _Read.UNREADABLE:
+            elif status is ReadStatus.UNREADABLE:
                 self.counters.errors += 1
                 log.warning("fs tier %s: unreadable chunk file %s dropped: %s", self.name, path, detail)
                 if dropped:
                     self._notify(chunk, RemovalCause.CORRUPT)
-            elif status is _Read.NOT_REGULAR:
+            elif status is ReadStatus.NOT_REGULAR:
                 self._bad_entry(detail)
                 if dropped:
                     self._notify(chunk, RemovalCause.CORRUPT)
@@ -314,7 +303,7 @@ class FsTier(SecondaryTier):
                 self._notify(chunk, RemovalCause.EVICTED)
             return False
 
-        hit = await self._run(Priority.LOAD, finish, self._read_job, chunk, path, views, size, entry is None, touch)
+        hit = await self._run(Priority.LOAD, finish, self._jobs.read, chunk, path, views, size, entry is None, touch)
         if hit and entry is None:
             await self._enforce_capacity()
         return hit
@@ -464,251 +453,8 @@ class FsTier(SecondaryTier):
             finally:
                 self._settle_unlinks(items, gate)
 
-    # -- pool-side jobs ---------------------------------------------------------------------
-    #
-    # Crash safety: a file is written under a temporary name and renamed into place only once
-    # complete, with no fsync. A killed daemon (kill -9, OOM) loses nothing the kernel already
-    # holds (O_DIRECT data is on the device when pwritev returns; buffered data sits in the page
-    # cache, which outlives the process), so every file visible under its final name is complete.
-    # After a power loss or kernel crash a renamed file may be empty or short; the header crc,
-    # the length check and the payload checksum catch that on its first read (counted, removed).
-    # fsync would cost most of the write bandwidth (buffered write+fsync ~0.4 GiB/s against
-    # 2-3.4 GiB/s for O_DIRECT here) to protect a cache whose loss only costs recomputation.
 
-    def _start_job(self) -> tuple[list[tuple[ChunkId, int, float]], int]:
-        fs_io.make_dirs(self._root, self._dir_mode)
-        if self._direct and not self._probe_direct():
-            log.info("fs tier %s: %s refuses O_DIRECT; using buffered I/O", self.name, self._root)
-            self._direct = False
-        return self._scan()
-
-    def _probe_direct(self) -> bool:
-        """False only if the filesystem refuses O_DIRECT (EINVAL). Any other failure (a full disk,
-        a read-only root) says nothing about O_DIRECT and must not stop the start: the existing
-        files are still served, the start-up eviction may free space, and writes find out."""
-        try:
-            fd, probe = fs_io.create_tmp(os.path.join(self._root, "odirect-probe.kv"), self._file_mode)
-        except OSError as exc:
-            log.warning("fs tier %s: cannot probe O_DIRECT under %s (%s); keeping it on", self.name, self._root, exc)
-            return True
-        try:
-            fs_io.set_direct(fd, True)
-            os.pwrite(fd, fs_io.header_buffer(), 0)
-            return True
-        except OSError as exc:
-            if exc.errno == errno.EINVAL:
-                return False
-            log.warning("fs tier %s: cannot probe O_DIRECT under %s (%s); keeping it on",
-                        self.name, self._root, exc)
-            return True
-        finally:
-            fs_io.unlink_quiet(probe)
-            os.close(fd)
-
-    def _scan(self) -> tuple[list[tuple[ChunkId, int, float]], int]:
-        """Every chunk file under the root, named by its path: <ns>/<k0k1>/<k2k3>/<key hex>.kv,
-        and how many chunk names held something else (skipped; removed where they can be).
-
-        Parsing names (one stat per file) instead of reading headers keeps a restart over millions
-        of files fast; the contents are verified on every read anyway."""
-        entries: list[tuple[ChunkId, int, float]] = []
-        bad = 0
-        for ns_dir in self._scandir(self._root):
-            for d1 in self._scandir(ns_dir.path):
-                for d2 in self._scandir(d1.path):
-                    for f in self._scandir(d2.path, dirs_only=False):
-                        chunk = chunkfile.parse_relpath(f"{ns_dir.name}/{d1.name}/{d2.name}/{f.name}")
-                        if chunk is None:
-                            continue
-                        try:
-                            st = f.stat(follow_symlinks=False)
-                        except OSError:
-                            continue
-                        if stat.S_ISREG(st.st_mode):
-                            entries.append((chunk, st.st_size, st.st_mtime))
-                            continue
-                        bad += 1
-                        removed = fs_io.remove_if_same(f.path, st)
-                        log.warning("fs tier %s: %s is %s, not a chunk file%s", self.name, f.path,
-                                    fs_io.describe(st.st_mode), "; removed" if removed else "; left alone")
-        return entries, bad
-
-    def _scandir(self, path: str, dirs_only: bool = True):
-        """Entries of `path` (only directories if `dirs_only`), removing temporary files no live
-        writer holds. Yields nothing once the tier is closing (a stop during a long rebuild)."""
-        if self._closed:
-            return
-        try:
-            with os.scandir(path) as it:
-                listing = list(it)
-        except OSError:
-            return
-        for entry in listing:
-            if fs_io.is_tmp_name(entry.name):
-                fs_io.remove_if_abandoned(entry.path, self._stale_tmp_s)
-                continue
-            try:
-                if not dirs_only or entry.is_dir(follow_symlinks=False):
-                    yield entry
-            except OSError:
-                continue
-
-    def _use_direct(self, fd: int) -> bool:
-        """Turn O_DIRECT on for `fd`, a regular file of ours; False (and buffered I/O from now on)
-        if the filesystem refuses it."""
-        try:
-            fs_io.set_direct(fd, True)
-            return True
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            self._direct_refused(str(exc))
-            return False
-
-    def _direct_refused(self, why: str) -> None:
-        if self._direct:
-            self._direct = False
-            log.info("fs tier %s: O_DIRECT refused under %s (%s); using buffered I/O", self.name, self._root, why)
-
-    def _write_job(
-        self,
-        chunk: ChunkId,
-        path: str,
-        views: Sequence[memoryview],
-        size: int,
-        victims: list[tuple[ChunkId, str]],
-    ) -> tuple[int, bool, str | None]:
-        """Unlink evicted files, write the chunk to a temporary file, rename it into place.
-        (file size, whether the file was there already: content addressing makes it the same
-        bytes, the odd entry found under the name if any)."""
-        for _, victim in victims:
-            fs_io.unlink_quiet(victim)
-        odd = None
-        try:
-            st = os.lstat(path)
-        except OSError:
-            st = None
-        if st is not None and stat.S_ISREG(st.st_mode):
-            if st.st_size >= HEADER_BYTES + size:
-                return st.st_size, True, None
-        elif st is not None:  # the rename replaces anything but a directory, which must go first
-            what = fs_io.describe(st.st_mode)
-            if stat.S_ISDIR(st.st_mode) and not fs_io.remove_if_same(path, st):
-                odd = f"{path} is {what} (not empty: left alone), not a chunk file"
-            else:
-                odd = f"{path} was {what}, not a chunk file; replaced"
-        try:
-            return (*self._write_file(chunk, path, views, size), odd)
-        except OSError as exc:
-            if odd is None:
-                raise
-            raise _WriteFailed(exc, odd) from None
-
-    def _write_file(self, chunk: ChunkId, path: str, views: Sequence[memoryview], size: int) -> tuple[int, bool]:
-        header = fs_io.header_buffer()
-        header[:] = chunkfile.encode_header(chunk, size, chunkfile.checksum(views, size))
-        direct_bufs = fs_io.direct_buffers(views, size) if self._direct else None
-        try:
-            fd, tmp = fs_io.create_tmp(path, self._file_mode)
-        except FileNotFoundError:
-            fs_io.make_dirs(os.path.dirname(path), self._dir_mode)
-            fd, tmp = fs_io.create_tmp(path, self._file_mode)
-        try:
-            if direct_bufs is not None and self._use_direct(fd):
-                try:
-                    return self._finish_file(fd, tmp, path, [header, *direct_bufs])
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    # O_DIRECT was taken but this I/O was not: write this file buffered (only
-                    # the filesystem refusing the flag speaks for all files)
-                    log.debug("fs tier %s: O_DIRECT write of %s refused (%s); writing it buffered",
-                              self.name, tmp, exc)
-                    fs_io.set_direct(fd, False)
-                    os.ftruncate(fd, 0)
-            return self._finish_file(fd, tmp, path, [header, *trim(views, size)])
-        except BaseException:
-            fs_io.unlink_quiet(tmp)
-            raise
-        finally:
-            os.close(fd)  # after the rename or the unlink: releases the writer's lock
-
-    @staticmethod
-    def _finish_file(fd: int, tmp: str, path: str, bufs: list[memoryview]) -> tuple[int, bool]:
-        length = fs_io.pwritev_all(fd, bufs)
-        os.replace(tmp, path)
-        return length, False
-
-    def _read_job(
-        self, chunk: ChunkId, path: str, views: Sequence[memoryview], size: int, want_size: bool, touch: bool
-    ) -> tuple[str, int, str | None]:
-        """(status, file size if `want_size`, what was wrong); a corrupt or unreadable file, or
-        anything but a regular file, is removed (if it is still what was seen)."""
-        direct_bufs = fs_io.direct_buffers(views, size) if self._direct else None
-        try:
-            fd, direct = fs_io.open_regular(path, os.O_RDONLY, direct=direct_bufs is not None)
-        except FileNotFoundError:
-            return _Read.MISS, 0, None
-        except fs_io.NotRegularFile as exc:
-            removed = fs_io.remove_if_same(path, exc.seen)
-            return _Read.NOT_REGULAR, 0, f"{exc}: {'removed' if removed else 'left alone'}, served as a miss"
-        except OSError as exc:
-            if exc.errno not in _UNREADABLE_ERRNOS:
-                raise
-            return _Read.UNREADABLE, 0, str(exc)  # not a file we can open: nothing of ours to unlink
-        try:
-            header = fs_io.header_buffer()
-            got = -1
-            if direct_bufs is not None and not direct:  # the filesystem refuses O_DIRECT
-                self._direct_refused("fcntl(O_DIRECT): EINVAL")
-            elif direct_bufs is not None:
-                try:
-                    got = fs_io.preadv_all(fd, [header, *direct_bufs], direct=True)
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    # O_DIRECT was taken but this I/O was not: read this file buffered (only the
-                    # filesystem refusing the flag speaks for all files)
-                    log.debug("fs tier %s: O_DIRECT read of %s refused (%s); reading it buffered",
-                              self.name, path, exc)
-                    fs_io.set_direct(fd, False)
-            if got < 0:
-                got = fs_io.preadv_all(fd, [header, *trim(views, size)])
-            try:
-                if got < HEADER_BYTES:
-                    raise CorruptChunk(f"truncated: the file holds {got} bytes, less than a header")
-                parsed = chunkfile.decode_header(header)
-                if got < HEADER_BYTES + size and parsed.payload_len == size:
-                    raise CorruptChunk(f"truncated: {got - HEADER_BYTES} of {size} payload bytes")
-                chunkfile.verify(parsed, chunk, size, views)
-            except CorruptChunk as exc:
-                fs_io.unlink_if_same(path, fd)
-                return _Read.CORRUPT, 0, str(exc)
-            if touch:
-                try:
-                    os.utime(fd)
-                except OSError:
-                    pass
-            return _Read.HIT, os.fstat(fd).st_size if want_size else 0, None
-        except OSError as exc:
-            if exc.errno not in _UNREADABLE_ERRNOS:
-                raise
-            fs_io.unlink_if_same(path, fd)
-            return _Read.UNREADABLE, 0, str(exc)
-        finally:
-            os.close(fd)
-
-
-class _WriteFailed(Exception):
-    """A write over an odd entry failed: both are reported."""
-
-    def __init__(self, error: OSError, odd: str) -> None:
-        super().__init__(str(error))
-        self.error = error
-        self.odd = odd
-
-
-# -- buffers and syscalls (pool threads) ---------------------------------------------------
+# -- finishing jobs (event loop) -------------------------------------------------------------
 
 
 def _result(fut: asyncio.Future):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvstored.tiers.base import ChunkId
+from kvstored.chunks.ids import ChunkId
 
 MAGIC = b"KVSTORD1"
 VERSION = 1

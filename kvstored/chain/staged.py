@@ -18,10 +18,11 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvstored.chain.lower import LowerTier
+from kvstored.chain.promotion import DeletionGuard, DeletionWatch
+from kvstored.chunks.ids import ChunkId
 from kvstored.io.scheduler import Priority
 from kvstored.shm.staging import Staging, StagingSlot
-from kvstored.tiers.base import ChunkId
-from kvstored.tiers.lower import DeletionGuard, DeletionWatch, LowerTier
 
 log = logging.getLogger(__name__)
 StagedRead = asyncio.Future  # resolves to the StagingSlot holding the verified chunk, or None

@@ -26,9 +26,9 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from kvstored.chunks.ids import TierKind
 from kvstored.errors import ListenError
-from kvstored.observability.events import EventEncoding, EventType, KvEvent
-from kvstored.tiers.base import TierKind
+from kvstored.events.bus import EventEncoding, EventType, KvEvent
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 The chunks of a load, in order: RAM hits are leased; promotions under way are awaited; reads
 ahead by the load's lookup are claimed; a hit below RAM is promoted into free RAM if RAM has
-some, else read from its tier into staging pages (tiers/staged.py). Nothing is evicted or written
+some, else read from its tier into staging pages (chain/staged.py). Nothing is evicted or written
 down for a region load: the engine's region is where its chunks live next.
 
 Before the copy starts, the load waits (until `start_by`) for its leases, its promotions and the
@@ -16,24 +16,21 @@ how many leading chunks it copied.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
+from kvstored.chain.leases import Leases
+from kvstored.chain.region_copy import RegionCopies
+from kvstored.chain.staged import StagedRead, StagedReads
+from kvstored.chain.start_by import StartWaits
+from kvstored.chunks.ids import ChunkId, TierKind
 from kvstored.namespaces import Namespace
-from kvstored.shm.arenas import ArenaSet
 from kvstored.shm.copier import CopyJob
 from kvstored.shm.mapping import Region
 from kvstored.shm.staging import StagingSlot
-from kvstored.tiers.base import ChunkId, TierKind
-from kvstored.tiers.lower import Promoter
-from kvstored.tiers.ram import RamEntry, RamTier
-from kvstored.tiers.staged import StagedRead, StagedReads
-
-Until = Callable[[float | None, Awaitable[Any]], Awaitable[Any]]  # the chain's start-deadline wait
-Copy = Callable[[Region, np.ndarray, list[CopyJob]], Awaitable[None]]  # pool or staging -> region
+from kvstored.tiers.ram import RamEntry
 
 
 @dataclass(eq=False)
@@ -61,14 +58,14 @@ class _Step:
 
 
 class RegionLoader:
-    def __init__(self, ram: RamTier, arenas: ArenaSet, promoter: Promoter, staged: StagedReads,
-                 until: Until, copy: Copy) -> None:
-        self._ram = ram
-        self._arenas = arenas
-        self._promoter = promoter
+    """Region loads through staging. Its RAM side is the chain's leasing primitive (chain/leases.py:
+    pin, locate, promote into free RAM, land); what RAM cannot take comes through `staged`."""
+
+    def __init__(self, leases: Leases, staged: StagedReads, waits: StartWaits, copies: RegionCopies) -> None:
+        self._leases = leases
         self._staged = staged
-        self._until = until
-        self._copy = copy
+        self._waits = waits
+        self._copies = copies
 
     def serves(self, ns: Namespace) -> bool:
         """Whether staging can hold a chunk of `ns` (else its region loads promote, evicting)."""
@@ -94,27 +91,27 @@ class RegionLoader:
         wanted = [((ns.namespace_id, k), offset) for k, offset in zip(keys, offsets)]
         steps: list[_Step] = []
         # RAM hits pinned before the lookup below awaits: a full RAM would evict them meanwhile.
-        leases = {c: entry for c, _ in wanted if (entry := self._ram.acquire(c)) is not None}
+        leases = {c: entry for c, _ in wanted if (entry := self._leases.pin(c)) is not None}
         ahead = {c: claimed for c, _ in wanted if c not in leases and (claimed := self._staged.claim(c)) is not None}
         unknown = [c for c, _ in wanted if c not in leases and c not in ahead
-                   and self._promoter.in_flight(c) is TierKind.NONE]
+                   and self._leases.in_flight(c) is TierKind.NONE]
         try:
-            found = dict(zip(unknown, await self._until(start_by, self._promoter.find(unknown)))) if unknown else {}
+            found = dict(zip(unknown, await self._leases.locate(unknown, start_by)))
         except BaseException:
             self._drop(leases, ahead)
             self._abandon(steps)
             raise
         for chunk, offset in wanted:
-            step = _Step(chunk, offset, ns.chunk_bytes, leases.pop(chunk, None) or self._ram.acquire(chunk))
+            step = _Step(chunk, offset, ns.chunk_bytes, leases.pop(chunk, None) or self._leases.pin(chunk))
             if step.lease is None and chunk in ahead:
                 step.read, step.tier = ahead.pop(chunk)  # read ahead by its lookup
             elif step.lease is None:
-                step.promotion = self._promoter.pending(chunk)
+                step.promotion = self._leases.pending(chunk)
                 tier_index = found.get(chunk)
                 if step.promotion is None and tier_index is not None and not self._staged.blocked(chunk):
                     step.tier = tier_index  # (a promotion that lands and goes again is staged instead)
-                    if self._ram.fits(ns.namespace_id, ns.chunk_bytes):  # free RAM: promote (others may want it)
-                        step.promotion = self._promoter.start(chunk, ns.chunk_bytes, tier_index, evict=False)
+                    if self._leases.fits(ns):  # free RAM: promote (others may want it)
+                        step.promotion = self._leases.promote(chunk, ns.chunk_bytes, tier_index, evict=False)
                     if step.promotion is None:
                         step.below = tier_index
             if step.lease is None and step.promotion is None and step.tier is None:
@@ -124,8 +121,7 @@ class RegionLoader:
         return steps
 
     def _drop(self, leases: dict[ChunkId, RamEntry], ahead: dict[ChunkId, tuple[StagedRead, int]]) -> None:
-        for entry in leases.values():
-            self._ram.release(entry)
+        self._leases.release(list(leases.values()))
         for read, _ in ahead.values():
             self._staged.give_back_when_done(read)
 
@@ -135,11 +131,11 @@ class RegionLoader:
         self._launch(steps, 0)
         while steps and steps[0].waiting_for_pages:
             if not self._hold_none_after(steps, 0):
-                await self._until(start_by, self._staged.staging.wait_for_room())
+                await self._waits.until(start_by, self._staged.staging.wait_for_room())
             self._launch(steps, 0)
         waits = [s.promotion for s in steps if s.promotion is not None] + [s.read for s in steps if s.read]
         if waits:  # shielded: promotions serve other loads too; staged reads end on their own
-            await self._until(start_by, asyncio.gather(*map(asyncio.shield, waits), return_exceptions=True))
+            await self._waits.until(start_by, asyncio.gather(*map(asyncio.shield, waits), return_exceptions=True))
         for step in steps:
             self._settle(step)
 
@@ -158,7 +154,7 @@ class RegionLoader:
         """A promotion or a staged read that ended: lease the promoted chunk, keep the slot."""
         if step.promotion is not None and step.promotion.done() and step.lease is None and not step.failed:
             landed = not step.promotion.cancelled() and step.promotion.exception() is None and step.promotion.result()
-            step.lease = self._ram.acquire(step.chunk) if landed else None
+            step.lease = self._leases.land(step.chunk) if landed else None
             step.promotion = None
             if step.lease is None and landed and step.tier is not None:
                 step.below = step.tier  # landed and evicted again before its lease: read it through staging
@@ -179,8 +175,8 @@ class RegionLoader:
         leases = [(s.offset, s.lease) for s in steps[:n] if s.lease is not None]
         slots = [(s.offset, s.slot) for s in steps[:n] if s.slot is not None]
         if leases:
-            await self._copy(region, self._arenas.array(leases[0][1].arena),
-                             [CopyJob(offset, self._ram.extents(entry)) for offset, entry in leases])
+            await self._copy(region, self._leases.pool_of(leases[0][1]),
+                             [CopyJob(offset, self._leases.extents(entry)) for offset, entry in leases])
         if slots:
             staging = self._staged.staging
             await self._copy(region, staging.array, [CopyJob(offset, staging.extents(slot)) for offset, slot in slots])
@@ -207,8 +203,8 @@ class RegionLoader:
                 await self._copy(region, staging.array, [CopyJob(step.offset, staging.extents(step.slot))])
                 self._staged.served += 1
             elif step.lease is not None:
-                await self._copy(region, self._arenas.array(step.lease.arena),
-                                 [CopyJob(step.offset, self._ram.extents(step.lease))])
+                await self._copy(region, self._leases.pool_of(step.lease),
+                                 [CopyJob(step.offset, self._leases.extents(step.lease))])
             else:
                 break
             self._give_back(step)
@@ -219,7 +215,7 @@ class RegionLoader:
 
     def _give_back(self, step: _Step) -> None:
         if step.lease is not None:
-            self._ram.release(step.lease)
+            self._leases.release([step.lease])
             step.lease = None
         if step.slot is not None:
             self._staged.staging.give(step.slot)
@@ -253,3 +249,7 @@ class RegionLoader:
                 step.read = None
             step.below = None
             step.failed = True
+
+    async def _copy(self, region: Region, source: np.ndarray, jobs: list[CopyJob]) -> None:
+        """Copy chunks from the pool or staging (`source`) into the region."""
+        await self._copies.copy(region, source, jobs, to_pool=False)

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
-from kvstored.tiers.base import ChunkId
+from kvstored.chunks.ids import ChunkId
 
 TIER_BITS = 4  # per peer slot: RAM, and three tiers below it
 SLOT_MASK = (1 << TIER_BITS) - 1

@@ -1,0 +1,58 @@
+"""A tier below RAM as the chain drives it: the tier, its bounded I/O queue, what it may be asked
+(its kind's capabilities) and the latency observer around each operation."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from kvstored.chunks.ids import ChunkId
+from kvstored.io.scheduler import Priority, TierQueue
+from kvstored.tiers.base import SecondaryTier, TierCapabilities
+
+T = TypeVar("T")
+
+OpObserver = Callable[[str, str, float], None]  # (tier name, op, seconds)
+ArenaView = Callable[[int], memoryview]  # arena id -> the daemon's mapping of it
+
+
+def _ignore(tier: str, op: str, seconds: float) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class Removal:
+    gone: list[bool]  # per chunk: a copy was there and is gone now
+    failures: list[BaseException]
+
+
+@dataclass
+class LowerTier:
+    tier: SecondaryTier
+    queue: TierQueue
+    capabilities: TierCapabilities = field(default_factory=TierCapabilities)  # what the chain asks of it
+    observe: OpObserver = _ignore  # the daemon plugs its latency histograms in here
+
+    async def timed(self, op: str, awaitable: Awaitable[T]) -> T:
+        """Await one tier operation, reporting how long it took (queue wait not included)."""
+        start = time.perf_counter()
+        try:
+            return await awaitable
+        finally:
+            self.observe(self.tier.name, op, time.perf_counter() - start)
+
+    async def remove_all(self, chunks: Sequence[ChunkId]) -> Removal:
+        """Remove chunks at deletion priority (behind loads and write-downs already queued),
+        concurrently within the tier's bound. A delete is never skipped: with the backlog full,
+        it runs directly. Every removal has ended when this returns, failed ones included."""
+        def remove(chunk: ChunkId):
+            return self.timed("remove", self.tier.remove(chunk))
+
+        queued = [self.queue.submit(Priority.DELETE, functools.partial(remove, c)) for c in chunks]
+        results = await asyncio.gather(*(q if q is not None else remove(c) for q, c in zip(queued, chunks)),
+                                       return_exceptions=True)
+        return Removal([r is True for r in results], [r for r in results if isinstance(r, BaseException)])

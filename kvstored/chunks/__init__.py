@@ -1,0 +1,2 @@
+"""What a chunk is, wherever it lives: its id and kind types (ids.py), its file format with header
+and checksum (chunkfile.py), and the page-aligned views its bytes move through (views.py)."""
