@@ -29,7 +29,7 @@ CONTAINERFILE = REPO_ROOT / "deploy" / "container" / "Containerfile"
 KUBE = REPO_ROOT / "deploy" / "kubernetes"
 UNIT = REPO_ROOT / "deploy" / "systemd" / "kvstored.service"
 ENV_EXAMPLE = REPO_ROOT / "deploy" / "systemd" / "kvstored.env.example"
-README = REPO_ROOT / "README.md"
+OPERATIONS_DOC = REPO_ROOT / "docs" / "operations.md"
 
 CLIENT_GID = 4343  # the daemon's group, as clients in containers get it: by number
 CLIENT_UID = 4242  # someone else: neither root nor the daemon's user
@@ -331,8 +331,8 @@ def test_manifests_fit_together():
 # -- the systemd recipe -------------------------------------------------------------------------------
 
 def systemd_recipe() -> list[list[str]]:
-    text = README.read_text()
-    start = text.index("### Running under systemd")
+    text = OPERATIONS_DOC.read_text()
+    start = text.index("## Running under systemd")
     block = text[text.index("```sh", start) + 5:text.index("```", text.index("```sh", start) + 5)]
     return [shlex.split(line, comments=True) for line in block.splitlines() if line.strip()]
 
