@@ -3,48 +3,7 @@
 processes, beside a numpy memcpy of the same bytes; lookup latency of 1 and 256 keys beside an
 empty gRPC round trip. Every baseline is measured in the same run.
 
-Stores, then loads, a working set (default 1 GiB) in fixed chunks (default 2 MiB) through both
-primitives, with 1 and 2 client processes, and prints GiB/s beside a plain numpy memcpy of the
-same bytes measured in the same run; then lookup latency (1 and 256 keys) beside an empty gRPC
-round trip (grpc.health.v1.Health/Check) on the same socket and channel.
-
-  pool mapping         Client.store / Client.load: Reserve -> client copies into the daemon's
-                       shared pool -> Commit; Acquire -> client copies out -> Release.
-  region registration  Client.register_region(/dev/shm file), store_from_region /
-                       load_to_region: the daemon copies between the region and its pool.
-
-Method
-- One daemon (`kvstored serve`, RAM tier = 1.5x the working set) on a temp socket; SIGTERM at
-  the end.
-- Client work runs in spawned worker processes (1 or 2). With 2 processes each moves HALF the
-  working set (disjoint keys) and the aggregate is total bytes / (last end - first start);
-  a barrier starts every timed phase in all processes together, and another ends it.
-- Baseline "memcpy": each worker np.copyto()s its share between two populated private buffers
-  (one copy of the same bytes, 2 processes concurrently for the 2-process case). The
-  "memcpy in <chunk> pieces" row is a diagnostic: the same bytes copied one chunk at a time,
-  which is how both primitives copy.
-- Every buffer (sources, destinations, region file, the pool mapping) is touched before timing.
-- Each phase runs --warmup (discarded) + --repeat times, interleaved (memcpy, pool store, pool
-  load, region store, region load, then again); "value" is the BEST repeat, "median" the
-  median repeat. In the first (warm-up) repeat the loaded bytes are compared with the source.
-  Keys are deleted after each repeat (untimed) so every store really copies.
-- The machine may be shared: the load average is printed, with a warning when it is high.
-- --nt-threshold BYTES is a what-if: daemon and clients run with glibc's non-temporal memcpy
-  threshold lowered. glibc derives the threshold from the L3 size the CPU reports (181.5 MiB on
-  this VM), so 2 MiB chunk copies with memcpy use cached stores and run at ~0.6x of a large copy
-  (the "memcpy in pieces" row). The client copies chunks with its own non-temporal helper
-  (kvstored_client._ntcopy; numpy where it is not built); the daemon lowers glibc's threshold
-  for its own region copies.
-- Beside the ratios: the physical limits (one large memcpy per process, an empty gRPC round
-  trip) and the load average at start and end.
-- The breakdown's "cpu ratio" (memcpy CPU / client+daemon CPU for the same bytes) is the steadier
-  number when other processes share the CPUs.
-- Lookups: keys present in the cache; the empty round trip, Client.lookup(1 key),
-  Client.lookup(256 keys) and a raw-stub Lookup(256) are interleaved call by call on one
-  channel; p50/p99 over all calls after a warm-up.
-
-Usage: .venv/bin/python bench/local_path.py [--gib 1] [--chunk-mib 2] [--batch 64] [--repeat 7]
-                                            [--procs 1,2] [--lookup-iters 2000] [--json out.json]
+Method, baselines, targets and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -56,16 +15,23 @@ import statistics
 import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from _common import (  # noqa: E402
-    GIB, MIB, Daemon, Row, ShmFile, Stats, aggregate_gib_s, fill_pattern, load_average, machine_info,
-    percentile, populate, print_table, process_cpu_seconds, write_json,
+from bench.lib.buffers import ShmFile, fill_pattern, populate
+from bench.lib.daemons import Daemon, process_cpu_seconds
+from bench.lib.report import (
+    GIB,
+    MIB,
+    Row,
+    Stats,
+    aggregate_gib_s,
+    load_average,
+    machine_info,
+    percentile,
+    print_table,
+    write_json,
 )
 
 POOL_TARGET = 0.9
@@ -261,6 +227,7 @@ def summarize_clients(nprocs: int, out: dict[int, Any]) -> dict[str, Any]:
 
 def run_lookups(cfg: dict[str, Any], iters: int, warmup: int) -> dict[str, Any]:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     from kvstored_client import Client, NamespaceSpec
     from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 

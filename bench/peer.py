@@ -2,37 +2,7 @@
 it (a raw TCP socket, raw ucxx), B's cold fs tier and the S3 tier on radosgw (issue 11 part 8; not
 a test).
 
-What runs, all on this machine over loopback, in one run:
-- peer tier over tcp / over ucx: real daemons (`kvstored serve`) with a peer tier as in the
-  README's "A cluster of nodes" (tcp_listen on loopback): node A (transport = "auto": it serves
-  both) and one node B per transport (transport = "tcp" / "ucx"; each B lists A and itself, so
-  it fetches from A only; fetch_timeout_s = 5). A client of A stores `--gib` of `--chunk-mib` chunks (A's RAM holds
-  them all; A has no other tier); once B's index names them, clients of B load them (`--clients`
-  at once, `--batch` chunks per call) as vLLM's direct mode does: Acquire (B fetches them from
-  A into its RAM and leases them; a GPU would then read B's pool), Release. Timed from the first
-  call to the last answer; then every chunk is copied out of B's RAM and compared, and B deletes
-  its copies (a local delete: A keeps its), so the next round fetches again.
-- client load + copy out over tcp / ucx (information): the same with kvstored_client's `load`,
-  which also copies each chunk into the client's buffer (the CPU copy a CPU-side client adds).
-- raw tcp / raw ucx: the same bytes between two processes, no daemon and no checksum
-  (bench/peer_raw.py measure_raw: one socket, sendall / recv_into; ucxx tagged messages).
-- fs tier, cold: a daemon with an fs tier on this disk (B's disk: one machine), the chunks
-  written down once; each round it starts again (RAM empty, its index rebuilt from the disk)
-  after the page cache is dropped, and its clients load them as above (leases).
-- S3 tier: the same with an S3 tier on a real Ceph radosgw (memstore OSD) on loopback; on
-  moto_server only if radosgw cannot start (said so).
-- physical limits of those two: raw O_DIRECT reads at the fs tier's 8 I/O threads; raw
-  aiobotocore GETs of the S3 tier's own objects, 16 in flight.
-Each part runs its arms once per round, in a rotating order (the parts one after another, to
-keep the memory in use small); the table shows medians over rounds. Targets: peer tier >= 0.8x
-raw of the same transport. The other rows are information: client loads against raw, fs and S3
-against the peer tier over tcp (ratio = the row / the peer tier). CPU per GiB: fetching side
-(B's daemon and its clients, or the raw receiver) + serving side (A's daemon, or the raw sender).
-
-Usage: .venv/bin/python bench/peer.py [--gib 1] [--rounds 3] [--transports tcp,ucx]
-                                      [--batch 32] [--clients 2] [--fs on|off] [--s3 rgw|moto|off]
-                                      [--json PATH]
-Exit status: 0 if every targeted row passes, 1 if one misses, 2 if a part could not run.
+Method, baselines, targets and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -41,7 +11,6 @@ import argparse
 import contextlib
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -53,28 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench._common import (  # noqa: E402
-    GIB,
-    MIB,
-    Daemon,
-    Row,
-    drop_page_cache,
-    load_average,
-    machine_info,
-    make_bucket,
-    populate,
-    print_table,
-    process_cpu_seconds,
-    raw_odirect,
-    raw_s3_get,
-    start_s3,
-    write_json,
-)
-from bench.peer_raw import Place, measure_raw  # noqa: E402
+from bench.lib.buffers import populate
+from bench.lib.daemons import Daemon, cpu_of, free_port, process_cpu_seconds
+from bench.lib.limits import drop_page_cache, raw_odirect
+from bench.lib.report import GIB, MIB, Row, load_average, machine_info, print_table, write_json
+from bench.lib.s3 import raw_s3_get, start_s3
+from bench.peer_raw import Place, measure_raw
 
 TARGET = 0.8
 WAIT_S = 120.0  # bound on waiting for the cluster's state (never a measurement)
@@ -251,10 +204,6 @@ def load_all(daemon: Daemon, chunks: Chunks, model: str, out: np.ndarray, batch:
     return Measured(gib / wall, ((fetching + me) / gib, served / gib if serving else float("nan")), me / gib)
 
 
-def cpu_of(pids: Sequence[int]) -> float:
-    return sum(process_cpu_seconds(p) for p in pids)
-
-
 def ram_for(chunks: Chunks) -> str:
     return str(int(chunks.nbytes * 1.25) + 64 * MIB)  # the chunks, the write-back headroom, slack
 
@@ -336,12 +285,6 @@ class Cluster:
         for d in [*self.b.values(), self.a]:
             with contextlib.suppress(Exception):
                 d.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- cold tiers: a daemon with one tier below RAM, started afresh each round ---------------------
@@ -461,10 +404,8 @@ def run(args: argparse.Namespace, notes: list[str], failures: list[str]) -> dict
         try:
             if server.note:
                 notes.append(server.note)
-            ep, bucket = server.endpoint, f"kvstored-bench-peer-{os.getpid()}"
-            make_bucket(ep, bucket)
-            cold = ColdTier(f"kind=s3,bucket={bucket},endpoint_url={ep.url},region={ep.region},"
-                            f"access_key={ep.access_key},secret_key={ep.secret_key},bytes=0", chunks, "bench/peer-s3")
+            ep, bucket = server.endpoint, server.new_bucket(f"kvstored-bench-peer-{os.getpid()}")
+            cold = ColdTier(server.tier_spec(bucket, 0), chunks, "bench/peer-s3")
             cold.prepare()
             rounds({f"S3 tier ({server.kind})": lambda: cold.measure(out, args.batch, args.clients, drop=False),
                     "raw S3 GET": lambda: raw_s3(ep, bucket)}, args.rounds, samples, failures)

@@ -1,40 +1,7 @@
 """Per-operation costs of the peer tier, measured on real daemons: the calibration bench/scale_out.py
 models 1 to 1000 nodes with (issue #11 part 9; not a test).
 
-Two real kvstored daemons on loopback, A and B, each with a peer tier listing the other (TCP data
-plane; RAM -> fs -> peer, started as tests/support/cluster.py does): B follows A's KV events
-(WatchEvents over A's TCP listener) into its remote-location index. Each figure is measured in a
-phase of its own, on the daemons' own counters:
-- index memory per remote entry: B's anonymous RSS (RssAnon: the pool is shared memory, not
-  counted) while its index of A grows by --entries chunks (4 KiB chunks stored on A in batches
-  of 1,000), beside tracemalloc of the daemon's PeerIndex in this process (the README says 171 B),
-  and how an entry grows with the index slot of the peer holding it (4 bits per peer in a Python
-  int: a chunk held by the 1000th peer carries a 500-byte mask).
-- KV events on the WatchEvents stream: the payload bytes and segments B's TCP socket received
-  (the kernel's tcp_info, read with `ss`), the events B applied (its PeerStatus) and B's CPU
-  seconds (schedstat; B's idle rate and the status polls subtracted), for single-key events
-  (stores of one key), 1,000-key events (stores in batches; a namespace cleared) and the steady state of a
-  chunk's life in RAM -> fs with both tiers full (stored in batches of --batch, written down,
-  evicted from RAM, then from fs): a two-point fit of bytes and CPU per event and per key, and
-  events, keys, bytes and CPU per stored chunk, by event type and tier (a watcher on A's socket).
-- publishing: A's extra CPU per event and per key for each of --subscribers more WatchEvents
-  streams (one gRPC channel each, the follower's own ControlChannel, in a child process), and
-  the memory one stream costs on each side.
-- lookups: B's Lookup of 1 and 256 keys nobody holds (every tier asked, the peer index
-  included); a Lookup over A's TCP listener (what asking a remote directory costs: latency, and
-  A's CPU per call); the peer tier's `contains` and the index's updates with 1 to 1000 peers, in
-  this process (the daemon's PeerTier and PeerIndex, peers marked up without connections).
-- a peer fetch: A's client loading one 4 KiB chunk only B holds (lookup, fetch order, bytes,
-  promotion), minus loading one already in A's RAM.
-- S3: PUT and GET latency of --s3-chunk-mib objects and of 4 KiB ones against a throwaway Ceph
-  radosgw (moto_server, in RAM, when Ceph does not start here; the JSON says which).
-
-Writes the calibration JSON (--out) with the machine, the load average during the run and every
-figure with how it was measured; `bench/scale_out.py` reads it (docs/scale-out-calibration.json is
-the committed one). Takes about a minute on a 2-core VM.
-
-Usage: .venv/bin/python bench/scale_calibrate.py [--out docs/scale-out-calibration.json]
-           [--entries 100000] [--subscribers 16] [--s3 auto|radosgw|moto|none]
+Method, baselines, targets and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -60,17 +27,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-for _path in (REPO, REPO / "client"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+import grpc
+import numpy as np
 
-import grpc  # noqa: E402
-import numpy as np  # noqa: E402
-
-from bench._common import machine_info, process_cpu_seconds, write_json  # noqa: E402
-from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb  # noqa: E402
-from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc  # noqa: E402
+from bench.lib.daemons import REPO, process_cpu_seconds
+from bench.lib.report import machine_info, write_json
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 
 DEFAULT_OUT = REPO / "docs" / "scale-out-calibration.json"
 README_BYTES_PER_ENTRY = 171  # README "A cluster of nodes": tracemalloc over 1,000,000 entries, 5 peers
@@ -344,8 +307,8 @@ class Subscribers:
 
     def __init__(self, address: str, streams: int) -> None:
         self.streams = streams
-        self.proc = subprocess.Popen([sys.executable, __file__, "--serve-subscribers", address, str(streams)],
-                                     stdout=subprocess.PIPE, text=True, env=_child_env())
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.scale_calibrate", "--serve-subscribers", address,
+                                      str(streams)], stdout=subprocess.PIPE, text=True, env=_child_env(), cwd=REPO)
         self.rss_before = self.rss_ready = 0
         self.received = 0
         self._ready = threading.Event()

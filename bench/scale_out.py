@@ -29,8 +29,7 @@ and --fs-tib of disk its peers may fetch from, and writes every chunk down to S3
 A design stops scaling at the first node count where its upkeep CPU exceeds --cpu-budget of one
 core or its memory (the index a full view needs, and the streams) exceeds --memory-budget-gib.
 
-Usage: .venv/bin/python bench/scale_out.py [--calibration PATH] [--json PATH] [--plot PATH]
-           [--turns-per-s 10] [--nodes 1,10,100,1000] [--max-nodes 10000] ...
+Method, baselines, targets and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -44,15 +43,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench._common import print_aligned, write_json  # noqa: E402
+from bench.lib.report import GIB, MIB, REPO, print_aligned, write_json
+from bench.lib.report import fmt_bytes as fmt_size
 
 DEFAULT_CALIBRATION = REPO / "docs" / "scale-out-calibration.json"
-GIB = 1 << 30
-MIB = 1 << 20
 SECONDS_PER_MONTH = 30 * 86_400
 HEADER_BYTES_PER_SEGMENT = 66  # on a real network: IPv4 20 + TCP 32 (timestamps) + Ethernet 14
 MSS = 1448  # payload bytes per segment at a 1500-byte MTU
@@ -507,10 +501,7 @@ def basis(f: Fleet, r: Rates, c: Costs) -> list[tuple[str, str, str]]:
 
 
 def fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", 1024)):
-        if n >= size:
-            return f"{n / size:,.1f} {unit}"
-    return f"{n:,.0f} B"
+    return fmt_size(n, grouped=True)
 
 
 def fmt_rate(n: float) -> str:

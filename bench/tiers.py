@@ -2,69 +2,7 @@
 tier beside raw O_DIRECT pwritev/preadv of the same bytes (cold reads: page cache dropped), and
 the S3 tier beside raw aiobotocore put/get of the same objects (radosgw or moto), in one run.
 
-Issue 3 part 7: fs tier store/load GiB/s for 2 MiB chunks beside raw O_DIRECT pwritev/preadv of
-the same bytes, and S3 tier store/load beside raw aiobotocore put/get of the same objects, all
-in the same run. Targets: tier >= 0.90x raw for fs, >= 0.85x raw for S3.
-
-What is measured
-- The tiers are driven directly (no daemon, no gRPC): FsTier / S3Tier on a uvloop event loop, as
-  the daemon runs them, fed by `--*-inflight` worker tasks (the daemon's per-tier queue
-  concurrency: 16 for fs, whose 8 I/O threads take the queued reads first, 16 for S3). Buffers are slices of a populated anonymous mmap (page-aligned,
-  like the daemon's pool), one view per chunk; loads go to a second such pool.
-- fs raw baseline ("raw"): the same bytes (the chunkfile header page + the payload: the very file
-  contents the tier writes, headers encoded before timing), one file per chunk in ONE directory:
-  open(O_CREAT|O_EXCL|O_DIRECT) + one pwritev + close; open(O_DIRECT) + one preadv + close. It runs
-  on `--fs-threads` plain threads (= the tier's io_threads, 8 as in the daemon) looping back to back
-  over the chunks: as many I/Os at the disk at once as the tier's pool, and no event loop at all.
-- fs diagnostic ("raw, tier paths"): the same raw I/O at the tier's own file names
-  (<ns>/<k0k1>/<k2k3>/<key hex>.kv). Its ratio (no target) separates the tier's software cost from
-  what its directory layout costs the disk and the filesystem.
-- fs diagnostic ("raw, <fs-inflight> threads"): raw O_DIRECT with as many I/Os at the disk as the
-  tier has operations in flight (when --fs-inflight differs from --fs-threads): what the disk gives
-  at that depth, i.e. what a larger io_threads could reach.
-- The fs roots are "in use": the fan-out directories the chunks need exist before timing (as on a
-  daemon's root after its first ~100k chunks), for the tier and the tier-paths baseline alike;
-  --fresh-root makes both create them while timed (a new daemon's first writes).
-- S3 raw baseline: one aiobotocore client per round, opened before timing with the started tier's
-  own client configuration (timeouts, a connection pool of `--s3-inflight`, botocore retries off,
-  its checksum and payload-signing choices: the baseline moves the same bytes the same way, minus
-  the tier), `--s3-inflight` requests in flight on the same uvloop loop: put_object of the same
-  objects (header + payload, pre-built bytes), get_object + read() (not verified, not copied).
-- Each round runs every store, then every load, rotating which arm goes first. fs: `sync` before
-  every phase, and before every load phase the caches are dropped (`echo 3 >
-  /proc/sys/vm/drop_caches`: page cache, dentries and inodes; --drop 1 drops the page cache only,
-  keeping the dentries and inodes a running daemon would have cached; root only, else noted).
-  Each round writes fresh fs roots; S3 objects are deleted after each round (untimed).
-- Reported: the MEDIAN over rounds of tier GiB/s and raw GiB/s (payload bytes / wall time from the
-  first request to the last completion); ratio = median tier / median raw. Per-round figures,
-  paired per-round ratios, and this process's CPU seconds per GiB moved (all threads; for S3 also
-  the Ceph daemons' CPU) are printed under the table. The machine is shared and noisy.
-- Correctness (untimed): every tier write must return WRITTEN and every read True (the tier
-  verifies header and xxh3 checksum itself); in round 0 the tier's loaded bytes are compared with
-  the source.
-- S3 endpoint (--s3): `rgw` = a throwaway Ceph radosgw with a memstore OSD on loopback
-  (tests/support/s3.py, deploy/ceph/start_rgw.sh), falling back to moto_server with a note if
-  radosgw cannot start; `moto` = moto_server; `off` = skip S3.
-- Write-back row (issue 13): a daemon (`kvstored serve`, --wb-ram-mib of RAM, default 256 MiB)
-  with an fs tier on the same disk, write-back with the default settings. Its RAM is first
-  filled with chunks that have no copy below (untimed); then --wb-streams clients (default 2)
-  store the fs phase's bytes from one registered region, --wb-batch chunks per RPC (default 16,
-  what the vLLM tier sends): each chunk stored pushes an older one down to the disk. Baseline:
-  the fs tier alone storing the same number of chunks in the same round; limit: raw O_DIRECT.
-  The stream's first chunks are loaded back (from the disk) and compared in round 0; chunks
-  the daemon dropped without a copy below are reported.
-- Every row prints the physical limit it is bounded by (fs: raw O_DIRECT at the tier's queue
-  depth, i.e. --fs-threads; S3: the raw client's transport) and its ratio to it.
-- --profile adds diagnostics: single-thread CPU costs per chunk (xxh3, header, copies, SigV4's
-  sha256 when payload signing is on); one instrumented fs store + load of each arm: time per chunk
-  inside each pool job (tier) or op (raw), split by syscall and checksum, and how busy the I/O
-  threads were; one more S3 round under cProfile (the loop thread): own time per function.
-
-Usage: .venv/bin/python bench/tiers.py [--fs-gib 1] [--s3-mib 256] [--rounds 3] [--s3 rgw|moto|off]
-                                       [--fs-threads 8] [--fs-inflight 8] [--s3-inflight 16]
-                                       [--drop 3|1] [--fresh-root] [--dir DIR] [--profile]
-                                       [--json PATH]
-Exit status: 0 if every targeted row passes, 1 if one misses, 2 if a part could not run.
+Method, baselines, targets and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -86,19 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from _common import (  # noqa: E402
-    GIB, MIB, REPO, fill_pattern, load_average, machine_info, populate, print_aligned, write_json,
-)
-
-sys.path.insert(0, str(REPO))
-
-from kvstored.tiers import chunkfile  # noqa: E402
-from kvstored.tiers.base import WriteOutcome  # noqa: E402
-from kvstored.tiers.chunkfile import HEADER_BYTES  # noqa: E402
+from bench.lib.buffers import ShmFile, aligned_pool, fill_pattern, populate
+from bench.lib.daemons import Daemon, stat_cpu_seconds
+from bench.lib.limits import drop_page_cache
+from bench.lib.report import GIB, MIB, load_average, machine_info, print_aligned, write_json
+from bench.lib.s3 import raw_config, start_s3
+from kvstored.tiers import chunkfile
+from kvstored.tiers.base import WriteOutcome
+from kvstored.tiers.chunkfile import HEADER_BYTES
 
 TARGET_FS = 0.90
 TARGET_S3 = 0.85
@@ -117,9 +52,8 @@ class Pool:
 
     def __init__(self, chunks: int, chunk_bytes: int) -> None:
         self.chunk_bytes = chunk_bytes
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-        self._map = mmap.mmap(-1, chunks * chunk_bytes, flags=flags)
-        self.array = populate(np.frombuffer(self._map, dtype=np.uint8))
+        self._map = aligned_pool(chunks * chunk_bytes)
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
         whole = memoryview(self._map)
         self.views = [whole[i * chunk_bytes:(i + 1) * chunk_bytes] for i in range(chunks)]
 
@@ -139,18 +73,7 @@ def header_pages(chunks: Sequence[tuple[str, bytes]], views: Sequence[memoryview
     return out
 
 
-# -- host helpers -------------------------------------------------------------------------------
-
-
-def drop_caches(level: int) -> bool:
-    """sync + drop the page cache (level 1) or also dentries and inodes (level 3); root only."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as fh:
-            fh.write(f"{level}\n")
-        return True
-    except OSError:
-        return False
+# -- host helpers ---------------------------------------------------------------------------------
 
 
 def gib_s(nbytes: int, seconds: float) -> float:
@@ -212,24 +135,12 @@ def measure(nbytes: int, run: Callable[[], float], server_pids: Sequence[int] = 
     if prepare is not None:
         prepare()
     cpu0 = time.process_time()
-    srv0 = _cpu_of(server_pids)
+    srv0 = stat_cpu_seconds(server_pids)
     wall = run()
     cpu = time.process_time() - cpu0
-    srv = _cpu_of(server_pids) - srv0 if server_pids else None
+    srv = stat_cpu_seconds(server_pids) - srv0 if server_pids else None
     gib = nbytes / GIB
     return Sample(nbytes / wall / GIB, cpu / gib, None if srv is None else srv / gib)
-
-
-def _cpu_of(pids: Sequence[int]) -> float:
-    """CPU seconds of processes, exited threads included (/proc/PID/stat; 10 ms ticks)."""
-    total = 0.0
-    tick = os.sysconf("SC_CLK_TCK")
-    for pid in pids:
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            with open(f"/proc/{pid}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
 
 
 def rotated(arms: list, rnd: int) -> list:
@@ -284,7 +195,7 @@ class Pair:
                 "paired_ratios": self.paired}
 
 
-def print_table(pairs: Sequence[Pair], file=None) -> None:
+def print_pairs(pairs: Sequence[Pair], file=None) -> None:
     file = file or sys.stdout
     header = ["measurement", "tier GiB/s", "baseline GiB/s", "ratio", "target", "result", "limit GiB/s",
               "of limit"]
@@ -396,7 +307,6 @@ class WriteBackStream:
     down to the disk: the rate is what write-back sustains when RAM is full."""
 
     def __init__(self, args, src: Pool, workdir: Path, rnd: int) -> None:
-        from _common import Daemon, ShmFile
         from kvstored_client import Client, NamespaceSpec
 
         self.n, self.size = args.fs_chunks, args.chunk_bytes
@@ -516,7 +426,7 @@ def bench_fs(runner: asyncio.Runner, args, src: Pool, dst: Pool, workdir: Path,
         try:
             def drop() -> None:
                 nonlocal dropped
-                dropped &= drop_caches(args.drop)
+                dropped &= drop_page_cache(args.drop)
 
             def raw_store(raw: RawFs, k: int) -> Callable[[], float]:
                 return lambda: run_threads(n, k, lambda i: raw.write(i, src.views[i]))
@@ -594,78 +504,6 @@ def bench_fs(runner: asyncio.Runner, args, src: Pool, dst: Pool, workdir: Path,
 # -- S3 -------------------------------------------------------------------------------------------
 
 
-class S3Server:
-    """radosgw (memstore OSD) or moto_server on loopback, from tests/support/s3.py."""
-
-    def __init__(self, kind: str, memstore_bytes: int) -> None:
-        self.kind = kind
-        self.memstore_bytes = memstore_bytes
-        self.endpoint = None
-        self.note = ""
-        self._server = None
-
-    def start(self) -> None:
-        from tests.support.s3 import MotoServer, RadosGW
-
-        kinds = ["rgw", "moto"] if self.kind == "rgw" else ["moto"]
-        errors = []
-        for kind in kinds:
-            server = RadosGW(memstore_bytes=self.memstore_bytes) if kind == "rgw" else MotoServer()
-            t0 = time.perf_counter()
-            try:
-                self.endpoint = server.start()
-            except Exception as exc:  # noqa: BLE001 - fall back, then report
-                text = str(exc).strip()
-                errors.append(f"{kind}: {text.splitlines()[0] if text else repr(exc)}")
-                with contextlib.suppress(Exception):
-                    server.stop()
-                continue
-            self._server, self.kind = server, kind
-            say(f"  S3 endpoint: {'Ceph radosgw (memstore OSD)' if kind == 'rgw' else 'moto_server'} at "
-                f"{self.endpoint.url}, up in {time.perf_counter() - t0:.1f} s")
-            if errors:
-                self.note = ("S3: radosgw did NOT start (" + "; ".join(errors) + "); these S3 figures are against "
-                             "moto_server (Python, in RAM), not a real S3 server")
-            return
-        raise RuntimeError("no S3 server: " + "; ".join(errors))
-
-    def pids(self) -> list[int]:
-        """The server's processes (radosgw, ceph-osd, ceph-mon; or moto_server), for CPU accounting."""
-        server = self._server
-        if server is None:
-            return []
-        proc = getattr(server, "_proc", None)
-        if proc is not None:
-            return [proc.pid]
-        out = []
-        for pidfile in Path(getattr(server, "dir", "/nonexistent"), "run").glob("*.pid"):
-            with contextlib.suppress(OSError, ValueError):
-                out.append(int(pidfile.read_text().strip()))
-        return out
-
-    def stop(self) -> None:
-        if self._server is not None:
-            with contextlib.suppress(Exception):
-                self._server.stop()
-            self._server = None
-
-
-def fallback_s3_config(inflight: int, timeout_s: float):
-    """Transport settings like S3Tier.start()'s, for when the tier's own cannot be read."""
-    from aiobotocore.config import AioConfig
-
-    return AioConfig(
-        connect_timeout=min(timeout_s, 2.0),
-        read_timeout=timeout_s,
-        retries={"total_max_attempts": 1},
-        max_pool_connections=inflight,
-        tcp_keepalive=True,
-        request_checksum_calculation="when_required",
-        response_checksum_validation="when_required",
-        s3={"addressing_style": "path"},
-    )
-
-
 def tier_s3_config(tier) -> Any:
     """The started tier's client configuration (the baseline uses exactly the tier's transport
     settings: timeouts, pool size, checksum and payload-signing choices); None if unreadable."""
@@ -679,31 +517,6 @@ async def raw_client(endpoint, config):
 
     async with get_session().create_client("s3", config=config, **endpoint.client_kwargs()) as client:
         yield client
-
-
-async def s3_setup(endpoint, bucket: str) -> None:
-    """Create the bucket, then one PUT/DELETE: radosgw creates its data pool on the first PUT (~2 s)."""
-    async with raw_client(endpoint, fallback_s3_config(4, 60.0)) as client:
-        with contextlib.suppress(Exception):
-            await client.create_bucket(Bucket=bucket)
-        await client.put_object(Bucket=bucket, Key="warmup", Body=b"x" * 4096)
-        await client.delete_object(Bucket=bucket, Key="warmup")
-
-
-async def s3_empty(endpoint, bucket: str) -> None:
-    async with raw_client(endpoint, fallback_s3_config(4, 60.0)) as client:
-        token = None
-        while True:
-            kwargs = {"Bucket": bucket}
-            if token:
-                kwargs["ContinuationToken"] = token
-            page = await client.list_objects_v2(**kwargs)
-            objects = [{"Key": o["Key"]} for o in page.get("Contents", ())]
-            if objects:
-                await client.delete_objects(Bucket=bucket, Delete={"Objects": objects, "Quiet": True})
-            token = page.get("NextContinuationToken")
-            if not page.get("IsTruncated") or not token:
-                break
 
 
 async def raw_s3_store(client, bucket: str, keys: list[str], bodies: list[bytes], inflight: int) -> float:
@@ -730,8 +543,9 @@ def bench_s3(runner: asyncio.Runner, args, src: Pool, dst: Pool, notes: list[str
     n, size = args.s3_chunks, args.chunk_bytes
     nbytes = n * size
     inflight = args.s3_inflight
-    server = S3Server(args.s3, memstore_bytes=args.memstore_bytes)
-    server.start()
+    server = start_s3(args.s3, args.memstore_bytes)
+    say(f"  S3 endpoint: {'Ceph radosgw (memstore OSD)' if server.is_rgw else 'moto_server'} at "
+        f"{server.endpoint.url}, up in {server.started_s:.1f} s")
     if server.note:
         notes.append(server.note)
     bucket = f"kvstored-bench-tiers-{os.getpid()}"
@@ -747,7 +561,7 @@ def bench_s3(runner: asyncio.Runner, args, src: Pool, dst: Pool, notes: list[str
     try:
         ep = server.endpoint
         pids = server.pids()
-        runner.run(s3_setup(ep, bucket))
+        server.new_bucket(bucket)
         for rnd in range(args.rounds + (1 if args.profile else 0)):
             profiling = rnd == args.rounds  # the extra round of --profile: cProfile on the loop thread
             # both clients are opened before timing (creating one costs ~0.1-0.3 s of CPU)
@@ -758,7 +572,7 @@ def bench_s3(runner: asyncio.Runner, args, src: Pool, dst: Pool, notes: list[str
             try:
                 config = tier_s3_config(tier)
                 if config is None:
-                    config = fallback_s3_config(inflight, args.s3_timeout)
+                    config = raw_config(inflight, args.s3_timeout)
                     if rnd == 0:
                         notes.append("s3: could not read the tier's client configuration; the raw client uses "
                                      "bench/tiers.py's copy of it (may differ from kvstored/tiers/s3.py)")
@@ -794,7 +608,7 @@ def bench_s3(runner: asyncio.Runner, args, src: Pool, dst: Pool, notes: list[str
             finally:
                 runner.run(stack.aclose())
                 runner.run(tier.close())
-                runner.run(s3_empty(ep, bucket))
+                server.empty_bucket(bucket, delete=False)
     finally:
         server.stop()
     # start() sends HEAD bucket + warm-up PUT + DELETE; then one PUT and one GET per chunk
@@ -930,7 +744,7 @@ def profile_fs(runner: asyncio.Runner, args, src: Pool, dst: Pool, workdir: Path
         ]
         for name, fn in phases:
             if name.endswith("load"):
-                drop_caches(args.drop)
+                drop_page_cache(args.drop)
             else:
                 os.sync()
             raw = None if name.startswith("tier") else (flat if name.startswith("raw ") else paths)
@@ -1079,7 +893,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     targeted = [p for p in pairs if p.target is not None]
     say("")
-    print_table(targeted + [p for p in pairs if p.target is None])
+    print_pairs(targeted + [p for p in pairs if p.target is None])
     for note in notes + failures:
         say(f"  * {note}")
     if prof:

@@ -1,31 +1,7 @@
 """kvstored as a vLLM secondary tier vs vLLM's built-in fs tier, through vLLM's own
 TieringOffloadingManager on CPU (vllm==0.33.0; run tests/vllm/install_vllm.sh first).
 
-    .venv/bin/python bench/vllm_tier.py [--working-set 1GiB] [--primary 256MiB] [--chunk 2MiB]
-                                        [--dir DIR] [--json out.json]
-
-A working set larger than vLLM's CPU (primary) tier is stored (GPU -> primary -> cascade to the
-secondary tier), then loaded back by a restarted engine (lookup -> promotion from the secondary
-tier into the primary region -> HIT), batch after batch, the way the scheduler drives the manager.
-Rates are working-set bytes over wall time. The GPU -> primary copy (DMA in vLLM) is not
-simulated beyond stamping each chunk's first and last words with its identity (pages are touched
-before timing); the load time counts the promotion into the primary region, and every loaded
-chunk's identity is checked.
-
-Three runs, one process, one disk (--dir):
-  fs          vLLM's fs tier (O_DIRECT where the filesystem allows it), cold page cache on load
-  kvstored    the daemon keeps the working set in RAM                        target >= 3x fs
-  kvstored    the daemon's RAM (--daemon-ram, default 256 MiB) is smaller than the working set
-  cold        and it has an fs tier with write-back (the default): storing pushes older chunks
-              down to its disk as RAM fills (store target >= 1x fs); then the page cache is
-              dropped and a restarted engine loads the working set back, in order, from the same
-              daemon: the chunks on its disk come through its staging memory into the engine's
-              region (its RAM is full: nothing is evicted for them), the rest from its RAM
-              (load target >= 1.5x fs)
-
-Beside the ratios, the physical limits on this machine measured in the same run: raw O_DIRECT
-write and read of the same chunk files at the fs tier's queue depth (the daemon's fs tier:
-`--disk-depth`, its default concurrency 8) and one large memcpy; and the load average.
+Method, baselines, targets and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -42,16 +18,17 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._common import (  # noqa: E402
-    GIB, MIB, Daemon, Row, drop_page_cache, load_average, machine_info, memcpy_gib_s, print_table, raw_odirect,
-    write_json,
-)
+from bench.lib.daemons import Daemon
+from bench.lib.limits import drop_page_cache, memcpy_gib_s, raw_odirect
+from bench.lib.report import GIB, MIB, Row, load_average, machine_info, print_table, write_json
 
 try:
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
     from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig, OffloadingModelConfig,
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
         OffloadingParallelConfig,
     )
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
