@@ -14,7 +14,7 @@ import numpy as np
 
 from bench.lib.daemons import Daemon, free_port
 from bench.lib.report import MIB
-from bench.multiturn.model import TARGET_HIT, Config, Model, Sizes, Workload
+from bench.multiturn.model import Config, Model, Sizes, Workload
 from bench.multiturn.offload import Offload
 from bench.multiturn.runs import TIER_SPECS, TierResources
 from bench.multiturn.sim import Lane, Simulation, TurnRecord, run_clock

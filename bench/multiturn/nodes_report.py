@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from bench.lib.report import GIB, Row, fmt_bytes, load_average, machine_info, print_aligned, write_json
-from bench.lib.s3 import S3
+from bench.lib.s3 import start_s3
 from bench.multiturn.limits import Limits, measure_limits
 from bench.multiturn.model import MODELS, Model
 from bench.multiturn.nodes import (
@@ -280,8 +280,8 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
         # write-through puts every chunk of the largest run in radosgw's memstore (RAM)
         memstore = int(max(counts) * w.final_tokens * m.kv_bytes_per_token * 1.5) + GIB
         try:
-            s3 = S3(args.s3, memstore).start()
-            s3_note = f"S3: {'Ceph radosgw (memstore OSD)' if s3.kind == 'radosgw' else 'moto_server'} on loopback"
+            s3 = start_s3(args.s3, memstore)
+            s3_note = f"S3: {'Ceph radosgw (memstore OSD)' if s3.is_rgw else 'moto_server'} on loopback"
         except RuntimeError as exc:
             s3_note = f"shared S3 skipped: {exc}"
         print("  " + s3_note, flush=True)
