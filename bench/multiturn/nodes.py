@@ -22,7 +22,6 @@ from bench.multiturn.sim import Lane, Simulation, TurnRecord, run_clock
 NODE_TIERS = ("gpu", "ram", "fs", "peer", "s3")  # where a reusable chunk was found
 LOADED_TIERS = NODE_TIERS[1:]
 TARGET_VS_ISLANDS = 1.3  # peers vs the same nodes without peers, at the largest count
-
 RAM_CONVERSATIONS = 64.0  # per node by default: three nodes' pools and radosgw's memstore fit a 24 GiB machine
 S3_SETTLE_BOUND_S = 3.0  # the longest wait for a node's S3 write-throughs before a lookup elsewhere
 PEERS_UP_S = 60.0  # a bound for the nodes to see each other, never a measurement

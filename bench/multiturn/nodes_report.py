@@ -15,7 +15,7 @@ import numpy as np
 from bench.lib.report import GIB, Row, fmt_bytes, load_average, machine_info, print_aligned, write_json
 from bench.lib.s3 import start_s3
 from bench.multiturn.limits import Limits, measure_limits
-from bench.multiturn.model import MODELS, Model
+from bench.multiturn.model import MODELS, TARGET_HIT, Model
 from bench.multiturn.nodes import (
     CONFIG_BY_KEY,
     CONFIG_KEYS,
@@ -24,7 +24,6 @@ from bench.multiturn.nodes import (
     LOADED_TIERS,
     NODE_TIERS,
     ROUTING,
-    TARGET_HIT,
     TARGET_VS_ISLANDS,
 )
 from bench.multiturn.nodes_run import NodesRunResult, measure_raw_tcp, run_one
