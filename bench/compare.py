@@ -15,9 +15,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -190,9 +191,10 @@ class RedisServer:
             try:
                 self.r.ping()
                 break
-            except redis.ConnectionError:
+            except redis.ConnectionError as exc:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server did not start ({(self.dir / 'redis.log').read_text()[-500:]})")
+                    log = (self.dir / "redis.log").read_text()[-500:]
+                    raise RuntimeError(f"redis-server did not start ({log})") from exc
                 time.sleep(0.05)
         self.chunk, self.n = chunk, n
         self.keys = [b"kv:" + i.to_bytes(8, "big") for i in range(n)]
@@ -202,7 +204,7 @@ class RedisServer:
         for b in range(0, self.n, PIPELINE):
             pipe = self.r.pipeline(transaction=False)
             for i in range(b, min(b + PIPELINE, self.n)):
-                pipe.set(self.keys[i], memoryview(src[i * c:(i + 1) * c]))
+                pipe.set(self.keys[i], src[i * c:(i + 1) * c].data)
             pipe.execute()
 
     def get_pipelined(self, sink: list) -> None:
@@ -251,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=1.0, help="working set in GiB (default 1)")
     ap.add_argument("--chunk-mib", type=float, default=2.0, help="chunk size in MiB (default 2)")
-    ap.add_argument("--repeat", type=int, default=5, help="repeats of every phase (default 5; the best is reported, the median beside it)")
+    ap.add_argument("--repeat", type=int, default=5,
+                    help="repeats of every phase (default 5; the best is reported, the median beside it)")
     ap.add_argument("--workdir", default=str(REPO / "results" / "tmp"),
                     help="fs tier root, raw O_DIRECT files and redis' directory go under here")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON here")

@@ -16,8 +16,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 from bench.lib.daemons import REPO
 from bench.lib.report import GIB, MIB, Row, machine_info, print_table, write_json
@@ -73,7 +73,8 @@ def _read_json(proc: subprocess.Popen, want: str) -> dict:
         if time.monotonic() > deadline:
             break
     err = proc.stderr.read() if proc.stderr else ""
-    raise RuntimeError(f"{' '.join(proc.args[-8:])} gave no {want!r} (exit {proc.poll()}): {err[-2000:]}")
+    cmd = " ".join(map(str, proc.args[-8:])) if isinstance(proc.args, list) else str(proc.args)
+    raise RuntimeError(f"{cmd} gave no {want!r} (exit {proc.poll()}): {err[-2000:]}")
 
 
 def _finish(*procs: subprocess.Popen) -> None:

@@ -15,6 +15,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 
@@ -72,7 +73,7 @@ class Engine:
             cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=BLOCKS_PER_CHUNK),
             parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True),
         )
-        self.manager = TieringOffloadingSpec(config).get_manager()
+        self.manager: Any = cast(Any, TieringOffloadingSpec(config).get_manager())  # a TieringOffloadingManager
         self.rows = np.asarray(self.manager.primary_tier.get_kv_memoryview()).view(np.uint64)
         self.base = np.arange(self.rows.shape[1], dtype=np.uint64)
         self.rows[:] = self.base  # every page touched before timing
@@ -193,7 +194,8 @@ def run_case(name: str, tier: dict, args, keys: list[bytes], daemon: Daemon | No
         ram = daemon_tiers(daemon)["ram"]
         staged = daemon_stats(daemon).staged_chunks
         read = daemon_tiers(daemon)["fs"].loaded_chunks - below.loaded_chunks
-        result["daemon_after_store"] = {"fs_chunks": below.chunks, "fs_dropped_backpressure": below.dropped_backpressure}
+        result["daemon_after_store"] = {"fs_chunks": below.chunks,
+                                        "fs_dropped_backpressure": below.dropped_backpressure}
         result["daemon_after_load"] = {"staged_chunks": staged, "fs_chunks_read": read}
         extra = (f"; after the store the daemon's fs tier held {below.chunks} chunks "
                  f"({below.dropped_backpressure} dropped by its queue), RAM {ram.chunks}; the load read {read} "
@@ -213,7 +215,8 @@ def _cold_load_bound(r: dict, chunk: int, limits: dict, fs_load_gib_s: float) ->
     bound = r["loaded"] * chunk / seconds / GIB
     r["bound_gib_s"] = bound
     return (f"bound: {r['daemon_after_load']['fs_chunks_read']} chunks from disk at raw read speed + the rest at "
-            f"memcpy = {bound:.2f} GiB/s = {bound / fs_load_gib_s:.2f}x vLLM fs, reached {r['load_gib_s'] / bound:.2f}x")
+            f"memcpy = {bound:.2f} GiB/s = {bound / fs_load_gib_s:.2f}x vLLM fs, "
+            f"reached {r['load_gib_s'] / bound:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         r = results[key]
         for op, target in zip(("store", "load"), targets):
             limit = limits["odirect_write_gib_s" if op == "store" else "odirect_read_gib_s"]
-            note = f"raw O_DIRECT {op} {limit:.2f} GiB/s (depth {limits['queue_depth']}): {r[f'{op}_gib_s'] / limit:.2f}x"
+            note = (f"raw O_DIRECT {op} {limit:.2f} GiB/s (depth {limits['queue_depth']}): "
+                    f"{r[f'{op}_gib_s'] / limit:.2f}x")
             if key == "kvstored_ram":
                 note = f"memcpy {limits['memcpy_gib_s']:.2f} GiB/s: {r[f'{op}_gib_s'] / limits['memcpy_gib_s']:.2f}x"
             if key == "kvstored_cold" and op == "load" and "daemon_after_load" in r:

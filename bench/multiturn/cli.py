@@ -46,7 +46,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m bench.multiturn", description=DESCRIPTION, formatter_class=_HelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.multiturn", description=DESCRIPTION,
+                                 formatter_class=_HelpFormatter)
     g = ap.add_argument_group("workload")
     g.add_argument("--initial-tokens", type=int, default=12 * 1024, help="first prompt of every conversation")
     g.add_argument("--turn-tokens", type=int, default=4 * 1024, help="tokens each turn appends to the history")
@@ -188,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                     r = run_one(config, n, w, m, sizes, workdir, s3)
                 results.append(r)
                 status = r.skipped or (f"hit {100 * r.hit_rate_overall:.1f}%  {r.throughput_tokens_s:,.0f} tokens/s  "
-                                       f"TTFT p50 {r.ttft_p50_s:.2f} s p99 {r.ttft_p99_s:.2f} s  wall {r.wall_s:.1f} s  "
+                                       f"TTFT p50 {r.ttft_p50_s:.2f} s p99 {r.ttft_p99_s:.2f} s  "
+                                       f"wall {r.wall_s:.1f} s  "
                                        f"load {r.load_average[1]:.1f}")
                 print(f"  [{time.perf_counter() - t_start:6.0f} s] {config.label:>13} x {n:>3}: {status}",
                       flush=True)
@@ -232,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         "s3_endpoint": s3.endpoint.url if s3 is not None else "",
         "results": [asdict(r) for r in results],
         "rows": rows,
-        "targets": [{"text": f"{r['name']}: {r['ratio']:.2f}x (target >= {r['target']:g}x)", "met": r["status"] == "PASS"}
+        "targets": [{"text": f"{r['name']}: {r['ratio']:.2f}x (target >= {r['target']:g}x)",
+                     "met": r["status"] == "PASS"}
                     for r in rows if r["target"] is not None],
         "limits": limits.to_json(),
         "tier_costs": costs,

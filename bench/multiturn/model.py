@@ -266,7 +266,8 @@ def derive_model(spec: ModelSpec, w: Workload, kv_bytes_per_token: int, serial_l
         tokens, capacity_basis = gpu_tokens, f"--gpu-tokens (derived: {derived_tokens:,}: {capacity_arithmetic})"
     elif gpu_conversations:
         tokens = int(gpu_conversations * w.final_tokens)
-        capacity_basis = f"--gpu-conversations {gpu_conversations:g} (derived: {derived_tokens:,}: {capacity_arithmetic})"
+        capacity_basis = (f"--gpu-conversations {gpu_conversations:g} "
+                          f"(derived: {derived_tokens:,}: {capacity_arithmetic})")
     else:
         tokens, capacity_basis = derived_tokens, capacity_arithmetic
     overridden = [flag for flag, v in (("KV bytes/token", model_kv_bytes_per_token), ("prefill", prefill_tokens_per_s),

@@ -118,10 +118,10 @@ def summarize(config: str, sim: ClusterSim, before: Sequence[dict] | None, after
     if before is not None and after is not None:
         for b, a in zip(before, after):
             for name, vals in a.items():
-                mine = r.daemon.setdefault(name, {})
+                total = r.daemon.setdefault(name, {})
                 for k, v in vals.items():
                     delta = v if k in ("used_bytes", "chunks") else v - b.get(name, {}).get(k, 0)
-                    mine[k] = mine.get(k, 0) + delta
+                    total[k] = total.get(k, 0) + delta
     for p in peers:
         for k, v in p.items():
             r.peers[k] = r.peers.get(k, 0) + v

@@ -150,7 +150,8 @@ def cost_lines(results: list[RunResult], m: Model, limits: Limits) -> list[str]:
     lines = [f"break-even load bandwidth ({m.model_kv_bytes_per_token:,} KV bytes/token x "
              f"{m.prefill_tokens_per_s:,.0f} prefill tokens/s): {breakeven:.2f} GiB/s -- a tier slower than that "
              f"costs more per token than recomputing"]
-    raw = {"ram": ("memcpy", limits.median("memcpy")), "fs": ("raw O_DIRECT, streaming", limits.median("odirect_stream")),
+    raw = {"ram": ("memcpy", limits.median("memcpy")),
+           "fs": ("raw O_DIRECT, streaming", limits.median("odirect_stream")),
            "s3": ("raw GET", limits.median("s3_get"))}
     for config in CONFIGS:
         rs = [r for r in results if r.config == config.key and not r.skipped and r.marginal_gib_s]
@@ -313,7 +314,8 @@ def bound_lines(results: list[RunResult], m: Model, limits: Limits) -> list[str]
                                              f"streaming" if stream and batched else "not measured")
         + f"; break-even {breakeven:.2f}")
     if raw and needed > raw:
-        lines.append(f"this machine's disk is the limit: raw O_DIRECT reads ({raw:.2f} GiB/s at best) fall short of the "
+        lines.append(f"this machine's disk is the limit: raw O_DIRECT reads ({raw:.2f} GiB/s at best) fall short of "
+                     "the "
                      f"{needed:.2f} GiB/s the targets need")
     elif fs_rate and needed > fs_rate:
         lines.append(f"the disk could do it (raw {raw:.2f} GiB/s): the fs tier's load path ({fs_rate:.2f}) is the gap")
