@@ -68,13 +68,13 @@ bench: setup system-deps
 	./deploy/install-system-deps.sh redis-server
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev,bench]'
 	mkdir -p results
-	$(BIN)/python bench/local_path.py --json results/local_path.json
-	$(BIN)/python bench/tiers.py --json results/tiers.json
-	$(BIN)/python bench/compare.py --json results/compare.json
-	$(BIN)/python bench/multiturn.py --json results/multiturn.json --plot results/multiturn.png $(BENCH_MULTITURN_ARGS)
-	$(BIN)/python bench/multiturn.py --nodes 3 --json results/multiturn-nodes.json --plot results/multiturn-nodes.png \
+	$(BIN)/python -m bench.local_path --json results/local_path.json
+	$(BIN)/python -m bench.tiers --json results/tiers.json
+	$(BIN)/python -m bench.compare --json results/compare.json
+	$(BIN)/python -m bench.multiturn --json results/multiturn.json --plot results/multiturn.png $(BENCH_MULTITURN_ARGS)
+	$(BIN)/python -m bench.multiturn --nodes 3 --json results/multiturn-nodes.json --plot results/multiturn-nodes.png \
 		$(BENCH_NODES_ARGS)
-	$(BIN)/python bench/peer.py --json results/peer.json
+	$(BIN)/python -m bench.peer --json results/peer.json
 
 clean:
 	rm -rf $(VENV) var results $(GEN)/*_pb2*.py $(GEN)/*_pb2*.pyi kvstored/shm/*.so build

@@ -3,63 +3,30 @@ local path (Client.store/load through the shared pool) and its fs tier, beside R
 (redis-py + hiredis on loopback, LMCache's usual remote backend), a raw memcpy of the same bytes,
 and raw O_DIRECT reads/writes (the disk ceiling of the fs tier).
 
-Systems (each moves the same working set, default 1 GiB = 512 chunks of 2 MiB, from and into
-populated private numpy buffers of one client process):
-
-  kvstored local path   Client.store / Client.load (pool mapping) against a daemon whose RAM tier
-                        holds the working set; 64 chunks per call.
-  kvstored fs tier      store: a daemon with `--write-policy write-through` and an fs tier: time
-                        until the fs tier has written every chunk (its Stats). load: a FRESH daemon
-                        on that fs root (empty RAM, index rebuilt from disk), so every chunk comes
-                        from the files (O_DIRECT: no page cache), promoted, then copied out.
-  Redis                 Debian's redis-server on 127.0.0.1 (TCP, no persistence), redis-py with the
-                        hiredis parser, LMCache's usual remote backend: SET and GET pipelined 16
-                        at a time, and GET one key at a time. GET returns a bytes object and is NOT
-                        copied into the destination buffer (which favours Redis).
-  raw memcpy            numpy copy of the working set in 2 MiB pieces, one thread (the client splits
-                        large batches across its copy threads, so kvstored can exceed this).
-  raw O_DIRECT          one file per chunk, os.pwrite / os.preadv with O_DIRECT from page-aligned
-                        buffers, 8 threads (the fs tier's default): the disk ceiling of the fs tier.
-
-The whole run (this process, the daemons, redis-server) uses glibc's non-temporal memcpy threshold
-at 1 MiB (--nt-threshold; the daemon sets it for itself anyway, and the README recommends it for
-engines), so 2 MiB copies bypass the cache in every system alike.
-
-Every phase runs --repeat times, round-robin across systems so background load hits them all
-alike; the value reported is the best repeat (as in bench/local_path.py), with the median beside
-it. Ratios are each system over
-the kvstored row of the same kind (RAM-class systems over the local path, disk-class over the
-fs tier). Target (issue 5): kvstored's local load >= 5x Redis GET (the faster of the two GETs).
-
-Usage: .venv/bin/python bench/compare.py [--gib 1] [--repeat 5] [--json results/compare.json]
+Method, baselines, targets and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import mmap
-import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
 
-import numpy as np  # noqa: E402
+from bench.lib.buffers import aligned_pool, fill_pattern
+from bench.lib.daemons import Daemon, free_port
+from bench.lib.limits import ODirectFiles, apply_nt_threshold, nt_threshold_arg
+from bench.lib.report import GIB, MIB, REPO, Row, load_average, machine_info, print_table, write_json
 
-from _common import (  # noqa: E402
-    GIB, MIB, REPO, Daemon, Row, fill_pattern, load_average, machine_info, populate, print_table, write_json,
-)
-
-NT_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
 TARGET_VS_REDIS = 5.0
 BATCH = 64  # chunks per kvstored call
 PIPELINE = 16  # Redis commands per pipeline (2 MiB each; deeper pipelines measured slower here)
@@ -79,36 +46,10 @@ class Samples:
         return max(self.gib_s)
 
 
-def aligned_buffer(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
-    """Anonymous mapping: page-aligned (O_DIRECT needs that), populated."""
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    arr = np.frombuffer(m, dtype=np.uint8)
-    populate(arr)
-    return m, arr
-
-
 def timed(nbytes: int, fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()
     return nbytes / GIB / (time.perf_counter() - t0)
-
-
-def apply_nt_threshold(value: str) -> None:
-    """Re-exec this process (once) with glibc's non-temporal memcpy threshold at `value` bytes
-    ("off": glibc's default). The daemon does this for itself; with pool mapping the engine's
-    process does the copies, and the README recommends the same setting for engines. Every
-    process started from here (daemons, redis-server) inherits it, so all systems get the same."""
-    if value == "off" or NT_TUNABLE in os.environ.get("GLIBC_TUNABLES", ""):
-        return
-    current = os.environ.get("GLIBC_TUNABLES", "")
-    env = dict(os.environ, GLIBC_TUNABLES=":".join(filter(None, [current, f"{NT_TUNABLE}={int(value):#x}"])))
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
-
-
-def nt_threshold_arg(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--nt-threshold", default=str(1 << 20), metavar="BYTES|off",
-                    help="run with GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=BYTES (default 1 MiB, "
-                         "as the daemon does for itself); 'off' keeps glibc's default")
 
 
 # -- systems ----------------------------------------------------------------------------------------
@@ -235,9 +176,7 @@ class RedisServer:
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server not installed (apt-get install -y --no-install-recommends redis-server)")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="redis-", dir=workdir))
         self.log = open(self.dir / "redis.log", "wb")
         self.proc = subprocess.Popen(
@@ -252,9 +191,10 @@ class RedisServer:
             try:
                 self.r.ping()
                 break
-            except redis.ConnectionError:
+            except redis.ConnectionError as exc:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server did not start ({(self.dir / 'redis.log').read_text()[-500:]})")
+                    log = (self.dir / "redis.log").read_text()[-500:]
+                    raise RuntimeError(f"redis-server did not start ({log})") from exc
                 time.sleep(0.05)
         self.chunk, self.n = chunk, n
         self.keys = [b"kv:" + i.to_bytes(8, "big") for i in range(n)]
@@ -264,7 +204,7 @@ class RedisServer:
         for b in range(0, self.n, PIPELINE):
             pipe = self.r.pipeline(transaction=False)
             for i in range(b, min(b + PIPELINE, self.n)):
-                pipe.set(self.keys[i], memoryview(src[i * c:(i + 1) * c]))
+                pipe.set(self.keys[i], src[i * c:(i + 1) * c].data)
             pipe.execute()
 
     def get_pipelined(self, sink: list) -> None:
@@ -306,48 +246,6 @@ class RedisServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-class RawDirect:
-    """One file per chunk, O_DIRECT pwrite / preadv from page-aligned buffers, IO_THREADS threads."""
-
-    def __init__(self, chunk: int, n: int, workdir: Path) -> None:
-        self.chunk, self.n = chunk, n
-        self.dir = Path(tempfile.mkdtemp(prefix="raw-odirect-", dir=workdir))
-        self.pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="raw-odirect")
-
-    def _path(self, i: int) -> str:
-        return str(self.dir / f"{i:06d}.bin")
-
-    def write(self, src: memoryview) -> None:
-        c = self.chunk
-
-        def one(i: int) -> None:
-            fd = os.open(self._path(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o644)
-            try:
-                if os.pwrite(fd, src[i * c:(i + 1) * c], 0) != c:
-                    raise RuntimeError("short O_DIRECT write")
-            finally:
-                os.close(fd)
-
-        list(self.pool.map(one, range(self.n)))
-
-    def read(self, dst: memoryview) -> None:
-        c = self.chunk
-
-        def one(i: int) -> None:
-            fd = os.open(self._path(i), os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-            try:
-                if os.preadv(fd, [dst[i * c:(i + 1) * c]], 0) != c:
-                    raise RuntimeError("short O_DIRECT read")
-            finally:
-                os.close(fd)
-
-        list(self.pool.map(one, range(self.n)))
-
-    def close(self) -> None:
-        self.pool.shutdown()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
 # -- main -------------------------------------------------------------------------------------------
 
 
@@ -355,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=1.0, help="working set in GiB (default 1)")
     ap.add_argument("--chunk-mib", type=float, default=2.0, help="chunk size in MiB (default 2)")
-    ap.add_argument("--repeat", type=int, default=5, help="repeats of every phase (default 5; the best is reported, the median beside it)")
+    ap.add_argument("--repeat", type=int, default=5,
+                    help="repeats of every phase (default 5; the best is reported, the median beside it)")
     ap.add_argument("--workdir", default=str(REPO / "results" / "tmp"),
                     help="fs tier root, raw O_DIRECT files and redis' directory go under here")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
@@ -376,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
           f"git {info['git']}, load average {load_average():.2f}; GLIBC_TUNABLES={info['glibc_tunables'] or '(none)'} "
           f"for every process", flush=True)
 
-    src_map, src = aligned_buffer(nbytes)
-    dst_map, dst = aligned_buffer(nbytes)
+    src_map, dst_map = aligned_pool(nbytes), aligned_pool(nbytes)
+    src, dst = np.frombuffer(src_map, dtype=np.uint8), np.frombuffer(dst_map, dtype=np.uint8)
     fill_pattern(src, chunk, seed=7)
 
     samples: dict[str, Samples] = {k: Samples() for k in (
@@ -390,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         kv = KvLocal(chunk, n)
         kvfs = KvFs(chunk, n, workdir)
         redis_srv = RedisServer(chunk, n, workdir)
-        raw = RawDirect(chunk, n, workdir)
+        raw = ODirectFiles(workdir, n, chunk, IO_THREADS)  # the disk ceiling of the fs tier
         print(f"  redis: {redis_srv.version}; redis-py hiredis parser: {redis_srv.hiredis}", flush=True)
         for rep in range(args.repeat):
             def memcpy() -> None:

@@ -1,29 +1,6 @@
 """The peer data plane against the raw transports beneath it (issue 11 part 8's groundwork; not a test).
 
-In the same run, the same bytes (`--gib`, in `--chunk-mib` chunks) move from a serving process to
-a fetching process, on loopback and/or between two network namespaces joined by a bridge
-(tests/support/netns.py; needs root):
-- raw tcp: one socket; the sender sendall()s each chunk from a populated mmap holding all of them
-  (as the serving node does: a small ring would be sent from the CPU cache), the receiver
-  recv_into()s it straight into as many slots as the fetching node uses, in turn (blocking
-  calls, no event loop);
-- raw ucx: ucxx with the data plane's UCX settings (tcp transport, 2 MiB segments, host bounce
-  buffers), tag send/receive of one chunk per message, same buffers; `--ucx-window` messages in
-  flight (1 = posted one after another, the fastest pattern measured here);
-- peer tcp / peer ucx: kvstored.peer through tests/peer/node.py (a serving and a fetching node,
-  one page run per chunk and slot as the RAM tier allocates them when it can), `--concurrency`
-  orders of `--batch` chunks in flight, each: a control round trip (JSON lines over TCP,
-  standing in for the daemon's gRPC), the bytes into the slots, the xxh3 checks. Not compared
-  byte for byte here (the tests do that).
-Throughput is measured at the receiver from the end of the first chunk to the end of the last.
-Each round runs every arm once, in a rotating order; the table shows medians over rounds and
-ratio = median(peer) / median(raw of the same transport), target >= 0.8x.
-
-Usage: .venv/bin/python bench/peer_raw.py [--where loopback,netns] [--transports tcp,ucx]
-                                          [--gib 1] [--rounds 3] [--concurrency 4] [--batch 8]
-                                          [--json PATH]
-Exit status: 0 if every targeted row passes, 1 if one misses, 2 if a part could not run.
-The module also serves a later bench/peer.py: `measure_raw(...)`, `measure_peer(...)`.
+Method, baselines, targets and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -39,17 +16,13 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Sequence
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench._common import GIB, MIB, Row, machine_info, print_table, write_json  # noqa: E402
-from kvstored.peer.transport import UcxConfig  # noqa: E402
-from tests.support import netns  # noqa: E402
+from bench.lib.daemons import REPO
+from bench.lib.report import GIB, MIB, Row, machine_info, print_table, write_json
+from kvstored.peer.transport import UcxConfig
+from tests.support import netns
 
 TARGET = 0.8
 EVENT_TIMEOUT_S = 300.0
@@ -100,7 +73,8 @@ def _read_json(proc: subprocess.Popen, want: str) -> dict:
         if time.monotonic() > deadline:
             break
     err = proc.stderr.read() if proc.stderr else ""
-    raise RuntimeError(f"{' '.join(proc.args[-8:])} gave no {want!r} (exit {proc.poll()}): {err[-2000:]}")
+    cmd = " ".join(map(str, proc.args[-8:])) if isinstance(proc.args, list) else str(proc.args)
+    raise RuntimeError(f"{cmd} gave no {want!r} (exit {proc.poll()}): {err[-2000:]}")
 
 
 def _finish(*procs: subprocess.Popen) -> None:
@@ -251,7 +225,7 @@ class Sample:
 def measure_raw(transport: str, place: Place, nbytes: int, chunk: int, slots: int, ucx_window: int = 1) -> Sample:
     """One raw transfer of `nbytes` from place.server to place.fetcher, landing in `slots` buffers."""
     count = nbytes // chunk
-    me = [sys.executable, str(Path(__file__).resolve())]
+    me = [sys.executable, "-m", "bench.peer_raw"]
     common = ["--chunk", str(chunk), "--count", str(count), "--slots", str(slots), "--devices", place.devices,
               "--window", str(ucx_window)]
     host = place.fetcher.ip if place.fetcher else "127.0.0.1"

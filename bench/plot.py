@@ -1,11 +1,6 @@
 """Charts for the kvstored benchmarks (matplotlib, PNG).
 
-  .venv/bin/python bench/plot.py results/multiturn.json results/multiturn.png
-
-`plot_multiturn(doc, path)`: modelled throughput, overall hit rate and the hit rate of each tier
-(GPU, RAM, fs, S3; peer for the multi-node mode) versus the number of simultaneous conversations,
-one line per configuration. A multi-node document (`doc["nodes"]`) says so in the title and
-gives the tier sizes per node.
+Method, baselines, targets and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations

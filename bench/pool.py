@@ -1,30 +1,6 @@
 """Benchmark of the pool's page modes and NUMA placement (not a test).
 
-For each pool_pages mode (4k, thp, hugetlb) and NUMA placement (unset, a node, interleave) it
-builds the daemon's pool exactly as the daemon does (kvstored.shm.memory: create_memfd, populate)
-and maps it a second time as a client does (mmap of the memfd, MAP_POPULATE), then measures:
-
-  populate        the daemon populating the pool at start (GiB/s)
-  client attach   a client mapping the whole pool (mmap + MAP_POPULATE): what every session pays
-  page tables     the client's page-table bytes for the mapping (VmPTE growth), per GiB of pool
-  copy 2 MiB      copies of whole 2 MiB chunks into the client's mapping (np.copyto), GiB/s
-  copy 64 KiB     64 KiB pieces at random offsets across the whole pool (the RAM tier's pages are
-                  64 KiB): the pattern most exposed to TLB misses, GiB/s
-  huge            how much of the pool the kernel backs with 2 MiB pages (/proc/self/smaps)
-
-The configurations are measured in rounds, --rounds times, in a different (seeded) order each
-round: the machine may be shared (a load burst then hits every configuration alike), and how fast
-huge pages are populated depends on what ran before (after a 4k pool is freed, THP needs
-compaction to find 2 MiB of free contiguous memory). Each figure is the best round; populate
-also shows the median. Every figure is
-printed beside the 4k pool without NUMA policy measured in the same run (ratio).
-A mode the machine cannot give prints the daemon's own error (e.g. no hugetlb pages reserved).
---reserve-hugepages (root) raises vm.nr_hugepages for the run and restores it; --thp-shmem MODE
-(root) sets /sys/kernel/mm/transparent_hugepage/shmem_enabled for the run and restores it.
-
-Usage: .venv/bin/python bench/pool.py [--size 2GiB] [--rounds 5] [--modes 4k,thp,hugetlb]
-                                      [--numa unset,0,interleave] [--reserve-hugepages]
-                                      [--thp-shmem advise] [--json out.json]
+Method, baselines, targets and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -36,19 +12,16 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from _common import GIB, MIB, load_average, machine_info, print_aligned, write_json  # noqa: E402
-from kvstored.shm import memory  # noqa: E402
-from kvstored.shm.memory import NumaPlacement, PoolMemoryError, PoolPages  # noqa: E402
-from kvstored.sizes import format_size, parse_size  # noqa: E402
+from bench.lib.report import GIB, MIB, load_average, machine_info, print_aligned, write_json
+from kvstored.shm import memory
+from kvstored.shm.memory import NumaPlacement, PoolMemoryError, PoolPages
+from kvstored.sizes import format_size, parse_size
 
 PIECE = 64 << 10
 CHUNK = 2 << 20

@@ -1,26 +1,6 @@
 """Benchmark of what tenant isolation costs on the local data path (not a test).
 
-A tenant's chunks live in an arena of its own (a sparse memfd only its sessions map) instead of
-the public pool. This stores and loads the same bytes through a public namespace and through a
-tenant namespace, interleaved, in the same run, and prints the tenant's GiB/s beside the public
-one's:
-
-  warm      both namespaces store new keys each repeat within a quota of one working set, so
-            each evicts its own previous chunks and reuses their pages: the steady state of a
-            cache. Pool mapping (the client copies) and region registration (the daemon copies).
-  first     a tenant seen for the first time (a fresh arena: every page a hole) stores a
-            quarter working set: every page is allocated and zeroed by its first write.
-  release   returning freed pages to the kernel (fallocate PUNCH_HOLE, what the daemon does in a
-            thread for a tenant's memory beyond its slack), beside the memcpy of the same bytes.
-
-Method: one daemon (RAM tier 2.5x the working set, populated; tenant_quota and the public
-namespace's quota_bytes = one working set), one client process; buffers populated before timing;
-public and tenant phases alternate which goes first; --warmup repeats discarded, best of --repeat
-reported (median beside it); every load is checked against its source in the first repeat. The
-CPU rows (client + daemon CPU seconds per GiB, median) hardly move when other processes share
-the CPUs, unlike GiB/s.
-
-Usage: .venv/bin/python bench/tenants.py [--gib 0.5] [--chunk-mib 2] [--batch 64] [--repeat 5]
+Method, baselines, targets and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -31,17 +11,13 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from _common import (  # noqa: E402
-    GIB, MIB, Daemon, Row, ShmFile, Stats, fill_pattern, load_average, machine_info, populate, print_table,
-    process_cpu_seconds, write_json,
-)
+from bench.lib.buffers import ShmFile, fill_pattern, populate
+from bench.lib.daemons import Daemon, process_cpu_seconds
+from bench.lib.report import GIB, MIB, Row, Stats, load_average, machine_info, print_table, write_json
 
 WARM_TARGET = 0.9  # a tenant's steady state should cost next to nothing
 

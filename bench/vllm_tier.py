@@ -1,31 +1,7 @@
 """kvstored as a vLLM secondary tier vs vLLM's built-in fs tier, through vLLM's own
 TieringOffloadingManager on CPU (vllm==0.33.0; run tests/vllm/install_vllm.sh first).
 
-    .venv/bin/python bench/vllm_tier.py [--working-set 1GiB] [--primary 256MiB] [--chunk 2MiB]
-                                        [--dir DIR] [--json out.json]
-
-A working set larger than vLLM's CPU (primary) tier is stored (GPU -> primary -> cascade to the
-secondary tier), then loaded back by a restarted engine (lookup -> promotion from the secondary
-tier into the primary region -> HIT), batch after batch, the way the scheduler drives the manager.
-Rates are working-set bytes over wall time. The GPU -> primary copy (DMA in vLLM) is not
-simulated beyond stamping each chunk's first and last words with its identity (pages are touched
-before timing); the load time counts the promotion into the primary region, and every loaded
-chunk's identity is checked.
-
-Three runs, one process, one disk (--dir):
-  fs          vLLM's fs tier (O_DIRECT where the filesystem allows it), cold page cache on load
-  kvstored    the daemon keeps the working set in RAM                        target >= 3x fs
-  kvstored    the daemon's RAM (--daemon-ram, default 256 MiB) is smaller than the working set
-  cold        and it has an fs tier with write-back (the default): storing pushes older chunks
-              down to its disk as RAM fills (store target >= 1x fs); then the page cache is
-              dropped and a restarted engine loads the working set back, in order, from the same
-              daemon: the chunks on its disk come through its staging memory into the engine's
-              region (its RAM is full: nothing is evicted for them), the rest from its RAM
-              (load target >= 1.5x fs)
-
-Beside the ratios, the physical limits on this machine measured in the same run: raw O_DIRECT
-write and read of the same chunk files at the fs tier's queue depth (the daemon's fs tier:
-`--disk-depth`, its default concurrency 8) and one large memcpy; and the load average.
+Method, baselines, targets and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -39,19 +15,21 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._common import (  # noqa: E402
-    GIB, MIB, Daemon, Row, drop_page_cache, load_average, machine_info, memcpy_gib_s, print_table, raw_odirect,
-    write_json,
-)
+from bench.lib.daemons import Daemon
+from bench.lib.limits import drop_page_cache, memcpy_gib_s, raw_odirect
+from bench.lib.report import GIB, MIB, Row, load_average, machine_info, print_table, write_json
 
 try:
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
     from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig, OffloadingModelConfig,
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
         OffloadingParallelConfig,
     )
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
@@ -95,7 +73,7 @@ class Engine:
             cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=BLOCKS_PER_CHUNK),
             parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True),
         )
-        self.manager = TieringOffloadingSpec(config).get_manager()
+        self.manager: Any = cast(Any, TieringOffloadingSpec(config).get_manager())  # a TieringOffloadingManager
         self.rows = np.asarray(self.manager.primary_tier.get_kv_memoryview()).view(np.uint64)
         self.base = np.arange(self.rows.shape[1], dtype=np.uint64)
         self.rows[:] = self.base  # every page touched before timing
@@ -216,7 +194,8 @@ def run_case(name: str, tier: dict, args, keys: list[bytes], daemon: Daemon | No
         ram = daemon_tiers(daemon)["ram"]
         staged = daemon_stats(daemon).staged_chunks
         read = daemon_tiers(daemon)["fs"].loaded_chunks - below.loaded_chunks
-        result["daemon_after_store"] = {"fs_chunks": below.chunks, "fs_dropped_backpressure": below.dropped_backpressure}
+        result["daemon_after_store"] = {"fs_chunks": below.chunks,
+                                        "fs_dropped_backpressure": below.dropped_backpressure}
         result["daemon_after_load"] = {"staged_chunks": staged, "fs_chunks_read": read}
         extra = (f"; after the store the daemon's fs tier held {below.chunks} chunks "
                  f"({below.dropped_backpressure} dropped by its queue), RAM {ram.chunks}; the load read {read} "
@@ -236,7 +215,8 @@ def _cold_load_bound(r: dict, chunk: int, limits: dict, fs_load_gib_s: float) ->
     bound = r["loaded"] * chunk / seconds / GIB
     r["bound_gib_s"] = bound
     return (f"bound: {r['daemon_after_load']['fs_chunks_read']} chunks from disk at raw read speed + the rest at "
-            f"memcpy = {bound:.2f} GiB/s = {bound / fs_load_gib_s:.2f}x vLLM fs, reached {r['load_gib_s'] / bound:.2f}x")
+            f"memcpy = {bound:.2f} GiB/s = {bound / fs_load_gib_s:.2f}x vLLM fs, "
+            f"reached {r['load_gib_s'] / bound:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -304,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         r = results[key]
         for op, target in zip(("store", "load"), targets):
             limit = limits["odirect_write_gib_s" if op == "store" else "odirect_read_gib_s"]
-            note = f"raw O_DIRECT {op} {limit:.2f} GiB/s (depth {limits['queue_depth']}): {r[f'{op}_gib_s'] / limit:.2f}x"
+            note = (f"raw O_DIRECT {op} {limit:.2f} GiB/s (depth {limits['queue_depth']}): "
+                    f"{r[f'{op}_gib_s'] / limit:.2f}x")
             if key == "kvstored_ram":
                 note = f"memcpy {limits['memcpy_gib_s']:.2f} GiB/s: {r[f'{op}_gib_s'] / limits['memcpy_gib_s']:.2f}x"
             if key == "kvstored_cold" and op == "load" and "daemon_after_load" in r:

@@ -30,8 +30,13 @@ COMPARED = {
 }
 
 
+def bench(script: str) -> list[str]:
+    """The command that runs bench/<script> (a module of the bench package)."""
+    return [sys.executable, "-m", f"bench.{script.removesuffix('.py')}"]
+
+
 def bench_help(script: str) -> str:
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / script), "--help"], capture_output=True,
+    proc = subprocess.run([*bench(script), "--help"], capture_output=True,
                           text=True, timeout=300, env=clean_env(), cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr
     return " ".join(proc.stdout.split())  # argparse wraps lines
@@ -69,7 +74,7 @@ def test_multiturn_model_flag_names_both_models_and_defaults_to_the_seeds():
 
 def dry_run(tmp_path, *args: str) -> dict:
     out = tmp_path / "plan.json"
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "multiturn.py"), "--dry-run", "--json", str(out),
+    proc = subprocess.run([*bench("multiturn"), "--dry-run", "--json", str(out),
                            *args], capture_output=True, text=True, timeout=300, env=clean_env(), cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "results" not in json.loads(out.read_text())  # nothing ran
@@ -123,7 +128,7 @@ def test_multiturn_small_run_reports_rows_with_their_limits(tmp_path, transfer):
     target rows (name, value, baseline, ratio, target, status) and what bounds each."""
     out = tmp_path / "run.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench" / "multiturn.py"), "--conversations", "4", "--configs",
+        [*bench("multiturn"), "--conversations", "4", "--configs",
          "none,ram,ram+fs", "--initial-tokens", "8192", "--turn-tokens", "4096", "--turns", "3", "--think-s", "0.5",
          "--gpu-tokens", "16384", "--ram-conversations", "1", "--fs-conversations", "8", "--no-limits",
          "--transfer", transfer, "--workdir", str(tmp_path / "work"), "--json", str(out)],
@@ -154,7 +159,7 @@ SCALE_DESIGNS = ["mesh", "coalesced", "directory", "router"]
 
 def scale_out(tmp_path, *args: str) -> dict:
     out = tmp_path / "scale.json"
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "scale_out.py"), "--json", str(out), *args],
+    proc = subprocess.run([*bench("scale_out"), "--json", str(out), *args],
                           capture_output=True, text=True, timeout=300, env=clean_env(), cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(out.read_text()) | {"stdout": proc.stdout}
@@ -229,7 +234,7 @@ def test_multiturn_help_names_the_multi_node_mode_and_its_set_ups():
 
 def test_multiturn_nodes_dry_run_plans_the_nodes(tmp_path):
     out = tmp_path / "plan.json"
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "multiturn.py"), "--nodes", "3", "--dry-run",
+    proc = subprocess.run([*bench("multiturn"), "--nodes", "3", "--dry-run",
                            "--json", str(out)], capture_output=True, text=True, timeout=300, env=clean_env(),
                           cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr
@@ -249,7 +254,7 @@ def test_multiturn_nodes_small_run_reports_peer_hits_and_rows(tmp_path):
     the peer tier and the shared bucket find the previous turn's chunks."""
     out = tmp_path / "run.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench" / "multiturn.py"), "--nodes", "2", "--conversations", "4",
+        [*bench("multiturn"), "--nodes", "2", "--conversations", "4",
          "--initial-tokens", "8192", "--turn-tokens", "4096", "--turns", "3", "--think-s", "0.5",
          "--gpu-tokens", "16384", "--ram-conversations", "2", "--fs-conversations", "8", "--s3-fs-conversations", "2",
          "--settle-s", "0.5", "--no-limits", "--workdir", str(tmp_path / "work"), "--json", str(out)],

@@ -85,7 +85,7 @@ class Cluster:
                    "--tls-client-ca-file", str(certs.ca)]
             options.setdefault("ucx_net_devices", "eth0")
         else:
-            nodes = [None] * n
+            nodes = [None] * n  # type: ignore[list-item]
             addresses = [f"127.0.0.1:{free_port()}" for _ in range(n)]
             options.setdefault("ucx_net_devices", "lo")
             options.setdefault("tcp_port", "0")
@@ -131,15 +131,15 @@ class Cluster:
         self.daemons[i].kill()
 
     def freeze(self, i: int) -> None:
-        self.daemons[i].proc.send_signal(signal.SIGSTOP)
+        self.daemons[i].proc.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
 
     def thaw(self, i: int) -> None:
-        self.daemons[i].proc.send_signal(signal.SIGCONT)
+        self.daemons[i].proc.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
 
     def close(self) -> None:
         for d in self.daemons:
             if d.running:
-                d.proc.send_signal(signal.SIGCONT)
+                d.proc.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
         errors = stop_all(self.daemons)
         import shutil
 

@@ -166,6 +166,7 @@ class Daemon:
         deadline = time.monotonic() + timeout
 
         def check_alive() -> None:
+            assert self.proc is not None
             if self.proc.poll() is not None:
                 self.returncode = self.proc.returncode
                 raise DaemonError(f"kvstored exited with {self.proc.returncode} while starting:\n{self.log}")

@@ -261,12 +261,13 @@ class FaultProxy:
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.url = f"http://127.0.0.1:{port}"
         return self
 
     async def __aexit__(self, *exc) -> None:
         self._released.set()  # hung requests finish (with the fault)
+        assert self._runner is not None and self._session is not None
         await self._runner.cleanup()
         await self._session.close()
 
@@ -290,6 +291,7 @@ class FaultProxy:
                    f"<Message>injected by FaultProxy</Message></Error>").encode()
             return web.Response(status=self.status, body=xml, content_type="application/xml")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        assert self._session is not None
         async with self._session.request(request.method, self.upstream + request.path_qs, headers=headers,
                                          data=body, allow_redirects=False) as upstream:
             payload = await upstream.read()

@@ -1,0 +1,2 @@
+"""kvstored's benchmarks (not tests): run each as `python -m bench.<script>` from the repository root;
+what they measure and what they found: docs/benchmarks.md."""

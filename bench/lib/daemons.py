@@ -1,0 +1,107 @@
+"""Real kvstored daemons for the benchmarks: tests/support/daemon.py's Daemon (one launcher for tests
+and benchmarks), with what a benchmark reads off it: start-up time, CPU seconds, the exit code."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tests.support.daemon import REPO_ROOT as REPO
+from tests.support.daemon import Daemon as _Daemon
+from tests.support.s3 import free_port
+
+__all__ = ["REPO", "Daemon", "cpu_of", "free_port", "process_cpu_seconds"]
+
+
+def _die_with_parent(argv: list[str]) -> list[str]:
+    """SIGTERM the daemon when the benchmark dies, even by SIGKILL (the OOM killer picks the
+    benchmark, which maps every pool): setpriv sets PR_SET_PDEATHSIG and execs it. Not a
+    preexec_fn: that makes Popen fork() instead of vfork(), and gRPC's fork handlers deadlock."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", *argv] if setpriv else argv
+
+
+class Daemon:
+    """`kvstored serve` with `cpu_bytes` of RAM on a private socket; `env` adds to the environment.
+    A context manager; stop() returns the exit code instead of asserting it."""
+
+    def __init__(self, cpu_bytes: int | str, *, log_level: str = "warning", extra_args: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None, start_timeout_s: float = 60.0) -> None:
+        self._d = _Daemon(cpu_bytes=str(cpu_bytes), wrap=_die_with_parent)
+        self.args = ["--log-level", log_level, *extra_args]
+        self.env = {**os.environ, **(env or {})}
+        self.start_timeout_s = start_timeout_s
+        self.socket = self._d.socket
+        self.start_s = 0.0
+        self._tail = ""
+
+    @property
+    def pid(self) -> int:
+        return self._d.pid
+
+    def __enter__(self) -> Daemon:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._d.start(self.args, self.env, self.start_timeout_s)
+        except AssertionError as exc:  # tests' DaemonError: its first line (the log is in log_tail)
+            self.stop()
+            raise RuntimeError(str(exc).splitlines()[0]) from None
+        self.start_s = time.perf_counter() - t0
+
+    def cpu_seconds(self) -> float:
+        return process_cpu_seconds(self.pid)
+
+    def stop(self, timeout_s: float = 20.0) -> int | None:
+        rc = None
+        if self._d.proc is not None:
+            with contextlib.suppress(AssertionError):  # killed after the timeout: its code stays
+                self._d.terminate(timeout_s)
+            rc = self._d.returncode
+            self._tail = self.log_tail()
+            self._d.proc = None
+        self._d.cleanup()
+        return rc
+
+    def log_tail(self, n: int = 40) -> str:
+        lines = self._d.log.splitlines() if self._d.proc is not None else self._tail.splitlines()
+        return "\n".join(lines[-n:])
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """On-CPU seconds of all live threads of `pid` in ns (/proc/PID/task/*/schedstat): /proc/PID/stat
+    counts 10 ms ticks, too coarse for 100 ms phases; it is the fallback."""
+    total = 0
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
+                    total += int(fh.read().split()[0])
+        return total / 1e9
+    except (FileNotFoundError, PermissionError):
+        return stat_cpu_seconds([pid])
+
+
+def stat_cpu_seconds(pids: Sequence[int]) -> float:
+    """CPU seconds of processes, exited threads included (/proc/PID/stat; 10 ms ticks)."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def cpu_of(pids: Sequence[int]) -> float:
+    return sum(process_cpu_seconds(p) for p in pids)

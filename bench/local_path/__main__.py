@@ -1,0 +1,5 @@
+import sys
+
+from bench.local_path.cli import main
+
+sys.exit(main())

@@ -1,0 +1,247 @@
+"""The multi-turn benchmark's command line: `python -m bench.multiturn` (one node) and
+`--nodes N` (bench/multiturn/nodes.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import bench.multiturn
+from bench.lib.limits import apply_nt_threshold, nt_threshold_arg
+from bench.lib.report import GIB, REPO, fmt_bytes, load_average, machine_info, write_json
+from bench.lib.s3 import start_s3
+from bench.multiturn import nodes, nodes_report
+from bench.multiturn.limits import Limits, measure_limits
+from bench.multiturn.model import CONFIG_BY_KEY, CONFIGS, DEFAULT_MODEL, MODELS, Transfer
+from bench.multiturn.plan import parse_counts, setup, write_outputs
+from bench.multiturn.report import (
+    bound_lines,
+    cost_lines,
+    daemon_lines,
+    limit_lines,
+    load_summary,
+    model_lines,
+    print_results,
+    print_rows,
+    scaling_lines,
+    target_rows,
+)
+from bench.multiturn.runs import RunResult, run_one
+
+DESCRIPTION = (bench.multiturn.__doc__ or "").split("\n\n")[0]
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in the help, except None (the flag's help says what is derived instead)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.multiturn", description=DESCRIPTION,
+                                 formatter_class=_HelpFormatter)
+    g = ap.add_argument_group("workload")
+    g.add_argument("--initial-tokens", type=int, default=12 * 1024, help="first prompt of every conversation")
+    g.add_argument("--turn-tokens", type=int, default=4 * 1024, help="tokens each turn appends to the history")
+    g.add_argument("--turns", type=int, default=8, help="turns per conversation")
+    g.add_argument("--think-s", type=float, default=20.0,
+                   help="mean think time between turns, modelled seconds (uniform 0.5-1.5x)")
+    g.add_argument("--conversations", default="16,32,64,128,192,256", help="simultaneous conversations to sweep")
+    g.add_argument("--chunk-tokens", type=int, default=4096,
+                   help="tokens per kvstored chunk (x --kv-bytes-per-token: 2 MiB, as in bench/compare.py)")
+    g.add_argument("--seed", type=int, default=0)
+    g = ap.add_argument_group("modelled GPU and model")
+    g.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS),
+                   help="the modelled model and GPUs: qwen3.6-35b-a3b (the seed's: 2x H100, TP=2, 20 KiB of KV per "
+                        "token, 50,000 prefill tokens/s) or llama-3.1-8b (one H100, 128 KiB per token, 16,000 "
+                        "tokens/s); every figure derived from it is printed with its basis")
+    g.add_argument("--model-kv-bytes-per-token", type=int, default=None,
+                   help="KV bytes per token of the modelled model (default: the model's, from its attention layers)")
+    g.add_argument("--kv-bytes-per-token", type=int, default=512,
+                   help="KV bytes per token that really move through kvstored (the scale)")
+    g.add_argument("--prefill-tokens-per-s", type=float, default=None,
+                   help="modelled prefill rate (default: the model's, from FLOPs per token, the GPUs' bf16 peak and "
+                        "an assumed MFU)")
+    g.add_argument("--gpu-conversations", type=float, default=None,
+                   help="GPU prefix cache capacity, in conversations at their last turn (default: derived from HBM "
+                        "minus weights)")
+    g.add_argument("--gpu-tokens", type=int, default=None,
+                   help="GPU prefix cache capacity in tokens (overrides --gpu-conversations)")
+    g.add_argument("--serial-loads", action="store_true",
+                   help="loads on the GPU's timeline instead of beside it (a pessimistic engine)")
+    g.add_argument("--transfer", type=Transfer, choices=list(Transfer), default=Transfer.REGION,
+                   metavar="{region,pool}",
+                   help="how the engine moves chunks: region (vLLM's kvstored tier, mode 1: StoreFromRegion, "
+                        "LoadToRegion) or pool (the direct spec, mode 2: pool mapping)")
+    g = ap.add_argument_group("kvstored tiers")
+    g.add_argument("--configs", default=None,
+                   help=f"among {', '.join(c.key for c in CONFIGS)} (default: all; with --nodes: "
+                        f"{', '.join(nodes.CONFIG_KEYS)})")
+    g.add_argument("--ram-conversations", type=float, default=None,
+                   help=f"RAM tier size, in conversations (default: 128; with --nodes: "
+                        f"{nodes.RAM_CONVERSATIONS:g} per node)")
+    g.add_argument("--fs-conversations", type=float, default=512,
+                   help="fs tier size in RAM + fs, in conversations (with --nodes: per node, also with peers)")
+    g.add_argument("--s3-fs-conversations", type=float, default=128,
+                   help="fs tier size in RAM + fs + S3, in conversations (smaller: S3 takes the overflow)")
+    g.add_argument("--s3", default="auto", choices=("auto", "radosgw", "moto"),
+                   help="S3 server: radosgw via tests/support/s3.py, moto_server, or auto (radosgw, else moto)")
+    g.add_argument("--workdir", default=str(REPO / "results" / "tmp"),
+                   help="fs tier roots and the raw O_DIRECT files go under here (each removed after use)")
+    g.add_argument("--no-limits", action="store_true",
+                   help="skip measuring memcpy, raw O_DIRECT and raw S3 GET (the physical limits)")
+    g = ap.add_argument_group("output")
+    g.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    g.add_argument("--plot", metavar="PATH", help="write the chart (PNG) here")
+    g.add_argument("--dry-run", action="store_true",
+                   help="print the model, the sizes and the scaling (and write them with --json), run nothing")
+    nt_threshold_arg(g)
+    nodes.add_arguments(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    apply_nt_threshold(args.nt_threshold)
+    if args.ram_conversations is None:
+        args.ram_conversations = nodes.RAM_CONVERSATIONS if args.nodes > 1 else 128.0
+    if args.nodes > 1:
+        return nodes_report.main(ap, args, argv)
+    keys = [c.strip() for c in (args.configs or ",".join(CONFIG_BY_KEY)).split(",") if c.strip()]
+    bad = [c for c in keys if c not in CONFIG_BY_KEY]
+    if bad:
+        ap.error(f"unknown configuration(s) {bad}; choose among {', '.join(CONFIG_BY_KEY)}")
+    configs = [CONFIG_BY_KEY[c] for c in keys]
+    w, m, basis, derivation, sizes, sizes_conv = setup(ap, args)
+    counts = parse_counts(args.conversations)
+    workdir = Path(args.workdir)
+
+    info = machine_info()
+    load_start = load_average()
+    print(f"kvstored multi-turn benchmark -- {info['cpu_model']}, {info['cpus']} CPUs, {info['mem_total_gib']} GiB, "
+          f"kernel {info['kernel']}, git {info['git']}, load average {load_start:.2f}, "
+          f"GLIBC_TUNABLES={info['glibc_tunables'] or '(none)'}")
+    model_text = model_lines(m, basis)
+    for line in model_text:
+        print("  " + line)
+    scale = scaling_lines(w, m, sizes, args.ram_conversations, args.fs_conversations, args.s3_fs_conversations)
+    for line in scale:
+        print("  " + line)
+    max_bytes = max(counts) * w.reusable_per_conversation * m.kv_bytes_per_token
+    print(f"  at {max(counts)} conversations: {fmt_bytes(max_bytes)} of reusable KV loaded at most (scaled), "
+          f"{max(counts) * w.tokens_per_conversation:,} prompt tokens", flush=True)
+
+    doc: dict[str, Any] = {
+        "benchmark": "multiturn",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else " ".join(argv),
+        "machine": info,
+        "workload": asdict(w),
+        "model": {**asdict(m), "transfer": m.transfer.value, "byte_scale": m.byte_scale,
+                  "spec": asdict(MODELS[args.model]),
+                  "derivation": derivation, "basis": [asdict(b) for b in basis]},
+        "configs": [{"key": c.key, "label": c.label, "tiers": list(c.tiers)} for c in configs],
+        "sizes": asdict(sizes),
+        "sizes_in_conversations": sizes_conv,
+        "scaling": scale,
+    }
+    if args.dry_run:
+        if args.json:
+            write_json(args.json, doc)
+            print(f"JSON written to {args.json}")
+        return 0
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    s3 = None
+    s3_note = ""
+    if any(c.uses("s3") for c in configs):
+        # radosgw keeps objects in a memstore OSD (RAM): room for the largest run's write-downs
+        memstore = int(max(counts) * w.final_tokens * m.kv_bytes_per_token * 1.5) + GIB
+        try:
+            s3 = start_s3(args.s3, memstore)
+            s3_note = ("S3: Ceph radosgw (memstore OSD) on loopback" if s3.is_rgw
+                       else "S3: moto_server (in RAM) on loopback")
+        except RuntimeError as exc:
+            s3_note = f"S3 configuration skipped: {exc}"
+        print("  " + s3_note, flush=True)
+
+    limits = Limits()
+    chunk_bytes = w.chunk_tokens * m.kv_bytes_per_token
+    batch = w.final_tokens // w.chunk_tokens  # one load call carries at most a turn's reusable chunks
+    results: list[RunResult] = []
+    t_start = time.perf_counter()
+    try:
+        if not args.no_limits:
+            measure_limits(limits, workdir, chunk_bytes, batch, s3)
+        for n in counts:
+            for config in configs:
+                if config.uses("s3") and s3 is None:
+                    r = RunResult(config.key, n, skipped=s3_note)
+                else:
+                    r = run_one(config, n, w, m, sizes, workdir, s3)
+                results.append(r)
+                status = r.skipped or (f"hit {100 * r.hit_rate_overall:.1f}%  {r.throughput_tokens_s:,.0f} tokens/s  "
+                                       f"TTFT p50 {r.ttft_p50_s:.2f} s p99 {r.ttft_p99_s:.2f} s  "
+                                       f"wall {r.wall_s:.1f} s  "
+                                       f"load {r.load_average[1]:.1f}")
+                print(f"  [{time.perf_counter() - t_start:6.0f} s] {config.label:>13} x {n:>3}: {status}",
+                      flush=True)
+        if not args.no_limits:
+            measure_limits(limits, workdir, chunk_bytes, batch, s3)
+    finally:
+        if s3 is not None:
+            s3.stop()
+    total_s = time.perf_counter() - t_start
+    load = load_summary(results, load_start, load_average())
+
+    print()
+    print_results(results)
+    print()
+    print("daemon counters per run (Stats deltas; bytes are the scaled bytes):")
+    for line in daemon_lines(results):
+        print("  " + line)
+    print()
+    print("physical limits of this machine (measured at the start and at the end of the sweep):")
+    for line in limit_lines(limits):
+        print("  " + line)
+    print()
+    print("cost of a token loaded from each tier (marginal rate, at the largest count measured):")
+    costs = cost_lines(results, m, limits)
+    for line in costs:
+        print("  " + line)
+    print()
+    print("what bounds RAM + fs at the largest count:")
+    bounds = bound_lines(results, m, limits)
+    for line in bounds:
+        print("  " + line)
+    print()
+    rows = target_rows(results, m, limits, sizes_conv)
+    print(f"targets and ratios ({m.model_name}; load average over the sweep {load['min']:.1f}-{load['max']:.1f}, "
+          f"mean {load['mean']:.1f}, on {info['cpus']} CPUs):")
+    print_rows(rows)
+    print(f"sweep took {total_s:.0f} s; load average {load['start']:.2f} at start, {load['end']:.2f} at end")
+
+    doc.update({
+        "s3_server": s3_note,
+        "s3_endpoint": s3.endpoint.url if s3 is not None else "",
+        "results": [asdict(r) for r in results],
+        "rows": rows,
+        "targets": [{"text": f"{r['name']}: {r['ratio']:.2f}x (target >= {r['target']:g}x)",
+                     "met": r["status"] == "PASS"}
+                    for r in rows if r["target"] is not None],
+        "limits": limits.to_json(),
+        "tier_costs": costs,
+        "bounds": bounds,
+        "load_average": load,
+        "sweep_s": total_s,
+    })
+    write_outputs(doc, args.json, args.plot)
+    return 0

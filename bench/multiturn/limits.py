@@ -1,0 +1,91 @@
+"""The physical limits under each tier, measured at the start and at the end of a sweep: memcpy of
+2 MiB pieces, raw O_DIRECT reads with the fs tier's threads (streaming, and one load call's chunks
+at a time), raw GETs against the sweep's S3 server."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.lib.buffers import aligned_pool
+from bench.lib.limits import ODirectFiles, memcpy_pieces_gib_s
+from bench.lib.report import GIB, MIB
+from bench.lib.s3 import S3, raw_s3_get
+from bench.multiturn.model import FS_IO_THREADS, S3_INFLIGHT
+
+LIMIT_KEYS = ("memcpy", "odirect_stream", "odirect_batched", "s3_get")
+
+
+@dataclass
+class Limits:
+    """GiB/s of the hardware under each tier, one sample per round: the tiers' ceilings."""
+
+    memcpy: list[float] = field(default_factory=list)  # 2 MiB pieces, one thread
+    odirect_stream: list[float] = field(default_factory=list)  # preadv, FS_IO_THREADS threads, all queued
+    odirect_batched: list[float] = field(default_factory=list)  # the same, one load call's chunks at a time
+    s3_get: list[float] = field(default_factory=list)  # aiobotocore GETs, S3_INFLIGHT in flight
+    batch_chunks: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def median(self, name: str) -> float | None:
+        samples = getattr(self, name)
+        return float(np.median(samples)) if samples else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "medians": {k: self.median(k) for k in LIMIT_KEYS}}
+
+
+def odirect_reads(workdir: Path, chunk_bytes: int, batch: int, total: int, rounds: int
+                  ) -> tuple[list[float], list[float]]:
+    """GiB/s reading one file per chunk: all queued at once, and `batch` at a time (the loader's pattern)."""
+    n = total // chunk_bytes
+    files = ODirectFiles(workdir, n, chunk_bytes, FS_IO_THREADS)
+    buf = aligned_pool(n * chunk_bytes)
+    np.frombuffer(buf, dtype=np.uint8)[:] = 7
+    view = memoryview(buf)
+    stream: list[float] = []
+    batched: list[float] = []
+    try:
+        files.write(view)
+        for _ in range(rounds):
+            stream.append(n * chunk_bytes / GIB / files.read(view))
+            batched.append(n * chunk_bytes / GIB / files.read(view, batch))
+    finally:
+        files.close()
+        view.release()
+        buf.close()
+    return stream, batched
+
+
+def s3_gets(s3: S3, chunk_bytes: int, objects: int, rounds: int) -> list[float]:
+    """GiB/s of raw GETs of `objects` objects of chunk_bytes, S3_INFLIGHT in flight, per round."""
+    bucket = s3.new_bucket()
+    client, body = s3.client(), os.urandom(chunk_bytes)
+    try:
+        for i in range(objects):
+            client.put_object(Bucket=bucket, Key=f"raw/{i:05d}", Body=body)
+        return [raw_s3_get(s3.endpoint, bucket, S3_INFLIGHT)[0] for _ in range(rounds)]
+    finally:
+        s3.empty_bucket(bucket)
+
+
+def measure_limits(limits: Limits, workdir: Path, chunk_bytes: int, batch: int, s3: S3 | None,
+                   total: int = 256 * MIB, rounds: int = 3) -> None:
+    """One round of every limit measurement (appended to `limits`); a measurement that fails is noted."""
+    limits.batch_chunks = batch
+    limits.memcpy += memcpy_pieces_gib_s(chunk_bytes, total, rounds)
+    try:
+        stream, batched = odirect_reads(workdir, chunk_bytes, batch, total, rounds)
+        limits.odirect_stream += stream
+        limits.odirect_batched += batched
+    except OSError as exc:  # a filesystem without O_DIRECT (tmpfs): no raw figure, said so
+        limits.notes.append(f"raw O_DIRECT on {workdir}: {exc}")
+    if s3 is not None:
+        try:
+            limits.s3_get += s3_gets(s3, chunk_bytes, 48, rounds)
+        except Exception as exc:  # noqa: BLE001 - the tiers' figures stand without it
+            limits.notes.append(f"raw S3 GET: {type(exc).__name__}: {exc}")

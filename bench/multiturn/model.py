@@ -1,0 +1,305 @@
+"""The multi-turn benchmark's workload, configurations and modelled model (its presets and every
+figure derived from them, each with its basis)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from bench.lib.report import GIB, MIB, fmt_bytes
+
+TIERS = ("gpu", "ram", "fs", "s3")  # where a reusable chunk was found
+VOCAB = 128_256  # token ids are synthetic (only their hashes matter): any vocabulary size will do
+HEADER = 48  # bytes of each stored chunk that identify it: key (32) + conversation (8) + index (8)
+TARGET_HIT = 0.90  # RAM + fs at the largest count: overall hit rate of reusable tokens
+TARGET_VS_NONE = 2.0  # RAM + fs at the largest count: modelled throughput vs no offload
+TARGET_VS_RAM = 1.5  # RAM + fs at the largest count: modelled throughput vs the RAM tier alone
+COST_WINDOW = 64  # load calls per tier over which the cost per byte is a running median
+FS_IO_THREADS = 8  # the fs tier's default io_threads: the raw O_DIRECT baseline uses as many
+S3_INFLIGHT = 16  # the S3 tier's default max_concurrency: the raw GET baseline keeps as many in flight
+
+
+
+# -- configurations: which kvstored tiers sit under the modelled GPU ------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration of the comparison. `lower` lists the kvstored tiers under the RAM tier,
+    in chain order, each with the Sizes field that bounds it; a new tier kind (a peer) is a new
+    row here plus an entry in TIER_SPECS."""
+
+    key: str
+    label: str
+    lower: tuple[tuple[str, str], ...] = ()
+    offload: bool = True  # False: no daemon, the GPU's own prefix cache only
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """Where a hit can come from."""
+        return ("gpu",) + (("ram", *(kind for kind, _ in self.lower)) if self.offload else ())
+
+    def uses(self, kind: str) -> bool:
+        return any(k == kind for k, _ in self.lower)
+
+
+CONFIGS = (
+    Config("none", "no offload", offload=False),
+    Config("ram", "RAM"),
+    Config("ram+fs", "RAM + fs", (("fs", "fs_bytes"),)),
+    Config("ram+fs+s3", "RAM + fs + S3", (("fs", "s3_fs_bytes"), ("s3", "s3_bytes"))),
+)
+CONFIG_BY_KEY = {c.key: c for c in CONFIGS}
+CONFIG_LABELS = {c.key: c.label for c in CONFIGS}
+
+
+# -- parameters ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    initial_tokens: int = 12 * 1024
+    turn_tokens: int = 4 * 1024
+    turns: int = 8
+    think_s: float = 20.0
+    chunk_tokens: int = 4096
+    seed: int = 0
+
+    def prompt_tokens(self, turn: int) -> int:
+        """Tokens sent at turn 1..turns: the whole history."""
+        return self.initial_tokens + (turn - 1) * self.turn_tokens
+
+    @property
+    def final_tokens(self) -> int:
+        return self.prompt_tokens(self.turns)
+
+    def reusable_chunks(self, turn: int) -> int:
+        """Full chunks of the previous turn's prompt: what a cache can serve at this turn."""
+        return 0 if turn == 1 else self.prompt_tokens(turn - 1) // self.chunk_tokens
+
+    @property
+    def tokens_per_conversation(self) -> int:
+        return sum(self.prompt_tokens(t) for t in range(1, self.turns + 1))
+
+    @property
+    def reusable_per_conversation(self) -> int:
+        return sum(self.reusable_chunks(t) for t in range(1, self.turns + 1)) * self.chunk_tokens
+
+    @property
+    def mean_new_token_context(self) -> float:
+        """Mean position of the tokens a turn computes when its history is cached (turn 1: all of
+        it; later turns: the appended tokens), weighted by tokens: the context their attention
+        spans (20,480 with the default shape)."""
+        total = weighted = 0.0
+        for turn in range(1, self.turns + 1):
+            start = self.prompt_tokens(turn - 1) if turn > 1 else 0
+            end = self.prompt_tokens(turn)
+            total += end - start
+            weighted += (end - start) * (start + end) / 2
+        return weighted / total
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    hbm_bytes: int
+    bf16_dense_flops: float
+
+
+# H100 SXM5 80 GB: nvidia-smi reports 81,559 MiB; 989 TFLOP/s bf16 dense (1,979 is with sparsity)
+H100 = Gpu("H100 SXM 80 GB", 81_559 * MIB, 989e12)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A modelled model on its GPUs: the shapes and assumptions every derived figure comes from."""
+
+    key: str  # the --model value
+    name: str
+    gpu: Gpu
+    gpus: int  # tensor parallel
+    params: float  # all weights live in HBM
+    active_params: float  # per token
+    layers: int
+    attention_layers: int  # layers with a per-token KV cache
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    mfu: float  # assumed model FLOPs utilization of prefill
+    mfu_basis: str
+    prefill_tokens_per_s: float  # the preset's figure: the MFU estimate, rounded
+    prefill_basis: str
+    not_per_token: str = ""  # state the per-token KV figure leaves out
+    kv_dtype_bytes: int = 2  # bf16
+    weight_bytes_per_param: int = 2  # bf16
+    gpu_memory_utilization: float = 0.9  # vLLM's default
+    runtime_reserve: float = 0.10  # share of HBM for activations, CUDA graphs, NCCL and the CUDA context
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.attention_layers * 2 * self.kv_heads * self.head_dim * self.kv_dtype_bytes
+
+    def attention_flops_per_token(self, context: float) -> float:
+        """QK^T and AV over `context` earlier tokens: 2 matmuls x 2 FLOPs x query heads x head dim."""
+        return self.attention_layers * 4 * self.q_heads * self.head_dim * context
+
+    def flops_per_token(self, context: float) -> float:
+        return 2 * self.active_params + self.attention_flops_per_token(context)
+
+    def estimated_prefill(self, context: float) -> float:
+        return self.gpus * self.gpu.bf16_dense_flops * self.mfu / self.flops_per_token(context)
+
+    def implied_mfu(self, prefill_tokens_per_s: float, context: float) -> float:
+        return prefill_tokens_per_s * self.flops_per_token(context) / (self.gpus * self.gpu.bf16_dense_flops)
+
+    @property
+    def weight_bytes_per_gpu(self) -> float:
+        return self.params * self.weight_bytes_per_param / self.gpus
+
+    @property
+    def kv_bytes_per_gpu(self) -> float:
+        """What vLLM leaves for the KV cache on each GPU: HBM x gpu_memory_utilization, minus the
+        weights' share and the runtime reserve."""
+        hbm = self.gpu.hbm_bytes
+        return hbm * self.gpu_memory_utilization - self.weight_bytes_per_gpu - hbm * self.runtime_reserve
+
+
+MODELS = {m.key: m for m in (
+    ModelSpec(
+        key="qwen3.6-35b-a3b", name="Qwen3.6-35B-A3B bf16", gpu=H100, gpus=2, params=35e9, active_params=3e9,
+        layers=40, attention_layers=10, q_heads=16, kv_heads=2, head_dim=256,
+        mfu=0.25, mfu_basis="assumed: MoE prefill runs 8 of 256 small experts (width 512, hidden 2048) per token "
+                            "as grouped GEMMs of low arithmetic intensity, plus two all-reduces per layer at TP=2",
+        prefill_tokens_per_s=50_000.0, prefill_basis="the estimate, rounded down (issue #13: ~50K for the pair)",
+        not_per_token="the 30 Gated DeltaNet layers keep a fixed state per sequence instead (30 x (8,192 x 3 conv "
+                      "+ 32 heads x 128 x 128) x 2 B = 31 MiB in bf16), not per token: not modelled",
+    ),
+    ModelSpec(
+        key="llama-3.1-8b", name="Llama-3.1-8B bf16", gpu=H100, gpus=1, params=8.03e9, active_params=8.03e9,
+        layers=32, attention_layers=32, q_heads=32, kv_heads=8, head_dim=128,
+        mfu=0.45, mfu_basis="assumed: dense bf16 prefill with FlashAttention on one GPU",
+        prefill_tokens_per_s=16_000.0, prefill_basis="the estimate, rounded down (the figure this benchmark "
+                                                     "used before the seed's model)",
+    ),
+)}
+DEFAULT_MODEL = "qwen3.6-35b-a3b"
+
+
+class Transfer(enum.Enum):
+    """How the modelled engine moves chunks to and from kvstored: as vLLM's tier (mode 1) does,
+    through a registered region (StoreFromRegion, LoadToRegion after a REGION lookup), or as the
+    direct spec (mode 2) does, through the pool mapping (Reserve/Commit, Acquire/Release)."""
+
+    REGION = "region"
+    POOL = "pool"
+
+
+@dataclass(frozen=True)
+class Model:
+    """What the simulation uses: the figures below, derived from a ModelSpec or overridden."""
+
+    model_name: str
+    model_kv_bytes_per_token: int
+    kv_bytes_per_token: int  # what really moves
+    prefill_tokens_per_s: float
+    gpu_tokens: int
+    serial_loads: bool = False
+    model_key: str = ""
+    transfer: Transfer = field(default_factory=lambda: Transfer.REGION)
+
+    @property
+    def byte_scale(self) -> float:
+        return self.model_kv_bytes_per_token / self.kv_bytes_per_token
+
+
+@dataclass(frozen=True)
+class Basis:
+    """One modelled figure, its value as printed and where it comes from."""
+
+    quantity: str
+    value: str
+    basis: str
+
+
+def derive_model(spec: ModelSpec, w: Workload, kv_bytes_per_token: int, serial_loads: bool,
+                 model_kv_bytes_per_token: int | None = None, prefill_tokens_per_s: float | None = None,
+                 gpu_tokens: int | None = None, gpu_conversations: float | None = None
+                 ) -> tuple[Model, list[Basis], dict[str, float]]:
+    """The simulation's figures from the preset, each with its basis; None: derive it. Returns the
+    model, the basis lines and the derivation's numbers (for the JSON)."""
+    ctx = w.mean_new_token_context
+    gpus = f"{spec.gpus}x {spec.gpu.name}" + (f" (TP={spec.gpus})" if spec.gpus > 1 else "")
+    kv = spec.kv_bytes_per_token
+    kv_basis = (f"{spec.attention_layers} of {spec.layers} layers attend x (K, V) x {spec.kv_heads} KV heads x "
+                f"{spec.head_dim} dims x {spec.kv_dtype_bytes} B" + (f"; {spec.not_per_token}"
+                                                                    if spec.not_per_token else ""))
+    if model_kv_bytes_per_token:
+        kv_basis = f"--model-kv-bytes-per-token (the preset's: {kv:,} = {kv_basis})"
+        kv = model_kv_bytes_per_token
+    flops = spec.flops_per_token(ctx)
+    peak = spec.gpus * spec.gpu.bf16_dense_flops
+    estimate = spec.estimated_prefill(ctx)
+    rate = prefill_tokens_per_s or spec.prefill_tokens_per_s
+    arithmetic = (f"FLOPs/token = 2 x {spec.active_params / 1e9:g}B active params + {spec.attention_layers} attention "
+                  f"layers x 4 x {spec.q_heads} query heads x {spec.head_dim} dims x {ctx:,.0f} tokens of mean context "
+                  f"= {2 * spec.active_params / 1e9:.2f} + {spec.attention_flops_per_token(ctx) / 1e9:.2f} = "
+                  f"{flops / 1e9:.2f} GFLOP; {spec.gpus} x {spec.gpu.bf16_dense_flops / 1e12:,.0f} TFLOP/s bf16 dense "
+                  f"x {100 * spec.mfu:.0f}% MFU ({spec.mfu_basis}) = {peak * spec.mfu / 1e12:,.0f} TFLOP/s -> "
+                  f"{estimate:,.0f} tokens/s")
+    if prefill_tokens_per_s:
+        prefill_basis = f"--prefill-tokens-per-s (the preset's estimate: {arithmetic})"
+    else:
+        prefill_basis = (f"{arithmetic}; {spec.prefill_basis}: {100 * spec.implied_mfu(rate, ctx):.1f}% MFU; "
+                         f"the mean context is the workload's (one rate for every turn: a recomputed history "
+                         f"attends over less)")
+    per_gpu = spec.kv_bytes_per_gpu
+    budget = per_gpu * spec.gpus
+    hbm = spec.gpu.hbm_bytes
+    derived_tokens = int(budget // kv)
+    capacity_arithmetic = (
+        f"per GPU: {spec.gpu_memory_utilization:g} (gpu_memory_utilization) x {hbm / GIB:.1f} GiB HBM - "
+        f"{spec.weight_bytes_per_gpu / GIB:.1f} GiB weights ({spec.params / 1e9:g}B params x "
+        f"{spec.weight_bytes_per_param} B / {spec.gpus} GPU{'s' if spec.gpus > 1 else ''}) - "
+        f"{spec.runtime_reserve * hbm / GIB:.1f} GiB reserve ({100 * spec.runtime_reserve:.0f}% of HBM: activations, "
+        f"CUDA graphs, NCCL, context) = {per_gpu / GIB:.1f} GiB; x {spec.gpus} / {kv:,} B/token")
+    if gpu_tokens:
+        tokens, capacity_basis = gpu_tokens, f"--gpu-tokens (derived: {derived_tokens:,}: {capacity_arithmetic})"
+    elif gpu_conversations:
+        tokens = int(gpu_conversations * w.final_tokens)
+        capacity_basis = (f"--gpu-conversations {gpu_conversations:g} "
+                          f"(derived: {derived_tokens:,}: {capacity_arithmetic})")
+    else:
+        tokens, capacity_basis = derived_tokens, capacity_arithmetic
+    overridden = [flag for flag, v in (("KV bytes/token", model_kv_bytes_per_token), ("prefill", prefill_tokens_per_s),
+                                       ("GPU cache", gpu_tokens or gpu_conversations)) if v]
+    name = f"{spec.name} on {gpus}" + (f" ({', '.join(overridden)} overridden)" if overridden else "")
+    m = Model(name, kv, kv_bytes_per_token, rate, tokens, serial_loads, spec.key)
+    basis = [
+        Basis("KV bytes/token", f"{kv:,} B", kv_basis),
+        Basis("prefill", f"{rate:,.0f} tokens/s", prefill_basis),
+        Basis("GPU prefix cache", f"{tokens:,} tokens = {tokens / w.final_tokens:.1f} conversations",
+              f"{capacity_basis}; conversations at their last turn ({w.final_tokens:,} tokens)"),
+        Basis("break-even load rate", f"{kv * rate / GIB:.2f} GiB/s",
+              "KV bytes/token x prefill rate: a tier that loads slower costs more per token than recomputing"),
+        Basis("byte scale", f"x{m.byte_scale:g}",
+              f"--kv-bytes-per-token {kv_bytes_per_token} really move (a {w.chunk_tokens}-token chunk is "
+              f"{fmt_bytes(w.chunk_tokens * kv_bytes_per_token)} instead of {fmt_bytes(w.chunk_tokens * kv)}); each "
+              f"tier's measured cost per byte is charged x{m.byte_scale:g}"),
+    ]
+    numbers = {"mean_context_tokens": ctx, "flops_per_token": flops, "peak_flops": peak, "mfu_assumed": spec.mfu,
+               "estimated_prefill_tokens_per_s": estimate, "implied_mfu": spec.implied_mfu(rate, ctx),
+               "hbm_bytes_per_gpu": hbm, "weight_bytes_per_gpu": spec.weight_bytes_per_gpu,
+               "reserve_bytes_per_gpu": spec.runtime_reserve * hbm, "kv_cache_bytes_per_gpu": per_gpu,
+               "kv_cache_bytes": budget, "derived_gpu_tokens": derived_tokens,
+               "derived_gpu_conversations": derived_tokens / w.final_tokens,
+               "breakeven_gib_s": kv * rate / GIB}
+    return m, basis, numbers
+
+
+@dataclass(frozen=True)
+class Sizes:
+    ram_bytes: int
+    fs_bytes: int
+    s3_fs_bytes: int
+    s3_bytes: int = 0  # 0: unbounded
+

@@ -1,0 +1,278 @@
+"""Several nodes (`--nodes N`): N real daemons, one per modelled GPU node, turns routed round-robin
+(no KV-aware router: every turn lands on another node than the one before); the set-ups compared
+(no offload, islands, peers, one shared S3 bucket) and the modelled cluster on one model clock."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from bench.lib.daemons import Daemon, free_port
+from bench.lib.report import MIB
+from bench.multiturn.model import Config, Model, Sizes, Workload
+from bench.multiturn.offload import Offload
+from bench.multiturn.runs import TIER_SPECS, TierResources
+from bench.multiturn.sim import Lane, Simulation, TurnRecord, run_clock
+
+NODE_TIERS = ("gpu", "ram", "fs", "peer", "s3")  # where a reusable chunk was found
+LOADED_TIERS = NODE_TIERS[1:]
+TARGET_VS_ISLANDS = 1.3  # peers vs the same nodes without peers, at the largest count
+RAM_CONVERSATIONS = 64.0  # per node by default: three nodes' pools and radosgw's memstore fit a 24 GiB machine
+S3_SETTLE_BOUND_S = 3.0  # the longest wait for a node's S3 write-throughs before a lookup elsewhere
+PEERS_UP_S = 60.0  # a bound for the nodes to see each other, never a measurement
+RAW_TCP_BYTES = 256 * MIB
+ROUTING = "round robin: turn t of conversation c on node (c + t - 1) mod N (no KV awareness)"
+
+
+@dataclass(frozen=True)
+class NodesConfig(Config):
+    """A set-up of every node. `lower`: the tiers under each node's RAM, in chain order, with the
+    Sizes field that bounds each ("" for the peer tier, which holds nothing itself)."""
+
+    write_through: bool = False  # copy every stored chunk down at once (a shared bucket sees it)
+
+
+CONFIGS = (
+    NodesConfig("none", "no offload", offload=False),
+    NodesConfig("ram+fs", "islands: RAM + fs", (("fs", "fs_bytes"),)),
+    NodesConfig("ram+fs+peer", "RAM + fs + peers", (("fs", "fs_bytes"), ("peer", ""))),
+    NodesConfig("ram+fs+s3", "RAM + fs + shared S3", (("fs", "s3_fs_bytes"), ("s3", "s3_bytes")), write_through=True),
+)
+CONFIG_BY_KEY = {c.key: c for c in CONFIGS}
+CONFIG_KEYS = tuple(CONFIG_BY_KEY)
+LABELS = {c.key: c.label for c in CONFIGS}
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group(
+        "several nodes (bench/multiturn/nodes.py)",
+        "--nodes N runs N real daemons, one per modelled GPU node; each turn of a conversation goes to the next node "
+        "round-robin (no KV awareness). Compared: no offload, islands (each node RAM + fs, no peers), RAM + fs + "
+        "peers (the other nodes' daemons), RAM + fs + one shared S3 bucket; hit rates per tier, PEER included")
+    g.add_argument("--nodes", type=int, default=1, help="modelled GPU nodes, each with its own daemon (1: one node)")
+    g.add_argument("--peer-transport", default="tcp", choices=("tcp", "ucx", "auto"),
+                   help="the peer tier's data plane on loopback (tcp: the faster one on these machines)")
+    g.add_argument("--settle-s", type=float, default=0.2,
+                   help="wall seconds a turn's stores get to reach the other nodes (peer index, shared bucket) "
+                        "before the conversation's next turn looks them up: the model clock's think time")
+
+
+
+
+# -- the nodes: real daemons, each with its tiers -------------------------------------------------
+
+
+class Nodes:
+    """N daemons of one set-up: their tiers, listeners and a client each. close() stops them all."""
+
+    def __init__(self, config: NodesConfig, n: int, sizes: Sizes, res: TierResources, peer_transport: str
+                 ) -> None:
+        self.config = config
+        self.addresses = [f"127.0.0.1:{free_port()}" for _ in range(n)] if config.uses("peer") else []
+        shared_s3 = TIER_SPECS["s3"](res, sizes.s3_bytes) if config.uses("s3") else ""  # one bucket for all
+        self.daemons: list[Daemon] = []
+        for i in range(n):
+            args = ["--metrics-addr", "off"]
+            if config.write_through:
+                args += ["--write-policy", "write-through"]
+            if self.addresses:
+                args += ["--tcp-listen", self.addresses[i]]
+            for kind, size_field in config.lower:
+                if kind == "s3":
+                    args += ["--tiers", shared_s3]
+                elif kind == "peer":
+                    # reconnect_s: the nodes start one after another and find each other sooner
+                    args += ["--tiers", f"kind=peer,transport={peer_transport},peers={' '.join(self.addresses)},"
+                                        "tcp_port=0,ucx_port=0,ucx_net_devices=lo,reconnect_s=1"]
+                else:
+                    args += ["--tiers", TIER_SPECS[kind](res, getattr(sizes, size_field))]
+            self.daemons.append(Daemon(sizes.ram_bytes, extra_args=args))
+
+    def start(self) -> None:
+        try:
+            for d in self.daemons:
+                d.start()
+            if self.addresses:
+                self._wait_peers_up()
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_peers_up(self) -> None:
+        deadline = time.monotonic() + PEERS_UP_S
+        pending = list(range(len(self.daemons)))
+        while pending:
+            pending = [i for i in pending if not self._sees_all_up(i)]
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"nodes {pending} did not see every peer up within {PEERS_UP_S:.0f} s: "
+                                   + "; ".join(str(self.peer_status(i)).replace("\n", " ") for i in pending))
+            time.sleep(0.05)
+
+    def _sees_all_up(self, i: int) -> bool:
+        from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+
+        others = set(self.addresses) - {self.addresses[i]}
+        return others <= {p.address for p in self.peer_status(i).peers if p.state == pb.PEER_STATE_UP}
+
+    def peer_status(self, i: int) -> Any:
+        import grpc
+
+        from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+        from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
+
+        with grpc.insecure_channel(f"unix:{self.daemons[i].socket}") as channel:
+            return pb_grpc.PeerStub(channel).Status(pb.PeerStatusRequest(), timeout=10)
+
+    def failure_log(self) -> str:
+        return " | ".join(f"node {i}: {d.log_tail(4)}" for i, d in enumerate(self.daemons))
+
+    def close(self) -> None:
+        for d in self.daemons:
+            d.stop()
+
+
+PEER_COUNTERS = ("fetches", "received_chunks", "received_bytes", "sent_bytes", "missing_chunks", "failed_chunks",
+                 "timed_out_chunks", "corrupt_chunks", "refused_by_breaker", "events", "resyncs")
+
+
+def peer_counters(status: Any) -> dict[str, int]:
+    """One node's view of its peers, summed over them, and what it served them."""
+    out = {k: sum(int(getattr(p, k)) for p in status.peers) for k in PEER_COUNTERS}
+    out.update(served_chunks=int(status.served_chunks), served_bytes=int(status.served_bytes),
+               refused_chunks=int(status.refused_chunks))
+    return out
+
+
+# -- the modelled cluster -------------------------------------------------------------------------
+
+
+PREFETCHED_BY_LOOKUP = ("fs", "peer")  # tiers whose lookup asks only an in-memory index, then starts the reads
+
+
+class NodeSim(Simulation):
+    """One node: its GPU cache, its daemon, its loader's cost windows (multiturn's Simulation),
+    storing what it computes when it computes it instead of what its GPU evicts.
+
+    A lookup starts reading the hits below RAM at once (the daemon's prefetch), so part of their
+    transfer happens while the lookup is measured, which the model would charge once instead of
+    x the byte scale. For the fs and peer tiers, whose lookup itself is an index look-up, a
+    lookup's time beyond `lookup_floor_s` (a lookup of RAM-resident keys, measured at the start)
+    is therefore moved to those tiers' load calls (by chunks) before they are charged. Not with an
+    S3 tier under them: there a lookup's own time is mostly its HEAD requests, charged as measured
+    (so the shared-bucket set-up keeps that bias, in its favour)."""
+
+    lookup_floor_s = 0.0
+    move_lookup_excess = True
+    moved_s = 0.0  # lookup time charged to fs/peer load calls instead
+
+    def _segments(self, lookup_s: float, segments: Sequence[tuple[str, float, int]]
+                  ) -> tuple[float, list[tuple[str, float, int]]]:
+        lower = sum(n for tier, _, n in segments if tier in PREFETCHED_BY_LOOKUP)
+        excess = lookup_s - self.lookup_floor_s
+        if not self.move_lookup_excess or not lower or excess <= 0:
+            return lookup_s, list(segments)
+        self.moved_s += excess
+        return self.lookup_floor_s, [(t, s + excess * n / lower if t in PREFETCHED_BY_LOOKUP else s, n)
+                                     for t, s, n in segments]
+
+    hit_tiers = NODE_TIERS
+
+    def store_after(self, keys: Sequence[bytes], conv: int, cached: int) -> None:
+        self.gpu.admit(keys, conv)  # what it evicts was stored when it was computed
+        if self.offload is not None and cached < len(keys):
+            self.offload.store([(key, conv, i) for i, key in enumerate(keys[cached:], cached)])
+
+
+@dataclass
+class StoreMark:
+    """Where and when a conversation's last turn stored its chunks."""
+
+    node: int
+    wall: float
+    s3_written: int  # the node's S3 write-throughs (done or given up) that cover them
+
+
+@dataclass
+class Settling:
+    waits: int = 0
+    seconds: float = 0.0
+    s3_timeouts: int = 0
+
+
+class ClusterSim:
+    """N NodeSims on one model clock; arrivals routed round robin."""
+
+    def __init__(self, w: Workload, m: Model, conversations: int, offloads: Sequence[Offload | None],
+                 settle_s: float, s3_written: Callable[[int], int] | None = None, s3_base: Sequence[int] = ()
+                 ) -> None:
+        """s3_written: node -> its S3 tier's writes done or given up (with a shared bucket), which
+        were `s3_base` before the run."""
+        self.w, self.m, self.n = w, m, conversations
+        self.nodes = [NodeSim(w, m, conversations, o) for o in offloads]
+        self.lanes = [Lane() for _ in self.nodes]
+        self.settle_s = settle_s
+        self.s3_written = s3_written
+        self.s3_target = dict(enumerate(s3_base))  # per node: writes its stores so far asked of S3
+        self.marks: dict[int, StoreMark] = {}
+        self.settling = Settling()
+        self.records: list[TurnRecord] = []
+        self.makespan = 0.0
+
+    @property
+    def starts(self) -> np.ndarray:
+        return self.nodes[0].starts
+
+    @property
+    def thinks(self) -> np.ndarray:
+        return self.nodes[0].thinks
+
+    def route(self, conv: int, turn: int) -> int:
+        return (conv + turn - 1) % len(self.nodes)
+
+    def settle(self, rec: TurnRecord) -> None:
+        """Give the previous turn's stores what the think time gives them (see the module's doc)."""
+        mark = self.marks.get(rec.conv)
+        if mark is None or mark.node == rec.node:
+            return
+        t0 = time.perf_counter()
+        if mark.wall + self.settle_s > t0:
+            time.sleep(mark.wall + self.settle_s - t0)
+        if self.s3_written is not None:
+            deadline = time.perf_counter() + S3_SETTLE_BOUND_S
+            while True:
+                if self.s3_written(mark.node) >= mark.s3_written:
+                    break
+                if time.perf_counter() > deadline:  # e.g. a write-down found the object there: not counted
+                    self.settling.s3_timeouts += 1
+                    break
+                time.sleep(0.005)
+        waited = time.perf_counter() - t0
+        if waited > 1e-4:
+            self.settling.waits += 1
+            self.settling.seconds += waited
+
+    def serve(self, rec: TurnRecord) -> float:
+        """The turn reaches its node's loader (NodeSim.serve_load), once the previous turn's
+        stores have settled; then this turn's stores are marked."""
+        node = self.nodes[rec.node]
+        self.settle(rec)
+        offload = node.offload
+        stored = offload.store_counts["stored"] if offload is not None else 0
+        load_s = node.serve_load(rec)
+        if offload is not None:  # with write-through, each new chunk is one S3 write
+            target = self.s3_target.get(rec.node, 0) + offload.store_counts["stored"] - stored
+            self.s3_target[rec.node] = target
+            self.marks[rec.conv] = StoreMark(rec.node, time.perf_counter(), target)
+        return load_s
+
+    def run(self) -> list[TurnRecord]:
+        self.records, self.makespan = run_clock(self.w, self.m.serial_loads, self.starts, self.thinks, self.lanes,
+                                                self.route, self.serve)
+        return self.records
+
+

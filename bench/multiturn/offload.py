@@ -1,0 +1,179 @@
+"""The modelled engine's connection to a real daemon: stores its GPU's evictions, looks up and loads
+(one timed call per run of the same tier), through a registered region or the pool mapping."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bench.lib.buffers import populate
+from bench.multiturn.model import HEADER, TIERS, Transfer
+
+# -- kvstored as the modelled engine's offload target --------------------------------------------
+
+
+@dataclass
+class LoadResult:
+    hits: dict[str, int]  # chunks loaded, per tier
+    seconds: dict[str, float]  # measured load time, per tier
+    lookup_s: float
+    looked_up: int  # chunks the lookup reported as a prefix hit
+    loaded: int
+    segments: list[tuple[str, float, int]]  # one per load call: (tier, measured seconds, chunks loaded)
+
+
+class Offload:
+    """The modelled engine's connection to kvstored: stores GPU evictions, looks up and loads."""
+
+    TIER_NAMES = {1: "ram", 2: "fs", 3: "s3", 4: "peer"}
+
+    def __init__(self, socket: Path, chunk_bytes: int, chunk_tokens: int, max_chunks: int, seed: int,
+                 transfer: Transfer = Transfer.REGION) -> None:
+        from kvstored_client import Client, NamespaceSpec
+
+        self.client = Client(socket, deadline_s=120.0, client_name="bench-multiturn")
+        self.ns = self.client.register_namespace(NamespaceSpec(
+            model="bench/multiturn", dtype="scaled-bf16", chunk_bytes=chunk_bytes, layout="sim",
+            block_tokens=chunk_tokens))
+        self.chunk_bytes = chunk_bytes
+        self.transfer = transfer
+        rng = np.random.default_rng(seed)
+        self._noise = populate(rng.integers(0, 256, chunk_bytes, dtype=np.uint8))
+        span = max_chunks * chunk_bytes
+        self._region = self._region_path = None
+        if transfer is Transfer.REGION:  # one shared file: stores' chunks, then loads', then the call floor's
+            fd, path = tempfile.mkstemp(prefix="kvstored-bench-multiturn-", dir="/dev/shm")
+            os.ftruncate(fd, 2 * span + 4096)
+            os.close(fd)
+            self._region_path = Path(path)
+            whole = populate(np.memmap(path, dtype=np.uint8, mode="r+"))
+            self._staging, self._out, self._floor_out = whole[:span], whole[span:2 * span], whole[2 * span:]
+            self._region = self.client.register_region(path)
+        else:
+            self._staging = populate(np.empty(span, dtype=np.uint8))
+            self._out = populate(np.empty(span, dtype=np.uint8))
+            self._floor_out = populate(np.empty(4096, dtype=np.uint8))
+        self.max_chunks = max_chunks
+        self.call_floor_s = self._calibrate_call_floor()
+        self.store_s = 0.0
+        self.store_counts = {"stored": 0, "already_present": 0, "dropped": 0}
+        self.corrupt = 0
+
+    def _calibrate_call_floor(self, calls: int = 40) -> float:
+        """The fixed cost of one load call (Acquire + Release RPCs, or one LoadToRegion, and client
+        bookkeeping), measured with a 4 KiB chunk in a namespace of its own: charged once per
+        call, as measured, while the rest of a load's time is charged per byte."""
+        from kvstored_client import NamespaceSpec
+
+        ns = self.client.register_namespace(NamespaceSpec(model="bench/multiturn-call-floor", dtype="u8",
+                                                          chunk_bytes=4096))
+        key = b"\x01" * 32
+        self._floor_out[:] = 1
+        self._store(ns, [key], self._floor_out, 2 * self.max_chunks * self.chunk_bytes)
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            if self._load(ns, [key], self._floor_out, 2 * self.max_chunks * self.chunk_bytes) != 1:
+                raise RuntimeError("call-floor calibration: the 4 KiB chunk did not load")
+            times.append(time.perf_counter() - t0)
+        self.client.delete(ns, [key])
+        return float(np.median(times[calls // 4:]))
+
+    def _store(self, ns, keys: Sequence[bytes], buf: np.ndarray, region_offset: int):
+        """Store len(keys) chunks held in `buf` (which, in region mode, is the region at `region_offset`)."""
+        if self._region is None:
+            return self.client.store(ns, keys, buf)
+        cb = ns.chunk_bytes
+        return self.client.store_from_region(ns, self._region, keys, [region_offset + i * cb for i in range(len(keys))])
+
+    def _load(self, ns, keys: Sequence[bytes], out: np.ndarray, region_offset: int) -> int:
+        if self._region is None:
+            return self.client.load(ns, keys, out)
+        cb = ns.chunk_bytes
+        return self.client.load_to_region(ns, self._region, keys, [region_offset + i * cb for i in range(len(keys))])
+
+    @property
+    def _load_into(self):
+        from kvstored_client import LoadInto
+
+        return LoadInto.REGION if self._region is not None else LoadInto.POOL
+
+    @property
+    def namespace_id(self) -> str:
+        return self.ns.namespace_id
+
+    def close(self) -> None:
+        self.client.close()
+        if self._region_path is not None:
+            self._region_path.unlink(missing_ok=True)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        fields = ("read_bytes", "written_bytes", "loaded_chunks", "stored_chunks", "hits", "lookups", "evictions",
+                  "promotions", "writebacks", "dropped_dirty", "dropped_backpressure", "errors", "checksum_failures",
+                  "rejected_full", "used_bytes", "chunks")
+        out = {}
+        for tier in self.client.stats().tiers:
+            out[tier.name] = {f: int(getattr(tier, f)) for f in fields}
+        return out
+
+    def store(self, evicted: Sequence[tuple[bytes, int, int]]) -> None:
+        """Store the chunks the GPU evicted, with real (scaled) bytes: a header naming the chunk,
+        then noise."""
+        cb = self.chunk_bytes
+        for start in range(0, len(evicted), self.max_chunks):
+            batch = evicted[start:start + self.max_chunks]
+            n = len(batch)
+            buf = self._staging[:n * cb].reshape(n, cb)
+            buf[:, HEADER:] = self._noise[HEADER:]
+            for row, (key, conv, index) in enumerate(batch):
+                buf[row, :HEADER] = np.frombuffer(_header(key, conv, index), dtype=np.uint8)
+            t0 = time.perf_counter()
+            result = self._store(self.ns, [k for k, _, _ in batch], buf, 0)
+            self.store_s += time.perf_counter() - t0
+            self.store_counts["stored"] += result.stored
+            self.store_counts["already_present"] += result.already_present
+            self.store_counts["dropped"] += result.dropped
+
+    def lookup_load(self, keys: Sequence[bytes], conv: int, first_index: int) -> LoadResult:
+        """Look the keys up; load the leading hits, one timed call per run of the same tier."""
+        t0 = time.perf_counter()
+        found = self.client.lookup(self.ns, keys, load_into=self._load_into)
+        lookup_s = time.perf_counter() - t0
+        hits = {name: 0 for name in TIERS}
+        seconds = {name: 0.0 for name in TIERS}
+        n = min(found.prefix_hits, self.max_chunks)
+        tiers = [self.TIER_NAMES.get(int(t), "peer") for t in found.tiers[:n]]
+        loaded = 0
+        segments = []
+        cb = self.chunk_bytes
+        while loaded < n:
+            start, tier = loaded, tiers[loaded]
+            end = start
+            while end < n and tiers[end] == tier:
+                end += 1
+            t1 = time.perf_counter()
+            got = self._load(self.ns, keys[start:end], self._out[start * cb:end * cb],
+                             self.max_chunks * cb + start * cb)
+            elapsed = time.perf_counter() - t1
+            seconds[tier] = seconds.get(tier, 0.0) + elapsed
+            for i in range(start, start + got):  # wrong bytes are counted, never served as a hit
+                if bytes(self._out[i * cb:i * cb + HEADER]) != _header(keys[i], conv, first_index + i):
+                    self.corrupt += 1
+                    break
+                loaded += 1
+            hits[tier] = hits.get(tier, 0) + loaded - start
+            segments.append((tier, elapsed, loaded - start))
+            if loaded < end:
+                break  # evicted between lookup and load (or corrupt): the rest is prefilled
+        return LoadResult(hits, seconds, lookup_s, n, loaded, segments)
+
+
+def _header(key: bytes, conv: int, index: int) -> bytes:
+    return key + conv.to_bytes(8, "little") + index.to_bytes(8, "little")
+

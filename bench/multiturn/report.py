@@ -1,0 +1,331 @@
+"""What the multi-turn benchmark prints: the model, the scaling, the results table, the daemons'
+counters, the physical limits, the cost of a token per tier, what bounds the targets, the rows."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from bench.lib.report import GIB, Row, fmt_bytes, print_aligned
+from bench.multiturn.limits import Limits
+from bench.multiturn.model import (
+    CONFIG_LABELS,
+    CONFIGS,
+    FS_IO_THREADS,
+    S3_INFLIGHT,
+    TARGET_HIT,
+    TARGET_VS_NONE,
+    TARGET_VS_RAM,
+    TIERS,
+    Basis,
+    Model,
+    Sizes,
+    Workload,
+)
+from bench.multiturn.runs import RunResult
+
+
+def scaling_lines(w: Workload, m: Model, sizes: Sizes, ram_conv: float, fs_conv: float,
+                  s3_fs_conv: float) -> list[str]:
+    full = m.byte_scale
+
+    def size(nbytes: int) -> str:
+        return f"{fmt_bytes(nbytes)}; {fmt_bytes(nbytes * full)} at full size"
+
+    return [
+        f"workload: {w.initial_tokens}-token first prompt + {w.turn_tokens} tokens per turn, {w.turns} turns "
+        f"(last prompt {w.final_tokens} tokens), think time {w.think_s:g} s (uniform 0.5-1.5x), "
+        f"chunks of {w.chunk_tokens} tokens, seed {w.seed}; loads "
+        f"{'on the GPU timeline' if m.serial_loads else 'beside compute (async loader)'}",
+        f"scaled: KV bytes/token {m.model_kv_bytes_per_token:,} -> {m.kv_bytes_per_token} (1/{m.byte_scale:g}); "
+        f"chunk {fmt_bytes(w.chunk_tokens * m.model_kv_bytes_per_token)} -> "
+        f"{fmt_bytes(w.chunk_tokens * m.kv_bytes_per_token)}; each tier's measured cost per byte x{m.byte_scale:g} "
+        f"charges the full-size bytes (lookups and the fixed cost of a load call: as measured)",
+        f"sized in conversations at their last turn ({w.final_tokens} tokens): GPU "
+        f"{m.gpu_tokens / w.final_tokens:.1f} ({m.gpu_tokens:,} tokens = "
+        f"{fmt_bytes(m.gpu_tokens * m.model_kv_bytes_per_token)}), RAM tier {ram_conv:g} ({size(sizes.ram_bytes)}), "
+        f"fs {fs_conv:g} ({size(sizes.fs_bytes)}); in RAM + fs + S3: fs {s3_fs_conv:g} ({size(sizes.s3_fs_bytes)}), "
+        f"S3 {'unbounded' if not sizes.s3_bytes else size(sizes.s3_bytes)}",
+    ]
+
+
+def model_lines(m: Model, basis: Sequence[Basis]) -> list[str]:
+    width = max(len(b.quantity) for b in basis)
+    vwidth = max(len(b.value) for b in basis)
+    return [f"model: {m.model_name} (--model {m.model_key})"] + [
+        f"  {b.quantity:<{width}}  {b.value:>{vwidth}}  {b.basis}" for b in basis]
+
+
+def limit_lines(limits: Limits) -> list[str]:
+    def fmt(name: str) -> str:
+        samples = getattr(limits, name)
+        if not samples:
+            return "not measured"
+        return f"{np.median(samples):.2f} GiB/s (median of {len(samples)}; {min(samples):.2f}-{max(samples):.2f})"
+
+    lines = [
+        f"memcpy, 2 MiB pieces, one thread (a RAM-tier load's copy): {fmt('memcpy')}",
+        f"raw O_DIRECT read, 2 MiB files, {FS_IO_THREADS} threads, streaming: {fmt('odirect_stream')}",
+        f"raw O_DIRECT read, the same, {limits.batch_chunks}-chunk batches one at a time (the loader's pattern): "
+        f"{fmt('odirect_batched')}",
+        f"raw aiobotocore GET, 2 MiB objects, {S3_INFLIGHT} in flight: {fmt('s3_get')}",
+    ]
+    return lines + [f"note: {n}" for n in limits.notes]
+
+
+def print_results(results: list[RunResult], file=None) -> None:
+    file = file or sys.stdout
+    base = {r.conversations: r.throughput_tokens_s for r in results if r.config == "none" and not r.skipped}
+    header = ["config", "convs", "hit gpu", "ram", "fs", "s3", "overall", "tokens/s", "vs none", "TTFT p50",
+              "p99", "gpu busy", "loader", "loaded ram/fs/s3", "GiB/s ram/fs/s3 (marginal)", "wall"]
+    rows = [header]
+    for r in results:
+        if r.skipped:
+            rows.append([CONFIG_LABELS[r.config], str(r.conversations), "skipped"] + [""] * (len(header) - 3))
+            continue
+        ratio = r.throughput_tokens_s / base[r.conversations] if base.get(r.conversations) else None
+        loaded = "/".join(fmt_bytes(r.loaded_bytes.get(t, 0)) for t in ("ram", "fs", "s3")) if r.loaded_bytes else "-"
+        gib = "-"
+        if r.loaded_bytes:
+            gib = "/".join(f"{r.load_gib_s[t]:.2f}" if t in r.load_gib_s else "-" for t in ("ram", "fs", "s3"))
+            gib += " (" + "/".join(f"{r.marginal_gib_s[t]:.2f}" if t in r.marginal_gib_s else "-"
+                                   for t in ("ram", "fs", "s3")) + ")"
+        rows.append([
+            CONFIG_LABELS[r.config], str(r.conversations),
+            *(f"{100 * r.hit_rate[t]:.1f}%" for t in TIERS), f"{100 * r.hit_rate_overall:.1f}%",
+            f"{r.throughput_tokens_s:,.0f}", f"{ratio:.2f}x" if ratio else "", f"{r.ttft_p50_s:.2f} s",
+            f"{r.ttft_p99_s:.2f} s", f"{100 * r.gpu_busy:.0f}%", f"{100 * r.loader_busy:.0f}%", loaded, gib,
+            f"{r.wall_s:.0f} s",
+        ])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for i, row in enumerate(rows):
+        print("  ".join(c.rjust(wd) if 1 <= j <= 15 and j != 13 else c.ljust(wd)
+                        for j, (c, wd) in enumerate(zip(row, widths))).rstrip(), file=file)
+        if i == 0:
+            print("  ".join("-" * wd for wd in widths), file=file)
+    print("hit rates: shares of the reusable tokens (the previous turn's prompt); tokens/s, TTFT, busy: modelled; "
+          "loaded: scaled bytes really moved; GiB/s: their measured rate (marginal: median per-byte cost of the "
+          "load calls, fixed call cost removed; what the model charges, x the byte scale)", file=file)
+
+
+def daemon_lines(results: list[RunResult]) -> list[str]:
+    lines = []
+    for r in results:
+        if r.skipped or not r.daemon or not (r.lookups or any(r.store.get(k) for k in ("stored", "already_present"))):
+            continue
+        parts = []
+        for name, d in r.daemon.items():
+            extra = [f"{k} {d[k]}" for k in ("dropped_dirty", "dropped_backpressure", "errors", "checksum_failures",
+                                               "rejected_full") if d.get(k)]
+            if name == "ram":  # the RAM tier counts chunks, not bytes
+                parts.append(f"ram: {d['loaded_chunks']} chunks leased, {d['stored_chunks']} stored"
+                             + (f", promotions {d['promotions']}" if d.get("promotions") else "")
+                             + (f", write-backs {d['writebacks']}" if d.get("writebacks") else "")
+                             + (f", evictions {d['evictions']}" if d.get("evictions") else "")
+                             + "".join(f", {e}" for e in extra))
+                continue
+            parts.append(f"{name}: read {fmt_bytes(d['read_bytes'])} written {fmt_bytes(d['written_bytes'])}"
+                         + (f" promotions {d['promotions']}" if d.get("promotions") else "")
+                         + (f" evictions {d['evictions']}" if d.get("evictions") else "")
+                         + ("".join(f", {e}" for e in extra)))
+        st = r.store
+        lines.append(f"{CONFIG_LABELS[r.config]:>13} {r.conversations:>4}: " + "; ".join(parts)
+                     + f" | client stores {st['stored']} new, {st['already_present']} present, {st['dropped']} "
+                       f"dropped, {st['gib_s']:.2f} GiB/s | lookup p50 {r.lookup_ms_p50:.2f} ms, load call floor "
+                       f"{r.load_call_floor_ms:.2f} ms x {r.load_calls}"
+                     + (f" | {r.load_shortfall_chunks} chunks gone between lookup and load"
+                        if r.load_shortfall_chunks else "")
+                     + (f" | CORRUPT {r.corrupt_chunks}" if r.corrupt_chunks else ""))
+    return lines
+
+
+def cost_lines(results: list[RunResult], m: Model, limits: Limits) -> list[str]:
+    """What a token served from each tier costs, relative to recomputing it: the break-even
+    bandwidth (KV bytes per token x prefill rate) over the tier's measured marginal rate, and over
+    the raw device's rate beneath it."""
+    breakeven = m.model_kv_bytes_per_token * m.prefill_tokens_per_s / GIB
+    lines = [f"break-even load bandwidth ({m.model_kv_bytes_per_token:,} KV bytes/token x "
+             f"{m.prefill_tokens_per_s:,.0f} prefill tokens/s): {breakeven:.2f} GiB/s -- a tier slower than that "
+             f"costs more per token than recomputing"]
+    raw = {"ram": ("memcpy", limits.median("memcpy")),
+           "fs": ("raw O_DIRECT, streaming", limits.median("odirect_stream")),
+           "s3": ("raw GET", limits.median("s3_get"))}
+    for config in CONFIGS:
+        rs = [r for r in results if r.config == config.key and not r.skipped and r.marginal_gib_s]
+        if not rs:
+            continue
+        r = max(rs, key=lambda x: x.conversations)
+        parts = []
+        for t in ("ram", "fs", "s3"):
+            if t not in r.marginal_gib_s:
+                continue
+            part = f"{t} {r.marginal_gib_s[t]:.2f} GiB/s = {breakeven / r.marginal_gib_s[t]:.2f}x a recompute"
+            name, rate = raw[t]
+            if rate:
+                part += f" ({name} {rate:.2f} GiB/s would be {breakeven / rate:.2f}x)"
+            parts.append(part)
+        lines.append(f"{config.label} at {r.conversations}: " + "; ".join(parts))
+    return lines
+
+
+def _tier_limit(tier: str, r: RunResult | None, limits: Limits, breakeven: float) -> str:
+    """The tier's measured marginal load rate in `r` beside the raw rate of the hardware under it."""
+    if r is None or tier not in r.load_gib_s:
+        got = f"{tier} loads not measured"
+    else:
+        rate = r.marginal_gib_s.get(tier)
+        got = (f"{tier} loads {r.load_gib_s[tier]:.2f} GiB/s all-in, "
+               + (f"{rate:.2f} marginal (charged)" if rate else "only their fixed cost charged"))
+    if tier == "ram":
+        raw = limits.median("memcpy")
+        return got + (f" vs memcpy {raw:.2f}" if raw else "")
+    if tier == "fs":
+        stream, batched = limits.median("odirect_stream"), limits.median("odirect_batched")
+        return got + (f" vs raw O_DIRECT {batched:.2f} (<= {limits.batch_chunks}-chunk calls) / {stream:.2f} "
+                      f"(streaming)" if stream and batched else "") + f"; break-even {breakeven:.2f}"
+    raw = limits.median("s3_get")
+    return got + (f" vs raw GET {raw:.2f}" if raw else "") + f"; break-even {breakeven:.2f}"
+
+
+def _busy(r: RunResult) -> str:
+    return f"; loader busy {100 * r.loader_busy:.0f}%, GPU {100 * r.gpu_busy:.0f}%"
+
+
+def target_rows(results: list[RunResult], m: Model, limits: Limits, sizes_conv: dict[str, float]
+                ) -> list[dict[str, Any]]:
+    """The targets at the largest count, and the informational ratios, as rows: name, value, baseline,
+    ratio, target, status (as the other benchmarks' JSON) and `limit`: what bounds it on this machine."""
+    runs = {(r.config, r.conversations): r for r in results if not r.skipped}
+    counts = sorted({r.conversations for r in results})
+    if not counts:
+        return []
+    top = counts[-1]
+    none, ram, fs, s3 = (runs.get((c, top)) for c in ("none", "ram", "ram+fs", "ram+fs+s3"))
+    breakeven = m.model_kv_bytes_per_token * m.prefill_tokens_per_s / GIB
+    rows: list[dict[str, Any]] = []
+
+    def add(name: str, value: float, unit: str, baseline_name: str, baseline: float | None, target: float | None,
+            limit: str) -> None:
+        rows.append({**Row(name, value, unit, baseline_name, baseline, target).to_json(), "limit": limit})
+
+    if fs is not None:
+        capacity = (f"capacity: GPU {sizes_conv['gpu']:.0f} + RAM {sizes_conv['ram']:g} + fs {sizes_conv['fs']:g} "
+                    f"conversations for {top}")
+        add(f"RAM + fs hit rate, {top} conversations", fs.hit_rate_overall, "share", "all reusable tokens", 1.0,
+            TARGET_HIT, capacity)
+        fs_limit = _tier_limit("fs", fs, limits, breakeven) + _busy(fs)
+        if none is not None:
+            add(f"RAM + fs vs no offload, {top} conversations", fs.throughput_tokens_s, "tokens/s", "no offload",
+                none.throughput_tokens_s, TARGET_VS_NONE, fs_limit)
+        if ram is not None:
+            add(f"RAM + fs vs RAM alone, {top} conversations", fs.throughput_tokens_s, "tokens/s", "RAM alone",
+                ram.throughput_tokens_s, TARGET_VS_RAM, fs_limit)
+    if ram is not None and none is not None:
+        add(f"RAM vs no offload, {top} conversations", ram.throughput_tokens_s, "tokens/s", "no offload",
+            none.throughput_tokens_s, None, _tier_limit("ram", ram, limits, breakeven) + _busy(ram))
+    if s3 is not None and none is not None:
+        add(f"RAM + fs + S3 vs no offload, {top} conversations", s3.throughput_tokens_s, "tokens/s", "no offload",
+            none.throughput_tokens_s, None, _tier_limit("s3", s3, limits, breakeven) + _busy(s3))
+    tier_rows = (("ram", ram, "memcpy, 2 MiB pieces", "memcpy"),
+                 ("fs", fs, f"raw O_DIRECT read, {limits.batch_chunks}-chunk batches", "odirect_batched"),
+                 ("s3", s3, f"raw GET, {S3_INFLIGHT} in flight", "s3_get"))
+    for tier, r, raw_name, raw_key in tier_rows:
+        if r is not None and tier in r.load_gib_s:
+            marginal = r.marginal_gib_s.get(tier)
+            add(f"{tier} tier loads, all-in ({CONFIG_LABELS[r.config]}, {top})", r.load_gib_s[tier], "GiB/s",
+                raw_name, limits.median(raw_key), None,
+                (f"marginal {marginal:.2f} GiB/s (fixed cost per call removed: what the model charges)" if marginal
+                 else "no per-byte cost above the fixed cost per call") + f"; break-even {breakeven:.2f} GiB/s")
+    return rows
+
+
+def _fmt_value(v: float | None, unit: str) -> str:
+    if v is None:
+        return "-"
+    if unit == "share":
+        return f"{100 * v:.1f}%"
+    if unit == "tokens/s":
+        return f"{v:,.0f} tokens/s"
+    return f"{v:.2f} {unit}"
+
+
+def print_rows(rows: Sequence[dict[str, Any]], file=None) -> None:
+    table = [["measurement", "value", "baseline", "", "ratio", "target", "result", "bounded by (this machine)"]]
+    for r in rows:
+        table.append([r["name"], _fmt_value(r["value"], r["unit"]), r["baseline_name"],
+                      _fmt_value(r["baseline"], r["unit"]), f"{r['ratio']:.2f}x" if r["ratio"] is not None else "",
+                      f">= {r['target']:.2f}x" if r["target"] is not None else "", r["status"] or "(info)", r["limit"]])
+    print_aligned(table, right={1, 3, 4}, file=file)
+
+
+def bound_lines(results: list[RunResult], m: Model, limits: Limits) -> list[str]:
+    """What bounds RAM + fs at the largest count, with numbers: where the loader's modelled time went,
+    the fs load rate the targets would need, and whether this machine's disk could deliver it. The
+    needed rate assumes the loader stays busy for the same share of the (shorter) makespan as in
+    this run; with a loader busy all the time (a bound no run reaches) it is lower, printed too."""
+    runs = {(r.config, r.conversations): r for r in results if not r.skipped}
+    counts = sorted({r.conversations for r in results})
+    if not counts:
+        return []
+    top = counts[-1]
+    none, ram, fs = (runs.get((c, top)) for c in ("none", "ram", "ram+fs"))
+    if fs is None or none is None or not fs.loaded_bytes:
+        return []
+    breakeven = m.model_kv_bytes_per_token * m.prefill_tokens_per_s / GIB
+    fs_full = fs.loaded_bytes.get("fs", 0) * m.byte_scale
+    fs_charged = fs.charged_s.get("fs", 0.0)
+    other = fs.loader_busy_s - (fs_charged - fs.charged_fixed_s.get("fs", 0.0))  # everything but fs bytes
+    goal = min([none.makespan_s / TARGET_VS_NONE] + ([ram.makespan_s / TARGET_VS_RAM] if ram is not None else []))
+    lines = [
+        f"RAM + fs at {top}: makespan {fs.makespan_s:,.0f} modelled s; the loader was busy {fs.loader_busy_s:,.0f} s "
+        f"({100 * fs.loader_busy:.0f}%: fs {fs_charged:,.0f} s for {fmt_bytes(fs_full)} at full size, "
+        + ", ".join(f"{t} {fs.charged_s[t]:,.0f} s" for t in fs.charged_s if t != "fs")
+        + f", lookups {fs.lookup_s:,.1f} s), the GPU {fs.gpu_busy_s:,.0f} s ({100 * fs.gpu_busy:.0f}%)",
+        f"for >= {TARGET_VS_NONE:g}x no offload ({none.makespan_s:,.0f} s)"
+        + (f" and >= {TARGET_VS_RAM:g}x RAM alone ({ram.makespan_s:,.0f} s)" if ram is not None else "")
+        + f", the makespan must be <= {goal:,.0f} s",
+    ]
+    if fs.think_floor_s >= goal:
+        return lines + [f"the conversations' own start and think times take {fs.think_floor_s:,.0f} s: no cache "
+                        f"reaches that at {top} conversations"]
+    if fs.gpu_busy_s >= goal:
+        return lines + [f"the GPU's own compute ({fs.gpu_busy_s:,.0f} s) exceeds that: the hit rate bounds the ratio, "
+                        f"not the disk"]
+    if not fs_full:
+        return lines + ["the fs tier served nothing at this count: the workload's pace bounds the ratio"]
+    util = max(fs.loader_busy, 1e-9)
+    room, room_full = util * goal - other, goal - other
+    if room_full <= 0:
+        return lines + [f"the loader's other work ({other:,.0f} s) alone exceeds that: loads from RAM and lookups "
+                        f"bound the ratio"]
+    needed_full = fs_full / room_full / GIB
+    needed = fs_full / room / GIB if room > 0 else float("inf")
+    fs_rate = fs.marginal_gib_s.get("fs")
+    stream, batched = limits.median("odirect_stream"), limits.median("odirect_batched")
+    raw = max(x for x in (stream, batched, 0.0) if x is not None)
+    lines.append(
+        f"so fs loads would need >= {needed:.2f} GiB/s at full size ({fs_full / GIB:,.0f} GiB with the loader busy "
+        f"{100 * util:.0f}% of {goal:,.0f} s, beside {other:,.0f} s of other loader work; >= {needed_full:.2f} with it "
+        f"busy all the time); measured: " + (f"{fs_rate:.2f}" if fs_rate else "-") + " GiB/s (marginal) through the "
+        "daemon; raw O_DIRECT read here: " + (f"{batched:.2f} in <= {limits.batch_chunks}-chunk calls, {stream:.2f} "
+                                             f"streaming" if stream and batched else "not measured")
+        + f"; break-even {breakeven:.2f}")
+    if raw and needed > raw:
+        lines.append(f"this machine's disk is the limit: raw O_DIRECT reads ({raw:.2f} GiB/s at best) fall short of "
+                     "the "
+                     f"{needed:.2f} GiB/s the targets need")
+    elif fs_rate and needed > fs_rate:
+        lines.append(f"the disk could do it (raw {raw:.2f} GiB/s): the fs tier's load path ({fs_rate:.2f}) is the gap")
+    else:
+        lines.append("the fs load rate suffices on paper: queueing between the loader and the GPU is the gap")
+    return lines
+
+
+def load_summary(results: list[RunResult], start: float, end: float) -> dict[str, float]:
+    samples = [start, end] + [x for r in results if not r.skipped for x in r.load_average]
+    return {"start": start, "end": end, "min": min(samples), "max": max(samples), "mean": float(np.mean(samples))}
+
+

@@ -1,0 +1,209 @@
+"""One run: a configuration at a number of conversations, on a fresh daemon with its tiers; its results."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.lib.daemons import Daemon
+from bench.lib.report import GIB, load_average
+from bench.lib.s3 import S3
+from bench.multiturn.model import TIERS, Config, Model, Sizes, Workload
+from bench.multiturn.offload import Offload
+from bench.multiturn.sim import Simulation
+
+
+@dataclass
+class RunResult:
+    config: str
+    conversations: int
+    turns: int = 0
+    prompt_tokens: int = 0
+    reusable_tokens: int = 0
+    hit_tokens: dict[str, int] = field(default_factory=dict)
+    hit_rate: dict[str, float] = field(default_factory=dict)  # share of reusable tokens, per tier
+    hit_rate_overall: float = 0.0
+    cached_share_of_prompt: float = 0.0
+    throughput_tokens_s: float = 0.0
+    makespan_s: float = 0.0
+    ttft_p50_s: float = 0.0
+    ttft_p99_s: float = 0.0
+    gpu_busy: float = 0.0  # share of the makespan
+    loader_busy: float = 0.0
+    gpu_busy_s: float = 0.0  # modelled seconds
+    loader_busy_s: float = 0.0
+    charged_s: dict[str, float] = field(default_factory=dict)  # modelled loader seconds per tier (fixed + bytes)
+    charged_fixed_s: dict[str, float] = field(default_factory=dict)  # of which the load calls' fixed cost
+    lookup_s: float = 0.0  # measured lookup time, all turns (on the loader's timeline)
+    think_floor_s: float = 0.0  # the latest start + think times of a conversation: no makespan is shorter
+    loaded_bytes: dict[str, int] = field(default_factory=dict)  # scaled bytes really loaded, per tier
+    load_seconds: dict[str, float] = field(default_factory=dict)  # measured, per tier
+    load_gib_s: dict[str, float] = field(default_factory=dict)  # measured: bytes / time of the load calls
+    marginal_gib_s: dict[str, float] = field(default_factory=dict)  # median per-byte cost, per call floor removed
+    lookup_ms_p50: float = 0.0
+    lookups: int = 0
+    load_calls: int = 0
+    load_call_floor_ms: float = 0.0  # fixed cost of one load call, measured at the start of the run
+    load_shortfall_chunks: int = 0  # looked up as hits but gone at load time
+    store: dict[str, Any] = field(default_factory=dict)
+    daemon: dict[str, dict[str, int]] = field(default_factory=dict)  # Stats deltas per tier
+    corrupt_chunks: int = 0
+    wall_s: float = 0.0
+    load_average: tuple[float, float] = (0.0, 0.0)  # 1-minute load average at the run's start and end
+    skipped: str = ""
+
+
+
+
+def summarize(config: str, sim: Simulation, offload: Offload | None, before: dict | None,
+              after: dict | None) -> RunResult:
+    w, recs = sim.w, sim.records
+    r = RunResult(config, sim.n)
+    r.turns = len(recs)
+    r.prompt_tokens = sum(x.prompt_tokens for x in recs)
+    r.reusable_tokens = sum(x.reusable_chunks for x in recs) * w.chunk_tokens
+    r.hit_tokens = {t: sum(x.hits.get(t, 0) for x in recs) * w.chunk_tokens for t in TIERS}
+    r.hit_rate = {t: (v / r.reusable_tokens if r.reusable_tokens else 0.0) for t, v in r.hit_tokens.items()}
+    r.hit_rate_overall = sum(r.hit_rate.values())
+    r.cached_share_of_prompt = sum(r.hit_tokens.values()) / r.prompt_tokens
+    r.makespan_s = sim.makespan
+    r.think_floor_s = float(np.max(sim.starts + sim.thinks[:, 1:].sum(axis=1)))
+    r.throughput_tokens_s = r.prompt_tokens / sim.makespan
+    ttft = np.array([x.done - x.arrive for x in recs])
+    r.ttft_p50_s, r.ttft_p99_s = float(np.percentile(ttft, 50)), float(np.percentile(ttft, 99))
+    r.gpu_busy = sim.busy["gpu"] / sim.makespan
+    r.loader_busy = sim.busy["loader"] / sim.makespan
+    r.gpu_busy_s, r.loader_busy_s = sim.busy["gpu"], sim.busy["loader"]
+    r.charged_s, r.charged_fixed_s = dict(sim.charged), dict(sim.charged_fixed)
+    r.lookup_s = float(sum(sim.lookup_s))
+    if offload is not None:
+        cb = offload.chunk_bytes
+        secs: dict[str, float] = {}
+        for x in recs:
+            for t, s in x.load_seconds.items():
+                secs[t] = secs.get(t, 0.0) + s
+        r.loaded_bytes = {t: r.hit_tokens[t] // w.chunk_tokens * cb for t in TIERS if t != "gpu"}
+        r.load_seconds = {t: secs.get(t, 0.0) for t in r.loaded_bytes}
+        r.load_gib_s = {t: (r.loaded_bytes[t] / GIB / r.load_seconds[t]) for t in r.loaded_bytes
+                        if r.load_seconds[t] > 0 and r.loaded_bytes[t] > 0}
+        # a median per-byte cost of 0 (calls no slower than the fixed cost measured at the start): no rate
+        r.marginal_gib_s = {t: 1 / float(np.median(c)) / GIB for t, c in sim.all_costs.items()
+                            if c and np.median(c) > 0}
+        r.lookups = len(sim.lookup_s)
+        r.lookup_ms_p50 = float(np.percentile(sim.lookup_s, 50) * 1e3) if sim.lookup_s else 0.0
+        r.load_shortfall_chunks = sim.shortfall
+        r.load_calls = sim.load_calls
+        r.load_call_floor_ms = offload.call_floor_s * 1e3
+        stored_bytes = offload.store_counts["stored"] * cb
+        r.store = {**offload.store_counts, "seconds": offload.store_s,
+                   "gib_s": stored_bytes / GIB / offload.store_s if offload.store_s else 0.0}
+        r.corrupt_chunks = offload.corrupt
+        if before is not None and after is not None:
+            r.daemon = {name: {k: v - before.get(name, {}).get(k, 0) if k not in ("used_bytes", "chunks") else v
+                               for k, v in vals.items()} for name, vals in after.items()}
+    return r
+
+
+
+class TierResources:
+    """What the tiers under RAM need for one run (an fs root, an S3 bucket): created when a spec
+    asks for them, removed by close()."""
+
+    def __init__(self, workdir: Path, tag: str, s3: S3 | None) -> None:
+        self.workdir, self.tag, self.s3 = workdir, tag, s3
+        self.fs_roots: list[Path] = []
+        self.buckets: list[str] = []
+
+    def fs_root(self) -> Path:
+        root = Path(tempfile.mkdtemp(prefix=f"fs-{self.tag}-", dir=self.workdir))
+        self.fs_roots.append(root)
+        return root
+
+    def bucket(self) -> str:
+        if self.s3 is None:
+            raise RuntimeError("no S3 server")
+        name = self.s3.new_bucket()
+        self.buckets.append(name)
+        return name
+
+    def close(self) -> None:
+        for root in self.fs_roots:
+            shutil.rmtree(root, ignore_errors=True)
+        for name in self.buckets:
+            if self.s3 is not None:
+                with contextlib.suppress(Exception):
+                    self.s3.empty_bucket(name)
+
+
+def _fs_spec(res: TierResources, nbytes: int) -> str:
+    return f"kind=fs,root={res.fs_root()},bytes={nbytes}"
+
+
+def _s3_spec(res: TierResources, nbytes: int) -> str:
+    bucket = res.bucket()
+    assert res.s3 is not None
+    return res.s3.tier_spec(bucket, nbytes)
+
+
+TIER_SPECS = {"fs": _fs_spec, "s3": _s3_spec}  # a tier kind under RAM -> its --tiers value for one run
+
+
+def tier_args(config: Config, sizes: Sizes, res: TierResources) -> list[str]:
+    args: list[str] = []
+    for kind, size_field in config.lower:
+        args += ["--tiers", TIER_SPECS[kind](res, getattr(sizes, size_field))]
+    return args
+
+
+def run_one(config: Config, conversations: int, w: Workload, m: Model, sizes: Sizes, workdir: Path,
+            s3: S3 | None) -> RunResult:
+    t0 = time.perf_counter()
+    load0 = load_average()
+    r = _run_one(config, conversations, w, m, sizes, workdir, s3)
+    r.wall_s = time.perf_counter() - t0
+    r.load_average = (load0, load_average())
+    return r
+
+
+def _run_one(config: Config, conversations: int, w: Workload, m: Model, sizes: Sizes, workdir: Path,
+             s3: S3 | None) -> RunResult:
+    if not config.offload:
+        sim = Simulation(w, m, conversations, None)
+        sim.run()
+        return summarize(config.key, sim, None, None, None)
+    res = TierResources(workdir, f"{config.key.replace('+', '-')}-{conversations}", s3)
+    try:
+        extra = ["--metrics-addr", "off", *tier_args(config, sizes, res)]
+    except Exception as exc:  # noqa: BLE001 - a tier whose resources cannot be made: say so, go on
+        res.close()
+        return RunResult(config.key, conversations, skipped=f"tier set-up failed: {exc}")
+    chunk_bytes = w.chunk_tokens * m.kv_bytes_per_token
+    daemon = Daemon(sizes.ram_bytes, extra_args=extra)
+    try:
+        daemon.start()
+    except Exception as exc:  # noqa: BLE001 - a tier that is not ready yet: say so, go on
+        res.close()
+        return RunResult(config.key, conversations, skipped=f"daemon did not start: {exc}: {daemon.log_tail(8)}")
+    offload = None
+    try:
+        offload = Offload(daemon.socket, chunk_bytes, w.chunk_tokens, w.final_tokens // w.chunk_tokens, w.seed,
+                          m.transfer)
+        before = offload.stats()
+        sim = Simulation(w, m, conversations, offload)
+        sim.run()
+        after = offload.stats()
+        return summarize(config.key, sim, offload, before, after)
+    finally:
+        if offload is not None:
+            offload.close()
+        daemon.stop()
+        res.close()
+
+

@@ -1,0 +1,5 @@
+import sys
+
+from bench.peer.cli import main
+
+sys.exit(main())

@@ -1,0 +1,5 @@
+"""Per-operation costs of the peer tier, measured on real daemons: the calibration bench/scale_out.py
+models 1 to 1000 nodes with (issue #11 part 9; not a test).
+
+Method, baselines, targets and results: docs/benchmarks.md.
+"""

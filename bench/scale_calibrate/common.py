@@ -1,0 +1,76 @@
+"""Constants, the machine's own counters and key helpers of the calibration."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import subprocess
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.lib.daemons import REPO
+
+DEFAULT_OUT = REPO / "docs" / "scale-out-calibration.json"
+README_BYTES_PER_ENTRY = 171  # README "A cluster of nodes": tracemalloc over 1,000,000 entries, 5 peers
+SMALL = 4096  # bytes of the chunks whose count matters, not their size
+LIFE_CHUNK = 256 << 10  # chunks of the lifecycle phase: RAM and fs fill with few of them
+FS_BYTES = 16 << 20  # each node's fs tier: small, so the lifecycle phase reaches fs evictions
+SINGLE_EVENTS = 1500  # stores of one key (single-key events)
+BIG_BATCH = 1000  # keys per store in the batched phases
+WAIT_S = 60.0  # a bound on every wait for the daemons' state, never a measurement
+
+
+# -- the machine's own counters -----------------------------------------------------------------
+
+
+def rss_anon(pid: int) -> int:
+    """Anonymous resident memory of `pid` (bytes): the heap, not the shared-memory pool."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no RssAnon in /proc/{pid}/status")
+
+
+@dataclass(frozen=True)
+class TcpCount:
+    bytes_received: int = 0
+    segs_in: int = 0
+
+
+def tcp_received(pid: int, dport: int) -> TcpCount:
+    """What the TCP sockets of `pid` connected to port `dport` have received (tcp_info via ss)."""
+    out = subprocess.run(["ss", "-tinpH", "state", "established", f"( dport = :{dport} )"], capture_output=True,
+                         text=True, timeout=10).stdout
+    total, segs, mine = 0, 0, False
+    for line in out.splitlines():
+        if "users:" in line:
+            mine = f"pid={pid}," in line
+            continue
+        if mine:
+            got = re.search(r"\bbytes_received:(\d+)", line)
+            seg = re.search(r"\bsegs_in:(\d+)", line)
+            total += int(got[1]) if got else 0
+            segs += int(seg[1]) if seg else 0
+            mine = False
+    return TcpCount(total, segs)
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def ns_fields(model: str, chunk_bytes: int) -> dict[str, Any]:
+    return {"model": f"scale-calibrate/{model}", "dtype": "u8", "chunk_bytes": chunk_bytes}
+
+
+def new_keys(n: int, tag: str) -> list[bytes]:
+    return [secrets.token_bytes(32) for _ in range(n)] if not tag else [
+        int.to_bytes(i, 24, "big") + tag.encode()[:8].ljust(8, b"-") for i in range(n)]
+
+
+def batches(keys: Sequence[bytes], n: int) -> Iterator[Sequence[bytes]]:
+    for i in range(0, len(keys), n):
+        yield keys[i:i + n]

@@ -1,0 +1,188 @@
+"""The two daemons A and B with peer tiers on loopback, and their snapshots."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from bench.lib.daemons import process_cpu_seconds
+from bench.scale_calibrate.common import FS_BYTES, WAIT_S, TcpCount, tcp_received
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
+
+
+class EventWatcher:
+    """A WatchEvents stream on A's unix socket, counting events and keys by (type, tier), and
+    their protobuf size: what B receives, told apart by kind (a thread: the stream blocks)."""
+
+    def __init__(self, socket: Path) -> None:
+        # A cleared namespace is one event of every key: allow what the peers allow.
+        self._channel = grpc.insecure_channel(f"unix:{socket}", options=[("grpc.max_receive_message_length", 64 << 20)])
+        self.failure: grpc.RpcError | None = None
+        self._stream = pb_grpc.KVStoreStub(self._channel).WatchEvents(pb.WatchEventsRequest(from_seq=0))
+        self.events = 0
+        self.keys = 0
+        self.payload_bytes = 0
+        self.last_at = time.monotonic()
+        self.by_kind: Counter[str] = Counter()  # "stored ram" -> events; "stored ram keys" -> keys
+        self._thread = threading.Thread(target=self._read, name="scale-calibrate-watch", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for event in self._stream:
+                kind = f"{pb.EventType.Name(event.type).removeprefix('EVENT_TYPE_').lower()} {event.tier}"
+                self.by_kind[kind] += 1
+                self.by_kind[kind + " keys"] += len(event.keys)
+                self.keys += len(event.keys)
+                self.payload_bytes += event.ByteSize()
+                self.events += 1
+                self.last_at = time.monotonic()
+        except grpc.RpcError as exc:
+            if exc.code() is not grpc.StatusCode.CANCELLED:  # (cancelled: closed by us)
+                self.failure = exc
+
+    def wait_quiet(self, quiet_s: float = 0.4) -> None:
+        """Until no event came for quiet_s (write-downs run after the stores return)."""
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() - self.last_at < quiet_s or self.failure is not None:
+            if self.failure is not None:
+                raise RuntimeError(f"the event watcher on A failed: {self.failure}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("A never stopped publishing events")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self._stream.cancel()
+        self._channel.close()
+        self._thread.join(5)
+
+
+@dataclass
+class Snapshot:
+    at: float
+    b_cpu: float
+    a_cpu: float
+    b_events: int
+    b_indexed: int
+    tcp: TcpCount
+    w_events: int
+    w_keys: int
+    w_bytes: int
+    by_kind: Counter[str]
+
+
+@dataclass
+class Phase:
+    """What one phase cost B (and A), from two snapshots."""
+
+    name: str
+    seconds: float
+    events: int  # applied by B
+    keys: int  # in those events (from the watcher on A)
+    payload_bytes: int  # received on B's TCP connection to A
+    segments: int
+    protobuf_bytes: int  # the events' serialized size (the watcher)
+    b_cpu_s: float  # B's CPU, idle rate and status polls subtracted
+    a_cpu_s: float  # A's CPU, idle rate subtracted
+    by_kind: dict[str, int] = field(default_factory=dict)
+    chunks: int = 0  # chunks stored during the phase (the lifecycle phase)
+    load_average: float = 0.0  # 1-minute, at the phase's end
+
+    def per(self, what: str) -> dict[str, float]:
+        n = {"event": self.events, "key": self.keys, "chunk": self.chunks}[what]
+        if not n:
+            return {}
+        return {"bytes": self.payload_bytes / n, "segments": self.segments / n, "b_cpu_us": self.b_cpu_s / n * 1e6,
+                "events": self.events / n, "keys": self.keys / n}
+
+
+class Pair:
+    """Daemons A and B (tests/support/cluster.py), the watcher on A, and B's costs per phase."""
+
+    def __init__(self, a_ram: str) -> None:
+        from tests.support.cluster import Cluster
+
+        # Both list both (as a cluster's nodes do); A keeps enough events that B never resyncs.
+        self.cluster = Cluster(2, "tcp", cpu_bytes=a_ram, fs_bytes=f"{FS_BYTES >> 20}MiB",
+                               extra_args=["--page-bytes", "4096", "--events-buffer", "2000000"])
+        self.a, self.b = self.cluster[0], self.cluster[1]
+        self.a_port = int(self.a.address.rpartition(":")[2])
+        self.watcher: EventWatcher | None = None
+        self.b_idle_cpu_per_s = 0.0
+        self.a_idle_cpu_per_s = 0.0
+        self.b_cpu_per_poll = 0.0
+        self.polls = 0
+
+    def start(self) -> None:
+        self.cluster.start()
+        for i in range(2):
+            self.cluster.wait_up(i)
+        self.watcher = EventWatcher(self.a.socket)
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.close()
+        self.cluster.close()
+
+    def b_view_of_a(self) -> pb.PeerInfo:
+        self.polls += 1
+        return self.b.peer(self.a)
+
+    def measure_idle(self, seconds: float = 1.0, polls: int = 20) -> None:
+        """B's and A's CPU rate doing nothing, and what one PeerStatus poll costs B."""
+        a0, b0, t0 = process_cpu_seconds(self.a.pid), process_cpu_seconds(self.b.pid), time.monotonic()
+        time.sleep(seconds)
+        a1, b1, t1 = process_cpu_seconds(self.a.pid), process_cpu_seconds(self.b.pid), time.monotonic()
+        self.a_idle_cpu_per_s = max(0.0, (a1 - a0) / (t1 - t0))
+        self.b_idle_cpu_per_s = max(0.0, (b1 - b0) / (t1 - t0))
+        b0, t0 = process_cpu_seconds(self.b.pid), time.monotonic()
+        for _ in range(polls):
+            self.b.peer(self.a)
+        b1, t1 = process_cpu_seconds(self.b.pid), time.monotonic()
+        self.b_cpu_per_poll = max(0.0, (b1 - b0 - self.b_idle_cpu_per_s * (t1 - t0)) / polls)
+
+    def snapshot(self) -> Snapshot:
+        assert self.watcher is not None
+        info = self.b_view_of_a()
+        return Snapshot(time.monotonic(), process_cpu_seconds(self.b.pid), process_cpu_seconds(self.a.pid),
+                        info.events, info.indexed_chunks, tcp_received(self.b.pid, self.a_port), self.watcher.events,
+                        self.watcher.keys, self.watcher.payload_bytes, Counter(self.watcher.by_kind))
+
+    def caught_up(self, since: Snapshot) -> None:
+        """Until A has stopped publishing and B has applied every event A published since `since`."""
+        assert self.watcher is not None
+        self.watcher.wait_quiet()
+        deadline = time.monotonic() + WAIT_S
+        while self.b_view_of_a().events - since.b_events < self.watcher.events - since.w_events:
+            if time.monotonic() > deadline:
+                raise TimeoutError("B never applied A's events:\n" + self.cluster.describe())
+            time.sleep(0.1)
+
+    def phase(self, name: str, work: Callable[[], int | None]) -> Phase:
+        """Run `work` (returns the chunks it stored, if that matters) and what it cost B."""
+        polls0 = self.polls
+        s0 = self.snapshot()
+        chunks = work() or 0
+        self.caught_up(s0)
+        s1 = self.snapshot()
+        dt = s1.at - s0.at
+        polls = self.polls - polls0 - 1  # the first snapshot's poll came before s0's CPU reading
+        kinds = {k: v for k, v in (s1.by_kind - s0.by_kind).items() if v}
+        phase = Phase(
+            name, dt, s1.b_events - s0.b_events, s1.w_keys - s0.w_keys,
+            s1.tcp.bytes_received - s0.tcp.bytes_received, s1.tcp.segs_in - s0.tcp.segs_in, s1.w_bytes - s0.w_bytes,
+            max(0.0, s1.b_cpu - s0.b_cpu - self.b_idle_cpu_per_s * dt - self.b_cpu_per_poll * polls),
+            max(0.0, s1.a_cpu - s0.a_cpu - self.a_idle_cpu_per_s * dt), kinds, chunks, round(os.getloadavg()[0], 2),
+        )
+        print(f"  {name}: {phase.events} events, {phase.keys} keys, {phase.payload_bytes:,} B received, "
+              f"B CPU {phase.b_cpu_s * 1e3:.1f} ms, A CPU {phase.a_cpu_s * 1e3:.1f} ms in {dt:.2f} s "
+              f"(load {phase.load_average:.2f})", flush=True)
+        return phase

@@ -1,0 +1,221 @@
+"""The four designs and what each costs a node at a node count."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.scale_out.fleet import HEADER_BYTES_PER_SEGMENT, MSS, SECONDS_PER_MONTH, Budget, Costs, Fleet, Rates
+
+
+@dataclass
+class Point:
+    """One design at one node count, per node."""
+
+    nodes: int
+    cpu_fraction: float  # of one core
+    cpu_parts: dict[str, float]
+    memory_bytes: float
+    memory_parts: dict[str, float]
+    inbound_bytes_per_s: float  # event traffic (payload + segment headers)
+    inbound_messages_per_s: float
+    inbound_keys_per_s: float
+    lookup_ms: float  # what a turn's Lookup costs
+    index_entries: float  # a full view
+    coverage: float  # of the peers' chunks, within the memory budget
+    s3_puts_per_s: float
+    s3_gets_per_s: float
+    s3_usd_per_month: float
+
+
+@dataclass(frozen=True)
+class Model:
+    fleet: Fleet
+    budget: Budget
+    costs: Costs
+    rates: Rates = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rates", Rates.of(self.fleet, self.costs))
+
+    # helpers --------------------------------------------------------------------------------------
+
+    def wire_bytes(self, messages: float, keys: float, segments: float | None = None) -> float:
+        c = self.costs
+        payload = messages * c.bytes_per_event + keys * c.bytes_per_key
+        segs = segments if segments is not None else max(messages, payload / MSS)
+        return payload + segs * HEADER_BYTES_PER_SEGMENT
+
+    def s3(self, coverage: float) -> tuple[float, float, float]:
+        """PUTs/s, GETs/s and $ per month of one node: the cross-node reads its index cannot place
+        go to S3 (which has every chunk)."""
+        r, f = self.rates, self.fleet
+        puts = r.s3_puts_per_s
+        gets = r.s3_base_gets_per_s + (r.peer_fetches_per_s * (1 - coverage) if f.s3_tier else 0.0)
+        usd = (puts * f.put_usd_per_1k + gets * f.get_usd_per_1k) / 1000 * SECONDS_PER_MONTH
+        return puts, gets, usd
+
+    def local_lookup_s(self) -> float:
+        return self.costs.lookup_fixed_s + self.rates.looked_up_chunks_per_turn * self.costs.lookup_s_per_key
+
+    def full_view(self, nodes: int, bytes_per_entry: float) -> tuple[float, float, float]:
+        """Entries, bytes and coverage within the budget of an index of every peer's chunks."""
+        entries = (nodes - 1) * self.rates.chunks_held
+        index = entries * bytes_per_entry
+        streams = 2 * (nodes - 1) * self.costs.stream_bytes
+        room = max(0.0, self.budget.memory_bytes - streams) / bytes_per_entry
+        return entries, index, min(1.0, room / entries) if entries else 1.0
+
+    def point(self, nodes: int, cpu: dict[str, float], memory: dict[str, float], inbound_bytes: float,
+              inbound_messages: float, inbound_keys: float, lookup_s: float, entries: float,
+              coverage: float) -> Point:
+        puts, gets, usd = self.s3(coverage)
+        return Point(nodes, sum(cpu.values()), cpu, sum(memory.values()), memory, inbound_bytes, inbound_messages,
+                     inbound_keys, lookup_s * 1e3, entries, coverage, puts, gets, usd)
+
+    # the four designs --------------------------------------------------------------------------------
+
+    def mesh(self, nodes: int) -> Point:
+        c, r = self.costs, self.rates
+        peers = nodes - 1
+        mean_slot = max(0.0, (nodes - 2) / 2)  # holders' slots spread over the peers
+        per_key = c.follow_s_per_key + c.follow_s_per_key_per_slot * mean_slot
+        m = c.index_bytes_per_entry + c.index_bytes_per_slot * mean_slot
+        entries, index, coverage = self.full_view(nodes, m)
+        cpu = {
+            "follow": peers * (r.events_per_s * c.follow_s_per_event + r.keys_per_s * per_key),
+            "publish": peers * (r.events_per_s * c.publish_s_per_event + r.keys_per_s * c.publish_s_per_key),
+            "streams": 2 * peers * c.stream_idle_s_per_s,
+        }
+        memory = {"index": index, "streams": 2 * peers * c.stream_bytes}
+        inbound = peers * self.wire_bytes(r.events_per_s, r.keys_per_s, r.events_per_s * c.segments_per_event)
+        lookup = self.local_lookup_s() + peers * c.contains_s_per_peer
+        return self.point(nodes, cpu, memory, inbound, peers * r.events_per_s, peers * r.keys_per_s, lookup,
+                          entries, coverage)
+
+    def coalesced(self, nodes: int) -> Point:
+        c, r, f = self.costs, self.rates, self.fleet
+        peers = nodes - 1
+        mean_slot = max(0.0, (nodes - 2) / 2)
+        per_key = c.follow_s_per_key + c.follow_s_per_key_per_slot * mean_slot
+        m = c.index_bytes_per_entry + c.index_bytes_per_slot * mean_slot
+        entries, index, coverage = self.full_view(nodes, m)
+        messages = 1 / f.interval_s
+        cpu = {
+            "follow": peers * (messages * c.follow_s_per_event + r.net_keys_per_s * per_key),
+            "publish": peers * (messages * c.publish_s_per_event + r.net_keys_per_s * c.publish_s_per_key),
+            "streams": 2 * peers * c.stream_idle_s_per_s,
+        }
+        memory = {"index": index, "streams": 2 * peers * c.stream_bytes}
+        inbound = peers * self.wire_bytes(messages, r.net_keys_per_s)
+        lookup = self.local_lookup_s() + peers * c.contains_s_per_peer
+        return self.point(nodes, cpu, memory, inbound, peers * messages, peers * r.net_keys_per_s, lookup,
+                          entries, coverage)
+
+    def directory(self, nodes: int) -> Point:
+        c, r, f = self.costs, self.rates, self.fleet
+        peers = nodes - 1
+        remote = peers / nodes  # the share of groups another node owns
+        # Messages: per interval a node has changes in g x T groups, sent to their owners; by
+        # symmetry it receives as many. Distinct owners among the peers (occupancy):
+        changes = r.groups_changed_per_s * f.interval_s * f.replicas * remote
+        owners = peers * (1 - math.exp(-changes / peers)) if peers else 0.0
+        messages = owners / f.interval_s
+        keys_in = r.net_keys_per_s * f.replicas * remote
+        lookups_in = f.turns_per_s * r.lookup_groups_per_turn * remote
+        choices = (r.groups_changed_per_s + f.turns_per_s * r.lookup_groups_per_turn) if peers else 0.0
+        cpu = {
+            "follow": messages * c.follow_s_per_event + keys_in * c.follow_s_per_key,
+            "publish": messages * c.publish_s_per_event + keys_in * c.publish_s_per_key,
+            "owner choice": choices * nodes * c.rendezvous_s_per_node,
+            "lookups served": lookups_in * c.remote_lookup_server_s,
+            "streams": 2 * peers * c.stream_idle_s_per_s,
+        }
+        entries = r.chunks_held * f.replicas if peers else 0.0
+        streams = 2 * peers * c.stream_bytes
+        memory = {"index": entries * c.index_bytes_per_entry, "streams": streams}
+        room = max(0.0, self.budget.memory_bytes - streams) / c.index_bytes_per_entry
+        coverage = min(1.0, room / entries) if entries else 1.0
+        lookup = self.local_lookup_s() + (
+            c.remote_lookup_s + r.lookup_groups_per_turn * nodes * c.rendezvous_s_per_node if peers else 0.0)
+        return self.point(nodes, cpu, memory, self.wire_bytes(messages, keys_in), messages, keys_in, lookup,
+                          entries, coverage)
+
+    def router(self, nodes: int) -> Point:
+        c, r, f = self.costs, self.rates, self.fleet
+        messages = 1 / f.interval_s
+        cpu = {
+            "publish": f.routers * (messages * c.publish_s_per_event + r.net_keys_per_s * c.publish_s_per_key),
+            "streams": f.routers * c.stream_idle_s_per_s,
+        }
+        memory = {"index": 0.0, "streams": f.routers * c.stream_bytes}
+        return self.point(nodes, cpu, memory, 0.0, 0.0, 0.0, self.local_lookup_s(), 0.0, 1.0)
+
+    def router_tier(self, nodes: int) -> dict[str, float]:
+        """What the router tier takes in for the whole fleet (our per-event and per-key costs and
+        bytes per entry as a stand-in for the router's own)."""
+        c, r, f = self.costs, self.rates, self.fleet
+        messages = nodes / f.interval_s
+        keys = nodes * r.net_keys_per_s
+        entries = nodes * r.chunks_held
+        return {
+            "nodes": nodes, "messages_per_s": messages, "keys_per_s": keys,
+            "cores": messages * c.follow_s_per_event + keys * c.follow_s_per_key,
+            "index_entries": entries, "index_bytes": entries * c.index_bytes_per_entry,
+            "inbound_bytes_per_s": self.wire_bytes(messages, keys),
+        }
+
+
+@dataclass(frozen=True)
+class Design:
+    key: str
+    label: str
+    how: str
+    point: Callable[[int], Point]
+
+
+def designs(model: Model) -> list[Design]:
+    return [
+        Design("mesh", "mesh (as built)", "every node follows every other's WatchEvents; one message per event, "
+               "write-downs and evictions one key each; every tier's events", model.mesh),
+        Design("coalesced", "coalesced mesh", "every node still indexes every other, but gets one message per "
+               "interval per peer with the net changes of the tiers served to peers", model.coalesced),
+        Design("directory", "rendezvous directory", "chunk groups owned by rendezvous hashing; changes sent to "
+               "owners once per interval; a turn asks its groups' owners", model.directory),
+        Design("router", "router (llm-d KV events)", "nodes publish net changes to the router tier, which routes "
+               "turns or names the node to fetch from; no index on the nodes", model.router),
+    ]
+
+
+def exceeds(p: Point, budget: Budget) -> str:
+    if p.cpu_fraction > budget.cpu_fraction:
+        return "cpu"
+    if p.memory_bytes > budget.memory_bytes:
+        return "memory"
+    return ""
+
+
+def break_point(design: Design, budget: Budget, max_nodes: int) -> dict[str, Any] | None:
+    """The fewest nodes at which the design exceeds the budget (the costs grow with the node
+    count: a binary search), or None up to max_nodes."""
+    if not exceeds(design.point(max_nodes), budget):
+        return None
+    lo, hi = 1, max_nodes  # lo within the budget (one node has no peers), hi over it
+    if exceeds(design.point(lo), budget):
+        hi = lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if exceeds(design.point(mid), budget):
+            hi = mid
+        else:
+            lo = mid
+    p = design.point(hi)
+    return {"nodes": hi, "resource": exceeds(p, budget), "cpu_fraction": p.cpu_fraction,
+            "memory_bytes": p.memory_bytes}
+
+
+def plot_nodes(max_nodes: int) -> list[int]:
+    out = sorted({max(1, round(10 ** (i / 20))) for i in range(int(20 * math.log10(max_nodes)) + 1)} | {max_nodes})
+    return [n for n in out if n <= max_nodes]

@@ -1,0 +1,176 @@
+"""The modelled fleet, its budget, the measured costs and the rates they give."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from bench.lib.report import GIB, MIB, REPO
+
+DEFAULT_CALIBRATION = REPO / "docs" / "scale-out-calibration.json"
+SECONDS_PER_MONTH = 30 * 86_400
+HEADER_BYTES_PER_SEGMENT = 66  # on a real network: IPv4 20 + TCP 32 (timestamps) + Ethernet 14
+MSS = 1448  # payload bytes per segment at a 1500-byte MTU
+S3_TIER_CONCURRENCY = 16  # the S3 tier's default max_concurrency
+S3_PREFIX_PUTS_PER_S = 3500  # AWS: PUT/COPY/POST/DELETE per second per partitioned prefix
+PEER_MAX_BATCH = 16  # the peer tier's default max_batch: chunks per fetch order
+
+
+# -- what is modelled, and the budget -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """The workload of one GPU node and what it holds (defaults: bench/multiturn.py's workload)."""
+
+    turns_per_s: float = 10.0
+    first_tokens: int = 12 * 1024
+    turn_tokens: int = 4 * 1024
+    turns: int = 8
+    kv_bytes_per_token: int = 20_480
+    chunk_bytes: int = 2 * MIB
+    kvstored_read_share: float = 0.5  # of a turn's reusable chunks: loaded from kvstored (the GPU cache has the rest)
+    fs_read_share: float = 0.3  # of those: from the node's own fs tier (promoted into RAM: an event each)
+    cross_node_share: float = 0.1  # of turns: sent to a node other than the one holding the conversation
+    s3_read_share: float = 0.01  # of kvstored reads: only S3 has the chunk
+    ram_bytes: int = 100 * GIB  # what each node's peers may fetch from: its RAM tier ...
+    fs_bytes: int = 2 << 40  # ... and its fs tier
+    s3_tier: bool = True  # RAM -> fs -> peer -> s3: every write-down also goes to S3 (a PUT, and an event)
+    interval_s: float = 0.1  # coalesced mesh, directory, router: one message per destination per interval
+    group_chunks: int = 32  # directory: consecutive chunks of a chain owned together
+    replicas: int = 1  # directory: owners per group
+    routers: int = 1  # router: router instances each node publishes to
+    put_usd_per_1k: float = 0.005  # S3 Standard, us-east-1 list price (PUT, COPY, POST, LIST)
+    get_usd_per_1k: float = 0.0004  # S3 Standard, us-east-1 list price (GET, SELECT)
+
+    @property
+    def new_tokens_per_turn(self) -> float:
+        return (self.first_tokens + (self.turns - 1) * self.turn_tokens) / self.turns
+
+    @property
+    def reusable_tokens_per_turn(self) -> float:
+        """The previous turn's whole prompt, averaged over the turns (the first reuses nothing)."""
+        previous = sum(self.first_tokens + (t - 1) * self.turn_tokens for t in range(1, self.turns))
+        return previous / self.turns
+
+    @property
+    def chunk_tokens(self) -> float:
+        return self.chunk_bytes / self.kv_bytes_per_token
+
+
+@dataclass(frozen=True)
+class Budget:
+    cpu_fraction: float = 0.10  # of one core, for the index's upkeep (events in and out, owner choice, lookups served)
+    memory_bytes: float = 1.0 * GIB  # the index a full view needs, and the streams
+
+
+@dataclass(frozen=True)
+class Costs:
+    """The calibration's figures, in seconds and bytes."""
+
+    follow_s_per_event: float
+    follow_s_per_key: float
+    follow_s_per_key_per_slot: float  # the index's masks grow with the holder's slot
+    publish_s_per_event: float  # per subscriber
+    publish_s_per_key: float  # per subscriber
+    bytes_per_event: float  # payload
+    bytes_per_key: float
+    segments_per_event: float
+    index_bytes_per_entry: float  # the holder in one of the first slots
+    index_bytes_per_slot: float
+    stream_bytes: float  # one follower stream: server side + client side
+    stream_idle_s_per_s: float  # CPU of a quiet stream (keepalive pings), server side, both ends counted
+    lookup_fixed_s: float
+    lookup_s_per_key: float
+    contains_s_per_peer: float  # per Lookup call: the peer tier walks its peers
+    remote_lookup_s: float
+    remote_lookup_server_s: float  # CPU of one Lookup served over TCP
+    fetch_round_trip_s: float
+    rendezvous_s_per_node: float
+    single_events_per_chunk: float  # a chunk's life beyond its (batched) store event
+    s3_put_s: float
+    s3_get_s: float
+    s3_server: str
+
+    @classmethod
+    def from_calibration(cls, doc: dict[str, Any]) -> Costs:
+        ev, fit, ip, look = doc["events"], doc["events"]["fit"], doc["in_process"], doc["lookup"]
+        kinds = ev["lifecycle"]["per_chunk_by_kind"]
+        single = sum(v for k, v in kinds.items() if not k.endswith(" keys") and k != "stored ram")
+        s3 = doc.get("s3") or {}
+        return cls(
+            follow_s_per_event=fit["follower_cpu_s_per_event"],
+            follow_s_per_key=max(0.0, fit["follower_cpu_s_per_key"]),
+            follow_s_per_key_per_slot=max(0.0, ip["index_updates"]["fit"]["add_us_per_slot"]) * 1e-6,
+            publish_s_per_event=fit["publisher_cpu_s_per_event_per_subscriber"],
+            publish_s_per_key=fit["publisher_cpu_s_per_key_per_subscriber"],
+            bytes_per_event=fit["payload_bytes_per_event"],
+            bytes_per_key=fit["payload_bytes_per_key"],
+            segments_per_event=fit["segments_per_single_key_event"],
+            index_bytes_per_entry=ev["index_memory"]["rss_bytes_per_entry"],
+            index_bytes_per_slot=ip["index_tracemalloc"]["fit_slot_ge_7"]["bytes_per_slot"],
+            stream_bytes=ev["streams"]["server_bytes_per_stream"] + ev["streams"]["client_bytes_per_stream"],
+            stream_idle_s_per_s=2 * ev["streams"]["server_idle_cpu_s_per_s_per_stream"],
+            lookup_fixed_s=look["local"]["one_key_ms"] * 1e-3,
+            lookup_s_per_key=max(0.0, look["local"]["per_key_us"]) * 1e-6,
+            contains_s_per_peer=max(0.0, ip["contains"]["fit"]["per_call_us_per_peer"]) * 1e-6,
+            remote_lookup_s=look["remote"]["one_key_ms"] * 1e-3,
+            remote_lookup_server_s=look["remote"]["server_cpu_ms_per_call"] * 1e-3,
+            fetch_round_trip_s=look["fetch"]["round_trip_ms"] * 1e-3,
+            rendezvous_s_per_node=ip["rendezvous"]["us_per_node"] * 1e-6,
+            single_events_per_chunk=single,
+            s3_put_s=s3.get("put_chunk_ms", 0.0) * 1e-3,
+            s3_get_s=s3.get("get_chunk_ms", 0.0) * 1e-3,
+            s3_server=s3.get("server") or "not measured",
+        )
+
+
+@dataclass(frozen=True)
+class Rates:
+    """One node's work per second under the Fleet's workload, and what it publishes."""
+
+    stored_chunks_per_turn: float
+    looked_up_chunks_per_turn: float
+    stores_per_s: float  # chunks into kvstored
+    reads_per_s: float  # chunks loaded from kvstored
+    fs_promotions_per_s: float
+    peer_fetches_per_s: float  # chunks fetched from peers (cross-node turns)
+    events_per_s: float  # as built: every event of every tier
+    keys_per_s: float
+    single_key_events_per_s: float
+    net_keys_per_s: float  # net changes of the tiers served to peers
+    groups_changed_per_s: float  # directory: chunk groups whose holders changed
+    lookup_groups_per_turn: int
+    chunks_held: float  # what one node's peers may fetch from it
+    s3_puts_per_s: float
+    s3_base_gets_per_s: float  # reads only S3 can serve, with every peer's chunks found
+
+    @classmethod
+    def of(cls, f: Fleet, c: Costs) -> Rates:
+        stored = f.new_tokens_per_turn / f.chunk_tokens
+        looked_up = f.reusable_tokens_per_turn / f.chunk_tokens
+        stores = f.turns_per_s * stored
+        reads = f.turns_per_s * looked_up * f.kvstored_read_share
+        promotions = reads * f.fs_read_share
+        fetched = reads * f.cross_node_share
+        s3_events = 1.0 if f.s3_tier else 0.0
+        # A stored (or fetched) chunk: its store (batched per turn), then write-down (stored fs,
+        # removed ram: measured one key per event), fs eviction, and the S3 write-down's event.
+        # A chunk promoted from fs: one event (stored ram); its later eviction rides in a store's batch.
+        lives = stores + fetched
+        single = lives * (c.single_events_per_chunk + s3_events) + promotions + fetched
+        events = single + 2 * f.turns_per_s  # a store event and an eviction batch per turn
+        keys = single + stores + promotions
+        # Net, per interval, tiers served to peers only: appears in RAM; moves to fs; leaves.
+        net = lives * 3 + promotions * 2
+        run = max(1.0, min(f.group_chunks, stored))  # a turn's chunks change together
+        return cls(
+            stored_chunks_per_turn=stored, looked_up_chunks_per_turn=looked_up, stores_per_s=stores,
+            reads_per_s=reads, fs_promotions_per_s=promotions, peer_fetches_per_s=fetched, events_per_s=events,
+            keys_per_s=keys, single_key_events_per_s=single, net_keys_per_s=net, groups_changed_per_s=net / run,
+            lookup_groups_per_turn=math.ceil(looked_up / f.group_chunks),
+            chunks_held=(f.ram_bytes + f.fs_bytes) / f.chunk_bytes,
+            s3_puts_per_s=lives if f.s3_tier else 0.0,  # every write-down goes to fs and S3 (a fetched chunk too)
+            s3_base_gets_per_s=reads * f.s3_read_share if f.s3_tier else 0.0,
+        )

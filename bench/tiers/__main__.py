@@ -1,0 +1,5 @@
+import sys
+
+from bench.tiers.cli import main
+
+sys.exit(main())

@@ -1,0 +1,233 @@
+"""Buffers, chunk ids, the timing loops and the tier/baseline table shared by the tiers benchmark."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import mmap
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.lib.buffers import aligned_pool
+from bench.lib.daemons import stat_cpu_seconds
+from bench.lib.report import GIB, print_aligned
+from kvstored.chunks import chunkfile
+from kvstored.chunks.chunkfile import HEADER_BYTES
+from kvstored.tiers.base import WriteOutcome
+
+TARGET_FS = 0.90
+TARGET_S3 = 0.85
+TARGET_WRITEBACK = 0.90  # write-back stream through a daemon vs the fs tier alone (issue 13 part 1)
+WB_REGION_SLOTS = 64  # chunks in the write-back clients' region (the stream cycles through them)
+WB_VERIFY_CHUNKS = 32
+NAMESPACE = "bench"
+PAGE = mmap.PAGESIZE
+
+
+class Pool:
+    """A populated anonymous mapping (page-aligned, like the daemon's pool) cut into chunk views."""
+
+    def __init__(self, chunks: int, chunk_bytes: int) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._map = aligned_pool(chunks * chunk_bytes)
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
+        whole = memoryview(self._map)
+        self.views = [whole[i * chunk_bytes:(i + 1) * chunk_bytes] for i in range(chunks)]
+
+
+def chunk_ids(n: int, seed: str) -> list[tuple[str, bytes]]:
+    """Content-hash-like keys (32 bytes, spread uniformly over the fs tier's fan-out directories)."""
+    return [(NAMESPACE, hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=32).digest()) for i in range(n)]
+
+
+def header_pages(chunks: Sequence[tuple[str, bytes]], views: Sequence[memoryview], size: int) -> list[memoryview]:
+    """Each chunk's chunkfile header in its own page-aligned page (what the raw baselines write)."""
+    out = []
+    for chunk, view in zip(chunks, views):
+        page = mmap.mmap(-1, HEADER_BYTES)
+        page[:] = chunkfile.encode_header(chunk, size, chunkfile.checksum([view], size))
+        out.append(memoryview(page))
+    return out
+
+
+def gib_s(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / GIB
+
+
+async def drive(n: int, inflight: int, op: Callable[[int], Awaitable[None]]) -> float:
+    """Run op(0..n-1) with `inflight` worker tasks (the daemon's queue concurrency); wall seconds."""
+    counter = iter(range(n))
+
+    async def worker() -> None:
+        for i in counter:
+            await op(i)
+
+    t0 = time.perf_counter()
+    async with asyncio.TaskGroup() as group:
+        for _ in range(min(inflight, n)):
+            group.create_task(worker())
+    return time.perf_counter() - t0
+
+
+def run_threads(n: int, threads: int, op: Callable[[int], None]) -> float:
+    """Run op(0..n-1) on `threads` plain threads pulling chunk numbers back to back; wall seconds."""
+    counter = itertools.count()  # next() is atomic under the GIL
+    errors: list[BaseException] = []
+    start = threading.Barrier(threads + 1)
+
+    def worker() -> None:
+        start.wait()
+        try:
+            while (i := next(counter)) < n:
+                op(i)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
+            errors.append(exc)
+
+    pool = [threading.Thread(target=worker, daemon=True) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in pool:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return elapsed
+
+
+@dataclass
+class Sample:
+    gib_s: float
+    cpu_s_per_gib: float  # this process, all threads
+    server_cpu_s_per_gib: float | None = None  # the S3 server's processes
+
+
+def measure(nbytes: int, run: Callable[[], float], server_pids: Sequence[int] = (),
+            prepare: Callable[[], object] | None = None) -> Sample:
+    """Run `prepare` (untimed), then `run` (which returns its wall seconds), counting CPU seconds."""
+    if prepare is not None:
+        prepare()
+    cpu0 = time.process_time()
+    srv0 = stat_cpu_seconds(server_pids)
+    wall = run()
+    cpu = time.process_time() - cpu0
+    srv = stat_cpu_seconds(server_pids) - srv0 if server_pids else None
+    gib = nbytes / GIB
+    return Sample(nbytes / wall / GIB, cpu / gib, None if srv is None else srv / gib)
+
+
+def rotated(arms: list, rnd: int) -> list:
+    k = rnd % len(arms)
+    return arms[k:] + arms[:k]
+
+
+@dataclass
+class Pair:
+    """One measurement: the tier and its baseline, one Sample per round each."""
+
+    name: str
+    target: float | None  # None: diagnostic row
+    tier: list[Sample] = field(default_factory=list)
+    raw: list[Sample] = field(default_factory=list)
+    limit: list[Sample] = field(default_factory=list)  # the physical limit (default: raw)
+
+    @property
+    def limit_median(self) -> float:
+        return statistics.median(s.gib_s for s in (self.limit or self.raw))
+
+    @property
+    def tier_median(self) -> float:
+        return statistics.median(s.gib_s for s in self.tier)
+
+    @property
+    def raw_median(self) -> float:
+        return statistics.median(s.gib_s for s in self.raw)
+
+    @property
+    def ratio(self) -> float:
+        return self.tier_median / self.raw_median
+
+    @property
+    def paired(self) -> list[float]:
+        return [t.gib_s / r.gib_s for t, r in zip(self.tier, self.raw)]
+
+    @property
+    def status(self) -> str:
+        if self.target is None:
+            return "(info)"
+        return "PASS" if self.ratio >= self.target else "MISS"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "tier_gib_s": self.tier_median,
+                "raw_gib_s": self.raw_median, "limit_gib_s": self.limit_median, "ratio": self.ratio,
+                "target": self.target, "status": self.status,
+                "tier_samples": [vars(s) for s in self.tier], "raw_samples": [vars(s) for s in self.raw],
+                "paired_ratios": self.paired}
+
+
+def print_pairs(pairs: Sequence[Pair], file=None) -> None:
+    file = file or sys.stdout
+    header = ["measurement", "tier GiB/s", "baseline GiB/s", "ratio", "target", "result", "limit GiB/s",
+              "of limit"]
+    rows = [header] + [[p.name, f"{p.tier_median:.2f}", f"{p.raw_median:.2f}", f"{p.ratio:.2f}x",
+                        f">= {p.target:.2f}x" if p.target is not None else "-", p.status,
+                        f"{p.limit_median:.2f}", f"{p.tier_median / p.limit_median:.2f}x"] for p in pairs]
+    print_aligned(rows, right={1, 2, 3, 6, 7}, file=file)
+    print("baseline: raw O_DIRECT / raw aiobotocore of the same bytes (the write-back row: the fs tier alone); "
+          "limit: the physical limit of the row on this machine (fs: raw O_DIRECT at the tier's queue depth; "
+          "S3: the raw client's transport)", file=file)
+    print("per round: tier/raw GiB/s = paired ratio; CPU s per GiB (this process, tier/raw"
+          "[; S3 server tier/raw]):", file=file)
+    for p in pairs:
+        rounds = ", ".join(f"{t.gib_s:.2f}/{r.gib_s:.2f}={t.gib_s / r.gib_s:.2f}" for t, r in zip(p.tier, p.raw))
+        cpu = (f"cpu {statistics.median(s.cpu_s_per_gib for s in p.tier):.2f}/"
+               f"{statistics.median(s.cpu_s_per_gib for s in p.raw):.2f}")
+        if p.tier and p.tier[0].server_cpu_s_per_gib is not None:
+            cpu += (f"; server {statistics.median(s.server_cpu_s_per_gib or 0.0 for s in p.tier):.2f}/"
+                    f"{statistics.median(s.server_cpu_s_per_gib or 0.0 for s in p.raw):.2f}")
+        print(f"  {p.name}: {rounds}  ({cpu})", file=file)
+
+
+def describe(exc: BaseException) -> str:
+    """An exception in one line (the first of a TaskGroup's)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"
+
+
+def say(*parts: Any) -> None:
+    print(*parts, flush=True)
+
+
+def tier_dirs(root: Path, chunks: Sequence[tuple[str, bytes]]) -> None:
+    """The fan-out directories a tier root in use already has for these chunks."""
+    for d in sorted({os.path.dirname(os.path.join(root, chunkfile.chunk_relpath(c))) for c in chunks}):
+        os.makedirs(d, exist_ok=True)
+
+
+async def tier_store(tier, chunks, views, size: int, inflight: int) -> float:
+    async def op(i: int) -> None:
+        outcome = await tier.write(chunks[i], [views[i]], size)
+        if outcome is not WriteOutcome.WRITTEN:
+            raise RuntimeError(f"{tier.kind.name} tier write {i}: {outcome} (counters {tier.counters})")
+
+    return await drive(len(chunks), inflight, op)
+
+
+async def tier_load(tier, chunks, views, size: int, inflight: int) -> float:
+    async def op(i: int) -> None:
+        if not await tier.read(chunks[i], [views[i]], size):
+            raise RuntimeError(f"{tier.kind.name} tier read {i}: miss or corrupt (counters {tier.counters})")
+
+    return await drive(len(chunks), inflight, op)
