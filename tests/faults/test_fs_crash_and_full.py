@@ -83,6 +83,7 @@ def test_kill_9_under_mixed_load_then_restart_matches_the_disk(daemon_factory, f
           f"after restart {len(files)} files = index, {checked} bytes re-read exact")
 
 
+@pytest.mark.root
 def test_full_disk_refuses_writes_and_serves_exact_bytes(daemon_factory, ns_name):
     mnt = short_tmpdir("kvfull")
     mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],

@@ -27,6 +27,8 @@ from tests.support.rpc import pb, raw
 from tests.support.s3 import radosgw_or_fail
 from tests.support.wait import wait_for
 
+pytestmark = pytest.mark.radosgw
+
 CHUNK = 64 << 10
 RECOVERY_S = 120.0  # a hang guard for "the tier serves again"
 

@@ -196,6 +196,7 @@ def group_socket_dir():
     yield sock_dir
 
 
+@pytest.mark.root
 def test_a_user_outside_the_sockets_group_is_told_which_group(daemon_factory, group_socket_dir):
     group = __import__("grp").getgrgid(OTHER_GROUP).gr_name
     d = daemon_factory(socket=group_socket_dir / "kv.sock")

@@ -70,6 +70,7 @@ def as_user(groups: list[int], sock: Path) -> tuple[dict, str]:
     return json.loads(proc.stdout.splitlines()[-1]), proc.stderr
 
 
+@pytest.mark.root
 @pytest.mark.parametrize("dir_mode", [0o2750, 0o2755], ids=["dir-0750", "dir-0755"])
 def test_a_client_under_another_uid_gets_in_through_the_group_only(daemon_factory, dir_mode):
     """What `-v /run/kvstored:/run/kvstored --group-add GID` amounts to: the socket directory is the

@@ -81,6 +81,7 @@ def test_watch_events_live_stream_sees_new_events(daemon, ns_name):
     assert len(got) == 1 and got[0].type == pb.EVENT_TYPE_STORED
 
 
+@pytest.mark.vllm
 def test_zmq_events_decode_with_vllm_classes_and_replay(daemon_factory, ns_name):
     try:
         from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
@@ -184,6 +185,7 @@ def _zmq_replay(replay_port: int) -> list[bytes]:
         ctx.destroy(linger=0)
 
 
+@pytest.mark.vllm
 def test_clear_namespace_reaches_zmq_routers_as_its_keys_removed_only(daemon_factory, ns_name):
     try:
         from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch

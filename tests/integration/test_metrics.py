@@ -160,6 +160,7 @@ def assert_histograms_consistent(scraped: Scrape, name: str) -> None:
 
 # -- RAM only -----------------------------------------------------------------------------------
 
+@pytest.mark.system_deps
 def test_ram_metrics_match_stats_and_pass_promtool(daemon_factory):
     d = daemon_factory(METRICS_PORT_0, cpu_bytes="8MiB")
     a, b = make_keys("metrics-a", 6), make_keys("metrics-b", 6)
@@ -274,6 +275,7 @@ def test_peer_metrics_have_a_bounded_peer_label(fs_run):
     assert scraped.value("kvstored_tier_lookups_total", tier="peer", kind="peer") == 0  # fs above held it all
 
 
+@pytest.mark.system_deps
 def test_fs_tier_metrics_match_stats_and_pass_promtool(fs_run):
     scraped, before, after = fs_run
     assert before.tiers == after.tiers  # the scrape itself changed nothing
@@ -378,11 +380,13 @@ def test_dashboard_is_importable_grafana_json():
     assert {"datasource", "instance"} <= variables
 
 
+@pytest.mark.system_deps
 def test_rules_and_scrape_config_pass_promtool():
     run_promtool("check", "rules", str(RULES))
     run_promtool("check", "config", str(SCRAPE_CONFIG))
 
 
+@pytest.mark.system_deps
 def test_ram_thrash_alert_fires_only_when_full_and_missing(tmp_path):
     """promtool unit test of the alert: RAM full and every lookup a miss -> fires; a full RAM
     tier that still hits, or an empty one that misses, does not."""

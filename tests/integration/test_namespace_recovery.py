@@ -18,6 +18,8 @@ from tests.support.data import make_keys, payloads
 from tests.support.s3 import radosgw_or_fail
 from tests.support.wait import wait_for
 
+pytestmark = pytest.mark.radosgw
+
 SALT = b"tenant-a-secret"
 
 

@@ -114,6 +114,7 @@ def test_numa_placement_of_the_daemons_pool(daemon_factory, numa, shown):
     assert f"NUMA {numa}" in d.log
 
 
+@pytest.mark.root
 def test_a_hugetlb_pool_serves_clients(daemon_factory, ns_name):
     pages = 32  # 64 MiB
     with reserved_huge_pages(pages):

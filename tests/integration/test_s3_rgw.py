@@ -21,6 +21,8 @@ from kvstored.chunks.chunkfile import HEADER_BYTES
 from kvstored.tiers.s3 import S3Tier
 from tests.support.s3 import radosgw_or_fail
 
+pytestmark = pytest.mark.radosgw
+
 PAGE = 4096
 CHUNK = 2 << 20
 

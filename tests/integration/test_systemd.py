@@ -64,6 +64,7 @@ def wait_for(predicate, what: str, log=lambda: ""):
 
 # -- the unit --------------------------------------------------------------------------------------
 
+@pytest.mark.system_deps
 def test_unit_passes_systemd_analyze_verify(tmp_path):
     analyze = shutil.which("systemd-analyze")
     assert analyze, "systemd-analyze not found (Debian package systemd)"

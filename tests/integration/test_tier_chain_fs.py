@@ -183,6 +183,7 @@ def test_fs_capacity_bound_evicts_least_recently_used_files(daemon_factory, fs_r
         (tier_stats(d)["fs"].chunks, len(fs_files(fs_root)))
 
 
+@pytest.mark.root
 def test_disk_full_stops_fs_admission_and_ram_keeps_serving(daemon_factory, ns_name):
     if os.geteuid() != 0:
         pytest.fail("this test mounts a tiny tmpfs and must run as root (CI does)")

@@ -14,6 +14,8 @@ from tests.support.daemon import short_tmpdir
 from tests.support.data import make_keys, payloads
 from tests.support.s3 import radosgw_or_fail
 
+pytestmark = pytest.mark.radosgw
+
 
 @pytest.fixture(scope="module")
 def rgw():

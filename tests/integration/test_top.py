@@ -186,6 +186,7 @@ class Tmux:
         subprocess.run(self._base + ["kill-server"], capture_output=True, timeout=30)
 
 
+@pytest.mark.system_deps
 def test_live_view_in_a_terminal(laddered, tmp_path):
     tmux = Tmux(tmp_path)
     argv = CTL + ["--socket", str(laddered.socket), "top", "--interval", "0.3"]

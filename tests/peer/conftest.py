@@ -8,13 +8,16 @@ import pytest
 
 from kvstored.peer.ucx_runtime import ucx_installed
 from tests.support import netns
+from tests.support.needs import Needs, require
 
-TRANSPORTS = ["tcp", "ucx"]
+TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.ucxx)]
 
 
 @pytest.fixture(autouse=True)
 def _ucx_present(request):
     params = getattr(getattr(request.node, "callspec", None), "params", {})
+    if "ucx" in params.values():
+        require(Needs.UCXX)
     if "ucx" in params.values() and not ucx_installed():
         pytest.fail("ucxx is not installed (make test installs it with the dev extra)", pytrace=False)
 

@@ -118,6 +118,8 @@ def test_a_chunk_stored_on_a_loads_on_b_loopback(loopback, request):
     check_store_on_a_load_on_b(loopback, model_of(request))
 
 
+@pytest.mark.netns
+@pytest.mark.root
 def test_a_chunk_stored_on_a_loads_on_b_across_namespaces(namespaced, request):
     check_store_on_a_load_on_b(namespaced, model_of(request))
 
@@ -270,6 +272,8 @@ def test_serving_node_fault_loopback(loopback, request, fault):
     check_fault(loopback, model_of(request), fault)
 
 
+@pytest.mark.netns
+@pytest.mark.root
 @pytest.mark.parametrize("fault", FAULTS + ["link_down"])
 def test_serving_node_fault_across_namespaces(namespaced, request, fault):
     check_fault(namespaced, model_of(request), fault)

@@ -14,7 +14,7 @@ from tests.support import netns
 from tests.support.cluster import PEER_PORT, Cluster
 from tests.support.data import make_keys, payloads
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.netns, pytest.mark.root]
 
 NAME = "kvstored-peers"
 CHUNK = 1 << 20

@@ -53,6 +53,8 @@ def test_gib_loopback(transport):
     fetch_gib(transport, None, None)
 
 
+@pytest.mark.netns
+@pytest.mark.root
 def test_gib_across_namespaces(net, transport):
     fetch_gib(transport, net.nodes[0], net.nodes[1])
 
@@ -72,6 +74,8 @@ def test_missing_chunks_are_refused_in_band(transport):
         server.kill()
 
 
+@pytest.mark.netns
+@pytest.mark.root
 @pytest.mark.parametrize("fault", ["sigkill", "sigstop", "link_down", "restart"])
 def test_server_fault_mid_transfer(net, transport, fault):
     server_node, fetch_node = net.nodes
@@ -118,6 +122,8 @@ def test_server_fault_mid_transfer(net, transport, fault):
             s.kill()
 
 
+@pytest.mark.netns
+@pytest.mark.root
 def test_fetcher_killed_mid_transfer(net, transport):
     """The serving side after its fetcher dies: sends end, leases come back, the link goes."""
     server_node, fetch_node = net.nodes

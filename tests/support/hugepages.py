@@ -10,6 +10,7 @@ from typing import Iterator
 import pytest
 
 from kvstored.shm.memory import free_huge_pages
+from tests.support.needs import Needs, require
 
 NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
 
@@ -17,6 +18,7 @@ NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
 @contextlib.contextmanager
 def reserved_huge_pages(pages: int) -> Iterator[None]:
     """At least `pages` free huge pages for the block (vm.nr_hugepages raised, then restored)."""
+    require(Needs.ROOT)
     if os.geteuid() != 0:
         pytest.fail("reserving huge pages (vm.nr_hugepages) needs root", pytrace=False)
     before = int(NR_HUGEPAGES.read_text())

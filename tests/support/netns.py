@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from tests.support.needs import Needs, require
+
 PREFIX = "kvpn"
 SUBNET = "10.213.7"  # a /24 inside the switch namespace only
 IFACE = "eth0"
@@ -48,6 +50,7 @@ def unavailable() -> str | None:
 def topology_or_fail(nodes: int) -> Iterator[Topology]:
     """A topology of `nodes` namespaces for a test module; where namespaces can't be made the
     test fails with the reason (never skipped: `make test` runs as root, as CI does)."""
+    require(Needs.NETNS, Needs.ROOT)
     reason = unavailable()
     if reason:
         pytest.fail(f"{reason} (the cluster tests need it; CI runs as root)", pytrace=False)
@@ -128,6 +131,7 @@ class Topology:
         self.close()
 
     def create(self) -> None:
+        require(Needs.NETNS, Needs.ROOT)
         cleanup_stale()
         try:
             self._add(self.switch)

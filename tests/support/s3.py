@@ -29,6 +29,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from tests.support.needs import Needs, require
+
 REPO = Path(__file__).resolve().parents[2]
 START_RGW = REPO / "deploy" / "ceph" / "start_rgw.sh"
 STOP_RGW = REPO / "deploy" / "ceph" / "stop_rgw.sh"
@@ -97,6 +99,7 @@ class RadosGW:
             raise RgwUnavailable(f"Ceph radosgw is not installed (missing {', '.join(missing)}): {INSTALL_HINT}")
 
     def start(self) -> S3Endpoint:
+        require(Needs.RADOSGW)
         self.check_installed()
         env = dict(os.environ, RGW_ACCESS_KEY=self.ACCESS_KEY, RGW_SECRET_KEY=self.SECRET_KEY,
                    RGW_MEMSTORE_BYTES=str(self.memstore_bytes))
@@ -170,6 +173,7 @@ class RadosGW:
 def radosgw_or_fail() -> Iterator[tuple[RadosGW, S3Endpoint]]:
     """A throwaway radosgw for a test module. Without radosgw the test fails (it is never
     skipped): `make test` installs it."""
+    require(Needs.RADOSGW)
     try:
         RadosGW.check_installed()
     except RgwUnavailable as exc:

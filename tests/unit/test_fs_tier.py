@@ -474,6 +474,7 @@ async def test_second_eviction_admission(make_tier):
 # -- disk full and O_DIRECT fallback -------------------------------------------------------------
 
 
+@pytest.mark.root
 async def test_disk_full(make_tier, small_tmpfs):
     backoff = 0.2
     tier = await make_tier(small_tmpfs, capacity=1 << 30, full_backoff_s=backoff)
@@ -504,6 +505,7 @@ async def test_disk_full(make_tier, small_tmpfs):
     assert await tier.read(chunk(i), dst.views, size) and dst.payload(size) == datas[i]
 
 
+@pytest.mark.root
 async def test_direct_io_on_tmpfs_round_trip(make_tier, small_tmpfs):
     tier = await make_tier(small_tmpfs)
     size = PAGE * 10 + 3
@@ -514,6 +516,7 @@ async def test_direct_io_on_tmpfs_round_trip(make_tier, small_tmpfs):
     assert await tier.read(chunk(1), dst.views, size) and dst.payload(size) == data
 
 
+@pytest.mark.root
 async def test_odirect_refused_at_start_falls_back(make_tier, ramfs):
     tier = await make_tier(ramfs)
     assert not tier.direct_io
@@ -527,6 +530,7 @@ async def test_odirect_refused_at_start_falls_back(make_tier, ramfs):
     assert tmp_files(ramfs) == []
 
 
+@pytest.mark.root
 async def test_odirect_refused_per_file_falls_back(ramfs):
     tier = FsTier("fs", ramfs, 1 << 20)  # not started: no probe, the first open finds out
     try:
@@ -542,6 +546,7 @@ async def test_odirect_refused_per_file_falls_back(ramfs):
         await tier.close()
 
 
+@pytest.mark.root
 async def test_odirect_refused_at_the_first_read_falls_back(make_tier, ramfs):
     writer = await make_tier(ramfs)
     size = PAGE * 3

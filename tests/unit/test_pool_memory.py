@@ -115,6 +115,7 @@ def test_thp_says_when_the_kernel_gives_it_no_huge_pages(made):
         assert warnings == [] and memory.huge_page_bytes(mem) > 0
 
 
+@pytest.mark.root
 def test_a_hugetlb_pool_is_all_huge_pages_and_clients_map_it():
     size = 16 * MIB
     assert memory.pool_size(size + MIB, PoolPages.HUGETLB) == size
