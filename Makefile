@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 # kvstored developer entry points. `make run` and `make test` work on a fresh clone.
 PYTHON ?= python3
 VENV ?= .venv
@@ -12,7 +14,7 @@ RUN_DEFAULT_ARGS ?= --socket var/kvstored.sock --tiers kind=fs,root=var/fs,bytes
 RUN_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup proto run test test-fast lint bench system-deps vllm-deps clean
+.PHONY: setup proto run test test-fast lint format bench system-deps vllm-deps clean
 
 setup: $(STAMP) $(GEN)/kvstored_pb2.py
 
@@ -42,10 +44,17 @@ run: $(RUN_STAMP)
 	mkdir -p var/fs
 	$(BIN)/kvstored serve $(RUN_DEFAULT_ARGS) $(RUN_ARGS)
 
-# Static checks: ruff (lint + import order) and mypy on the daemon and the client (pyproject.toml).
+# Static checks (pyproject.toml): ruff lint and format, mypy; the daemon, the client, bench and tests.
+LINTED := kvstored client bench tests
 lint: setup
-	$(BIN)/ruff check kvstored client
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
 	$(BIN)/mypy
+
+# Rewrites the sources as `make lint` wants them (ruff's fixes and its formatter).
+format: setup
+	$(BIN)/ruff check --fix $(LINTED)
+	$(BIN)/ruff format $(LINTED)
 
 # Exit code 5 (no tests collected) is a failure, not a pass.
 test: lint setup system-deps vllm-deps

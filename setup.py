@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Only the C helper lives here; everything else is in pyproject.toml."""
 
 from setuptools import Extension, setup

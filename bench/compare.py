@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """kvstored against the alternatives, in one run, on the same 2 MiB chunks (not a test): kvstored's
 local path (Client.store/load through the shared pool) and its fs tier, beside Redis 7 GET/SET
 (redis-py + hiredis on loopback, LMCache's usual remote backend), a raw memcpy of the same bytes,
@@ -70,14 +72,14 @@ class KvLocal:
 
     def store(self, src: np.ndarray) -> None:
         for b in range(0, self.n, BATCH):
-            r = self.client.store(self.ns, self.keys[b:b + BATCH], src[b * self.chunk:(b + BATCH) * self.chunk])
-            if r.stored != len(self.keys[b:b + BATCH]):
+            r = self.client.store(self.ns, self.keys[b : b + BATCH], src[b * self.chunk : (b + BATCH) * self.chunk])
+            if r.stored != len(self.keys[b : b + BATCH]):
                 raise RuntimeError(f"kvstored store: {r}")
 
     def load(self, dst: np.ndarray) -> None:
         for b in range(0, self.n, BATCH):
-            got = self.client.load(self.ns, self.keys[b:b + BATCH], dst[b * self.chunk:(b + BATCH) * self.chunk])
-            if got != len(self.keys[b:b + BATCH]):
+            got = self.client.load(self.ns, self.keys[b : b + BATCH], dst[b * self.chunk : (b + BATCH) * self.chunk])
+            if got != len(self.keys[b : b + BATCH]):
                 raise RuntimeError(f"kvstored load: {got} chunks")
 
     def clear(self) -> None:
@@ -122,8 +124,8 @@ class KvFs:
             before = fs_stats().stored_chunks
             t0 = time.perf_counter()
             for b in range(0, self.n, BATCH):
-                r = c.store(ns, self.keys[b:b + BATCH], src[b * self.chunk:(b + BATCH) * self.chunk])
-                if r.stored != len(self.keys[b:b + BATCH]):
+                r = c.store(ns, self.keys[b : b + BATCH], src[b * self.chunk : (b + BATCH) * self.chunk])
+                if r.stored != len(self.keys[b : b + BATCH]):
                     raise RuntimeError(f"kvstored fs store: {r}")
             progress, last_change = before, time.monotonic()
             while True:
@@ -148,11 +150,11 @@ class KvFs:
         try:
             t0 = time.perf_counter()
             for b in range(0, self.n, BATCH):
-                keys = self.keys[b:b + BATCH]
+                keys = self.keys[b : b + BATCH]
                 found = c.lookup(ns, keys)
                 if found.prefix_hits != len(keys) or any(t.name != "FS" for t in found.tiers):
                     raise RuntimeError(f"kvstored fs: expected fs hits, got {found}")
-                got = c.load(ns, keys, dst[b * self.chunk:(b + BATCH) * self.chunk])
+                got = c.load(ns, keys, dst[b * self.chunk : (b + BATCH) * self.chunk])
                 if got != len(keys):
                     raise RuntimeError(f"kvstored fs load: {got} chunks")
             elapsed = time.perf_counter() - t0
@@ -180,9 +182,27 @@ class RedisServer:
         self.dir = Path(tempfile.mkdtemp(prefix="redis-", dir=workdir))
         self.log = open(self.dir / "redis.log", "wb")
         self.proc = subprocess.Popen(
-            [exe, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
-             "--dir", str(self.dir), "--protected-mode", "no", "--daemonize", "no"],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                exe,
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.dir),
+                "--protected-mode",
+                "no",
+                "--daemonize",
+                "no",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip()
         self.hiredis = HIREDIS_AVAILABLE
         self.r = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=60)
@@ -204,7 +224,7 @@ class RedisServer:
         for b in range(0, self.n, PIPELINE):
             pipe = self.r.pipeline(transaction=False)
             for i in range(b, min(b + PIPELINE, self.n)):
-                pipe.set(self.keys[i], src[i * c:(i + 1) * c].data)
+                pipe.set(self.keys[i], src[i * c : (i + 1) * c].data)
             pipe.execute()
 
     def get_pipelined(self, sink: list) -> None:
@@ -226,7 +246,7 @@ class RedisServer:
     def check(self, src: np.ndarray) -> None:
         c = self.chunk
         for i in (0, self.n // 2, self.n - 1):
-            if self.r.get(self.keys[i]) != src[i * c:(i + 1) * c].tobytes():
+            if self.r.get(self.keys[i]) != src[i * c : (i + 1) * c].tobytes():
                 raise RuntimeError(f"redis returned wrong bytes for chunk {i}")
 
     def clear(self) -> None:
@@ -253,10 +273,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=1.0, help="working set in GiB (default 1)")
     ap.add_argument("--chunk-mib", type=float, default=2.0, help="chunk size in MiB (default 2)")
-    ap.add_argument("--repeat", type=int, default=5,
-                    help="repeats of every phase (default 5; the best is reported, the median beside it)")
-    ap.add_argument("--workdir", default=str(REPO / "results" / "tmp"),
-                    help="fs tier root, raw O_DIRECT files and redis' directory go under here")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=5,
+        help="repeats of every phase (default 5; the best is reported, the median beside it)",
+    )
+    ap.add_argument(
+        "--workdir",
+        default=str(REPO / "results" / "tmp"),
+        help="fs tier root, raw O_DIRECT files and redis' directory go under here",
+    )
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     nt_threshold_arg(ap)
     args = ap.parse_args(argv)
@@ -270,18 +297,33 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     info = machine_info()
-    print(f"kvstored vs alternatives -- {n} chunks of {chunk / MIB:g} MiB ({nbytes / GIB:.2f} GiB), "
-          f"{args.repeat} repeats, round-robin; {info['cpu_model']}, {info['cpus']} CPUs, {info['mem_total_gib']} GiB, "
-          f"git {info['git']}, load average {load_average():.2f}; GLIBC_TUNABLES={info['glibc_tunables'] or '(none)'} "
-          f"for every process", flush=True)
+    print(
+        f"kvstored vs alternatives -- {n} chunks of {chunk / MIB:g} MiB ({nbytes / GIB:.2f} GiB), "
+        f"{args.repeat} repeats, round-robin; {info['cpu_model']}, {info['cpus']} CPUs, {info['mem_total_gib']} GiB, "
+        f"git {info['git']}, load average {load_average():.2f}; GLIBC_TUNABLES={info['glibc_tunables'] or '(none)'} "
+        f"for every process",
+        flush=True,
+    )
 
     src_map, dst_map = aligned_pool(nbytes), aligned_pool(nbytes)
     src, dst = np.frombuffer(src_map, dtype=np.uint8), np.frombuffer(dst_map, dtype=np.uint8)
     fill_pattern(src, chunk, seed=7)
 
-    samples: dict[str, Samples] = {k: Samples() for k in (
-        "memcpy", "kv_store", "kv_load", "kvfs_store", "kvfs_load", "redis_set", "redis_get_pipelined",
-        "redis_get_each", "odirect_write", "odirect_read")}
+    samples: dict[str, Samples] = {
+        k: Samples()
+        for k in (
+            "memcpy",
+            "kv_store",
+            "kv_load",
+            "kvfs_store",
+            "kvfs_load",
+            "redis_set",
+            "redis_get_pipelined",
+            "redis_get_each",
+            "odirect_write",
+            "odirect_read",
+        )
+    }
     kv = kvfs = redis_srv = raw = None
     sink: list = []
     t_all = time.perf_counter()
@@ -292,9 +334,10 @@ def main(argv: list[str] | None = None) -> int:
         raw = ODirectFiles(workdir, n, chunk, IO_THREADS)  # the disk ceiling of the fs tier
         print(f"  redis: {redis_srv.version}; redis-py hiredis parser: {redis_srv.hiredis}", flush=True)
         for rep in range(args.repeat):
+
             def memcpy() -> None:
                 for i in range(n):
-                    dst[i * chunk:(i + 1) * chunk] = src[i * chunk:(i + 1) * chunk]
+                    dst[i * chunk : (i + 1) * chunk] = src[i * chunk : (i + 1) * chunk]
 
             samples["memcpy"].gib_s.append(timed(nbytes, memcpy))
 
@@ -320,8 +363,12 @@ def main(argv: list[str] | None = None) -> int:
             samples["kvfs_load"].gib_s.append(kvfs.load(dst))
             if rep == 0 and not np.array_equal(src, dst):
                 raise RuntimeError("kvstored fs load returned wrong bytes")
-            print(f"  repeat {rep + 1}/{args.repeat}: " + ", ".join(
-                f"{k} {v.gib_s[-1]:.2f}" for k, v in samples.items()) + " GiB/s", flush=True)
+            print(
+                f"  repeat {rep + 1}/{args.repeat}: "
+                + ", ".join(f"{k} {v.gib_s[-1]:.2f}" for k, v in samples.items())
+                + " GiB/s",
+                flush=True,
+            )
     finally:
         for system in (kv, kvfs, redis_srv, raw):
             if system is not None:
@@ -346,35 +393,54 @@ def main(argv: list[str] | None = None) -> int:
         row("raw O_DIRECT read (8 threads)", "odirect_read", "kvstored fs load", "kvfs_load"),
         row("raw O_DIRECT write (8 threads)", "odirect_write", "kvstored fs store", "kvfs_store"),
     ]
-    redis_best = max(("redis_get_pipelined", "Redis GET, pipelined 16"), ("redis_get_each", "Redis GET, one at a time"),
-                     key=lambda kv_: best[kv_[0]])
-    target_row = Row("kvstored local load vs Redis GET", best["kv_load"], "GiB/s", redis_best[1],
-                     best[redis_best[0]], target=TARGET_VS_REDIS, median=med["kv_load"],
-                     note="issue 5 target: kvstored's local path >= 5x Redis GET (Redis' faster GET variant)")
+    redis_best = max(
+        ("redis_get_pipelined", "Redis GET, pipelined 16"),
+        ("redis_get_each", "Redis GET, one at a time"),
+        key=lambda kv_: best[kv_[0]],
+    )
+    target_row = Row(
+        "kvstored local load vs Redis GET",
+        best["kv_load"],
+        "GiB/s",
+        redis_best[1],
+        best[redis_best[0]],
+        target=TARGET_VS_REDIS,
+        median=med["kv_load"],
+        note="issue 5 target: kvstored's local path >= 5x Redis GET (Redis' faster GET variant)",
+    )
     print()
-    print_table(rows, title="value: best repeat (as bench/local_path.py), median: median repeat; ratio: value / "
-                            "the baseline's value (a kvstored row)")
+    print_table(
+        rows,
+        title="value: best repeat (as bench/local_path.py), median: median repeat; ratio: value / "
+        "the baseline's value (a kvstored row)",
+    )
     print()
     print_table([target_row], title="target")
     print(f"\ntook {time.perf_counter() - t_all:.0f} s; load average now {load_average():.2f}")
 
     if args.json:
-        write_json(args.json, {
-            "benchmark": "compare",
-            "command": " ".join([Path(sys.executable).name,
-                                 *(sys.argv if argv is None else ["bench/compare.py", *argv])]),
-            "machine": info,
-            "chunk_bytes": chunk,
-            "chunks": n,
-            "repeat": args.repeat,
-            "redis": {"version": redis_srv.version if redis_srv else "",
-                      "hiredis": redis_srv.hiredis if redis_srv else None},
-            "samples_gib_s": {k: v.gib_s for k, v in samples.items()},
-            "median_gib_s": med,
-            "best_gib_s": best,
-            "rows": [r.to_json() for r in rows],
-            "target": target_row.to_json(),
-        })
+        write_json(
+            args.json,
+            {
+                "benchmark": "compare",
+                "command": " ".join(
+                    [Path(sys.executable).name, *(sys.argv if argv is None else ["bench/compare.py", *argv])]
+                ),
+                "machine": info,
+                "chunk_bytes": chunk,
+                "chunks": n,
+                "repeat": args.repeat,
+                "redis": {
+                    "version": redis_srv.version if redis_srv else "",
+                    "hiredis": redis_srv.hiredis if redis_srv else None,
+                },
+                "samples_gib_s": {k: v.gib_s for k, v in samples.items()},
+                "median_gib_s": med,
+                "best_gib_s": best,
+                "rows": [r.to_json() for r in rows],
+                "target": target_row.to_json(),
+            },
+        )
         print(f"JSON written to {args.json}")
     return 0
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The peer data plane against the raw transports beneath it (issue 11 part 8's groundwork; not a test).
 
 Method, baselines, targets and results: docs/benchmarks.md.
@@ -55,8 +57,9 @@ def _env() -> dict[str, str]:
 
 
 def _spawn(argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=_env(), cwd=REPO, text=True)
+    return subprocess.Popen(
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=REPO, text=True
+    )
 
 
 def _read_json(proc: subprocess.Popen, want: str) -> dict:
@@ -93,7 +96,7 @@ def _ring(chunk: int, n: int) -> list[memoryview]:
     as the fetching node uses."""
     pool = mmap.mmap(-1, n * chunk, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
     mv = memoryview(pool)
-    return [mv[i * chunk:(i + 1) * chunk] for i in range(n)]
+    return [mv[i * chunk : (i + 1) * chunk] for i in range(n)]
 
 
 def _emit(event: str, **fields) -> None:
@@ -179,7 +182,8 @@ def raw_ucx_recv(args: argparse.Namespace) -> None:
         async def on_endpoint(ep) -> None:
             try:
                 first_end, end, cpu = await _windowed(
-                    args.count, args.window, lambda i: ep.recv(ring[i % args.slots], tag=i, force_tag=True))
+                    args.count, args.window, lambda i: ep.recv(ring[i % args.slots], tag=i, force_tag=True)
+                )
                 gib = (args.count - 1) * args.chunk / GIB
                 done.set_result({"gib_s": gib / (end - first_end), "cpu_s_per_gib": cpu / gib})
                 await ep.recv(bytearray(1), tag=args.count, force_tag=True)  # the sender's "bye"
@@ -203,8 +207,7 @@ def raw_ucx_send(args: argparse.Namespace) -> None:
         ucxx = _ucxx(args.devices)
         ring = _ring(args.chunk, args.count)
         ep = await ucxx.create_endpoint(args.host, args.port)
-        _, _, cpu = await _windowed(args.count, args.window,
-                                    lambda i: ep.send(ring[i], tag=i, force_tag=True))
+        _, _, cpu = await _windowed(args.count, args.window, lambda i: ep.send(ring[i], tag=i, force_tag=True))
         _emit("done", cpu_s_per_gib=cpu / ((args.count - 1) * args.chunk / GIB))
         await ep.send(bytearray(1), tag=args.count, force_tag=True)
         ucxx.stop_notifier_thread()
@@ -226,15 +229,26 @@ def measure_raw(transport: str, place: Place, nbytes: int, chunk: int, slots: in
     """One raw transfer of `nbytes` from place.server to place.fetcher, landing in `slots` buffers."""
     count = nbytes // chunk
     me = [sys.executable, "-m", "bench.peer_raw"]
-    common = ["--chunk", str(chunk), "--count", str(count), "--slots", str(slots), "--devices", place.devices,
-              "--window", str(ucx_window)]
+    common = [
+        "--chunk",
+        str(chunk),
+        "--count",
+        str(count),
+        "--slots",
+        str(slots),
+        "--devices",
+        place.devices,
+        "--window",
+        str(ucx_window),
+    ]
     host = place.fetcher.ip if place.fetcher else "127.0.0.1"
     recv = _spawn(place.argv(place.fetcher, [*me, f"raw-{transport}-recv", "--host", host, *common]))
     send = None
     try:
         port = _read_json(recv, "ready")["port"]
-        send = _spawn(place.argv(place.server, [*me, f"raw-{transport}-send", "--host", host, "--port", str(port),
-                                                *common]))
+        send = _spawn(
+            place.argv(place.server, [*me, f"raw-{transport}-send", "--host", host, "--port", str(port), *common])
+        )
         done = _read_json(recv, "done")
         sent = _read_json(send, "done")
         return Sample(done["gib_s"], (done["cpu_s_per_gib"], sent["cpu_s_per_gib"]))
@@ -246,18 +260,46 @@ def measure_peer(transport: str, place: Place, nbytes: int, chunk: int, concurre
     """kvstored.peer moving `nbytes` from a serving node to a fetching node."""
     count = nbytes // chunk
     node = [sys.executable, "-m", "tests.peer.node"]
-    common = ["--transport", transport, "--chunks", str(count), "--chunk-bytes", str(chunk),
-              "--ucx-net-devices", place.devices, "--contiguous"]
+    common = [
+        "--transport",
+        transport,
+        "--chunks",
+        str(count),
+        "--chunk-bytes",
+        str(chunk),
+        "--ucx-net-devices",
+        place.devices,
+        "--contiguous",
+    ]
     server = _spawn(place.argv(place.server, [*node, "serve", *common, "--host", place.server_host]))
     fetcher = None
     try:
         ready = _read_json(server, "ready")
-        fetcher = _spawn(place.argv(place.fetcher, [
-            *node, "fetch", *common, "--once", "--no-verify", "--quiet", "--progress-every", str(count + 1),
-            "--concurrency", str(concurrency), "--batch", str(batch), "--timeout-s", "30",
-            "--data", f"{place.server_host}:{ready['data_port']}",
-            "--control", f"{place.server_host}:{ready['control_port']}",
-        ]))
+        fetcher = _spawn(
+            place.argv(
+                place.fetcher,
+                [
+                    *node,
+                    "fetch",
+                    *common,
+                    "--once",
+                    "--no-verify",
+                    "--quiet",
+                    "--progress-every",
+                    str(count + 1),
+                    "--concurrency",
+                    str(concurrency),
+                    "--batch",
+                    str(batch),
+                    "--timeout-s",
+                    "30",
+                    "--data",
+                    f"{place.server_host}:{ready['data_port']}",
+                    "--control",
+                    f"{place.server_host}:{ready['control_port']}",
+                ],
+            )
+        )
         summary = _read_json(fetcher, "summary")
         if summary["counts"] != {"received": count}:
             raise RuntimeError(f"peer {transport}: {summary['counts']}")
@@ -292,14 +334,19 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict]:
             shift = r % len(arms)
             for place, transport, kind in arms[shift:] + arms[:shift]:
                 if kind == "raw":
-                    value = measure_raw(transport, place, nbytes, chunk, 2 * args.concurrency * args.batch,
-                                        args.ucx_window)
+                    value = measure_raw(
+                        transport, place, nbytes, chunk, 2 * args.concurrency * args.batch, args.ucx_window
+                    )
                 else:
                     value = measure_peer(transport, place, nbytes, chunk, args.concurrency, args.batch)
                 key = f"{kind} {transport} ({place.name})"
                 samples.setdefault(key, []).append(value)
-                print(f"round {r}: {key}: {value.gib_s:.2f} GiB/s, CPU s/GiB fetcher {value.cpu_s_per_gib[0]:.2f} "
-                      f"server {value.cpu_s_per_gib[1]:.2f}", file=sys.stderr, flush=True)
+                print(
+                    f"round {r}: {key}: {value.gib_s:.2f} GiB/s, CPU s/GiB fetcher {value.cpu_s_per_gib[0]:.2f} "
+                    f"server {value.cpu_s_per_gib[1]:.2f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         if topology is not None:
             topology.close()
@@ -308,13 +355,19 @@ def run(args: argparse.Namespace) -> tuple[list[Row], dict]:
         for transport in transports:
             peer = samples[f"peer {transport} ({place.name})"]
             raw = samples[f"raw {transport} ({place.name})"]
-            rows.append(Row(
-                name=f"peer {transport} ({place.name})", value=statistics.median(s.gib_s for s in peer), unit="GiB/s",
-                baseline_name=f"raw {transport}", baseline=statistics.median(s.gib_s for s in raw), target=TARGET,
-                median=statistics.median(s.gib_s for s in peer),
-                note=f"per round GiB/s: peer {_list(s.gib_s for s in peer)}; raw {_list(s.gib_s for s in raw)}; "
-                     f"CPU s/GiB (fetcher+server, median): peer {_cpu_pair(peer)}, raw {_cpu_pair(raw)}",
-            ))
+            rows.append(
+                Row(
+                    name=f"peer {transport} ({place.name})",
+                    value=statistics.median(s.gib_s for s in peer),
+                    unit="GiB/s",
+                    baseline_name=f"raw {transport}",
+                    baseline=statistics.median(s.gib_s for s in raw),
+                    target=TARGET,
+                    median=statistics.median(s.gib_s for s in peer),
+                    note=f"per round GiB/s: peer {_list(s.gib_s for s in peer)}; raw {_list(s.gib_s for s in raw)}; "
+                    f"CPU s/GiB (fetcher+server, median): peer {_cpu_pair(peer)}, raw {_cpu_pair(raw)}",
+                )
+            )
     return rows, {k: [asdict(s) for s in v] for k, v in samples.items()}
 
 
@@ -350,8 +403,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ucx-window", type=int, default=1, help="raw ucx messages in flight")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
-    roles = {"raw-tcp-recv": raw_tcp_recv, "raw-tcp-send": raw_tcp_send,
-             "raw-ucx-recv": raw_ucx_recv, "raw-ucx-send": raw_ucx_send}
+    roles = {
+        "raw-tcp-recv": raw_tcp_recv,
+        "raw-tcp-send": raw_tcp_send,
+        "raw-ucx-recv": raw_ucx_recv,
+        "raw-ucx-send": raw_ucx_send,
+    }
     if args.role:
         roles[args.role](args)
         return 0
@@ -360,11 +417,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         print(f"bench failed: {exc}", file=sys.stderr)
         return 2
-    print_table(rows, title=f"peer data plane vs raw transports ({args.gib:g} GiB of {args.chunk_mib} MiB chunks, "
-                            f"{args.concurrency} orders of {args.batch} in flight, median of {args.rounds} rounds)")
+    print_table(
+        rows,
+        title=f"peer data plane vs raw transports ({args.gib:g} GiB of {args.chunk_mib} MiB chunks, "
+        f"{args.concurrency} orders of {args.batch} in flight, median of {args.rounds} rounds)",
+    )
     if args.json:
-        write_json(args.json, {"bench": "peer_raw", "machine": machine_info(), "args": vars(args),
-                               "rows": [r.to_json() for r in rows], "samples": samples})
+        write_json(
+            args.json,
+            {
+                "bench": "peer_raw",
+                "machine": machine_info(),
+                "args": vars(args),
+                "rows": [r.to_json() for r in rows],
+                "samples": samples,
+            },
+        )
     return 0 if all(r.status == "PASS" for r in rows) else 1
 
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Charts for the kvstored benchmarks (matplotlib, PNG).
 
 Method, baselines, targets and results: docs/benchmarks.md.
@@ -12,8 +14,12 @@ from typing import Any
 
 # fallbacks for JSON written before the configurations were listed in it (doc["configs"])
 LABELS = {"none": "no offload", "ram": "RAM", "ram+fs": "RAM + fs", "ram+fs+s3": "RAM + fs + S3"}
-HAS_TIER = {"none": ["gpu"], "ram": ["gpu", "ram"], "ram+fs": ["gpu", "ram", "fs"],
-            "ram+fs+s3": ["gpu", "ram", "fs", "s3"]}
+HAS_TIER = {
+    "none": ["gpu"],
+    "ram": ["gpu", "ram"],
+    "ram+fs": ["gpu", "ram", "fs"],
+    "ram+fs+s3": ["gpu", "ram", "fs", "s3"],
+}
 STYLE = {  # colour, marker
     "none": ("#7f7f7f", "o"),
     "ram": ("#1f77b4", "s"),
@@ -22,8 +28,13 @@ STYLE = {  # colour, marker
     "ram+fs+peer": ("#ff7f0e", "P"),
 }
 EXTRA_STYLES = [("#9467bd", "v"), ("#8c564b", "P"), ("#e377c2", "X"), ("#17becf", "*")]  # configurations added later
-TIER_TITLES = {"gpu": "GPU prefix cache", "ram": "kvstored RAM tier", "fs": "kvstored fs tier",
-               "peer": "kvstored peer tier", "s3": "kvstored S3 tier"}
+TIER_TITLES = {
+    "gpu": "GPU prefix cache",
+    "ram": "kvstored RAM tier",
+    "fs": "kvstored fs tier",
+    "peer": "kvstored peer tier",
+    "s3": "kvstored S3 tier",
+}
 
 
 def plot_multiturn(doc: dict[str, Any], path: str | Path) -> None:
@@ -44,8 +55,8 @@ def plot_multiturn(doc: dict[str, Any], path: str | Path) -> None:
     fig = plt.figure(figsize=(13 if k <= 4 else 15, 8.5), dpi=110)
     grid = fig.add_gridspec(2, 2 * k, height_ratios=[1.5, 1], hspace=0.42, wspace=1.0)
     ax_tp = fig.add_subplot(grid[0, 0:k])
-    ax_hit = fig.add_subplot(grid[0, k:2 * k])
-    tier_axes = [fig.add_subplot(grid[1, 2 * i:2 * i + 2]) for i in range(k)]
+    ax_hit = fig.add_subplot(grid[0, k : 2 * k])
+    tier_axes = [fig.add_subplot(grid[1, 2 * i : 2 * i + 2]) for i in range(k)]
     counts = sorted({r["conversations"] for r in runs})
 
     for config in configs:
@@ -88,19 +99,23 @@ def plot_multiturn(doc: dict[str, Any], path: str | Path) -> None:
     fig.suptitle(
         f"kvstored multi-turn benchmark: {w.get('initial_tokens')} + {w.get('turn_tokens')} tokens/turn, "
         f"{w.get('turns')} turns{routed}"
-        + f"\nmodelled {model.get('model_name', 'GPU')}" + (" on each node" if nodes > 1 else "") + ": "
+        + f"\nmodelled {model.get('model_name', 'GPU')}"
+        + (" on each node" if nodes > 1 else "")
+        + ": "
         f"{model.get('model_kv_bytes_per_token', 0):,} KV bytes/token, "
         f"{model.get('prefill_tokens_per_s', 0):,.0f} prefill tokens/s",
         fontsize=12,
     )
     load = doc.get("load_average")
     conv = doc.get("sizes_in_conversations", {})
-    foot = (f"Real {'daemons' if nodes > 1 else 'daemon'}, real transfers of KV scaled 1/{scale:g} (load times "
-            f"x{scale:g}); modelled GPU cache {conv.get('gpu', 0):.0f} conversations, RAM tier {conv.get('ram', 0):g}, "
-            f"fs {conv.get('fs', 0):g}" + (" per node" if nodes > 1 else "") + "; "
-            f"{machine.get('cpus')} CPUs, {machine.get('mem_total_gib')} GiB, git {machine.get('git')}"
-            + (f", load average {load['min']:.1f}-{load['max']:.1f}" if load else "")
-            + f"; {doc.get('s3_server', '')}")
+    foot = (
+        f"Real {'daemons' if nodes > 1 else 'daemon'}, real transfers of KV scaled 1/{scale:g} (load times "
+        f"x{scale:g}); modelled GPU cache {conv.get('gpu', 0):.0f} conversations, RAM tier {conv.get('ram', 0):g}, "
+        f"fs {conv.get('fs', 0):g}" + (" per node" if nodes > 1 else "") + "; "
+        f"{machine.get('cpus')} CPUs, {machine.get('mem_total_gib')} GiB, git {machine.get('git')}"
+        + (f", load average {load['min']:.1f}-{load['max']:.1f}" if load else "")
+        + f"; {doc.get('s3_server', '')}"
+    )
     fig.text(0.5, 0.01, foot, ha="center", fontsize=8, color="#555555")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, bbox_inches="tight")

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Benchmark of the pool's page modes and NUMA placement (not a test).
 
 Method, baselines, targets and results: docs/benchmarks.md.
@@ -54,11 +56,21 @@ def best(rounds: list[Result]) -> Result:
     ok = [r for r in rounds if not r.error]
     if not ok:
         return rounds[0]
-    return Result(ok[0].mode, ok[0].numa, "", max(r.populate_gib_s for r in ok), min(r.attach_s for r in ok),
-                  min(r.pte_bytes_per_gib for r in ok), max(r.copy_chunk_gib_s for r in ok),
-                  max(r.copy_piece_gib_s for r in ok), max(r.huge_bytes for r in ok),
-                  {f: [getattr(r, f) for r in ok] for f in ("populate_gib_s", "attach_s", "copy_chunk_gib_s",
-                                                            "copy_piece_gib_s")})
+    return Result(
+        ok[0].mode,
+        ok[0].numa,
+        "",
+        max(r.populate_gib_s for r in ok),
+        min(r.attach_s for r in ok),
+        min(r.pte_bytes_per_gib for r in ok),
+        max(r.copy_chunk_gib_s for r in ok),
+        max(r.copy_piece_gib_s for r in ok),
+        max(r.huge_bytes for r in ok),
+        {
+            f: [getattr(r, f) for r in ok]
+            for f in ("populate_gib_s", "attach_s", "copy_chunk_gib_s", "copy_piece_gib_s")
+        },
+    )
 
 
 def measure(size: int, pages: PoolPages, numa: NumaPlacement | None, src: np.ndarray) -> Result:
@@ -83,17 +95,17 @@ def measure(size: int, pages: PoolPages, numa: NumaPlacement | None, src: np.nda
         try:
             pool = np.frombuffer(client, dtype=np.uint8)
             rng = np.random.default_rng(1)
-            chunk_slots = rng.permutation(size // CHUNK)[:COPY_BYTES // CHUNK]
+            chunk_slots = rng.permutation(size // CHUNK)[: COPY_BYTES // CHUNK]
             piece_slots = rng.integers(0, size // PIECE, COPY_BYTES // PIECE)
             t = time.perf_counter()
             for i, slot in enumerate(chunk_slots):
                 at = int(slot) * CHUNK
-                np.copyto(pool[at:at + CHUNK], src[(i * CHUNK) % len(src):][:CHUNK])
+                np.copyto(pool[at : at + CHUNK], src[(i * CHUNK) % len(src) :][:CHUNK])
             result.copy_chunk_gib_s = len(chunk_slots) * CHUNK / (time.perf_counter() - t) / GIB
             t = time.perf_counter()
             for i, slot in enumerate(piece_slots):
                 at = int(slot) * PIECE
-                np.copyto(pool[at:at + PIECE], src[(i * PIECE) % len(src):][:PIECE])
+                np.copyto(pool[at : at + PIECE], src[(i * PIECE) % len(src) :][:PIECE])
             result.copy_piece_gib_s = len(piece_slots) * PIECE / (time.perf_counter() - t) / GIB
             del pool
         finally:
@@ -111,7 +123,7 @@ def system_setting(path: Path, value: str | None) -> Iterator[None]:
         yield
         return
     text = path.read_text()
-    before = text[text.index("[") + 1:text.index("]")] if "[" in text else text.strip()
+    before = text[text.index("[") + 1 : text.index("]")] if "[" in text else text.strip()
     path.write_text(value)
     try:
         yield
@@ -120,14 +132,18 @@ def system_setting(path: Path, value: str | None) -> Iterator[None]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--size", default="2GiB", help="pool size (default 2GiB)")
     parser.add_argument("--rounds", type=int, default=5, help="round-robin rounds; the best one counts (default 5)")
     parser.add_argument("--modes", default="4k,thp,hugetlb", help="pool_pages modes to compare")
     parser.add_argument("--numa", default="unset,0,interleave", help="NUMA placements to compare")
-    parser.add_argument("--reserve-hugepages", action="store_true",
-                        help="(root) raise vm.nr_hugepages for the run so hugetlb can be measured")
+    parser.add_argument(
+        "--reserve-hugepages",
+        action="store_true",
+        help="(root) raise vm.nr_hugepages for the run so hugetlb can be measured",
+    )
     parser.add_argument("--thp-shmem", metavar="MODE", help="(root) set transparent_hugepage/shmem_enabled for the run")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
@@ -141,10 +157,12 @@ def main() -> int:
         huge_needed = max(0, size // memory.HUGE_PAGE_BYTES - memory.free_huge_pages(None))
     nr = Path("/proc/sys/vm/nr_hugepages")
     nr_value = str(int(nr.read_text()) + huge_needed) if huge_needed else None
-    print(f"pool {format_size(size)}; NUMA nodes {memory.numa_nodes()}; THP shmem_enabled "
-          f"{memory.thp_shmem_mode()!r}{' -> ' + repr(args.thp_shmem) if args.thp_shmem else ''}; free huge pages "
-          f"{memory.free_huge_pages(None)}{f' (+{huge_needed} reserved for the run)' if huge_needed else ''}; "
-          f"load average {load_average():.1f}")
+    print(
+        f"pool {format_size(size)}; NUMA nodes {memory.numa_nodes()}; THP shmem_enabled "
+        f"{memory.thp_shmem_mode()!r}{' -> ' + repr(args.thp_shmem) if args.thp_shmem else ''}; free huge pages "
+        f"{memory.free_huge_pages(None)}{f' (+{huge_needed} reserved for the run)' if huge_needed else ''}; "
+        f"load average {load_average():.1f}"
+    )
     configs = [(pages, numa) for pages in modes for numa in placements]
     rounds: dict[tuple, list[Result]] = {c: [] for c in configs}
     with system_setting(memory.THP_SHMEM, args.thp_shmem), system_setting(nr, nr_value):
@@ -162,9 +180,18 @@ def main() -> int:
         text = fmt.format(value)
         return f"{text} ({value / ref:.2f}x)" if base is not None and ref else text
 
-    table = [["pages", "numa", "populate GiB/s (best, median)", "client attach s", "page tables/GiB",
-              "copy 2 MiB GiB/s",
-              "copy 64 KiB GiB/s", "in 2 MiB pages"]]
+    table = [
+        [
+            "pages",
+            "numa",
+            "populate GiB/s (best, median)",
+            "client attach s",
+            "page tables/GiB",
+            "copy 2 MiB GiB/s",
+            "copy 64 KiB GiB/s",
+            "in 2 MiB pages",
+        ]
+    ]
     for r in results:
         if r.error:
             table.append([r.mode, r.numa, "-", "-", "-", "-", "-", "-"])
@@ -172,20 +199,38 @@ def main() -> int:
         b = base or r
         populate = cell(r, r.populate_gib_s, b.populate_gib_s, "{:.2f}")
         populate += f" med {statistics.median(r.samples['populate_gib_s']):.2f}"
-        table.append([r.mode, r.numa, populate,
-                      cell(r, r.attach_s, b.attach_s, "{:.3f}"), format_size(int(r.pte_bytes_per_gib)),
-                      cell(r, r.copy_chunk_gib_s, b.copy_chunk_gib_s, "{:.2f}"),
-                      cell(r, r.copy_piece_gib_s, b.copy_piece_gib_s, "{:.2f}"),
-                      f"{100 * r.huge_bytes / size:.0f}%"])
+        table.append(
+            [
+                r.mode,
+                r.numa,
+                populate,
+                cell(r, r.attach_s, b.attach_s, "{:.3f}"),
+                format_size(int(r.pte_bytes_per_gib)),
+                cell(r, r.copy_chunk_gib_s, b.copy_chunk_gib_s, "{:.2f}"),
+                cell(r, r.copy_piece_gib_s, b.copy_piece_gib_s, "{:.2f}"),
+                f"{100 * r.huge_bytes / size:.0f}%",
+            ]
+        )
     print_aligned(table, right={2, 3, 4, 5, 6, 7})
     for r in results:
         if r.error:
             print(f"  * {r.mode} / numa {r.numa}: {r.error}")
     if args.json:
-        write_json(args.json, {"machine": machine_info(), "size": size, "rounds": args.rounds, "copy_bytes": COPY_BYTES,
-                               "results": [vars(r) for r in results],
-                               "medians": {f"{r.mode}/{r.numa}": {k: statistics.median(v) for k, v in r.samples.items()}
-                                           for r in results if r.samples}})
+        write_json(
+            args.json,
+            {
+                "machine": machine_info(),
+                "size": size,
+                "rounds": args.rounds,
+                "copy_bytes": COPY_BYTES,
+                "results": [vars(r) for r in results],
+                "medians": {
+                    f"{r.mode}/{r.numa}": {k: statistics.median(v) for k, v in r.samples.items()}
+                    for r in results
+                    if r.samples
+                },
+            },
+        )
     return 0
 
 

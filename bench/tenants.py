@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Benchmark of what tenant isolation costs on the local data path (not a test).
 
 Method, baselines, targets and results: docs/benchmarks.md.
@@ -64,9 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     ws = n * chunk
     cpu_bytes = -(-int(ws * 2.5) // (64 << 10)) * (64 << 10)
     info = machine_info()
-    print(f"kvstored tenant-isolation benchmark: working set {ws / GIB:.3f} GiB = {n} chunks of {args.chunk_mib:g} "
-          f"MiB, {args.batch} per request, best of {args.repeat} (+{args.warmup} warm-up); RAM tier "
-          f"{cpu_bytes / GIB:.2f} GiB; {info['cpus']} CPUs, kernel {info['kernel']}; git {info['git']}")
+    print(
+        f"kvstored tenant-isolation benchmark: working set {ws / GIB:.3f} GiB = {n} chunks of {args.chunk_mib:g} "
+        f"MiB, {args.batch} per request, best of {args.repeat} (+{args.warmup} warm-up); RAM tier "
+        f"{cpu_bytes / GIB:.2f} GiB; {info['cpus']} CPUs, kernel {info['kernel']}; git {info['git']}"
+    )
     load_start = load_average()
 
     src = populate(np.empty(ws, dtype=np.uint8))
@@ -81,13 +85,17 @@ def main(argv: list[str] | None = None) -> int:
     cpu: dict[str, list[float]] = {}  # client + daemon CPU ms per GiB
     errors: list[str] = []
 
-    with Daemon(cpu_bytes, extra_args=["--tenant-quota", str(ws)]) as daemon, \
-            Client(daemon.socket, deadline_s=60.0, client_name="bench-tenants") as kv:
+    with (
+        Daemon(cpu_bytes, extra_args=["--tenant-quota", str(ws)]) as daemon,
+        Client(daemon.socket, deadline_s=60.0, client_name="bench-tenants") as kv,
+    ):
         namespaces = {
-            "public": kv.register_namespace(NamespaceSpec(model="bench/tenants", dtype="uint8", chunk_bytes=chunk,
-                                                          quota_bytes=ws)),
-            "tenant": kv.register_namespace(NamespaceSpec(model="bench/tenants", dtype="uint8", chunk_bytes=chunk,
-                                                          tenant_salt=b"bench-tenant")),
+            "public": kv.register_namespace(
+                NamespaceSpec(model="bench/tenants", dtype="uint8", chunk_bytes=chunk, quota_bytes=ws)
+            ),
+            "tenant": kv.register_namespace(
+                NamespaceSpec(model="bench/tenants", dtype="uint8", chunk_bytes=chunk, tenant_salt=b"bench-tenant")
+            ),
         }
         region = kv.register_region(region_file.path)
         region_file.unlink()
@@ -112,12 +120,12 @@ def main(argv: list[str] | None = None) -> int:
 
                 def store(keys=keys, ns=ns, what=what) -> None:
                     for b0, b1 in batches:
-                        if kv.store(ns, keys[b0:b1], src[b0 * chunk:b1 * chunk]).stored != b1 - b0:
+                        if kv.store(ns, keys[b0:b1], src[b0 * chunk : b1 * chunk]).stored != b1 - b0:
                             errors.append(f"{what}: store")
 
                 def load(keys=keys, ns=ns, what=what) -> None:
                     for b0, b1 in batches:
-                        if kv.load(ns, keys[b0:b1], dst[b0 * chunk:b1 * chunk]) != b1 - b0:
+                        if kv.load(ns, keys[b0:b1], dst[b0 * chunk : b1 * chunk]) != b1 - b0:
                             errors.append(f"{what}: load")
 
                 def region_store(rkeys=rkeys, ns=ns, what=what) -> None:
@@ -141,15 +149,18 @@ def main(argv: list[str] | None = None) -> int:
                     errors.append(f"{who}: region loaded bytes differ")
 
             # A tenant seen for the first time: a fresh arena, every page a hole.
-            first = kv.register_namespace(NamespaceSpec(model="bench/tenants", dtype="uint8", chunk_bytes=chunk,
-                                                        tenant_salt=f"bench-first-{rep}".encode()))
-            quarter = batches[:max(1, len(batches) // 4)]
+            first = kv.register_namespace(
+                NamespaceSpec(
+                    model="bench/tenants", dtype="uint8", chunk_bytes=chunk, tenant_salt=f"bench-first-{rep}".encode()
+                )
+            )
+            quarter = batches[: max(1, len(batches) // 4)]
             fkeys = [f"first/{rep}/{i}".encode().ljust(32, b".") for i in range(n)]
             nbytes = sum(b1 - b0 for b0, b1 in quarter) * chunk
 
             def first_store(first=first, quarter=quarter, fkeys=fkeys) -> None:
                 for b0, b1 in quarter:
-                    kv.store(first, fkeys[b0:b1], src[b0 * chunk:b1 * chunk])
+                    kv.store(first, fkeys[b0:b1], src[b0 * chunk : b1 * chunk])
 
             timed("first_store", rep, nbytes, first_store)
             for b0, b1 in quarter:
@@ -162,12 +173,19 @@ def main(argv: list[str] | None = None) -> int:
     best = {k: Stats.of(v) for k, v in samples.items()}
 
     def row(label: str, phase: str, base: str, target: float | None) -> Row:
-        return Row(label, best[phase].best, "GiB/s", base.replace("_", " "), best[base].best, target,
-                   median=best[phase].median)
+        return Row(
+            label, best[phase].best, "GiB/s", base.replace("_", " "), best[base].best, target, median=best[phase].median
+        )
 
     def cpu_row(label: str, phase: str, base: str) -> Row:
-        return Row(label, statistics.median(cpu[phase]), "ms", base.replace("_", " "),
-                   statistics.median(cpu[base]), higher_is_better=False)
+        return Row(
+            label,
+            statistics.median(cpu[phase]),
+            "ms",
+            base.replace("_", " "),
+            statistics.median(cpu[base]),
+            higher_is_better=False,
+        )
 
     rows = [
         Row("public pool mapping store", best["public_store"].best, "GiB/s", median=best["public_store"].median),
@@ -192,9 +210,16 @@ def main(argv: list[str] | None = None) -> int:
     for e in errors:
         print(f"ERROR: {e}")
     if args.json:
-        write_json(args.json, {"rows": [r.to_json() for r in rows], "samples": samples, "cpu_ms_per_gib": cpu,
-                               "errors": errors,
-                               "machine": info})
+        write_json(
+            args.json,
+            {
+                "rows": [r.to_json() for r in rows],
+                "samples": samples,
+                "cpu_ms_per_gib": cpu,
+                "errors": errors,
+                "machine": info,
+            },
+        )
     return 1 if errors else 0
 
 

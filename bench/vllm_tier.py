@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """kvstored as a vLLM secondary tier vs vLLM's built-in fs tier, through vLLM's own
 TieringOffloadingManager on CPU (vllm==0.33.0; run tests/vllm/install_vllm.sh first).
 
@@ -48,7 +50,7 @@ def parse_size(text: str) -> int:
     units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "": 1}
     t = text.strip().lower()
     num = t.rstrip("kmgib")
-    return int(float(num) * units[t[len(num):]])
+    return int(float(num) * units[t[len(num) :]])
 
 
 def keys_for(n: int) -> list[bytes]:
@@ -89,7 +91,7 @@ class Engine:
         start = time.perf_counter()
         for first in range(0, len(keys), batch):
             ctx = ReqContext(req_id=uuid.uuid4().hex)
-            chunk = keys[first:first + batch]
+            chunk = keys[first : first + batch]
             with self.manager.lock:
                 self.manager.on_new_request(ctx)
             while True:
@@ -121,7 +123,7 @@ class Engine:
         start = time.perf_counter()
         for first in range(0, len(keys), batch):
             ctx = ReqContext(req_id=uuid.uuid4().hex)
-            chunk = keys[first:first + batch]
+            chunk = keys[first : first + batch]
             with self.manager.lock:
                 self.manager.on_new_request(ctx)
             while True:
@@ -185,24 +187,37 @@ def run_case(name: str, tier: dict, args, keys: list[bytes], daemon: Daemon | No
     reader.close()
     total = len(keys) * args.chunk
     result = {
-        "name": name, "store_gib_s": total / (store_s - fill_s) / GIB, "store_s": store_s, "fill_s": fill_s,
-        "load_gib_s": loaded * args.chunk / load_s / GIB, "load_s": load_s, "loaded": loaded, "missed": missed,
-        "page_cache_dropped": cold, "load_average": load_average(),
+        "name": name,
+        "store_gib_s": total / (store_s - fill_s) / GIB,
+        "store_s": store_s,
+        "fill_s": fill_s,
+        "load_gib_s": loaded * args.chunk / load_s / GIB,
+        "load_s": load_s,
+        "loaded": loaded,
+        "missed": missed,
+        "page_cache_dropped": cold,
+        "load_average": load_average(),
     }
     extra = ""
     if below is not None and daemon is not None:
         ram = daemon_tiers(daemon)["ram"]
         staged = daemon_stats(daemon).staged_chunks
         read = daemon_tiers(daemon)["fs"].loaded_chunks - below.loaded_chunks
-        result["daemon_after_store"] = {"fs_chunks": below.chunks,
-                                        "fs_dropped_backpressure": below.dropped_backpressure}
+        result["daemon_after_store"] = {
+            "fs_chunks": below.chunks,
+            "fs_dropped_backpressure": below.dropped_backpressure,
+        }
         result["daemon_after_load"] = {"staged_chunks": staged, "fs_chunks_read": read}
-        extra = (f"; after the store the daemon's fs tier held {below.chunks} chunks "
-                 f"({below.dropped_backpressure} dropped by its queue), RAM {ram.chunks}; the load read {read} "
-                 f"from disk, {staged} through staging")
-    print(f"  {name:14s} store {result['store_gib_s']:6.2f} GiB/s   load {result['load_gib_s']:6.2f} GiB/s"
-          f"   ({loaded} chunks loaded and verified, {missed} missed{extra}; load avg {result['load_average']:.2f})",
-          flush=True)
+        extra = (
+            f"; after the store the daemon's fs tier held {below.chunks} chunks "
+            f"({below.dropped_backpressure} dropped by its queue), RAM {ram.chunks}; the load read {read} "
+            f"from disk, {staged} through staging"
+        )
+    print(
+        f"  {name:14s} store {result['store_gib_s']:6.2f} GiB/s   load {result['load_gib_s']:6.2f} GiB/s"
+        f"   ({loaded} chunks loaded and verified, {missed} missed{extra}; load avg {result['load_average']:.2f})",
+        flush=True,
+    )
     return result
 
 
@@ -214,23 +229,33 @@ def _cold_load_bound(r: dict, chunk: int, limits: dict, fs_load_gib_s: float) ->
     seconds = from_disk / (limits["odirect_read_gib_s"] * GIB) + from_ram / (limits["memcpy_gib_s"] * GIB)
     bound = r["loaded"] * chunk / seconds / GIB
     r["bound_gib_s"] = bound
-    return (f"bound: {r['daemon_after_load']['fs_chunks_read']} chunks from disk at raw read speed + the rest at "
-            f"memcpy = {bound:.2f} GiB/s = {bound / fs_load_gib_s:.2f}x vLLM fs, "
-            f"reached {r['load_gib_s'] / bound:.2f}x")
+    return (
+        f"bound: {r['daemon_after_load']['fs_chunks_read']} chunks from disk at raw read speed + the rest at "
+        f"memcpy = {bound:.2f} GiB/s = {bound / fs_load_gib_s:.2f}x vLLM fs, "
+        f"reached {r['load_gib_s'] / bound:.2f}x"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--working-set", type=parse_size, default=1 << 30)
     parser.add_argument("--primary", type=parse_size, default=256 << 20, help="vLLM's CPU tier (cpu_bytes_to_use)")
-    parser.add_argument("--daemon-ram", type=parse_size, default=256 << 20,
-                        help="the cold case's daemon RAM tier (smaller than the working set)")
+    parser.add_argument(
+        "--daemon-ram",
+        type=parse_size,
+        default=256 << 20,
+        help="the cold case's daemon RAM tier (smaller than the working set)",
+    )
     parser.add_argument("--chunk", type=parse_size, default=2 << 20)
     parser.add_argument("--store-batch", type=int, default=32, help="chunks per request when storing")
     parser.add_argument("--load-batch", type=int, default=64, help="chunks per request when loading")
     parser.add_argument("--step-ms", type=float, default=1.0, help="pause between scheduler steps")
-    parser.add_argument("--disk-depth", type=int, default=8,
-                        help="queue depth of the raw O_DIRECT limit (the daemon's fs tier concurrency)")
+    parser.add_argument(
+        "--disk-depth",
+        type=int,
+        default=8,
+        help="queue depth of the raw O_DIRECT limit (the daemon's fs tier concurrency)",
+    )
     parser.add_argument("--cases", default="fs,ram,cold", help="which runs (fs is the baseline of the others)")
     parser.add_argument("--dir", type=Path, default=None, help="where both fs tiers write (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None)
@@ -245,24 +270,35 @@ def main(argv: list[str] | None = None) -> int:
     keys = keys_for(n)
     root = Path(tempfile.mkdtemp(prefix="vllm-tier-bench-", dir=args.dir))
     load0 = load_average()
-    print(f"working set {n} x {args.chunk / MIB:.0f} MiB = {n * args.chunk / GIB:.2f} GiB; vLLM CPU tier "
-          f"{args.primary / MIB:.0f} MiB; cold daemon RAM {args.daemon_ram / MIB:.0f} MiB; disk: {root}; "
-          f"load average {load0:.2f}", flush=True)
+    print(
+        f"working set {n} x {args.chunk / MIB:.0f} MiB = {n * args.chunk / GIB:.2f} GiB; vLLM CPU tier "
+        f"{args.primary / MIB:.0f} MiB; cold daemon RAM {args.daemon_ram / MIB:.0f} MiB; disk: {root}; "
+        f"load average {load0:.2f}",
+        flush=True,
+    )
     results: dict = {}
     try:
         disk = raw_odirect(root, min(n, 256), args.chunk, args.disk_depth)
         memcpy = memcpy_gib_s()
-        print(f"  limits: raw O_DIRECT write {disk.write_gib_s:.2f} / read {disk.read_gib_s:.2f} GiB/s "
-              f"(queue depth {disk.queue_depth}), memcpy {memcpy:.2f} GiB/s", flush=True)
-        results["limits"] = {"odirect_write_gib_s": disk.write_gib_s, "odirect_read_gib_s": disk.read_gib_s,
-                             "queue_depth": disk.queue_depth, "memcpy_gib_s": memcpy}
+        print(
+            f"  limits: raw O_DIRECT write {disk.write_gib_s:.2f} / read {disk.read_gib_s:.2f} GiB/s "
+            f"(queue depth {disk.queue_depth}), memcpy {memcpy:.2f} GiB/s",
+            flush=True,
+        )
+        results["limits"] = {
+            "odirect_write_gib_s": disk.write_gib_s,
+            "odirect_read_gib_s": disk.read_gib_s,
+            "queue_depth": disk.queue_depth,
+            "memcpy_gib_s": memcpy,
+        }
         results["fs"] = run_case("fs", {"type": "fs", "root_dir": str(root / "vllm-fs")}, args, keys)
         shutil.rmtree(root / "vllm-fs", ignore_errors=True)
 
         if "ram" in cases:
             with Daemon(int(args.working_set * 1.25) + (64 << 20), log_level="warning") as daemon:
                 results["kvstored_ram"] = run_case(
-                    "kvstored RAM", {"type": "kvstored", "socket": str(daemon.socket)}, args, keys)
+                    "kvstored RAM", {"type": "kvstored", "socket": str(daemon.socket)}, args, keys
+                )
 
         if "cold" in cases:
             # Cold: daemon RAM smaller than the working set, write-back to its fs tier (the default
@@ -270,38 +306,58 @@ def main(argv: list[str] | None = None) -> int:
             fs_args = ["--tiers", f"kind=fs,root={root / 'kvstored-fs'},bytes={2 * args.working_set}"]
             with Daemon(args.daemon_ram, log_level="warning", extra_args=fs_args) as daemon:
                 results["kvstored_cold"] = run_case(
-                    "kvstored cold", {"type": "kvstored", "socket": str(daemon.socket)}, args, keys, daemon)
+                    "kvstored cold", {"type": "kvstored", "socket": str(daemon.socket)}, args, keys, daemon
+                )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
     fs = results["fs"]
     limits = results["limits"]
     rows = []
-    for key, label, targets in (("kvstored_ram", "kvstored (RAM)", (3.0, 3.0)),
-                                ("kvstored_cold", "kvstored (cold: RAM < working set, fs write-back)", (1.0, 1.5))):
+    for key, label, targets in (
+        ("kvstored_ram", "kvstored (RAM)", (3.0, 3.0)),
+        ("kvstored_cold", "kvstored (cold: RAM < working set, fs write-back)", (1.0, 1.5)),
+    ):
         if key not in results:
             continue
         r = results[key]
         for op, target in zip(("store", "load"), targets):
             limit = limits["odirect_write_gib_s" if op == "store" else "odirect_read_gib_s"]
-            note = (f"raw O_DIRECT {op} {limit:.2f} GiB/s (depth {limits['queue_depth']}): "
-                    f"{r[f'{op}_gib_s'] / limit:.2f}x")
+            note = (
+                f"raw O_DIRECT {op} {limit:.2f} GiB/s (depth {limits['queue_depth']}): {r[f'{op}_gib_s'] / limit:.2f}x"
+            )
             if key == "kvstored_ram":
                 note = f"memcpy {limits['memcpy_gib_s']:.2f} GiB/s: {r[f'{op}_gib_s'] / limits['memcpy_gib_s']:.2f}x"
             if key == "kvstored_cold" and op == "load" and "daemon_after_load" in r:
                 note += "; " + _cold_load_bound(r, args.chunk, limits, fs["load_gib_s"])
             if r["missed"] and op == "load":
                 note += f"; {r['missed']} chunks missed"
-            rows.append(Row(f"{label} {op}", r[f"{op}_gib_s"], "GiB/s", f"vLLM fs {op}", fs[f"{op}_gib_s"],
-                            target=target, note=note))
+            rows.append(
+                Row(
+                    f"{label} {op}",
+                    r[f"{op}_gib_s"],
+                    "GiB/s",
+                    f"vLLM fs {op}",
+                    fs[f"{op}_gib_s"],
+                    target=target,
+                    note=note,
+                )
+            )
     print()
     print_table(rows, title="vLLM TieringOffloadingManager, secondary tier throughput (same run, same disk)")
     if not all(r.get("page_cache_dropped", True) for r in results.values()):
         print("  note: could not drop the page cache (not root): loads may be served from it")
     print(f"load average {load0:.2f} at start, {load_average():.2f} at end")
     if args.json:
-        write_json(args.json, {"machine": machine_info(), "results": results, "rows": [r.to_json() for r in rows],
-                               "load_average": {"start": load0, "end": load_average()}})
+        write_json(
+            args.json,
+            {
+                "machine": machine_info(),
+                "results": results,
+                "rows": [r.to_json() for r in rows],
+                "load_average": {"start": load0, "end": load_average()},
+            },
+        )
     return 0
 
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Generates the gRPC/protobuf modules from ../proto when the package is built (they are not in
 git), so `pip install ./client` works from a plain checkout, and builds the optional copy helper
 (kvstored_client/_ntcopy.c); everything else is in pyproject.toml."""
@@ -24,10 +26,16 @@ def generate() -> None:
         from grpc_tools import protoc
     except ImportError:
         raise SystemExit(
-            "kvstored-client: building from a checkout needs grpcio-tools (pip install grpcio-tools)") from None
+            "kvstored-client: building from a checkout needs grpcio-tools (pip install grpcio-tools)"
+        ) from None
 
-    args = ["protoc", f"-Ikvstored_client/_gen={PROTO_ROOT}", f"--python_out={HERE}", f"--pyi_out={HERE}",
-            f"--grpc_python_out={HERE}"]
+    args = [
+        "protoc",
+        f"-Ikvstored_client/_gen={PROTO_ROOT}",
+        f"--python_out={HERE}",
+        f"--pyi_out={HERE}",
+        f"--grpc_python_out={HERE}",
+    ]
     args += [f"kvstored_client/_gen/{p.relative_to(PROTO_ROOT)}" for p in protos]
     if protoc.main(args) != 0:
         raise SystemExit("kvstored-client: protoc failed on " + ", ".join(map(str, protos)))

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 # Debian packages the test suite uses; installs only what is missing (needs root or sudo then).
 #   ceph-mon ceph-osd radosgw: a real S3 server (radosgw) on loopback for the S3 tier's tests
 #   prometheus: promtool, to check /metrics, the alert rules and the scrape config

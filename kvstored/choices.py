@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Enums of option values whose error for a bad value lists the valid ones."""
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """`kvstored [serve] [--config FILE] [--OPTION VALUE ...]`: the only place that exits the process."""
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvstored",
         description="kvstored: a per-node KV-cache store for LLM inference (host RAM -> secondary tiers).",
         epilog="Precedence: flags > KVSTORED_* environment > --config TOML file > defaults. "
-        "TOML keys are the option names with underscores (cpu_bytes = \"8GiB\").",
+        'TOML keys are the option names with underscores (cpu_bytes = "8GiB").',
     )
     parser.add_argument("command", nargs="?", choices=["serve"], default="serve", help="what to run (default: serve)")
     parser.add_argument("--version", action="version", version=f"kvstored {__version__}")

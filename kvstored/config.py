@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """One typed config for the daemon: defaults < TOML file < KVSTORED_* env < command-line flags.
 
 Every option is declared once, as a dataclass field with its help text; the CLI flags, the env
@@ -81,6 +83,7 @@ def _choice(literal: Any) -> Callable[[str], str]:
 
 def _choice_of(kind: type[enum.Enum]) -> Callable[[str], enum.Enum]:
     """Parse an enum's value, naming the valid ones when it is not one."""
+
     def parse(value: str) -> enum.Enum:
         try:
             return kind(str(value).strip().lower())
@@ -113,7 +116,7 @@ class Share:
 
 
 def _parse_share(value: str | float) -> Share:
-    """"50%", 0.5 (a fraction, up to 1) or a size ("8GiB", 8589934592)."""
+    """ "50%", 0.5 (a fraction, up to 1) or a size ("8GiB", 8589934592)."""
     text = str(value).strip()
     if text.endswith("%"):
         fraction = float(text[:-1]) / 100
@@ -215,9 +218,12 @@ def _parse_tiers(value: Any) -> tuple[TierConfig, ...]:
 class Config:
     socket: Path = field(
         default_factory=lambda: default_socket_path(for_daemon=True),
-        metadata=_opt("unix socket of the gRPC API; the session socket is <socket>.session (default: "
-                      "/run/kvstored/kvstored.sock as root, else $XDG_RUNTIME_DIR/kvstored/kvstored.sock)",
-                      _parse_socket, "PATH"),
+        metadata=_opt(
+            "unix socket of the gRPC API; the session socket is <socket>.session (default: "
+            "/run/kvstored/kvstored.sock as root, else $XDG_RUNTIME_DIR/kvstored/kvstored.sock)",
+            _parse_socket,
+            "PATH",
+        ),
     )
     socket_mode: int = field(
         default=0o660, metadata=_opt("permission bits of both sockets (octal)", _parse_mode, "MODE")
@@ -236,33 +242,51 @@ class Config:
     )
     pool_pages: PoolPages = field(
         default=PoolPages.SMALL,
-        metadata=_opt("the pool's pages: 4k; thp (transparent huge pages: needs "
-                      "/sys/kernel/mm/transparent_hugepage/shmem_enabled = advise); hugetlb (2 MiB pages reserved "
-                      "with vm.nr_hugepages; cpu_bytes is rounded down to 2 MiB)", _choice_of(PoolPages), "PAGES"),
+        metadata=_opt(
+            "the pool's pages: 4k; thp (transparent huge pages: needs "
+            "/sys/kernel/mm/transparent_hugepage/shmem_enabled = advise); hugetlb (2 MiB pages reserved "
+            "with vm.nr_hugepages; cpu_bytes is rounded down to 2 MiB)",
+            _choice_of(PoolPages),
+            "PAGES",
+        ),
     )
     numa_node: NumaPlacement | None = field(
         default=None,
-        metadata=_opt("place the pool on this NUMA node (e.g. the GPU's), or interleave across all nodes "
-                      "(default: unset, the kernel's first-touch policy)", NumaPlacement.parse, "NODE"),
+        metadata=_opt(
+            "place the pool on this NUMA node (e.g. the GPU's), or interleave across all nodes "
+            "(default: unset, the kernel's first-touch policy)",
+            NumaPlacement.parse,
+            "NODE",
+        ),
     )
     region_dirs: tuple[Path, ...] = field(
         default=(Path("/dev/shm"),),
-        metadata=_opt("directories RegisterRegion may name files in, ':'-separated (regions passed as an "
-                      "fd over the session socket need no entry)", _parse_dirs, "DIRS"),
+        metadata=_opt(
+            "directories RegisterRegion may name files in, ':'-separated (regions passed as an "
+            "fd over the session socket need no entry)",
+            _parse_dirs,
+            "DIRS",
+        ),
     )
     tune_memcpy: bool = field(
         default=True,
-        metadata=_opt("on x86-64 glibc, restart once with GLIBC_TUNABLES making copies above 1 MiB use "
-                      "cache-bypassing stores (glibc's own threshold can be hundreds of MiB)", parse_bool, "BOOL"),
+        metadata=_opt(
+            "on x86-64 glibc, restart once with GLIBC_TUNABLES making copies above 1 MiB use "
+            "cache-bypassing stores (glibc's own threshold can be hundreds of MiB)",
+            parse_bool,
+            "BOOL",
+        ),
     )
     copy_threads: int = field(
         default_factory=default_copy_threads,
-        metadata=_opt("threads copying between client regions and the pool; a large batch is split across "
-                      "them (default: one per 8 cores, 2 to 8)", int, "N"),
+        metadata=_opt(
+            "threads copying between client regions and the pool; a large batch is split across "
+            "them (default: one per 8 cores, 2 to 8)",
+            int,
+            "N",
+        ),
     )
-    max_batch_keys: int = field(
-        default=8192, metadata=_opt("most keys one request may carry", int, "N")
-    )
+    max_batch_keys: int = field(default=8192, metadata=_opt("most keys one request may carry", int, "N"))
     grace_seconds: float = field(
         default=5.0,
         metadata=_opt("on SIGTERM, how long in-flight calls may take to finish", parse_seconds, "SECONDS"),
@@ -272,45 +296,67 @@ class Config:
         metadata=_opt(
             "a tier below RAM, in order; repeat for more, e.g. kind=fs,root=/mnt/kv,bytes=100GiB or "
             "kind=s3,bucket=kv,endpoint_url=http://127.0.0.1:7480 (TOML: [[tiers]] tables; env: ';' between tiers)",
-            _parse_tiers, "SPEC", repeat=True,
+            _parse_tiers,
+            "SPEC",
+            repeat=True,
         ),
     )
     write_policy: WritePolicy = field(
         default=WritePolicy.WRITE_BACK,
-        metadata=_opt("write-back: chunks go down when RAM evicts them; write-through: at once",
-                      WritePolicy, "POLICY"),
+        metadata=_opt("write-back: chunks go down when RAM evicts them; write-through: at once", WritePolicy, "POLICY"),
     )
     writeback_headroom: int | None = field(
         default=None,
-        metadata=_opt("RAM kept free by writing old chunks down ahead of need (default: 5%% of RAM, "
-                      "at most 1GiB)", _parse_optional_size, "BYTES"),
+        metadata=_opt(
+            "RAM kept free by writing old chunks down ahead of need (default: 5%% of RAM, at most 1GiB)",
+            _parse_optional_size,
+            "BYTES",
+        ),
     )
     flush_on_stop_seconds: float = field(
         default=10.0,
-        metadata=_opt("on SIGTERM, how long to spend writing chunks that have no copy below RAM down to "
-                      "the tiers (most recently used first), so a restart keeps them", parse_seconds, "SECONDS"),
+        metadata=_opt(
+            "on SIGTERM, how long to spend writing chunks that have no copy below RAM down to "
+            "the tiers (most recently used first), so a restart keeps them",
+            parse_seconds,
+            "SECONDS",
+        ),
     )
     writeback_wait_seconds: float = field(
         default=1.0,
-        metadata=_opt("how long a store may wait for write-downs to free RAM before evicting "
-                      "chunks that have no copy below", parse_seconds, "SECONDS"),
+        metadata=_opt(
+            "how long a store may wait for write-downs to free RAM before evicting chunks that have no copy below",
+            parse_seconds,
+            "SECONDS",
+        ),
     )
     staging_bytes: int = field(
         default=64 << 20,
-        metadata=_opt("memory, beside cpu_bytes, for region loads (vLLM's secondary-tier mode) while RAM is full: "
-                      "chunks below RAM are read into it, verified and copied into the engine's region, evicting "
-                      "nothing (0: such loads promote into RAM, evicting its oldest chunks)", parse_size, "BYTES"),
+        metadata=_opt(
+            "memory, beside cpu_bytes, for region loads (vLLM's secondary-tier mode) while RAM is full: "
+            "chunks below RAM are read into it, verified and copied into the engine's region, evicting "
+            "nothing (0: such loads promote into RAM, evicting its oldest chunks)",
+            parse_size,
+            "BYTES",
+        ),
     )
     metrics_addr: str = field(
         default="127.0.0.1:9464",
-        metadata=_opt("where /metrics (Prometheus) listens, HOST:PORT (port 0: any free port; the log "
-                      "names it); \"\" or off disables it", parse_listen_addr, "HOST:PORT"),
+        metadata=_opt(
+            "where /metrics (Prometheus) listens, HOST:PORT (port 0: any free port; the log "
+            'names it); "" or off disables it',
+            parse_listen_addr,
+            "HOST:PORT",
+        ),
     )
     tcp_listen: str = field(
         default="",
-        metadata=_opt("also serve gRPC on TCP HOST:PORT for peers and remote tools (control only: the "
-                      "data path is local shared memory); beyond loopback it requires TLS", parse_listen_addr,
-                      "HOST:PORT"),
+        metadata=_opt(
+            "also serve gRPC on TCP HOST:PORT for peers and remote tools (control only: the "
+            "data path is local shared memory); beyond loopback it requires TLS",
+            parse_listen_addr,
+            "HOST:PORT",
+        ),
     )
     tls_cert_file: Path | None = field(
         default=None, metadata=_opt("PEM certificate chain for the TCP listener", Path, "FILE")
@@ -318,16 +364,21 @@ class Config:
     tls_key_file: Path | None = field(default=None, metadata=_opt("PEM private key for the TCP listener", Path, "FILE"))
     tls_client_ca_file: Path | None = field(
         default=None,
-        metadata=_opt("PEM CA bundle: when set, TCP clients must present a certificate it signed (mutual TLS)",
-                      Path, "FILE"),
+        metadata=_opt(
+            "PEM CA bundle: when set, TCP clients must present a certificate it signed (mutual TLS)", Path, "FILE"
+        ),
     )
     events_buffer: int = field(
         default=10_000, metadata=_opt("KV events kept for replay (WatchEvents from_seq, ZMQ replay)", int, "N")
     )
     events_zmq_endpoint: str = field(
         default="",
-        metadata=_opt("publish KV events on this ZMQ PUB endpoint in vLLM's wire format, "
-                      "e.g. tcp://127.0.0.1:5557 (default: off)", str, "ENDPOINT"),
+        metadata=_opt(
+            "publish KV events on this ZMQ PUB endpoint in vLLM's wire format, "
+            "e.g. tcp://127.0.0.1:5557 (default: off)",
+            str,
+            "ENDPOINT",
+        ),
     )
     events_zmq_replay_endpoint: str = field(
         default="", metadata=_opt("ZMQ ROUTER endpoint answering vLLM-style replay requests", str, "ENDPOINT")
@@ -335,37 +386,48 @@ class Config:
     events_zmq_topic: str = field(default="", metadata=_opt("topic frame of every ZMQ event message", str, "TOPIC"))
     events_zmq_tenants: bool = field(
         default=False,
-        metadata=_opt("also publish tenant namespaces' events (ids and keys) on ZMQ: routers are trusted "
-                      "infrastructure; off, only public namespaces' events are published", parse_bool, "BOOL"),
+        metadata=_opt(
+            "also publish tenant namespaces' events (ids and keys) on ZMQ: routers are trusted "
+            "infrastructure; off, only public namespaces' events are published",
+            parse_bool,
+            "BOOL",
+        ),
     )
     events_encoding: EventEncoding = field(
         default=EventEncoding.MAP,
-        metadata=_opt("map: vLLM 0.33 tagged maps; array: positional arrays for older llm-d/Dynamo decoders",
-                      EventEncoding, "ENCODING"),
+        metadata=_opt(
+            "map: vLLM 0.33 tagged maps; array: positional arrays for older llm-d/Dynamo decoders",
+            EventEncoding,
+            "ENCODING",
+        ),
     )
     tenant_quota: Share = field(
         default=Share(fraction=0.5),
-        metadata=_opt("RAM each tenant (tenant_salt) may hold, as a fraction (50%%, 0.5) or bytes (8GiB); over it, "
-                      "a tenant's new chunks evict its own oldest ones. Also the size of its arena (address "
-                      "space, not memory)", _parse_share, "SHARE"),
+        metadata=_opt(
+            "RAM each tenant (tenant_salt) may hold, as a fraction (50%%, 0.5) or bytes (8GiB); over it, "
+            "a tenant's new chunks evict its own oldest ones. Also the size of its arena (address "
+            "space, not memory)",
+            _parse_share,
+            "SHARE",
+        ),
     )
     max_tenants: int = field(
         default=1024,
-        metadata=_opt("tenants that may hold an arena at once (one memfd each; an arena goes once no session "
-                      "holds it and it has no chunk in RAM)", int, "N"),
+        metadata=_opt(
+            "tenants that may hold an arena at once (one memfd each; an arena goes once no session "
+            "holds it and it has no chunk in RAM)",
+            int,
+            "N",
+        ),
     )
     log_level: LogLevel = field(default="info", metadata=_opt("log level", _choice(LogLevel), "LEVEL"))
-    log_format: LogFormat = field(
-        default="text", metadata=_opt("log line format", _choice(LogFormat), "FORMAT")
-    )
+    log_format: LogFormat = field(default="text", metadata=_opt("log line format", _choice(LogFormat), "FORMAT"))
 
     def validate(self) -> Config:
         if self.page_bytes <= 0 or self.page_bytes % 4096:
             raise ConfigError(f"page_bytes must be a positive multiple of 4096, got {self.page_bytes}")
         if self.cpu_bytes < self.page_bytes:
-            raise ConfigError(
-                f"cpu_bytes ({self.cpu_bytes}) must hold at least one page ({self.page_bytes} bytes)"
-            )
+            raise ConfigError(f"cpu_bytes ({self.cpu_bytes}) must hold at least one page ({self.page_bytes} bytes)")
         if not 1 <= self.copy_threads <= 64:
             raise ConfigError(f"copy_threads must be 1 to 64, got {self.copy_threads}")
         if self.staging_bytes and self.staging_bytes < 4096:
@@ -374,7 +436,8 @@ class Config:
             raise ConfigError(f"max_batch_keys must be positive, got {self.max_batch_keys}")
         if self.tenant_quota_bytes < self.page_bytes:
             raise ConfigError(
-                f"tenant_quota ({self.tenant_quota}) must hold at least one page ({self.page_bytes} bytes)")
+                f"tenant_quota ({self.tenant_quota}) must hold at least one page ({self.page_bytes} bytes)"
+            )
         if self.max_tenants < 0:
             raise ConfigError(f"max_tenants must not be negative, got {self.max_tenants}")
         if self.grace_seconds < 0:

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """`kvstoredctl`: look at and act on a running kvstored over its unix socket.
 
 Tables for people, `--json` for scripts. Exit codes: 0 done, 1 the daemon is unreachable, not
@@ -48,6 +50,7 @@ class CtlError(Exception):
 
 # -- talking to the daemon ----------------------------------------------------------------------
 
+
 class Conn:
     def __init__(self, socket: Path, timeout: float) -> None:
         self.socket = socket
@@ -59,11 +62,14 @@ class Conn:
             try:
                 os.stat(self.socket)
             except (FileNotFoundError, NotADirectoryError):
-                raise CtlError(f"cannot reach kvstored at {self.socket}: no such socket "
-                               f"(is kvstored running? use --socket or KVSTORED_SOCKET)") from None
+                raise CtlError(
+                    f"cannot reach kvstored at {self.socket}: no such socket "
+                    f"(is kvstored running? use --socket or KVSTORED_SOCKET)"
+                ) from None
             except PermissionError:  # e.g. /run/kvstored is 0750 and we are not in its group
-                raise CtlError(f"cannot reach kvstored at {self.socket}: permission denied on "
-                               f"{self.socket.parent} ({NEED_GROUP})") from None
+                raise CtlError(
+                    f"cannot reach kvstored at {self.socket}: permission denied on {self.socket.parent} ({NEED_GROUP})"
+                ) from None
             self._channel = grpc.insecure_channel(f"unix:{self.socket}")
         return self._channel
 
@@ -111,6 +117,7 @@ class Conn:
 
 # -- output -------------------------------------------------------------------------------------
 
+
 def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
     cells = [list(map(str, header))] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
@@ -157,7 +164,7 @@ def hex_keys(args: argparse.Namespace) -> list[bytes]:
 
 def batches(items: Sequence[bytes], n: int = BATCH_KEYS) -> Iterator[Sequence[bytes]]:
     for start in range(0, len(items), n):
-        yield items[start:start + n]
+        yield items[start : start + n]
 
 
 class UsageError(Exception):
@@ -173,31 +180,77 @@ def size_arg(value: str) -> int:
 
 # -- commands -----------------------------------------------------------------------------------
 
+
 def cmd_status(conn: Conn, args: argparse.Namespace) -> int:
     health = conn.health()
     stats = conn.call("Stats", pb.StatsRequest())
     data = {
-        "socket": str(conn.socket), "health": health, "version": stats.version,
-        "sessions": stats.sessions, "leases": stats.leases, "reservations": stats.reservations,
-        "regions": stats.regions, "namespaces": stats.namespaces,
+        "socket": str(conn.socket),
+        "health": health,
+        "version": stats.version,
+        "sessions": stats.sessions,
+        "leases": stats.leases,
+        "reservations": stats.reservations,
+        "regions": stats.regions,
+        "namespaces": stats.namespaces,
         "tiers": [tier_dict(t) for t in stats.tiers],
-        "staging": {"capacity_bytes": stats.staging_capacity_bytes, "used_bytes": stats.staging_used_bytes,
-                    "staged_chunks": stats.staged_chunks},
+        "staging": {
+            "capacity_bytes": stats.staging_capacity_bytes,
+            "used_bytes": stats.staging_used_bytes,
+            "staged_chunks": stats.staged_chunks,
+        },
     }
 
     def text() -> str:
-        staging = (f"staging {format_size(stats.staging_used_bytes)} of {format_size(stats.staging_capacity_bytes)} "
-                   f"in use, {stats.staged_chunks} chunks loaded through it" if stats.staging_capacity_bytes
-                   else "staging off")
-        head = (f"kvstored {stats.version} on {conn.socket}: {health}\n"
-                f"sessions {stats.sessions}  leases {stats.leases}  reservations {stats.reservations}  "
-                f"regions {stats.regions}  namespaces {stats.namespaces}  {staging}\n")
-        rows = [(t.name, kind_name(t.kind), format_size(t.used_bytes),
-                 format_size(t.capacity_bytes) if t.capacity_bytes else "unbounded",
-                 percent(ratio(t.used_bytes, t.capacity_bytes)), t.chunks, percent(ratio(t.hits, t.lookups)),
-                 t.lookups, t.evictions, drops(t), t.checksum_failures, t.queued) for t in stats.tiers]
-        return head + "\n" + table(rows, ("TIER", "KIND", "USED", "CAPACITY", "UTIL", "CHUNKS", "HIT RATE",
-                                          "LOOKUPS", "EVICTIONS", "DROPS", "CORRUPT", "QUEUED"))
+        staging = (
+            f"staging {format_size(stats.staging_used_bytes)} of {format_size(stats.staging_capacity_bytes)} "
+            f"in use, {stats.staged_chunks} chunks loaded through it"
+            if stats.staging_capacity_bytes
+            else "staging off"
+        )
+        head = (
+            f"kvstored {stats.version} on {conn.socket}: {health}\n"
+            f"sessions {stats.sessions}  leases {stats.leases}  reservations {stats.reservations}  "
+            f"regions {stats.regions}  namespaces {stats.namespaces}  {staging}\n"
+        )
+        rows = [
+            (
+                t.name,
+                kind_name(t.kind),
+                format_size(t.used_bytes),
+                format_size(t.capacity_bytes) if t.capacity_bytes else "unbounded",
+                percent(ratio(t.used_bytes, t.capacity_bytes)),
+                t.chunks,
+                percent(ratio(t.hits, t.lookups)),
+                t.lookups,
+                t.evictions,
+                drops(t),
+                t.checksum_failures,
+                t.queued,
+            )
+            for t in stats.tiers
+        ]
+        return (
+            head
+            + "\n"
+            + table(
+                rows,
+                (
+                    "TIER",
+                    "KIND",
+                    "USED",
+                    "CAPACITY",
+                    "UTIL",
+                    "CHUNKS",
+                    "HIT RATE",
+                    "LOOKUPS",
+                    "EVICTIONS",
+                    "DROPS",
+                    "CORRUPT",
+                    "QUEUED",
+                ),
+            )
+        )
 
     emit(args, data, text)
     return 0 if health == "SERVING" else 1
@@ -240,13 +293,16 @@ def cmd_lookup(conn: Conn, args: argparse.Namespace) -> int:
         tiers += conn.call("Lookup", pb.LookupRequest(namespace_id=args.namespace, keys=batch)).tiers
     prefix = next((i for i, t in enumerate(tiers) if not t), len(tiers))
     found = [kind_name(t) if t else None for t in tiers]
-    data = {"namespace_id": args.namespace, "prefix_hits": prefix, "hits": sum(1 for f in found if f),
-            "keys": [{"key": k.hex(), "tier": f} for k, f in zip(keys, found)]}
+    data = {
+        "namespace_id": args.namespace,
+        "prefix_hits": prefix,
+        "hits": sum(1 for f in found if f),
+        "keys": [{"key": k.hex(), "tier": f} for k, f in zip(keys, found)],
+    }
 
     def text() -> str:
         rows = [(k.hex(), f or "miss") for k, f in zip(keys, found)]
-        return (table(rows, ("KEY", "TIER")) +
-                f"\n{data['hits']} of {len(keys)} cached, {prefix} leading (prefix hits)")
+        return table(rows, ("KEY", "TIER")) + f"\n{data['hits']} of {len(keys)} cached, {prefix} leading (prefix hits)"
 
     emit(args, data, text)
     return 0
@@ -254,37 +310,69 @@ def cmd_lookup(conn: Conn, args: argparse.Namespace) -> int:
 
 def cmd_evict(conn: Conn, args: argparse.Namespace) -> int:
     keys = hex_keys(args)
-    deleted = sum(conn.call("Delete", pb.DeleteRequest(namespace_id=args.namespace, keys=batch)).deleted
-                  for batch in batches(keys))
-    emit(args, {"namespace_id": args.namespace, "requested": len(keys), "deleted": deleted},
-         lambda: f"deleted {deleted} of {len(keys)} keys from every tier (namespace {args.namespace})")
+    deleted = sum(
+        conn.call("Delete", pb.DeleteRequest(namespace_id=args.namespace, keys=batch)).deleted
+        for batch in batches(keys)
+    )
+    emit(
+        args,
+        {"namespace_id": args.namespace, "requested": len(keys), "deleted": deleted},
+        lambda: f"deleted {deleted} of {len(keys)} keys from every tier (namespace {args.namespace})",
+    )
     return 0
 
 
 def cmd_clear(conn: Conn, args: argparse.Namespace) -> int:
     removed = conn.call("ClearNamespace", pb.ClearNamespaceRequest(namespace_id=args.namespace)).removed
-    emit(args, {"namespace_id": args.namespace, "removed": removed},
-         lambda: f"removed {removed} chunks of namespace {args.namespace} from every tier")
+    emit(
+        args,
+        {"namespace_id": args.namespace, "removed": removed},
+        lambda: f"removed {removed} chunks of namespace {args.namespace} from every tier",
+    )
     return 0
 
 
 def cmd_namespaces(conn: Conn, args: argparse.Namespace) -> int:
     listed = conn.call("ListNamespaces", pb.ListNamespacesRequest())
-    data = [{"namespace_id": n.namespace_id, "model": n.model, "dtype": n.dtype, "chunk_bytes": n.chunk_bytes,
-             "layout": n.layout, "key_bytes": n.key_bytes, "block_tokens": n.block_tokens,
-             "ram_chunks": n.ram_chunks, "ram_bytes": n.ram_bytes, "quota_bytes": n.quota_bytes,
-             "recovered_from": list(n.recovered_from)}
-            for n in listed.namespaces]
-    rows = [(d["namespace_id"], d["model"], d["dtype"], format_size(d["chunk_bytes"]), d["layout"] or "-",
-             d["ram_chunks"], format_size(d["ram_bytes"]), format_size(d["quota_bytes"]) if d["quota_bytes"] else "-",
-             "recovered:" + ",".join(d["recovered_from"]) if d["recovered_from"] else "client")
-            for d in data]
+    data = [
+        {
+            "namespace_id": n.namespace_id,
+            "model": n.model,
+            "dtype": n.dtype,
+            "chunk_bytes": n.chunk_bytes,
+            "layout": n.layout,
+            "key_bytes": n.key_bytes,
+            "block_tokens": n.block_tokens,
+            "ram_chunks": n.ram_chunks,
+            "ram_bytes": n.ram_bytes,
+            "quota_bytes": n.quota_bytes,
+            "recovered_from": list(n.recovered_from),
+        }
+        for n in listed.namespaces
+    ]
+    rows = [
+        (
+            d["namespace_id"],
+            d["model"],
+            d["dtype"],
+            format_size(d["chunk_bytes"]),
+            d["layout"] or "-",
+            d["ram_chunks"],
+            format_size(d["ram_bytes"]),
+            format_size(d["quota_bytes"]) if d["quota_bytes"] else "-",
+            "recovered:" + ",".join(d["recovered_from"]) if d["recovered_from"] else "client",
+        )
+        for d in data
+    ]
 
     def text() -> str:
-        listing = table(rows, ("NAMESPACE", "MODEL", "DTYPE", "CHUNK", "LAYOUT", "RAM CHUNKS", "RAM", "QUOTA",
-                                "SOURCE"))
-        return (f"{listing}\n{listed.tenants} tenant(s) (their namespaces are not shown) hold "
-                f"{format_size(listed.tenant_ram_bytes)} of RAM; quota {format_size(listed.tenant_quota_bytes)} each")
+        listing = table(
+            rows, ("NAMESPACE", "MODEL", "DTYPE", "CHUNK", "LAYOUT", "RAM CHUNKS", "RAM", "QUOTA", "SOURCE")
+        )
+        return (
+            f"{listing}\n{listed.tenants} tenant(s) (their namespaces are not shown) hold "
+            f"{format_size(listed.tenant_ram_bytes)} of RAM; quota {format_size(listed.tenant_quota_bytes)} each"
+        )
 
     emit(args, data, text)
     return 0
@@ -296,37 +384,92 @@ def _peer_name(enum: Any, value: int, prefix: str) -> str:
 
 def cmd_peers(conn: Conn, args: argparse.Namespace) -> int:
     status = conn.call_peer("Status", pb.PeerStatusRequest())
-    peers = [{
-        "address": p.address, "state": _peer_name(pb.PeerState, p.state, "PEER_STATE_"),
-        "transport": p.transport or None, "incarnation": p.incarnation, "indexed_chunks": p.indexed_chunks,
-        "received_bytes": p.received_bytes, "sent_bytes": p.sent_bytes,
-        "breaker": _peer_name(pb.BreakerState, p.breaker, "BREAKER_STATE_"), "fetches": p.fetches,
-        "received_chunks": p.received_chunks, "missing_chunks": p.missing_chunks, "corrupt_chunks": p.corrupt_chunks,
-        "failed_chunks": p.failed_chunks, "timed_out_chunks": p.timed_out_chunks,
-        "refused_by_breaker": p.refused_by_breaker, "events": p.events, "resyncs": p.resyncs, "detail": p.detail,
-    } for p in status.peers]
+    peers = [
+        {
+            "address": p.address,
+            "state": _peer_name(pb.PeerState, p.state, "PEER_STATE_"),
+            "transport": p.transport or None,
+            "incarnation": p.incarnation,
+            "indexed_chunks": p.indexed_chunks,
+            "received_bytes": p.received_bytes,
+            "sent_bytes": p.sent_bytes,
+            "breaker": _peer_name(pb.BreakerState, p.breaker, "BREAKER_STATE_"),
+            "fetches": p.fetches,
+            "received_chunks": p.received_chunks,
+            "missing_chunks": p.missing_chunks,
+            "corrupt_chunks": p.corrupt_chunks,
+            "failed_chunks": p.failed_chunks,
+            "timed_out_chunks": p.timed_out_chunks,
+            "refused_by_breaker": p.refused_by_breaker,
+            "events": p.events,
+            "resyncs": p.resyncs,
+            "detail": p.detail,
+        }
+        for p in status.peers
+    ]
     data = {
-        "enabled": status.enabled, "incarnation": status.incarnation, "transports": list(status.transports),
-        "tcp_port": status.tcp_port, "ucx_port": status.ucx_port, "index_entries": status.index_entries,
-        "index_capacity": status.index_capacity, "index_evictions": status.index_evictions,
-        "leases": status.leases, "reservations": status.reservations, "served_chunks": status.served_chunks,
-        "served_bytes": status.served_bytes, "refused_chunks": status.refused_chunks,
-        "other_sent_bytes": status.other_sent_bytes, "peers": peers,
+        "enabled": status.enabled,
+        "incarnation": status.incarnation,
+        "transports": list(status.transports),
+        "tcp_port": status.tcp_port,
+        "ucx_port": status.ucx_port,
+        "index_entries": status.index_entries,
+        "index_capacity": status.index_capacity,
+        "index_evictions": status.index_evictions,
+        "leases": status.leases,
+        "reservations": status.reservations,
+        "served_chunks": status.served_chunks,
+        "served_bytes": status.served_bytes,
+        "refused_chunks": status.refused_chunks,
+        "other_sent_bytes": status.other_sent_bytes,
+        "peers": peers,
     }
 
     def text() -> str:
         if not status.enabled:
-            return f"no peer tier on {conn.socket} (configure [[tiers]] kind = \"peer\")"
+            return f'no peer tier on {conn.socket} (configure [[tiers]] kind = "peer")'
         ports = ", ".join(f"{t} port {status.tcp_port if t == 'tcp' else status.ucx_port}" for t in status.transports)
-        head = (f"serving peers on {ports}; index {status.index_entries} of {status.index_capacity} chunks; "
-                f"leased to peers {status.leases}, slots fetching {status.reservations}; "
-                f"served {status.served_chunks} chunks ({format_size(status.served_bytes)})\n")
-        rows = [(p["address"], p["state"], p["transport"] or "-", p["indexed_chunks"],
-                 format_size(p["received_bytes"]), format_size(p["sent_bytes"]), p["breaker"], p["fetches"],
-                 p["missing_chunks"], p["failed_chunks"] + p["timed_out_chunks"], p["detail"] or "")
-                for p in peers]
-        return head + "\n" + table(rows, ("PEER", "STATE", "TRANSPORT", "INDEXED", "IN", "OUT", "BREAKER",
-                                          "FETCHES", "MISSING", "FAILED", "DETAIL"))
+        head = (
+            f"serving peers on {ports}; index {status.index_entries} of {status.index_capacity} chunks; "
+            f"leased to peers {status.leases}, slots fetching {status.reservations}; "
+            f"served {status.served_chunks} chunks ({format_size(status.served_bytes)})\n"
+        )
+        rows = [
+            (
+                p["address"],
+                p["state"],
+                p["transport"] or "-",
+                p["indexed_chunks"],
+                format_size(p["received_bytes"]),
+                format_size(p["sent_bytes"]),
+                p["breaker"],
+                p["fetches"],
+                p["missing_chunks"],
+                p["failed_chunks"] + p["timed_out_chunks"],
+                p["detail"] or "",
+            )
+            for p in peers
+        ]
+        return (
+            head
+            + "\n"
+            + table(
+                rows,
+                (
+                    "PEER",
+                    "STATE",
+                    "TRANSPORT",
+                    "INDEXED",
+                    "IN",
+                    "OUT",
+                    "BREAKER",
+                    "FETCHES",
+                    "MISSING",
+                    "FAILED",
+                    "DETAIL",
+                ),
+            )
+        )
 
     emit(args, data, text)
     return 0
@@ -334,9 +477,13 @@ def cmd_peers(conn: Conn, args: argparse.Namespace) -> int:
 
 def event_dict(e: pb.KvEvent) -> dict[str, Any]:
     return {
-        "seq": e.seq, "ts": e.ts, "type": pb.EventType.Name(e.type).removeprefix("EVENT_TYPE_").lower(),
+        "seq": e.seq,
+        "ts": e.ts,
+        "type": pb.EventType.Name(e.type).removeprefix("EVENT_TYPE_").lower(),
         "cause": pb.EventCause.Name(e.cause).removeprefix("EVENT_CAUSE_").lower(),
-        "tier": e.tier, "tier_kind": kind_name(e.tier_kind), "namespace_id": e.namespace_id,
+        "tier": e.tier,
+        "tier_kind": kind_name(e.tier_kind),
+        "namespace_id": e.namespace_id,
         "keys": [k.hex() for k in e.keys],
     }
 
@@ -344,8 +491,10 @@ def event_dict(e: pb.KvEvent) -> dict[str, Any]:
 def event_line(d: dict[str, Any]) -> str:
     """One line per event, ids and keys in full: what `lookup -n NAMESPACE KEY...` takes."""
     stamp = time.strftime("%H:%M:%S", time.localtime(d["ts"])) + f".{int(d['ts'] * 1000) % 1000:03d}"
-    return (f"{d['seq']:>8} {stamp} {d['type']:<8} {d['cause']:<12} {d['tier']:<6} "
-            f"{d['namespace_id']:<32} {len(d['keys']):>4}  {' '.join(d['keys'])}").rstrip()
+    return (
+        f"{d['seq']:>8} {stamp} {d['type']:<8} {d['cause']:<12} {d['tier']:<6} "
+        f"{d['namespace_id']:<32} {len(d['keys']):>4}  {' '.join(d['keys'])}"
+    ).rstrip()
 
 
 EVENTS_HEADER = f"{'SEQ':>8} {'TIME':<12} {'TYPE':<8} {'CAUSE':<12} {'TIER':<6} {'NAMESPACE':<32} {'KEYS':>4}"
@@ -488,27 +637,36 @@ def cmd_top(conn: Conn, args: argparse.Namespace) -> int:
 
 
 def cmd_namespace_id(args: argparse.Namespace) -> int:
-    ns_id = namespace_id_for(args.model, args.dtype, args.chunk_bytes, args.layout,
-                             args.tenant_salt_hex, args.key_bytes)
+    ns_id = namespace_id_for(
+        args.model, args.dtype, args.chunk_bytes, args.layout, args.tenant_salt_hex, args.key_bytes
+    )
     emit(args, {"namespace_id": ns_id}, lambda: ns_id)
     return 0
 
 
 # -- command line -------------------------------------------------------------------------------
 
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     # SUPPRESS: the options work before and after the command without overwriting each other
-    common.add_argument("--socket", type=Path, default=argparse.SUPPRESS,
-                        help="the daemon's gRPC socket (default: $KVSTORED_SOCKET or the system socket)")
-    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
-                        help="machine-readable output")
-    common.add_argument("--timeout", type=float, default=argparse.SUPPRESS, metavar="SECONDS",
-                        help="per-request deadline (default 5)")
+    common.add_argument(
+        "--socket",
+        type=Path,
+        default=argparse.SUPPRESS,
+        help="the daemon's gRPC socket (default: $KVSTORED_SOCKET or the system socket)",
+    )
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
+    common.add_argument(
+        "--timeout", type=float, default=argparse.SUPPRESS, metavar="SECONDS", help="per-request deadline (default 5)"
+    )
 
     parser = argparse.ArgumentParser(
-        prog=PROG, parents=[common], description="Inspect and operate a running kvstored.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=PROG,
+        parents=[common],
+        description="Inspect and operate a running kvstored.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -526,44 +684,95 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("keys", nargs="*", metavar="KEY", help="keys in hex")
         p.add_argument("--keys-file", metavar="FILE", help="more hex keys, one per line ('-': stdin)")
 
-    keyed(add("lookup", cmd_lookup, "which tier holds each key. A lookup is a use: it refreshes the key "
-              "in RAM's LRU order and starts promoting keys found below RAM", aliases=["inspect"]))
+    keyed(
+        add(
+            "lookup",
+            cmd_lookup,
+            "which tier holds each key. A lookup is a use: it refreshes the key "
+            "in RAM's LRU order and starts promoting keys found below RAM",
+            aliases=["inspect"],
+        )
+    )
     keyed(add("evict", cmd_evict, "delete keys from every tier", aliases=["delete"]))
     clear = add("clear", cmd_clear, "remove every chunk of a namespace the daemon knows of, from every tier")
     clear.add_argument("-n", "--namespace", required=True, metavar="ID", help="namespace id (32 hex digits)")
-    add("namespaces", cmd_namespaces, "the namespaces the daemon knows (registered by clients, or recovered at start "
+    add(
+        "namespaces",
+        cmd_namespaces,
+        "the namespaces the daemon knows (registered by clients, or recovered at start "
         "from its tiers' records: SOURCE recovered:TIERS), their RAM use and quota; tenant namespaces are hidden "
-        "(tenants are shown in aggregate)")
+        "(tenants are shown in aggregate)",
+    )
 
-    events = add("events", cmd_events, "tail KV events (stored/removed, per tier), one per line with the full "
-                 "namespace id and keys (what lookup and evict take), until interrupted, --count events, or "
-                 "--wait seconds without one")
-    events.add_argument("--from-seq", type=int, default=0, metavar="N",
-                        help="replay buffered events from seq N first (1: all still buffered; default: live only)")
-    events.add_argument("--count", type=int, default=0, metavar="N",
-                        help=f"stop after N events, or when none came for --wait seconds "
-                             f"(default {DEFAULT_COUNT_WAIT_S:g}; fewer than N: a note on stderr, exit 0)")
-    events.add_argument("--wait", type=float, default=None, metavar="SECONDS",
-                        help="stop when no event came for SECONDS (0: wait forever, the default without --count)")
+    events = add(
+        "events",
+        cmd_events,
+        "tail KV events (stored/removed, per tier), one per line with the full "
+        "namespace id and keys (what lookup and evict take), until interrupted, --count events, or "
+        "--wait seconds without one",
+    )
+    events.add_argument(
+        "--from-seq",
+        type=int,
+        default=0,
+        metavar="N",
+        help="replay buffered events from seq N first (1: all still buffered; default: live only)",
+    )
+    events.add_argument(
+        "--count",
+        type=int,
+        default=0,
+        metavar="N",
+        help=f"stop after N events, or when none came for --wait seconds "
+        f"(default {DEFAULT_COUNT_WAIT_S:g}; fewer than N: a note on stderr, exit 0)",
+    )
+    events.add_argument(
+        "--wait",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop when no event came for SECONDS (0: wait forever, the default without --count)",
+    )
     events.add_argument("-n", "--namespace", metavar="ID", help="only this namespace's events")
 
-    add("peers", cmd_peers, "the peer tier: each peer's address, state, data transport, chunks indexed, bytes "
+    add(
+        "peers",
+        cmd_peers,
+        "the peer tier: each peer's address, state, data transport, chunks indexed, bytes "
         "fetched from it (IN) and served to it (OUT), breaker, fetches, stale index entries (MISSING) and failed "
-        "fetches; what this daemon serves and leases to peers")
+        "fetches; what this daemon serves and leases to peers",
+    )
 
-    view = add("top", cmd_top, "a live view like top: per tier hit rate, utilization, bytes/s in and out, "
-               "queue depth, drops, promotions and evictions, with sessions and leases; rates are "
-               "differences between Stats answers --interval apart. q or Ctrl-C quits")
-    view.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
-                      help="seconds between refreshes, and the span of the rates (default 1)")
-    view.add_argument("--once", action="store_true",
-                      help="print one frame (rates over one --interval) and exit: for scripts, with --json")
+    view = add(
+        "top",
+        cmd_top,
+        "a live view like top: per tier hit rate, utilization, bytes/s in and out, "
+        "queue depth, drops, promotions and evictions, with sessions and leases; rates are "
+        "differences between Stats answers --interval apart. q or Ctrl-C quits",
+    )
+    view.add_argument(
+        "--interval",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="seconds between refreshes, and the span of the rates (default 1)",
+    )
+    view.add_argument(
+        "--once",
+        action="store_true",
+        help="print one frame (rates over one --interval) and exit: for scripts, with --json",
+    )
 
     nsid = add("namespace-id", cmd_namespace_id, "the id a namespace spec gets (computed here; no daemon needed)")
     nsid.add_argument("--model", required=True)
     nsid.add_argument("--dtype", required=True)
-    nsid.add_argument("--chunk-bytes", required=True, type=size_arg, metavar="SIZE",
-                      help="chunk size in bytes or with a unit, as the daemon takes it: 2097152, 2MiB")
+    nsid.add_argument(
+        "--chunk-bytes",
+        required=True,
+        type=size_arg,
+        metavar="SIZE",
+        help="chunk size in bytes or with a unit, as the daemon takes it: 2097152, 2MiB",
+    )
     nsid.add_argument("--layout", default="")
     nsid.add_argument("--key-bytes", type=int, default=32)
     nsid.add_argument("--tenant-salt-hex", type=bytes.fromhex, default=b"", metavar="HEX")

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Domain errors. Each says what was wrong in words a caller can act on; server/errors.py alone
 maps them to gRPC status codes."""
 

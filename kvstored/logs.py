@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Log setup: text for people, JSON lines for collectors; a limiter for lines a client can cause."""
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ class LogLimiter:
     spell says how many were suppressed before it. Kinds must come from a bounded set (method
     names, not request values)."""
 
-    def __init__(self, logger: logging.Logger, interval_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, logger: logging.Logger, interval_s: float = 10.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._logger = logger
         self.interval_s = interval_s
         self._clock = clock

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Namespace registry: model/layout scopes for keys. Ids are derived from the declaring fields,
 so every process and every daemon that declares the same namespace agrees on its id.
 
@@ -68,9 +70,12 @@ def decode_record(namespace_id: str, raw: bytes) -> Namespace:
         if not isinstance(fields, dict) or fields.get("format") != RECORD_FORMAT:
             raise ValueError(f"not a format-{RECORD_FORMAT} namespace record")
         ns = Namespace(
-            namespace_id=_typed(fields, "namespace_id", str), model=_typed(fields, "model", str),
-            dtype=_typed(fields, "dtype", str), chunk_bytes=_typed(fields, "chunk_bytes", int),
-            layout=_typed(fields, "layout", str), key_bytes=_typed(fields, "key_bytes", int),
+            namespace_id=_typed(fields, "namespace_id", str),
+            model=_typed(fields, "model", str),
+            dtype=_typed(fields, "dtype", str),
+            chunk_bytes=_typed(fields, "chunk_bytes", int),
+            layout=_typed(fields, "layout", str),
+            key_bytes=_typed(fields, "key_bytes", int),
             block_tokens=_typed(fields, "block_tokens", int),
             tenant=RECOVERED_TENANT if _typed(fields, "tenant", bool) else "",
         )
@@ -80,8 +85,11 @@ def decode_record(namespace_id: str, raw: bytes) -> Namespace:
         raise ValueError(f"record names namespace {ns.namespace_id!r}, stored as {namespace_id!r}")
     public = namespace_id_for(ns.model, ns.dtype, ns.chunk_bytes, ns.layout, b"", ns.key_bytes) == namespace_id
     if public == ns.private:
-        raise ValueError("its fields give a public namespace id for a tenant namespace" if public
-                         else "its fields do not give its namespace id")
+        raise ValueError(
+            "its fields give a public namespace id for a tenant namespace"
+            if public
+            else "its fields do not give its namespace id"
+        )
     return ns
 
 
@@ -102,7 +110,13 @@ class NamespaceRegistry:
         return len(self._by_id)
 
     def register(
-        self, model: str, dtype: str, chunk_bytes: int, layout: str, tenant_salt: bytes, key_bytes: int,
+        self,
+        model: str,
+        dtype: str,
+        chunk_bytes: int,
+        layout: str,
+        tenant_salt: bytes,
+        key_bytes: int,
         block_tokens: int = 0,
     ) -> Namespace:
         if not model:
@@ -119,8 +133,11 @@ class NamespaceRegistry:
         if self._recovered.pop(ns_id, None) is not None or (block_tokens and not known.block_tokens):
             # A registration replaces what a record said (a recovered tenant namespace learns its
             # tenant here); block_tokens, once given, is kept.
-            ns = ns if block_tokens or not known.block_tokens else Namespace(
-                ns_id, model, dtype, chunk_bytes, layout, key_bytes, known.block_tokens, ns.tenant)
+            ns = (
+                ns
+                if block_tokens or not known.block_tokens
+                else Namespace(ns_id, model, dtype, chunk_bytes, layout, key_bytes, known.block_tokens, ns.tenant)
+            )
             self._by_id[ns_id] = known = ns
         return known
 
@@ -153,13 +170,9 @@ class NamespaceRegistry:
         if chunk_bytes <= 0:
             raise InvalidRequest("namespace chunk_bytes must be positive")
         if chunk_bytes > self._pool_bytes:
-            raise InvalidRequest(
-                f"chunk_bytes {chunk_bytes} exceeds the RAM tier ({self._pool_bytes} bytes)"
-            )
+            raise InvalidRequest(f"chunk_bytes {chunk_bytes} exceeds the RAM tier ({self._pool_bytes} bytes)")
         if not MIN_KEY_BYTES <= key_bytes <= MAX_KEY_BYTES:
-            raise InvalidRequest(
-                f"key_bytes must be between {MIN_KEY_BYTES} and {MAX_KEY_BYTES}, got {key_bytes}"
-            )
+            raise InvalidRequest(f"key_bytes must be between {MIN_KEY_BYTES} and {MAX_KEY_BYTES}, got {key_bytes}")
 
     def get(self, namespace_id: str) -> Namespace:
         try:

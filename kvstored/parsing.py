@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Option value parsers shared by the daemon's config and the tier kinds' options."""
 
 from __future__ import annotations

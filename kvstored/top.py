@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """`kvstoredctl top`: a live view of a daemon's tiers, from its Stats RPC alone.
 
 Rates are differences between two Stats answers divided by the time between them; a frame is
@@ -90,16 +92,35 @@ def _ratio(part: int, whole: int) -> float | None:
 def _row(t: pb.TierStats, before: pb.TierStats | None, dt: float | None) -> TierRow:
     rates: dict[str, float | None] = {}
     # counters that went back: the daemon restarted between the two answers
-    prev = before if (before is not None and dt is not None and dt > 0 and t.hits >= before.hits
-                      and all(_counter(t, field) >= _counter(before, field) for _, field, _ in RATES)) else None
+    prev = (
+        before
+        if (
+            before is not None
+            and dt is not None
+            and dt > 0
+            and t.hits >= before.hits
+            and all(_counter(t, field) >= _counter(before, field) for _, field, _ in RATES)
+        )
+        else None
+    )
     for column, field, _ in RATES:
         rates[f"{column}_per_s"] = (_counter(t, field) - _counter(prev, field)) / dt if prev and dt else None
     interval_hit = _ratio(t.hits - prev.hits, t.lookups - prev.lookups) if prev else None
     return TierRow(
-        name=t.name, kind=kind_name(t.kind), used_bytes=t.used_bytes, capacity_bytes=t.capacity_bytes,
-        utilization=_ratio(t.used_bytes, t.capacity_bytes), chunks=t.chunks, queued=t.queued,
-        hit_rate=interval_hit, hit_rate_total=_ratio(t.hits, t.lookups), lookups=t.lookups, hits=t.hits,
-        drops=drops(t), promotions=t.promotions, **rates,
+        name=t.name,
+        kind=kind_name(t.kind),
+        used_bytes=t.used_bytes,
+        capacity_bytes=t.capacity_bytes,
+        utilization=_ratio(t.used_bytes, t.capacity_bytes),
+        chunks=t.chunks,
+        queued=t.queued,
+        hit_rate=interval_hit,
+        hit_rate_total=_ratio(t.hits, t.lookups),
+        lookups=t.lookups,
+        hits=t.hits,
+        drops=drops(t),
+        promotions=t.promotions,
+        **rates,
     )
 
 
@@ -109,9 +130,16 @@ def build_frame(socket: str, current: Sample, previous: Sample | None, error: st
     before = {t.name: t for t in previous.stats.tiers} if previous else {}
     dt = current.at - previous.at if previous else None
     return Frame(
-        socket=socket, version=s.version, sessions=s.sessions, leases=s.leases, reservations=s.reservations,
-        regions=s.regions, namespaces=s.namespaces, interval_s=dt,
-        tiers=tuple(_row(t, before.get(t.name), dt) for t in s.tiers), error=error,
+        socket=socket,
+        version=s.version,
+        sessions=s.sessions,
+        leases=s.leases,
+        reservations=s.reservations,
+        regions=s.regions,
+        namespaces=s.namespaces,
+        interval_s=dt,
+        tiers=tuple(_row(t, before.get(t.name), dt) for t in s.tiers),
+        error=error,
     )
 
 
@@ -120,6 +148,7 @@ def frame_dict(frame: Frame) -> dict[str, Any]:
 
 
 # -- text ---------------------------------------------------------------------------------------
+
 
 def compact_size(n: float) -> str:
     """Binary units, no space (columns split on whitespace): 0, 512B, 1.5K, 12.3M, 1.1G, 2.0T."""
@@ -141,18 +170,46 @@ def _per_s(value: float | None, size: bool = False) -> str:
     return f"{value:.0f}" if value >= 10 or value == 0 else f"{value:.1f}"
 
 
-COLUMNS = ("TIER", "KIND", "USED", "CAP", "UTIL", "CHUNKS", "HIT%", "HIT%ALL", "LOOKUP/s", "IN/s", "OUT/s",
-           "QUEUE", "DROP/s", "PROMO/s", "EVICT/s")
+COLUMNS = (
+    "TIER",
+    "KIND",
+    "USED",
+    "CAP",
+    "UTIL",
+    "CHUNKS",
+    "HIT%",
+    "HIT%ALL",
+    "LOOKUP/s",
+    "IN/s",
+    "OUT/s",
+    "QUEUE",
+    "DROP/s",
+    "PROMO/s",
+    "EVICT/s",
+)
 # Dropped first to last while the table is wider than the terminal (as top and htop do); TIER,
 # USED, HIT%, IN/s, OUT/s and DROP/s always stay (52 columns with 8-character tier names).
 SHED_ORDER = ("HIT%ALL", "CAP", "PROMO/s", "EVICT/s", "CHUNKS", "QUEUE", "KIND", "LOOKUP/s", "UTIL")
 
 
 def _cells(t: TierRow) -> list[str]:
-    return [t.name, t.kind, compact_size(t.used_bytes), compact_size(t.capacity_bytes) if t.capacity_bytes else "inf",
-            _pct(t.utilization), str(t.chunks), _pct(t.hit_rate), _pct(t.hit_rate_total), _per_s(t.lookups_per_s),
-            _per_s(t.in_bytes_per_s, size=True), _per_s(t.out_bytes_per_s, size=True), str(t.queued),
-            _per_s(t.drops_per_s), _per_s(t.promotions_per_s), _per_s(t.evictions_per_s)]
+    return [
+        t.name,
+        t.kind,
+        compact_size(t.used_bytes),
+        compact_size(t.capacity_bytes) if t.capacity_bytes else "inf",
+        _pct(t.utilization),
+        str(t.chunks),
+        _pct(t.hit_rate),
+        _pct(t.hit_rate_total),
+        _per_s(t.lookups_per_s),
+        _per_s(t.in_bytes_per_s, size=True),
+        _per_s(t.out_bytes_per_s, size=True),
+        str(t.queued),
+        _per_s(t.drops_per_s),
+        _per_s(t.promotions_per_s),
+        _per_s(t.evictions_per_s),
+    ]
 
 
 def render(frame: Frame, clock: str | None = None, width: int | None = None) -> list[str]:
@@ -161,9 +218,11 @@ def render(frame: Frame, clock: str | None = None, width: int | None = None) -> 
     columns in SHED_ORDER are left out until the table fits."""
     stamp = clock or time.strftime("%H:%M:%S")
     every = "first sample" if frame.interval_s is None else f"rates over {frame.interval_s:.1f}s"
-    lines = [f"kvstored {frame.version} on {frame.socket}  {stamp}  ({every}; q quits)",
-             f"sessions {frame.sessions}  leases {frame.leases}  reservations {frame.reservations}  "
-             f"regions {frame.regions}  namespaces {frame.namespaces}"]
+    lines = [
+        f"kvstored {frame.version} on {frame.socket}  {stamp}  ({every}; q quits)",
+        f"sessions {frame.sessions}  leases {frame.leases}  reservations {frame.reservations}  "
+        f"regions {frame.regions}  namespaces {frame.namespaces}",
+    ]
     if frame.error:
         lines.append(f"! {frame.error}")
     rows = [list(COLUMNS)] + [_cells(t) for t in frame.tiers]
@@ -173,12 +232,15 @@ def render(frame: Frame, clock: str | None = None, width: int | None = None) -> 
     while width is not None and shed and sum(widths[i] for i in shown) + 2 * (len(shown) - 1) > width:
         shown.remove(shed.pop(0))
     left_aligned = {COLUMNS.index("TIER"), COLUMNS.index("KIND")}
-    table = ["  ".join(r[i].ljust(widths[i]) if i in left_aligned else r[i].rjust(widths[i]) for i in shown).rstrip()
-             for r in rows]
+    table = [
+        "  ".join(r[i].ljust(widths[i]) if i in left_aligned else r[i].rjust(widths[i]) for i in shown).rstrip()
+        for r in rows
+    ]
     return lines + [""] + table
 
 
 # -- the live screen ----------------------------------------------------------------------------
+
 
 class StatsSource:
     """Takes samples; keeps the last good one so a failed call still shows the last figures."""

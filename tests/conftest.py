@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Shared fixtures: real kvstored daemons on unix sockets, grpcurl, unique namespaces.
 
 - `shared_daemon` (session): one 64 MiB daemon for tests that only touch their own namespace.
@@ -15,8 +17,8 @@ import inspect
 import re
 import shutil
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -39,8 +41,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if VLLM_TESTS in item.path.parents:
             item.add_marker(pytest.mark.vllm)
-        unmarked += [f"{item.nodeid} imports {lib} (mark it {need.value})" for lib, need in _imports(item)
-                     if needs.missing(item, need)]
+        unmarked += [
+            f"{item.nodeid} imports {lib} (mark it {need.value})"
+            for lib, need in _imports(item)
+            if needs.missing(item, need)
+        ]
     if unmarked:
         raise pytest.UsageError("tests missing the marker of what they import:\n" + "\n".join(unmarked))
 
@@ -93,7 +98,7 @@ def shared_daemon():
 
 
 @pytest.fixture
-def daemon_factory() -> Callable[..., Daemon]:
+def daemon_factory() -> Iterator[Callable[..., Daemon]]:
     made: list[Daemon] = []
 
     def make(extra_args=(), env=None, start: bool = True, **kwargs) -> Daemon:

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Buffers the benchmarks time copies into and out of: populated (fresh pages run ~10x slower),
 with content that tells chunks apart."""
 
@@ -32,7 +34,7 @@ def fill_pattern(arr: np.ndarray, chunk_bytes: int, seed: int) -> None:
     base = np.arange(chunk_bytes // 8, dtype=np.uint64)
     for c in range(flat.shape[0] // chunk_bytes):
         tag = np.uint64(((seed & 0xFFFF) << 48) | (c << 24))
-        np.bitwise_xor(base, tag, out=flat[c * chunk_bytes:(c + 1) * chunk_bytes].view(np.uint64))
+        np.bitwise_xor(base, tag, out=flat[c * chunk_bytes : (c + 1) * chunk_bytes].view(np.uint64))
 
 
 class ShmFile:

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Real kvstored daemons for the benchmarks: tests/support/daemon.py's Daemon (one launcher for tests
 and benchmarks), with what a benchmark reads off it: start-up time, CPU seconds, the exit code."""
 
@@ -29,8 +31,15 @@ class Daemon:
     """`kvstored serve` with `cpu_bytes` of RAM on a private socket; `env` adds to the environment.
     A context manager; stop() returns the exit code instead of asserting it."""
 
-    def __init__(self, cpu_bytes: int | str, *, log_level: str = "warning", extra_args: Sequence[str] = (),
-                 env: Mapping[str, str] | None = None, start_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        cpu_bytes: int | str,
+        *,
+        log_level: str = "warning",
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        start_timeout_s: float = 60.0,
+    ) -> None:
         self._d = _Daemon(cpu_bytes=str(cpu_bytes), wrap=_die_with_parent)
         self.args = ["--log-level", log_level, *extra_args]
         self.env = {**os.environ, **(env or {})}

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The physical limits of this machine that the benchmarks read their figures against: memcpy, raw
 O_DIRECT files, the page cache, glibc's non-temporal memcpy threshold."""
 
@@ -49,7 +51,7 @@ def memcpy_pieces_gib_s(piece: int, total: int, rounds: int) -> list[float]:
     for _ in range(rounds):
         t0 = time.perf_counter()
         for a in range(0, total, piece):
-            np.copyto(dst[a:a + piece], src[a:a + piece])
+            np.copyto(dst[a : a + piece], src[a : a + piece])
         out.append(total / GIB / (time.perf_counter() - t0))
     return out
 
@@ -70,10 +72,11 @@ class ODirectFiles:
             if getattr(self._local, "buf", None) is None:
                 self._local.buf = memoryview(aligned_pool(self.size))
             return self._local.buf
-        return buf if len(buf) == self.size else buf[i * self.size:(i + 1) * self.size]
+        return buf if len(buf) == self.size else buf[i * self.size : (i + 1) * self.size]
 
     def write(self, src: memoryview) -> float:
         """Chunk i from src[i * size:] (or all of src when it is one chunk); wall seconds."""
+
         def one(i: int) -> None:
             fd = os.open(self.paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o644)
             try:
@@ -87,6 +90,7 @@ class ODirectFiles:
     def read(self, dst: memoryview | None = None, batch: int = 0) -> float:
         """Every file into dst (None: per-thread buffers), all queued at once or `batch` at a time,
         one batch after another; wall seconds."""
+
         def one(i: int) -> None:
             fd = os.open(self.paths[i], os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
             try:
@@ -141,8 +145,9 @@ def glibc_non_temporal_threshold() -> int | None:
         if not os.path.exists(ld):
             continue
         try:
-            out = subprocess.run([ld, "--list-tunables"], capture_output=True, text=True, timeout=5,
-                                 env=os.environ.copy()).stdout
+            out = subprocess.run(
+                [ld, "--list-tunables"], capture_output=True, text=True, timeout=5, env=os.environ.copy()
+            ).stdout
         except (OSError, subprocess.SubprocessError):
             return None
         for line in out.splitlines():
@@ -152,9 +157,13 @@ def glibc_non_temporal_threshold() -> int | None:
 
 
 def nt_threshold_arg(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    ap.add_argument("--nt-threshold", default=str(1 << 20), metavar="BYTES|off",
-                    help="run with GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=BYTES (default 1 MiB, "
-                         "as the daemon does for itself); 'off' keeps glibc's default")
+    ap.add_argument(
+        "--nt-threshold",
+        default=str(1 << 20),
+        metavar="BYTES|off",
+        help="run with GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=BYTES (default 1 MiB, "
+        "as the daemon does for itself); 'off' keeps glibc's default",
+    )
 
 
 def apply_nt_threshold(value: str) -> None:

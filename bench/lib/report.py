@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Reports: the rows with their baselines, ratios and PASS/MISS, one table printer, the machine, the
 load average, JSON output, timing arithmetic."""
 
@@ -77,13 +79,24 @@ def print_aligned(table: Sequence[Sequence[str]], right: set[int], file=None) ->
 def print_table(rows: Sequence[Row], title: str = "", file=None) -> None:
     file = file or sys.stdout
     limits = any(r.limit for r in rows)
-    table = [["measurement", "value", "median", "baseline", "baseline value", "ratio", "target", "result"]
-             + (["bounded by"] if limits else [])]
+    table = [
+        ["measurement", "value", "median", "baseline", "baseline value", "ratio", "target", "result"]
+        + (["bounded by"] if limits else [])
+    ]
     for r in rows:
-        table.append([r.name, _fmt(r.value, r.unit), _fmt(r.median, r.unit), r.baseline_name, _fmt(r.baseline, r.unit),
-                      f"{r.ratio:.2f}x" if r.ratio is not None else "",
-                      f"{'>=' if r.higher_is_better else '<='} {r.target:.2f}x" if r.target is not None else "",
-                      r.status] + ([r.limit] if limits else []))
+        table.append(
+            [
+                r.name,
+                _fmt(r.value, r.unit),
+                _fmt(r.median, r.unit),
+                r.baseline_name,
+                _fmt(r.baseline, r.unit),
+                f"{r.ratio:.2f}x" if r.ratio is not None else "",
+                f"{'>=' if r.higher_is_better else '<='} {r.target:.2f}x" if r.target is not None else "",
+                r.status,
+            ]
+            + ([r.limit] if limits else [])
+        )
     if title:
         print(title, file=file)
     print_aligned(table, right={1, 2, 4, 5}, file=file)
@@ -110,11 +123,16 @@ def machine_info() -> dict[str, Any]:
     import grpc
 
     return {
-        "cpu_model": model, "cpus": os.cpu_count(), "kernel": platform.release(),
-        "python": platform.python_version(), "glibc": "-".join(platform.libc_ver()), "numpy": np.__version__,
+        "cpu_model": model,
+        "cpus": os.cpu_count(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "glibc": "-".join(platform.libc_ver()),
+        "numpy": np.__version__,
         "grpcio": grpc.__version__,
         "mem_total_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB, 1),
-        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""), "git": git_revision(),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+        "git": git_revision(),
         "glibc_non_temporal_threshold": glibc_non_temporal_threshold(),
     }
 
@@ -122,10 +140,16 @@ def machine_info() -> dict[str, Any]:
 def git_revision() -> str:
     """HEAD of the checkout, with '+dirty' when tracked files differ from it."""
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
         return rev + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return ""

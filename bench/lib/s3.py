@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """An S3 server on loopback for the benchmarks: tests/support/s3.py's radosgw (a memstore OSD) or
 moto_server (in RAM), with bucket chores and raw aiobotocore GETs (the S3 tier's client)."""
 
@@ -74,8 +76,10 @@ class S3:
     def tier_spec(self, bucket: str, nbytes: int) -> str:
         """The daemon's --tiers value for an S3 tier on `bucket`."""
         ep = self.endpoint
-        return (f"kind=s3,bucket={bucket},endpoint_url={ep.url},region={ep.region},access_key={ep.access_key},"
-                f"secret_key={ep.secret_key},bytes={nbytes}")
+        return (
+            f"kind=s3,bucket={bucket},endpoint_url={ep.url},region={ep.region},access_key={ep.access_key},"
+            f"secret_key={ep.secret_key},bytes={nbytes}"
+        )
 
     def stop(self) -> None:
         with contextlib.suppress(Exception):
@@ -97,8 +101,14 @@ def start_s3(kind: str, memstore_bytes: int) -> S3:
             with contextlib.suppress(Exception):
                 server.stop()
             continue
-        note = ("S3: radosgw did NOT start (" + "; ".join(errors) + "); the S3 figures are against moto_server "
-                "(Python, in RAM), not a real S3 server") if errors else ""
+        note = (
+            (
+                "S3: radosgw did NOT start (" + "; ".join(errors) + "); the S3 figures are against moto_server "
+                "(Python, in RAM), not a real S3 server"
+            )
+            if errors
+            else ""
+        )
         return S3(k, endpoint, note, server, time.perf_counter() - t0)
     raise RuntimeError("no S3 server: " + "; ".join(errors))
 
@@ -107,11 +117,19 @@ def raw_config(inflight: int, timeout_s: float | None = None) -> Any:
     """aiobotocore's settings as the S3 tier's: no retries, path addressing, no extra checksums."""
     from aiobotocore.config import AioConfig
 
-    timeouts = {} if timeout_s is None else {"connect_timeout": min(timeout_s, 2.0), "read_timeout": timeout_s,
-                                             "tcp_keepalive": True}
-    return AioConfig(max_pool_connections=inflight, retries={"total_max_attempts": 1}, s3={"addressing_style": "path"},
-                     request_checksum_calculation="when_required", response_checksum_validation="when_required",
-                     **timeouts)
+    timeouts = (
+        {}
+        if timeout_s is None
+        else {"connect_timeout": min(timeout_s, 2.0), "read_timeout": timeout_s, "tcp_keepalive": True}
+    )
+    return AioConfig(
+        max_pool_connections=inflight,
+        retries={"total_max_attempts": 1},
+        s3={"addressing_style": "path"},
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+        **timeouts,
+    )
 
 
 def raw_s3_get(endpoint: S3Endpoint, bucket: str, inflight: int) -> tuple[float, float]:

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The local-path benchmark's command line: `python -m bench.local_path`."""
 
 from __future__ import annotations
@@ -34,13 +36,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lookup-iters", type=int, default=2000, help="timed calls of each lookup kind (default 2000)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     ap.add_argument(
-        "--nt-threshold", metavar="BYTES", type=int,
+        "--nt-threshold",
+        metavar="BYTES",
+        type=int,
         help="what-if: run the daemon and the client processes with GLIBC_TUNABLES="
-             "glibc.cpu.x86_non_temporal_threshold=BYTES (memcpy uses non-temporal stores from that size up)",
+        "glibc.cpu.x86_non_temporal_threshold=BYTES (memcpy uses non-temporal stores from that size up)",
     )
-    ap.add_argument("--pool-pages", choices=("4k", "thp", "hugetlb"), default="4k",
-                    help="the daemon's pool_pages (hugetlb needs vm.nr_hugepages; thp needs shmem_enabled=advise); "
-                         "bench/pool.py compares the modes alone")
+    ap.add_argument(
+        "--pool-pages",
+        choices=("4k", "thp", "hugetlb"),
+        default="4k",
+        help="the daemon's pool_pages (hugetlb needs vm.nr_hugepages; thp needs shmem_enabled=advise); "
+        "bench/pool.py compares the modes alone",
+    )
     ap.add_argument("--numa-node", default="", help="the daemon's numa_node (a node or interleave; default unset)")
     args = ap.parse_args(argv)
     if args.nt_threshold is not None:
@@ -59,20 +67,26 @@ def main(argv: list[str] | None = None) -> int:
     cpu_bytes = max(int(working_set * 1.5), (LOOKUP_KEYS + 16) * chunk)
     cpu_bytes = -(-cpu_bytes // page) * page
 
-    print(f"kvstored local-path benchmark: working set {working_set / GIB:.3f} GiB = {chunks} chunks of "
-          f"{args.chunk_mib:g} MiB, {args.batch} chunks per request, best of {args.repeat} repeats "
-          f"(+{args.warmup} warm-up); "
-          f"RAM tier {cpu_bytes / GIB:.2f} GiB")
+    print(
+        f"kvstored local-path benchmark: working set {working_set / GIB:.3f} GiB = {chunks} chunks of "
+        f"{args.chunk_mib:g} MiB, {args.batch} chunks per request, best of {args.repeat} repeats "
+        f"(+{args.warmup} warm-up); "
+        f"RAM tier {cpu_bytes / GIB:.2f} GiB"
+    )
     info = machine_info()
     if info["glibc_tunables"]:
         print(f"GLIBC_TUNABLES={info['glibc_tunables']} (daemon and clients)")
-    print(f"machine: {info['cpus']} CPUs ({info['cpu_model']}), kernel {info['kernel']}, python {info['python']}, "
-          f"{info['glibc']}, numpy {info['numpy']}, grpcio {info['grpcio']}; git {info['git']}")
+    print(
+        f"machine: {info['cpus']} CPUs ({info['cpu_model']}), kernel {info['kernel']}, python {info['python']}, "
+        f"{info['glibc']}, numpy {info['numpy']}, grpcio {info['grpcio']}; git {info['git']}"
+    )
     nt = info["glibc_non_temporal_threshold"]
     if nt is not None:
         sizes = ", ".join(f"{working_set // n / MIB:.0f} MiB ({n}p)" for n in procs)
-        print(f"glibc non-temporal memcpy threshold: {nt / MIB:.1f} MiB; chunk copies ({args.chunk_mib:g} MiB) are "
-              f"{'below' if chunk < nt else 'at or above'} it; one-copy baseline copies per process: {sizes}")
+        print(
+            f"glibc non-temporal memcpy threshold: {nt / MIB:.1f} MiB; chunk copies ({args.chunk_mib:g} MiB) are "
+            f"{'below' if chunk < nt else 'at or above'} it; one-copy baseline copies per process: {sizes}"
+        )
     load_start = load_average()
     print(f"load average at start: {load_start:.2f}")
 
@@ -81,13 +95,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pool: {args.pool_pages} pages, NUMA {args.numa_node or 'unset'}")
     with Daemon(cpu_bytes, extra_args=pool_args) as daemon:
         print(f"daemon pid {daemon.pid} on {daemon.socket} (ready in {daemon.start_s:.2f}s)")
-        cfg = {"socket": str(daemon.socket), "chunk_bytes": chunk, "chunks": chunks, "batch": args.batch,
-               "repeat": args.repeat, "warmup": args.warmup}
+        cfg = {
+            "socket": str(daemon.socket),
+            "chunk_bytes": chunk,
+            "chunks": chunks,
+            "batch": args.batch,
+            "repeat": args.repeat,
+            "warmup": args.warmup,
+        }
         for nprocs in procs:
             t0 = time.perf_counter()
             results[nprocs] = run_clients(nprocs, cfg, daemon)
-            print(f"  {nprocs} client process(es): done in {time.perf_counter() - t0:.1f}s "
-                  f"(buffer set-up {results[nprocs]['setup_s']:.1f}s)", flush=True)
+            print(
+                f"  {nprocs} client process(es): done in {time.perf_counter() - t0:.1f}s "
+                f"(buffer set-up {results[nprocs]['setup_s']:.1f}s)",
+                flush=True,
+            )
         t0 = time.perf_counter()
         lookups = run_lookups(cfg, args.lookup_iters, warmup=max(50, args.lookup_iters // 10))
         print(f"  lookups: done in {time.perf_counter() - t0:.1f}s", flush=True)
@@ -101,42 +124,64 @@ def main(argv: list[str] | None = None) -> int:
     errors = [f"{n} proc(s): {e}" for n, s in results.items() for e in s["errors"]]
 
     print()
-    print_table(rows, title="results (GiB/s rows: value = best repeat, median = median repeat; "
-                            "ms rows: percentiles over all calls)")
+    print_table(
+        rows,
+        title="results (GiB/s rows: value = best repeat, median = median repeat; ms rows: percentiles over all calls)",
+    )
     print_breakdown(results)
     load_end = load_average()
-    limits = ", ".join(f"one memcpy {s['phases']['memcpy']['best_gib_s']:.2f} GiB/s with {n} process"
-                       f"{'es' if n > 1 else ''}" for n, s in results.items())
-    print(f"\nphysical limits on this machine (the baselines above): {limits} (every data row copies the same "
-          f"bytes once); an empty gRPC round trip {lookups['empty_rtt']['p50_ms']:.3f} ms p50 (the raw transport "
-          f"under every lookup); load average {load_start:.2f} at start, {load_end:.2f} at end")
+    limits = ", ".join(
+        f"one memcpy {s['phases']['memcpy']['best_gib_s']:.2f} GiB/s with {n} process{'es' if n > 1 else ''}"
+        for n, s in results.items()
+    )
+    print(
+        f"\nphysical limits on this machine (the baselines above): {limits} (every data row copies the same "
+        f"bytes once); an empty gRPC round trip {lookups['empty_rtt']['p50_ms']:.3f} ms p50 (the raw transport "
+        f"under every lookup); load average {load_start:.2f} at start, {load_end:.2f} at end"
+    )
     if max(load_start, load_end) > 1.0:
-        print(f"\nWARNING: load average {load_start:.2f} at start, {load_end:.2f} at end: other processes were "
-              f"competing for the {info['cpus']} CPUs; GiB/s and latencies are noisy (best-of helps, ratios less so).")
+        print(
+            f"\nWARNING: load average {load_start:.2f} at start, {load_end:.2f} at end: other processes were "
+            f"competing for the {info['cpus']} CPUs; GiB/s and latencies are noisy (best-of helps, ratios less so)."
+        )
     misses = [r.name for r in rows if r.status == "MISS"]
-    print(f"\n{sum(r.status == 'PASS' for r in rows)} PASS, {len(misses)} MISS; daemon exit code {rc}, "
-          f"daemon CPU {daemon_cpu:.1f}s; total {time.perf_counter() - t_start:.1f}s")
+    print(
+        f"\n{sum(r.status == 'PASS' for r in rows)} PASS, {len(misses)} MISS; daemon exit code {rc}, "
+        f"daemon CPU {daemon_cpu:.1f}s; total {time.perf_counter() - t_start:.1f}s"
+    )
     if errors:
         print("ERRORS (results above are not valid):")
         for e in errors:
             print("  " + e)
 
     if args.json:
-        write_json(args.json, {
-            "benchmark": "local_path",
-            "config": {"working_set_bytes": working_set, "chunk_bytes": chunk, "chunks": chunks, "batch": args.batch,
-                       "repeat": args.repeat, "warmup": args.warmup, "procs": procs, "lookup_iters": args.lookup_iters,
-                       "cpu_bytes": cpu_bytes, "two_proc_split": "each process moves half the working set",
-                       "gib_s_value": "best repeat", "targets": {"pool": POOL_TARGET, "region": REGION_TARGET,
-                                                                 "lookup_256_p50": LOOKUP_TARGET}},
-            "machine": info,
-            "rows": [r.to_json() for r in rows],
-            "data_path": {str(k): v for k, v in results.items()},
-            "lookups": lookups,
-            "errors": errors,
-            "load_average": {"start": load_start, "end": load_end},
-            "daemon": {"exit_code": rc, "cpu_s": daemon_cpu},
-            "elapsed_s": time.perf_counter() - t_start,
-        })
+        write_json(
+            args.json,
+            {
+                "benchmark": "local_path",
+                "config": {
+                    "working_set_bytes": working_set,
+                    "chunk_bytes": chunk,
+                    "chunks": chunks,
+                    "batch": args.batch,
+                    "repeat": args.repeat,
+                    "warmup": args.warmup,
+                    "procs": procs,
+                    "lookup_iters": args.lookup_iters,
+                    "cpu_bytes": cpu_bytes,
+                    "two_proc_split": "each process moves half the working set",
+                    "gib_s_value": "best repeat",
+                    "targets": {"pool": POOL_TARGET, "region": REGION_TARGET, "lookup_256_p50": LOOKUP_TARGET},
+                },
+                "machine": info,
+                "rows": [r.to_json() for r in rows],
+                "data_path": {str(k): v for k, v in results.items()},
+                "lookups": lookups,
+                "errors": errors,
+                "load_average": {"start": load_start, "end": load_end},
+                "daemon": {"exit_code": rc, "cpu_s": daemon_cpu},
+                "elapsed_s": time.perf_counter() - t_start,
+            },
+        )
         print(f"JSON written to {args.json}")
     return 1 if errors or rc not in (0, None) else 0

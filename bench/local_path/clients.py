@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The client processes: each stores and loads its share of the working set, timed."""
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ def _worker(idx: int, nprocs: int, cfg: dict[str, Any], daemon_pid: int, barrier
 
     def memcpy_chunked() -> None:
         for i in range(n):
-            dst[i * chunk:(i + 1) * chunk] = src[i * chunk:(i + 1) * chunk]
+            dst[i * chunk : (i + 1) * chunk] = src[i * chunk : (i + 1) * chunk]
 
     setup_s = time.perf_counter() - t_setup
     for rep in range(cfg["warmup"] + cfg["repeat"]):
@@ -97,13 +99,13 @@ def _worker(idx: int, nprocs: int, cfg: dict[str, Any], daemon_pid: int, barrier
 
         def pool_store() -> None:
             for b0, b1 in batches:
-                r = client.store(ns, keys[b0:b1], src[b0 * chunk:b1 * chunk])  # noqa: B023 - called this iteration
+                r = client.store(ns, keys[b0:b1], src[b0 * chunk : b1 * chunk])  # noqa: B023 - called this iteration
                 if r.stored != b1 - b0:
                     errors.append(f"rep {rep} pool store batch {b0}: {r}")  # noqa: B023 - called this iteration
 
         def pool_load() -> None:
             for b0, b1 in batches:
-                got = client.load(ns, keys[b0:b1], dst[b0 * chunk:b1 * chunk])  # noqa: B023 - called this iteration
+                got = client.load(ns, keys[b0:b1], dst[b0 * chunk : b1 * chunk])  # noqa: B023 - called this iteration
                 if got != b1 - b0:
                     errors.append(f"rep {rep} pool load batch {b0}: loaded {got} of {b1 - b0}")  # noqa: B023 - called this iteration
 
@@ -121,7 +123,7 @@ def _worker(idx: int, nprocs: int, cfg: dict[str, Any], daemon_pid: int, barrier
 
         def delete() -> None:
             for b0 in range(0, n, 4096):
-                client.delete(ns, keys[b0:b0 + 4096])  # noqa: B023 - called this iteration
+                client.delete(ns, keys[b0 : b0 + 4096])  # noqa: B023 - called this iteration
 
         timed("memcpy", memcpy)
         timed("memcpy_chunked", memcpy_chunked)
@@ -142,9 +144,15 @@ def _worker(idx: int, nprocs: int, cfg: dict[str, Any], daemon_pid: int, barrier
     client.close()
     region_file.close()
     for name in phases:  # drop the warm-up repeats
-        phases[name] = phases[name][cfg["warmup"]:]
-    return {"phases": phases, "errors": errors, "bytes": share, "chunks": n, "batches": len(batches),
-            "setup_s": setup_s}
+        phases[name] = phases[name][cfg["warmup"] :]
+    return {
+        "phases": phases,
+        "errors": errors,
+        "bytes": share,
+        "chunks": n,
+        "batches": len(batches),
+        "setup_s": setup_s,
+    }
 
 
 def run_clients(nprocs: int, cfg: dict[str, Any], daemon: Daemon) -> dict[str, Any]:
@@ -189,17 +197,22 @@ def summarize_clients(nprocs: int, out: dict[int, Any]) -> dict[str, Any]:
         per_rep = []
         for r in range(repeats):
             windows = [(w["phases"][phase][r]["t0"], w["phases"][phase][r]["t1"]) for w in out.values()]
-            per_rep.append({
-                "gib_s": aggregate_gib_s(total, windows),
-                "wall_s": max(w[1] for w in windows) - min(w[0] for w in windows),
-                "client_cpu_s": sum(w["phases"][phase][r]["client_cpu_s"] for w in out.values()),
-                # every worker samples the daemon over the same window: take the widest reading
-                "daemon_cpu_s": max(w["phases"][phase][r]["daemon_cpu_s"] for w in out.values()),
-            })
+            per_rep.append(
+                {
+                    "gib_s": aggregate_gib_s(total, windows),
+                    "wall_s": max(w[1] for w in windows) - min(w[0] for w in windows),
+                    "client_cpu_s": sum(w["phases"][phase][r]["client_cpu_s"] for w in out.values()),
+                    # every worker samples the daemon over the same window: take the widest reading
+                    "daemon_cpu_s": max(w["phases"][phase][r]["daemon_cpu_s"] for w in out.values()),
+                }
+            )
         stats = Stats.of([p["gib_s"] for p in per_rep])
         best = max(per_rep, key=lambda p: p["gib_s"])
         summary["phases"][phase] = {
-            "best_gib_s": stats.best, "median_gib_s": stats.median, "repeats": per_rep, "best_repeat": best,
+            "best_gib_s": stats.best,
+            "median_gib_s": stats.median,
+            "repeats": per_rep,
+            "best_repeat": best,
         }
     summary["rpcs"] = {p: k * sum(w["batches"] for w in out.values()) for p, k in RPCS_PER_BATCH.items()}
     return summary

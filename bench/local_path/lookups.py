@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Lookup latency of 1 and 256 keys beside an empty gRPC round trip."""
 
 from __future__ import annotations
@@ -51,7 +53,10 @@ def run_lookups(cfg: dict[str, Any], iters: int, warmup: int) -> dict[str, Any]:
             kv.Lookup(raw_req, timeout=5.0)
 
         kinds: dict[str, Callable[[], None]] = {
-            "empty_rtt": check, "lookup_1": lookup1, "lookup_256": lookup256, "raw_lookup_256": raw256,
+            "empty_rtt": check,
+            "lookup_1": lookup1,
+            "lookup_256": lookup256,
+            "raw_lookup_256": raw256,
         }
         names = list(kinds)
         samples: dict[str, list[float]] = {k: [] for k in names}

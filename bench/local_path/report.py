@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The local path's rows and its per-phase breakdown."""
 
 from __future__ import annotations
@@ -19,8 +21,14 @@ def data_rows(nprocs: int, s: dict[str, Any], chunk_mib: float) -> list[Row]:
 
     def row(phase: str, label: str, target: float | None, note: str = "") -> Row:
         return Row(
-            f"{label}, {tag}", ph[phase]["best_gib_s"], "GiB/s", base_name, base, target,
-            median=ph[phase]["median_gib_s"], note=note,
+            f"{label}, {tag}",
+            ph[phase]["best_gib_s"],
+            "GiB/s",
+            base_name,
+            base,
+            target,
+            median=ph[phase]["median_gib_s"],
+            note=note,
         )
 
     return [
@@ -41,12 +49,31 @@ def lookup_rows(lk: dict[str, Any]) -> list[Row]:
         Row("empty gRPC round trip p99 (Health/Check)", e99, "ms"),
         Row("Client.lookup 1 key p50", lk["lookup_1"]["p50_ms"], "ms", f"{h} p50", e50, higher_is_better=False),
         Row("Client.lookup 1 key p99", lk["lookup_1"]["p99_ms"], "ms", f"{h} p99", e99, higher_is_better=False),
-        Row(f"Client.lookup {LOOKUP_KEYS} keys p50", lk["lookup_256"]["p50_ms"], "ms", f"{h} p50", e50,
-            LOOKUP_TARGET, higher_is_better=False),
-        Row(f"Client.lookup {LOOKUP_KEYS} keys p99", lk["lookup_256"]["p99_ms"], "ms", f"{h} p99", e99,
-            higher_is_better=False),
-        Row(f"raw stub Lookup {LOOKUP_KEYS} keys p50 [diag]", lk["raw_lookup_256"]["p50_ms"], "ms", f"{h} p50", e50,
-            higher_is_better=False),
+        Row(
+            f"Client.lookup {LOOKUP_KEYS} keys p50",
+            lk["lookup_256"]["p50_ms"],
+            "ms",
+            f"{h} p50",
+            e50,
+            LOOKUP_TARGET,
+            higher_is_better=False,
+        ),
+        Row(
+            f"Client.lookup {LOOKUP_KEYS} keys p99",
+            lk["lookup_256"]["p99_ms"],
+            "ms",
+            f"{h} p99",
+            e99,
+            higher_is_better=False,
+        ),
+        Row(
+            f"raw stub Lookup {LOOKUP_KEYS} keys p50 [diag]",
+            lk["raw_lookup_256"]["p50_ms"],
+            "ms",
+            f"{h} p50",
+            e50,
+            higher_is_better=False,
+        ),
     ]
 
 
@@ -57,11 +84,16 @@ def print_breakdown(results: dict[int, Any]) -> None:
     times more CPU the one-copy memcpy would need for the same bytes. Unlike GiB/s it hardly
     moves when other processes compete for the CPUs, so it is the steadier number on a busy box.
     """
-    print("\nbreakdown (wall and CPU of the best repeat; cpu ratio from the medians; client CPU summed over"
-          " the client processes; daemon CPU over all its threads):")
-    print(f"  {'phase':<22} {'wall ms':>8} {'client cpu ms':>14} {'daemon cpu ms':>14} {'RPCs':>5} "
-          f"{'wall/RPC ms':>12} {'cpu ratio':>10}")
+    print(
+        "\nbreakdown (wall and CPU of the best repeat; cpu ratio from the medians; client CPU summed over"
+        " the client processes; daemon CPU over all its threads):"
+    )
+    print(
+        f"  {'phase':<22} {'wall ms':>8} {'client cpu ms':>14} {'daemon cpu ms':>14} {'RPCs':>5} "
+        f"{'wall/RPC ms':>12} {'cpu ratio':>10}"
+    )
     for nprocs, s in results.items():
+
         def median_cpu(phase: str) -> float:
             return statistics.median(r["client_cpu_s"] + r["daemon_cpu_s"] for r in s["phases"][phase]["repeats"])  # noqa: B023 - called this iteration
 
@@ -72,5 +104,7 @@ def print_breakdown(results: dict[int, Any]) -> None:
             per = f"{b['wall_s'] * 1e3 / rpcs:.2f}" if rpcs else ""
             cpu_ratio = base_cpu / median_cpu(phase)
             s["phases"][phase]["cpu_ratio_vs_memcpy"] = cpu_ratio
-            print(f"  {phase + f' ({nprocs}p)':<22} {b['wall_s'] * 1e3:8.1f} {b['client_cpu_s'] * 1e3:14.1f} "
-                  f"{b['daemon_cpu_s'] * 1e3:14.1f} {rpcs or '':>5} {per:>12} {cpu_ratio:9.2f}x")
+            print(
+                f"  {phase + f' ({nprocs}p)':<22} {b['wall_s'] * 1e3:8.1f} {b['client_cpu_s'] * 1e3:14.1f} "
+                f"{b['daemon_cpu_s'] * 1e3:14.1f} {rpcs or '':>5} {per:>12} {cpu_ratio:9.2f}x"
+            )

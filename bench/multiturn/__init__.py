@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Multi-turn benchmark of kvstored (not a test): the article's workload against the real daemon,
 with the GPU modelled. Workload: multi-turn conversations with a 12K-token first prompt and 4K more
 tokens per turn, 8 turns, 20 s think time, at 16 to 256 simultaneous conversations. Compared: no

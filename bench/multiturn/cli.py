@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The multi-turn benchmark's command line: `python -m bench.multiturn` (one node) and
 `--nodes N` (bench/multiturn/nodes.py)."""
 
@@ -46,63 +48,126 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m bench.multiturn", description=DESCRIPTION,
-                                 formatter_class=_HelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.multiturn", description=DESCRIPTION, formatter_class=_HelpFormatter
+    )
     g = ap.add_argument_group("workload")
     g.add_argument("--initial-tokens", type=int, default=12 * 1024, help="first prompt of every conversation")
     g.add_argument("--turn-tokens", type=int, default=4 * 1024, help="tokens each turn appends to the history")
     g.add_argument("--turns", type=int, default=8, help="turns per conversation")
-    g.add_argument("--think-s", type=float, default=20.0,
-                   help="mean think time between turns, modelled seconds (uniform 0.5-1.5x)")
+    g.add_argument(
+        "--think-s", type=float, default=20.0, help="mean think time between turns, modelled seconds (uniform 0.5-1.5x)"
+    )
     g.add_argument("--conversations", default="16,32,64,128,192,256", help="simultaneous conversations to sweep")
-    g.add_argument("--chunk-tokens", type=int, default=4096,
-                   help="tokens per kvstored chunk (x --kv-bytes-per-token: 2 MiB, as in bench/compare.py)")
+    g.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=4096,
+        help="tokens per kvstored chunk (x --kv-bytes-per-token: 2 MiB, as in bench/compare.py)",
+    )
     g.add_argument("--seed", type=int, default=0)
     g = ap.add_argument_group("modelled GPU and model")
-    g.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS),
-                   help="the modelled model and GPUs: qwen3.6-35b-a3b (the seed's: 2x H100, TP=2, 20 KiB of KV per "
-                        "token, 50,000 prefill tokens/s) or llama-3.1-8b (one H100, 128 KiB per token, 16,000 "
-                        "tokens/s); every figure derived from it is printed with its basis")
-    g.add_argument("--model-kv-bytes-per-token", type=int, default=None,
-                   help="KV bytes per token of the modelled model (default: the model's, from its attention layers)")
-    g.add_argument("--kv-bytes-per-token", type=int, default=512,
-                   help="KV bytes per token that really move through kvstored (the scale)")
-    g.add_argument("--prefill-tokens-per-s", type=float, default=None,
-                   help="modelled prefill rate (default: the model's, from FLOPs per token, the GPUs' bf16 peak and "
-                        "an assumed MFU)")
-    g.add_argument("--gpu-conversations", type=float, default=None,
-                   help="GPU prefix cache capacity, in conversations at their last turn (default: derived from HBM "
-                        "minus weights)")
-    g.add_argument("--gpu-tokens", type=int, default=None,
-                   help="GPU prefix cache capacity in tokens (overrides --gpu-conversations)")
-    g.add_argument("--serial-loads", action="store_true",
-                   help="loads on the GPU's timeline instead of beside it (a pessimistic engine)")
-    g.add_argument("--transfer", type=Transfer, choices=list(Transfer), default=Transfer.REGION,
-                   metavar="{region,pool}",
-                   help="how the engine moves chunks: region (vLLM's kvstored tier, mode 1: StoreFromRegion, "
-                        "LoadToRegion) or pool (the direct spec, mode 2: pool mapping)")
+    g.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        choices=sorted(MODELS),
+        help="the modelled model and GPUs: qwen3.6-35b-a3b (the seed's: 2x H100, TP=2, 20 KiB of KV per "
+        "token, 50,000 prefill tokens/s) or llama-3.1-8b (one H100, 128 KiB per token, 16,000 "
+        "tokens/s); every figure derived from it is printed with its basis",
+    )
+    g.add_argument(
+        "--model-kv-bytes-per-token",
+        type=int,
+        default=None,
+        help="KV bytes per token of the modelled model (default: the model's, from its attention layers)",
+    )
+    g.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=512,
+        help="KV bytes per token that really move through kvstored (the scale)",
+    )
+    g.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=None,
+        help="modelled prefill rate (default: the model's, from FLOPs per token, the GPUs' bf16 peak and "
+        "an assumed MFU)",
+    )
+    g.add_argument(
+        "--gpu-conversations",
+        type=float,
+        default=None,
+        help="GPU prefix cache capacity, in conversations at their last turn (default: derived from HBM minus weights)",
+    )
+    g.add_argument(
+        "--gpu-tokens",
+        type=int,
+        default=None,
+        help="GPU prefix cache capacity in tokens (overrides --gpu-conversations)",
+    )
+    g.add_argument(
+        "--serial-loads",
+        action="store_true",
+        help="loads on the GPU's timeline instead of beside it (a pessimistic engine)",
+    )
+    g.add_argument(
+        "--transfer",
+        type=Transfer,
+        choices=list(Transfer),
+        default=Transfer.REGION,
+        metavar="{region,pool}",
+        help="how the engine moves chunks: region (vLLM's kvstored tier, mode 1: StoreFromRegion, "
+        "LoadToRegion) or pool (the direct spec, mode 2: pool mapping)",
+    )
     g = ap.add_argument_group("kvstored tiers")
-    g.add_argument("--configs", default=None,
-                   help=f"among {', '.join(c.key for c in CONFIGS)} (default: all; with --nodes: "
-                        f"{', '.join(nodes.CONFIG_KEYS)})")
-    g.add_argument("--ram-conversations", type=float, default=None,
-                   help=f"RAM tier size, in conversations (default: 128; with --nodes: "
-                        f"{nodes.RAM_CONVERSATIONS:g} per node)")
-    g.add_argument("--fs-conversations", type=float, default=512,
-                   help="fs tier size in RAM + fs, in conversations (with --nodes: per node, also with peers)")
-    g.add_argument("--s3-fs-conversations", type=float, default=128,
-                   help="fs tier size in RAM + fs + S3, in conversations (smaller: S3 takes the overflow)")
-    g.add_argument("--s3", default="auto", choices=("auto", "radosgw", "moto"),
-                   help="S3 server: radosgw via tests/support/s3.py, moto_server, or auto (radosgw, else moto)")
-    g.add_argument("--workdir", default=str(REPO / "results" / "tmp"),
-                   help="fs tier roots and the raw O_DIRECT files go under here (each removed after use)")
-    g.add_argument("--no-limits", action="store_true",
-                   help="skip measuring memcpy, raw O_DIRECT and raw S3 GET (the physical limits)")
+    g.add_argument(
+        "--configs",
+        default=None,
+        help=f"among {', '.join(c.key for c in CONFIGS)} (default: all; with --nodes: {', '.join(nodes.CONFIG_KEYS)})",
+    )
+    g.add_argument(
+        "--ram-conversations",
+        type=float,
+        default=None,
+        help=f"RAM tier size, in conversations (default: 128; with --nodes: {nodes.RAM_CONVERSATIONS:g} per node)",
+    )
+    g.add_argument(
+        "--fs-conversations",
+        type=float,
+        default=512,
+        help="fs tier size in RAM + fs, in conversations (with --nodes: per node, also with peers)",
+    )
+    g.add_argument(
+        "--s3-fs-conversations",
+        type=float,
+        default=128,
+        help="fs tier size in RAM + fs + S3, in conversations (smaller: S3 takes the overflow)",
+    )
+    g.add_argument(
+        "--s3",
+        default="auto",
+        choices=("auto", "radosgw", "moto"),
+        help="S3 server: radosgw via tests/support/s3.py, moto_server, or auto (radosgw, else moto)",
+    )
+    g.add_argument(
+        "--workdir",
+        default=str(REPO / "results" / "tmp"),
+        help="fs tier roots and the raw O_DIRECT files go under here (each removed after use)",
+    )
+    g.add_argument(
+        "--no-limits",
+        action="store_true",
+        help="skip measuring memcpy, raw O_DIRECT and raw S3 GET (the physical limits)",
+    )
     g = ap.add_argument_group("output")
     g.add_argument("--json", metavar="PATH", help="write the results as JSON")
     g.add_argument("--plot", metavar="PATH", help="write the chart (PNG) here")
-    g.add_argument("--dry-run", action="store_true",
-                   help="print the model, the sizes and the scaling (and write them with --json), run nothing")
+    g.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the model, the sizes and the scaling (and write them with --json), run nothing",
+    )
     nt_threshold_arg(g)
     nodes.add_arguments(ap)
     return ap
@@ -127,9 +192,11 @@ def main(argv: list[str] | None = None) -> int:
 
     info = machine_info()
     load_start = load_average()
-    print(f"kvstored multi-turn benchmark -- {info['cpu_model']}, {info['cpus']} CPUs, {info['mem_total_gib']} GiB, "
-          f"kernel {info['kernel']}, git {info['git']}, load average {load_start:.2f}, "
-          f"GLIBC_TUNABLES={info['glibc_tunables'] or '(none)'}")
+    print(
+        f"kvstored multi-turn benchmark -- {info['cpu_model']}, {info['cpus']} CPUs, {info['mem_total_gib']} GiB, "
+        f"kernel {info['kernel']}, git {info['git']}, load average {load_start:.2f}, "
+        f"GLIBC_TUNABLES={info['glibc_tunables'] or '(none)'}"
+    )
     model_text = model_lines(m, basis)
     for line in model_text:
         print("  " + line)
@@ -137,17 +204,25 @@ def main(argv: list[str] | None = None) -> int:
     for line in scale:
         print("  " + line)
     max_bytes = max(counts) * w.reusable_per_conversation * m.kv_bytes_per_token
-    print(f"  at {max(counts)} conversations: {fmt_bytes(max_bytes)} of reusable KV loaded at most (scaled), "
-          f"{max(counts) * w.tokens_per_conversation:,} prompt tokens", flush=True)
+    print(
+        f"  at {max(counts)} conversations: {fmt_bytes(max_bytes)} of reusable KV loaded at most (scaled), "
+        f"{max(counts) * w.tokens_per_conversation:,} prompt tokens",
+        flush=True,
+    )
 
     doc: dict[str, Any] = {
         "benchmark": "multiturn",
         "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else " ".join(argv),
         "machine": info,
         "workload": asdict(w),
-        "model": {**asdict(m), "transfer": m.transfer.value, "byte_scale": m.byte_scale,
-                  "spec": asdict(MODELS[args.model]),
-                  "derivation": derivation, "basis": [asdict(b) for b in basis]},
+        "model": {
+            **asdict(m),
+            "transfer": m.transfer.value,
+            "byte_scale": m.byte_scale,
+            "spec": asdict(MODELS[args.model]),
+            "derivation": derivation,
+            "basis": [asdict(b) for b in basis],
+        },
         "configs": [{"key": c.key, "label": c.label, "tiers": list(c.tiers)} for c in configs],
         "sizes": asdict(sizes),
         "sizes_in_conversations": sizes_conv,
@@ -167,8 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         memstore = int(max(counts) * w.final_tokens * m.kv_bytes_per_token * 1.5) + GIB
         try:
             s3 = start_s3(args.s3, memstore)
-            s3_note = ("S3: Ceph radosgw (memstore OSD) on loopback" if s3.is_rgw
-                       else "S3: moto_server (in RAM) on loopback")
+            s3_note = (
+                "S3: Ceph radosgw (memstore OSD) on loopback" if s3.is_rgw else "S3: moto_server (in RAM) on loopback"
+            )
         except RuntimeError as exc:
             s3_note = f"S3 configuration skipped: {exc}"
         print("  " + s3_note, flush=True)
@@ -188,12 +264,13 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     r = run_one(config, n, w, m, sizes, workdir, s3)
                 results.append(r)
-                status = r.skipped or (f"hit {100 * r.hit_rate_overall:.1f}%  {r.throughput_tokens_s:,.0f} tokens/s  "
-                                       f"TTFT p50 {r.ttft_p50_s:.2f} s p99 {r.ttft_p99_s:.2f} s  "
-                                       f"wall {r.wall_s:.1f} s  "
-                                       f"load {r.load_average[1]:.1f}")
-                print(f"  [{time.perf_counter() - t_start:6.0f} s] {config.label:>13} x {n:>3}: {status}",
-                      flush=True)
+                status = r.skipped or (
+                    f"hit {100 * r.hit_rate_overall:.1f}%  {r.throughput_tokens_s:,.0f} tokens/s  "
+                    f"TTFT p50 {r.ttft_p50_s:.2f} s p99 {r.ttft_p99_s:.2f} s  "
+                    f"wall {r.wall_s:.1f} s  "
+                    f"load {r.load_average[1]:.1f}"
+                )
+                print(f"  [{time.perf_counter() - t_start:6.0f} s] {config.label:>13} x {n:>3}: {status}", flush=True)
         if not args.no_limits:
             measure_limits(limits, workdir, chunk_bytes, batch, s3)
     finally:
@@ -224,24 +301,30 @@ def main(argv: list[str] | None = None) -> int:
         print("  " + line)
     print()
     rows = target_rows(results, m, limits, sizes_conv)
-    print(f"targets and ratios ({m.model_name}; load average over the sweep {load['min']:.1f}-{load['max']:.1f}, "
-          f"mean {load['mean']:.1f}, on {info['cpus']} CPUs):")
+    print(
+        f"targets and ratios ({m.model_name}; load average over the sweep {load['min']:.1f}-{load['max']:.1f}, "
+        f"mean {load['mean']:.1f}, on {info['cpus']} CPUs):"
+    )
     print_rows(rows)
     print(f"sweep took {total_s:.0f} s; load average {load['start']:.2f} at start, {load['end']:.2f} at end")
 
-    doc.update({
-        "s3_server": s3_note,
-        "s3_endpoint": s3.endpoint.url if s3 is not None else "",
-        "results": [asdict(r) for r in results],
-        "rows": rows,
-        "targets": [{"text": f"{r['name']}: {r['ratio']:.2f}x (target >= {r['target']:g}x)",
-                     "met": r["status"] == "PASS"}
-                    for r in rows if r["target"] is not None],
-        "limits": limits.to_json(),
-        "tier_costs": costs,
-        "bounds": bounds,
-        "load_average": load,
-        "sweep_s": total_s,
-    })
+    doc.update(
+        {
+            "s3_server": s3_note,
+            "s3_endpoint": s3.endpoint.url if s3 is not None else "",
+            "results": [asdict(r) for r in results],
+            "rows": rows,
+            "targets": [
+                {"text": f"{r['name']}: {r['ratio']:.2f}x (target >= {r['target']:g}x)", "met": r["status"] == "PASS"}
+                for r in rows
+                if r["target"] is not None
+            ],
+            "limits": limits.to_json(),
+            "tier_costs": costs,
+            "bounds": bounds,
+            "load_average": load,
+            "sweep_s": total_s,
+        }
+    )
     write_outputs(doc, args.json, args.plot)
     return 0

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The physical limits under each tier, measured at the start and at the end of a sweep: memcpy of
 2 MiB pieces, raw O_DIRECT reads with the fs tier's threads (streaming, and one load call's chunks
 at a time), raw GETs against the sweep's S3 server."""
@@ -39,8 +41,9 @@ class Limits:
         return {**asdict(self), "medians": {k: self.median(k) for k in LIMIT_KEYS}}
 
 
-def odirect_reads(workdir: Path, chunk_bytes: int, batch: int, total: int, rounds: int
-                  ) -> tuple[list[float], list[float]]:
+def odirect_reads(
+    workdir: Path, chunk_bytes: int, batch: int, total: int, rounds: int
+) -> tuple[list[float], list[float]]:
     """GiB/s reading one file per chunk: all queued at once, and `batch` at a time (the loader's pattern)."""
     n = total // chunk_bytes
     files = ODirectFiles(workdir, n, chunk_bytes, FS_IO_THREADS)
@@ -73,8 +76,9 @@ def s3_gets(s3: S3, chunk_bytes: int, objects: int, rounds: int) -> list[float]:
         s3.empty_bucket(bucket)
 
 
-def measure_limits(limits: Limits, workdir: Path, chunk_bytes: int, batch: int, s3: S3 | None,
-                   total: int = 256 * MIB, rounds: int = 3) -> None:
+def measure_limits(
+    limits: Limits, workdir: Path, chunk_bytes: int, batch: int, s3: S3 | None, total: int = 256 * MIB, rounds: int = 3
+) -> None:
     """One round of every limit measurement (appended to `limits`); a measurement that fails is noted."""
     limits.batch_chunks = batch
     limits.memcpy += memcpy_pieces_gib_s(chunk_bytes, total, rounds)

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The multi-turn benchmark's workload, configurations and modelled model (its presets and every
 figure derived from them, each with its basis)."""
 
@@ -17,7 +19,6 @@ TARGET_VS_RAM = 1.5  # RAM + fs at the largest count: modelled throughput vs the
 COST_WINDOW = 64  # load calls per tier over which the cost per byte is a running median
 FS_IO_THREADS = 8  # the fs tier's default io_threads: the raw O_DIRECT baseline uses as many
 S3_INFLIGHT = 16  # the S3 tier's default max_concurrency: the raw GET baseline keeps as many in flight
-
 
 
 # -- configurations: which kvstored tiers sit under the modelled GPU ------------------------------
@@ -164,24 +165,48 @@ class ModelSpec:
         return hbm * self.gpu_memory_utilization - self.weight_bytes_per_gpu - hbm * self.runtime_reserve
 
 
-MODELS = {m.key: m for m in (
-    ModelSpec(
-        key="qwen3.6-35b-a3b", name="Qwen3.6-35B-A3B bf16", gpu=H100, gpus=2, params=35e9, active_params=3e9,
-        layers=40, attention_layers=10, q_heads=16, kv_heads=2, head_dim=256,
-        mfu=0.25, mfu_basis="assumed: MoE prefill runs 8 of 256 small experts (width 512, hidden 2048) per token "
-                            "as grouped GEMMs of low arithmetic intensity, plus two all-reduces per layer at TP=2",
-        prefill_tokens_per_s=50_000.0, prefill_basis="the estimate, rounded down (issue #13: ~50K for the pair)",
-        not_per_token="the 30 Gated DeltaNet layers keep a fixed state per sequence instead (30 x (8,192 x 3 conv "
-                      "+ 32 heads x 128 x 128) x 2 B = 31 MiB in bf16), not per token: not modelled",
-    ),
-    ModelSpec(
-        key="llama-3.1-8b", name="Llama-3.1-8B bf16", gpu=H100, gpus=1, params=8.03e9, active_params=8.03e9,
-        layers=32, attention_layers=32, q_heads=32, kv_heads=8, head_dim=128,
-        mfu=0.45, mfu_basis="assumed: dense bf16 prefill with FlashAttention on one GPU",
-        prefill_tokens_per_s=16_000.0, prefill_basis="the estimate, rounded down (the figure this benchmark "
-                                                     "used before the seed's model)",
-    ),
-)}
+MODELS = {
+    m.key: m
+    for m in (
+        ModelSpec(
+            key="qwen3.6-35b-a3b",
+            name="Qwen3.6-35B-A3B bf16",
+            gpu=H100,
+            gpus=2,
+            params=35e9,
+            active_params=3e9,
+            layers=40,
+            attention_layers=10,
+            q_heads=16,
+            kv_heads=2,
+            head_dim=256,
+            mfu=0.25,
+            mfu_basis="assumed: MoE prefill runs 8 of 256 small experts (width 512, hidden 2048) per token "
+            "as grouped GEMMs of low arithmetic intensity, plus two all-reduces per layer at TP=2",
+            prefill_tokens_per_s=50_000.0,
+            prefill_basis="the estimate, rounded down (issue #13: ~50K for the pair)",
+            not_per_token="the 30 Gated DeltaNet layers keep a fixed state per sequence instead (30 x (8,192 x 3 conv "
+            "+ 32 heads x 128 x 128) x 2 B = 31 MiB in bf16), not per token: not modelled",
+        ),
+        ModelSpec(
+            key="llama-3.1-8b",
+            name="Llama-3.1-8B bf16",
+            gpu=H100,
+            gpus=1,
+            params=8.03e9,
+            active_params=8.03e9,
+            layers=32,
+            attention_layers=32,
+            q_heads=32,
+            kv_heads=8,
+            head_dim=128,
+            mfu=0.45,
+            mfu_basis="assumed: dense bf16 prefill with FlashAttention on one GPU",
+            prefill_tokens_per_s=16_000.0,
+            prefill_basis="the estimate, rounded down (the figure this benchmark used before the seed's model)",
+        ),
+    )
+}
 DEFAULT_MODEL = "qwen3.6-35b-a3b"
 
 
@@ -221,18 +246,25 @@ class Basis:
     basis: str
 
 
-def derive_model(spec: ModelSpec, w: Workload, kv_bytes_per_token: int, serial_loads: bool,
-                 model_kv_bytes_per_token: int | None = None, prefill_tokens_per_s: float | None = None,
-                 gpu_tokens: int | None = None, gpu_conversations: float | None = None
-                 ) -> tuple[Model, list[Basis], dict[str, float]]:
+def derive_model(
+    spec: ModelSpec,
+    w: Workload,
+    kv_bytes_per_token: int,
+    serial_loads: bool,
+    model_kv_bytes_per_token: int | None = None,
+    prefill_tokens_per_s: float | None = None,
+    gpu_tokens: int | None = None,
+    gpu_conversations: float | None = None,
+) -> tuple[Model, list[Basis], dict[str, float]]:
     """The simulation's figures from the preset, each with its basis; None: derive it. Returns the
     model, the basis lines and the derivation's numbers (for the JSON)."""
     ctx = w.mean_new_token_context
     gpus = f"{spec.gpus}x {spec.gpu.name}" + (f" (TP={spec.gpus})" if spec.gpus > 1 else "")
     kv = spec.kv_bytes_per_token
-    kv_basis = (f"{spec.attention_layers} of {spec.layers} layers attend x (K, V) x {spec.kv_heads} KV heads x "
-                f"{spec.head_dim} dims x {spec.kv_dtype_bytes} B" + (f"; {spec.not_per_token}"
-                                                                    if spec.not_per_token else ""))
+    kv_basis = (
+        f"{spec.attention_layers} of {spec.layers} layers attend x (K, V) x {spec.kv_heads} KV heads x "
+        f"{spec.head_dim} dims x {spec.kv_dtype_bytes} B" + (f"; {spec.not_per_token}" if spec.not_per_token else "")
+    )
     if model_kv_bytes_per_token:
         kv_basis = f"--model-kv-bytes-per-token (the preset's: {kv:,} = {kv_basis})"
         kv = model_kv_bytes_per_token
@@ -240,18 +272,22 @@ def derive_model(spec: ModelSpec, w: Workload, kv_bytes_per_token: int, serial_l
     peak = spec.gpus * spec.gpu.bf16_dense_flops
     estimate = spec.estimated_prefill(ctx)
     rate = prefill_tokens_per_s or spec.prefill_tokens_per_s
-    arithmetic = (f"FLOPs/token = 2 x {spec.active_params / 1e9:g}B active params + {spec.attention_layers} attention "
-                  f"layers x 4 x {spec.q_heads} query heads x {spec.head_dim} dims x {ctx:,.0f} tokens of mean context "
-                  f"= {2 * spec.active_params / 1e9:.2f} + {spec.attention_flops_per_token(ctx) / 1e9:.2f} = "
-                  f"{flops / 1e9:.2f} GFLOP; {spec.gpus} x {spec.gpu.bf16_dense_flops / 1e12:,.0f} TFLOP/s bf16 dense "
-                  f"x {100 * spec.mfu:.0f}% MFU ({spec.mfu_basis}) = {peak * spec.mfu / 1e12:,.0f} TFLOP/s -> "
-                  f"{estimate:,.0f} tokens/s")
+    arithmetic = (
+        f"FLOPs/token = 2 x {spec.active_params / 1e9:g}B active params + {spec.attention_layers} attention "
+        f"layers x 4 x {spec.q_heads} query heads x {spec.head_dim} dims x {ctx:,.0f} tokens of mean context "
+        f"= {2 * spec.active_params / 1e9:.2f} + {spec.attention_flops_per_token(ctx) / 1e9:.2f} = "
+        f"{flops / 1e9:.2f} GFLOP; {spec.gpus} x {spec.gpu.bf16_dense_flops / 1e12:,.0f} TFLOP/s bf16 dense "
+        f"x {100 * spec.mfu:.0f}% MFU ({spec.mfu_basis}) = {peak * spec.mfu / 1e12:,.0f} TFLOP/s -> "
+        f"{estimate:,.0f} tokens/s"
+    )
     if prefill_tokens_per_s:
         prefill_basis = f"--prefill-tokens-per-s (the preset's estimate: {arithmetic})"
     else:
-        prefill_basis = (f"{arithmetic}; {spec.prefill_basis}: {100 * spec.implied_mfu(rate, ctx):.1f}% MFU; "
-                         f"the mean context is the workload's (one rate for every turn: a recomputed history "
-                         f"attends over less)")
+        prefill_basis = (
+            f"{arithmetic}; {spec.prefill_basis}: {100 * spec.implied_mfu(rate, ctx):.1f}% MFU; "
+            f"the mean context is the workload's (one rate for every turn: a recomputed history "
+            f"attends over less)"
+        )
     per_gpu = spec.kv_bytes_per_gpu
     budget = per_gpu * spec.gpus
     hbm = spec.gpu.hbm_bytes
@@ -261,38 +297,65 @@ def derive_model(spec: ModelSpec, w: Workload, kv_bytes_per_token: int, serial_l
         f"{spec.weight_bytes_per_gpu / GIB:.1f} GiB weights ({spec.params / 1e9:g}B params x "
         f"{spec.weight_bytes_per_param} B / {spec.gpus} GPU{'s' if spec.gpus > 1 else ''}) - "
         f"{spec.runtime_reserve * hbm / GIB:.1f} GiB reserve ({100 * spec.runtime_reserve:.0f}% of HBM: activations, "
-        f"CUDA graphs, NCCL, context) = {per_gpu / GIB:.1f} GiB; x {spec.gpus} / {kv:,} B/token")
+        f"CUDA graphs, NCCL, context) = {per_gpu / GIB:.1f} GiB; x {spec.gpus} / {kv:,} B/token"
+    )
     if gpu_tokens:
         tokens, capacity_basis = gpu_tokens, f"--gpu-tokens (derived: {derived_tokens:,}: {capacity_arithmetic})"
     elif gpu_conversations:
         tokens = int(gpu_conversations * w.final_tokens)
-        capacity_basis = (f"--gpu-conversations {gpu_conversations:g} "
-                          f"(derived: {derived_tokens:,}: {capacity_arithmetic})")
+        capacity_basis = (
+            f"--gpu-conversations {gpu_conversations:g} (derived: {derived_tokens:,}: {capacity_arithmetic})"
+        )
     else:
         tokens, capacity_basis = derived_tokens, capacity_arithmetic
-    overridden = [flag for flag, v in (("KV bytes/token", model_kv_bytes_per_token), ("prefill", prefill_tokens_per_s),
-                                       ("GPU cache", gpu_tokens or gpu_conversations)) if v]
+    overridden = [
+        flag
+        for flag, v in (
+            ("KV bytes/token", model_kv_bytes_per_token),
+            ("prefill", prefill_tokens_per_s),
+            ("GPU cache", gpu_tokens or gpu_conversations),
+        )
+        if v
+    ]
     name = f"{spec.name} on {gpus}" + (f" ({', '.join(overridden)} overridden)" if overridden else "")
     m = Model(name, kv, kv_bytes_per_token, rate, tokens, serial_loads, spec.key)
     basis = [
         Basis("KV bytes/token", f"{kv:,} B", kv_basis),
         Basis("prefill", f"{rate:,.0f} tokens/s", prefill_basis),
-        Basis("GPU prefix cache", f"{tokens:,} tokens = {tokens / w.final_tokens:.1f} conversations",
-              f"{capacity_basis}; conversations at their last turn ({w.final_tokens:,} tokens)"),
-        Basis("break-even load rate", f"{kv * rate / GIB:.2f} GiB/s",
-              "KV bytes/token x prefill rate: a tier that loads slower costs more per token than recomputing"),
-        Basis("byte scale", f"x{m.byte_scale:g}",
-              f"--kv-bytes-per-token {kv_bytes_per_token} really move (a {w.chunk_tokens}-token chunk is "
-              f"{fmt_bytes(w.chunk_tokens * kv_bytes_per_token)} instead of {fmt_bytes(w.chunk_tokens * kv)}); each "
-              f"tier's measured cost per byte is charged x{m.byte_scale:g}"),
+        Basis(
+            "GPU prefix cache",
+            f"{tokens:,} tokens = {tokens / w.final_tokens:.1f} conversations",
+            f"{capacity_basis}; conversations at their last turn ({w.final_tokens:,} tokens)",
+        ),
+        Basis(
+            "break-even load rate",
+            f"{kv * rate / GIB:.2f} GiB/s",
+            "KV bytes/token x prefill rate: a tier that loads slower costs more per token than recomputing",
+        ),
+        Basis(
+            "byte scale",
+            f"x{m.byte_scale:g}",
+            f"--kv-bytes-per-token {kv_bytes_per_token} really move (a {w.chunk_tokens}-token chunk is "
+            f"{fmt_bytes(w.chunk_tokens * kv_bytes_per_token)} instead of {fmt_bytes(w.chunk_tokens * kv)}); each "
+            f"tier's measured cost per byte is charged x{m.byte_scale:g}",
+        ),
     ]
-    numbers = {"mean_context_tokens": ctx, "flops_per_token": flops, "peak_flops": peak, "mfu_assumed": spec.mfu,
-               "estimated_prefill_tokens_per_s": estimate, "implied_mfu": spec.implied_mfu(rate, ctx),
-               "hbm_bytes_per_gpu": hbm, "weight_bytes_per_gpu": spec.weight_bytes_per_gpu,
-               "reserve_bytes_per_gpu": spec.runtime_reserve * hbm, "kv_cache_bytes_per_gpu": per_gpu,
-               "kv_cache_bytes": budget, "derived_gpu_tokens": derived_tokens,
-               "derived_gpu_conversations": derived_tokens / w.final_tokens,
-               "breakeven_gib_s": kv * rate / GIB}
+    numbers = {
+        "mean_context_tokens": ctx,
+        "flops_per_token": flops,
+        "peak_flops": peak,
+        "mfu_assumed": spec.mfu,
+        "estimated_prefill_tokens_per_s": estimate,
+        "implied_mfu": spec.implied_mfu(rate, ctx),
+        "hbm_bytes_per_gpu": hbm,
+        "weight_bytes_per_gpu": spec.weight_bytes_per_gpu,
+        "reserve_bytes_per_gpu": spec.runtime_reserve * hbm,
+        "kv_cache_bytes_per_gpu": per_gpu,
+        "kv_cache_bytes": budget,
+        "derived_gpu_tokens": derived_tokens,
+        "derived_gpu_conversations": derived_tokens / w.final_tokens,
+        "breakeven_gib_s": kv * rate / GIB,
+    }
     return m, basis, numbers
 
 
@@ -302,4 +365,3 @@ class Sizes:
     fs_bytes: int
     s3_fs_bytes: int
     s3_bytes: int = 0  # 0: unbounded
-

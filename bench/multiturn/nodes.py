@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Several nodes (`--nodes N`): N real daemons, one per modelled GPU node, turns routed round-robin
 (no KV-aware router: every turn lands on another node than the one before); the set-ups compared
 (no offload, islands, peers, one shared S3 bucket) and the modelled cluster on one model clock."""
@@ -53,15 +55,22 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "several nodes (bench/multiturn/nodes.py)",
         "--nodes N runs N real daemons, one per modelled GPU node; each turn of a conversation goes to the next node "
         "round-robin (no KV awareness). Compared: no offload, islands (each node RAM + fs, no peers), RAM + fs + "
-        "peers (the other nodes' daemons), RAM + fs + one shared S3 bucket; hit rates per tier, PEER included")
+        "peers (the other nodes' daemons), RAM + fs + one shared S3 bucket; hit rates per tier, PEER included",
+    )
     g.add_argument("--nodes", type=int, default=1, help="modelled GPU nodes, each with its own daemon (1: one node)")
-    g.add_argument("--peer-transport", default="tcp", choices=("tcp", "ucx", "auto"),
-                   help="the peer tier's data plane on loopback (tcp: the faster one on these machines)")
-    g.add_argument("--settle-s", type=float, default=0.2,
-                   help="wall seconds a turn's stores get to reach the other nodes (peer index, shared bucket) "
-                        "before the conversation's next turn looks them up: the model clock's think time")
-
-
+    g.add_argument(
+        "--peer-transport",
+        default="tcp",
+        choices=("tcp", "ucx", "auto"),
+        help="the peer tier's data plane on loopback (tcp: the faster one on these machines)",
+    )
+    g.add_argument(
+        "--settle-s",
+        type=float,
+        default=0.2,
+        help="wall seconds a turn's stores get to reach the other nodes (peer index, shared bucket) "
+        "before the conversation's next turn looks them up: the model clock's think time",
+    )
 
 
 # -- the nodes: real daemons, each with its tiers -------------------------------------------------
@@ -70,8 +79,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 class Nodes:
     """N daemons of one set-up: their tiers, listeners and a client each. close() stops them all."""
 
-    def __init__(self, config: NodesConfig, n: int, sizes: Sizes, res: TierResources, peer_transport: str
-                 ) -> None:
+    def __init__(self, config: NodesConfig, n: int, sizes: Sizes, res: TierResources, peer_transport: str) -> None:
         self.config = config
         self.addresses = [f"127.0.0.1:{free_port()}" for _ in range(n)] if config.uses("peer") else []
         shared_s3 = TIER_SPECS["s3"](res, sizes.s3_bytes) if config.uses("s3") else ""  # one bucket for all
@@ -87,8 +95,11 @@ class Nodes:
                     args += ["--tiers", shared_s3]
                 elif kind == "peer":
                     # reconnect_s: the nodes start one after another and find each other sooner
-                    args += ["--tiers", f"kind=peer,transport={peer_transport},peers={' '.join(self.addresses)},"
-                                        "tcp_port=0,ucx_port=0,ucx_net_devices=lo,reconnect_s=1"]
+                    args += [
+                        "--tiers",
+                        f"kind=peer,transport={peer_transport},peers={' '.join(self.addresses)},"
+                        "tcp_port=0,ucx_port=0,ucx_net_devices=lo,reconnect_s=1",
+                    ]
                 else:
                     args += ["--tiers", TIER_SPECS[kind](res, getattr(sizes, size_field))]
             self.daemons.append(Daemon(sizes.ram_bytes, extra_args=args))
@@ -109,8 +120,10 @@ class Nodes:
         while pending:
             pending = [i for i in pending if not self._sees_all_up(i)]
             if pending and time.monotonic() > deadline:
-                raise TimeoutError(f"nodes {pending} did not see every peer up within {PEERS_UP_S:.0f} s: "
-                                   + "; ".join(str(self.peer_status(i)).replace("\n", " ") for i in pending))
+                raise TimeoutError(
+                    f"nodes {pending} did not see every peer up within {PEERS_UP_S:.0f} s: "
+                    + "; ".join(str(self.peer_status(i)).replace("\n", " ") for i in pending)
+                )
             time.sleep(0.05)
 
     def _sees_all_up(self, i: int) -> bool:
@@ -136,15 +149,29 @@ class Nodes:
             d.stop()
 
 
-PEER_COUNTERS = ("fetches", "received_chunks", "received_bytes", "sent_bytes", "missing_chunks", "failed_chunks",
-                 "timed_out_chunks", "corrupt_chunks", "refused_by_breaker", "events", "resyncs")
+PEER_COUNTERS = (
+    "fetches",
+    "received_chunks",
+    "received_bytes",
+    "sent_bytes",
+    "missing_chunks",
+    "failed_chunks",
+    "timed_out_chunks",
+    "corrupt_chunks",
+    "refused_by_breaker",
+    "events",
+    "resyncs",
+)
 
 
 def peer_counters(status: Any) -> dict[str, int]:
     """One node's view of its peers, summed over them, and what it served them."""
     out = {k: sum(int(getattr(p, k)) for p in status.peers) for k in PEER_COUNTERS}
-    out.update(served_chunks=int(status.served_chunks), served_bytes=int(status.served_bytes),
-               refused_chunks=int(status.refused_chunks))
+    out.update(
+        served_chunks=int(status.served_chunks),
+        served_bytes=int(status.served_bytes),
+        refused_chunks=int(status.refused_chunks),
+    )
     return out
 
 
@@ -170,15 +197,17 @@ class NodeSim(Simulation):
     move_lookup_excess = True
     moved_s = 0.0  # lookup time charged to fs/peer load calls instead
 
-    def _segments(self, lookup_s: float, segments: Sequence[tuple[str, float, int]]
-                  ) -> tuple[float, list[tuple[str, float, int]]]:
+    def _segments(
+        self, lookup_s: float, segments: Sequence[tuple[str, float, int]]
+    ) -> tuple[float, list[tuple[str, float, int]]]:
         lower = sum(n for tier, _, n in segments if tier in PREFETCHED_BY_LOOKUP)
         excess = lookup_s - self.lookup_floor_s
         if not self.move_lookup_excess or not lower or excess <= 0:
             return lookup_s, list(segments)
         self.moved_s += excess
-        return self.lookup_floor_s, [(t, s + excess * n / lower if t in PREFETCHED_BY_LOOKUP else s, n)
-                                     for t, s, n in segments]
+        return self.lookup_floor_s, [
+            (t, s + excess * n / lower if t in PREFETCHED_BY_LOOKUP else s, n) for t, s, n in segments
+        ]
 
     hit_tiers = NODE_TIERS
 
@@ -207,9 +236,16 @@ class Settling:
 class ClusterSim:
     """N NodeSims on one model clock; arrivals routed round robin."""
 
-    def __init__(self, w: Workload, m: Model, conversations: int, offloads: Sequence[Offload | None],
-                 settle_s: float, s3_written: Callable[[int], int] | None = None, s3_base: Sequence[int] = ()
-                 ) -> None:
+    def __init__(
+        self,
+        w: Workload,
+        m: Model,
+        conversations: int,
+        offloads: Sequence[Offload | None],
+        settle_s: float,
+        s3_written: Callable[[int], int] | None = None,
+        s3_base: Sequence[int] = (),
+    ) -> None:
         """s3_written: node -> its S3 tier's writes done or given up (with a shared bucket), which
         were `s3_base` before the run."""
         self.w, self.m, self.n = w, m, conversations
@@ -271,8 +307,7 @@ class ClusterSim:
         return load_s
 
     def run(self) -> list[TurnRecord]:
-        self.records, self.makespan = run_clock(self.w, self.m.serial_loads, self.starts, self.thinks, self.lanes,
-                                                self.route, self.serve)
+        self.records, self.makespan = run_clock(
+            self.w, self.m.serial_loads, self.starts, self.thinks, self.lanes, self.route, self.serve
+        )
         return self.records
-
-

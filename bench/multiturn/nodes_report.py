@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """What the multi-node mode prints and writes, and its main (`python -m bench.multiturn --nodes N`)."""
 
 from __future__ import annotations
@@ -35,28 +37,63 @@ from bench.multiturn.report import limit_lines, model_lines, print_rows, scaling
 
 def print_results(results: Sequence[NodesRunResult], file=None) -> None:
     base = {r.conversations: r.throughput_tokens_s for r in results if r.config == "none" and not r.skipped}
-    header = ["set-up", "convs", "hit gpu", "ram", "fs", "peer", "s3", "overall", "tokens/s", "vs none", "TTFT p50",
-              "p99", "gpu busy", "loader", "GiB/s ram/fs/peer/s3 (marginal)", "wall"]
+    header = [
+        "set-up",
+        "convs",
+        "hit gpu",
+        "ram",
+        "fs",
+        "peer",
+        "s3",
+        "overall",
+        "tokens/s",
+        "vs none",
+        "TTFT p50",
+        "p99",
+        "gpu busy",
+        "loader",
+        "GiB/s ram/fs/peer/s3 (marginal)",
+        "wall",
+    ]
     rows = [header]
     for r in results:
         if r.skipped:
-            rows.append([LABELS[r.config], str(r.conversations), "skipped: " + r.skipped[:80]]
-                        + [""] * (len(header) - 3))
+            rows.append(
+                [LABELS[r.config], str(r.conversations), "skipped: " + r.skipped[:80]] + [""] * (len(header) - 3)
+            )
             continue
         ratio = r.throughput_tokens_s / base[r.conversations] if base.get(r.conversations) else None
         gib = "-"
         if r.loaded_bytes:
             gib = "/".join(f"{r.load_gib_s[t]:.2f}" if t in r.load_gib_s else "-" for t in LOADED_TIERS)
-            gib += " (" + "/".join(f"{r.marginal_gib_s[t]:.2f}" if t in r.marginal_gib_s else "-"
-                                   for t in LOADED_TIERS) + ")"
-        rows.append([LABELS[r.config], str(r.conversations), *(f"{100 * r.hit_rate[t]:.1f}%" for t in NODE_TIERS),
-                     f"{100 * r.hit_rate_overall:.1f}%", f"{r.throughput_tokens_s:,.0f}",
-                     f"{ratio:.2f}x" if ratio else "", f"{r.ttft_p50_s:.2f} s", f"{r.ttft_p99_s:.2f} s",
-                     f"{100 * r.gpu_busy:.0f}%", f"{100 * r.loader_busy:.0f}%", gib, f"{r.wall_s:.0f} s"])
+            gib += (
+                " ("
+                + "/".join(f"{r.marginal_gib_s[t]:.2f}" if t in r.marginal_gib_s else "-" for t in LOADED_TIERS)
+                + ")"
+            )
+        rows.append(
+            [
+                LABELS[r.config],
+                str(r.conversations),
+                *(f"{100 * r.hit_rate[t]:.1f}%" for t in NODE_TIERS),
+                f"{100 * r.hit_rate_overall:.1f}%",
+                f"{r.throughput_tokens_s:,.0f}",
+                f"{ratio:.2f}x" if ratio else "",
+                f"{r.ttft_p50_s:.2f} s",
+                f"{r.ttft_p99_s:.2f} s",
+                f"{100 * r.gpu_busy:.0f}%",
+                f"{100 * r.loader_busy:.0f}%",
+                gib,
+                f"{r.wall_s:.0f} s",
+            ]
+        )
     print_aligned(rows, right=set(range(1, 14)) | {15}, file=file)
-    print("measured: hit rates (each node's Lookup, tier per key), GiB/s (the load calls; marginal: median per-byte "
-          "cost with the fixed call cost removed, what the model charges x the byte scale); modelled: tokens/s, "
-          "TTFT, busy (GPU and loader: means over the nodes)", file=file)
+    print(
+        "measured: hit rates (each node's Lookup, tier per key), GiB/s (the load calls; marginal: median per-byte "
+        "cost with the fixed call cost removed, what the model charges x the byte scale); modelled: tokens/s, "
+        "TTFT, busy (GPU and loader: means over the nodes)",
+        file=file,
+    )
 
 
 def daemon_lines(results: Sequence[NodesRunResult]) -> list[str]:
@@ -66,42 +103,62 @@ def daemon_lines(results: Sequence[NodesRunResult]) -> list[str]:
             continue
         parts = []
         for name, d in r.daemon.items():
-            extra = [f"{k} {d[k]}" for k in ("dropped_dirty", "dropped_backpressure", "errors", "checksum_failures",
-                                               "rejected_full") if d.get(k)]
+            extra = [
+                f"{k} {d[k]}"
+                for k in ("dropped_dirty", "dropped_backpressure", "errors", "checksum_failures", "rejected_full")
+                if d.get(k)
+            ]
             if name == "ram":
-                parts.append(f"ram: {d['loaded_chunks']} leased, {d['stored_chunks']} stored, promotions "
-                             f"{d['promotions']}, write-backs {d['writebacks']}, evictions {d['evictions']}"
-                             + "".join(f", {e}" for e in extra))
+                parts.append(
+                    f"ram: {d['loaded_chunks']} leased, {d['stored_chunks']} stored, promotions "
+                    f"{d['promotions']}, write-backs {d['writebacks']}, evictions {d['evictions']}"
+                    + "".join(f", {e}" for e in extra)
+                )
             elif name == "peer":
                 parts.append(f"peer: read {fmt_bytes(d['read_bytes'])}" + "".join(f", {e}" for e in extra))
             else:
-                parts.append(f"{name}: read {fmt_bytes(d['read_bytes'])} written {fmt_bytes(d['written_bytes'])}"
-                             + "".join(f", {e}" for e in extra))
+                parts.append(
+                    f"{name}: read {fmt_bytes(d['read_bytes'])} written {fmt_bytes(d['written_bytes'])}"
+                    + "".join(f", {e}" for e in extra)
+                )
         if r.peers:
             p = r.peers
-            parts.append(f"peers: {p['fetches']} fetches, {p['received_chunks']} chunks in "
-                         f"({fmt_bytes(p['received_bytes'])}), served {p['served_chunks']}, missing "
-                         f"{p['missing_chunks']}, failed {p['failed_chunks']}, timed out {p['timed_out_chunks']}, "
-                         f"breaker refusals {p['refused_by_breaker']}, resyncs {p['resyncs']}")
+            parts.append(
+                f"peers: {p['fetches']} fetches, {p['received_chunks']} chunks in "
+                f"({fmt_bytes(p['received_bytes'])}), served {p['served_chunks']}, missing "
+                f"{p['missing_chunks']}, failed {p['failed_chunks']}, timed out {p['timed_out_chunks']}, "
+                f"breaker refusals {p['refused_by_breaker']}, resyncs {p['resyncs']}"
+            )
         if r.slow_gib_s:
-            parts.append("load calls' marginal GiB/s median / slowest decile: " + ", ".join(
-                f"{t} {r.marginal_gib_s.get(t, 0):.2f} / {r.slow_gib_s[t]:.2f}" for t in LOADED_TIERS
-                if t in r.slow_gib_s))
+            parts.append(
+                "load calls' marginal GiB/s median / slowest decile: "
+                + ", ".join(
+                    f"{t} {r.marginal_gib_s.get(t, 0):.2f} / {r.slow_gib_s[t]:.2f}"
+                    for t in LOADED_TIERS
+                    if t in r.slow_gib_s
+                )
+            )
         st, se = r.store, r.settle
-        lines.append(f"{LABELS[r.config]:>20} {r.conversations:>4}: " + "; ".join(parts)
-                     + f" | client stores {st['stored']} new, {st['already_present']} present, {st['dropped']} dropped"
-                     f" | lookup p50 {r.lookup_ms_p50:.2f} ms (floor {r.lookup_floor_ms:.2f}; {r.lookup_moved_s:.1f} s "
-                     f"moved to fs/peer loads), call floor {r.load_call_floor_ms:.2f} ms x {r.load_calls}"
-                     f" | settled {se['waits']} turns, {se['seconds']:.1f} s"
-                     + (f", {se['s3_timeouts']} S3 waits gave up" if se["s3_timeouts"] else "")
-                     + (f" | {r.load_shortfall_chunks} chunks gone between lookup and load"
-                        if r.load_shortfall_chunks else "")
-                     + (f" | CORRUPT {r.corrupt_chunks}" if r.corrupt_chunks else ""))
+        lines.append(
+            f"{LABELS[r.config]:>20} {r.conversations:>4}: "
+            + "; ".join(parts)
+            + f" | client stores {st['stored']} new, {st['already_present']} present, {st['dropped']} dropped"
+            f" | lookup p50 {r.lookup_ms_p50:.2f} ms (floor {r.lookup_floor_ms:.2f}; {r.lookup_moved_s:.1f} s "
+            f"moved to fs/peer loads), call floor {r.load_call_floor_ms:.2f} ms x {r.load_calls}"
+            f" | settled {se['waits']} turns, {se['seconds']:.1f} s"
+            + (f", {se['s3_timeouts']} S3 waits gave up" if se["s3_timeouts"] else "")
+            + (f" | {r.load_shortfall_chunks} chunks gone between lookup and load" if r.load_shortfall_chunks else "")
+            + (f" | CORRUPT {r.corrupt_chunks}" if r.corrupt_chunks else "")
+        )
     return lines
 
 
-RAW = {"ram": ("memcpy", "memcpy"), "fs": ("raw O_DIRECT, streaming", "odirect_stream"),
-       "peer": ("raw TCP on loopback", "raw_tcp"), "s3": ("raw GET", "s3_get")}
+RAW = {
+    "ram": ("memcpy", "memcpy"),
+    "fs": ("raw O_DIRECT, streaming", "odirect_stream"),
+    "peer": ("raw TCP on loopback", "raw_tcp"),
+    "s3": ("raw GET", "s3_get"),
+}
 
 
 def _raw(limits: Limits, raw_tcp: Sequence[float], tier: str) -> tuple[str, float | None]:
@@ -109,11 +166,12 @@ def _raw(limits: Limits, raw_tcp: Sequence[float], tier: str) -> tuple[str, floa
     return name, (float(np.median(raw_tcp)) if raw_tcp else None) if key == "raw_tcp" else limits.median(key)
 
 
-def cost_lines(results: Sequence[NodesRunResult], m: Model, limits: Limits, raw_tcp: Sequence[float]
-               ) -> list[str]:
+def cost_lines(results: Sequence[NodesRunResult], m: Model, limits: Limits, raw_tcp: Sequence[float]) -> list[str]:
     breakeven = m.model_kv_bytes_per_token * m.prefill_tokens_per_s / GIB
-    lines = [f"break-even load bandwidth ({m.model_kv_bytes_per_token:,} KV bytes/token x "
-             f"{m.prefill_tokens_per_s:,.0f} prefill tokens/s): {breakeven:.2f} GiB/s"]
+    lines = [
+        f"break-even load bandwidth ({m.model_kv_bytes_per_token:,} KV bytes/token x "
+        f"{m.prefill_tokens_per_s:,.0f} prefill tokens/s): {breakeven:.2f} GiB/s"
+    ]
     for config in CONFIGS:
         rs = [r for r in results if r.config == config.key and not r.skipped and r.marginal_gib_s]
         if not rs:
@@ -123,23 +181,31 @@ def cost_lines(results: Sequence[NodesRunResult], m: Model, limits: Limits, raw_
         for t in LOADED_TIERS:
             if t in r.marginal_gib_s:
                 name, rate = _raw(limits, raw_tcp, t)
-                parts.append(f"{t} {r.marginal_gib_s[t]:.2f} GiB/s = {breakeven / r.marginal_gib_s[t]:.2f}x a "
-                             f"recompute" + (f" ({name} {rate:.2f})" if rate else ""))
+                parts.append(
+                    f"{t} {r.marginal_gib_s[t]:.2f} GiB/s = {breakeven / r.marginal_gib_s[t]:.2f}x a "
+                    f"recompute" + (f" ({name} {rate:.2f})" if rate else "")
+                )
         lines.append(f"{config.label} at {r.conversations}: " + "; ".join(parts))
     return lines
 
 
 def _limit(r: NodesRunResult, tier: str, limits: Limits, raw_tcp: Sequence[float], breakeven: float) -> str:
     name, rate = _raw(limits, raw_tcp, tier)
-    got = (f"{tier} loads {r.load_gib_s[tier]:.2f} GiB/s all-in, "
-           + (f"{r.marginal_gib_s[tier]:.2f} marginal" if tier in r.marginal_gib_s else "fixed cost only")
-           if tier in r.load_gib_s else f"no {tier} loads")
-    return (got + (f" vs {name} {rate:.2f}" if rate else "") + f"; break-even {breakeven:.2f}; loader busy "
-            f"{100 * r.loader_busy:.0f}%, GPU {100 * r.gpu_busy:.0f}%")
+    got = (
+        f"{tier} loads {r.load_gib_s[tier]:.2f} GiB/s all-in, "
+        + (f"{r.marginal_gib_s[tier]:.2f} marginal" if tier in r.marginal_gib_s else "fixed cost only")
+        if tier in r.load_gib_s
+        else f"no {tier} loads"
+    )
+    return (
+        got + (f" vs {name} {rate:.2f}" if rate else "") + f"; break-even {breakeven:.2f}; loader busy "
+        f"{100 * r.loader_busy:.0f}%, GPU {100 * r.gpu_busy:.0f}%"
+    )
 
 
-def target_rows(results: Sequence[NodesRunResult], m: Model, limits: Limits, raw_tcp: Sequence[float],
-                n: int) -> list[dict[str, Any]]:
+def target_rows(
+    results: Sequence[NodesRunResult], m: Model, limits: Limits, raw_tcp: Sequence[float], n: int
+) -> list[dict[str, Any]]:
     """The targets at the largest count and the informational ratios: name, value, baseline, ratio,
     target, status (as the other benchmarks' JSON) and `limit`: what bounds it on this machine."""
     runs = {(r.config, r.conversations): r for r in results if not r.skipped}
@@ -151,43 +217,95 @@ def target_rows(results: Sequence[NodesRunResult], m: Model, limits: Limits, raw
     breakeven = m.model_kv_bytes_per_token * m.prefill_tokens_per_s / GIB
     rows: list[dict[str, Any]] = []
 
-    def add(name: str, value: float, unit: str, baseline_name: str, baseline: float | None, target: float | None,
-            limit: str) -> None:
+    def add(
+        name: str, value: float, unit: str, baseline_name: str, baseline: float | None, target: float | None, limit: str
+    ) -> None:
         rows.append({**Row(name, value, unit, baseline_name, baseline, target).to_json(), "limit": limit})
 
     where = f"{n} nodes, {top} conversations"
     if peers is not None:
-        add(f"peers: hit rate, {where}", peers.hit_rate_overall, "share", "all reusable tokens", 1.0, TARGET_HIT,
+        add(
+            f"peers: hit rate, {where}",
+            peers.hit_rate_overall,
+            "share",
+            "all reusable tokens",
+            1.0,
+            TARGET_HIT,
             f"peer {100 * peers.hit_rate['peer']:.0f}% of reusable tokens; missing "
             f"{peers.peers.get('missing_chunks', 0)}, failed {peers.peers.get('failed_chunks', 0)}, timed out "
-            f"{peers.peers.get('timed_out_chunks', 0)}")
+            f"{peers.peers.get('timed_out_chunks', 0)}",
+        )
         if islands is not None:
             cap = islands.makespan_s / peers.think_floor_s  # no makespan is shorter than the think floor
-            add(f"peers vs islands (no peers), {where}", peers.throughput_tokens_s, "tokens/s", "islands",
-                islands.throughput_tokens_s, TARGET_VS_ISLANDS, _limit(peers, "peer", limits, raw_tcp, breakeven)
+            add(
+                f"peers vs islands (no peers), {where}",
+                peers.throughput_tokens_s,
+                "tokens/s",
+                "islands",
+                islands.throughput_tokens_s,
+                TARGET_VS_ISLANDS,
+                _limit(peers, "peer", limits, raw_tcp, breakeven)
                 + f"; makespan {peers.makespan_s:,.0f} s, the conversations' own start and think times "
-                  f"{peers.think_floor_s:,.0f} s: at most {cap:.2f}x")
+                f"{peers.think_floor_s:,.0f} s: at most {cap:.2f}x",
+            )
         if none is not None:
-            add(f"peers vs no offload, {where}", peers.throughput_tokens_s, "tokens/s", "no offload",
-                none.throughput_tokens_s, None, _limit(peers, "peer", limits, raw_tcp, breakeven))
+            add(
+                f"peers vs no offload, {where}",
+                peers.throughput_tokens_s,
+                "tokens/s",
+                "no offload",
+                none.throughput_tokens_s,
+                None,
+                _limit(peers, "peer", limits, raw_tcp, breakeven),
+            )
     if islands is not None and none is not None:
-        add(f"islands vs no offload, {where}", islands.throughput_tokens_s, "tokens/s", "no offload",
-            none.throughput_tokens_s, None, f"hit rate {100 * islands.hit_rate_overall:.0f}%; "
-            + _limit(islands, "fs", limits, raw_tcp, breakeven))
+        add(
+            f"islands vs no offload, {where}",
+            islands.throughput_tokens_s,
+            "tokens/s",
+            "no offload",
+            none.throughput_tokens_s,
+            None,
+            f"hit rate {100 * islands.hit_rate_overall:.0f}%; " + _limit(islands, "fs", limits, raw_tcp, breakeven),
+        )
     if s3 is not None and none is not None:
-        add(f"shared S3 vs no offload, {where}", s3.throughput_tokens_s, "tokens/s", "no offload",
-            none.throughput_tokens_s, None, f"hit rate {100 * s3.hit_rate_overall:.0f}%; "
-            + _limit(s3, "s3", limits, raw_tcp, breakeven))
+        add(
+            f"shared S3 vs no offload, {where}",
+            s3.throughput_tokens_s,
+            "tokens/s",
+            "no offload",
+            none.throughput_tokens_s,
+            None,
+            f"hit rate {100 * s3.hit_rate_overall:.0f}%; " + _limit(s3, "s3", limits, raw_tcp, breakeven),
+        )
     if peers is not None and s3 is not None:
-        add(f"peers vs shared S3, {where}", peers.throughput_tokens_s, "tokens/s", "shared S3",
-            s3.throughput_tokens_s, None, "the faster of the two ways to reach another node's chunks")
+        add(
+            f"peers vs shared S3, {where}",
+            peers.throughput_tokens_s,
+            "tokens/s",
+            "shared S3",
+            s3.throughput_tokens_s,
+            None,
+            "the faster of the two ways to reach another node's chunks",
+        )
     for tier, r in (("peer", peers), ("fs", islands), ("s3", s3)):
         if r is not None and tier in r.load_gib_s:
             name, rate = _raw(limits, raw_tcp, tier)
             marginal = r.marginal_gib_s.get(tier)
-            add(f"{tier} tier loads, all-in ({LABELS[r.config]}, {top})", r.load_gib_s[tier], "GiB/s", name, rate,
-                None, (f"marginal {marginal:.2f} GiB/s (what the model charges)" if marginal
-                       else "no per-byte cost above the fixed cost per call") + f"; break-even {breakeven:.2f} GiB/s")
+            add(
+                f"{tier} tier loads, all-in ({LABELS[r.config]}, {top})",
+                r.load_gib_s[tier],
+                "GiB/s",
+                name,
+                rate,
+                None,
+                (
+                    f"marginal {marginal:.2f} GiB/s (what the model charges)"
+                    if marginal
+                    else "no per-byte cost above the fixed cost per call"
+                )
+                + f"; break-even {breakeven:.2f} GiB/s",
+            )
     return rows
 
 
@@ -199,23 +317,29 @@ def bound_lines(results: Sequence[NodesRunResult], m: Model) -> list[str]:
         if r.skipped or r.conversations != counts[-1] or r.config == "none":
             continue
         full = {t: r.loaded_bytes.get(t, 0) * m.byte_scale for t in LOADED_TIERS}
-        lines.append(f"{LABELS[r.config]}: makespan {r.makespan_s:,.0f} modelled s (think floor "
-                     f"{r.think_floor_s:,.0f}); per node GPU busy {100 * r.gpu_busy:.0f}%, loader "
-                     f"{100 * r.loader_busy:.0f}%; loaded at full size: "
-                     + ", ".join(f"{t} {fmt_bytes(v)}" for t, v in full.items() if v)
-                     + f"; recomputed {100 * (1 - r.hit_rate_overall):.0f}% of the reusable tokens")
+        lines.append(
+            f"{LABELS[r.config]}: makespan {r.makespan_s:,.0f} modelled s (think floor "
+            f"{r.think_floor_s:,.0f}); per node GPU busy {100 * r.gpu_busy:.0f}%, loader "
+            f"{100 * r.loader_busy:.0f}%; loaded at full size: "
+            + ", ".join(f"{t} {fmt_bytes(v)}" for t, v in full.items() if v)
+            + f"; recomputed {100 * (1 - r.hit_rate_overall):.0f}% of the reusable tokens"
+        )
     return lines
 
 
 # -- main (called by bench/multiturn.py with --nodes N >= 2) ---------------------------------------
 
 
-MEASURED = ["hit rates per tier: each node's Lookup, tier per key, and what its loads returned (checked bytes)",
-            "load and store times of the real daemons (client side), their Stats and Peer Status counters",
-            "physical limits: memcpy, raw O_DIRECT, raw GET, raw TCP on loopback; the load average"]
-MODELLED = ["each node's GPU: prefix cache, prefill rate, loader beside it (multiturn's model, printed with its basis)",
-            "throughput, time to first token, busy shares: on the model clock, charged the measured load costs x the "
-            "byte scale"]
+MEASURED = [
+    "hit rates per tier: each node's Lookup, tier per key, and what its loads returned (checked bytes)",
+    "load and store times of the real daemons (client side), their Stats and Peer Status counters",
+    "physical limits: memcpy, raw O_DIRECT, raw GET, raw TCP on loopback; the load average",
+]
+MODELLED = [
+    "each node's GPU: prefix cache, prefill rate, loader beside it (multiturn's model, printed with its basis)",
+    "throughput, time to first token, busy shares: on the model clock, charged the measured load costs x the "
+    "byte scale",
+]
 
 
 def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None) -> int:
@@ -233,16 +357,20 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
 
     info = machine_info()
     load_start = load_average()
-    print(f"kvstored multi-turn benchmark, {n} nodes -- {info['cpu_model']}, {info['cpus']} CPUs, "
-          f"{info['mem_total_gib']} GiB, kernel {info['kernel']}, git {info['git']}, load average {load_start:.2f}")
+    print(
+        f"kvstored multi-turn benchmark, {n} nodes -- {info['cpu_model']}, {info['cpus']} CPUs, "
+        f"{info['mem_total_gib']} GiB, kernel {info['kernel']}, git {info['git']}, load average {load_start:.2f}"
+    )
     print(f"  routing: {ROUTING}; each node: its own modelled GPU and loader, its own daemon")
     for line in model_lines(m, basis):
         print("  " + line)
     scale = scaling_lines(w, m, sizes, args.ram_conversations, args.fs_conversations, args.s3_fs_conversations)
     scale[-1] = "per node: " + scale[-1]
-    scale.append(f"set-ups: {'; '.join(f'{c.label} ({c.key}: ' + ' -> '.join(c.tiers) + ')' for c in configs)}; "
-                 f"peers over {args.peer_transport} on loopback; shared S3 with write-through; stores settle "
-                 f">= {args.settle_s:g} s of wall time before a conversation's next turn looks them up")
+    scale.append(
+        f"set-ups: {'; '.join(f'{c.label} ({c.key}: ' + ' -> '.join(c.tiers) + ')' for c in configs)}; "
+        f"peers over {args.peer_transport} on loopback; shared S3 with write-through; stores settle "
+        f">= {args.settle_s:g} s of wall time before a conversation's next turn looks them up"
+    )
     for line in scale:
         print("  " + line)
     print(f"  measured: {'; '.join(MEASURED)}\n  modelled: {'; '.join(MODELLED)}", flush=True)
@@ -254,11 +382,17 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
         "nodes": n,
         "routing": ROUTING,
         "workload": asdict(w),
-        "model": {**asdict(m), "transfer": m.transfer.value, "byte_scale": m.byte_scale,
-                  "spec": asdict(MODELS[args.model]),
-                  "derivation": derivation, "basis": [asdict(b) for b in basis]},
-        "configs": [{"key": c.key, "label": c.label, "tiers": list(c.tiers), "write_through": c.write_through}
-                    for c in configs],
+        "model": {
+            **asdict(m),
+            "transfer": m.transfer.value,
+            "byte_scale": m.byte_scale,
+            "spec": asdict(MODELS[args.model]),
+            "derivation": derivation,
+            "basis": [asdict(b) for b in basis],
+        },
+        "configs": [
+            {"key": c.key, "label": c.label, "tiers": list(c.tiers), "write_through": c.write_through} for c in configs
+        ],
         "sizes_per_node": asdict(sizes),
         "sizes_in_conversations": sizes_conv,
         "scaling": scale,
@@ -309,11 +443,14 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
                 else:
                     r = run_one(config, count, n, w, m, sizes, workdir, s3, args.peer_transport, args.settle_s)
                 results.append(r)
-                status = r.skipped or (f"hit {100 * r.hit_rate_overall:.1f}% (peer {100 * r.hit_rate['peer']:.1f}%)  "
-                                       f"{r.throughput_tokens_s:,.0f} tokens/s  wall {r.wall_s:.1f} s  "
-                                       f"load {r.load_average[1]:.1f}")
-                print(f"  [{time.perf_counter() - t_start:6.0f} s] {config.label:>20} x {count:>3}: {status}",
-                      flush=True)
+                status = r.skipped or (
+                    f"hit {100 * r.hit_rate_overall:.1f}% (peer {100 * r.hit_rate['peer']:.1f}%)  "
+                    f"{r.throughput_tokens_s:,.0f} tokens/s  wall {r.wall_s:.1f} s  "
+                    f"load {r.load_average[1]:.1f}"
+                )
+                print(
+                    f"  [{time.perf_counter() - t_start:6.0f} s] {config.label:>20} x {count:>3}: {status}", flush=True
+                )
         if not args.no_limits:
             measure()
     finally:
@@ -322,8 +459,13 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
     total_s = time.perf_counter() - t_start
     samples = [x for r in results if not r.skipped for x in r.load_average]
     load_end = load_average()
-    load = {"start": load_start, "end": load_end, "min": min([load_start, load_end, *samples]),
-            "max": max([load_start, load_end, *samples]), "mean": float(np.mean([load_start, load_end, *samples]))}
+    load = {
+        "start": load_start,
+        "end": load_end,
+        "min": min([load_start, load_end, *samples]),
+        "max": max([load_start, load_end, *samples]),
+        "mean": float(np.mean([load_start, load_end, *samples])),
+    }
 
     print()
     print_results(results)
@@ -335,8 +477,11 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
     print("physical limits of this machine (measured at the start and at the end of the sweep):")
     for line in limit_lines(limits):
         print("  " + line)
-    tcp = (f"{np.median(raw_tcp):.2f} GiB/s (median of {len(raw_tcp)}; {min(raw_tcp):.2f}-{max(raw_tcp):.2f})"
-           if raw_tcp else "not measured")
+    tcp = (
+        f"{np.median(raw_tcp):.2f} GiB/s (median of {len(raw_tcp)}; {min(raw_tcp):.2f}-{max(raw_tcp):.2f})"
+        if raw_tcp
+        else "not measured"
+    )
     print(f"  raw TCP on loopback, {fmt_bytes(chunk_bytes)} chunks into 16 slots (bench/peer_raw.py): {tcp}")
     print()
     print("cost of a token loaded from each tier (marginal rate, at the largest count measured):")
@@ -350,22 +495,29 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
         print("  " + line)
     print()
     rows = target_rows(results, m, limits, raw_tcp, n)
-    print(f"targets and ratios ({m.model_name}, {n} nodes; load average over the sweep {load['min']:.1f}-"
-          f"{load['max']:.1f}, mean {load['mean']:.1f}, on {info['cpus']} CPUs):")
+    print(
+        f"targets and ratios ({m.model_name}, {n} nodes; load average over the sweep {load['min']:.1f}-"
+        f"{load['max']:.1f}, mean {load['mean']:.1f}, on {info['cpus']} CPUs):"
+    )
     print_rows(rows)
     print(f"sweep took {total_s:.0f} s; load average {load['start']:.2f} at start, {load['end']:.2f} at end")
 
-    doc.update({
-        "s3_server": s3_note,
-        "results": [asdict(r) for r in results],
-        "rows": rows,
-        "targets": [{"text": f"{r['name']}: {r['ratio']:.2f}x (target >= {r['target']:g}x)",
-                     "met": r["status"] == "PASS"} for r in rows if r["target"] is not None and r["ratio"] is not None],
-        "limits": {**limits.to_json(), "raw_tcp": raw_tcp},
-        "tier_costs": costs,
-        "bounds": bounds,
-        "load_average": load,
-        "sweep_s": total_s,
-    })
+    doc.update(
+        {
+            "s3_server": s3_note,
+            "results": [asdict(r) for r in results],
+            "rows": rows,
+            "targets": [
+                {"text": f"{r['name']}: {r['ratio']:.2f}x (target >= {r['target']:g}x)", "met": r["status"] == "PASS"}
+                for r in rows
+                if r["target"] is not None and r["ratio"] is not None
+            ],
+            "limits": {**limits.to_json(), "raw_tcp": raw_tcp},
+            "tier_costs": costs,
+            "bounds": bounds,
+            "load_average": load,
+            "sweep_s": total_s,
+        }
+    )
     write_outputs(doc, args.json, args.plot)
     return 0

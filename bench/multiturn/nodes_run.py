@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """One run of the nodes: a set-up at a number of conversations, on fresh daemons; its results, summed
 over the nodes; the raw TCP limit beside the peer tier."""
 
@@ -62,8 +64,13 @@ class NodesRunResult:
     skipped: str = ""
 
 
-def summarize(config: str, sim: ClusterSim, before: Sequence[dict] | None, after: Sequence[dict] | None,
-              peers: Sequence[dict[str, int]]) -> NodesRunResult:
+def summarize(
+    config: str,
+    sim: ClusterSim,
+    before: Sequence[dict] | None,
+    after: Sequence[dict] | None,
+    peers: Sequence[dict[str, int]],
+) -> NodesRunResult:
     w, recs = sim.w, sim.records
     r = NodesRunResult(config, sim.n, len(sim.nodes))
     r.turns = len(recs)
@@ -80,9 +87,14 @@ def summarize(config: str, sim: ClusterSim, before: Sequence[dict] | None, after
     for i, lane in enumerate(sim.lanes):
         mine = [x for x in recs if x.node == i]
         reusable = sum(x.reusable_chunks for x in mine)
-        r.per_node.append({"turns": len(mine), "gpu_busy": lane.gpu_s / sim.makespan,
-                           "loader_busy": lane.loader_s / sim.makespan,
-                           "hit_rate": sum(sum(x.hits.values()) for x in mine) / reusable if reusable else 0.0})
+        r.per_node.append(
+            {
+                "turns": len(mine),
+                "gpu_busy": lane.gpu_s / sim.makespan,
+                "loader_busy": lane.loader_s / sim.makespan,
+                "hit_rate": sum(sum(x.hits.values()) for x in mine) / reusable if reusable else 0.0,
+            }
+        )
     r.gpu_busy = float(np.mean([p["gpu_busy"] for p in r.per_node]))
     r.loader_busy = float(np.mean([p["loader_busy"] for p in r.per_node]))
     offloads = [node.offload for node in sim.nodes if node.offload is not None]
@@ -94,15 +106,19 @@ def summarize(config: str, sim: ClusterSim, before: Sequence[dict] | None, after
                 secs[t] = secs.get(t, 0.0) + s
         r.loaded_bytes = {t: r.hit_tokens[t] // w.chunk_tokens * cb for t in LOADED_TIERS}
         r.load_seconds = {t: secs.get(t, 0.0) for t in LOADED_TIERS}
-        r.load_gib_s = {t: r.loaded_bytes[t] / GIB / r.load_seconds[t] for t in LOADED_TIERS
-                        if r.load_seconds[t] > 0 and r.loaded_bytes[t] > 0}
+        r.load_gib_s = {
+            t: r.loaded_bytes[t] / GIB / r.load_seconds[t]
+            for t in LOADED_TIERS
+            if r.load_seconds[t] > 0 and r.loaded_bytes[t] > 0
+        }
         costs: dict[str, list[float]] = {}
         for node in sim.nodes:
             for t, c in node.all_costs.items():
                 costs.setdefault(t, []).extend(c)
         r.marginal_gib_s = {t: 1 / float(np.median(c)) / GIB for t, c in costs.items() if c and np.median(c) > 0}
-        r.slow_gib_s = {t: 1 / float(np.percentile(c, 90)) / GIB for t, c in costs.items()
-                        if c and np.percentile(c, 90) > 0}
+        r.slow_gib_s = {
+            t: 1 / float(np.percentile(c, 90)) / GIB for t, c in costs.items() if c and np.percentile(c, 90) > 0
+        }
         lookups = [s for node in sim.nodes for s in node.lookup_s]
         r.lookups = len(lookups)
         r.lookup_ms_p50 = float(np.percentile(lookups, 50) * 1e3) if lookups else 0.0
@@ -145,7 +161,7 @@ def calibrate_lookup_floor(offload: Offload, keys: int = 10, calls: int = 40) ->
             raise RuntimeError("lookup-floor calibration: the chunks are not all in RAM")
         times.append(time.perf_counter() - t0)
     client.delete(ns, names)
-    return float(np.median(times[calls // 4:]))
+    return float(np.median(times[calls // 4 :]))
 
 
 def s3_written(stats: dict[str, dict[str, int]]) -> int:
@@ -154,8 +170,18 @@ def s3_written(stats: dict[str, dict[str, int]]) -> int:
     return sum(s3.get(k, 0) for k in ("stored_chunks", "dropped_backpressure", "errors", "rejected_full"))
 
 
-def run_one(config: NodesConfig, conversations: int, n: int, w: Workload, m: Model, sizes: Sizes,
-            workdir: Path, s3: S3 | None, peer_transport: str, settle_s: float) -> NodesRunResult:
+def run_one(
+    config: NodesConfig,
+    conversations: int,
+    n: int,
+    w: Workload,
+    m: Model,
+    sizes: Sizes,
+    workdir: Path,
+    s3: S3 | None,
+    peer_transport: str,
+    settle_s: float,
+) -> NodesRunResult:
     t0 = time.perf_counter()
     load0 = load_average()
     r = _run_one(config, conversations, n, w, m, sizes, workdir, s3, peer_transport, settle_s)
@@ -164,8 +190,18 @@ def run_one(config: NodesConfig, conversations: int, n: int, w: Workload, m: Mod
     return r
 
 
-def _run_one(config: NodesConfig, conversations: int, n: int, w: Workload, m: Model, sizes: Sizes,
-             workdir: Path, s3: S3 | None, peer_transport: str, settle_s: float) -> NodesRunResult:
+def _run_one(
+    config: NodesConfig,
+    conversations: int,
+    n: int,
+    w: Workload,
+    m: Model,
+    sizes: Sizes,
+    workdir: Path,
+    s3: S3 | None,
+    peer_transport: str,
+    settle_s: float,
+) -> NodesRunResult:
     if not config.offload:
         sim = ClusterSim(w, m, conversations, [None] * n, settle_s)
         sim.run()
@@ -186,8 +222,9 @@ def _run_one(config: NodesConfig, conversations: int, n: int, w: Workload, m: Mo
     try:
         chunk_bytes = w.chunk_tokens * m.kv_bytes_per_token
         for d in nodes.daemons:
-            offloads.append(Offload(d.socket, chunk_bytes, w.chunk_tokens, w.final_tokens // w.chunk_tokens,
-                                       w.seed, m.transfer))
+            offloads.append(
+                Offload(d.socket, chunk_bytes, w.chunk_tokens, w.final_tokens // w.chunk_tokens, w.seed, m.transfer)
+            )
         before = [o.stats() for o in offloads]
         written = (lambda i: s3_written(offloads[i].stats())) if config.uses("s3") else None
         sim = ClusterSim(w, m, conversations, offloads, settle_s, written, [s3_written(b) for b in before])
@@ -218,5 +255,3 @@ def measure_raw_tcp(chunk_bytes: int) -> tuple[list[float], str]:
         return [measure_raw("tcp", Place("loopback"), RAW_TCP_BYTES, chunk_bytes, 16).gib_s], ""
     except Exception as exc:  # noqa: BLE001 - the tiers' figures stand without it
         return [], f"raw TCP: {type(exc).__name__}: {exc}"
-
-

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The modelled engine's connection to a real daemon: stores its GPU's evictions, looks up and loads
 (one timed call per run of the same tier), through a registered region or the pool mapping."""
 
@@ -33,14 +35,27 @@ class Offload:
 
     TIER_NAMES = {1: "ram", 2: "fs", 3: "s3", 4: "peer"}
 
-    def __init__(self, socket: Path, chunk_bytes: int, chunk_tokens: int, max_chunks: int, seed: int,
-                 transfer: Transfer = Transfer.REGION) -> None:
+    def __init__(
+        self,
+        socket: Path,
+        chunk_bytes: int,
+        chunk_tokens: int,
+        max_chunks: int,
+        seed: int,
+        transfer: Transfer = Transfer.REGION,
+    ) -> None:
         from kvstored_client import Client, NamespaceSpec
 
         self.client = Client(socket, deadline_s=120.0, client_name="bench-multiturn")
-        self.ns = self.client.register_namespace(NamespaceSpec(
-            model="bench/multiturn", dtype="scaled-bf16", chunk_bytes=chunk_bytes, layout="sim",
-            block_tokens=chunk_tokens))
+        self.ns = self.client.register_namespace(
+            NamespaceSpec(
+                model="bench/multiturn",
+                dtype="scaled-bf16",
+                chunk_bytes=chunk_bytes,
+                layout="sim",
+                block_tokens=chunk_tokens,
+            )
+        )
         self.chunk_bytes = chunk_bytes
         self.transfer = transfer
         rng = np.random.default_rng(seed)
@@ -53,7 +68,7 @@ class Offload:
             os.close(fd)
             self._region_path = Path(path)
             whole = populate(np.memmap(path, dtype=np.uint8, mode="r+"))
-            self._staging, self._out, self._floor_out = whole[:span], whole[span:2 * span], whole[2 * span:]
+            self._staging, self._out, self._floor_out = whole[:span], whole[span : 2 * span], whole[2 * span :]
             self._region = self.client.register_region(path)
         else:
             self._staging = populate(np.empty(span, dtype=np.uint8))
@@ -71,8 +86,9 @@ class Offload:
         call, as measured, while the rest of a load's time is charged per byte."""
         from kvstored_client import NamespaceSpec
 
-        ns = self.client.register_namespace(NamespaceSpec(model="bench/multiturn-call-floor", dtype="u8",
-                                                          chunk_bytes=4096))
+        ns = self.client.register_namespace(
+            NamespaceSpec(model="bench/multiturn-call-floor", dtype="u8", chunk_bytes=4096)
+        )
         key = b"\x01" * 32
         self._floor_out[:] = 1
         self._store(ns, [key], self._floor_out, 2 * self.max_chunks * self.chunk_bytes)
@@ -83,7 +99,7 @@ class Offload:
                 raise RuntimeError("call-floor calibration: the 4 KiB chunk did not load")
             times.append(time.perf_counter() - t0)
         self.client.delete(ns, [key])
-        return float(np.median(times[calls // 4:]))
+        return float(np.median(times[calls // 4 :]))
 
     def _store(self, ns, keys: Sequence[bytes], buf: np.ndarray, region_offset: int):
         """Store len(keys) chunks held in `buf` (which, in region mode, is the region at `region_offset`)."""
@@ -114,9 +130,24 @@ class Offload:
             self._region_path.unlink(missing_ok=True)
 
     def stats(self) -> dict[str, dict[str, int]]:
-        fields = ("read_bytes", "written_bytes", "loaded_chunks", "stored_chunks", "hits", "lookups", "evictions",
-                  "promotions", "writebacks", "dropped_dirty", "dropped_backpressure", "errors", "checksum_failures",
-                  "rejected_full", "used_bytes", "chunks")
+        fields = (
+            "read_bytes",
+            "written_bytes",
+            "loaded_chunks",
+            "stored_chunks",
+            "hits",
+            "lookups",
+            "evictions",
+            "promotions",
+            "writebacks",
+            "dropped_dirty",
+            "dropped_backpressure",
+            "errors",
+            "checksum_failures",
+            "rejected_full",
+            "used_bytes",
+            "chunks",
+        )
         out = {}
         for tier in self.client.stats().tiers:
             out[tier.name] = {f: int(getattr(tier, f)) for f in fields}
@@ -127,9 +158,9 @@ class Offload:
         then noise."""
         cb = self.chunk_bytes
         for start in range(0, len(evicted), self.max_chunks):
-            batch = evicted[start:start + self.max_chunks]
+            batch = evicted[start : start + self.max_chunks]
             n = len(batch)
-            buf = self._staging[:n * cb].reshape(n, cb)
+            buf = self._staging[: n * cb].reshape(n, cb)
             buf[:, HEADER:] = self._noise[HEADER:]
             for row, (key, conv, index) in enumerate(batch):
                 buf[row, :HEADER] = np.frombuffer(_header(key, conv, index), dtype=np.uint8)
@@ -158,12 +189,13 @@ class Offload:
             while end < n and tiers[end] == tier:
                 end += 1
             t1 = time.perf_counter()
-            got = self._load(self.ns, keys[start:end], self._out[start * cb:end * cb],
-                             self.max_chunks * cb + start * cb)
+            got = self._load(
+                self.ns, keys[start:end], self._out[start * cb : end * cb], self.max_chunks * cb + start * cb
+            )
             elapsed = time.perf_counter() - t1
             seconds[tier] = seconds.get(tier, 0.0) + elapsed
             for i in range(start, start + got):  # wrong bytes are counted, never served as a hit
-                if bytes(self._out[i * cb:i * cb + HEADER]) != _header(keys[i], conv, first_index + i):
+                if bytes(self._out[i * cb : i * cb + HEADER]) != _header(keys[i], conv, first_index + i):
                     self.corrupt += 1
                     break
                 loaded += 1
@@ -176,4 +208,3 @@ class Offload:
 
 def _header(key: bytes, conv: int, index: int) -> bytes:
     return key + conv.to_bytes(8, "little") + index.to_bytes(8, "little")
-

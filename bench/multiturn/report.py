@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """What the multi-turn benchmark prints: the model, the scaling, the results table, the daemons'
 counters, the physical limits, the cost of a token per tier, what bounds the targets, the rows."""
 
@@ -28,8 +30,7 @@ from bench.multiturn.model import (
 from bench.multiturn.runs import RunResult
 
 
-def scaling_lines(w: Workload, m: Model, sizes: Sizes, ram_conv: float, fs_conv: float,
-                  s3_fs_conv: float) -> list[str]:
+def scaling_lines(w: Workload, m: Model, sizes: Sizes, ram_conv: float, fs_conv: float, s3_fs_conv: float) -> list[str]:
     full = m.byte_scale
 
     def size(nbytes: int) -> str:
@@ -56,7 +57,8 @@ def model_lines(m: Model, basis: Sequence[Basis]) -> list[str]:
     width = max(len(b.quantity) for b in basis)
     vwidth = max(len(b.value) for b in basis)
     return [f"model: {m.model_name} (--model {m.model_key})"] + [
-        f"  {b.quantity:<{width}}  {b.value:>{vwidth}}  {b.basis}" for b in basis]
+        f"  {b.quantity:<{width}}  {b.value:>{vwidth}}  {b.basis}" for b in basis
+    ]
 
 
 def limit_lines(limits: Limits) -> list[str]:
@@ -79,8 +81,24 @@ def limit_lines(limits: Limits) -> list[str]:
 def print_results(results: list[RunResult], file=None) -> None:
     file = file or sys.stdout
     base = {r.conversations: r.throughput_tokens_s for r in results if r.config == "none" and not r.skipped}
-    header = ["config", "convs", "hit gpu", "ram", "fs", "s3", "overall", "tokens/s", "vs none", "TTFT p50",
-              "p99", "gpu busy", "loader", "loaded ram/fs/s3", "GiB/s ram/fs/s3 (marginal)", "wall"]
+    header = [
+        "config",
+        "convs",
+        "hit gpu",
+        "ram",
+        "fs",
+        "s3",
+        "overall",
+        "tokens/s",
+        "vs none",
+        "TTFT p50",
+        "p99",
+        "gpu busy",
+        "loader",
+        "loaded ram/fs/s3",
+        "GiB/s ram/fs/s3 (marginal)",
+        "wall",
+    ]
     rows = [header]
     for r in results:
         if r.skipped:
@@ -91,24 +109,44 @@ def print_results(results: list[RunResult], file=None) -> None:
         gib = "-"
         if r.loaded_bytes:
             gib = "/".join(f"{r.load_gib_s[t]:.2f}" if t in r.load_gib_s else "-" for t in ("ram", "fs", "s3"))
-            gib += " (" + "/".join(f"{r.marginal_gib_s[t]:.2f}" if t in r.marginal_gib_s else "-"
-                                   for t in ("ram", "fs", "s3")) + ")"
-        rows.append([
-            CONFIG_LABELS[r.config], str(r.conversations),
-            *(f"{100 * r.hit_rate[t]:.1f}%" for t in TIERS), f"{100 * r.hit_rate_overall:.1f}%",
-            f"{r.throughput_tokens_s:,.0f}", f"{ratio:.2f}x" if ratio else "", f"{r.ttft_p50_s:.2f} s",
-            f"{r.ttft_p99_s:.2f} s", f"{100 * r.gpu_busy:.0f}%", f"{100 * r.loader_busy:.0f}%", loaded, gib,
-            f"{r.wall_s:.0f} s",
-        ])
+            gib += (
+                " ("
+                + "/".join(f"{r.marginal_gib_s[t]:.2f}" if t in r.marginal_gib_s else "-" for t in ("ram", "fs", "s3"))
+                + ")"
+            )
+        rows.append(
+            [
+                CONFIG_LABELS[r.config],
+                str(r.conversations),
+                *(f"{100 * r.hit_rate[t]:.1f}%" for t in TIERS),
+                f"{100 * r.hit_rate_overall:.1f}%",
+                f"{r.throughput_tokens_s:,.0f}",
+                f"{ratio:.2f}x" if ratio else "",
+                f"{r.ttft_p50_s:.2f} s",
+                f"{r.ttft_p99_s:.2f} s",
+                f"{100 * r.gpu_busy:.0f}%",
+                f"{100 * r.loader_busy:.0f}%",
+                loaded,
+                gib,
+                f"{r.wall_s:.0f} s",
+            ]
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for i, row in enumerate(rows):
-        print("  ".join(c.rjust(wd) if 1 <= j <= 15 and j != 13 else c.ljust(wd)
-                        for j, (c, wd) in enumerate(zip(row, widths))).rstrip(), file=file)
+        print(
+            "  ".join(
+                c.rjust(wd) if 1 <= j <= 15 and j != 13 else c.ljust(wd) for j, (c, wd) in enumerate(zip(row, widths))
+            ).rstrip(),
+            file=file,
+        )
         if i == 0:
             print("  ".join("-" * wd for wd in widths), file=file)
-    print("hit rates: shares of the reusable tokens (the previous turn's prompt); tokens/s, TTFT, busy: modelled; "
-          "loaded: scaled bytes really moved; GiB/s: their measured rate (marginal: median per-byte cost of the "
-          "load calls, fixed call cost removed; what the model charges, x the byte scale)", file=file)
+    print(
+        "hit rates: shares of the reusable tokens (the previous turn's prompt); tokens/s, TTFT, busy: modelled; "
+        "loaded: scaled bytes really moved; GiB/s: their measured rate (marginal: median per-byte cost of the "
+        "load calls, fixed call cost removed; what the model charges, x the byte scale)",
+        file=file,
+    )
 
 
 def daemon_lines(results: list[RunResult]) -> list[str]:
@@ -118,27 +156,36 @@ def daemon_lines(results: list[RunResult]) -> list[str]:
             continue
         parts = []
         for name, d in r.daemon.items():
-            extra = [f"{k} {d[k]}" for k in ("dropped_dirty", "dropped_backpressure", "errors", "checksum_failures",
-                                               "rejected_full") if d.get(k)]
+            extra = [
+                f"{k} {d[k]}"
+                for k in ("dropped_dirty", "dropped_backpressure", "errors", "checksum_failures", "rejected_full")
+                if d.get(k)
+            ]
             if name == "ram":  # the RAM tier counts chunks, not bytes
-                parts.append(f"ram: {d['loaded_chunks']} chunks leased, {d['stored_chunks']} stored"
-                             + (f", promotions {d['promotions']}" if d.get("promotions") else "")
-                             + (f", write-backs {d['writebacks']}" if d.get("writebacks") else "")
-                             + (f", evictions {d['evictions']}" if d.get("evictions") else "")
-                             + "".join(f", {e}" for e in extra))
+                parts.append(
+                    f"ram: {d['loaded_chunks']} chunks leased, {d['stored_chunks']} stored"
+                    + (f", promotions {d['promotions']}" if d.get("promotions") else "")
+                    + (f", write-backs {d['writebacks']}" if d.get("writebacks") else "")
+                    + (f", evictions {d['evictions']}" if d.get("evictions") else "")
+                    + "".join(f", {e}" for e in extra)
+                )
                 continue
-            parts.append(f"{name}: read {fmt_bytes(d['read_bytes'])} written {fmt_bytes(d['written_bytes'])}"
-                         + (f" promotions {d['promotions']}" if d.get("promotions") else "")
-                         + (f" evictions {d['evictions']}" if d.get("evictions") else "")
-                         + ("".join(f", {e}" for e in extra)))
+            parts.append(
+                f"{name}: read {fmt_bytes(d['read_bytes'])} written {fmt_bytes(d['written_bytes'])}"
+                + (f" promotions {d['promotions']}" if d.get("promotions") else "")
+                + (f" evictions {d['evictions']}" if d.get("evictions") else "")
+                + ("".join(f", {e}" for e in extra))
+            )
         st = r.store
-        lines.append(f"{CONFIG_LABELS[r.config]:>13} {r.conversations:>4}: " + "; ".join(parts)
-                     + f" | client stores {st['stored']} new, {st['already_present']} present, {st['dropped']} "
-                       f"dropped, {st['gib_s']:.2f} GiB/s | lookup p50 {r.lookup_ms_p50:.2f} ms, load call floor "
-                       f"{r.load_call_floor_ms:.2f} ms x {r.load_calls}"
-                     + (f" | {r.load_shortfall_chunks} chunks gone between lookup and load"
-                        if r.load_shortfall_chunks else "")
-                     + (f" | CORRUPT {r.corrupt_chunks}" if r.corrupt_chunks else ""))
+        lines.append(
+            f"{CONFIG_LABELS[r.config]:>13} {r.conversations:>4}: "
+            + "; ".join(parts)
+            + f" | client stores {st['stored']} new, {st['already_present']} present, {st['dropped']} "
+            f"dropped, {st['gib_s']:.2f} GiB/s | lookup p50 {r.lookup_ms_p50:.2f} ms, load call floor "
+            f"{r.load_call_floor_ms:.2f} ms x {r.load_calls}"
+            + (f" | {r.load_shortfall_chunks} chunks gone between lookup and load" if r.load_shortfall_chunks else "")
+            + (f" | CORRUPT {r.corrupt_chunks}" if r.corrupt_chunks else "")
+        )
     return lines
 
 
@@ -147,12 +194,16 @@ def cost_lines(results: list[RunResult], m: Model, limits: Limits) -> list[str]:
     bandwidth (KV bytes per token x prefill rate) over the tier's measured marginal rate, and over
     the raw device's rate beneath it."""
     breakeven = m.model_kv_bytes_per_token * m.prefill_tokens_per_s / GIB
-    lines = [f"break-even load bandwidth ({m.model_kv_bytes_per_token:,} KV bytes/token x "
-             f"{m.prefill_tokens_per_s:,.0f} prefill tokens/s): {breakeven:.2f} GiB/s -- a tier slower than that "
-             f"costs more per token than recomputing"]
-    raw = {"ram": ("memcpy", limits.median("memcpy")),
-           "fs": ("raw O_DIRECT, streaming", limits.median("odirect_stream")),
-           "s3": ("raw GET", limits.median("s3_get"))}
+    lines = [
+        f"break-even load bandwidth ({m.model_kv_bytes_per_token:,} KV bytes/token x "
+        f"{m.prefill_tokens_per_s:,.0f} prefill tokens/s): {breakeven:.2f} GiB/s -- a tier slower than that "
+        f"costs more per token than recomputing"
+    ]
+    raw = {
+        "ram": ("memcpy", limits.median("memcpy")),
+        "fs": ("raw O_DIRECT, streaming", limits.median("odirect_stream")),
+        "s3": ("raw GET", limits.median("s3_get")),
+    }
     for config in CONFIGS:
         rs = [r for r in results if r.config == config.key and not r.skipped and r.marginal_gib_s]
         if not rs:
@@ -177,15 +228,23 @@ def _tier_limit(tier: str, r: RunResult | None, limits: Limits, breakeven: float
         got = f"{tier} loads not measured"
     else:
         rate = r.marginal_gib_s.get(tier)
-        got = (f"{tier} loads {r.load_gib_s[tier]:.2f} GiB/s all-in, "
-               + (f"{rate:.2f} marginal (charged)" if rate else "only their fixed cost charged"))
+        got = f"{tier} loads {r.load_gib_s[tier]:.2f} GiB/s all-in, " + (
+            f"{rate:.2f} marginal (charged)" if rate else "only their fixed cost charged"
+        )
     if tier == "ram":
         raw = limits.median("memcpy")
         return got + (f" vs memcpy {raw:.2f}" if raw else "")
     if tier == "fs":
         stream, batched = limits.median("odirect_stream"), limits.median("odirect_batched")
-        return got + (f" vs raw O_DIRECT {batched:.2f} (<= {limits.batch_chunks}-chunk calls) / {stream:.2f} "
-                      f"(streaming)" if stream and batched else "") + f"; break-even {breakeven:.2f}"
+        return (
+            got
+            + (
+                f" vs raw O_DIRECT {batched:.2f} (<= {limits.batch_chunks}-chunk calls) / {stream:.2f} (streaming)"
+                if stream and batched
+                else ""
+            )
+            + f"; break-even {breakeven:.2f}"
+        )
     raw = limits.median("s3_get")
     return got + (f" vs raw GET {raw:.2f}" if raw else "") + f"; break-even {breakeven:.2f}"
 
@@ -194,8 +253,9 @@ def _busy(r: RunResult) -> str:
     return f"; loader busy {100 * r.loader_busy:.0f}%, GPU {100 * r.gpu_busy:.0f}%"
 
 
-def target_rows(results: list[RunResult], m: Model, limits: Limits, sizes_conv: dict[str, float]
-                ) -> list[dict[str, Any]]:
+def target_rows(
+    results: list[RunResult], m: Model, limits: Limits, sizes_conv: dict[str, float]
+) -> list[dict[str, Any]]:
     """The targets at the largest count, and the informational ratios, as rows: name, value, baseline,
     ratio, target, status (as the other benchmarks' JSON) and `limit`: what bounds it on this machine."""
     runs = {(r.config, r.conversations): r for r in results if not r.skipped}
@@ -207,38 +267,88 @@ def target_rows(results: list[RunResult], m: Model, limits: Limits, sizes_conv: 
     breakeven = m.model_kv_bytes_per_token * m.prefill_tokens_per_s / GIB
     rows: list[dict[str, Any]] = []
 
-    def add(name: str, value: float, unit: str, baseline_name: str, baseline: float | None, target: float | None,
-            limit: str) -> None:
+    def add(
+        name: str, value: float, unit: str, baseline_name: str, baseline: float | None, target: float | None, limit: str
+    ) -> None:
         rows.append({**Row(name, value, unit, baseline_name, baseline, target).to_json(), "limit": limit})
 
     if fs is not None:
-        capacity = (f"capacity: GPU {sizes_conv['gpu']:.0f} + RAM {sizes_conv['ram']:g} + fs {sizes_conv['fs']:g} "
-                    f"conversations for {top}")
-        add(f"RAM + fs hit rate, {top} conversations", fs.hit_rate_overall, "share", "all reusable tokens", 1.0,
-            TARGET_HIT, capacity)
+        capacity = (
+            f"capacity: GPU {sizes_conv['gpu']:.0f} + RAM {sizes_conv['ram']:g} + fs {sizes_conv['fs']:g} "
+            f"conversations for {top}"
+        )
+        add(
+            f"RAM + fs hit rate, {top} conversations",
+            fs.hit_rate_overall,
+            "share",
+            "all reusable tokens",
+            1.0,
+            TARGET_HIT,
+            capacity,
+        )
         fs_limit = _tier_limit("fs", fs, limits, breakeven) + _busy(fs)
         if none is not None:
-            add(f"RAM + fs vs no offload, {top} conversations", fs.throughput_tokens_s, "tokens/s", "no offload",
-                none.throughput_tokens_s, TARGET_VS_NONE, fs_limit)
+            add(
+                f"RAM + fs vs no offload, {top} conversations",
+                fs.throughput_tokens_s,
+                "tokens/s",
+                "no offload",
+                none.throughput_tokens_s,
+                TARGET_VS_NONE,
+                fs_limit,
+            )
         if ram is not None:
-            add(f"RAM + fs vs RAM alone, {top} conversations", fs.throughput_tokens_s, "tokens/s", "RAM alone",
-                ram.throughput_tokens_s, TARGET_VS_RAM, fs_limit)
+            add(
+                f"RAM + fs vs RAM alone, {top} conversations",
+                fs.throughput_tokens_s,
+                "tokens/s",
+                "RAM alone",
+                ram.throughput_tokens_s,
+                TARGET_VS_RAM,
+                fs_limit,
+            )
     if ram is not None and none is not None:
-        add(f"RAM vs no offload, {top} conversations", ram.throughput_tokens_s, "tokens/s", "no offload",
-            none.throughput_tokens_s, None, _tier_limit("ram", ram, limits, breakeven) + _busy(ram))
+        add(
+            f"RAM vs no offload, {top} conversations",
+            ram.throughput_tokens_s,
+            "tokens/s",
+            "no offload",
+            none.throughput_tokens_s,
+            None,
+            _tier_limit("ram", ram, limits, breakeven) + _busy(ram),
+        )
     if s3 is not None and none is not None:
-        add(f"RAM + fs + S3 vs no offload, {top} conversations", s3.throughput_tokens_s, "tokens/s", "no offload",
-            none.throughput_tokens_s, None, _tier_limit("s3", s3, limits, breakeven) + _busy(s3))
-    tier_rows = (("ram", ram, "memcpy, 2 MiB pieces", "memcpy"),
-                 ("fs", fs, f"raw O_DIRECT read, {limits.batch_chunks}-chunk batches", "odirect_batched"),
-                 ("s3", s3, f"raw GET, {S3_INFLIGHT} in flight", "s3_get"))
+        add(
+            f"RAM + fs + S3 vs no offload, {top} conversations",
+            s3.throughput_tokens_s,
+            "tokens/s",
+            "no offload",
+            none.throughput_tokens_s,
+            None,
+            _tier_limit("s3", s3, limits, breakeven) + _busy(s3),
+        )
+    tier_rows = (
+        ("ram", ram, "memcpy, 2 MiB pieces", "memcpy"),
+        ("fs", fs, f"raw O_DIRECT read, {limits.batch_chunks}-chunk batches", "odirect_batched"),
+        ("s3", s3, f"raw GET, {S3_INFLIGHT} in flight", "s3_get"),
+    )
     for tier, r, raw_name, raw_key in tier_rows:
         if r is not None and tier in r.load_gib_s:
             marginal = r.marginal_gib_s.get(tier)
-            add(f"{tier} tier loads, all-in ({CONFIG_LABELS[r.config]}, {top})", r.load_gib_s[tier], "GiB/s",
-                raw_name, limits.median(raw_key), None,
-                (f"marginal {marginal:.2f} GiB/s (fixed cost per call removed: what the model charges)" if marginal
-                 else "no per-byte cost above the fixed cost per call") + f"; break-even {breakeven:.2f} GiB/s")
+            add(
+                f"{tier} tier loads, all-in ({CONFIG_LABELS[r.config]}, {top})",
+                r.load_gib_s[tier],
+                "GiB/s",
+                raw_name,
+                limits.median(raw_key),
+                None,
+                (
+                    f"marginal {marginal:.2f} GiB/s (fixed cost per call removed: what the model charges)"
+                    if marginal
+                    else "no per-byte cost above the fixed cost per call"
+                )
+                + f"; break-even {breakeven:.2f} GiB/s",
+            )
     return rows
 
 
@@ -255,9 +365,18 @@ def _fmt_value(v: float | None, unit: str) -> str:
 def print_rows(rows: Sequence[dict[str, Any]], file=None) -> None:
     table = [["measurement", "value", "baseline", "", "ratio", "target", "result", "bounded by (this machine)"]]
     for r in rows:
-        table.append([r["name"], _fmt_value(r["value"], r["unit"]), r["baseline_name"],
-                      _fmt_value(r["baseline"], r["unit"]), f"{r['ratio']:.2f}x" if r["ratio"] is not None else "",
-                      f">= {r['target']:.2f}x" if r["target"] is not None else "", r["status"] or "(info)", r["limit"]])
+        table.append(
+            [
+                r["name"],
+                _fmt_value(r["value"], r["unit"]),
+                r["baseline_name"],
+                _fmt_value(r["baseline"], r["unit"]),
+                f"{r['ratio']:.2f}x" if r["ratio"] is not None else "",
+                f">= {r['target']:.2f}x" if r["target"] is not None else "",
+                r["status"] or "(info)",
+                r["limit"],
+            ]
+        )
     print_aligned(table, right={1, 3, 4}, file=file)
 
 
@@ -289,18 +408,22 @@ def bound_lines(results: list[RunResult], m: Model, limits: Limits) -> list[str]
         + f", the makespan must be <= {goal:,.0f} s",
     ]
     if fs.think_floor_s >= goal:
-        return lines + [f"the conversations' own start and think times take {fs.think_floor_s:,.0f} s: no cache "
-                        f"reaches that at {top} conversations"]
+        return lines + [
+            f"the conversations' own start and think times take {fs.think_floor_s:,.0f} s: no cache "
+            f"reaches that at {top} conversations"
+        ]
     if fs.gpu_busy_s >= goal:
-        return lines + [f"the GPU's own compute ({fs.gpu_busy_s:,.0f} s) exceeds that: the hit rate bounds the ratio, "
-                        f"not the disk"]
+        return lines + [
+            f"the GPU's own compute ({fs.gpu_busy_s:,.0f} s) exceeds that: the hit rate bounds the ratio, not the disk"
+        ]
     if not fs_full:
         return lines + ["the fs tier served nothing at this count: the workload's pace bounds the ratio"]
     util = max(fs.loader_busy, 1e-9)
     room, room_full = util * goal - other, goal - other
     if room_full <= 0:
-        return lines + [f"the loader's other work ({other:,.0f} s) alone exceeds that: loads from RAM and lookups "
-                        f"bound the ratio"]
+        return lines + [
+            f"the loader's other work ({other:,.0f} s) alone exceeds that: loads from RAM and lookups bound the ratio"
+        ]
     needed_full = fs_full / room_full / GIB
     needed = fs_full / room / GIB if room > 0 else float("inf")
     fs_rate = fs.marginal_gib_s.get("fs")
@@ -310,13 +433,20 @@ def bound_lines(results: list[RunResult], m: Model, limits: Limits) -> list[str]
         f"so fs loads would need >= {needed:.2f} GiB/s at full size ({fs_full / GIB:,.0f} GiB with the loader busy "
         f"{100 * util:.0f}% of {goal:,.0f} s, beside {other:,.0f} s of other loader work; >= {needed_full:.2f} with it "
         f"busy all the time); measured: " + (f"{fs_rate:.2f}" if fs_rate else "-") + " GiB/s (marginal) through the "
-        "daemon; raw O_DIRECT read here: " + (f"{batched:.2f} in <= {limits.batch_chunks}-chunk calls, {stream:.2f} "
-                                             f"streaming" if stream and batched else "not measured")
-        + f"; break-even {breakeven:.2f}")
+        "daemon; raw O_DIRECT read here: "
+        + (
+            f"{batched:.2f} in <= {limits.batch_chunks}-chunk calls, {stream:.2f} streaming"
+            if stream and batched
+            else "not measured"
+        )
+        + f"; break-even {breakeven:.2f}"
+    )
     if raw and needed > raw:
-        lines.append(f"this machine's disk is the limit: raw O_DIRECT reads ({raw:.2f} GiB/s at best) fall short of "
-                     "the "
-                     f"{needed:.2f} GiB/s the targets need")
+        lines.append(
+            f"this machine's disk is the limit: raw O_DIRECT reads ({raw:.2f} GiB/s at best) fall short of "
+            "the "
+            f"{needed:.2f} GiB/s the targets need"
+        )
     elif fs_rate and needed > fs_rate:
         lines.append(f"the disk could do it (raw {raw:.2f} GiB/s): the fs tier's load path ({fs_rate:.2f}) is the gap")
     else:
@@ -327,5 +457,3 @@ def bound_lines(results: list[RunResult], m: Model, limits: Limits) -> list[str]
 def load_summary(results: list[RunResult], start: float, end: float) -> dict[str, float]:
     samples = [start, end] + [x for r in results if not r.skipped for x in r.load_average]
     return {"start": start, "end": end, "min": min(samples), "max": max(samples), "mean": float(np.mean(samples))}
-
-

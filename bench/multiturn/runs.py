@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """One run: a configuration at a number of conversations, on a fresh daemon with its tiers; its results."""
 
 from __future__ import annotations
@@ -60,10 +62,9 @@ class RunResult:
     skipped: str = ""
 
 
-
-
-def summarize(config: str, sim: Simulation, offload: Offload | None, before: dict | None,
-              after: dict | None) -> RunResult:
+def summarize(
+    config: str, sim: Simulation, offload: Offload | None, before: dict | None, after: dict | None
+) -> RunResult:
     w, recs = sim.w, sim.records
     r = RunResult(config, sim.n)
     r.turns = len(recs)
@@ -91,25 +92,36 @@ def summarize(config: str, sim: Simulation, offload: Offload | None, before: dic
                 secs[t] = secs.get(t, 0.0) + s
         r.loaded_bytes = {t: r.hit_tokens[t] // w.chunk_tokens * cb for t in TIERS if t != "gpu"}
         r.load_seconds = {t: secs.get(t, 0.0) for t in r.loaded_bytes}
-        r.load_gib_s = {t: (r.loaded_bytes[t] / GIB / r.load_seconds[t]) for t in r.loaded_bytes
-                        if r.load_seconds[t] > 0 and r.loaded_bytes[t] > 0}
+        r.load_gib_s = {
+            t: (r.loaded_bytes[t] / GIB / r.load_seconds[t])
+            for t in r.loaded_bytes
+            if r.load_seconds[t] > 0 and r.loaded_bytes[t] > 0
+        }
         # a median per-byte cost of 0 (calls no slower than the fixed cost measured at the start): no rate
-        r.marginal_gib_s = {t: 1 / float(np.median(c)) / GIB for t, c in sim.all_costs.items()
-                            if c and np.median(c) > 0}
+        r.marginal_gib_s = {
+            t: 1 / float(np.median(c)) / GIB for t, c in sim.all_costs.items() if c and np.median(c) > 0
+        }
         r.lookups = len(sim.lookup_s)
         r.lookup_ms_p50 = float(np.percentile(sim.lookup_s, 50) * 1e3) if sim.lookup_s else 0.0
         r.load_shortfall_chunks = sim.shortfall
         r.load_calls = sim.load_calls
         r.load_call_floor_ms = offload.call_floor_s * 1e3
         stored_bytes = offload.store_counts["stored"] * cb
-        r.store = {**offload.store_counts, "seconds": offload.store_s,
-                   "gib_s": stored_bytes / GIB / offload.store_s if offload.store_s else 0.0}
+        r.store = {
+            **offload.store_counts,
+            "seconds": offload.store_s,
+            "gib_s": stored_bytes / GIB / offload.store_s if offload.store_s else 0.0,
+        }
         r.corrupt_chunks = offload.corrupt
         if before is not None and after is not None:
-            r.daemon = {name: {k: v - before.get(name, {}).get(k, 0) if k not in ("used_bytes", "chunks") else v
-                               for k, v in vals.items()} for name, vals in after.items()}
+            r.daemon = {
+                name: {
+                    k: v - before.get(name, {}).get(k, 0) if k not in ("used_bytes", "chunks") else v
+                    for k, v in vals.items()
+                }
+                for name, vals in after.items()
+            }
     return r
-
 
 
 class TierResources:
@@ -162,8 +174,9 @@ def tier_args(config: Config, sizes: Sizes, res: TierResources) -> list[str]:
     return args
 
 
-def run_one(config: Config, conversations: int, w: Workload, m: Model, sizes: Sizes, workdir: Path,
-            s3: S3 | None) -> RunResult:
+def run_one(
+    config: Config, conversations: int, w: Workload, m: Model, sizes: Sizes, workdir: Path, s3: S3 | None
+) -> RunResult:
     t0 = time.perf_counter()
     load0 = load_average()
     r = _run_one(config, conversations, w, m, sizes, workdir, s3)
@@ -172,8 +185,9 @@ def run_one(config: Config, conversations: int, w: Workload, m: Model, sizes: Si
     return r
 
 
-def _run_one(config: Config, conversations: int, w: Workload, m: Model, sizes: Sizes, workdir: Path,
-             s3: S3 | None) -> RunResult:
+def _run_one(
+    config: Config, conversations: int, w: Workload, m: Model, sizes: Sizes, workdir: Path, s3: S3 | None
+) -> RunResult:
     if not config.offload:
         sim = Simulation(w, m, conversations, None)
         sim.run()
@@ -193,8 +207,9 @@ def _run_one(config: Config, conversations: int, w: Workload, m: Model, sizes: S
         return RunResult(config.key, conversations, skipped=f"daemon did not start: {exc}: {daemon.log_tail(8)}")
     offload = None
     try:
-        offload = Offload(daemon.socket, chunk_bytes, w.chunk_tokens, w.final_tokens // w.chunk_tokens, w.seed,
-                          m.transfer)
+        offload = Offload(
+            daemon.socket, chunk_bytes, w.chunk_tokens, w.final_tokens // w.chunk_tokens, w.seed, m.transfer
+        )
         before = offload.stats()
         sim = Simulation(w, m, conversations, offload)
         sim.run()
@@ -205,5 +220,3 @@ def _run_one(config: Config, conversations: int, w: Workload, m: Model, sizes: S
             offload.close()
         daemon.stop()
         res.close()
-
-

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The modelled GPUs on a model clock: prefix caches, a loader beside each GPU, turns served first come
 first served; loads and stores go to real daemons (Offload) and are charged what they measured."""
 
@@ -46,7 +48,6 @@ class GpuCache:
         return evicted
 
 
-
 @dataclass
 class TurnRecord:
     conv: int
@@ -74,8 +75,15 @@ class Lane:
     gpu_s: float = 0.0
 
 
-def run_clock(w: Workload, serial_loads: bool, starts: np.ndarray, thinks: np.ndarray, lanes: Sequence[Lane],
-              route: Callable[[int, int], int], serve: Callable[[TurnRecord], float]) -> tuple[list[TurnRecord], float]:
+def run_clock(
+    w: Workload,
+    serial_loads: bool,
+    starts: np.ndarray,
+    thinks: np.ndarray,
+    lanes: Sequence[Lane],
+    route: Callable[[int, int], int],
+    serve: Callable[[TurnRecord], float],
+) -> tuple[list[TurnRecord], float]:
     """The discrete-event model clock: conversations arrive at `starts`, each turn goes to the lane
     `route` names, through its loader (`serve` returns the load time to charge) beside its GPU
     (--serial-loads: on the GPU's timeline), then thinks. Returns the finished turns and the makespan."""
@@ -115,8 +123,9 @@ def run_clock(w: Workload, serial_loads: bool, starts: np.ndarray, thinks: np.nd
         now, _, kind, payload = heapq.heappop(events)
         if kind == "arrive":
             conv, turn = payload
-            rec = TurnRecord(conv, turn, now, w.prompt_tokens(turn), w.reusable_chunks(turn), {},
-                             node=route(conv, turn))
+            rec = TurnRecord(
+                conv, turn, now, w.prompt_tokens(turn), w.reusable_chunks(turn), {}, node=route(conv, turn)
+            )
             lane = lanes[rec.node]
             if serial_loads:
                 lane.gpu_q.append(rec)
@@ -142,8 +151,6 @@ def run_clock(w: Workload, serial_loads: bool, starts: np.ndarray, thinks: np.nd
     return records, now
 
 
-
-
 class Simulation:
     def __init__(self, workload: Workload, model: Model, conversations: int, offload: Offload | None) -> None:
         self.w = workload
@@ -156,8 +163,9 @@ class Simulation:
         # per conversation, fixed in advance: its start time and its think times (the order in
         # which turns are served depends on measured load times; these do not)
         rng = np.random.default_rng([workload.seed, 1])
-        self.starts = rng.uniform(0.0, workload.think_s, conversations) if workload.think_s > 0 else \
-            np.zeros(conversations)
+        self.starts = (
+            rng.uniform(0.0, workload.think_s, conversations) if workload.think_s > 0 else np.zeros(conversations)
+        )
         self.thinks = rng.uniform(0.5, 1.5, (conversations, workload.turns)) * workload.think_s
         self.records: list[TurnRecord] = []
         self.lookup_s: list[float] = []
@@ -170,8 +178,9 @@ class Simulation:
 
     def run(self) -> list[TurnRecord]:
         lane = Lane()
-        self.records, self.makespan = run_clock(self.w, self.m.serial_loads, self.starts, self.thinks, [lane],
-                                                lambda conv, turn: 0, self.serve_load)
+        self.records, self.makespan = run_clock(
+            self.w, self.m.serial_loads, self.starts, self.thinks, [lane], lambda conv, turn: 0, self.serve_load
+        )
         self.busy = {"loader": lane.loader_s, "gpu": lane.gpu_s}
         return self.records
 
@@ -203,8 +212,8 @@ class Simulation:
         resident on the GPU and what that evicts is stored into kvstored (store_after). Returns
         the load time to charge (0 when nothing comes from kvstored)."""
         w = self.w
-        keys = self.keys[rec.conv][:rec.prompt_tokens // w.chunk_tokens]
-        reusable = keys[:rec.reusable_chunks]
+        keys = self.keys[rec.conv][: rec.prompt_tokens // w.chunk_tokens]
+        reusable = keys[: rec.reusable_chunks]
         on_gpu = self.gpu.prefix_hits(reusable)
         hits = dict.fromkeys(self.hit_tiers, 0)
         hits["gpu"] = on_gpu
@@ -225,8 +234,9 @@ class Simulation:
         self.store_after(keys, rec.conv, cached)
         return load_s
 
-    def _segments(self, lookup_s: float, segments: Sequence[tuple[str, float, int]]
-                  ) -> tuple[float, Sequence[tuple[str, float, int]]]:
+    def _segments(
+        self, lookup_s: float, segments: Sequence[tuple[str, float, int]]
+    ) -> tuple[float, Sequence[tuple[str, float, int]]]:
         """The measured lookup and load calls, as they are charged (here: as measured)."""
         return lookup_s, segments
 
@@ -242,4 +252,3 @@ def _conversation_keys(w: Workload, conv: int, namespace_id: str) -> list[bytes]
 
     tokens = np.random.default_rng([w.seed, conv, 0]).integers(0, VOCAB, w.final_tokens, dtype=np.int64)
     return chunk_keys(tokens, w.chunk_tokens, namespace_id)
-

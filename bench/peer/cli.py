@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The peer benchmark's rounds, rows and command line: `python -m bench.peer`."""
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from bench.peer.loads import COPIED, FS_THREADS, S3_INFLIGHT, TARGET, Chunks, Me
 DOC = _doc or ""
 
 
-def rounds(arms: dict[str, Callable[[], Measured]], count: int, samples: dict[str, list[Measured]],
-           failures: list[str]) -> None:
+def rounds(
+    arms: dict[str, Callable[[], Measured]], count: int, samples: dict[str, list[Measured]], failures: list[str]
+) -> None:
     """Every arm once per round, in a rotating order; an arm that fails is dropped (reported)."""
     names = list(arms)
     for r in range(count):
@@ -43,8 +46,13 @@ def rounds(arms: dict[str, Callable[[], Measured]], count: int, samples: dict[st
                 continue
             samples.setdefault(name, []).append(m)
             cpu = " ".join(f"{side} {v:.2f}" for side, v in zip(("fetching", "serving"), m.cpu_s_per_gib) if v == v)
-            print(f"round {r}: {name}: {m.gib_s:.2f} GiB/s" + (f", CPU s/GiB {cpu}" if cpu else "") +
-                  f"; load average {load_average():.2f}", file=sys.stderr, flush=True)
+            print(
+                f"round {r}: {name}: {m.gib_s:.2f} GiB/s"
+                + (f", CPU s/GiB {cpu}" if cpu else "")
+                + f"; load average {load_average():.2f}",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def part(name: str, failures: list[str], body: Callable[[], None]) -> None:
@@ -77,8 +85,15 @@ def run(args: argparse.Namespace, notes: list[str], failures: list[str]) -> dict
     def fs() -> None:
         cold = ColdTier(f"kind=fs,root={workdir / 'fs'},bytes={4 * chunks.nbytes}", chunks, "bench/peer-fs")
         cold.prepare()
-        rounds({"fs tier, cold": lambda: cold.measure(out, args.batch, args.clients, drop=True),
-                "raw O_DIRECT read": lambda: odirect(workdir, chunks)}, args.rounds, samples, failures)
+        rounds(
+            {
+                "fs tier, cold": lambda: cold.measure(out, args.batch, args.clients, drop=True),
+                "raw O_DIRECT read": lambda: odirect(workdir, chunks),
+            },
+            args.rounds,
+            samples,
+            failures,
+        )
 
     def s3() -> None:
         server = start_s3(args.s3, memstore_bytes=2 * chunks.nbytes + GIB)
@@ -88,8 +103,15 @@ def run(args: argparse.Namespace, notes: list[str], failures: list[str]) -> dict
             ep, bucket = server.endpoint, server.new_bucket(f"kvstored-bench-peer-{os.getpid()}")
             cold = ColdTier(server.tier_spec(bucket, 0), chunks, "bench/peer-s3")
             cold.prepare()
-            rounds({f"S3 tier ({server.kind})": lambda: cold.measure(out, args.batch, args.clients, drop=False),
-                    "raw S3 GET": lambda: raw_s3(ep, bucket)}, args.rounds, samples, failures)
+            rounds(
+                {
+                    f"S3 tier ({server.kind})": lambda: cold.measure(out, args.batch, args.clients, drop=False),
+                    "raw S3 GET": lambda: raw_s3(ep, bucket),
+                },
+                args.rounds,
+                samples,
+                failures,
+            )
         finally:
             server.stop()
 
@@ -113,20 +135,37 @@ def rows(samples: dict[str, list[Measured]]) -> list[Row]:
         for name in samples:
             if name.startswith(prefix):
                 raw = f"raw {name.rsplit(' ', 1)[1]}"
-                out.append(Row(name=name, value=median(name) or 0.0, unit="GiB/s", baseline_name=raw,
-                               baseline=median(raw), target=target, median=median(name),
-                               limit=f"{raw} on loopback (the kernel's copies; same run)",
-                               note=_note(samples, name, raw)))
+                out.append(
+                    Row(
+                        name=name,
+                        value=median(name) or 0.0,
+                        unit="GiB/s",
+                        baseline_name=raw,
+                        baseline=median(raw),
+                        target=target,
+                        median=median(name),
+                        limit=f"{raw} on loopback (the kernel's copies; same run)",
+                        note=_note(samples, name, raw),
+                    )
+                )
     peer = next((r.name for r in out if r.name == "peer tier over tcp"), out[0].name if out else "")
     for name in samples:
         if name.startswith(("fs", "S3")):
             limit = "raw O_DIRECT read" if name.startswith("fs") else "raw S3 GET"
             depth = f"{FS_THREADS} threads" if name.startswith("fs") else f"the tier's objects, {S3_INFLIGHT} in flight"
             lim = median(limit)
-            out.append(Row(name=name, value=median(name) or 0.0, unit="GiB/s", baseline_name=peer,
-                           baseline=median(peer) if peer else None, median=median(name),
-                           limit=f"{limit}, {depth}: " + (f"{lim:.2f} GiB/s" if lim else "not measured"),
-                           note=_note(samples, name, limit)))
+            out.append(
+                Row(
+                    name=name,
+                    value=median(name) or 0.0,
+                    unit="GiB/s",
+                    baseline_name=peer,
+                    baseline=median(peer) if peer else None,
+                    median=median(name),
+                    limit=f"{limit}, {depth}: " + (f"{lim:.2f} GiB/s" if lim else "not measured"),
+                    note=_note(samples, name, limit),
+                )
+            )
     return out
 
 
@@ -143,14 +182,19 @@ def _note(samples: dict[str, list[Measured]], name: str, base: str) -> str:
         return text + (f" (clients {client:.2f})" if client == client else "")
 
     paired = ", ".join(f"{a.gib_s / b.gib_s:.2f}" for a, b in zip(samples.get(name, []), samples.get(base, [])))
-    return (f"per round GiB/s: {name} {per_round(name)}; {base} {per_round(base)} (paired ratios {paired}); "
-            f"CPU s/GiB, fetching+serving (median): {name} {cpu(name)}, {base} {cpu(base)}")
+    return (
+        f"per round GiB/s: {name} {per_round(name)}; {base} {per_round(base)} (paired ratios {paired}); "
+        f"CPU s/GiB, fetching+serving (median): {name} {cpu(name)}, {base} {cpu(base)}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.peer", description=DOC.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n\n".join(DOC.split("\n\n")[1:]))
+    p = argparse.ArgumentParser(
+        prog="python -m bench.peer",
+        description=DOC.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(DOC.split("\n\n")[1:]),
+    )
     p.add_argument("--gib", type=float, default=1.0, help="bytes each arm moves (default 1 GiB)")
     p.add_argument("--chunk-mib", type=int, default=2, help="chunk size (default 2 MiB)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, each arm once per round (default 3)")
@@ -158,30 +202,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=32, help="chunks per load call (default 32)")
     p.add_argument("--clients", type=int, default=2, help="clients loading at once (default 2)")
     p.add_argument("--fs", choices=("on", "off"), default="on", help="the cold fs tier row")
-    p.add_argument("--s3", choices=("rgw", "moto", "off"), default="rgw",
-                   help="the S3 row: radosgw (moto_server if it cannot start), moto_server, or none")
+    p.add_argument(
+        "--s3",
+        choices=("rgw", "moto", "off"),
+        default="rgw",
+        help="the S3 row: radosgw (moto_server if it cannot start), moto_server, or none",
+    )
     p.add_argument("--dir", default=None, help="where the fs tier and raw O_DIRECT files go (default: temp dir)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     load0 = load_average()
-    print(f"peer tier benchmark: {args.gib:g} GiB of {args.chunk_mib} MiB chunks, {args.rounds} rounds (median); "
-          f"load average {load0:.2f} on {os.cpu_count()} CPUs", flush=True)
+    print(
+        f"peer tier benchmark: {args.gib:g} GiB of {args.chunk_mib} MiB chunks, {args.rounds} rounds (median); "
+        f"load average {load0:.2f} on {os.cpu_count()} CPUs",
+        flush=True,
+    )
     notes: list[str] = []
     failures: list[str] = []
     t0 = time.perf_counter()
     samples = run(args, notes, failures)
     table = rows(samples)
     load1 = load_average()
-    print_table(table, title=f"\nB loading what only A holds ({args.clients} clients, {args.batch} chunks per call) "
-                             "beside the raw transports; fs and S3: ratio = the row / the peer tier over tcp")
+    print_table(
+        table,
+        title=f"\nB loading what only A holds ({args.clients} clients, {args.batch} chunks per call) "
+        "beside the raw transports; fs and S3: ratio = the row / the peer tier over tcp",
+    )
     for line in notes + failures:
         print(f"  * {line}")
     print(f"\nload average {load0:.2f} at start, {load1:.2f} at end; total {time.perf_counter() - t0:.0f} s")
     if args.json:
-        write_json(args.json, {"bench": "peer", "machine": machine_info(), "args": vars(args),
-                               "load_average": {"start": load0, "end": load1}, "rows": [r.to_json() for r in table],
-                               "samples": {k: [asdict(m) for m in v] for k, v in samples.items()},
-                               "notes": notes, "failures": failures})
+        write_json(
+            args.json,
+            {
+                "bench": "peer",
+                "machine": machine_info(),
+                "args": vars(args),
+                "load_average": {"start": load0, "end": load1},
+                "rows": [r.to_json() for r in table],
+                "samples": {k: [asdict(m) for m in v] for k, v in samples.items()},
+                "notes": notes,
+                "failures": failures,
+            },
+        )
     if failures:
         return 2
     return 0 if all(r.status == "PASS" for r in table if r.target is not None) else 1

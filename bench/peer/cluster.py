@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The daemons: node A and the nodes B (peer tier), and a cold tier below RAM; the raw arms."""
 
 from __future__ import annotations
@@ -40,10 +42,22 @@ class Cluster:
         a = self.addresses["A"]
 
         def node(transport: str, peers: Sequence[str], listen: str) -> Daemon:
-            spec = ",".join(["kind=peer", f"transport={transport}", f"peers={' '.join(peers)}",
-                             "tcp_port=0", "ucx_port=0", "ucx_net_devices=lo", f"fetch_timeout_s={FETCH_TIMEOUT_S}"])
-            return Daemon(ram_for(chunks), extra_args=["--metrics-addr", "off", "--tcp-listen", listen,
-                                                       "--tiers", spec], start_timeout_s=WAIT_S)
+            spec = ",".join(
+                [
+                    "kind=peer",
+                    f"transport={transport}",
+                    f"peers={' '.join(peers)}",
+                    "tcp_port=0",
+                    "ucx_port=0",
+                    "ucx_net_devices=lo",
+                    f"fetch_timeout_s={FETCH_TIMEOUT_S}",
+                ]
+            )
+            return Daemon(
+                ram_for(chunks),
+                extra_args=["--metrics-addr", "off", "--tcp-listen", listen, "--tiers", spec],
+                start_timeout_s=WAIT_S,
+            )
 
         self.a = node("auto", list(self.addresses.values()), a)
         self.b = {t: node(t, [a, self.addresses[t]], self.addresses[t]) for t in transports}
@@ -91,9 +105,19 @@ class Cluster:
             m = load_all(b, self.chunks, self.MODEL, out, batch, clients, copy, serving=[self.a.pid])
         except RuntimeError as exc:
             a = self._a_seen_by(transport)
-            raise RuntimeError(f"{exc}; B's counters for A: " + ", ".join(
-                f"{k} {getattr(a, k, '?')}" for k in ("missing_chunks", "corrupt_chunks", "failed_chunks",
-                                                     "timed_out_chunks", "refused_by_breaker"))) from None
+            raise RuntimeError(
+                f"{exc}; B's counters for A: "
+                + ", ".join(
+                    f"{k} {getattr(a, k, '?')}"
+                    for k in (
+                        "missing_chunks",
+                        "corrupt_chunks",
+                        "failed_chunks",
+                        "timed_out_chunks",
+                        "refused_by_breaker",
+                    )
+                )
+            ) from None
         with Client(str(b.socket), deadline_s=60.0) as kv:  # B's copies only: A keeps its own
             kv.delete(namespace(kv, self.chunks, self.MODEL), self.chunks.keys)
         return m
@@ -115,9 +139,11 @@ class ColdTier:
         self.spec, self.chunks, self.model = spec, chunks, model
 
     def _daemon(self, flush_s: float) -> Daemon:
-        return Daemon(ram_for(self.chunks), extra_args=["--metrics-addr", "off", "--tiers", self.spec,
-                                                        "--flush-on-stop-seconds", str(flush_s)],
-                      start_timeout_s=WAIT_S)
+        return Daemon(
+            ram_for(self.chunks),
+            extra_args=["--metrics-addr", "off", "--tiers", self.spec, "--flush-on-stop-seconds", str(flush_s)],
+            start_timeout_s=WAIT_S,
+        )
 
     def prepare(self) -> None:
         daemon = self._daemon(600.0)

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Chunks, storing them, and the clients that load them (leasing or copying out)."""
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def store(daemon: Daemon, chunks: Chunks, model: str) -> None:
     with Client(str(daemon.socket), deadline_s=120.0) as kv:
         ns = namespace(kv, chunks, model)
         for i in range(0, chunks.n, STORE_BATCH):
-            batch = keys[i:i + STORE_BATCH]
+            batch = keys[i : i + STORE_BATCH]
             r = kv.store(ns, batch, chunks.content(i, len(batch)))
             if r.stored + r.already_present != len(batch):
                 raise RuntimeError(f"storing on {daemon.socket}: {r}")
@@ -104,10 +106,10 @@ class Leaser:
 
     def load(self, keys: list[bytes], _out: np.ndarray) -> int:
         pb, sid = self._pb, self._session.session_id
-        leases = self._stub.Acquire(pb.AcquireRequest(session_id=sid, namespace_id=self._namespace_id, keys=keys),
-                                    timeout=120.0).leases
-        self._stub.Release(pb.ReleaseRequest(session_id=sid, handles=[lease.handle for lease in leases]),
-                           timeout=120.0)
+        leases = self._stub.Acquire(
+            pb.AcquireRequest(session_id=sid, namespace_id=self._namespace_id, keys=keys), timeout=120.0
+        ).leases
+        self._stub.Release(pb.ReleaseRequest(session_id=sid, handles=[lease.handle for lease in leases]), timeout=120.0)
         return len(leases)
 
     def close(self) -> None:
@@ -132,8 +134,16 @@ class Copier:
         self._kv.close()
 
 
-def load_all(daemon: Daemon, chunks: Chunks, model: str, out: np.ndarray, batch: int, clients: int,
-             copy: bool, serving: Sequence[int] = ()) -> Measured:
+def load_all(
+    daemon: Daemon,
+    chunks: Chunks,
+    model: str,
+    out: np.ndarray,
+    batch: int,
+    clients: int,
+    copy: bool,
+    serving: Sequence[int] = (),
+) -> Measured:
     """Load every chunk through `clients` clients of `daemon` (`batch` chunks per call, the calls
     dealt out in turn): leases (`copy` False) or copies into `out`. Timed from the first call to
     the last answer, with the CPU the daemon, the clients (this process) and `serving` used
@@ -148,8 +158,11 @@ def load_all(daemon: Daemon, chunks: Chunks, model: str, out: np.ndarray, batch:
     loaders: list[Leaser | Copier] = []
     try:
         for k in range(clients):
-            loaders.append(Copier(daemon, chunks, model, f"bench-peer-{k}") if copy
-                           else Leaser(daemon, namespace_id, f"bench-peer-{k}"))
+            loaders.append(
+                Copier(daemon, chunks, model, f"bench-peer-{k}")
+                if copy
+                else Leaser(daemon, namespace_id, f"bench-peer-{k}")
+            )
         starts = list(range(0, chunks.n, batch))
         loaded = [0] * len(starts)
         go = threading.Barrier(clients + 1)
@@ -158,7 +171,7 @@ def load_all(daemon: Daemon, chunks: Chunks, model: str, out: np.ndarray, batch:
             go.wait()
             for j in range(k, len(starts), clients):
                 s = starts[j]
-                loaded[j] = loaders[k].load(keys[s:s + batch], out[s:s + batch])
+                loaded[j] = loaders[k].load(keys[s : s + batch], out[s : s + batch])
 
         threads = [threading.Thread(target=run, args=(k,)) for k in range(clients)]
         for t in threads:

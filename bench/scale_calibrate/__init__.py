@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Per-operation costs of the peer tier, measured on real daemons: the calibration bench/scale_out.py
 models 1 to 1000 nodes with (issue #11 part 9; not a test).
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The calibration's command line: `python -m bench.scale_calibrate`."""
 
 from __future__ import annotations
@@ -22,23 +24,37 @@ from bench.scale_calibrate.subscribers import serve_subscribers
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.scale_calibrate",
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.scale_calibrate",
         description="Measure, on two real kvstored daemons with peer tiers on loopback, the per-operation costs "
-                    "bench/scale_out.py models a fleet with: index memory per remote entry (RSS growth, and "
-                    "tracemalloc beside the README's 171 B/entry), event bytes and follower CPU per event and per key "
-                    "on the WatchEvents stream, publisher CPU per subscriber, local Lookup cost per key, a remote "
-                    "Lookup over TCP, the peer fetch round trip, and S3 PUT/GET latency per chunk (radosgw, else "
-                    "moto). Writes a calibration JSON with the machine and the load average.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        "bench/scale_out.py models a fleet with: index memory per remote entry (RSS growth, and "
+        "tracemalloc beside the README's 171 B/entry), event bytes and follower CPU per event and per key "
+        "on the WatchEvents stream, publisher CPU per subscriber, local Lookup cost per key, a remote "
+        "Lookup over TCP, the peer fetch round trip, and S3 PUT/GET latency per chunk (radosgw, else "
+        "moto). Writes a calibration JSON with the machine and the load average.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="the calibration JSON to write")
-    parser.add_argument("--entries", type=int, default=100_000,
-                        help="remote entries B's index grows by for the memory measurement (4 KiB chunks on A)")
+    parser.add_argument(
+        "--entries",
+        type=int,
+        default=100_000,
+        help="remote entries B's index grows by for the memory measurement (4 KiB chunks on A)",
+    )
     parser.add_argument("--subscribers", type=int, default=16, help="extra WatchEvents streams on A (publisher cost)")
-    parser.add_argument("--batch", type=int, default=50,
-                        help="chunks per store in the lifecycle phase (a turn's new chunks, as scale_out.py assumes)")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=50,
+        help="chunks per store in the lifecycle phase (a turn's new chunks, as scale_out.py assumes)",
+    )
     parser.add_argument("--reps", type=int, default=60, help="samples per latency")
-    parser.add_argument("--s3", choices=("auto", "radosgw", "moto", "none"), default="auto",
-                        help="the S3 server for PUT/GET latency (auto: radosgw if Ceph starts here, else moto)")
+    parser.add_argument(
+        "--s3",
+        choices=("auto", "radosgw", "moto", "none"),
+        default="auto",
+        help="the S3 server for PUT/GET latency (auto: radosgw if Ceph starts here, else moto)",
+    )
     parser.add_argument("--s3-chunk-mib", type=int, default=2, help="object size for S3 PUT/GET latency")
     parser.add_argument("--serve-subscribers", nargs=2, metavar=("ADDRESS", "STREAMS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -51,17 +67,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     started = time.monotonic()
     load = {"start": loadavg()}
-    doc: dict[str, Any] = {"schema": 1, "created": datetime.now(UTC).isoformat(timespec="seconds"),
-                           "machine": machine_info(), "parameters": {k: v for k, v in vars(args).items()
-                                                                     if k != "serve_subscribers"}}
+    doc: dict[str, Any] = {
+        "schema": 1,
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "parameters": {k: v for k, v in vars(args).items() if k != "serve_subscribers"},
+    }
     # Every 4 KiB chunk of the event phases stays in A's RAM, below its write-back headroom (5%).
     small_chunks = 2 * SINGLE_EVENTS + args.entries + args.entries // 4 + 200
     a_ram = f"{(small_chunks * SMALL * 10 // 9 + (32 << 20)) >> 20}MiB"
     pair = Pair(a_ram)
     try:
         pair.start()
-        doc["events"] = events_report(run_event_phases(pair, args.entries, args.subscribers, args.batch),
-                                      args.subscribers, args.batch)
+        doc["events"] = events_report(
+            run_event_phases(pair, args.entries, args.subscribers, args.batch), args.subscribers, args.batch
+        )
         load["after_events"] = loadavg()
         doc["lookup"] = measure_lookups_and_fetch(pair, args.reps)
         load["after_lookups"] = loadavg()
@@ -74,8 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc["duration_s"] = round(time.monotonic() - started, 1)
     write_json(args.out, doc)
     summarize(doc)
-    print(f"wrote {args.out} ({doc['duration_s']} s; load average {load['start'][0]} at the start, "
-          f"{load['end'][0]} at the end)")
+    print(
+        f"wrote {args.out} ({doc['duration_s']} s; load average {load['start'][0]} at the start, "
+        f"{load['end'][0]} at the end)"
+    )
     return 0
 
 
@@ -84,39 +106,69 @@ def summarize(doc: dict[str, Any]) -> None:
     mem, ip = ev["index_memory"], doc["in_process"]
     look = doc["lookup"]
     lines = [
-        ("index memory per entry, B's RSS", f"{mem['rss_bytes_per_entry']:.0f} B "
-                                             f"(second half {mem['rss_bytes_per_entry_second_half']:.0f} B; "
-                                             f"README {README_BYTES_PER_ENTRY} B)"),
-        ("index memory per entry, tracemalloc", f"{ip['index_tracemalloc']['bytes_per_entry_5_peers']:.0f} B "
-                                                f"(+{ip['index_tracemalloc']['fit_slot_ge_7']['bytes_per_slot']:.3f} "
-                                                "B per slot of the holder)"),
-        ("event payload bytes", f"{fit['payload_bytes_per_event']:.0f} B/event + "
-                                f"{fit['payload_bytes_per_key']:.1f} B/key"),
-        ("follower CPU", f"{fit['follower_cpu_s_per_event'] * 1e6:.1f} us/event + "
-                         f"{fit['follower_cpu_s_per_key'] * 1e6:.2f} us/key"),
-        ("publisher CPU per subscriber", f"{fit['publisher_cpu_s_per_event_per_subscriber'] * 1e6:.1f} us/event, "
-                                         f"{fit['publisher_cpu_s_per_key_per_subscriber'] * 1e6:.2f} us/key"),
-        ("a chunk's life (RAM -> fs, full)", f"{life['events_per_chunk']:.2f} events, "
-                                             f"{life['keys_per_chunk']:.2f} keys, "
-                                            f"{life['payload_bytes_per_chunk']:.0f} B, "
-                                            f"{life['follower_cpu_s_per_chunk'] * 1e6:.0f} us of B's CPU"),
-        ("stream memory", f"server {ev['streams']['server_bytes_per_stream'] / 1024:.0f} KiB, "
-                          f"client {ev['streams']['client_bytes_per_stream'] / 1024:.0f} KiB"),
+        (
+            "index memory per entry, B's RSS",
+            f"{mem['rss_bytes_per_entry']:.0f} B "
+            f"(second half {mem['rss_bytes_per_entry_second_half']:.0f} B; "
+            f"README {README_BYTES_PER_ENTRY} B)",
+        ),
+        (
+            "index memory per entry, tracemalloc",
+            f"{ip['index_tracemalloc']['bytes_per_entry_5_peers']:.0f} B "
+            f"(+{ip['index_tracemalloc']['fit_slot_ge_7']['bytes_per_slot']:.3f} "
+            "B per slot of the holder)",
+        ),
+        (
+            "event payload bytes",
+            f"{fit['payload_bytes_per_event']:.0f} B/event + {fit['payload_bytes_per_key']:.1f} B/key",
+        ),
+        (
+            "follower CPU",
+            f"{fit['follower_cpu_s_per_event'] * 1e6:.1f} us/event + {fit['follower_cpu_s_per_key'] * 1e6:.2f} us/key",
+        ),
+        (
+            "publisher CPU per subscriber",
+            f"{fit['publisher_cpu_s_per_event_per_subscriber'] * 1e6:.1f} us/event, "
+            f"{fit['publisher_cpu_s_per_key_per_subscriber'] * 1e6:.2f} us/key",
+        ),
+        (
+            "a chunk's life (RAM -> fs, full)",
+            f"{life['events_per_chunk']:.2f} events, "
+            f"{life['keys_per_chunk']:.2f} keys, "
+            f"{life['payload_bytes_per_chunk']:.0f} B, "
+            f"{life['follower_cpu_s_per_chunk'] * 1e6:.0f} us of B's CPU",
+        ),
+        (
+            "stream memory",
+            f"server {ev['streams']['server_bytes_per_stream'] / 1024:.0f} KiB, "
+            f"client {ev['streams']['client_bytes_per_stream'] / 1024:.0f} KiB",
+        ),
         ("local Lookup", f"{look['local']['one_key_ms']:.3f} ms + {look['local']['per_key_us']:.2f} us/key"),
-        ("remote Lookup over TCP", f"{look['remote']['one_key_ms']:.3f} ms (64 keys {look['remote']['keys_64_ms']:.3f} "
-                                   f"ms, server CPU {look['remote']['server_cpu_ms_per_call']:.3f} ms)"),
+        (
+            "remote Lookup over TCP",
+            f"{look['remote']['one_key_ms']:.3f} ms (64 keys {look['remote']['keys_64_ms']:.3f} "
+            f"ms, server CPU {look['remote']['server_cpu_ms_per_call']:.3f} ms)",
+        ),
         ("peer fetch round trip", f"{look['fetch']['round_trip_ms']:.3f} ms"),
-        ("peer tier contains, 1 -> 1000 peers", f"{ip['contains']['by_peers'][0]['per_call_us']:.1f} -> "
-                                               f"{ip['contains']['by_peers'][-1]['per_call_us']:.1f} us per call, "
-                                               f"{ip['contains']['by_peers'][0]['per_key_us']:.2f} -> "
-                                               f"{ip['contains']['by_peers'][-1]['per_key_us']:.2f} us per key"),
+        (
+            "peer tier contains, 1 -> 1000 peers",
+            f"{ip['contains']['by_peers'][0]['per_call_us']:.1f} -> "
+            f"{ip['contains']['by_peers'][-1]['per_call_us']:.1f} us per call, "
+            f"{ip['contains']['by_peers'][0]['per_key_us']:.2f} -> "
+            f"{ip['contains']['by_peers'][-1]['per_key_us']:.2f} us per key",
+        ),
         ("rendezvous owner choice", f"{ip['rendezvous']['us_per_node']:.3f} us per node per group"),
     ]
     s3 = doc["s3"]
     if s3.get("server"):
-        lines.append((f"S3 ({s3['server']})", f"PUT {s3['put_chunk_ms']:.1f} ms, GET {s3['get_chunk_ms']:.1f} ms per "
-                                              f"{s3['chunk_bytes'] >> 20} MiB; 4 KiB: PUT {s3['put_small_ms']:.1f}, "
-                                              f"GET {s3['get_small_ms']:.1f} ms"))
+        lines.append(
+            (
+                f"S3 ({s3['server']})",
+                f"PUT {s3['put_chunk_ms']:.1f} ms, GET {s3['get_chunk_ms']:.1f} ms per "
+                f"{s3['chunk_bytes'] >> 20} MiB; 4 KiB: PUT {s3['put_small_ms']:.1f}, "
+                f"GET {s3['get_small_ms']:.1f} ms",
+            )
+        )
     width = max(len(k) for k, _ in lines)
     for k, v in lines:
         print(f"  {k.ljust(width)}  {v}")

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Constants, the machine's own counters and key helpers of the calibration."""
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ class TcpCount:
 
 def tcp_received(pid: int, dport: int) -> TcpCount:
     """What the TCP sockets of `pid` connected to port `dport` have received (tcp_info via ss)."""
-    out = subprocess.run(["ss", "-tinpH", "state", "established", f"( dport = :{dport} )"], capture_output=True,
-                         text=True, timeout=10).stdout
+    out = subprocess.run(
+        ["ss", "-tinpH", "state", "established", f"( dport = :{dport} )"], capture_output=True, text=True, timeout=10
+    ).stdout
     total, segs, mine = 0, 0, False
     for line in out.splitlines():
         if "users:" in line:
@@ -67,10 +70,13 @@ def ns_fields(model: str, chunk_bytes: int) -> dict[str, Any]:
 
 
 def new_keys(n: int, tag: str) -> list[bytes]:
-    return [secrets.token_bytes(32) for _ in range(n)] if not tag else [
-        int.to_bytes(i, 24, "big") + tag.encode()[:8].ljust(8, b"-") for i in range(n)]
+    return (
+        [secrets.token_bytes(32) for _ in range(n)]
+        if not tag
+        else [int.to_bytes(i, 24, "big") + tag.encode()[:8].ljust(8, b"-") for i in range(n)]
+    )
 
 
 def batches(keys: Sequence[bytes], n: int) -> Iterator[Sequence[bytes]]:
     for i in range(0, len(keys), n):
-        yield keys[i:i + n]
+        yield keys[i : i + n]

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The two daemons A and B with peer tiers on loopback, and their snapshots."""
 
 from __future__ import annotations
@@ -100,8 +102,13 @@ class Phase:
         n = {"event": self.events, "key": self.keys, "chunk": self.chunks}[what]
         if not n:
             return {}
-        return {"bytes": self.payload_bytes / n, "segments": self.segments / n, "b_cpu_us": self.b_cpu_s / n * 1e6,
-                "events": self.events / n, "keys": self.keys / n}
+        return {
+            "bytes": self.payload_bytes / n,
+            "segments": self.segments / n,
+            "b_cpu_us": self.b_cpu_s / n * 1e6,
+            "events": self.events / n,
+            "keys": self.keys / n,
+        }
 
 
 class Pair:
@@ -111,8 +118,13 @@ class Pair:
         from tests.support.cluster import Cluster
 
         # Both list both (as a cluster's nodes do); A keeps enough events that B never resyncs.
-        self.cluster = Cluster(2, "tcp", cpu_bytes=a_ram, fs_bytes=f"{FS_BYTES >> 20}MiB",
-                               extra_args=["--page-bytes", "4096", "--events-buffer", "2000000"])
+        self.cluster = Cluster(
+            2,
+            "tcp",
+            cpu_bytes=a_ram,
+            fs_bytes=f"{FS_BYTES >> 20}MiB",
+            extra_args=["--page-bytes", "4096", "--events-buffer", "2000000"],
+        )
         self.a, self.b = self.cluster[0], self.cluster[1]
         self.a_port = int(self.a.address.rpartition(":")[2])
         self.watcher: EventWatcher | None = None
@@ -152,9 +164,18 @@ class Pair:
     def snapshot(self) -> Snapshot:
         assert self.watcher is not None
         info = self.b_view_of_a()
-        return Snapshot(time.monotonic(), process_cpu_seconds(self.b.pid), process_cpu_seconds(self.a.pid),
-                        info.events, info.indexed_chunks, tcp_received(self.b.pid, self.a_port), self.watcher.events,
-                        self.watcher.keys, self.watcher.payload_bytes, Counter(self.watcher.by_kind))
+        return Snapshot(
+            time.monotonic(),
+            process_cpu_seconds(self.b.pid),
+            process_cpu_seconds(self.a.pid),
+            info.events,
+            info.indexed_chunks,
+            tcp_received(self.b.pid, self.a_port),
+            self.watcher.events,
+            self.watcher.keys,
+            self.watcher.payload_bytes,
+            Counter(self.watcher.by_kind),
+        )
 
     def caught_up(self, since: Snapshot) -> None:
         """Until A has stopped publishing and B has applied every event A published since `since`."""
@@ -177,12 +198,23 @@ class Pair:
         polls = self.polls - polls0 - 1  # the first snapshot's poll came before s0's CPU reading
         kinds = {k: v for k, v in (s1.by_kind - s0.by_kind).items() if v}
         phase = Phase(
-            name, dt, s1.b_events - s0.b_events, s1.w_keys - s0.w_keys,
-            s1.tcp.bytes_received - s0.tcp.bytes_received, s1.tcp.segs_in - s0.tcp.segs_in, s1.w_bytes - s0.w_bytes,
+            name,
+            dt,
+            s1.b_events - s0.b_events,
+            s1.w_keys - s0.w_keys,
+            s1.tcp.bytes_received - s0.tcp.bytes_received,
+            s1.tcp.segs_in - s0.tcp.segs_in,
+            s1.w_bytes - s0.w_bytes,
             max(0.0, s1.b_cpu - s0.b_cpu - self.b_idle_cpu_per_s * dt - self.b_cpu_per_poll * polls),
-            max(0.0, s1.a_cpu - s0.a_cpu - self.a_idle_cpu_per_s * dt), kinds, chunks, round(os.getloadavg()[0], 2),
+            max(0.0, s1.a_cpu - s0.a_cpu - self.a_idle_cpu_per_s * dt),
+            kinds,
+            chunks,
+            round(os.getloadavg()[0], 2),
         )
-        print(f"  {name}: {phase.events} events, {phase.keys} keys, {phase.payload_bytes:,} B received, "
-              f"B CPU {phase.b_cpu_s * 1e3:.1f} ms, A CPU {phase.a_cpu_s * 1e3:.1f} ms in {dt:.2f} s "
-              f"(load {phase.load_average:.2f})", flush=True)
+        print(
+            f"  {name}: {phase.events} events, {phase.keys} keys, {phase.payload_bytes:,} B received, "
+            f"B CPU {phase.b_cpu_s * 1e3:.1f} ms, A CPU {phase.a_cpu_s * 1e3:.1f} ms in {dt:.2f} s "
+            f"(load {phase.load_average:.2f})",
+            flush=True,
+        )
         return phase

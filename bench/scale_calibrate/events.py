@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The event phases: index memory, event bytes and CPU per event and per key."""
 
 from __future__ import annotations
@@ -72,13 +74,15 @@ def run_event_phases(pair: Pair, entries: int, subscribers: int, batch: int) -> 
                 for key in keys:
                     kv_a.store(ns, [key], zeros[:1])
                 return len(keys)
+
             return work
 
         def store_batches(keys: Sequence[bytes]) -> Callable[[], int]:
             def work() -> int:
                 for part in batches(keys, BIG_BATCH):
-                    kv_a.store(ns, part, zeros[:len(part)])
+                    kv_a.store(ns, part, zeros[: len(part)])
                 return len(keys)
+
             return work
 
         print("events and the index's memory (B follows A)", flush=True)
@@ -114,8 +118,9 @@ def run_event_phases(pair: Pair, entries: int, subscribers: int, batch: int) -> 
 
         def clear_all() -> int:
             with grpc.insecure_channel(f"unix:{a.socket}") as channel:
-                pb_grpc.KVStoreStub(channel).ClearNamespace(pb.ClearNamespaceRequest(namespace_id=ns.namespace_id),
-                                                            timeout=WAIT_S)
+                pb_grpc.KVStoreStub(channel).ClearNamespace(
+                    pb.ClearNamespaceRequest(namespace_id=ns.namespace_id), timeout=WAIT_S
+                )
             return 0
 
         removed = pair.phase("namespace cleared (one event of every key)", clear_all)
@@ -130,8 +135,9 @@ def run_event_phases(pair: Pair, entries: int, subscribers: int, batch: int) -> 
         def store_life(keys: Sequence[bytes]) -> Callable[[], int]:
             def work() -> int:
                 for part in batches(keys, batch):
-                    kv_a.store(life_ns, part, data[:len(part)])
+                    kv_a.store(life_ns, part, data[: len(part)])
                 return len(keys)
+
             return work
 
         pair.phase("lifecycle: filling RAM and fs", store_life(fill))
@@ -141,8 +147,9 @@ def run_event_phases(pair: Pair, entries: int, subscribers: int, batch: int) -> 
         "client_bytes_per_stream": (subs.rss_ready - subs.rss_before) / subscribers,
         "server_idle_cpu_s_per_s_per_stream": max(0.0, a_idle_with_streams - pair.a_idle_cpu_per_s) / subscribers,
     }
-    return EventRun(single, batched, batched2, single_subs, batched_subs, removed, steady, rss, streams,
-                    pair_ram_bytes(pair))
+    return EventRun(
+        single, batched, batched2, single_subs, batched_subs, removed, steady, rss, streams, pair_ram_bytes(pair)
+    )
 
 
 def events_report(run: EventRun, subscribers: int, batch: int) -> dict[str, Any]:
@@ -155,31 +162,37 @@ def events_report(run: EventRun, subscribers: int, batch: int) -> dict[str, Any]
     pub_event = max(0.0, (single_subs.a_cpu_s / single_subs.events - single.a_cpu_s / single.events) / subscribers)
     pub_key_measured = (batched_subs.a_cpu_s / batched_subs.keys - batched2.a_cpu_s / batched2.keys) / subscribers
     (n0, r0), (n1, r1), (n2, r2) = run.rss
-    out["phases"] = {p.name: {**asdict(p), "per_event": p.per("event"), "per_key": p.per("key"),
-                              "per_chunk": p.per("chunk")}
-                     for p in (single, run.batched, batched2, single_subs, batched_subs, removed, steady)}
+    out["phases"] = {
+        p.name: {**asdict(p), "per_event": p.per("event"), "per_key": p.per("key"), "per_chunk": p.per("chunk")}
+        for p in (single, run.batched, batched2, single_subs, batched_subs, removed, steady)
+    }
     out["fit"] = {
         "basis": "two-point fit (single-key stores; 1,000-key stores) of what B's socket received and B's CPU",
-        "payload_bytes_per_event": per_event, "payload_bytes_per_key": per_key,
+        "payload_bytes_per_event": per_event,
+        "payload_bytes_per_key": per_key,
         "segments_per_single_key_event": single.segments / max(1, single.events),
-        "follower_cpu_s_per_event": cpu_event, "follower_cpu_s_per_key": cpu_key,
+        "follower_cpu_s_per_event": cpu_event,
+        "follower_cpu_s_per_key": cpu_key,
         "follower_cpu_s_per_removed_key": removed.b_cpu_s / max(1, removed.keys),
         "removed_basis": "one REMOVED event of every key A held (ClearNamespace): B's CPU per key removed",
         "publisher_cpu_s_per_event_per_subscriber": pub_event,
         "publisher_cpu_s_per_key_per_subscriber": serialize_cost_per_key(),
         "publisher_cpu_s_per_key_per_subscriber_daemon": pub_key_measured,
         "publisher_basis": f"per event: A's CPU per single-key event with {subscribers} more WatchEvents streams minus "
-                           "without, divided by the streams; per key: serializing a KvEvent's keys (this process), as "
-                           "the daemon's difference for 1,000-key events (_daemon) drowns in its store work",
+        "without, divided by the streams; per key: serializing a KvEvent's keys (this process), as "
+        "the daemon's difference for 1,000-key events (_daemon) drowns in its store work",
     }
     chunks = max(1, steady.chunks)
     kinds = {k: v / chunks for k, v in steady.by_kind.items()}
     out["lifecycle"] = {
         "basis": f"{steady.chunks} chunks of {LIFE_CHUNK >> 10} KiB stored on A in batches of {batch} with its RAM "
-                 f"({run.ram_bytes >> 20} MiB) and fs tier ({FS_BYTES >> 20} MiB) full: each store evicts",
-        "store_batch": batch, "chunks": steady.chunks,
-        "events_per_chunk": steady.events / chunks, "keys_per_chunk": steady.keys / chunks,
-        "payload_bytes_per_chunk": steady.payload_bytes / chunks, "segments_per_chunk": steady.segments / chunks,
+        f"({run.ram_bytes >> 20} MiB) and fs tier ({FS_BYTES >> 20} MiB) full: each store evicts",
+        "store_batch": batch,
+        "chunks": steady.chunks,
+        "events_per_chunk": steady.events / chunks,
+        "keys_per_chunk": steady.keys / chunks,
+        "payload_bytes_per_chunk": steady.payload_bytes / chunks,
+        "segments_per_chunk": steady.segments / chunks,
         "follower_cpu_s_per_chunk": steady.b_cpu_s / chunks,
         "per_chunk_by_kind": kinds,
     }
@@ -192,11 +205,11 @@ def events_report(run: EventRun, subscribers: int, batch: int) -> dict[str, Any]
     }
     out["streams"] = {
         "basis": f"{subscribers} WatchEvents streams on A's TCP listener, each on its own channel (ControlChannel), "
-                 "in a child process: RssAnon growth of A (server) and of the child (client) per stream",
+        "in a child process: RssAnon growth of A (server) and of the child (client) per stream",
         "subscribers": subscribers,
         **run.streams,
         "idle_basis": "A's CPU rate over 2 s with the streams open and quiet (keepalive pings every 5 s) minus "
-                      "without, per stream",
+        "without, per stream",
     }
     return out
 
@@ -211,8 +224,9 @@ def serialize_cost_per_key(keys: int = 1000, reps: int = 300) -> float:
         for _ in range(3):
             t0 = time.perf_counter()
             for seq in range(reps):
-                pb.KvEvent(seq=seq, ts=1.0, type=1, cause=1, tier="ram", tier_kind=1, namespace_id="n" * 32,
-                           keys=k).SerializeToString()
+                pb.KvEvent(
+                    seq=seq, ts=1.0, type=1, cause=1, tier="ram", tier_kind=1, namespace_id="n" * 32, keys=k
+                ).SerializeToString()
             best = min(best, (time.perf_counter() - t0) / reps)
         return best
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """In this process: the daemon's classes with many peers."""
 
 from __future__ import annotations
@@ -105,8 +107,9 @@ async def _contains_cost(peers: int, keys_per_call: Sequence[int], reps: int) ->
     registry = NamespaceRegistry(1 << 30)
     ns = registry.register("scale-calibrate/contains", "u8", SMALL, "", b"", 32)
     addresses = tuple(f"10.0.{i // 250}.{i % 250 + 1}:7070" for i in range(peers))
-    tier = PeerTier(PeerTierConfig(peers=addresses, transport=TransportPreference.TCP),
-                    TierContext(namespaces=registry))
+    tier = PeerTier(
+        PeerTierConfig(peers=addresses, transport=TransportPreference.TCP), TierContext(namespaces=registry)
+    )
     from kvstored.peer.membership import PeerState
 
     for record in tier.membership.records():  # up, with a link: what a handshake leaves behind
@@ -129,8 +132,9 @@ async def _contains_cost(peers: int, keys_per_call: Sequence[int], reps: int) ->
     return out
 
 
-def contains_by_peers(peer_counts: Sequence[int], keys: int = 1024, budget_s: float = 0.15,
-                      rounds: int = 2) -> list[dict[str, float]]:
+def contains_by_peers(
+    peer_counts: Sequence[int], keys: int = 1024, budget_s: float = 0.15, rounds: int = 2
+) -> list[dict[str, float]]:
     rows = []
     for peers in peer_counts:
         best: dict[str, float] = {}
@@ -166,25 +170,30 @@ def measure_in_process() -> dict[str, Any]:
     return {
         "index_tracemalloc": {
             "basis": "tracemalloc of kvstored.peer.index.PeerIndex in this process, 32-byte keys: the README's "
-                     "way (5 peers, 200,000 entries), and 20,000 entries all held by the peer in one slot",
+            "way (5 peers, 200,000 entries), and 20,000 entries all held by the peer in one slot",
             "bytes_per_entry_5_peers": readme_way,
             "by_slot": by_slot,
             "fit_slot_ge_7": {"bytes_per_entry_at_slot_0": base, "bytes_per_slot": per_slot},
         },
         "index_updates": {
             "basis": "PeerIndex.add then .remove of one key (one event's index work) at a slot, in this process",
-            "by_slot": updates, "fit": {"add_us_at_slot_0": add0, "add_us_per_slot": add_slope},
+            "by_slot": updates,
+            "fit": {"add_us_at_slot_0": add0, "add_us_per_slot": add_slope},
         },
         "contains": {
             "basis": "PeerTier.contains (the peer tier's part of a Lookup) in this process, N peers up, keys held "
-                     "by random peers; per call and per key from 1- and 1024-key calls, best of 2",
+            "by random peers; per call and per key from 1- and 1024-key calls, best of 2",
             "by_peers": contains,
-            "fit": {"per_call_us": call0, "per_call_us_per_peer": call_slope, "per_key_us": key0,
-                    "per_key_us_per_peer": key_slope},
+            "fit": {
+                "per_call_us": call0,
+                "per_call_us_per_peer": call_slope,
+                "per_key_us": key0,
+                "per_key_us_per_peer": key_slope,
+            },
         },
         "rendezvous": {
             "basis": "choosing a chunk group's owner among N nodes by rendezvous hashing (max of xxh3_64 seeded per "
-                     "node), in Python, in this process",
+            "node), in Python, in this process",
             "by_nodes": rendezvous,
             "us_per_node": statistics.median(r["us_per_node"] for r in rendezvous),
         },

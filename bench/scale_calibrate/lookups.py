@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Local and remote Lookup costs and the peer fetch round trip."""
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ def measure_lookups_and_fetch(pair: Pair, reps: int) -> dict[str, Any]:
         t256 = timed(lambda: kv_b.lookup(ns_b, misses), reps)
         out["local"] = {
             "basis": f"B's Lookup (unix socket, client library) of keys nobody holds: RAM, fs and the peer index "
-                     f"asked; median of {reps}",
-            "one_key_ms": t1 * 1e3, "keys_256_ms": t256 * 1e3, "per_key_us": (t256 - t1) / 255 * 1e6,
+            f"asked; median of {reps}",
+            "one_key_ms": t1 * 1e3,
+            "keys_256_ms": t256 * 1e3,
+            "per_key_us": (t256 - t1) / 255 * 1e6,
         }
 
         # What asking a remote directory costs: a Lookup over A's TCP listener, keys in A's RAM.
@@ -44,17 +48,21 @@ def measure_lookups_and_fetch(pair: Pair, reps: int) -> dict[str, Any]:
             stub = pb_grpc.KVStoreStub(channel)
             for _ in range(5):
                 stub.Lookup(pb.LookupRequest(namespace_id=ns_a.namespace_id, keys=held), timeout=10)
-            r1 = timed(lambda: stub.Lookup(pb.LookupRequest(namespace_id=ns_a.namespace_id, keys=held[:1]),
-                                           timeout=10), reps)
+            r1 = timed(
+                lambda: stub.Lookup(pb.LookupRequest(namespace_id=ns_a.namespace_id, keys=held[:1]), timeout=10), reps
+            )
             cpu0, w0 = process_cpu_seconds(a.pid), time.monotonic()
-            r64 = timed(lambda: stub.Lookup(pb.LookupRequest(namespace_id=ns_a.namespace_id, keys=held),
-                                            timeout=10), reps)
+            r64 = timed(
+                lambda: stub.Lookup(pb.LookupRequest(namespace_id=ns_a.namespace_id, keys=held), timeout=10), reps
+            )
             cpu1, w1 = process_cpu_seconds(a.pid), time.monotonic()
         server_cpu = max(0.0, cpu1 - cpu0 - pair.a_idle_cpu_per_s * (w1 - w0)) / reps
         out["remote"] = {
             "basis": f"Lookup over A's TCP listener (plaintext gRPC on loopback; a directory would be asked so), "
-                     f"keys in A's RAM; median of {reps}; A's CPU per 64-key call",
-            "one_key_ms": r1 * 1e3, "keys_64_ms": r64 * 1e3, "server_cpu_ms_per_call": server_cpu * 1e3,
+            f"keys in A's RAM; median of {reps}; A's CPU per 64-key call",
+            "one_key_ms": r1 * 1e3,
+            "keys_64_ms": r64 * 1e3,
+            "server_cpu_ms_per_call": server_cpu * 1e3,
         }
 
         # A peer fetch: one 4 KiB chunk only B holds, loaded through A (lookup, order, bytes, promotion).
@@ -76,9 +84,11 @@ def measure_lookups_and_fetch(pair: Pair, reps: int) -> dict[str, Any]:
         peer, local = statistics.median(peer_times), statistics.median(local_times)
         out["fetch"] = {
             "basis": f"A's client loads one 4 KiB chunk only B holds (A's peer index names B: fetch order over gRPC, "
-                     f"bytes over the TCP data plane, checksum, promotion into A's RAM), minus loading it again "
-                     f"from A's RAM; medians of {reps}",
-            "peer_load_ms": peer * 1e3, "local_load_ms": local * 1e3, "round_trip_ms": (peer - local) * 1e3,
+            f"bytes over the TCP data plane, checksum, promotion into A's RAM), minus loading it again "
+            f"from A's RAM; medians of {reps}",
+            "peer_load_ms": peer * 1e3,
+            "local_load_ms": local * 1e3,
+            "round_trip_ms": (peer - local) * 1e3,
         }
     return out
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """S3 PUT/GET latency per chunk."""
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ def measure_s3(kind: str, chunk_bytes: int, reps: int) -> dict[str, Any]:
 
     print("S3 PUT/GET latency", flush=True)
     errors, server, endpoint, which = [], None, None, ""
-    for which in (["radosgw", "moto"] if kind == "auto" else [kind]):
+    for which in ["radosgw", "moto"] if kind == "auto" else [kind]:
         server = RadosGW(memstore_bytes=max(256 << 20, 4 * reps * chunk_bytes)) if which == "radosgw" else MotoServer()
         try:
             endpoint = server.start()
@@ -33,8 +35,13 @@ def measure_s3(kind: str, chunk_bytes: int, reps: int) -> dict[str, Any]:
     if server is None or endpoint is None:
         return {"server": None, "note": "no S3 server started: " + "; ".join(errors)}
     try:
-        s3 = boto3.client("s3", endpoint_url=endpoint.url, aws_access_key_id=endpoint.access_key,
-                          aws_secret_access_key=endpoint.secret_key, region_name=endpoint.region)
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=endpoint.url,
+            aws_access_key_id=endpoint.access_key,
+            aws_secret_access_key=endpoint.secret_key,
+            region_name=endpoint.region,
+        )
         bucket = f"scale-calibrate-{os.getpid()}"
         s3.create_bucket(Bucket=bucket)
         s3.put_object(Bucket=bucket, Key="warm", Body=b"x")  # the first PUT creates radosgw's pools (~2 s)
@@ -52,10 +59,15 @@ def measure_s3(kind: str, chunk_bytes: int, reps: int) -> dict[str, Any]:
                 gets.append(time.perf_counter() - t0)
             out[f"put_{label}_ms"] = statistics.median(puts) * 1e3
             out[f"get_{label}_ms"] = statistics.median(gets) * 1e3
-        out["basis"] = (f"boto3 PUT then GET of {reps} objects of {chunk_bytes >> 20} MiB and of 4 KiB, one at a time, "
-                        f"medians, against {which} on loopback"
-                        + (" (moto_server keeps objects in RAM: not an object store's latency)" if which == "moto"
-                           else " (a memstore OSD: no disks, no network: latencies are a floor)"))
+        out["basis"] = (
+            f"boto3 PUT then GET of {reps} objects of {chunk_bytes >> 20} MiB and of 4 KiB, one at a time, "
+            f"medians, against {which} on loopback"
+            + (
+                " (moto_server keeps objects in RAM: not an object store's latency)"
+                if which == "moto"
+                else " (a memstore OSD: no disks, no network: latencies are a floor)"
+            )
+        )
         if errors:
             out["note"] = "; ".join(errors)
         return out

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The subscribers' child process: extra WatchEvents streams on A."""
 
 from __future__ import annotations
@@ -48,8 +50,13 @@ class Subscribers:
 
     def __init__(self, address: str, streams: int) -> None:
         self.streams = streams
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.scale_calibrate", "--serve-subscribers", address,
-                                      str(streams)], stdout=subprocess.PIPE, text=True, env=_child_env(), cwd=REPO)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.scale_calibrate", "--serve-subscribers", address, str(streams)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=_child_env(),
+            cwd=REPO,
+        )
         self.rss_before = self.rss_ready = 0
         self.received = 0
         self._ready = threading.Event()

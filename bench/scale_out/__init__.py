@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Scale-out on paper (issue #11 part 9; not a test): what the peer tier's remote-location index costs
 each node from 1 to 1000 nodes (and on to --max-nodes), for a stated fleet workload, with the
 daemon's own per-operation costs measured by bench/scale_calibrate (default: the committed

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The four designs and what each costs a node at a node count."""
 
 from __future__ import annotations
@@ -68,12 +70,35 @@ class Model:
         room = max(0.0, self.budget.memory_bytes - streams) / bytes_per_entry
         return entries, index, min(1.0, room / entries) if entries else 1.0
 
-    def point(self, nodes: int, cpu: dict[str, float], memory: dict[str, float], inbound_bytes: float,
-              inbound_messages: float, inbound_keys: float, lookup_s: float, entries: float,
-              coverage: float) -> Point:
+    def point(
+        self,
+        nodes: int,
+        cpu: dict[str, float],
+        memory: dict[str, float],
+        inbound_bytes: float,
+        inbound_messages: float,
+        inbound_keys: float,
+        lookup_s: float,
+        entries: float,
+        coverage: float,
+    ) -> Point:
         puts, gets, usd = self.s3(coverage)
-        return Point(nodes, sum(cpu.values()), cpu, sum(memory.values()), memory, inbound_bytes, inbound_messages,
-                     inbound_keys, lookup_s * 1e3, entries, coverage, puts, gets, usd)
+        return Point(
+            nodes,
+            sum(cpu.values()),
+            cpu,
+            sum(memory.values()),
+            memory,
+            inbound_bytes,
+            inbound_messages,
+            inbound_keys,
+            lookup_s * 1e3,
+            entries,
+            coverage,
+            puts,
+            gets,
+            usd,
+        )
 
     # the four designs --------------------------------------------------------------------------------
 
@@ -92,8 +117,9 @@ class Model:
         memory = {"index": index, "streams": 2 * peers * c.stream_bytes}
         inbound = peers * self.wire_bytes(r.events_per_s, r.keys_per_s, r.events_per_s * c.segments_per_event)
         lookup = self.local_lookup_s() + peers * c.contains_s_per_peer
-        return self.point(nodes, cpu, memory, inbound, peers * r.events_per_s, peers * r.keys_per_s, lookup,
-                          entries, coverage)
+        return self.point(
+            nodes, cpu, memory, inbound, peers * r.events_per_s, peers * r.keys_per_s, lookup, entries, coverage
+        )
 
     def coalesced(self, nodes: int) -> Point:
         c, r, f = self.costs, self.rates, self.fleet
@@ -111,8 +137,9 @@ class Model:
         memory = {"index": index, "streams": 2 * peers * c.stream_bytes}
         inbound = peers * self.wire_bytes(messages, r.net_keys_per_s)
         lookup = self.local_lookup_s() + peers * c.contains_s_per_peer
-        return self.point(nodes, cpu, memory, inbound, peers * messages, peers * r.net_keys_per_s, lookup,
-                          entries, coverage)
+        return self.point(
+            nodes, cpu, memory, inbound, peers * messages, peers * r.net_keys_per_s, lookup, entries, coverage
+        )
 
     def directory(self, nodes: int) -> Point:
         c, r, f = self.costs, self.rates, self.fleet
@@ -139,9 +166,11 @@ class Model:
         room = max(0.0, self.budget.memory_bytes - streams) / c.index_bytes_per_entry
         coverage = min(1.0, room / entries) if entries else 1.0
         lookup = self.local_lookup_s() + (
-            c.remote_lookup_s + r.lookup_groups_per_turn * nodes * c.rendezvous_s_per_node if peers else 0.0)
-        return self.point(nodes, cpu, memory, self.wire_bytes(messages, keys_in), messages, keys_in, lookup,
-                          entries, coverage)
+            c.remote_lookup_s + r.lookup_groups_per_turn * nodes * c.rendezvous_s_per_node if peers else 0.0
+        )
+        return self.point(
+            nodes, cpu, memory, self.wire_bytes(messages, keys_in), messages, keys_in, lookup, entries, coverage
+        )
 
     def router(self, nodes: int) -> Point:
         c, r, f = self.costs, self.rates, self.fleet
@@ -161,9 +190,12 @@ class Model:
         keys = nodes * r.net_keys_per_s
         entries = nodes * r.chunks_held
         return {
-            "nodes": nodes, "messages_per_s": messages, "keys_per_s": keys,
+            "nodes": nodes,
+            "messages_per_s": messages,
+            "keys_per_s": keys,
             "cores": messages * c.follow_s_per_event + keys * c.follow_s_per_key,
-            "index_entries": entries, "index_bytes": entries * c.index_bytes_per_entry,
+            "index_entries": entries,
+            "index_bytes": entries * c.index_bytes_per_entry,
             "inbound_bytes_per_s": self.wire_bytes(messages, keys),
         }
 
@@ -178,14 +210,34 @@ class Design:
 
 def designs(model: Model) -> list[Design]:
     return [
-        Design("mesh", "mesh (as built)", "every node follows every other's WatchEvents; one message per event, "
-               "write-downs and evictions one key each; every tier's events", model.mesh),
-        Design("coalesced", "coalesced mesh", "every node still indexes every other, but gets one message per "
-               "interval per peer with the net changes of the tiers served to peers", model.coalesced),
-        Design("directory", "rendezvous directory", "chunk groups owned by rendezvous hashing; changes sent to "
-               "owners once per interval; a turn asks its groups' owners", model.directory),
-        Design("router", "router (llm-d KV events)", "nodes publish net changes to the router tier, which routes "
-               "turns or names the node to fetch from; no index on the nodes", model.router),
+        Design(
+            "mesh",
+            "mesh (as built)",
+            "every node follows every other's WatchEvents; one message per event, "
+            "write-downs and evictions one key each; every tier's events",
+            model.mesh,
+        ),
+        Design(
+            "coalesced",
+            "coalesced mesh",
+            "every node still indexes every other, but gets one message per "
+            "interval per peer with the net changes of the tiers served to peers",
+            model.coalesced,
+        ),
+        Design(
+            "directory",
+            "rendezvous directory",
+            "chunk groups owned by rendezvous hashing; changes sent to "
+            "owners once per interval; a turn asks its groups' owners",
+            model.directory,
+        ),
+        Design(
+            "router",
+            "router (llm-d KV events)",
+            "nodes publish net changes to the router tier, which routes "
+            "turns or names the node to fetch from; no index on the nodes",
+            model.router,
+        ),
     ]
 
 
@@ -212,8 +264,7 @@ def break_point(design: Design, budget: Budget, max_nodes: int) -> dict[str, Any
         else:
             lo = mid
     p = design.point(hi)
-    return {"nodes": hi, "resource": exceeds(p, budget), "cpu_fraction": p.cpu_fraction,
-            "memory_bytes": p.memory_bytes}
+    return {"nodes": hi, "resource": exceeds(p, budget), "cpu_fraction": p.cpu_fraction, "memory_bytes": p.memory_bytes}
 
 
 def plot_nodes(max_nodes: int) -> list[int]:

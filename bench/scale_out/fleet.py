@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The modelled fleet, its budget, the measured costs and the rates they give."""
 
 from __future__ import annotations
@@ -166,9 +168,17 @@ class Rates:
         net = lives * 3 + promotions * 2
         run = max(1.0, min(f.group_chunks, stored))  # a turn's chunks change together
         return cls(
-            stored_chunks_per_turn=stored, looked_up_chunks_per_turn=looked_up, stores_per_s=stores,
-            reads_per_s=reads, fs_promotions_per_s=promotions, peer_fetches_per_s=fetched, events_per_s=events,
-            keys_per_s=keys, single_key_events_per_s=single, net_keys_per_s=net, groups_changed_per_s=net / run,
+            stored_chunks_per_turn=stored,
+            looked_up_chunks_per_turn=looked_up,
+            stores_per_s=stores,
+            reads_per_s=reads,
+            fs_promotions_per_s=promotions,
+            peer_fetches_per_s=fetched,
+            events_per_s=events,
+            keys_per_s=keys,
+            single_key_events_per_s=single,
+            net_keys_per_s=net,
+            groups_changed_per_s=net / run,
             lookup_groups_per_turn=math.ceil(looked_up / f.group_chunks),
             chunks_held=(f.ram_bytes + f.fs_bytes) / f.chunk_bytes,
             s3_puts_per_s=lives if f.s3_tier else 0.0,  # every write-down goes to fs and S3 (a fetched chunk too)

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The run over node counts, its basis, the printed report and the plot."""
 
 from __future__ import annotations
@@ -26,12 +28,16 @@ from bench.scale_out.fleet import (
 def run(model: Model, nodes: Sequence[int], max_nodes: int) -> dict[str, Any]:
     out_designs = []
     for d in designs(model):
-        out_designs.append({
-            "key": d.key, "label": d.label, "how": d.how,
-            "break": break_point(d, model.budget, max_nodes),
-            "rows": [asdict(d.point(n)) for n in nodes],
-            "curve": [asdict(d.point(n)) for n in plot_nodes(max_nodes)],
-        })
+        out_designs.append(
+            {
+                "key": d.key,
+                "label": d.label,
+                "how": d.how,
+                "break": break_point(d, model.budget, max_nodes),
+                "rows": [asdict(d.point(n)) for n in nodes],
+                "curve": [asdict(d.point(n)) for n in plot_nodes(max_nodes)],
+            }
+        )
     return {
         "designs": out_designs,
         "router_tier": [model.router_tier(n) for n in nodes],
@@ -56,36 +62,75 @@ def sensitivity(fleet: Fleet, budget: Budget, costs: Costs, max_nodes: int) -> l
 
 def basis(f: Fleet, r: Rates, c: Costs) -> list[tuple[str, str, str]]:
     return [
-        ("turns per node", f"{f.turns_per_s:g}/s", "--turns-per-s; ~ the GPU saturated: 50,000 prefill tokens/s "
-         f"(bench/multiturn.py's Qwen3.6-35B-A3B on 2x H100) / {f.new_tokens_per_turn:,.0f} new tokens per turn"),
-        ("tokens per turn", f"{f.new_tokens_per_turn:,.0f} new, {f.reusable_tokens_per_turn:,.0f} reusable",
-         f"{f.first_tokens:,} first + {f.turn_tokens:,} per turn, {f.turns} turns (mean over the turns)"),
-        ("chunk", f"{f.chunk_bytes / MIB:g} MiB = {f.chunk_tokens:.1f} tokens",
-         f"--chunk-mib at {f.kv_bytes_per_token:,} KV bytes per token (--kv-bytes-per-token)"),
-        ("chunks per turn", f"{r.stored_chunks_per_turn:.0f} stored, {r.looked_up_chunks_per_turn:.0f} looked up",
-         "the turn's new tokens, its reusable tokens"),
-        ("stores", f"{r.stores_per_s:,.0f} chunks/s ({r.stores_per_s * f.chunk_bytes / GIB:.2f} GiB/s)",
-         "one store call per turn (the store event carries the turn's keys)"),
-        ("reads from kvstored", f"{r.reads_per_s:,.0f} chunks/s",
-         f"--kvstored-read-share {f.kvstored_read_share:g} of the reusable chunks"),
+        (
+            "turns per node",
+            f"{f.turns_per_s:g}/s",
+            "--turns-per-s; ~ the GPU saturated: 50,000 prefill tokens/s "
+            f"(bench/multiturn.py's Qwen3.6-35B-A3B on 2x H100) / {f.new_tokens_per_turn:,.0f} new tokens per turn",
+        ),
+        (
+            "tokens per turn",
+            f"{f.new_tokens_per_turn:,.0f} new, {f.reusable_tokens_per_turn:,.0f} reusable",
+            f"{f.first_tokens:,} first + {f.turn_tokens:,} per turn, {f.turns} turns (mean over the turns)",
+        ),
+        (
+            "chunk",
+            f"{f.chunk_bytes / MIB:g} MiB = {f.chunk_tokens:.1f} tokens",
+            f"--chunk-mib at {f.kv_bytes_per_token:,} KV bytes per token (--kv-bytes-per-token)",
+        ),
+        (
+            "chunks per turn",
+            f"{r.stored_chunks_per_turn:.0f} stored, {r.looked_up_chunks_per_turn:.0f} looked up",
+            "the turn's new tokens, its reusable tokens",
+        ),
+        (
+            "stores",
+            f"{r.stores_per_s:,.0f} chunks/s ({r.stores_per_s * f.chunk_bytes / GIB:.2f} GiB/s)",
+            "one store call per turn (the store event carries the turn's keys)",
+        ),
+        (
+            "reads from kvstored",
+            f"{r.reads_per_s:,.0f} chunks/s",
+            f"--kvstored-read-share {f.kvstored_read_share:g} of the reusable chunks",
+        ),
         ("promotions from own fs", f"{r.fs_promotions_per_s:,.0f}/s", f"--fs-read-share {f.fs_read_share:g} of reads"),
-        ("fetched from peers", f"{r.peer_fetches_per_s:,.0f}/s",
-         f"--cross-node-share {f.cross_node_share:g} of turns land on another node; "
-         f"{math.ceil(r.looked_up_chunks_per_turn * f.kvstored_read_share / PEER_MAX_BATCH)} fetch orders of "
-         f"<= {PEER_MAX_BATCH} chunks per such turn, {c.fetch_round_trip_s * 1e3:.2f} ms each (measured)"),
-        ("events published (as built)", f"{r.events_per_s:,.0f}/s, {r.keys_per_s:,.0f} keys/s",
-         f"a chunk's life after its store: {c.single_events_per_chunk:.2f} single-key events (measured, RAM -> fs "
-         f"full){' + 1 for the S3 write-down (modelled)' if f.s3_tier else ''}; a promotion or fetch: 1"),
-        ("net changes (coalesced designs)", f"{r.net_keys_per_s:,.0f} keys/s",
-         "per chunk: appears in RAM, moves to fs, leaves (3); promoted from fs: 2; S3 not sent"),
-        ("held for peers", f"{r.chunks_held:,.0f} chunks", f"--ram-gib {f.ram_bytes / GIB:g} + --fs-tib "
-         f"{f.fs_bytes / (1 << 40):g} of {f.chunk_bytes / MIB:g} MiB chunks"),
-        ("directory groups", f"{r.groups_changed_per_s:,.0f} changed/s, {r.lookup_groups_per_turn} asked per turn",
-         f"--group-chunks {f.group_chunks}, --replicas {f.replicas}, --interval-s {f.interval_s:g}"),
-        ("S3", f"{r.s3_puts_per_s:,.0f} PUT/s, {r.s3_base_gets_per_s:,.1f} GET/s (+ cross-node reads the index "
-               "cannot place)", "every chunk leaving RAM is written to fs and S3 (stored and fetched ones); "
-         f"${f.put_usd_per_1k:g} per 1k PUT, ${f.get_usd_per_1k:g} per 1k GET (S3 Standard, us-east-1 list prices; "
-         "--put-usd-per-1k, --get-usd-per-1k)"),
+        (
+            "fetched from peers",
+            f"{r.peer_fetches_per_s:,.0f}/s",
+            f"--cross-node-share {f.cross_node_share:g} of turns land on another node; "
+            f"{math.ceil(r.looked_up_chunks_per_turn * f.kvstored_read_share / PEER_MAX_BATCH)} fetch orders of "
+            f"<= {PEER_MAX_BATCH} chunks per such turn, {c.fetch_round_trip_s * 1e3:.2f} ms each (measured)",
+        ),
+        (
+            "events published (as built)",
+            f"{r.events_per_s:,.0f}/s, {r.keys_per_s:,.0f} keys/s",
+            f"a chunk's life after its store: {c.single_events_per_chunk:.2f} single-key events (measured, RAM -> fs "
+            f"full){' + 1 for the S3 write-down (modelled)' if f.s3_tier else ''}; a promotion or fetch: 1",
+        ),
+        (
+            "net changes (coalesced designs)",
+            f"{r.net_keys_per_s:,.0f} keys/s",
+            "per chunk: appears in RAM, moves to fs, leaves (3); promoted from fs: 2; S3 not sent",
+        ),
+        (
+            "held for peers",
+            f"{r.chunks_held:,.0f} chunks",
+            f"--ram-gib {f.ram_bytes / GIB:g} + --fs-tib "
+            f"{f.fs_bytes / (1 << 40):g} of {f.chunk_bytes / MIB:g} MiB chunks",
+        ),
+        (
+            "directory groups",
+            f"{r.groups_changed_per_s:,.0f} changed/s, {r.lookup_groups_per_turn} asked per turn",
+            f"--group-chunks {f.group_chunks}, --replicas {f.replicas}, --interval-s {f.interval_s:g}",
+        ),
+        (
+            "S3",
+            f"{r.s3_puts_per_s:,.0f} PUT/s, {r.s3_base_gets_per_s:,.1f} GET/s (+ cross-node reads the index "
+            "cannot place)",
+            "every chunk leaving RAM is written to fs and S3 (stored and fetched ones); "
+            f"${f.put_usd_per_1k:g} per 1k PUT, ${f.get_usd_per_1k:g} per 1k GET (S3 Standard, us-east-1 list prices; "
+            "--put-usd-per-1k, --get-usd-per-1k)",
+        ),
     ]
 
 
@@ -102,38 +147,76 @@ def fmt_rate(n: float) -> str:
 
 def print_report(doc: dict[str, Any], model: Model) -> None:
     cal = doc["calibration"]
-    print(f"calibration: {cal['path']} ({cal['created']}, {cal['cpu_model']}, {cal['cpus']} CPUs, "
-          f"load average {cal['load_average']}; S3: {model.costs.s3_server})")
+    print(
+        f"calibration: {cal['path']} ({cal['created']}, {cal['cpu_model']}, {cal['cpus']} CPUs, "
+        f"load average {cal['load_average']}; S3: {model.costs.s3_server})"
+    )
     print("\nworkload per node (every figure a flag):")
-    print_aligned([["figure", "value", "basis"], *[list(b) for b in basis(model.fleet, model.rates, model.costs)]],
-                  right=set())
+    print_aligned(
+        [["figure", "value", "basis"], *[list(b) for b in basis(model.fleet, model.rates, model.costs)]], right=set()
+    )
     c = model.costs
     print("\nmeasured costs used:")
-    print_aligned([["cost", "value"], *[[k, v] for k, v in [
-        ("follower CPU", f"{c.follow_s_per_event * 1e6:.1f} us/event + {c.follow_s_per_key * 1e6:.2f} us/key "
-                         f"(+{c.follow_s_per_key_per_slot * 1e9:.2f} ns per slot of the holder)"),
-        ("publisher CPU per follower", f"{c.publish_s_per_event * 1e6:.1f} us/event + "
-                                       f"{c.publish_s_per_key * 1e6:.3f} us/key"),
-        ("event bytes", f"{c.bytes_per_event:.0f} B/event + {c.bytes_per_key:.1f} B/key (+{HEADER_BYTES_PER_SEGMENT} "
-                        "B per segment on a network)"),
-        ("index memory", f"{c.index_bytes_per_entry:.0f} B/entry (+{c.index_bytes_per_slot:.3f} B per slot "
-                         "of the holder)"),
-        ("one stream", f"{fmt_bytes(c.stream_bytes)} (both ends)"),
-        ("a turn's Lookup", f"{model.local_lookup_s() * 1e3:.2f} ms local, +{c.contains_s_per_peer * 1e6:.2f} us "
-                            "per peer (mesh)"),
-        ("remote Lookup", f"{c.remote_lookup_s * 1e3:.2f} ms, {c.remote_lookup_server_s * 1e3:.2f} ms of the "
-                          "server's CPU"),
-        ("owner choice", f"{c.rendezvous_s_per_node * 1e6:.3f} us per node per group"),
-        ("S3 per chunk", f"PUT {c.s3_put_s * 1e3:.1f} ms, GET {c.s3_get_s * 1e3:.1f} ms ({c.s3_server})"),
-    ]]], right=set())
+    print_aligned(
+        [
+            ["cost", "value"],
+            *[
+                [k, v]
+                for k, v in [
+                    (
+                        "follower CPU",
+                        f"{c.follow_s_per_event * 1e6:.1f} us/event + {c.follow_s_per_key * 1e6:.2f} us/key "
+                        f"(+{c.follow_s_per_key_per_slot * 1e9:.2f} ns per slot of the holder)",
+                    ),
+                    (
+                        "publisher CPU per follower",
+                        f"{c.publish_s_per_event * 1e6:.1f} us/event + {c.publish_s_per_key * 1e6:.3f} us/key",
+                    ),
+                    (
+                        "event bytes",
+                        f"{c.bytes_per_event:.0f} B/event + {c.bytes_per_key:.1f} B/key (+{HEADER_BYTES_PER_SEGMENT} "
+                        "B per segment on a network)",
+                    ),
+                    (
+                        "index memory",
+                        f"{c.index_bytes_per_entry:.0f} B/entry (+{c.index_bytes_per_slot:.3f} B per slot "
+                        "of the holder)",
+                    ),
+                    ("one stream", f"{fmt_bytes(c.stream_bytes)} (both ends)"),
+                    (
+                        "a turn's Lookup",
+                        f"{model.local_lookup_s() * 1e3:.2f} ms local, +{c.contains_s_per_peer * 1e6:.2f} us "
+                        "per peer (mesh)",
+                    ),
+                    (
+                        "remote Lookup",
+                        f"{c.remote_lookup_s * 1e3:.2f} ms, {c.remote_lookup_server_s * 1e3:.2f} ms of the "
+                        "server's CPU",
+                    ),
+                    ("owner choice", f"{c.rendezvous_s_per_node * 1e6:.3f} us per node per group"),
+                    ("S3 per chunk", f"PUT {c.s3_put_s * 1e3:.1f} ms, GET {c.s3_get_s * 1e3:.1f} ms ({c.s3_server})"),
+                ]
+            ],
+        ],
+        right=set(),
+    )
     budget = model.budget
     print(f"\nper node, budget {budget.cpu_fraction:.0%} of a core and {fmt_bytes(budget.memory_bytes)}:")
     table = [["design", "nodes", "CPU", "memory", "event traffic in", "lookup/turn", "coverage", "S3 $/month"]]
     for d in doc["designs"]:
         for row in d["rows"]:
-            table.append([d["label"], f"{row['nodes']:,}", f"{row['cpu_fraction']:.1%}", fmt_bytes(row["memory_bytes"]),
-                          fmt_rate(row["inbound_bytes_per_s"]), f"{row['lookup_ms']:.2f} ms", f"{row['coverage']:.1%}",
-                          f"{row['s3_usd_per_month']:,.0f}"])
+            table.append(
+                [
+                    d["label"],
+                    f"{row['nodes']:,}",
+                    f"{row['cpu_fraction']:.1%}",
+                    fmt_bytes(row["memory_bytes"]),
+                    fmt_rate(row["inbound_bytes_per_s"]),
+                    f"{row['lookup_ms']:.2f} ms",
+                    f"{row['coverage']:.1%}",
+                    f"{row['s3_usd_per_month']:,.0f}",
+                ]
+            )
     print_aligned(table, right={1, 2, 3, 4, 5, 6, 7})
     print("\nwhere each design stops scaling:")
     for d in doc["designs"]:
@@ -141,28 +224,40 @@ def print_report(doc: dict[str, Any], model: Model) -> None:
         if b is None:
             print(f"  {d['label']}: within the budget up to {doc['max_nodes']:,} nodes")
         else:
-            print(f"  {d['label']}: {b['nodes']:,} nodes ({b['resource']}: CPU {b['cpu_fraction']:.1%}, "
-                  f"memory {fmt_bytes(b['memory_bytes'])})")
+            print(
+                f"  {d['label']}: {b['nodes']:,} nodes ({b['resource']}: CPU {b['cpu_fraction']:.1%}, "
+                f"memory {fmt_bytes(b['memory_bytes'])})"
+            )
     print("\nthe router tier takes in, for the fleet:")
     for t in doc["router_tier"]:
         nodes = f"{t['nodes']:,} node{'s' if t['nodes'] != 1 else ''}"
-        print(f"  {nodes}: {t['keys_per_s']:,.0f} keys/s in {t['messages_per_s']:,.0f} messages/s "
-              f"({fmt_rate(t['inbound_bytes_per_s'])}), {t['cores']:.2f} cores at our per-key cost, "
-              f"{t['index_entries']:,.0f} entries ({fmt_bytes(t['index_bytes'])})")
+        print(
+            f"  {nodes}: {t['keys_per_s']:,.0f} keys/s in {t['messages_per_s']:,.0f} messages/s "
+            f"({fmt_rate(t['inbound_bytes_per_s'])}), {t['cores']:.2f} cores at our per-key cost, "
+            f"{t['index_entries']:,.0f} entries ({fmt_bytes(t['index_bytes'])})"
+        )
     s3 = doc["s3"]
-    print(f"\nS3: {s3['puts_per_s_per_node']:,.0f} PUT/s per node ({s3['in_flight_puts']:.1f} in flight at "
-          f"{c.s3_put_s * 1e3:.1f} ms each, the S3 tier keeps {S3_TIER_CONCURRENCY}); at 1,000 nodes "
-          f"{s3['puts_per_s_per_node'] * 1000:,.0f} PUT/s need >= {s3['prefixes_at_1000']} partitioned prefixes "
-          f"({S3_PREFIX_PUTS_PER_S:,} PUT/s each) and cost ${s3['usd_per_month_at_1000']:,.0f}/month in requests")
+    print(
+        f"\nS3: {s3['puts_per_s_per_node']:,.0f} PUT/s per node ({s3['in_flight_puts']:.1f} in flight at "
+        f"{c.s3_put_s * 1e3:.1f} ms each, the S3 tier keeps {S3_TIER_CONCURRENCY}); at 1,000 nodes "
+        f"{s3['puts_per_s_per_node'] * 1000:,.0f} PUT/s need >= {s3['prefixes_at_1000']} partitioned prefixes "
+        f"({S3_PREFIX_PUTS_PER_S:,} PUT/s each) and cost ${s3['usd_per_month_at_1000']:,.0f}/month in requests"
+    )
     print("\nbreak points when one assumption changes:")
     for v in doc["sensitivity"]:
-        parts = [f"{k} {b['nodes']:,} ({b['resource']})" if b else f"{k} > {doc['max_nodes']:,}"
-                 for k, b in v["breaks"].items()]
+        parts = [
+            f"{k} {b['nodes']:,} ({b['resource']})" if b else f"{k} > {doc['max_nodes']:,}"
+            for k, b in v["breaks"].items()
+        ]
         print(f"  {v['variant']}: " + ", ".join(parts))
 
 
-STYLE = {"mesh": ("#d62728", "o"), "coalesced": ("#ff7f0e", "s"), "directory": ("#2ca02c", "^"),
-         "router": ("#1f77b4", "D")}
+STYLE = {
+    "mesh": ("#d62728", "o"),
+    "coalesced": ("#ff7f0e", "s"),
+    "directory": ("#2ca02c", "^"),
+    "router": ("#1f77b4", "D"),
+}
 WIDTH = {"mesh": 5.0}  # drawn wide underneath: where the coalesced mesh has the same figure, both show
 
 
@@ -173,10 +268,20 @@ def plot(doc: dict[str, Any], path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = [
-        ("Index upkeep CPU (share of one core)", lambda p: 100 * p["cpu_fraction"], "%", True,
-         100 * doc["budget"]["cpu_fraction"]),
-        ("Index + streams memory for a full view", lambda p: p["memory_bytes"] / MIB, "MiB", True,
-         doc["budget"]["memory_bytes"] / MIB),
+        (
+            "Index upkeep CPU (share of one core)",
+            lambda p: 100 * p["cpu_fraction"],
+            "%",
+            True,
+            100 * doc["budget"]["cpu_fraction"],
+        ),
+        (
+            "Index + streams memory for a full view",
+            lambda p: p["memory_bytes"] / MIB,
+            "MiB",
+            True,
+            doc["budget"]["memory_bytes"] / MIB,
+        ),
         ("Inbound event traffic", lambda p: p["inbound_bytes_per_s"] / 1024, "KiB/s", True, None),
         ("A turn's Lookup", lambda p: p["lookup_ms"], "ms", False, None),
         ("Peers' chunks the index holds within the memory budget", lambda p: 100 * p["coverage"], "%", False, None),
@@ -193,8 +298,17 @@ def plot(doc: dict[str, Any], path: str | Path) -> None:
             if not xy:
                 continue
             wide = WIDTH.get(d["key"])
-            ax.plot([x for x, _ in xy], [y for _, y in xy], color=colour, marker=marker, markevery=10, markersize=5,
-                    linewidth=wide or 2, alpha=0.45 if wide else 1.0, label=d["label"])
+            ax.plot(
+                [x for x, _ in xy],
+                [y for _, y in xy],
+                color=colour,
+                marker=marker,
+                markevery=10,
+                markersize=5,
+                linewidth=wide or 2,
+                alpha=0.45 if wide else 1.0,
+                label=d["label"],
+            )
             b = d["break"]
             if b is not None:
                 ax.axvline(b["nodes"], color=colour, linestyle=":", linewidth=1)
@@ -209,11 +323,14 @@ def plot(doc: dict[str, Any], path: str | Path) -> None:
         ax.grid(True, alpha=0.3, which="both")
     axes.flat[0].legend(fontsize=8, loc="lower right")
     w = doc["fleet"]
-    breaks = ", ".join(f"{d['label']}: {d['break']['nodes']:,}" if d["break"] else f"{d['label']}: none"
-                       for d in doc["designs"])
-    fig.suptitle(f"kvstored peer index, per node, {w['turns_per_s']:g} turns/s per node "
-                 f"({w['chunk_bytes'] / MIB:g} MiB chunks); dotted: where a design exceeds the budget ({breaks})",
-                 fontsize=10)
+    breaks = ", ".join(
+        f"{d['label']}: {d['break']['nodes']:,}" if d["break"] else f"{d['label']}: none" for d in doc["designs"]
+    )
+    fig.suptitle(
+        f"kvstored peer index, per node, {w['turns_per_s']:g} turns/s per node "
+        f"({w['chunk_bytes'] / MIB:g} MiB chunks); dotted: where a design exceeds the budget ({breaks})",
+        fontsize=10,
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.96))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The tiers benchmark's command line: `python -m bench.tiers`."""
 
 from __future__ import annotations
@@ -41,10 +43,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--fs-inflight", type=int, default=16, help="fs tier operations in flight (daemon: 16)")
     ap.add_argument("--s3-inflight", type=int, default=16, help="S3 requests in flight, tier and raw (daemon: 16)")
     ap.add_argument("--s3-timeout", type=float, default=5.0, help="S3 per-operation timeout (daemon: 5 s)")
-    ap.add_argument("--drop", type=int, choices=(1, 3), default=3,
-                    help="drop_caches level before fs loads: 3 = page cache + dentries/inodes, 1 = page cache")
-    ap.add_argument("--writeback", choices=("on", "off"), default="on",
-                    help="the write-back stream row (a daemon with an fs tier and little RAM)")
+    ap.add_argument(
+        "--drop",
+        type=int,
+        choices=(1, 3),
+        default=3,
+        help="drop_caches level before fs loads: 3 = page cache + dentries/inodes, 1 = page cache",
+    )
+    ap.add_argument(
+        "--writeback",
+        choices=("on", "off"),
+        default="on",
+        help="the write-back stream row (a daemon with an fs tier and little RAM)",
+    )
     ap.add_argument("--wb-ram-mib", type=int, default=256, help="the write-back daemon's RAM (default 256 MiB)")
     ap.add_argument("--wb-streams", type=int, default=2, help="clients storing at once (default 2)")
     ap.add_argument("--wb-batch", type=int, default=16, help="chunks per store RPC (default 16, as the vLLM tier)")
@@ -65,14 +76,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     pool_chunks = max(args.fs_chunks, args.s3_chunks, 1)
 
     t_start = time.perf_counter()
-    say(f"kvstored tiers benchmark: {args.chunk_bytes / MIB:g} MiB chunks, {args.rounds} rounds (median), "
+    say(
+        f"kvstored tiers benchmark: {args.chunk_bytes / MIB:g} MiB chunks, {args.rounds} rounds (median), "
         f"fs {args.fs_chunks} chunks/phase ({args.fs_threads} I/O threads, {args.fs_inflight} in flight, "
         f"drop_caches {args.drop}, {'fresh' if args.fresh_root else 'in-use'} roots), "
-        f"s3 {args.s3_chunks} chunks/phase ({args.s3_inflight} in flight, {args.s3})")
+        f"s3 {args.s3_chunks} chunks/phase ({args.s3_inflight} in flight, {args.s3})"
+    )
     load0 = load_average()
-    say(f"  load average {load0:.2f} on {os.cpu_count()} CPUs" +
-        ("  (HIGH: other work competes for the CPUs and the disk; expect noise)"
-         if load0 > (os.cpu_count() or 1) * 0.5 else ""))
+    say(
+        f"  load average {load0:.2f} on {os.cpu_count()} CPUs"
+        + (
+            "  (HIGH: other work competes for the CPUs and the disk; expect noise)"
+            if load0 > (os.cpu_count() or 1) * 0.5
+            else ""
+        )
+    )
     src = Pool(pool_chunks, args.chunk_bytes)
     fill_pattern(src.array, args.chunk_bytes, seed=7)
     dst = Pool(pool_chunks, args.chunk_bytes)
@@ -80,8 +98,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     pairs: list[Pair] = []
     notes: list[str] = []
     failures: list[str] = []
-    result: dict[str, Any] = {"machine": machine_info(), "load_average_start": load0,
-                              "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+    result: dict[str, Any] = {
+        "machine": machine_info(),
+        "load_average_start": load0,
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    }
     prof: dict[str, Any] = {}
     workdir = Path(tempfile.mkdtemp(prefix="kvstored-bench-tiers-", dir=args.dir))
     try:

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Buffers, chunk ids, the timing loops and the tier/baseline table shared by the tiers benchmark."""
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class Pool:
         self._map = aligned_pool(chunks * chunk_bytes)
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         whole = memoryview(self._map)
-        self.views = [whole[i * chunk_bytes:(i + 1) * chunk_bytes] for i in range(chunks)]
+        self.views = [whole[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(chunks)]
 
 
 def chunk_ids(n: int, seed: str) -> list[tuple[str, bytes]]:
@@ -113,8 +115,9 @@ class Sample:
     server_cpu_s_per_gib: float | None = None  # the S3 server's processes
 
 
-def measure(nbytes: int, run: Callable[[], float], server_pids: Sequence[int] = (),
-            prepare: Callable[[], object] | None = None) -> Sample:
+def measure(
+    nbytes: int, run: Callable[[], float], server_pids: Sequence[int] = (), prepare: Callable[[], object] | None = None
+) -> Sample:
     """Run `prepare` (untimed), then `run` (which returns its wall seconds), counting CPU seconds."""
     if prepare is not None:
         prepare()
@@ -169,33 +172,58 @@ class Pair:
         return "PASS" if self.ratio >= self.target else "MISS"
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "tier_gib_s": self.tier_median,
-                "raw_gib_s": self.raw_median, "limit_gib_s": self.limit_median, "ratio": self.ratio,
-                "target": self.target, "status": self.status,
-                "tier_samples": [vars(s) for s in self.tier], "raw_samples": [vars(s) for s in self.raw],
-                "paired_ratios": self.paired}
+        return {
+            "name": self.name,
+            "tier_gib_s": self.tier_median,
+            "raw_gib_s": self.raw_median,
+            "limit_gib_s": self.limit_median,
+            "ratio": self.ratio,
+            "target": self.target,
+            "status": self.status,
+            "tier_samples": [vars(s) for s in self.tier],
+            "raw_samples": [vars(s) for s in self.raw],
+            "paired_ratios": self.paired,
+        }
 
 
 def print_pairs(pairs: Sequence[Pair], file=None) -> None:
     file = file or sys.stdout
-    header = ["measurement", "tier GiB/s", "baseline GiB/s", "ratio", "target", "result", "limit GiB/s",
-              "of limit"]
-    rows = [header] + [[p.name, f"{p.tier_median:.2f}", f"{p.raw_median:.2f}", f"{p.ratio:.2f}x",
-                        f">= {p.target:.2f}x" if p.target is not None else "-", p.status,
-                        f"{p.limit_median:.2f}", f"{p.tier_median / p.limit_median:.2f}x"] for p in pairs]
+    header = ["measurement", "tier GiB/s", "baseline GiB/s", "ratio", "target", "result", "limit GiB/s", "of limit"]
+    rows = [header] + [
+        [
+            p.name,
+            f"{p.tier_median:.2f}",
+            f"{p.raw_median:.2f}",
+            f"{p.ratio:.2f}x",
+            f">= {p.target:.2f}x" if p.target is not None else "-",
+            p.status,
+            f"{p.limit_median:.2f}",
+            f"{p.tier_median / p.limit_median:.2f}x",
+        ]
+        for p in pairs
+    ]
     print_aligned(rows, right={1, 2, 3, 6, 7}, file=file)
-    print("baseline: raw O_DIRECT / raw aiobotocore of the same bytes (the write-back row: the fs tier alone); "
-          "limit: the physical limit of the row on this machine (fs: raw O_DIRECT at the tier's queue depth; "
-          "S3: the raw client's transport)", file=file)
-    print("per round: tier/raw GiB/s = paired ratio; CPU s per GiB (this process, tier/raw"
-          "[; S3 server tier/raw]):", file=file)
+    print(
+        "baseline: raw O_DIRECT / raw aiobotocore of the same bytes (the write-back row: the fs tier alone); "
+        "limit: the physical limit of the row on this machine (fs: raw O_DIRECT at the tier's queue depth; "
+        "S3: the raw client's transport)",
+        file=file,
+    )
+    print(
+        "per round: tier/raw GiB/s = paired ratio; CPU s per GiB (this process, tier/raw[; S3 server tier/raw]):",
+        file=file,
+    )
     for p in pairs:
         rounds = ", ".join(f"{t.gib_s:.2f}/{r.gib_s:.2f}={t.gib_s / r.gib_s:.2f}" for t, r in zip(p.tier, p.raw))
-        cpu = (f"cpu {statistics.median(s.cpu_s_per_gib for s in p.tier):.2f}/"
-               f"{statistics.median(s.cpu_s_per_gib for s in p.raw):.2f}")
+        cpu = (
+            f"cpu {statistics.median(s.cpu_s_per_gib for s in p.tier):.2f}/"
+            f"{statistics.median(s.cpu_s_per_gib for s in p.raw):.2f}"
+        )
         if p.tier and p.tier[0].server_cpu_s_per_gib is not None:
-            cpu += (f"; server {statistics.median(s.server_cpu_s_per_gib or 0.0 for s in p.tier):.2f}/"
-                    f"{statistics.median(s.server_cpu_s_per_gib or 0.0 for s in p.raw):.2f}")
+            cpu += (
+                f"; server {statistics.median(s.server_cpu_s_per_gib or 0.0 for s in p.tier):.2f}/"
+                f"{statistics.median(s.server_cpu_s_per_gib or 0.0 for s in p.raw):.2f}"
+            )
         print(f"  {p.name}: {rounds}  ({cpu})", file=file)
 
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The fs tier beside raw O_DIRECT pwritev/preadv of the same bytes."""
 
 from __future__ import annotations
@@ -39,13 +41,13 @@ class RawFs:
     flat: one directory; else at the tier's relative paths (creating missing directories, as
     the tier does, when `make_dirs`)."""
 
-    def __init__(self, root: Path, chunks: Sequence[tuple[str, bytes]], headers: list[memoryview],
-                 flat: bool) -> None:
+    def __init__(self, root: Path, chunks: Sequence[tuple[str, bytes]], headers: list[memoryview], flat: bool) -> None:
         self.root = root
         self.headers = headers
         self.flat = flat
-        self.paths = [os.path.join(root, f"{i:06d}.raw" if flat else chunkfile.chunk_relpath(c))
-                      for i, c in enumerate(chunks)]
+        self.paths = [
+            os.path.join(root, f"{i:06d}.raw" if flat else chunkfile.chunk_relpath(c)) for i, c in enumerate(chunks)
+        ]
         self._local = threading.local()
         root.mkdir(parents=True)
 
@@ -78,8 +80,9 @@ class RawFs:
             os.close(fd)
 
 
-def bench_fs(runner: asyncio.Runner, args, src: Pool, dst: Pool, workdir: Path,
-             notes: list[str]) -> tuple[list[Pair], dict]:
+def bench_fs(
+    runner: asyncio.Runner, args, src: Pool, dst: Pool, workdir: Path, notes: list[str]
+) -> tuple[list[Pair], dict]:
     from kvstored.tiers.fs.tier import FsTier
 
     n, size = args.fs_chunks, args.chunk_bytes
@@ -93,17 +96,28 @@ def bench_fs(runner: asyncio.Runner, args, src: Pool, dst: Pool, workdir: Path,
         (Pair("fs store [raw at tier paths]", None), Pair("fs load [raw at tier paths]", None), False, threads),
     ]
     if inflight != threads:  # as many I/Os at the disk as the tier has operations in flight
-        baselines.append((Pair(f"fs store [raw, {inflight} threads]", None),
-                          Pair(f"fs load [raw, {inflight} threads]", None), True, inflight))
-    writeback = Pair(f"write-back stream into a daemon ({args.wb_ram_mib} MiB RAM) [vs fs tier alone]",
-                     TARGET_WRITEBACK) if args.writeback == "on" else None
+        baselines.append(
+            (
+                Pair(f"fs store [raw, {inflight} threads]", None),
+                Pair(f"fs load [raw, {inflight} threads]", None),
+                True,
+                inflight,
+            )
+        )
+    writeback = (
+        Pair(f"write-back stream into a daemon ({args.wb_ram_mib} MiB RAM) [vs fs tier alone]", TARGET_WRITEBACK)
+        if args.writeback == "on"
+        else None
+    )
     wb_dropped = 0
     dropped = True
     direct = True
     for rnd in range(args.rounds):
         tier_root = workdir / f"fs-tier-{rnd}"
-        raws = [RawFs(workdir / f"fs-raw{k}-{rnd}", chunks, headers, flat=flat)
-                for k, (_, _, flat, _) in enumerate(baselines)]
+        raws = [
+            RawFs(workdir / f"fs-raw{k}-{rnd}", chunks, headers, flat=flat)
+            for k, (_, _, flat, _) in enumerate(baselines)
+        ]
         if not args.fresh_root:
             tier_dirs(tier_root, chunks)
             for raw in raws:
@@ -113,6 +127,7 @@ def bench_fs(runner: asyncio.Runner, args, src: Pool, dst: Pool, workdir: Path,
         runner.run(tier.start())
         direct = direct and tier.direct_io
         try:
+
             def drop() -> None:
                 nonlocal dropped
                 dropped &= drop_page_cache(args.drop)
@@ -123,8 +138,7 @@ def bench_fs(runner: asyncio.Runner, args, src: Pool, dst: Pool, workdir: Path,
             def raw_load(raw: RawFs, k: int) -> Callable[[], float]:
                 return lambda: run_threads(n, k, lambda i: raw.read(i, dst.views[i]))
 
-            stores = [(baselines[0][0].tier,
-                       lambda: runner.run(tier_store(tier, chunks, src.views, size, inflight)))]  # noqa: B023 - called this round
+            stores = [(baselines[0][0].tier, lambda: runner.run(tier_store(tier, chunks, src.views, size, inflight)))]  # noqa: B023 - called this round
             loads = [(baselines[0][1].tier, lambda: runner.run(tier_load(tier, chunks, dst.views, size, inflight)))]  # noqa: B023 - called this round
             for (st, ld, _, k), raw in zip(baselines, raws):
                 stores.append((st.raw, raw_store(raw, k)))
@@ -156,33 +170,53 @@ def bench_fs(runner: asyncio.Runner, args, src: Pool, dst: Pool, workdir: Path,
                 ld.tier.append(baselines[0][1].tier[-1])
             labels = ["raw", "raw-tier-paths", f"raw-{inflight}-threads"]
             if writeback is not None:
-                say(f"  fs round {rnd}: write-back stream into the daemon {writeback.tier[-1].gib_s:.2f} GiB/s "
-                    f"(fs tier alone {writeback.raw[-1].gib_s:.2f}, raw O_DIRECT {writeback.limit[-1].gib_s:.2f})")
-            say(f"  fs round {rnd}: store tier {baselines[0][0].tier[-1].gib_s:.2f} " +
-                " ".join(f"{label} {b[0].raw[-1].gib_s:.2f}" for label, b in zip(labels, baselines)) +
-                f" | load tier {baselines[0][1].tier[-1].gib_s:.2f} " +
-                " ".join(f"{label} {b[1].raw[-1].gib_s:.2f}" for label, b in zip(labels, baselines)) + " GiB/s")
+                say(
+                    f"  fs round {rnd}: write-back stream into the daemon {writeback.tier[-1].gib_s:.2f} GiB/s "
+                    f"(fs tier alone {writeback.raw[-1].gib_s:.2f}, raw O_DIRECT {writeback.limit[-1].gib_s:.2f})"
+                )
+            say(
+                f"  fs round {rnd}: store tier {baselines[0][0].tier[-1].gib_s:.2f} "
+                + " ".join(f"{label} {b[0].raw[-1].gib_s:.2f}" for label, b in zip(labels, baselines))
+                + f" | load tier {baselines[0][1].tier[-1].gib_s:.2f} "
+                + " ".join(f"{label} {b[1].raw[-1].gib_s:.2f}" for label, b in zip(labels, baselines))
+                + " GiB/s"
+            )
         finally:
             runner.run(tier.close())
             for d in [tier_root] + [raw.root for raw in raws]:
                 shutil.rmtree(d, ignore_errors=True)
     if not dropped:
-        notes.append("fs: could not drop the caches (not root?); loads are still cold for the data because "
-                     "the tier and the baselines read with O_DIRECT")
+        notes.append(
+            "fs: could not drop the caches (not root?); loads are still cold for the data because "
+            "the tier and the baselines read with O_DIRECT"
+        )
     if not direct:
-        notes.append(f"fs: the tier fell back to BUFFERED I/O under {workdir} (O_DIRECT refused): the "
-                     "comparison with raw O_DIRECT is not meaningful")
+        notes.append(
+            f"fs: the tier fell back to BUFFERED I/O under {workdir} (O_DIRECT refused): the "
+            "comparison with raw O_DIRECT is not meaningful"
+        )
     if wb_dropped:
-        notes.append(f"write-back: the daemon's RAM dropped {wb_dropped} chunk(s) with no copy below (write-downs "
-                     "fell behind the stream): those stores were not kept")
+        notes.append(
+            f"write-back: the daemon's RAM dropped {wb_dropped} chunk(s) with no copy below (write-downs "
+            "fell behind the stream): those stores were not kept"
+        )
     if writeback is not None:
-        notes.append(f"write-back stream: {args.wb_streams} clients storing from a registered region in RPCs of "
-                     f"{args.wb_batch} chunks, {n} chunks timed after RAM was filled with chunks that have no copy "
-                     "below (each stored chunk pushes one down); baseline = the fs tier alone storing the same "
-                     "chunks this round; limit = raw O_DIRECT this round")
-    info = {"chunks": n, "chunk_bytes": size, "threads": threads, "inflight": inflight,
-            "direct_io": direct, "drop_caches": args.drop if dropped else None, "fresh_root": args.fresh_root,
-            "dir": str(workdir)}
+        notes.append(
+            f"write-back stream: {args.wb_streams} clients storing from a registered region in RPCs of "
+            f"{args.wb_batch} chunks, {n} chunks timed after RAM was filled with chunks that have no copy "
+            "below (each stored chunk pushes one down); baseline = the fs tier alone storing the same "
+            "chunks this round; limit = raw O_DIRECT this round"
+        )
+    info = {
+        "chunks": n,
+        "chunk_bytes": size,
+        "threads": threads,
+        "inflight": inflight,
+        "direct_io": direct,
+        "drop_caches": args.drop if dropped else None,
+        "fresh_root": args.fresh_root,
+        "dir": str(workdir),
+    }
     pairs = [p for b in baselines for p in b[:2]]
     for p in pairs:  # every fs row is bounded by raw O_DIRECT at the tier's depth
         if not p.limit:

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """--profile: where the tiers' time goes."""
 
 from __future__ import annotations
@@ -93,12 +95,14 @@ def profile_cpu(size: int) -> dict[str, float]:
         target[:] = payload
 
     return {
-        "xxh3_64 checksum (chunkfile.checksum)":
-            time_best(lambda: chunkfile.checksum([cold.views[next(it)]], size)) * 1e6,
+        "xxh3_64 checksum (chunkfile.checksum)": time_best(lambda: chunkfile.checksum([cold.views[next(it)]], size))
+        * 1e6,
         "encode_header (without the checksum)": time_best(lambda: chunkfile.encode_header(chunk, size, 0)) * 1e6,
         "decode_header": time_best(lambda: chunkfile.decode_header(body[:HEADER_BYTES])) * 1e6,
-        "s3 _encode (checksum + header + b''.join copy)":
-            time_best(lambda: _encode(chunk, [cold.views[next(it)]], size)) * 1e6,
+        "s3 _encode (checksum + header + b''.join copy)": time_best(
+            lambda: _encode(chunk, [cold.views[next(it)]], size)
+        )
+        * 1e6,
         "s3 _check (decode + verify)": time_best(lambda: _check(_Body(len(body), body), chunk, size)) * 1e6,
         "s3 read copy-out (memoryview slice assign)": time_best(copy_out) * 1e6,
         "sha256 of a body (SigV4 payload signing, if on)": time_best(lambda: hashlib.sha256(body).digest(), 5) * 1e6,
@@ -111,7 +115,8 @@ _PROFILED_OS = ("open", "close", "pwritev", "preadv", "replace", "stat", "fstat"
 def profile_fs(runner: asyncio.Runner, args, src: Pool, dst: Pool, workdir: Path) -> dict[str, Any]:
     """One instrumented store + load of each fs arm: per chunk, the time inside the tier's pool job
     or the raw op, split into syscalls and the checksum; and how busy the I/O threads were."""
-    from kvstored.tiers.fs import FsTier
+    from kvstored.tiers.fs.jobs import FsJobs
+    from kvstored.tiers.fs.tier import FsTier
 
     n, size = args.fs_chunks, args.chunk_bytes
     chunks = chunk_ids(n, "fsprof")
@@ -132,19 +137,20 @@ def profile_fs(runner: asyncio.Runner, args, src: Pool, dst: Pool, workdir: Path
                 return fn(*a, **kw)
             finally:
                 samples.setdefault((phase[0], name), []).append(time.perf_counter() - t0)
+
         return wrapper
 
     originals: dict[tuple[Any, str], Any] = {(os, f): getattr(os, f) for f in _PROFILED_OS}
     originals[(chunkfile, "checksum")] = chunkfile.checksum
-    originals[(FsTier, "_write_job")] = FsTier._write_job
-    originals[(FsTier, "_read_job")] = FsTier._read_job
+    originals[(FsJobs, "write")] = FsJobs.write  # the tier's pool jobs
+    originals[(FsJobs, "read")] = FsJobs.read
     out: dict[str, Any] = {}
     tier = FsTier("prof", root, 64 * GIB, io_threads=args.fs_threads)
     runner.run(tier.start())
     walls: dict[str, float] = {}
     try:
         for (obj, attr), fn in originals.items():
-            setattr(obj, attr, timed("op (pool job)" if attr.startswith("_") else attr, fn))
+            setattr(obj, attr, timed("op (pool job)" if obj is FsJobs else attr, fn))
         phases = [
             ("tier store", lambda: runner.run(tier_store(tier, chunks, src.views, size, args.fs_inflight))),
             ("raw store", lambda: run_threads(n, args.fs_threads, lambda i: flat.write(i, src.views[i]))),
@@ -181,13 +187,17 @@ def profile_fs(runner: asyncio.Runner, args, src: Pool, dst: Pool, workdir: Path
     for (ph, name), v in samples.items():
         if ph not in walls:
             continue
-        table.setdefault(ph, {})[name] = {"per_chunk_us": sum(v) / n * 1e6, "calls_per_chunk": len(v) / n,
-                                          "mean_us": statistics.fmean(v) * 1e6}
+        table.setdefault(ph, {})[name] = {
+            "per_chunk_us": sum(v) / n * 1e6,
+            "calls_per_chunk": len(v) / n,
+            "mean_us": statistics.fmean(v) * 1e6,
+        }
     out["wall_s"] = walls
     out["gib_s"] = {k: gib_s(n * size, w) for k, w in walls.items()}
     out["per_chunk"] = table
-    out["thread_busy"] = {ph: sum(samples.get((ph, "op (pool job)"), [])) / (args.fs_threads * w)
-                          for ph, w in walls.items()}
+    out["thread_busy"] = {
+        ph: sum(samples.get((ph, "op (pool job)"), [])) / (args.fs_threads * w) for ph, w in walls.items()
+    }
     return out
 
 
@@ -206,10 +216,14 @@ def print_profile(prof: dict[str, Any]) -> None:
                 say(f"      {share:6.1%}  {name}  x{calls}")
     fs = prof.get("fs")
     if fs:
-        say("\nprofile: fs, one instrumented store + load per arm; time per chunk spent in each call, "
-            "summed over the I/O threads (us/chunk, calls/chunk)")
+        say(
+            "\nprofile: fs, one instrumented store + load per arm; time per chunk spent in each call, "
+            "summed over the I/O threads (us/chunk, calls/chunk)"
+        )
         for ph, calls in fs["per_chunk"].items():
             say(f"  {ph:<16} {fs['gib_s'][ph]:5.2f} GiB/s, I/O threads {fs['thread_busy'][ph]:.0%} busy")
             for name, v in sorted(calls.items(), key=lambda kv: -kv[1]["per_chunk_us"]):
-                say(f"      {name:<16} {v['per_chunk_us']:8.1f} us/chunk  ({v['calls_per_chunk']:.2f} calls, "
-                    f"{v['mean_us']:.1f} us each)")
+                say(
+                    f"      {name:<16} {v['per_chunk_us']:8.1f} us/chunk  ({v['calls_per_chunk']:.2f} calls, "
+                    f"{v['mean_us']:.1f} us each)"
+                )

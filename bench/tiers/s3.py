@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The S3 tier beside raw aiobotocore put/get of the same objects."""
 
 from __future__ import annotations
@@ -67,16 +69,20 @@ def bench_s3(runner: asyncio.Runner, args, src: Pool, dst: Pool, notes: list[str
     nbytes = n * size
     inflight = args.s3_inflight
     server = start_s3(args.s3, args.memstore_bytes)
-    say(f"  S3 endpoint: {'Ceph radosgw (memstore OSD)' if server.is_rgw else 'moto_server'} at "
-        f"{server.endpoint.url}, up in {server.started_s:.1f} s")
+    say(
+        f"  S3 endpoint: {'Ceph radosgw (memstore OSD)' if server.is_rgw else 'moto_server'} at "
+        f"{server.endpoint.url}, up in {server.started_s:.1f} s"
+    )
     if server.note:
         notes.append(server.note)
     bucket = f"kvstored-bench-tiers-{os.getpid()}"
     chunks = chunk_ids(n, "s3")
     raw_keys = ["raw/" + chunkfile.chunk_relpath(c) for c in chunks]
     # the same object bytes the tier PUTs (header + payload), built before timing
-    bodies = [b"".join([chunkfile.encode_header(c, size, chunkfile.checksum([v], size)), v])
-              for c, v in zip(chunks, src.views)]
+    bodies = [
+        b"".join([chunkfile.encode_header(c, size, chunkfile.checksum([v], size)), v])
+        for c, v in zip(chunks, src.views)
+    ]
     store = Pair("s3 store", TARGET_S3)
     load = Pair("s3 load", TARGET_S3)
     stats: dict[str, Any] = {}
@@ -88,8 +94,15 @@ def bench_s3(runner: asyncio.Runner, args, src: Pool, dst: Pool, notes: list[str
         for rnd in range(args.rounds + (1 if args.profile else 0)):
             profiling = rnd == args.rounds  # the extra round of --profile: cProfile on the loop thread
             # both clients are opened before timing (creating one costs ~0.1-0.3 s of CPU)
-            tier = S3Tier("bench", bucket, prefix="tier/", max_concurrency=inflight, timeout_s=args.s3_timeout,
-                          create_bucket=False, **ep.tier_kwargs())
+            tier = S3Tier(
+                "bench",
+                bucket,
+                prefix="tier/",
+                max_concurrency=inflight,
+                timeout_s=args.s3_timeout,
+                create_bucket=False,
+                **ep.tier_kwargs(),
+            )
             stack = contextlib.AsyncExitStack()
             runner.run(tier.start())
             try:
@@ -97,18 +110,26 @@ def bench_s3(runner: asyncio.Runner, args, src: Pool, dst: Pool, notes: list[str
                 if config is None:
                     config = raw_config(inflight, args.s3_timeout)
                     if rnd == 0:
-                        notes.append("s3: could not read the tier's client configuration; the raw client uses "
-                                     "bench/tiers.py's copy of it (may differ from kvstored/tiers/s3.py)")
+                        notes.append(
+                            "s3: could not read the tier's client configuration; the raw client uses "
+                            "bench/tiers.py's copy of it (may differ from kvstored/tiers/s3.py)"
+                        )
                 client = runner.run(stack.enter_async_context(raw_client(ep, config)))
                 stores = [
                     ("tier store", store.tier, lambda: runner.run(tier_store(tier, chunks, src.views, size, inflight))),  # noqa: B023 - called this round
-                    ("raw store", store.raw,
-                     lambda: runner.run(raw_s3_store(client, bucket, raw_keys, bodies, inflight))),  # noqa: B023 - called this round
+                    (
+                        "raw store",
+                        store.raw,
+                        lambda: runner.run(raw_s3_store(client, bucket, raw_keys, bodies, inflight)),  # noqa: B023
+                    ),  # the lambdas are called this round (B023)
                 ]
                 loads = [
                     ("tier load", load.tier, lambda: runner.run(tier_load(tier, chunks, dst.views, size, inflight))),  # noqa: B023 - called this round
-                    ("raw load", load.raw, lambda: runner.run(
-                        raw_s3_load(client, bucket, raw_keys, HEADER_BYTES + size, inflight))),  # noqa: B023 - called this round
+                    (
+                        "raw load",
+                        load.raw,
+                        lambda: runner.run(raw_s3_load(client, bucket, raw_keys, HEADER_BYTES + size, inflight)),  # noqa: B023
+                    ),  # the lambdas are called this round (B023)
                 ]
                 if profiling:
                     for name, _, fn in stores + loads:
@@ -123,11 +144,16 @@ def bench_s3(runner: asyncio.Runner, args, src: Pool, dst: Pool, notes: list[str
                     if rnd == 0 and samples is load.tier:
                         if not np.array_equal(dst.array[:nbytes], src.array[:nbytes]):
                             raise RuntimeError("s3 tier loaded bytes differ from the source")
-                say(f"  s3 round {rnd}: store tier {store.tier[-1].gib_s:.2f} raw {store.raw[-1].gib_s:.2f} | "
+                say(
+                    f"  s3 round {rnd}: store tier {store.tier[-1].gib_s:.2f} raw {store.raw[-1].gib_s:.2f} | "
                     f"load tier {load.tier[-1].gib_s:.2f} raw {load.raw[-1].gib_s:.2f} GiB/s "
-                    f"(tier: {tier.requests} requests, {tier.counters.errors} errors)")
-                stats[f"round{rnd}"] = {"requests": tier.requests, "errors": tier.counters.errors,
-                                        "skipped": tier.skipped}
+                    f"(tier: {tier.requests} requests, {tier.counters.errors} errors)"
+                )
+                stats[f"round{rnd}"] = {
+                    "requests": tier.requests,
+                    "errors": tier.counters.errors,
+                    "skipped": tier.skipped,
+                }
             finally:
                 runner.run(stack.aclose())
                 runner.run(tier.close())
@@ -138,6 +164,13 @@ def bench_s3(runner: asyncio.Runner, args, src: Pool, dst: Pool, notes: list[str
     retried = sum(v["requests"] for v in stats.values()) - args.rounds * (3 + 2 * n)
     if retried > 0:
         notes.append(f"s3: the tier sent {retried} requests beyond one per operation (retries)")
-    info = {"server": server.kind, "chunks": n, "chunk_bytes": size, "inflight": inflight,
-            "timeout_s": args.s3_timeout, "tier_stats": stats, "profile": profile}
+    info = {
+        "server": server.kind,
+        "chunks": n,
+        "chunk_bytes": size,
+        "inflight": inflight,
+        "timeout_s": args.s3_timeout,
+        "tier_stats": stats,
+        "profile": profile,
+    }
     return [store, load], info

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The write-back stream row: a daemon with little RAM and an fs tier."""
 
 from __future__ import annotations
@@ -38,19 +40,22 @@ class WriteBackStream:
         ram = args.wb_ram_mib * MIB
         self.prefill = ram // self.size
         self.root = workdir / f"wb-{rnd}"
-        self.keys = [hashlib.blake2b(f"wb:{rnd}:{i}".encode(), digest_size=32).digest()
-                     for i in range(self.prefill + self.n)]
-        self.daemon = Daemon(ram, extra_args=["--tiers", f"kind=fs,root={self.root},bytes={64 * GIB}",
-                                              "--flush-on-stop-seconds", "0"])
+        self.keys = [
+            hashlib.blake2b(f"wb:{rnd}:{i}".encode(), digest_size=32).digest() for i in range(self.prefill + self.n)
+        ]
+        self.daemon = Daemon(
+            ram, extra_args=["--tiers", f"kind=fs,root={self.root},bytes={64 * GIB}", "--flush-on-stop-seconds", "0"]
+        )
         self.daemon.start()
         # The region holds SLOTS chunks (the stream cycles through them, as vLLM's primary tier is
         # reused) plus a scratch area for verify(): small, so the daemon's background populate of
         # each client's mapping is over before the timed stream starts.
         self.slots = min(WB_REGION_SLOTS, len(src.views))
         self.region_file = ShmFile((self.slots + WB_VERIFY_CHUNKS) * self.size, prefix="kvstored-bench-wb")
-        self.region_file.array[:self.slots * self.size] = src.array[:self.slots * self.size]
-        self.clients = [Client(str(self.daemon.socket), deadline_s=120.0, client_name=f"bench-wb-{k}")
-                        for k in range(self.streams)]
+        self.region_file.array[: self.slots * self.size] = src.array[: self.slots * self.size]
+        self.clients = [
+            Client(str(self.daemon.socket), deadline_s=120.0, client_name=f"bench-wb-{k}") for k in range(self.streams)
+        ]
         spec = NamespaceSpec(model="bench/writeback", dtype="uint8", chunk_bytes=self.size)
         self.ns = [c.register_namespace(spec) for c in self.clients]
         self.regions = [c.register_region(self.region_file.path) for c in self.clients]
@@ -68,8 +73,9 @@ class WriteBackStream:
             client, ns, region = self.clients[k], self.ns[k], self.regions[k]
             while (j := next(counter)) < len(batches):
                 b0, b1 = batches[j]
-                r = client.store_from_region(ns, region, self.keys[b0:b1],
-                                             [(i % self.slots) * self.size for i in range(b0, b1)])
+                r = client.store_from_region(
+                    ns, region, self.keys[b0:b1], [(i % self.slots) * self.size for i in range(b0, b1)]
+                )
                 if r.stored != b1 - b0:
                     errors.append(f"batch {b0}: {r}")
 
@@ -94,14 +100,17 @@ class WriteBackStream:
         k = min(WB_VERIFY_CHUNKS, self.n)
         first = self.prefill
         scratch = self.slots * self.size
-        got = self.clients[0].load_to_region(self.ns[0], self.regions[0], self.keys[first:first + k],
-                                             [scratch + i * self.size for i in range(k)])
+        got = self.clients[0].load_to_region(
+            self.ns[0], self.regions[0], self.keys[first : first + k], [scratch + i * self.size for i in range(k)]
+        )
         if got != k:
             raise RuntimeError(f"write-back: loaded {got} of the stream's first {k} chunks back")
         for i in range(k):
             c = (first + i) % self.slots
-            if not np.array_equal(self.region_file.array[scratch + i * self.size:scratch + (i + 1) * self.size],
-                                  self._src.array[c * self.size:(c + 1) * self.size]):
+            if not np.array_equal(
+                self.region_file.array[scratch + i * self.size : scratch + (i + 1) * self.size],
+                self._src.array[c * self.size : (c + 1) * self.size],
+            ):
                 raise RuntimeError(f"write-back: chunk {first + i} came back with other bytes")
 
     def close(self) -> None:

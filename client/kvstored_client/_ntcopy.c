@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 /* Copies between caller buffers and the daemon's pool with non-temporal (cache-bypassing) stores.
  *
  * glibc's memcpy bypasses the cache only above a threshold derived from the L3 size (181 MiB on

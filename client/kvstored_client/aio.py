@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Asyncio client: the same operations and failure behaviour as `Client`, on grpc.aio."""
 
 from __future__ import annotations
@@ -75,19 +77,20 @@ class AsyncClient(ClientBase):
     async def register_namespace(self, spec: NamespaceSpec | None = None, **fields: Any) -> Namespace:
         spec = spec or NamespaceSpec(**fields)
         ns = self._namespace_local(spec)
-        result = await self._run(lambda s: ops.register(spec, s), None,
-                                 session=ns.private)
+        result = await self._run(lambda s: ops.register(spec, s), None, session=ns.private)
         return result or ns
 
     async def lookup(self, ns: Namespace, keys: Sequence[bytes], load_into: LoadInto = LoadInto.POOL) -> LookupResult:
         """Where each key is. `load_into`: what the load that follows uses, load (POOL) or
         load_to_region (REGION); it decides how the daemon readies the hits below RAM."""
-        return await self._run(lambda s: ops.lookup(ns, keys, s, load_into), LookupResult.miss(len(keys)),
-                             session=ns.private)
+        return await self._run(
+            lambda s: ops.lookup(ns, keys, s, load_into), LookupResult.miss(len(keys)), session=ns.private
+        )
 
     async def store(self, ns: Namespace, keys: Sequence[bytes], data: Any) -> StoreResult:
-        return await self._run(lambda s: ops.store(in_session(s), ns, keys, data), StoreResult.all_dropped(len(keys)),
-                               session=True)
+        return await self._run(
+            lambda s: ops.store(in_session(s), ns, keys, data), StoreResult.all_dropped(len(keys)), session=True
+        )
 
     async def load(self, ns: Namespace, keys: Sequence[bytes], out: Any) -> int:
         return await self._run(lambda s: ops.load(in_session(s), ns, keys, out), fallback=0, session=True)
@@ -106,14 +109,16 @@ class AsyncClient(ClientBase):
     async def store_from_region(
         self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
     ) -> StoreResult:
-        return await self._run(lambda s: ops.store_from_region(in_session(s), ns, region, keys, offsets),
-                               StoreResult.all_dropped(len(keys)), session=True)
+        return await self._run(
+            lambda s: ops.store_from_region(in_session(s), ns, region, keys, offsets),
+            StoreResult.all_dropped(len(keys)),
+            session=True,
+        )
 
-    async def load_to_region(
-        self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
-    ) -> int:
-        return await self._run(lambda s: ops.load_to_region(in_session(s), ns, region, keys, offsets), fallback=0,
-                               session=True)
+    async def load_to_region(self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]) -> int:
+        return await self._run(
+            lambda s: ops.load_to_region(in_session(s), ns, region, keys, offsets), fallback=0, session=True
+        )
 
     async def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         return await self._run(lambda s: ops.delete(ns, keys, s), fallback=RAISE, session=ns.private)
@@ -125,8 +130,9 @@ class AsyncClient(ClientBase):
         """Client.health() for asyncio: the daemon's standard health check; never raises."""
         self._check_fork()
         async with self._lock:
-            check = self._get_channel().unary_unary(HEALTH_CHECK, request_serializer=encode_health_request,
-                                              response_deserializer=decode_health_response)
+            check = self._get_channel().unary_unary(
+                HEALTH_CHECK, request_serializer=encode_health_request, response_deserializer=decode_health_response
+            )
             try:
                 return self._health_of(await check(None, timeout=self.deadline_s), None)
             except grpc.RpcError as exc:

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Chunk buffers: numpy arrays, torch tensors (CPU or CUDA) and bytes, as flat uint8 views.
 
 `data` for n chunks is either one buffer of n * chunk_bytes bytes (row i is chunk i) or a
@@ -92,7 +94,7 @@ def chunk_views(data: Any, n: int, chunk_bytes: int, writable: bool) -> list[Any
     flat = _flat(data, writable)
     if flat.shape[0] != n * chunk_bytes:
         raise ValueError(f"buffer is {flat.shape[0]} bytes; {n} chunks of {chunk_bytes} need {n * chunk_bytes}")
-    return [flat[i * chunk_bytes:(i + 1) * chunk_bytes] for i in range(n)]
+    return [flat[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(n)]
 
 
 def copy_cpu(dst: np.ndarray, src: np.ndarray) -> None:
@@ -109,11 +111,11 @@ def copy_in(pool_arrays: PoolArrays, extents: Sequence[Any], src: Any) -> None:
     """src -> the pool slots described by extents (protobuf Extent messages)."""
     pool, pos = pool_arrays.for_view(src), 0
     for ext in extents:
-        dst = pool[ext.offset:ext.offset + ext.length]
+        dst = pool[ext.offset : ext.offset + ext.length]
         if isinstance(dst, np.ndarray):
-            copy_cpu(dst, src[pos:pos + ext.length])
+            copy_cpu(dst, src[pos : pos + ext.length])
         else:
-            dst.copy_(src[pos:pos + ext.length])
+            dst.copy_(src[pos : pos + ext.length])
         pos += ext.length
 
 
@@ -121,11 +123,11 @@ def copy_out(pool_arrays: PoolArrays, extents: Sequence[Any], dst: Any) -> None:
     """The pool slots described by extents -> dst."""
     pool, pos = pool_arrays.for_view(dst), 0
     for ext in extents:
-        src = pool[ext.offset:ext.offset + ext.length]
+        src = pool[ext.offset : ext.offset + ext.length]
         if isinstance(src, np.ndarray):
-            copy_cpu(dst[pos:pos + ext.length], src)
+            copy_cpu(dst[pos : pos + ext.length], src)
         else:
-            dst[pos:pos + ext.length].copy_(src)
+            dst[pos : pos + ext.length].copy_(src)
         pos += ext.length
 
 
@@ -160,7 +162,7 @@ class ChunkCopier:
         if n == 1:
             return [pairs]
         per = -(-len(pairs) // n)  # chunks of one batch share one size
-        return [pairs[i:i + per] for i in range(0, len(pairs), per)]
+        return [pairs[i : i + per] for i in range(0, len(pairs), per)]
 
     def close(self) -> None:
         if self._executor is not None:

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Synchronous client. Every call has a deadline; when the daemon is down or slow, lookups report a
 miss, stores and loads report nothing done, and nothing raises or hangs (a region transfer, once
 sent, is waited for up to ops.REGION_COPY_GRACE_S longer: the daemon may be copying). It reconnects by itself:
@@ -64,8 +66,14 @@ Plan = Generator[Any, Any, Any]
 class ClientBase:
     """State shared by the sync and async clients: namespaces, regions, recovery decisions."""
 
-    def __init__(self, socket: str | os.PathLike | None, deadline_s: float, client_name: str | None, populate: bool,
-                 copy_threads: int | None):
+    def __init__(
+        self,
+        socket: str | os.PathLike | None,
+        deadline_s: float,
+        client_name: str | None,
+        populate: bool,
+        copy_threads: int | None,
+    ):
         self.socket = Path(socket) if socket else default_socket_path()
         self.deadline_s = deadline_s
         self.client_name = client_name or f"pid-{os.getpid()}"
@@ -104,8 +112,9 @@ class ClientBase:
     def _unreachable(self) -> Condition:
         """Why the daemon did not serve the last call; logged once per change (LinkHealth)."""
         condition = diagnose(self.socket) or Condition(
-            Reason.RESTARTING, f"{self.socket} accepts connections but kvstored does not serve (starting, "
-                               f"stopping or restarting)")
+            Reason.RESTARTING,
+            f"{self.socket} accepts connections but kvstored does not serve (starting, stopping or restarting)",
+        )
         self.link_health.unreachable(condition)
         return condition
 
@@ -159,11 +168,13 @@ class ClientBase:
             if isinstance(error, DeadlineExceeded):
                 return TransferOutcomeUnknown(
                     f"{effect.method} got no answer {effect.copy_grace_s:.0f} s past its deadline: the daemon may "
-                    f"still be copying, so region {region}'s bytes are undefined for now")
+                    f"still be copying, so region {region}'s bytes are undefined for now"
+                )
             self._drop_session()  # the daemon is gone or the connection broke: a new session next time
             return TransferOutcomeUnknown(
                 f"{effect.method} was sent, but the daemon did not answer ({exc.details()}): it may have copied "
-                f"part of the batch, so region {region}'s bytes at the transfer's offsets are undefined")
+                f"part of the batch, so region {region}'s bytes at the transfer's offsets are undefined"
+            )
         if isinstance(error, DeadlineExceeded) and effect.method in HANDLE_METHODS:
             self._drop_session()
         return error
@@ -255,7 +266,8 @@ class ClientBase:
         session, fresh = self._session, self._session is None
         if session is None:
             session = self._session = PoolSession.open(
-                self.socket, self.client_name, timeout, self.populate, self.copy_threads)
+                self.socket, self.client_name, timeout, self.populate, self.copy_threads
+            )
         if self._unattached():
             try:
                 self._attach_regions(session)
@@ -318,13 +330,13 @@ class Client(ClientBase):
     def lookup(self, ns: Namespace, keys: Sequence[bytes], load_into: LoadInto = LoadInto.POOL) -> LookupResult:
         """Where each key is. `load_into`: what the load that follows uses, load (POOL) or
         load_to_region (REGION); it decides how the daemon readies the hits below RAM."""
-        return self._run(lambda s: ops.lookup(ns, keys, s, load_into), LookupResult.miss(len(keys)),
-                             session=ns.private)
+        return self._run(lambda s: ops.lookup(ns, keys, s, load_into), LookupResult.miss(len(keys)), session=ns.private)
 
     def store(self, ns: Namespace, keys: Sequence[bytes], data: Any) -> StoreResult:
         """Copy chunks into the daemon's pool. `data`: one buffer of len(keys) chunks, or a list."""
-        return self._run(lambda s: ops.store(in_session(s), ns, keys, data), StoreResult.all_dropped(len(keys)),
-                         session=True)
+        return self._run(
+            lambda s: ops.store(in_session(s), ns, keys, data), StoreResult.all_dropped(len(keys)), session=True
+        )
 
     def load(self, ns: Namespace, keys: Sequence[bytes], out: Any) -> int:
         """Copy the leading cached chunks into `out`; returns how many were loaded."""
@@ -345,16 +357,20 @@ class Client(ClientBase):
     def store_from_region(
         self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
     ) -> StoreResult:
-        return self._run(lambda s: ops.store_from_region(in_session(s), ns, region, keys, offsets),
-                         StoreResult.all_dropped(len(keys)), session=True)
+        return self._run(
+            lambda s: ops.store_from_region(in_session(s), ns, region, keys, offsets),
+            StoreResult.all_dropped(len(keys)),
+            session=True,
+        )
 
     def load_to_region(self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]) -> int:
         """Copy the leading cached chunks into the region; returns how many. Returns 0 (nothing
         written) when the daemon is down or could not start within the deadline; raises
         TransferOutcomeUnknown if the request was sent and no answer came (see REGION_COPY_GRACE_S;
         the daemon died or the connection broke)."""
-        return self._run(lambda s: ops.load_to_region(in_session(s), ns, region, keys, offsets), fallback=0,
-                         session=True)
+        return self._run(
+            lambda s: ops.load_to_region(in_session(s), ns, region, keys, offsets), fallback=0, session=True
+        )
 
     def delete(self, ns: Namespace, keys: Sequence[bytes]) -> int:
         return self._run(lambda s: ops.delete(ns, keys, s), fallback=RAISE, session=ns.private)
@@ -367,8 +383,9 @@ class Client(ClientBase):
         serving: `reason` says why (no socket, refused, permission denied naming the group...)."""
         self._check_fork()
         with self._lock:
-            check = self._get_channel().unary_unary(HEALTH_CHECK, request_serializer=encode_health_request,
-                                              response_deserializer=decode_health_response)
+            check = self._get_channel().unary_unary(
+                HEALTH_CHECK, request_serializer=encode_health_request, response_deserializer=decode_health_response
+            )
             try:
                 return self._health_of(check(None, timeout=self.deadline_s), None)
             except grpc.RpcError as exc:

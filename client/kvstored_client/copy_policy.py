@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """How a batch of chunk copies is split across threads: one policy for the daemon's region <-> pool
 copier (kvstored/shm/copier.py) and the client's buffer <-> pool copier (buffers.ChunkCopier).
 

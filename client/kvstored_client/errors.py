@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Client-side exception tree. `retryable` says whether trying again later can succeed."""
 
 from __future__ import annotations
@@ -92,10 +94,21 @@ class InternalError(KvstoredError):
     pass
 
 
-_BY_KIND = {cls.__name__: cls for cls in (
-    UnknownNamespace, UnknownSession, UnknownRegion, RegionFileMissing, HandleNotHeld, RegionShrunk, BatchTooLarge,
-    PoolExhausted, TransferNotStarted, TierUnavailable,
-)}
+_BY_KIND = {
+    cls.__name__: cls
+    for cls in (
+        UnknownNamespace,
+        UnknownSession,
+        UnknownRegion,
+        RegionFileMissing,
+        HandleNotHeld,
+        RegionShrunk,
+        BatchTooLarge,
+        PoolExhausted,
+        TransferNotStarted,
+        TierUnavailable,
+    )
+}
 _BY_CODE = {
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
@@ -109,10 +122,16 @@ _BY_CODE = {
 
 
 # Statuses gRPC itself gives a call that broke off (the daemon's own answers carry ERROR_KIND_KEY).
-_BROKEN_OFF = frozenset({
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.DATA_LOSS,
-})
+_BROKEN_OFF = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
 _NO_CONNECTION = "failed to connect to all addresses"  # gRPC's words when no connection could carry the call
 
 

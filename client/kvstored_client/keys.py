@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Content-addressed keys: namespace ids and chained chunk keys from token ids.
 
 Same tokens + same namespace -> same keys in any process on any machine; a change anywhere in a
@@ -19,8 +21,14 @@ def namespace_id_for(
 ) -> str:
     """The id every daemon derives for a namespace: 16 bytes of sha256 over its fields, hex."""
     h = hashlib.sha256()
-    for part in (model.encode(), dtype.encode(), str(chunk_bytes).encode(), layout.encode(),
-                 bytes(tenant_salt), str(key_bytes).encode()):
+    for part in (
+        model.encode(),
+        dtype.encode(),
+        str(chunk_bytes).encode(),
+        layout.encode(),
+        bytes(tenant_salt),
+        str(key_bytes).encode(),
+    ):
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
     return h.hexdigest()[:32]
@@ -41,6 +49,6 @@ def chunk_keys(
     prev = parent if parent is not None else hashlib.sha256(b"kvstored-root:" + namespace_id.encode()).digest()
     keys = []
     for start in range(0, len(ids) - chunk_tokens + 1, chunk_tokens):
-        prev = hashlib.sha256(prev + ids[start:start + chunk_tokens].astype("<i8").tobytes()).digest()
+        prev = hashlib.sha256(prev + ids[start : start + chunk_tokens].astype("<i8").tobytes()).digest()
         keys.append(prev)
     return keys

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Enums that cross the wire, for the daemon and the client alike, valued by the generated protobuf
 enums (kvstored.v1): a value cannot drift from the proto, and a proto value without a member here
 fails at import (below), not when a daemon first sends it."""
@@ -47,5 +49,7 @@ def missing_members(mirror: type[enum.IntEnum], proto_enum: Any) -> list[str]:
 
 for _mirror, _proto in ((TierKind, pb.TierKind), (StoreOutcome, pb.StoreOutcome), (LoadInto, pb.LoadInto)):
     if missing_members(_mirror, _proto):
-        raise ImportError(f"kvstored_client.kinds.{_mirror.__name__} has no member for "
-                          f"{', '.join(missing_members(_mirror, _proto))}: add it (the proto has it)")
+        raise ImportError(
+            f"kvstored_client.kinds.{_mirror.__name__} has no member for "
+            f"{', '.join(missing_members(_mirror, _proto))}: add it (the proto has it)"
+        )

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Client operations written once, without I/O: each is a generator that yields the RPCs it needs
 (`Call`) and the local work around them (`Copy`, `MapArena`), and receives their results. The sync
 and async clients only differ in how they run a Call, so the data-path logic (reserve -> copy ->
@@ -42,13 +44,17 @@ class NamespaceSpec:
 
     def namespace_id(self) -> str:
         """The id every daemon derives for this namespace (computed locally)."""
-        return namespace_id_for(self.model, self.dtype, self.chunk_bytes, self.layout, self.tenant_salt,
-                                self.key_bytes)
+        return namespace_id_for(self.model, self.dtype, self.chunk_bytes, self.layout, self.tenant_salt, self.key_bytes)
 
     def to_proto(self) -> pb.NamespaceSpec:
         return pb.NamespaceSpec(
-            model=self.model, dtype=self.dtype, chunk_bytes=self.chunk_bytes, layout=self.layout,
-            tenant_salt=self.tenant_salt, key_bytes=self.key_bytes, block_tokens=self.block_tokens,
+            model=self.model,
+            dtype=self.dtype,
+            chunk_bytes=self.chunk_bytes,
+            layout=self.layout,
+            tenant_salt=self.tenant_salt,
+            key_bytes=self.key_bytes,
+            block_tokens=self.block_tokens,
             quota_bytes=self.quota_bytes,
         )
 
@@ -79,9 +85,12 @@ class LookupResult:
 
 
 _STORE_OUTCOMES = {int(o): o for o in StoreOutcome}
-_SLOT_OUTCOMES = {pb.SLOT_STATE_ALREADY_PRESENT: StoreOutcome.ALREADY_PRESENT,
-                  pb.SLOT_STATE_IN_PROGRESS: StoreOutcome.IN_PROGRESS, pb.SLOT_STATE_NO_SPACE: StoreOutcome.DROPPED,
-                  pb.SLOT_STATE_UNSPECIFIED: StoreOutcome.UNKNOWN}
+_SLOT_OUTCOMES = {
+    pb.SLOT_STATE_ALREADY_PRESENT: StoreOutcome.ALREADY_PRESENT,
+    pb.SLOT_STATE_IN_PROGRESS: StoreOutcome.IN_PROGRESS,
+    pb.SLOT_STATE_NO_SPACE: StoreOutcome.DROPPED,
+    pb.SLOT_STATE_UNSPECIFIED: StoreOutcome.UNKNOWN,
+}
 
 
 @dataclass(frozen=True)
@@ -186,18 +195,22 @@ def _sid(session: PoolSession | None) -> str:
     return session.session_id if session is not None else ""
 
 
-def lookup(ns: Namespace, keys: Sequence[bytes], session: PoolSession | None = None,
-           load_into: LoadInto = LoadInto.POOL) -> Op:
-    resp = yield Call("Lookup", pb.LookupRequest(namespace_id=ns.namespace_id, keys=keys, session_id=_sid(session),
-                                                 load_into=load_into))
+def lookup(
+    ns: Namespace, keys: Sequence[bytes], session: PoolSession | None = None, load_into: LoadInto = LoadInto.POOL
+) -> Op:
+    resp = yield Call(
+        "Lookup",
+        pb.LookupRequest(namespace_id=ns.namespace_id, keys=keys, session_id=_sid(session), load_into=load_into),
+    )
     return LookupResult(resp.prefix_hits, _tier_kinds(resp.tiers))
 
 
 def store(session: PoolSession, ns: Namespace, keys: Sequence[bytes], data: Any) -> Op:
     views = chunk_views(data, len(keys), ns.chunk_bytes, writable=False)
     try:
-        resp = yield Call("Reserve", pb.ReserveRequest(
-            session_id=session.session_id, namespace_id=ns.namespace_id, keys=keys))
+        resp = yield Call(
+            "Reserve", pb.ReserveRequest(session_id=session.session_id, namespace_id=ns.namespace_id, keys=keys)
+        )
     except PoolExhausted:  # every page is leased or being written: a cache drops the store
         return StoreResult.all_dropped(len(keys))
     reserved = [(slot, view) for slot, view in zip(resp.slots, views) if slot.state == pb.SLOT_STATE_RESERVED]
@@ -216,23 +229,27 @@ def store(session: PoolSession, ns: Namespace, keys: Sequence[bytes], data: Any)
     if handles:
         committed = (yield Call("Commit", pb.CommitRequest(session_id=session.session_id, handles=handles))).committed
     stored = StoreOutcome.STORED if committed == len(handles) else StoreOutcome.UNKNOWN
-    outcomes = tuple(stored if slot.state == pb.SLOT_STATE_RESERVED else _SLOT_OUTCOMES[slot.state]
-                     for slot in resp.slots)
+    outcomes = tuple(
+        stored if slot.state == pb.SLOT_STATE_RESERVED else _SLOT_OUTCOMES[slot.state] for slot in resp.slots
+    )
     return StoreResult(committed, present, len(keys) - committed - present, outcomes)
 
 
 def load(session: PoolSession, ns: Namespace, keys: Sequence[bytes], out: Any) -> Op:
     views = chunk_views(out, len(keys), ns.chunk_bytes, writable=True)
-    resp = yield Call("Acquire", pb.AcquireRequest(
-        session_id=session.session_id, namespace_id=ns.namespace_id, keys=keys))
+    resp = yield Call(
+        "Acquire", pb.AcquireRequest(session_id=session.session_id, namespace_id=ns.namespace_id, keys=keys)
+    )
     if not resp.leases:
         return 0
-    release = Call("Release", pb.ReleaseRequest(
-        session_id=session.session_id, handles=[lease.handle for lease in resp.leases]))
+    release = Call(
+        "Release", pb.ReleaseRequest(session_id=session.session_id, handles=[lease.handle for lease in resp.leases])
+    )
     try:
         arena = _arena_of([lease.extents for lease in resp.leases])
-        yield Copy(session, [(lease.extents, view) for lease, view in zip(resp.leases, views)], to_pool=False,
-                   arena=arena)
+        yield Copy(
+            session, [(lease.extents, view) for lease, view in zip(resp.leases, views)], to_pool=False, arena=arena
+        )
     except GeneratorExit:  # abandoned: the driver drops the session, which frees the leases
         raise
     except BaseException:
@@ -245,8 +262,10 @@ def load(session: PoolSession, ns: Namespace, keys: Sequence[bytes], out: Any) -
 def _usable(region: Region) -> Region:
     """A region the daemon refused when this session was set up fails its calls (only them)."""
     if region.refused is not None:
-        raise type(region.refused)(f"region {region.name} was refused by the daemon when the session was set "
-                                   f"up again ({region.refused}); register it again")
+        raise type(region.refused)(
+            f"region {region.name} was refused by the daemon when the session was set "
+            f"up again ({region.refused}); register it again"
+        )
     return region
 
 
@@ -254,20 +273,40 @@ def store_from_region(
     session: PoolSession, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
 ) -> Op:
     _usable(region)
-    resp = yield Call("StoreFromRegion", pb.RegionTransferRequest(
-        session_id=session.session_id, namespace_id=ns.namespace_id, region_id=region.region_id,
-        keys=keys, offsets=offsets), REGION_COPY_GRACE_S)
-    return StoreResult(resp.stored, resp.already_present, resp.dropped,
-                       tuple(_STORE_OUTCOMES.get(o, StoreOutcome.UNKNOWN) for o in resp.outcomes))
+    resp = yield Call(
+        "StoreFromRegion",
+        pb.RegionTransferRequest(
+            session_id=session.session_id,
+            namespace_id=ns.namespace_id,
+            region_id=region.region_id,
+            keys=keys,
+            offsets=offsets,
+        ),
+        REGION_COPY_GRACE_S,
+    )
+    return StoreResult(
+        resp.stored,
+        resp.already_present,
+        resp.dropped,
+        tuple(_STORE_OUTCOMES.get(o, StoreOutcome.UNKNOWN) for o in resp.outcomes),
+    )
 
 
 def load_to_region(
     session: PoolSession, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
 ) -> Op:
     _usable(region)
-    resp = yield Call("LoadToRegion", pb.RegionTransferRequest(
-        session_id=session.session_id, namespace_id=ns.namespace_id, region_id=region.region_id,
-        keys=keys, offsets=offsets), REGION_COPY_GRACE_S)
+    resp = yield Call(
+        "LoadToRegion",
+        pb.RegionTransferRequest(
+            session_id=session.session_id,
+            namespace_id=ns.namespace_id,
+            region_id=region.region_id,
+            keys=keys,
+            offsets=offsets,
+        ),
+        REGION_COPY_GRACE_S,
+    )
     return resp.loaded
 
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Where the daemon's socket lives unless told otherwise (shared by daemon and client)."""
 
 from __future__ import annotations

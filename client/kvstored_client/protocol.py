@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The client's side of a session with the daemon, without I/O: written once for the blocking
 clients (client.Client, aio.AsyncClient, through session.PoolSession) and the polled vLLM driver
 (vllm/driver.DaemonLink), which only differ in how they move the packets.
@@ -160,8 +162,10 @@ class Handshake:
 
     def _expect(self, awaiting: Awaiting, welcomed: bool) -> None:
         if self.awaiting is not awaiting or (self.welcome is not None) != welcomed:
-            raise RuntimeError(f"session handshake out of order: awaiting {self.awaiting.value}, "
-                               f"{'welcomed' if self.welcome else 'not welcomed'}")
+            raise RuntimeError(
+                f"session handshake out of order: awaiting {self.awaiting.value}, "
+                f"{'welcomed' if self.welcome else 'not welcomed'}"
+            )
 
 
 class Backoff:
@@ -213,6 +217,7 @@ def _close_all(fds: list[int]) -> None:
 
 # -- reachability ----------------------------------------------------------------------------------
 
+
 class Reason(enum.Enum):
     """Why the daemon could not be reached."""
 
@@ -245,8 +250,11 @@ class LinkHealth:
 
     def unreachable(self, condition: Condition) -> None:
         if condition != self.condition:
-            log.warning("kvstored at %s is unreachable: %s; lookups miss and stores are dropped until it is back",
-                        self.socket_path, condition)
+            log.warning(
+                "kvstored at %s is unreachable: %s; lookups miss and stores are dropped until it is back",
+                self.socket_path,
+                condition,
+            )
         self.condition = condition
 
     def reachable(self) -> None:

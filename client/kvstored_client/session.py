@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The session socket's I/O (blocking or not) and the blocking clients' session: opens a session,
 maps the daemon's pool and the arenas of its tenants, attaches regions. What is said over the
 socket is protocol.Handshake's.
@@ -47,8 +49,9 @@ class PoolSession:
         self._arenas: dict[int, tuple[mmap.mmap, PoolArrays]] = {}  # tenant arenas mapped
 
     @classmethod
-    def open(cls, socket: Path | str, client_name: str, timeout: float, populate: bool = True,
-             copy_threads: int = 1) -> PoolSession:
+    def open(
+        cls, socket: Path | str, client_name: str, timeout: float, populate: bool = True, copy_threads: int = 1
+    ) -> PoolSession:
         sock = connect(session_socket_path(socket), timeout)
         try:
             handshake = Handshake(client_name)
@@ -101,6 +104,7 @@ class PoolSession:
 
 # -- session socket I/O, for both kinds of caller --------------------------------------------------
 
+
 def connect(path: Path, timeout: float | None) -> socket.socket:
     """A connection to the session socket; timeout None: a non-blocking socket."""
     kind = socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | (socket.SOCK_NONBLOCK if timeout is None else 0)
@@ -135,8 +139,9 @@ def probe(path: Path | str, kind: int = socket.SOCK_STREAM) -> Condition | None:
         info = path.stat()
     except FileNotFoundError:
         where = "no such socket" if path.parent.is_dir() else f"no directory {path.parent}"
-        return Condition(Reason.NOT_FOUND,
-                         f"{path}: {where} (kvstored not running or still starting, or a different socket path?)")
+        return Condition(
+            Reason.NOT_FOUND, f"{path}: {where} (kvstored not running or still starting, or a different socket path?)"
+        )
     except PermissionError:
         return Condition(Reason.PERMISSION_DENIED, _denied(path.parent, "directory"))
     except OSError as exc:

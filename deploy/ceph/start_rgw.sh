@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 # A throwaway single-node Ceph cluster (one mon, one memstore OSD) with radosgw on loopback,
 # for the S3 tier's tests, benchmarks and CI. Everything lives in DIR; nothing is installed.
 #

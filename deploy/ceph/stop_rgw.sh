@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 # Stop what deploy/ceph/start_rgw.sh started in DIR (by the pid files there), and wait for it.
 #   stop_rgw.sh DIR              radosgw, the OSD and the mon; DIR is left for inspection
 #   stop_rgw.sh --rgw-only DIR   radosgw only (restart it with start_rgw.sh --rgw-only DIR)

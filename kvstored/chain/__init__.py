@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The tier chain: where a chunk goes between RAM and the tiers below.
 
 chain.py (TierChain: lookups, stores, loads, deletes), leases.py (the one leasing primitive every

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The tier chain: chunks over RAM (the gateway) and the tiers below it, in order.
 
 Lookups go RAM, then each lower tier; a hit below starts its promotion into RAM at once, so the
@@ -113,7 +115,12 @@ class TierChain:
         self._copies = RegionCopies(policy.copy_threads)
         self._waits = StartWaits()  # waits a transfer gave up at its start deadline
         self.writeback = WriteBack(
-            ram, arenas.view, self.lower, policy.write_policy, policy.headroom_bytes, policy.writeback_wait_s,
+            ram,
+            arenas.view,
+            self.lower,
+            policy.write_policy,
+            policy.headroom_bytes,
+            policy.writeback_wait_s,
             self.events,
         )
         self._deletable = [t for t in self.lower if t.capabilities.accepts_deletes]
@@ -149,8 +156,12 @@ class TierChain:
 
     # -- lookup / delete ------------------------------------------------------------------
 
-    async def lookup(self, ns: Namespace, keys: Sequence[bytes], load_into: LoadInto = LoadInto.POOL,
-                     ) -> list[TierKind]:
+    async def lookup(
+        self,
+        ns: Namespace,
+        keys: Sequence[bytes],
+        load_into: LoadInto = LoadInto.POOL,
+    ) -> list[TierKind]:
         """Where each key is; hits below RAM start their promotion (prefetch). A region load
         (`load_into`) gets them through staging when RAM is full: its lookup promotes into free
         RAM and reads ahead into staging, evicting nothing."""
@@ -178,7 +189,7 @@ class TierChain:
             limit = max(1, room // 4 // self._room.slot_bytes(ns))
             leading = [(chunk, t) for i, chunk, t in below if i < first_miss][:limit]
             self._prefetch(ns, leading)
-            for _, chunk, tier_index in below[len(leading):]:  # the others: into free RAM only
+            for _, chunk, tier_index in below[len(leading) :]:  # the others: into free RAM only
                 self.promoter.start(chunk, ns.chunk_bytes, tier_index, evict=False)
         return tiers
 
@@ -289,7 +300,10 @@ class TierChain:
     # -- grants (pool mapping) ------------------------------------------------------------
 
     async def reserve(
-        self, ns: Namespace, keys: Sequence[bytes], proceed: Proceed = always_proceed,
+        self,
+        ns: Namespace,
+        keys: Sequence[bytes],
+        proceed: Proceed = always_proceed,
     ) -> list[SlotGrant]:
         """Reserve RAM for new chunks (waiting briefly for write-downs to make room)."""
         await self._room.make(ns, len(keys))
@@ -323,7 +337,10 @@ class TierChain:
             self.ram.abort(entry)
 
     async def acquire(
-        self, ns: Namespace, keys: Sequence[bytes], proceed: Proceed = always_proceed,
+        self,
+        ns: Namespace,
+        keys: Sequence[bytes],
+        proceed: Proceed = always_proceed,
     ) -> list[LeaseGrant]:
         """Leases for the leading cached keys (promoted from below first); stops at the first miss."""
         entries = (await self.leases.lease(ns, keys)).held
@@ -357,8 +374,13 @@ class TierChain:
     # -- region transfers -----------------------------------------------------------------
 
     async def store_from_region(
-        self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int],
-        proceed: Proceed = always_proceed, start_by: float | None = None,
+        self,
+        ns: Namespace,
+        region: Region,
+        keys: Sequence[bytes],
+        offsets: Sequence[int],
+        proceed: Proceed = always_proceed,
+        start_by: float | None = None,
     ) -> StoreOutcomes:
         """Copy chunks from a client region into RAM. Once the copy starts, it runs to the end.
         Waiting for room ends at `start_by` (loop time) with TransferNotStarted."""
@@ -386,8 +408,13 @@ class TierChain:
         return StoreOutcomes(per_key)
 
     async def load_to_region(
-        self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int],
-        proceed: Proceed = always_proceed, start_by: float | None = None,
+        self,
+        ns: Namespace,
+        region: Region,
+        keys: Sequence[bytes],
+        offsets: Sequence[int],
+        proceed: Proceed = always_proceed,
+        start_by: float | None = None,
     ) -> int:
         """Copy the leading cached chunks into a client region; returns how many. Once the copy
         starts, it runs to the end. Waiting for promotions ends at `start_by` (loop time) with

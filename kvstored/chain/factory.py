@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Build the configured lower tiers, each with its bounded I/O queue and its kind's capabilities."""
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ def build_lower_tiers(configs: Sequence[TierConfig], context: TierContext | None
     lower = []
     for cfg in configs:
         spec = spec_of(cfg)
-        lower.append(LowerTier(spec.build(cfg, context), TierQueue(cfg.name, cfg.concurrency, cfg.max_backlog),
-                               capabilities=spec.capabilities))
+        lower.append(
+            LowerTier(
+                spec.build(cfg, context),
+                TierQueue(cfg.name, cfg.concurrency, cfg.max_backlog),
+                capabilities=spec.capabilities,
+            )
+        )
     return lower

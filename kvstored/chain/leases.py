@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Leases on RAM chunks for readers: the one place that leases the chunks a request names and
 promotes from below what RAM lacks.
 
@@ -61,8 +63,9 @@ class Leased:
 
 
 class Leases:
-    def __init__(self, ram: RamTier, arenas: ArenaSet, promoter: Promoter, room: RamRoom, waits: StartWaits,
-                 has_lower: bool) -> None:
+    def __init__(
+        self, ram: RamTier, arenas: ArenaSet, promoter: Promoter, room: RamRoom, waits: StartWaits, has_lower: bool
+    ) -> None:
         self._ram = ram
         self._arenas = arenas
         self._promoter = promoter
@@ -105,8 +108,9 @@ class Leases:
                 entries[i] = self.pin(chunk)
         return [i for i, e in enumerate(entries) if e is None]
 
-    async def _promote_wanted(self, ns: Namespace, chunks: list[ChunkId], todo: list[int],
-                              request: LeaseRequest) -> list[int]:
+    async def _promote_wanted(
+        self, ns: Namespace, chunks: list[ChunkId], todo: list[int], request: LeaseRequest
+    ) -> list[int]:
         """Promote the wanted chunks found below and wait for them; returns the indexes that
         landed. LEADING: only the leading run found below (the first found nowhere ends it).
 
@@ -161,8 +165,9 @@ class Leases:
         for entry in entries:
             self._ram.release(entry)
 
-    async def locate(self, chunks: Sequence[ChunkId], start_by: float | None = None,
-                     local_only: bool = False) -> list[int | None]:
+    async def locate(
+        self, chunks: Sequence[ChunkId], start_by: float | None = None, local_only: bool = False
+    ) -> list[int | None]:
         """The index of the first lower tier holding each chunk (None: nowhere); waiting for the
         tiers ends at `start_by` with TransferNotStarted."""
         if not chunks:

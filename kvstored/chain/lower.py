@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """A tier below RAM as the chain drives it: the tier, its bounded I/O queue, what it may be asked
 (its kind's capabilities) and the latency observer around each operation."""
 
@@ -49,10 +51,12 @@ class LowerTier:
         """Remove chunks at deletion priority (behind loads and write-downs already queued),
         concurrently within the tier's bound. A delete is never skipped: with the backlog full,
         it runs directly. Every removal has ended when this returns, failed ones included."""
+
         def remove(chunk: ChunkId):
             return self.timed("remove", self.tier.remove(chunk))
 
         queued = [self.queue.submit(Priority.DELETE, functools.partial(remove, c)) for c in chunks]
-        results = await asyncio.gather(*(q if q is not None else remove(c) for q, c in zip(queued, chunks)),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(q if q is not None else remove(c) for q, c in zip(queued, chunks)), return_exceptions=True
+        )
         return Removal([r is True for r in results], [r for r in results if isinstance(r, BaseException)])

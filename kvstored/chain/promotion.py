@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Chunks coming up into RAM from the tiers below, and the deletes they must not undo.
 
 - Promoter: finds chunks below RAM (one batched `contains` per tier) and copies hits up into RAM,
@@ -82,8 +84,9 @@ class DeletionGuard:
 
 
 class Promoter:
-    def __init__(self, ram: RamTier, arena_view: ArenaView, lower: Sequence[LowerTier], events: EventBus,
-                 deleting: DeletionGuard) -> None:
+    def __init__(
+        self, ram: RamTier, arena_view: ArenaView, lower: Sequence[LowerTier], events: EventBus, deleting: DeletionGuard
+    ) -> None:
         self._events = events
         self._ram = ram
         self._arena_view = arena_view

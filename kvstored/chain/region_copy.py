@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Byte copies between a client region and the pool or staging, in the chain's copy threads."""
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ class RegionCopies:
         if not jobs:
             return
         if region.closed:  # (a long region load goes on between copies: its session may end meanwhile)
-            raise UnknownRegion(f"region {region.region_id} ({region.name}) was closed during the transfer "
-                                f"(its session ended)")
+            raise UnknownRegion(
+                f"region {region.region_id} ({region.name}) was closed during the transfer (its session ended)"
+            )
         try:
             await self._copier.run(region.array, pool, jobs, to_pool)
         except MappingVanished:

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """load_to_region when RAM may be full: hits below RAM come through staging memory, evicting nothing.
 
 The chunks of a load, in order: RAM hits are leased; promotions under way are awaited; reads
@@ -71,8 +73,15 @@ class RegionLoader:
         """Whether staging can hold a chunk of `ns` (else its region loads promote, evicting)."""
         return self._staged.staging.holds(ns.chunk_bytes)
 
-    async def load(self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int],
-                   proceed: Callable[[], None], start_by: float | None) -> int:
+    async def load(
+        self,
+        ns: Namespace,
+        region: Region,
+        keys: Sequence[bytes],
+        offsets: Sequence[int],
+        proceed: Callable[[], None],
+        start_by: float | None,
+    ) -> int:
         steps = await self._plan(ns, keys, offsets, start_by)
         try:
             await self._ready_first(steps, start_by)
@@ -85,16 +94,18 @@ class RegionLoader:
 
     # -- before the copy starts -------------------------------------------------------------
 
-    async def _plan(self, ns: Namespace, keys: Sequence[bytes], offsets: Sequence[int],
-                    start_by: float | None) -> list[_Step]:
+    async def _plan(
+        self, ns: Namespace, keys: Sequence[bytes], offsets: Sequence[int], start_by: float | None
+    ) -> list[_Step]:
         """A step per leading chunk that is somewhere: leased, promoting, or to be staged."""
         wanted = [((ns.namespace_id, k), offset) for k, offset in zip(keys, offsets)]
         steps: list[_Step] = []
         # RAM hits pinned before the lookup below awaits: a full RAM would evict them meanwhile.
         leases = {c: entry for c, _ in wanted if (entry := self._leases.pin(c)) is not None}
         ahead = {c: claimed for c, _ in wanted if c not in leases and (claimed := self._staged.claim(c)) is not None}
-        unknown = [c for c, _ in wanted if c not in leases and c not in ahead
-                   and self._leases.in_flight(c) is TierKind.NONE]
+        unknown = [
+            c for c, _ in wanted if c not in leases and c not in ahead and self._leases.in_flight(c) is TierKind.NONE
+        ]
         try:
             found = dict(zip(unknown, await self._leases.locate(unknown, start_by)))
         except BaseException:
@@ -175,8 +186,11 @@ class RegionLoader:
         leases = [(s.offset, s.lease) for s in steps[:n] if s.lease is not None]
         slots = [(s.offset, s.slot) for s in steps[:n] if s.slot is not None]
         if leases:
-            await self._copy(region, self._leases.pool_of(leases[0][1]),
-                             [CopyJob(offset, self._leases.extents(entry)) for offset, entry in leases])
+            await self._copy(
+                region,
+                self._leases.pool_of(leases[0][1]),
+                [CopyJob(offset, self._leases.extents(entry)) for offset, entry in leases],
+            )
         if slots:
             staging = self._staged.staging
             await self._copy(region, staging.array, [CopyJob(offset, staging.extents(slot)) for offset, slot in slots])
@@ -203,8 +217,9 @@ class RegionLoader:
                 await self._copy(region, staging.array, [CopyJob(step.offset, staging.extents(step.slot))])
                 self._staged.served += 1
             elif step.lease is not None:
-                await self._copy(region, self._leases.pool_of(step.lease),
-                                 [CopyJob(step.offset, self._leases.extents(step.lease))])
+                await self._copy(
+                    region, self._leases.pool_of(step.lease), [CopyJob(step.offset, self._leases.extents(step.lease))]
+                )
             else:
                 break
             self._give_back(step)
@@ -227,7 +242,7 @@ class RegionLoader:
         waits for pages holds none, so no two loads wait on each other. True if pages came back
         now (then there is no need to wait)."""
         gave = False
-        for step in steps[index + 1:]:
+        for step in steps[index + 1 :]:
             if step.read is None and step.slot is None:
                 continue  # (leased, promoting, failed, or already waiting for pages)
             if step.read is not None:

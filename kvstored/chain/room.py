@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Room in RAM for a namespace's new chunks: within its quotas (its tenant's, its own) and in the
 tier, made by writing dirty chunks down first (write-back) so reservations evict clean ones."""
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Region loads past a full RAM: chunks read from a lower tier into staging memory.
 
 When RAM has no free room, promoting a chunk for a region load would evict another (after writing
@@ -72,8 +74,13 @@ class StagedReads:
             failed = None if read.cancelled() else read.exception()
             if failed is not None:
                 log.warning("staged read from %s failed: %s", lower.tier.name, failed)
-            if not read.cancelled() and failed is None and read.result() and not watch.deleted \
-                    and not outcome.cancelled():
+            if (
+                not read.cancelled()
+                and failed is None
+                and read.result()
+                and not watch.deleted
+                and not outcome.cancelled()
+            ):
                 outcome.set_result(slot)
                 return
             self._give_back(slot, lower, views)
@@ -146,6 +153,7 @@ class StagedReads:
 
     def give_back_when_done(self, task: StagedRead) -> None:
         """A read whose load gave up: its slot goes back when it ends."""
+
         def done(finished: StagedRead) -> None:
             if not finished.cancelled() and finished.exception() is None and (slot := finished.result()) is not None:
                 self.staging.give(slot)

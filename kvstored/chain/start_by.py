@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """A transfer's start deadline (`start_by`, loop time): waits that end there with TransferNotStarted."""
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ T = TypeVar("T")
 
 
 def not_started() -> TransferNotStarted:
-    return TransferNotStarted("the transfer could not start within start_within_ms (lower tiers were too slow "
-                              "to deliver its chunks); nothing was copied")
+    return TransferNotStarted(
+        "the transfer could not start within start_within_ms (lower tiers were too slow "
+        "to deliver its chunks); nothing was copied"
+    )
 
 
 def check_started(start_by: float | None) -> None:

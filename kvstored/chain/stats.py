@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The chain's side of Stats and /metrics: one read of every tier into observability's dataclasses."""
 
 from __future__ import annotations
@@ -23,22 +25,47 @@ def tier_snapshots(chain: TierChain) -> list[TierSnapshot]:
     ram, c = chain.ram, chain.ram.counters
     snaps = [
         TierSnapshot(
-            name="ram", kind=TierKind.RAM, capacity_bytes=ram.capacity_bytes, used_bytes=ram.used_bytes,
-            chunks=ram.chunk_count, lookups=c.lookups, hits=c.hits, evictions=c.evictions,
-            stored_chunks=c.stored, loaded_chunks=c.loaded, promotions=c.promotions, writebacks=c.writebacks,
-            dropped_dirty=c.dropped_dirty, read_bytes=c.read_bytes, written_bytes=c.written_bytes,
+            name="ram",
+            kind=TierKind.RAM,
+            capacity_bytes=ram.capacity_bytes,
+            used_bytes=ram.used_bytes,
+            chunks=ram.chunk_count,
+            lookups=c.lookups,
+            hits=c.hits,
+            evictions=c.evictions,
+            stored_chunks=c.stored,
+            loaded_chunks=c.loaded,
+            promotions=c.promotions,
+            writebacks=c.writebacks,
+            dropped_dirty=c.dropped_dirty,
+            read_bytes=c.read_bytes,
+            written_bytes=c.written_bytes,
         )
     ]
     for lower in chain.lower:
         tier, tc, usage = lower.tier, lower.tier.counters, lower.tier.usage()
-        snaps.append(TierSnapshot(
-            name=tier.name, kind=tier.kind, capacity_bytes=usage.capacity_bytes, used_bytes=usage.used_bytes,
-            chunks=usage.chunks, lookups=tc.lookups, hits=tc.hits, evictions=tc.evictions,
-            stored_chunks=tc.writes, loaded_chunks=tc.reads, read_bytes=tc.read_bytes,
-            written_bytes=tc.written_bytes, checksum_failures=tc.checksum_failures, bad_entries=tc.bad_entries,
-            errors=tc.errors,
-            rejected_full=tc.rejected_full, rejected_admission=tc.rejected_admission,
-            # only refused write-downs lose a copy: a refused delete runs directly
-            dropped_backpressure=lower.queue.dropped[Priority.WRITEDOWN], queued=sum(lower.queue.backlog.values()),
-        ))
+        snaps.append(
+            TierSnapshot(
+                name=tier.name,
+                kind=tier.kind,
+                capacity_bytes=usage.capacity_bytes,
+                used_bytes=usage.used_bytes,
+                chunks=usage.chunks,
+                lookups=tc.lookups,
+                hits=tc.hits,
+                evictions=tc.evictions,
+                stored_chunks=tc.writes,
+                loaded_chunks=tc.reads,
+                read_bytes=tc.read_bytes,
+                written_bytes=tc.written_bytes,
+                checksum_failures=tc.checksum_failures,
+                bad_entries=tc.bad_entries,
+                errors=tc.errors,
+                rejected_full=tc.rejected_full,
+                rejected_admission=tc.rejected_admission,
+                # only refused write-downs lose a copy: a refused delete runs directly
+                dropped_backpressure=lower.queue.dropped[Priority.WRITEDOWN],
+                queued=sum(lower.queue.backlog.values()),
+            )
+        )
     return snaps

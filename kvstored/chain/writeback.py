@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Write-back: chunks leaving RAM go down to the tiers below first.
 
 WriteBack keeps some RAM free by writing the oldest dirty chunks down to every lower tier that
@@ -131,7 +133,11 @@ class WriteBack:
             self._keep_headroom(nbytes + self._ahead(chunk_bytes, scope), scope)
 
     async def make_room(
-        self, nbytes: int, chunk_bytes: int, deadline: float | None = None, scope: QuotaScope | None = None,
+        self,
+        nbytes: int,
+        chunk_bytes: int,
+        deadline: float | None = None,
+        scope: QuotaScope | None = None,
     ) -> bool:
         """Before reserving `nbytes` (in chunks of `chunk_bytes`): start write-downs for the
         shortfall and wait (until `deadline`, by default the configured wait from now) for them,
@@ -283,5 +289,3 @@ def _write_job(lower: LowerTier, entry: RamEntry, views: list[memoryview], event
         return outcome
 
     return job
-
-

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """On-disk / in-object chunk format shared by the fs and s3 tiers.
 
 One 4096-byte header, then the payload, so the payload starts page-aligned (O_DIRECT can read it
@@ -70,8 +72,8 @@ def decode_header(raw: bytes | memoryview) -> ChunkHeader:
     (crc,) = _CRC.unpack_from(raw, end)
     if zlib.crc32(bytes(raw[:end])) != crc:
         raise CorruptChunk("header checksum mismatch")
-    ns = bytes(raw[_FIXED.size:_FIXED.size + ns_len]).decode()
-    key = bytes(raw[_FIXED.size + ns_len:end])
+    ns = bytes(raw[_FIXED.size : _FIXED.size + ns_len]).decode()
+    key = bytes(raw[_FIXED.size + ns_len : end])
     return ChunkHeader(ns, key, payload_len, payload_sum)
 
 
@@ -124,4 +126,4 @@ def parse_record_name(name: str) -> str | None:
     """The namespace id a record's file/object name (within RECORDS_DIR) is for, if it is one."""
     if name.startswith(".") or not name.endswith(RECORD_SUFFIX) or "/" in name:
         return None
-    return name[:-len(RECORD_SUFFIX)] or None
+    return name[: -len(RECORD_SUFFIX)] or None

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """What names a chunk and where it is: shared by the chain, the tiers, events and the peer code."""
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Chunk buffers as handed to lower tiers: lists of memoryviews over the pool's pages."""
 
 from __future__ import annotations

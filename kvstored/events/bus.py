@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """KV events: every store, promotion, write-down, eviction and removal, per tier.
 
 The bus numbers events, keeps the last `buffer_events` for replay, and fans them out to
@@ -106,9 +108,7 @@ class EventBus:
     def add_listener(self, listener: Listener) -> None:
         self._listeners.append(listener)
 
-    def publish(
-        self, type: EventType, cause: Cause, tier: str, tier_kind: TierKind, chunks: Iterable[ChunkId]
-    ) -> None:
+    def publish(self, type: EventType, cause: Cause, tier: str, tier_kind: TierKind, chunks: Iterable[ChunkId]) -> None:
         """One event per namespace among `chunks` (keys keep their order), split into events of
         at most MAX_EVENT_KEYS keys."""
         self._flush_soon()
@@ -118,8 +118,18 @@ class EventBus:
         now = time.time()
         for ns, keys in by_ns.items():
             for first in range(0, len(keys), MAX_EVENT_KEYS):
-                self._emit(KvEvent(next(self._seq), now, type, cause, tier, tier_kind, ns,
-                                   tuple(keys[first:first + MAX_EVENT_KEYS])))
+                self._emit(
+                    KvEvent(
+                        next(self._seq),
+                        now,
+                        type,
+                        cause,
+                        tier,
+                        tier_kind,
+                        ns,
+                        tuple(keys[first : first + MAX_EVENT_KEYS]),
+                    )
+                )
 
     def publish_soon(
         self, type: EventType, cause: Cause, tier: str, tier_kind: TierKind, chunks: Iterable[ChunkId]
@@ -145,8 +155,9 @@ class EventBus:
 
     def publish_cleared(self, tier: str, tier_kind: TierKind, namespace_id: str) -> None:
         self._flush_soon()
-        self._emit(KvEvent(next(self._seq), time.time(), EventType.CLEARED, Cause.DELETED, tier, tier_kind,
-                           namespace_id, ()))
+        self._emit(
+            KvEvent(next(self._seq), time.time(), EventType.CLEARED, Cause.DELETED, tier, tier_kind, namespace_id, ())
+        )
 
     def _emit(self, event: KvEvent) -> None:
         self.last_seq = event.seq

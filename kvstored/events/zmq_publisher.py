@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """KV events on a ZMQ PUB socket in vLLM's wire format, for llm-d / Dynamo style routers.
 
 Each message is multipart `[topic, seq (8 bytes big-endian), msgpack(EventBatch)]`, where the
@@ -44,16 +46,26 @@ def encode_event(event: KvEvent, block_size: int, encoding: EventEncoding) -> An
         if encoding is EventEncoding.ARRAY:
             return ["BlockStored", hashes, None, [], block_size, None, medium]
         return {
-            "type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None, "token_ids": [],
-            "block_size": block_size, "lora_id": None, "medium": medium, "lora_name": None,
-            "locality": _LOCALITY.get(event.tier_kind), "ownership": event.tier,
+            "type": "BlockStored",
+            "block_hashes": hashes,
+            "parent_block_hash": None,
+            "token_ids": [],
+            "block_size": block_size,
+            "lora_id": None,
+            "medium": medium,
+            "lora_name": None,
+            "locality": _LOCALITY.get(event.tier_kind),
+            "ownership": event.tier,
         }
     if event.type is EventType.REMOVED:
         if encoding is EventEncoding.ARRAY:
             return ["BlockRemoved", hashes, medium]
         return {
-            "type": "BlockRemoved", "block_hashes": hashes, "medium": medium,
-            "locality": _LOCALITY.get(event.tier_kind), "ownership": event.tier,
+            "type": "BlockRemoved",
+            "block_hashes": hashes,
+            "medium": medium,
+            "locality": _LOCALITY.get(event.tier_kind),
+            "ownership": event.tier,
         }
     raise ValueError(f"no vLLM event for {event.type!r}")  # CLEARED: see _published
 
@@ -104,8 +116,12 @@ class ZmqEventPublisher:
             self._replay.setsockopt(zmq.SNDHWM, self._replay_hwm)  # before bind: pipes take it then
             _bind(self._replay, self._replay_endpoint, "events_zmq_replay_endpoint")
             self._replay_task = asyncio.create_task(self._serve_replay(self._replay), name="zmq-replay")
-        log.info("KV events on %s (replay %s, %s encoding)", self._endpoint, self._replay_endpoint or "off",
-                 self._encoding.value)
+        log.info(
+            "KV events on %s (replay %s, %s encoding)",
+            self._endpoint,
+            self._replay_endpoint or "off",
+            self._encoding.value,
+        )
 
     def __call__(self, event: KvEvent) -> None:
         """Bus listener: publish at once. PUB never blocks: past its high-water mark ZMQ drops."""

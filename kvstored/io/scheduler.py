@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Bounded, prioritised I/O queue per secondary tier: loads before write-downs before deletions.
 
 Each tier gets `concurrency` worker tasks draining one priority queue. Write-downs and deletions

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """A thread pool that runs the most urgent queued job first (loads before write-downs before
 unlinks), for a tier's blocking I/O.
 
@@ -72,8 +74,9 @@ class PriorityThreadPool:
         self._push(priority, run)
         return future
 
-    def submit_async(self, loop: asyncio.AbstractEventLoop, priority: int, fn: Callable[..., Any],
-                     *args: Any) -> JobFuture:
+    def submit_async(
+        self, loop: asyncio.AbstractEventLoop, priority: int, fn: Callable[..., Any], *args: Any
+    ) -> JobFuture:
         """Queue `fn(*args)` like submit(); its outcome arrives on `loop` (see JobFuture)."""
         future = JobFuture(loop=loop)
 

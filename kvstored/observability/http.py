@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The /metrics endpoint: an aiohttp server on the daemon's own event loop (no extra thread)."""
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Prometheus metrics of one daemon, in a registry of its own (tests run several daemons).
 
 Counters and gauges the tiers already keep are not counted twice: `KvstoredCollector` reads
@@ -59,8 +61,25 @@ TIER_OPS = ("lookup", "read", "write", "remove")
 
 # Unary gRPC over a unix socket takes ~0.4 ms; secondary tiers range from NVMe to S3.
 GRPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-TIER_OP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                   10.0, 30.0)
+TIER_OP_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
 
 MAX_NAMESPACE_SERIES = 64  # kvstored_namespace_info series at most; the rest are only counted
 MAX_TENANT_SERIES = 32  # per-tenant series for the tenants using the most RAM; the rest are only counted
@@ -71,8 +90,14 @@ TierOpObserver = Callable[[str, str, float], None]
 class KvstoredCollector(Collector):
     """Everything the daemon already counts, read once per scrape."""
 
-    def __init__(self, chain: ChainSource, sessions: SessionCountsSource, namespaces: NamespaceRegistry,
-                 quotas: QuotaSource, peers: PeersSource = lambda: None) -> None:
+    def __init__(
+        self,
+        chain: ChainSource,
+        sessions: SessionCountsSource,
+        namespaces: NamespaceRegistry,
+        quotas: QuotaSource,
+        peers: PeersSource = lambda: None,
+    ) -> None:
         self._chain = chain
         self._sessions = sessions
         self._namespaces = namespaces
@@ -83,15 +108,25 @@ class KvstoredCollector(Collector):
         chain = self._chain()
         yield from tier_families(chain.tiers)
         yield from self._daemon_families()
-        yield _gauge("ram_resident_bytes", "memory the RAM tier's arenas hold (chunks, and free pages kept for "
-                     "reuse); free pages beyond a small slack go back to the kernel", chain.ram_resident_bytes)
+        yield _gauge(
+            "ram_resident_bytes",
+            "memory the RAM tier's arenas hold (chunks, and free pages kept for "
+            "reuse); free pages beyond a small slack go back to the kernel",
+            chain.ram_resident_bytes,
+        )
         staging = chain.staging
-        yield _gauge("staging_capacity_bytes", "memory for region loads past a full RAM (staging_bytes; 0: off)",
-                     staging.capacity_bytes)
+        yield _gauge(
+            "staging_capacity_bytes",
+            "memory for region loads past a full RAM (staging_bytes; 0: off)",
+            staging.capacity_bytes,
+        )
         yield _gauge("staging_used_bytes", "staging memory holding chunks read for region loads", staging.used_bytes)
-        yield CounterMetricFamily(f"{PREFIX}_staged_chunks", "chunks region loads got from a tier below RAM "
-                                  "through staging (RAM had no free room: nothing evicted for them)",
-                                  value=staging.staged_chunks)
+        yield CounterMetricFamily(
+            f"{PREFIX}_staged_chunks",
+            "chunks region loads got from a tier below RAM "
+            "through staging (RAM had no free room: nothing evicted for them)",
+            value=staging.staged_chunks,
+        )
         yield from quota_families(self._quotas())
         peers = self._peers()
         if peers is not None:
@@ -104,8 +139,7 @@ class KvstoredCollector(Collector):
         counts = self._sessions()
         yield _gauge("sessions", "open client sessions", counts.sessions)
         yield _gauge("leases", "outstanding read leases (chunks pinned in RAM for a reader)", counts.leases)
-        yield _gauge("reservations", "outstanding uncommitted reservations (chunks being written)",
-                     counts.reservations)
+        yield _gauge("reservations", "outstanding uncommitted reservations (chunks being written)", counts.reservations)
         yield _gauge("regions", "client shared-memory regions attached", counts.regions)
         yield _gauge("namespaces", "registered namespaces", len(self._namespaces))
         ns_info = InfoMetricFamily(
@@ -122,18 +156,27 @@ class KvstoredCollector(Collector):
 def quota_families(snap: QuotaSnapshot) -> Iterator:
     """Tenants' and namespaces' RAM quotas: the MAX_TENANT_SERIES tenants using the most RAM, and
     the MAX_NAMESPACE_SERIES namespaces with a quota using the most."""
-    yield _gauge("tenants", "tenants holding an arena (a session registered one of their namespaces, or "
-                 "their chunks are in RAM)", len(snap.tenants))
-    for label, series, cap in (("tenant", snap.tenants, MAX_TENANT_SERIES),
-                               ("namespace", snap.namespaces, MAX_NAMESPACE_SERIES)):
+    yield _gauge(
+        "tenants",
+        "tenants holding an arena (a session registered one of their namespaces, or their chunks are in RAM)",
+        len(snap.tenants),
+    )
+    for label, series, cap in (
+        ("tenant", snap.tenants, MAX_TENANT_SERIES),
+        ("namespace", snap.namespaces, MAX_NAMESPACE_SERIES),
+    ):
         top: list[QuotaUsage] = sorted(series, key=lambda u: -u.used_bytes)[:cap]
-        quota = GaugeMetricFamily(f"{PREFIX}_{label}_quota_bytes", f"RAM quota of the {label} (the {cap} "
-                                  f"using the most RAM)", labels=[label])
-        used = GaugeMetricFamily(f"{PREFIX}_{label}_ram_bytes", f"RAM the {label}'s chunks hold (the {cap} "
-                                 f"using the most)", labels=[label])
-        evictions = CounterMetricFamily(f"{PREFIX}_{label}_quota_evictions", f"chunks of the {label} evicted "
-                                        f"to keep it within its quota (the {cap} using the most RAM)",
-                                        labels=[label])
+        quota = GaugeMetricFamily(
+            f"{PREFIX}_{label}_quota_bytes", f"RAM quota of the {label} (the {cap} using the most RAM)", labels=[label]
+        )
+        used = GaugeMetricFamily(
+            f"{PREFIX}_{label}_ram_bytes", f"RAM the {label}'s chunks hold (the {cap} using the most)", labels=[label]
+        )
+        evictions = CounterMetricFamily(
+            f"{PREFIX}_{label}_quota_evictions",
+            f"chunks of the {label} evicted to keep it within its quota (the {cap} using the most RAM)",
+            labels=[label],
+        )
         for u in top:
             quota.add_metric([u.name], u.quota_bytes)
             used.add_metric([u.name], u.used_bytes)
@@ -143,13 +186,19 @@ def quota_families(snap: QuotaSnapshot) -> Iterator:
 
 PEER_STATES = ("connecting", "up", "down", "incompatible", "self")
 PEER_OUTCOMES = {  # outcome label -> PeerRow field
-    "received": "received_chunks", "missing": "missing_chunks", "corrupt": "corrupt_chunks",
-    "failed": "failed_chunks", "timed_out": "timed_out_chunks", "breaker_open": "refused_by_breaker",
+    "received": "received_chunks",
+    "missing": "missing_chunks",
+    "corrupt": "corrupt_chunks",
+    "failed": "failed_chunks",
+    "timed_out": "timed_out_chunks",
+    "breaker_open": "refused_by_breaker",
 }
 PEER_COUNTERS = {  # metric (without kvstored_peer_ and _total) -> (PeerRow field, help)
     "received_bytes": ("received_bytes", "chunk bytes fetched from the peer (verified)"),
-    "sent_bytes": ("sent_bytes", "chunk bytes served to the peer (\"other\" also counts fetchers that are not "
-                   "among the peers)"),
+    "sent_bytes": (
+        "sent_bytes",
+        'chunk bytes served to the peer ("other" also counts fetchers that are not among the peers)',
+    ),
     "fetches": ("fetches", "orders sent to the peer (one batch of chunks each)"),
     "events": ("events", "the peer's KV events applied to the remote-location index"),
     "resyncs": ("resyncs", "snapshots taken of the peer (first contact, a restart, events no longer buffered)"),
@@ -165,17 +214,30 @@ def peer_families(snap: PeersSnapshot) -> Iterator:
     states = GaugeMetricFamily(f"{PREFIX}_peers", "peers by state", labels=["state"])
     for state in PEER_STATES:
         states.add_metric([state], sum(1 for row in snap.peers if row.state == state))
-    up = GaugeMetricFamily(f"{PREFIX}_peer_up", "1 when the peer is up (handshake done, its events followed; "
-                           "\"other\": how many are)", labels=["peer"])
-    breaker = GaugeMetricFamily(f"{PREFIX}_peer_breaker_open", "1 while the peer's breaker is open or probing: "
-                                "its chunks are misses (\"other\": how many are)", labels=["peer"])
-    indexed = GaugeMetricFamily(f"{PREFIX}_peer_indexed_chunks", "chunks the remote-location index says the peer "
-                                "holds", labels=["peer"])
-    chunks = CounterMetricFamily(f"{PREFIX}_peer_fetched_chunks", "chunks asked of the peer, by outcome: "
-                                 "received, missing (a stale index entry), corrupt, failed, timed_out, "
-                                 "breaker_open (not asked: its breaker was open)", labels=["peer", "outcome"])
-    counters = {name: CounterMetricFamily(f"{PREFIX}_peer_{name}", doc, labels=["peer"])
-                for name, (_, doc) in PEER_COUNTERS.items()}
+    up = GaugeMetricFamily(
+        f"{PREFIX}_peer_up",
+        '1 when the peer is up (handshake done, its events followed; "other": how many are)',
+        labels=["peer"],
+    )
+    breaker = GaugeMetricFamily(
+        f"{PREFIX}_peer_breaker_open",
+        '1 while the peer\'s breaker is open or probing: its chunks are misses ("other": how many are)',
+        labels=["peer"],
+    )
+    indexed = GaugeMetricFamily(
+        f"{PREFIX}_peer_indexed_chunks", "chunks the remote-location index says the peer holds", labels=["peer"]
+    )
+    chunks = CounterMetricFamily(
+        f"{PREFIX}_peer_fetched_chunks",
+        "chunks asked of the peer, by outcome: "
+        "received, missing (a stale index entry), corrupt, failed, timed_out, "
+        "breaker_open (not asked: its breaker was open)",
+        labels=["peer", "outcome"],
+    )
+    counters = {
+        name: CounterMetricFamily(f"{PREFIX}_peer_{name}", doc, labels=["peer"])
+        for name, (_, doc) in PEER_COUNTERS.items()
+    }
     for label, rows in by_label.items():
         up.add_metric([label], sum(1 for row in rows if row.state == "up"))
         breaker.add_metric([label], sum(1 for row in rows if row.breaker != "closed"))
@@ -189,17 +251,25 @@ def peer_families(snap: PeersSnapshot) -> Iterator:
         counters["sent_bytes"].add_metric(["other"], snap.other_sent_bytes)
     yield from (states, up, breaker, indexed, chunks, *counters.values())
     yield _gauge("peer_index_entries", "chunks in the remote-location index (all peers)", snap.index_entries)
-    yield _gauge("peer_index_capacity", "most chunks the remote-location index holds (index_entries)",
-                 snap.index_capacity)
-    yield CounterMetricFamily(f"{PREFIX}_peer_index_evictions", "index entries dropped to stay within its capacity",
-                              value=snap.index_evictions)
+    yield _gauge(
+        "peer_index_capacity", "most chunks the remote-location index holds (index_entries)", snap.index_capacity
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}_peer_index_evictions",
+        "index entries dropped to stay within its capacity",
+        value=snap.index_evictions,
+    )
     yield _gauge("peer_leases", "chunks pinned in RAM while they are sent to peers", snap.leases)
-    yield _gauge("peer_reservations", "RAM slots peer fetches are receiving into (or that stay quarantined)",
-                 snap.reservations)
+    yield _gauge(
+        "peer_reservations", "RAM slots peer fetches are receiving into (or that stay quarantined)", snap.reservations
+    )
     yield CounterMetricFamily(f"{PREFIX}_peer_served_chunks", "chunks sent to peers", value=snap.served_chunks)
     yield CounterMetricFamily(f"{PREFIX}_peer_served_bytes", "chunk bytes sent to peers", value=snap.served_bytes)
-    yield CounterMetricFamily(f"{PREFIX}_peer_refused_chunks", "chunks peers asked for that were not here (or "
-                              "not theirs to have: tenant namespaces)", value=snap.refused_chunks)
+    yield CounterMetricFamily(
+        f"{PREFIX}_peer_refused_chunks",
+        "chunks peers asked for that were not here (or not theirs to have: tenant namespaces)",
+        value=snap.refused_chunks,
+    )
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
@@ -229,13 +299,17 @@ def tier_families(snaps: Iterable[TierSnapshot]) -> list:
     promotions = counter("promotions", "chunks copied up into this tier from a tier below (RAM)")
     writedowns = counter("writedowns", "chunks copied down to the tiers below before eviction (RAM)")
     evictions = counter("evictions", "chunks evicted to make room")
-    drops = counter("drops", "chunks not kept, by reason: backpressure, admission, disk_full, error, "
-                    "dirty_eviction", ("reason",))
+    drops = counter(
+        "drops", "chunks not kept, by reason: backpressure, admission, disk_full, error, dirty_eviction", ("reason",)
+    )
     read_bytes = counter("read_bytes", "bytes read from this tier (secondary tiers)")
     written_bytes = counter("written_bytes", "bytes written to this tier (secondary tiers)")
     checksum = counter("checksum_failures", "corrupt or truncated copies found (removed, served as misses)")
-    bad_entries = counter("bad_entries", "entries under a chunk's name that are not chunk files (FIFO, socket, "
-                          "directory, symlink): never read, removed where possible, served as misses")
+    bad_entries = counter(
+        "bad_entries",
+        "entries under a chunk's name that are not chunk files (FIFO, socket, "
+        "directory, symlink): never read, removed where possible, served as misses",
+    )
 
     for s in snaps:
         lv = [s.name, s.kind.name.lower()]
@@ -259,15 +333,39 @@ def tier_families(snaps: Iterable[TierSnapshot]) -> list:
         written_bytes.add_metric(lv, s.written_bytes)
         checksum.add_metric(lv, s.checksum_failures)
         bad_entries.add_metric(lv, s.bad_entries)
-    return [capacity, used, utilization, chunks, queued, lookups, hits, misses, stored, loaded, promotions,
-            writedowns, evictions, drops, read_bytes, written_bytes, checksum, bad_entries]
+    return [
+        capacity,
+        used,
+        utilization,
+        chunks,
+        queued,
+        lookups,
+        hits,
+        misses,
+        stored,
+        loaded,
+        promotions,
+        writedowns,
+        evictions,
+        drops,
+        read_bytes,
+        written_bytes,
+        checksum,
+        bad_entries,
+    ]
 
 
 class DaemonMetrics:
     """The registry of one daemon and the few metrics observed as things happen."""
 
-    def __init__(self, chain: ChainSource, sessions: SessionCountsSource, namespaces: NamespaceRegistry,
-                 quotas: QuotaSource, peers: PeersSource = lambda: None) -> None:
+    def __init__(
+        self,
+        chain: ChainSource,
+        sessions: SessionCountsSource,
+        namespaces: NamespaceRegistry,
+        quotas: QuotaSource,
+        peers: PeersSource = lambda: None,
+    ) -> None:
         """`chain`, `sessions`, `quotas`, `peers`: the tier chain's snapshot, what the server's
         session broker counts, its tenants' quotas and the peer tier's state now (read at each
         scrape)."""
@@ -276,17 +374,24 @@ class DaemonMetrics:
         self.registry.register(KvstoredCollector(chain, sessions, namespaces, quotas, peers))
         ProcessCollector(registry=self.registry)
         self.grpc_handled = Counter(
-            f"{PREFIX}_grpc_server_handled", "gRPC calls completed (streams when they end), by method and status code",
-            ["service", "method", "code"], registry=self.registry,
+            f"{PREFIX}_grpc_server_handled",
+            "gRPC calls completed (streams when they end), by method and status code",
+            ["service", "method", "code"],
+            registry=self.registry,
         )
         self.grpc_seconds = Histogram(
             f"{PREFIX}_grpc_server_handling_seconds",
             "unary gRPC call latency in the daemon, by method and status code",
-            ["service", "method", "code"], buckets=GRPC_BUCKETS, registry=self.registry,
+            ["service", "method", "code"],
+            buckets=GRPC_BUCKETS,
+            registry=self.registry,
         )
         self.tier_op_seconds = Histogram(
-            f"{PREFIX}_tier_operation_seconds", "secondary tier operation latency (lookup is one batched call)",
-            ["tier", "kind", "op"], buckets=TIER_OP_BUCKETS, registry=self.registry,
+            f"{PREFIX}_tier_operation_seconds",
+            "secondary tier operation latency (lookup is one batched call)",
+            ["tier", "kind", "op"],
+            buckets=TIER_OP_BUCKETS,
+            registry=self.registry,
         )
         self._tier_ops: dict[tuple[str, str], Histogram] = {}
         below = [t for t in chain().tiers if t.kind is not TierKind.RAM]
@@ -373,7 +478,9 @@ class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
                 seconds.labels(service, method, code).observe(time.perf_counter() - start)
 
         return grpc.unary_unary_rpc_method_handler(
-            unary, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer,
+            unary,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
         )
 
     def _stream(self, handler, service: str, method: str):
@@ -404,7 +511,8 @@ class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
 
         return grpc.unary_stream_rpc_method_handler(
             stream if inspect.isasyncgenfunction(inner) else writer,
-            request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
         )
 
 

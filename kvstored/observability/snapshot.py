@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """What the Stats RPC and /metrics read: every tier's usage and counters (the chain fills a
 ChainSnapshot), the session counts the server hands both. Observability reads these; it imports
 neither the chain nor the server."""

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The peer data plane: moving chunk bytes between daemons' pools over TCP or UCX (see transport.py
 for the contract). The peer tier and its gRPC control plane build on it."""
 
@@ -27,9 +29,32 @@ from kvstored.peer.transport import (
 )
 
 __all__ = [
-    "Ask", "LinkCounters", "PeerAddress", "PeerError", "PeerLink", "PeerServer", "PeerUnreachable",
-    "ProtocolError", "Quarantine", "ReceiveOutcome", "ReceiveResult", "Receipt", "SendOrder", "SendOutcome",
-    "SendResult", "ServerCounters", "Slot", "Source", "Transfer", "TransportConfig", "TransportKind",
-    "TransportPreference", "TransportUnavailable", "UcxConfig", "choose_transport", "local_transports",
-    "make_link", "make_server",
+    "Ask",
+    "LinkCounters",
+    "PeerAddress",
+    "PeerError",
+    "PeerLink",
+    "PeerServer",
+    "PeerUnreachable",
+    "ProtocolError",
+    "Quarantine",
+    "ReceiveOutcome",
+    "ReceiveResult",
+    "Receipt",
+    "SendOrder",
+    "SendOutcome",
+    "SendResult",
+    "ServerCounters",
+    "Slot",
+    "Source",
+    "Transfer",
+    "TransportConfig",
+    "TransportKind",
+    "TransportPreference",
+    "TransportUnavailable",
+    "UcxConfig",
+    "choose_transport",
+    "local_transports",
+    "make_link",
+    "make_server",
 ]

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The gRPC control channel from this daemon to one peer's TCP listener: the handshake, fetch
 orders, snapshots and the peer's KV events. TLS (mutual when this daemon has a certificate)
 whenever this daemon's own listener uses TLS: a cluster is one trust domain.
@@ -44,8 +46,12 @@ class ClientTls:
 
     @classmethod
     def from_files(cls, ca: Path | None, key: Path | None, cert: Path | None, server_name: str = "") -> ClientTls:
-        return cls(ca.read_bytes() if ca else None, key.read_bytes() if key else None,
-                   cert.read_bytes() if cert else None, server_name)
+        return cls(
+            ca.read_bytes() if ca else None,
+            key.read_bytes() if key else None,
+            cert.read_bytes() if cert else None,
+            server_name,
+        )
 
 
 class ControlChannel:

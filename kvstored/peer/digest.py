@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The payload's xxh3-64 (the chunk format's checksum), fed while the bytes move: each piece is
 hashed right after the kernel copied it, while it is still in the CPU cache. Hashing a 2 MiB
 chunk from memory costs about half the CPU of moving it over loopback TCP on these machines;
@@ -31,7 +33,7 @@ class StreamDigest:
         while n and self._i < len(self._pieces):
             piece = self._pieces[self._i]
             take = min(n, len(piece) - self._offset)
-            self._hash.update(piece[self._offset:self._offset + take])
+            self._hash.update(piece[self._offset : self._offset + take])
             self._offset += take
             n -= take
             if self._offset == len(piece):

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The peer data plane's exceptions. Transfers never raise them to callers (results carry an
 outcome); they are raised inside the transports and by the setup calls named below."""
 

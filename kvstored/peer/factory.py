@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Which transport two daemons use, and making its link (fetching side) or server (serving side)."""
 
 from __future__ import annotations

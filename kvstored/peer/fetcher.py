@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Reads from one peer, coalesced: the reads of one namespace that are waiting when a batch
 starts go to the peer in one order (one Fetch call, one data-plane batch), up to `max_batch`
 chunks; reads arriving meanwhile start the next batch (several may be in flight: TCP keeps a
@@ -55,8 +57,16 @@ class _Pending:
 
 
 class PeerFetcher:
-    def __init__(self, link: PeerLink, ask_for: AskFor, max_batch: int, timeout_s: float,
-                 gate: Gate, on_batch: BatchObserver, busy: dict[tuple[int, int], asyncio.Future]) -> None:
+    def __init__(
+        self,
+        link: PeerLink,
+        ask_for: AskFor,
+        max_batch: int,
+        timeout_s: float,
+        gate: Gate,
+        on_batch: BatchObserver,
+        busy: dict[tuple[int, int], asyncio.Future],
+    ) -> None:
         self.link = link
         self._ask_for = ask_for
         self._gate = gate
@@ -109,7 +119,7 @@ class PeerFetcher:
         pending = self._pending.pop(namespace_id, None)
         if pending is None or not pending.wants:
             return
-        wants, rest = pending.wants[:self._max_batch], pending.wants[self._max_batch:]
+        wants, rest = pending.wants[: self._max_batch], pending.wants[self._max_batch :]
         if rest:  # the next batch starts at once
             self._pending[namespace_id] = _Pending(pending.ns, rest)
             self._spawn(namespace_id)
@@ -118,7 +128,8 @@ class PeerFetcher:
             return
         try:
             results = await self.link.receive_batch(
-                [w.slot for w in wants], self._ask_for(pending.ns, [w.key for w in wants]), self._timeout_s)
+                [w.slot for w in wants], self._ask_for(pending.ns, [w.key for w in wants]), self._timeout_s
+            )
         except asyncio.CancelledError:  # (the loop is going away) the slots go once the link lets go
             self._settle(wants, failed_all(wants, ReceiveOutcome.FAILED, "cancelled"))
             raise

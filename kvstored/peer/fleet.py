@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The fetching side's connections to every peer: one supervising task per peer, the DNS refresh,
 and the index sweeper. I/O only; who the peers are and how they are doing is membership.py.
 
@@ -59,8 +61,14 @@ LinkFactory = Callable[[TransportKind, PeerAddress, TransportConfig], PeerLink]
 
 
 class PeerFleet:
-    def __init__(self, settings: FleetSettings, membership: Membership, index: PeerIndex,
-                 tls: ClientTls | None, make: LinkFactory = make_link) -> None:
+    def __init__(
+        self,
+        settings: FleetSettings,
+        membership: Membership,
+        index: PeerIndex,
+        tls: ClientTls | None,
+        make: LinkFactory = make_link,
+    ) -> None:
         self.settings = settings
         self.membership = membership
         self.index = index
@@ -74,8 +82,9 @@ class PeerFleet:
         self._sweep_wanted = asyncio.Event()
         self._ucx_held = False
         self._closed = False
-        self.transports = local_transports() if settings.preference is not TransportPreference.TCP \
-            else frozenset({TransportKind.TCP})
+        self.transports = (
+            local_transports() if settings.preference is not TransportPreference.TCP else frozenset({TransportKind.TCP})
+        )
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -131,8 +140,9 @@ class PeerFleet:
     def channel(self, record: PeerRecord) -> ControlChannel:
         channel = self._channels.get(record.address)
         if channel is None:
-            channel = self._channels[record.address] = ControlChannel(record.address, self._tls,
-                                                                       self.settings.reconnect_s)
+            channel = self._channels[record.address] = ControlChannel(
+                record.address, self._tls, self.settings.reconnect_s
+            )
         return channel
 
     # -- one peer ---------------------------------------------------------------------------

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Driving one transfer's concurrent parts (the transport's operations and the caller's `ask`)
 to a verdict within a deadline, and stopping them afterwards without leaving any behind."""
 
@@ -31,9 +33,7 @@ class Verdict:
         return f"{type(self.error).__name__}: {text}" if text else type(self.error).__name__
 
 
-async def wait_transfer(
-    ops: Sequence[asyncio.Future], asking: asyncio.Future | None, deadline: float
-) -> Verdict:
+async def wait_transfer(ops: Sequence[asyncio.Future], asking: asyncio.Future | None, deadline: float) -> Verdict:
     """Until every op is done, or an op or `asking` fails, or the deadline (loop time) passes.
     `asking` finishing without error is no verdict: the bytes decide."""
     loop = asyncio.get_running_loop()

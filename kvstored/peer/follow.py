@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Following one peer's KV events into the remote-location index.
 
 A peer incarnation is first read whole (the Snapshot stream: every chunk it serves peers from,
@@ -30,8 +32,14 @@ class PeerRestarted(Exception):
 
 
 class Follower:
-    def __init__(self, channel: ControlChannel, record: PeerRecord, index: PeerIndex, incarnation: int,
-                 on_retired: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        channel: ControlChannel,
+        record: PeerRecord,
+        index: PeerIndex,
+        incarnation: int,
+        on_retired: Callable[[], None],
+    ) -> None:
         self._channel = channel
         self._record = record
         self._index = index
@@ -50,12 +58,14 @@ class Follower:
                 return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() is grpc.StatusCode.OUT_OF_RANGE:
-                    log.info("peer %s: events from seq %d are gone from its buffer: reading it whole again",
-                             record.address, record.last_seq + 1)
+                    log.info(
+                        "peer %s: events from seq %d are gone from its buffer: reading it whole again",
+                        record.address,
+                        record.last_seq + 1,
+                    )
                     await self.resync()
                 elif exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    log.info("peer %s: fell behind its events after seq %d: resuming", record.address,
-                             record.last_seq)
+                    log.info("peer %s: fell behind its events after seq %d: resuming", record.address, record.last_seq)
                 else:
                     raise
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The peer handshake's content (pure): what a daemon says about itself, and whether two daemons
 can share chunks at all.
 
@@ -38,25 +40,36 @@ class LocalHello:
 
     def to_proto(self) -> pb.PeerHello:
         return pb.PeerHello(
-            protocol_version=PROTOCOL_VERSION, incarnation=self.incarnation,
-            chunk_format_version=CHUNK_FORMAT_VERSION, namespace_fingerprint=namespace_fingerprint(),
-            transports=sorted(t.value for t in self.transports), tcp_port=self.tcp_port, ucx_port=self.ucx_port,
-            tiers=list(self.tiers), address=self.address,
+            protocol_version=PROTOCOL_VERSION,
+            incarnation=self.incarnation,
+            chunk_format_version=CHUNK_FORMAT_VERSION,
+            namespace_fingerprint=namespace_fingerprint(),
+            transports=sorted(t.value for t in self.transports),
+            tcp_port=self.tcp_port,
+            ucx_port=self.ucx_port,
+            tiers=list(self.tiers),
+            address=self.address,
         )
 
 
 def incompatibility(remote: pb.PeerHello) -> str:
     """Why this daemon and the one that sent `remote` cannot share chunks ("" if they can)."""
     if remote.protocol_version != PROTOCOL_VERSION:
-        return (f"peer protocol version {remote.protocol_version}, this daemon speaks {PROTOCOL_VERSION}: "
-                f"run the same kvstored version on every node")
+        return (
+            f"peer protocol version {remote.protocol_version}, this daemon speaks {PROTOCOL_VERSION}: "
+            f"run the same kvstored version on every node"
+        )
     if remote.chunk_format_version != CHUNK_FORMAT_VERSION:
-        return (f"chunk format version {remote.chunk_format_version}, this daemon's is {CHUNK_FORMAT_VERSION}: "
-                f"run the same kvstored version on every node")
+        return (
+            f"chunk format version {remote.chunk_format_version}, this daemon's is {CHUNK_FORMAT_VERSION}: "
+            f"run the same kvstored version on every node"
+        )
     if remote.namespace_fingerprint != namespace_fingerprint():
-        return (f"namespace ids derived differently (fingerprint {remote.namespace_fingerprint[:16]!r}, this "
-                f"daemon's {namespace_fingerprint()[:16]!r}): their keys would never match; run the same "
-                f"kvstored version on every node")
+        return (
+            f"namespace ids derived differently (fingerprint {remote.namespace_fingerprint[:16]!r}, this "
+            f"daemon's {namespace_fingerprint()[:16]!r}): their keys would never match; run the same "
+            f"kvstored version on every node"
+        )
     return ""
 
 
@@ -67,5 +80,6 @@ def hello_from_proto(remote: pb.PeerHello) -> Hello:
             transports.add(TransportKind(name))
         except ValueError:  # a transport a newer peer offers and this daemon does not know
             continue
-    return Hello(remote.incarnation, frozenset(transports), remote.tcp_port, remote.ucx_port,
-                 tuple(remote.tiers), remote.address)
+    return Hello(
+        remote.incarnation, frozenset(transports), remote.tcp_port, remote.ucx_port, tuple(remote.tiers), remote.address
+    )

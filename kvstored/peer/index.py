@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The remote-location index: which peers hold which chunk, and in which of their tiers.
 
 Fed by the peers' KV events (kvstored.peer.follow) and snapshots; read by the peer tier's
@@ -110,7 +112,7 @@ class PeerIndex:
         keys = list(self._entries)
         for start in range(0, len(keys), SWEEP_SLICE):
             entries = self._entries
-            for key in keys[start:start + SWEEP_SLICE]:
+            for key in keys[start : start + SWEEP_SLICE]:
                 mask = entries.get(key)
                 if mask is None or not mask & dead:
                     continue

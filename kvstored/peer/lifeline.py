@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """A TCP connection beside each UCX endpoint: it carries the handshake (worker addresses, link id)
 and then only tells either side at once when the other's process is gone (EOF/RST).
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Who the peers are and how each one is doing: bookkeeping only (no I/O).
 
 Peers come from a static list and from a DNS name (a Kubernetes headless Service: every address
@@ -157,8 +159,14 @@ def parse_address(text: str) -> PeerAddress:
 
 
 class Membership:
-    def __init__(self, static: Sequence[str], own: str, breaker_failures: int, breaker_reset_s: float,
-                 clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self,
+        static: Sequence[str],
+        own: str,
+        breaker_failures: int,
+        breaker_reset_s: float,
+        clock: Clock = time.monotonic,
+    ) -> None:
         self._own = parse_address(own) if own else None
         self._breaker = (breaker_failures, breaker_reset_s, clock)
         self.peers: dict[PeerAddress, PeerRecord] = {}

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The data plane's orders and receipts in and out of the control plane's protobuf messages
 (pure). Only these small descriptions travel over gRPC: the chunk bytes never do."""
 
@@ -22,13 +24,26 @@ class FetchRefused(Exception):
     """The serving daemon did not send the order (its outcome and reason in the message)."""
 
 
-def fetch_request(order: SendOrder, incarnation: int, namespace_id: str, chunk_bytes: int, key_bytes: int,
-                  keys: Sequence[bytes], timeout_s: float) -> pb.FetchRequest:
+def fetch_request(
+    order: SendOrder,
+    incarnation: int,
+    namespace_id: str,
+    chunk_bytes: int,
+    key_bytes: int,
+    keys: Sequence[bytes],
+    timeout_s: float,
+) -> pb.FetchRequest:
     return pb.FetchRequest(
-        incarnation=incarnation, namespace_id=namespace_id, chunk_bytes=chunk_bytes, key_bytes=key_bytes,
-        keys=list(keys), transport=order.transport.value, link_id=order.link_id,
-        transfers=[pb.PeerTransfer(transfer_id=t.transfer_id, size=t.size, segments=list(t.segments))
-                   for t in order.transfers],
+        incarnation=incarnation,
+        namespace_id=namespace_id,
+        chunk_bytes=chunk_bytes,
+        key_bytes=key_bytes,
+        keys=list(keys),
+        transport=order.transport.value,
+        link_id=order.link_id,
+        transfers=[
+            pb.PeerTransfer(transfer_id=t.transfer_id, size=t.size, segments=list(t.segments)) for t in order.transfers
+        ],
         timeout_ms=max(1, int(timeout_s * 1000)),
     )
 
@@ -42,9 +57,13 @@ def order_of(request: pb.FetchRequest) -> SendOrder:
 
 def fetch_response(result: SendResult, incarnation: int) -> pb.FetchResponse:
     return pb.FetchResponse(
-        outcome=SEND_OUTCOMES[result.outcome], detail=result.detail, incarnation=incarnation,
-        receipts=[pb.PeerReceipt(transfer_id=r.transfer_id, found=r.found, length=r.length, checksum=r.checksum)
-                  for r in result.receipts],
+        outcome=SEND_OUTCOMES[result.outcome],
+        detail=result.detail,
+        incarnation=incarnation,
+        receipts=[
+            pb.PeerReceipt(transfer_id=r.transfer_id, found=r.found, length=r.length, checksum=r.checksum)
+            for r in result.receipts
+        ],
     )
 
 

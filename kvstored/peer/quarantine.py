@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Quarantines: views that a failed transfer's operations may still write (or read).
 
 A transport hands one out only when it could not stop its operations within settle_timeout_s

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Non-blocking socket I/O on the event loop straight into and out of pool views (no buffering
 layer in between: asyncio streams would copy every byte once more)."""
 

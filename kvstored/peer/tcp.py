@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The TCP fallback of the peer data plane: plain sockets on the event loop, no copies in user space.
 
 Fetching side (`TcpLink`): a pool of connections per peer; a batch holds one connection for

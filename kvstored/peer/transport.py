@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The peer data plane's contract: how chunk bytes move from a serving daemon's pool pages into a
 fetching daemon's pool pages, over TCP or UCX.
 
@@ -277,8 +279,7 @@ class PeerLink(abc.ABC):
         return (await self.receive_batch([Slot(views, size)], ask, timeout_s))[0]
 
     @abc.abstractmethod
-    async def _receive(self, slots: Sequence[Slot], ask: Ask, timeout_s: float) -> list[ReceiveResult]:
-        ...
+    async def _receive(self, slots: Sequence[Slot], ask: Ask, timeout_s: float) -> list[ReceiveResult]: ...
 
     @abc.abstractmethod
     async def close(self) -> None:
@@ -333,12 +334,10 @@ class PeerServer(abc.ABC):
         return ""
 
     @abc.abstractmethod
-    async def _send(self, order: SendOrder, sources: Sequence[Source | None], timeout_s: float) -> SendResult:
-        ...
+    async def _send(self, order: SendOrder, sources: Sequence[Source | None], timeout_s: float) -> SendResult: ...
 
     @abc.abstractmethod
-    async def close(self) -> None:
-        ...
+    async def close(self) -> None: ...
 
     @property
     def links(self) -> int:

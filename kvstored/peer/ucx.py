@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The UCX data plane (ucxx): tagged messages straight between the two daemons' pool pages.
 
 ucxx's Python API has tag send/receive but no RMA, so the fetcher pulls by tag: it posts one
@@ -141,8 +143,12 @@ class UcxLink(PeerLink):
             finally:
                 if not all(op.done() for op in ops):
                     quarantine = self.quarantines.add([v for p in pieces for v in p], ops)
-                    log.error("UCX receives from %s did not stop within %.1f s: %d bytes quarantined",
-                              self.address, self.config.settle_timeout_s, quarantine.nbytes)
+                    log.error(
+                        "UCX receives from %s did not stop within %.1f s: %d bytes quarantined",
+                        self.address,
+                        self.config.settle_timeout_s,
+                        quarantine.nbytes,
+                    )
         if quarantine is not None:
             results = [r if r.ok else dataclasses.replace(r, quarantine=quarantine) for r in results]
         return results
@@ -254,8 +260,9 @@ def _judge(
         elif not receipt.found:
             results.append(ReceiveResult(ReceiveOutcome.MISSING, "the peer does not hold the chunk"))
         elif receipt.length != transfer.size:
-            results.append(ReceiveResult(
-                ReceiveOutcome.CORRUPT, f"receipt for {receipt.length} bytes, expected {transfer.size}"))
+            results.append(
+                ReceiveResult(ReceiveOutcome.CORRUPT, f"receipt for {receipt.length} bytes, expected {transfer.size}")
+            )
         elif payload_checksum(slot_pieces, transfer.size) != receipt.checksum:
             results.append(ReceiveResult(ReceiveOutcome.CORRUPT, "payload checksum mismatch"))
         else:
@@ -296,7 +303,8 @@ class UcxServer(PeerServer):
             self._ucxx = None
             ucx_runtime.release()
             raise ListenError(
-                f"cannot listen for UCX peers on {self.host}:{self.port}: {exc.strerror or exc}") from None
+                f"cannot listen for UCX peers on {self.host}:{self.port}: {exc.strerror or exc}"
+            ) from None
         return PeerAddress(self.host, self._server.sockets[0].getsockname()[1])
 
     def _lifeline(self) -> Lifeline:
@@ -398,16 +406,21 @@ class UcxServer(PeerServer):
             finally:
                 if not all(op.done() for op in ops):
                     quarantine = self.quarantines.add(views, ops)
-                    log.error("UCX sends did not stop within %.1f s: %d bytes quarantined",
-                              self.config.settle_timeout_s, quarantine.nbytes)
+                    log.error(
+                        "UCX sends did not stop within %.1f s: %d bytes quarantined",
+                        self.config.settle_timeout_s,
+                        quarantine.nbytes,
+                    )
         if verdict.stop is flow.Stop.OPS_DONE:
             return None
         self._drop(order.link_id)
         if verdict.stop is flow.Stop.TIMED_OUT:
-            return SendResult(SendOutcome.TIMED_OUT, "the fetcher did not take the bytes in time",
-                              quarantine=quarantine)
-        return SendResult(SendOutcome.FAILED, f"sending to the fetcher failed: {verdict.describe()}",
-                          quarantine=quarantine)
+            return SendResult(
+                SendOutcome.TIMED_OUT, "the fetcher did not take the bytes in time", quarantine=quarantine
+            )
+        return SendResult(
+            SendOutcome.FAILED, f"sending to the fetcher failed: {verdict.describe()}", quarantine=quarantine
+        )
 
     async def close(self) -> None:
         if self._server is not None:

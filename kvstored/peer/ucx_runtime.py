@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The process's one UCX context (ucxx allows one), shared by every UCX link and server.
 
 ucxx is imported only here and only when a UCX transport starts: it is an optional dependency

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Byte layouts of the peer data plane (pure: no I/O), shared by the TCP and UCX transports.
 
 - HELLO (server -> fetcher, once per connection/endpoint): magic, version, the link id the server
@@ -165,7 +167,7 @@ def plan_pieces(pieces: Sequence[memoryview], segments: Sequence[int]) -> SendPl
         while offset == len(pieces[i]):
             i, offset = i + 1, 0
         if offset + length <= len(pieces[i]):
-            out.append(pieces[i][offset:offset + length])
+            out.append(pieces[i][offset : offset + length])
             offset += length
             continue
         buf = bytearray(length)
@@ -174,7 +176,7 @@ def plan_pieces(pieces: Sequence[memoryview], segments: Sequence[int]) -> SendPl
             if offset == len(pieces[i]):
                 i, offset = i + 1, 0
             n = min(length - filled, len(pieces[i]) - offset)
-            buf[filled:filled + n] = pieces[i][offset:offset + n]
+            buf[filled : filled + n] = pieces[i][offset : offset + n]
             filled += n
             offset += n
         out.append(memoryview(buf))

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The session broker: maps sessions, their handles and their regions onto the tier chain.
 
 The chain grants RAM entries (reservations, leases) and copies between a region and the pool;
@@ -46,8 +48,9 @@ class Lease:
 
 
 class SessionBroker:
-    def __init__(self, chain: TierChain, sessions: SessionRegistry | None = None,
-                 tenancy: Tenancy | None = None) -> None:
+    def __init__(
+        self, chain: TierChain, sessions: SessionRegistry | None = None, tenancy: Tenancy | None = None
+    ) -> None:
         self._chain = chain
         self.sessions = sessions or SessionRegistry()
         self._tenancy = tenancy
@@ -105,7 +108,8 @@ class SessionBroker:
         grants = await self._chain.reserve(ns, keys, session.check_open)
         return [
             Slot(g.outcome, self._grant(session, HandleKind.RESERVATION, g.entry), g.extents)
-            if g.entry is not None else Slot(g.outcome)
+            if g.entry is not None
+            else Slot(g.outcome)
             for g in grants
         ]
 
@@ -140,20 +144,30 @@ class SessionBroker:
         return region
 
     async def store_from_region(
-        self, session: Session, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int],
+        self,
+        session: Session,
+        ns: Namespace,
+        region: Region,
+        keys: Sequence[bytes],
+        offsets: Sequence[int],
         start_by: float | None = None,
     ) -> StoreOutcomes:
         """start_by (loop time): copy nothing after it (and wait for room no longer)."""
-        return await self._chain.store_from_region(ns, region, keys, offsets, self._proceed(session, start_by),
-                                                   start_by)
+        return await self._chain.store_from_region(
+            ns, region, keys, offsets, self._proceed(session, start_by), start_by
+        )
 
     async def load_to_region(
-        self, session: Session, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int],
+        self,
+        session: Session,
+        ns: Namespace,
+        region: Region,
+        keys: Sequence[bytes],
+        offsets: Sequence[int],
         start_by: float | None = None,
     ) -> int:
         """start_by (loop time): copy nothing after it (and wait for promotions no longer)."""
-        return await self._chain.load_to_region(ns, region, keys, offsets, self._proceed(session, start_by),
-                                                start_by)
+        return await self._chain.load_to_region(ns, region, keys, offsets, self._proceed(session, start_by), start_by)
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -185,7 +199,6 @@ class SessionBroker:
         if error is None:
             log.debug("region %d (%s): background populate done", region.region_id, region.name)
         elif region.region_id not in session.regions:  # closed under it: the failure is expected
-            log.debug("region %d (%s): populate ended by the region's close: %r", region.region_id, region.name,
-                      error)
+            log.debug("region %d (%s): populate ended by the region's close: %r", region.region_id, region.name, error)
         else:
             log.warning("region %d (%s): background populate failed: %r", region.region_id, region.name, error)

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Daemon lifecycle: build the parts, serve, and shut down in a fixed order.
 
 Data flow: gRPC service (service.py) and session socket -> session broker (broker.py: sessions,
@@ -145,14 +147,25 @@ class Daemon:
         pool_bytes = memory.pool_size(cfg.cpu_bytes, cfg.pool_pages)
         for warning in memory.check_request(pool_bytes, cfg.pool_pages, cfg.numa_node, cfg.populate):
             log.warning("%s", warning)  # (what the machine cannot give at all raised PoolMemoryError)
-        log.info("kvstored %s: RAM tier %s (%s pages, NUMA %s, populate=%s)", __version__, format_size(pool_bytes),
-                 cfg.pool_pages.value, cfg.numa_node or "unset", cfg.populate)
+        log.info(
+            "kvstored %s: RAM tier %s (%s pages, NUMA %s, populate=%s)",
+            __version__,
+            format_size(pool_bytes),
+            cfg.pool_pages.value,
+            cfg.numa_node or "unset",
+            cfg.populate,
+        )
         if pool_bytes != cfg.cpu_bytes:
-            log.info("RAM tier rounded down from %s to %s: a hugetlb pool is whole 2 MiB pages",
-                     format_size(cfg.cpu_bytes), format_size(pool_bytes))
+            log.info(
+                "RAM tier rounded down from %s to %s: a hugetlb pool is whole 2 MiB pages",
+                format_size(cfg.cpu_bytes),
+                format_size(pool_bytes),
+            )
         if not copy_guarded:
-            log.warning("built without kvstored.shm._safecopy: a client truncating its region mid-copy "
-                        "can crash the daemon (install a C compiler and reinstall)")
+            log.warning(
+                "built without kvstored.shm._safecopy: a client truncating its region mid-copy "
+                "can crash the daemon (install a C compiler and reinstall)"
+            )
         self.pool = SharedPool(pool_bytes, populate=False, pages=cfg.pool_pages, numa=cfg.numa_node)
         if cfg.populate:
             await self._populate_pool()
@@ -163,14 +176,18 @@ class Daemon:
         ram = RamTier(pool_bytes, cfg.page_bytes, has_lower_tiers=writable, populated=cfg.populate)
         self.releaser = PageReleaser(self.arenas, cfg.page_bytes, ram.released)
         ram.set_releaser(self.releaser.release)
-        self.tenancy = Tenancy(ram, self.arenas, self.namespaces,
-                               TenantPolicy(cfg.tenant_quota_bytes, cfg.max_tenants))
+        self.tenancy = Tenancy(ram, self.arenas, self.namespaces, TenantPolicy(cfg.tenant_quota_bytes, cfg.max_tenants))
         self.chain = TierChain(
             ram,
             self.arenas,
             lower,
-            ChainPolicy(cfg.write_policy, cfg.headroom_bytes if writable else 0, cfg.writeback_wait_seconds,
-                        cfg.copy_threads, cfg.staging_bytes),
+            ChainPolicy(
+                cfg.write_policy,
+                cfg.headroom_bytes if writable else 0,
+                cfg.writeback_wait_seconds,
+                cfg.copy_threads,
+                cfg.staging_bytes,
+            ),
             EventBus(cfg.events_buffer),
         )
         self.records = NamespaceRecords([t.tier for t in lower], self.namespaces)
@@ -195,37 +212,64 @@ class Daemon:
             from kvstored.events import zmq_publisher
 
             self.zmq_events = zmq_publisher.ZmqEventPublisher(
-                cfg.events_zmq_endpoint, cfg.events_zmq_replay_endpoint or None, cfg.events_zmq_topic,
-                cfg.events_encoding, self.namespaces.block_tokens, cfg.events_buffer,
+                cfg.events_zmq_endpoint,
+                cfg.events_zmq_replay_endpoint or None,
+                cfg.events_zmq_topic,
+                cfg.events_encoding,
+                self.namespaces.block_tokens,
+                cfg.events_buffer,
             )
             self.zmq_events.start()
             self.chain.events.add_listener(self._zmq_listener(self.zmq_events, cfg.events_zmq_tenants))
         for t in lower:
             usage = t.tier.usage()
-            log.info("tier %s (%s): %s used of %s, %d chunks", t.tier.name, t.tier.kind.name.lower(),
-                     format_size(usage.used_bytes), format_size(usage.capacity_bytes) if usage.capacity_bytes
-                     else "unbounded", usage.chunks)
+            log.info(
+                "tier %s (%s): %s used of %s, %d chunks",
+                t.tier.name,
+                t.tier.kind.name.lower(),
+                format_size(usage.used_bytes),
+                format_size(usage.capacity_bytes) if usage.capacity_bytes else "unbounded",
+                usage.chunks,
+            )
 
-        self.metrics = DaemonMetrics(functools.partial(chain_snapshot, self.chain), self.broker.counts,
-                                     self.namespaces, self.tenancy.snapshot, self._peers_snapshot)
+        self.metrics = DaemonMetrics(
+            functools.partial(chain_snapshot, self.chain),
+            self.broker.counts,
+            self.namespaces,
+            self.tenancy.snapshot,
+            self._peers_snapshot,
+        )
         for lower_tier in self.chain.lower:
             lower_tier.observe = self.metrics.observe_tier_op
         self.metrics.preinit_grpc(pb.DESCRIPTOR.services_by_name["KVStore"])
         self.metrics.preinit_grpc(pb.DESCRIPTOR.services_by_name["Peer"])
-        self.server = grpc.aio.server(interceptors=[self.metrics.interceptor, ErrorMappingInterceptor()],
-                                      options=PEER_KEEPALIVE_OPTIONS)
+        self.server = grpc.aio.server(
+            interceptors=[self.metrics.interceptor, ErrorMappingInterceptor()], options=PEER_KEEPALIVE_OPTIONS
+        )
         pb_grpc.add_KVStoreServicer_to_server(
-            KVStoreService(self.chain, self.broker, self.namespaces, cfg.max_batch_keys, cfg.region_dirs,
-                           self.tenancy, self._peer_counts),
+            KVStoreService(
+                self.chain,
+                self.broker,
+                self.namespaces,
+                cfg.max_batch_keys,
+                cfg.region_dirs,
+                self.tenancy,
+                self._peer_counts,
+            ),
             self.server,
         )
-        pb_grpc.add_PeerServicer_to_server(PeerService(self.peer_serving, self.peer_tier, self.chain.events),
-                                           self.server)
+        pb_grpc.add_PeerServicer_to_server(
+            PeerService(self.peer_serving, self.peer_tier, self.chain.events), self.server
+        )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, PEER_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME),
+            (
+                SERVICE_NAME,
+                PEER_SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
             self.server,
         )
         if cfg.tcp_listen:  # first: a port that cannot be bound leaves no socket file behind
@@ -256,8 +300,9 @@ class Daemon:
 
         tier = cast(PeerTier, found)
         self.peer_tier = tier
-        self.peer_serving = PeerServing(self.chain, self.namespaces, tier.config, self.config.tcp_listen,
-                                        self.incarnation)
+        self.peer_serving = PeerServing(
+            self.chain, self.namespaces, tier.config, self.config.tcp_listen, self.incarnation
+        )
         tier.serve_as(await self.peer_serving.start())
 
     async def _close_peers(self) -> None:
@@ -302,8 +347,11 @@ class Daemon:
             self.pool.close()
             raise StoppedDuringStart("stop requested while populating the RAM tier")
         if self.pool.memory.pages is not PoolPages.SMALL:
-            log.info("RAM tier: %s of %s in 2 MiB pages", format_size(self.pool.huge_page_bytes()),
-                     format_size(self.pool.size))
+            log.info(
+                "RAM tier: %s of %s in 2 MiB pages",
+                format_size(self.pool.huge_page_bytes()),
+                format_size(self.pool.size),
+            )
 
     def _zmq_listener(self, publisher: ZmqEventPublisher, tenants: bool) -> Callable[[KvEvent], None]:
         """Routers get public namespaces' events; tenant namespaces' too only if configured."""
@@ -370,19 +418,23 @@ class Daemon:
             applied.append(f"log_level={new.log_level} log_format={new.log_format}")
         tiers = self._reload_tiers(old.tiers, new.tiers, applied)
         live = ("log_level", "log_format", "tiers")  # applied above, or tier by tier
-        restart = [f.name for f in dataclasses.fields(Config)
-                   if f.name not in live and getattr(old, f.name) != getattr(new, f.name)]
+        restart = [
+            f.name
+            for f in dataclasses.fields(Config)
+            if f.name not in live and getattr(old, f.name) != getattr(new, f.name)
+        ]
         if tiers is None:
             restart.append("tiers")
-        self.config = dataclasses.replace(old, log_level=new.log_level, log_format=new.log_format,
-                                          tiers=tiers if tiers is not None else old.tiers)
+        self.config = dataclasses.replace(
+            old, log_level=new.log_level, log_format=new.log_format, tiers=tiers if tiers is not None else old.tiers
+        )
         log.info("SIGHUP: configuration reloaded; applied: %s", "; ".join(applied) or "nothing changed")
         if restart:
-            log.warning("SIGHUP: %s changed but can only take effect after a restart of kvstored",
-                        ", ".join(restart))
+            log.warning("SIGHUP: %s changed but can only take effect after a restart of kvstored", ", ".join(restart))
 
-    def _reload_tiers(self, old: tuple[TierConfig, ...], new: tuple[TierConfig, ...],
-                      applied: list[str]) -> tuple[TierConfig, ...] | None:
+    def _reload_tiers(
+        self, old: tuple[TierConfig, ...], new: tuple[TierConfig, ...], applied: list[str]
+    ) -> tuple[TierConfig, ...] | None:
         """Apply admission changes to every tier that has a policy; None if anything else about
         the tiers changed."""
         changes = admission_changes(old, new)
@@ -435,8 +487,12 @@ def _report_populate(progress: PopulateProgress) -> None:
     if progress.done_bytes == 0:
         log.info("populating the RAM tier (%s)", format_size(progress.total_bytes))
     elif progress.finished:
-        log.info("RAM tier populated: %s in %.1f s (%s/s)", format_size(progress.total_bytes), progress.elapsed_s,
-                 format_size(int(progress.rate)))
+        log.info(
+            "RAM tier populated: %s in %.1f s (%s/s)",
+            format_size(progress.total_bytes),
+            progress.elapsed_s,
+            format_size(int(progress.rate)),
+        )
     else:
         log.info("populating the RAM tier: %s", progress.describe())
     notify(f"STATUS=populating the RAM tier: {progress.describe()}\nEXTEND_TIMEOUT_USEC={EXTEND_START_S * 1_000_000}")

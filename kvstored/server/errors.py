@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The one place that turns domain errors into gRPC status codes.
 
 The error's class name also travels as trailing metadata (`kvstored-error`), so clients can
@@ -62,7 +64,7 @@ def bounded(text: str, limit: int = MAX_DETAILS_BYTES) -> str:
     data = text.encode()
     if len(data) <= limit:
         return text
-    return data[:limit - 3].decode(errors="ignore") + "..."
+    return data[: limit - 3].decode(errors="ignore") + "..."
 
 
 async def abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: str) -> None:
@@ -98,8 +100,7 @@ def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], A
 
 def _decoded(request: Any, method: str) -> Any:
     if isinstance(request, Undecodable):
-        limited.log(f"undecodable {method}", logging.WARNING, "undecodable request to %s: %s", method,
-                    request.problem)
+        limited.log(f"undecodable {method}", logging.WARNING, "undecodable request to %s: %s", method, request.problem)
         raise errors.InvalidRequest(request.problem)
     return request
 
@@ -121,8 +122,10 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _mapped(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-    codecs = {"request_deserializer": _tolerant(handler.request_deserializer),
-              "response_serializer": handler.response_serializer}
+    codecs = {
+        "request_deserializer": _tolerant(handler.request_deserializer),
+        "response_serializer": handler.response_serializer,
+    }
 
     def one(request: Any) -> Any:
         return _decoded(request, method)
@@ -144,6 +147,7 @@ def _guarded(inner: Callable[..., Any], decode: Callable[[Any], Any], method: st
     style as `inner` (grpc.aio runs an async generator's items, or a coroutine that returns the
     response or writes the stream itself, as the health service's Watch does)."""
     if inspect.isasyncgenfunction(inner):
+
         async def stream(request, context: grpc.aio.ServicerContext):
             try:
                 async for item in inner(decode(request), context):

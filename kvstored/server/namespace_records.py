@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Namespaces that outlive the daemon: each lower tier keeps a record of every namespace it holds
 chunks of, written when the tier stores its first chunk of that namespace (a KV event) and removed
 when the namespace is cleared; at start the records are read back into the registry.
@@ -55,8 +57,12 @@ class NamespaceRecords:
             try:
                 records = await tier.namespace_records()
             except Exception as exc:  # noqa: BLE001 - any tier's failure: log it, start anyway
-                log.warning("tier %s: namespace records not read (%s); its namespaces are known again once "
-                            "clients register them", tier.name, exc)
+                log.warning(
+                    "tier %s: namespace records not read (%s); its namespaces are known again once "
+                    "clients register them",
+                    tier.name,
+                    exc,
+                )
                 continue
             recovered = tenants = 0
             for namespace_id, raw in records.items():
@@ -70,8 +76,12 @@ class NamespaceRecords:
                 recovered += 1
                 tenants += ns.private
             if recovered:
-                log.info("tier %s: %d namespace(s) recovered from its records (%d tenant, kept private)",
-                         tier.name, recovered, tenants)
+                log.info(
+                    "tier %s: %d namespace(s) recovered from its records (%d tenant, kept private)",
+                    tier.name,
+                    recovered,
+                    tenants,
+                )
         return sum(1 for ns in self._registry.all() if self._registry.recovered_from(ns.namespace_id))
 
     def start(self) -> None:
@@ -101,8 +111,11 @@ class NamespaceRecords:
         worker, self._worker = self._worker, None
         done, _ = await asyncio.wait((worker,), timeout=CLOSE_TIMEOUT_S)
         if not done:
-            log.warning("namespace records: %d write(s) still queued after %.0f s; abandoned",
-                        self._queue.qsize(), CLOSE_TIMEOUT_S)
+            log.warning(
+                "namespace records: %d write(s) still queued after %.0f s; abandoned",
+                self._queue.qsize(),
+                CLOSE_TIMEOUT_S,
+            )
             worker.cancel()
             await asyncio.wait((worker,))
         elif worker.exception() is not None:
@@ -117,7 +130,12 @@ class NamespaceRecords:
                     await op.tier.remove_namespace_record(op.namespace_id)
             except Exception as exc:  # noqa: BLE001 - a tier's failure: log it, keep recording
                 name = op.ns.namespace_id if isinstance(op, _Save) else op.namespace_id
-                log.warning("tier %s: namespace record of %s not %s: %s", op.tier.name, name,
-                            "written" if isinstance(op, _Save) else "removed", exc)
+                log.warning(
+                    "tier %s: namespace record of %s not %s: %s",
+                    op.tier.name,
+                    name,
+                    "written" if isinstance(op, _Save) else "removed",
+                    exc,
+                )
                 if isinstance(op, _Save) and self._recorded.get((op.tier.name, name)) == op.ns:
                     del self._recorded[(op.tier.name, name)]  # the next chunk stored tries again

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """gRPC servicer of kvstored.v1.Peer: translates the peer control plane's messages to the serving
 side (peer_serving.py) and the fetching side's state (the peer tier) and back. No logic of its own."""
 
@@ -15,7 +17,7 @@ if TYPE_CHECKING:  # the peer tier's modules load only when one is configured
     from kvstored.tiers.peer import PeerTier
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Peer"].full_name
-DISABLED = "this daemon has no peer tier ([[tiers]] kind = \"peer\")"
+DISABLED = 'this daemon has no peer tier ([[tiers]] kind = "peer")'
 
 
 class PeerService(pb_grpc.PeerServicer):

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The serving side of the peer tier: what this daemon gives its peers, and the data servers
 (TCP data port; UCX port where UCX may be used) they fetch through.
 
@@ -60,8 +62,9 @@ class ServingCounters:
 
 
 class PeerServing:
-    def __init__(self, chain: TierChain, namespaces: NamespaceRegistry, cfg: PeerTierConfig, tcp_listen: str,
-                 incarnation: int) -> None:
+    def __init__(
+        self, chain: TierChain, namespaces: NamespaceRegistry, cfg: PeerTierConfig, tcp_listen: str, incarnation: int
+    ) -> None:
         self._chain = chain
         self._namespaces = namespaces
         self._cfg = cfg
@@ -70,8 +73,10 @@ class PeerServing:
         self.incarnation = incarnation
         self.address = tcp_listen
         self._transport = TransportConfig(
-            connect_timeout_s=cfg.connect_timeout_s, settle_timeout_s=cfg.settle_timeout_s,
-            tcp_connections=cfg.tcp_connections, ucx=UcxConfig(tls=cfg.ucx_tls, net_devices=cfg.ucx_net_devices),
+            connect_timeout_s=cfg.connect_timeout_s,
+            settle_timeout_s=cfg.settle_timeout_s,
+            tcp_connections=cfg.tcp_connections,
+            ucx=UcxConfig(tls=cfg.ucx_tls, net_devices=cfg.ucx_net_devices),
         )
         self.servers: dict[TransportKind, PeerServer] = {}
         self.counters = ServingCounters()
@@ -91,8 +96,10 @@ class PeerServing:
         if self._cfg.transport is not TransportPreference.TCP and TransportKind.UCX in local_transports():
             kinds.append(TransportKind.UCX)
         elif self._cfg.transport is TransportPreference.UCX:
-            raise TierStartError(f"peer tier {self._cfg.name!r}: transport = \"ucx\" but ucxx is not installed "
-                                 f"(pip install 'kvstored[ucx]'), or set transport = \"auto\" or \"tcp\"")
+            raise TierStartError(
+                f'peer tier {self._cfg.name!r}: transport = "ucx" but ucxx is not installed '
+                f'(pip install \'kvstored[ucx]\'), or set transport = "auto" or "tcp"'
+            )
         ports = {}
         try:
             for kind in kinds:
@@ -110,10 +117,20 @@ class PeerServing:
         except BaseException:
             await self.close()
             raise
-        self.hello = LocalHello(self.incarnation, frozenset(self.servers), ports.get(TransportKind.TCP, 0),
-                                ports.get(TransportKind.UCX, 0), tuple(self._local), self.address)
-        log.info("serving peers on %s (%s; from %s)", self.address,
-                 ", ".join(f"{k.value} data port {p}" for k, p in ports.items()), ", ".join(self._local))
+        self.hello = LocalHello(
+            self.incarnation,
+            frozenset(self.servers),
+            ports.get(TransportKind.TCP, 0),
+            ports.get(TransportKind.UCX, 0),
+            tuple(self._local),
+            self.address,
+        )
+        log.info(
+            "serving peers on %s (%s; from %s)",
+            self.address,
+            ", ".join(f"{k.value} data port {p}" for k, p in ports.items()),
+            ", ".join(self._local),
+        )
         return self.hello
 
     async def close(self) -> None:
@@ -182,16 +199,19 @@ class PeerServing:
             return None
         if (ns.chunk_bytes, ns.key_bytes) != (request.chunk_bytes, request.key_bytes):
             mark = (request.incarnation, ns.namespace_id)
-            why = (f"namespace {ns.namespace_id}: chunk_bytes {ns.chunk_bytes}, key_bytes {ns.key_bytes} here; "
-                   f"the fetcher has {request.chunk_bytes}, {request.key_bytes}")
+            why = (
+                f"namespace {ns.namespace_id}: chunk_bytes {ns.chunk_bytes}, key_bytes {ns.key_bytes} here; "
+                f"the fetcher has {request.chunk_bytes}, {request.key_bytes}"
+            )
             if mark not in self._refused_logged:
                 self._refused_logged.add(mark)
                 log.error("refusing a peer's fetch: %s", why)
             raise PeerIncompatible(why)
         for key in request.keys:
             if len(key) != ns.key_bytes:
-                raise InvalidRequest(f"a key of {len(key)} bytes in namespace {ns.namespace_id} "
-                                     f"({ns.key_bytes}-byte keys)")
+                raise InvalidRequest(
+                    f"a key of {len(key)} bytes in namespace {ns.namespace_id} ({ns.key_bytes}-byte keys)"
+                )
         return ns
 
     async def _lease(self, ns: Namespace, keys: Sequence[bytes], promote_by: float) -> list[RamEntry | None]:
@@ -205,8 +225,13 @@ class PeerServing:
     def _source(self, entry: RamEntry) -> Source:
         return Source(self._chain.leases.page_views(entry), entry.size, entry.checksum)
 
-    def _release(self, server: PeerServer, entries: list[RamEntry | None], sources: list[Source | None],
-                 result: SendResult | None) -> None:
+    def _release(
+        self,
+        server: PeerServer,
+        entries: list[RamEntry | None],
+        sources: list[Source | None],
+        result: SendResult | None,
+    ) -> None:
         """Give the leases back, unless the network may still read their pages (a quarantine:
         the send's own, or, after a cancellation, the server's covering them)."""
         held = [e for e in entries if e is not None]
@@ -268,5 +293,10 @@ class PeerServing:
         yield pb.SnapshotBatch(incarnation=self.incarnation, last_seq=last_seq)  # even when empty
         for (tier, ns_id), keys in groups.items():
             for start in range(0, len(keys), SNAPSHOT_BATCH_KEYS):
-                yield pb.SnapshotBatch(incarnation=self.incarnation, last_seq=last_seq, tier=tier,
-                                       namespace_id=ns_id, keys=keys[start:start + SNAPSHOT_BATCH_KEYS])
+                yield pb.SnapshotBatch(
+                    incarnation=self.incarnation,
+                    last_seq=last_seq,
+                    tier=tier,
+                    namespace_id=ns_id,
+                    keys=keys[start : start + SNAPSHOT_BATCH_KEYS],
+                )

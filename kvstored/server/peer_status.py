@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """One read of the peer tier's state, both sides, for the Status RPC (kvstoredctl peers) and
 /metrics."""
 
@@ -16,26 +18,47 @@ def peers_snapshot(serving: PeerServing, tier: PeerTier) -> PeersSnapshot:
     for record in tier.membership.records():
         c = record.counters
         known.add(record.incarnation)
-        rows.append(PeerRow(
-            address=str(record.address), label=record.label, state=record.state.name.lower(),
-            transport=record.transport.value if record.transport else "", incarnation=record.incarnation,
-            indexed_chunks=tier.index.count(record.slot) if record.slot is not None else 0,
-            received_bytes=c.received_bytes, sent_bytes=serving.sent_to.get(record.incarnation, 0),
-            breaker=record.breaker.state.name.lower(), received_chunks=c.received_chunks,
-            missing_chunks=c.missing_chunks, corrupt_chunks=c.corrupt_chunks, failed_chunks=c.failed_chunks,
-            timed_out_chunks=c.timed_out_chunks, fetches=c.fetches, refused_by_breaker=c.refused_by_breaker,
-            events=c.events, resyncs=c.resyncs, detail=record.detail,
-        ))
+        rows.append(
+            PeerRow(
+                address=str(record.address),
+                label=record.label,
+                state=record.state.name.lower(),
+                transport=record.transport.value if record.transport else "",
+                incarnation=record.incarnation,
+                indexed_chunks=tier.index.count(record.slot) if record.slot is not None else 0,
+                received_bytes=c.received_bytes,
+                sent_bytes=serving.sent_to.get(record.incarnation, 0),
+                breaker=record.breaker.state.name.lower(),
+                received_chunks=c.received_chunks,
+                missing_chunks=c.missing_chunks,
+                corrupt_chunks=c.corrupt_chunks,
+                failed_chunks=c.failed_chunks,
+                timed_out_chunks=c.timed_out_chunks,
+                fetches=c.fetches,
+                refused_by_breaker=c.refused_by_breaker,
+                events=c.events,
+                resyncs=c.resyncs,
+                detail=record.detail,
+            )
+        )
     others = sum(sent for incarnation, sent in serving.sent_to.items() if incarnation not in known)
     hello = serving.hello
     sc = serving.counters
     return PeersSnapshot(
-        incarnation=serving.incarnation, peers=rows, index_entries=len(tier.index),
-        index_capacity=tier.index.max_entries, index_evictions=tier.index.evictions, leases=serving.leases,
-        reservations=tier.reservations, served_chunks=sc.served_chunks, served_bytes=sc.served_bytes,
-        refused_chunks=sc.refused_chunks, other_sent_bytes=sc.other_sent_bytes + others,
+        incarnation=serving.incarnation,
+        peers=rows,
+        index_entries=len(tier.index),
+        index_capacity=tier.index.max_entries,
+        index_evictions=tier.index.evictions,
+        leases=serving.leases,
+        reservations=tier.reservations,
+        served_chunks=sc.served_chunks,
+        served_bytes=sc.served_bytes,
+        refused_chunks=sc.refused_chunks,
+        other_sent_bytes=sc.other_sent_bytes + others,
         transports=tuple(sorted(t.value for t in hello.transports)) if hello else (),
-        tcp_port=hello.tcp_port if hello else 0, ucx_port=hello.ucx_port if hello else 0,
+        tcp_port=hello.tcp_port if hello else 0,
+        ucx_port=hello.ucx_port if hello else 0,
     )
 
 
@@ -49,9 +72,19 @@ def status(serving: PeerServing, tier: PeerTier) -> pb.PeerStatusResponse:
         fields["breaker"] = pb.BreakerState.Value("BREAKER_STATE_" + row.breaker.upper())
         peers.append(pb.PeerInfo(**fields))
     return pb.PeerStatusResponse(
-        enabled=True, incarnation=snap.incarnation, peers=peers, index_entries=snap.index_entries,
-        index_capacity=snap.index_capacity, leases=snap.leases, reservations=snap.reservations,
-        other_sent_bytes=snap.other_sent_bytes, served_chunks=snap.served_chunks,
-        refused_chunks=snap.refused_chunks, transports=list(snap.transports), tcp_port=snap.tcp_port,
-        ucx_port=snap.ucx_port, served_bytes=snap.served_bytes, index_evictions=snap.index_evictions,
+        enabled=True,
+        incarnation=snap.incarnation,
+        peers=peers,
+        index_entries=snap.index_entries,
+        index_capacity=snap.index_capacity,
+        leases=snap.leases,
+        reservations=snap.reservations,
+        other_sent_bytes=snap.other_sent_bytes,
+        served_chunks=snap.served_chunks,
+        refused_chunks=snap.refused_chunks,
+        transports=list(snap.transports),
+        tcp_port=snap.tcp_port,
+        ucx_port=snap.ucx_port,
+        served_bytes=snap.served_bytes,
+        index_evictions=snap.index_evictions,
     )

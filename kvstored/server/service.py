@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """gRPC servicer: translates protobuf messages to session-broker and tier-chain calls and back.
 No logic of its own."""
 
@@ -64,8 +66,16 @@ def _region_path(path: str) -> str:
 
 
 def _event(e: KvEvent) -> pb.KvEvent:
-    return pb.KvEvent(seq=e.seq, ts=e.ts, type=int(e.type), cause=int(e.cause), tier=e.tier,
-                      tier_kind=int(e.tier_kind), namespace_id=e.namespace_id, keys=e.keys)
+    return pb.KvEvent(
+        seq=e.seq,
+        ts=e.ts,
+        type=int(e.type),
+        cause=int(e.cause),
+        tier=e.tier,
+        tier_kind=int(e.tier_kind),
+        namespace_id=e.namespace_id,
+        keys=e.keys,
+    )
 
 
 def _extents(extents: Sequence[Extent]) -> list[pb.Extent]:
@@ -110,7 +120,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise ArenasUnsupported(
                 f"namespace {ns.namespace_id} is a tenant namespace, whose chunks live in the tenant's own "
                 f"arena, and this session's client maps only the public pool: upgrade the client, or use "
-                f"region transfers (StoreFromRegion / LoadToRegion)")
+                f"region transfers (StoreFromRegion / LoadToRegion)"
+            )
 
     def _check_handles(self, handles: Sequence[int]) -> None:
         if len(handles) > self._max_keys:
@@ -122,7 +133,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if spec.tenant_salt and session is None:
             raise SessionRequired("a tenant namespace (tenant_salt set) must be registered with a session_id")
         ns = self._namespaces.register(
-            spec.model, spec.dtype, spec.chunk_bytes, spec.layout, spec.tenant_salt, spec.key_bytes,
+            spec.model,
+            spec.dtype,
+            spec.chunk_bytes,
+            spec.layout,
+            spec.tenant_salt,
+            spec.key_bytes,
             spec.block_tokens,
         )
         placed = self._tenancy.register(session, ns, spec.quota_bytes)
@@ -192,10 +208,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         ns = self._ns_keys(request.namespace_id, request.keys)
         region = session.region(request.region_id)
         if not self._visible(ns, session):
-            return pb.StoreFromRegionResponse(dropped=len(request.keys),
-                                              outcomes=[pb.STORE_OUTCOME_DROPPED] * len(request.keys))
-        result = await self._broker.store_from_region(session, ns, region, request.keys, request.offsets,
-                                                      _start_by(request))
+            return pb.StoreFromRegionResponse(
+                dropped=len(request.keys), outcomes=[pb.STORE_OUTCOME_DROPPED] * len(request.keys)
+            )
+        result = await self._broker.store_from_region(
+            session, ns, region, request.keys, request.offsets, _start_by(request)
+        )
         return pb.StoreFromRegionResponse(
             stored=result.count(ReserveOutcome.RESERVED),
             already_present=result.count(ReserveOutcome.ALREADY_PRESENT),
@@ -209,8 +227,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         region = session.region(request.region_id)
         if not self._visible(ns, session):
             return pb.LoadToRegionResponse(loaded=0)
-        loaded = await self._broker.load_to_region(session, ns, region, request.keys, request.offsets,
-                                                   _start_by(request))
+        loaded = await self._broker.load_to_region(
+            session, ns, region, request.keys, request.offsets, _start_by(request)
+        )
         return pb.LoadToRegionResponse(loaded=loaded)
 
     async def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteResponse:
@@ -235,18 +254,31 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             chunks, ram_bytes = usage.get(ns.namespace_id, (0, 0))
             own = self._tenancy.namespace_usage(ns.namespace_id)
             tenant = self._tenancy.tenant_usage(ns.tenant) if ns.private else None
-            infos.append(pb.NamespaceInfo(
-                namespace_id=ns.namespace_id, model=ns.model, dtype=ns.dtype, chunk_bytes=ns.chunk_bytes,
-                layout=ns.layout, key_bytes=ns.key_bytes, block_tokens=ns.block_tokens, tenant=ns.private,
-                ram_chunks=chunks, ram_bytes=ram_bytes, quota_bytes=own.quota_bytes if own else 0,
-                tenant_quota_bytes=tenant.quota_bytes if tenant else 0,
-                tenant_ram_bytes=tenant.used_bytes if tenant else 0,
-                recovered_from=self._namespaces.recovered_from(ns.namespace_id),
-            ))
+            infos.append(
+                pb.NamespaceInfo(
+                    namespace_id=ns.namespace_id,
+                    model=ns.model,
+                    dtype=ns.dtype,
+                    chunk_bytes=ns.chunk_bytes,
+                    layout=ns.layout,
+                    key_bytes=ns.key_bytes,
+                    block_tokens=ns.block_tokens,
+                    tenant=ns.private,
+                    ram_chunks=chunks,
+                    ram_bytes=ram_bytes,
+                    quota_bytes=own.quota_bytes if own else 0,
+                    tenant_quota_bytes=tenant.quota_bytes if tenant else 0,
+                    tenant_ram_bytes=tenant.used_bytes if tenant else 0,
+                    recovered_from=self._namespaces.recovered_from(ns.namespace_id),
+                )
+            )
         tenants = self._tenancy.snapshot().tenants
-        return pb.ListNamespacesResponse(namespaces=infos, tenants=len(tenants),
-                                         tenant_ram_bytes=sum(t.used_bytes for t in tenants),
-                                         tenant_quota_bytes=self._tenancy.tenant_quota_bytes)
+        return pb.ListNamespacesResponse(
+            namespaces=infos,
+            tenants=len(tenants),
+            tenant_ram_bytes=sum(t.used_bytes for t in tenants),
+            tenant_quota_bytes=self._tenancy.tenant_quota_bytes,
+        )
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         peer_leases, peer_reservations = self._peer_counts()
@@ -272,8 +304,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             # Ended here, not raised, so the error-mapping interceptor leaves the status as is.
             context.set_code(grpc.StatusCode.OUT_OF_RANGE)
             context.set_trailing_metadata(((OLDEST_SEQ_KEY, str(bus.oldest_seq)),))
-            context.set_details(f"events from seq {request.from_seq} are no longer buffered; the oldest "
-                                f"available is seq {bus.oldest_seq} (events_buffer={bus.buffer_events})")
+            context.set_details(
+                f"events from seq {request.from_seq} are no longer buffered; the oldest "
+                f"available is seq {bus.oldest_seq} (events_buffer={bus.buffer_events})"
+            )
             return
         sub = bus.subscribe(accepts)  # before the replay, so no event falls between the two
         try:
@@ -291,9 +325,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     yield _event(live)
                     last = live.seq
                 if sub.lagged and sub.queue.empty():
-                    raise WatcherLagged(
-                        f"event watcher fell behind after seq {last}; resume with from_seq={last + 1}"
-                    )
+                    raise WatcherLagged(f"event watcher fell behind after seq {last}; resume with from_seq={last + 1}")
         finally:
             bus.unsubscribe(sub)
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The session socket: a SOCK_SEQPACKET unix socket beside the gRPC one.
 
 gRPC cannot carry file descriptors, and the data path needs them: the daemon hands each client
@@ -51,8 +53,9 @@ def _send(sock: socket.socket, reply: pb.SessionReply, fds: list[int] | None = N
 
 
 class SessionSocketServer:
-    def __init__(self, path: Path, mode: int, broker: SessionBroker, pool: SharedPool, page_bytes: int,
-                 tenancy: Tenancy) -> None:
+    def __init__(
+        self, path: Path, mode: int, broker: SessionBroker, pool: SharedPool, page_bytes: int, tenancy: Tenancy
+    ) -> None:
         self._path = path
         self._mode = mode
         self._broker = broker

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Client sessions and the handles (leases, reservations) and regions they hold: bookkeeping only.
 
 A session lives exactly as long as its connection to the session socket; the session broker
@@ -88,8 +90,7 @@ class SessionRegistry:
             return self._sessions[session_id]
         except KeyError:
             raise UnknownSession(
-                f"unknown session {shown(session_id)}: sessions live as long as their connection "
-                f"to the session socket"
+                f"unknown session {shown(session_id)}: sessions live as long as their connection to the session socket"
             ) from None
 
     def remove(self, session: Session) -> None:

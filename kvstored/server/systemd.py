@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """sd_notify without libsystemd: one datagram to $NOTIFY_SOCKET, a no-op outside systemd."""
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Tenants: each tenant (a tenant_salt) keeps its chunks in an arena of its own, within a quota.
 
 - A tenant's arena (a sparse memfd, twice as large as the tenant's quota: pages being returned
@@ -51,6 +53,7 @@ def events_for(namespaces: NamespaceRegistry, session: Session | None) -> EventF
     """The events `session` (None: no session) may see: those of the namespaces visible to it.
     A namespace not registered since the daemon started (an fs tier evicting files of an earlier
     run, say) may be a tenant's: its events are seen by nobody."""
+
     def accepts(event: KvEvent) -> bool:
         ns = namespaces.find(event.namespace_id)
         return ns is not None and visible(ns, session)
@@ -155,10 +158,15 @@ class Tenancy:
         metrics, which anyone who reaches them may read). A tenant is named by its arena id: its
         key is a digest of its salt, and a digest of a guessable salt would give the salt (the
         tenant's credential) away; its namespaces are not named at all."""
-        public = [(ns_id, scope) for ns_id, scope in self._ns_scopes.items()
-                  if not (ns := self._namespaces.find(ns_id)) or not ns.private]
-        return QuotaSnapshot([self._usage(str(t.arena.arena_id), t.scope) for t in self._tenants.values()],
-                             [self._usage(ns_id, scope) for ns_id, scope in public])
+        public = [
+            (ns_id, scope)
+            for ns_id, scope in self._ns_scopes.items()
+            if not (ns := self._namespaces.find(ns_id)) or not ns.private
+        ]
+        return QuotaSnapshot(
+            [self._usage(str(t.arena.arena_id), t.scope) for t in self._tenants.values()],
+            [self._usage(ns_id, scope) for ns_id, scope in public],
+        )
 
     # -- sessions and arenas --------------------------------------------------------------
 
@@ -166,8 +174,10 @@ class Tenancy:
         """An arena `session` may map: the public one, or one of a tenant it registered."""
         tenant = self._by_arena.get(arena_id)
         if arena_id != PUBLIC_ARENA and (tenant is None or tenant.key not in session.tenants):
-            raise UnknownArena(f"arena {arena_id} is not open to session {session.session_id}: register "
-                               f"a namespace of its tenant in this session first")
+            raise UnknownArena(
+                f"arena {arena_id} is not open to session {session.session_id}: register "
+                f"a namespace of its tenant in this session first"
+            )
         return self._arenas.get(arena_id)
 
     def session_opened(self, session: Session) -> None:
@@ -202,8 +212,10 @@ class Tenancy:
         if len(self._tenants) >= self._max_tenants:
             self.sweep()
         if len(self._tenants) >= self._max_tenants:
-            raise TooManyTenants(f"{len(self._tenants)} tenants hold arenas (max_tenants={self._max_tenants}); "
-                                 f"a new tenant can register once one has no session and no chunk in RAM")
+            raise TooManyTenants(
+                f"{len(self._tenants)} tenants hold arenas (max_tenants={self._max_tenants}); "
+                f"a new tenant can register once one has no session and no chunk in RAM"
+            )
         size = 2 * self._tenant_pages * self._page  # address space only: memory follows use
         arena = self._arenas.create(key, size)
         self._ram.add_arena(arena.arena_id, size)
@@ -216,8 +228,10 @@ class Tenancy:
 
     def _set_quota(self, ns: Namespace, quota_bytes: int) -> None:
         if quota_bytes < ns.chunk_bytes:
-            raise InvalidRequest(f"quota_bytes {quota_bytes} is less than one chunk ({ns.chunk_bytes} bytes) "
-                                 f"of namespace {ns.namespace_id}")
+            raise InvalidRequest(
+                f"quota_bytes {quota_bytes} is less than one chunk ({ns.chunk_bytes} bytes) "
+                f"of namespace {ns.namespace_id}"
+            )
         cap = self.tenant_quota_bytes if ns.private else self._ram.capacity_bytes
         pages = max(min(quota_bytes, cap) // self._page, self._ram.pages_for(ns.chunk_bytes))  # whole chunks
         scope = self._ns_scopes.get(ns.namespace_id)

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 /* memcpy that survives SIGBUS.
  *
  * The daemon maps client region files. A client that shrinks its file while the daemon copies

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Page allocator for a shared-memory arena (pure bookkeeping, no I/O).
 
 An arena is cut into fixed pages. A chunk gets one contiguous run of pages when one is free

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Arenas: the shared-memory files the RAM tier's chunks live in.
 
 Arena 0 is the public pool (SharedPool), handed to every session. Each tenant has an arena of its

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Open a file strictly beneath a directory, with no symlink anywhere on the way, in one step.
 
 Checking a path (realpath, then "is it under the allowed directory?") and opening it afterwards

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Region <-> pool copies on a small thread pool, a large batch split across its threads.
 
 One core's memcpy reaches a fraction of a node's memory bandwidth, so a batch of chunks is cut
@@ -47,8 +49,10 @@ class Copier:
         if not jobs:
             return
         loop = asyncio.get_running_loop()
-        futures = [loop.run_in_executor(self._executor, _copy_part, region, pool, part, to_pool)
-                   for part in split(jobs, self.threads)]
+        futures = [
+            loop.run_in_executor(self._executor, _copy_part, region, pool, part, to_pool)
+            for part in split(jobs, self.threads)
+        ]
         cancelled = False
         while not all(f.done() for f in futures):
             try:
@@ -88,8 +92,8 @@ def _copy_part(region: np.ndarray, pool: np.ndarray, jobs: list[CopyJob], to_poo
     for job in jobs:
         offset = job.region_offset
         for ext in job.extents:
-            pool_part = pool[ext.offset:ext.offset + ext.length]
-            region_part = region[offset:offset + ext.length]
+            pool_part = pool[ext.offset : ext.offset + ext.length]
+            region_part = region[offset : offset + ext.length]
             if to_pool:
                 guarded_copy(pool_part, region_part)
             else:

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Copies between client regions and the pool that a shrinking region file cannot turn into a
 daemon crash (see _safecopy.c). Without the compiled helper, copies are plain numpy copies."""
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Shared-memory mappings: the daemon's pool (a memfd) and client regions (files passed by fd)."""
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ class SharedPool:
     here and now, populate=False leaves that to populate() (in steps, with progress and a stop).
     """
 
-    def __init__(self, size: int, populate: bool, *, pages: PoolPages = PoolPages.SMALL,
-                 numa: NumaPlacement | None = None) -> None:
+    def __init__(
+        self, size: int, populate: bool, *, pages: PoolPages = PoolPages.SMALL, numa: NumaPlacement | None = None
+    ) -> None:
         self.memory = memory.create_memfd(size, pages, numa)
         self.size = size
         self.fd = self.memory.fd
@@ -59,8 +62,9 @@ class SharedPool:
             raise
         self.array = np.frombuffer(self._map, dtype=np.uint8)
 
-    def populate(self, progress: Callable[[PopulateProgress], None] | None = None,
-                 stop: threading.Event | None = None) -> bool:
+    def populate(
+        self, progress: Callable[[PopulateProgress], None] | None = None, stop: threading.Event | None = None
+    ) -> bool:
         """Fill every page (blocking: run it in a thread); False if `stop` ended it first."""
         return memory.populate(self.memory, progress, stop)
 

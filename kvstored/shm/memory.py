@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The pool's memory: a sealed memfd of 4 KiB pages, transparent huge pages or hugetlb pages,
 placed on a NUMA node or interleaved, mapped here and populated in steps.
 
@@ -118,6 +120,7 @@ class PopulateProgress:
 
 # -- what the machine has ------------------------------------------------------------------------
 
+
 def meminfo() -> dict[str, int]:
     """/proc/meminfo in bytes (HugePages_* counts stay counts)."""
     out = {}
@@ -193,8 +196,10 @@ def check_request(size: int, pages: PoolPages, numa: NumaPlacement | None, popul
     if the machine cannot give the pool; returns warnings for what it gives only in part."""
     warnings: list[str] = []
     if numa is not None and numa.node is not None and numa.node not in numa_nodes():
-        raise PoolMemoryError(f"numa_node {numa.node} does not exist: this machine's NUMA nodes with memory are "
-                              f"{', '.join(map(str, numa_nodes()))}")
+        raise PoolMemoryError(
+            f"numa_node {numa.node} does not exist: this machine's NUMA nodes with memory are "
+            f"{', '.join(map(str, numa_nodes()))}"
+        )
     if numa is not None and SYS_MBIND is None:
         raise PoolMemoryError(f"numa_node is not supported on {platform.machine()} (no mbind syscall number known)")
     if pages is PoolPages.HUGETLB:
@@ -210,7 +215,8 @@ def check_request(size: int, pages: PoolPages, numa: NumaPlacement | None, popul
                 f"this system has {free} free (HugePages_Total {info.get('HugePages_Total', 0)}, HugePages_Free "
                 f"{info.get('HugePages_Free', 0)}, HugePages_Rsvd {info.get('HugePages_Rsvd', 0)} in /proc/meminfo). "
                 f"Reserve them: sysctl vm.nr_hugepages={info.get('HugePages_Total', 0) + wanted - free} "
-                f"(at boot: hugepages=N on the kernel command line), or use pool_pages = thp or 4k")
+                f"(at boot: hugepages=N on the kernel command line), or use pool_pages = thp or 4k"
+            )
         return warnings
     info = meminfo()
     total, available = info.get("MemTotal", 0), info.get("MemAvailable", 0)
@@ -219,22 +225,30 @@ def check_request(size: int, pages: PoolPages, numa: NumaPlacement | None, popul
     if limit is not None:
         has += f", a cgroup limit of {format_size(limit)}"
     if size > min(total, limit or total) or (populate and size > available):
-        raise PoolMemoryError(f"cpu_bytes {format_size(size)} is more than this machine can give: it has {has}; "
-                              f"set --cpu-bytes (cpu_bytes) below that (the default, 25% of RAM, is "
-                              f"{format_size(total // 4)} here)")
+        raise PoolMemoryError(
+            f"cpu_bytes {format_size(size)} is more than this machine can give: it has {has}; "
+            f"set --cpu-bytes (cpu_bytes) below that (the default, 25% of RAM, is "
+            f"{format_size(total // 4)} here)"
+        )
     if size > available:
-        warnings.append(f"cpu_bytes {format_size(size)} is more than the {format_size(available)} available now: "
-                        f"the pool may be swapped out or the daemon killed when it fills")
+        warnings.append(
+            f"cpu_bytes {format_size(size)} is more than the {format_size(available)} available now: "
+            f"the pool may be swapped out or the daemon killed when it fills"
+        )
     if pages is PoolPages.THP and thp_shmem_mode() not in ("always", "within_size", "advise", "force"):
-        warnings.append(f"pool_pages = thp has no effect: {THP_SHMEM} is {thp_shmem_mode()!r}, so the pool gets "
-                        f"4 KiB pages (echo advise > {THP_SHMEM}, or use pool_pages = hugetlb)")
+        warnings.append(
+            f"pool_pages = thp has no effect: {THP_SHMEM} is {thp_shmem_mode()!r}, so the pool gets "
+            f"4 KiB pages (echo advise > {THP_SHMEM}, or use pool_pages = hugetlb)"
+        )
     return warnings
 
 
 # -- making and filling the pool -------------------------------------------------------------------
 
-def create_memfd(size: int, pages: PoolPages = PoolPages.SMALL, numa: NumaPlacement | None = None,
-                 name: str = "kvstored-pool") -> PoolMemory:
+
+def create_memfd(
+    size: int, pages: PoolPages = PoolPages.SMALL, numa: NumaPlacement | None = None, name: str = "kvstored-pool"
+) -> PoolMemory:
     """A sealed memfd of `size` bytes (a multiple of 2 MiB for hugetlb: see pool_size), mapped
     here, with its NUMA policy and huge-page advice applied before any page is touched."""
     flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | (MFD_HUGETLB | MFD_HUGE_2MB if pages is PoolPages.HUGETLB else 0)
@@ -250,8 +264,9 @@ def create_memfd(size: int, pages: PoolPages = PoolPages.SMALL, numa: NumaPlacem
         try:
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:  # hugetlb: the reservation is taken here
-            raise PoolMemoryError(f"cannot map a {format_size(size)} pool of {pages.value} pages: {exc.strerror} "
-                                  f"({_has(pages)})") from None
+            raise PoolMemoryError(
+                f"cannot map a {format_size(size)} pool of {pages.value} pages: {exc.strerror} ({_has(pages)})"
+            ) from None
         try:
             address = _address(mapping)
             if numa is not None:
@@ -267,9 +282,13 @@ def create_memfd(size: int, pages: PoolPages = PoolPages.SMALL, numa: NumaPlacem
     return PoolMemory(fd, mapping, size, pages, numa)
 
 
-def populate(memory: PoolMemory, progress: Callable[[PopulateProgress], None] | None = None,
-             stop: threading.Event | None = None, report_every_s: float = REPORT_EVERY_S,
-             clock: Callable[[], float] = time.monotonic) -> bool:
+def populate(
+    memory: PoolMemory,
+    progress: Callable[[PopulateProgress], None] | None = None,
+    stop: threading.Event | None = None,
+    report_every_s: float = REPORT_EVERY_S,
+    clock: Callable[[], float] = time.monotonic,
+) -> bool:
     """Allocate and map every page of the pool, POPULATE_STEP_BYTES at a time (blocking, without
     the GIL: run it in a thread). `progress` hears at the start, every `report_every_s` and at
     the end; `stop` ends it within one step. True once every page is in, False if stopped."""
@@ -283,12 +302,13 @@ def populate(memory: PoolMemory, progress: Callable[[PopulateProgress], None] | 
         if stop is not None and stop.is_set():
             return False
         length = min(POPULATE_STEP_BYTES, size - offset)
-        if not touch and _libc.madvise(ctypes.c_void_p(address + offset), ctypes.c_size_t(length),
-                                       MADV_POPULATE_WRITE):
+        if not touch and _libc.madvise(ctypes.c_void_p(address + offset), ctypes.c_size_t(length), MADV_POPULATE_WRITE):
             err = ctypes.get_errno()
             if err != errno.EINVAL:
-                raise PoolMemoryError(f"populating the pool failed at {format_size(offset)} of {format_size(size)}: "
-                                      f"{os.strerror(err)} ({_has(memory.pages)})")
+                raise PoolMemoryError(
+                    f"populating the pool failed at {format_size(offset)} of {format_size(size)}: "
+                    f"{os.strerror(err)} ({_has(memory.pages)})"
+                )
             touch = True
         if touch:
             page = HUGE_PAGE_BYTES if memory.pages is PoolPages.HUGETLB else mmap.PAGESIZE
@@ -352,7 +372,14 @@ def _mbind(address: int, size: int, numa: NumaPlacement) -> None:
         mask[node // word] |= 1 << (node % word)
     mode = MPOL_INTERLEAVE if numa.node is None else MPOL_BIND
     # syscall() is variadic and reads every argument as a long: pass each one that wide
-    if _libc.syscall(ctypes.c_long(SYS_MBIND), ctypes.c_void_p(address), ctypes.c_ulong(size), ctypes.c_ulong(mode),
-                     mask, ctypes.c_ulong(bits + 1), ctypes.c_ulong(0)):
+    if _libc.syscall(
+        ctypes.c_long(SYS_MBIND),
+        ctypes.c_void_p(address),
+        ctypes.c_ulong(size),
+        ctypes.c_ulong(mode),
+        mask,
+        ctypes.c_ulong(bits + 1),
+        ctypes.c_ulong(0),
+    ):
         err = ctypes.get_errno()
         raise PoolMemoryError(f"numa_node {numa}: mbind of the pool failed: {os.strerror(err)}")

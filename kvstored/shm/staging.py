@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Staging memory: where a region load reads a chunk from a lower tier when RAM has no free room.
 
 The tier reads the chunk into staging pages and verifies it there; one guarded copy then puts it
@@ -77,7 +79,7 @@ class Staging:
 
     def views(self, slot: StagingSlot) -> list[memoryview]:
         """The slot's whole pages (page-aligned, page-multiple lengths: what tiers read into)."""
-        return [self._view[r.start * PAGE_BYTES:(r.start + r.count) * PAGE_BYTES] for r in slot.runs]
+        return [self._view[r.start * PAGE_BYTES : (r.start + r.count) * PAGE_BYTES] for r in slot.runs]
 
     def extents(self, slot: StagingSlot) -> list[Extent]:
         """The chunk's bytes in `array`, in order (what the copier copies out)."""

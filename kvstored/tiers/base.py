@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """What every tier shares: the secondary-tier interface, outcomes and counters."""
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Capacity bookkeeping the fs and s3 tiers share: which chunks are stored, LRU order, capacity, admission.
 
 No I/O here; the tier (FsTier, S3Tier) does the work and tells the index what happened.

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The config of each tier kind (one frozen dataclass per kind) and what the daemon hands a
 kind's factory. Apart from the registry (tiers/registry.py) so a kind's module (tiers/peer.py)
 and the registry both import it, not each other."""

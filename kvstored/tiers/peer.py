@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The peer tier: chunks other kvstored daemons hold in their RAM or on their local tiers.
 
 - `contains` asks only the remote-location index (kvstored/peer/index.py), fed by every
@@ -66,11 +68,14 @@ class PeerTier(SecondaryTier):
         self.index = PeerIndex(cfg.index_entries)
         self.membership = Membership(cfg.peers, own, cfg.breaker_failures, cfg.breaker_reset_s)
         transport = TransportConfig(
-            connect_timeout_s=cfg.connect_timeout_s, settle_timeout_s=cfg.settle_timeout_s,
-            tcp_connections=cfg.tcp_connections, ucx=UcxConfig(tls=cfg.ucx_tls, net_devices=cfg.ucx_net_devices),
+            connect_timeout_s=cfg.connect_timeout_s,
+            settle_timeout_s=cfg.settle_timeout_s,
+            tcp_connections=cfg.tcp_connections,
+            ucx=UcxConfig(tls=cfg.ucx_tls, net_devices=cfg.ucx_net_devices),
         )
-        settings = FleetSettings(cfg.transport, transport, cfg.connect_timeout_s, cfg.reconnect_s,
-                                 cfg.peers_dns, cfg.dns_interval_s)
+        settings = FleetSettings(
+            cfg.transport, transport, cfg.connect_timeout_s, cfg.reconnect_s, cfg.peers_dns, cfg.dns_interval_s
+        )
         self.fleet = PeerFleet(settings, self.membership, self.index, _client_tls(cfg, options))
         self._fetchers: dict[PeerRecord, PeerFetcher] = {}
         self._replaced: list[PeerFetcher] = []  # of links since replaced: closed with the tier
@@ -181,8 +186,14 @@ class PeerTier(SecondaryTier):
                 self._replaced.append(self._fetchers.pop(gone))  # a peer DNS no longer names
             self._replaced = [f for f in self._replaced if f.in_flight]  # kept while their batches run
             fetcher = self._fetchers[record] = PeerFetcher(
-                link, self._asker(record), self.config.max_batch, self.config.fetch_timeout_s,
-                functools.partial(self._gate, record), functools.partial(self._verdict, record), self._busy)
+                link,
+                self._asker(record),
+                self.config.max_batch,
+                self.config.fetch_timeout_s,
+                functools.partial(self._gate, record),
+                functools.partial(self._verdict, record),
+                self._busy,
+            )
         return fetcher
 
     def _asker(self, record: PeerRecord):
@@ -191,8 +202,9 @@ class PeerTier(SecondaryTier):
 
         def ask_for(ns: Namespace, keys: list[bytes]):
             async def ask(order: SendOrder) -> Sequence[Receipt]:
-                request = fetch_request(order, self.incarnation, ns.namespace_id, ns.chunk_bytes, ns.key_bytes,
-                                        keys, timeout_s)
+                request = fetch_request(
+                    order, self.incarnation, ns.namespace_id, ns.chunk_bytes, ns.key_bytes, keys, timeout_s
+                )
                 try:
                     response = await channel.fetch(request, timeout_s)
                 except grpc.aio.AioRpcError as exc:

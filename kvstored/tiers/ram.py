@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Host-RAM tier bookkeeping: which chunk lives in which pool pages, LRU order, leases.
 
 No bytes move here; callers copy through the pool using the extents this returns.
@@ -124,7 +126,11 @@ class Reservation:
 
 class RamTier:
     def __init__(
-        self, pool_bytes: int, page_bytes: int, has_lower_tiers: bool = False, populated: bool = True,
+        self,
+        pool_bytes: int,
+        page_bytes: int,
+        has_lower_tiers: bool = False,
+        populated: bool = True,
         slack_bytes: int = DEFAULT_SLACK_BYTES,
     ) -> None:
         """pool_bytes: the capacity, and the size of the public arena; populated: whether the
@@ -215,8 +221,11 @@ class RamTier:
         if placement is None or alloc is None:
             return False
         pages = self.pages_for(size)
-        return (self._capacity_pages - self._used_pages >= pages and alloc.free_pages >= pages
-                and all(scope.used_pages + pages <= scope.limit_pages for scope in placement.scopes))
+        return (
+            self._capacity_pages - self._used_pages >= pages
+            and alloc.free_pages >= pages
+            and all(scope.used_pages + pages <= scope.limit_pages for scope in placement.scopes)
+        )
 
     def limit_bytes(self, scope: QuotaScope | None = None) -> int:
         """The most that may be held: the tier's capacity (scope None), or a scope's quota."""
@@ -298,8 +307,11 @@ class RamTier:
         evicted: list[ChunkId] = []
         runs = None
         # Over a quota, the scope's own chunks make room first; then the tier's LRU.
-        if (all(self._fit_scope(scope, pages, evicted) for scope in placement.scopes)
-                and self._make_room(pages, evicted) and self._fit_arena(placement.arena, pages, evicted)):
+        if (
+            all(self._fit_scope(scope, pages, evicted) for scope in placement.scopes)
+            and self._make_room(pages, evicted)
+            and self._fit_arena(placement.arena, pages, evicted)
+        ):
             before = alloc.resident_pages
             runs = alloc.allocate(pages)
             if alloc.resident_pages > before:  # it took holes: the arenas hold more memory now
@@ -443,7 +455,7 @@ class RamTier:
         """The chunk's whole pages as views of its arena's mapping `arena` (page-aligned,
         page-multiple lengths)."""
         pb = self.page_bytes
-        return [arena[r.start * pb:(r.start + r.count) * pb] for r in entry.runs]
+        return [arena[r.start * pb : (r.start + r.count) * pb] for r in entry.runs]
 
     def extents(self, entry: RamEntry) -> list[Extent]:
         out, remaining = [], entry.size
@@ -559,9 +571,13 @@ class RamTier:
             return
         excess = self._resident_pages - self._releasing_pages - self._capacity_pages - self._slack_pages
         while excess > 0:
-            candidates = [(alloc.resident_free_pages, arena) for arena, alloc in self._arenas.items()
-                          if alloc.resident_free_pages and arena != allocated_in
-                          and (arena != PUBLIC_ARENA or self._public_releasable)]
+            candidates = [
+                (alloc.resident_free_pages, arena)
+                for arena, alloc in self._arenas.items()
+                if alloc.resident_free_pages
+                and arena != allocated_in
+                and (arena != PUBLIC_ARENA or self._public_releasable)
+            ]
             if not candidates:
                 return
             free, arena = max(candidates)

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The tier kinds below RAM, keyed by the `kind` of a [[tiers]] entry.
 
 Each kind registers, in one TierKindSpec: its config dataclass, how to parse its options and
@@ -47,7 +49,10 @@ C = TypeVar("C", bound=TierConfig)
 
 # Options most kinds share; a kind's own parsers are added to these.
 COMMON_PARSERS: Mapping[str, Parser] = {
-    "bytes": parse_size, "admission": AdmissionPolicy, "concurrency": int, "max_backlog": int,
+    "bytes": parse_size,
+    "admission": AdmissionPolicy,
+    "concurrency": int,
+    "max_backlog": int,
 }
 
 
@@ -78,8 +83,10 @@ class TierKindSpec(Generic[C]):
         fields = {f.name for f in dataclasses.fields(self.config)}
         named = set(self.parsers) | set(self.minimums) | ({"admission"} if self.capabilities.admission else set())
         if named - fields:
-            raise TypeError(f"tier kind {self.label!r}: {', '.join(sorted(named - fields))} "
-                            f"not among the fields of {self.config.__name__}")
+            raise TypeError(
+                f"tier kind {self.label!r}: {', '.join(sorted(named - fields))} "
+                f"not among the fields of {self.config.__name__}"
+            )
 
     def parse(self, option: str, raw: Any) -> Any:
         return self.parsers.get(option, str)(raw)
@@ -109,12 +116,22 @@ class TierKindSpec(Generic[C]):
 def _build_fs(cfg: FsTierConfig, ctx: TierContext) -> SecondaryTier:
     from kvstored.tiers.fs.tier import FsTier
 
-    return FsTier(cfg.name, cfg.root, cfg.bytes, admission=cfg.admission, io_threads=cfg.io_threads,
-                  direct_io=cfg.direct_io, group_access=cfg.group_access)
+    return FsTier(
+        cfg.name,
+        cfg.root,
+        cfg.bytes,
+        admission=cfg.admission,
+        io_threads=cfg.io_threads,
+        direct_io=cfg.direct_io,
+        group_access=cfg.group_access,
+    )
 
 
 FS = TierKindSpec(
-    label="fs", kind=TierKind.FS, config=FsTierConfig, build=_build_fs,
+    label="fs",
+    kind=TierKind.FS,
+    config=FsTierConfig,
+    build=_build_fs,
     parsers={**COMMON_PARSERS, "root": Path, "io_threads": int, "direct_io": parse_bool, "group_access": parse_bool},
     # (the tiers only find out when built or, worse, run: concurrency 0 starts no worker, so loads
     # wait forever; max_backlog <= 0 drops every write-down)
@@ -129,11 +146,23 @@ FS = TierKindSpec(
 def _build_s3(cfg: S3TierConfig, ctx: TierContext) -> SecondaryTier:
     from kvstored.tiers.s3 import S3Tier  # aiobotocore is only imported when used
 
-    return S3Tier(cfg.name, cfg.bucket, prefix=cfg.prefix, endpoint_url=cfg.endpoint_url, region=cfg.region,
-                  access_key=cfg.access_key, secret_key=cfg.secret_key, capacity_bytes=cfg.bytes,
-                  max_concurrency=cfg.concurrency, timeout_s=cfg.timeout_s, admission=cfg.admission,
-                  negative_cache_s=cfg.negative_cache_s, breaker_failures=cfg.breaker_failures,
-                  breaker_reset_s=cfg.breaker_reset_s, create_bucket=cfg.create_bucket)
+    return S3Tier(
+        cfg.name,
+        cfg.bucket,
+        prefix=cfg.prefix,
+        endpoint_url=cfg.endpoint_url,
+        region=cfg.region,
+        access_key=cfg.access_key,
+        secret_key=cfg.secret_key,
+        capacity_bytes=cfg.bytes,
+        max_concurrency=cfg.concurrency,
+        timeout_s=cfg.timeout_s,
+        admission=cfg.admission,
+        negative_cache_s=cfg.negative_cache_s,
+        breaker_failures=cfg.breaker_failures,
+        breaker_reset_s=cfg.breaker_reset_s,
+        create_bucket=cfg.create_bucket,
+    )
 
 
 def _check_s3(cfg: S3TierConfig) -> None:
@@ -142,11 +171,26 @@ def _check_s3(cfg: S3TierConfig) -> None:
 
 
 S3 = TierKindSpec(
-    label="s3", kind=TierKind.S3, config=S3TierConfig, build=_build_s3,
-    parsers={**COMMON_PARSERS, "timeout_s": parse_seconds, "negative_cache_s": parse_seconds,
-             "breaker_failures": int, "breaker_reset_s": parse_seconds, "create_bucket": parse_bool},
-    minimums={"bytes": 0, "concurrency": 1, "max_backlog": 1, "negative_cache_s": 0, "breaker_failures": 1,
-              "breaker_reset_s": 0},
+    label="s3",
+    kind=TierKind.S3,
+    config=S3TierConfig,
+    build=_build_s3,
+    parsers={
+        **COMMON_PARSERS,
+        "timeout_s": parse_seconds,
+        "negative_cache_s": parse_seconds,
+        "breaker_failures": int,
+        "breaker_reset_s": parse_seconds,
+        "create_bucket": parse_bool,
+    },
+    minimums={
+        "bytes": 0,
+        "concurrency": 1,
+        "max_backlog": 1,
+        "negative_cache_s": 0,
+        "breaker_failures": 1,
+        "breaker_reset_s": 0,
+    },
     # shared storage: peers read the bucket themselves rather than through another node
     capabilities=TierCapabilities(admission=True, local=False),
     check=_check_s3,
@@ -154,6 +198,7 @@ S3 = TierKindSpec(
 
 
 # -- peer -----------------------------------------------------------------------------------
+
 
 def _build_peer(cfg: PeerTierConfig, ctx: TierContext) -> SecondaryTier:
     from kvstored.tiers.peer import PeerTier  # the data plane (and ucxx, when used) load only here
@@ -198,13 +243,15 @@ def _check_peer(cfg: PeerTierConfig) -> None:
 
 def _check_peer_in(cfg: PeerTierConfig, daemon: DaemonOptions) -> None:
     if not daemon.tcp_listen:
-        raise ValueError("needs tcp_listen (the address its peers connect to): set tcp_listen = \"HOST:PORT\"")
+        raise ValueError('needs tcp_listen (the address its peers connect to): set tcp_listen = "HOST:PORT"')
     tcp, ucx = data_ports(cfg, daemon.tcp_listen)
     listen_port = int(daemon.tcp_listen.rpartition(":")[2])
     for option, port in (("tcp_port", tcp), ("ucx_port", ucx)):
         if not 0 <= port <= 65535:
-            raise ValueError(f"{option} is tcp_listen's port + {DATA_PORT_OFFSETS[option == 'ucx_port']} = {port} "
-                             f"by default, above 65535: set {option}")
+            raise ValueError(
+                f"{option} is tcp_listen's port + {DATA_PORT_OFFSETS[option == 'ucx_port']} = {port} "
+                f"by default, above 65535: set {option}"
+            )
         if port and port == listen_port:
             raise ValueError(f"{option} {port} is tcp_listen's port: give the data plane a port of its own")
     if tcp and tcp == ucx and cfg.transport is not TransportPreference.TCP:
@@ -212,15 +259,41 @@ def _check_peer_in(cfg: PeerTierConfig, daemon: DaemonOptions) -> None:
 
 
 PEER = TierKindSpec(
-    label="peer", kind=TierKind.PEER, config=PeerTierConfig, build=_build_peer,
-    parsers={"peers": _parse_addresses, "peers_dns": _parse_dns, "dns_interval_s": parse_seconds,
-             "transport": TransportPreference, "tcp_port": _parse_port, "ucx_port": _parse_port,
-             "fetch_timeout_s": parse_seconds, "connect_timeout_s": parse_seconds,
-             "settle_timeout_s": parse_seconds, "tcp_connections": int, "max_batch": int, "index_entries": int,
-             "breaker_failures": int, "breaker_reset_s": parse_seconds, "reconnect_s": parse_seconds,
-             "tls_ca_file": Path, "concurrency": int, "max_backlog": int},
-    minimums={"dns_interval_s": 0.1, "tcp_connections": 1, "max_batch": 1, "index_entries": 1,
-              "breaker_failures": 1, "breaker_reset_s": 0, "reconnect_s": 0.05, "concurrency": 1, "max_backlog": 1},
+    label="peer",
+    kind=TierKind.PEER,
+    config=PeerTierConfig,
+    build=_build_peer,
+    parsers={
+        "peers": _parse_addresses,
+        "peers_dns": _parse_dns,
+        "dns_interval_s": parse_seconds,
+        "transport": TransportPreference,
+        "tcp_port": _parse_port,
+        "ucx_port": _parse_port,
+        "fetch_timeout_s": parse_seconds,
+        "connect_timeout_s": parse_seconds,
+        "settle_timeout_s": parse_seconds,
+        "tcp_connections": int,
+        "max_batch": int,
+        "index_entries": int,
+        "breaker_failures": int,
+        "breaker_reset_s": parse_seconds,
+        "reconnect_s": parse_seconds,
+        "tls_ca_file": Path,
+        "concurrency": int,
+        "max_backlog": int,
+    },
+    minimums={
+        "dns_interval_s": 0.1,
+        "tcp_connections": 1,
+        "max_batch": 1,
+        "index_entries": 1,
+        "breaker_failures": 1,
+        "breaker_reset_s": 0,
+        "reconnect_s": 0.05,
+        "concurrency": 1,
+        "max_backlog": 1,
+    },
     # A peer's chunks are its own: nothing is written down to it, deleted from it, or served from it.
     capabilities=TierCapabilities(accepts_writedowns=False, accepts_deletes=False, local=False),
     check=_check_peer,
@@ -251,10 +324,12 @@ def admission_of(cfg: TierConfig) -> AdmissionPolicy | None:
 
 
 def admission_changes(
-    old: Sequence[TierConfig], new: Sequence[TierConfig],
+    old: Sequence[TierConfig],
+    new: Sequence[TierConfig],
 ) -> dict[int, AdmissionPolicy] | None:
     """The admission policies that changed between two tier lists, by tier position (what a
     reload can apply while running); None if anything else about the tiers changed."""
+
     def rest(cfg: TierConfig) -> TierConfig:
         return dataclasses.replace(cfg, admission=AdmissionPolicy.ALWAYS) if admission_of(cfg) is not None else cfg
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Pure helpers for remote tiers: a circuit breaker, a negative cache and retry delays.
 
 No I/O and no event loop here: time comes from an injectable clock, so the logic is unit-tested
@@ -160,4 +162,4 @@ class Backoff:
     cap_s: float = 1.0
 
     def delay(self, attempt: int, rng: Callable[[], float] = random.random) -> float:
-        return rng() * min(self.cap_s, self.base_s * (2 ** attempt))
+        return rng() * min(self.cap_s, self.base_s * (2**attempt))

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """S3 tier: one object per chunk in an S3-compatible store (AWS S3, Ceph radosgw, moto...).
 
 Objects are named like the fs tier's files, `<prefix><ns>/<k0k1>/<k2k3>/<key hex>.kv`, and hold the
@@ -64,16 +66,26 @@ T = TypeVar("T")
 CPU_THREADS = 2  # chunk encode/verify/copy: ~0.3 ms per 2 MiB each, a thread keeps up with many PUTs
 WARMUP_KEY = "_kvstored/warmup"  # under the prefix; never a chunk name (those end in .kv)
 _UNBOUNDED = sys.maxsize
-_THROTTLED_CODES = frozenset({
-    "SlowDown", "Throttling", "ThrottlingException", "RequestThrottled", "TooManyRequests",
-    "RequestTimeout", "ServiceUnavailable", "InternalError",
-})
+_THROTTLED_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestThrottled",
+        "TooManyRequests",
+        "RequestTimeout",
+        "ServiceUnavailable",
+        "InternalError",
+    }
+)
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
 # A HEAD answers 403 without a code; the others come with a body.
-_CREDENTIAL_CODES = frozenset({"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
-                               "InvalidToken", "ExpiredToken"})
-CREDENTIALS_HINT = (" (credentials refused: check access_key/secret_key, or AWS_ACCESS_KEY_ID/"
-                    "AWS_SECRET_ACCESS_KEY in the environment)")
+_CREDENTIAL_CODES = frozenset(
+    {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken"}
+)
+CREDENTIALS_HINT = (
+    " (credentials refused: check access_key/secret_key, or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the environment)"
+)
 
 
 class S3TierError(Exception):
@@ -127,8 +139,8 @@ def classify(exc: BaseException) -> S3Failure | None:
 @dataclass(frozen=True)
 class _DeleteClaim:
     chunk: ChunkId
-    done: asyncio.Future            # resolved when this DELETE has ended (or was abandoned)
-    after: asyncio.Future | None    # an earlier DELETE of the same chunk, which goes first
+    done: asyncio.Future  # resolved when this DELETE has ended (or was abandoned)
+    after: asyncio.Future | None  # an earlier DELETE of the same chunk, which goes first
 
 
 @dataclass(frozen=True)
@@ -221,20 +233,33 @@ class S3Tier(SecondaryTier):
             s3={"payload_signing_enabled": False, **({"addressing_style": "path"} if self.endpoint_url else {})},
         )
         self._stack = AsyncExitStack()
-        self._client = await self._stack.enter_async_context(get_session().create_client(
-            "s3", endpoint_url=self.endpoint_url, region_name=self._region, config=config, **self._credentials,
-        ))
+        self._client = await self._stack.enter_async_context(
+            get_session().create_client(
+                "s3",
+                endpoint_url=self.endpoint_url,
+                region_name=self._region,
+                config=config,
+                **self._credentials,
+            )
+        )
         try:
             await self._setup()
         except S3Failure as exc:
             if exc.fault.answered:
                 await self.close()
                 hint = CREDENTIALS_HINT if exc.detail in _CREDENTIAL_CODES else ""
-                raise S3TierError(f"s3 tier {self.name}: bucket {self.bucket!r} at "
-                                  f"{self.endpoint_url or 'AWS'} is not usable: {exc}{hint}") from exc
+                raise S3TierError(
+                    f"s3 tier {self.name}: bucket {self.bucket!r} at "
+                    f"{self.endpoint_url or 'AWS'} is not usable: {exc}{hint}"
+                ) from exc
             self._breaker.trip()
-            log.warning("s3 tier %s: %s unreachable at start (%s); retrying in %.1f s",
-                        self.name, self.endpoint_url or "S3", exc, self._breaker.reset_s)
+            log.warning(
+                "s3 tier %s: %s unreachable at start (%s); retrying in %.1f s",
+                self.name,
+                self.endpoint_url or "S3",
+                exc,
+                self._breaker.reset_s,
+            )
             return
         except BaseException:
             await self.close()
@@ -242,10 +267,16 @@ class S3Tier(SecondaryTier):
         victims = self._index.shrink_to_capacity()  # the listing found more than the capacity
         if victims:
             await self._evict(self._claim_deletes(victims))
-        log.info("s3 tier %s: bucket %s prefix %r at %s: %d objects, %s known (capacity %s)",
-                 self.name, self.bucket, self.prefix, self.endpoint_url or "AWS", len(self._index),
-                 format_size(self._index.used_bytes),
-                 format_size(self.capacity_bytes) if self.capacity_bytes else "unbounded")
+        log.info(
+            "s3 tier %s: bucket %s prefix %r at %s: %d objects, %s known (capacity %s)",
+            self.name,
+            self.bucket,
+            self.prefix,
+            self.endpoint_url or "AWS",
+            len(self._index),
+            format_size(self._index.used_bytes),
+            format_size(self.capacity_bytes) if self.capacity_bytes else "unbounded",
+        )
 
     async def close(self) -> None:
         self._closed = True
@@ -294,7 +325,7 @@ class S3Tier(SecondaryTier):
                 kwargs["ContinuationToken"] = token
             page = await self._retrying(functools.partial(self._client.list_objects_v2, **kwargs))
             for obj in page.get("Contents", ()):
-                chunk = chunkfile.parse_relpath(obj["Key"][len(self.prefix):])
+                chunk = chunkfile.parse_relpath(obj["Key"][len(self.prefix) :])
                 if chunk is not None:
                     found.append((chunk, int(obj["Size"]), obj["LastModified"].timestamp()))
             token = page.get("NextContinuationToken")
@@ -402,8 +433,9 @@ class S3Tier(SecondaryTier):
         if not known and chunk in self._missing:
             return False
         if not await self._delete(chunk):
-            raise TierUnavailable(f"s3 tier {self.name}: could not delete {self._key(chunk)}; it will not be "
-                                  f"served, retry the delete")
+            raise TierUnavailable(
+                f"s3 tier {self.name}: could not delete {self._key(chunk)}; it will not be served, retry the delete"
+            )
         return True
 
     def known_chunks(self, namespace_id: str) -> list[ChunkId]:
@@ -416,30 +448,31 @@ class S3Tier(SecondaryTier):
         found.update(dict.fromkeys(c for c in self._pending if c[0] == namespace_id))
         ns_prefix = f"{self.prefix}{namespace_id}/"
         for key, _size in await self._guarded("list", ns_prefix, self._list_keys(ns_prefix)):
-            chunk = chunkfile.parse_relpath(key[len(self.prefix):])
+            chunk = chunkfile.parse_relpath(key[len(self.prefix) :])
             if chunk is not None and chunk[0] == namespace_id:
                 found[chunk] = None
         return list(found)
 
     async def save_namespace_record(self, namespace_id: str, record: bytes) -> None:
         key = self.prefix + chunkfile.record_relpath(namespace_id)
-        await self._guarded("write", key, self._call(
-            lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=record)))
+        await self._guarded(
+            "write", key, self._call(lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=record))
+        )
 
     async def remove_namespace_record(self, namespace_id: str) -> None:
         key = self.prefix + chunkfile.record_relpath(namespace_id)
-        await self._guarded("delete", key, self._call(
-            lambda: self._client.delete_object(Bucket=self.bucket, Key=key)))
+        await self._guarded("delete", key, self._call(lambda: self._client.delete_object(Bucket=self.bucket, Key=key)))
 
     async def namespace_records(self) -> dict[str, bytes]:
         records_prefix = f"{self.prefix}{chunkfile.RECORDS_DIR}/"
         names = {}
         for key, size in await self._guarded("list", records_prefix, self._list_keys(records_prefix)):
-            namespace_id = chunkfile.parse_record_name(key[len(records_prefix):])
+            namespace_id = chunkfile.parse_record_name(key[len(records_prefix) :])
             if namespace_id is not None and size <= chunkfile.MAX_RECORD_BYTES:
                 names[namespace_id] = key
-        bodies = await asyncio.gather(*(self._guarded("read", key, self._call(functools.partial(self._read_all, key)))
-                                        for key in names.values()))
+        bodies = await asyncio.gather(
+            *(self._guarded("read", key, self._call(functools.partial(self._read_all, key))) for key in names.values())
+        )
         return dict(zip(names, bodies))
 
     async def _read_all(self, key: str) -> bytes:
@@ -464,8 +497,9 @@ class S3Tier(SecondaryTier):
         try:
             return await work
         except _Skipped:
-            raise TierUnavailable(f"s3 tier {self.name}: cannot {what} {key}: "
-                                  f"{self.endpoint_url or 'S3'} is not answering") from None
+            raise TierUnavailable(
+                f"s3 tier {self.name}: cannot {what} {key}: {self.endpoint_url or 'S3'} is not answering"
+            ) from None
         except S3Failure as exc:
             raise TierUnavailable(f"s3 tier {self.name}: cannot {what} {key}: {exc}") from None
 
@@ -503,8 +537,9 @@ class S3Tier(SecondaryTier):
             length = int(response["ContentLength"])
             return _Body(length, await stream.read() if length == expected else None)
 
-    async def _put(self, chunk: ChunkId, views: Sequence[memoryview], size: int,
-                   victims: list[_DeleteClaim]) -> WriteOutcome:
+    async def _put(
+        self, chunk: ChunkId, views: Sequence[memoryview], size: int, victims: list[_DeleteClaim]
+    ) -> WriteOutcome:
         key = self._key(chunk)
         try:
             body = await self._off_loop(_encode, chunk, views, size)
@@ -634,8 +669,12 @@ class S3Tier(SecondaryTier):
         self._breaker.record(permit, verdict)
         if self._breaker.times_opened != opened:
             self._ready = False  # the probe checks the bucket again (it may have lost its data)
-            log.warning("s3 tier %s: %s is not answering; its calls fail at once for %.1f s at a time",
-                        self.name, self.endpoint_url or "S3", self._breaker.reset_s)
+            log.warning(
+                "s3 tier %s: %s is not answering; its calls fail at once for %.1f s at a time",
+                self.name,
+                self.endpoint_url or "S3",
+                self._breaker.reset_s,
+            )
         elif verdict and permit.probe:
             log.warning("s3 tier %s: %s answers again", self.name, self.endpoint_url or "S3")
 
@@ -688,7 +727,7 @@ def _deliver(body: _Body, chunk: ChunkId, size: int, targets: Sequence[memoryvie
     payload = memoryview(body.data)[HEADER_BYTES:]
     offset = 0
     for target in targets:
-        target[:] = payload[offset:offset + len(target)]
+        target[:] = payload[offset : offset + len(target)]
         offset += len(target)
     return None
 

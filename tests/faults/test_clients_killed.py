@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Clients killed (SIGKILL) while they hold leases and reservations, with half-written chunks in
 their reserved slots, while another client keeps loading and verifying its own chunks.
 
@@ -33,8 +35,9 @@ def test_clients_killed_holding_leases_and_reservations_give_everything_back(dae
     procs = []
     try:
         for i in range(VICTIMS):
-            proc = worker.spawn("hold", d.socket, ns_name, CHUNK, f"{ns_name}/victim{i}", HELD,
-                                "--reserve", str(RESERVED), "--scribble")
+            proc = worker.spawn(
+                "hold", d.socket, ns_name, CHUNK, f"{ns_name}/victim{i}", HELD, "--reserve", str(RESERVED), "--scribble"
+            )
             procs.append(proc)
             info = worker.read_result(proc)
             assert (info["stored"], len(info["leases"]), len(info["reserved"])) == (HELD, HELD, RESERVED), info
@@ -70,8 +73,9 @@ def test_clients_killed_holding_leases_and_reservations_give_everything_back(dae
             assert c.lookup(ns, make_keys(f"{ns_name}/victim{i}/reserved", RESERVED)).prefix_hits == 0
         # Everything the killed clients pinned is usable again: a whole pool of new chunks fits.
         fresh = make_keys(f"{ns_name}/fresh", POOL_CHUNKS)
-        stored = sum(c.store(ns, fresh[i:i + 16], payloads(fresh[i:i + 16], CHUNK)).stored
-                     for i in range(0, POOL_CHUNKS, 16))
+        stored = sum(
+            c.store(ns, fresh[i : i + 16], payloads(fresh[i : i + 16], CHUNK)).stored for i in range(0, POOL_CHUNKS, 16)
+        )
         assert stored == POOL_CHUNKS
         out = np.zeros((POOL_CHUNKS, CHUNK), np.uint8)
         assert c.load(ns, fresh, out) == POOL_CHUNKS

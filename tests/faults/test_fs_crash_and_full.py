@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The fs tier under bad luck, through a real daemon (issue #12, defect 7 and the fault suite):
 kill -9 under mixed load, then a restart whose index must match the disk with no temporary file
 left; a disk that fills up (a small tmpfs). Every loaded byte is compared with the bytes derived
@@ -16,7 +18,10 @@ import pytest
 from tests.support.daemon import short_tmpdir
 from tests.support.data import make_keys, payload, payloads
 from tests.support.fs_check import (
-    assert_index_matches_disk, fs_stats, settled_stats, tmp_files,
+    assert_index_matches_disk,
+    fs_stats,
+    settled_stats,
+    tmp_files,
 )
 from tests.support.worker import spawn
 
@@ -39,10 +44,10 @@ def verify_loads(kv, ns, keys: list[bytes], batch: int = 8) -> int:
     """Load `keys` in batches; every chunk must come back, byte-exact. Returns the bytes checked."""
     out = np.zeros((batch, CHUNK), dtype=np.uint8)
     for i in range(0, len(keys), batch):
-        part = keys[i:i + batch]
+        part = keys[i : i + batch]
         out[:] = 0
-        assert kv.load(ns, part, out[:len(part)]) == len(part)
-        assert np.array_equal(out[:len(part)], payloads(part, CHUNK))
+        assert kv.load(ns, part, out[: len(part)]) == len(part)
+        assert np.array_equal(out[: len(part)], payloads(part, CHUNK))
     return len(keys) * CHUNK
 
 
@@ -79,19 +84,21 @@ def test_kill_9_under_mixed_load_then_restart_matches_the_disk(daemon_factory, f
     with d.client() as kv:
         ns = kv.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
         checked = verify_loads(kv, ns, sorted(bytes.fromhex(h) for h in files))
-    print(f"\nkill -9 under load: workers {results}; {left_by_the_kill} temporary files left by the kill; "
-          f"after restart {len(files)} files = index, {checked} bytes re-read exact")
+    print(
+        f"\nkill -9 under load: workers {results}; {left_by_the_kill} temporary files left by the kill; "
+        f"after restart {len(files)} files = index, {checked} bytes re-read exact"
+    )
 
 
 @pytest.mark.root
 def test_full_disk_refuses_writes_and_serves_exact_bytes(daemon_factory, ns_name):
     mnt = short_tmpdir("kvfull")
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
-                           capture_output=True, text=True)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
     if mount.returncode != 0:
         os.rmdir(mnt)
-        pytest.fail(f"cannot mount a tmpfs for a full disk (needs root, as in CI): {mount.stderr.strip()}",
-                    pytrace=False)
+        pytest.fail(
+            f"cannot mount a tmpfs for a full disk (needs root, as in CI): {mount.stderr.strip()}", pytrace=False
+        )
     try:
         d = daemon_factory(fs_args(mnt, "64MiB"), cpu_bytes="1MiB")  # the tier thinks it has room
         keys = make_keys("faults-full", 96)  # 6 MiB through 1 MiB of RAM onto a 2 MiB disk
@@ -100,11 +107,11 @@ def test_full_disk_refuses_writes_and_serves_exact_bytes(daemon_factory, ns_name
             ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
             out = np.zeros((4, CHUNK), dtype=np.uint8)
             for i in range(0, len(keys), 8):
-                batch = keys[i:i + 8]
+                batch = keys[i : i + 8]
                 result = kv.store(ns, batch, payloads(batch, CHUNK))
                 assert result.stored + result.dropped == len(batch)
-                sample = keys[max(0, i - 24):i:6]  # mixed: read back some earlier ones meanwhile
-                n = kv.load(ns, sample, out[:len(sample)])
+                sample = keys[max(0, i - 24) : i : 6]  # mixed: read back some earlier ones meanwhile
+                n = kv.load(ns, sample, out[: len(sample)])
                 assert np.array_equal(out[:n], payloads(sample[:n], CHUNK))
                 loaded += n
             settled_stats(d)
@@ -120,8 +127,10 @@ def test_full_disk_refuses_writes_and_serves_exact_bytes(daemon_factory, ns_name
                     served += 1
             assert served >= len(files) > 0
         d.stop()
-        print(f"\nfull disk: {fs.rejected_full} writes refused, {len(files)} files fit, "
-              f"{loaded + served} chunks loaded exact")
+        print(
+            f"\nfull disk: {fs.rejected_full} writes refused, {len(files)} files fit, "
+            f"{loaded + served} chunks loaded exact"
+        )
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
         os.rmdir(mnt)

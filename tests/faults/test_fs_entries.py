@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Damaged and odd chunk files under a real daemon (issue #12, defect 3 and the fault suite):
 corrupt, truncated, FIFOs (as many as the tier has I/O threads), a directory, a symlink and a
 socket under chunk names, while the daemon runs and while it is stopped. Every loaded byte is
@@ -16,7 +18,13 @@ import pytest
 from tests.support.daemon import short_tmpdir
 from tests.support.data import make_keys, payload, payloads
 from tests.support.fs_check import (
-    assert_index_matches_disk, chunk_path, fs_stats, make_odd_entry, odd_entries, settled_stats, tmp_files,
+    assert_index_matches_disk,
+    chunk_path,
+    fs_stats,
+    make_odd_entry,
+    odd_entries,
+    settled_stats,
+    tmp_files,
 )
 
 CHUNK = 64 << 10
@@ -51,15 +59,21 @@ def test_damaged_and_odd_chunk_files_are_misses_never_wrong_bytes(daemon_factory
     with d.client() as kv:
         ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
         for i in range(0, len(keys), 8):
-            assert kv.store(ns, keys[i:i + 8], payloads(keys[i:i + 8], CHUNK)).stored == 8
+            assert kv.store(ns, keys[i : i + 8], payloads(keys[i : i + 8], CHUNK)).stored == 8
         stats = settled_stats(d)
         assert next(t for t in stats.tiers if t.name == "ram").dropped_dirty == 0
         path = {k: chunk_path(fs_root, ns.namespace_id, k) for k in keys}
         # the oldest 16 are on disk only (RAM holds the newest): their reads go to the files
         assert all(path[k].is_file() for k in keys[:16])
 
-        damage = {keys[0]: "corrupt", keys[1]: "truncated", keys[10]: "directory", keys[11]: "symlink",
-                  keys[12]: "socket", **{k: "fifo" for k in keys[2:2 + IO_THREADS]}}
+        damage = {
+            keys[0]: "corrupt",
+            keys[1]: "truncated",
+            keys[10]: "directory",
+            keys[11]: "symlink",
+            keys[12]: "socket",
+            **{k: "fifo" for k in keys[2 : 2 + IO_THREADS]},
+        }
         valid_copy = fs_root / "valid-copy.kv"
         shutil.copyfile(path[keys[11]], valid_copy)  # the symlink leads to a perfect copy: still not followed
         for key, kind in damage.items():
@@ -90,7 +104,7 @@ def test_damaged_and_odd_chunk_files_are_misses_never_wrong_bytes(daemon_factory
         # the damaged chunks can be stored again and come back exact
         again = list(damage)
         for i in range(0, len(again), 8):
-            assert kv.store(ns, again[i:i + 8], payloads(again[i:i + 8], CHUNK)).stored == len(again[i:i + 8])
+            assert kv.store(ns, again[i : i + 8], payloads(again[i : i + 8], CHUNK)).stored == len(again[i : i + 8])
         assert all(load_one(kv, ns, k) for k in again)
     d.stop()  # SIGTERM completes: no I/O thread is stuck
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Structured fuzzing of every RPC against a real daemon (hypothesis), plus raw random bytes.
 
 Requests are valid-shaped but carry hostile values: empty, NUL-laden and 16 KiB+ strings; ids
@@ -43,22 +45,63 @@ TIMEOUT_S = 10.0
 WATCH_TIMEOUT_S = 0.05  # a live-only event stream never ends by itself
 S = grpc.StatusCode
 SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"]
-ALLOWED = {S.OK, S.INVALID_ARGUMENT, S.NOT_FOUND, S.FAILED_PRECONDITION, S.RESOURCE_EXHAUSTED, S.PERMISSION_DENIED,
-           S.DEADLINE_EXCEEDED, S.OUT_OF_RANGE}
+ALLOWED = {
+    S.OK,
+    S.INVALID_ARGUMENT,
+    S.NOT_FOUND,
+    S.FAILED_PRECONDITION,
+    S.RESOURCE_EXHAUSTED,
+    S.PERMISSION_DENIED,
+    S.DEADLINE_EXCEEDED,
+    S.OUT_OF_RANGE,
+}
 FUZZ_SETTINGS = settings(
-    deadline=None, derandomize=True, database=None, print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example,
-                           HealthCheck.function_scoped_fixture],
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.large_base_example,
+        HealthCheck.function_scoped_fixture,
+    ],
 )
 
 # -- hostile values ----------------------------------------------------------------------------
 
-U64_EDGES = [0, 1, 2, CHUNK - 1, CHUNK, CHUNK + 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**53 + 1, 2**63 - 1, 2**63,
-             2**64 - 1]
+U64_EDGES = [
+    0,
+    1,
+    2,
+    CHUNK - 1,
+    CHUNK,
+    CHUNK + 1,
+    2**31 - 1,
+    2**31,
+    2**32 - 1,
+    2**32,
+    2**53 + 1,
+    2**63 - 1,
+    2**63,
+    2**64 - 1,
+]
 U32_EDGES = [v for v in U64_EDGES if v < 2**32]
 HUGE = 16 * 1024 + 1
-STRINGS = ["", "x", "\x00", "a\x00b", "é" * 40, "\u202e\ufeff", "x" * HUGE, "é" * HUGE, "../../etc/passwd", " ",
-           "%s%n{}", "\n\r\t"]
+STRINGS = [
+    "",
+    "x",
+    "\x00",
+    "a\x00b",
+    "é" * 40,
+    "\u202e\ufeff",
+    "x" * HUGE,
+    "é" * HUGE,
+    "../../etc/passwd",
+    " ",
+    "%s%n{}",
+    "\n\r\t",
+]
 
 
 def u64() -> st.SearchStrategy[int]:
@@ -103,16 +146,20 @@ def sessions(target: Target) -> st.SearchStrategy[str]:
 
 def keys(target: Target) -> st.SearchStrategy[list[bytes]]:
     valid = st.one_of(st.binary(min_size=32, max_size=32), st.sampled_from(target.known_keys))
-    hostile = st.sampled_from([b"", b"\x00" * 32, b"k" * 31, b"k" * 33, b"k" * 8, b"k" * 16, b"k" * 64,
-                               b"k" * HUGE])
-    return st.one_of(mostly(st.lists(valid, max_size=8), st.lists(st.one_of(valid, hostile), max_size=8)),
-                     st.lists(valid, min_size=MAX_BATCH - 1, max_size=MAX_BATCH + 2),
-                     st.lists(st.sampled_from(target.known_keys[:2]), min_size=2, max_size=6))
+    hostile = st.sampled_from([b"", b"\x00" * 32, b"k" * 31, b"k" * 33, b"k" * 8, b"k" * 16, b"k" * 64, b"k" * HUGE])
+    return st.one_of(
+        mostly(st.lists(valid, max_size=8), st.lists(st.one_of(valid, hostile), max_size=8)),
+        st.lists(valid, min_size=MAX_BATCH - 1, max_size=MAX_BATCH + 2),
+        st.lists(st.sampled_from(target.known_keys[:2]), min_size=2, max_size=6),
+    )
 
 
 def handles() -> st.SearchStrategy[list[int]]:
-    return st.one_of(st.lists(u64(), max_size=6), st.lists(st.just(7), min_size=2, max_size=3),
-                     st.lists(u64(), min_size=MAX_BATCH + 1, max_size=MAX_BATCH + 2))
+    return st.one_of(
+        st.lists(u64(), max_size=6),
+        st.lists(st.just(7), min_size=2, max_size=3),
+        st.lists(u64(), min_size=MAX_BATCH + 1, max_size=MAX_BATCH + 2),
+    )
 
 
 def offsets() -> st.SearchStrategy[list[int]]:
@@ -127,24 +174,34 @@ def transfers(draw, target: Target) -> pb.RegionTransferRequest:
     inside = st.sampled_from([0, CHUNK, 2 * CHUNK, 3 * CHUNK])
     places = draw(mostly(st.lists(inside, min_size=len(chosen), max_size=len(chosen)), offsets()))
     return pb.RegionTransferRequest(
-        session_id=draw(sessions(target)), namespace_id=draw(ids(target)),
-        region_id=draw(mostly(st.just(target.region_id), u64())), keys=chosen, offsets=places,
-        start_within_ms=draw(mostly(st.sampled_from([0, 2000]), u32())))
+        session_id=draw(sessions(target)),
+        namespace_id=draw(ids(target)),
+        region_id=draw(mostly(st.just(target.region_id), u64())),
+        keys=chosen,
+        offsets=places,
+        start_within_ms=draw(mostly(st.sampled_from([0, 2000]), u32())),
+    )
 
 
 def requests(target: Target, method: str) -> st.SearchStrategy:
     """Valid-shaped requests of `method` with hostile values."""
     if method == "RegisterNamespace":
-        spec = st.builds(pb.NamespaceSpec, model=mostly(st.just("fuzz"), text()), dtype=mostly(st.just("u8"), text()),
-                         chunk_bytes=mostly(st.sampled_from([1, CHUNK, 32 << 20]), u64()),
-                         layout=mostly(st.just(""), text()),
-                         tenant_salt=mostly(st.just(b""), st.one_of(st.binary(max_size=16), st.just(b"s" * HUGE))),
-                         key_bytes=mostly(st.sampled_from([0, 8, 32, 64]), u32()), block_tokens=u32())
+        spec = st.builds(
+            pb.NamespaceSpec,
+            model=mostly(st.just("fuzz"), text()),
+            dtype=mostly(st.just("u8"), text()),
+            chunk_bytes=mostly(st.sampled_from([1, CHUNK, 32 << 20]), u64()),
+            layout=mostly(st.just(""), text()),
+            tenant_salt=mostly(st.just(b""), st.one_of(st.binary(max_size=16), st.just(b"s" * HUGE))),
+            key_bytes=mostly(st.sampled_from([0, 8, 32, 64]), u32()),
+            block_tokens=u32(),
+        )
         return st.builds(pb.RegisterNamespaceRequest, spec=spec, session_id=st.one_of(st.just(""), sessions(target)))
     if method in ("Lookup", "Delete"):
         cls = pb.LookupRequest if method == "Lookup" else pb.DeleteRequest
-        return st.builds(cls, namespace_id=ids(target), keys=keys(target), session_id=st.one_of(st.just(""),
-                                                                                               sessions(target)))
+        return st.builds(
+            cls, namespace_id=ids(target), keys=keys(target), session_id=st.one_of(st.just(""), sessions(target))
+        )
     if method in ("Reserve", "Acquire"):
         cls = pb.ReserveRequest if method == "Reserve" else pb.AcquireRequest
         return st.builds(cls, session_id=sessions(target), namespace_id=ids(target), keys=keys(target))
@@ -152,16 +209,31 @@ def requests(target: Target, method: str) -> st.SearchStrategy:
         cls = pb.CommitRequest if method == "Commit" else pb.ReleaseRequest
         return st.builds(cls, session_id=sessions(target), handles=handles())
     if method == "RegisterRegion":
-        paths = st.one_of(text(), st.sampled_from([target.region_path, "/dev/shm", "/dev/shm/", "/etc/passwd",
-                                                   "/dev/shm/../etc/passwd", "/dev/shm/no-such-file",
-                                                   target.region_path + "\x00", "/proc/self/mem", "relative",
-                                                   "/dev/shm/" + "p" * 300, "/dev/shm/" + "d/" * 3000]))
+        paths = st.one_of(
+            text(),
+            st.sampled_from(
+                [
+                    target.region_path,
+                    "/dev/shm",
+                    "/dev/shm/",
+                    "/etc/passwd",
+                    "/dev/shm/../etc/passwd",
+                    "/dev/shm/no-such-file",
+                    target.region_path + "\x00",
+                    "/proc/self/mem",
+                    "relative",
+                    "/dev/shm/" + "p" * 300,
+                    "/dev/shm/" + "d/" * 3000,
+                ]
+            ),
+        )
         return st.builds(pb.RegisterRegionRequest, session_id=sessions(target), path=paths)
     if method in ("StoreFromRegion", "LoadToRegion"):
         return transfers(target)
     if method == "ClearNamespace":
-        return st.builds(pb.ClearNamespaceRequest, namespace_id=ids(target),
-                         session_id=st.one_of(st.just(""), sessions(target)))
+        return st.builds(
+            pb.ClearNamespaceRequest, namespace_id=ids(target), session_id=st.one_of(st.just(""), sessions(target))
+        )
     if method == "ListNamespaces":
         return st.builds(pb.ListNamespacesRequest, session_id=st.one_of(st.just(""), sessions(target)))
     if method == "Stats":
@@ -222,7 +294,7 @@ def give_back(target: Target, method: str, response: bytes) -> None:
     else:
         return
     for i in range(0, len(held), MAX_BATCH):
-        target.conn.release(held[i:i + MAX_BATCH])
+        target.conn.release(held[i : i + MAX_BATCH])
 
 
 def check_canary(target: Target) -> None:
@@ -263,10 +335,18 @@ def target():
         assert len(pin.acquire(canary_ns.namespace_id, canary)) == 1
         region_path = shm / "region"
         region_path.write_bytes(bytes(4 * CHUNK))
-        region_id = conn.call("RegisterRegion", pb.RegisterRegionRequest(session_id=conn.session_id,
-                                                                         path=str(region_path))).region_id
-        t = Target(daemon, conn, [ns.namespace_id, other], known, region_id, str(region_path),
-                   (canary_ns.namespace_id, canary[0], payloads(canary, CHUNK)[0]))
+        region_id = conn.call(
+            "RegisterRegion", pb.RegisterRegionRequest(session_id=conn.session_id, path=str(region_path))
+        ).region_id
+        t = Target(
+            daemon,
+            conn,
+            [ns.namespace_id, other],
+            known,
+            region_id,
+            str(region_path),
+            (canary_ns.namespace_id, canary[0], payloads(canary, CHUNK)[0]),
+        )
         yield t
         check_canary(t)
         pin.close()
@@ -276,8 +356,10 @@ def target():
             by_status[status] += n
         print(f"\nfuzz: {total} calls over {len(SERVICE.methods)} RPCs; statuses {dict(by_status)}")
         for method in SERVICE.methods:
-            print(f"  {method.name}: " + ", ".join(f"{status} {n}" for (m, status), n in sorted(t.calls.items())
-                                                    if m == method.name))
+            print(
+                f"  {method.name}: "
+                + ", ".join(f"{status} {n}" for (m, status), n in sorted(t.calls.items()) if m == method.name)
+            )
         assert tracebacks(daemon.log) == [], tracebacks(daemon.log)[:20]
     finally:
         if conn is not None:

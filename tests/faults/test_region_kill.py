@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The daemon killed (SIGKILL) while it copies a region transfer, and restarted at once (as
 systemd would): the client must say the outcome is unknown (TransferOutcomeUnknown), never
 "nothing loaded" / "dropped" while bytes moved, and must not send the transfer again to the new
@@ -72,8 +74,9 @@ class Killer:
         assert not self._thread.is_alive() and self.error is None, self.error
 
 
-def transfers(client_kind: str, daemon: Daemon, method: str, ns_name: str, path: Path, keys, offsets,
-              killer: Killer) -> tuple[object, object]:
+def transfers(
+    client_kind: str, daemon: Daemon, method: str, ns_name: str, path: Path, keys, offsets, killer: Killer
+) -> tuple[object, object]:
     """With one fresh client: the transfer under test (its result or error), then, once the
     killer is done, a one-chunk transfer of the same kind (its result or error)."""
     if client_kind == "sync":
@@ -119,6 +122,7 @@ def one_attempt(daemon_factory, client_kind: str, method: str, ns_name: str, tmp
                 ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
                 assert c.store(ns, keys, data).stored == N
         with raw(d.socket) as conn:  # a store's first bytes land at the start of a fresh pool
+            assert conn.session is not None and conn.session.pool is not None
             killer = Killer(region[:8] if loading else conn.session.pool[:8], d)
             try:
                 outcome, followup = transfers(client_kind, d, method, ns_name, path, keys, offsets, killer)
@@ -127,9 +131,9 @@ def one_attempt(daemon_factory, client_kind: str, method: str, ns_name: str, tmp
         changed = 0
         if loading:
             untouched = np.full(CHUNK, UNTOUCHED, np.uint8)
-            changed = sum(not np.array_equal(region[k * CHUNK:(k + 1) * CHUNK], untouched) for k in range(N))
+            changed = sum(not np.array_equal(region[k * CHUNK : (k + 1) * CHUNK], untouched) for k in range(N))
             if isinstance(outcome, int):  # an answer: exactly the leading `outcome` chunks were copied
-                np.testing.assert_array_equal(region[:outcome * CHUNK].reshape(outcome, CHUNK), data[:outcome])
+                np.testing.assert_array_equal(region[: outcome * CHUNK].reshape(outcome, CHUNK), data[:outcome])
                 assert changed == outcome, f"reported {outcome} chunk(s) loaded, but {changed} changed"
             mid_copy = 0 < changed < N
         else:  # killed once the copy had begun, and no complete answer came first
@@ -154,13 +158,16 @@ def test_daemon_killed_mid_copy_is_an_unknown_outcome(daemon_factory, ns_name, c
     finally:
         shm.rmdir()
     landed = [a for a in attempts if a.mid_copy]
-    print(f"{client_kind} {method}: {len(attempts)} attempt(s), {len(landed)} kill(s) mid-copy, "
-          f"changed chunks {[a.changed for a in attempts]}, outcomes {[str(a.outcome)[:120] for a in attempts]}")
+    print(
+        f"{client_kind} {method}: {len(attempts)} attempt(s), {len(landed)} kill(s) mid-copy, "
+        f"changed chunks {[a.changed for a in attempts]}, outcomes {[str(a.outcome)[:120] for a in attempts]}"
+    )
     assert landed, f"no kill landed mid-copy in {ATTEMPTS} attempts: {attempts}"
     for attempt in landed:
         assert isinstance(attempt.outcome, TransferOutcomeUnknown), (
             f"the daemon died mid-copy ({attempt.changed} of {N} chunks changed) and the client said "
-            f"{str(attempt.outcome)[:300]}")
+            f"{str(attempt.outcome)[:300]}"
+        )
         # The same client goes on with the new daemon (empty: the load misses, the store stores).
         expected = 0 if method == "load_to_region" else StoreResult(stored=1)
         assert attempt.followup == expected, attempt.followup

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """RegisterRegion by path while a process swaps a directory of that path for a symlink leading
 outside `region_dirs` (issue #12, defect 2).
 
@@ -39,7 +41,10 @@ def test_register_region_never_opens_through_a_swapped_symlink(daemon_factory):
     # allowed/sub and allowed/alt trade places atomically: sub is the directory or the symlink
     swapper = subprocess.Popen(
         [sys.executable, "-m", "tests.support.swap", str(allowed / "sub"), str(allowed / "alt")],
-        cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        cwd=REPO_ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     outcomes: Counter[str] = Counter()
     request_path = str(allowed / "sub" / "f")
@@ -55,8 +60,9 @@ def test_register_region_never_opens_through_a_swapped_symlink(daemon_factory):
                     conn.close()
                 conn = RawConn(d.socket)
             try:
-                size = conn.call("RegisterRegion", pb.RegisterRegionRequest(
-                    session_id=conn.session_id, path=request_path)).size
+                size = conn.call(
+                    "RegisterRegion", pb.RegisterRegionRequest(session_id=conn.session_id, path=request_path)
+                ).size
                 outcomes[{INSIDE_BYTES: "inside", OUTSIDE_BYTES: "outside"}.get(size, f"size {size}")] += 1
             except grpc.RpcError as exc:
                 outcomes[exc.code().name] += 1
@@ -71,6 +77,7 @@ def test_register_region_never_opens_through_a_swapped_symlink(daemon_factory):
     print(f"\n{attempts} RegisterRegion attempts during {swaps} swaps: {dict(outcomes)}")
     assert swapper.returncode == 0
     assert outcomes["outside"] == 0, f"the daemon opened the file outside region_dirs: {dict(outcomes)}"
-    assert outcomes["inside"] >= MIN_EACH and outcomes["PERMISSION_DENIED"] >= MIN_EACH, \
+    assert outcomes["inside"] >= MIN_EACH and outcomes["PERMISSION_DENIED"] >= MIN_EACH, (
         f"the race was not exercised: {dict(outcomes)}"
+    )
     assert set(outcomes) == {"inside", "PERMISSION_DENIED"}, dict(outcomes)

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """radosgw frozen (SIGSTOP) and stopped under a real daemon (one Ceph cluster for the module).
 
 - A region load waiting on a frozen gateway gives up at its start deadline: DEADLINE_EXCEEDED
@@ -40,8 +42,15 @@ def rgw():
 
 
 def s3_tier(endpoint, **options: str) -> str:
-    spec = {"kind": "s3", "bucket": f"kv-{uuid.uuid4().hex[:8]}", "endpoint_url": endpoint.url,
-            "access_key": endpoint.access_key, "secret_key": endpoint.secret_key, "region": "us-east-1", **options}
+    spec = {
+        "kind": "s3",
+        "bucket": f"kv-{uuid.uuid4().hex[:8]}",
+        "endpoint_url": endpoint.url,
+        "access_key": endpoint.access_key,
+        "secret_key": endpoint.secret_key,
+        "region": "us-east-1",
+        **options,
+    }
     return ",".join(f"{k}={v}" for k, v in spec.items())
 
 
@@ -49,19 +58,21 @@ def tier_stats(daemon, name: str):
     return next(t for t in daemon.stats().tiers if t.name == name)
 
 
-def test_a_region_load_waiting_on_a_frozen_radosgw_gives_up_at_its_start_deadline(daemon_factory, rgw, ns_name,
-                                                                                   tmp_path):
+def test_a_region_load_waiting_on_a_frozen_radosgw_gives_up_at_its_start_deadline(
+    daemon_factory, rgw, ns_name, tmp_path
+):
     gateway, endpoint = rgw
     # RAM of 16 chunks and an S3 timeout far past the deadline: waiting for S3 is what is tested.
-    d = daemon_factory(["--write-policy", "write-through", "--tiers", s3_tier(endpoint, timeout_s="30")],
-                       cpu_bytes="1MiB")
+    d = daemon_factory(
+        ["--write-policy", "write-through", "--tiers", s3_tier(endpoint, timeout_s="30")], cpu_bytes="1MiB"
+    )
     keys = make_keys(ns_name, 32)
     region_path = tmp_path / "region"
     region_path.write_bytes(b"\xa5" * CHUNK)
     with d.client(deadline_s=2.0) as c:
         ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
         for i in range(0, 32, 8):
-            assert c.store(ns, keys[i:i + 8], payloads(keys[i:i + 8], CHUNK)).stored == 8
+            assert c.store(ns, keys[i : i + 8], payloads(keys[i : i + 8], CHUNK)).stored == 8
         assert wait_for(lambda: tier_stats(d, "s3").stored_chunks == 32 and tier_stats(d, "s3").queued == 0)
         in_s3_only = keys[0]  # written down at once, evicted from RAM by the 16 after it
         never_stored = make_keys(ns_name + "/never", 1)[0]
@@ -71,16 +82,24 @@ def test_a_region_load_waiting_on_a_frozen_radosgw_gives_up_at_its_start_deadlin
             attached, _ = conn.session.attach_region(region_file.fileno(), "fault-region")
             with gateway.gateway_frozen():
                 for key in (in_s3_only, never_stored):  # a GET, then a HEAD, that get no answer
-                    request = pb.RegionTransferRequest(session_id=conn.session_id, namespace_id=ns.namespace_id,
-                                                       region_id=attached, keys=[key], offsets=[0],
-                                                       start_within_ms=2000)
+                    request = pb.RegionTransferRequest(
+                        session_id=conn.session_id,
+                        namespace_id=ns.namespace_id,
+                        region_id=attached,
+                        keys=[key],
+                        offsets=[0],
+                        start_within_ms=2000,
+                    )
                     try:  # as the client does: the start deadline, then 10 s for a started copy to answer
                         answer = conn.stub.LoadToRegion(request, timeout=12)
                         raise AssertionError(f"loaded {answer.loaded} from a frozen radosgw")
                     except grpc.RpcError as err:
                         kind = dict(err.trailing_metadata() or ()).get(ERROR_KIND_KEY)
                         assert (err.code(), kind) == (grpc.StatusCode.DEADLINE_EXCEEDED, "TransferNotStarted"), (
-                            err.code(), kind, err.details())
+                            err.code(),
+                            kind,
+                            err.details(),
+                        )
                     # The client: nothing loaded, no exception.
                     assert c.load_to_region(ns, region, [key], [0]) == 0
                 assert region_path.read_bytes() == b"\xa5" * CHUNK  # nothing copied
@@ -114,8 +133,14 @@ def test_radosgw_frozen_then_stopped_costs_a_few_timeouts_not_one_per_lookup(dae
     failures, reset_s, lookups = 3, 5.0, 30
     root = short_tmpdir("kvfs")
     d = daemon_factory(
-        ["--write-policy", "write-through", "--tiers", f"kind=fs,root={root},bytes=4MiB",
-         "--tiers", s3_tier(endpoint, timeout_s="1", breaker_failures=str(failures), breaker_reset_s=str(reset_s))],
+        [
+            "--write-policy",
+            "write-through",
+            "--tiers",
+            f"kind=fs,root={root},bytes=4MiB",
+            "--tiers",
+            s3_tier(endpoint, timeout_s="1", breaker_failures=str(failures), breaker_reset_s=str(reset_s)),
+        ],
         cpu_bytes="1MiB",
     )
     # RAM holds the last 16, fs ~60 (4 KiB headers; which of the first it drops varies), S3 all.
@@ -123,7 +148,7 @@ def test_radosgw_frozen_then_stopped_costs_a_few_timeouts_not_one_per_lookup(dae
     with d.client() as c:
         ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
         for i in range(0, 64, 8):
-            assert c.store(ns, keys[i:i + 8], payloads(keys[i:i + 8], CHUNK)).stored == 8
+            assert c.store(ns, keys[i : i + 8], payloads(keys[i : i + 8], CHUNK)).stored == 8
         assert wait_for(lambda: tier_stats(d, "s3").stored_chunks == 64 and tier_stats(d, "s3").queued == 0)
         used: set[bytes] = set()
         first = only_on_s3(root, ns.namespace_id, keys[:16], used)

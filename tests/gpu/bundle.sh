@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 # Prepares what tests/gpu/run.sh needs on the GPU machine that a git checkout lacks: the generated
 # protobuf modules (`make proto`) and, in .whl/, pure-Python wheels of the packages that machine
 # does not have (grpcio-health-checking, grpcio-reflection, and protobuf at least as new as the

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """GPU check of the direct spec's data path (not CI; needs one CUDA GPU; no vLLM needed).
 
 Starts a kvstored daemon, builds CUDA tensors shaped like vLLM's paged KV cache (one
@@ -54,11 +56,14 @@ def acquire(link: DaemonLink, namespace_id: str, keys: list[bytes]) -> tuple[lis
     future = link.call("Acquire", pb.AcquireRequest(session_id=link.session_id, namespace_id=namespace_id, keys=keys))
     result = outcome(future)
     if not result.ok or len(result.response.leases) != len(keys):
-        raise SystemExit(f"Acquire returned {0 if not result.ok else len(result.response.leases)} of {len(keys)} "
-                         f"leases ({result.error})")
+        raise SystemExit(
+            f"Acquire returned {0 if not result.ok else len(result.response.leases)} of {len(keys)} "
+            f"leases ({result.error})"
+        )
     leases = result.response.leases
     return [lease.handle for lease in leases], ChunkExtents.from_lists(
-        [[(e.offset, e.length) for e in lease.extents] for lease in leases])
+        [[(e.offset, e.length) for e in lease.extents] for lease in leases]
+    )
 
 
 def sync(device: str) -> None:
@@ -99,8 +104,9 @@ def main() -> int:
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device (use --device cpu for a dry run)")
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if device == 'cuda' else 'CPU dry run'}",
-          flush=True)
+    print(
+        f"torch {torch.__version__}, {torch.cuda.get_device_name() if device == 'cuda' else 'CPU dry run'}", flush=True
+    )
 
     num_blocks = 2 * args.blocks  # sources in the first half, load destinations in the second
     shape = (num_blocks, 2, args.block_size, args.kv_heads, args.head_dim)
@@ -110,10 +116,13 @@ def main() -> int:
     n_chunks = args.blocks // args.blocks_per_chunk
     moved = n_chunks * layout.part_bytes
     pool_bytes = (args.reps + 1) * moved + GIB
-    print(f"KV cache: {args.layers} layers x {num_blocks} blocks x {page // 1024} KiB; a transfer moves "
-          f"{args.blocks} blocks = {n_chunks} chunks of {layout.part_bytes / (1 << 20):.0f} MiB = "
-          f"{moved / GIB:.2f} GiB; "
-          f"daemon pool {pool_bytes / GIB:.1f} GiB", flush=True)
+    print(
+        f"KV cache: {args.layers} layers x {num_blocks} blocks x {page // 1024} KiB; a transfer moves "
+        f"{args.blocks} blocks = {n_chunks} chunks of {layout.part_bytes / (1 << 20):.0f} MiB = "
+        f"{moved / GIB:.2f} GiB; "
+        f"daemon pool {pool_bytes / GIB:.1f} GiB",
+        flush=True,
+    )
 
     base_gpu_to_host, base_host_to_gpu = pinned_memcpy_gib_s(moved, args.reps, device)
 
@@ -124,11 +133,15 @@ def main() -> int:
         t = time.perf_counter()
         engine = PoolTransferEngine(layout, str(daemon.socket), "gpu-check-worker", connect_timeout_s=30)
         pool = engine.pools[engine.link.pool_id]
-        print(f"worker session + pool mapped in {time.perf_counter() - t:.1f} s, pinned with cudaHostRegister: "
-              f"{bool(pool.pinned)}", flush=True)
+        print(
+            f"worker session + pool mapped in {time.perf_counter() - t:.1f} s, pinned with cudaHostRegister: "
+            f"{bool(pool.pinned)}",
+            flush=True,
+        )
         scheduler = DaemonLink(daemon.socket, "gpu-check-scheduler")
-        spec = NamespaceSpec(model="gpu-check", dtype="bfloat16", chunk_bytes=layout.part_bytes,
-                             layout="gpu-check", key_bytes=36)
+        spec = NamespaceSpec(
+            model="gpu-check", dtype="bfloat16", chunk_bytes=layout.part_bytes, layout="gpu-check", key_bytes=36
+        )
         ns = engine.link.namespace(spec)
         assert scheduler.namespace(spec) == ns
         scheduler.settle(30, (ns,))
@@ -137,7 +150,8 @@ def main() -> int:
         for label, order in (("contiguous blocks", "sorted"), ("scattered blocks", "shuffled")):
             store_t, load_t = [], []
             for rep in range(args.reps):
-                def blocks():
+
+                def blocks(order=order):
                     return torch.randperm(args.blocks).numpy() if order == "shuffled" else np.arange(args.blocks)
 
                 src, dst = blocks(), args.blocks + blocks()
@@ -150,7 +164,7 @@ def main() -> int:
                     engine.poll()
                 handles, extents = acquire(scheduler, ns, keys)
                 for t_ in layers:
-                    t_[args.blocks:].zero_()
+                    t_[args.blocks :].zero_()
                 sync(device)
                 t0 = time.perf_counter()
                 engine.submit_load(job + 1, dst, [args.blocks], [0], [scheduler.pool_id] * n_chunks, extents)
@@ -164,8 +178,13 @@ def main() -> int:
                 if not equal:
                     print(f"  {label} rep {rep}: loaded blocks differ from the stored ones", flush=True)
             copies = layout.copies(src, [args.blocks], [0], extents, pool.address, to_pool=True)
-            results[label] = (moved / min(store_t) / GIB, moved / min(load_t) / GIB, len(copies),
-                              statistics.median(store_t), statistics.median(load_t))
+            results[label] = (
+                moved / min(store_t) / GIB,
+                moved / min(load_t) / GIB,
+                len(copies),
+                statistics.median(store_t),
+                statistics.median(load_t),
+            )
         engine.close()
         scheduler.close()
     finally:
@@ -175,10 +194,14 @@ def main() -> int:
     print(f"{'path':40s} {'GPU->shm':>10s} {'shm->GPU':>10s} {'copies':>8s}")
     print(f"{'cudaMemcpy, pinned host memory':40s} {base_gpu_to_host:8.2f} GiB/s {base_host_to_gpu:8.2f} GiB/s {1:8d}")
     for label, (store, load, n_copies, _, _) in results.items():
-        print(f"{'direct spec worker, ' + label:40s} {store:8.2f} GiB/s {load:8.2f} GiB/s {n_copies:8d}"
-              f"   ({store / base_gpu_to_host:.2f}x / {load / base_host_to_gpu:.2f}x of cudaMemcpy)")
-    print("  (store: Reserve + copies + done, Commit after; load: copies only, leases taken beforehand; best of "
-          f"{args.reps})")
+        print(
+            f"{'direct spec worker, ' + label:40s} {store:8.2f} GiB/s {load:8.2f} GiB/s {n_copies:8d}"
+            f"   ({store / base_gpu_to_host:.2f}x / {load / base_host_to_gpu:.2f}x of cudaMemcpy)"
+        )
+    print(
+        "  (store: Reserve + copies + done, Commit after; load: copies only, leases taken beforehand; best of "
+        f"{args.reps})"
+    )
     print("byte equality:", "OK" if ok else "FAILED")
     return 0 if ok else 1
 

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 # GPU check of the direct spec's data path (not part of CI): starts kvstored, stores CUDA KV blocks
 # into its pool (pinned with cudaHostRegister) and loads them back through the direct spec's
 # worker copy path, checks byte equality, prints GPU->shm / shm->GPU GiB/s beside plain

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Access control: tenant namespaces are private to their sessions; the TCP listener's TLS rules."""
 
 from __future__ import annotations
@@ -106,21 +108,40 @@ def test_tcp_listener_serves_tls_and_mutual_tls(daemon_factory, tmp_path):
     client_pair = (certs.client_key.read_bytes(), certs.client_cert.read_bytes())
 
     port = _free_port()
-    daemon_factory(["--tcp-listen", f"127.0.0.1:{port}", "--tls-cert-file", str(certs.server_cert),
-                    "--tls-key-file", str(certs.server_key)])
+    daemon_factory(
+        [
+            "--tcp-listen",
+            f"127.0.0.1:{port}",
+            "--tls-cert-file",
+            str(certs.server_cert),
+            "--tls-key-file",
+            str(certs.server_key),
+        ]
+    )
     target = f"127.0.0.1:{port}"
     assert _stats_over(target, grpc.ssl_channel_credentials(root_certificates=ca)).version
     with pytest.raises(grpc.RpcError):
         _stats_over(target, None)  # plaintext against a TLS port fails
 
     mport = _free_port()
-    daemon_factory(["--tcp-listen", f"127.0.0.1:{mport}", "--tls-cert-file", str(certs.server_cert),
-                    "--tls-key-file", str(certs.server_key), "--tls-client-ca-file", str(certs.ca)])
+    daemon_factory(
+        [
+            "--tcp-listen",
+            f"127.0.0.1:{mport}",
+            "--tls-cert-file",
+            str(certs.server_cert),
+            "--tls-key-file",
+            str(certs.server_key),
+            "--tls-client-ca-file",
+            str(certs.ca),
+        ]
+    )
     mtarget = f"127.0.0.1:{mport}"
     with pytest.raises(grpc.RpcError):  # no client certificate: refused
         _stats_over(mtarget, grpc.ssl_channel_credentials(root_certificates=ca))
-    creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=client_pair[0],
-                                         certificate_chain=client_pair[1])
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=ca, private_key=client_pair[0], certificate_chain=client_pair[1]
+    )
     assert _stats_over(mtarget, creds).version
 
 

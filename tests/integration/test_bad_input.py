@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Hostile input on the wire: bytes that are no request at all, NULs, ids and paths far too long.
 Each gets INVALID_ARGUMENT or NOT_FOUND with a short message naming the problem (never UNKNOWN,
 INTERNAL, or a message so long the client's gRPC refuses it), the daemon logs no traceback and
@@ -37,8 +39,9 @@ def test_undecodable_requests_are_invalid_argument_for_every_method(fresh):
     with grpc.insecure_channel(fresh.target) as channel:
         for method in KVSTORE.methods:
             for payload in UNDECODABLE:
-                err = rpc_error(raw_unary(channel, f"/{KVSTORE.full_name}/{method.name}", method.server_streaming),
-                                payload)
+                err = rpc_error(
+                    raw_unary(channel, f"/{KVSTORE.full_name}/{method.name}", method.server_streaming), payload
+                )
                 assert err.code() == S.INVALID_ARGUMENT, (method.name, payload, err.code(), err.details())
                 details = bounded(err)
                 assert method.input_type.name in details, details
@@ -67,8 +70,9 @@ def test_a_flood_of_garbage_logs_a_few_lines_not_one_per_request(fresh):
 def test_nul_in_a_region_path_is_invalid_argument(fresh):
     with raw(fresh.socket) as conn:
         for path in ("/dev/shm/a\x00b", "\x00", "/dev/shm/\x00" + "x" * HUGE):
-            err = rpc_error(conn.call, "RegisterRegion",
-                            pb.RegisterRegionRequest(session_id=conn.session_id, path=path))
+            err = rpc_error(
+                conn.call, "RegisterRegion", pb.RegisterRegionRequest(session_id=conn.session_id, path=path)
+            )
             assert err.code() == S.INVALID_ARGUMENT, (err.code(), err.details()[:200])
             assert "NUL" in bounded(err)
     assert tracebacks(fresh.log) == []
@@ -90,8 +94,9 @@ def test_huge_ids_are_not_found_with_a_short_message(fresh):
                 assert err.code() == S.NOT_FOUND, (method, err.code(), err.details()[:200])
                 details = bounded(err)
                 assert what in details and "..." in details, details
-        region = pb.RegionTransferRequest(session_id=conn.session_id, namespace_id="n" * HUGE, region_id=1,
-                                          keys=keys, offsets=[0])
+        region = pb.RegionTransferRequest(
+            session_id=conn.session_id, namespace_id="n" * HUGE, region_id=1, keys=keys, offsets=[0]
+        )
         err = rpc_error(conn.call, "LoadToRegion", region)
         assert err.code() == S.NOT_FOUND and "..." in bounded(err)
     assert tracebacks(fresh.log) == []
@@ -100,8 +105,9 @@ def test_huge_ids_are_not_found_with_a_short_message(fresh):
 def test_huge_region_paths_are_invalid_argument_with_a_short_message(fresh):
     with raw(fresh.socket) as conn:
         for path in ("/dev/shm/" + "p" * HUGE, "/dev/shm/" + "d/" * (HUGE // 2), "/tmp/" + "é" * HUGE):
-            err = rpc_error(conn.call, "RegisterRegion", pb.RegisterRegionRequest(session_id=conn.session_id,
-                                                                                  path=path))
+            err = rpc_error(
+                conn.call, "RegisterRegion", pb.RegisterRegionRequest(session_id=conn.session_id, path=path)
+            )
             assert err.code() == S.INVALID_ARGUMENT, (err.code(), err.details()[:200])
             assert re.search(r"\d+ bytes", bounded(err)), err.details()
     assert tracebacks(fresh.log) == []

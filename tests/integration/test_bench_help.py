@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Each benchmark's --help says what it compares (the multi-turn one: the article's workload, with
 defaults that are that workload)."""
 
@@ -16,15 +18,40 @@ COMPARED = {
     "compare.py": ["Redis 7 GET/SET", "raw memcpy", "raw O_DIRECT", "fs tier", "local"],
     "local_path.py": ["pool mapping", "region registration", "memcpy", "empty gRPC round trip"],
     "peer.py": ["peer tier", "raw TCP socket", "raw ucxx", "fs tier", "S3 tier", "radosgw"],
-    "multiturn.py": ["12K-token first prompt", "4K more tokens per turn", "8 turns", "20 s think time",
-                     "no offload", "RAM + fs + S3"],
-    "scale_calibrate.py": ["two real kvstored daemons", "index memory per remote entry", "171 B/entry",
-                           "follower CPU per event", "WatchEvents", "publisher CPU per subscriber", "local Lookup",
-                           "peer fetch round trip", "S3 PUT/GET latency", "radosgw", "load average"],
-    "scale_out.py": ["1 to 1000 kvstored nodes", "measured per-operation costs", "index memory",
-                     "inbound event traffic", "lookup cost", "S3 request rate and cost", "mesh as built",
-                     "node-level coalesced mesh", "directory shards placed by rendezvous hashing",
-                     "llm-d consuming KV events", "budget"],
+    "multiturn.py": [
+        "12K-token first prompt",
+        "4K more tokens per turn",
+        "8 turns",
+        "20 s think time",
+        "no offload",
+        "RAM + fs + S3",
+    ],
+    "scale_calibrate.py": [
+        "two real kvstored daemons",
+        "index memory per remote entry",
+        "171 B/entry",
+        "follower CPU per event",
+        "WatchEvents",
+        "publisher CPU per subscriber",
+        "local Lookup",
+        "peer fetch round trip",
+        "S3 PUT/GET latency",
+        "radosgw",
+        "load average",
+    ],
+    "scale_out.py": [
+        "1 to 1000 kvstored nodes",
+        "measured per-operation costs",
+        "index memory",
+        "inbound event traffic",
+        "lookup cost",
+        "S3 request rate and cost",
+        "mesh as built",
+        "node-level coalesced mesh",
+        "directory shards placed by rendezvous hashing",
+        "llm-d consuming KV events",
+        "budget",
+    ],
     "tiers.py": ["raw O_DIRECT", "raw aiobotocore", "fs tier", "S3 tier"],
     "vllm_tier.py": ["vLLM's built-in fs tier", "TieringOffloadingManager"],
 }
@@ -36,8 +63,9 @@ def bench(script: str) -> list[str]:
 
 
 def bench_help(script: str) -> str:
-    proc = subprocess.run([*bench(script), "--help"], capture_output=True,
-                          text=True, timeout=300, env=clean_env(), cwd=REPO_ROOT)
+    proc = subprocess.run(
+        [*bench(script), "--help"], capture_output=True, text=True, timeout=300, env=clean_env(), cwd=REPO_ROOT
+    )
     assert proc.returncode == 0, proc.stderr
     return " ".join(proc.stdout.split())  # argparse wraps lines
 
@@ -51,20 +79,24 @@ def test_help_says_what_is_compared(script):
 
 def test_multiturn_defaults_are_the_workload_its_help_names():
     text = bench_help("multiturn.py")
-    options = re.split(r" (?=--[a-z][\w-]* [A-Z_]+ )", text[text.index("options:"):])
+    options = re.split(r" (?=--[a-z][\w-]* [A-Z_]+ )", text[text.index("options:") :])
     defaults = {}
     for option in options:
         found = re.match(r"--([\w-]+) [A-Z_]+ .*\(default: ([^)]+)\)", option)
         if found:
             defaults[found[1]] = found[2]
     assert (defaults["initial-tokens"], defaults["turn-tokens"], defaults["turns"], defaults["think-s"]) == (
-        str(12 * 1024), str(4 * 1024), "8", "20.0")
+        str(12 * 1024),
+        str(4 * 1024),
+        "8",
+        "20.0",
+    )
     assert defaults["conversations"].split(",")[0] == "16" and defaults["conversations"].split(",")[-1] == "256"
 
 
 def test_multiturn_model_flag_names_both_models_and_defaults_to_the_seeds():
     text = bench_help("multiturn.py")
-    found = re.search(r"--model \{([^}]*)\}.*?\(default: ([^)]+)\)", text[text.index("options:"):])
+    found = re.search(r"--model \{([^}]*)\}.*?\(default: ([^)]+)\)", text[text.index("options:") :])
     assert found, text
     assert set(found[1].split(",")) == {"qwen3.6-35b-a3b", "llama-3.1-8b"}
     assert found[2] == "qwen3.6-35b-a3b"
@@ -74,8 +106,14 @@ def test_multiturn_model_flag_names_both_models_and_defaults_to_the_seeds():
 
 def dry_run(tmp_path, *args: str) -> dict:
     out = tmp_path / "plan.json"
-    proc = subprocess.run([*bench("multiturn"), "--dry-run", "--json", str(out),
-                           *args], capture_output=True, text=True, timeout=300, env=clean_env(), cwd=REPO_ROOT)
+    proc = subprocess.run(
+        [*bench("multiturn"), "--dry-run", "--json", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean_env(),
+        cwd=REPO_ROOT,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "results" not in json.loads(out.read_text())  # nothing ran
     return json.loads(out.read_text())["model"] | {"stdout": proc.stdout}
@@ -128,18 +166,49 @@ def test_multiturn_small_run_reports_rows_with_their_limits(tmp_path, transfer):
     target rows (name, value, baseline, ratio, target, status) and what bounds each."""
     out = tmp_path / "run.json"
     proc = subprocess.run(
-        [*bench("multiturn"), "--conversations", "4", "--configs",
-         "none,ram,ram+fs", "--initial-tokens", "8192", "--turn-tokens", "4096", "--turns", "3", "--think-s", "0.5",
-         "--gpu-tokens", "16384", "--ram-conversations", "1", "--fs-conversations", "8", "--no-limits",
-         "--transfer", transfer, "--workdir", str(tmp_path / "work"), "--json", str(out)],
-        capture_output=True, text=True, timeout=600, env=clean_env(), cwd=REPO_ROOT)
+        [
+            *bench("multiturn"),
+            "--conversations",
+            "4",
+            "--configs",
+            "none,ram,ram+fs",
+            "--initial-tokens",
+            "8192",
+            "--turn-tokens",
+            "4096",
+            "--turns",
+            "3",
+            "--think-s",
+            "0.5",
+            "--gpu-tokens",
+            "16384",
+            "--ram-conversations",
+            "1",
+            "--fs-conversations",
+            "8",
+            "--no-limits",
+            "--transfer",
+            transfer,
+            "--workdir",
+            str(tmp_path / "work"),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=clean_env(),
+        cwd=REPO_ROOT,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     rows = {r["name"]: r for r in doc["rows"]}
     targeted = [r for r in doc["rows"] if r["target"] is not None]
-    assert {r["name"] for r in targeted} == {"RAM + fs hit rate, 4 conversations",
-                                             "RAM + fs vs no offload, 4 conversations",
-                                             "RAM + fs vs RAM alone, 4 conversations"}
+    assert {r["name"] for r in targeted} == {
+        "RAM + fs hit rate, 4 conversations",
+        "RAM + fs vs no offload, 4 conversations",
+        "RAM + fs vs RAM alone, 4 conversations",
+    }
     for r in targeted:
         assert set(r) >= {"name", "value", "baseline", "ratio", "target", "status", "limit"}
         assert r["status"] == ("PASS" if r["ratio"] >= r["target"] else "MISS")
@@ -159,8 +228,14 @@ SCALE_DESIGNS = ["mesh", "coalesced", "directory", "router"]
 
 def scale_out(tmp_path, *args: str) -> dict:
     out = tmp_path / "scale.json"
-    proc = subprocess.run([*bench("scale_out"), "--json", str(out), *args],
-                          capture_output=True, text=True, timeout=300, env=clean_env(), cwd=REPO_ROOT)
+    proc = subprocess.run(
+        [*bench("scale_out"), "--json", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean_env(),
+        cwd=REPO_ROOT,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(out.read_text()) | {"stdout": proc.stdout}
 
@@ -174,8 +249,19 @@ def test_scale_out_models_the_committed_calibration(tmp_path):
     assert doc["calibration"]["load_average"] and doc["calibration"]["cpu_model"] is not None
     assert [d["key"] for d in doc["designs"]] == SCALE_DESIGNS
     assert doc["nodes"] == [1, 10, 100, 1000]
-    fields = {"nodes", "cpu_fraction", "cpu_parts", "memory_bytes", "memory_parts", "inbound_bytes_per_s",
-              "lookup_ms", "coverage", "s3_puts_per_s", "s3_gets_per_s", "s3_usd_per_month"}
+    fields = {
+        "nodes",
+        "cpu_fraction",
+        "cpu_parts",
+        "memory_bytes",
+        "memory_parts",
+        "inbound_bytes_per_s",
+        "lookup_ms",
+        "coverage",
+        "s3_puts_per_s",
+        "s3_gets_per_s",
+        "s3_usd_per_month",
+    }
     designs = {d["key"]: d for d in doc["designs"]}
     for d in doc["designs"]:
         assert [r["nodes"] for r in d["rows"]] == [1, 10, 100, 1000]
@@ -227,16 +313,29 @@ def test_scale_out_assumptions_are_flags(tmp_path):
 
 def test_multiturn_help_names_the_multi_node_mode_and_its_set_ups():
     text = bench_help("multiturn.py")
-    for phrase in ("--nodes", "round-robin (no KV awareness)", "islands (each node RAM + fs, no peers)",
-                   "RAM + fs + peers", "one shared S3 bucket", "PEER included", "--peer-transport", "--settle-s"):
+    for phrase in (
+        "--nodes",
+        "round-robin (no KV awareness)",
+        "islands (each node RAM + fs, no peers)",
+        "RAM + fs + peers",
+        "one shared S3 bucket",
+        "PEER included",
+        "--peer-transport",
+        "--settle-s",
+    ):
         assert phrase in text, f"bench/multiturn.py --help does not mention {phrase!r}:\n{text}"
 
 
 def test_multiturn_nodes_dry_run_plans_the_nodes(tmp_path):
     out = tmp_path / "plan.json"
-    proc = subprocess.run([*bench("multiturn"), "--nodes", "3", "--dry-run",
-                           "--json", str(out)], capture_output=True, text=True, timeout=300, env=clean_env(),
-                          cwd=REPO_ROOT)
+    proc = subprocess.run(
+        [*bench("multiturn"), "--nodes", "3", "--dry-run", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean_env(),
+        cwd=REPO_ROOT,
+    )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())
     assert "results" not in doc and doc["benchmark"] == "multiturn-nodes" and doc["nodes"] == 3
@@ -254,11 +353,42 @@ def test_multiturn_nodes_small_run_reports_peer_hits_and_rows(tmp_path):
     the peer tier and the shared bucket find the previous turn's chunks."""
     out = tmp_path / "run.json"
     proc = subprocess.run(
-        [*bench("multiturn"), "--nodes", "2", "--conversations", "4",
-         "--initial-tokens", "8192", "--turn-tokens", "4096", "--turns", "3", "--think-s", "0.5",
-         "--gpu-tokens", "16384", "--ram-conversations", "2", "--fs-conversations", "8", "--s3-fs-conversations", "2",
-         "--settle-s", "0.5", "--no-limits", "--workdir", str(tmp_path / "work"), "--json", str(out)],
-        capture_output=True, text=True, timeout=600, env=clean_env(), cwd=REPO_ROOT)
+        [
+            *bench("multiturn"),
+            "--nodes",
+            "2",
+            "--conversations",
+            "4",
+            "--initial-tokens",
+            "8192",
+            "--turn-tokens",
+            "4096",
+            "--turns",
+            "3",
+            "--think-s",
+            "0.5",
+            "--gpu-tokens",
+            "16384",
+            "--ram-conversations",
+            "2",
+            "--fs-conversations",
+            "8",
+            "--s3-fs-conversations",
+            "2",
+            "--settle-s",
+            "0.5",
+            "--no-limits",
+            "--workdir",
+            str(tmp_path / "work"),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=clean_env(),
+        cwd=REPO_ROOT,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     runs = {r["config"]: r for r in doc["results"]}
@@ -275,8 +405,10 @@ def test_multiturn_nodes_small_run_reports_peer_hits_and_rows(tmp_path):
     assert all(node["turns"] > 0 for node in peers["per_node"]) and len(peers["per_node"]) == 2
 
     targeted = [r for r in doc["rows"] if r["target"] is not None]
-    assert {r["name"] for r in targeted} == {"peers: hit rate, 2 nodes, 4 conversations",
-                                             "peers vs islands (no peers), 2 nodes, 4 conversations"}
+    assert {r["name"] for r in targeted} == {
+        "peers: hit rate, 2 nodes, 4 conversations",
+        "peers vs islands (no peers), 2 nodes, 4 conversations",
+    }
     for r in doc["rows"]:
         assert set(r) >= {"name", "value", "baseline", "ratio", "target", "status", "limit"}
         if r["target"] is not None:

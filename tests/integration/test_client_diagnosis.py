@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The client says why it misses: one WARNING per change of condition naming the socket and the
 reason (not found, refused, permission denied naming the group, daemon restarting), one INFO when
 the daemon is back, in the blocking clients and in the vLLM driver alike; and a health check that
@@ -177,9 +179,14 @@ print(json.dumps({"hits": hits, "health": [health.status, health.reason],
 
 
 def as_nobody(sock: Path, groups: list[int]) -> dict:
-    proc = subprocess.run([sys.executable, "-c", AS_ANOTHER_USER, str(sock), ",".join(map(str, groups)),
-                           str(NOBODY)], capture_output=True, text=True, timeout=120, env=clean_env(),
-                          cwd=REPO_ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", AS_ANOTHER_USER, str(sock), ",".join(map(str, groups)), str(NOBODY)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean_env(),
+        cwd=REPO_ROOT,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -205,17 +212,20 @@ def test_a_user_outside_the_sockets_group_is_told_which_group(daemon_factory, gr
     # The directory is 0750: nobody cannot even look into it.
     out = as_nobody(d.socket, groups=[])
     assert out["hits"] == [0, 0, 0] and out["health"][0] == "UNREACHABLE"
-    assert out["health"][1] == (f"permission denied: not in group {group} (directory {group_socket_dir}: "
-                                f"mode 2750, owner root, group {group})")
+    assert out["health"][1] == (
+        f"permission denied: not in group {group} (directory {group_socket_dir}: mode 2750, owner root, group {group})"
+    )
     [[level, message]] = out["log"]
-    assert level == "WARNING" and message.startswith(f"kvstored at {d.socket} is unreachable: permission denied: "
-                                                     f"not in group {group}")
+    assert level == "WARNING" and message.startswith(
+        f"kvstored at {d.socket} is unreachable: permission denied: not in group {group}"
+    )
 
     # The directory is open, the socket is 0660 root:group.
     os.chmod(group_socket_dir, 0o2755)
     out = as_nobody(d.socket, groups=[])
-    assert out["health"][1] == (f"permission denied: not in group {group} (socket {d.socket}: "
-                                f"mode 0660, owner root, group {group})")
+    assert out["health"][1] == (
+        f"permission denied: not in group {group} (socket {d.socket}: mode 0660, owner root, group {group})"
+    )
     assert len(out["log"]) == 1
 
     # In the group: served, and nothing to say.

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The client degrades instead of failing when the daemon is away, and recovers by itself when a
 new daemon comes up on the same socket."""
 
@@ -231,8 +233,9 @@ def test_a_child_forked_while_another_thread_holds_the_client_works(daemon, ns_n
         assert c.lookup(ns, keys).prefix_hits == 2
 
 
-async def test_async_client_copies_large_batches_off_its_loop_and_waits_for_them_when_cancelled(daemon, ns_name,
-                                                                                               monkeypatch):
+async def test_async_client_copies_large_batches_off_its_loop_and_waits_for_them_when_cancelled(
+    daemon, ns_name, monkeypatch
+):
     """A large store copies in a thread (the event loop keeps serving); a task cancelled during
     that copy ends only after the copy did (its slots are given back right after), and leaves no
     reservation behind."""
@@ -399,7 +402,7 @@ def test_load_to_region_never_writes_the_region_after_reporting_nothing_loaded(d
             c.deadline_s = 10.0
             mm = np.memmap(path, dtype=np.uint8, mode="r+")
             if loaded:
-                assert np.array_equal(mm[:loaded * chunk].reshape(loaded, chunk), data[:loaded])
+                assert np.array_equal(mm[: loaded * chunk].reshape(loaded, chunk), data[:loaded])
             mm[:] = 0xAB  # the caller reuses its region
             mm.flush()
             assert c.lookup(ns, keys[:1]).prefix_hits == 1  # a round trip: a late copy would be under way

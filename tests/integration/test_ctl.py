@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """kvstoredctl against a real daemon: what it prints equals what the daemon says, it acts on
 keys, and a daemon that is down gives one clear line and a non-zero exit."""
 
@@ -80,13 +82,24 @@ def test_lookup_and_evict_hex_keys(shared_daemon):
         assert "3 of 4 cached, 3 leading" in text
 
         stdin = "\n".join(k.hex() for k in [keys[0], missing, keys[2]]) + "\n"
-        data = json.loads(ok("inspect", "--json", "-n", ns.namespace_id, "--keys-file", "-",
-                             socket_path=daemon.socket, stdin=stdin))
+        data = json.loads(
+            ok("inspect", "--json", "-n", ns.namespace_id, "--keys-file", "-", socket_path=daemon.socket, stdin=stdin)
+        )
         assert [k["tier"] for k in data["keys"]] == ["ram", None, "ram"]
         assert (data["prefix_hits"], data["hits"]) == (1, 2)
 
-        out = json.loads(ok("evict", "--json", "-n", ns.namespace_id, keys[0].hex(), keys[1].hex(), missing.hex(),
-                            socket_path=daemon.socket))
+        out = json.loads(
+            ok(
+                "evict",
+                "--json",
+                "-n",
+                ns.namespace_id,
+                keys[0].hex(),
+                keys[1].hex(),
+                missing.hex(),
+                socket_path=daemon.socket,
+            )
+        )
         assert (out["requested"], out["deleted"]) == (3, 2)
         assert kv.lookup(ns, keys).tiers[:2] == [0, 0] and kv.lookup(ns, keys[2:]).prefix_hits == 1
         assert "deleted 0 of 1 keys" in ok("delete", "-n", ns.namespace_id, keys[0].hex(), socket_path=daemon.socket)
@@ -99,7 +112,9 @@ def test_events_replays_and_tails(daemon):
         lines = ok("events", "--json", "--from-seq", "1", "--count", "2", socket_path=daemon.socket).splitlines()
         events = [json.loads(line) for line in lines]
         assert [(e["seq"], e["type"], e["cause"], e["tier"]) for e in events] == [
-            (1, "stored", "stored", "ram"), (2, "removed", "deleted", "ram")]
+            (1, "stored", "stored", "ram"),
+            (2, "removed", "deleted", "ram"),
+        ]
         assert events[0]["keys"] == [k.hex() for k in keys] and events[1]["keys"] == [keys[0].hex()]
         assert all(e["namespace_id"] == ns.namespace_id for e in events)
 
@@ -175,8 +190,24 @@ def test_namespace_id_is_the_daemons_id(shared_daemon):
     assert ok("namespace-id", "--model", "ctl-nsid", "--dtype", "uint8", "--chunk-bytes", "1MiB").strip() == got
     proc = ctl("namespace-id", "--model", "m", "--dtype", "d", "--chunk-bytes", "2 parsecs")
     assert proc.returncode == 2 and "not a byte size: '2 parsecs'" in proc.stderr
-    salted = json.loads(ok("--json", "namespace-id", "--model", "m", "--dtype", "bf16", "--chunk-bytes", "4096",
-                           "--layout", "tp2", "--key-bytes", "16", "--tenant-salt-hex", "abcd"))
+    salted = json.loads(
+        ok(
+            "--json",
+            "namespace-id",
+            "--model",
+            "m",
+            "--dtype",
+            "bf16",
+            "--chunk-bytes",
+            "4096",
+            "--layout",
+            "tp2",
+            "--key-bytes",
+            "16",
+            "--tenant-salt-hex",
+            "abcd",
+        )
+    )
     assert salted["namespace_id"] == namespace_id_for("m", "bf16", 4096, "tp2", b"\xab\xcd", 16)
 
 
@@ -199,7 +230,7 @@ def test_namespaces_and_clear_a_namespace_from_every_tier(daemon_factory, tmp_pa
         keep_keys, gone_keys = make_keys("keep", 8), make_keys("gone", 24)  # 24 > RAM: some land on fs
         kv.store(keep, keep_keys, payloads(keep_keys, chunk))
         for i in range(0, 24, 8):
-            kv.store(gone, gone_keys[i:i + 8], payloads(gone_keys[i:i + 8], chunk))
+            kv.store(gone, gone_keys[i : i + 8], payloads(gone_keys[i : i + 8], chunk))
 
         listed = json.loads(ok("namespaces", "--json", socket_path=d.socket))
         assert {n["model"] for n in listed} == {"keep", "gone"}

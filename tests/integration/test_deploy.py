@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Deployment beyond the unit file: the socket directory and group mapping a containerized client
 depends on (a real client under another uid/gid), a tier that cannot start exits 2 (the unit does
 not restart on it), the container image recipe (hadolint, and its build stage run on exactly the
@@ -64,8 +66,13 @@ print(json.dumps(result))
 
 
 def as_user(groups: list[int], sock: Path) -> tuple[dict, str]:
-    proc = subprocess.run([sys.executable, "-c", AS_USER, str(CLIENT_UID), str(CLIENT_UID), json.dumps(groups),
-                           str(sock)], capture_output=True, text=True, timeout=120, env=clean_env())
+    proc = subprocess.run(
+        [sys.executable, "-c", AS_USER, str(CLIENT_UID), str(CLIENT_UID), json.dumps(groups), str(sock)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean_env(),
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.splitlines()[-1]), proc.stderr
 
@@ -100,13 +107,16 @@ def test_a_client_under_another_uid_gets_in_through_the_group_only(daemon_factor
         assert got["ctl"] == 1 and (got["stored"], got["loaded"]) == (0, 0)  # misses, nothing raised
         ctl_line = next(line for line in stderr.splitlines() if line.startswith("kvstoredctl:"))
         where = f" on {run_dir}" if dir_mode == 0o2750 else ""  # a closed directory, or the socket itself
-        assert ctl_line == (f"kvstoredctl: cannot reach kvstored at {sock}: permission denied{where} "
-                            f"(run as root or as a member of the socket's group)"), stderr
+        assert ctl_line == (
+            f"kvstoredctl: cannot reach kvstored at {sock}: permission denied{where} "
+            f"(run as root or as a member of the socket's group)"
+        ), stderr
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
 
 # -- exit codes systemd acts on ---------------------------------------------------------------------
+
 
 def test_a_tier_that_cannot_start_exits_2(daemon_factory, tmp_path):
     """Like refused S3 credentials (test_tier_chain_s3.py): restarting cannot fix it."""
@@ -121,6 +131,7 @@ def test_a_tier_that_cannot_start_exits_2(daemon_factory, tmp_path):
 
 
 # -- the container image recipe ---------------------------------------------------------------------
+
 
 def instructions(path: Path) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments), continuation lines joined, comments dropped."""
@@ -170,8 +181,13 @@ def test_containerfile_builds_its_wheels_from_what_it_copies(tmp_path):
             assert src.exists(), f"{CONTAINERFILE.name} copies {source}, which the repository lacks"
             target = context / (workdir / dest).relative_to("/")
             if src.is_dir():  # COPY dir/ dest/: the directory's contents (as git has them: no build output)
-                shutil.copytree(src, target, ignore=shutil.ignore_patterns(
-                    "__pycache__", "*.so", "*_pb2*.py", "*_pb2*.pyi", "build", "*.egg-info"))
+                shutil.copytree(
+                    src,
+                    target,
+                    ignore=shutil.ignore_patterns(
+                        "__pycache__", "*.so", "*_pb2*.py", "*_pb2*.pyi", "build", "*.egg-info"
+                    ),
+                )
             else:  # COPY a b ./
                 target.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(src, target / src.name)
@@ -182,8 +198,13 @@ def test_containerfile_builds_its_wheels_from_what_it_copies(tmp_path):
     args = [a for a in argv[2:] if a != "--no-cache-dir"]
     args[args.index("--wheel-dir") + 1] = str(wheels)
     # offline here: the build tools and dependencies come from this environment, not an index
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", *args],
-                   cwd=context / workdir.relative_to("/"), check=True, timeout=600, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", *args],
+        cwd=context / workdir.relative_to("/"),
+        check=True,
+        timeout=600,
+        capture_output=True,
+    )
     scripts = {}
     for wheel in wheels.glob("*.whl"):
         with zipfile.ZipFile(wheel) as zf:
@@ -197,7 +218,7 @@ def test_containerfile_builds_its_wheels_from_what_it_copies(tmp_path):
     entrypoint = json.loads(next(rest for word, rest in run if word == "ENTRYPOINT"))
     cmd = json.loads(next(rest for word, rest in run if word == "CMD"))
     health = next(rest for word, rest in run if word == "HEALTHCHECK")
-    health_cmd = json.loads(health[health.index("CMD ") + 4:])
+    health_cmd = json.loads(health[health.index("CMD ") + 4 :])
     assert entrypoint[0] in scripts and health_cmd[0] in scripts, scripts
     # The daemon's own parsing of ENTRYPOINT + CMD, with the config the image copies in.
     copied = next(rest for word, rest in run if word == "COPY" and "/etc/kvstored/kvstored.toml" in rest)
@@ -220,6 +241,7 @@ def parsed_config(argv: list[str]):
 
 # -- Kubernetes -------------------------------------------------------------------------------------
 
+
 def manifests() -> dict[str, dict]:
     """{kind/name: document} of every manifest under deploy/kubernetes (examples included)."""
     docs = {}
@@ -231,9 +253,20 @@ def manifests() -> dict[str, dict]:
 
 
 def quantity(value: str | int) -> int:
-    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "k": 10**3, "M": 10**6, "G": 10**9,
-             "T": 10**12, "": 1}
-    number, unit = re.fullmatch(r"(\d+(?:\.\d+)?)([A-Za-z]*)", str(value)).groups()
+    units = {
+        "Ki": 1 << 10,
+        "Mi": 1 << 20,
+        "Gi": 1 << 30,
+        "Ti": 1 << 40,
+        "k": 10**3,
+        "M": 10**6,
+        "G": 10**9,
+        "T": 10**12,
+        "": 1,
+    }
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([A-Za-z]*)", str(value))
+    assert match, f"not a size: {value!r}"
+    number, unit = match.groups()
     return int(float(number) * units[unit])
 
 
@@ -243,8 +276,13 @@ def test_manifests_validate_against_kubernetes_schemas():
     except ImportError:
         pytest.fail("kubernetes-validate not installed: install the dev extras", pytrace=False)
     docs = manifests()
-    assert {"Namespace/kvstored", "ConfigMap/kvstored-config", "DaemonSet/kvstored", "Service/kvstored-peers",
-            "Pod/vllm-llama"} <= set(docs)
+    assert {
+        "Namespace/kvstored",
+        "ConfigMap/kvstored-config",
+        "DaemonSet/kvstored",
+        "Service/kvstored-peers",
+        "Pod/vllm-llama",
+    } <= set(docs)
     for version in ("1.28.0", kubernetes_validate.latest_version()):  # an old supported one and the newest
         for name, doc in docs.items():
             try:
@@ -314,8 +352,9 @@ def test_manifests_fit_together():
     assert {p["name"] for p in service["ports"]} >= {"peer", "peer-data", "peer-ucx"}
     # its TLS files are in the mounted Secret
     tls_dir = next(path for path, volume in mounts.items() if "secret" in volumes[volume])
-    assert all(str(f).startswith(tls_dir + "/") for f in (config.tls_cert_file, config.tls_key_file,
-                                                             config.tls_client_ca_file))
+    assert all(
+        str(f).startswith(tls_dir + "/") for f in (config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
+    )
 
     # The client example: same host directory, the daemon's gid, a socket inside that directory.
     client = docs["Pod/vllm-llama"]["spec"]
@@ -331,17 +370,19 @@ def test_manifests_fit_together():
 
 # -- the systemd recipe -------------------------------------------------------------------------------
 
+
 def systemd_recipe() -> list[list[str]]:
     text = OPERATIONS_DOC.read_text()
     start = text.index("## Running under systemd")
-    block = text[text.index("```sh", start) + 5:text.index("```", text.index("```sh", start) + 5)]
+    block = text[text.index("```sh", start) + 5 : text.index("```", text.index("```sh", start) + 5)]
     return [shlex.split(line, comments=True) for line in block.splitlines() if line.strip()]
 
 
 def test_systemd_recipe_keeps_secrets_root_only_and_kvstoredctl_on_path():
     commands = systemd_recipe()
-    env_file = next(v.split("=", 1)[1].lstrip("-") for v in UNIT.read_text().splitlines()
-                    if v.startswith("EnvironmentFile="))
+    env_file = next(
+        v.split("=", 1)[1].lstrip("-") for v in UNIT.read_text().splitlines() if v.startswith("EnvironmentFile=")
+    )
     installs = [c for c in commands if c[:2] == ["sudo", "install"] and c[-1] == env_file]
     assert len(installs) == 1, f"the recipe installs {env_file} once"
     args = installs[0]

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Bad input gets the right gRPC status and a message naming what was wrong; afterwards the
 daemon still serves and what was stored before is intact (checked after every test here)."""
 
@@ -95,10 +97,18 @@ def keyed_requests(conn, ns_id, keys, region_id):
         ("Reserve", pb.ReserveRequest(session_id=sid, namespace_id=ns_id, keys=keys)),
         ("Acquire", pb.AcquireRequest(session_id=sid, namespace_id=ns_id, keys=keys)),
         ("Delete", pb.DeleteRequest(namespace_id=ns_id, keys=keys)),
-        ("StoreFromRegion", pb.RegionTransferRequest(
-            session_id=sid, namespace_id=ns_id, region_id=region_id, keys=keys, offsets=offsets)),
-        ("LoadToRegion", pb.RegionTransferRequest(
-            session_id=sid, namespace_id=ns_id, region_id=region_id, keys=keys, offsets=offsets)),
+        (
+            "StoreFromRegion",
+            pb.RegionTransferRequest(
+                session_id=sid, namespace_id=ns_id, region_id=region_id, keys=keys, offsets=offsets
+            ),
+        ),
+        (
+            "LoadToRegion",
+            pb.RegionTransferRequest(
+                session_id=sid, namespace_id=ns_id, region_id=region_id, keys=keys, offsets=offsets
+            ),
+        ),
     ]
 
 
@@ -195,7 +205,8 @@ def test_region_offsets_outside_the_region(conn, ns_id, shm_dir):
     for offsets in ([0, 3 * CHUNK + 1], [4 * CHUNK, 0], [2**63, 0], [2**64 - 1, 0]):
         for method in ("StoreFromRegion", "LoadToRegion"):
             request = pb.RegionTransferRequest(
-                session_id=conn.session_id, namespace_id=ns_id, region_id=reg.region_id, keys=keys, offsets=offsets)
+                session_id=conn.session_id, namespace_id=ns_id, region_id=reg.region_id, keys=keys, offsets=offsets
+            )
             expect(conn, method, request, S.INVALID_ARGUMENT, "outside region", str(4 * CHUNK))
     assert conn.call("Lookup", pb.LookupRequest(namespace_id=ns_id, keys=keys)).prefix_hits == 0
     assert conn.stats().reservations == 0
@@ -207,7 +218,8 @@ def test_region_keys_and_offsets_must_pair_up(conn, ns_id, shm_dir):
     keys = make_keys("pairs", 2)
     for method in ("StoreFromRegion", "LoadToRegion"):
         request = pb.RegionTransferRequest(
-            session_id=conn.session_id, namespace_id=ns_id, region_id=reg.region_id, keys=keys, offsets=[0])
+            session_id=conn.session_id, namespace_id=ns_id, region_id=reg.region_id, keys=keys, offsets=[0]
+        )
         expect(conn, method, request, S.INVALID_ARGUMENT, "2 keys but 1 offsets")
 
 
@@ -218,7 +230,8 @@ def test_region_too_small_for_a_chunk(conn, ns_id, shm_dir):
     keys = make_keys("small-region", 1)
     for method in ("StoreFromRegion", "LoadToRegion"):
         request = pb.RegionTransferRequest(
-            session_id=conn.session_id, namespace_id=ns_id, region_id=reg.region_id, keys=keys, offsets=[0])
+            session_id=conn.session_id, namespace_id=ns_id, region_id=reg.region_id, keys=keys, offsets=[0]
+        )
         expect(conn, method, request, S.INVALID_ARGUMENT, "outside region", f"({CHUNK // 2} bytes)")
 
 
@@ -237,8 +250,13 @@ def test_client_region_offsets_outside_raise_invalid_argument(shared_daemon, ns_
 
 def test_region_file_missing_is_not_found(conn, shm_dir):
     missing = shm_dir / "no-such-region"
-    expect(conn, "RegisterRegion", pb.RegisterRegionRequest(session_id=conn.session_id, path=str(missing)),
-           S.NOT_FOUND, str(missing))
+    expect(
+        conn,
+        "RegisterRegion",
+        pb.RegisterRegionRequest(session_id=conn.session_id, path=str(missing)),
+        S.NOT_FOUND,
+        str(missing),
+    )
 
 
 def test_client_register_region_missing_file(shared_daemon, shm_dir):
@@ -256,15 +274,21 @@ def test_unusable_region_is_invalid_argument(conn, shm_dir, kind):
     else:
         path, fragment = str(make_file(shm_dir, 0)), "empty"
     before = conn.stats().regions
-    expect(conn, "RegisterRegion", pb.RegisterRegionRequest(session_id=conn.session_id, path=path),
-           S.INVALID_ARGUMENT, fragment)
+    expect(
+        conn,
+        "RegisterRegion",
+        pb.RegisterRegionRequest(session_id=conn.session_id, path=path),
+        S.INVALID_ARGUMENT,
+        fragment,
+    )
     assert conn.stats().regions == before
 
 
 def test_unknown_region_is_not_found(conn, ns_id):
     for method in ("StoreFromRegion", "LoadToRegion"):
         request = pb.RegionTransferRequest(
-            session_id=conn.session_id, namespace_id=ns_id, region_id=987654321, keys=make_keys("r", 1), offsets=[0])
+            session_id=conn.session_id, namespace_id=ns_id, region_id=987654321, keys=make_keys("r", 1), offsets=[0]
+        )
         expect(conn, method, request, S.NOT_FOUND, "region 987654321")
 
 
@@ -273,7 +297,8 @@ def test_region_of_another_session_is_not_usable(shared_daemon, conn, ns_id, shm
     with raw(shared_daemon.socket) as other:
         reg = other.call("RegisterRegion", pb.RegisterRegionRequest(session_id=other.session_id, path=str(path)))
         request = pb.RegionTransferRequest(
-            session_id=conn.session_id, namespace_id=ns_id, region_id=reg.region_id, keys=make_keys("r", 1), offsets=[0])
+            session_id=conn.session_id, namespace_id=ns_id, region_id=reg.region_id, keys=make_keys("r", 1), offsets=[0]
+        )
         expect(conn, "LoadToRegion", request, S.NOT_FOUND, f"region {reg.region_id}")
 
 
@@ -288,10 +313,20 @@ def test_oversized_batch_is_resource_exhausted(conn, ns_id, region_id):
     for method, request in keyed_requests(conn, ns_id, too_many, region_id):
         expect(conn, method, request, S.RESOURCE_EXHAUSTED, str(limit + 1), f"max_batch_keys={limit}")
     handles = list(range(1, limit + 2))
-    expect(conn, "Release", pb.ReleaseRequest(session_id=conn.session_id, handles=handles),
-           S.RESOURCE_EXHAUSTED, f"max_batch_keys={limit}")
-    expect(conn, "Commit", pb.CommitRequest(session_id=conn.session_id, handles=handles),
-           S.RESOURCE_EXHAUSTED, f"max_batch_keys={limit}")
+    expect(
+        conn,
+        "Release",
+        pb.ReleaseRequest(session_id=conn.session_id, handles=handles),
+        S.RESOURCE_EXHAUSTED,
+        f"max_batch_keys={limit}",
+    )
+    expect(
+        conn,
+        "Commit",
+        pb.CommitRequest(session_id=conn.session_id, handles=handles),
+        S.RESOURCE_EXHAUSTED,
+        f"max_batch_keys={limit}",
+    )
     assert conn.stats().reservations == 0
 
 
@@ -304,8 +339,14 @@ def test_unknown_session_is_not_found(conn, ns_id, shm_dir):
         ("Commit", pb.CommitRequest(session_id=bogus, handles=[1])),
         ("Release", pb.ReleaseRequest(session_id=bogus, handles=[1])),
         ("RegisterRegion", pb.RegisterRegionRequest(session_id=bogus, path=str(make_file(shm_dir, CHUNK)))),
-        ("StoreFromRegion", pb.RegionTransferRequest(session_id=bogus, namespace_id=ns_id, region_id=1, keys=keys, offsets=[0])),
-        ("LoadToRegion", pb.RegionTransferRequest(session_id=bogus, namespace_id=ns_id, region_id=1, keys=keys, offsets=[0])),
+        (
+            "StoreFromRegion",
+            pb.RegionTransferRequest(session_id=bogus, namespace_id=ns_id, region_id=1, keys=keys, offsets=[0]),
+        ),
+        (
+            "LoadToRegion",
+            pb.RegionTransferRequest(session_id=bogus, namespace_id=ns_id, region_id=1, keys=keys, offsets=[0]),
+        ),
     ]
     for method, request in requests:
         err = expect(conn, method, request, S.NOT_FOUND, bogus, "session")
@@ -340,17 +381,32 @@ def test_releasing_a_lease_twice_is_failed_precondition(shared_daemon, conn, ns_
     handles = [lease.handle for lease in leases]
     assert conn.stats().leases >= 2
     assert conn.release(handles[:1]) == 1
-    err = expect(conn, "Release", pb.ReleaseRequest(session_id=conn.session_id, handles=handles[:1]),
-                 S.FAILED_PRECONDITION, f"handle {handles[0]}")
+    err = expect(
+        conn,
+        "Release",
+        pb.ReleaseRequest(session_id=conn.session_id, handles=handles[:1]),
+        S.FAILED_PRECONDITION,
+        f"handle {handles[0]}",
+    )
     assert dict(err.trailing_metadata()).get("kvstored-error") == "HandleNotHeld"
     # All or nothing: a batch with one bad handle releases none of them.
-    expect(conn, "Release", pb.ReleaseRequest(session_id=conn.session_id, handles=handles),
-           S.FAILED_PRECONDITION, f"handle {handles[0]}")
+    expect(
+        conn,
+        "Release",
+        pb.ReleaseRequest(session_id=conn.session_id, handles=handles),
+        S.FAILED_PRECONDITION,
+        f"handle {handles[0]}",
+    )
     assert conn.release(handles[1:]) == 1
     # The same handle twice in one request.
     again = conn.acquire(ns.namespace_id, keys[:1])
-    expect(conn, "Release", pb.ReleaseRequest(session_id=conn.session_id, handles=[again[0].handle] * 2),
-           S.INVALID_ARGUMENT, "twice")
+    expect(
+        conn,
+        "Release",
+        pb.ReleaseRequest(session_id=conn.session_id, handles=[again[0].handle] * 2),
+        S.INVALID_ARGUMENT,
+        "twice",
+    )
     assert conn.release([again[0].handle]) == 1
 
 
@@ -362,19 +418,39 @@ def test_commit_of_a_lease_or_a_stranger_handle_is_failed_precondition(shared_da
     handle = slots[0].handle
     # Another session cannot commit or release our reservation.
     with raw(shared_daemon.socket) as other:
-        expect(other, "Commit", pb.CommitRequest(session_id=other.session_id, handles=[handle]),
-               S.FAILED_PRECONDITION, f"handle {handle}")
-        expect(other, "Release", pb.ReleaseRequest(session_id=other.session_id, handles=[handle]),
-               S.FAILED_PRECONDITION, f"handle {handle}")
+        expect(
+            other,
+            "Commit",
+            pb.CommitRequest(session_id=other.session_id, handles=[handle]),
+            S.FAILED_PRECONDITION,
+            f"handle {handle}",
+        )
+        expect(
+            other,
+            "Release",
+            pb.ReleaseRequest(session_id=other.session_id, handles=[handle]),
+            S.FAILED_PRECONDITION,
+            f"handle {handle}",
+        )
     # A second writer of the same key is told another writer is in progress.
     again = conn.call("Reserve", pb.ReserveRequest(session_id=conn.session_id, namespace_id=ns_id, keys=keys)).slots
     assert again[0].state == pb.SLOT_STATE_IN_PROGRESS
     assert conn.call("Commit", pb.CommitRequest(session_id=conn.session_id, handles=[handle])).committed == 1
-    expect(conn, "Commit", pb.CommitRequest(session_id=conn.session_id, handles=[handle]),
-           S.FAILED_PRECONDITION, f"handle {handle}")
+    expect(
+        conn,
+        "Commit",
+        pb.CommitRequest(session_id=conn.session_id, handles=[handle]),
+        S.FAILED_PRECONDITION,
+        f"handle {handle}",
+    )
     lease = conn.acquire(ns_id, keys)[0]
-    expect(conn, "Commit", pb.CommitRequest(session_id=conn.session_id, handles=[lease.handle]),
-           S.FAILED_PRECONDITION, f"handle {lease.handle}")
+    expect(
+        conn,
+        "Commit",
+        pb.CommitRequest(session_id=conn.session_id, handles=[lease.handle]),
+        S.FAILED_PRECONDITION,
+        f"handle {lease.handle}",
+    )
     assert conn.release([lease.handle]) == 1
 
 
@@ -495,14 +571,17 @@ def test_region_shrinking_while_a_copy_runs_does_not_crash_the_daemon(daemon_fac
         region = c.register_region(path)  # registered at full size, before the flipping starts
         assert region.size == size
         offsets = [i * chunk for i in range(n)]
-        flipper = subprocess.Popen([sys.executable, "-c", flip, str(path), str(size)],
-                                   stdout=subprocess.PIPE, text=True)
+        flipper = subprocess.Popen(
+            [sys.executable, "-c", flip, str(path), str(size)], stdout=subprocess.PIPE, text=True
+        )
         try:
             assert flipper.stdout.readline().strip() == "flipping"
             for i in range(20):
                 keys = make_keys(f"{ns_name}/{i}", n)
-                for call in (lambda: c.store_from_region(ns, region, keys, offsets),
-                             lambda: c.load_to_region(ns, region, keys, offsets)):
+                for call in (
+                    lambda keys=keys: c.store_from_region(ns, region, keys, offsets),
+                    lambda keys=keys: c.load_to_region(ns, region, keys, offsets),
+                ):
                     try:
                         call()
                     except client_errors.KvstoredError:

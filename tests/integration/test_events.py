@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """KV events: the WatchEvents gRPC stream (replay + live) and the ZMQ publisher in vLLM's format."""
 
 from __future__ import annotations
@@ -45,21 +47,23 @@ def test_watch_events_replays_stores_and_evictions_in_order(daemon_factory, ns_n
     with d.client() as kv:
         ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK, block_tokens=16)
         for i in range(0, 24, 8):
-            assert kv.store(ns, keys[i:i + 8], payloads(keys[i:i + 8], CHUNK)).stored == 8
+            assert kv.store(ns, keys[i : i + 8], payloads(keys[i : i + 8], CHUNK)).stored == 8
         assert kv.delete(ns, keys[-1:]) == 1
     with d.channel() as channel:
         events = _collect(pb_grpc.KVStoreStub(channel), from_seq=1, count=5)
     seqs = [e.seq for e in events]
     assert seqs == sorted(seqs) and seqs[0] == 1 and len(set(seqs)) == len(seqs)
     stored = [k for e in events if e.type == pb.EVENT_TYPE_STORED for k in e.keys]
-    evicted = [k for e in events if e.type == pb.EVENT_TYPE_REMOVED and e.cause == pb.EVENT_CAUSE_EVICTED
-               for k in e.keys]
+    evicted = [
+        k for e in events if e.type == pb.EVENT_TYPE_REMOVED and e.cause == pb.EVENT_CAUSE_EVICTED for k in e.keys
+    ]
     deleted = [k for e in events if e.cause == pb.EVENT_CAUSE_DELETED for k in e.keys]
     assert stored == keys
     assert evicted == keys[:8]  # LRU order
     assert deleted == keys[-1:]
-    assert all(e.tier == "ram" and e.tier_kind == pb.TIER_KIND_RAM and e.namespace_id == ns.namespace_id
-               for e in events)
+    assert all(
+        e.tier == "ram" and e.tier_kind == pb.TIER_KIND_RAM and e.namespace_id == ns.namespace_id for e in events
+    )
 
 
 def test_watch_events_live_stream_sees_new_events(daemon, ns_name):
@@ -92,9 +96,12 @@ def test_zmq_events_decode_with_vllm_classes_and_replay(daemon_factory, ns_name)
     pub_port, replay_port = _free_port(), _free_port()
     d = daemon_factory(
         [
-            "--events-zmq-endpoint", f"tcp://127.0.0.1:{pub_port}",
-            "--events-zmq-replay-endpoint", f"tcp://127.0.0.1:{replay_port}",
-            "--events-zmq-topic", "kv",
+            "--events-zmq-endpoint",
+            f"tcp://127.0.0.1:{pub_port}",
+            "--events-zmq-replay-endpoint",
+            f"tcp://127.0.0.1:{replay_port}",
+            "--events-zmq-topic",
+            "kv",
         ],
         cpu_bytes="1MiB",
     )
@@ -134,11 +141,16 @@ def test_zmq_events_decode_with_vllm_classes_and_replay(daemon_factory, ns_name)
 
 def test_zmq_array_encoding_is_positional(daemon_factory, ns_name):
     pub_port, replay_port = _free_port(), _free_port()
-    d = daemon_factory([
-        "--events-zmq-endpoint", f"tcp://127.0.0.1:{pub_port}",
-        "--events-zmq-replay-endpoint", f"tcp://127.0.0.1:{replay_port}",
-        "--events-encoding", "array",
-    ])
+    d = daemon_factory(
+        [
+            "--events-zmq-endpoint",
+            f"tcp://127.0.0.1:{pub_port}",
+            "--events-zmq-replay-endpoint",
+            f"tcp://127.0.0.1:{replay_port}",
+            "--events-encoding",
+            "array",
+        ]
+    )
     key = make_keys("arr", 1)
     with d.client() as kv:
         ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK, block_tokens=32)
@@ -175,7 +187,7 @@ def _zmq_replay(replay_port: int) -> list[bytes]:
         replay.RCVTIMEO = 10_000
         replay.connect(f"tcp://127.0.0.1:{replay_port}")
         replay.send_multipart([b"", (0).to_bytes(8, "big")])
-        payloads_ = []
+        payloads_: list[bytes] = []
         while True:
             _, _, seq, payload = replay.recv_multipart()
             if seq == (-1).to_bytes(8, "big", signed=True):
@@ -195,11 +207,18 @@ def test_clear_namespace_reaches_zmq_routers_as_its_keys_removed_only(daemon_fac
 
     root = short_tmpdir("kvfs")
     pub_port, replay_port = _free_port(), _free_port()
-    d = daemon_factory([
-        "--events-zmq-endpoint", f"tcp://127.0.0.1:{pub_port}",
-        "--events-zmq-replay-endpoint", f"tcp://127.0.0.1:{replay_port}",
-        "--tiers", f"kind=fs,root={root},bytes=64MiB", "--write-policy", "write-through",
-    ])
+    d = daemon_factory(
+        [
+            "--events-zmq-endpoint",
+            f"tcp://127.0.0.1:{pub_port}",
+            "--events-zmq-replay-endpoint",
+            f"tcp://127.0.0.1:{replay_port}",
+            "--tiers",
+            f"kind=fs,root={root},bytes=64MiB",
+            "--write-policy",
+            "write-through",
+        ]
+    )
     a_keys, b_keys = make_keys("clear-a", 4), make_keys("clear-b", 4)
     try:
         with d.client() as kv:
@@ -233,7 +252,9 @@ def test_clear_namespace_reaches_zmq_routers_as_its_keys_removed_only(daemon_fac
     assert known == {(medium, k) for medium in ("CPU", "STORAGE") for k in b_keys}
     # gRPC watchers, which track namespaces, still get one CLEARED per tier for A.
     assert sorted((e.tier, e.namespace_id) for e in grpc_events if e.type == pb.EVENT_TYPE_CLEARED) == [
-        ("fs", a.namespace_id), ("ram", a.namespace_id)]
+        ("fs", a.namespace_id),
+        ("ram", a.namespace_id),
+    ]
 
 
 def _collect_through_cleared(stub, tier: str) -> list[pb.KvEvent]:

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """RAM tier capacity and eviction through the real daemon: LRU order, the capacity bound, and
 leases that keep a chunk (and its bytes) in place while the pool churns."""
 
@@ -39,7 +41,7 @@ def test_lru_order_with_lookups_and_loads(small, ns_name):
         assert c.lookup(ns, [keys[0]]).prefix_hits == 1  # touch the oldest
         assert c.store(ns, [keys[SLOTS]], data[SLOTS]).stored == 1  # evicts one chunk
         # The touched chunk survived; the oldest untouched one (k1) went.
-        got = present(c, ns, keys[:SLOTS + 1])  # (this lookup touches k0, k2..k16 in that order)
+        got = present(c, ns, keys[: SLOTS + 1])  # (this lookup touches k0, k2..k16 in that order)
         assert got == [True, False] + [True] * (SLOTS - 1)
         assert small.stats().tiers[0].evictions == 1
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """tests/gpu/run.sh, the GPU check, run here as its own CPU dry run.
 
 The GPU machine has no vLLM and none of the daemon's optional packages (aiohttp, pyzmq, msgpack,
@@ -22,7 +24,8 @@ ABSENT_ON_GPU_MACHINE = ("vllm", "aiohttp", "zmq", "msgpack", "aiobotocore", "bo
 def hide_modules(tmp_path: Path) -> Path:
     site = tmp_path / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(textwrap.dedent(f"""
+    (site / "sitecustomize.py").write_text(
+        textwrap.dedent(f"""
         import sys
 
         class _Absent:
@@ -34,14 +37,21 @@ def hide_modules(tmp_path: Path) -> Path:
                 return None
 
         sys.meta_path.insert(0, _Absent())
-    """))
+    """)
+    )
     return site
 
 
 def run_check(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = clean_env({"PYTHON": sys.executable, "PYTHONPATH": str(hide_modules(tmp_path))})
-    return subprocess.run(["bash", str(REPO_ROOT / "tests/gpu/run.sh"), *args], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        ["bash", str(REPO_ROOT / "tests/gpu/run.sh"), *args],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def test_hidden_modules_really_are_hidden(tmp_path):
@@ -55,8 +65,11 @@ def test_dry_run_moves_exact_bytes_without_optional_packages(tmp_path):
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
     assert "byte equality: OK" in out
-    for row in ("cudaMemcpy, pinned host memory", "direct spec worker, contiguous blocks",
-                "direct spec worker, scattered blocks"):
+    for row in (
+        "cudaMemcpy, pinned host memory",
+        "direct spec worker, contiguous blocks",
+        "direct spec worker, scattered blocks",
+    ):
         assert row in out
     assert "GiB/s" in out
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The API is usable with stock tools: grpcurl over the unix socket, via server reflection."""
 
 from __future__ import annotations
@@ -84,13 +86,15 @@ def test_register_namespace_and_lookup_with_json(grpcurl_run, shared_daemon, ns_
     with shared_daemon.client() as c:
         ns = c.register_namespace(model=ns_name, dtype="bfloat16", chunk_bytes=CHUNK, layout="tp1")
         assert c.store(ns, keys[:1], payloads(keys[:1], CHUNK)).stored == 1
-    found = json.loads(grpcurl_run(
-        "kvstored.v1.KVStore/Lookup", data={"namespace_id": ns_id, "keys": [b64(k) for k in keys]}).stdout)
+    found = json.loads(
+        grpcurl_run("kvstored.v1.KVStore/Lookup", data={"namespace_id": ns_id, "keys": [b64(k) for k in keys]}).stdout
+    )
     assert found["prefix_hits"] == 1
     assert found["tiers"] == ["TIER_KIND_RAM", "TIER_KIND_UNSPECIFIED"]
 
-    deleted = json.loads(grpcurl_run(
-        "kvstored.v1.KVStore/Delete", data={"namespace_id": ns_id, "keys": [b64(keys[0])]}).stdout)
+    deleted = json.loads(
+        grpcurl_run("kvstored.v1.KVStore/Delete", data={"namespace_id": ns_id, "keys": [b64(keys[0])]}).stdout
+    )
     assert deleted["deleted"] == 1
     with shared_daemon.client() as c:
         assert c.lookup(ns, keys).prefix_hits == 0

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Daemon lifecycle: clean SIGTERM/SIGINT shutdown, restart over stale sockets, refusing a live
 socket, the command line (--help, config sources, config errors), socket permissions."""
 
@@ -23,8 +25,12 @@ CHUNK = 64 << 10
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(
-        kvstored_command() + list(args), capture_output=True, text=True, timeout=timeout,
-        env=clean_env(env), cwd=REPO_ROOT,
+        kvstored_command() + list(args),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=clean_env(env),
+        cwd=REPO_ROOT,
     )
 
 
@@ -147,8 +153,12 @@ def test_help_lists_every_option():
 
 def test_python_dash_m_kvstored():
     out = subprocess.run(
-        [sys.executable, "-m", "kvstored", "--help"], capture_output=True, text=True, timeout=60,
-        cwd=REPO_ROOT, env=clean_env(),
+        [sys.executable, "-m", "kvstored", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO_ROOT,
+        env=clean_env(),
     )
     assert out.returncode == 0, out.stderr
     assert "--cpu-bytes" in out.stdout
@@ -186,8 +196,10 @@ def test_config_from_flags_env_and_file_reaches_the_daemon(daemon_factory, ns_na
     }
     d.start(["--config", str(toml)], env=env)
     with raw(d.socket) as r:
-        resp = r.call("RegisterNamespace", pb.RegisterNamespaceRequest(
-            spec=pb.NamespaceSpec(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)))
+        resp = r.call(
+            "RegisterNamespace",
+            pb.RegisterNamespaceRequest(spec=pb.NamespaceSpec(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)),
+        )
         assert resp.page_bytes == 128 << 10  # from the file
         assert resp.pool_bytes == 16 << 20  # from the flag
         assert r.stats().tiers[0].capacity_bytes == 16 << 20
@@ -204,10 +216,12 @@ def test_config_from_flags_env_and_file_reaches_the_daemon(daemon_factory, ns_na
 def test_handles_of_one_run_never_name_the_next_runs(daemon, ns_name):
     """A client that has not noticed a restart yet may send an old handle on its new session:
     it must be refused, never commit or release one of the new run's reservations."""
+
     def reserve(conn: RawConn) -> int:
         ns = conn.register(ns_name, CHUNK)
-        slots = conn.call("Reserve", pb.ReserveRequest(session_id=conn.session_id, namespace_id=ns,
-                                                      keys=make_keys(ns_name, 1))).slots
+        slots = conn.call(
+            "Reserve", pb.ReserveRequest(session_id=conn.session_id, namespace_id=ns, keys=make_keys(ns_name, 1))
+        ).slots
         return slots[0].handle
 
     with raw(daemon.socket) as before:
@@ -235,8 +249,12 @@ def test_sigterm_while_a_tier_is_starting_stops_at_once(daemon_factory, tmp_path
     port = black_hole.getsockname()[1]
     d = daemon_factory(start=False)
     try:
-        d.spawn(["--tiers", f"kind=s3,bucket=b,endpoint_url=http://127.0.0.1:{port},timeout_s=120,"
-                            "access_key=k,secret_key=s"])
+        d.spawn(
+            [
+                "--tiers",
+                f"kind=s3,bucket=b,endpoint_url=http://127.0.0.1:{port},timeout_s=120,access_key=k,secret_key=s",
+            ]
+        )
         deadline = time.monotonic() + 60
         while "RAM tier" not in d.log:  # past the pool, into the tiers' start
             assert d.proc.poll() is None, d.log

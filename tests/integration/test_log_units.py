@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Sizes in the daemon's logs are in human units (64.0 MiB, not 67108864): checked on a real
 daemon's start-up lines, and for every log call in kvstored/ that passes a byte count."""
 
@@ -33,9 +35,13 @@ def test_every_log_call_formats_byte_counts():
     raw = []
     for path in sorted((REPO_ROOT / "kvstored").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in LOG_METHODS and isinstance(node.func.value, ast.Name)
-                    and node.func.value.id in ("log", "logger")):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in LOG_METHODS
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id in ("log", "logger")
+            ):
                 continue
             for arg in node.args[1:]:
                 text = ast.unparse(arg)

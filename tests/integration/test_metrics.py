@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """/metrics of a real daemon: values equal the Stats RPC, names pass promtool, and the shipped
 dashboard, alerting rules and scrape config only use names a real scrape has."""
 
@@ -62,11 +64,11 @@ PROMETHEUS_LABELS = {"instance", "job"}  # added by Prometheus at scrape time
 
 # -- helpers ------------------------------------------------------------------------------------
 
+
 def promtool() -> str:
     path = shutil.which("promtool")
     if path is None:
-        pytest.fail("promtool not found: run deploy/install-system-deps.sh (Debian package prometheus)",
-                    pytrace=False)
+        pytest.fail("promtool not found: run deploy/install-system-deps.sh (Debian package prometheus)", pytrace=False)
     return path
 
 
@@ -140,7 +142,8 @@ def assert_tiers_match(scraped: Scrape, stats: pb.StatsResponse) -> None:
         assert scraped.value("kvstored_tier_misses_total", **labels) == t.lookups - t.hits
         if t.capacity_bytes:
             assert scraped.value("kvstored_tier_utilization_ratio", **labels) == pytest.approx(
-                t.used_bytes / t.capacity_bytes)
+                t.used_bytes / t.capacity_bytes
+            )
     assert {dict(k)["tier"] for k in scraped.series("kvstored_tier_capacity_bytes")} == names
 
 
@@ -160,6 +163,7 @@ def assert_histograms_consistent(scraped: Scrape, name: str) -> None:
 
 # -- RAM only -----------------------------------------------------------------------------------
 
+
 @pytest.mark.system_deps
 def test_ram_metrics_match_stats_and_pass_promtool(daemon_factory):
     d = daemon_factory(METRICS_PORT_0, cpu_bytes="8MiB")
@@ -176,8 +180,9 @@ def test_ram_metrics_match_stats_and_pass_promtool(daemon_factory):
             rpc_error(conn.call, "Lookup", pb.LookupRequest(namespace_id="0" * 32, keys=[b"k" * 32]))
         # grpc.aio sends an aborted call's status before the interceptor around it counts the call
         not_found = frozenset({"service": "kvstored.v1.KVStore", "method": "Lookup", "code": "NOT_FOUND"}.items())
-        assert wait_for(lambda: not_found in Scrape(scrape(d)).samples.get("kvstored_grpc_server_handled_total", {}),
-                        timeout=10), "the NOT_FOUND Lookup was never counted"
+        assert wait_for(
+            lambda: not_found in Scrape(scrape(d)).samples.get("kvstored_grpc_server_handled_total", {}), timeout=10
+        ), "the NOT_FOUND Lookup was never counted"
 
         text = scrape(d)  # the client's session is still open
         stats = quiet_stats(d)
@@ -193,8 +198,16 @@ def test_ram_metrics_match_stats_and_pass_promtool(daemon_factory):
         assert scraped.value("kvstored_reservations") == stats.reservations == 0
         assert scraped.value("kvstored_namespaces") == stats.namespaces == 1
         assert scraped.value("kvstored_build_info", version=stats.version) == 1
-        assert scraped.value("kvstored_namespace_info", namespace=ns.namespace_id, model="metrics-ram",
-                             dtype="uint8", chunk_bytes=str(MIB)) == 1
+        assert (
+            scraped.value(
+                "kvstored_namespace_info",
+                namespace=ns.namespace_id,
+                model="metrics-ram",
+                dtype="uint8",
+                chunk_bytes=str(MIB),
+            )
+            == 1
+        )
 
     kv_service = "kvstored.v1.KVStore"
     handled = "kvstored_grpc_server_handled_total"
@@ -228,26 +241,35 @@ def test_metrics_port_taken_or_off_keeps_serving(daemon_factory):
 
 # -- with an fs tier ----------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def fs_run():
     """One daemon with 4 MiB of RAM over a 256 MiB fs tier (and a peer tier), driven through
     write-back and promotion; yields its scrape and the quiet Stats around it."""
-    from tests.support.daemon import Daemon
-
     from tests.support.cluster import free_port
+    from tests.support.daemon import Daemon
 
     root = short_tmpdir("kvfs")
     d = Daemon(cpu_bytes="4MiB")
     try:
         # ... and a peer tier whose one peer is down: its per-peer series are in the scrape
         peer = f"kind=peer,peers=127.0.0.1:{free_port()},transport=tcp,tcp_port=0"
-        d.start(METRICS_PORT_0 + ["--tiers", f"kind=fs,root={root},bytes=256MiB", "--tiers", peer,
-                                  "--tcp-listen", f"127.0.0.1:{free_port()}"])
+        d.start(
+            METRICS_PORT_0
+            + [
+                "--tiers",
+                f"kind=fs,root={root},bytes=256MiB",
+                "--tiers",
+                peer,
+                "--tcp-listen",
+                f"127.0.0.1:{free_port()}",
+            ]
+        )
         keys = make_keys("metrics-fs", 12)
         with d.client() as kv:
             ns = kv.register_namespace(model="metrics-fs", dtype="uint8", chunk_bytes=MIB)
             for i in range(0, len(keys), 2):
-                kv.store(ns, keys[i:i + 2], payloads(keys[i:i + 2], MIB))
+                kv.store(ns, keys[i : i + 2], payloads(keys[i : i + 2], MIB))
             quiet_stats(d)
             out = np.empty((2, MIB), np.uint8)
             assert kv.lookup(ns, keys).prefix_hits == len(keys)  # all in RAM or on disk
@@ -390,6 +412,7 @@ def test_rules_and_scrape_config_pass_promtool():
 def test_ram_thrash_alert_fires_only_when_full_and_missing(tmp_path):
     """promtool unit test of the alert: RAM full and every lookup a miss -> fires; a full RAM
     tier that still hits, or an empty one that misses, does not."""
+
     def series(instance: str, hits: str, lookups: str, util: str) -> list[dict]:
         labels = f'job="kvstored",instance="{instance}",tier="ram",kind="ram"'
         return [
@@ -401,27 +424,36 @@ def test_ram_thrash_alert_fires_only_when_full_and_missing(tmp_path):
     tests = {
         "rule_files": [str(RULES)],
         "evaluation_interval": "1m",
-        "tests": [{
-            "interval": "1m",
-            "input_series": (
-                series("thrash:9464", "0+0x60", "0+600x60", "0.99x60")
-                + series("healthy:9464", "0+500x60", "0+600x60", "0.99x60")
-                + series("empty:9464", "0+0x60", "0+600x60", "0.10x60")
-            ),
-            "alert_rule_test": [
-                {"eval_time": "50m", "alertname": "KvstoredRamTierThrashing", "exp_alerts": [{
-                    "exp_labels": {"severity": "warning", "instance": "thrash:9464", "job": "kvstored"},
-                    "exp_annotations": {
-                        "summary": "kvstored RAM tier on thrash:9464 is full but almost never hits",
-                        "description": (
-                            "The RAM tier hit rate has been below 1% for 15 minutes while it is over 90% "
-                            "full: chunks are evicted before they are reused. Give it more memory "
-                            "(cpu_bytes), add a lower tier, or check that clients use stable keys."),
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": (
+                    series("thrash:9464", "0+0x60", "0+600x60", "0.99x60")
+                    + series("healthy:9464", "0+500x60", "0+600x60", "0.99x60")
+                    + series("empty:9464", "0+0x60", "0+600x60", "0.10x60")
+                ),
+                "alert_rule_test": [
+                    {
+                        "eval_time": "50m",
+                        "alertname": "KvstoredRamTierThrashing",
+                        "exp_alerts": [
+                            {
+                                "exp_labels": {"severity": "warning", "instance": "thrash:9464", "job": "kvstored"},
+                                "exp_annotations": {
+                                    "summary": "kvstored RAM tier on thrash:9464 is full but almost never hits",
+                                    "description": (
+                                        "The RAM tier hit rate has been below 1% for 15 minutes while it is over 90% "
+                                        "full: chunks are evicted before they are reused. Give it more memory "
+                                        "(cpu_bytes), add a lower tier, or check that clients use stable keys."
+                                    ),
+                                },
+                            }
+                        ],
                     },
-                }]},
-                {"eval_time": "5m", "alertname": "KvstoredRamTierThrashing", "exp_alerts": []},
-            ],
-        }],
+                    {"eval_time": "5m", "alertname": "KvstoredRamTierThrashing", "exp_alerts": []},
+                ],
+            }
+        ],
     }
     test_file = tmp_path / "thrash_test.yml"
     test_file.write_text(json.dumps(tests))  # JSON is YAML

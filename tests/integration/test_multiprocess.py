@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Several client processes on one daemon, and a client killed while it holds leases."""
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Namespaces survive a restart: the tiers below RAM keep a record of each namespace they hold, so
 after a restart kvstoredctl lists, looks up, evicts and clears them before any client returns,
 while a tenant's namespace stays private. A real daemon, a real fs tier, a real radosgw."""
@@ -30,8 +32,10 @@ def rgw():
 
 
 def s3_tier(endpoint, bucket: str) -> str:
-    return (f"kind=s3,bucket={bucket},endpoint_url={endpoint.url},access_key={endpoint.access_key},"
-            f"secret_key={endpoint.secret_key},region=us-east-1,timeout_s=5")
+    return (
+        f"kind=s3,bucket={bucket},endpoint_url={endpoint.url},access_key={endpoint.access_key},"
+        f"secret_key={endpoint.secret_key},region=us-east-1,timeout_s=5"
+    )
 
 
 def known(daemon) -> dict[str, dict]:
@@ -63,8 +67,7 @@ def test_namespaces_on_fs_and_s3_survive_a_restart_for_kvstoredctl(daemon_factor
     assert list(listed) == [ns.namespace_id]  # the tenant's namespace is recovered, but not shown
     assert listed[ns.namespace_id]["recovered_from"] == ["fs", "s3"]
     assert listed[ns.namespace_id]["model"] == ns_name and listed[ns.namespace_id]["chunk_bytes"] == CHUNK
-    row = next(line for line in ok("namespaces", socket_path=d.socket).splitlines()
-               if line.startswith(ns.namespace_id))
+    row = next(line for line in ok("namespaces", socket_path=d.socket).splitlines() if line.startswith(ns.namespace_id))
     assert row.split()[-1] == "recovered:fs,s3"
 
     assert lookup(d, ns.namespace_id, keys) == ["fs"] * 4

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Start-up on a big node, through the real daemon: populating the pool says how far it is (log and
 systemd's STATUS / EXTEND_TIMEOUT_USEC), SIGTERM stops it at once, huge pages and NUMA placement
 are what the kernel shows for the daemon's mapping, and what the machine cannot give ends the
@@ -82,12 +84,20 @@ def test_sigterm_while_populating_stops_at_once(daemon_factory, notifications):
     assert not d.socket.exists() and not d.session_socket.exists()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--cpu-bytes", "100TiB"], r"cpu_bytes 100.0 TiB is more than this machine can give: it has [\d.]+ GiB of RAM"),
-    (["--numa-node", "7"], r"numa_node 7 does not exist: this machine's NUMA nodes with memory are 0"),
-    (["--pool-pages", "hugetlb", "--cpu-bytes", "64GiB"],
-     r"pool_pages = hugetlb: cpu_bytes 64.0 GiB needs 32768 huge pages of 2 MiB; this system has \d+ free"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--cpu-bytes", "100TiB"],
+            r"cpu_bytes 100.0 TiB is more than this machine can give: it has [\d.]+ GiB of RAM",
+        ),
+        (["--numa-node", "7"], r"numa_node 7 does not exist: this machine's NUMA nodes with memory are 0"),
+        (
+            ["--pool-pages", "hugetlb", "--cpu-bytes", "64GiB"],
+            r"pool_pages = hugetlb: cpu_bytes 64.0 GiB needs 32768 huge pages of 2 MiB; this system has \d+ free",
+        ),
+    ],
+)
 def test_a_pool_the_machine_cannot_give_is_one_line_and_exit_2(daemon_factory, args, message):
     import re
 

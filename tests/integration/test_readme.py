@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The README and docs/*.md as a user reads them: every ```python and ```sh/```bash block runs, in
 order (README.md first, then docs/ by name), against a real daemon set up like `make run` (RAM +
 an fs tier, on a temp socket instead of var/kvstored.sock), and then all of them run a second time
@@ -36,14 +38,14 @@ BLOCK_TIMEOUT_S = 180
 # A string only that block contains -> why it cannot run here (and what checks it instead).
 NOT_RUN = {
     "make test    #": "make's entry points themselves: `make run` serves until stopped (test_make.py checks the "
-                      "command it runs), `make test` is this suite",
+    "command it runs), `make test` is this suite",
     '"kv_connector"': "vllm serve: vLLM on a GPU with a downloaded model; tests/vllm drive the same tier and spec "
-                      "on CPU, and its --kv-transfer-config JSON is parsed below",
+    "on CPU, and its --kv-transfer-config JSON is parsed below",
     "useradd": "installs a system service as root on the real machine; test_systemd.py verifies the unit and runs "
-               "its ExecStart, test_deploy.py checks what the recipe installs",
+    "its ExecStart, test_deploy.py checks what the recipe installs",
     "docker run": "needs a container engine (none here); test_deploy.py lints the Containerfile and builds its "
-                  "wheels, and runs a client under another uid/gid against a group-owned socket directory: what "
-                  "the mount and the group mapping amount to",
+    "wheels, and runs a client under another uid/gid against a group-owned socket directory: what "
+    "the mount and the group mapping amount to",
     "kubectl apply": "needs a Kubernetes cluster; test_deploy.py validates the manifests against Kubernetes' schemas",
     "make test PYTEST_ARGS": "runs parts of this suite, of which this test is one",
 }
@@ -63,7 +65,7 @@ class Block:
 
     @property
     def kind(self) -> str | None:
-        """"python" or "sh" if the test runs blocks of this language."""
+        """ "python" or "sh" if the test runs blocks of this language."""
         return RUN_LANGS.get(self.lang.lower())
 
     @property
@@ -83,7 +85,8 @@ class Heading:
 def parse_doc(doc: Path) -> tuple[list[Block], list[Heading], list[tuple[int, str]]]:
     """(code blocks, headings, prose lines with their numbers) of one markdown file."""
     blocks, headings, prose = [], [], []
-    heading, fence = "top", None
+    heading = "top"
+    fence: tuple[str, int, list[str]] | None = None
     for number, line in enumerate(doc.read_text().splitlines(), 1):
         if fence is None:
             if line.startswith("```"):
@@ -158,8 +161,15 @@ def run_block(block: Block, socket: Path, region: Path, workdir: Path) -> subpro
     script = workdir / ("snippet.py" if block.kind == "python" else "snippet.sh")
     script.write_text(code)
     argv = [sys.executable, str(script)] if block.kind == "python" else ["bash", "-eo", "pipefail", str(script)]
-    return subprocess.run(argv, cwd=workdir, env=clean_env(), capture_output=True, text=True,
-                          timeout=BLOCK_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        argv,
+        cwd=workdir,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=BLOCK_TIMEOUT_S,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def test_every_snippet_runs_twice(readme_daemon, tmp_path):
@@ -172,8 +182,10 @@ def test_every_snippet_runs_twice(readme_daemon, tmp_path):
             for block in RUNNABLE:
                 proc = run_block(block, readme_daemon.socket, region, tmp_path)
                 if proc.returncode != 0:
-                    failures.append(f"{block.label}, run {round_}: exit {proc.returncode}\n--- code\n"
-                                    f"{block.code}--- stdout\n{proc.stdout[-3000:]}--- stderr\n{proc.stderr[-3000:]}")
+                    failures.append(
+                        f"{block.label}, run {round_}: exit {proc.returncode}\n--- code\n"
+                        f"{block.code}--- stdout\n{proc.stdout[-3000:]}--- stderr\n{proc.stderr[-3000:]}"
+                    )
             assert not failures, "\n\n".join(failures)
     finally:
         region.unlink(missing_ok=True)
@@ -185,8 +197,7 @@ def test_every_snippet_runs_twice(readme_daemon, tmp_path):
 REPO_PATH = re.compile(r"(?<![\w/.-])((?:\./)?(?:deploy|client|proto|tests|bench|docs)/[\w./-]*\w)")
 
 
-@pytest.mark.parametrize("block", [b for b in BLOCKS if b.skip_reasons()],
-                         ids=lambda b: f"{b.doc.stem}-line{b.line}")
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.skip_reasons()], ids=lambda b: f"{b.doc.stem}-line{b.line}")
 def test_listed_blocks_name_files_that_exist(block):
     named = REPO_PATH.findall(block.code)
     missing = [p for p in named if not (REPO_ROOT / p).exists()]
@@ -200,7 +211,9 @@ def test_vllm_configs_are_json():
             argv = shlex.split(block.code.replace("\\\n", " "))
             configs.append(json.loads(argv[argv.index("--kv-transfer-config") + 1]))
     assert {c["kv_connector_extra_config"]["spec_name"] for c in configs} == {
-        "TieringOffloadingSpec", "KvstoredOffloadingSpec"}
+        "TieringOffloadingSpec",
+        "KvstoredOffloadingSpec",
+    }
 
 
 def test_toml_blocks_parse():
@@ -222,8 +235,9 @@ def test_kvstoredctl_commands_exist():
     kvstoredctl = Path(sys.executable).parent / "kvstoredctl"
     unknown = []
     for command in sorted(used):
-        proc = subprocess.run([str(kvstoredctl), command, "--help"], capture_output=True, text=True,
-                              timeout=60, env=clean_env())
+        proc = subprocess.run(
+            [str(kvstoredctl), command, "--help"], capture_output=True, text=True, timeout=60, env=clean_env()
+        )
         if proc.returncode != 0:
             unknown.append(f"{command}: {proc.stderr.strip()[-300:]}")
     assert not unknown, "the docs use kvstoredctl commands that do not exist:\n" + "\n".join(unknown)
@@ -343,7 +357,7 @@ def test_every_exported_metric_is_documented(daemon_factory):
 
     text = METRICS_DOC.read_text()
     start = text.index("\n## Metrics\n")
-    section = text[start:text.index("\n## ", start + 3)]
+    section = text[start : text.index("\n## ", start + 3)]
     documented = set(re.findall(r"`(kvstored_\w+|_\w+)", section))
     d = daemon_factory(METRICS_PORT_0)
     with d.client() as kv:

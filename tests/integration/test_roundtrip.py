@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Byte-exact round trips through a real daemon: pool mapping (numpy, torch, lists of buffers),
 region registration (by fd over the session socket and by path over gRPC), and the async client."""
 
@@ -304,19 +306,40 @@ def test_register_region_by_path_over_grpc(shared_daemon, ns_name, shm_dir):
         reg = r.call("RegisterRegion", pb.RegisterRegionRequest(session_id=r.session_id, path=str(path)))
         assert reg.size == size and reg.region_id != 0
         assert r.stats().regions == before + 1
-        stored = r.call("StoreFromRegion", pb.RegionTransferRequest(
-            session_id=r.session_id, namespace_id=ns_id, region_id=reg.region_id, keys=keys,
-            offsets=[i * CHUNK for i in range(n)]))
+        stored = r.call(
+            "StoreFromRegion",
+            pb.RegionTransferRequest(
+                session_id=r.session_id,
+                namespace_id=ns_id,
+                region_id=reg.region_id,
+                keys=keys,
+                offsets=[i * CHUNK for i in range(n)],
+            ),
+        )
         assert (stored.stored, stored.already_present, stored.dropped) == (n, 0, 0)
-        loaded = r.call("LoadToRegion", pb.RegionTransferRequest(
-            session_id=r.session_id, namespace_id=ns_id, region_id=reg.region_id, keys=keys,
-            offsets=[(n + i) * CHUNK for i in range(n)]))
+        loaded = r.call(
+            "LoadToRegion",
+            pb.RegionTransferRequest(
+                session_id=r.session_id,
+                namespace_id=ns_id,
+                region_id=reg.region_id,
+                keys=keys,
+                offsets=[(n + i) * CHUNK for i in range(n)],
+            ),
+        )
         assert loaded.loaded == n
         for i, row in enumerate(data):
             np.testing.assert_array_equal(read_file(path, (n + i) * CHUNK, CHUNK), row)
-        again = r.call("StoreFromRegion", pb.RegionTransferRequest(
-            session_id=r.session_id, namespace_id=ns_id, region_id=reg.region_id, keys=keys,
-            offsets=[i * CHUNK for i in range(n)]))
+        again = r.call(
+            "StoreFromRegion",
+            pb.RegionTransferRequest(
+                session_id=r.session_id,
+                namespace_id=ns_id,
+                region_id=reg.region_id,
+                keys=keys,
+                offsets=[i * CHUNK for i in range(n)],
+            ),
+        )
         assert (again.stored, again.already_present) == (0, n)
     # The session is gone: so is its region.
     with raw(shared_daemon.socket, session=False) as r:
@@ -387,8 +410,10 @@ def test_registering_a_sparse_region_allocates_none_of_its_holes(daemon_factory)
             region = c.register_region(path)
 
             def populated() -> bool:
-                return any(line.endswith("background populate done") and f"region {region.region_id} (" in line
-                           for line in d.log.splitlines())
+                return any(
+                    line.endswith("background populate done") and f"region {region.region_id} (" in line
+                    for line in d.log.splitlines()
+                )
 
             assert wait_for(populated), d.log
             assert os.stat(path).st_blocks == 0

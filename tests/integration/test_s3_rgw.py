@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """S3 tier against a real Ceph radosgw on loopback (deploy/ceph/start_rgw.sh, one per module).
 
 Needs the Debian packages ceph-mon ceph-osd radosgw curl (deploy/install-system-deps.sh): without
@@ -15,9 +17,9 @@ import pytest
 from aiobotocore.session import get_session
 
 from kvstored.chunks import chunkfile
-from kvstored.tiers.base import TierUsage, WriteOutcome
-from kvstored.chunks.ids import RemovalCause
 from kvstored.chunks.chunkfile import HEADER_BYTES
+from kvstored.chunks.ids import RemovalCause
+from kvstored.tiers.base import TierUsage, WriteOutcome
 from kvstored.tiers.s3 import S3Tier
 from tests.support.s3 import radosgw_or_fail
 
@@ -65,7 +67,7 @@ def slot(size: int, pages_per_view: int = 64) -> tuple[mmap.mmap, list[memoryvie
     mm = mmap.mmap(-1, pages * PAGE)
     whole = memoryview(mm)
     step = pages_per_view * PAGE
-    return mm, [whole[i:i + step] for i in range(0, pages * PAGE, step)]
+    return mm, [whole[i : i + step] for i in range(0, pages * PAGE, step)]
 
 
 def new_chunk():

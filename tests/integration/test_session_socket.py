@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The session socket under hostile or unlucky clients: the daemon leaks nothing and keeps accepting."""
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ def test_empty_packets_carrying_fds_leak_none(daemon):
             with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
                 s.connect(str(daemon.session_socket))
                 socket.send_fds(s, [b""], [f.fileno()] * 4)
-    assert wait_for(lambda: open_fds(daemon.pid) <= before), \
+    assert wait_for(lambda: open_fds(daemon.pid) <= before), (
         f"daemon holds {open_fds(daemon.pid)} fds, {before} before 30 empty packets with 4 fds each"
+    )
     assert hello(daemon.session_socket).WhichOneof("kind") == "welcome"
 
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Region loads past a full RAM on a real daemon with a real fs tier: chunks below RAM reach the
 client's region through staging memory, verified, and nothing in RAM is evicted for them."""
 
@@ -35,8 +37,10 @@ def region_of(path: Path) -> np.ndarray:
 
 
 def daemon_with_fs(daemon_factory, tmp_path, staging_bytes: int):
-    return daemon_factory(["--tiers", f"kind=fs,root={tmp_path / 'fs'},bytes=64MiB",
-                           "--staging-bytes", str(staging_bytes)], cpu_bytes=str(RAM_CHUNKS * CHUNK))
+    return daemon_factory(
+        ["--tiers", f"kind=fs,root={tmp_path / 'fs'},bytes=64MiB", "--staging-bytes", str(staging_bytes)],
+        cpu_bytes=str(RAM_CHUNKS * CHUNK),
+    )
 
 
 def store_past_ram(d, c, ns_name: str, path: Path):
@@ -49,7 +53,7 @@ def store_past_ram(d, c, ns_name: str, path: Path):
     ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
     region = c.register_region(path)
     for first in range(0, N, 4):  # write-back moves the oldest to disk
-        assert c.store_from_region(ns, region, keys[first:first + 4], offsets[first:first + 4]).stored == 4
+        assert c.store_from_region(ns, region, keys[first : first + 4], offsets[first : first + 4]).stored == 4
     assert wait_for(lambda: fs_of(d.stats()).chunks >= N - RAM_CHUNKS)
     return ns, region, keys, data, offsets
 
@@ -59,7 +63,7 @@ def test_a_region_load_past_a_full_ram_comes_through_staging(daemon_factory, ns_
     path = shm_dir / "region"
     with d.client() as c:
         ns, region, keys, data, offsets = store_past_ram(d, c, ns_name, path)
-        recent = c.lookup(ns, keys[-RAM_CHUNKS // 2:]).tiers
+        recent = c.lookup(ns, keys[-RAM_CHUNKS // 2 :]).tiers
         assert recent == [TierKind.RAM] * (RAM_CHUNKS // 2)
         region_of(path)[:] = 0
         before = d.stats()
@@ -69,18 +73,26 @@ def test_a_region_load_past_a_full_ram_comes_through_staging(daemon_factory, ns_
         assert c.load_to_region(ns, region, keys[:12], offsets[:12]) == 12  # four times staging
 
         after = d.stats()
-        np.testing.assert_array_equal(region_of(path)[:12 * CHUNK].reshape(12, CHUNK), data[:12])
+        np.testing.assert_array_equal(region_of(path)[: 12 * CHUNK].reshape(12, CHUNK), data[:12])
         assert ram_of(after).evictions == ram_of(before).evictions  # nothing pushed out for the load
-        assert c.lookup(ns, keys[-RAM_CHUNKS // 2:]).tiers == recent  # the recent chunks are still in RAM
+        assert c.lookup(ns, keys[-RAM_CHUNKS // 2 :]).tiers == recent  # the recent chunks are still in RAM
         staged = after.staged_chunks - before.staged_chunks
         promoted = ram_of(after).promotions - ram_of(before).promotions  # (into free RAM, if there was some)
         assert staged + promoted == 12 and staged >= 12 - RAM_CHUNKS
         assert after.staging_capacity_bytes == 3 * CHUNK and after.staging_used_bytes == 0
-    status = subprocess.run([sys.executable, "-m", "kvstored.ctl", "--socket", str(d.socket), "--json", "status"],
-                            capture_output=True, text=True, timeout=60, env=clean_env())
+    status = subprocess.run(
+        [sys.executable, "-m", "kvstored.ctl", "--socket", str(d.socket), "--json", "status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+    )
     assert status.returncode == 0, status.stderr
-    assert json.loads(status.stdout)["staging"] == {"capacity_bytes": 3 * CHUNK, "used_bytes": 0,
-                                                    "staged_chunks": after.staged_chunks}
+    assert json.loads(status.stdout)["staging"] == {
+        "capacity_bytes": 3 * CHUNK,
+        "used_bytes": 0,
+        "staged_chunks": after.staged_chunks,
+    }
 
 
 def test_staging_off_region_loads_promote_into_ram(daemon_factory, ns_name, shm_dir, tmp_path):
@@ -91,7 +103,7 @@ def test_staging_off_region_loads_promote_into_ram(daemon_factory, ns_name, shm_
         region_of(path)[:] = 0
         assert c.lookup(ns, keys[:4], load_into=LoadInto.REGION).prefix_hits == 4
         assert c.load_to_region(ns, region, keys[:4], offsets[:4]) == 4
-        np.testing.assert_array_equal(region_of(path)[:4 * CHUNK].reshape(4, CHUNK), data[:4])
+        np.testing.assert_array_equal(region_of(path)[: 4 * CHUNK].reshape(4, CHUNK), data[:4])
         stats = d.stats()
         assert stats.staging_capacity_bytes == 0 and stats.staged_chunks == 0
         assert c.lookup(ns, keys[:4]).tiers == [TierKind.RAM] * 4  # promoted, as Acquire would

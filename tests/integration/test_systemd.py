@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Running as a service: the systemd unit verifies and its ExecStart line serves with sd_notify,
 the example config documents and accepts every option, SIGHUP reloads what it can, and logs
 are one line per notable event (JSON when asked)."""
@@ -64,6 +66,7 @@ def wait_for(predicate, what: str, log=lambda: ""):
 
 # -- the unit --------------------------------------------------------------------------------------
 
+
 @pytest.mark.system_deps
 def test_unit_passes_systemd_analyze_verify(tmp_path):
     analyze = shutil.which("systemd-analyze")
@@ -80,11 +83,13 @@ def test_unit_passes_systemd_analyze_verify(tmp_path):
         stub.parent.mkdir(parents=True, exist_ok=True)
         stub.write_text("#!/bin/sh\n")
         stub.chmod(0o755)
-    proc = subprocess.run([analyze, "verify", f"--root={root}", "--man=no", UNIT.name],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [analyze, "verify", f"--root={root}", "--man=no", UNIT.name], capture_output=True, text=True, timeout=60
+    )
     # verify exits 0 on unknown keys and unparsable values, but says so: no output is the pass.
-    assert proc.returncode == 0 and not proc.stdout.strip() and not proc.stderr.strip(), \
+    assert proc.returncode == 0 and not proc.stdout.strip() and not proc.stderr.strip(), (
         f"systemd-analyze verify:\n{proc.stdout}{proc.stderr}"
+    )
 
 
 def test_unit_settings():
@@ -115,8 +120,9 @@ def test_exec_start_notifies_ready_when_serving_and_stops_on_sigterm():
     sock = run_dir / "kvstored.sock"
     log_path = work / "daemon.log"
     # The example's 16 GiB RAM tier and fixed metrics port are for a real node: override by env.
-    env = clean_env({"NOTIFY_SOCKET": str(notify_path), "KVSTORED_CPU_BYTES": "32MiB",
-                     "KVSTORED_METRICS_ADDR": "127.0.0.1:0"})
+    env = clean_env(
+        {"NOTIFY_SOCKET": str(notify_path), "KVSTORED_CPU_BYTES": "32MiB", "KVSTORED_METRICS_ADDR": "127.0.0.1:0"}
+    )
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(notify_path))
     notify.settimeout(WAIT_S)
@@ -168,8 +174,9 @@ def uncommented_example() -> str:
 def test_example_config_documents_and_accepts_every_option(tmp_path):
     text = EXAMPLE.read_text()
     for f in dataclasses.fields(Config):
-        assert re.search(rf"^#?\s?({f.name}\s*=|\[\[{f.name}\]\])", text, re.M), \
+        assert re.search(rf"^#?\s?({f.name}\s*=|\[\[{f.name}\]\])", text, re.M), (
             f"option {f.name} missing from {EXAMPLE.name}"
+        )
     for kind in KINDS.values():
         for f in dataclasses.fields(kind.config):
             assert re.search(rf"^#\s?{f.name}\s*=", text, re.M), f"tier key {f.name} missing from {EXAMPLE.name}"
@@ -189,6 +196,7 @@ def test_example_config_documents_and_accepts_every_option(tmp_path):
 
 
 # -- SIGHUP ------------------------------------------------------------------------------------------
+
 
 def test_sighup_applies_log_level_and_every_tiers_admission_and_names_the_rest(daemon_factory):
     root = short_tmpdir("kvhup")
@@ -211,21 +219,24 @@ def test_sighup_applies_log_level_and_every_tiers_admission_and_names_the_rest(d
         with d.client() as kv:
             ns = kv.register_namespace(model="hup", dtype="uint8", chunk_bytes=MIB)
             for i in range(0, 6, 2):
-                kv.store(ns, keys[i:i + 2], payloads(keys[i:i + 2], MIB))
+                kv.store(ns, keys[i : i + 2], payloads(keys[i : i + 2], MIB))
             wait_for(lambda: all(t.stored_chunks for t in d.stats().tiers[1:]), "write-downs", lambda: d.log)
             assert [t.rejected_admission for t in d.stats().tiers[1:]] == [0, 0]
 
             write("debug", "second-eviction", 7.0)
             os.kill(d.pid, signal.SIGHUP)
             wait_for(lambda: "SIGHUP: configuration reloaded" in d.log, "the reload", lambda: d.log)
-            assert ("applied: log_level=debug log_format=text; tier fs admission=second-eviction; "
-                    "tier s3 admission=second-eviction") in d.log
+            assert (
+                "applied: log_level=debug log_format=text; tier fs admission=second-eviction; "
+                "tier s3 admission=second-eviction"
+            ) in d.log
             assert re.search(r"SIGHUP: grace_seconds changed but can only take effect after a restart", d.log)
 
             for i in range(6, 12, 2):  # new chunks are now refused by both tiers the first time
-                kv.store(ns, keys[i:i + 2], payloads(keys[i:i + 2], MIB))
-            wait_for(lambda: all(t.rejected_admission for t in d.stats().tiers[1:]), "admission refusals",
-                     lambda: d.log)
+                kv.store(ns, keys[i : i + 2], payloads(keys[i : i + 2], MIB))
+            wait_for(
+                lambda: all(t.rejected_admission for t in d.stats().tiers[1:]), "admission refusals", lambda: d.log
+            )
 
         config.write_text("log_level = [broken\n")
         os.kill(d.pid, signal.SIGHUP)
@@ -238,6 +249,7 @@ def test_sighup_applies_log_level_and_every_tiers_admission_and_names_the_rest(d
 
 
 # -- logs --------------------------------------------------------------------------------------------
+
 
 def test_json_logs_one_line_per_notable_event(daemon_factory):
     d = daemon_factory(["--log-format", "json", "--metrics-addr", "127.0.0.1:0"], cpu_bytes="8MiB")

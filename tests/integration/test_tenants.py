@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Tenant isolation down to the bytes: a tenant's chunks live in an arena only its sessions map;
 every API named with its namespace id by anyone else sees nothing and changes nothing; its
 events reach only its sessions (and ZMQ only when configured)."""
@@ -30,8 +32,23 @@ SALT_A = b"tenant-a-secret"
 
 
 def run_intruder(daemon, model: str, victim_label: str, n: int, salt: str, overwrite: bool) -> dict:
-    argv = [sys.executable, "-m", "tests.support.intruder", "--socket", str(daemon.socket), "--model", model,
-            "--chunk", str(CHUNK), "--victim-label", victim_label, "--n", str(n), "--salt", salt]
+    argv = [
+        sys.executable,
+        "-m",
+        "tests.support.intruder",
+        "--socket",
+        str(daemon.socket),
+        "--model",
+        model,
+        "--chunk",
+        str(CHUNK),
+        "--victim-label",
+        victim_label,
+        "--n",
+        str(n),
+        "--salt",
+        salt,
+    ]
     if overwrite:
         argv.append("--overwrite")
     done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO_ROOT, env=clean_env(), timeout=120)
@@ -73,8 +90,10 @@ def test_every_api_named_with_a_tenants_namespace_sees_and_changes_nothing(daemo
         sid_b = b._session.session_id
         nsid = ns.namespace_id
         # A's own handles: a reservation it has not committed yet.
-        held = stub.Reserve(pb.ReserveRequest(session_id=a._session.session_id, namespace_id=nsid,
-                                              keys=make_keys("victim-pending", 1)), timeout=10)
+        held = stub.Reserve(
+            pb.ReserveRequest(session_id=a._session.session_id, namespace_id=nsid, keys=make_keys("victim-pending", 1)),
+            timeout=10,
+        )
         handle = held.slots[0].handle
         assert handle and held.slots[0].extents[0].arena != 0
 
@@ -82,18 +101,23 @@ def test_every_api_named_with_a_tenants_namespace_sees_and_changes_nothing(daemo
             lookup = stub.Lookup(pb.LookupRequest(namespace_id=nsid, keys=keys, session_id=sid), timeout=10)
             assert lookup.prefix_hits == 0 and set(lookup.tiers) == {pb.TIER_KIND_UNSPECIFIED}
             assert stub.Delete(pb.DeleteRequest(namespace_id=nsid, keys=keys, session_id=sid), timeout=10).deleted == 0
-            assert stub.ClearNamespace(pb.ClearNamespaceRequest(namespace_id=nsid, session_id=sid),
-                                       timeout=10).removed == 0
+            assert (
+                stub.ClearNamespace(pb.ClearNamespaceRequest(namespace_id=nsid, session_id=sid), timeout=10).removed
+                == 0
+            )
             listed = stub.ListNamespaces(pb.ListNamespacesRequest(session_id=sid), timeout=10)
             assert nsid not in {n.namespace_id for n in listed.namespaces}
         reserve = stub.Reserve(pb.ReserveRequest(session_id=sid_b, namespace_id=nsid, keys=keys), timeout=10)
-        assert [s.state for s in reserve.slots] == [pb.SLOT_STATE_NO_SPACE] * 4 and not any(s.extents for s in
-                                                                                             reserve.slots)
+        assert [s.state for s in reserve.slots] == [pb.SLOT_STATE_NO_SPACE] * 4 and not any(
+            s.extents for s in reserve.slots
+        )
         acquire = stub.Acquire(pb.AcquireRequest(session_id=sid_b, namespace_id=nsid, keys=keys), timeout=10)
         assert not acquire.leases
-        for method, request in (("Commit", pb.CommitRequest(session_id=sid_b, handles=[handle])),
-                                ("Release", pb.ReleaseRequest(session_id=sid_b, handles=[handle])),
-                                ("Commit", pb.CommitRequest(session_id=sid_b, handles=[handle + 1, handle - 1]))):
+        for method, request in (
+            ("Commit", pb.CommitRequest(session_id=sid_b, handles=[handle])),
+            ("Release", pb.ReleaseRequest(session_id=sid_b, handles=[handle])),
+            ("Commit", pb.CommitRequest(session_id=sid_b, handles=[handle + 1, handle - 1])),
+        ):
             with pytest.raises(grpc.RpcError) as err:
                 getattr(stub, method)(request, timeout=10)
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -102,21 +126,23 @@ def test_every_api_named_with_a_tenants_namespace_sees_and_changes_nothing(daemo
         region_file.write_bytes(b"\x5a" * (4 * CHUNK))
         region = b.register_region(str(region_file))
         offsets = [i * CHUNK for i in range(4)]
-        stored = b._run(lambda s: ops.store_from_region(s, ns, region, make_keys("poison", 4), offsets),
-                        None, session=True)
+        stored = b._run(
+            lambda s: ops.store_from_region(s, ns, region, make_keys("poison", 4), offsets), None, session=True
+        )
         assert stored.stored == 0 and stored.dropped == 4
         assert b._run(lambda s: ops.load_to_region(s, ns, region, keys, offsets), -1, session=True) == 0
         assert region_file.read_bytes() == b"\x5a" * (4 * CHUNK)
         out = np.zeros_like(data)
         assert b._run(lambda s: ops.load(s, ns, keys, out), -1, session=True) == 0 and not out.any()
-        assert b._run(lambda s: ops.store(s, ns, keys, np.full_like(data, 0xAB)), None,
-                      session=True).stored == 0
+        assert b._run(lambda s: ops.store(s, ns, keys, np.full_like(data, 0xAB)), None, session=True).stored == 0
         with pytest.raises(NotFound):  # B may not open A's arena
             b._session.map_arena(held.slots[0].extents[0].arena)
 
         # A's reservation is still A's, and A's chunks are exactly A's.
-        assert stub.Release(pb.ReleaseRequest(session_id=a._session.session_id, handles=[handle]),
-                            timeout=10).released == 1
+        assert (
+            stub.Release(pb.ReleaseRequest(session_id=a._session.session_id, handles=[handle]), timeout=10).released
+            == 1
+        )
         assert a.load(ns, keys, out) == 4 and np.array_equal(out, data)
         assert a.lookup(ns, keys).prefix_hits == 4
 
@@ -135,13 +161,18 @@ def test_a_client_that_maps_only_the_pool_gets_no_tenant_slots(daemon, ns_name):
         with daemon.channel() as channel:
             stub = pb_grpc.KVStoreStub(channel)
             spec = ops.NamespaceSpec(model=ns_name, dtype="u8", chunk_bytes=CHUNK, tenant_salt=SALT_A)
-            stub.RegisterNamespace(pb.RegisterNamespaceRequest(spec=spec.to_proto(), session_id=session.session_id),
-                                   timeout=10)
+            stub.RegisterNamespace(
+                pb.RegisterNamespaceRequest(spec=spec.to_proto(), session_id=session.session_id), timeout=10
+            )
             for call in (stub.Reserve, stub.Acquire):
                 request_type = pb.ReserveRequest if call is stub.Reserve else pb.AcquireRequest
                 with pytest.raises(grpc.RpcError) as err:
-                    call(request_type(session_id=session.session_id, namespace_id=spec.namespace_id(),
-                                      keys=make_keys("old", 1)), timeout=10)
+                    call(
+                        request_type(
+                            session_id=session.session_id, namespace_id=spec.namespace_id(), keys=make_keys("old", 1)
+                        ),
+                        timeout=10,
+                    )
                 assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
                 assert "arena" in err.value.details()
     finally:
@@ -183,16 +214,20 @@ def test_tenant_events_reach_only_its_sessions(daemon, ns_name):
             seen = _events_until(stub, pb.WatchEventsRequest(from_seq=1, session_id=sid), public.namespace_id)
             assert ns.namespace_id not in {e.namespace_id for e in seen}
             assert not set(keys) & {k for e in seen for k in e.keys}
-        mine = _events_until(stub, pb.WatchEventsRequest(from_seq=1, session_id=a._session.session_id),
-                             public.namespace_id)
+        mine = _events_until(
+            stub, pb.WatchEventsRequest(from_seq=1, session_id=a._session.session_id), public.namespace_id
+        )
         assert [list(e.keys) for e in mine if e.namespace_id == ns.namespace_id] == [keys, keys[:1]]
 
         # Live (from the next seq on, so none falls before the stream starts): a watcher without a
         # session sees the next public event and none of A's.
         got: list[pb.KvEvent] = []
         next_seq = mine[-1].seq + 1
-        reader = threading.Thread(target=lambda: got.extend(_events_until(
-            stub, pb.WatchEventsRequest(from_seq=next_seq), public.namespace_id)))
+        reader = threading.Thread(
+            target=lambda: got.extend(
+                _events_until(stub, pb.WatchEventsRequest(from_seq=next_seq), public.namespace_id)
+            )
+        )
         reader.start()
         more, marker2 = make_keys("victim-events-live", 2), make_keys("marker-live", 1)
         a.store(ns, more, payloads(more, CHUNK))
@@ -226,8 +261,10 @@ def test_zmq_publishes_tenant_events_only_when_asked(daemon_factory, ns_name, te
             public = kv.register_namespace(model=ns_name + "/public", dtype="u8", chunk_bytes=CHUNK)
             warm = make_keys("zmq-warm", 1)
             # A slow joiner misses the first messages: store public chunks until one arrives.
-            assert wait_for(lambda: (kv.store(public, warm, payloads(warm, CHUNK)), kv.delete(public, warm),
-                                     sub.poll(100))[-1], timeout=30)
+            assert wait_for(
+                lambda: (kv.store(public, warm, payloads(warm, CHUNK)), kv.delete(public, warm), sub.poll(100))[-1],
+                timeout=30,
+            )
             tenant_keys, marker = make_keys("zmq-tenant", 2), make_keys("zmq-marker", 1)
             kv.store(ns, tenant_keys, payloads(tenant_keys, CHUNK))
             kv.store(public, marker, payloads(marker, CHUNK))
@@ -243,6 +280,7 @@ def test_zmq_publishes_tenant_events_only_when_asked(daemon_factory, ns_name, te
 
 
 # -- quotas ---------------------------------------------------------------------------------------
+
 
 def _list(daemon, session_id: str = "") -> pb.ListNamespacesResponse:
     with daemon.channel() as channel:
@@ -260,7 +298,7 @@ def test_a_noisy_tenant_cannot_push_a_quiet_tenant_below_its_share(daemon_factor
         n = noisy.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK, tenant_salt=b"noisy")
         assert quiet.store(q, quiet_keys, quiet_data).stored == 64
         for i in range(0, len(noisy_keys), 64):
-            batch = noisy_keys[i:i + 64]
+            batch = noisy_keys[i : i + 64]
             assert noisy.store(n, batch, payloads(batch, CHUNK)).stored == 64
         out = np.zeros_like(quiet_data)
         assert quiet.load(q, quiet_keys, out) == 64
@@ -279,11 +317,10 @@ def test_a_namespace_quota_evicts_only_its_own_chunks(daemon_factory, ns_name):
     kept, churn = make_keys("kept", 32), make_keys("churn", 256)
     with d.client() as kv:
         plain = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
-        capped = kv.register_namespace(model=ns_name + "/capped", dtype="u8", chunk_bytes=CHUNK,
-                                       quota_bytes=1 << 20)
+        capped = kv.register_namespace(model=ns_name + "/capped", dtype="u8", chunk_bytes=CHUNK, quota_bytes=1 << 20)
         assert kv.store(plain, kept, payloads(kept, CHUNK)).stored == 32
         for i in range(0, 256, 8):
-            assert kv.store(capped, churn[i:i + 8], payloads(churn[i:i + 8], CHUNK)).stored == 8
+            assert kv.store(capped, churn[i : i + 8], payloads(churn[i : i + 8], CHUNK)).stored == 8
         assert kv.lookup(plain, kept).prefix_hits == 32
         assert kv.lookup(capped, churn[-16:]).prefix_hits == 16 and kv.lookup(capped, churn[-17:]).prefix_hits == 0
         # One batch larger than the quota: its own reservations cannot be evicted, the rest is dropped.
@@ -331,7 +368,7 @@ def test_arenas_together_stay_within_the_ram_tier(daemon_factory, ns_name):
         public = kv.register_namespace(model=ns_name + "/public", dtype="u8", chunk_bytes=CHUNK)
         fill = make_keys("resident-public", 256)  # the whole RAM tier
         for i in range(0, 256, 64):
-            assert kv.store(public, fill[i:i + 64], payloads(fill[i:i + 64], CHUNK)).stored == 64
+            assert kv.store(public, fill[i : i + 64], payloads(fill[i : i + 64], CHUNK)).stored == 64
         assert wait_for(lambda: max(size for name, size in _memfd_bytes(d.pid).items() if "arena" in name) <= slack)
         assert wait_for(lambda: sum(_memfd_bytes(d.pid).values()) <= capacity + slack), _memfd_bytes(d.pid)
 
@@ -343,13 +380,14 @@ def test_quotas_are_counted_in_metrics_and_shown_by_kvstoredctl(daemon_factory, 
     d = daemon_factory(["--tenant-quota", "4MiB", *METRICS_PORT_0], cpu_bytes="16MiB")
     tenant_keys, capped_keys = make_keys("metrics-tenant", 96), make_keys("metrics-capped", 32)
     with d.client() as kv:
-        ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK, tenant_salt=SALT_A,
-                                   quota_bytes=8 << 20)  # capped by the tenant's quota
+        ns = kv.register_namespace(
+            model=ns_name, dtype="u8", chunk_bytes=CHUNK, tenant_salt=SALT_A, quota_bytes=8 << 20
+        )  # capped by the tenant's quota
         capped = kv.register_namespace(model=ns_name + "/capped", dtype="u8", chunk_bytes=CHUNK, quota_bytes=1 << 20)
         for i in range(0, 96, 16):
-            kv.store(ns, tenant_keys[i:i + 16], payloads(tenant_keys[i:i + 16], CHUNK))
+            kv.store(ns, tenant_keys[i : i + 16], payloads(tenant_keys[i : i + 16], CHUNK))
         for i in range(0, 32, 8):
-            kv.store(capped, capped_keys[i:i + 8], payloads(capped_keys[i:i + 8], CHUNK))
+            kv.store(capped, capped_keys[i : i + 8], payloads(capped_keys[i : i + 8], CHUNK))
         scraped = Scrape(scrape(d))
         assert scraped.value("kvstored_tenants") == 1
         [tenant] = [dict(labels)["tenant"] for labels in scraped.series("kvstored_tenant_ram_bytes")]
@@ -365,8 +403,11 @@ def test_quotas_are_counted_in_metrics_and_shown_by_kvstoredctl(daemon_factory, 
 
         listed = {n["namespace_id"]: n for n in json.loads(ok("namespaces", "--json", socket_path=d.socket))}
         assert set(listed) == {nsid}  # the tenant's namespace is not shown
-        assert (listed[nsid]["quota_bytes"], listed[nsid]["ram_bytes"], listed[nsid]["ram_chunks"]) == (1 << 20,
-                                                                                                      1 << 20, 16)
+        assert (listed[nsid]["quota_bytes"], listed[nsid]["ram_bytes"], listed[nsid]["ram_chunks"]) == (
+            1 << 20,
+            1 << 20,
+            16,
+        )
         text = ok("namespaces", socket_path=d.socket)
         assert "QUOTA" in text and "1.0 MiB" in text
         assert "1 tenant(s)" in text and "4.0 MiB" in text
@@ -378,19 +419,18 @@ def test_a_tenant_over_its_quota_writes_its_own_oldest_chunks_down_first(daemon_
     from tests.support.daemon import short_tmpdir
 
     root = short_tmpdir("kvfs")
-    d = daemon_factory(["--tenant-quota", "2MiB", "--tiers", f"kind=fs,root={root},bytes=64MiB"],
-                       cpu_bytes="16MiB")
+    d = daemon_factory(["--tenant-quota", "2MiB", "--tiers", f"kind=fs,root={root},bytes=64MiB"], cpu_bytes="16MiB")
     keys = make_keys("spill", 96)  # 6 MiB: three times the quota
     data = payloads(keys, CHUNK)
     with d.client() as kv:
         ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK, tenant_salt=SALT_A)
         for i in range(0, 96, 8):
-            assert kv.store(ns, keys[i:i + 8], data[i:i + 8]).stored == 8
+            assert kv.store(ns, keys[i : i + 8], data[i : i + 8]).stored == 8
         [ram] = [t for t in d.stats().tiers if t.kind == pb.TIER_KIND_RAM]
         assert ram.dropped_dirty == 0 and ram.writebacks >= 64
         out = np.zeros_like(data)
         for i in range(0, 96, 8):
-            assert kv.load(ns, keys[i:i + 8], out[i:i + 8]) == 8
+            assert kv.load(ns, keys[i : i + 8], out[i : i + 8]) == 8
         assert np.array_equal(out, data)
         mine = {n.namespace_id: n for n in _list(d, kv._session.session_id).namespaces}[ns.namespace_id]
         assert mine.tenant_ram_bytes <= 2 << 20

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The memory ladder with a real filesystem tier, driven through a real daemon.
 
 RAM is tiny (1 MiB = 16 chunks of 64 KiB) so every test pushes chunks down to disk.
@@ -34,14 +36,14 @@ def tier_stats(daemon: Daemon) -> dict[str, object]:
 
 def fill(kv, ns, keys, batch: int = 8) -> None:
     for i in range(0, len(keys), batch):
-        part = keys[i:i + batch]
+        part = keys[i : i + batch]
         assert kv.store(ns, part, payloads(part, CHUNK)).stored == len(part)
 
 
 def load_all(kv, ns, keys, batch: int = 8) -> np.ndarray:
     out = np.zeros((len(keys), CHUNK), dtype=np.uint8)
     for i in range(0, len(keys), batch):
-        assert kv.load(ns, keys[i:i + batch], out[i:i + batch]) == len(keys[i:i + batch])
+        assert kv.load(ns, keys[i : i + batch], out[i : i + batch]) == len(keys[i : i + batch])
     return out
 
 
@@ -132,8 +134,8 @@ def test_two_daemons_sharing_a_root_share_chunks(daemon_factory, fs_root, ns_nam
         assert np.array_equal(load_all(kv, ns, written), payloads(written, CHUNK))
         # b writing the same chunks again (some are still in its RAM) must not corrupt a's files
         for i in range(0, len(keys), 8):
-            result = kv.store(ns, keys[i:i + 8], payloads(keys[i:i + 8], CHUNK))
-            assert result.stored + result.already_present == len(keys[i:i + 8])
+            result = kv.store(ns, keys[i : i + 8], payloads(keys[i : i + 8], CHUNK))
+            assert result.stored + result.already_present == len(keys[i : i + 8])
     with a.client() as kv:
         ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
         assert np.array_equal(load_all(kv, ns, written), payloads(written, CHUNK))
@@ -179,8 +181,10 @@ def test_fs_capacity_bound_evicts_least_recently_used_files(daemon_factory, fs_r
     assert stats["fs"].used_bytes <= 1 << 20 and on_disk <= 1 << 20
     assert stats["fs"].evictions > 0
     # Write-downs (and the unlinks of their victims) may still be running after the stores return.
-    assert wait_for(lambda: tier_stats(d)["fs"].chunks == len(fs_files(fs_root))), \
-        (tier_stats(d)["fs"].chunks, len(fs_files(fs_root)))
+    assert wait_for(lambda: tier_stats(d)["fs"].chunks == len(fs_files(fs_root))), (
+        tier_stats(d)["fs"].chunks,
+        len(fs_files(fs_root)),
+    )
 
 
 @pytest.mark.root
@@ -224,8 +228,12 @@ with Client(socket, deadline_s=10) as kv:
 
 def test_kill_9_during_heavy_write_downs_then_restart_serves_exact_bytes(daemon_factory, fs_root, ns_name):
     d = daemon_factory(fs_args(fs_root, capacity="256MiB"), cpu_bytes="4MiB")
-    writer = subprocess.Popen([sys.executable, "-c", STORE_FOREVER, str(d.socket), ns_name, str(CHUNK)],
-                              cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", STORE_FOREVER, str(d.socket), ns_name, str(CHUNK)],
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
         while tier_stats(d)["fs"].stored_chunks < 200 and time.monotonic() < deadline:

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """RAM -> fs -> S3 through a real daemon, with a real radosgw on loopback (one per module)."""
 
 from __future__ import annotations
@@ -24,9 +26,13 @@ def rgw():
 
 
 def ladder_args(root, endpoint, bucket: str, fs_bytes: str = "512KiB", **s3: str) -> list[str]:
-    s3_spec = ",".join([f"kind=s3,bucket={bucket},endpoint_url={endpoint.url},access_key={endpoint.access_key}",
-                        f"secret_key={endpoint.secret_key},timeout_s=5,region=us-east-1"]
-                       + [f"{k}={v}" for k, v in s3.items()])
+    s3_spec = ",".join(
+        [
+            f"kind=s3,bucket={bucket},endpoint_url={endpoint.url},access_key={endpoint.access_key}",
+            f"secret_key={endpoint.secret_key},timeout_s=5,region=us-east-1",
+        ]
+        + [f"{k}={v}" for k, v in s3.items()]
+    )
     return ["--tiers", f"kind=fs,root={root},bytes={fs_bytes}", "--tiers", s3_spec]
 
 
@@ -57,8 +63,7 @@ def test_s3_outage_keeps_ram_and_fs_serving_and_s3_returns(daemon_factory, rgw, 
     gateway, endpoint = rgw
     root = short_tmpdir("kvfs")
     d = daemon_factory(
-        ladder_args(root, endpoint, f"kv-{uuid.uuid4().hex[:8]}", fs_bytes="64MiB", timeout_s="2",
-                    breaker_reset_s="1"),
+        ladder_args(root, endpoint, f"kv-{uuid.uuid4().hex[:8]}", fs_bytes="64MiB", timeout_s="2", breaker_reset_s="1"),
         cpu_bytes="1MiB",
     )
     first, during, after = make_keys("before", 24), make_keys("during", 24), make_keys("after", 24)
@@ -104,8 +109,11 @@ def test_restart_with_an_empty_fs_tier_still_serves_from_s3(daemon_factory, rgw,
         assert np.array_equal(load_all(kv, ns, s3_keys), payloads(s3_keys, CHUNK))
 
 
-@pytest.mark.parametrize("access_key, secret_key", [("kvstored-nobody", "whatever"), (None, "not-the-secret")],
-                         ids=["unknown-key", "wrong-secret"])
+@pytest.mark.parametrize(
+    "access_key, secret_key",
+    [("kvstored-nobody", "whatever"), (None, "not-the-secret")],
+    ids=["unknown-key", "wrong-secret"],
+)
 def test_credentials_refused_at_start_exit_2_without_a_restart_loop(daemon_factory, rgw, access_key, secret_key):
     """Bad credentials are a configuration error: exit 2 (RestartPreventExitStatus=2 in the unit),
     not 1, which systemd's Restart=on-failure would retry every 2 s forever."""
@@ -113,8 +121,7 @@ def test_credentials_refused_at_start_exit_2_without_a_restart_loop(daemon_facto
     d = daemon_factory(start=False)
     # from the environment, as the systemd unit's EnvironmentFile hands them over
     creds = {"AWS_ACCESS_KEY_ID": access_key or endpoint.access_key, "AWS_SECRET_ACCESS_KEY": secret_key}
-    d.spawn(["--tiers", f"kind=s3,bucket=kv-creds,endpoint_url={endpoint.url},region=us-east-1,timeout_s=5"],
-            env=creds)
+    d.spawn(["--tiers", f"kind=s3,bucket=kv-creds,endpoint_url={endpoint.url},region=us-east-1,timeout_s=5"], env=creds)
     assert d.wait(timeout=120) == 2, d.log
     errors = [line for line in d.log.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and "cannot start tier 's3'" in errors[0], d.log

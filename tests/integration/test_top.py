@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """`kvstoredctl top` against a real daemon under load: --once (text and JSON) for scripts, and the
 live view driven in a real terminal (tmux): tier rows with rates, a resize, q and Ctrl-C."""
 
@@ -35,7 +37,7 @@ class Load:
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="top-load", daemon=True)
 
-    def __enter__(self) -> "Load":
+    def __enter__(self) -> Load:
         self._thread.start()
         return self
 
@@ -53,8 +55,8 @@ class Load:
                 data = np.arange(8 * CHUNK, dtype=np.uint64).astype(np.uint8).reshape(8, CHUNK)
                 out = np.empty_like(data)
                 while not self._stop.is_set():
-                    new = keys[(self.rounds * 8) % KEYS:][:8]
-                    old = keys[((self.rounds + 6) * 8) % KEYS:][:8]
+                    new = keys[(self.rounds * 8) % KEYS :][:8]
+                    old = keys[((self.rounds + 6) * 8) % KEYS :][:8]
                     kv.store(ns, new, data)
                     kv.load(ns, new, out)
                     kv.lookup(ns, old)
@@ -73,8 +75,9 @@ def laddered(daemon_factory):
 
 
 def ctl(*args: str, socket_path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(CTL + ["--socket", str(socket_path), *args], capture_output=True, text=True, timeout=60,
-                          env=clean_env())
+    return subprocess.run(
+        CTL + ["--socket", str(socket_path), *args], capture_output=True, text=True, timeout=60, env=clean_env()
+    )
 
 
 def table_rows(lines: list[str]) -> dict[str, dict[str, str]]:
@@ -82,7 +85,7 @@ def table_rows(lines: list[str]) -> dict[str, dict[str, str]]:
     start = next(i for i, line in enumerate(lines) if line.split()[:1] == ["TIER"])
     header = lines[start].split()
     rows = {}
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         cells = line.split()
         if len(cells) == len(header):
             rows[cells[0]] = dict(zip(header, cells))
@@ -117,9 +120,11 @@ def test_once_prints_one_frame_with_rates(laddered):
 
 
 def test_bad_use_is_exit_2(laddered):
-    for args, message in ((["--interval", "0"], "--interval must be > 0"),
-                          (["--json"], "--json needs --once"),
-                          ([], "the live view needs a terminal")):  # stdout here is a pipe
+    for args, message in (
+        (["--interval", "0"], "--interval must be > 0"),
+        (["--json"], "--json needs --once"),
+        ([], "the live view needs a terminal"),
+    ):  # stdout here is a pipe
         proc = ctl("top", *args, socket_path=laddered.socket)
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)
 
@@ -151,9 +156,18 @@ class Tmux:
     def start(self, name: str, argv: list[str], width: int, height: int) -> None:
         done = self._dir / f"{name}.exit"
         modes = self._dir / f"{name}.stty"
-        self("new-session", "-d", "-s", name, "-x", str(width), "-y", str(height),
-             f"{shlex.join(argv)}; code=$?; stty -a > {shlex.quote(str(modes))}; "
-             f"echo $code > {shlex.quote(str(done))}.tmp; mv {shlex.quote(str(done))}.tmp {shlex.quote(str(done))}")
+        self(
+            "new-session",
+            "-d",
+            "-s",
+            name,
+            "-x",
+            str(width),
+            "-y",
+            str(height),
+            f"{shlex.join(argv)}; code=$?; stty -a > {shlex.quote(str(modes))}; "
+            f"echo $code > {shlex.quote(str(done))}.tmp; mv {shlex.quote(str(done))}.tmp {shlex.quote(str(done))}",
+        )
 
     def screen(self, name: str) -> list[str]:
         return self("capture-pane", "-p", "-t", name).splitlines()
@@ -169,7 +183,7 @@ class Tmux:
         deadline = time.monotonic() + WAIT_S
         while True:
             lines = self.screen(name)
-            if (result := predicate(lines)):
+            if result := predicate(lines):
                 return result
             assert self.exit_code(name) is None, f"top exited while waiting for {what}:\n" + "\n".join(lines)
             assert time.monotonic() < deadline, f"timed out waiting for {what}; the screen:\n" + "\n".join(lines)
@@ -227,8 +241,11 @@ def test_live_view_in_a_terminal(laddered, tmp_path):
 
             tmux.wait_for("top", redrawn_narrow, "a frame drawn for 50 columns")
             tmux("resize-window", "-t", "top", "-x", "140", "-y", "20")
-            tmux.wait_for("top", lambda lines: any(line.rstrip().endswith("EVICT/s") for line in lines),
-                          "the full table again after widening")
+            tmux.wait_for(
+                "top",
+                lambda lines: any(line.rstrip().endswith("EVICT/s") for line in lines),
+                "the full table again after widening",
+            )
 
             # q, then (a second view) Ctrl-C: exit 0, and curses gave the terminal its modes back
             tmux("send-keys", "-t", "top", "q")

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Fixtures for the peer data plane tests: the transports to run and a two-node network-namespace
 topology. Neither is ever skipped: `make test` installs ucxx (the dev extra) and runs as root (CI
 does); where either is missing the tests fail, saying what is missing."""

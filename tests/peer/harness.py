@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Running tests.peer.node processes from a test: start them (in a namespace or not), read their
 JSON-line events, wait for an event with a bound, signal them, stop them."""
 
@@ -11,8 +13,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from tests.support.netns import Node
 
@@ -38,8 +40,13 @@ class NodeProcess:
         self.name = name
         self.argv = node.exec(argv) if node is not None else argv
         self.proc = subprocess.Popen(
-            self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=_env(), cwd=REPO_ROOT, text=True,
+            self.argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=_env(),
+            cwd=REPO_ROOT,
+            text=True,
         )
         self.events: list[Event] = []
         self._queue: queue.Queue = queue.Queue()
@@ -109,12 +116,33 @@ class NodeProcess:
 
 
 class ServerNode(NodeProcess):
-    def __init__(self, transport: str, node: Node | None, *, chunks: int, data_port: int = 0,
-                 control_port: int = 0, extra: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        transport: str,
+        node: Node | None,
+        *,
+        chunks: int,
+        data_port: int = 0,
+        control_port: int = 0,
+        extra: Sequence[str] = (),
+    ) -> None:
         host = node.ip if node is not None else "127.0.0.1"
-        args = ["serve", "--transport", transport, "--chunks", str(chunks), "--host", host,
-                "--data-port", str(data_port), "--control-port", str(control_port),
-                "--ucx-net-devices", ucx_devices(node), *extra]
+        args = [
+            "serve",
+            "--transport",
+            transport,
+            "--chunks",
+            str(chunks),
+            "--host",
+            host,
+            "--data-port",
+            str(data_port),
+            "--control-port",
+            str(control_port),
+            "--ucx-net-devices",
+            ucx_devices(node),
+            *extra,
+        ]
         super().__init__(args, node, name=f"{transport} server")
         self.host = host
         self.data_port = self.ready["data_port"]
@@ -146,19 +174,40 @@ class ServerNode(NodeProcess):
 
 
 class FetchNode(NodeProcess):
-    def __init__(self, transport: str, node: Node | None, server: ServerNode, *, chunks: int,
-                 once: bool, extra: Sequence[str] = ()) -> None:
-        args = ["fetch", "--transport", transport, "--chunks", str(chunks),
-                "--data", f"{server.host}:{server.data_port}", "--control", f"{server.host}:{server.control_port}",
-                "--ucx-net-devices", ucx_devices(node), *(["--once"] if once else []), *extra]
+    def __init__(
+        self,
+        transport: str,
+        node: Node | None,
+        server: ServerNode,
+        *,
+        chunks: int,
+        once: bool,
+        extra: Sequence[str] = (),
+    ) -> None:
+        args = [
+            "fetch",
+            "--transport",
+            transport,
+            "--chunks",
+            str(chunks),
+            "--data",
+            f"{server.host}:{server.data_port}",
+            "--control",
+            f"{server.host}:{server.control_port}",
+            "--ucx-net-devices",
+            ucx_devices(node),
+            *(["--once"] if once else []),
+            *extra,
+        ]
         super().__init__(args, node, name=f"{transport} fetcher")
 
     def received(self, at_least: int, after: int = 0) -> Event:
         return self.wait(lambda e: e["event"] == "progress" and e["received"] >= at_least, after=after)
 
     def failure(self, after: int = 0) -> Event:
-        return self.wait(lambda e: e["event"] in ("result", "exception") and e.get("outcome") != "received",
-                         after=after)
+        return self.wait(
+            lambda e: e["event"] in ("result", "exception") and e.get("outcome") != "received", after=after
+        )
 
     def summary(self) -> Event:
         return self.wait(lambda e: e["event"] == "summary")

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """A stand-in for a daemon at either end of the peer data plane, run as a process by the tests and
 the benchmark (in loopback or in its own network namespace):
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import mmap
@@ -33,14 +36,24 @@ import signal
 import stat
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
 from kvstored.peer import (
-    PeerAddress, Receipt, SendOrder, Slot, Source, Transfer, TransportConfig, TransportKind, UcxConfig,
-    make_link, make_server,
+    PeerAddress,
+    Receipt,
+    SendOrder,
+    Slot,
+    Source,
+    Transfer,
+    TransportConfig,
+    TransportKind,
+    UcxConfig,
+    make_link,
+    make_server,
 )
 
 PAGE = 64 << 10
@@ -81,7 +94,7 @@ def slot_runs(slot: int, chunk_bytes: int) -> list[tuple[int, int]]:
 
 
 def views_of(pool: memoryview, region: int, runs: list[tuple[int, int]]) -> list[memoryview]:
-    return [pool[region + off:region + off + length] for off, length in runs]
+    return [pool[region + off : region + off + length] for off, length in runs]
 
 
 def make_pool(size: int) -> mmap.mmap:
@@ -111,8 +124,11 @@ def transport_config(args: argparse.Namespace) -> TransportConfig:
 
 
 def order_to_json(order: SendOrder) -> dict:
-    return {"transport": order.transport.value, "link_id": order.link_id,
-            "transfers": [[t.transfer_id, t.size, t.segments] for t in order.transfers]}
+    return {
+        "transport": order.transport.value,
+        "link_id": order.link_id,
+        "transfers": [[t.transfer_id, t.size, t.segments] for t in order.transfers],
+    }
 
 
 def order_from_json(d: dict) -> SendOrder:
@@ -135,7 +151,7 @@ async def serve(args: argparse.Namespace) -> None:
         fill_chunk(scratch, i, base)
         pos = 0
         for off, length in server_runs(i, size):
-            arr[i * size + off:i * size + off + length] = scratch[pos:pos + length]
+            arr[i * size + off : i * size + off + length] = scratch[pos : pos + length]
             pos += length
     server = make_server(TransportKind(args.transport), args.host, args.data_port, transport_config(args))
     bound = await server.start()
@@ -170,8 +186,11 @@ async def serve(args: argparse.Namespace) -> None:
                             result.quarantine.settled.add_done_callback(unlease_later(len(sources)))
                         else:
                             unlease(len(sources))
-                    resp = {"outcome": result.outcome.value, "detail": result.detail,
-                            "receipts": [[r.transfer_id, r.found, r.length, r.checksum] for r in result.receipts]}
+                    resp = {
+                        "outcome": result.outcome.value,
+                        "detail": result.detail,
+                        "receipts": [[r.transfer_id, r.found, r.length, r.checksum] for r in result.receipts],
+                    }
                 writer.write(json.dumps(resp).encode() + b"\n")
                 await writer.drain()
         except (ConnectionError, OSError):
@@ -181,7 +200,9 @@ async def serve(args: argparse.Namespace) -> None:
 
     def stats() -> dict:
         return {
-            "leased": leased, "links": server.links, "counters": asdict(server.counters),
+            "leased": leased,
+            "links": server.links,
+            "counters": asdict(server.counters),
             "quarantined": len(server.quarantines.pending()),
         }
 
@@ -253,7 +274,8 @@ async def fetch(args: argparse.Namespace) -> None:
     totals = {"wrong": 0, "exceptions": 0, "quarantined": 0, "received_bytes": 0}
     stop = asyncio.Event()
     next_chunk = iter(range(args.chunks)) if args.once else _forever(args.chunks)
-    first_ok = last_ok = None
+    first_ok: float | None = None
+    last_ok: float | None = None
     first_bytes = 0
 
     def on_stdin() -> None:
@@ -303,12 +325,19 @@ async def fetch(args: argparse.Namespace) -> None:
                     counts[result.outcome.value] = counts.get(result.outcome.value, 0) + 1
                     if result.quarantine is not None:
                         totals["quarantined"] += 1
-                        result.quarantine.settled.add_done_callback(lambda _, s=slot_id: free.put_nowait(s))
+                        result.quarantine.settled.add_done_callback(functools.partial(_give_back, free, slot_id))
                     else:
                         free.put_nowait(slot_id)
                     if not args.quiet or not result.ok or right is False:
-                        emit("result", chunk=index, outcome=result.outcome.value, detail=result.detail,
-                             right=right, quarantine=result.quarantine is not None, elapsed_s=round(elapsed, 4))
+                        emit(
+                            "result",
+                            chunk=index,
+                            outcome=result.outcome.value,
+                            detail=result.detail,
+                            right=right,
+                            quarantine=result.quarantine is not None,
+                            elapsed_s=round(elapsed, 4),
+                        )
                     elif counts.get("received", 0) % args.progress_every == 0:
                         emit("progress", received=counts["received"])
                 if any(r.ok for r in results):
@@ -339,12 +368,17 @@ async def fetch(args: argparse.Namespace) -> None:
             closing.close()
     settled = await link.quarantines.wait(args.settle_timeout_s)
     summary = {
-        "counts": counts, **totals,
+        "counts": counts,
+        **totals,
         "unsettled": 0 if settled else len(link.quarantines.pending()),
-        "free_slots": free.qsize(), "slots": nslots,
-        "connections": link.connections, "link": asdict(link.counters),
+        "free_slots": free.qsize(),
+        "slots": nslots,
+        "connections": link.connections,
+        "link": asdict(link.counters),
         "elapsed_s": elapsed,
-        "gib_s": (totals["received_bytes"] - first_bytes) / (last_ok - first_ok) / 2**30 if last_ok else 0.0,
+        "gib_s": (totals["received_bytes"] - first_bytes) / (last_ok - first_ok) / 2**30
+        if last_ok and first_ok
+        else 0.0,
         # CPU seconds per GiB between the first and the last batch, (fetcher, server), all threads
         "cpu_s_per_gib": _per_gib(cpu_marks, totals["received_bytes"] - first_bytes),
     }
@@ -380,11 +414,11 @@ def _forever(n: int):
         yield from range(n)
 
 
-def _matches(views: list[memoryview], expected: np.ndarray) -> bool:
+def _matches(views: Sequence[memoryview], expected: np.ndarray) -> bool:
     pos = 0
     for view in views:
         got = np.frombuffer(view, dtype=np.uint8)
-        if not np.array_equal(got, expected[pos:pos + len(got)]):
+        if not np.array_equal(got, expected[pos : pos + len(got)]):
             return False
         pos += len(got)
     return True
@@ -433,3 +467,7 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _give_back(free: asyncio.Queue, slot_id: int, _settled: object) -> None:
+    free.put_nowait(slot_id)

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Three real daemons with peer tiers, on loopback and in three network namespaces joined by veth
 pairs (mutual TLS on the control plane there), over each transport.
 
@@ -80,6 +82,7 @@ def store_on(daemon, fields: dict, keys: list[bytes]) -> None:
 
 def settled(cluster: Cluster) -> None:
     """Nothing leased to a peer, no RAM slot held by a peer fetch, on any running node."""
+
     def check() -> bool:
         stats = [d.stats() for d in cluster if d.running]
         return all(s.peer_leases == 0 and s.peer_reservations == 0 and s.leases == 0 for s in stats)
@@ -133,14 +136,14 @@ def test_chunks_on_a_peers_disk_are_served_and_deletes_stay_local(loopback, requ
     with a.client() as kv:
         ns = kv.register_namespace(**fields)
         for i in range(0, len(keys), 4):
-            assert kv.store(ns, keys[i:i + 4], payloads(keys[i:i + 4], CHUNK)).stored == 4
+            assert kv.store(ns, keys[i : i + 4], payloads(keys[i : i + 4], CHUNK)).stored == 4
     loopback.wait_for("A writing its older chunks down", lambda: a.stats().tiers[1].chunks >= 16)
     loopback.wait_indexed(1, 0, len(keys))
     with b.client() as kv:
         ns = kv.register_namespace(**fields)
         out = np.empty((4, CHUNK), np.uint8)
         for i in range(0, len(keys), 4):
-            batch = keys[i:i + 4]
+            batch = keys[i : i + 4]
             assert kv.load(ns, batch, out) == 4, i
             assert np.array_equal(out, payloads(batch, CHUNK))
         assert kv.delete(ns, keys[:4]) == 4  # B's RAM and B's fs only
@@ -172,8 +175,13 @@ def test_kvstoredctl_peers_and_lookup(loopback, request):
 
 
 def ctl(d, *args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "kvstored.ctl", "--socket", str(d.socket), *args],
-                          capture_output=True, text=True, timeout=60, env=clean_env())
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstored.ctl", "--socket", str(d.socket), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -234,12 +242,14 @@ def overwrite_in_ram(daemon, fields: dict, key: bytes) -> None:
     try:
         with daemon.channel() as channel:
             stub = pb_grpc.KVStoreStub(channel)
-            leases = stub.Acquire(pb.AcquireRequest(session_id=session.session_id, namespace_id=namespace_id,
-                                                    keys=[key]), timeout=10).leases
+            leases = stub.Acquire(
+                pb.AcquireRequest(session_id=session.session_id, namespace_id=namespace_id, keys=[key]), timeout=10
+            ).leases
             assert len(leases) == 1
             pool = session.arrays.numpy
+            assert pool is not None
             for extent in leases[0].extents:
-                pool[extent.offset:extent.offset + extent.length] ^= 0xFF
+                pool[extent.offset : extent.offset + extent.length] ^= 0xFF
             stub.Release(pb.ReleaseRequest(session_id=session.session_id, handles=[leases[0].handle]), timeout=10)
     finally:
         session.close()
@@ -297,16 +307,19 @@ def check_fault(cluster: Cluster, model: str, fault: str) -> None:
         elif fault == "sigstop":
             cluster.freeze(0)
         else:
+            assert cluster.net is not None
             cluster.net.cut(a.node)
         # Loads keep returning, as misses: at least 10 times the breaker's threshold of them.
-        cluster.wait_for("B's loads missing A's chunks",
-                         lambda: loader.snapshot().missed >= missed_before + 10 * BREAKER_FAILURES)
+        cluster.wait_for(
+            "B's loads missing A's chunks", lambda: loader.snapshot().missed >= missed_before + 10 * BREAKER_FAILURES
+        )
         fetches_in_fault = b.peer(a).fetches - fetches_at_fault
         if fault == "sigkill":
             cluster.restart(0)
         elif fault == "sigstop":
             cluster.thaw(0)
         elif fault == "link_down":
+            assert cluster.net is not None
             cluster.net.restore(a.node)
         if fault in ("sigstop", "link_down"):
             # a frozen or cut-off peer costs the breaker's failures (and a probe), not a timeout per load
@@ -314,9 +327,11 @@ def check_fault(cluster: Cluster, model: str, fault: str) -> None:
             full = loader.snapshot().full
             cluster.wait_for("B loading A's chunks again", lambda: loader.snapshot().full >= full + 4)
         log = loader.stop()
-    print(f"peer fault {fault} over {cluster.transport}{' across namespaces' if cluster.net else ''}: "
-          f"{log.loads} loads ({log.full} whole, {log.missed} missed, {log.partial} partial), "
-          f"{fetches_in_fault} fetches during the fault, {log.wrong} wrong chunks, {len(log.exceptions)} exceptions")
+    print(
+        f"peer fault {fault} over {cluster.transport}{' across namespaces' if cluster.net else ''}: "
+        f"{log.loads} loads ({log.full} whole, {log.missed} missed, {log.partial} partial), "
+        f"{fetches_in_fault} fetches during the fault, {log.wrong} wrong chunks, {len(log.exceptions)} exceptions"
+    )
     assert log.exceptions == [] and log.wrong == 0, log
     if fault in ("sigkill", "restart"):
         # A new incarnation: B reads it whole again; what the old one held in RAM is forgotten

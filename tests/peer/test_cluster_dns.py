@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Peers found through DNS (a Kubernetes headless Service's name resolves to every pod): three
 daemons in network namespaces, each configured with only peers_dns and listening on 0.0.0.0 (so
 only the handshake's incarnation tells a daemon that one of the addresses is its own), checking
@@ -33,13 +35,21 @@ def states(d) -> dict[str, int]:
 def test_peers_come_and_go_with_the_names_addresses(topology):
     nodes = topology.nodes
     topology.hosts(NAME, nodes[:2])  # node 2 is not (yet) behind the name
-    with Cluster(3, "tcp", net=topology, peers_dns=f"{NAME}:{PEER_PORT}", listen_any=True,
-                 # peers reached by IP, their certificate checked for the name it carries
-                 peer_options={"dns_interval_s": "0.2", "tls_server_name": "localhost"}) as cluster:
+    with Cluster(
+        3,
+        "tcp",
+        net=topology,
+        peers_dns=f"{NAME}:{PEER_PORT}",
+        listen_any=True,
+        # peers reached by IP, their certificate checked for the name it carries
+        peer_options={"dns_interval_s": "0.2", "tls_server_name": "localhost"},
+    ) as cluster:
         cluster.start()
         a, b, c = cluster
-        cluster.wait_for("node 0 finding itself and node 1", lambda: states(a) == {
-            a.address: pb.PEER_STATE_SELF, b.address: pb.PEER_STATE_UP})
+        cluster.wait_for(
+            "node 0 finding itself and node 1",
+            lambda: states(a) == {a.address: pb.PEER_STATE_SELF, b.address: pb.PEER_STATE_UP},
+        )
         topology.hosts(NAME, nodes)  # a pod became ready
         cluster.wait_for("node 0 finding node 2", lambda: states(a).get(c.address) == pb.PEER_STATE_UP)
 

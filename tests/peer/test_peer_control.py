@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The peer control plane against one real daemon: the handshake's refusals (both ways, logged
 once), Fetch's checks (namespace sizes, tenant namespaces, unknown links), the follower's resync
 when the events it resumes from are gone (OUT_OF_RANGE), and a daemon without a peer tier."""
@@ -15,9 +17,9 @@ import pytest
 from kvstored.peer.control import ControlChannel
 from kvstored.peer.follow import Follower
 from kvstored.peer.handshake import LocalHello, hello_from_proto, namespace_fingerprint
+from kvstored.peer.index import PeerIndex
 from kvstored.peer.membership import Breaker, PeerRecord
 from kvstored.peer.transport import PeerAddress, TransportKind
-from kvstored.peer.index import PeerIndex
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from tests.support.cluster import free_port
@@ -37,8 +39,14 @@ class FakePeer(pb_grpc.PeerServicer):
     def Hello(self, request, context):
         with self.lock:
             self.hellos += 1
-        return pb.PeerHello(protocol_version=1, incarnation=7, chunk_format_version=1,
-                            namespace_fingerprint="not-the-same-derivation", transports=["tcp"], tcp_port=1)
+        return pb.PeerHello(
+            protocol_version=1,
+            incarnation=7,
+            chunk_format_version=1,
+            namespace_fingerprint="not-the-same-derivation",
+            transports=["tcp"],
+            tcp_port=1,
+        )
 
 
 @pytest.fixture
@@ -57,8 +65,17 @@ def node(daemon_factory, fake_peer):
     """A daemon with a peer tier whose only peer is the fake; small events buffer."""
     _, fake = fake_peer
     listen = f"127.0.0.1:{free_port()}"
-    d = daemon_factory(["--tcp-listen", listen, "--events-buffer", "16", "--tiers",
-                        f"kind=peer,peers={fake},transport=tcp,tcp_port=0,reconnect_s=0.1"], cpu_bytes="16MiB")
+    d = daemon_factory(
+        [
+            "--tcp-listen",
+            listen,
+            "--events-buffer",
+            "16",
+            "--tiers",
+            f"kind=peer,peers={fake},transport=tcp,tcp_port=0,reconnect_s=0.1",
+        ],
+        cpu_bytes="16MiB",
+    )
     d.listen = listen
     return d
 
@@ -82,13 +99,27 @@ def test_an_incompatible_fetcher_is_refused_once_in_the_log(node):
     with channel:
         for _ in range(3):
             with pytest.raises(grpc.RpcError) as err:
-                stub.Hello(pb.PeerHello(protocol_version=1, incarnation=42, chunk_format_version=99,
-                                        namespace_fingerprint=namespace_fingerprint(), address="10.9.9.9:7070"),
-                           timeout=10)
+                stub.Hello(
+                    pb.PeerHello(
+                        protocol_version=1,
+                        incarnation=42,
+                        chunk_format_version=99,
+                        namespace_fingerprint=namespace_fingerprint(),
+                        address="10.9.9.9:7070",
+                    ),
+                    timeout=10,
+                )
             assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
             assert "chunk format version 99" in err.value.details()
-        good = stub.Hello(pb.PeerHello(protocol_version=1, incarnation=43, chunk_format_version=1,
-                                       namespace_fingerprint=namespace_fingerprint()), timeout=10)
+        good = stub.Hello(
+            pb.PeerHello(
+                protocol_version=1,
+                incarnation=43,
+                chunk_format_version=1,
+                namespace_fingerprint=namespace_fingerprint(),
+            ),
+            timeout=10,
+        )
         assert good.tcp_port and list(good.tiers) == ["ram"] and "tcp" in good.transports
     assert node.log.count("refusing peer 10.9.9.9:7070") == 1
 
@@ -102,12 +133,25 @@ def test_fetch_checks_the_namespace_and_never_serves_a_tenants_chunks(node):
         kv.store(tenant, keys, payloads(keys, CHUNK))
         channel, stub = peer_stub(node)
         with channel:
+
             def fetch(ns_id: str, chunk_bytes: int = CHUNK) -> pb.FetchResponse:
-                return stub.Fetch(pb.FetchRequest(
-                    incarnation=5, namespace_id=ns_id, chunk_bytes=chunk_bytes, key_bytes=32, keys=keys,
-                    transport="tcp", link_id=12345, timeout_ms=1000,
-                    transfers=[pb.PeerTransfer(transfer_id=i + 1, size=chunk_bytes, segments=[chunk_bytes])
-                               for i in range(2)]), timeout=10)
+                return stub.Fetch(
+                    pb.FetchRequest(
+                        incarnation=5,
+                        namespace_id=ns_id,
+                        chunk_bytes=chunk_bytes,
+                        key_bytes=32,
+                        keys=keys,
+                        transport="tcp",
+                        link_id=12345,
+                        timeout_ms=1000,
+                        transfers=[
+                            pb.PeerTransfer(transfer_id=i + 1, size=chunk_bytes, segments=[chunk_bytes])
+                            for i in range(2)
+                        ],
+                    ),
+                    timeout=10,
+                )
 
             with pytest.raises(grpc.RpcError) as err:
                 fetch(public.namespace_id, chunk_bytes=2 * CHUNK)
@@ -131,9 +175,17 @@ def test_malformed_peer_requests_get_a_status_and_the_daemon_serves_on(node):
     channel, stub = peer_stub(node)
 
     def fetch(**fields) -> grpc.StatusCode | int:
-        base = dict(incarnation=5, namespace_id=ns.namespace_id, chunk_bytes=CHUNK, key_bytes=32, keys=keys,
-                    transport="tcp", link_id=1, timeout_ms=500,
-                    transfers=[pb.PeerTransfer(transfer_id=1, size=CHUNK, segments=[CHUNK])])
+        base = dict(
+            incarnation=5,
+            namespace_id=ns.namespace_id,
+            chunk_bytes=CHUNK,
+            key_bytes=32,
+            keys=keys,
+            transport="tcp",
+            link_id=1,
+            timeout_ms=500,
+            transfers=[pb.PeerTransfer(transfer_id=1, size=CHUNK, segments=[CHUNK])],
+        )
         try:
             return stub.Fetch(pb.FetchRequest(**{**base, **fields}), timeout=10).outcome
         except grpc.RpcError as exc:
@@ -144,8 +196,13 @@ def test_malformed_peer_requests_get_a_status_and_the_daemon_serves_on(node):
         assert fetch(transport="ucx") == pb.SEND_OUTCOME_INVALID  # this daemon serves over TCP only
         assert fetch(keys=keys * 2) is grpc.StatusCode.INVALID_ARGUMENT
         assert fetch(keys=[b"short"]) is grpc.StatusCode.INVALID_ARGUMENT
-        assert fetch(keys=keys * 2000, transfers=[pb.PeerTransfer(transfer_id=i, size=CHUNK, segments=[CHUNK])
-                                                  for i in range(2000)]) is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (
+            fetch(
+                keys=keys * 2000,
+                transfers=[pb.PeerTransfer(transfer_id=i, size=CHUNK, segments=[CHUNK]) for i in range(2000)],
+            )
+            is grpc.StatusCode.RESOURCE_EXHAUSTED
+        )
         assert fetch(namespace_id="nope") == pb.SEND_OUTCOME_NO_LINK  # unknown namespace: not here
         assert fetch(transfers=[pb.PeerTransfer(transfer_id=1, size=CHUNK, segments=[1])]) == pb.SEND_OUTCOME_INVALID
         assert fetch(timeout_ms=0) == pb.SEND_OUTCOME_NO_LINK

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """A region load of a peer's chunks on a node whose RAM is full: the chunks are fetched over each
 transport into the node's staging memory (daemon-private, not the pool), verified, and copied into
 the client's region; nothing in the node's RAM is evicted for them."""

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """A PeerLink and a PeerServer in one process and one event loop, over loopback: the contract's
 edge cases (misses, control failures, timeouts, corruption, cancellation, pool limits) with
 nothing but the transports themselves. tests/peer/test_transport_procs.py covers two processes
@@ -9,6 +11,7 @@ import asyncio
 import mmap
 import socket
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,17 +20,29 @@ import xxhash
 
 from kvstored.errors import ListenError
 from kvstored.peer import (
-    PeerAddress, ReceiveOutcome, Receipt, SendOrder, SendOutcome, Slot, Source, TransportConfig, TransportKind,
-    UcxConfig, make_link, make_server,
+    PeerAddress,
+    Receipt,
+    ReceiveOutcome,
+    SendOrder,
+    SendOutcome,
+    Slot,
+    Source,
+    TransportConfig,
+    TransportKind,
+    UcxConfig,
+    make_link,
+    make_server,
+    ucx_runtime,
+    wire,
 )
-from kvstored.peer import ucx_runtime, wire
 from kvstored.peer.ucx_runtime import ucx_installed
 from tests.peer.conftest import TRANSPORTS
 
 SIZE = 1 << 20
 PAGE = 64 << 10
-CONFIG = TransportConfig(connect_timeout_s=5.0, settle_timeout_s=5.0, tcp_connections=2,
-                         ucx=UcxConfig(net_devices="lo"))
+CONFIG = TransportConfig(
+    connect_timeout_s=5.0, settle_timeout_s=5.0, tcp_connections=2, ucx=UcxConfig(net_devices="lo")
+)
 
 
 class Pool:
@@ -43,14 +58,14 @@ class Pool:
     def chunk(self, i: int) -> list[memoryview]:
         base = i * SIZE
         cut = PAGE * (1 + i)
-        return [self.mv[base + cut:base + SIZE], self.mv[base:base + cut]]  # tail first
+        return [self.mv[base + cut : base + SIZE], self.mv[base : base + cut]]  # tail first
 
     def payload(self, i: int) -> bytes:
         return b"".join(bytes(v) for v in self.chunk(i))
 
     def slot(self, s: int) -> list[memoryview]:
         base = (self.chunks + s) * SIZE
-        return [self.mv[base + 3 * PAGE:base + SIZE], self.mv[base:base + 3 * PAGE]]
+        return [self.mv[base + 3 * PAGE : base + SIZE], self.mv[base : base + 3 * PAGE]]
 
     def received(self, s: int) -> bytes:
         return b"".join(bytes(v) for v in self.slot(s))
@@ -136,8 +151,12 @@ async def test_a_batch_of_hits_and_misses_in_one_order(pair):
 
     slots = [Slot(pool.slot(s), SIZE) for s in range(2)] + [Slot(pool.slot(s), SIZE) for s in range(2, 4)]
     results = await link.receive_batch(slots, counting, 5.0)
-    assert [r.outcome for r in results] == [ReceiveOutcome.RECEIVED, ReceiveOutcome.MISSING,
-                                            ReceiveOutcome.RECEIVED, ReceiveOutcome.MISSING]
+    assert [r.outcome for r in results] == [
+        ReceiveOutcome.RECEIVED,
+        ReceiveOutcome.MISSING,
+        ReceiveOutcome.RECEIVED,
+        ReceiveOutcome.MISSING,
+    ]
     assert pool.received(0) == pool.payload(0) and pool.received(2) == pool.payload(2)
     assert len(orders) == 1 and len(orders[0].transfers) == 4  # one control round trip for the batch
     assert link.counters.connects == 1 and link.counters.received == 2 and link.counters.missing == 2
@@ -341,7 +360,11 @@ async def _receive_from_fake(fake, write) -> object:
 
 def _head(order: SendOrder, **changes) -> bytes:
     transfer = order.transfers[0]
-    fields = {"status": wire.FrameStatus.OK, "transfer_id": transfer.transfer_id, "length": transfer.size}
+    fields: dict[str, Any] = {
+        "status": wire.FrameStatus.OK,
+        "transfer_id": transfer.transfer_id,
+        "length": transfer.size,
+    }
     fields.update(changes)
     return wire.encode_head(wire.Frame(**fields))
 
@@ -382,10 +405,13 @@ async def test_tcp_connection_lost_mid_batch_keeps_the_chunks_already_in(fake):
         first = order.transfers[0]
         payload = bytes(SIZE)  # the slot's views are pieces of the pool: a zero chunk is as good as any
         server.conn.setblocking(True)
-        server.conn.sendall(wire.encode_head(wire.Frame(wire.FrameStatus.OK, first.transfer_id, SIZE)) + payload
-                            + wire.encode_sum(xxhash.xxh3_64_intdigest(payload))
-                            + wire.encode_head(wire.Frame(wire.FrameStatus.OK, order.transfers[1].transfer_id, SIZE))
-                            + payload[:1000])
+        server.conn.sendall(
+            wire.encode_head(wire.Frame(wire.FrameStatus.OK, first.transfer_id, SIZE))
+            + payload
+            + wire.encode_sum(xxhash.xxh3_64_intdigest(payload))
+            + wire.encode_head(wire.Frame(wire.FrameStatus.OK, order.transfers[1].transfer_id, SIZE))
+            + payload[:1000]
+        )
         server.conn.close()
         server.conn = None
 
@@ -424,9 +450,9 @@ async def test_tcp_pool_bounds_connections_per_peer():
     link = make_link(TransportKind.TCP, await server.start(), config)
     pool = Pool()
     try:
-        results = await asyncio.gather(*(
-            link.receive(pool.slot(s), SIZE, sender(server, pool, s), 5.0) for s in range(2)
-        ))
+        results = await asyncio.gather(
+            *(link.receive(pool.slot(s), SIZE, sender(server, pool, s), 5.0) for s in range(2))
+        )
         assert all(r.ok for r in results)
         assert link.counters.connects == 1  # the second waited for the first's connection
         asked = asyncio.Event()

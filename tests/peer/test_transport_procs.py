@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The peer data plane between two processes: a serving node and a fetching node
 (tests/peer/node.py), on loopback and in two network namespaces joined by a bridge.
 
@@ -35,8 +37,14 @@ def check_clean(summary: dict) -> None:
 def fetch_gib(transport: str, server_node, fetch_node) -> None:
     server = ServerNode(transport, server_node, chunks=GIB_OF_CHUNKS)
     try:
-        fetcher = FetchNode(transport, fetch_node, server, chunks=GIB_OF_CHUNKS, once=True,
-                            extra=["--quiet", "--progress-every", "64", "--timeout-s", "10", "--batch", "4"])
+        fetcher = FetchNode(
+            transport,
+            fetch_node,
+            server,
+            chunks=GIB_OF_CHUNKS,
+            once=True,
+            extra=["--quiet", "--progress-every", "64", "--timeout-s", "10", "--batch", "4"],
+        )
         summary = fetcher.summary()
         assert fetcher.exit_code() == 0, fetcher.describe()
         assert summary["counts"] == {"received": GIB_OF_CHUNKS}, summary
@@ -88,14 +96,24 @@ def test_server_fault_mid_transfer(net, transport, fault):
         if fault == "sigkill":
             server.signal(signal.SIGKILL)
             fetcher.failure(after=mark)
-            server = ServerNode(transport, server_node, chunks=FAULT_CHUNKS,
-                                data_port=server.data_port, control_port=server.control_port)
+            server = ServerNode(
+                transport,
+                server_node,
+                chunks=FAULT_CHUNKS,
+                data_port=server.data_port,
+                control_port=server.control_port,
+            )
             servers.append(server)
         elif fault == "restart":  # a new incarnation on the same ports, before the fetcher notices
             server.signal(signal.SIGKILL)
             server.exit_code()
-            server = ServerNode(transport, server_node, chunks=FAULT_CHUNKS,
-                                data_port=server.data_port, control_port=server.control_port)
+            server = ServerNode(
+                transport,
+                server_node,
+                chunks=FAULT_CHUNKS,
+                data_port=server.data_port,
+                control_port=server.control_port,
+            )
             servers.append(server)
             fetcher.failure(after=mark)
         elif fault == "sigstop":

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The peer data plane's pure parts: wire layouts, cutting a payload into the fetcher's pieces,
 choosing a transport, quarantine bookkeeping."""
 
@@ -11,9 +13,13 @@ import pytest
 import xxhash
 
 from kvstored.peer import (
-    TransportConfig, TransportKind, TransportPreference, TransportUnavailable, choose_transport,
+    TransportConfig,
+    TransportKind,
+    TransportPreference,
+    TransportUnavailable,
+    choose_transport,
+    wire,
 )
-from kvstored.peer import wire
 from kvstored.peer.digest import StreamDigest
 from kvstored.peer.errors import ProtocolError
 from kvstored.peer.transport import TRANSFER_ID_BITS, Quarantines, next_transfer_id
@@ -63,7 +69,7 @@ def test_hellos():
     assert wire.decode_ucx_hello(raw[: wire.UCX_HELLO_BYTES]) == len(b"address-bytes")
     welcome = wire.encode_ucx_welcome(9, b"addr")
     assert wire.decode_hello(welcome[: wire.HELLO_BYTES]) == 9
-    assert wire.decode_address_len(welcome[wire.HELLO_BYTES:wire.HELLO_BYTES + wire.ADDRESS_LEN_BYTES]) == 4
+    assert wire.decode_address_len(welcome[wire.HELLO_BYTES : wire.HELLO_BYTES + wire.ADDRESS_LEN_BYTES]) == 4
     with pytest.raises(ProtocolError):
         wire.decode_address_len((wire.MAX_ADDRESS_BYTES + 1).to_bytes(4, "little"))
 
@@ -92,8 +98,11 @@ def test_plan_pieces_slices_when_layouts_line_up():
     plan = wire.plan_pieces(pieces, [65536, 65536, 65536])
     assert plan.bounced_bytes == 0
     # zero copy: each buffer is the pool's own memory
-    assert [_address(b) for b in plan.buffers] == [_address(mv[0:1]), _address(mv[131072:131073]),
-                                                   _address(mv[196608:196609])]
+    assert [_address(b) for b in plan.buffers] == [
+        _address(mv[0:1]),
+        _address(mv[131072:131073]),
+        _address(mv[196608:196609]),
+    ]
 
 
 def test_plan_pieces_gathers_straddling_segments():

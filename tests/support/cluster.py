@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Several real kvstored daemons with peer tiers: on loopback (each its own port), or each in a
 network namespace of a tests.support.netns Topology (10.213.7.x, port 7070, TLS with one shared
 node certificate, mutual). Every daemon lists every node as a peer (its own address is skipped).
@@ -15,7 +17,7 @@ from __future__ import annotations
 import signal
 import socket
 import time
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 
@@ -56,7 +58,7 @@ class PeerDaemon(Daemon):
         with self.channel() as channel:
             return pb_grpc.PeerStub(channel).Status(pb.PeerStatusRequest(), timeout=10)
 
-    def peer(self, other: "PeerDaemon") -> pb.PeerInfo:
+    def peer(self, other: PeerDaemon) -> pb.PeerInfo:
         """This daemon's view of `other`."""
         for info in self.status().peers:
             if info.address == other.address:
@@ -65,9 +67,18 @@ class PeerDaemon(Daemon):
 
 
 class Cluster:
-    def __init__(self, n: int, transport: str, net: Topology | None = None,
-                 peer_options: Mapping[str, str] | None = None, extra_args: Sequence[str] = (),
-                 cpu_bytes: str = "64MiB", peers_dns: str = "", fs_bytes: str = "", listen_any: bool = False) -> None:
+    def __init__(
+        self,
+        n: int,
+        transport: str,
+        net: Topology | None = None,
+        peer_options: Mapping[str, str] | None = None,
+        extra_args: Sequence[str] = (),
+        cpu_bytes: str = "64MiB",
+        peers_dns: str = "",
+        fs_bytes: str = "",
+        listen_any: bool = False,
+    ) -> None:
         """fs_bytes: each node also gets an fs tier of that size, above its peer tier (RAM -> fs ->
         peer); listen_any: (namespaces) each listens on 0.0.0.0, so only its incarnation tells a
         node that an address is its own."""
@@ -81,8 +92,14 @@ class Cluster:
             assert len(nodes) == n, f"the topology has {len(net.nodes)} nodes, the cluster wants {n}"
             addresses = [f"{node.ip}:{PEER_PORT}" for node in nodes]
             certs = make_certs(self.workdir, ips=tuple(node.ip for node in nodes) + ("127.0.0.1",))
-            tls = ["--tls-cert-file", str(certs.server_cert), "--tls-key-file", str(certs.server_key),
-                   "--tls-client-ca-file", str(certs.ca)]
+            tls = [
+                "--tls-cert-file",
+                str(certs.server_cert),
+                "--tls-key-file",
+                str(certs.server_key),
+                "--tls-client-ca-file",
+                str(certs.ca),
+            ]
             options.setdefault("ucx_net_devices", "eth0")
         else:
             nodes = [None] * n  # type: ignore[list-item]
@@ -90,9 +107,14 @@ class Cluster:
             options.setdefault("ucx_net_devices", "lo")
             options.setdefault("tcp_port", "0")
             options.setdefault("ucx_port", "0")
-        spec = ",".join(["kind=peer", f"transport={transport}",
-                         *([f"peers={' '.join(addresses)}"] if not peers_dns else [f"peers_dns={peers_dns}"]),
-                         *(f"{k}={v}" for k, v in options.items())])
+        spec = ",".join(
+            [
+                "kind=peer",
+                f"transport={transport}",
+                *([f"peers={' '.join(addresses)}"] if not peers_dns else [f"peers_dns={peers_dns}"]),
+                *(f"{k}={v}" for k, v in options.items()),
+            ]
+        )
         self.daemons = []
         for i, (node, address) in enumerate(zip(nodes, addresses)):
             d = PeerDaemon(i, address, node, cpu_bytes=cpu_bytes, workdir=self.workdir / f"n{i}")
@@ -108,7 +130,7 @@ class Cluster:
     def __iter__(self):
         return iter(self.daemons)
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -116,7 +138,7 @@ class Cluster:
 
     # -- lifecycle ----------------------------------------------------------------------------
 
-    def start(self, which: Sequence[int] | None = None) -> "Cluster":
+    def start(self, which: Sequence[int] | None = None) -> Cluster:
         for i in which if which is not None else range(len(self.daemons)):
             self.daemons[i].start(self.daemons[i].args)
         return self
@@ -161,13 +183,17 @@ class Cluster:
         """Until node i sees the others up."""
         others = [j for j in (others if others is not None else range(len(self.daemons))) if j != i]
         addresses = {self.daemons[j].address for j in others}
-        self.wait_for(f"node {i} sees {sorted(addresses)} up", lambda: addresses <= {
-            p.address for p in _status(self.daemons[i]).peers if p.state == pb.PEER_STATE_UP})
+        self.wait_for(
+            f"node {i} sees {sorted(addresses)} up",
+            lambda: addresses <= {p.address for p in _status(self.daemons[i]).peers if p.state == pb.PEER_STATE_UP},
+        )
 
     def wait_indexed(self, i: int, j: int, at_least: int) -> None:
         """Until node i's index says node j holds at least `at_least` chunks."""
-        self.wait_for(f"node {i} indexes {at_least} chunks of node {j}",
-                      lambda: _indexed(self.daemons[i], self.daemons[j].address) >= at_least)
+        self.wait_for(
+            f"node {i} indexes {at_least} chunks of node {j}",
+            lambda: _indexed(self.daemons[i], self.daemons[j].address) >= at_least,
+        )
 
     def describe(self) -> str:
         parts = []

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Run a real kvstored daemon as a subprocess on a unix socket, for tests of any tier.
 
     d = Daemon(cpu_bytes="16MiB").start()
@@ -17,8 +19,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -53,7 +55,7 @@ class DaemonError(AssertionError):
     pass
 
 
-def stop_all(daemons: Iterable["Daemon"]) -> list[str]:
+def stop_all(daemons: Iterable[Daemon]) -> list[str]:
     """SIGTERM every daemon still running (each must exit cleanly), clean up all of them; returns
     the teardown failures for the fixture to report."""
     errors = []
@@ -87,10 +89,14 @@ class Daemon:
             raise ValueError(f"socket path too long for a unix socket: {self.socket}")
         self.base_args = [
             "serve",
-            "--socket", str(self.socket),
-            "--cpu-bytes", cpu_bytes,
-            "--populate", "true" if populate else "false",
-            "--metrics-addr", "off",  # several test daemons at once must not fight over a port
+            "--socket",
+            str(self.socket),
+            "--cpu-bytes",
+            cpu_bytes,
+            "--populate",
+            "true" if populate else "false",
+            "--metrics-addr",
+            "off",  # several test daemons at once must not fight over a port
         ]
         if page_bytes is not None:  # otherwise the daemon's default (64 KiB) or its config sources
             self.base_args += ["--page-bytes", page_bytes]
@@ -151,7 +157,7 @@ class Daemon:
 
     def start(
         self, extra_args: Iterable[str] = (), env: Mapping[str, str] | None = None, timeout: float = READY_TIMEOUT_S
-    ) -> "Daemon":
+    ) -> Daemon:
         self.spawn(extra_args, env)
         try:
             self.wait_ready(timeout)
@@ -197,7 +203,7 @@ class Daemon:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise DaemonError(f"kvstored (pid {self.proc.pid}) did not exit within {timeout}s:\n{self.log}")
+            raise DaemonError(f"kvstored (pid {self.proc.pid}) did not exit within {timeout}s:\n{self.log}") from None
         return self.returncode
 
     def terminate(self, timeout: float = STOP_TIMEOUT_S) -> int:
@@ -254,7 +260,7 @@ class Daemon:
         with self.channel() as channel:
             return pb_grpc.KVStoreStub(channel).Stats(pb.StatsRequest(), timeout=10)
 
-    def __enter__(self) -> "Daemon":
+    def __enter__(self) -> Daemon:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Deterministic test keys and chunk payloads, shared by tests and worker subprocesses."""
 
 from __future__ import annotations

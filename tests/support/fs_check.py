@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Looking at an fs tier's root from the outside: its chunk files, temporary files, odd entries,
 and whether a daemon's index (Stats) matches the disk."""
 
@@ -84,6 +86,7 @@ def assert_index_matches_disk(daemon, root: Path, name: str = "fs") -> dict[str,
     """The tier's index (chunks, used bytes) equals the chunk files on disk; returns the files."""
     tier = next(t for t in settled_stats(daemon).tiers if t.name == name)
     files = chunk_files(root)
-    assert (tier.chunks, tier.used_bytes) == (len(files), sum(files.values())), \
+    assert (tier.chunks, tier.used_bytes) == (len(files), sum(files.values())), (
         f"index: {tier.chunks} chunks, {tier.used_bytes} bytes; disk: {len(files)} files, {sum(files.values())} bytes"
+    )
     return files

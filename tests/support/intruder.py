@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """A client process that looks for another tenant's chunks in every byte it can map:
 `python -m tests.support.intruder --socket S --model M --chunk C --victim-label L --n N [--salt S]`.
 
@@ -47,8 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     with Client(args.socket, deadline_s=20.0, client_name="intruder") as client:
-        ns = client.register_namespace(model=args.model, dtype="uint8", chunk_bytes=args.chunk,
-                                       tenant_salt=args.salt.encode())
+        ns = client.register_namespace(
+            model=args.model, dtype="uint8", chunk_bytes=args.chunk, tenant_salt=args.salt.encode()
+        )
         own = make_keys(f"intruder-{args.salt}", 2)
         client.store(ns, own, payloads(own, args.chunk))
         session = client._session

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """A client thread that loads chunks in a loop and checks every byte against the payload its key
 stands for (tests.support.data.payload): the fault tests' witness that nobody got wrong bytes."""
 
@@ -43,8 +45,9 @@ class VerifyingLoader:
                     self.counts.loads += 1
                     self.counts.chunks += loaded
                     self.counts.short += loaded < self._batch
-                    self.counts.wrong_bytes += sum(not np.array_equal(out[j], expected[i])
-                                                   for j, i in enumerate(picks[:loaded]))
+                    self.counts.wrong_bytes += sum(
+                        not np.array_equal(out[j], expected[i]) for j, i in enumerate(picks[:loaded])
+                    )
         except BaseException as exc:  # noqa: BLE001 - reported by stop()
             self._error = exc
 

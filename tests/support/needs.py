@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """What a test needs beyond the venv, as pytest markers (registered in pyproject.toml), so that
 `make test-fast` can leave those tests out on a contributor's laptop.
 
@@ -55,5 +57,8 @@ def require(*needs: Needs) -> None:
     absent = missing(_running, *needs)
     if absent:
         marks = ", ".join(f"pytest.mark.{name}" for name in absent)
-        pytest.fail(f"{_running.nodeid} needs {marks}: add it to the test (or the module's pytestmark), "
-                    "so that `make test-fast` leaves the test out where that is not available", pytrace=False)
+        pytest.fail(
+            f"{_running.nodeid} needs {marks}: add it to the test (or the module's pytestmark), "
+            "so that `make test-fast` leaves the test out where that is not available",
+            pytrace=False,
+        )

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Several "nodes" on one machine: network namespaces joined by veth pairs to a bridge.
 
     with Topology(nodes=2) as net:        # needs root and iproute2 (CI runs as root)
@@ -123,7 +125,7 @@ class Topology:
         self.nodes = [Node(f"{PREFIX}{owner}-n{i}", f"{subnet}.{i + 1}", i) for i in range(nodes)]
         self._made: list[str] = []
 
-    def __enter__(self) -> "Topology":
+    def __enter__(self) -> Topology:
         self.create()
         return self
 

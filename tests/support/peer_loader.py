@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """A client of one daemon that keeps loading chunks another daemon holds, in a thread: each round
 loads a batch, checks it byte for byte, then deletes it on its own daemon (a local delete), so
 the next round of the same keys fetches from the peer again. It records what every load did."""
@@ -39,7 +41,7 @@ class PeerLoader:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peer-loader", daemon=True)
 
-    def __enter__(self) -> "PeerLoader":
+    def __enter__(self) -> PeerLoader:
         self._thread.start()
         return self
 
@@ -48,8 +50,9 @@ class PeerLoader:
 
     def snapshot(self) -> LoaderLog:
         with self._lock:
-            return LoaderLog(self.log.full, self.log.partial, self.log.missed, self.log.wrong,
-                             list(self.log.exceptions))
+            return LoaderLog(
+                self.log.full, self.log.partial, self.log.missed, self.log.wrong, list(self.log.exceptions)
+            )
 
     def stop(self, timeout: float = 60.0) -> LoaderLog:
         self._stop.set()
@@ -68,8 +71,11 @@ class PeerLoader:
                     i += BATCH
                     try:
                         loaded = kv.load(ns, batch, out)
-                        wrong = sum(1 for row in range(loaded)
-                                    if not np.array_equal(out[row], payloads(batch[row:row + 1], self._chunk)[0]))
+                        wrong = sum(
+                            1
+                            for row in range(loaded)
+                            if not np.array_equal(out[row], payloads(batch[row : row + 1], self._chunk)[0])
+                        )
                         if loaded:
                             kv.delete(ns, batch[:loaded])  # this daemon only: the peer keeps its copy
                     except Exception as exc:  # the contract says a load never raises: record it

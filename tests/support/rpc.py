@@ -1,11 +1,13 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Raw protocol access for tests: gRPC stubs, sessions opened by hand, status assertions."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import grpc
 
@@ -43,16 +45,20 @@ class RawConn:
         return self.call("Stats", pb.StatsRequest())
 
     def acquire(self, namespace_id: str, keys: list[bytes]) -> list:
-        return list(self.call("Acquire", pb.AcquireRequest(
-            session_id=self.session_id, namespace_id=namespace_id, keys=keys)).leases)
+        return list(
+            self.call(
+                "Acquire", pb.AcquireRequest(session_id=self.session_id, namespace_id=namespace_id, keys=keys)
+            ).leases
+        )
 
     def release(self, handles: list[int]) -> int:
         return self.call("Release", pb.ReleaseRequest(session_id=self.session_id, handles=handles)).released
 
     def read_extents(self, extents) -> bytes:
         """The pool bytes a lease or reservation points at, in order."""
-        assert self.session is not None
-        return b"".join(self.session.pool[e.offset:e.offset + e.length].tobytes() for e in extents)
+        assert self.session is not None and self.session.pool is not None
+        pool = self.session.pool
+        return b"".join(pool[e.offset : e.offset + e.length].tobytes() for e in extents)
 
     def close(self) -> None:
         if self.session is not None:

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Real S3 endpoints for tests: Ceph radosgw (deploy/ceph/start_rgw.sh), moto_server, and a
 fault-injecting HTTP proxy.
 
@@ -35,8 +37,10 @@ REPO = Path(__file__).resolve().parents[2]
 START_RGW = REPO / "deploy" / "ceph" / "start_rgw.sh"
 STOP_RGW = REPO / "deploy" / "ceph" / "stop_rgw.sh"
 CEPH_BINARIES = ("ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "monmaptool", "ceph-authtool", "ceph", "curl")
-INSTALL_HINT = ("run deploy/install-system-deps.sh (it installs the Debian packages ceph-mon ceph-osd radosgw "
-                "curl with --no-install-recommends)")
+INSTALL_HINT = (
+    "run deploy/install-system-deps.sh (it installs the Debian packages ceph-mon ceph-osd radosgw "
+    "curl with --no-install-recommends)"
+)
 
 
 @dataclass(frozen=True)
@@ -48,13 +52,21 @@ class S3Endpoint:
 
     def client_kwargs(self) -> dict:
         """Keyword arguments for aiobotocore's create_client("s3", ...)."""
-        return {"endpoint_url": self.url, "region_name": self.region,
-                "aws_access_key_id": self.access_key, "aws_secret_access_key": self.secret_key}
+        return {
+            "endpoint_url": self.url,
+            "region_name": self.region,
+            "aws_access_key_id": self.access_key,
+            "aws_secret_access_key": self.secret_key,
+        }
 
     def tier_kwargs(self) -> dict:
         """Keyword arguments for S3Tier(...)."""
-        return {"endpoint_url": self.url, "region": self.region,
-                "access_key": self.access_key, "secret_key": self.secret_key}
+        return {
+            "endpoint_url": self.url,
+            "region": self.region,
+            "access_key": self.access_key,
+            "secret_key": self.secret_key,
+        }
 
 
 def free_port() -> int:
@@ -101,15 +113,24 @@ class RadosGW:
     def start(self) -> S3Endpoint:
         require(Needs.RADOSGW)
         self.check_installed()
-        env = dict(os.environ, RGW_ACCESS_KEY=self.ACCESS_KEY, RGW_SECRET_KEY=self.SECRET_KEY,
-                   RGW_MEMSTORE_BYTES=str(self.memstore_bytes))
+        env = dict(
+            os.environ,
+            RGW_ACCESS_KEY=self.ACCESS_KEY,
+            RGW_SECRET_KEY=self.SECRET_KEY,
+            RGW_MEMSTORE_BYTES=str(self.memstore_bytes),
+        )
         error = ""
         for _ in range(3):  # a free port can be taken between the probe and the bind: try others
             rgw_port, mon_port = free_port(), free_port()
             if rgw_port == mon_port:
                 continue
-            out = subprocess.run([str(START_RGW), str(self.dir), str(rgw_port), str(mon_port)],
-                                 env=env, capture_output=True, text=True, timeout=180)
+            out = subprocess.run(
+                [str(START_RGW), str(self.dir), str(rgw_port), str(mon_port)],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=180,
+            )
             if out.returncode == 0:
                 url = out.stdout.strip().splitlines()[-1]
                 self.endpoint = S3Endpoint(url, self.ACCESS_KEY, self.SECRET_KEY)
@@ -137,8 +158,7 @@ class RadosGW:
             os.kill(pid, signal.SIGCONT)
 
     def start_gateway(self) -> None:
-        out = subprocess.run([str(START_RGW), "--rgw-only", str(self.dir)], capture_output=True, text=True,
-                             timeout=120)
+        out = subprocess.run([str(START_RGW), "--rgw-only", str(self.dir)], capture_output=True, text=True, timeout=120)
         if out.returncode != 0:
             raise RuntimeError(f"radosgw did not restart:\n{out.stderr}")
 
@@ -153,10 +173,14 @@ class RadosGW:
     def _start_watchdog(self) -> None:
         """The Ceph daemons outlive a killed test run (they daemonize): a small shell in its own
         session stops them and removes the directory once this process is gone."""
-        script = ('while kill -0 "$0" 2>/dev/null; do sleep 1; done; "$1" "$2" >/dev/null 2>&1; rm -rf "$2"')
-        self._watchdog = subprocess.Popen(["bash", "-c", script, str(os.getpid()), str(STOP_RGW), str(self.dir)],
-                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL, start_new_session=True)
+        script = 'while kill -0 "$0" 2>/dev/null; do sleep 1; done; "$1" "$2" >/dev/null 2>&1; rm -rf "$2"'
+        self._watchdog = subprocess.Popen(
+            ["bash", "-c", script, str(os.getpid()), str(STOP_RGW), str(self.dir)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     def __enter__(self) -> S3Endpoint:
         try:
@@ -196,7 +220,9 @@ class MotoServer:
     def start(self) -> S3Endpoint:
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
         )
         try:
             wait_for_port(self.port, 60, alive=lambda: self._proc.poll() is None)
@@ -257,7 +283,7 @@ class FaultProxy:
     _session: aiohttp.ClientSession | None = field(default=None, repr=False)
     _released: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
-    async def __aenter__(self) -> "FaultProxy":
+    async def __aenter__(self) -> FaultProxy:
         self._session = aiohttp.ClientSession(auto_decompress=False)
         app = web.Application(client_max_size=1 << 30)
         app.router.add_route("*", "/{tail:.*}", self._handle)
@@ -291,13 +317,16 @@ class FaultProxy:
         if self.fail_next > 0 or self.hang:
             self.fail_next -= 1
             self.failed += 1
-            xml = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{self.code}</Code>'
-                   f"<Message>injected by FaultProxy</Message></Error>").encode()
+            xml = (
+                f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{self.code}</Code>'
+                f"<Message>injected by FaultProxy</Message></Error>"
+            ).encode()
             return web.Response(status=self.status, body=xml, content_type="application/xml")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
         assert self._session is not None
-        async with self._session.request(request.method, self.upstream + request.path_qs, headers=headers,
-                                         data=body, allow_redirects=False) as upstream:
+        async with self._session.request(
+            request.method, self.upstream + request.path_qs, headers=headers, data=body, allow_redirects=False
+        ) as upstream:
             payload = await upstream.read()
             out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP}
             if request.method == "HEAD":  # keep the object's length (there is no body to measure)

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Swap two paths back and forth with renameat2(RENAME_EXCHANGE) until stdin closes, then print
 the number of swaps. Run as a process of its own (`python -m tests.support.swap A B`), so the
 swaps race the daemon without waiting on the test's GIL.
@@ -16,10 +18,16 @@ AT_FDCWD = -100
 RENAME_EXCHANGE = 2
 
 
+def _set_at_eof(event: threading.Event) -> None:
+    """Set `event` once stdin closes (the parent test ended or let go of us)."""
+    sys.stdin.read()
+    event.set()
+
+
 def main(a: str, b: str) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     stop = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    threading.Thread(target=_set_at_eof, args=(stop,), daemon=True).start()
     ea, eb = os.fsencode(a), os.fsencode(b)
     swaps = 0
     print("ready", flush=True)

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """A small real lower tier for chain tests: chunks in a dict, lookups, reads and writes held at gates.
 
 No timing: a test closes a gate, waits until an operation has arrived at it (`until`), does what
@@ -8,16 +10,16 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
+from kvstored.chain.chain import ChainPolicy, TierChain
+from kvstored.chain.lower import LowerTier
+from kvstored.chunks.ids import ChunkId, TierKind
 from kvstored.io.scheduler import TierQueue
 from kvstored.namespaces import Namespace
 from kvstored.shm.arenas import ArenaSet
 from kvstored.shm.mapping import SharedPool
 from kvstored.tiers.base import SecondaryTier, TierCapabilities, TierUsage, WriteOutcome
-from kvstored.chunks.ids import ChunkId, TierKind
-from kvstored.chain.chain import ChainPolicy, TierChain
-from kvstored.chain.lower import LowerTier
 from kvstored.tiers.ram import RamTier
 
 GATED_OPS = ("contains", "read", "write")
@@ -96,7 +98,7 @@ class GatedMemoryTier(SecondaryTier):
         offset = 0
         for view in views:
             n = min(len(view), size - offset)
-            view[:n] = payload[offset:offset + n]
+            view[:n] = payload[offset : offset + n]
             offset += n
         return True
 
@@ -112,15 +114,19 @@ class GatedMemoryTier(SecondaryTier):
 
 
 def make_chain(
-    tiers: Sequence[tuple[SecondaryTier, TierCapabilities]], pool: int = 1 << 20, page: int = 4096,
-    concurrency: int = 2, policy: ChainPolicy | None = None,
+    tiers: Sequence[tuple[SecondaryTier, TierCapabilities]],
+    pool: int = 1 << 20,
+    page: int = 4096,
+    concurrency: int = 2,
+    policy: ChainPolicy | None = None,
 ) -> TierChain:
     """A chain over a fresh pool and the given lower tiers (not started)."""
     lower = [LowerTier(tier, TierQueue(tier.name, concurrency, 64), capabilities=caps) for tier, caps in tiers]
     # Stores wait for write-downs as long as a test holds them (no timeout decides a race).
     policy = policy or ChainPolicy(writeback_wait_s=60.0)
-    return TierChain(RamTier(pool, page, has_lower_tiers=bool(lower)), ArenaSet(SharedPool(pool, populate=False)), lower,
-                     policy)
+    return TierChain(
+        RamTier(pool, page, has_lower_tiers=bool(lower)), ArenaSet(SharedPool(pool, populate=False)), lower, policy
+    )
 
 
 async def store(chain: TierChain, ns: Namespace, key: bytes, byte: int) -> None:
@@ -133,7 +139,7 @@ async def store(chain: TierChain, ns: Namespace, key: bytes, byte: int) -> None:
 
 def fill(chain: TierChain, extents, byte: int) -> None:
     for extent in extents:
-        chain.arenas.array(extent.arena)[extent.offset:extent.offset + extent.length] = byte
+        chain.arenas.array(extent.arena)[extent.offset : extent.offset + extent.length] = byte
 
 
 async def first_word(chain: TierChain, ns: Namespace, key: bytes) -> bytes | None:
@@ -142,6 +148,6 @@ async def first_word(chain: TierChain, ns: Namespace, key: bytes) -> bytes | Non
     if not leases:
         return None
     extent = leases[0].extents[0]
-    word = bytes(chain.arenas.array(extent.arena)[extent.offset:extent.offset + 4])
+    word = bytes(chain.arenas.array(extent.arena)[extent.offset : extent.offset + 4])
     chain.release([leases[0].entry])
     return word

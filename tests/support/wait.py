@@ -1,9 +1,11 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Polling for conditions that settle asynchronously (a daemon noticing a closed session...)."""
 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 30.0) -> bool:

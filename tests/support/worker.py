@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """A client process for multi-process tests: `python -m tests.support.worker COMMAND ...`.
 
 Commands (each prints one JSON line on stdout):
@@ -25,20 +27,48 @@ import threading
 import numpy as np
 
 from kvstored_client import Client
-from kvstored_client.errors import Unavailable
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
+from kvstored_client.errors import Unavailable
 from tests.support.data import make_keys, payloads
 
 
-def spawn(command: str, socket, model: str, chunk: int, label: str, n: int, *extra: str) -> "subprocess.Popen":
+def _set_at_eof(event: threading.Event) -> None:
+    """Set `event` once stdin closes (the parent test ended or let go of us)."""
+    sys.stdin.read()
+    event.set()
+
+
+def spawn(command: str, socket, model: str, chunk: int, label: str, n: int, *extra: str) -> subprocess.Popen:
     """Start a worker process (stdin/stdout piped; close stdin to let a --wait/hold worker exit)."""
     from tests.support.daemon import REPO_ROOT, clean_env
 
-    argv = [sys.executable, "-m", "tests.support.worker", command, "--socket", str(socket), "--model", model,
-            "--chunk", str(chunk), "--label", label, "--n", str(n), *extra]
-    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=REPO_ROOT, env=clean_env())
+    argv = [
+        sys.executable,
+        "-m",
+        "tests.support.worker",
+        command,
+        "--socket",
+        str(socket),
+        "--model",
+        model,
+        "--chunk",
+        str(chunk),
+        "--label",
+        label,
+        "--n",
+        str(n),
+        *extra,
+    ]
+    return subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+        env=clean_env(),
+    )
 
 
 def read_result(proc, timeout: float = 60.0) -> dict:
@@ -93,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "store":
         totals = {"stored": 0, "already_present": 0, "dropped": 0}
         for i in range(0, len(keys), args.batch):
-            batch = keys[i:i + args.batch]
+            batch = keys[i : i + args.batch]
             res = client.store(ns, batch, payloads(batch, args.chunk))
             for k in totals:
                 totals[k] += getattr(res, k)
@@ -102,30 +132,35 @@ def main(argv: list[str] | None = None) -> int:
         out = np.zeros((len(keys), args.chunk), dtype=np.uint8)
         loaded = 0
         for i in range(0, len(keys), args.batch):
-            loaded += client.load(ns, keys[i:i + args.batch], out[i:i + args.batch])
+            loaded += client.load(ns, keys[i : i + args.batch], out[i : i + args.batch])
         expected = payloads(keys, args.chunk)
         bad = [i for i in range(len(keys)) if not np.array_equal(out[i], expected[i])]
         _emit({"loaded": loaded, "mismatched": bad})
     else:  # hold
         res = client.store(ns, keys, payloads(keys, args.chunk))
         session = client._session  # the client's own session: its leases die with this process
+        assert session is not None and session.pool is not None
         stub = pb_grpc.KVStoreStub(client._channel)
         leases = stub.Acquire(pb.AcquireRequest(session_id=session.session_id, namespace_id=ns.namespace_id, keys=keys))
         reserved = []
         if args.reserve:
             rkeys = make_keys(args.label + "/reserved", args.reserve)
-            slots = stub.Reserve(pb.ReserveRequest(session_id=session.session_id, namespace_id=ns.namespace_id, keys=rkeys))
+            slots = stub.Reserve(
+                pb.ReserveRequest(session_id=session.session_id, namespace_id=ns.namespace_id, keys=rkeys)
+            )
             reserved = [s.handle for s in slots.slots if s.state == pb.SLOT_STATE_RESERVED]
             if args.scribble:  # half-written chunks that are never committed
                 for slot in slots.slots:
                     for extent in slot.extents:
-                        session.pool[extent.offset:extent.offset + extent.length] = 0xEE
-        _emit({
-            "stored": res.stored,
-            "leases": [lease.handle for lease in leases.leases],
-            "reserved": reserved,
-            "session_id": session.session_id,
-        })
+                        session.pool[extent.offset : extent.offset + extent.length] = 0xEE
+        _emit(
+            {
+                "stored": res.stored,
+                "leases": [lease.handle for lease in leases.leases],
+                "reserved": reserved,
+                "session_id": session.session_id,
+            }
+        )
         sys.stdin.read()  # block until killed (or stdin closes)
         return 0
 
@@ -137,11 +172,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def _mix(client, ns, args) -> dict:
     stop = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    threading.Thread(target=_set_at_eof, args=(stop,), daemon=True).start()
     rng = random.Random(args.label)
     stored: list[bytes] = []
-    totals = {"rounds": 0, "stored": 0, "dropped": 0, "loaded": 0, "loaded_bytes": 0, "mismatched": 0,
-              "lookups": 0, "deleted": 0, "delete_unavailable": 0}
+    totals = {
+        "rounds": 0,
+        "stored": 0,
+        "dropped": 0,
+        "loaded": 0,
+        "loaded_bytes": 0,
+        "mismatched": 0,
+        "lookups": 0,
+        "deleted": 0,
+        "delete_unavailable": 0,
+    }
     out = np.empty((args.batch, args.chunk), dtype=np.uint8)
     while not stop.is_set():
         keys = make_keys(f"{args.label}/{totals['rounds']}", args.batch)
@@ -154,7 +198,7 @@ def _mix(client, ns, args) -> dict:
         if sample:
             totals["lookups"] += client.lookup(ns, sample).prefix_hits
             out[:] = 0
-            n = client.load(ns, sample, out[:len(sample)])
+            n = client.load(ns, sample, out[: len(sample)])
             expected = payloads(sample[:n], args.chunk)
             totals["mismatched"] += sum(not np.array_equal(out[i], expected[i]) for i in range(n))
             totals["loaded"] += n

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """PageAllocator: best contiguous run when one exists, several runs when fragmented, never a
 failure while enough pages are free, coalescing on free, and double frees refused."""
 
@@ -176,6 +178,7 @@ def test_bad_arguments():
 
 
 # -- resident pages and holes ---------------------------------------------------------------------
+
 
 def test_a_sparse_allocator_starts_with_holes_and_counts_what_it_hands_out_as_resident():
     alloc = PageAllocator(8, resident=False)

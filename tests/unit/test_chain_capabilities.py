@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The chain honours what each lower tier accepts: a tier that takes no write-downs is never
 written to, one that takes no deletes is never asked to remove, and both still serve reads."""
 
@@ -5,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvstored.namespaces import Namespace
-from kvstored.tiers.base import TierCapabilities
-from kvstored.chunks.ids import TierKind
 from kvstored.chain.chain import ChainPolicy
 from kvstored.chain.writeback import WritePolicy
+from kvstored.chunks.ids import TierKind
+from kvstored.namespaces import Namespace
+from kvstored.tiers.base import TierCapabilities
 from tests.support.tiers import GatedMemoryTier, first_word, make_chain, settle, store
 
 CHUNK = 64 << 10
@@ -38,8 +40,9 @@ async def chain_over():
 
 async def test_a_read_only_tier_serves_loads_but_is_never_written_down_to_nor_deleted_from(chain_over):
     shared, own = GatedMemoryTier("shared"), GatedMemoryTier("own")
-    chain = await chain_over([(shared, READ_ONLY), (own, TierCapabilities())],
-                             policy=ChainPolicy(write_policy=WritePolicy.WRITE_THROUGH))
+    chain = await chain_over(
+        [(shared, READ_ONLY), (own, TierCapabilities())], policy=ChainPolicy(write_policy=WritePolicy.WRITE_THROUGH)
+    )
     shared.data[("ns", key(9))] = b"PEER" * (CHUNK // 4)  # someone else's chunk
     await store(chain, NS, key(1), ord("A"))
     await settle(lambda: chain.writeback.in_flight_bytes == 0, "the write-through")

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The chain's one leasing primitive (chain/leases.py), on a real chain: the leading chunks a load
 names are leased, what RAM lacks is promoted from below and leased once it lands, and the first
 chunk found nowhere ends a load's run; a peer's fetch gets each chunk this node holds itself."""
@@ -68,7 +70,13 @@ async def test_a_peers_fetch_gets_every_chunk_this_node_holds_each_on_its_own(ri
     below(remote, F, ord("f"))  # only on a tier whose chunks are not this node's
     leased = await chain.leases.lease(NS, [A, B, C, D, E, F], LeaseRequest(Reach.EACH, local_only=True))
     assert [first_byte(chain, e) if e is not None else None for e in leased.entries] == [
-        ord("a"), ord("b"), None, ord("d"), ord("e"), None]
+        ord("a"),
+        ord("b"),
+        None,
+        ord("d"),
+        ord("e"),
+        None,
+    ]
     assert fs.calls["read"] == 2 and remote.calls["read"] == 0
     chain.release(leased.held)
 

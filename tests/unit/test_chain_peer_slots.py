@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """What the chain does for the peer tier: a slot a failed network read may still write stays
 reserved until the transfer lets go of it (never handed to another chunk meanwhile), and the
 serving side finds chunks only in tiers whose chunks are on this node."""
@@ -5,11 +7,11 @@ serving side finds chunks only in tiers whose chunks are on this node."""
 from __future__ import annotations
 
 import asyncio
-from typing import Sequence
+from collections.abc import Sequence
 
+from kvstored.chunks.ids import ChunkId, TierKind
 from kvstored.namespaces import Namespace
 from kvstored.tiers.base import TierCapabilities
-from kvstored.chunks.ids import ChunkId, TierKind
 from kvstored.tiers.ram import ReserveOutcome
 from tests.support.tiers import GatedMemoryTier, make_chain
 
@@ -39,8 +41,9 @@ class StuckReadTier(GatedMemoryTier):
 async def test_a_slot_a_failed_read_may_still_write_stays_reserved_until_let_go():
     tier = StuckReadTier()
     tier.data[("ns", KEY)] = b"x" * CHUNK
-    chain = make_chain([(tier, TierCapabilities(accepts_writedowns=False, accepts_deletes=False, local=False))],
-                       pool=4 * CHUNK)
+    chain = make_chain(
+        [(tier, TierCapabilities(accepts_writedowns=False, accepts_deletes=False, local=False))], pool=4 * CHUNK
+    )
     await chain.start()
     try:
         assert await chain.acquire(NS, [KEY]) == []  # the read failed: a miss

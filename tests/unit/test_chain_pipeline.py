@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The tier chain's write-back and promotion pipeline: stores short of room keep the lower tier's
 I/O slots busy, a load reads into free RAM while the write-downs making room for the rest of it
 run, and a stream several times larger than RAM loses nothing and serves exact bytes. A gated
@@ -10,9 +12,9 @@ import asyncio
 import numpy as np
 import pytest
 
+from kvstored.chunks.ids import TierKind
 from kvstored.namespaces import Namespace
 from kvstored.tiers.base import TierCapabilities
-from kvstored.chunks.ids import TierKind
 from kvstored.tiers.ram import PUBLIC, Placement, QuotaScope, ReserveOutcome
 from tests.support.tiers import GatedMemoryTier, make_chain, settle, store
 
@@ -80,7 +82,7 @@ async def test_a_load_reads_into_free_ram_while_write_downs_make_room_for_the_re
     assert len(leases) == 3
     for lease, i in zip(leases, range(50, 53)):
         for extent in lease.extents:
-            assert (chain.arenas.array(extent.arena)[extent.offset:extent.offset + extent.length] == i).all()
+            assert (chain.arenas.array(extent.arena)[extent.offset : extent.offset + extent.length] == i).all()
     chain.release([lease.entry for lease in leases])
     await settle(lambda: chain.writeback.in_flight_bytes == 0, "the write-downs ended")
     assert chain.ram.counters.dropped_dirty == 0
@@ -100,8 +102,9 @@ async def test_a_stream_of_stores_and_loads_larger_than_ram_loses_nothing(rig):
             assert grant.outcome is ReserveOutcome.RESERVED
             offset = 0
             for extent in grant.extents:
-                chain.arenas.array(extent.arena)[extent.offset:extent.offset + extent.length] = \
-                    payloads[i][offset:offset + extent.length]
+                chain.arenas.array(extent.arena)[extent.offset : extent.offset + extent.length] = payloads[i][
+                    offset : offset + extent.length
+                ]
                 offset += extent.length
         chain.commit([g.entry for g in grants])
 
@@ -117,7 +120,9 @@ async def test_a_stream_of_stores_and_loads_larger_than_ram_loses_nothing(rig):
         try:
             assert len(leases) == 4, f"batch {first}: {len(leases)} of 4 loaded"
             for lease, i in zip(leases, range(first, first + 4)):
-                got = np.concatenate([chain.arenas.array(e.arena)[e.offset:e.offset + e.length] for e in lease.extents])
+                got = np.concatenate(
+                    [chain.arenas.array(e.arena)[e.offset : e.offset + e.length] for e in lease.extents]
+                )
                 np.testing.assert_array_equal(got, payloads[i])
         finally:
             chain.release([lease.entry for lease in leases])
@@ -150,7 +155,7 @@ async def test_a_lookup_starts_every_promotion_its_load_will_need_even_with_ram_
     assert len(leases) == 3
     for lease, i in zip(leases, range(50, 53)):
         for extent in lease.extents:
-            assert (chain.arenas.array(extent.arena)[extent.offset:extent.offset + extent.length] == i).all()
+            assert (chain.arenas.array(extent.arena)[extent.offset : extent.offset + extent.length] == i).all()
     chain.release([lease.entry for lease in leases])
     assert tier.calls["read"] == 3  # nothing read twice
     await settle(lambda: chain.writeback.in_flight_bytes == 0, "the write-downs ended")
@@ -199,7 +204,7 @@ async def test_a_lookup_for_a_namespace_at_its_quota_makes_room_within_the_quota
     assert len(leases) == 2
     for lease, i in zip(leases, range(50, 52)):
         for extent in lease.extents:
-            assert (chain.arenas.array(extent.arena)[extent.offset:extent.offset + extent.length] == i).all()
+            assert (chain.arenas.array(extent.arena)[extent.offset : extent.offset + extent.length] == i).all()
     chain.release([lease.entry for lease in leases])
     assert tier.calls["read"] == 2  # nothing read twice
     await settle(lambda: chain.writeback.in_flight_bytes == 0, "the write-downs ended")

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Tier chain races: deletes racing promotions and write-downs, cancelled callers, a caller that
 stops wanting its grant. A gated in-memory lower tier holds each operation for as long as the
 test needs; no daemon, no sleeps."""
@@ -8,13 +10,13 @@ import asyncio
 
 import pytest
 
+from kvstored.chain.writeback import WritePolicy
+from kvstored.chunks.ids import TierKind
 from kvstored.errors import UnknownSession
+from kvstored.events.bus import KvEvent
 from kvstored.io.scheduler import Priority
 from kvstored.namespaces import Namespace
-from kvstored.events.bus import KvEvent
 from kvstored.tiers.base import TierCapabilities
-from kvstored.chunks.ids import TierKind
-from kvstored.chain.writeback import WritePolicy
 from kvstored.tiers.ram import ReserveOutcome
 from tests.support.tiers import GatedMemoryTier, first_word, make_chain, settle, store
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The client's batch copier: how it splits a batch, and that it never leaves a copy running."""
 
 from __future__ import annotations
@@ -22,8 +24,13 @@ class FakeExtent:
 def batch(n: int, chunk: int):
     src = np.random.default_rng(n).integers(0, 256, n * chunk, dtype=np.uint8)
     # chunk i goes to pool slot n-1-i, split in two extents
-    pairs = [([FakeExtent((n - 1 - i) * chunk, chunk // 2), FakeExtent((n - 1 - i) * chunk + chunk // 2, chunk // 2)],
-              src[i * chunk:(i + 1) * chunk]) for i in range(n)]
+    pairs = [
+        (
+            [FakeExtent((n - 1 - i) * chunk, chunk // 2), FakeExtent((n - 1 - i) * chunk + chunk // 2, chunk // 2)],
+            src[i * chunk : (i + 1) * chunk],
+        )
+        for i in range(n)
+    ]
     return src, pairs
 
 
@@ -53,7 +60,7 @@ def test_split_copies_are_exact_both_ways(to_pool):
             outs = [(ext, np.zeros(chunk, np.uint8)) for ext, _ in pairs]
             copier.copy(pool, outs, to_pool=False)
             for i, (_, out) in enumerate(outs):
-                np.testing.assert_array_equal(out, src[(n - 1 - i) * chunk:(n - i) * chunk])
+                np.testing.assert_array_equal(out, src[(n - 1 - i) * chunk : (n - i) * chunk])
     finally:
         copier.close()
 
@@ -84,9 +91,17 @@ def test_an_error_is_raised_after_every_part_finished(monkeypatch):
 
 
 @pytest.mark.parametrize("streaming", [True, False], ids=["helper", "numpy"])
-@pytest.mark.parametrize("size, dst_shift, src_shift", [
-    (0, 0, 0), (7, 3, 1), (4096, 0, 0), (256 << 10, 0, 0), ((2 << 20) + 77, 5, 11), ((1 << 20) + 63, 1, 0),
-])
+@pytest.mark.parametrize(
+    "size, dst_shift, src_shift",
+    [
+        (0, 0, 0),
+        (7, 3, 1),
+        (4096, 0, 0),
+        (256 << 10, 0, 0),
+        ((2 << 20) + 77, 5, 11),
+        ((1 << 20) + 63, 1, 0),
+    ],
+)
 def test_chunk_copies_are_exact_at_any_size_and_alignment(monkeypatch, streaming, size, dst_shift, src_shift):
     """The streaming helper aligns the destination, streams 64-byte blocks and copies the tail
     plainly: every byte lands, nothing outside the destination is touched. Without the helper
@@ -98,9 +113,9 @@ def test_chunk_copies_are_exact_at_any_size_and_alignment(monkeypatch, streaming
     rng = np.random.default_rng(size)
     src = rng.integers(0, 256, size + 64, dtype=np.uint8)
     dst = np.full(size + 64, 0xEE, dtype=np.uint8)
-    buffers.copy_cpu(dst[dst_shift:dst_shift + size], src[src_shift:src_shift + size])
-    np.testing.assert_array_equal(dst[dst_shift:dst_shift + size], src[src_shift:src_shift + size])
-    assert (dst[:dst_shift] == 0xEE).all() and (dst[dst_shift + size:] == 0xEE).all()
+    buffers.copy_cpu(dst[dst_shift : dst_shift + size], src[src_shift : src_shift + size])
+    np.testing.assert_array_equal(dst[dst_shift : dst_shift + size], src[src_shift : src_shift + size])
+    assert (dst[:dst_shift] == 0xEE).all() and (dst[dst_shift + size :] == 0xEE).all()
 
 
 def test_the_helper_refuses_buffers_of_different_sizes():
@@ -114,14 +129,21 @@ def test_the_client_copies_without_the_helper(tmp_path):
     """Built without a C compiler (no kvstored_client._ntcopy): the client imports and copies
     with numpy, and never imports the daemon."""
     probe = subprocess.run(
-        [sys.executable, "-c",
-         "import sys; sys.modules['kvstored_client._ntcopy'] = None  # as if it was never built\n"
-         "import numpy as np\n"
-         "from kvstored_client import buffers\n"
-         "assert not buffers.STREAMING\n"
-         "src = np.arange(3 << 20, dtype=np.uint8); dst = np.zeros_like(src)\n"
-         "buffers.copy_cpu(dst, src); assert (dst == src).all()\n"
-         "assert not [m for m in sys.modules if m == 'kvstored' or m.startswith('kvstored.')]\n"
-         "print('ok')"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.modules['kvstored_client._ntcopy'] = None  # as if it was never built\n"
+            "import numpy as np\n"
+            "from kvstored_client import buffers\n"
+            "assert not buffers.STREAMING\n"
+            "src = np.arange(3 << 20, dtype=np.uint8); dst = np.zeros_like(src)\n"
+            "buffers.copy_cpu(dst, src); assert (dst == src).all()\n"
+            "assert not [m for m in sys.modules if m == 'kvstored' or m.startswith('kvstored.')]\n"
+            "print('ok')",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert probe.returncode == 0 and probe.stdout.strip() == "ok", probe.stderr

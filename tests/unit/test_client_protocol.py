@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The client's sans-IO session protocol: message order, fd ownership, backoff, fork detection.
 (Talking to a real daemon through it: tests/integration and tests/vllm.)"""
 
@@ -36,8 +38,9 @@ def fds():
 
 
 def welcome(session_id: str = "s1") -> bytes:
-    return pb.SessionReply(welcome=pb.Welcome(session_id=session_id, pool_bytes=1 << 20, page_bytes=4096)) \
-        .SerializeToString()
+    return pb.SessionReply(
+        welcome=pb.Welcome(session_id=session_id, pool_bytes=1 << 20, page_bytes=4096)
+    ).SerializeToString()
 
 
 def test_hello_welcome_attach_in_order(fds):
@@ -75,13 +78,16 @@ def test_a_refused_region_raises_its_error_and_leaves_the_session_usable(fds):
     hs.attach_region("next", 6)  # the session goes on
 
 
-@pytest.mark.parametrize(("data", "n_fds", "message"), [
-    (b"", 1, "closed the session"),
-    (b"\xff\xff\xff", 1, "undecodable"),
-    (welcome(), 0, "unexpected session reply"),  # a Welcome must carry the pool
-    (welcome(), 2, "unexpected session reply"),
-    (pb.SessionReply(region_attached=pb.RegionAttached(region_id=1)).SerializeToString(), 1, "unexpected"),
-])
+@pytest.mark.parametrize(
+    ("data", "n_fds", "message"),
+    [
+        (b"", 1, "closed the session"),
+        (b"\xff\xff\xff", 1, "undecodable"),
+        (welcome(), 0, "unexpected session reply"),  # a Welcome must carry the pool
+        (welcome(), 2, "unexpected session reply"),
+        (pb.SessionReply(region_attached=pb.RegionAttached(region_id=1)).SerializeToString(), 1, "unexpected"),
+    ],
+)
 def test_a_bad_welcome_is_unavailable_and_closes_its_fds(fds, data, n_fds, message):
     hs = Handshake("me")
     hs.hello()
@@ -125,6 +131,7 @@ def test_fork_guard_fires_once_in_the_child_only():
 
 
 # -- reachability and the health check's wire format ------------------------------------------------
+
 
 def test_link_health_logs_each_change_of_condition_once(caplog):
     import logging

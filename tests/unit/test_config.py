@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Config: precedence flags > env > file > defaults, size parsing, and errors that name the option."""
 
 from __future__ import annotations
@@ -96,7 +98,15 @@ PRECEDENCE_CASES = [
     ("log_level", '"debug"', "warning", "error", "debug", "warning", "error"),
     ("log_format", '"json"', "text", "json", "json", "text", "json"),
     ("socket_mode", '"600"', "640", "666", 0o600, 0o640, 0o666),
-    ("socket", '"/tmp/a.sock"', "/tmp/b.sock", "/tmp/c.sock", Path("/tmp/a.sock"), Path("/tmp/b.sock"), Path("/tmp/c.sock")),
+    (
+        "socket",
+        '"/tmp/a.sock"',
+        "/tmp/b.sock",
+        "/tmp/c.sock",
+        Path("/tmp/a.sock"),
+        Path("/tmp/b.sock"),
+        Path("/tmp/c.sock"),
+    ),
 ]
 
 
@@ -294,7 +304,9 @@ def test_bad_tier_option_names_option_and_value(spec, option, value):
 
 
 def test_tier_ranges_in_toml_at_their_bounds(tmp_path):
-    good = write_toml(tmp_path, """
+    good = write_toml(
+        tmp_path,
+        """
 [[tiers]]
 kind = "fs"
 root = "/kv"
@@ -310,7 +322,8 @@ bytes = 0
 negative_cache_s = 0
 breaker_failures = 1
 breaker_reset_s = 0
-""")
+""",
+    )
     fs, s3 = load_config({}, {}, good).tiers
     assert (fs.bytes, fs.io_threads, fs.concurrency, fs.max_backlog) == (1, 1, 1, 1)
     assert (s3.bytes, s3.negative_cache_s, s3.breaker_reset_s) == (0, 0.0, 0.0)
@@ -341,8 +354,14 @@ def test_zmq_replay_needs_the_publisher_and_its_own_endpoint():
         load_config({"events_zmq_replay_endpoint": "tcp://127.0.0.1:5558"}, {})
     with pytest.raises(ConfigError, match="must differ"):
         load_config({"events_zmq_endpoint": "ipc:///run/kv/ev", "events_zmq_replay_endpoint": "ipc:///run/kv/ev"}, {})
-    cfg = load_config({"events_zmq_endpoint": "ipc:///run/kv/ev", "events_zmq_replay_endpoint": "tcp://[::1]:5558",
-                       "events_buffer": "0"}, {})
+    cfg = load_config(
+        {
+            "events_zmq_endpoint": "ipc:///run/kv/ev",
+            "events_zmq_replay_endpoint": "tcp://[::1]:5558",
+            "events_buffer": "0",
+        },
+        {},
+    )
     assert (cfg.events_zmq_endpoint, cfg.events_buffer) == ("ipc:///run/kv/ev", 0)
 
 
@@ -393,8 +412,10 @@ def test_pool_pages_and_numa_node_from_every_source(tmp_path):
 # -- tenant quota --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("raw, expected", [("50%", 8 << 30), ("0.25", 4 << 30), (0.25, 4 << 30), ("4GiB", 4 << 30),
-                                           ("100%", 16 << 30), ("64GiB", 16 << 30)])
+@pytest.mark.parametrize(
+    "raw, expected",
+    [("50%", 8 << 30), ("0.25", 4 << 30), (0.25, 4 << 30), ("4GiB", 4 << 30), ("100%", 16 << 30), ("64GiB", 16 << 30)],
+)
 def test_tenant_quota_is_a_fraction_of_the_ram_tier_or_bytes(raw, expected):
     cfg = load_config(flags={"cpu_bytes": "16GiB", "tenant_quota": raw}, env={})
     assert cfg.tenant_quota_bytes == expected  # never more than the RAM tier

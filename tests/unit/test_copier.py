@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Region <-> pool copies split across threads: exact bytes, and never abandoned half-way."""
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ async def test_parallel_copy_moves_exact_bytes(to_pool):
     for job in jobs:
         offset = job.region_offset
         for ext in job.extents:
-            assert np.array_equal(region[offset:offset + ext.length], pool[ext.offset:ext.offset + ext.length])
+            assert np.array_equal(region[offset : offset + ext.length], pool[ext.offset : ext.offset + ext.length])
             offset += ext.length
 
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The event bus and the ZMQ publisher in one process: subscriber cut-off and ZMQ replay."""
 
 from __future__ import annotations
@@ -7,9 +9,9 @@ import socket
 
 import zmq
 
+from kvstored.chunks.ids import TierKind
 from kvstored.events.bus import Cause, EventBus, EventEncoding, EventType
 from kvstored.events.zmq_publisher import END_SEQ, ZmqEventPublisher
-from kvstored.chunks.ids import TierKind
 
 NS = "0123456789abcdef0123456789abcdef"
 BATCHES = 10_000  # the default events_buffer
@@ -77,8 +79,7 @@ def _replay_to_late_reader(endpoint: str) -> tuple[list[int], bool]:
 async def test_zmq_replay_of_a_full_buffer_reaches_a_reader_that_starts_late():
     replay_endpoint = _tcp_endpoint()
     bus = EventBus(BATCHES)
-    publisher = ZmqEventPublisher(_tcp_endpoint(), replay_endpoint, "kv", EventEncoding.MAP, lambda ns: 16,
-                                  BATCHES)
+    publisher = ZmqEventPublisher(_tcp_endpoint(), replay_endpoint, "kv", EventEncoding.MAP, lambda ns: 16, BATCHES)
     publisher.start()
     bus.add_listener(publisher)
     try:
@@ -105,6 +106,7 @@ def test_a_removal_of_millions_of_keys_is_published_in_events_a_grpc_client_can_
     assert [len(e.keys) for e in events] == [MAX_EVENT_KEYS, MAX_EVENT_KEYS, 5]
     assert [k for e in events for k in e.keys] == keys
     assert [e.seq for e in events] == [1, 2, 3] and bus.last_seq == 3
-    sizes = [pb.KvEvent(seq=e.seq, ts=e.ts, namespace_id=e.namespace_id, tier=e.tier, keys=e.keys).ByteSize()
-             for e in events]
+    sizes = [
+        pb.KvEvent(seq=e.seq, ts=e.ts, namespace_id=e.namespace_id, tier=e.tier, keys=e.keys).ByteSize() for e in events
+    ]
     assert max(sizes) < 4 << 20

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """FsTier on real files: round trips through page-aligned views, LRU capacity, restart, a shared
 root, corruption, admission, a full disk (a 1 MiB tmpfs) and filesystems that refuse O_DIRECT."""
 
@@ -18,9 +20,9 @@ import numpy as np
 import pytest
 
 from kvstored.chunks import chunkfile
-from kvstored.tiers.base import AdmissionPolicy, WriteOutcome
-from kvstored.chunks.ids import RemovalCause
 from kvstored.chunks.chunkfile import HEADER_BYTES
+from kvstored.chunks.ids import RemovalCause
+from kvstored.tiers.base import AdmissionPolicy, WriteOutcome
 from kvstored.tiers.fs.tier import FsTier
 
 PAGE = 4096
@@ -35,7 +37,7 @@ class Slot:
         self.array = np.frombuffer(self.mm, dtype=np.uint8)
         whole, offset, self.views = memoryview(self.mm), 0, []
         for pages in pages_per_view:
-            self.views.append(whole[offset:offset + pages * PAGE])
+            self.views.append(whole[offset : offset + pages * PAGE])
             offset += pages * PAGE
 
     def fill(self, size: int, seed: int) -> bytes:
@@ -296,8 +298,7 @@ async def test_restart_orders_lru_by_mtime_and_fits_capacity(make_tier, tmp_path
     assert not path_of(root, chunk(2)).exists() and second.counters.evictions == 1
     await second.write(chunk(4), src.views, size)
     assert not path_of(root, chunk(0)).exists()
-    assert sorted(p.name for p in root.rglob("*.kv")) == sorted(
-        path_of(root, chunk(i)).name for i in (1, 3, 4))
+    assert sorted(p.name for p in root.rglob("*.kv")) == sorted(path_of(root, chunk(i)).name for i in (1, 3, 4))
 
 
 async def test_read_hits_persist_recency_across_restart(make_tier, tmp_path):
@@ -888,6 +889,7 @@ def make_odd_entry(path: Path, kind: str, target: Path | None = None):
         short.parent.rmdir()
         return sock
     elif kind == "symlink":
+        assert target is not None
         path.symlink_to(target)
     elif kind == "directory":
         path.mkdir()
@@ -905,7 +907,7 @@ async def _unless_blocked(aw, fifos: list[Path]):
     task = asyncio.ensure_future(aw)
     try:
         return await asyncio.wait_for(asyncio.shield(task), 30)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         while not task.done():  # reads queued behind the blocked ones block in their turn
             for fifo in fifos:
                 try:
@@ -973,8 +975,10 @@ async def test_as_many_fifos_as_io_threads_block_nothing(make_tier, tmp_path):
     data = {i: await _write_one(tier, chunk(i), size, seed=i) for i in range(4)}
     for i in (0, 1, 2):
         make_odd_entry(path_of(root, chunk(i)), "fifo")
-    results = await _unless_blocked(asyncio.gather(*(tier.read(chunk(i), Slot((2,)).views, size) for i in (0, 1, 2))),
-                                    [path_of(root, chunk(i)) for i in (0, 1, 2)])
+    results = await _unless_blocked(
+        asyncio.gather(*(tier.read(chunk(i), Slot((2,)).views, size) for i in (0, 1, 2))),
+        [path_of(root, chunk(i)) for i in (0, 1, 2)],
+    )
     assert results == [False] * 3 and tier.counters.bad_entries == 3
     dst = Slot((2,))
     assert await tier.read(chunk(3), dst.views, size) and dst.payload(size) == data[3]
@@ -989,14 +993,16 @@ async def test_rebuild_skips_counts_and_removes_odd_entries(make_tier, tmp_path)
     await first.close()
     valid_copy = tmp_path / "copy.kv"
     shutil.copyfile(path_of(root, chunk(0)), valid_copy)
-    keep = [make_odd_entry(path_of(root, chunk(i)), kind, target=valid_copy)
-            for i, kind in enumerate(ODD_KINDS)]
+    keep = [make_odd_entry(path_of(root, chunk(i)), kind, target=valid_copy) for i, kind in enumerate(ODD_KINDS)]
     try:
         second = await make_tier(root)
         assert second.counters.bad_entries == len(ODD_KINDS)
-        assert second.usage().chunks == 1 and await second.contains([chunk(i) for i in range(6)]) == [False] * 5 + [True]
-        assert [path_of(root, chunk(i)).exists() or path_of(root, chunk(i)).is_symlink()
-                for i in range(5)] == [kind == "full directory" for kind in ODD_KINDS]
+        assert second.usage().chunks == 1 and await second.contains([chunk(i) for i in range(6)]) == [False] * 5 + [
+            True
+        ]
+        assert [path_of(root, chunk(i)).exists() or path_of(root, chunk(i)).is_symlink() for i in range(5)] == [
+            kind == "full directory" for kind in ODD_KINDS
+        ]
         dst = Slot((2,))
         assert await second.read(chunk(5), dst.views, size) and dst.payload(size) == data[5]
         assert second.direct_io and valid_copy.exists()

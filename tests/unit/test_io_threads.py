@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The tiers' priority thread pool: most urgent queued job first, FIFO within a priority; nothing
 queued is lost at shutdown; errors reach the submitter; a job submitted from the event loop
 outlives its caller's cancellation."""
@@ -24,8 +26,13 @@ def test_queued_jobs_run_most_urgent_first_and_fifo_within_a_priority():
 
     first = pool.submit(Priority.DELETE, hold)
     assert busy.wait(10)  # the only thread is taken: what follows queues
-    queued = [(Priority.DELETE, "delete"), (Priority.WRITEDOWN, "write-1"), (Priority.LOAD, "load-1"),
-              (Priority.WRITEDOWN, "write-2"), (Priority.LOAD, "load-2")]
+    queued = [
+        (Priority.DELETE, "delete"),
+        (Priority.WRITEDOWN, "write-1"),
+        (Priority.LOAD, "load-1"),
+        (Priority.WRITEDOWN, "write-2"),
+        (Priority.LOAD, "load-2"),
+    ]
     futures = [pool.submit(priority, ran.append, name) for priority, name in queued]
     gate.set()
     for future in [first, *futures]:

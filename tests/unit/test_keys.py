@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """chunk_keys / namespace_id_for: content-addressed, chained, stable across processes."""
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ def test_different_namespace_different_keys():
 
 def test_parent_continues_a_prefix():
     keys = chunk_keys(TOKENS, CT, NS)
-    assert chunk_keys(TOKENS[2 * CT:], CT, NS, parent=keys[1]) == keys[2:]
+    assert chunk_keys(TOKENS[2 * CT :], CT, NS, parent=keys[1]) == keys[2:]
 
 
 def test_chunk_boundaries_matter():

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The layout shows the data flow (client -> gRPC service -> session broker -> tier chain -> tiers ->
 chunks, shm, io; events and metrics beside them): a layer never imports one above it, and no
 module imports itself back through others. Checked on the source, so a new module that reaches
@@ -22,12 +24,32 @@ FORBIDDEN = {
     "kvstored/events": (*ABOVE_CHAIN, "kvstored.chain", "kvstored.tiers", "kvstored.peer", "kvstored.observability"),
     # metrics and Stats read what the chain fills in (observability/snapshot.py), never the chain
     "kvstored/observability": (*ABOVE_CHAIN, "kvstored.chain", "kvstored.tiers", "kvstored.peer"),
-    "kvstored/chunks": (*ABOVE_CHAIN, "kvstored.chain", "kvstored.tiers", "kvstored.peer", "kvstored.events",
-                        "kvstored.observability", "kvstored.shm", "kvstored.io"),
-    "kvstored/shm": (*ABOVE_CHAIN, "kvstored.chain", "kvstored.tiers", "kvstored.peer", "kvstored.events",
-                     "kvstored.observability"),
-    "kvstored/io": (*ABOVE_CHAIN, "kvstored.chain", "kvstored.tiers", "kvstored.peer", "kvstored.events",
-                    "kvstored.observability"),
+    "kvstored/chunks": (
+        *ABOVE_CHAIN,
+        "kvstored.chain",
+        "kvstored.tiers",
+        "kvstored.peer",
+        "kvstored.events",
+        "kvstored.observability",
+        "kvstored.shm",
+        "kvstored.io",
+    ),
+    "kvstored/shm": (
+        *ABOVE_CHAIN,
+        "kvstored.chain",
+        "kvstored.tiers",
+        "kvstored.peer",
+        "kvstored.events",
+        "kvstored.observability",
+    ),
+    "kvstored/io": (
+        *ABOVE_CHAIN,
+        "kvstored.chain",
+        "kvstored.tiers",
+        "kvstored.peer",
+        "kvstored.events",
+        "kvstored.observability",
+    ),
     "client/kvstored_client": ("kvstored.",),  # the client ships without the daemon
 }
 
@@ -52,12 +74,14 @@ def _within(name: str, package: str) -> bool:
 def test_no_layer_imports_one_above_it(package):
     sources = [p for p in (REPO / package).rglob("*.py") if "_gen" not in p.parts]
     assert sources, f"no sources under {package}"
-    wrong = sorted({
-        f"{p.relative_to(REPO)} imports {name}"
-        for p in sources
-        for name in imported_modules(p)
-        if any(_within(name, bad) for bad in FORBIDDEN[package])
-    })
+    wrong = sorted(
+        {
+            f"{p.relative_to(REPO)} imports {name}"
+            for p in sources
+            for name in imported_modules(p)
+            if any(_within(name, bad) for bad in FORBIDDEN[package])
+        }
+    )
     assert not wrong, "\n".join(wrong)
 
 
@@ -117,7 +141,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(module)
         for target in sorted(graph.get(module, ())):
             if state.get(target) == 1:
-                return path[path.index(target):] + [target]
+                return path[path.index(target) :] + [target]
             if target not in state and (cycle := visit(target)) is not None:
                 return cycle
         path.pop()

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """LogLimiter: one line per kind per interval, the next one counting what was suppressed."""
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ def test_one_line_per_kind_per_interval_with_the_suppressed_count(caplog):
         clock.now += 10.0
         assert limiter.log("a", logging.WARNING, "bad %s", "w")
     assert [r.getMessage() for r in caplog.records] == [
-        "bad x", "other kind", "bad z (99 more like it suppressed since the last such line)", "bad w",
+        "bad x",
+        "other kind",
+        "bad z (99 more like it suppressed since the last such line)",
+        "bad w",
     ]
 
 

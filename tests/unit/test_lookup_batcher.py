@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The lookup batcher the vLLM tier and the direct spec share (vLLM-free; both are also tested
 end to end against a daemon in tests/vllm)."""
 

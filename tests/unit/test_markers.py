@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The markers of what a test needs (tests/support/needs.py): one list in pyproject.toml, the
 Makefile's test-fast and needs.py, and a test using radosgw, network namespaces, huge pages, vllm
 or ucxx without its marker fails, naming it (run here in a pytest of its own)."""
@@ -29,13 +31,28 @@ def run_pytest(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
     pytest options."""
     (tmp_path / "test_unmarked.py").write_text(body)
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-c", str(REPO / "pyproject.toml"),
-         "--rootdir", str(tmp_path), "-p", "no:cacheprovider", str(tmp_path / "test_unmarked.py")],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "tests.conftest",
+            "-c",
+            str(REPO / "pyproject.toml"),
+            "--rootdir",
+            str(tmp_path),
+            "-p",
+            "no:cacheprovider",
+            str(tmp_path / "test_unmarked.py"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
-HELPERS = '''
+HELPERS = """
 import pytest
 
 from tests.support import hugepages, netns, s3
@@ -60,19 +77,23 @@ def test_huge_pages():
 def test_netns_without_root():
     with netns.topology_or_fail(2):
         pass
-'''
+"""
 
 
 def test_helpers_fail_a_test_without_the_marker_of_what_they_bring_up(tmp_path):
     out = run_pytest(tmp_path, HELPERS)
     assert out.returncode == 1, out.stdout + out.stderr
-    for test, marks in [("test_netns", "pytest.mark.netns, pytest.mark.root"), ("test_radosgw", "pytest.mark.radosgw"),
-                        ("test_huge_pages", "pytest.mark.root"), ("test_netns_without_root", "pytest.mark.root")]:
+    for test, marks in [
+        ("test_netns", "pytest.mark.netns, pytest.mark.root"),
+        ("test_radosgw", "pytest.mark.radosgw"),
+        ("test_huge_pages", "pytest.mark.root"),
+        ("test_netns_without_root", "pytest.mark.root"),
+    ]:
         assert f"::{test} needs {marks}: add it" in out.stdout, out.stdout
 
 
 # A module constant: the check reads test functions' source, and would find these lines in this test's.
-IMPORTS = '''
+IMPORTS = """
 import pytest
 
 
@@ -83,7 +104,7 @@ def test_uses_vllm():
 @pytest.mark.ucxx
 def test_uses_ucxx():
     import ucxx  # noqa: F401
-'''
+"""
 
 
 def test_a_test_importing_vllm_or_ucxx_without_the_marker_is_refused_at_collection(tmp_path):

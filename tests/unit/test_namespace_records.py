@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Namespace records: what a tier keeps so a restarted daemon knows its namespaces (and cannot be
 fooled by a record into exposing a tenant's namespace), and the registry's recovered marker."""
 
@@ -30,12 +32,15 @@ def test_a_record_round_trips_and_names_no_salt():
     assert json.loads(encode_record(registered(b"x")))["tenant"] is True
 
 
-@pytest.mark.parametrize("change, error", [
-    ({"model": "other"}, "do not give its namespace id"),           # a forged public record
-    ({"tenant": True}, "public namespace id for a tenant"),          # would hide a public namespace
-    ({"chunk_bytes": "1048576"}, "chunk_bytes"),                     # wrong type
-    ({"format": 99}, "format-1"),
-])
+@pytest.mark.parametrize(
+    "change, error",
+    [
+        ({"model": "other"}, "do not give its namespace id"),  # a forged public record
+        ({"tenant": True}, "public namespace id for a tenant"),  # would hide a public namespace
+        ({"chunk_bytes": "1048576"}, "chunk_bytes"),  # wrong type
+        ({"format": 99}, "format-1"),
+    ],
+)
 def test_a_record_that_does_not_add_up_is_refused(change, error):
     ns = registered()
     fields = {**json.loads(encode_record(ns)), **change}
@@ -99,8 +104,10 @@ async def test_fs_tier_keeps_records_beside_its_chunks_and_the_index_ignores_the
     await tier.save_namespace_record(ns.namespace_id, encode_record(ns))
     await tier.save_namespace_record(tenant.namespace_id, encode_record(tenant))
     await tier.save_namespace_record(ns.namespace_id, encode_record(ns))  # replaced, not duplicated
-    assert await tier.namespace_records() == {ns.namespace_id: encode_record(ns),
-                                              tenant.namespace_id: encode_record(tenant)}
+    assert await tier.namespace_records() == {
+        ns.namespace_id: encode_record(ns),
+        tenant.namespace_id: encode_record(tenant),
+    }
     await tier.remove_namespace_record(tenant.namespace_id)
     await tier.remove_namespace_record(tenant.namespace_id)  # (gone already: no error)
     await tier.close()

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The remote-location index: bits per peer and tier, LRU bound, retiring a peer incarnation in
 O(1) and sweeping it later, and its memory per entry (measured, as the module docstring says)."""
 

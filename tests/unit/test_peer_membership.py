@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Who the peers are and how each one is doing: the static list and DNS, this daemon's own
 address, metrics labels, and the per-peer breaker (a fake clock: counted, not timed)."""
 

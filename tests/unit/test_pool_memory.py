@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The pool's memory (kvstored.shm.memory): populate in steps with progress and a stop, huge pages
 and NUMA placement as the kernel reports them (/proc/self/smaps, numa_maps), and requests the
 machine cannot meet refused with one message naming what was asked and what there is."""
@@ -89,16 +91,25 @@ def test_numa_placement_is_the_mappings_policy(made):
 
 
 def test_what_the_machine_cannot_give_is_refused_naming_both():
-    with pytest.raises(PoolMemoryError, match=r"cpu_bytes 100.0 TiB is more than this machine can give: it has "
-                                              r"[\d.]+ GiB of RAM, [\d.]+ GiB available"):
+    with pytest.raises(
+        PoolMemoryError,
+        match=r"cpu_bytes 100.0 TiB is more than this machine can give: it has "
+        r"[\d.]+ GiB of RAM, [\d.]+ GiB available",
+    ):
         memory.check_request(100 << 40, PoolPages.SMALL, None, populate=True)
     missing = max(memory.numa_nodes()) + 1
-    with pytest.raises(PoolMemoryError, match=rf"numa_node {missing} does not exist: this machine's NUMA nodes "
-                                              rf"with memory are 0"):
+    with pytest.raises(
+        PoolMemoryError,
+        match=rf"numa_node {missing} does not exist: this machine's NUMA nodes "
+        rf"with memory are 0",
+    ):
         memory.check_request(MIB, PoolPages.SMALL, NumaPlacement(missing), populate=True)
     wanted = memory.free_huge_pages(None) + 1
-    with pytest.raises(PoolMemoryError, match=rf"needs {wanted} huge pages of 2 MiB; this system has "
-                                              rf"{wanted - 1} free .*HugePages_Free.*sysctl vm.nr_hugepages="):
+    with pytest.raises(
+        PoolMemoryError,
+        match=rf"needs {wanted} huge pages of 2 MiB; this system has "
+        rf"{wanted - 1} free .*HugePages_Free.*sysctl vm.nr_hugepages=",
+    ):
         memory.check_request(wanted * memory.HUGE_PAGE_BYTES, PoolPages.HUGETLB, None, populate=True)
     assert memory.check_request(64 * MIB, PoolPages.SMALL, NumaPlacement(0), populate=True) == []
 

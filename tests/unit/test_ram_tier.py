@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """RamTier bookkeeping: LRU order, recency on hits, leases and reservations pin chunks, exact
 capacity, delete while leased, IN_PROGRESS for a second writer."""
 
@@ -18,7 +20,7 @@ def cid(name: str) -> tuple[str, bytes]:
 
 def put(tier: RamTier, name: str, size: int = PAGE):
     res = tier.reserve(cid(name), size)
-    assert res.outcome is ReserveOutcome.RESERVED, (name, res)
+    assert res.outcome is ReserveOutcome.RESERVED and res.entry is not None, (name, res)
     tier.commit(res.entry)
     return res
 
@@ -277,6 +279,7 @@ def test_a_promoted_chunk_read_once_goes_to_the_cold_end_then_lives_normally():
 
 # -- arenas and quotas ----------------------------------------------------------------------------
 
+
 def tenants_tier(capacity_pages: int = 16, **kwargs) -> tuple[RamTier, dict[str, Placement], list]:
     """A tier whose namespaces "quiet" and "noisy" are tenants (arenas 1 and 2, 8 pages each);
     every other namespace is public. Returns the tier, the placements and the releases asked."""
@@ -295,7 +298,7 @@ def store(tier: RamTier, ns: str, n: int, label: str = "") -> list[tuple[str, by
     chunks = [(ns, f"{label or ns}-{i}".encode()) for i in range(n)]
     for chunk in chunks:
         res = tier.reserve(chunk, PAGE)
-        assert res.outcome is ReserveOutcome.RESERVED, (chunk, res)
+        assert res.outcome is ReserveOutcome.RESERVED and res.entry is not None, (chunk, res)
         tier.commit(res.entry)
     return chunks
 

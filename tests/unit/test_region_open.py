@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Opening region files named by path: beneath an allowed directory, no symlinks on the way,
 regular files only, never blocking (kvstored.shm.beneath, kvstored.shm.mapping.open_region_file).
 
@@ -67,16 +69,19 @@ def test_opens_regular_files_beneath(dir_fd, use_openat2, relpath, size):
 
 
 @IMPLEMENTATIONS
-@pytest.mark.parametrize("relpath, code", [
-    ("link-in", errno.ELOOP),  # even a symlink that stays inside
-    ("link-out", errno.ELOOP),
-    ("dirlink/secret", errno.ELOOP),
-    ("../outside/secret", errno.EXDEV),
-    ("sub/../../outside/secret", errno.EXDEV),
-    ("/etc/passwd", errno.EXDEV),
-    ("nope", errno.ENOENT),
-    ("f/x", errno.ENOTDIR),
-])
+@pytest.mark.parametrize(
+    "relpath, code",
+    [
+        ("link-in", errno.ELOOP),  # even a symlink that stays inside
+        ("link-out", errno.ELOOP),
+        ("dirlink/secret", errno.ELOOP),
+        ("../outside/secret", errno.EXDEV),
+        ("sub/../../outside/secret", errno.EXDEV),
+        ("/etc/passwd", errno.EXDEV),
+        ("nope", errno.ENOENT),
+        ("f/x", errno.ENOTDIR),
+    ],
+)
 def test_refuses_escapes_and_symlinks(dir_fd, use_openat2, relpath, code):
     with pytest.raises(OSError) as err:
         os.close(beneath.open_beneath(dir_fd, relpath, os.O_RDONLY, use_openat2=use_openat2))
@@ -166,7 +171,10 @@ def test_walk_without_openat2_never_opens_through_a_swapped_symlink(tmp_path, wa
     (allowed / "alt").symlink_to(outside)
     swapper = subprocess.Popen(
         [sys.executable, "-m", "tests.support.swap", str(allowed / "sub"), str(allowed / "alt")],
-        cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        cwd=REPO_ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     outcomes: Counter[str] = Counter()
     try:

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Region loads past a full RAM: hits below RAM come through staging memory, evicting nothing.
 
 A real chain over a gated in-memory lower tier and a real region file; the gates hold reads and
@@ -10,12 +12,12 @@ import os
 
 import pytest
 
+from kvstored.chain.chain import ChainPolicy
+from kvstored.chunks.ids import TierKind
 from kvstored.errors import TransferNotStarted, UnknownRegion
 from kvstored.namespaces import Namespace
 from kvstored.shm.mapping import Region
 from kvstored.tiers.base import TierCapabilities
-from kvstored.chunks.ids import TierKind
-from kvstored.chain.chain import ChainPolicy
 from kvstored_client.kinds import LoadInto
 from tests.support.tiers import GatedMemoryTier, make_chain, settle, store
 
@@ -36,11 +38,16 @@ def payload(i: int) -> bytes:
 async def rig(tmp_path):
     made = []
 
-    async def make(pool: int = 4 * CHUNK, staging_chunks: float = 8, region_chunks: int = 8,
-                   tier: GatedMemoryTier | None = None):
+    async def make(
+        pool: int = 4 * CHUNK, staging_chunks: float = 8, region_chunks: int = 8, tier: GatedMemoryTier | None = None
+    ):
         tier = tier or GatedMemoryTier()
-        chain = make_chain([(tier, TierCapabilities())], pool=pool, concurrency=4,
-                           policy=ChainPolicy(writeback_wait_s=60.0, staging_bytes=int(staging_chunks * CHUNK)))
+        chain = make_chain(
+            [(tier, TierCapabilities())],
+            pool=pool,
+            concurrency=4,
+            policy=ChainPolicy(writeback_wait_s=60.0, staging_bytes=int(staging_chunks * CHUNK)),
+        )
         await chain.start()
         path = tmp_path / f"region{len(made)}"
         path.write_bytes(bytes(region_chunks * CHUNK))
@@ -73,7 +80,7 @@ def reads_ahead_done(chain) -> bool:
 
 
 def chunk_at(region: Region, index: int) -> bytes:
-    return bytes(region.array[index * CHUNK:(index + 1) * CHUNK])
+    return bytes(region.array[index * CHUNK : (index + 1) * CHUNK])
 
 
 async def load(chain, region, keys, start_by: float | None = None) -> int:

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """S3 tier against moto_server (a real HTTP S3 endpoint in a subprocess), plus its pure helpers.
 
 Faults are real too: a closed port for a dead endpoint, a proxy answering 503 SlowDown for
@@ -15,13 +17,13 @@ import uuid
 import pytest
 from aiobotocore.session import get_session
 
-from kvstored.errors import TierUnavailable
 from kvstored.chunks import chunkfile
-from kvstored.tiers.base import AdmissionPolicy, TierUsage, WriteOutcome
-from kvstored.chunks.ids import RemovalCause
 from kvstored.chunks.chunkfile import HEADER_BYTES
-from kvstored.tiers.resilience import Backoff, BreakerState, CircuitBreaker, NegativeCache
 from kvstored.chunks.chunkfile import parse_relpath as _parse_key
+from kvstored.chunks.ids import RemovalCause
+from kvstored.errors import TierUnavailable
+from kvstored.tiers.base import AdmissionPolicy, TierUsage, WriteOutcome
+from kvstored.tiers.resilience import Backoff, BreakerState, CircuitBreaker, NegativeCache
 from kvstored.tiers.s3 import S3Tier, S3TierError
 from tests.support.s3 import FaultProxy, MotoServer, free_port
 
@@ -75,11 +77,11 @@ class Pages:
         whole = memoryview(self.mm)
         self.views, offset = [], 0
         for pages in split:
-            self.views.append(whole[offset:offset + pages * PAGE])
+            self.views.append(whole[offset : offset + pages * PAGE])
             offset += pages * PAGE
 
     def fill(self, data: bytes) -> None:
-        self.mm[:len(data)] = data
+        self.mm[: len(data)] = data
 
     def bytes(self, size: int) -> bytes:
         return self.mm[:size]
@@ -150,7 +152,7 @@ async def test_read_of_a_missing_chunk_is_a_plain_miss(make_tier):
 
 
 def _flip_payload_byte(body: bytes, chunk) -> bytes:
-    return body[:HEADER_BYTES + 5] + bytes([body[HEADER_BYTES + 5] ^ 1]) + body[HEADER_BYTES + 6:]
+    return body[: HEADER_BYTES + 5] + bytes([body[HEADER_BYTES + 5] ^ 1]) + body[HEADER_BYTES + 6 :]
 
 
 def _other_chunks_header(body: bytes, chunk) -> bytes:
@@ -160,14 +162,18 @@ def _other_chunks_header(body: bytes, chunk) -> bytes:
     return chunkfile.encode_header(other, size, chunkfile.checksum([payload], size)) + payload
 
 
-@pytest.mark.parametrize("damage", [
-    _flip_payload_byte,
-    lambda body, chunk: body[:-1],  # truncated
-    lambda body, chunk: body + b"x",  # too long
-    lambda body, chunk: body[:HEADER_BYTES],  # header only
-    lambda body, chunk: b"\0" * len(body),  # garbage of the right length
-    _other_chunks_header,
-], ids=["flipped-byte", "truncated", "too-long", "header-only", "zeros", "other-chunk"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        _flip_payload_byte,
+        lambda body, chunk: body[:-1],  # truncated
+        lambda body, chunk: body + b"x",  # too long
+        lambda body, chunk: body[:HEADER_BYTES],  # header only
+        lambda body, chunk: b"\0" * len(body),  # garbage of the right length
+        _other_chunks_header,
+    ],
+    ids=["flipped-byte", "truncated", "too-long", "header-only", "zeros", "other-chunk"],
+)
 async def test_corrupt_object_is_counted_removed_and_never_served(make_tier, raw, bucket, damage):
     tier = await make_tier()
     removed = []

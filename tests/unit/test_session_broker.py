@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The session broker over a real tier chain: what sessions hold, and requests that outlive their
 session (the chain waits at a gated in-memory lower tier for as long as the test needs)."""
 
@@ -10,13 +12,13 @@ import threading
 
 import pytest
 
+from kvstored.chain.chain import ChainPolicy
 from kvstored.errors import HandleNotHeld, InvalidRequest, TransferNotStarted, UnknownRegion, UnknownSession
 from kvstored.namespaces import Namespace
 from kvstored.server.broker import SessionBroker
 from kvstored.server.sessions import SessionRegistry
 from kvstored.shm.mapping import Region
 from kvstored.tiers.base import TierCapabilities
-from kvstored.chain.chain import ChainPolicy
 from kvstored.tiers.ram import ReserveOutcome
 from tests.support.tiers import GatedMemoryTier, make_chain, settle, store
 
@@ -35,8 +37,11 @@ async def rig():
 
     async def make(pool: int = 1 << 20, staging_bytes: int = ChainPolicy.staging_bytes):
         tier = GatedMemoryTier()
-        chain = make_chain([(tier, TierCapabilities())], pool=pool,
-                           policy=ChainPolicy(writeback_wait_s=60.0, staging_bytes=staging_bytes))
+        chain = make_chain(
+            [(tier, TierCapabilities())],
+            pool=pool,
+            policy=ChainPolicy(writeback_wait_s=60.0, staging_bytes=staging_bytes),
+        )
         await chain.start()
         broker = SessionBroker(chain)
         made.append((broker, chain))
@@ -288,8 +293,10 @@ async def test_region_stores_woken_by_the_same_write_down_do_not_both_take_its_r
     session = broker.open("c")
     region = broker.attach_region(session, "r", region_fd)
     start_by = asyncio.get_running_loop().time() + HANG_S
-    storing = [asyncio.create_task(broker.store_from_region(session, NS, region, [key(1 + k)], [k * CHUNK],
-                                                            start_by=start_by)) for k in range(2)]
+    storing = [
+        asyncio.create_task(broker.store_from_region(session, NS, region, [key(1 + k)], [k * CHUNK], start_by=start_by))
+        for k in range(2)
+    ]
     await tier.until_waiting("write", 2)  # the first store's write-down, and one ahead of it
     tier.let_through("write")  # room for one store: both wake
     done, _ = await asyncio.wait(storing, timeout=HANG_S, return_when=asyncio.FIRST_COMPLETED)

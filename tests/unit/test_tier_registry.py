@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The tier kinds' registry: config entries, lazy imports, what a reload may change."""
 
 from __future__ import annotations
@@ -9,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from kvstored.chunks.ids import TierKind
 from kvstored.config import load_config
 from kvstored.tiers.base import AdmissionPolicy, TierCapabilities
-from kvstored.chunks.ids import TierKind
 from kvstored.tiers.config import FsTierConfig, S3TierConfig
 from kvstored.tiers.registry import KINDS, TierKindSpec, admission_changes, spec_of
 
@@ -28,22 +30,33 @@ def test_each_kind_is_found_by_its_label_and_by_its_config():
     assert spec_of(fs) is KINDS["fs"] and spec_of(fs).kind is TierKind.FS
     assert spec_of(s3) is KINDS["s3"] and spec_of(s3).kind is TierKind.S3
     with pytest.raises(TypeError, match="no tier kind"):
-        spec_of(object())  # type: ignore[arg-type]
+        spec_of(object())
 
 
 def test_an_entry_naming_options_its_config_lacks_is_refused_at_once():
     with pytest.raises(TypeError, match="io_thread"):
-        TierKindSpec(label="x", kind=TierKind.PEER, config=S3TierConfig, build=lambda cfg: None,  # type: ignore
-                     minimums={"io_thread": 1})
+        TierKindSpec(
+            label="x",
+            kind=TierKind.PEER,
+            config=S3TierConfig,
+            build=lambda cfg: None,
+            minimums={"io_thread": 1},
+        )
     with pytest.raises(TypeError, match="admission"):
+
         @dataclasses.dataclass(frozen=True)
         class NoAdmission:
             name: str = "x"
             concurrency: int = 1
             max_backlog: int = 1
 
-        TierKindSpec(label="x", kind=TierKind.PEER, config=NoAdmission, build=lambda cfg: None,  # type: ignore
-                     capabilities=TierCapabilities(admission=True))
+        TierKindSpec(
+            label="x",
+            kind=TierKind.PEER,
+            config=NoAdmission,
+            build=lambda cfg: None,
+            capabilities=TierCapabilities(admission=True),
+        )
 
 
 def test_configuring_an_s3_tier_does_not_import_its_libraries():

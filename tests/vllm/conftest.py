@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """vLLM integration tests: real vllm==0.33.0 classes, real daemons, no mocks.
 
 Without vLLM installed every test module here is left out and one test fails, saying how to

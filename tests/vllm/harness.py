@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Drive vLLM's own TieringOffloadingManager the way OffloadingConnectorScheduler does.
 
 Per engine step the scheduler calls, under `manager.lock`: lookup() for waiting requests,
@@ -11,12 +13,17 @@ from __future__ import annotations
 import hashlib
 import time
 import uuid
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any, cast
 
 import numpy as np
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
 from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig, OffloadingModelConfig, OffloadingParallelConfig,
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
 )
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
@@ -57,8 +64,15 @@ def offloading_config(
         model=OffloadingModelConfig(name=model, dtype=dtype),
         cache=OffloadingCacheConfig(tokens_per_hash=tokens_per_block, blocks_per_chunk=blocks_per_chunk),
         parallel=OffloadingParallelConfig(
-            rank=rank, world_size=world_size, tp_size=world_size, pp_size=1, pcp_size=1, dcp_size=1,
-            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            rank=rank,
+            world_size=world_size,
+            tp_size=world_size,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
             is_parallelism_agnostic=True,
         ),
     )
@@ -74,7 +88,9 @@ class Engine:
     def __init__(self, secondary_tiers: list[dict[str, Any]], *, cpu_bytes: int = 8 << 20, **config: Any) -> None:
         extra = {"cpu_bytes_to_use": cpu_bytes, "secondary_tiers": secondary_tiers}
         self.spec = TieringOffloadingSpec(offloading_config(extra, **config))
-        self.manager = self.spec.get_manager()
+        # a TieringOffloadingManager, typed as the OffloadingManager base (no primary_tier there); keys
+        # are raw bytes here, vLLM's OffloadKey is a NewType of bytes
+        self.manager: Any = cast(Any, self.spec.get_manager())
         self.rows = np.asarray(self.manager.primary_tier.get_kv_memoryview()).view(np.uint8)
         self.chunk_bytes = self.rows.shape[1]
         self._closed = False
@@ -167,7 +183,7 @@ class Engine:
         del self.rows  # release the exported view so vLLM can unmap its region
         self.manager.shutdown()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 # Install vllm==0.33.0 into the project venv for the vLLM integration tests, on a CPU machine.
 #
 # vLLM's own requirements pull torch 2.14 with CUDA (gigabytes) and GPU kernels. The tests only

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The direct spec's copy path on CPU tensors (standing in for the GPU KV cache)."""
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ def test_store_then_load_round_trips_through_split_extents(extent_pages):
     # Chunk c's part, reassembled from its extents, is vLLM's layout: tensor 0 pages then tensor 1 pages.
     t0, t1 = (t.numpy().view(np.uint8) for t in layout.tensors)
     for c in range(num_chunks):
-        got = np.concatenate([pool[o:o + n] for o, n in per_chunk[c]])[:part]
-        want = np.concatenate([t0[blocks[c * 4:(c + 1) * 4]].reshape(-1), t1[blocks[c * 4:(c + 1) * 4]].reshape(-1)])
+        got = np.concatenate([pool[o : o + n] for o, n in per_chunk[c]])[:part]
+        want = np.concatenate(
+            [t0[blocks[c * 4 : (c + 1) * 4]].reshape(-1), t1[blocks[c * 4 : (c + 1) * 4]].reshape(-1)]
+        )
         assert np.array_equal(got, want)
 
     # Load back into other blocks of a fresh cache, starting 1 block into the first chunk.

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The direct spec: scheduler-side manager + workers copying CPU "GPU" tensors into the daemon's pool."""
 
 from __future__ import annotations
@@ -7,7 +9,12 @@ import uuid
 
 import torch
 from vllm.v1.kv_offload.base import (
-    CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec, LookupResult, ReqContext,
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+    LookupResult,
+    ReqContext,
 )
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
@@ -30,17 +37,26 @@ class DirectEngine:
         extra = {"spec_name": "KvstoredOffloadingSpec", "kvstored_socket": str(daemon.socket)}
 
         def make_spec(rank):
-            return OffloadingSpecFactory.create_spec(offloading_config(
-                extra, engine_id=engine_id, bytes_per_block=PAGE * LAYERS, blocks_per_chunk=BPC, rank=rank,
-                world_size=world_size, **config))
+            return OffloadingSpecFactory.create_spec(
+                offloading_config(
+                    extra,
+                    engine_id=engine_id,
+                    bytes_per_block=PAGE * LAYERS,
+                    blocks_per_chunk=BPC,
+                    rank=rank,
+                    world_size=world_size,
+                    **config,
+                )
+            )
 
         self.spec = make_spec(0)
         self.manager = self.spec.get_manager()
         gen = torch.Generator().manual_seed(seed)
         self.caches, self.workers = [], []
         for rank in range(world_size):
-            tensors = [torch.randint(-128, 127, (NUM_BLOCKS, PAGE), dtype=torch.int8, generator=gen)
-                       for _ in range(LAYERS)]
+            tensors = [
+                torch.randint(-128, 127, (NUM_BLOCKS, PAGE), dtype=torch.int8, generator=gen) for _ in range(LAYERS)
+            ]
             self.caches.append(tensors)
             kv = CanonicalKVCaches(
                 tensors=[CanonicalKVCacheTensor(t, PAGE) for t in tensors],
@@ -75,7 +91,7 @@ class DirectEngine:
     def store(self, ctx, keys, blocks, workers=None) -> list:
         out = self.manager.prepare_store(keys, ctx)
         stored = set(out.keys_to_store)
-        src = [b for i, k in enumerate(keys) if k in stored for b in blocks[i * BPC:(i + 1) * BPC]]
+        src = [b for i, k in enumerate(keys) if k in stored for b in blocks[i * BPC : (i + 1) * BPC]]
         first = next((i for i, k in enumerate(keys) if k in stored), 0) * BPC
         spec = GPULoadStoreSpec(src, group_sizes=[len(src)], block_indices=[first])
         results = self._run(lambda w, job: w.submit_store(job, spec, out.store_spec), workers)
@@ -126,8 +142,12 @@ class DirectEngine:
 
 
 def same_blocks(a: DirectEngine, a_blocks, b: DirectEngine, b_blocks) -> bool:
-    return all(torch.equal(ta[x], tb[y]) for ca, cb in zip(a.caches, b.caches) for ta, tb in zip(ca, cb)
-               for x, y in zip(a_blocks, b_blocks))
+    return all(
+        torch.equal(ta[x], tb[y])
+        for ca, cb in zip(a.caches, b.caches)
+        for ta, tb in zip(ca, cb)
+        for x, y in zip(a_blocks, b_blocks)
+    )
 
 
 def test_store_then_another_engine_loads_exact_blocks(vllm_daemon):
@@ -296,6 +316,9 @@ def test_leases_answered_in_a_session_that_ended_are_not_hits(own_daemon):
 
 def test_spec_is_registered_by_the_plugin():
     assert OffloadingSpecFactory.get_spec_cls({"spec_name": "KvstoredOffloadingSpec"}) is KvstoredOffloadingSpec
-    assert OffloadingSpecFactory.get_spec_cls(
-        {"spec_name": "KvstoredOffloadingSpec", "spec_module_path": "kvstored_client.vllm.direct"}
-    ) is KvstoredOffloadingSpec
+    assert (
+        OffloadingSpecFactory.get_spec_cls(
+            {"spec_name": "KvstoredOffloadingSpec", "spec_module_path": "kvstored_client.vllm.direct"}
+        )
+        is KvstoredOffloadingSpec
+    )

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The non-blocking link and region hand-over the tier is built on (no vLLM objects needed)."""
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ def test_region_without_a_path_reaches_the_daemon_as_an_fd(vllm_daemon):
     assert link.settle(10, (ns,))
 
     def transfer(method: str, offsets: list[int]):
-        request = pb.RegionTransferRequest(session_id=link.session_id, namespace_id=ns, region_id=link.region_id,
-                                           keys=keys, offsets=offsets)
+        request = pb.RegionTransferRequest(
+            session_id=link.session_id, namespace_id=ns, region_id=link.region_id, keys=keys, offsets=offsets
+        )
         result = outcome(link.call(method, request, timeout=10))
         assert result.ok, result.error
         return result.response
@@ -77,5 +80,6 @@ def test_entry_point_registers_the_tier_and_the_spec():
     vllm.plugins.load_general_plugins()
     ours.load()()  # a second load (vLLM may load plugins more than once) is harmless
     assert SecondaryTierFactory.get_tier_class({"type": "kvstored"}).__name__ == "KvstoredTierManager"
-    assert OffloadingSpecFactory.get_spec_cls({"spec_name": "KvstoredOffloadingSpec"}).__name__ == \
-        "KvstoredOffloadingSpec"
+    assert (
+        OffloadingSpecFactory.get_spec_cls({"spec_name": "KvstoredOffloadingSpec"}).__name__ == "KvstoredOffloadingSpec"
+    )

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The direct spec's worker engine (pool_worker.PoolTransferEngine) under slow copies and a
 stopped daemon. CPU tensors stand in for the GPU; a gate stands in for a CUDA copy's end event."""
 
@@ -54,8 +56,9 @@ def gate_reserves(engine: PoolTransferEngine) -> threading.Event:
     between the daemon's answer and the copy, whatever the machine's load)."""
     gate = threading.Event()
     call = engine.link.call
-    engine.link.call = lambda method, request, timeout=None: (
-        _GatedFuture(call(method, request, timeout), gate) if method == "Reserve" else call(method, request, timeout))
+    engine.link.call = lambda method, request, timeout=None: (  # type: ignore[method-assign]  # a gate in front
+        _GatedFuture(call(method, request, timeout), gate) if method == "Reserve" else call(method, request, timeout)
+    )
     return gate
 
 

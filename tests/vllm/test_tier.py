@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """kvstored as a secondary tier of vLLM's TieringOffloadingManager, driven as the scheduler does."""
 
 from __future__ import annotations
@@ -98,8 +100,13 @@ def test_other_model_or_layout_never_collides(vllm_daemon):
     keys = offload_keys("collide", 3)
     with Engine([kvstored_tier(vllm_daemon)], kv_cache_layout="LBHNC") as writer:
         store_and_cascade(writer, keys)
-    for config in ({"model": "org/other-model"}, {"dtype": "float16"}, {"blocks_per_chunk": 2},
-                   {"layer_names": ("model.layers.0.attn",)}, {"kv_cache_layout": "LBNHC"}):
+    for config in (
+        {"model": "org/other-model"},
+        {"dtype": "float16"},
+        {"blocks_per_chunk": 2},
+        {"layer_names": ("model.layers.0.attn",)},
+        {"kv_cache_layout": "LBNHC"},
+    ):
         with Engine([kvstored_tier(vllm_daemon)], **config) as other:
             ctx = other.request()
             assert other.lookup(ctx, keys) == [MISS] * len(keys), config
@@ -147,8 +154,9 @@ def test_kv_events_are_well_formed(vllm_daemon):
     assert ours[0].medium is Medium.CPU and ours[0].locality.value == "LOCAL"
 
     # Through vLLM's own translation and wire encoding.
-    tracker = OffloadingEventsTracker(OffloadingKVEventsConfig(enable_kv_cache_events=True,
-                                                               self_describing_kv_events=False))
+    tracker = OffloadingEventsTracker(
+        OffloadingKVEventsConfig(enable_kv_cache_events=True, self_describing_kv_events=False)
+    )
     translated = list(tracker.take_events(ours))
     assert all(isinstance(e, BlockStored) for e in translated)
     expected_hashes = [[maybe_convert_block_hash(BlockHash(get_offload_block_hash(k)))] for k in keys]
@@ -176,8 +184,11 @@ def test_every_stat_is_declared(vllm_daemon):
 
 
 def test_module_path_form_needs_no_plugin(vllm_daemon):
-    config = {"type": "KvstoredTierManager", "module_path": "kvstored_client.vllm.tier",
-              "socket": str(vllm_daemon.socket)}  # the alias of kvstored_socket
+    config = {
+        "type": "KvstoredTierManager",
+        "module_path": "kvstored_client.vllm.tier",
+        "socket": str(vllm_daemon.socket),
+    }  # the alias of kvstored_socket
     assert SecondaryTierFactory.get_tier_class(config) is KvstoredTierManager
     keys = offload_keys("module-path", 2)
     with Engine([config]) as engine:
@@ -299,8 +310,9 @@ def test_a_partly_dropped_store_reports_exactly_the_chunks_the_daemon_holds(own_
     link = DaemonLink(daemon.socket, "lease-holder")
     try:
         assert link.settle(SETTLE_LIMIT_S)
-        leases = outcome(link.call("Acquire", pb.AcquireRequest(session_id=link.session_id, namespace_id=namespace_id,
-                                                               keys=held)))
+        leases = outcome(
+            link.call("Acquire", pb.AcquireRequest(session_id=link.session_id, namespace_id=namespace_id, keys=held))
+        )
         assert leases.ok and len(leases.response.leases) == 3
 
         new = offload_keys("new", 3)
@@ -329,10 +341,8 @@ def test_empty_store_and_load_jobs_succeed(own_daemon, daemon_up):
             daemon.stop()
         ctx = engine.request()
         empty = np.zeros(0, dtype=np.int64)
-        engine.tier.submit_store(TransferJob(job_id=101, keys=[], chunk_ids=empty, is_promotion=False,
-                                             req_context=ctx))
-        engine.tier.submit_load(TransferJob(job_id=102, keys=[], chunk_ids=empty, is_promotion=True,
-                                            req_context=ctx))
+        engine.tier.submit_store(TransferJob(job_id=101, keys=[], chunk_ids=empty, is_promotion=False, req_context=ctx))
+        engine.tier.submit_load(TransferJob(job_id=102, keys=[], chunk_ids=empty, is_promotion=True, req_context=ctx))
         results = {r.job_id: r for r in engine.tier.get_finished_jobs()}
         assert sorted(results) == [101, 102]
         assert all(r.success and r.transfer_bytes == 0 for r in results.values())

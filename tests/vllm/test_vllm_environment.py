@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The client in vLLM's environment: installing it changes none of vLLM's pinned packages (torch
 above all), the socket option has one name in both modes, and VLLM_PLUGINS gates the plugin."""
 
@@ -7,6 +9,7 @@ import importlib.metadata
 import subprocess
 import sys
 import tomllib
+from typing import cast
 
 import pytest
 from packaging.markers import default_environment
@@ -35,7 +38,7 @@ def vllm_pins() -> dict[str, str]:
     pins = {}
     for raw in importlib.metadata.requires("vllm") or ():
         req = Requirement(raw)
-        if req.marker is not None and not req.marker.evaluate({**env, "extra": ""}):
+        if req.marker is not None and not req.marker.evaluate({**cast(dict[str, str], env), "extra": ""}):
             continue
         exact = [s.version for s in req.specifier if s.operator == "=="]
         if exact:
@@ -83,8 +86,9 @@ def test_two_names_for_different_sockets_are_refused(vllm_daemon, tmp_path):
 
 def test_mode_2_takes_the_same_names(vllm_daemon):
     for name in ("kvstored_socket", "socket"):
-        spec = OffloadingSpecFactory.create_spec(offloading_config(
-            {"spec_name": "KvstoredOffloadingSpec", name: str(vllm_daemon.socket)}))
+        spec = OffloadingSpecFactory.create_spec(
+            offloading_config({"spec_name": "KvstoredOffloadingSpec", name: str(vllm_daemon.socket)})
+        )
         assert isinstance(spec, KvstoredOffloadingSpec) and spec.socket == str(vllm_daemon.socket)
 
 
@@ -100,14 +104,21 @@ except ValueError as exc:
 """
 
 
-@pytest.mark.parametrize("allowed, outcome", [(None, "KvstoredTierManager"), ("kvstored", "KvstoredTierManager"),
-                                              ("lora_filesystem_resolver", "refused: Unknown secondary tier type")])
+@pytest.mark.parametrize(
+    "allowed, outcome",
+    [
+        (None, "KvstoredTierManager"),
+        ("kvstored", "KvstoredTierManager"),
+        ("lora_filesystem_resolver", "refused: Unknown secondary tier type"),
+    ],
+)
 def test_vllm_plugins_must_include_kvstored_when_set(allowed, outcome):
     env = clean_env()
     env.pop("VLLM_PLUGINS", None)
     if allowed is not None:
         env["VLLM_PLUGINS"] = allowed
-    proc = subprocess.run([sys.executable, "-c", PLUGIN_PROBE], capture_output=True, text=True, timeout=300,
-                          env=env, cwd=REPO_ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", PLUGIN_PROBE], capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1].startswith(outcome), proc.stdout

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """vLLM 0.33 integration of kvstored.
 
 - `tier.KvstoredTierManager`: the daemon as a secondary tier of vLLM's TieringOffloadingSpec

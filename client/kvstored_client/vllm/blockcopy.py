@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The direct spec's copy path: KV blocks between vLLM's paged KV-cache tensors and chunk slots in
 the daemon's shared-memory pool. Imports neither vLLM nor the daemon (the GPU check runs it alone).
 
@@ -76,8 +78,13 @@ class ChunkExtents:
 class KVLayout:
     """vLLM's KV-cache tensors of one worker, and the chunk-part layout derived from them."""
 
-    def __init__(self, tensors: Sequence, group_refs: Sequence[Sequence[LayerRef]], blocks_per_chunk: int,
-                 page_bytes: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        tensors: Sequence,
+        group_refs: Sequence[Sequence[LayerRef]],
+        blocks_per_chunk: int,
+        page_bytes: Sequence[int] | None = None,
+    ) -> None:
         """tensors: the KV-cache tensors, first dimension = blocks (any dtype; GPU or CPU);
         group_refs: per KV-cache group, the layers' references into `tensors`;
         page_bytes: bytes per block of each tensor (vLLM's possibly padded page size; default:
@@ -115,13 +122,21 @@ class KVLayout:
             skip = first % bpc
             chunks = -(-(size + skip) // bpc)
             flat = np.arange(skip, skip + size, dtype=np.int64)
-            out.append((g, np.asarray(gpu_blocks[block_pos:block_pos + size], dtype=np.int64),
-                        chunk_pos + flat // bpc, flat % bpc))
+            out.append(
+                (
+                    g,
+                    np.asarray(gpu_blocks[block_pos : block_pos + size], dtype=np.int64),
+                    chunk_pos + flat // bpc,
+                    flat % bpc,
+                )
+            )
             block_pos += size
             chunk_pos += chunks
         if block_pos != len(gpu_blocks) or chunk_pos != num_chunks:
-            raise ValueError(f"{len(gpu_blocks)} GPU blocks and {num_chunks} chunks do not match "
-                             f"group_sizes={list(group_sizes)} block_indices={list(block_indices)}")
+            raise ValueError(
+                f"{len(gpu_blocks)} GPU blocks and {num_chunks} chunks do not match "
+                f"group_sizes={list(group_sizes)} block_indices={list(block_indices)}"
+            )
         return out
 
     def copies(
@@ -157,8 +172,9 @@ class KVLayout:
         has_slot = np.diff(extents.starts) > 0
         keep = has_slot[chunk_idx]
         gpu_addr, part_off, chunk_idx, sizes = gpu_addr[keep], part_off[keep], chunk_idx[keep], sizes[keep]
-        pool_addr, gpu_addr, sizes = _through_extents(extents, self.part_bytes, chunk_idx, part_off, sizes,
-                                                       gpu_addr, pool_address)
+        pool_addr, gpu_addr, sizes = _through_extents(
+            extents, self.part_bytes, chunk_idx, part_off, sizes, gpu_addr, pool_address
+        )
         src, dst = (gpu_addr, pool_addr) if to_pool else (pool_addr, gpu_addr)
         return _split_at_pieces(_merge(src, dst, sizes), pool_address, piece_bytes, to_pool)
 
@@ -193,8 +209,9 @@ def _split_at_pieces(copies: Copies, pool_address: int, piece_bytes: int, to_poo
             out_dst.append(d + offset)
             out_sizes.append(step)
             offset += step
-    return Copies(np.array(out_src, dtype=np.uint64), np.array(out_dst, dtype=np.uint64),
-                  np.array(out_sizes, dtype=np.int64))
+    return Copies(
+        np.array(out_src, dtype=np.uint64), np.array(out_dst, dtype=np.uint64), np.array(out_sizes, dtype=np.int64)
+    )
 
 
 def _empty() -> Copies:
@@ -202,8 +219,15 @@ def _empty() -> Copies:
     return Copies(z, z, z.astype(np.int64))
 
 
-def _through_extents(extents: ChunkExtents, part_bytes: int, chunk_idx: np.ndarray, part_off: np.ndarray,
-                     sizes: np.ndarray, gpu_addr: np.ndarray, pool_address: int):
+def _through_extents(
+    extents: ChunkExtents,
+    part_bytes: int,
+    chunk_idx: np.ndarray,
+    part_off: np.ndarray,
+    sizes: np.ndarray,
+    gpu_addr: np.ndarray,
+    pool_address: int,
+):
     """Map (chunk, offset in its part) to pool addresses; a copy crossing an extent boundary is split."""
     if len(sizes) == 0:
         return gpu_addr, gpu_addr, sizes
@@ -212,7 +236,7 @@ def _through_extents(extents: ChunkExtents, part_bytes: int, chunk_idx: np.ndarr
     ext_part_start = np.zeros(len(extents.ext_lengths), dtype=np.int64)
     for i in np.nonzero(n_ext)[0]:  # offset of each extent inside its chunk part
         a, b = extents.starts[i], extents.starts[i + 1]
-        ext_part_start[a:b] = np.concatenate([[0], np.cumsum(extents.ext_lengths[a:b - 1].astype(np.int64))])
+        ext_part_start[a:b] = np.concatenate([[0], np.cumsum(extents.ext_lengths[a : b - 1].astype(np.int64))])
     ext_len = extents.ext_lengths.astype(np.int64)
     covered = np.zeros(len(extents), dtype=np.int64)
     np.add.at(covered, ext_chunk, ext_len)
@@ -260,6 +284,7 @@ def _merge(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray) -> Copies:
 
 
 # -- execution ---------------------------------------------------------------------------------
+
 
 def run_copies_cpu(copies: Copies) -> None:
     for s, d, n in zip(copies.src.tolist(), copies.dst.tolist(), copies.sizes.tolist()):

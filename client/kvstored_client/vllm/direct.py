@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Direct spec: vLLM offloads GPU blocks straight into kvstored's shared-memory pool.
 
     "kv_connector_extra_config": {
@@ -91,6 +93,7 @@ class DirectMetrics:
 
 # -- specs that travel from the scheduler to the workers ------------------------------------------
 
+
 class KvstoredStoreSpec(LoadStoreSpec):
     """Chunks to store: their keys (each worker appends its rank) and the request's cache salt."""
 
@@ -108,8 +111,14 @@ class KvstoredLoadSpec(LoadStoreSpec):
     With a cache salt the chunks are a tenant's: each worker registers the namespace (key_bytes,
     cache_salt) in its own session to map the tenant's arena."""
 
-    def __init__(self, world_size: int, pool_ids: list[str], per_part: list[list[tuple[int, int]]],
-                 key_bytes: int = SHA256_OFFLOAD_KEY_BYTES, cache_salt: bytes = b"") -> None:
+    def __init__(
+        self,
+        world_size: int,
+        pool_ids: list[str],
+        per_part: list[list[tuple[int, int]]],
+        key_bytes: int = SHA256_OFFLOAD_KEY_BYTES,
+        cache_salt: bytes = b"",
+    ) -> None:
         self.world_size = world_size
         self.pool_ids = pool_ids
         self.key_bytes = key_bytes
@@ -135,26 +144,33 @@ def part_key(key: bytes, rank: int, world_size: int) -> bytes:
 
 # -- the spec ----------------------------------------------------------------------------------
 
+
 class KvstoredOffloadingSpec(OffloadingSpec):
     @classmethod
     @override
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
         return {
             DirectMetrics.LOOKUP_RPCS: OffloadingCounterMetadata(
-                documentation="Acquire RPCs sent to kvstored for lookups (one per request per engine step)."),
+                documentation="Acquire RPCs sent to kvstored for lookups (one per request per engine step)."
+            ),
             DirectMetrics.LEASED_CHUNKS: OffloadingGaugeMetadata(
-                documentation="Chunks the scheduler holds leases on in kvstored (looked up or loading)."),
+                documentation="Chunks the scheduler holds leases on in kvstored (looked up or loading)."
+            ),
             DirectMetrics.CONNECTED: OffloadingGaugeMetadata(
-                documentation="1 while the scheduler's session with kvstored is up, else 0."),
+                documentation="1 while the scheduler's session with kvstored is up, else 0."
+            ),
             DirectMetrics.RPC_ERRORS: OffloadingCounterMetadata(
-                documentation="Failed kvstored RPCs of the scheduler, by gRPC status code.", labelnames=("code",)),
+                documentation="Failed kvstored RPCs of the scheduler, by gRPC status code.", labelnames=("code",)
+            ),
         }
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         if config.canonical_layout or config.replicated_layout:
-            raise ValueError("KvstoredOffloadingSpec supports the direct KV layout only "
-                             "(remove canonical_layout from kv_connector_extra_config)")
+            raise ValueError(
+                "KvstoredOffloadingSpec supports the direct KV layout only "
+                "(remove canonical_layout from kv_connector_extra_config)"
+            )
         extra = self.extra_config
         self.socket = socket_option(extra) or str(default_socket_path())
         self.lookup_timeout_s = float(extra.get("kvstored_lookup_timeout_s", 0.25))
@@ -163,8 +179,9 @@ class KvstoredOffloadingSpec(OffloadingSpec):
         self.world_size = max(1, config.parallel.world_size)
         self.rank = config.parallel.rank
         self.part_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
-        self.layout: LayoutInfo = layout_info(self, WORKER_PART_FORMAT, parallel_agnostic=False, include_rank=False,
-                                              extra={"world_size": self.world_size})
+        self.layout: LayoutInfo = layout_info(
+            self, WORKER_PART_FORMAT, parallel_agnostic=False, include_rank=False, extra={"world_size": self.world_size}
+        )
         self._manager: KvstoredDirectManager | None = None
         self._worker: KvstoredOffloadingWorker | None = None
 
@@ -186,6 +203,7 @@ class KvstoredOffloadingSpec(OffloadingSpec):
 
 
 # -- scheduler side ------------------------------------------------------------------------------
+
 
 @dataclass(slots=True)
 class _Lease:
@@ -212,13 +230,15 @@ class KvstoredDirectManager(OffloadingManager):
     def __init__(self, spec: KvstoredOffloadingSpec) -> None:
         self._spec = spec
         self._world = spec.world_size
-        self._link = DaemonLink(spec.socket, f"vllm-direct-{spec.config.engine_id}-pid{os.getpid()}",
-                                options=LinkOptions(connect_timeout_s=spec.connect_timeout_s))
+        self._link = DaemonLink(
+            spec.socket,
+            f"vllm-direct-{spec.config.engine_id}-pid{os.getpid()}",
+            options=LinkOptions(connect_timeout_s=spec.connect_timeout_s),
+        )
         self._namespaces = RequestNamespaces(spec.namespace_spec, self._link.namespace)
         # One Acquire per request and namespace (it answers a prefix); a hit is held as a lease,
         # so the batcher keeps no hit verdicts: a key whose lease went back is asked again.
-        self._batcher: LookupBatcher[OffloadKey, ReqContext] = LookupBatcher(
-            per_request=True, reask_hits=True)
+        self._batcher: LookupBatcher[OffloadKey, ReqContext] = LookupBatcher(per_request=True, reask_hits=True)
         self._leases: dict[ProbeKey[OffloadKey], _Lease] = {}
         self._req_leases: dict[str, set[ProbeKey[OffloadKey]]] = {}  # leases a request found without asking
         self._acquires: list[_Acquire] = []
@@ -305,9 +325,11 @@ class KvstoredDirectManager(OffloadingManager):
     @override
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         to_store = [k for k in keys if (self._namespace_of(k, req_context), k) not in self._leases]
-        return PrepareStoreOutput(keys_to_store=to_store,
-                                  store_spec=KvstoredStoreSpec(to_store, self._namespaces.salt_of(req_context)),
-                                  evicted_keys=[])
+        return PrepareStoreOutput(
+            keys_to_store=to_store,
+            store_spec=KvstoredStoreSpec(to_store, self._namespaces.salt_of(req_context)),
+            evicted_keys=[],
+        )
 
     # -- the rest of the manager API ----------------------------------------------------------
 
@@ -364,8 +386,16 @@ class KvstoredDirectManager(OffloadingManager):
         request = pb.AcquireRequest(session_id=self._link.session_id, namespace_id=namespace_id, keys=parts)
         # No deadline: a lease granted after a client timeout would be leaked; a slow answer
         # is turned into misses in _flush_lookups instead, and its leases released when it arrives.
-        self._acquires.append(_Acquire(self._link.call("Acquire", request), namespace_id, keys,
-                                       self._link.pool_id, self._link.epoch, time.monotonic()))
+        self._acquires.append(
+            _Acquire(
+                self._link.call("Acquire", request),
+                namespace_id,
+                keys,
+                self._link.pool_id,
+                self._link.epoch,
+                time.monotonic(),
+            )
+        )
         self._stats.increase_counter(DirectMetrics.LOOKUP_RPCS)
         return True
 
@@ -393,25 +423,29 @@ class KvstoredDirectManager(OffloadingManager):
             whole = 0 if call.expired else len(leases) // self._world
             for i, key in enumerate(call.keys[:whole]):
                 probe_key = (call.namespace_id, key)
-                mine = leases[i * self._world:(i + 1) * self._world]
+                mine = leases[i * self._world : (i + 1) * self._world]
                 probe = self._batcher.probe(probe_key)
                 if probe_key in self._leases or probe is None or not probe.requests:
                     self._to_release.extend((call.epoch, lease.handle) for lease in mine)
                     continue
                 arena = next((e.arena for lease in mine for e in lease.extents), 0)
-                self._leases[probe_key] = _Lease(arena_key(call.pool_id, arena), call.epoch,
-                                                 [lease.handle for lease in mine],
-                                                 [[(e.offset, e.length) for e in lease.extents] for lease in mine],
-                                                 requests=set(probe.requests))
-            self._to_release.extend((call.epoch, lease.handle) for lease in leases[whole * self._world:])
+                self._leases[probe_key] = _Lease(
+                    arena_key(call.pool_id, arena),
+                    call.epoch,
+                    [lease.handle for lease in mine],
+                    [[(e.offset, e.length) for e in lease.extents] for lease in mine],
+                    requests=set(probe.requests),
+                )
+            self._to_release.extend((call.epoch, lease.handle) for lease in leases[whole * self._world :])
             if not call.expired:
                 self._resolve(call.namespace_id, call.keys, whole)
         self._acquires = pending
 
     def _resolve(self, namespace_id: str, keys: list[OffloadKey], hits: int) -> None:
         """The first `hits` keys are leased (HIT), the rest are misses."""
-        self._batcher.resolve(namespace_id, keys,
-                              [i < hits and (namespace_id, key) in self._leases for i, key in enumerate(keys)])
+        self._batcher.resolve(
+            namespace_id, keys, [i < hits and (namespace_id, key) in self._leases for i, key in enumerate(keys)]
+        )
 
     def _maybe_release(self, probe_key: ProbeKey[OffloadKey], lease: _Lease) -> None:
         if not lease.requests and lease.loads <= 0:
@@ -424,8 +458,9 @@ class KvstoredDirectManager(OffloadingManager):
         handles = [h for epoch, h in self._to_release if self._link.ready and epoch == self._link.epoch]
         self._to_release.clear()
         if handles:
-            self._releases.append(self._link.call(
-                "Release", pb.ReleaseRequest(session_id=self._link.session_id, handles=handles)))
+            self._releases.append(
+                self._link.call("Release", pb.ReleaseRequest(session_id=self._link.session_id, handles=handles))
+            )
 
     def _release_failed(self, future: grpc.Future) -> bool:
         result = outcome(future)
@@ -435,6 +470,7 @@ class KvstoredDirectManager(OffloadingManager):
 
 
 # -- worker side ---------------------------------------------------------------------------------
+
 
 class KvstoredOffloadingWorker(OffloadingWorker):
     """vLLM's OffloadingWorker over pool_worker.PoolTransferEngine."""
@@ -448,11 +484,15 @@ class KvstoredOffloadingWorker(OffloadingWorker):
             page_bytes=[t.page_size_bytes for t in kv_caches.tensors],
         )
         if layout.part_bytes != spec.part_bytes:
-            log.warning("kvstored: worker chunk part is %d bytes, the spec expects %d", layout.part_bytes,
-                        spec.part_bytes)
+            log.warning(
+                "kvstored: worker chunk part is %d bytes, the spec expects %d", layout.part_bytes, spec.part_bytes
+            )
         self._engine = PoolTransferEngine(
-            layout, spec.socket, f"vllm-worker-{spec.config.engine_id}-rank{spec.rank}-pid{os.getpid()}",
-            connect_timeout_s=spec.connect_timeout_s, store_timeout_s=spec.store_timeout_s,
+            layout,
+            spec.socket,
+            f"vllm-worker-{spec.config.engine_id}-rank{spec.rank}-pid{os.getpid()}",
+            connect_timeout_s=spec.connect_timeout_s,
+            store_timeout_s=spec.store_timeout_s,
         )
         self._layout = layout
 
@@ -465,20 +505,30 @@ class KvstoredOffloadingWorker(OffloadingWorker):
         ns_spec = self._spec.namespace_spec(len(dst_spec.keys[0]), dst_spec.cache_salt)
         namespace_id = self._engine.link.namespace(ns_spec)
         keys = [part_key(k, self._spec.rank, self._spec.world_size) for k in dst_spec.keys]
-        self._engine.submit_store(job_id, src_spec.block_ids, src_spec.group_sizes, src_spec.block_indices,
-                                  namespace_id, keys)
+        self._engine.submit_store(
+            job_id, src_spec.block_ids, src_spec.group_sizes, src_spec.block_indices, namespace_id, keys
+        )
         return True
 
     @override
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
-                    expedited: bool = False) -> bool:
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
+    ) -> bool:
         assert isinstance(src_spec, KvstoredLoadSpec)
         namespace_id = ""
         if src_spec.cache_salt:  # a tenant's chunks: its arena opens once the namespace is registered here
             ns_spec = self._spec.namespace_spec(src_spec.key_bytes, src_spec.cache_salt)
             namespace_id = self._engine.link.namespace(ns_spec)
-        self._engine.submit_load(job_id, dst_spec.block_ids, dst_spec.group_sizes, dst_spec.block_indices,
-                                 src_spec.pool_ids, src_spec.for_rank(self._spec.rank), expedited, namespace_id)
+        self._engine.submit_load(
+            job_id,
+            dst_spec.block_ids,
+            dst_spec.group_sizes,
+            dst_spec.block_indices,
+            src_spec.pool_ids,
+            src_spec.for_rank(self._spec.rank),
+            expedited,
+            namespace_id,
+        )
         return True  # a failure is reported through get_finished()
 
     @override

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """A non-blocking link to the local daemon, for code that must never wait (vLLM's scheduler).
 
 The sync `Client` blocks on every call. Code that runs inside vLLM's scheduler step cannot, so this
@@ -76,28 +78,28 @@ def run_of(key: str) -> str:
 
 class LinkState(enum.Enum):
     DOWN = "down"
-    HELLO = "hello"      # connected, Hello sent, waiting for Welcome
-    ATTACH = "attach"    # region fd sent, waiting for RegionAttached
+    HELLO = "hello"  # connected, Hello sent, waiting for Welcome
+    ATTACH = "attach"  # region fd sent, waiting for RegionAttached
     READY = "ready"
 
 
 @dataclass(frozen=True)
 class LinkOptions:
-    connect_timeout_s: float = 1.0   # one handshake step may take this long before giving up
+    connect_timeout_s: float = 1.0  # one handshake step may take this long before giving up
     backoff_min_s: float = 0.05
     backoff_max_s: float = 2.0
-    rpc_timeout_s: float = 1.0       # control RPCs (namespace registration)
+    rpc_timeout_s: float = 1.0  # control RPCs (namespace registration)
 
 
 @dataclass
 class _NamespaceState:
     spec: NamespaceSpec
     namespace_id: str
-    epoch: int = -1                  # session epoch it was registered in
+    epoch: int = -1  # session epoch it was registered in
     future: grpc.Future | None = None
     future_epoch: int = -1
-    broken: str = ""                 # a permanent error (invalid spec): never usable
-    arena_id: int = 0                # the arena its chunks live in (0: the public pool)
+    broken: str = ""  # a permanent error (invalid spec): never usable
+    arena_id: int = 0  # the arena its chunks live in (0: the public pool)
 
 
 @dataclass
@@ -200,8 +202,10 @@ class DaemonLink:
             if self.state is LinkState.DOWN:
                 return self._start_if_due(now)
             if now > self._step_deadline:
-                raise Unavailable(f"kvstored did not answer the session handshake within "
-                                  f"{self.options.connect_timeout_s}s ({self.state.value})")
+                raise Unavailable(
+                    f"kvstored did not answer the session handshake within "
+                    f"{self.options.connect_timeout_s}s ({self.state.value})"
+                )
             self._advance()
         except KvstoredError as exc:
             self.fail(exc)
@@ -334,6 +338,7 @@ class DaemonLink:
                 self._step_deadline = now + self.options.connect_timeout_s
         except KvstoredError as exc:
             self.fail(exc)
+
     # -- internals --------------------------------------------------------------------------
 
     def _check_fork(self) -> None:
@@ -434,6 +439,9 @@ class DaemonLink:
 def _listening_but(socket_path: Path, exc: BaseException) -> Condition:
     """The condition when both sockets accept connections and the session failed anyway."""
     if isinstance(exc, Unavailable):  # closed, not answering the handshake, UNAVAILABLE
-        return Condition(Reason.RESTARTING, f"{socket_path} accepts connections but kvstored does not serve "
-                                            f"(starting, stopping or restarting)", str(exc))
+        return Condition(
+            Reason.RESTARTING,
+            f"{socket_path} accepts connections but kvstored does not serve (starting, stopping or restarting)",
+            str(exc),
+        )
     return Condition(Reason.REJECTED, f"kvstored at {socket_path} refused the session", str(exc))

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Lookups asked once per engine step: the probe table of the secondary tier (tier.py) and the
 direct spec (direct.py), after vLLM's AsyncLookupManager.
 
@@ -76,8 +78,11 @@ class LookupBatcher(Generic[KeyT, RequestT]):
         probe_key = (namespace_id, key)
         req_id = request.req_id
         probe = self._probes.get(probe_key)
-        if probe is None or (probe.result is False and req_id not in probe.requests) or (
-                probe.result is True and self._reask_hits):
+        if (
+            probe is None
+            or (probe.result is False and req_id not in probe.requests)
+            or (probe.result is True and self._reask_hits)
+        ):
             probe = self._probes[probe_key] = Probe(time.monotonic(), requests=probe.requests if probe else set())
             self._queue(namespace_id, key, request)
         probe.requests.add(req_id)
@@ -150,7 +155,8 @@ class LookupBatcher(Generic[KeyT, RequestT]):
         batch = self._batches.get((namespace_id, req_id))
         if batch is None:
             batch = self._batches[(namespace_id, req_id)] = Batch(
-                namespace_id, req_id, request if self._per_request else None)
+                namespace_id, req_id, request if self._per_request else None
+            )
         batch.keys.append(key)
 
     def _wanted(self, batch: Batch[KeyT, RequestT], key: KeyT) -> bool:

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Namespaces for vLLM's offloaded chunks.
 
 A namespace scopes keys by everything that changes the bytes of a chunk. It is derived from the
@@ -22,8 +24,8 @@ from typing import Any
 from kvstored_client.ops import NamespaceSpec
 
 # What a chunk holds; part of the layout so the two integrations never read each other's chunks.
-TIER_ROW_FORMAT = "vllm-primary-row/1"      # secondary tier: one row of the primary CPU region
-WORKER_PART_FORMAT = "vllm-worker-part/1"   # direct spec: one worker's bytes of a chunk
+TIER_ROW_FORMAT = "vllm-primary-row/1"  # secondary tier: one row of the primary CPU region
+WORKER_PART_FORMAT = "vllm-worker-part/1"  # direct spec: one worker's bytes of a chunk
 SHA256_OFFLOAD_KEY_BYTES = 36
 CACHE_SALT_PARAM = "cache_salt"  # kv_transfer_params key whose value scopes a request's chunks
 
@@ -32,12 +34,17 @@ CACHE_SALT_PARAM = "cache_salt"  # kv_transfer_params key whose value scopes a r
 class LayoutInfo:
     model: str
     dtype: str
-    layout: str        # canonical JSON of the layout fields
+    layout: str  # canonical JSON of the layout fields
     block_tokens: int  # tokens per chunk (reported in the daemon's KV events)
 
 
-def layout_info(offloading_spec: Any, chunk_format: str, parallel_agnostic: bool, include_rank: bool = True,
-                extra: dict[str, Any] | None = None) -> LayoutInfo:
+def layout_info(
+    offloading_spec: Any,
+    chunk_format: str,
+    parallel_agnostic: bool,
+    include_rank: bool = True,
+    extra: dict[str, Any] | None = None,
+) -> LayoutInfo:
     """Derive the layout from an OffloadingSpec through vLLM's own FileMapper fields.
 
     include_rank: the rank is part of the layout (the fs tier puts it in its path); the direct

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """`vllm.general_plugins` entry point: registers the kvstored tier type and offloading spec.
 
 vLLM loads general plugins in every process (API server, EngineCore, workers), possibly more than
@@ -23,8 +25,10 @@ def socket_option(options: Mapping[str, Any]) -> str | None:
     Two names for different sockets are refused: which one was meant cannot be known."""
     given = {name: str(options[name]) for name in (SOCKET_OPTION, *SOCKET_ALIASES) if options.get(name)}
     if len(set(given.values())) > 1:
-        raise ValueError(f"kvstored: {' and '.join(f'{k}={v!r}' for k, v in given.items())} name different "
-                         f"sockets; give {SOCKET_OPTION} alone")
+        raise ValueError(
+            f"kvstored: {' and '.join(f'{k}={v!r}' for k, v in given.items())} name different "
+            f"sockets; give {SOCKET_OPTION} alone"
+        )
     return next(iter(given.values()), None)
 
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The direct spec's worker engine: GPU blocks into the daemon's pool and back, polled, by job id.
 
 vLLM-free (the GPU check drives it directly); `direct.KvstoredOffloadingWorker` adapts vLLM's
@@ -56,9 +58,9 @@ class _Store:
     keys: list[bytes]
     submitted: float
     deadline: float
-    ready_event: Any = None      # CUDA event on the compute stream at submit time
-    reserve: Any = None          # grpc future
-    epoch: int = 0               # the link's session when Reserve was sent: its handles die with it
+    ready_event: Any = None  # CUDA event on the compute stream at submit time
+    reserve: Any = None  # grpc future
+    epoch: int = 0  # the link's session when Reserve was sent: its handles die with it
     pool_id: str = ""
     handles: list[int] = field(default_factory=list)
     end_event: Any = None
@@ -97,8 +99,9 @@ class PoolTransferEngine:
         self._populate = populate
         options = LinkOptions(connect_timeout_s=connect_timeout_s, rpc_timeout_s=connect_timeout_s)
         self.cuda = CudaRuntime() if layout.is_cuda else None
-        self.link = DaemonLink(socket_path, client_name, keep_pool_fd=True, pins_pool=self.cuda is not None,
-                               options=options)
+        self.link = DaemonLink(
+            socket_path, client_name, keep_pool_fd=True, pins_pool=self.cuda is not None, options=options
+        )
         if self.cuda is not None:
             import torch
 
@@ -118,14 +121,29 @@ class PoolTransferEngine:
 
     # -- stores -----------------------------------------------------------------------------
 
-    def submit_store(self, job_id: int, gpu_blocks: np.ndarray, group_sizes: Sequence[int],
-                     block_indices: Sequence[int], namespace_id: str, keys: list[bytes]) -> None:
+    def submit_store(
+        self,
+        job_id: int,
+        gpu_blocks: np.ndarray,
+        group_sizes: Sequence[int],
+        block_indices: Sequence[int],
+        namespace_id: str,
+        keys: list[bytes],
+    ) -> None:
         now = time.monotonic()
         if not keys:
             self._finished.append(Finished(job_id, True, 0, 0.0))
             return
-        job = _Store(job_id, np.asarray(gpu_blocks), list(group_sizes), list(block_indices), namespace_id, keys,
-                     now, now + self._store_timeout_s)
+        job = _Store(
+            job_id,
+            np.asarray(gpu_blocks),
+            list(group_sizes),
+            list(block_indices),
+            namespace_id,
+            keys,
+            now,
+            now + self._store_timeout_s,
+        )
         if self.cuda is not None:
             import torch
 
@@ -139,8 +157,9 @@ class PoolTransferEngine:
     def _advance_store(self, job: _Store) -> None:
         if job.reserve is None:
             if self.link.ready and self.link.pool_id in self.pools and self.link.namespace_ready(job.namespace_id):
-                request = pb.ReserveRequest(session_id=self.link.session_id, namespace_id=job.namespace_id,
-                                            keys=job.keys)
+                request = pb.ReserveRequest(
+                    session_id=self.link.session_id, namespace_id=job.namespace_id, keys=job.keys
+                )
                 job.reserve = self.link.call("Reserve", request)
                 job.pool_id, job.epoch = self.link.pool_id, self.link.epoch
             elif self.link.state is LinkState.DOWN or time.monotonic() > job.deadline:
@@ -153,8 +172,9 @@ class PoolTransferEngine:
             committable = bool(job.handles) and self._same_session(job.epoch)
             self._report_store(job, dropped=not committable)
             if committable:
-                self._rpcs.append(self.link.call("Commit", pb.CommitRequest(session_id=self.link.session_id,
-                                                                           handles=job.handles)))
+                self._rpcs.append(
+                    self.link.call("Commit", pb.CommitRequest(session_id=self.link.session_id, handles=job.handles))
+                )
         if not job.reported and not job.copied and time.monotonic() > job.deadline:
             # Only before copies are issued: once they are, the job ends when they do.
             self._report_store(job, dropped=True)  # the reservation, when it answers, is released
@@ -177,8 +197,9 @@ class PoolTransferEngine:
         if job.reported:
             return  # gave up already: _advance_store releases the slots
         slots = result.response.slots
-        per_chunk = [[(e.offset, e.length) for e in s.extents] if s.state == pb.SLOT_STATE_RESERVED else []
-                     for s in slots]
+        per_chunk = [
+            [(e.offset, e.length) for e in s.extents] if s.state == pb.SLOT_STATE_RESERVED else [] for s in slots
+        ]
         job.handles = [s.handle for s in slots if s.state == pb.SLOT_STATE_RESERVED]
         arena = next((s.extents[0].arena for s in slots if s.state == pb.SLOT_STATE_RESERVED and s.extents), 0)
         self._map_current_pool()  # a tenant arena opened since the Reserve was sent
@@ -186,8 +207,14 @@ class PoolTransferEngine:
         if pool is None or not job.handles:
             job.copied = True
             return
-        copies = self.layout.copies(job.gpu_blocks, job.group_sizes, job.block_indices,
-                                    ChunkExtents.from_lists(per_chunk), pool.address, to_pool=True)
+        copies = self.layout.copies(
+            job.gpu_blocks,
+            job.group_sizes,
+            job.block_indices,
+            ChunkExtents.from_lists(per_chunk),
+            pool.address,
+            to_pool=True,
+        )
         job.num_bytes = copies.total_bytes
         job.end_event = self._run(copies, "store", job.ready_event)
         job.copied = True
@@ -197,8 +224,9 @@ class PoolTransferEngine:
         if result.ok:
             handles = [s.handle for s in result.response.slots if s.state == pb.SLOT_STATE_RESERVED]
             if handles and self._same_session(job.epoch):
-                self._rpcs.append(self.link.call("Release", pb.ReleaseRequest(session_id=self.link.session_id,
-                                                                             handles=handles)))
+                self._rpcs.append(
+                    self.link.call("Release", pb.ReleaseRequest(session_id=self.link.session_id, handles=handles))
+                )
 
     def _report_store(self, job: _Store, dropped: bool) -> None:
         if job.reported:
@@ -206,22 +234,30 @@ class PoolTransferEngine:
         job.reported = True
         if dropped:
             self.dropped_stores += 1
-        self._finished.append(Finished(job.job_id, True, 0 if dropped else job.num_bytes,
-                                       time.monotonic() - job.submitted))
+        self._finished.append(
+            Finished(job.job_id, True, 0 if dropped else job.num_bytes, time.monotonic() - job.submitted)
+        )
 
     # -- loads ------------------------------------------------------------------------------
 
-    def submit_load(self, job_id: int, gpu_blocks: np.ndarray, group_sizes: Sequence[int],
-                    block_indices: Sequence[int], chunk_pools: Sequence[str], extents: ChunkExtents,
-                    expedited: bool = False, namespace_id: str = "") -> bool:
+    def submit_load(
+        self,
+        job_id: int,
+        gpu_blocks: np.ndarray,
+        group_sizes: Sequence[int],
+        block_indices: Sequence[int],
+        chunk_pools: Sequence[str],
+        extents: ChunkExtents,
+        expedited: bool = False,
+        namespace_id: str = "",
+    ) -> bool:
         """Start a load of chunks whose leases the scheduler holds; chunk i lives in pool
         chunk_pools[i] (an arena_key) at `extents`. namespace_id: the chunks' tenant namespace
         (registered here to open its arena). False when a pool is not mapped here (the job is
         then reported failed)."""
         now = time.monotonic()
         load = _Load(job_id, set(chunk_pools), now, namespace_id)
-        load.waiting = (np.asarray(gpu_blocks), group_sizes, block_indices, np.asarray(chunk_pools), extents,
-                        expedited)
+        load.waiting = (np.asarray(gpu_blocks), group_sizes, block_indices, np.asarray(chunk_pools), extents, expedited)
         self._loads[job_id] = load
         if not load.pool_ids <= set(self.pools):
             # The scheduler leased chunks of a daemon this worker has not reconnected to yet (a
@@ -240,8 +276,11 @@ class PoolTransferEngine:
             self._map_current_pool()
         if not load.pool_ids <= set(self.pools):
             if time.monotonic() > load.deadline:
-                log.error("kvstored: load job %d reads pool(s) %s, which this worker could not map",
-                          load.job_id, load.pool_ids - set(self.pools))
+                log.error(
+                    "kvstored: load job %d reads pool(s) %s, which this worker could not map",
+                    load.job_id,
+                    load.pool_ids - set(self.pools),
+                )
                 del self._loads[load.job_id]
                 self._finished.append(Finished(load.job_id, False, 0, 0.0))
                 return False
@@ -250,8 +289,9 @@ class PoolTransferEngine:
         load.waiting = None
         for pool_id in sorted(load.pool_ids):
             mine = extents if len(load.pool_ids) == 1 else _only(extents, pools == pool_id)
-            copies = self.layout.copies(blocks, group_sizes, block_indices, mine, self.pools[pool_id].address,
-                                        to_pool=False)
+            copies = self.layout.copies(
+                blocks, group_sizes, block_indices, mine, self.pools[pool_id].address, to_pool=False
+            )
             load.num_bytes += copies.total_bytes
             load.end_event = self._run(copies, "expedited" if expedited else "load", None)
         return True
@@ -270,8 +310,11 @@ class PoolTransferEngine:
             self._advance_store(job)
         for load in [load for load in self._loads.values() if load.waiting is not None]:
             self._issue_load(load)
-        for job_id in [j for j, load in self._loads.items()
-                       if load.waiting is None and (load.end_event is None or load.end_event.query())]:
+        for job_id in [
+            j
+            for j, load in self._loads.items()
+            if load.waiting is None and (load.end_event is None or load.end_event.query())
+        ]:
             load = self._loads.pop(job_id)
             self._finished.append(Finished(job_id, True, load.num_bytes, time.monotonic() - load.submitted))
         still = []
@@ -346,8 +389,9 @@ class PoolTransferEngine:
         if not self.link.ready:
             return
         if self.link.pool_fd is not None and self.link.pool_id not in self.pools:
-            self.pools[self.link.pool_id] = MappedPool(self.link.pool_fd, self.link.pool_bytes, self.link.pool_id,
-                                                       self.cuda, populate=self._populate)
+            self.pools[self.link.pool_id] = MappedPool(
+                self.link.pool_fd, self.link.pool_bytes, self.link.pool_id, self.cuda, populate=self._populate
+            )
         for arena, (fd, size) in self.link.arena_fds.items():
             key = arena_key(self.link.pool_id, arena)
             if key not in self.pools:  # sparse: neither populated nor pinned
@@ -376,6 +420,7 @@ def _only(extents: ChunkExtents, keep: np.ndarray) -> ChunkExtents:
     per_chunk = []
     for i in range(len(extents)):
         a, b = extents.starts[i], extents.starts[i + 1]
-        per_chunk.append(list(zip(extents.ext_offsets[a:b].tolist(), extents.ext_lengths[a:b].tolist()))
-                         if keep[i] else [])
+        per_chunk.append(
+            list(zip(extents.ext_offsets[a:b].tolist(), extents.ext_lengths[a:b].tolist())) if keep[i] else []
+        )
     return ChunkExtents.from_lists(per_chunk)

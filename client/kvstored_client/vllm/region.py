@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Find the open file behind vLLM's primary CPU region, so the daemon can map it.
 
 vLLM's tiering spec backs its primary tier with `/dev/shm/vllm_offload_<engine_id>.mmap` (mode 0600,
@@ -22,9 +24,9 @@ class RegionNotShareable(RuntimeError):
 
 @dataclass(frozen=True)
 class RegionFile:
-    fd: int           # owned by the caller: close it
+    fd: int  # owned by the caller: close it
     base_offset: int  # file offset of the view's first byte
-    size: int         # file size in bytes
+    size: int  # file size in bytes
     path: str
 
 

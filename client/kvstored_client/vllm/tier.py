@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The local kvstored daemon as a secondary tier of vLLM's TieringOffloadingSpec.
 
     "kv_connector_extra_config": {
@@ -195,7 +197,8 @@ class KvstoredTierManager(SecondaryTierManager):
         )
         self._namespaces = RequestNamespaces(
             lambda key_bytes, salt: namespace_spec(self._layout, self.block_size_bytes, key_bytes, salt),
-            self._link.namespace)
+            self._link.namespace,
+        )
         self._batcher: LookupBatcher[OffloadKey, ReqContext] = LookupBatcher()  # one lookup batch per namespace
         self._lookups: list[_LookupCall] = []
         self._waiting: deque[_Transfer] = deque()  # waiting for the session / namespace
@@ -307,8 +310,12 @@ class KvstoredTierManager(SecondaryTierManager):
                         waited = time.monotonic() - start
                         if limit_s is not None and waited > limit_s:
                             return
-                        log.warning("kvstored tier: waiting %.0fs for job %d (the daemon is still working on "
-                                    "the primary region)", waited, transfer.job_id)
+                        log.warning(
+                            "kvstored tier: waiting %.0fs for job %d (the daemon is still working on "
+                            "the primary region)",
+                            waited,
+                            transfer.job_id,
+                        )
         self._collect_transfers()
 
     @override
@@ -338,32 +345,36 @@ class KvstoredTierManager(SecondaryTierManager):
         tier = ("tier",)
         return {
             KvstoredMetrics.LOOKUP_RPCS: OffloadingCounterMetadata(
-                documentation="Lookup RPCs sent to kvstored (one per namespace per engine step).",
-                labelnames=tier),
+                documentation="Lookup RPCs sent to kvstored (one per namespace per engine step).", labelnames=tier
+            ),
             KvstoredMetrics.LOOKUP_RPC_SECONDS: OffloadingHistogramMetadata(
                 documentation="Time from sending a lookup batch to kvstored to collecting its answer, in seconds.",
                 labelnames=tier,
-                buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)),
+                buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            ),
             KvstoredMetrics.DROPPED_CHUNKS: OffloadingCounterMetadata(
                 documentation="Chunks not stored in kvstored, by reason (unavailable, slow, backpressure, "
-                              "daemon_full, error).",
-                labelnames=("tier", "reason")),
+                "daemon_full, error).",
+                labelnames=("tier", "reason"),
+            ),
             KvstoredMetrics.FAILED_LOAD_CHUNKS: OffloadingCounterMetadata(
-                documentation="Chunks a promotion from kvstored could not load (vLLM recomputes them).",
-                labelnames=tier),
+                documentation="Chunks a promotion from kvstored could not load (vLLM recomputes them).", labelnames=tier
+            ),
             KvstoredMetrics.RPC_ERRORS: OffloadingCounterMetadata(
-                documentation="Failed kvstored RPCs, by gRPC status code.",
-                labelnames=("tier", "code")),
+                documentation="Failed kvstored RPCs, by gRPC status code.", labelnames=("tier", "code")
+            ),
             KvstoredMetrics.SESSIONS_OPENED: OffloadingCounterMetadata(
                 documentation="Sessions opened with kvstored (more than one: the daemon restarted or was "
-                              "unreachable for a while).",
-                labelnames=tier),
+                "unreachable for a while).",
+                labelnames=tier,
+            ),
             KvstoredMetrics.CONNECTED: OffloadingGaugeMetadata(
-                documentation="1 while the session with kvstored is up, else 0.",
-                labelnames=tier),
+                documentation="1 while the session with kvstored is up, else 0.", labelnames=tier
+            ),
             KvstoredMetrics.INFLIGHT_CHUNKS: OffloadingGaugeMetadata(
                 documentation="Chunks of transfers kvstored is working on, by direction (store, load).",
-                labelnames=("tier", "op")),
+                labelnames=("tier", "op"),
+            ),
         }
 
     @override
@@ -416,11 +427,12 @@ class KvstoredTierManager(SecondaryTierManager):
         if not (self._link.namespace_ready(namespace_id) and now >= self._slow_until):
             return False
         for start in range(0, len(keys), self._max_batch_keys):
-            chunk = keys[start:start + self._max_batch_keys]
+            chunk = keys[start : start + self._max_batch_keys]
             # The loads that follow copy into vLLM's primary region: hits below the daemon's
             # RAM reach it through staging memory when RAM is full, evicting nothing.
-            request = pb.LookupRequest(namespace_id=namespace_id, keys=chunk, session_id=self._link.session_id,
-                                       load_into=pb.LOAD_INTO_REGION)
+            request = pb.LookupRequest(
+                namespace_id=namespace_id, keys=chunk, session_id=self._link.session_id, load_into=pb.LOAD_INTO_REGION
+            )
             future = self._link.call("Lookup", request, timeout=self._lookup_timeout_s)
             self._lookups.append(_LookupCall(future, namespace_id, chunk, now))
             self._stats.increase_counter(KvstoredMetrics.LOOKUP_RPCS, 1, self._label)
@@ -491,8 +503,11 @@ class KvstoredTierManager(SecondaryTierManager):
         for start in range(0, len(transfer.keys), self._rpc_chunks):
             end = start + self._rpc_chunks
             request = pb.RegionTransferRequest(
-                session_id=self._link.session_id, namespace_id=transfer.namespace_id,
-                region_id=self._link.region_id, keys=transfer.keys[start:end], offsets=transfer.offsets[start:end],
+                session_id=self._link.session_id,
+                namespace_id=transfer.namespace_id,
+                region_id=self._link.region_id,
+                keys=transfer.keys[start:end],
+                offsets=transfer.offsets[start:end],
             )
             # No deadline: see the module docstring (a started transfer ends when the daemon answers or dies).
             transfer.futures.append((self._link.call(method, request), start))
@@ -510,7 +525,7 @@ class KvstoredTierManager(SecondaryTierManager):
         self._inflight_store_chunks -= len(transfer.keys)
         stored, held, dropped, error = 0, [], 0, False
         for future, start in transfer.futures:
-            batch = transfer.keys[start:start + self._rpc_chunks]
+            batch = transfer.keys[start : start + self._rpc_chunks]
             result = outcome(future)
             if not result.ok:
                 error = True
@@ -528,22 +543,31 @@ class KvstoredTierManager(SecondaryTierManager):
             self._count_dropped("error" if error else "daemon_full", dropped)
         # Routers hear of every chunk the daemon now holds, even when part of the job was dropped.
         if held and self.events is not None:
-            self.events.append(OffloadingEvent(
-                keys=held, medium=self.medium, removed=False, locality=self.locality, ownership=self.tier_type,
-            ))
-        self._finished.append(JobResult(
-            job_id=transfer.job_id, success=not error and dropped == 0,
-            transfer_time=time.monotonic() - transfer.started_at,
-            transfer_bytes=stored * self.block_size_bytes,
-        ))
+            self.events.append(
+                OffloadingEvent(
+                    keys=held,
+                    medium=self.medium,
+                    removed=False,
+                    locality=self.locality,
+                    ownership=self.tier_type,
+                )
+            )
+        self._finished.append(
+            JobResult(
+                job_id=transfer.job_id,
+                success=not error and dropped == 0,
+                transfer_time=time.monotonic() - transfer.started_at,
+                transfer_bytes=stored * self.block_size_bytes,
+            )
+        )
 
     def _finish_load(self, transfer: _Transfer) -> None:
         loaded: list[OffloadKey] = []
         for future, start in transfer.futures:
-            batch = transfer.keys[start:start + self._rpc_chunks]
+            batch = transfer.keys[start : start + self._rpc_chunks]
             result = outcome(future)
             if result.ok:
-                loaded.extend(batch[:result.response.loaded])
+                loaded.extend(batch[: result.response.loaded])
             else:
                 self._rpc_error(result)
         success = len(loaded) == len(transfer.keys)
@@ -552,12 +576,15 @@ class KvstoredTierManager(SecondaryTierManager):
             failed = [k for k in transfer.keys if k not in loaded_set]
             self._batcher.mark_miss(transfer.namespace_id, failed)  # no livelock on chunks it cannot deliver
             self._stats.increase_counter(KvstoredMetrics.FAILED_LOAD_CHUNKS, len(failed), self._label)
-        self._finished.append(JobResult(
-            job_id=transfer.job_id, success=success,
-            successful_keys=tuple(loaded) if not success and loaded else None,
-            transfer_time=time.monotonic() - transfer.started_at,
-            transfer_bytes=len(loaded) * self.block_size_bytes,
-        ))
+        self._finished.append(
+            JobResult(
+                job_id=transfer.job_id,
+                success=success,
+                successful_keys=tuple(loaded) if not success and loaded else None,
+                transfer_time=time.monotonic() - transfer.started_at,
+                transfer_bytes=len(loaded) * self.block_size_bytes,
+            )
+        )
 
     def _fail_transfer(self, transfer: _Transfer, reason: str) -> None:
         """Fail a transfer that never reached the daemon (nothing touches the region)."""

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Blocking file I/O for the fs tier, run in its thread pool: aligned buffers, vectored reads and
 writes that finish partial transfers, opens that never block or follow symlinks, temporary files
 with a live-writer lock, unlinks and stats."""
@@ -36,9 +38,6 @@ def header_buffer() -> memoryview:
     if buf is None:
         buf = _local.header = memoryview(mmap.mmap(-1, HEADER_BYTES))
     return buf
-
-
-
 
 
 def direct_buffers(views: Sequence[memoryview], size: int) -> list[memoryview] | None:
@@ -156,9 +155,14 @@ class NotRegularFile(Exception):
 
 
 def describe(mode: int) -> str:
-    for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISLNK, "a symlink"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device")):
+    for test, what in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symlink"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
         if test(mode):
             return what
     return "a regular file" if stat.S_ISREG(mode) else "an unknown kind of file"

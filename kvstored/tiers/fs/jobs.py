@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The fs tier's blocking job bodies: what runs on its I/O threads (FsTier keeps the bookkeeping
 on the event loop and hands these their arguments). Each returns what it found; FsTier counts
 and indexes it.
@@ -42,8 +44,16 @@ class FsJobs:
     O_DIRECT is in use (cleared here, once, for good, when the filesystem refuses it), and
     whether the tier is closing (a long rebuild stops then)."""
 
-    def __init__(self, name: str, root: str, file_mode: int, dir_mode: int, direct: bool, stale_tmp_s: float,
-                 closing: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        name: str,
+        root: str,
+        file_mode: int,
+        dir_mode: int,
+        direct: bool,
+        stale_tmp_s: float,
+        closing: Callable[[], bool],
+    ) -> None:
         self._name = name
         self.root = root
         self._file_mode = file_mode
@@ -51,7 +61,6 @@ class FsJobs:
         self.direct = direct
         self._stale_tmp_s = stale_tmp_s
         self._closing = closing
-
 
     def start(self) -> tuple[list[tuple[ChunkId, int, float]], int]:
         fs_io.make_dirs(self.root, self._dir_mode)
@@ -76,8 +85,7 @@ class FsJobs:
         except OSError as exc:
             if exc.errno == errno.EINVAL:
                 return False
-            log.warning("fs tier %s: cannot probe O_DIRECT under %s (%s); keeping it on",
-                        self._name, self.root, exc)
+            log.warning("fs tier %s: cannot probe O_DIRECT under %s (%s); keeping it on", self._name, self.root, exc)
             return True
         finally:
             fs_io.unlink_quiet(probe)
@@ -107,8 +115,13 @@ class FsJobs:
                             continue
                         bad += 1
                         removed = fs_io.remove_if_same(f.path, st)
-                        log.warning("fs tier %s: %s is %s, not a chunk file%s", self._name, f.path,
-                                    fs_io.describe(st.st_mode), "; removed" if removed else "; left alone")
+                        log.warning(
+                            "fs tier %s: %s is %s, not a chunk file%s",
+                            self._name,
+                            f.path,
+                            fs_io.describe(st.st_mode),
+                            "; removed" if removed else "; left alone",
+                        )
         return entries, bad
 
     def _scandir(self, path: str, dirs_only: bool = True):
@@ -200,8 +213,9 @@ class FsJobs:
                         raise
                     # O_DIRECT was taken but this I/O was not: write this file buffered (only
                     # the filesystem refusing the flag speaks for all files)
-                    log.debug("fs tier %s: O_DIRECT write of %s refused (%s); writing it buffered",
-                              self._name, tmp, exc)
+                    log.debug(
+                        "fs tier %s: O_DIRECT write of %s refused (%s); writing it buffered", self._name, tmp, exc
+                    )
                     fs_io.set_direct(fd, False)
                     os.ftruncate(fd, 0)
             return self._finish_file(fd, tmp, path, [header, *trim(views, size)])
@@ -247,8 +261,9 @@ class FsJobs:
                         raise
                     # O_DIRECT was taken but this I/O was not: read this file buffered (only the
                     # filesystem refusing the flag speaks for all files)
-                    log.debug("fs tier %s: O_DIRECT read of %s refused (%s); reading it buffered",
-                              self._name, path, exc)
+                    log.debug(
+                        "fs tier %s: O_DIRECT read of %s refused (%s); reading it buffered", self._name, path, exc
+                    )
                     fs_io.set_direct(fd, False)
             if got < 0:
                 got = fs_io.preadv_all(fd, [header, *trim(views, size)])

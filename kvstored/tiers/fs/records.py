@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The fs tier's namespace records: one small file per namespace under <root>/_kvstored/namespaces/,
 written to a temporary name, fsync'ed and renamed into place (a reader sees the old record or the
 new one). Blocking: the fs tier runs these in its threads."""

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Filesystem (NVMe) tier: one content-addressed file per chunk under a root directory.
 
 Layout: root / chunkfile.chunk_relpath(chunk), i.e. <namespace>/<k0k1>/<k2k3>/<key hex>.kv, each file
@@ -109,8 +111,9 @@ class FsTier(SecondaryTier):
         self._forgotten_epoch = 0
         self._full_until = 0.0  # loop.time() until which writes are refused (disk full)
         self._closed = False
-        self._jobs = FsJobs(name, self._root, self._file_mode, self._dir_mode, direct_io, stale_tmp_s,
-                            lambda: self._closed)
+        self._jobs = FsJobs(
+            name, self._root, self._file_mode, self._dir_mode, direct_io, stale_tmp_s, lambda: self._closed
+        )
 
     @property
     def direct_io(self) -> bool:
@@ -127,8 +130,12 @@ class FsTier(SecondaryTier):
         self._index.load(entries)
         log.info(
             "fs tier %s: %d chunks, %s on disk under %s (capacity %s, O_DIRECT %s)",
-            self.name, len(self._index), format_size(self._index.used_bytes), self._root,
-            format_size(self._index.capacity_bytes), "on" if self._jobs.direct else "off",
+            self.name,
+            len(self._index),
+            format_size(self._index.used_bytes),
+            self._root,
+            format_size(self._index.capacity_bytes),
+            "on" if self._jobs.direct else "off",
         )
         await self._enforce_capacity()
 
@@ -238,8 +245,13 @@ class FsTier(SecondaryTier):
                 return WriteOutcome.WRITTEN
             if error.errno in _FULL_ERRNOS:
                 if loop.time() >= self._full_until:
-                    log.warning("fs tier %s: disk full under %s (%s); refusing writes for %.1f s",
-                                self.name, self._root, error.strerror, self._full_backoff_s)
+                    log.warning(
+                        "fs tier %s: disk full under %s (%s); refusing writes for %.1f s",
+                        self.name,
+                        self._root,
+                        error.strerror,
+                        self._full_backoff_s,
+                    )
                 self._full_until = loop.time() + self._full_backoff_s
                 self.counters.rejected_full += 1
                 return WriteOutcome.REJECTED_FULL
@@ -338,8 +350,16 @@ class FsTier(SecondaryTier):
     async def save_namespace_record(self, namespace_id: str, record: bytes) -> None:
         # With the write-downs: a record left behind them would leave, after a crash, chunks on
         # disk whose namespace is not recovered.
-        await self._run(Priority.WRITEDOWN, _result, fs_records.write_record, self._root, namespace_id,
-                        record, self._file_mode, self._dir_mode)
+        await self._run(
+            Priority.WRITEDOWN,
+            _result,
+            fs_records.write_record,
+            self._root,
+            namespace_id,
+            record,
+            self._file_mode,
+            self._dir_mode,
+        )
 
     async def remove_namespace_record(self, namespace_id: str) -> None:
         await self._run(Priority.DELETE, _result, fs_records.remove_record, self._root, namespace_id)
