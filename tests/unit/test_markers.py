@@ -112,3 +112,23 @@ def test_a_test_importing_vllm_or_ucxx_without_the_marker_is_refused_at_collecti
     assert out.returncode == 4, out.stdout + out.stderr  # a usage error: nothing ran
     assert "test_uses_vllm imports vllm (mark it vllm)" in out.stderr
     assert "test_uses_ucxx" not in out.stderr
+
+
+INDIRECT = """
+import importlib
+
+
+def test_imports_vllm_through_a_helper():
+    importlib.import_module("vllm")
+"""
+
+
+def test_a_test_that_first_imports_vllm_unmarked_errors(tmp_path):
+    """The import the source check cannot see (through a helper), of a stand-in vllm package
+    beside the test module (first on sys.path there), so it runs where vllm is not installed."""
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    out = run_pytest(tmp_path, INDIRECT)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "1 passed, 1 error" in out.stdout, out.stdout
+    assert "::test_imports_vllm_through_a_helper imported vllm: mark it vllm" in out.stdout, out.stdout
