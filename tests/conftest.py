@@ -32,6 +32,9 @@ SHARED_MAX_BATCH_KEYS = 64
 VLLM_TESTS = Path(__file__).parent / "vllm"
 # Optional libraries whose tests `make test-fast` leaves out: importing one needs its marker.
 IMPORT_NEEDS = {"vllm": Needs.VLLM, "ucxx": Needs.UCXX}
+# Checked when a test runs too: vllm only. The peer tier loads ucxx whenever it is installed (a
+# module's UCX runtime serves its tcp cases as well), and those cases run without it.
+RUNTIME_IMPORT_NEEDS = {"vllm": Needs.VLLM}
 _IMPORT = re.compile(r"^\s*(?:import|from)\s+(" + "|".join(IMPORT_NEEDS) + r")\b", re.MULTILINE)
 
 
@@ -66,18 +69,18 @@ _IMPORTED_BEFORE = pytest.StashKey[frozenset[str]]()
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    item.stash[_IMPORTED_BEFORE] = frozenset(lib for lib in IMPORT_NEEDS if lib in sys.modules)
+    item.stash[_IMPORTED_BEFORE] = frozenset(lib for lib in RUNTIME_IMPORT_NEEDS if lib in sys.modules)
     with needs.running(item):
         return (yield)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
-    """A test (or a helper or fixture of it) that imported vllm or ucxx first, without the marker,
+    """A test (or a helper or fixture of it) that imported vllm first, without the marker,
     errors. Where an earlier test imported it already the check at collection is what remains."""
     result = yield
-    new = [lib for lib in IMPORT_NEEDS if lib in sys.modules and lib not in item.stash[_IMPORTED_BEFORE]]
-    absent = needs.missing(item, *(IMPORT_NEEDS[lib] for lib in new))
+    new = [lib for lib in RUNTIME_IMPORT_NEEDS if lib in sys.modules and lib not in item.stash[_IMPORTED_BEFORE]]
+    absent = needs.missing(item, *(RUNTIME_IMPORT_NEEDS[lib] for lib in new))
     if absent:
         pytest.fail(f"{item.nodeid} imported {', '.join(new)}: mark it {', '.join(absent)}", pytrace=False)
     return result

@@ -484,13 +484,16 @@ async def test_black_hole_costs_one_timeout_per_batch_then_nothing(make_tier, mo
         proxy.hang = True
         seen = proxy.seen
         assert await tier.contains([new_chunk() for _ in range(8)]) == [False] * 8
-        assert proxy.seen - seen == 8  # one attempt each: the timeout spent the whole deadline
+        attempts = proxy.seen - seen
+        # at most one attempt each: the timeout spent the whole deadline (under load some never
+        # reach the proxy before it passes)
+        assert 1 <= attempts <= 8
         assert not tier.available
         pages = Pages([1])
         assert await tier.contains([new_chunk()]) == [False]
         assert await tier.write(new_chunk(), pages.views, PAGE) is WriteOutcome.FAILED
         assert not await tier.read(new_chunk(), pages.views, PAGE)
-        assert proxy.seen - seen == 8
+        assert proxy.seen - seen == attempts  # the breaker is open: nothing reaches S3
 
 
 async def test_black_hole_at_start_is_not_fatal(make_tier):
