@@ -30,6 +30,7 @@ from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.errors import OLDEST_SEQ_KEY
 from kvstored_client.keys import namespace_id_for
+from kvstored_client.kinds import DropReason
 from kvstored_client.paths import default_socket_path
 
 PROG = "kvstoredctl"
@@ -141,6 +142,12 @@ def tier_dict(t: pb.TierStats) -> dict[str, Any]:
     return d
 
 
+def store_drops(stats: pb.StatsResponse) -> dict[str, int]:
+    """Chunks stores dropped since the daemon started, by reason ("ram_full": 4, ...)."""
+    known = {int(r): r.label for r in DropReason}
+    return {known.get(d.reason, f"reason_{d.reason}"): d.chunks for d in stats.store_drops}
+
+
 def emit(args: argparse.Namespace, data: Any, text: Callable[[], str]) -> None:
     print(json.dumps(data, indent=2) if args.json else text())
 
@@ -199,6 +206,7 @@ def cmd_status(conn: Conn, args: argparse.Namespace) -> int:
             "used_bytes": stats.staging_used_bytes,
             "staged_chunks": stats.staged_chunks,
         },
+        "store_drops": store_drops(stats),
     }
 
     def text() -> str:
@@ -208,10 +216,12 @@ def cmd_status(conn: Conn, args: argparse.Namespace) -> int:
             if stats.staging_capacity_bytes
             else "staging off"
         )
+        dropped = "  ".join(f"{reason} {n}" for reason, n in data["store_drops"].items() if n)
         head = (
             f"kvstored {stats.version} on {conn.socket}: {health}\n"
             f"sessions {stats.sessions}  leases {stats.leases}  reservations {stats.reservations}  "
             f"regions {stats.regions}  namespaces {stats.namespaces}  {staging}\n"
+            f"chunks stores dropped: {dropped or 'none'}\n"
         )
         rows = [
             (

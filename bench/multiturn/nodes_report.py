@@ -111,7 +111,7 @@ def daemon_lines(results: Sequence[NodesRunResult]) -> list[str]:
             if name == "ram":
                 parts.append(
                     f"ram: {d['loaded_chunks']} leased, {d['stored_chunks']} stored, promotions "
-                    f"{d['promotions']}, write-backs {d['writebacks']}, evictions {d['evictions']}"
+                    f"{d['promotions']}, write-downs {d['writedowns']}, evictions {d['evictions']}"
                     + "".join(f", {e}" for e in extra)
                 )
             elif name == "peer":

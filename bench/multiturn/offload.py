@@ -139,7 +139,7 @@ class Offload:
             "lookups",
             "evictions",
             "promotions",
-            "writebacks",
+            "writedowns",
             "dropped_dirty",
             "dropped_backpressure",
             "errors",

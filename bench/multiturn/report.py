@@ -165,7 +165,7 @@ def daemon_lines(results: list[RunResult]) -> list[str]:
                 parts.append(
                     f"ram: {d['loaded_chunks']} chunks leased, {d['stored_chunks']} stored"
                     + (f", promotions {d['promotions']}" if d.get("promotions") else "")
-                    + (f", write-backs {d['writebacks']}" if d.get("writebacks") else "")
+                    + (f", write-downs {d['writedowns']}" if d.get("writedowns") else "")
                     + (f", evictions {d['evictions']}" if d.get("evictions") else "")
                     + "".join(f", {e}" for e in extra)
                 )

@@ -13,12 +13,13 @@ from kvstored_client.aio import AsyncClient
 from kvstored_client.client import Client
 from kvstored_client.errors import KvstoredError, TransferOutcomeUnknown, Unavailable
 from kvstored_client.keys import chunk_keys, namespace_id_for
-from kvstored_client.kinds import LoadInto, StoreOutcome, TierKind
+from kvstored_client.kinds import DropReason, LoadInto, StoreOutcome, TierKind
 from kvstored_client.ops import Health, LookupResult, Namespace, NamespaceSpec, Region, StoreResult, Tier
 
 __all__ = [
     "AsyncClient",
     "Client",
+    "DropReason",
     "Health",
     "KvstoredError",
     "LoadInto",

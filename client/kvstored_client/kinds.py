@@ -32,6 +32,22 @@ class StoreOutcome(enum.IntEnum):
     DROPPED = pb.STORE_OUTCOME_DROPPED  # no space, or the daemon unavailable
 
 
+class DropReason(enum.IntEnum):
+    """Why a store did not store a chunk (kvstored.v1.DropReason); NONE (0): not dropped."""
+
+    NONE = pb.DROP_REASON_UNSPECIFIED
+    RAM_FULL = pb.DROP_REASON_RAM_FULL  # RAM held by leased, reserved and being-written-down chunks
+    QUOTA_FULL = pb.DROP_REASON_QUOTA_FULL  # the same within the namespace's or its tenant's quota
+    IN_PROGRESS = pb.DROP_REASON_IN_PROGRESS  # another writer is storing it
+    NOT_VISIBLE = pb.DROP_REASON_NOT_VISIBLE  # a tenant namespace this session did not register
+    UNAVAILABLE = pb.DROP_REASON_UNAVAILABLE  # the client's own: daemon unreachable, slow, or too late to start
+
+    @property
+    def label(self) -> str:
+        """The name metrics and logs use: "ram_full", "quota_full", ..."""
+        return self.name.lower()
+
+
 class LoadInto(enum.IntEnum):
     """Where the load that follows a lookup copies its chunks (kvstored.v1.LoadInto): POOL loads
     (Acquire) need their chunks in RAM, so the lookup makes room for them; REGION loads
@@ -47,7 +63,12 @@ def missing_members(mirror: type[enum.IntEnum], proto_enum: Any) -> list[str]:
     return [name for name, value in proto_enum.items() if value not in have]
 
 
-for _mirror, _proto in ((TierKind, pb.TierKind), (StoreOutcome, pb.StoreOutcome), (LoadInto, pb.LoadInto)):
+for _mirror, _proto in (
+    (TierKind, pb.TierKind),
+    (StoreOutcome, pb.StoreOutcome),
+    (DropReason, pb.DropReason),
+    (LoadInto, pb.LoadInto),
+):
     if missing_members(_mirror, _proto):
         raise ImportError(
             f"kvstored_client.kinds.{_mirror.__name__} has no member for "

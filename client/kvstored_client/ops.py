@@ -15,7 +15,7 @@ from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client.buffers import chunk_views
 from kvstored_client.errors import InternalError, PoolExhausted
 from kvstored_client.keys import namespace_id_for
-from kvstored_client.kinds import LoadInto, StoreOutcome, TierKind
+from kvstored_client.kinds import DropReason, LoadInto, StoreOutcome, TierKind
 from kvstored_client.session import PoolSession
 
 Tier = TierKind  # where a chunk was found (the client's name for it)
@@ -85,6 +85,7 @@ class LookupResult:
 
 
 _STORE_OUTCOMES = {int(o): o for o in StoreOutcome}
+_DROP_REASONS = {int(r): r for r in DropReason}
 _SLOT_OUTCOMES = {
     pb.SLOT_STATE_ALREADY_PRESENT: StoreOutcome.ALREADY_PRESENT,
     pb.SLOT_STATE_IN_PROGRESS: StoreOutcome.IN_PROGRESS,
@@ -95,15 +96,52 @@ _SLOT_OUTCOMES = {
 
 @dataclass(frozen=True)
 class StoreResult:
+    """What a store did. Printed, it says where the chunks already present are and why the
+    dropped ones were dropped: `StoreResult(stored=0, already_present=16 (fs=16), dropped=0)`."""
+
     stored: int = 0
-    already_present: int = 0
-    dropped: int = 0  # no space, another writer, or the daemon unavailable
-    # Per key, in request order (empty from a daemon that predates it); counts compare equal without it.
-    outcomes: tuple[StoreOutcome, ...] = field(default=(), compare=False)
+    already_present: int = 0  # in RAM or a tier below (present_in): nothing copied
+    dropped: int = 0  # not stored: drop_reasons says why
+    # Per key, in request order (empty from a daemon that predates them); counts compare equal without them.
+    outcomes: tuple[StoreOutcome, ...] = field(default=(), compare=False, repr=False)
+    present_in: tuple[TierKind, ...] = field(default=(), compare=False, repr=False)  # NONE: not present
+    drop_reasons: tuple[DropReason, ...] = field(default=(), compare=False, repr=False)  # NONE: not dropped
 
     @classmethod
-    def all_dropped(cls, n: int) -> StoreResult:
-        return cls(dropped=n, outcomes=(StoreOutcome.DROPPED,) * n)
+    def all_dropped(cls, n: int, reason: DropReason = DropReason.UNAVAILABLE) -> StoreResult:
+        return cls(
+            dropped=n, outcomes=(StoreOutcome.DROPPED,) * n, present_in=(TierKind.NONE,) * n, drop_reasons=(reason,) * n
+        )
+
+    @property
+    def present_by_tier(self) -> dict[TierKind, int]:
+        """Already-present chunks per tier holding them, e.g. {TierKind.FS: 16}."""
+        return _tally(self.present_in)
+
+    @property
+    def dropped_by_reason(self) -> dict[DropReason, int]:
+        """Dropped chunks per reason, e.g. {DropReason.RAM_FULL: 16}."""
+        return _tally(self.drop_reasons)
+
+    def __str__(self) -> str:
+        present = _breakdown(self.present_by_tier)
+        dropped = _breakdown(self.dropped_by_reason)
+        return (
+            f"StoreResult(stored={self.stored}, already_present={self.already_present}{present}, "
+            f"dropped={self.dropped}{dropped})"
+        )
+
+
+def _tally(values: Sequence[Any]) -> dict[Any, int]:
+    counts: dict[Any, int] = {}
+    for value in values:
+        if value:  # (NONE is 0: neither present nor dropped)
+            counts[value] = counts.get(value, 0) + 1
+    return counts
+
+
+def _breakdown(counts: dict[Any, int]) -> str:
+    return " (" + ", ".join(f"{k.name.lower()}={n}" for k, n in counts.items()) + ")" if counts else ""
 
 
 @dataclass(frozen=True)
@@ -211,8 +249,8 @@ def store(session: PoolSession, ns: Namespace, keys: Sequence[bytes], data: Any)
         resp = yield Call(
             "Reserve", pb.ReserveRequest(session_id=session.session_id, namespace_id=ns.namespace_id, keys=keys)
         )
-    except PoolExhausted:  # every page is leased or being written: a cache drops the store
-        return StoreResult.all_dropped(len(keys))
+    except PoolExhausted:  # (an older daemon's answer to a RAM with no room at all)
+        return StoreResult.all_dropped(len(keys), DropReason.RAM_FULL)
     reserved = [(slot, view) for slot, view in zip(resp.slots, views) if slot.state == pb.SLOT_STATE_RESERVED]
     present = sum(1 for slot in resp.slots if slot.state == pb.SLOT_STATE_ALREADY_PRESENT)
     handles = [slot.handle for slot, _ in reserved]
@@ -228,11 +266,19 @@ def store(session: PoolSession, ns: Namespace, keys: Sequence[bytes], data: Any)
     committed = 0
     if handles:
         committed = (yield Call("Commit", pb.CommitRequest(session_id=session.session_id, handles=handles))).committed
-    stored = StoreOutcome.STORED if committed == len(handles) else StoreOutcome.UNKNOWN
+    all_in = committed == len(handles)
+    stored = StoreOutcome.STORED if all_in else StoreOutcome.UNKNOWN
     outcomes = tuple(
         stored if slot.state == pb.SLOT_STATE_RESERVED else _SLOT_OUTCOMES[slot.state] for slot in resp.slots
     )
-    return StoreResult(committed, present, len(keys) - committed - present, outcomes)
+    present_in = tuple(_tier_kinds([slot.present_in for slot in resp.slots]))
+    drops = tuple(
+        (DropReason.NONE if all_in else DropReason.UNAVAILABLE)
+        if slot.state == pb.SLOT_STATE_RESERVED
+        else _DROP_REASONS.get(slot.drop_reason, DropReason.NONE)
+        for slot in resp.slots
+    )
+    return StoreResult(committed, present, len(keys) - committed - present, outcomes, present_in, drops)
 
 
 def load(session: PoolSession, ns: Namespace, keys: Sequence[bytes], out: Any) -> Op:
@@ -289,6 +335,8 @@ def store_from_region(
         resp.already_present,
         resp.dropped,
         tuple(_STORE_OUTCOMES.get(o, StoreOutcome.UNKNOWN) for o in resp.outcomes),
+        tuple(_tier_kinds(resp.present_in)),
+        tuple(_DROP_REASONS.get(r, DropReason.NONE) for r in resp.drop_reasons),
     )
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from kvstored.chain.drops import StoreDrops
 from kvstored.chain.leases import LeaseRequest, Leases
 from kvstored.chain.lower import LowerTier
 from kvstored.chain.promotion import DeletionGuard, Promoter
@@ -28,12 +29,12 @@ from kvstored.chain.region_load import RegionLoader
 from kvstored.chain.room import RamRoom
 from kvstored.chain.staged import StagedReads
 from kvstored.chain.start_by import StartWaits, check_started
+from kvstored.chain.store_plan import StorePlan, StorePlanner
 from kvstored.chain.writeback import WriteBack, WritePolicy
 from kvstored.chunks.ids import ChunkId, RemovalCause, TierKind
 from kvstored.errors import (
     InvalidRequest,
     KvstoredError,
-    PoolExhausted,
     RegionShrunk,
     TierStartError,
     TierUnavailable,
@@ -46,7 +47,7 @@ from kvstored.shm.mapping import Region
 from kvstored.shm.staging import Staging
 from kvstored.tiers.base import SecondaryTier
 from kvstored.tiers.ram import Extent, RamEntry, RamTier, ReserveOutcome
-from kvstored_client.kinds import LoadInto
+from kvstored_client.kinds import DropReason, LoadInto
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -70,6 +71,8 @@ class SlotGrant:
     outcome: ReserveOutcome
     entry: RamEntry | None = None
     extents: tuple[Extent, ...] = ()
+    present_in: TierKind = TierKind.NONE  # ALREADY_PRESENT: the tier holding it
+    drop: DropReason = DropReason.NONE  # IN_PROGRESS, NO_SPACE: why it is not stored
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,12 +85,21 @@ class LeaseGrant:
 
 @dataclass(frozen=True, slots=True)
 class StoreOutcomes:
-    """What a region store did with each key, in request order (RESERVED: copied in now)."""
+    """What a region store did with each key, in request order (RESERVED: copied in now), where
+    the ALREADY_PRESENT ones are and why the others were dropped (NONE where not)."""
 
     per_key: list[ReserveOutcome]
+    present_in: list[TierKind] = field(default_factory=list)
+    drops: list[DropReason] = field(default_factory=list)
 
     def count(self, *outcomes: ReserveOutcome) -> int:
         return sum(1 for o in self.per_key if o in outcomes)
+
+    @classmethod
+    def of(cls, plan: StorePlan) -> StoreOutcomes:
+        return cls(
+            [p.outcome for p in plan.per_key], [p.present_in for p in plan.per_key], [p.drop for p in plan.per_key]
+        )
 
 
 @dataclass(frozen=True)
@@ -129,6 +141,8 @@ class TierChain:
         self._prefetches: set[asyncio.Task] = set()  # promotions started by lookups, waiting for room
         self.promoter = Promoter(ram, arenas.view, self.lower, self.events, self._deleting)
         self._room = RamRoom(ram, self.writeback)
+        self._planner = StorePlanner(ram, self.lower, self._deleting)
+        self.drops = StoreDrops()
         self.leases = Leases(ram, arenas, self.promoter, self._room, self._waits, bool(self.lower))
         self.staged: StagedReads | None = None
         self._region_loader: RegionLoader | None = None
@@ -305,24 +319,26 @@ class TierChain:
         keys: Sequence[bytes],
         proceed: Proceed = always_proceed,
     ) -> list[SlotGrant]:
-        """Reserve RAM for new chunks (waiting briefly for write-downs to make room)."""
-        await self._room.make(ns, len(keys))
+        """Reserve RAM for new chunks (waiting briefly for write-downs to make room). Chunks RAM
+        or a tier below holds already are not reserved (store_plan.py); a full RAM is an answer,
+        each refused slot saying why."""
+        await self._make_room(ns, keys)
         proceed()  # nothing reserved yet: nothing to give back
-        grants, evicted = [], []
-        for key in keys:
-            result = self.ram.reserve((ns.namespace_id, key), ns.chunk_bytes)
-            evicted += result.evicted
-            if result.entry is None:
-                grants.append(SlotGrant(result.outcome))
-            else:
-                grants.append(SlotGrant(result.outcome, result.entry, tuple(self.ram.extents(result.entry))))
-        self._publish_ram(EventType.REMOVED, Cause.EVICTED, evicted)
-        if keys and all(g.outcome is ReserveOutcome.NO_SPACE for g in grants):
-            raise PoolExhausted(
-                f"no room for {len(keys)} chunk(s) of {ns.chunk_bytes} bytes: the RAM tier "
-                f"({self.ram.capacity_bytes} bytes) is held by leases and reservations"
-            )
-        return grants
+        plan = self._planner.place(ns, keys)
+        self._publish_ram(EventType.REMOVED, Cause.EVICTED, plan.evicted)
+        self.drops.record(p.drop for p in plan.per_key)
+        return [
+            SlotGrant(p.outcome, p.entry, tuple(self.ram.extents(p.entry)), p.present_in)
+            if p.entry is not None
+            else SlotGrant(p.outcome, present_in=p.present_in, drop=p.drop)
+            for p in plan.per_key
+        ]
+
+    async def _make_room(self, ns: Namespace, keys: Sequence[bytes], start_by: float | None = None) -> None:
+        """Write down what reserving RAM for the keys held nowhere yet would evict (none: no wait)."""
+        needed = self._planner.to_store(ns, keys)
+        if needed:
+            await self._room.make(ns, needed, self._room.deadline(start_by))
 
     def commit(self, entries: Sequence[RamEntry]) -> None:
         """Publish reserved chunks whose bytes are in place."""
@@ -386,17 +402,13 @@ class TierChain:
         Waiting for room ends at `start_by` (loop time) with TransferNotStarted."""
         _check_offsets(ns, region, keys, offsets)
         # Awaited here, not in a task: the room it saw is still there when it returns.
-        await self._room.make(ns, len(keys), self._room.deadline(start_by))
+        await self._make_room(ns, keys, start_by)
         check_started(start_by)
         proceed()  # (no await from here to the copy's start)
-        stored, per_key, evicted = [], [], []
-        for key, offset in zip(keys, offsets):
-            result = self.ram.reserve((ns.namespace_id, key), ns.chunk_bytes)
-            evicted += result.evicted
-            per_key.append(result.outcome)
-            if result.entry is not None:
-                stored.append((result.entry, offset))
-        self._publish_ram(EventType.REMOVED, Cause.EVICTED, evicted)
+        plan = self._planner.place(ns, keys)
+        self._publish_ram(EventType.REMOVED, Cause.EVICTED, plan.evicted)
+        self.drops.record(p.drop for p in plan.per_key)
+        stored = [(p.entry, offset) for p, offset in zip(plan.per_key, offsets) if p.entry is not None]
         jobs = [CopyJob(offset, self.ram.extents(entry)) for entry, offset in stored]
         entries = [entry for entry, _ in stored]
         try:
@@ -405,7 +417,7 @@ class TierChain:
             self.abort(entries)
             raise
         self.commit(entries)
-        return StoreOutcomes(per_key)
+        return StoreOutcomes.of(plan)
 
     async def load_to_region(
         self,

@@ -11,7 +11,9 @@ from kvstored.observability.snapshot import ChainSnapshot, StagingSnapshot, Tier
 
 
 def chain_snapshot(chain: TierChain) -> ChainSnapshot:
-    return ChainSnapshot(tier_snapshots(chain), staging_snapshot(chain), chain.ram.resident_bytes)
+    return ChainSnapshot(
+        tier_snapshots(chain), staging_snapshot(chain), chain.ram.resident_bytes, dict(chain.drops.totals)
+    )
 
 
 def staging_snapshot(chain: TierChain) -> StagingSnapshot:
@@ -36,7 +38,7 @@ def tier_snapshots(chain: TierChain) -> list[TierSnapshot]:
             stored_chunks=c.stored,
             loaded_chunks=c.loaded,
             promotions=c.promotions,
-            writebacks=c.writebacks,
+            writedowns=c.writedowns,
             dropped_dirty=c.dropped_dirty,
             read_bytes=c.read_bytes,
             written_bytes=c.written_bytes,

@@ -79,7 +79,7 @@ class WriteBackState:
         False too for a chunk deleted meanwhile (its removal was reported then)."""
         entry.persisted = entry.persisted or persisted
         if persisted:
-            self._ram.counters.writebacks += 1
+            self._ram.counters.writedowns += 1
         return self._ram.end_writing(entry, keep=entry.touched)
 
 

@@ -34,6 +34,7 @@ from kvstored import __version__
 from kvstored.chunks.ids import TierKind
 from kvstored.namespaces import NamespaceRegistry
 from kvstored.observability.snapshot import (
+    STORE_DROP_REASONS,
     ChainSource,
     PeerRow,
     PeersSnapshot,
@@ -127,6 +128,16 @@ class KvstoredCollector(Collector):
             "through staging (RAM had no free room: nothing evicted for them)",
             value=staging.staged_chunks,
         )
+        drops = CounterMetricFamily(
+            f"{PREFIX}_store_drops",
+            "chunks stores did not store, by reason: ram_full, quota_full (RAM or the quota held by "
+            "leased, reserved and being-written-down chunks), in_progress (another writer), "
+            "not_visible (a tenant namespace the session did not register)",
+            labels=["reason"],
+        )
+        for reason in STORE_DROP_REASONS:
+            drops.add_metric([reason.label], chain.store_drops.get(reason, 0))
+        yield drops
         yield from quota_families(self._quotas())
         peers = self._peers()
         if peers is not None:
@@ -325,7 +336,7 @@ def tier_families(snaps: Iterable[TierSnapshot]) -> list:
         stored.add_metric(lv, s.stored_chunks)
         loaded.add_metric(lv, s.loaded_chunks)
         promotions.add_metric(lv, s.promotions)
-        writedowns.add_metric(lv, s.writebacks)
+        writedowns.add_metric(lv, s.writedowns)
         evictions.add_metric(lv, s.evictions)
         for reason, field in DROP_REASONS.items():
             drops.add_metric(lv + [reason], getattr(s, field))

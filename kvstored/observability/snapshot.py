@@ -7,9 +7,14 @@ neither the chain nor the server."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstored.chunks.ids import TierKind
+from kvstored_client.kinds import DropReason
+
+# The reasons the daemon gives for a dropped chunk (Stats, kvstored_store_drops_total's `reason`):
+# UNAVAILABLE is the client's own, it never reaches the daemon.
+STORE_DROP_REASONS = tuple(r for r in DropReason if r not in (DropReason.NONE, DropReason.UNAVAILABLE))
 
 
 @dataclass(frozen=True)
@@ -103,7 +108,7 @@ class TierSnapshot:
     read_bytes: int = 0
     written_bytes: int = 0
     promotions: int = 0
-    writebacks: int = 0
+    writedowns: int = 0
     dropped_dirty: int = 0
     checksum_failures: int = 0
     bad_entries: int = 0
@@ -130,6 +135,7 @@ class ChainSnapshot:
     tiers: list[TierSnapshot]  # RAM first, then the tiers below in order
     staging: StagingSnapshot
     ram_resident_bytes: int  # memory the RAM tier's arenas hold
+    store_drops: dict[DropReason, int] = field(default_factory=dict)  # chunks stores dropped, by reason
 
 
 ChainSource = Callable[[], ChainSnapshot]

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kvstored.chain.chain import Proceed, StoreOutcomes, TierChain
+from kvstored.chunks.ids import TierKind
 from kvstored.errors import InvalidRequest, TransferNotStarted
 from kvstored.namespaces import Namespace
 from kvstored.observability.snapshot import SessionCounts
@@ -28,6 +29,7 @@ from kvstored.server.sessions import Handle, HandleKind, Session, SessionRegistr
 from kvstored.server.tenants import Tenancy
 from kvstored.shm.mapping import Region
 from kvstored.tiers.ram import Extent, RamEntry, ReserveOutcome
+from kvstored_client.kinds import DropReason
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,8 @@ class Slot:
     outcome: ReserveOutcome
     handle: int = 0
     extents: tuple[Extent, ...] = ()
+    present_in: TierKind = TierKind.NONE  # ALREADY_PRESENT: the tier holding it
+    drop: DropReason = DropReason.NONE  # IN_PROGRESS, NO_SPACE: why it is not stored
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +113,7 @@ class SessionBroker:
         return [
             Slot(g.outcome, self._grant(session, HandleKind.RESERVATION, g.entry), g.extents)
             if g.entry is not None
-            else Slot(g.outcome)
+            else Slot(g.outcome, present_in=g.present_in, drop=g.drop)
             for g in grants
         ]
 

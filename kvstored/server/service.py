@@ -20,6 +20,7 @@ from kvstored.chunks.ids import TierKind
 from kvstored.errors import BatchTooLarge, InvalidRequest, SessionRequired, WatcherLagged, shown
 from kvstored.events.bus import KvEvent
 from kvstored.namespaces import Namespace, NamespaceRegistry, check_keys
+from kvstored.observability.snapshot import STORE_DROP_REASONS
 from kvstored.server.broker import SessionBroker
 from kvstored.server.sessions import Session
 from kvstored.server.tenants import ArenasUnsupported, Tenancy, events_for, visible
@@ -28,7 +29,7 @@ from kvstored.tiers.ram import Extent, ReserveOutcome
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.errors import OLDEST_SEQ_KEY
-from kvstored_client.kinds import LoadInto
+from kvstored_client.kinds import DropReason, LoadInto
 
 _SLOT_STATE = {
     ReserveOutcome.RESERVED: pb.SLOT_STATE_RESERVED,
@@ -168,11 +169,23 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         session = self._broker.get(request.session_id)
         ns = self._ns_keys(request.namespace_id, request.keys)
         if not self._visible(ns, session):
-            return pb.ReserveResponse(slots=[pb.Slot(state=pb.SLOT_STATE_NO_SPACE) for _ in request.keys])
+            self._chain.drops.record([DropReason.NOT_VISIBLE] * len(request.keys))
+            return pb.ReserveResponse(
+                slots=[pb.Slot(state=pb.SLOT_STATE_NO_SPACE, drop_reason=DropReason.NOT_VISIBLE) for _ in request.keys]
+            )
         self._check_arenas(ns, session)
         slots = await self._broker.reserve(session, ns, request.keys)
         return pb.ReserveResponse(
-            slots=[pb.Slot(state=_SLOT_STATE[s.outcome], handle=s.handle, extents=_extents(s.extents)) for s in slots]
+            slots=[
+                pb.Slot(
+                    state=_SLOT_STATE[s.outcome],
+                    handle=s.handle,
+                    extents=_extents(s.extents),
+                    present_in=s.present_in,
+                    drop_reason=s.drop,
+                )
+                for s in slots
+            ]
         )
 
     async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
@@ -207,9 +220,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         session = self._broker.get(request.session_id)
         ns = self._ns_keys(request.namespace_id, request.keys)
         region = session.region(request.region_id)
+        n = len(request.keys)
         if not self._visible(ns, session):
+            self._chain.drops.record([DropReason.NOT_VISIBLE] * n)
             return pb.StoreFromRegionResponse(
-                dropped=len(request.keys), outcomes=[pb.STORE_OUTCOME_DROPPED] * len(request.keys)
+                dropped=n,
+                outcomes=[pb.STORE_OUTCOME_DROPPED] * n,
+                present_in=[TierKind.NONE] * n,
+                drop_reasons=[DropReason.NOT_VISIBLE] * n,
             )
         result = await self._broker.store_from_region(
             session, ns, region, request.keys, request.offsets, _start_by(request)
@@ -219,6 +237,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             already_present=result.count(ReserveOutcome.ALREADY_PRESENT),
             dropped=result.count(ReserveOutcome.IN_PROGRESS, ReserveOutcome.NO_SPACE),
             outcomes=[_STORE_OUTCOMES[o] for o in result.per_key],
+            present_in=result.present_in,  # (TierKind and DropReason are ints)
+            drop_reasons=result.drops,
         )
 
     async def LoadToRegion(self, request: pb.RegionTransferRequest, context) -> pb.LoadToRegionResponse:
@@ -294,6 +314,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             staging_capacity_bytes=staging.capacity_bytes,
             staging_used_bytes=staging.used_bytes,
             staged_chunks=staging.staged_chunks,
+            store_drops=[
+                pb.StoreDrops(reason=reason, chunks=snapshot.store_drops.get(reason, 0))
+                for reason in STORE_DROP_REASONS
+            ],
         )
 
     async def WatchEvents(self, request: pb.WatchEventsRequest, context):

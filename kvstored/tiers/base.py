@@ -107,6 +107,12 @@ class SecondaryTier(abc.ABC):
         """Which of `chunks` the tier holds, one bool per chunk, in order (batched: one call per
         lookup). A tier that cannot tell answers False (a miss is never wrong, only slower)."""
 
+    def holds(self, chunks: Sequence[ChunkId]) -> list[bool]:
+        """Which of `chunks` the tier's own index says it holds, asked with no I/O at all (a store
+        copies these into RAM no more: a load brings them up). Hits count as a use of the chunk.
+        A tier whose index is not its own storage (peer: other nodes' chunks) answers False."""
+        return [False] * len(chunks)
+
     @abc.abstractmethod
     async def write(self, chunk: ChunkId, views: Sequence[memoryview], size: int) -> WriteOutcome:
         """Store the payload; the outcome says whether the tier now holds it (WRITTEN,

@@ -113,7 +113,7 @@ class RamCounters:
     written_bytes: int = 0  # chunk bytes committed (stored or promoted)
     read_bytes: int = 0  # chunk bytes leased out to readers
     dropped_dirty: int = 0  # evicted before a lower tier had a copy (only counted with lower tiers)
-    writebacks: int = 0
+    writedowns: int = 0
     promotions: int = 0
 
 
@@ -122,6 +122,7 @@ class Reservation:
     outcome: ReserveOutcome
     entry: RamEntry | None = None
     evicted: list[ChunkId] = field(default_factory=list)
+    over_quota: bool = False  # NO_SPACE within one of the chunk's quota scopes (not the tier)
 
 
 class RamTier:
@@ -251,6 +252,11 @@ class RamTier:
 
     # -- lookups --------------------------------------------------------------------------
 
+    def is_ready(self, chunk: ChunkId) -> bool:
+        """A READY chunk, asked without counting a lookup or refreshing its recency."""
+        entry = self._index.get(chunk)
+        return entry is not None and entry.state is EntryState.READY
+
     def contains(self, chunk: ChunkId, touch: bool = True) -> bool:
         """A READY chunk; a hit refreshes its recency."""
         self.counters.lookups += 1
@@ -307,18 +313,15 @@ class RamTier:
         evicted: list[ChunkId] = []
         runs = None
         # Over a quota, the scope's own chunks make room first; then the tier's LRU.
-        if (
-            all(self._fit_scope(scope, pages, evicted) for scope in placement.scopes)
-            and self._make_room(pages, evicted)
-            and self._fit_arena(placement.arena, pages, evicted)
-        ):
+        within_quotas = all(self._fit_scope(scope, pages, evicted) for scope in placement.scopes)
+        if within_quotas and self._make_room(pages, evicted) and self._fit_arena(placement.arena, pages, evicted):
             before = alloc.resident_pages
             runs = alloc.allocate(pages)
             if alloc.resident_pages > before:  # it took holes: the arenas hold more memory now
                 self._resident_pages += alloc.resident_pages - before
                 self._trim(placement.arena)
         if runs is None:
-            return Reservation(ReserveOutcome.NO_SPACE, evicted=evicted)
+            return Reservation(ReserveOutcome.NO_SPACE, evicted=evicted, over_quota=not within_quotas)
         entry = RamEntry(chunk, size, runs, placement.arena, placement.scopes, pages)
         self._used_pages += pages
         for scope in placement.scopes:

@@ -335,6 +335,13 @@ class S3Tier(SecondaryTier):
 
     # -- SecondaryTier ----------------------------------------------------------------------
 
+    def holds(self, chunks: Sequence[ChunkId]) -> list[bool]:
+        """Objects the index knows to exist (written or listed by this daemon), while the endpoint
+        is usable: with the breaker open a load could not bring them up."""
+        if not self.available:
+            return [False] * len(chunks)
+        return [chunk not in self._undeleted and self._index.touch(chunk) is not None for chunk in chunks]
+
     async def contains(self, chunks: Sequence[ChunkId]) -> list[bool]:
         out = [False] * len(chunks)
         self.counters.lookups += len(chunks)

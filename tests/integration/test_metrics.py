@@ -48,7 +48,7 @@ TIER_COUNTERS = {
     "read_bytes": "kvstored_tier_read_bytes_total",
     "written_bytes": "kvstored_tier_written_bytes_total",
     "promotions": "kvstored_tier_promotions_total",
-    "writebacks": "kvstored_tier_writedowns_total",
+    "writedowns": "kvstored_tier_writedowns_total",
     "checksum_failures": "kvstored_tier_checksum_failures_total",
     "bad_entries": "kvstored_tier_bad_entries_total",
 }

@@ -427,7 +427,7 @@ def test_a_tenant_over_its_quota_writes_its_own_oldest_chunks_down_first(daemon_
         for i in range(0, 96, 8):
             assert kv.store(ns, keys[i : i + 8], data[i : i + 8]).stored == 8
         [ram] = [t for t in d.stats().tiers if t.kind == pb.TIER_KIND_RAM]
-        assert ram.dropped_dirty == 0 and ram.writebacks >= 64
+        assert ram.dropped_dirty == 0 and ram.writedowns >= 64
         out = np.zeros_like(data)
         for i in range(0, 96, 8):
             assert kv.load(ns, keys[i : i + 8], out[i : i + 8]) == 8

@@ -66,7 +66,7 @@ def test_ram_evictions_land_in_fs_and_promote_back_byte_exact(daemon_factory, fs
         fill(kv, ns, keys)
         stats = tier_stats(d)
         assert stats["ram"].used_bytes <= stats["ram"].capacity_bytes
-        assert stats["ram"].writebacks >= 32 and stats["ram"].dropped_dirty == 0
+        assert stats["ram"].writedowns >= 32 and stats["ram"].dropped_dirty == 0
         assert stats["fs"].chunks >= 32
         assert {k.hex() for k in keys[:32]} <= fs_files(fs_root)
 

@@ -41,8 +41,9 @@ class GatedMemoryTier(SecondaryTier):
 
     kind = TierKind.FS
 
-    def __init__(self, name: str = "mem") -> None:
+    def __init__(self, name: str = "mem", indexed: bool = False) -> None:
         super().__init__(name)
+        self.indexed = indexed  # holds() answers from `data`, as fs and s3 do from their index
         self.data: dict[ChunkId, bytes] = {}
         self.calls: Counter[str] = Counter()  # operations called, by name
         self.waiting: Counter[str] = Counter()  # operations at their gate now
@@ -76,6 +77,10 @@ class GatedMemoryTier(SecondaryTier):
                 await self._changed[op].wait()
         finally:
             self.waiting[op] -= 1
+
+    def holds(self, chunks: Sequence[ChunkId]) -> list[bool]:
+        self.calls["holds"] += 1
+        return [self.indexed and c in self.data for c in chunks]
 
     async def contains(self, chunks: Sequence[ChunkId]) -> list[bool]:
         self.calls["contains"] += 1

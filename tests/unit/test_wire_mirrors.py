@@ -25,6 +25,7 @@ from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
     [
         (kinds.TierKind, pb.TierKind),
         (kinds.StoreOutcome, pb.StoreOutcome),
+        (kinds.DropReason, pb.DropReason),
         (kinds.LoadInto, pb.LoadInto),
     ],
 )

@@ -325,7 +325,7 @@ def test_a_partly_dropped_store_reports_exactly_the_chunks_the_daemon_holds(own_
             dropped = second.stats().data["data"].get(KvstoredMetrics.DROPPED_CHUNKS, {})
         assert [e.keys for e in events] == [[held[0], new[0]]]
         assert daemon_chunks(daemon) == 4
-        assert dropped == {("kvstored", "daemon_full"): 2}
+        assert dropped == {("kvstored", "ram_full"): 2}
     finally:
         link.close()
 

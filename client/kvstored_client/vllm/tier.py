@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -60,6 +60,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from kvstored_client.kinds import DropReason
 from kvstored_client.paths import default_socket_path
 from kvstored_client.vllm.driver import DaemonLink, LinkOptions, LinkState, Outcome, outcome
 from kvstored_client.vllm.lookups import LookupBatcher
@@ -83,6 +84,7 @@ TIER_TYPE = "kvstored"
 _DRAIN_WARN_S = 5.0
 _SHUTDOWN_DRAIN_S = 10.0
 _HELD = frozenset((pb.STORE_OUTCOME_STORED, pb.STORE_OUTCOME_ALREADY_PRESENT))  # in the daemon after a store
+_DROP_LABELS = {int(r): r.label for r in DropReason if r is not DropReason.NONE}
 
 
 class KvstoredMetrics:
@@ -354,7 +356,7 @@ class KvstoredTierManager(SecondaryTierManager):
             ),
             KvstoredMetrics.DROPPED_CHUNKS: OffloadingCounterMetadata(
                 documentation="Chunks not stored in kvstored, by reason (unavailable, slow, backpressure, "
-                "daemon_full, error).",
+                "error; the daemon's own: ram_full, quota_full, in_progress, not_visible).",
                 labelnames=("tier", "reason"),
             ),
             KvstoredMetrics.FAILED_LOAD_CHUNKS: OffloadingCounterMetadata(
@@ -530,6 +532,7 @@ class KvstoredTierManager(SecondaryTierManager):
             if not result.ok:
                 error = True
                 dropped += len(batch)
+                self._count_dropped("error", len(batch))
                 self._rpc_error(result)
                 continue
             response = result.response
@@ -539,8 +542,7 @@ class KvstoredTierManager(SecondaryTierManager):
                 held += [k for k, o in zip(batch, response.outcomes) if o in _HELD]
             elif not response.dropped:  # a daemon without per-key outcomes: all or nothing
                 held += batch
-        if dropped:
-            self._count_dropped("error" if error else "daemon_full", dropped)
+            self._count_daemon_drops(response)
         # Routers hear of every chunk the daemon now holds, even when part of the job was dropped.
         if held and self.events is not None:
             self.events.append(
@@ -599,6 +601,17 @@ class KvstoredTierManager(SecondaryTierManager):
     def _drop_store(self, transfer: _Transfer, reason: str) -> None:
         self._count_dropped(reason, len(transfer.keys))
         self._finished.append(JobResult(job_id=transfer.job_id, success=False))
+
+    def _count_daemon_drops(self, response: pb.StoreFromRegionResponse) -> None:
+        """The daemon's dropped chunks, by the reason it gives for each (ram_full, quota_full,
+        in_progress, ...; "daemon_full" from a daemon too old to say)."""
+        if not response.dropped:
+            return
+        reasons = Counter(r for r in response.drop_reasons if r)
+        for reason, n in reasons.items():
+            self._count_dropped(_DROP_LABELS.get(reason, "daemon_full"), n)
+        if response.dropped > sum(reasons.values()):
+            self._count_dropped("daemon_full", response.dropped - sum(reasons.values()))
 
     def _count_dropped(self, reason: str, n: int) -> None:
         self._stats.increase_counter(KvstoredMetrics.DROPPED_CHUNKS, n, (self.tier_type, reason))

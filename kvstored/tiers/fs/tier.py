@@ -151,6 +151,10 @@ class FsTier(SecondaryTier):
 
     # -- SecondaryTier ----------------------------------------------------------------------
 
+    def holds(self, chunks: Sequence[ChunkId]) -> list[bool]:
+        """Indexed chunks (no stat: a file another daemon wrote counts once a lookup adopted it)."""
+        return [self._index.touch(chunk) is not None and chunk not in self._unlinking for chunk in chunks]
+
     async def contains(self, chunks: Sequence[ChunkId]) -> list[bool]:
         out: list[bool] = []
         misses: list[int] = []
