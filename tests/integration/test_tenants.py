@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import zmq
 
-from kvstored_client import ops
+from kvstored_client import DropReason, ops
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.errors import NotFound
@@ -111,6 +111,7 @@ def test_every_api_named_with_a_tenants_namespace_sees_and_changes_nothing(daemo
         assert [s.state for s in reserve.slots] == [pb.SLOT_STATE_NO_SPACE] * 4 and not any(
             s.extents for s in reserve.slots
         )
+        assert {s.drop_reason for s in reserve.slots} == {pb.DROP_REASON_NOT_VISIBLE}
         acquire = stub.Acquire(pb.AcquireRequest(session_id=sid_b, namespace_id=nsid, keys=keys), timeout=10)
         assert not acquire.leases
         for method, request in (
@@ -130,6 +131,7 @@ def test_every_api_named_with_a_tenants_namespace_sees_and_changes_nothing(daemo
             lambda s: ops.store_from_region(s, ns, region, make_keys("poison", 4), offsets), None, session=True
         )
         assert stored.stored == 0 and stored.dropped == 4
+        assert stored.dropped_by_reason == {DropReason.NOT_VISIBLE: 4}
         assert b._run(lambda s: ops.load_to_region(s, ns, region, keys, offsets), -1, session=True) == 0
         assert region_file.read_bytes() == b"\x5a" * (4 * CHUNK)
         out = np.zeros_like(data)

@@ -321,6 +321,30 @@ async def test_read_hits_persist_recency_across_restart(make_tier, tmp_path):
     assert path_of(root, chunk(0)).exists() and not path_of(root, chunk(1)).exists()
 
 
+async def test_holds_answers_from_the_index_alone(make_tier, tmp_path):
+    """What a store asks (no I/O): chunks indexed at start or written since, not a file another
+    tier sharing the root wrote until a lookup adopted it, not a removed chunk; a hit is a use."""
+    root = tmp_path / "fs"
+    size = PAGE
+    src = Slot((1,))
+    first = await make_tier(root)
+    await first.write(chunk(1), src.views, size)
+    await first.close()
+    tier = await make_tier(root, capacity=2 * (HEADER_BYTES + size))
+    other = await make_tier(root)
+    await tier.write(chunk(2), src.views, size)
+    await other.write(chunk(3), src.views, size)
+    assert tier.holds([chunk(1), chunk(2), chunk(3), chunk(4)]) == [True, True, False, False]
+    assert tier.counters.lookups == 0  # (not a lookup: stats stay what lookups did)
+    assert tier.holds([chunk(1)]) == [True]  # chunk 1 used last: chunk 2 is the oldest now
+    await tier.write(chunk(5), src.views, size)
+    assert path_of(root, chunk(1)).exists() and not path_of(root, chunk(2)).exists()
+    assert tier.holds([chunk(1), chunk(2), chunk(5)]) == [True, False, True]
+    assert await tier.remove(chunk(1)) and tier.holds([chunk(1)]) == [False]
+    assert await tier.contains([chunk(3)]) == [True]  # adopted from disk by a lookup
+    assert tier.holds([chunk(3)]) == [True]
+
+
 async def test_two_tiers_share_a_root(make_tier, tmp_path):
     root = tmp_path / "fs"
     a = await make_tier(root)

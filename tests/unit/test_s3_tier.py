@@ -216,6 +216,7 @@ async def test_a_failed_delete_is_reported_and_the_object_is_never_found_again(m
             await tier.remove(chunk)
         assert await exists(raw, bucket, chunkfile.chunk_relpath(chunk))  # still there...
         assert await tier.contains([chunk]) == [False]  # ...but deleted as far as anyone asks
+        assert tier.holds([chunk]) == [False]
         assert not await tier.read(chunk, Pages([3]).views, 3 * PAGE - 100)
         data = await stored(tier, chunk)  # a new value replaces it
         assert await tier.contains([chunk]) == [True]
@@ -274,6 +275,7 @@ async def test_contains_answers_known_chunks_without_requests(make_tier):
         await stored(tier, chunk)
     before = tier.requests
     assert await tier.contains(chunks) == [True, True, True]
+    assert tier.holds(chunks + [new_chunk()]) == [True, True, True, False]  # what a store asks
     assert tier.requests == before
 
 
@@ -528,6 +530,7 @@ async def test_endpoint_dying_later_costs_breaker_failures_calls_then_none(make_
             assert tier.available
             assert not await tier.read(chunk, dst.views, PAGE)
         assert not tier.available
+        assert tier.holds([chunk]) == [False]  # a load could not bring it up: a store keeps it in RAM
         sent, errors = tier.requests, tier.counters.errors
         for _ in range(20):
             assert not await tier.read(chunk, dst.views, PAGE)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
 import numpy as np
@@ -20,6 +21,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from kvstored_client.vllm.plugin import register
 from kvstored_client.vllm.tier import KvstoredMetrics, KvstoredTierManager
+from tests.support.daemon import short_tmpdir
 from tests.vllm.harness import SETTLE_LIMIT_S, Engine, exact, kvstored_tier, offload_keys
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
@@ -328,6 +330,34 @@ def test_a_partly_dropped_store_reports_exactly_the_chunks_the_daemon_holds(own_
         assert dropped == {("kvstored", "ram_full"): 2}
     finally:
         link.close()
+
+
+def test_chunks_on_the_daemons_fs_tier_count_as_stored_and_stay_out_of_its_ram(own_daemon):
+    """After a daemon restart its fs tier holds the chunks: a cascade of them is a stored job for
+    vLLM (routers hear of every chunk, nothing is counted dropped), copies nothing into the
+    daemon's RAM, and a lookup then a load brings them back byte-exact."""
+    root = short_tmpdir("kvfs")
+    fs = ["--tiers", f"kind=fs,root={root},bytes=64MiB"]
+    try:
+        daemon = own_daemon().start(fs)
+        keys = offload_keys("on-disk", 4)
+        with Engine([kvstored_tier(daemon)]) as first:
+            store_and_cascade(first, keys)
+        daemon.stop()  # (SIGTERM writes RAM's chunks down)
+        daemon.start(fs)
+        with Engine([kvstored_tier(daemon)]) as second:
+            store_and_cascade(second, keys)
+            events = [e for e in second.events() if e.ownership == "kvstored"]
+            assert [e.keys for e in events] == [keys]
+            assert KvstoredMetrics.DROPPED_CHUNKS not in second.stats().data["data"]
+            assert daemon_chunks(daemon) == 0
+            second.evict_primary()
+            ctx = second.request()
+            assert second.lookup(ctx, keys) == [HIT] * len(keys)
+            assert exact(second.load(ctx, keys), keys)
+            second.finish(ctx)
+    finally:
+        subprocess.run(["rm", "-rf", str(root)], check=False)
 
 
 @pytest.mark.parametrize("daemon_up", [True, False], ids=["daemon_up", "daemon_down"])
