@@ -13,6 +13,7 @@ import numpy as np
 
 from bench.lib.daemons import Daemon, free_port
 from bench.lib.limits import drop_page_cache, raw_odirect
+from bench.lib.raw_net import Place, measure_raw
 from bench.lib.s3 import raw_s3_get
 from bench.peer.loads import (
     FETCH_TIMEOUT_S,
@@ -27,7 +28,6 @@ from bench.peer.loads import (
     ram_for,
     store,
 )
-from bench.peer_raw import Place, measure_raw
 
 
 class Cluster:
