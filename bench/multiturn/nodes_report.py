@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.lib.report import GIB, Row, fmt_bytes, load_average, machine_info, write_json
+from bench.lib.report import GIB, fmt_bytes, load_average, machine_info, write_json
 from bench.multiturn.limits import Limits, measure_limits
 from bench.multiturn.model import MODELS, TARGET_HIT, Model
 from bench.multiturn.nodes import (
@@ -39,6 +39,7 @@ from bench.multiturn.plan import (
 )
 from bench.multiturn.report import (
     Layout,
+    TargetRows,
     cost_lines,
     limit_lines,
     load_summary,
@@ -138,107 +139,47 @@ def _limit(r: NodesRunResult, tier: str, limits: Limits, raw_tcp: Sequence[float
 
 def target_rows(
     results: Sequence[NodesRunResult], m: Model, limits: Limits, raw_tcp: Sequence[float], n: int
-) -> list[dict[str, Any]]:
-    """The targets at the largest count and the informational ratios: name, value, baseline, ratio,
-    target, status (as the other benchmarks' JSON) and `limit`: what bounds it on this machine."""
+) -> TargetRows:
+    """The targets at the largest count and the informational ratios."""
+    rows = TargetRows()
     runs = {(r.config, r.conversations): r for r in results if not r.skipped}
     counts = sorted({r.conversations for r in results})
     if not counts:
-        return []
+        return rows
     top = counts[-1]
     none, islands, peers, s3 = (runs.get((c, top)) for c in CONFIG_KEYS)
     breakeven = m.model_kv_bytes_per_token * m.prefill_tokens_per_s / GIB
-    rows: list[dict[str, Any]] = []
-
-    def add(
-        name: str, value: float, unit: str, baseline_name: str, baseline: float | None, target: float | None, limit: str
-    ) -> None:
-        rows.append({**Row(name, value, unit, baseline_name, baseline, target).to_json(), "limit": limit})
-
     where = f"{n} nodes, {top} conversations"
     if peers is not None:
-        add(
-            f"peers: hit rate, {where}",
-            peers.hit_rate_overall,
-            "share",
-            "all reusable tokens",
-            1.0,
-            TARGET_HIT,
-            f"peer {100 * peers.hit_rate['peer']:.0f}% of reusable tokens; missing "
-            f"{peers.peers.get('missing_chunks', 0)}, failed {peers.peers.get('failed_chunks', 0)}, timed out "
-            f"{peers.peers.get('timed_out_chunks', 0)}",
+        p = peers.peers
+        lost = f"missing {p.get('missing_chunks', 0)}, failed {p.get('failed_chunks', 0)}, timed out "
+        lost += f"{p.get('timed_out_chunks', 0)}"
+        limit = f"peer {100 * peers.hit_rate['peer']:.0f}% of reusable tokens; {lost}"
+        rows.add(
+            f"peers: hit rate, {where}", peers.hit_rate_overall, "share", "all reusable tokens", 1.0, TARGET_HIT, limit
         )
+        peer_limit = _limit(peers, "peer", limits, raw_tcp, breakeven)
         if islands is not None:
             cap = islands.makespan_s / peers.think_floor_s  # no makespan is shorter than the think floor
-            add(
-                f"peers vs islands (no peers), {where}",
-                peers.throughput_tokens_s,
-                "tokens/s",
-                "islands",
-                islands.throughput_tokens_s,
-                TARGET_VS_ISLANDS,
-                _limit(peers, "peer", limits, raw_tcp, breakeven)
-                + f"; makespan {peers.makespan_s:,.0f} s, the conversations' own start and think times "
-                f"{peers.think_floor_s:,.0f} s: at most {cap:.2f}x",
+            limit = (
+                peer_limit + f"; makespan {peers.makespan_s:,.0f} s, the conversations' own start and think times "
+                f"{peers.think_floor_s:,.0f} s: at most {cap:.2f}x"
             )
+            rows.vs(f"peers vs islands (no peers), {where}", peers, "islands", islands, TARGET_VS_ISLANDS, limit)
         if none is not None:
-            add(
-                f"peers vs no offload, {where}",
-                peers.throughput_tokens_s,
-                "tokens/s",
-                "no offload",
-                none.throughput_tokens_s,
-                None,
-                _limit(peers, "peer", limits, raw_tcp, breakeven),
-            )
+            rows.vs(f"peers vs no offload, {where}", peers, "no offload", none, None, peer_limit)
     if islands is not None and none is not None:
-        add(
-            f"islands vs no offload, {where}",
-            islands.throughput_tokens_s,
-            "tokens/s",
-            "no offload",
-            none.throughput_tokens_s,
-            None,
-            f"hit rate {100 * islands.hit_rate_overall:.0f}%; " + _limit(islands, "fs", limits, raw_tcp, breakeven),
-        )
+        limit = f"hit rate {100 * islands.hit_rate_overall:.0f}%; " + _limit(islands, "fs", limits, raw_tcp, breakeven)
+        rows.vs(f"islands vs no offload, {where}", islands, "no offload", none, None, limit)
     if s3 is not None and none is not None:
-        add(
-            f"shared S3 vs no offload, {where}",
-            s3.throughput_tokens_s,
-            "tokens/s",
-            "no offload",
-            none.throughput_tokens_s,
-            None,
-            f"hit rate {100 * s3.hit_rate_overall:.0f}%; " + _limit(s3, "s3", limits, raw_tcp, breakeven),
-        )
+        limit = f"hit rate {100 * s3.hit_rate_overall:.0f}%; " + _limit(s3, "s3", limits, raw_tcp, breakeven)
+        rows.vs(f"shared S3 vs no offload, {where}", s3, "no offload", none, None, limit)
     if peers is not None and s3 is not None:
-        add(
-            f"peers vs shared S3, {where}",
-            peers.throughput_tokens_s,
-            "tokens/s",
-            "shared S3",
-            s3.throughput_tokens_s,
-            None,
-            "the faster of the two ways to reach another node's chunks",
-        )
+        limit = "the faster of the two ways to reach another node's chunks"
+        rows.vs(f"peers vs shared S3, {where}", peers, "shared S3", s3, None, limit)
     for tier, r in (("peer", peers), ("fs", islands), ("s3", s3)):
-        if r is not None and tier in r.load_gib_s:
-            name, rate = raw_limit(limits, tier, raw_tcp)
-            marginal = r.marginal_gib_s.get(tier)
-            add(
-                f"{tier} tier loads, all-in ({LABELS[r.config]}, {top})",
-                r.load_gib_s[tier],
-                "GiB/s",
-                name,
-                rate,
-                None,
-                (
-                    f"marginal {marginal:.2f} GiB/s (what the model charges)"
-                    if marginal
-                    else "no per-byte cost above the fixed cost per call"
-                )
-                + f"; break-even {breakeven:.2f} GiB/s",
-            )
+        label = f"{LABELS[r.config]}, {top}" if r is not None else ""
+        rows.loads(tier, r, label, raw_limit(limits, tier, raw_tcp), "what the model charges", breakeven)
     return rows
 
 

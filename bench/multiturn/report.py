@@ -275,31 +275,64 @@ def _busy(r: RunResult) -> str:
     return f"; loader busy {100 * r.loader_busy:.0f}%, GPU {100 * r.gpu_busy:.0f}%"
 
 
-def target_rows(
-    results: list[RunResult], m: Model, limits: Limits, sizes_conv: dict[str, float]
-) -> list[dict[str, Any]]:
-    """The targets at the largest count, and the informational ratios, as rows: name, value, baseline,
-    ratio, target, status (as the other benchmarks' JSON) and `limit`: what bounds it on this machine."""
+class TargetRows(list[dict[str, Any]]):
+    """A sweep's targets and ratios as rows: name, value, baseline, ratio, target, status (as the
+    other benchmarks' JSON) and `limit`: what bounds it on this machine."""
+
+    def add(
+        self,
+        name: str,
+        value: float,
+        unit: str,
+        baseline_name: str,
+        baseline: float | None,
+        target: float | None,
+        limit: str,
+    ) -> None:
+        self.append({**Row(name, value, unit, baseline_name, baseline, target).to_json(), "limit": limit})
+
+    def vs(self, name: str, r: Any, baseline_name: str, base: Any, target: float | None, limit: str) -> None:
+        """Run r's modelled throughput against run base's."""
+        self.add(name, r.throughput_tokens_s, "tokens/s", baseline_name, base.throughput_tokens_s, target, limit)
+
+    def loads(
+        self, tier: str, r: Any, label: str, raw: tuple[str, float | None], charged: str, breakeven: float
+    ) -> None:
+        """The all-in load rate of a tier in run r beside the raw rate beneath it (when it loaded)."""
+        if r is None or tier not in r.load_gib_s:
+            return
+        marginal = r.marginal_gib_s.get(tier)
+        limit = (
+            f"marginal {marginal:.2f} GiB/s ({charged})"
+            if marginal
+            else "no per-byte cost above the fixed cost per call"
+        )
+        self.add(
+            f"{tier} tier loads, all-in ({label})",
+            r.load_gib_s[tier],
+            "GiB/s",
+            *raw,
+            None,
+            limit + f"; break-even {breakeven:.2f} GiB/s",
+        )
+
+
+def target_rows(results: list[RunResult], m: Model, limits: Limits, sizes_conv: dict[str, float]) -> TargetRows:
+    """The targets at the largest count, and the informational ratios."""
+    rows = TargetRows()
     runs = {(r.config, r.conversations): r for r in results if not r.skipped}
     counts = sorted({r.conversations for r in results})
     if not counts:
-        return []
+        return rows
     top = counts[-1]
     none, ram, fs, s3 = (runs.get((c, top)) for c in ("none", "ram", "ram+fs", "ram+fs+s3"))
     breakeven = m.model_kv_bytes_per_token * m.prefill_tokens_per_s / GIB
-    rows: list[dict[str, Any]] = []
-
-    def add(
-        name: str, value: float, unit: str, baseline_name: str, baseline: float | None, target: float | None, limit: str
-    ) -> None:
-        rows.append({**Row(name, value, unit, baseline_name, baseline, target).to_json(), "limit": limit})
-
     if fs is not None:
         capacity = (
             f"capacity: GPU {sizes_conv['gpu']:.0f} + RAM {sizes_conv['ram']:g} + fs {sizes_conv['fs']:g} "
             f"conversations for {top}"
         )
-        add(
+        rows.add(
             f"RAM + fs hit rate, {top} conversations",
             fs.hit_rate_overall,
             "share",
@@ -310,67 +343,24 @@ def target_rows(
         )
         fs_limit = _tier_limit("fs", fs, limits, breakeven) + _busy(fs)
         if none is not None:
-            add(
-                f"RAM + fs vs no offload, {top} conversations",
-                fs.throughput_tokens_s,
-                "tokens/s",
-                "no offload",
-                none.throughput_tokens_s,
-                TARGET_VS_NONE,
-                fs_limit,
-            )
+            rows.vs(f"RAM + fs vs no offload, {top} conversations", fs, "no offload", none, TARGET_VS_NONE, fs_limit)
         if ram is not None:
-            add(
-                f"RAM + fs vs RAM alone, {top} conversations",
-                fs.throughput_tokens_s,
-                "tokens/s",
-                "RAM alone",
-                ram.throughput_tokens_s,
-                TARGET_VS_RAM,
-                fs_limit,
-            )
+            rows.vs(f"RAM + fs vs RAM alone, {top} conversations", fs, "RAM alone", ram, TARGET_VS_RAM, fs_limit)
     if ram is not None and none is not None:
-        add(
-            f"RAM vs no offload, {top} conversations",
-            ram.throughput_tokens_s,
-            "tokens/s",
-            "no offload",
-            none.throughput_tokens_s,
-            None,
-            _tier_limit("ram", ram, limits, breakeven) + _busy(ram),
-        )
+        limit = _tier_limit("ram", ram, limits, breakeven) + _busy(ram)
+        rows.vs(f"RAM vs no offload, {top} conversations", ram, "no offload", none, None, limit)
     if s3 is not None and none is not None:
-        add(
-            f"RAM + fs + S3 vs no offload, {top} conversations",
-            s3.throughput_tokens_s,
-            "tokens/s",
-            "no offload",
-            none.throughput_tokens_s,
-            None,
-            _tier_limit("s3", s3, limits, breakeven) + _busy(s3),
-        )
+        limit = _tier_limit("s3", s3, limits, breakeven) + _busy(s3)
+        rows.vs(f"RAM + fs + S3 vs no offload, {top} conversations", s3, "no offload", none, None, limit)
     tier_rows = (
         ("ram", ram, "memcpy, 2 MiB pieces", "memcpy"),
         ("fs", fs, f"raw O_DIRECT read, {limits.batch_chunks}-chunk batches", "odirect_batched"),
         ("s3", s3, f"raw GET, {S3_INFLIGHT} in flight", "s3_get"),
     )
+    charged = "fixed cost per call removed: what the model charges"
     for tier, r, raw_name, raw_key in tier_rows:
-        if r is not None and tier in r.load_gib_s:
-            marginal = r.marginal_gib_s.get(tier)
-            add(
-                f"{tier} tier loads, all-in ({CONFIG_LABELS[r.config]}, {top})",
-                r.load_gib_s[tier],
-                "GiB/s",
-                raw_name,
-                limits.median(raw_key),
-                None,
-                (
-                    f"marginal {marginal:.2f} GiB/s (fixed cost per call removed: what the model charges)"
-                    if marginal
-                    else "no per-byte cost above the fixed cost per call"
-                )
-                + f"; break-even {breakeven:.2f} GiB/s",
-            )
+        label = f"{CONFIG_LABELS[r.config]}, {top}" if r is not None else ""
+        rows.loads(tier, r, label, (raw_name, limits.median(raw_key)), charged, breakeven)
     return rows
 
 
