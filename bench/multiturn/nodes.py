@@ -150,18 +150,9 @@ class Nodes:
 
 
 PEER_COUNTERS = (
-    "fetches",
-    "received_chunks",
-    "received_bytes",
-    "sent_bytes",
-    "missing_chunks",
-    "failed_chunks",
-    "timed_out_chunks",
-    "corrupt_chunks",
-    "refused_by_breaker",
-    "events",
-    "resyncs",
-)
+    "fetches received_chunks received_bytes sent_bytes missing_chunks failed_chunks timed_out_chunks corrupt_chunks "
+    "refused_by_breaker events resyncs"
+).split()
 
 
 def peer_counters(status: Any) -> dict[str, int]:

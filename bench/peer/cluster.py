@@ -42,17 +42,8 @@ class Cluster:
         a = self.addresses["A"]
 
         def node(transport: str, peers: Sequence[str], listen: str) -> Daemon:
-            spec = ",".join(
-                [
-                    "kind=peer",
-                    f"transport={transport}",
-                    f"peers={' '.join(peers)}",
-                    "tcp_port=0",
-                    "ucx_port=0",
-                    "ucx_net_devices=lo",
-                    f"fetch_timeout_s={FETCH_TIMEOUT_S}",
-                ]
-            )
+            spec = f"kind=peer,transport={transport},peers={' '.join(peers)},tcp_port=0,ucx_port=0,"
+            spec += f"ucx_net_devices=lo,fetch_timeout_s={FETCH_TIMEOUT_S}"
             return Daemon(
                 ram_for(chunks),
                 extra_args=["--metrics-addr", "off", "--tcp-listen", listen, "--tiers", spec],
@@ -109,13 +100,7 @@ class Cluster:
                 f"{exc}; B's counters for A: "
                 + ", ".join(
                     f"{k} {getattr(a, k, '?')}"
-                    for k in (
-                        "missing_chunks",
-                        "corrupt_chunks",
-                        "failed_chunks",
-                        "timed_out_chunks",
-                        "refused_by_breaker",
-                    )
+                    for k in "missing_chunks corrupt_chunks failed_chunks timed_out_chunks refused_by_breaker".split()
                 )
             ) from None
         with Client(str(b.socket), deadline_s=60.0) as kv:  # B's copies only: A keeps its own
