@@ -63,13 +63,7 @@ class Cluster:
 
     def _a_seen_by(self, transport: str):
         """B's view of A (kvstored.v1.Peer/Status): state, transport, index, counters."""
-        import grpc
-
-        from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
-        from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
-
-        with grpc.insecure_channel(f"unix:{self.b[transport].socket}") as channel:
-            status = pb_grpc.PeerStub(channel).Status(pb.PeerStatusRequest(), timeout=10)
+        status = self.b[transport].peer_status()
         return next((p for p in status.peers if p.address == self.addresses["A"]), None)
 
     def _wait_indexed(self, transport: str) -> None:
