@@ -292,7 +292,7 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
         configs,
         s3,
         s3_note,
-        lambda c, count: run_one(c, count, n, w, m, sizes, workdir, s3, args.peer_transport, args.settle_s),  # type: ignore[arg-type]
+        lambda c, count: run_one(c, count, n, w, m, sizes, workdir, s3, args.peer_transport, args.settle_s),
         lambda c, count, note: NodesRunResult(c.key, count, nodes=n, skipped=note),
         lambda r: (
             f"hit {100 * r.hit_rate_overall:.1f}% (peer {100 * r.hit_rate['peer']:.1f}%)  "

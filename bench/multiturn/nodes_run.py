@@ -16,7 +16,7 @@ from bench.lib.s3 import S3
 from bench.multiturn.model import Model, Sizes, Workload
 from bench.multiturn.nodes import NODE_TIERS, RAW_TCP_BYTES, ClusterSim, Nodes, NodesConfig, peer_counters
 from bench.multiturn.offload import Offload
-from bench.multiturn.runs import TierResources, TurnsResult, gib_s_of_costs, stats_delta, store_summary, timed_run
+from bench.multiturn.runs import TierResources, TurnsResult, gib_s_of_costs, stats_delta, store_summary, timed
 
 # -- one run: a set-up of the nodes at a number of conversations -----------------------------------
 
@@ -111,22 +111,8 @@ def s3_written(stats: dict[str, dict[str, int]]) -> int:
     return sum(s3.get(k, 0) for k in ("stored_chunks", "dropped_backpressure", "errors", "rejected_full"))
 
 
+@timed
 def run_one(
-    config: NodesConfig,
-    conversations: int,
-    n: int,
-    w: Workload,
-    m: Model,
-    sizes: Sizes,
-    workdir: Path,
-    s3: S3 | None,
-    peer_transport: str,
-    settle_s: float,
-) -> NodesRunResult:
-    return timed_run(lambda: _run_one(config, conversations, n, w, m, sizes, workdir, s3, peer_transport, settle_s))
-
-
-def _run_one(
     config: NodesConfig,
     conversations: int,
     n: int,

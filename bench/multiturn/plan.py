@@ -23,6 +23,7 @@ class _Run(Protocol):
 
 
 R = TypeVar("R", bound=_Run)
+C = TypeVar("C", bound=Config)
 
 
 def parse_counts(text: str) -> list[int]:
@@ -115,11 +116,11 @@ def start_sweep_s3(
 
 def sweep(
     counts: Sequence[int],
-    configs: Sequence[Config],
+    configs: Sequence[C],
     s3: S3 | None,
     s3_note: str,
-    run: Callable[[Config, int], R],
-    skipped: Callable[[Config, int, str], R],
+    run: Callable[[C, int], R],
+    skipped: Callable[[C, int, str], R],
     status: Callable[[R], str],
     measure: Callable[[], None] | None,
     width: int,

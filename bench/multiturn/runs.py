@@ -5,13 +5,14 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 import numpy as np
 
@@ -23,6 +24,7 @@ from bench.multiturn.offload import Offload
 from bench.multiturn.sim import Simulation, TurnRecord
 
 T = TypeVar("T", bound="TurnsResult")
+P = ParamSpec("P")
 
 
 class Clock(Protocol):
@@ -210,22 +212,22 @@ def tier_args(config: Config, sizes: Sizes, res: TierResources) -> list[str]:
     return args
 
 
-def timed_run(run: Callable[[], T]) -> T:
+def timed(run: Callable[P, T]) -> Callable[P, T]:
     """A run with its wall seconds and the load average at its start and end."""
-    t0, load0 = time.perf_counter(), load_average()
-    r = run()
-    r.wall_s = time.perf_counter() - t0
-    r.load_average = (load0, load_average())
-    return r
+
+    @functools.wraps(run)
+    def timed_run(*args: P.args, **kwargs: P.kwargs) -> T:
+        t0, load0 = time.perf_counter(), load_average()
+        r = run(*args, **kwargs)
+        r.wall_s = time.perf_counter() - t0
+        r.load_average = (load0, load_average())
+        return r
+
+    return timed_run
 
 
+@timed
 def run_one(
-    config: Config, conversations: int, w: Workload, m: Model, sizes: Sizes, workdir: Path, s3: S3 | None
-) -> RunResult:
-    return timed_run(lambda: _run_one(config, conversations, w, m, sizes, workdir, s3))
-
-
-def _run_one(
     config: Config, conversations: int, w: Workload, m: Model, sizes: Sizes, workdir: Path, s3: S3 | None
 ) -> RunResult:
     if not config.offload:
