@@ -181,24 +181,9 @@ class RedisServer:
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="redis-", dir=workdir))
         self.log = open(self.dir / "redis.log", "wb")
+        argv = f"--bind 127.0.0.1 --port {self.port} --appendonly no --protected-mode no --daemonize no".split()
         self.proc = subprocess.Popen(
-            [
-                exe,
-                "--bind",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.dir),
-                "--protected-mode",
-                "no",
-                "--daemonize",
-                "no",
-            ],
+            [exe, *argv, "--save", "", "--dir", str(self.dir)],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -312,17 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     samples: dict[str, Samples] = {
         k: Samples()
         for k in (
-            "memcpy",
-            "kv_store",
-            "kv_load",
-            "kvfs_store",
-            "kvfs_load",
-            "redis_set",
-            "redis_get_pipelined",
-            "redis_get_each",
-            "odirect_write",
-            "odirect_read",
-        )
+            "memcpy kv_store kv_load kvfs_store kvfs_load redis_set redis_get_pipelined redis_get_each "
+            "odirect_write odirect_read"
+        ).split()
     }
     kv = kvfs = redis_srv = raw = None
     sink: list = []

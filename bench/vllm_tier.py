@@ -158,18 +158,8 @@ class Engine:
             raise RuntimeError("the offloading manager made no progress")
 
 
-def daemon_stats(daemon: Daemon):
-    import grpc
-
-    from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
-    from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
-
-    with grpc.insecure_channel(f"unix:{daemon.socket}") as channel:
-        return pb_grpc.KVStoreStub(channel).Stats(pb.StatsRequest(), timeout=10)
-
-
 def daemon_tiers(daemon: Daemon) -> dict:
-    return {t.name: t for t in daemon_stats(daemon).tiers}
+    return {t.name: t for t in daemon.stats().tiers}
 
 
 def run_case(name: str, tier: dict, args, keys: list[bytes], daemon: Daemon | None = None) -> dict:
@@ -201,7 +191,7 @@ def run_case(name: str, tier: dict, args, keys: list[bytes], daemon: Daemon | No
     extra = ""
     if below is not None and daemon is not None:
         ram = daemon_tiers(daemon)["ram"]
-        staged = daemon_stats(daemon).staged_chunks
+        staged = daemon.stats().staged_chunks
         read = daemon_tiers(daemon)["fs"].loaded_chunks - below.loaded_chunks
         result["daemon_after_store"] = {
             "fs_chunks": below.chunks,

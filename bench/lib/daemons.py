@@ -68,6 +68,18 @@ class Daemon:
             raise RuntimeError(str(exc).splitlines()[0]) from None
         self.start_s = time.perf_counter() - t0
 
+    def stats(self) -> Any:
+        """kvstored.v1.KVStore/Stats."""
+        return self._d.stats()
+
+    def peer_status(self) -> Any:
+        """kvstored.v1.Peer/Status: this daemon's view of its peers."""
+        from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+        from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
+
+        with self._d.channel() as channel:
+            return pb_grpc.PeerStub(channel).Status(pb.PeerStatusRequest(), timeout=10)
+
     def cpu_seconds(self) -> float:
         return process_cpu_seconds(self.pid)
 

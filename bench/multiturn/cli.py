@@ -6,20 +6,27 @@
 from __future__ import annotations
 
 import argparse
-import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import bench.multiturn
 from bench.lib.limits import apply_nt_threshold, nt_threshold_arg
-from bench.lib.report import GIB, REPO, fmt_bytes, load_average, machine_info, write_json
-from bench.lib.s3 import start_s3
+from bench.lib.report import REPO, fmt_bytes, load_average, machine_info, write_json
 from bench.multiturn import nodes, nodes_report
 from bench.multiturn.limits import Limits, measure_limits
 from bench.multiturn.model import CONFIG_BY_KEY, CONFIGS, DEFAULT_MODEL, MODELS, Transfer
-from bench.multiturn.plan import parse_counts, setup, write_outputs
+from bench.multiturn.plan import (
+    command_line,
+    model_doc,
+    parse_counts,
+    section,
+    setup,
+    start_sweep_s3,
+    sweep,
+    targets,
+    write_outputs,
+)
 from bench.multiturn.report import (
     bound_lines,
     cost_lines,
@@ -197,11 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         f"kernel {info['kernel']}, git {info['git']}, load average {load_start:.2f}, "
         f"GLIBC_TUNABLES={info['glibc_tunables'] or '(none)'}"
     )
-    model_text = model_lines(m, basis)
-    for line in model_text:
-        print("  " + line)
     scale = scaling_lines(w, m, sizes, args.ram_conversations, args.fs_conversations, args.s3_fs_conversations)
-    for line in scale:
+    for line in model_lines(m, basis) + scale:
         print("  " + line)
     max_bytes = max(counts) * w.reusable_per_conversation * m.kv_bytes_per_token
     print(
@@ -212,17 +216,10 @@ def main(argv: list[str] | None = None) -> int:
 
     doc: dict[str, Any] = {
         "benchmark": "multiturn",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else " ".join(argv),
+        "command": command_line(argv),
         "machine": info,
         "workload": asdict(w),
-        "model": {
-            **asdict(m),
-            "transfer": m.transfer.value,
-            "byte_scale": m.byte_scale,
-            "spec": asdict(MODELS[args.model]),
-            "derivation": derivation,
-            "basis": [asdict(b) for b in basis],
-        },
+        "model": model_doc(m, MODELS[args.model], derivation, basis),
         "configs": [{"key": c.key, "label": c.label, "tiers": list(c.tiers)} for c in configs],
         "sizes": asdict(sizes),
         "sizes_in_conversations": sizes_conv,
@@ -235,70 +232,35 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     workdir.mkdir(parents=True, exist_ok=True)
-    s3 = None
-    s3_note = ""
-    if any(c.uses("s3") for c in configs):
-        # radosgw keeps objects in a memstore OSD (RAM): room for the largest run's write-downs
-        memstore = int(max(counts) * w.final_tokens * m.kv_bytes_per_token * 1.5) + GIB
-        try:
-            s3 = start_s3(args.s3, memstore)
-            s3_note = (
-                "S3: Ceph radosgw (memstore OSD) on loopback" if s3.is_rgw else "S3: moto_server (in RAM) on loopback"
-            )
-        except RuntimeError as exc:
-            s3_note = f"S3 configuration skipped: {exc}"
-        print("  " + s3_note, flush=True)
-
+    s3, s3_note = start_sweep_s3(args.s3, configs, counts, w, m, "moto_server (in RAM)", "S3 configuration skipped")
     limits = Limits()
     chunk_bytes = w.chunk_tokens * m.kv_bytes_per_token
     batch = w.final_tokens // w.chunk_tokens  # one load call carries at most a turn's reusable chunks
-    results: list[RunResult] = []
-    t_start = time.perf_counter()
-    try:
-        if not args.no_limits:
-            measure_limits(limits, workdir, chunk_bytes, batch, s3)
-        for n in counts:
-            for config in configs:
-                if config.uses("s3") and s3 is None:
-                    r = RunResult(config.key, n, skipped=s3_note)
-                else:
-                    r = run_one(config, n, w, m, sizes, workdir, s3)
-                results.append(r)
-                status = r.skipped or (
-                    f"hit {100 * r.hit_rate_overall:.1f}%  {r.throughput_tokens_s:,.0f} tokens/s  "
-                    f"TTFT p50 {r.ttft_p50_s:.2f} s p99 {r.ttft_p99_s:.2f} s  "
-                    f"wall {r.wall_s:.1f} s  "
-                    f"load {r.load_average[1]:.1f}"
-                )
-                print(f"  [{time.perf_counter() - t_start:6.0f} s] {config.label:>13} x {n:>3}: {status}", flush=True)
-        if not args.no_limits:
-            measure_limits(limits, workdir, chunk_bytes, batch, s3)
-    finally:
-        if s3 is not None:
-            s3.stop()
-    total_s = time.perf_counter() - t_start
+    results, total_s = sweep(
+        counts,
+        configs,
+        s3,
+        s3_note,
+        lambda config, n: run_one(config, n, w, m, sizes, workdir, s3),
+        lambda config, n, note: RunResult(config.key, n, skipped=note),
+        lambda r: (
+            f"hit {100 * r.hit_rate_overall:.1f}%  {r.throughput_tokens_s:,.0f} tokens/s  "
+            f"TTFT p50 {r.ttft_p50_s:.2f} s p99 {r.ttft_p99_s:.2f} s  wall {r.wall_s:.1f} s  "
+            f"load {r.load_average[1]:.1f}"
+        ),
+        None if args.no_limits else lambda: measure_limits(limits, workdir, chunk_bytes, batch, s3),
+        max(len(c.label) for c in CONFIGS),
+    )
     load = load_summary(results, load_start, load_average())
 
     print()
     print_results(results)
-    print()
-    print("daemon counters per run (Stats deltas; bytes are the scaled bytes):")
-    for line in daemon_lines(results):
-        print("  " + line)
-    print()
-    print("physical limits of this machine (measured at the start and at the end of the sweep):")
-    for line in limit_lines(limits):
-        print("  " + line)
-    print()
-    print("cost of a token loaded from each tier (marginal rate, at the largest count measured):")
+    section("daemon counters per run (Stats deltas; bytes are the scaled bytes):", daemon_lines(results))
+    section("physical limits of this machine (measured at the start and at the end of the sweep):", limit_lines(limits))
     costs = cost_lines(results, m, limits)
-    for line in costs:
-        print("  " + line)
-    print()
-    print("what bounds RAM + fs at the largest count:")
+    section("cost of a token loaded from each tier (marginal rate, at the largest count measured):", costs)
     bounds = bound_lines(results, m, limits)
-    for line in bounds:
-        print("  " + line)
+    section("what bounds RAM + fs at the largest count:", bounds)
     print()
     rows = target_rows(results, m, limits, sizes_conv)
     print(
@@ -314,11 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             "s3_endpoint": s3.endpoint.url if s3 is not None else "",
             "results": [asdict(r) for r in results],
             "rows": rows,
-            "targets": [
-                {"text": f"{r['name']}: {r['ratio']:.2f}x (target >= {r['target']:g}x)", "met": r["status"] == "PASS"}
-                for r in rows
-                if r["target"] is not None
-            ],
+            "targets": targets(rows),
             "limits": limits.to_json(),
             "tier_costs": costs,
             "bounds": bounds,

@@ -133,13 +133,7 @@ class Nodes:
         return others <= {p.address for p in self.peer_status(i).peers if p.state == pb.PEER_STATE_UP}
 
     def peer_status(self, i: int) -> Any:
-        import grpc
-
-        from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
-        from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
-
-        with grpc.insecure_channel(f"unix:{self.daemons[i].socket}") as channel:
-            return pb_grpc.PeerStub(channel).Status(pb.PeerStatusRequest(), timeout=10)
+        return self.daemons[i].peer_status()
 
     def failure_log(self) -> str:
         return " | ".join(f"node {i}: {d.log_tail(4)}" for i, d in enumerate(self.daemons))
@@ -150,18 +144,9 @@ class Nodes:
 
 
 PEER_COUNTERS = (
-    "fetches",
-    "received_chunks",
-    "received_bytes",
-    "sent_bytes",
-    "missing_chunks",
-    "failed_chunks",
-    "timed_out_chunks",
-    "corrupt_chunks",
-    "refused_by_breaker",
-    "events",
-    "resyncs",
-)
+    "fetches received_chunks received_bytes sent_bytes missing_chunks failed_chunks timed_out_chunks corrupt_chunks "
+    "refused_by_breaker events resyncs"
+).split()
 
 
 def peer_counters(status: Any) -> dict[str, int]:

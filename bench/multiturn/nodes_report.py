@@ -5,8 +5,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
-import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -14,8 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.lib.report import GIB, Row, fmt_bytes, load_average, machine_info, print_aligned, write_json
-from bench.lib.s3 import start_s3
+from bench.lib.report import GIB, fmt_bytes, load_average, machine_info, write_json
 from bench.multiturn.limits import Limits, measure_limits
 from bench.multiturn.model import MODELS, TARGET_HIT, Model
 from bench.multiturn.nodes import (
@@ -29,71 +26,44 @@ from bench.multiturn.nodes import (
     TARGET_VS_ISLANDS,
 )
 from bench.multiturn.nodes_run import NodesRunResult, measure_raw_tcp, run_one
-from bench.multiturn.plan import parse_counts, setup, write_outputs
-from bench.multiturn.report import limit_lines, model_lines, print_rows, scaling_lines
+from bench.multiturn.plan import (
+    command_line,
+    model_doc,
+    parse_counts,
+    section,
+    setup,
+    start_sweep_s3,
+    sweep,
+    targets,
+    write_outputs,
+)
+from bench.multiturn.report import (
+    Layout,
+    TargetRows,
+    cost_lines,
+    limit_lines,
+    load_summary,
+    model_lines,
+    print_results,
+    print_rows,
+    raw_limit,
+    scaling_lines,
+)
 
 # -- reporting --------------------------------------------------------------------------------------
 
 
-def print_results(results: Sequence[NodesRunResult], file=None) -> None:
-    base = {r.conversations: r.throughput_tokens_s for r in results if r.config == "none" and not r.skipped}
-    header = [
-        "set-up",
-        "convs",
-        "hit gpu",
-        "ram",
-        "fs",
-        "peer",
-        "s3",
-        "overall",
-        "tokens/s",
-        "vs none",
-        "TTFT p50",
-        "p99",
-        "gpu busy",
-        "loader",
-        "GiB/s ram/fs/peer/s3 (marginal)",
-        "wall",
-    ]
-    rows = [header]
-    for r in results:
-        if r.skipped:
-            rows.append(
-                [LABELS[r.config], str(r.conversations), "skipped: " + r.skipped[:80]] + [""] * (len(header) - 3)
-            )
-            continue
-        ratio = r.throughput_tokens_s / base[r.conversations] if base.get(r.conversations) else None
-        gib = "-"
-        if r.loaded_bytes:
-            gib = "/".join(f"{r.load_gib_s[t]:.2f}" if t in r.load_gib_s else "-" for t in LOADED_TIERS)
-            gib += (
-                " ("
-                + "/".join(f"{r.marginal_gib_s[t]:.2f}" if t in r.marginal_gib_s else "-" for t in LOADED_TIERS)
-                + ")"
-            )
-        rows.append(
-            [
-                LABELS[r.config],
-                str(r.conversations),
-                *(f"{100 * r.hit_rate[t]:.1f}%" for t in NODE_TIERS),
-                f"{100 * r.hit_rate_overall:.1f}%",
-                f"{r.throughput_tokens_s:,.0f}",
-                f"{ratio:.2f}x" if ratio else "",
-                f"{r.ttft_p50_s:.2f} s",
-                f"{r.ttft_p99_s:.2f} s",
-                f"{100 * r.gpu_busy:.0f}%",
-                f"{100 * r.loader_busy:.0f}%",
-                gib,
-                f"{r.wall_s:.0f} s",
-            ]
-        )
-    print_aligned(rows, right=set(range(1, 14)) | {15}, file=file)
-    print(
-        "measured: hit rates (each node's Lookup, tier per key), GiB/s (the load calls; marginal: median per-byte "
-        "cost with the fixed call cost removed, what the model charges x the byte scale); modelled: tokens/s, "
-        "TTFT, busy (GPU and loader: means over the nodes)",
-        file=file,
-    )
+NODES = Layout(
+    LABELS,
+    NODE_TIERS,
+    "set-up",
+    "measured: hit rates (each node's Lookup, tier per key), GiB/s (the load calls; marginal: median per-byte "
+    "cost with the fixed call cost removed, what the model charges x the byte scale); modelled: tokens/s, "
+    "TTFT, busy (GPU and loader: means over the nodes)",
+    loaded_column=False,
+    gib_right=False,
+    skip_reason=True,
+)
 
 
 def daemon_lines(results: Sequence[NodesRunResult]) -> list[str]:
@@ -153,44 +123,8 @@ def daemon_lines(results: Sequence[NodesRunResult]) -> list[str]:
     return lines
 
 
-RAW = {
-    "ram": ("memcpy", "memcpy"),
-    "fs": ("raw O_DIRECT, streaming", "odirect_stream"),
-    "peer": ("raw TCP on loopback", "raw_tcp"),
-    "s3": ("raw GET", "s3_get"),
-}
-
-
-def _raw(limits: Limits, raw_tcp: Sequence[float], tier: str) -> tuple[str, float | None]:
-    name, key = RAW[tier]
-    return name, (float(np.median(raw_tcp)) if raw_tcp else None) if key == "raw_tcp" else limits.median(key)
-
-
-def cost_lines(results: Sequence[NodesRunResult], m: Model, limits: Limits, raw_tcp: Sequence[float]) -> list[str]:
-    breakeven = m.model_kv_bytes_per_token * m.prefill_tokens_per_s / GIB
-    lines = [
-        f"break-even load bandwidth ({m.model_kv_bytes_per_token:,} KV bytes/token x "
-        f"{m.prefill_tokens_per_s:,.0f} prefill tokens/s): {breakeven:.2f} GiB/s"
-    ]
-    for config in CONFIGS:
-        rs = [r for r in results if r.config == config.key and not r.skipped and r.marginal_gib_s]
-        if not rs:
-            continue
-        r = max(rs, key=lambda x: x.conversations)
-        parts = []
-        for t in LOADED_TIERS:
-            if t in r.marginal_gib_s:
-                name, rate = _raw(limits, raw_tcp, t)
-                parts.append(
-                    f"{t} {r.marginal_gib_s[t]:.2f} GiB/s = {breakeven / r.marginal_gib_s[t]:.2f}x a "
-                    f"recompute" + (f" ({name} {rate:.2f})" if rate else "")
-                )
-        lines.append(f"{config.label} at {r.conversations}: " + "; ".join(parts))
-    return lines
-
-
 def _limit(r: NodesRunResult, tier: str, limits: Limits, raw_tcp: Sequence[float], breakeven: float) -> str:
-    name, rate = _raw(limits, raw_tcp, tier)
+    name, rate = raw_limit(limits, tier, raw_tcp)
     got = (
         f"{tier} loads {r.load_gib_s[tier]:.2f} GiB/s all-in, "
         + (f"{r.marginal_gib_s[tier]:.2f} marginal" if tier in r.marginal_gib_s else "fixed cost only")
@@ -205,107 +139,47 @@ def _limit(r: NodesRunResult, tier: str, limits: Limits, raw_tcp: Sequence[float
 
 def target_rows(
     results: Sequence[NodesRunResult], m: Model, limits: Limits, raw_tcp: Sequence[float], n: int
-) -> list[dict[str, Any]]:
-    """The targets at the largest count and the informational ratios: name, value, baseline, ratio,
-    target, status (as the other benchmarks' JSON) and `limit`: what bounds it on this machine."""
+) -> TargetRows:
+    """The targets at the largest count and the informational ratios."""
+    rows = TargetRows()
     runs = {(r.config, r.conversations): r for r in results if not r.skipped}
     counts = sorted({r.conversations for r in results})
     if not counts:
-        return []
+        return rows
     top = counts[-1]
     none, islands, peers, s3 = (runs.get((c, top)) for c in CONFIG_KEYS)
     breakeven = m.model_kv_bytes_per_token * m.prefill_tokens_per_s / GIB
-    rows: list[dict[str, Any]] = []
-
-    def add(
-        name: str, value: float, unit: str, baseline_name: str, baseline: float | None, target: float | None, limit: str
-    ) -> None:
-        rows.append({**Row(name, value, unit, baseline_name, baseline, target).to_json(), "limit": limit})
-
     where = f"{n} nodes, {top} conversations"
     if peers is not None:
-        add(
-            f"peers: hit rate, {where}",
-            peers.hit_rate_overall,
-            "share",
-            "all reusable tokens",
-            1.0,
-            TARGET_HIT,
-            f"peer {100 * peers.hit_rate['peer']:.0f}% of reusable tokens; missing "
-            f"{peers.peers.get('missing_chunks', 0)}, failed {peers.peers.get('failed_chunks', 0)}, timed out "
-            f"{peers.peers.get('timed_out_chunks', 0)}",
+        p = peers.peers
+        lost = f"missing {p.get('missing_chunks', 0)}, failed {p.get('failed_chunks', 0)}, timed out "
+        lost += f"{p.get('timed_out_chunks', 0)}"
+        limit = f"peer {100 * peers.hit_rate['peer']:.0f}% of reusable tokens; {lost}"
+        rows.add(
+            f"peers: hit rate, {where}", peers.hit_rate_overall, "share", "all reusable tokens", 1.0, TARGET_HIT, limit
         )
+        peer_limit = _limit(peers, "peer", limits, raw_tcp, breakeven)
         if islands is not None:
             cap = islands.makespan_s / peers.think_floor_s  # no makespan is shorter than the think floor
-            add(
-                f"peers vs islands (no peers), {where}",
-                peers.throughput_tokens_s,
-                "tokens/s",
-                "islands",
-                islands.throughput_tokens_s,
-                TARGET_VS_ISLANDS,
-                _limit(peers, "peer", limits, raw_tcp, breakeven)
-                + f"; makespan {peers.makespan_s:,.0f} s, the conversations' own start and think times "
-                f"{peers.think_floor_s:,.0f} s: at most {cap:.2f}x",
+            limit = (
+                peer_limit + f"; makespan {peers.makespan_s:,.0f} s, the conversations' own start and think times "
+                f"{peers.think_floor_s:,.0f} s: at most {cap:.2f}x"
             )
+            rows.vs(f"peers vs islands (no peers), {where}", peers, "islands", islands, TARGET_VS_ISLANDS, limit)
         if none is not None:
-            add(
-                f"peers vs no offload, {where}",
-                peers.throughput_tokens_s,
-                "tokens/s",
-                "no offload",
-                none.throughput_tokens_s,
-                None,
-                _limit(peers, "peer", limits, raw_tcp, breakeven),
-            )
+            rows.vs(f"peers vs no offload, {where}", peers, "no offload", none, None, peer_limit)
     if islands is not None and none is not None:
-        add(
-            f"islands vs no offload, {where}",
-            islands.throughput_tokens_s,
-            "tokens/s",
-            "no offload",
-            none.throughput_tokens_s,
-            None,
-            f"hit rate {100 * islands.hit_rate_overall:.0f}%; " + _limit(islands, "fs", limits, raw_tcp, breakeven),
-        )
+        limit = f"hit rate {100 * islands.hit_rate_overall:.0f}%; " + _limit(islands, "fs", limits, raw_tcp, breakeven)
+        rows.vs(f"islands vs no offload, {where}", islands, "no offload", none, None, limit)
     if s3 is not None and none is not None:
-        add(
-            f"shared S3 vs no offload, {where}",
-            s3.throughput_tokens_s,
-            "tokens/s",
-            "no offload",
-            none.throughput_tokens_s,
-            None,
-            f"hit rate {100 * s3.hit_rate_overall:.0f}%; " + _limit(s3, "s3", limits, raw_tcp, breakeven),
-        )
+        limit = f"hit rate {100 * s3.hit_rate_overall:.0f}%; " + _limit(s3, "s3", limits, raw_tcp, breakeven)
+        rows.vs(f"shared S3 vs no offload, {where}", s3, "no offload", none, None, limit)
     if peers is not None and s3 is not None:
-        add(
-            f"peers vs shared S3, {where}",
-            peers.throughput_tokens_s,
-            "tokens/s",
-            "shared S3",
-            s3.throughput_tokens_s,
-            None,
-            "the faster of the two ways to reach another node's chunks",
-        )
+        limit = "the faster of the two ways to reach another node's chunks"
+        rows.vs(f"peers vs shared S3, {where}", peers, "shared S3", s3, None, limit)
     for tier, r in (("peer", peers), ("fs", islands), ("s3", s3)):
-        if r is not None and tier in r.load_gib_s:
-            name, rate = _raw(limits, raw_tcp, tier)
-            marginal = r.marginal_gib_s.get(tier)
-            add(
-                f"{tier} tier loads, all-in ({LABELS[r.config]}, {top})",
-                r.load_gib_s[tier],
-                "GiB/s",
-                name,
-                rate,
-                None,
-                (
-                    f"marginal {marginal:.2f} GiB/s (what the model charges)"
-                    if marginal
-                    else "no per-byte cost above the fixed cost per call"
-                )
-                + f"; break-even {breakeven:.2f} GiB/s",
-            )
+        label = f"{LABELS[r.config]}, {top}" if r is not None else ""
+        rows.loads(tier, r, label, raw_limit(limits, tier, raw_tcp), "what the model charges", breakeven)
     return rows
 
 
@@ -362,8 +236,6 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
         f"{info['mem_total_gib']} GiB, kernel {info['kernel']}, git {info['git']}, load average {load_start:.2f}"
     )
     print(f"  routing: {ROUTING}; each node: its own modelled GPU and loader, its own daemon")
-    for line in model_lines(m, basis):
-        print("  " + line)
     scale = scaling_lines(w, m, sizes, args.ram_conversations, args.fs_conversations, args.s3_fs_conversations)
     scale[-1] = "per node: " + scale[-1]
     scale.append(
@@ -371,25 +243,18 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
         f"peers over {args.peer_transport} on loopback; shared S3 with write-through; stores settle "
         f">= {args.settle_s:g} s of wall time before a conversation's next turn looks them up"
     )
-    for line in scale:
+    for line in model_lines(m, basis) + scale:
         print("  " + line)
     print(f"  measured: {'; '.join(MEASURED)}\n  modelled: {'; '.join(MODELLED)}", flush=True)
 
     doc: dict[str, Any] = {
         "benchmark": "multiturn-nodes",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else " ".join(argv),
+        "command": command_line(argv),
         "machine": info,
         "nodes": n,
         "routing": ROUTING,
         "workload": asdict(w),
-        "model": {
-            **asdict(m),
-            "transfer": m.transfer.value,
-            "byte_scale": m.byte_scale,
-            "spec": asdict(MODELS[args.model]),
-            "derivation": derivation,
-            "basis": [asdict(b) for b in basis],
-        },
+        "model": model_doc(m, MODELS[args.model], derivation, basis),
         "configs": [
             {"key": c.key, "label": c.label, "tiers": list(c.tiers), "write_through": c.write_through} for c in configs
         ],
@@ -408,17 +273,8 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
         return 0
 
     workdir.mkdir(parents=True, exist_ok=True)
-    s3, s3_note = None, ""
-    if any(c.uses("s3") for c in configs):
-        # write-through puts every chunk of the largest run in radosgw's memstore (RAM)
-        memstore = int(max(counts) * w.final_tokens * m.kv_bytes_per_token * 1.5) + GIB
-        try:
-            s3 = start_s3(args.s3, memstore)
-            s3_note = f"S3: {'Ceph radosgw (memstore OSD)' if s3.is_rgw else 'moto_server'} on loopback"
-        except RuntimeError as exc:
-            s3_note = f"shared S3 skipped: {exc}"
-        print("  " + s3_note, flush=True)
-
+    # write-through puts every chunk of the largest run in radosgw's memstore (RAM)
+    s3, s3_note = start_sweep_s3(args.s3, configs, counts, w, m, "moto_server", "shared S3 skipped")
     limits = Limits()
     raw_tcp: list[float] = []
     chunk_bytes = w.chunk_tokens * m.kv_bytes_per_token
@@ -431,68 +287,42 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
         if note:
             limits.notes.append(note)
 
-    results: list[NodesRunResult] = []
-    t_start = time.perf_counter()
-    try:
-        if not args.no_limits:
-            measure()
-        for count in counts:
-            for config in configs:
-                if config.uses("s3") and s3 is None:
-                    r = NodesRunResult(config.key, count, n, skipped=s3_note)
-                else:
-                    r = run_one(config, count, n, w, m, sizes, workdir, s3, args.peer_transport, args.settle_s)
-                results.append(r)
-                status = r.skipped or (
-                    f"hit {100 * r.hit_rate_overall:.1f}% (peer {100 * r.hit_rate['peer']:.1f}%)  "
-                    f"{r.throughput_tokens_s:,.0f} tokens/s  wall {r.wall_s:.1f} s  "
-                    f"load {r.load_average[1]:.1f}"
-                )
-                print(
-                    f"  [{time.perf_counter() - t_start:6.0f} s] {config.label:>20} x {count:>3}: {status}", flush=True
-                )
-        if not args.no_limits:
-            measure()
-    finally:
-        if s3 is not None:
-            s3.stop()
-    total_s = time.perf_counter() - t_start
-    samples = [x for r in results if not r.skipped for x in r.load_average]
-    load_end = load_average()
-    load = {
-        "start": load_start,
-        "end": load_end,
-        "min": min([load_start, load_end, *samples]),
-        "max": max([load_start, load_end, *samples]),
-        "mean": float(np.mean([load_start, load_end, *samples])),
-    }
+    results, total_s = sweep(
+        counts,
+        configs,
+        s3,
+        s3_note,
+        lambda c, count: run_one(c, count, n, w, m, sizes, workdir, s3, args.peer_transport, args.settle_s),
+        lambda c, count, note: NodesRunResult(c.key, count, nodes=n, skipped=note),
+        lambda r: (
+            f"hit {100 * r.hit_rate_overall:.1f}% (peer {100 * r.hit_rate['peer']:.1f}%)  "
+            f"{r.throughput_tokens_s:,.0f} tokens/s  wall {r.wall_s:.1f} s  load {r.load_average[1]:.1f}"
+        ),
+        None if args.no_limits else measure,
+        max(len(c.label) for c in CONFIGS),
+    )
+    load = load_summary(results, load_start, load_average())
 
     print()
-    print_results(results)
-    print()
-    print("daemon counters per run (Stats deltas and Peer Status, summed over the nodes; bytes are the scaled bytes):")
-    for line in daemon_lines(results):
-        print("  " + line)
-    print()
-    print("physical limits of this machine (measured at the start and at the end of the sweep):")
-    for line in limit_lines(limits):
-        print("  " + line)
+    print_results(results, NODES)
+    section(
+        "daemon counters per run (Stats deltas and Peer Status, summed over the nodes; bytes are the scaled bytes):",
+        daemon_lines(results),
+    )
     tcp = (
         f"{np.median(raw_tcp):.2f} GiB/s (median of {len(raw_tcp)}; {min(raw_tcp):.2f}-{max(raw_tcp):.2f})"
         if raw_tcp
         else "not measured"
     )
-    print(f"  raw TCP on loopback, {fmt_bytes(chunk_bytes)} chunks into 16 slots (bench/peer_raw.py): {tcp}")
-    print()
-    print("cost of a token loaded from each tier (marginal rate, at the largest count measured):")
-    costs = cost_lines(results, m, limits, raw_tcp)
-    for line in costs:
-        print("  " + line)
-    print()
-    print("where the modelled time went at the largest count:")
+    section(
+        "physical limits of this machine (measured at the start and at the end of the sweep):",
+        limit_lines(limits)
+        + [f"raw TCP on loopback, {fmt_bytes(chunk_bytes)} chunks into 16 slots (bench/lib/raw_net.py): {tcp}"],
+    )
+    costs = cost_lines(results, m, limits, CONFIGS, raw_tcp)
+    section("cost of a token loaded from each tier (marginal rate, at the largest count measured):", costs)
     bounds = bound_lines(results, m)
-    for line in bounds:
-        print("  " + line)
+    section("where the modelled time went at the largest count:", bounds)
     print()
     rows = target_rows(results, m, limits, raw_tcp, n)
     print(
@@ -507,11 +337,7 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
             "s3_server": s3_note,
             "results": [asdict(r) for r in results],
             "rows": rows,
-            "targets": [
-                {"text": f"{r['name']}: {r['ratio']:.2f}x (target >= {r['target']:g}x)", "met": r["status"] == "PASS"}
-                for r in rows
-                if r["target"] is not None and r["ratio"] is not None
-            ],
+            "targets": targets(rows),
             "limits": {**limits.to_json(), "raw_tcp": raw_tcp},
             "tier_costs": costs,
             "bounds": bounds,

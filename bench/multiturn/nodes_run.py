@@ -9,59 +9,27 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from bench.lib.report import GIB, load_average
 from bench.lib.s3 import S3
 from bench.multiturn.model import Model, Sizes, Workload
-from bench.multiturn.nodes import LOADED_TIERS, NODE_TIERS, RAW_TCP_BYTES, ClusterSim, Nodes, NodesConfig, peer_counters
+from bench.multiturn.nodes import NODE_TIERS, RAW_TCP_BYTES, ClusterSim, Nodes, NodesConfig, peer_counters
 from bench.multiturn.offload import Offload
-from bench.multiturn.runs import TierResources
+from bench.multiturn.runs import TierResources, TurnsResult, gib_s_of_costs, stats_delta, store_summary, timed
 
 # -- one run: a set-up of the nodes at a number of conversations -----------------------------------
 
 
 @dataclass
-class NodesRunResult:
-    config: str
-    conversations: int
-    nodes: int
-    turns: int = 0
-    prompt_tokens: int = 0
-    reusable_tokens: int = 0
-    hit_tokens: dict[str, int] = field(default_factory=dict)
-    hit_rate: dict[str, float] = field(default_factory=dict)  # share of reusable tokens, per tier (measured)
-    hit_rate_overall: float = 0.0
-    throughput_tokens_s: float = 0.0  # modelled: all nodes' prompt tokens / the makespan
-    makespan_s: float = 0.0
-    think_floor_s: float = 0.0
-    ttft_p50_s: float = 0.0
-    ttft_p99_s: float = 0.0
-    gpu_busy: float = 0.0  # mean over the nodes, share of the makespan (modelled)
-    loader_busy: float = 0.0
+class NodesRunResult(TurnsResult):
+    nodes: int = 0
     per_node: list[dict[str, float]] = field(default_factory=list)
-    loaded_bytes: dict[str, int] = field(default_factory=dict)  # scaled bytes really loaded, per tier
-    load_seconds: dict[str, float] = field(default_factory=dict)  # measured
-    load_gib_s: dict[str, float] = field(default_factory=dict)  # measured, all-in
-    marginal_gib_s: dict[str, float] = field(default_factory=dict)  # median per-byte cost, call floor removed
     slow_gib_s: dict[str, float] = field(default_factory=dict)  # the same at the slowest decile's edge (p90 cost)
-    lookup_ms_p50: float = 0.0
-    lookups: int = 0
-    load_calls: int = 0
-    load_call_floor_ms: float = 0.0  # mean over the nodes
     lookup_floor_ms: float = 0.0  # mean over the nodes: a lookup that starts no reads
     lookup_moved_s: float = 0.0  # lookup time charged to fs/peer load calls instead (see NodeSim)
-    load_shortfall_chunks: int = 0
-    store: dict[str, Any] = field(default_factory=dict)
-    daemon: dict[str, dict[str, int]] = field(default_factory=dict)  # Stats deltas per tier, summed over nodes
     peers: dict[str, int] = field(default_factory=dict)  # Peer Status counters, summed over nodes
     settle: dict[str, float] = field(default_factory=dict)
-    corrupt_chunks: int = 0
-    wall_s: float = 0.0
-    load_average: tuple[float, float] = (0.0, 0.0)
-    skipped: str = ""
 
 
 def summarize(
@@ -71,19 +39,10 @@ def summarize(
     after: Sequence[dict] | None,
     peers: Sequence[dict[str, int]],
 ) -> NodesRunResult:
-    w, recs = sim.w, sim.records
-    r = NodesRunResult(config, sim.n, len(sim.nodes))
-    r.turns = len(recs)
-    r.prompt_tokens = sum(x.prompt_tokens for x in recs)
-    r.reusable_tokens = sum(x.reusable_chunks for x in recs) * w.chunk_tokens
-    r.hit_tokens = {t: sum(x.hits.get(t, 0) for x in recs) * w.chunk_tokens for t in NODE_TIERS}
-    r.hit_rate = {t: v / r.reusable_tokens if r.reusable_tokens else 0.0 for t, v in r.hit_tokens.items()}
-    r.hit_rate_overall = sum(r.hit_rate.values())
-    r.makespan_s = sim.makespan
-    r.throughput_tokens_s = r.prompt_tokens / sim.makespan
-    r.think_floor_s = float(np.max(sim.starts + sim.thinks[:, 1:].sum(axis=1)))
-    ttft = np.array([x.done - x.arrive for x in recs])
-    r.ttft_p50_s, r.ttft_p99_s = float(np.percentile(ttft, 50)), float(np.percentile(ttft, 99))
+    recs = sim.records
+    r = NodesRunResult(config, sim.n, nodes=len(sim.nodes))
+    offloads = [node.offload for node in sim.nodes if node.offload is not None]
+    r.summarize_turns(sim.w, recs, sim, NODE_TIERS, offloads[0].chunk_bytes if offloads else None)
     for i, lane in enumerate(sim.lanes):
         mine = [x for x in recs if x.node == i]
         reusable = sum(x.reusable_chunks for x in mine)
@@ -97,28 +56,13 @@ def summarize(
         )
     r.gpu_busy = float(np.mean([p["gpu_busy"] for p in r.per_node]))
     r.loader_busy = float(np.mean([p["loader_busy"] for p in r.per_node]))
-    offloads = [node.offload for node in sim.nodes if node.offload is not None]
     if offloads:
-        cb = offloads[0].chunk_bytes
-        secs: dict[str, float] = {}
-        for x in recs:
-            for t, s in x.load_seconds.items():
-                secs[t] = secs.get(t, 0.0) + s
-        r.loaded_bytes = {t: r.hit_tokens[t] // w.chunk_tokens * cb for t in LOADED_TIERS}
-        r.load_seconds = {t: secs.get(t, 0.0) for t in LOADED_TIERS}
-        r.load_gib_s = {
-            t: r.loaded_bytes[t] / GIB / r.load_seconds[t]
-            for t in LOADED_TIERS
-            if r.load_seconds[t] > 0 and r.loaded_bytes[t] > 0
-        }
         costs: dict[str, list[float]] = {}
         for node in sim.nodes:
             for t, c in node.all_costs.items():
                 costs.setdefault(t, []).extend(c)
-        r.marginal_gib_s = {t: 1 / float(np.median(c)) / GIB for t, c in costs.items() if c and np.median(c) > 0}
-        r.slow_gib_s = {
-            t: 1 / float(np.percentile(c, 90)) / GIB for t, c in costs.items() if c and np.percentile(c, 90) > 0
-        }
+        r.marginal_gib_s = gib_s_of_costs(costs)
+        r.slow_gib_s = gib_s_of_costs(costs, lambda c: np.percentile(c, 90))
         lookups = [s for node in sim.nodes for s in node.lookup_s]
         r.lookups = len(lookups)
         r.lookup_ms_p50 = float(np.percentile(lookups, 50) * 1e3) if lookups else 0.0
@@ -128,16 +72,13 @@ def summarize(
         r.lookup_floor_ms = float(np.mean([node.lookup_floor_s for node in sim.nodes]) * 1e3)
         r.lookup_moved_s = sum(node.moved_s for node in sim.nodes)
         counts = {k: sum(o.store_counts[k] for o in offloads) for k in ("stored", "already_present", "dropped")}
-        seconds = sum(o.store_s for o in offloads)
-        r.store = {**counts, "seconds": seconds, "gib_s": counts["stored"] * cb / GIB / seconds if seconds else 0.0}
+        r.store = store_summary(counts, sum(o.store_s for o in offloads), offloads[0].chunk_bytes)
         r.corrupt_chunks = sum(o.corrupt for o in offloads)
-    if before is not None and after is not None:
-        for b, a in zip(before, after):
-            for name, vals in a.items():
-                total = r.daemon.setdefault(name, {})
-                for k, v in vals.items():
-                    delta = v if k in ("used_bytes", "chunks") else v - b.get(name, {}).get(k, 0)
-                    total[k] = total.get(k, 0) + delta
+    for b, a in zip(before or (), after or ()):
+        for name, vals in stats_delta(b, a).items():
+            total = r.daemon.setdefault(name, {})
+            for k, v in vals.items():
+                total[k] = total.get(k, 0) + v
     for p in peers:
         for k, v in p.items():
             r.peers[k] = r.peers.get(k, 0) + v
@@ -170,27 +111,8 @@ def s3_written(stats: dict[str, dict[str, int]]) -> int:
     return sum(s3.get(k, 0) for k in ("stored_chunks", "dropped_backpressure", "errors", "rejected_full"))
 
 
+@timed
 def run_one(
-    config: NodesConfig,
-    conversations: int,
-    n: int,
-    w: Workload,
-    m: Model,
-    sizes: Sizes,
-    workdir: Path,
-    s3: S3 | None,
-    peer_transport: str,
-    settle_s: float,
-) -> NodesRunResult:
-    t0 = time.perf_counter()
-    load0 = load_average()
-    r = _run_one(config, conversations, n, w, m, sizes, workdir, s3, peer_transport, settle_s)
-    r.wall_s = time.perf_counter() - t0
-    r.load_average = (load0, load_average())
-    return r
-
-
-def _run_one(
     config: NodesConfig,
     conversations: int,
     n: int,
@@ -211,13 +133,13 @@ def _run_one(
         nodes = Nodes(config, n, sizes, res, peer_transport)
     except Exception as exc:  # noqa: BLE001 - a tier whose resources cannot be made: say so, go on
         res.close()
-        return NodesRunResult(config.key, conversations, n, skipped=f"tier set-up failed: {exc}")
+        return NodesRunResult(config.key, conversations, nodes=n, skipped=f"tier set-up failed: {exc}")
     try:
         nodes.start()
     except Exception as exc:  # noqa: BLE001 - nodes that did not come up: say so, go on
         res.close()
         why = f"nodes did not start: {exc}: {nodes.failure_log()}"
-        return NodesRunResult(config.key, conversations, n, skipped=why)
+        return NodesRunResult(config.key, conversations, nodes=n, skipped=why)
     offloads: list[Offload] = []
     try:
         chunk_bytes = w.chunk_tokens * m.kv_bytes_per_token
@@ -247,10 +169,10 @@ def _run_one(
 
 
 def measure_raw_tcp(chunk_bytes: int) -> tuple[list[float], str]:
-    """One raw TCP transfer on loopback (bench/peer_raw.py: sendall from a populated mmap,
+    """One raw TCP transfer on loopback (bench/lib/raw_net.py: sendall from a populated mmap,
     recv_into 16 slots), GiB/s; a failure is a note."""
     try:
-        from bench.peer_raw import Place, measure_raw
+        from bench.lib.raw_net import Place, measure_raw
 
         return [measure_raw("tcp", Place("loopback"), RAW_TCP_BYTES, chunk_bytes, 16).gib_s], ""
     except Exception as exc:  # noqa: BLE001 - the tiers' figures stand without it

@@ -131,23 +131,9 @@ class Offload:
 
     def stats(self) -> dict[str, dict[str, int]]:
         fields = (
-            "read_bytes",
-            "written_bytes",
-            "loaded_chunks",
-            "stored_chunks",
-            "hits",
-            "lookups",
-            "evictions",
-            "promotions",
-            "writedowns",
-            "dropped_dirty",
-            "dropped_backpressure",
-            "errors",
-            "checksum_failures",
-            "rejected_full",
-            "used_bytes",
-            "chunks",
-        )
+            "read_bytes written_bytes loaded_chunks stored_chunks hits lookups evictions promotions writedowns "
+            "dropped_dirty dropped_backpressure errors checksum_failures rejected_full used_bytes chunks"
+        ).split()
         out = {}
         for tier in self.client.stats().tiers:
             out[tier.name] = {f: int(getattr(tier, f)) for f in fields}

@@ -6,11 +6,24 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
-from typing import Any
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
-from bench.lib.report import write_json
-from bench.multiturn.model import MODELS, Basis, Model, Sizes, Workload, derive_model
+from bench.lib.report import GIB, write_json
+from bench.lib.s3 import S3, start_s3
+from bench.multiturn.model import MODELS, Basis, Config, Model, ModelSpec, Sizes, Workload, derive_model
+
+
+class _Run(Protocol):
+    skipped: str
+
+
+R = TypeVar("R", bound=_Run)
+C = TypeVar("C", bound=Config)
 
 
 def parse_counts(text: str) -> list[int]:
@@ -66,3 +79,83 @@ def write_outputs(doc: dict[str, Any], json_path: str | None, plot_path: str | N
 
         plot_multiturn(doc, plot_path)
         print(f"plot written to {plot_path}")
+
+
+def command_line(argv: Sequence[str] | None) -> str:
+    return " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else " ".join(argv)
+
+
+def model_doc(m: Model, spec: ModelSpec, derivation: dict[str, float], basis: Sequence[Basis]) -> dict[str, Any]:
+    return {
+        **asdict(m),
+        "transfer": m.transfer.value,
+        "byte_scale": m.byte_scale,
+        "spec": asdict(spec),
+        "derivation": derivation,
+        "basis": [asdict(b) for b in basis],
+    }
+
+
+def start_sweep_s3(
+    kind: str, configs: Sequence[Config], counts: Sequence[int], w: Workload, m: Model, moto: str, skipped: str
+) -> tuple[S3 | None, str]:
+    """The S3 server of a sweep whose configurations use one, and the line that says which (printed)."""
+    if not any(c.uses("s3") for c in configs):
+        return None, ""
+    # radosgw keeps objects in a memstore OSD (RAM): room for the largest run's write-downs
+    memstore = int(max(counts) * w.final_tokens * m.kv_bytes_per_token * 1.5) + GIB
+    s3: S3 | None = None
+    try:
+        s3 = start_s3(kind, memstore)
+        note = "S3: Ceph radosgw (memstore OSD) on loopback" if s3.is_rgw else f"S3: {moto} on loopback"
+    except RuntimeError as exc:
+        note = f"{skipped}: {exc}"
+    print("  " + note, flush=True)
+    return s3, note
+
+
+def sweep(
+    counts: Sequence[int],
+    configs: Sequence[C],
+    s3: S3 | None,
+    s3_note: str,
+    run: Callable[[C, int], R],
+    skipped: Callable[[C, int, str], R],
+    status: Callable[[R], str],
+    measure: Callable[[], None] | None,
+    width: int,
+) -> tuple[list[R], float]:
+    """Every configuration at every count (the limits measured before and after, unless None), one
+    progress line per run; the S3 server is stopped at the end. Returns the results and the seconds."""
+    results: list[R] = []
+    t_start = time.perf_counter()
+    try:
+        if measure is not None:
+            measure()
+        for count in counts:
+            for config in configs:
+                r = skipped(config, count, s3_note) if config.uses("s3") and s3 is None else run(config, count)
+                results.append(r)
+                took = f"[{time.perf_counter() - t_start:6.0f} s]"
+                print(f"  {took} {config.label:>{width}} x {count:>3}: {r.skipped or status(r)}", flush=True)
+        if measure is not None:
+            measure()
+    finally:
+        if s3 is not None:
+            s3.stop()
+    return results, time.perf_counter() - t_start
+
+
+def section(title: str, lines: Sequence[str]) -> None:
+    print()
+    print(title)
+    for line in lines:
+        print("  " + line)
+
+
+def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {"text": f"{r['name']}: {r['ratio']:.2f}x (target >= {r['target']:g}x)", "met": r["status"] == "PASS"}
+        for r in rows
+        if r["target"] is not None and r["ratio"] is not None
+    ]

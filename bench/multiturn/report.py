@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from bench.multiturn.model import (
     TARGET_VS_RAM,
     TIERS,
     Basis,
+    Config,
     Model,
     Sizes,
     Workload,
@@ -78,75 +80,76 @@ def limit_lines(limits: Limits) -> list[str]:
     return lines + [f"note: {n}" for n in limits.notes]
 
 
-def print_results(results: list[RunResult], file=None) -> None:
+@dataclass(frozen=True)
+class Layout:
+    """How a sweep's results table prints: one node's configurations, or the set-ups of several nodes."""
+
+    labels: dict[str, str]
+    hit_tiers: tuple[str, ...]  # where a reusable chunk was found ("gpu" first)
+    setup: str  # the first column's title
+    note: str  # printed under the table
+    loaded_column: bool  # the scaled bytes loaded per tier
+    gib_right: bool  # the GiB/s column right-aligned
+    skip_reason: bool  # a skipped run says why in the table
+
+    @property
+    def loaded_tiers(self) -> tuple[str, ...]:
+        return tuple(t for t in self.hit_tiers if t != "gpu")
+
+
+ONE_NODE = Layout(
+    CONFIG_LABELS,
+    TIERS,
+    "config",
+    "hit rates: shares of the reusable tokens (the previous turn's prompt); tokens/s, TTFT, busy: modelled; "
+    "loaded: scaled bytes really moved; GiB/s: their measured rate (marginal: median per-byte cost of the "
+    "load calls, fixed call cost removed; what the model charges, x the byte scale)",
+    loaded_column=True,
+    gib_right=True,
+    skip_reason=False,
+)
+
+
+def print_results(results: Sequence[Any], layout: Layout = ONE_NODE, file=None) -> None:
+    """One line per run (RunResult or NodesRunResult): hit rates per tier, modelled throughput and
+    latency, the measured load rates."""
     file = file or sys.stdout
+    loaded = layout.loaded_tiers
     base = {r.conversations: r.throughput_tokens_s for r in results if r.config == "none" and not r.skipped}
-    header = [
-        "config",
-        "convs",
-        "hit gpu",
-        "ram",
-        "fs",
-        "s3",
-        "overall",
-        "tokens/s",
-        "vs none",
-        "TTFT p50",
-        "p99",
-        "gpu busy",
-        "loader",
-        "loaded ram/fs/s3",
-        "GiB/s ram/fs/s3 (marginal)",
-        "wall",
-    ]
+    header = [layout.setup, "convs", f"hit {layout.hit_tiers[0]}", *layout.hit_tiers[1:], "overall", "tokens/s"]
+    header += ["vs none", "TTFT p50", "p99", "gpu busy", "loader"]
+    header += [f"loaded {'/'.join(loaded)}"] * layout.loaded_column + [f"GiB/s {'/'.join(loaded)} (marginal)", "wall"]
     rows = [header]
     for r in results:
         if r.skipped:
-            rows.append([CONFIG_LABELS[r.config], str(r.conversations), "skipped"] + [""] * (len(header) - 3))
+            why = "skipped: " + r.skipped[:80] if layout.skip_reason else "skipped"
+            rows.append([layout.labels[r.config], str(r.conversations), why] + [""] * (len(header) - 3))
             continue
         ratio = r.throughput_tokens_s / base[r.conversations] if base.get(r.conversations) else None
-        loaded = "/".join(fmt_bytes(r.loaded_bytes.get(t, 0)) for t in ("ram", "fs", "s3")) if r.loaded_bytes else "-"
         gib = "-"
         if r.loaded_bytes:
-            gib = "/".join(f"{r.load_gib_s[t]:.2f}" if t in r.load_gib_s else "-" for t in ("ram", "fs", "s3"))
-            gib += (
-                " ("
-                + "/".join(f"{r.marginal_gib_s[t]:.2f}" if t in r.marginal_gib_s else "-" for t in ("ram", "fs", "s3"))
-                + ")"
-            )
-        rows.append(
-            [
-                CONFIG_LABELS[r.config],
-                str(r.conversations),
-                *(f"{100 * r.hit_rate[t]:.1f}%" for t in TIERS),
-                f"{100 * r.hit_rate_overall:.1f}%",
-                f"{r.throughput_tokens_s:,.0f}",
-                f"{ratio:.2f}x" if ratio else "",
-                f"{r.ttft_p50_s:.2f} s",
-                f"{r.ttft_p99_s:.2f} s",
-                f"{100 * r.gpu_busy:.0f}%",
-                f"{100 * r.loader_busy:.0f}%",
-                loaded,
-                gib,
-                f"{r.wall_s:.0f} s",
-            ]
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    for i, row in enumerate(rows):
-        print(
-            "  ".join(
-                c.rjust(wd) if 1 <= j <= 15 and j != 13 else c.ljust(wd) for j, (c, wd) in enumerate(zip(row, widths))
-            ).rstrip(),
-            file=file,
-        )
-        if i == 0:
-            print("  ".join("-" * wd for wd in widths), file=file)
-    print(
-        "hit rates: shares of the reusable tokens (the previous turn's prompt); tokens/s, TTFT, busy: modelled; "
-        "loaded: scaled bytes really moved; GiB/s: their measured rate (marginal: median per-byte cost of the "
-        "load calls, fixed call cost removed; what the model charges, x the byte scale)",
-        file=file,
-    )
+            gib = "/".join(f"{r.load_gib_s[t]:.2f}" if t in r.load_gib_s else "-" for t in loaded)
+            gib += " (" + "/".join(f"{r.marginal_gib_s[t]:.2f}" if t in r.marginal_gib_s else "-" for t in loaded) + ")"
+        row = [
+            layout.labels[r.config],
+            str(r.conversations),
+            *(f"{100 * r.hit_rate[t]:.1f}%" for t in layout.hit_tiers),
+        ]
+        row += [f"{100 * r.hit_rate_overall:.1f}%", f"{r.throughput_tokens_s:,.0f}", f"{ratio:.2f}x" if ratio else ""]
+        row += [
+            f"{r.ttft_p50_s:.2f} s",
+            f"{r.ttft_p99_s:.2f} s",
+            f"{100 * r.gpu_busy:.0f}%",
+            f"{100 * r.loader_busy:.0f}%",
+        ]
+        if layout.loaded_column:
+            row.append("/".join(fmt_bytes(r.loaded_bytes.get(t, 0)) for t in loaded) if r.loaded_bytes else "-")
+        rows.append(row + [gib, f"{r.wall_s:.0f} s"])
+    gib_col = len(header) - 2
+    left = {0, gib_col - 1} if layout.loaded_column else {0}
+    right = set(range(len(header))) - left - (set() if layout.gib_right else {gib_col})
+    print_aligned(rows, right=right, file=file)
+    print(layout.note, file=file)
 
 
 def daemon_lines(results: list[RunResult]) -> list[str]:
@@ -189,34 +192,53 @@ def daemon_lines(results: list[RunResult]) -> list[str]:
     return lines
 
 
-def cost_lines(results: list[RunResult], m: Model, limits: Limits) -> list[str]:
+RAW = {  # a tier -> the raw rate beneath it: its name, its Limits field (raw_tcp: measured by the nodes)
+    "ram": ("memcpy", "memcpy"),
+    "fs": ("raw O_DIRECT, streaming", "odirect_stream"),
+    "peer": ("raw TCP on loopback", "raw_tcp"),
+    "s3": ("raw GET", "s3_get"),
+}
+
+
+def raw_limit(limits: Limits, tier: str, raw_tcp: Sequence[float] = ()) -> tuple[str, float | None]:
+    name, key = RAW[tier]
+    return name, (float(np.median(raw_tcp)) if raw_tcp else None) if key == "raw_tcp" else limits.median(key)
+
+
+def cost_lines(
+    results: Sequence[Any],
+    m: Model,
+    limits: Limits,
+    configs: Sequence[Config] = CONFIGS,
+    raw_tcp: Sequence[float] | None = None,
+) -> list[str]:
     """What a token served from each tier costs, relative to recomputing it: the break-even
-    bandwidth (KV bytes per token x prefill rate) over the tier's measured marginal rate, and over
-    the raw device's rate beneath it."""
+    bandwidth (KV bytes per token x prefill rate) over the tier's measured marginal rate, and the
+    raw device's rate beneath it (one node: what that would cost; raw_tcp given: the nodes')."""
     breakeven = m.model_kv_bytes_per_token * m.prefill_tokens_per_s / GIB
+    one_node = raw_tcp is None
     lines = [
         f"break-even load bandwidth ({m.model_kv_bytes_per_token:,} KV bytes/token x "
-        f"{m.prefill_tokens_per_s:,.0f} prefill tokens/s): {breakeven:.2f} GiB/s -- a tier slower than that "
-        f"costs more per token than recomputing"
+        f"{m.prefill_tokens_per_s:,.0f} prefill tokens/s): {breakeven:.2f} GiB/s"
+        + (" -- a tier slower than that costs more per token than recomputing" if one_node else "")
     ]
-    raw = {
-        "ram": ("memcpy", limits.median("memcpy")),
-        "fs": ("raw O_DIRECT, streaming", limits.median("odirect_stream")),
-        "s3": ("raw GET", limits.median("s3_get")),
-    }
-    for config in CONFIGS:
+    for config in configs:
         rs = [r for r in results if r.config == config.key and not r.skipped and r.marginal_gib_s]
         if not rs:
             continue
         r = max(rs, key=lambda x: x.conversations)
         parts = []
-        for t in ("ram", "fs", "s3"):
+        for t in RAW:
             if t not in r.marginal_gib_s:
                 continue
             part = f"{t} {r.marginal_gib_s[t]:.2f} GiB/s = {breakeven / r.marginal_gib_s[t]:.2f}x a recompute"
-            name, rate = raw[t]
+            name, rate = raw_limit(limits, t, raw_tcp or ())
             if rate:
-                part += f" ({name} {rate:.2f} GiB/s would be {breakeven / rate:.2f}x)"
+                part += (
+                    f" ({name} {rate:.2f} GiB/s would be {breakeven / rate:.2f}x)"
+                    if one_node
+                    else f" ({name} {rate:.2f})"
+                )
             parts.append(part)
         lines.append(f"{config.label} at {r.conversations}: " + "; ".join(parts))
     return lines
@@ -253,31 +275,64 @@ def _busy(r: RunResult) -> str:
     return f"; loader busy {100 * r.loader_busy:.0f}%, GPU {100 * r.gpu_busy:.0f}%"
 
 
-def target_rows(
-    results: list[RunResult], m: Model, limits: Limits, sizes_conv: dict[str, float]
-) -> list[dict[str, Any]]:
-    """The targets at the largest count, and the informational ratios, as rows: name, value, baseline,
-    ratio, target, status (as the other benchmarks' JSON) and `limit`: what bounds it on this machine."""
+class TargetRows(list[dict[str, Any]]):
+    """A sweep's targets and ratios as rows: name, value, baseline, ratio, target, status (as the
+    other benchmarks' JSON) and `limit`: what bounds it on this machine."""
+
+    def add(
+        self,
+        name: str,
+        value: float,
+        unit: str,
+        baseline_name: str,
+        baseline: float | None,
+        target: float | None,
+        limit: str,
+    ) -> None:
+        self.append({**Row(name, value, unit, baseline_name, baseline, target).to_json(), "limit": limit})
+
+    def vs(self, name: str, r: Any, baseline_name: str, base: Any, target: float | None, limit: str) -> None:
+        """Run r's modelled throughput against run base's."""
+        self.add(name, r.throughput_tokens_s, "tokens/s", baseline_name, base.throughput_tokens_s, target, limit)
+
+    def loads(
+        self, tier: str, r: Any, label: str, raw: tuple[str, float | None], charged: str, breakeven: float
+    ) -> None:
+        """The all-in load rate of a tier in run r beside the raw rate beneath it (when it loaded)."""
+        if r is None or tier not in r.load_gib_s:
+            return
+        marginal = r.marginal_gib_s.get(tier)
+        limit = (
+            f"marginal {marginal:.2f} GiB/s ({charged})"
+            if marginal
+            else "no per-byte cost above the fixed cost per call"
+        )
+        self.add(
+            f"{tier} tier loads, all-in ({label})",
+            r.load_gib_s[tier],
+            "GiB/s",
+            *raw,
+            None,
+            limit + f"; break-even {breakeven:.2f} GiB/s",
+        )
+
+
+def target_rows(results: list[RunResult], m: Model, limits: Limits, sizes_conv: dict[str, float]) -> TargetRows:
+    """The targets at the largest count, and the informational ratios."""
+    rows = TargetRows()
     runs = {(r.config, r.conversations): r for r in results if not r.skipped}
     counts = sorted({r.conversations for r in results})
     if not counts:
-        return []
+        return rows
     top = counts[-1]
     none, ram, fs, s3 = (runs.get((c, top)) for c in ("none", "ram", "ram+fs", "ram+fs+s3"))
     breakeven = m.model_kv_bytes_per_token * m.prefill_tokens_per_s / GIB
-    rows: list[dict[str, Any]] = []
-
-    def add(
-        name: str, value: float, unit: str, baseline_name: str, baseline: float | None, target: float | None, limit: str
-    ) -> None:
-        rows.append({**Row(name, value, unit, baseline_name, baseline, target).to_json(), "limit": limit})
-
     if fs is not None:
         capacity = (
             f"capacity: GPU {sizes_conv['gpu']:.0f} + RAM {sizes_conv['ram']:g} + fs {sizes_conv['fs']:g} "
             f"conversations for {top}"
         )
-        add(
+        rows.add(
             f"RAM + fs hit rate, {top} conversations",
             fs.hit_rate_overall,
             "share",
@@ -288,67 +343,24 @@ def target_rows(
         )
         fs_limit = _tier_limit("fs", fs, limits, breakeven) + _busy(fs)
         if none is not None:
-            add(
-                f"RAM + fs vs no offload, {top} conversations",
-                fs.throughput_tokens_s,
-                "tokens/s",
-                "no offload",
-                none.throughput_tokens_s,
-                TARGET_VS_NONE,
-                fs_limit,
-            )
+            rows.vs(f"RAM + fs vs no offload, {top} conversations", fs, "no offload", none, TARGET_VS_NONE, fs_limit)
         if ram is not None:
-            add(
-                f"RAM + fs vs RAM alone, {top} conversations",
-                fs.throughput_tokens_s,
-                "tokens/s",
-                "RAM alone",
-                ram.throughput_tokens_s,
-                TARGET_VS_RAM,
-                fs_limit,
-            )
+            rows.vs(f"RAM + fs vs RAM alone, {top} conversations", fs, "RAM alone", ram, TARGET_VS_RAM, fs_limit)
     if ram is not None and none is not None:
-        add(
-            f"RAM vs no offload, {top} conversations",
-            ram.throughput_tokens_s,
-            "tokens/s",
-            "no offload",
-            none.throughput_tokens_s,
-            None,
-            _tier_limit("ram", ram, limits, breakeven) + _busy(ram),
-        )
+        limit = _tier_limit("ram", ram, limits, breakeven) + _busy(ram)
+        rows.vs(f"RAM vs no offload, {top} conversations", ram, "no offload", none, None, limit)
     if s3 is not None and none is not None:
-        add(
-            f"RAM + fs + S3 vs no offload, {top} conversations",
-            s3.throughput_tokens_s,
-            "tokens/s",
-            "no offload",
-            none.throughput_tokens_s,
-            None,
-            _tier_limit("s3", s3, limits, breakeven) + _busy(s3),
-        )
+        limit = _tier_limit("s3", s3, limits, breakeven) + _busy(s3)
+        rows.vs(f"RAM + fs + S3 vs no offload, {top} conversations", s3, "no offload", none, None, limit)
     tier_rows = (
         ("ram", ram, "memcpy, 2 MiB pieces", "memcpy"),
         ("fs", fs, f"raw O_DIRECT read, {limits.batch_chunks}-chunk batches", "odirect_batched"),
         ("s3", s3, f"raw GET, {S3_INFLIGHT} in flight", "s3_get"),
     )
+    charged = "fixed cost per call removed: what the model charges"
     for tier, r, raw_name, raw_key in tier_rows:
-        if r is not None and tier in r.load_gib_s:
-            marginal = r.marginal_gib_s.get(tier)
-            add(
-                f"{tier} tier loads, all-in ({CONFIG_LABELS[r.config]}, {top})",
-                r.load_gib_s[tier],
-                "GiB/s",
-                raw_name,
-                limits.median(raw_key),
-                None,
-                (
-                    f"marginal {marginal:.2f} GiB/s (fixed cost per call removed: what the model charges)"
-                    if marginal
-                    else "no per-byte cost above the fixed cost per call"
-                )
-                + f"; break-even {breakeven:.2f} GiB/s",
-            )
+        label = f"{CONFIG_LABELS[r.config]}, {top}" if r is not None else ""
+        rows.loads(tier, r, label, (raw_name, limits.median(raw_key)), charged, breakeven)
     return rows
 
 
@@ -454,6 +466,6 @@ def bound_lines(results: list[RunResult], m: Model, limits: Limits) -> list[str]
     return lines
 
 
-def load_summary(results: list[RunResult], start: float, end: float) -> dict[str, float]:
+def load_summary(results: Sequence[Any], start: float, end: float) -> dict[str, float]:
     samples = [start, end] + [x for r in results if not r.skipped for x in r.load_average]
     return {"start": start, "end": end, "min": min(samples), "max": max(samples), "mean": float(np.mean(samples))}

@@ -5,12 +5,14 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 import numpy as np
 
@@ -19,32 +21,42 @@ from bench.lib.report import GIB, load_average
 from bench.lib.s3 import S3
 from bench.multiturn.model import TIERS, Config, Model, Sizes, Workload
 from bench.multiturn.offload import Offload
-from bench.multiturn.sim import Simulation
+from bench.multiturn.sim import Simulation, TurnRecord
+
+T = TypeVar("T", bound="TurnsResult")
+P = ParamSpec("P")
+
+
+class Clock(Protocol):
+    """A simulation's model clock (Simulation, or the nodes' ClusterSim)."""
+
+    @property
+    def makespan(self) -> float: ...
+    @property
+    def starts(self) -> np.ndarray: ...
+    @property
+    def thinks(self) -> np.ndarray: ...
 
 
 @dataclass
-class RunResult:
+class TurnsResult:
+    """What one run measured and modelled: one node's, or the nodes' summed (NodesRunResult)."""
+
     config: str
     conversations: int
     turns: int = 0
     prompt_tokens: int = 0
     reusable_tokens: int = 0
     hit_tokens: dict[str, int] = field(default_factory=dict)
-    hit_rate: dict[str, float] = field(default_factory=dict)  # share of reusable tokens, per tier
+    hit_rate: dict[str, float] = field(default_factory=dict)  # share of reusable tokens, per tier (measured)
     hit_rate_overall: float = 0.0
-    cached_share_of_prompt: float = 0.0
-    throughput_tokens_s: float = 0.0
+    throughput_tokens_s: float = 0.0  # modelled: prompt tokens / the makespan
     makespan_s: float = 0.0
+    think_floor_s: float = 0.0  # the latest start + think times of a conversation: no makespan is shorter
     ttft_p50_s: float = 0.0
     ttft_p99_s: float = 0.0
-    gpu_busy: float = 0.0  # share of the makespan
+    gpu_busy: float = 0.0  # share of the makespan (several nodes: their mean)
     loader_busy: float = 0.0
-    gpu_busy_s: float = 0.0  # modelled seconds
-    loader_busy_s: float = 0.0
-    charged_s: dict[str, float] = field(default_factory=dict)  # modelled loader seconds per tier (fixed + bytes)
-    charged_fixed_s: dict[str, float] = field(default_factory=dict)  # of which the load calls' fixed cost
-    lookup_s: float = 0.0  # measured lookup time, all turns (on the loader's timeline)
-    think_floor_s: float = 0.0  # the latest start + think times of a conversation: no makespan is shorter
     loaded_bytes: dict[str, int] = field(default_factory=dict)  # scaled bytes really loaded, per tier
     load_seconds: dict[str, float] = field(default_factory=dict)  # measured, per tier
     load_gib_s: dict[str, float] = field(default_factory=dict)  # measured: bytes / time of the load calls
@@ -61,66 +73,92 @@ class RunResult:
     load_average: tuple[float, float] = (0.0, 0.0)  # 1-minute load average at the run's start and end
     skipped: str = ""
 
+    def summarize_turns(
+        self, w: Workload, recs: Sequence[TurnRecord], sim: Clock, tiers: Sequence[str], chunk_bytes: int | None
+    ) -> None:
+        """The hit rates, modelled throughput and latency of the turns; with chunk_bytes (a run with
+        offload), the scaled bytes loaded from each tier below the GPU and their measured rates."""
+        self.turns = len(recs)
+        self.prompt_tokens = sum(x.prompt_tokens for x in recs)
+        self.reusable_tokens = sum(x.reusable_chunks for x in recs) * w.chunk_tokens
+        self.hit_tokens = {t: sum(x.hits.get(t, 0) for x in recs) * w.chunk_tokens for t in tiers}
+        self.hit_rate = {
+            t: (v / self.reusable_tokens if self.reusable_tokens else 0.0) for t, v in self.hit_tokens.items()
+        }
+        self.hit_rate_overall = sum(self.hit_rate.values())
+        self.makespan_s = sim.makespan
+        self.think_floor_s = float(np.max(sim.starts + sim.thinks[:, 1:].sum(axis=1)))
+        self.throughput_tokens_s = self.prompt_tokens / sim.makespan
+        ttft = np.array([x.done - x.arrive for x in recs])
+        self.ttft_p50_s, self.ttft_p99_s = float(np.percentile(ttft, 50)), float(np.percentile(ttft, 99))
+        if chunk_bytes is None:
+            return
+        secs: dict[str, float] = {}
+        for x in recs:
+            for t, s in x.load_seconds.items():
+                secs[t] = secs.get(t, 0.0) + s
+        self.loaded_bytes = {t: self.hit_tokens[t] // w.chunk_tokens * chunk_bytes for t in tiers if t != "gpu"}
+        self.load_seconds = {t: secs.get(t, 0.0) for t in self.loaded_bytes}
+        self.load_gib_s = {
+            t: (self.loaded_bytes[t] / GIB / self.load_seconds[t])
+            for t in self.loaded_bytes
+            if self.load_seconds[t] > 0 and self.loaded_bytes[t] > 0
+        }
+
+
+def gib_s_of_costs(costs: dict[str, list[float]], stat: Callable[[list[float]], Any] = np.median) -> dict[str, float]:
+    """GiB/s from per-byte costs (a `stat` of 0: calls no slower than the fixed cost measured at the start: no rate)."""
+    return {t: 1 / float(stat(c)) / GIB for t, c in costs.items() if c and stat(c) > 0}
+
+
+def store_summary(counts: dict[str, int], seconds: float, chunk_bytes: int) -> dict[str, Any]:
+    gib = counts["stored"] * chunk_bytes / GIB
+    return {**counts, "seconds": seconds, "gib_s": gib / seconds if seconds else 0.0}
+
+
+def stats_delta(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """A daemon's Stats per tier over a run (used_bytes and chunks: as at the end)."""
+    return {
+        name: {
+            k: v - before.get(name, {}).get(k, 0) if k not in ("used_bytes", "chunks") else v for k, v in vals.items()
+        }
+        for name, vals in after.items()
+    }
+
+
+@dataclass
+class RunResult(TurnsResult):
+    cached_share_of_prompt: float = 0.0
+    gpu_busy_s: float = 0.0  # modelled seconds
+    loader_busy_s: float = 0.0
+    charged_s: dict[str, float] = field(default_factory=dict)  # modelled loader seconds per tier (fixed + bytes)
+    charged_fixed_s: dict[str, float] = field(default_factory=dict)  # of which the load calls' fixed cost
+    lookup_s: float = 0.0  # measured lookup time, all turns (on the loader's timeline)
+
 
 def summarize(
     config: str, sim: Simulation, offload: Offload | None, before: dict | None, after: dict | None
 ) -> RunResult:
-    w, recs = sim.w, sim.records
+    recs = sim.records
     r = RunResult(config, sim.n)
-    r.turns = len(recs)
-    r.prompt_tokens = sum(x.prompt_tokens for x in recs)
-    r.reusable_tokens = sum(x.reusable_chunks for x in recs) * w.chunk_tokens
-    r.hit_tokens = {t: sum(x.hits.get(t, 0) for x in recs) * w.chunk_tokens for t in TIERS}
-    r.hit_rate = {t: (v / r.reusable_tokens if r.reusable_tokens else 0.0) for t, v in r.hit_tokens.items()}
-    r.hit_rate_overall = sum(r.hit_rate.values())
+    r.summarize_turns(sim.w, recs, sim, TIERS, offload.chunk_bytes if offload is not None else None)
     r.cached_share_of_prompt = sum(r.hit_tokens.values()) / r.prompt_tokens
-    r.makespan_s = sim.makespan
-    r.think_floor_s = float(np.max(sim.starts + sim.thinks[:, 1:].sum(axis=1)))
-    r.throughput_tokens_s = r.prompt_tokens / sim.makespan
-    ttft = np.array([x.done - x.arrive for x in recs])
-    r.ttft_p50_s, r.ttft_p99_s = float(np.percentile(ttft, 50)), float(np.percentile(ttft, 99))
     r.gpu_busy = sim.busy["gpu"] / sim.makespan
     r.loader_busy = sim.busy["loader"] / sim.makespan
     r.gpu_busy_s, r.loader_busy_s = sim.busy["gpu"], sim.busy["loader"]
     r.charged_s, r.charged_fixed_s = dict(sim.charged), dict(sim.charged_fixed)
     r.lookup_s = float(sum(sim.lookup_s))
     if offload is not None:
-        cb = offload.chunk_bytes
-        secs: dict[str, float] = {}
-        for x in recs:
-            for t, s in x.load_seconds.items():
-                secs[t] = secs.get(t, 0.0) + s
-        r.loaded_bytes = {t: r.hit_tokens[t] // w.chunk_tokens * cb for t in TIERS if t != "gpu"}
-        r.load_seconds = {t: secs.get(t, 0.0) for t in r.loaded_bytes}
-        r.load_gib_s = {
-            t: (r.loaded_bytes[t] / GIB / r.load_seconds[t])
-            for t in r.loaded_bytes
-            if r.load_seconds[t] > 0 and r.loaded_bytes[t] > 0
-        }
-        # a median per-byte cost of 0 (calls no slower than the fixed cost measured at the start): no rate
-        r.marginal_gib_s = {
-            t: 1 / float(np.median(c)) / GIB for t, c in sim.all_costs.items() if c and np.median(c) > 0
-        }
+        r.marginal_gib_s = gib_s_of_costs(sim.all_costs)
         r.lookups = len(sim.lookup_s)
         r.lookup_ms_p50 = float(np.percentile(sim.lookup_s, 50) * 1e3) if sim.lookup_s else 0.0
         r.load_shortfall_chunks = sim.shortfall
         r.load_calls = sim.load_calls
         r.load_call_floor_ms = offload.call_floor_s * 1e3
-        stored_bytes = offload.store_counts["stored"] * cb
-        r.store = {
-            **offload.store_counts,
-            "seconds": offload.store_s,
-            "gib_s": stored_bytes / GIB / offload.store_s if offload.store_s else 0.0,
-        }
+        r.store = store_summary(offload.store_counts, offload.store_s, offload.chunk_bytes)
         r.corrupt_chunks = offload.corrupt
         if before is not None and after is not None:
-            r.daemon = {
-                name: {
-                    k: v - before.get(name, {}).get(k, 0) if k not in ("used_bytes", "chunks") else v
-                    for k, v in vals.items()
-                }
-                for name, vals in after.items()
-            }
+            r.daemon = stats_delta(before, after)
     return r
 
 
@@ -174,18 +212,22 @@ def tier_args(config: Config, sizes: Sizes, res: TierResources) -> list[str]:
     return args
 
 
+def timed(run: Callable[P, T]) -> Callable[P, T]:
+    """A run with its wall seconds and the load average at its start and end."""
+
+    @functools.wraps(run)
+    def timed_run(*args: P.args, **kwargs: P.kwargs) -> T:
+        t0, load0 = time.perf_counter(), load_average()
+        r = run(*args, **kwargs)
+        r.wall_s = time.perf_counter() - t0
+        r.load_average = (load0, load_average())
+        return r
+
+    return timed_run
+
+
+@timed
 def run_one(
-    config: Config, conversations: int, w: Workload, m: Model, sizes: Sizes, workdir: Path, s3: S3 | None
-) -> RunResult:
-    t0 = time.perf_counter()
-    load0 = load_average()
-    r = _run_one(config, conversations, w, m, sizes, workdir, s3)
-    r.wall_s = time.perf_counter() - t0
-    r.load_average = (load0, load_average())
-    return r
-
-
-def _run_one(
     config: Config, conversations: int, w: Workload, m: Model, sizes: Sizes, workdir: Path, s3: S3 | None
 ) -> RunResult:
     if not config.offload:

@@ -13,6 +13,7 @@ import numpy as np
 
 from bench.lib.daemons import Daemon, free_port
 from bench.lib.limits import drop_page_cache, raw_odirect
+from bench.lib.raw_net import Place, measure_raw
 from bench.lib.s3 import raw_s3_get
 from bench.peer.loads import (
     FETCH_TIMEOUT_S,
@@ -27,7 +28,6 @@ from bench.peer.loads import (
     ram_for,
     store,
 )
-from bench.peer_raw import Place, measure_raw
 
 
 class Cluster:
@@ -42,17 +42,8 @@ class Cluster:
         a = self.addresses["A"]
 
         def node(transport: str, peers: Sequence[str], listen: str) -> Daemon:
-            spec = ",".join(
-                [
-                    "kind=peer",
-                    f"transport={transport}",
-                    f"peers={' '.join(peers)}",
-                    "tcp_port=0",
-                    "ucx_port=0",
-                    "ucx_net_devices=lo",
-                    f"fetch_timeout_s={FETCH_TIMEOUT_S}",
-                ]
-            )
+            spec = f"kind=peer,transport={transport},peers={' '.join(peers)},tcp_port=0,ucx_port=0,"
+            spec += f"ucx_net_devices=lo,fetch_timeout_s={FETCH_TIMEOUT_S}"
             return Daemon(
                 ram_for(chunks),
                 extra_args=["--metrics-addr", "off", "--tcp-listen", listen, "--tiers", spec],
@@ -72,13 +63,7 @@ class Cluster:
 
     def _a_seen_by(self, transport: str):
         """B's view of A (kvstored.v1.Peer/Status): state, transport, index, counters."""
-        import grpc
-
-        from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
-        from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
-
-        with grpc.insecure_channel(f"unix:{self.b[transport].socket}") as channel:
-            status = pb_grpc.PeerStub(channel).Status(pb.PeerStatusRequest(), timeout=10)
+        status = self.b[transport].peer_status()
         return next((p for p in status.peers if p.address == self.addresses["A"]), None)
 
     def _wait_indexed(self, transport: str) -> None:
@@ -109,13 +94,7 @@ class Cluster:
                 f"{exc}; B's counters for A: "
                 + ", ".join(
                     f"{k} {getattr(a, k, '?')}"
-                    for k in (
-                        "missing_chunks",
-                        "corrupt_chunks",
-                        "failed_chunks",
-                        "timed_out_chunks",
-                        "refused_by_breaker",
-                    )
+                    for k in "missing_chunks corrupt_chunks failed_chunks timed_out_chunks refused_by_breaker".split()
                 )
             ) from None
         with Client(str(b.socket), deadline_s=60.0) as kv:  # B's copies only: A keeps its own

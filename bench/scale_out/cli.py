@@ -8,7 +8,7 @@ import argparse
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -50,57 +50,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-nodes", type=int, default=10_000, help="how far to look for break points (and to plot)")
     p.add_argument("--cpu-budget", type=float, default=0.10, help="index upkeep CPU per node, share of one core")
     p.add_argument("--memory-budget-gib", type=float, default=1.0, help="index and stream memory per node")
-    p.add_argument("--turns-per-s", type=float, default=d.turns_per_s, help="turns per GPU node per second")
-    p.add_argument("--first-tokens", type=int, default=d.first_tokens, help="tokens of a conversation's first prompt")
-    p.add_argument("--turn-tokens", type=int, default=d.turn_tokens, help="tokens each later turn adds")
-    p.add_argument("--turns", type=int, default=d.turns, help="turns per conversation")
-    p.add_argument(
-        "--kv-bytes-per-token",
-        type=int,
-        default=d.kv_bytes_per_token,
-        help="KV bytes per token (Qwen3.6-35B-A3B: 20,480; Llama-3.1-8B: 131,072)",
-    )
-    p.add_argument("--chunk-mib", type=float, default=d.chunk_bytes / MIB, help="chunk size")
-    p.add_argument(
-        "--kvstored-read-share",
-        type=float,
-        default=d.kvstored_read_share,
-        help="share of a turn's reusable chunks loaded from kvstored (the GPU cache has the rest)",
-    )
-    p.add_argument(
-        "--fs-read-share",
-        type=float,
-        default=d.fs_read_share,
-        help="share of kvstored reads served by the node's own fs tier (each promotion is an event)",
-    )
-    p.add_argument(
-        "--cross-node-share",
-        type=float,
-        default=d.cross_node_share,
-        help="share of turns sent to a node other than the one holding the conversation",
-    )
-    p.add_argument(
-        "--s3-read-share", type=float, default=d.s3_read_share, help="share of kvstored reads only S3 can serve"
-    )
-    p.add_argument("--ram-gib", type=float, default=d.ram_bytes / GIB, help="each node's RAM tier")
-    p.add_argument("--fs-tib", type=float, default=d.fs_bytes / (1 << 40), help="each node's fs tier (0: not indexed)")
-    p.add_argument("--no-s3", action="store_true", help="no S3 tier below the peers")
-    p.add_argument(
-        "--interval-s",
-        type=float,
-        default=d.interval_s,
-        help="coalesced mesh, directory, router: one message per destination per interval",
-    )
-    p.add_argument(
-        "--group-chunks",
-        type=int,
-        default=d.group_chunks,
-        help="directory: consecutive chunks of a chain owned together",
-    )
-    p.add_argument("--replicas", type=int, default=d.replicas, help="directory: owners per chunk group")
-    p.add_argument("--routers", type=int, default=d.routers, help="router: instances each node publishes to")
-    p.add_argument("--put-usd-per-1k", type=float, default=d.put_usd_per_1k, help="S3 price per 1,000 PUTs")
-    p.add_argument("--get-usd-per-1k", type=float, default=d.get_usd_per_1k, help="S3 price per 1,000 GETs")
+    flags = [  # (flag, help); a flag --x-y sets Fleet.x_y, its default and type are the field's
+        ("--turns-per-s", "turns per GPU node per second"),
+        ("--first-tokens", "tokens of a conversation's first prompt"),
+        ("--turn-tokens", "tokens each later turn adds"),
+        ("--turns", "turns per conversation"),
+        ("--kv-bytes-per-token", "KV bytes per token (Qwen3.6-35B-A3B: 20,480; Llama-3.1-8B: 131,072)"),
+        ("--chunk-mib", "chunk size"),
+        (
+            "--kvstored-read-share",
+            "share of a turn's reusable chunks loaded from kvstored (the GPU cache has the rest)",
+        ),
+        ("--fs-read-share", "share of kvstored reads served by the node's own fs tier (each promotion is an event)"),
+        ("--cross-node-share", "share of turns sent to a node other than the one holding the conversation"),
+        ("--s3-read-share", "share of kvstored reads only S3 can serve"),
+        ("--ram-gib", "each node's RAM tier"),
+        ("--fs-tib", "each node's fs tier (0: not indexed)"),
+        ("--no-s3", "no S3 tier below the peers"),
+        ("--interval-s", "coalesced mesh, directory, router: one message per destination per interval"),
+        ("--group-chunks", "directory: consecutive chunks of a chain owned together"),
+        ("--replicas", "directory: owners per chunk group"),
+        ("--routers", "router: instances each node publishes to"),
+        ("--put-usd-per-1k", "S3 price per 1,000 PUTs"),
+        ("--get-usd-per-1k", "S3 price per 1,000 GETs"),
+    ]
+    scaled = {"--chunk-mib": d.chunk_bytes / MIB, "--ram-gib": d.ram_bytes / GIB, "--fs-tib": d.fs_bytes / (1 << 40)}
+    for flag, text in flags:
+        if flag == "--no-s3":
+            p.add_argument(flag, action="store_true", help=text)
+        elif flag in scaled:
+            p.add_argument(flag, type=float, default=scaled[flag], help=text)
+        else:
+            default = getattr(d, flag[2:].replace("-", "_"))
+            p.add_argument(flag, type=type(default), default=default, help=text)
     return p
 
 
@@ -110,26 +92,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not cal_path.is_absolute() and not cal_path.exists():
         cal_path = REPO / cal_path
     calibration = json.loads(cal_path.read_text())
+    direct = {f.name for f in fields(Fleet)} - {"chunk_bytes", "ram_bytes", "fs_bytes", "s3_tier"}
     fleet = Fleet(
-        turns_per_s=args.turns_per_s,
-        first_tokens=args.first_tokens,
-        turn_tokens=args.turn_tokens,
-        turns=args.turns,
-        kv_bytes_per_token=args.kv_bytes_per_token,
+        **{k: v for k, v in vars(args).items() if k in direct},
         chunk_bytes=int(args.chunk_mib * MIB),
-        kvstored_read_share=args.kvstored_read_share,
-        fs_read_share=args.fs_read_share,
-        cross_node_share=args.cross_node_share,
-        s3_read_share=args.s3_read_share,
         ram_bytes=int(args.ram_gib * GIB),
         fs_bytes=int(args.fs_tib * (1 << 40)),
         s3_tier=not args.no_s3,
-        interval_s=args.interval_s,
-        group_chunks=args.group_chunks,
-        replicas=args.replicas,
-        routers=args.routers,
-        put_usd_per_1k=args.put_usd_per_1k,
-        get_usd_per_1k=args.get_usd_per_1k,
     )
     budget = Budget(args.cpu_budget, args.memory_budget_gib * GIB)
     costs = Costs.from_calibration(calibration)

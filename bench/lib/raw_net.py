@@ -1,9 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""The peer data plane against the raw transports beneath it (issue 11 part 8's groundwork; not a test).
-
-Method, baselines, targets and results: docs/benchmarks.md.
-"""
+"""The raw transports beneath the peer tier: a TCP socket and ucxx moving chunks from a populated
+mapping into a few receive slots, sender and receiver in processes of their own (on loopback or each
+in a network namespace). `measure_raw` drives both; the roles run as `python -m bench.lib.raw_net ROLE`."""
 
 from __future__ import annotations
 
@@ -14,19 +13,17 @@ import mmap
 import os
 import resource
 import socket
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from bench.lib.daemons import REPO
-from bench.lib.report import GIB, MIB, Row, machine_info, print_table, write_json
+from bench.lib.report import GIB
 from kvstored.peer.transport import UcxConfig
 from tests.support import netns
 
-TARGET = 0.8
 EVENT_TIMEOUT_S = 300.0
 
 
@@ -85,9 +82,6 @@ def _finish(*procs: subprocess.Popen) -> None:
         if p.poll() is None:
             p.kill()  # our own children, by pid
         p.wait()
-
-
-# -- raw arms (run as `python bench/peer_raw.py raw-...`) -------------------------------------
 
 
 def _ring(chunk: int, n: int) -> list[memoryview]:
@@ -216,9 +210,6 @@ def raw_ucx_send(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
-# -- arms as seen from the driver -----------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Sample:
     gib_s: float
@@ -228,19 +219,8 @@ class Sample:
 def measure_raw(transport: str, place: Place, nbytes: int, chunk: int, slots: int, ucx_window: int = 1) -> Sample:
     """One raw transfer of `nbytes` from place.server to place.fetcher, landing in `slots` buffers."""
     count = nbytes // chunk
-    me = [sys.executable, "-m", "bench.peer_raw"]
-    common = [
-        "--chunk",
-        str(chunk),
-        "--count",
-        str(count),
-        "--slots",
-        str(slots),
-        "--devices",
-        place.devices,
-        "--window",
-        str(ucx_window),
-    ]
+    me = [sys.executable, "-m", "bench.lib.raw_net"]
+    common = f"--chunk {chunk} --count {count} --slots {slots} --devices {place.devices} --window {ucx_window}".split()
     host = place.fetcher.ip if place.fetcher else "127.0.0.1"
     recv = _spawn(place.argv(place.fetcher, [*me, f"raw-{transport}-recv", "--host", host, *common]))
     send = None
@@ -256,184 +236,22 @@ def measure_raw(transport: str, place: Place, nbytes: int, chunk: int, slots: in
         _finish(recv, *([send] if send else []))
 
 
-def measure_peer(transport: str, place: Place, nbytes: int, chunk: int, concurrency: int, batch: int = 1) -> Sample:
-    """kvstored.peer moving `nbytes` from a serving node to a fetching node."""
-    count = nbytes // chunk
-    node = [sys.executable, "-m", "tests.peer.node"]
-    common = [
-        "--transport",
-        transport,
-        "--chunks",
-        str(count),
-        "--chunk-bytes",
-        str(chunk),
-        "--ucx-net-devices",
-        place.devices,
-        "--contiguous",
-    ]
-    server = _spawn(place.argv(place.server, [*node, "serve", *common, "--host", place.server_host]))
-    fetcher = None
-    try:
-        ready = _read_json(server, "ready")
-        fetcher = _spawn(
-            place.argv(
-                place.fetcher,
-                [
-                    *node,
-                    "fetch",
-                    *common,
-                    "--once",
-                    "--no-verify",
-                    "--quiet",
-                    "--progress-every",
-                    str(count + 1),
-                    "--concurrency",
-                    str(concurrency),
-                    "--batch",
-                    str(batch),
-                    "--timeout-s",
-                    "30",
-                    "--data",
-                    f"{place.server_host}:{ready['data_port']}",
-                    "--control",
-                    f"{place.server_host}:{ready['control_port']}",
-                ],
-            )
-        )
-        summary = _read_json(fetcher, "summary")
-        if summary["counts"] != {"received": count}:
-            raise RuntimeError(f"peer {transport}: {summary['counts']}")
-        return Sample(summary["gib_s"], tuple(summary["cpu_s_per_gib"] or (float("nan"),) * 2))
-    finally:
-        _finish(server, *([fetcher] if fetcher else []))
-
-
-# -- driver -----------------------------------------------------------------------------------
-
-
-def run(args: argparse.Namespace) -> tuple[list[Row], dict]:
-    nbytes, chunk = int(args.gib * GIB), args.chunk_mib * MIB
-    transports = args.transports.split(",")
-    wheres = args.where.split(",")
-    samples: dict[str, list[Sample]] = {}
-    topology = None
-    places = []
-    try:
-        if "loopback" in wheres:
-            places.append(Place("loopback"))
-        if "netns" in wheres:
-            reason = netns.unavailable()
-            if reason:
-                print(f"netns skipped: {reason}", file=sys.stderr)
-            else:
-                topology = netns.Topology(nodes=2)
-                topology.create()
-                places.append(Place("netns", topology.nodes[0], topology.nodes[1]))
-        arms = [(p, t, kind) for p in places for t in transports for kind in ("raw", "peer")]
-        for r in range(args.rounds):
-            shift = r % len(arms)
-            for place, transport, kind in arms[shift:] + arms[:shift]:
-                if kind == "raw":
-                    value = measure_raw(
-                        transport, place, nbytes, chunk, 2 * args.concurrency * args.batch, args.ucx_window
-                    )
-                else:
-                    value = measure_peer(transport, place, nbytes, chunk, args.concurrency, args.batch)
-                key = f"{kind} {transport} ({place.name})"
-                samples.setdefault(key, []).append(value)
-                print(
-                    f"round {r}: {key}: {value.gib_s:.2f} GiB/s, CPU s/GiB fetcher {value.cpu_s_per_gib[0]:.2f} "
-                    f"server {value.cpu_s_per_gib[1]:.2f}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-    finally:
-        if topology is not None:
-            topology.close()
-    rows = []
-    for place in places:
-        for transport in transports:
-            peer = samples[f"peer {transport} ({place.name})"]
-            raw = samples[f"raw {transport} ({place.name})"]
-            rows.append(
-                Row(
-                    name=f"peer {transport} ({place.name})",
-                    value=statistics.median(s.gib_s for s in peer),
-                    unit="GiB/s",
-                    baseline_name=f"raw {transport}",
-                    baseline=statistics.median(s.gib_s for s in raw),
-                    target=TARGET,
-                    median=statistics.median(s.gib_s for s in peer),
-                    note=f"per round GiB/s: peer {_list(s.gib_s for s in peer)}; raw {_list(s.gib_s for s in raw)}; "
-                    f"CPU s/GiB (fetcher+server, median): peer {_cpu_pair(peer)}, raw {_cpu_pair(raw)}",
-                )
-            )
-    return rows, {k: [asdict(s) for s in v] for k, v in samples.items()}
-
-
-def _list(values) -> str:
-    return ", ".join(f"{v:.2f}" for v in values)
-
-
-def _cpu_pair(samples: list[Sample]) -> str:
-    fetcher = statistics.median(s.cpu_s_per_gib[0] for s in samples)
-    server = statistics.median(s.cpu_s_per_gib[1] for s in samples)
-    return f"{fetcher:.2f}+{server:.2f}"
+ROLES = {f.__name__.replace("_", "-"): f for f in (raw_tcp_recv, raw_tcp_send, raw_ucx_recv, raw_ucx_send)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="role")
-    for role in ("raw-tcp-recv", "raw-tcp-send", "raw-ucx-recv", "raw-ucx-send"):
-        r = sub.add_parser(role)
-        r.add_argument("--host", default="127.0.0.1")
-        r.add_argument("--port", type=int, default=0)
-        r.add_argument("--chunk", type=int, required=True)
-        r.add_argument("--count", type=int, required=True)
-        r.add_argument("--devices", default="lo")
-        r.add_argument("--window", type=int, default=1)
-        r.add_argument("--slots", type=int, default=64)
-    p.add_argument("--where", default="loopback,netns")
-    p.add_argument("--transports", default="tcp,ucx")
-    p.add_argument("--gib", type=float, default=1.0)
-    p.add_argument("--chunk-mib", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--concurrency", type=int, default=4, help="peer orders in flight")
-    p.add_argument("--batch", type=int, default=8, help="chunks per peer order")
-    p.add_argument("--ucx-window", type=int, default=1, help="raw ucx messages in flight")
-    p.add_argument("--json", help="write the rows here")
+    p = argparse.ArgumentParser(description="one side of a raw transfer (measure_raw starts both)")
+    p.add_argument("role", choices=sorted(ROLES))
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--chunk", type=int, required=True)
+    p.add_argument("--count", type=int, required=True)
+    p.add_argument("--devices", default="lo")
+    p.add_argument("--window", type=int, default=1)
+    p.add_argument("--slots", type=int, default=64)
     args = p.parse_args(argv)
-    roles = {
-        "raw-tcp-recv": raw_tcp_recv,
-        "raw-tcp-send": raw_tcp_send,
-        "raw-ucx-recv": raw_ucx_recv,
-        "raw-ucx-send": raw_ucx_send,
-    }
-    if args.role:
-        roles[args.role](args)
-        return 0
-    try:
-        rows, samples = run(args)
-    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        print(f"bench failed: {exc}", file=sys.stderr)
-        return 2
-    print_table(
-        rows,
-        title=f"peer data plane vs raw transports ({args.gib:g} GiB of {args.chunk_mib} MiB chunks, "
-        f"{args.concurrency} orders of {args.batch} in flight, median of {args.rounds} rounds)",
-    )
-    if args.json:
-        write_json(
-            args.json,
-            {
-                "bench": "peer_raw",
-                "machine": machine_info(),
-                "args": vars(args),
-                "rows": [r.to_json() for r in rows],
-                "samples": samples,
-            },
-        )
-    return 0 if all(r.status == "PASS" for r in rows) else 1
+    ROLES[args.role](args)
+    return 0
 
 
 if __name__ == "__main__":
