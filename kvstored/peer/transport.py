@@ -18,9 +18,9 @@ A transfer of one or more chunks (a batch) is driven by the fetcher:
    receipts `ask` returned (the server hashes its pages after UCX read them, while cached).
 
 A batch costs one control round trip and, over TCP, streams its frames back to back on one
-connection. Measured here (raw TCP of bench/lib/raw_net.py beside bench.peer, loopback, 2 MiB chunks): orders of one chunk
-cost 0.32+0.32 CPU s/GiB (fetcher+server) against a raw socket's 0.17+0.16, orders of 8 about
-0.22+0.25, most of the rest being the two xxh3 passes; on a busy 2-core machine throughput
+connection. Measured here (bench/lib/raw_net.py's raw TCP beside bench.peer, loopback, 2 MiB
+chunks): orders of one chunk cost 0.32+0.32 CPU s/GiB (fetcher+server) against a raw socket's
+0.17+0.16, orders of 8 about 0.22+0.25, most of the rest being the two xxh3 passes; on a busy 2-core machine throughput
 follows CPU per byte.
 
 Neither side raises for a failed transfer: `receive_batch` and `send` return results whose
