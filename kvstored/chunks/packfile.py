@@ -1,0 +1,135 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
+"""The pack object format: many chunk records in one object, with its own index at the end.
+
+A pack is the records back to back, each one exactly a chunk file (chunkfile's 4096-byte header,
+then the payload), then an index block naming every record (namespace, key, offset, payload
+length, xxh3), then a fixed trailer (magic, version, entry count, index length and crc32, where
+the records end, and a crc32 of the trailer itself). Whoever can read the object's last bytes can
+rebuild its index; every record still verifies on its own when it is read with a ranged GET.
+
+Pack names sort by the time they were written (milliseconds since the epoch, hex, fixed width),
+so a reader can list only the packs newer than a point in time (ListObjectsV2 StartAfter).
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstored.chunks.chunkfile import HEADER_BYTES
+from kvstored.chunks.ids import ChunkId
+
+MAGIC = b"KVSPACK1"
+VERSION = 1
+_ENTRY = struct.Struct("<QQQHH")  # offset, payload_len, checksum, ns_len, key_len; then ns, key
+_TRAILER = struct.Struct("<8sHHIIIQ")  # magic, version, flags, count, index_len, index_crc, records_end
+TRAILER_BYTES = _TRAILER.size + 4  # + crc32 of the fields before it
+TAIL_BYTES = 64 << 10  # what a first read of a pack's end asks for (fits ~800 entries of 32-byte keys)
+PACKS_DIR = "_kvstored/packs"  # under the tier's prefix; chunk names have four parts, this has three
+PACK_SUFFIX = ".kvp"
+_NAME = re.compile(r"^([0-9a-f]{12})-([0-9a-f]{8})-([0-9a-f]{8})\.kvp$")
+
+
+class CorruptPack(ValueError):
+    """The bytes are not a pack's index (truncated, damaged, or not a pack at all)."""
+
+
+class UnsupportedPack(ValueError):
+    """A pack of a format version this daemon does not read (written by a newer one): left alone."""
+
+
+@dataclass(frozen=True, slots=True)
+class PackEntry:
+    chunk: ChunkId
+    offset: int  # of the record's chunkfile header within the object
+    size: int  # payload bytes
+    checksum: int  # the payload's xxh3-64 (the record's header carries it too)
+
+    @property
+    def record_bytes(self) -> int:
+        return HEADER_BYTES + self.size
+
+
+@dataclass(frozen=True, slots=True)
+class NeedTail:
+    """The index is longer than the tail that was read: read the object's last `nbytes`."""
+
+    nbytes: int
+
+
+def pack_name(created_ms: int, writer: int, seq: int) -> str:
+    return f"{created_ms:012x}-{writer & 0xFFFFFFFF:08x}-{seq & 0xFFFFFFFF:08x}{PACK_SUFFIX}"
+
+
+def parse_pack_name(name: str) -> int | None:
+    """The creation time (ms) a pack's name (within PACKS_DIR) carries, if it is one."""
+    match = _NAME.match(name)
+    return int(match.group(1), 16) if match else None
+
+
+def time_marker(created_ms: int) -> str:
+    """A name that sorts before every pack created at or after `created_ms` (for StartAfter)."""
+    return f"{max(created_ms, 0):012x}"
+
+
+def encode_index(entries: Sequence[PackEntry], records_end: int) -> bytes:
+    """The index block and trailer that end a pack whose records end at `records_end`."""
+    parts = []
+    for e in entries:
+        ns = e.chunk[0].encode()
+        parts.append(_ENTRY.pack(e.offset, e.size, e.checksum, len(ns), len(e.chunk[1])) + ns + e.chunk[1])
+    index = b"".join(parts)
+    trailer = _TRAILER.pack(MAGIC, VERSION, 0, len(entries), len(index), zlib.crc32(index), records_end)
+    return index + trailer + struct.pack("<I", zlib.crc32(trailer))
+
+
+def decode_index(tail: bytes | memoryview, object_bytes: int) -> list[PackEntry] | NeedTail:
+    """The entries of a pack of `object_bytes` from its last len(tail) bytes; NeedTail when the
+    index starts before them. Raises CorruptPack unless trailer, index and every entry's bounds
+    hold together (records inside the object, in order, not overlapping, before the index)."""
+    if len(tail) > object_bytes or len(tail) < TRAILER_BYTES:
+        raise CorruptPack(f"pack of {object_bytes} bytes cannot end in {len(tail)} bytes of index")
+    raw = memoryview(tail)
+    trailer = raw[len(raw) - TRAILER_BYTES :]
+    (crc,) = struct.unpack_from("<I", trailer, _TRAILER.size)
+    if zlib.crc32(trailer[: _TRAILER.size]) != crc:
+        raise CorruptPack("pack trailer checksum mismatch (truncated or not a pack)")
+    magic, version, _flags, count, index_len, index_crc, records_end = _TRAILER.unpack_from(trailer)
+    if magic != MAGIC:
+        raise CorruptPack("bad pack magic")
+    if version != VERSION:
+        raise UnsupportedPack(f"pack format version {version}")
+    if records_end + index_len + TRAILER_BYTES != object_bytes:
+        raise CorruptPack(f"pack index says {records_end + index_len + TRAILER_BYTES} bytes, object has {object_bytes}")
+    if index_len + TRAILER_BYTES > len(raw):
+        return NeedTail(index_len + TRAILER_BYTES)
+    index = raw[len(raw) - TRAILER_BYTES - index_len : len(raw) - TRAILER_BYTES]
+    if zlib.crc32(index) != index_crc:
+        raise CorruptPack("pack index checksum mismatch")
+    entries: list[PackEntry] = []
+    pos, next_free = 0, 0
+    for _ in range(count):
+        if pos + _ENTRY.size > index_len:
+            raise CorruptPack("pack index shorter than its entry count")
+        offset, size, checksum, ns_len, key_len = _ENTRY.unpack_from(index, pos)
+        pos += _ENTRY.size
+        if pos + ns_len + key_len > index_len:
+            raise CorruptPack("pack index entry runs past the index")
+        try:
+            ns = bytes(index[pos : pos + ns_len]).decode()
+        except UnicodeDecodeError:
+            raise CorruptPack("pack index entry has a bad namespace") from None
+        key = bytes(index[pos + ns_len : pos + ns_len + key_len])
+        pos += ns_len + key_len
+        entry = PackEntry((ns, key), offset, size, checksum)
+        if offset < next_free or offset + entry.record_bytes > records_end:
+            raise CorruptPack(f"pack record at {offset} overlaps another or runs past the records")
+        next_free = offset + entry.record_bytes
+        entries.append(entry)
+    if pos != index_len:
+        raise CorruptPack("pack index longer than its entries")
+    return entries
