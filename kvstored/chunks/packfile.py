@@ -10,6 +10,10 @@ rebuild its index; every record still verifies on its own when it is read with a
 
 Pack names sort by the time they were written (milliseconds since the epoch, hex, fixed width),
 so a reader can list only the packs newer than a point in time (ListObjectsV2 StartAfter).
+
+A manifest announces the packs one daemon wrote lately: for each, its name, size, creation time
+and its index exactly as the pack ends (index block and trailer), then a trailer of its own
+(magic, count, crc32 of everything before). One GET of a manifest stands for one GET per pack.
 """
 
 from __future__ import annotations
@@ -31,7 +35,13 @@ TRAILER_BYTES = _TRAILER.size + 4  # + crc32 of the fields before it
 TAIL_BYTES = 64 << 10  # what a first read of a pack's end asks for (fits ~800 entries of 32-byte keys)
 PACKS_DIR = "_kvstored/packs"  # under the tier's prefix; chunk names have four parts, this has three
 PACK_SUFFIX = ".kvp"
-_NAME = re.compile(r"^([0-9a-f]{12})-([0-9a-f]{8})-([0-9a-f]{8})\.kvp$")
+MANIFESTS_DIR = "_kvstored/manifests"
+MANIFEST_SUFFIX = ".kvm"
+_NAME = re.compile(r"^([0-9a-f]{12})-([0-9a-f]{8})-([0-9a-f]{8})(\.kvp|\.kvm)$")
+_MANIFEST_ITEM = struct.Struct("<HQQI")  # name_len, pack size, created_ms, index_len; name, index
+_MANIFEST_TRAILER = struct.Struct("<8sII")  # magic, count, crc32 of the items
+MANIFEST_MAGIC = b"KVSMANI1"
+MAX_MANIFEST_BYTES = 64 << 20  # a manifest names a few seconds of one daemon's packs
 
 
 class CorruptPack(ValueError):
@@ -61,14 +71,68 @@ class NeedTail:
     nbytes: int
 
 
-def pack_name(created_ms: int, writer: int, seq: int) -> str:
-    return f"{created_ms:012x}-{writer & 0xFFFFFFFF:08x}-{seq & 0xFFFFFFFF:08x}{PACK_SUFFIX}"
+def pack_name(created_ms: int, writer: int, seq: int, suffix: str = PACK_SUFFIX) -> str:
+    return f"{created_ms:012x}-{writer & 0xFFFFFFFF:08x}-{seq & 0xFFFFFFFF:08x}{suffix}"
 
 
-def parse_pack_name(name: str) -> int | None:
-    """The creation time (ms) a pack's name (within PACKS_DIR) carries, if it is one."""
+def parse_pack_name(name: str, suffix: str = PACK_SUFFIX) -> int | None:
+    """The creation time (ms) a pack's (or manifest's) name carries, if it is one."""
     match = _NAME.match(name)
-    return int(match.group(1), 16) if match else None
+    return int(match.group(1), 16) if match and match.group(4) == suffix else None
+
+
+def writer_of(name: str) -> int | None:
+    """The writer id in a pack's or manifest's name."""
+    match = _NAME.match(name)
+    return int(match.group(2), 16) if match else None
+
+
+@dataclass(frozen=True, slots=True)
+class Announced:
+    """One pack named by a manifest."""
+
+    name: str  # within PACKS_DIR
+    size: int
+    created_ms: int
+    entries: list[PackEntry]
+
+
+def encode_manifest(packs: Sequence[tuple[str, int, int, bytes]]) -> bytes:
+    """(name, size, created_ms, the pack's last bytes: index block and trailer) of each pack."""
+    parts = []
+    for name, size, created_ms, index in packs:
+        raw = name.encode()
+        parts.append(_MANIFEST_ITEM.pack(len(raw), size, created_ms, len(index)) + raw + index)
+    body = b"".join(parts)
+    return body + _MANIFEST_TRAILER.pack(MANIFEST_MAGIC, len(packs), zlib.crc32(body))
+
+
+def decode_manifest(data: bytes | memoryview) -> list[Announced]:
+    """The packs a manifest names, each index checked as decode_index does; CorruptPack if not."""
+    raw = memoryview(data)
+    if len(raw) < _MANIFEST_TRAILER.size:
+        raise CorruptPack("manifest too short")
+    magic, count, crc = _MANIFEST_TRAILER.unpack_from(raw, len(raw) - _MANIFEST_TRAILER.size)
+    body = raw[: len(raw) - _MANIFEST_TRAILER.size]
+    if magic != MANIFEST_MAGIC or zlib.crc32(body) != crc:
+        raise CorruptPack("manifest damaged (magic or checksum)")
+    out, pos = [], 0
+    for _ in range(count):
+        if pos + _MANIFEST_ITEM.size > len(body):
+            raise CorruptPack("manifest shorter than its count")
+        name_len, size, created_ms, index_len = _MANIFEST_ITEM.unpack_from(body, pos)
+        pos += _MANIFEST_ITEM.size
+        if pos + name_len + index_len > len(body):
+            raise CorruptPack("manifest item runs past its end")
+        name = bytes(body[pos : pos + name_len]).decode(errors="replace")
+        entries = decode_index(body[pos + name_len : pos + name_len + index_len], size)
+        pos += name_len + index_len
+        if isinstance(entries, NeedTail) or parse_pack_name(name) != created_ms:
+            raise CorruptPack(f"manifest names {name!r} inconsistently")
+        out.append(Announced(name, size, created_ms, entries))
+    if pos != len(body):
+        raise CorruptPack("manifest longer than its items")
+    return out
 
 
 def time_marker(created_ms: int) -> str:

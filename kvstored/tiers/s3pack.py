@@ -5,8 +5,11 @@ when full or `pack_age_s` old; loads are ranged GETs of one chunk's record.
 
 The pack format (kvstored/chunks/packfile.py) ends with its own index, so the tier's index of
 which chunk is in which pack (kvstored/tiers/packindex.py) is rebuilt at start from a listing and
-the packs' last bytes, and kept current with packs other daemons write to the same bucket and
-prefix by a LIST of the pack names newer than the last one seen, every `pack_poll_s`.
+the packs' last bytes. Running daemons sharing the bucket and prefix keep it current every
+`pack_poll_s`: each PUTs one small manifest naming the packs it wrote since the last one (with
+their indexes), and LISTs the manifests newer than the last one seen, one GET each; a pack no
+manifest announced within a few polls (its writer died, or does not poll) is read from its own
+last bytes. Manifests older than MANIFEST_TTL_MS are deleted by their writer.
 
 A write returns once the chunk's record is in the open pack in memory (WRITTEN: the tier serves
 it from there until the PUT lands). At most `pack_uploads` packs are in flight and one is open, so
@@ -55,6 +58,8 @@ T = TypeVar("T")
 # clocks of the daemons sharing a bucket differ: each poll lists again the names of this last
 # minute (one page of LIST), skipping the packs it knows.
 LIST_OVERLAP_MS = 60_000
+MANIFEST_TTL_MS = 2 * LIST_OVERLAP_MS  # past every reader's listing window
+MAX_UNANNOUNCED = 10_000  # packs awaiting a manifest; older ones are left to the orphan reads
 GONE_LIMIT = 100_000  # names of packs this daemon dropped, never indexed again by a listing
 
 
@@ -110,6 +115,15 @@ class PackedS3Tier(S3Tier):
         self._undeleted_packs: set[str] = set()  # DELETE failed: retried at each poll
         self._retry_index: dict[str, int] = {}  # packs whose index could not be read: key -> size
         self._seen_ms = 0  # newest pack name listed
+        self._manifests_prefix = f"{self.prefix}{packfile.MANIFESTS_DIR}/"
+        self._unannounced: list[tuple[str, int, int, bytes]] = []  # packs this daemon wrote since
+        self._own_manifests: list[tuple[int, str]] = []  # (created_ms, key), oldest first
+        self._seen_manifests: dict[str, int] = {}  # manifests read (or skipped) -> created_ms
+        self._manifest_ms = int(time.time() * 1000)  # newest manifest listed (older packs: the rebuild)
+        # a pack no manifest announced by then is read from its own end
+        self._orphan_ms = int(1000 * (3 * pack_poll_s + float(options.get("timeout_s", 5.0))))
+        self.manifests_written = 0
+        self.manifests_read = 0
         self._writer = secrets.randbits(32)
         self._seq = 0
         self._background: list[asyncio.Task] = []
@@ -332,7 +346,7 @@ class PackedS3Tier(S3Tier):
         entries: list[PackEntry] = []
         stored = False
         try:
-            body, entries = await self._off_loop(_assemble, list(pack.records.items()))
+            body, entries, records_end = await self._off_loop(_assemble, list(pack.records.items()))
             self._reserved += len(body)
             try:
                 await self._expire(0)
@@ -354,6 +368,10 @@ class PackedS3Tier(S3Tier):
                 self._buffered_bytes -= len(record)
             if stored:
                 self.packs_written += 1
+                if self._poll_s > 0:
+                    name = key[len(self._packs_prefix) :]
+                    self._unannounced.append((name, len(body), created_ms, body[records_end:]))
+                    del self._unannounced[:-MAX_UNANNOUNCED]
                 alive = set(live)
                 self._packs.add(key, len(body), created_ms, [e for e in entries if e.chunk in alive])
                 indexed = self._packs.pack(key)
@@ -443,28 +461,100 @@ class PackedS3Tier(S3Tier):
             if not self.available or not self._ready:
                 continue
             try:
+                await self._announce()
+                before = self._packs.packs
+                await self._read_manifests()
                 await self._discover()
+                self.packs_found += self._packs.packs - before
+                await self._expire(0)
+                await self._prune_manifests()
                 for key in list(self._undeleted_packs):
                     await self._delete_pack(key)
             except (_Skipped, S3Failure) as exc:
                 log.debug("s3 tier %s: pack listing failed: %s", self.name, exc)
 
-    async def _discover(self) -> None:
-        """Index the packs named after the newest one seen (less the overlap), and those whose
-        index could not be read last time: one LIST (a page per 1,000 names) per poll."""
-        start_after = self._packs_prefix + packfile.time_marker(self._seen_ms - LIST_OVERLAP_MS)
-        listing = await self._call(functools.partial(self._list_after, start_after))
-        retry, self._retry_index = self._retry_index, {}
-        before = self._packs.packs
-        await self._adopt([*listing, *retry.items()], self._call)
-        self.packs_found += self._packs.packs - before
-        await self._expire(0)
+    async def _announce(self) -> None:
+        """One manifest naming the packs written since the last one (nothing when none were)."""
+        if not self._unannounced:
+            return
+        items = list(self._unannounced)
+        created_ms = int(time.time() * 1000)
+        self._seq += 1
+        key = self._manifests_prefix + packfile.pack_name(created_ms, self._writer, self._seq, packfile.MANIFEST_SUFFIX)
+        body = packfile.encode_manifest(items)
+        await self._call(lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=body))
+        del self._unannounced[: len(items)]
+        self._own_manifests.append((created_ms, key))
+        self.manifests_written += 1
 
-    async def _list_after(self, start_after: str) -> list[tuple[str, int]]:
+    async def _read_manifests(self) -> None:
+        """Index the packs the other daemons' new manifests announce: one LIST, one GET each."""
+        start_after = self._manifests_prefix + packfile.time_marker(self._manifest_ms - LIST_OVERLAP_MS)
+        listing = await self._call(functools.partial(self._list_after, self._manifests_prefix, start_after))
+        to_read: dict[str, int] = {}
+        for key, size in listing:
+            name = key[len(self._manifests_prefix) :]
+            created_ms = packfile.parse_pack_name(name, packfile.MANIFEST_SUFFIX)
+            if created_ms is None or key in self._seen_manifests:
+                continue
+            self._manifest_ms = max(self._manifest_ms, created_ms)
+            if packfile.writer_of(name) == self._writer or size > packfile.MAX_MANIFEST_BYTES:
+                self._seen_manifests[key] = created_ms
+            else:
+                to_read[key] = created_ms
+        bodies = await asyncio.gather(
+            *(self._call(functools.partial(self._read_all, key)) for key in to_read), return_exceptions=True
+        )
+        for (key, created_ms), data in zip(to_read.items(), bodies):
+            if isinstance(data, S3Failure) and data.fault is Fault.NOT_FOUND:
+                announced = []
+            elif isinstance(data, BaseException):
+                if not isinstance(data, (S3Failure, _Skipped)):
+                    raise data
+                continue  # read again at the next poll
+            else:
+                try:
+                    announced = packfile.decode_manifest(data)
+                except CorruptPack as exc:
+                    log.warning("s3 tier %s: manifest %s skipped: %s", self.name, key, exc)
+                    announced = []
+            self._seen_manifests[key] = created_ms
+            self.manifests_read += 1
+            for pack in announced:
+                pack_key = self._packs_prefix + pack.name
+                if not self._packs.has_pack(pack_key) and pack_key not in self._gone:
+                    self._packs.add(pack_key, pack.size, pack.created_ms, pack.entries)
+                    self._seen_ms = max(self._seen_ms, pack.created_ms)
+        horizon = self._manifest_ms - 2 * LIST_OVERLAP_MS
+        for key in [k for k, ms in self._seen_manifests.items() if ms < horizon]:
+            del self._seen_manifests[key]
+
+    async def _prune_manifests(self) -> None:
+        """Delete this daemon's manifests that every reader has listed by now."""
+        horizon = int(time.time() * 1000) - MANIFEST_TTL_MS
+        while self._own_manifests and self._own_manifests[0][0] < horizon:
+            _created, key = self._own_manifests[0]
+            try:
+                await self._call(lambda: self._client.delete_object(Bucket=self.bucket, Key=key))  # noqa: B023
+            except S3Failure as exc:
+                if exc.fault is not Fault.NOT_FOUND:
+                    raise
+            self._own_manifests.pop(0)
+
+    async def _discover(self) -> None:
+        """Read the index of the packs no manifest announced (listed after the newest pack seen,
+        less the overlap, and older than the orphan age), and of those whose index could not be
+        read last time: one LIST (a page per 1,000 names) per poll, GETs only for orphans."""
+        start_after = self._packs_prefix + packfile.time_marker(self._seen_ms - LIST_OVERLAP_MS)
+        listing = await self._call(functools.partial(self._list_after, self._packs_prefix, start_after))
+        retry, self._retry_index = self._retry_index, {}
+        await self._adopt([*listing, *retry.items()], self._call, int(time.time() * 1000) - self._orphan_ms)
+
+    async def _list_after(self, prefix: str, start_after: str) -> list[tuple[str, int]]:
         found: list[tuple[str, int]] = []
         token: str | None = None
         while True:
-            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._packs_prefix}
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
             kwargs.update({"ContinuationToken": token} if token else {"StartAfter": start_after})
             page = await self._client.list_objects_v2(**kwargs)
             found += [(obj["Key"], int(obj["Size"])) for obj in page.get("Contents", ())]
@@ -472,13 +562,16 @@ class PackedS3Tier(S3Tier):
             if not page.get("IsTruncated") or not token:
                 return found
 
-    async def _adopt(self, listing: Sequence[tuple[str, int]], send: Send) -> None:
-        """Read the index of every listed pack not known yet and index its chunks."""
+    async def _adopt(self, listing: Sequence[tuple[str, int]], send: Send, before_ms: int | None = None) -> None:
+        """Read the index of every listed pack not known yet (created before `before_ms`, when
+        given: younger ones wait for their manifest) and index its chunks."""
         new: dict[str, tuple[int, int]] = {}
         for key, size in listing:
             created_ms = packfile.parse_pack_name(key[len(self._packs_prefix) :])
             if created_ms is None:
                 continue
+            if before_ms is not None and created_ms > before_ms:
+                continue  # (not counted as seen: listed again next time)
             self._seen_ms = max(self._seen_ms, created_ms)
             if not self._packs.has_pack(key) and key not in self._uploading and key not in self._gone:
                 new[key] = (size, created_ms)
@@ -562,7 +655,7 @@ class PackedS3Tier(S3Tier):
             self._forget(emptied, "emptied", delete=True)
 
 
-def _assemble(records: list[tuple[ChunkId, bytes]]) -> tuple[bytes, list[PackEntry]]:
+def _assemble(records: list[tuple[ChunkId, bytes]]) -> tuple[bytes, list[PackEntry], int]:
     """The pack object: the records back to back, then their index (one copy of the payloads)."""
     entries: list[PackEntry] = []
     offset = 0
@@ -570,4 +663,4 @@ def _assemble(records: list[tuple[ChunkId, bytes]]) -> tuple[bytes, list[PackEnt
         header = chunkfile.decode_header(memoryview(record)[:HEADER_BYTES])
         entries.append(PackEntry(chunk, offset, header.payload_len, header.checksum))
         offset += len(record)
-    return b"".join([*(r for _c, r in records), packfile.encode_index(entries, offset)]), entries
+    return b"".join([*(r for _c, r in records), packfile.encode_index(entries, offset)]), entries, offset

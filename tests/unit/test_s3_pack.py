@@ -19,6 +19,7 @@ from kvstored.chunks import chunkfile, packfile
 from kvstored.chunks.chunkfile import HEADER_BYTES
 from kvstored.chunks.ids import RemovalCause
 from kvstored.chunks.packfile import PACKS_DIR, CorruptPack, NeedTail, PackEntry, UnsupportedPack
+from kvstored.tiers import s3pack
 from kvstored.tiers.base import WriteOutcome
 from kvstored.tiers.packindex import PackIndex
 from kvstored.tiers.resilience import Backoff
@@ -213,19 +214,78 @@ async def test_chunks_fill_packs_one_put_each_and_read_back_exact(make_tier, raw
     assert await read(other, chunks[4]) == data[chunks[4]]
 
 
-async def test_a_daemon_already_running_picks_up_new_packs_by_polling(make_tier):
+async def until(check, polls: int = 400) -> None:
+    for _ in range(polls):  # a bounded wait on an outcome, never a time threshold
+        if await check():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("never happened")
+
+
+async def test_a_running_daemon_learns_new_packs_from_the_writers_manifest(make_tier, raw, bucket, monkeypatch):
+    monkeypatch.setattr(s3pack, "MANIFEST_TTL_MS", 0)  # the writer deletes its manifests at its next poll
     reader = await make_tier(prefix="kv/", pack_poll_s=0.05)
-    writer = await make_tier(prefix="kv/")
+    footer_reads = []
+    read_index = reader._read_index
+
+    async def counted(key, size, send):
+        footer_reads.append(key)
+        return await read_index(key, size, send)
+
+    reader._read_index = counted
+    writer = await make_tier(prefix="kv/", pack_poll_s=0.05)
+    chunks = [chunk_of(i) for i in range(6)]
+    data = {c: await write(writer, c) for c in chunks}
+    assert await reader.contains(chunks) == [False] * 6
+    await writer.flush()
+
+    async def all_found():
+        return await reader.contains(chunks) == [True] * 6
+
+    await until(all_found)
+    assert await read(reader, chunks[5]) == data[chunks[5]]
+    assert reader.packs_found == 2 and reader.manifests_read >= 1 and footer_reads == []
+    assert writer.manifests_written >= 1
+    listing = lambda: raw.list_objects_v2(Bucket=bucket, Prefix=f"kv/{packfile.MANIFESTS_DIR}/")  # noqa: E731
+
+    async def pruned():
+        return (await listing()).get("KeyCount", 0) == 0
+
+    await until(pruned)
+
+
+async def test_packs_no_manifest_announced_are_read_from_their_own_end(make_tier):
+    reader = await make_tier(prefix="kv/", pack_poll_s=0.05, timeout_s=1.0)
+    writer = await make_tier(prefix="kv/")  # pack_poll_s = 0: it never announces its packs
     chunk = chunk_of(0)
     data = await write(writer, chunk)
-    assert await reader.contains([chunk]) == [False]
     await writer.flush()
-    for _ in range(400):  # bounded wait for the poll (every 50 ms)
-        if (await reader.contains([chunk]))[0]:
-            break
-        await asyncio.sleep(0.05)
-    assert await reader.read(chunk, (slot := Slot()).views, SIZE) and slot.bytes() == data
-    assert reader.packs_found == 1
+
+    async def found():
+        return (await reader.contains([chunk]))[0]
+
+    await until(found)
+    assert await read(reader, chunk) == data
+    assert reader.packs_found == 1 and reader.manifests_read == 0
+
+
+def test_manifests_round_trip_and_refuse_damage():
+    entries = [entry(0, 0), entry(1, HEADER_BYTES + 100)]
+    records_end = 2 * (HEADER_BYTES + 100)
+    index = packfile.encode_index(entries, records_end)
+    name = packfile.pack_name(5_000, 1, 2)
+    body = packfile.encode_manifest([(name, records_end + len(index), 5_000, index)])
+    (announced,) = packfile.decode_manifest(body)
+    assert (announced.name, announced.size, announced.created_ms, announced.entries) == (
+        name,
+        records_end + len(index),
+        5_000,
+        entries,
+    )
+    assert packfile.writer_of(packfile.pack_name(1, 0xABC, 3, packfile.MANIFEST_SUFFIX)) == 0xABC
+    for damaged in (body[:-1], body[:10] + bytes([body[10] ^ 1]) + body[11:]):
+        with pytest.raises(CorruptPack):
+            packfile.decode_manifest(damaged)
 
 
 async def test_an_open_pack_is_sent_once_it_is_pack_age_s_old(make_tier):
