@@ -440,3 +440,27 @@ async def test_a_pack_that_cannot_be_stored_reports_its_chunks_removed(make_tier
     await tier.flush()
     assert removed == [chunk] and tier.counters.errors == 1
     assert await tier.contains([chunk]) == [False]
+
+
+# -- config ---------------------------------------------------------------------------------
+
+
+def test_pack_options_go_through_the_one_config_and_are_range_checked():
+    from kvstored.config import ConfigError, load_config
+    from kvstored.tiers.config import TierContext
+    from kvstored.tiers.registry import S3
+
+    (cfg,) = load_config({"tiers": ["kind=s3,bucket=kv,pack_bytes=8MiB,pack_age_s=0.25,pack_uploads=2"]}, {}).tiers
+    assert (cfg.pack_bytes, cfg.pack_age_s, cfg.pack_uploads, cfg.pack_poll_s) == (8 << 20, 0.25, 2, 2.0)
+    assert type(S3.build(cfg, TierContext())) is PackedS3Tier
+    (off,) = load_config({}, {"KVSTORED_TIERS": "kind=s3,bucket=kv,pack_bytes=0"}).tiers
+    assert type(S3.build(off, TierContext())) is S3Tier
+    for spec, named in (
+        ("pack_bytes=512KiB", "pack_bytes"),
+        ("pack_bytes=2GiB", "pack_bytes"),
+        ("bytes=40MiB", "twice pack_bytes"),
+        ("pack_uploads=0", "pack_uploads"),
+        ("pack_poll_s=-1", "pack_poll_s"),
+    ):
+        with pytest.raises(ConfigError, match=named):
+            load_config({"tiers": [f"kind=s3,bucket=kv,{spec}"]}, {})
