@@ -159,6 +159,11 @@ class PackedS3Tier(S3Tier):
             self._background.clear()
             if self._client is not None:
                 await self.flush()  # each PUT is bounded by timeout_s
+                if self._poll_s > 0 and self.available:
+                    try:  # so that running daemons need not wait for the orphan reads
+                        await self._announce()
+                    except (_Skipped, S3Failure) as exc:
+                        log.debug("s3 tier %s: last manifest not sent: %s", self.name, exc)
         await super().close()
 
     async def _rebuild(self) -> None:
@@ -472,6 +477,8 @@ class PackedS3Tier(S3Tier):
                     await self._delete_pack(key)
             except (_Skipped, S3Failure) as exc:
                 log.debug("s3 tier %s: pack listing failed: %s", self.name, exc)
+            except Exception:  # noqa: BLE001 - the next poll tries again; the loop must not end
+                log.exception("s3 tier %s: pack listing failed", self.name)
 
     async def _announce(self) -> None:
         """One manifest naming the packs written since the last one (nothing when none were)."""
