@@ -223,7 +223,6 @@ async def until(check, polls: int = 400) -> None:
 
 
 async def test_a_running_daemon_learns_new_packs_from_the_writers_manifest(make_tier, raw, bucket, monkeypatch):
-    monkeypatch.setattr(s3pack, "MANIFEST_TTL_MS", 0)  # the writer deletes its manifests at its next poll
     reader = await make_tier(prefix="kv/", pack_poll_s=0.05)
     footer_reads = []
     read_index = reader._read_index
@@ -246,6 +245,7 @@ async def test_a_running_daemon_learns_new_packs_from_the_writers_manifest(make_
     assert await read(reader, chunks[5]) == data[chunks[5]]
     assert reader.packs_found == 2 and reader.manifests_read >= 1 and footer_reads == []
     assert writer.manifests_written >= 1
+    monkeypatch.setattr(s3pack, "MANIFEST_TTL_MS", 0)  # the writer deletes its manifests at its next poll
     listing = lambda: raw.list_objects_v2(Bucket=bucket, Prefix=f"kv/{packfile.MANIFESTS_DIR}/")  # noqa: E731
 
     async def pruned():
