@@ -191,6 +191,44 @@ async def test_a_full_bucket_quota_drops_the_pack_without_opening_the_breaker(rg
         assert await read(tier, c) == data[c]
 
 
+async def test_a_frozen_then_stopped_radosgw_costs_a_few_timeouts_then_nothing(rgw, make_tier):
+    gateway, _ = rgw
+    failures, reset_s, reads = 3, 2.0, 30
+    tier = await make_tier(timeout_s=1.0, breaker_failures=failures, breaker_reset_s=reset_s, pack_uploads=1)
+    chunks = [new_chunk(i) for i in range(6)]
+    data = {c: await write(tier, c) for c in chunks}
+    await tier.flush()
+    for phase in ("frozen", "stopped"):
+        before, started = tier.counters.errors, time.monotonic()
+        if phase == "frozen":
+            with gateway.gateway_frozen():
+                got = [await read(tier, chunks[i % 6]) for i in range(reads)]
+                # writes go on into memory, then fail fast once the breaker is open: no hang
+                outcomes = [await tier.write(new_chunk(50 + i), slot()[1], CHUNK) for i in range(8)]
+        else:
+            gateway.stop_gateway()
+            try:
+                got = [await read(tier, chunks[i % 6]) for i in range(reads)]
+                outcomes = [await tier.write(new_chunk(60 + i), slot()[1], CHUNK) for i in range(8)]
+            finally:
+                gateway.start_gateway()
+        elapsed = time.monotonic() - started
+        failed = tier.counters.errors - before
+        assert got == [None] * reads  # misses, never wrong bytes
+        assert WriteOutcome.FAILED in outcomes
+        assert 1 <= failed <= failures + 2 + int(elapsed / reset_s) < reads, (phase, failed, elapsed)
+
+        async def back():
+            return await read(tier, chunks[0]) == data[chunks[0]]
+
+        deadline = time.monotonic() + 120
+        while not await back():
+            assert time.monotonic() < deadline, f"the tier never served again after radosgw was {phase}"
+            await asyncio.sleep(0.5)
+    for c in chunks:  # the index kept them through the outage
+        assert await read(tier, c) == data[c]
+
+
 # -- real daemons -----------------------------------------------------------------------------
 
 
