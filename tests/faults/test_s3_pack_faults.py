@@ -154,7 +154,8 @@ async def test_damaged_packs_are_misses_never_wrong_bytes_and_the_index_heals(ma
         assert await t.contains(chunks) == hits  # the index healed: no request for them again
         requests = t.requests
         assert [await read(t, c) for c in chunks[3:9]] == [None] * 6 and t.requests == requests
-        assert t.counters.checksum_failures >= 2 and t.packs_dropped == 2
+        # (the reader finds the truncated pack already deleted by the first tier: gone, not damaged)
+        assert t.counters.checksum_failures >= 1 and t.packs_dropped == 2
     await tier.flush()
     await reader.flush()
     assert truncated not in dict(await packs_in(raw, bucket))  # damaged: deleted
