@@ -197,3 +197,43 @@ def decode_index(tail: bytes | memoryview, object_bytes: int) -> list[PackEntry]
     if pos != index_len:
         raise CorruptPack("pack index longer than its entries")
     return entries
+
+
+# Tombstones: chunks deleted from a pack whose record stays in it, one small object per batch
+# under TOMBSTONES_DIR/<pack name without suffix>/, so a rebuild does not serve them again.
+TOMBSTONES_DIR = "_kvstored/tombstones"
+TOMBSTONE_SUFFIX = ".kvt"
+TOMBSTONE_MAGIC = b"KVSTOMB1"
+_TOMB_ITEM = struct.Struct("<HH")
+_TOMB_TRAILER = struct.Struct("<8sII")  # magic, count, crc32 of the items
+
+
+def encode_tombstone(chunks: Sequence[ChunkId]) -> bytes:
+    parts = []
+    for ns, key in chunks:
+        raw = ns.encode()
+        parts.append(_TOMB_ITEM.pack(len(raw), len(key)) + raw + key)
+    body = b"".join(parts)
+    return body + _TOMB_TRAILER.pack(TOMBSTONE_MAGIC, len(chunks), zlib.crc32(body))
+
+
+def decode_tombstone(data: bytes | memoryview) -> list[ChunkId]:
+    raw = memoryview(data)
+    if len(raw) < _TOMB_TRAILER.size:
+        raise CorruptPack("tombstone too short")
+    magic, count, crc = _TOMB_TRAILER.unpack_from(raw, len(raw) - _TOMB_TRAILER.size)
+    body = raw[: len(raw) - _TOMB_TRAILER.size]
+    if magic != TOMBSTONE_MAGIC or zlib.crc32(body) != crc:
+        raise CorruptPack("tombstone damaged (magic or checksum)")
+    out, pos = [], 0
+    for _ in range(count):
+        if pos + _TOMB_ITEM.size > len(body):
+            raise CorruptPack("tombstone shorter than its count")
+        ns_len, key_len = _TOMB_ITEM.unpack_from(body, pos)
+        pos += _TOMB_ITEM.size
+        if pos + ns_len + key_len > len(body):
+            raise CorruptPack("tombstone item runs past its end")
+        ns = bytes(body[pos : pos + ns_len]).decode(errors="replace")
+        out.append((ns, bytes(body[pos + ns_len : pos + ns_len + key_len])))
+        pos += ns_len + key_len
+    return out

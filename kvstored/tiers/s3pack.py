@@ -116,6 +116,8 @@ class PackedS3Tier(S3Tier):
         self._retry_index: dict[str, int] = {}  # packs whose index could not be read: key -> size
         self._seen_ms = 0  # newest pack name listed
         self._manifests_prefix = f"{self.prefix}{packfile.MANIFESTS_DIR}/"
+        self._tombs_prefix = f"{self.prefix}{packfile.TOMBSTONES_DIR}/"
+        self._dead: dict[str, set[ChunkId]] = {}  # pack key -> chunks its tombstones name (rebuild)
         self._unannounced: list[tuple[str, int, int, bytes]] = []  # packs this daemon wrote since
         self._own_manifests: list[tuple[int, str]] = []  # (created_ms, key), oldest first
         self._seen_manifests: dict[str, int] = {}  # manifests read (or skipped) -> created_ms
@@ -171,6 +173,7 @@ class PackedS3Tier(S3Tier):
         indexes read from their last bytes) into the pack index."""
         objects: list[tuple[ChunkId, int, float]] = []
         packs: list[tuple[str, int]] = []
+        tombs: list[str] = []
         token: str | None = None
         while True:
             kwargs = {"Bucket": self.bucket, "Prefix": self.prefix, **({"ContinuationToken": token} if token else {})}
@@ -179,12 +182,15 @@ class PackedS3Tier(S3Tier):
                 key, size = obj["Key"], int(obj["Size"])
                 if key.startswith(self._packs_prefix):
                     packs.append((key, size))
+                elif key.startswith(self._tombs_prefix):
+                    tombs.append(key)
                 elif (chunk := chunkfile.parse_relpath(key[len(self.prefix) :])) is not None:
                     objects.append((chunk, size, obj["LastModified"].timestamp()))
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
                 break
         self._index.load(objects)
+        await self._read_tombstones(tombs, {key for key, _size in packs})
         await self._adopt(packs, self._retrying)
         self._listed = True
         log.info(
@@ -292,8 +298,10 @@ class PackedS3Tier(S3Tier):
         return await self._serve(body, chunk, size, targets, pack)
 
     async def remove(self, chunk: ChunkId) -> bool:
-        """Stop serving the chunk here. A packed copy stays in its object (other daemons sharing
-        the bucket may still serve it) until the pack expires or has no live chunk left."""
+        """Stop serving the chunk. A packed record stays in its object until the pack expires or
+        has no live chunk left; a tombstone keeps a rebuild from serving it (daemons sharing the
+        bucket that are running already may still serve it until they restart). Raises
+        TierUnavailable when the tombstone could not be stored."""
         removed = False
         pack = self._buffered.pop(chunk, None)
         if pack is not None:
@@ -302,9 +310,19 @@ class PackedS3Tier(S3Tier):
                 record = pack.records.pop(chunk)
                 pack.nbytes -= len(record)
                 self._buffered_bytes -= len(record)
-        if chunk in self._packs:
+        found = self._packs.find(chunk)
+        if found is not None:
             removed = True
             emptied = self._packs.drop_chunk(chunk)
+            # the record stays in the pack: a tombstone keeps a rebuild from serving it again
+            stem = found[0].key[len(self._packs_prefix) : -len(packfile.PACK_SUFFIX)]
+            self._seq += 1
+            name = packfile.pack_name(int(time.time() * 1000), self._writer, self._seq, packfile.TOMBSTONE_SUFFIX)
+            key = f"{self._tombs_prefix}{stem}/{name}"
+            body = packfile.encode_tombstone([chunk])
+            await self._guarded(
+                "delete", key, self._call(lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=body))
+            )
             if emptied is not None:
                 self._forget(emptied, "emptied", delete=True)
         if chunk in self._index or not removed:  # a one-object copy (S3Tier's DELETE by name)
@@ -588,12 +606,45 @@ class PackedS3Tier(S3Tier):
         for (key, (size, created_ms)), result in zip(new.items(), results):
             if isinstance(result, list):
                 if key not in self._gone:  # (dropped while its index was read)
-                    self._packs.add(key, size, created_ms, result)
+                    dead = self._dead.get(key, ())
+                    self._packs.add(key, size, created_ms, [e for e in result if e.chunk not in dead])
             elif isinstance(result, (S3Failure, _Skipped)):
                 if not (isinstance(result, S3Failure) and result.fault is Fault.NOT_FOUND):
                     self._retry_index[key] = size
             elif isinstance(result, BaseException) and not isinstance(result, Exception):
                 raise result  # cancellation
+
+    async def _read_tombstones(self, tombs: Sequence[str], packs: set[str]) -> None:
+        """At start: the chunks deleted from each listed pack; tombstones of packs gone are deleted."""
+        live: dict[str, str] = {}
+        garbage: list[str] = []
+        for key in tombs:
+            stem = key[len(self._tombs_prefix) :].partition("/")[0]
+            pack_key = f"{self._packs_prefix}{stem}{packfile.PACK_SUFFIX}"
+            if pack_key in packs:
+                live[key] = pack_key
+            else:
+                garbage.append(key)
+        bodies = await asyncio.gather(
+            *(self._retrying(functools.partial(self._read_all, key)) for key in live), return_exceptions=True
+        )
+        for (key, pack_key), data in zip(live.items(), bodies):
+            if isinstance(data, BaseException):
+                if not isinstance(data, Exception):
+                    raise data
+                log.warning("s3 tier %s: tombstone %s unreadable: %s", self.name, key, data)
+                continue
+            try:
+                self._dead.setdefault(pack_key, set()).update(packfile.decode_tombstone(data))
+            except CorruptPack as exc:
+                log.warning("s3 tier %s: tombstone %s skipped: %s", self.name, key, exc)
+        await asyncio.gather(
+            *(
+                self._retrying(functools.partial(self._client.delete_object, Bucket=self.bucket, Key=key))
+                for key in garbage
+            ),
+            return_exceptions=True,
+        )
 
     async def _read_index(self, key: str, size: int, send: Send) -> list[PackEntry] | None:
         """A pack's entries from its last bytes (a second ranged GET if its index is longer);

@@ -402,6 +402,32 @@ async def test_removing_every_chunk_of_a_pack_deletes_it(make_tier, raw, bucket)
     assert await pack_keys(raw, bucket) == [] and tier.usage().chunks == 0
 
 
+async def test_a_deleted_packed_chunk_stays_deleted_across_a_restart(make_tier, raw, bucket):
+    tier = await make_tier(prefix="kv/")
+    kept, deleted = chunk_of(0), chunk_of(1)
+    data = await write(tier, kept)
+    await write(tier, deleted)
+    await tier.flush()
+    assert await tier.remove(deleted) and await tier.contains([kept, deleted]) == [True, False]
+    restarted = await make_tier(prefix="kv/")  # the record is still in the pack: its tombstone counts
+    assert await restarted.contains([kept, deleted]) == [True, False]
+    assert await read(restarted, kept) == data
+    # once the pack is gone, a start deletes its tombstones as well
+    assert await restarted.remove(kept)
+    await restarted.flush()
+    await make_tier(prefix="kv/")
+    listing = await raw.list_objects_v2(Bucket=bucket, Prefix=f"kv/{packfile.TOMBSTONES_DIR}/")
+    assert listing.get("KeyCount", 0) == 0
+
+
+def test_tombstones_round_trip_and_refuse_damage():
+    chunks = [("ns", b"k1"), ("other", bytes(32))]
+    body = packfile.encode_tombstone(chunks)
+    assert packfile.decode_tombstone(body) == chunks
+    with pytest.raises(CorruptPack):
+        packfile.decode_tombstone(body[:-1])
+
+
 async def test_one_object_chunks_already_in_the_bucket_are_still_served(make_tier):
     old = await make_tier(cls=S3Tier, prefix="kv/")
     chunk = chunk_of(0)
