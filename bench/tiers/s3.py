@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from typing import Any
 
 import numpy as np
 
+from bench.lib.report import GIB
 from bench.lib.s3 import raw_config, start_s3
 from bench.tiers.common import (
     TARGET_S3,
@@ -27,6 +29,8 @@ from bench.tiers.common import (
 from bench.tiers.profile import profiled
 from kvstored.chunks import chunkfile
 from kvstored.chunks.chunkfile import HEADER_BYTES
+
+TARGET_PUTS_FEWER = 10.0  # packed PUT requests per GiB written down vs one object per chunk
 
 
 def tier_s3_config(tier) -> Any:
@@ -62,8 +66,17 @@ async def raw_s3_load(client, bucket: str, keys: list[str], expected: int, infli
     return await drive(len(keys), inflight, op)
 
 
+async def packed_store(tier, chunks, views, size: int, inflight: int) -> float:
+    """The packed tier's writes and the flush of its last pack: until every byte is in S3."""
+    t0 = time.perf_counter()
+    await tier_store(tier, chunks, views, size, inflight)
+    await tier.flush()
+    return time.perf_counter() - t0
+
+
 def bench_s3(runner: asyncio.Runner, args, src: Pool, dst: Pool, notes: list[str]) -> tuple[list[Pair], dict]:
     from kvstored.tiers.s3 import S3Tier
+    from kvstored.tiers.s3pack import PackedS3Tier
 
     n, size = args.s3_chunks, args.chunk_bytes
     nbytes = n * size
@@ -85,6 +98,10 @@ def bench_s3(runner: asyncio.Runner, args, src: Pool, dst: Pool, notes: list[str
     ]
     store = Pair("s3 store", TARGET_S3)
     load = Pair("s3 load", TARGET_S3)
+    # packs (32 MiB, the default) against the same raw rows: PUTs of 2 MiB objects, GETs of them
+    pstore = Pair("s3 packed store", TARGET_S3, raw=store.raw)
+    pload = Pair("s3 packed load (ranged)", TARGET_S3, raw=load.raw)
+    puts: dict[str, list[int]] = {"one object per chunk": [], "packed": []}
     stats: dict[str, Any] = {}
     profile: dict[str, Any] = {}
     try:
@@ -103,8 +120,19 @@ def bench_s3(runner: asyncio.Runner, args, src: Pool, dst: Pool, notes: list[str
                 create_bucket=False,
                 **ep.tier_kwargs(),
             )
+            packed = PackedS3Tier(
+                "bench-packed",
+                bucket,
+                prefix="packed/",
+                max_concurrency=inflight,
+                timeout_s=args.s3_timeout,
+                create_bucket=False,
+                pack_poll_s=0,
+                **ep.tier_kwargs(),
+            )
             stack = contextlib.AsyncExitStack()
             runner.run(tier.start())
+            runner.run(packed.start())
             try:
                 config = tier_s3_config(tier)
                 if config is None:
@@ -118,6 +146,11 @@ def bench_s3(runner: asyncio.Runner, args, src: Pool, dst: Pool, notes: list[str
                 stores = [
                     ("tier store", store.tier, lambda: runner.run(tier_store(tier, chunks, src.views, size, inflight))),  # noqa: B023 - called this round
                     (
+                        "packed store",
+                        pstore.tier,
+                        lambda: runner.run(packed_store(packed, chunks, src.views, size, inflight)),  # noqa: B023
+                    ),
+                    (
                         "raw store",
                         store.raw,
                         lambda: runner.run(raw_s3_store(client, bucket, raw_keys, bodies, inflight)),  # noqa: B023
@@ -125,6 +158,11 @@ def bench_s3(runner: asyncio.Runner, args, src: Pool, dst: Pool, notes: list[str
                 ]
                 loads = [
                     ("tier load", load.tier, lambda: runner.run(tier_load(tier, chunks, dst.views, size, inflight))),  # noqa: B023 - called this round
+                    (
+                        "packed load",
+                        pload.tier,
+                        lambda: runner.run(tier_load(packed, chunks, dst.views, size, inflight)),  # noqa: B023
+                    ),
                     (
                         "raw load",
                         load.raw,
@@ -135,19 +173,26 @@ def bench_s3(runner: asyncio.Runner, args, src: Pool, dst: Pool, notes: list[str
                     for name, _, fn in stores + loads:
                         profile[name] = profiled(nbytes, fn)
                     continue
-                for _, samples, fn in rotated(stores, rnd):
+                for name, samples, fn in rotated(stores, rnd):
+                    sent = {"tier store": tier.requests, "packed store": packed.requests}
                     samples.append(measure(nbytes, fn, pids))
-                if rnd == 0:
-                    dst.array[:nbytes] = 0
+                    if name == "tier store":
+                        puts["one object per chunk"].append(tier.requests - sent[name])
+                    elif name == "packed store":
+                        puts["packed"].append(packed.requests - sent[name])
                 for _, samples, fn in rotated(loads, rnd):
+                    if rnd == 0:
+                        dst.array[:nbytes] = 0
                     samples.append(measure(nbytes, fn, pids))
-                    if rnd == 0 and samples is load.tier:
+                    if rnd == 0 and samples in (load.tier, pload.tier):
                         if not np.array_equal(dst.array[:nbytes], src.array[:nbytes]):
                             raise RuntimeError("s3 tier loaded bytes differ from the source")
                 say(
                     f"  s3 round {rnd}: store tier {store.tier[-1].gib_s:.2f} raw {store.raw[-1].gib_s:.2f} | "
                     f"load tier {load.tier[-1].gib_s:.2f} raw {load.raw[-1].gib_s:.2f} GiB/s "
-                    f"(tier: {tier.requests} requests, {tier.counters.errors} errors)"
+                    f"(tier: {tier.requests} requests, {tier.counters.errors} errors) | packed: store "
+                    f"{pstore.tier[-1].gib_s:.2f} load {pload.tier[-1].gib_s:.2f} GiB/s, "
+                    f"{puts['packed'][-1]} PUTs against {puts['one object per chunk'][-1]}"
                 )
                 stats[f"round{rnd}"] = {
                     "requests": tier.requests,
@@ -157,6 +202,7 @@ def bench_s3(runner: asyncio.Runner, args, src: Pool, dst: Pool, notes: list[str
             finally:
                 runner.run(stack.aclose())
                 runner.run(tier.close())
+                runner.run(packed.close())
                 server.empty_bucket(bucket, delete=False)
     finally:
         server.stop()
@@ -171,6 +217,16 @@ def bench_s3(runner: asyncio.Runner, args, src: Pool, dst: Pool, notes: list[str
         "inflight": inflight,
         "timeout_s": args.s3_timeout,
         "tier_stats": stats,
+        "put_requests_per_gib": {k: [n * GIB / nbytes for n in v] for k, v in puts.items()},
         "profile": profile,
     }
-    return [store, load], info
+    if puts["packed"]:
+        fewer = min(puts["one object per chunk"]) / max(max(puts["packed"]), 1)
+        verdict = "PASS" if fewer >= TARGET_PUTS_FEWER else "MISS"
+        say(
+            f"  s3 PUT requests per GiB written down: one object per chunk "
+            f"{max(puts['one object per chunk']) * GIB / nbytes:.0f}, packed {max(puts['packed']) * GIB / nbytes:.0f} "
+            f"({fewer:.1f}x fewer; target >= {TARGET_PUTS_FEWER:.0f}x: {verdict})"
+        )
+        info["puts_fewer"] = fewer
+    return [store, load, pstore, pload], info

@@ -112,6 +112,10 @@ class CapacityIndex:
         """Evict LRU entries until the indexed files fit (after a rebuild or adopting files)."""
         return self._evict_until(self.capacity_bytes - self.reserved_bytes)
 
+    def shrink_to(self, budget: int) -> list[tuple[ChunkId, CapacityEntry]]:
+        """Evict LRU entries until the indexed files take at most `budget` bytes."""
+        return self._evict_until(budget)
+
     def load(self, entries: list[tuple[ChunkId, int, float]]) -> None:
         """Rebuild: (chunk, size, mtime) triples, indexed oldest mtime first (= least recently used)."""
         for chunk, size, mtime in sorted(entries, key=lambda e: e[2]):

@@ -102,6 +102,12 @@ class S3TierConfig:
     breaker_failures: int = 3  # consecutive failures that open the circuit breaker
     breaker_reset_s: float = 5.0  # how long an open breaker waits before probing again
     create_bucket: bool = True
+    # Packs (kvstored/tiers/s3pack.py): chunks fill objects of up to pack_bytes, sent when full or
+    # pack_age_s old; 0 writes one object per chunk.
+    pack_bytes: int = 32 << 20
+    pack_age_s: float = 1.0
+    pack_uploads: int = 4  # packs PUT at once (memory: (pack_uploads + 1) x pack_bytes at most)
+    pack_poll_s: float = 2.0  # how often packs other daemons wrote are listed; 0: only at start
 
 
 # -- peer -----------------------------------------------------------------------------------

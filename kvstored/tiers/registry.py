@@ -145,10 +145,20 @@ FS = TierKindSpec(
 
 def _build_s3(cfg: S3TierConfig, ctx: TierContext) -> SecondaryTier:
     from kvstored.tiers.s3 import S3Tier  # aiobotocore is only imported when used
+    from kvstored.tiers.s3pack import PackedS3Tier
 
-    return S3Tier(
+    packing: dict[str, Any] = {}
+    if cfg.pack_bytes:
+        packing = {
+            "pack_bytes": cfg.pack_bytes,
+            "pack_age_s": cfg.pack_age_s,
+            "pack_uploads": cfg.pack_uploads,
+            "pack_poll_s": cfg.pack_poll_s,
+        }
+    return (PackedS3Tier if cfg.pack_bytes else S3Tier)(
         cfg.name,
         cfg.bucket,
+        **packing,
         prefix=cfg.prefix,
         endpoint_url=cfg.endpoint_url,
         region=cfg.region,
@@ -165,9 +175,21 @@ def _build_s3(cfg: S3TierConfig, ctx: TierContext) -> SecondaryTier:
     )
 
 
+MAX_PACK_BYTES = 1 << 30  # one PUT each (S3 takes up to 5 GiB in one); memory holds pack_uploads + 1
+
+
 def _check_s3(cfg: S3TierConfig) -> None:
     if not 0 < cfg.timeout_s < math.inf:
         raise ValueError(f"timeout_s must be a finite number > 0, got {cfg.timeout_s}")
+    for option in ("pack_age_s", "pack_poll_s"):
+        if not math.isfinite(getattr(cfg, option)):
+            raise ValueError(f"{option} must be a finite number of seconds, got {getattr(cfg, option)}")
+    if cfg.pack_bytes and not 1 << 20 <= cfg.pack_bytes <= MAX_PACK_BYTES:
+        raise ValueError(f"pack_bytes must be 0 (one object per chunk) or 1MiB to 1GiB, got {cfg.pack_bytes}")
+    if cfg.pack_bytes and cfg.bytes and cfg.bytes < 2 * cfg.pack_bytes:
+        raise ValueError(
+            f"bytes ({cfg.bytes}) must be 0 or at least twice pack_bytes ({cfg.pack_bytes}): whole packs expire"
+        )
 
 
 S3 = TierKindSpec(
@@ -182,6 +204,10 @@ S3 = TierKindSpec(
         "breaker_failures": int,
         "breaker_reset_s": parse_seconds,
         "create_bucket": parse_bool,
+        "pack_bytes": parse_size,
+        "pack_age_s": parse_seconds,
+        "pack_uploads": int,
+        "pack_poll_s": parse_seconds,
     },
     minimums={
         "bytes": 0,
@@ -190,6 +216,10 @@ S3 = TierKindSpec(
         "negative_cache_s": 0,
         "breaker_failures": 1,
         "breaker_reset_s": 0,
+        "pack_bytes": 0,
+        "pack_age_s": 0,
+        "pack_uploads": 1,
+        "pack_poll_s": 0,
     },
     # shared storage: peers read the bucket themselves rather than through another node
     capabilities=TierCapabilities(admission=True, local=False),

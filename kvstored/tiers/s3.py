@@ -301,10 +301,15 @@ class S3Tier(SecondaryTier):
         warmup = self.prefix + WARMUP_KEY
         await self._retrying(lambda: self._client.put_object(Bucket=self.bucket, Key=warmup, Body=b""))
         await self._retrying(lambda: self._client.delete_object(Bucket=self.bucket, Key=warmup))
-        if self.capacity_bytes and not self._listed:
+        if not self._listed:
+            await self._rebuild()
+        self._ready = True
+
+    async def _rebuild(self) -> None:
+        """With a capacity, the index from a listing of the prefix (once: the tier keeps it after)."""
+        if self.capacity_bytes:
             await self._list()
             self._listed = True
-        self._ready = True
 
     async def _make_bucket(self) -> None:
         kwargs: dict[str, Any] = {"Bucket": self.bucket}

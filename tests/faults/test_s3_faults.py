@@ -49,6 +49,9 @@ def s3_tier(endpoint, **options: str) -> str:
         "access_key": endpoint.access_key,
         "secret_key": endpoint.secret_key,
         "region": "us-east-1",
+        # one object per chunk: lookups HEAD what the tier does not know (a packing tier answers
+        # lookups from its index; its faults are in test_s3_pack_faults.py)
+        "pack_bytes": "0",
         **options,
     }
     return ",".join(f"{k}={v}" for k, v in spec.items())

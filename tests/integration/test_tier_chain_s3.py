@@ -15,6 +15,7 @@ from tests.integration.test_tier_chain_fs import CHUNK, fill, fs_files, load_all
 from tests.support.daemon import short_tmpdir
 from tests.support.data import make_keys, payloads
 from tests.support.s3 import radosgw_or_fail
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.radosgw
 
@@ -75,8 +76,9 @@ def test_s3_outage_keeps_ram_and_fs_serving_and_s3_returns(daemon_factory, rgw, 
         gateway.stop_gateway()
         try:
             fill(kv, ns, during)  # S3 write-downs fail; fs still takes every chunk
+            # (packed: the failure shows once the open pack's PUT has timed out, seconds later)
+            assert wait_for(lambda: tier_stats(d)["s3"].errors > 0, 30)
             stats = tier_stats(d)
-            assert stats["s3"].errors > 0
             assert stats["ram"].dropped_dirty == 0
             s3_during = stats["s3"].stored_chunks
             everything = first + during

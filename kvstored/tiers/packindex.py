@@ -1,0 +1,119 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
+"""Which chunk is in which pack, and how much of each pack is still live (the packed s3 tier).
+
+No I/O here; the tier (kvstored/tiers/s3pack.py) does the requests and tells the index what
+happened. Invariants:
+- every indexed chunk is served by exactly one pack (the first one indexed; a copy of the same
+  chunk in a later pack is dead weight there);
+- `used_bytes` is the sum of the indexed packs' object sizes, live or not;
+- a pack leaves the index whole (expiry, oldest first; vanished; or no live chunk left), and
+  with it every chunk it served.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvstored.chunks.ids import ChunkId
+from kvstored.chunks.packfile import PackEntry
+
+
+@dataclass(eq=False, slots=True)
+class Pack:
+    key: str  # the object's full key
+    size: int  # the object's bytes
+    created_ms: int  # from its name: expiry order, the same on every daemon sharing the bucket
+    live: dict[ChunkId, PackEntry] = field(default_factory=dict)  # chunks this index serves from it
+    live_bytes: int = 0  # their records' bytes
+
+    @property
+    def live_fraction(self) -> float:
+        return self.live_bytes / self.size if self.size else 0.0
+
+
+class PackIndex:
+    def __init__(self) -> None:
+        self._packs: dict[str, Pack] = {}
+        self._order: list[tuple[int, str]] = []  # heap of (created_ms, key); stale keys skipped
+        self._chunks: dict[ChunkId, Pack] = {}
+        self.used_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def __contains__(self, chunk: ChunkId) -> bool:
+        return chunk in self._chunks
+
+    @property
+    def packs(self) -> int:
+        return len(self._packs)
+
+    def has_pack(self, key: str) -> bool:
+        return key in self._packs
+
+    def pack(self, key: str) -> Pack | None:
+        return self._packs.get(key)
+
+    def find(self, chunk: ChunkId) -> tuple[Pack, PackEntry] | None:
+        pack = self._chunks.get(chunk)
+        return None if pack is None else (pack, pack.live[chunk])
+
+    def chunks_of(self, namespace_id: str) -> list[ChunkId]:
+        return [c for c in self._chunks if c[0] == namespace_id]
+
+    def add(self, key: str, size: int, created_ms: int, entries: Iterable[PackEntry]) -> list[ChunkId]:
+        """Index a pack; returns the chunks it now serves (those not already served by another).
+        A pack already indexed is left as it is (returns [])."""
+        if key in self._packs:
+            return []
+        pack = Pack(key, size, created_ms)
+        for entry in entries:
+            if entry.chunk not in self._chunks and entry.chunk not in pack.live:
+                pack.live[entry.chunk] = entry
+                pack.live_bytes += entry.record_bytes
+                self._chunks[entry.chunk] = pack
+        self._packs[key] = pack
+        heapq.heappush(self._order, (created_ms, key))
+        self.used_bytes += size
+        return list(pack.live)
+
+    def drop_chunk(self, chunk: ChunkId) -> Pack | None:
+        """Stop serving `chunk` (deleted, or its record failed verification). Returns its pack if
+        that has no live chunk left (the caller deletes the object; it stays indexed until
+        drop_pack, so its bytes still count)."""
+        pack = self._chunks.pop(chunk, None)
+        if pack is None:
+            return None
+        entry = pack.live.pop(chunk)
+        pack.live_bytes -= entry.record_bytes
+        return pack if not pack.live else None
+
+    def drop_pack(self, key: str) -> Pack | None:
+        """Forget a pack (expired, vanished, emptied) and every chunk it served."""
+        pack = self._packs.pop(key, None)
+        if pack is None:
+            return None
+        for chunk in pack.live:
+            del self._chunks[chunk]
+        self.used_bytes -= pack.size
+        return pack
+
+    def oldest(self) -> Pack | None:
+        while self._order:
+            _created, key = self._order[0]
+            pack = self._packs.get(key)
+            if pack is not None:
+                return pack
+            heapq.heappop(self._order)  # dropped since
+        return None
+
+    def expire(self, budget: int) -> list[Pack]:
+        """Drop the oldest packs until `used_bytes` <= `budget`; returns them (delete their objects)."""
+        victims = []
+        while self.used_bytes > budget and (pack := self.oldest()) is not None:
+            self.drop_pack(pack.key)
+            victims.append(pack)
+        return victims
