@@ -35,7 +35,11 @@ def one(size: int, pages: PoolPages, threads: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.populate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.populate",
+        description="How fast a fresh pool is populated by 1 thread (the baseline) and by several "
+        "(up to the daemon's default), per page mode; ratios against 1 thread in the same run.",
+    )
     parser.add_argument("--bytes", default="2GiB", help="pool size per populate (default 2GiB)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--pages", default="4k", help="comma-separated page modes: 4k, thp, hugetlb")
