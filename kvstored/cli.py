@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # SIGHUP re-reads the same sources the daemon started from.
         uvloop.run(run(config, reload_config=lambda: load_config(flags, config_file=args.config)))
-    except (TierStartError, PoolMemoryError) as exc:
+    except (TierStartError, PoolMemoryError, ConfigError) as exc:
         # Credentials, a bucket, an unusable root, a pool the machine cannot give: a restart fails
         # the same way, so this is a configuration error (exit 2, which the systemd unit does not
         # restart on). An S3 endpoint that does not answer is not one: the tier starts and retries

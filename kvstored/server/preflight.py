@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstored.chain.lower import LowerTier
-from kvstored.config import Config
+from kvstored.config import Config, ConfigError
 from kvstored.errors import ListenError, TierStartError
 from kvstored.io.ports import bind_problem, split_host_port
 
@@ -50,6 +50,22 @@ def check_listeners(cfg: Config) -> tuple[str, ...]:
     return tuple(checked)
 
 
+def check_files(cfg: Config) -> None:
+    """ConfigError naming the first TLS file that cannot be read (a missing Secret on
+    Kubernetes, say): later it would end the start only after the populate."""
+    files = [("tls_cert_file", cfg.tls_cert_file), ("tls_key_file", cfg.tls_key_file)]
+    files.append(("tls_client_ca_file", cfg.tls_client_ca_file))
+    files += [(f"tier {t.name}: tls_ca_file", getattr(t, "tls_ca_file", None)) for t in cfg.tiers]
+    for option, path in files:
+        if path is None:
+            continue
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"{option} {path} cannot be read: {exc.strerror}") from None
+
+
 async def _tier_preflight(lower: LowerTier) -> str:
     try:
         return await lower.tier.preflight()
@@ -61,8 +77,9 @@ async def _tier_preflight(lower: LowerTier) -> str:
 
 async def preflight(cfg: Config, lower: Sequence[LowerTier]) -> Preflight:
     """Run every check (the tiers' concurrently: an unreachable S3 endpoint costs one timeout);
-    raise the first failure (ListenError, TierStartError) after all have ended, else log what
+    raise the first failure (ConfigError, ListenError, TierStartError) after all have ended, else log what
     was checked, one line per tier and one for the listeners."""
+    check_files(cfg)
     listeners = check_listeners(cfg)
     results = await asyncio.gather(*(_tier_preflight(t) for t in lower), return_exceptions=True)
     for result in results:

@@ -126,3 +126,13 @@ def test_an_s3_endpoint_that_does_not_answer_is_a_warning_and_the_daemon_serves(
     assert "starting without it, probed every 5 s" in line
     assert d.log.index("checked tier s3") < d.log.index("populating")
     assert [t.name for t in d.stats().tiers] == ["ram", "s3"]
+
+
+def test_a_tls_file_it_cannot_read_is_exit_2_before_populating(daemon_factory):
+    """On Kubernetes: the peer tier's config with its Secret kvstored-tls missing (the volume is
+    optional)."""
+    missing = short_tmpdir("kvtls") / "tls.crt"
+    d = daemon_factory(start=False, cpu_bytes=BIG_POOL)
+    d.spawn(["--tcp-listen", "127.0.0.1:0", "--tls-cert-file", str(missing), "--tls-key-file", str(missing)])
+    error = refused_before_populating(d, 2)
+    assert f"tls_cert_file {missing} cannot be read: No such file or directory" in error, error
