@@ -136,3 +136,22 @@ def test_a_tls_file_it_cannot_read_is_exit_2_before_populating(daemon_factory):
     d.spawn(["--tcp-listen", "127.0.0.1:0", "--tls-cert-file", str(missing), "--tls-key-file", str(missing)])
     error = refused_before_populating(d, 2)
     assert f"tls_cert_file {missing} cannot be read: No such file or directory" in error, error
+
+
+@pytest.mark.root
+def test_a_read_only_root_is_exit_2_before_populating(daemon_factory):
+    """A root the daemon cannot write (here a read-only bind mount: as root, file modes would
+    not stop it)."""
+    import subprocess
+
+    root = short_tmpdir("kvro")
+    mount = subprocess.run(["mount", "--bind", "-o", "ro", str(root), str(root)], capture_output=True, text=True)
+    if mount.returncode != 0:
+        pytest.fail(f"cannot make a read-only bind mount (needs root, as in CI): {mount.stderr.strip()}")
+    try:
+        d = daemon_factory(start=False, cpu_bytes=BIG_POOL)
+        d.spawn(["--tiers", f"kind=fs,root={root},bytes=1GiB"])
+        error = refused_before_populating(d, 2)
+        assert f"cannot start tier 'fs': root {root} is not writable: Read-only file system" in error, error
+    finally:
+        subprocess.run(["umount", str(root)], check=False)

@@ -75,8 +75,8 @@ def check_root(root: str, dir_mode: int, file_mode: int, direct: bool) -> RootCh
         fs_io.make_dirs(root, dir_mode)
     except OSError as exc:
         raise RootUnusable(f"root {shown} cannot be created: {exc.strerror}") from None
-    if not os.access(root, os.R_OK | os.W_OK | os.X_OK):
-        raise RootUnusable(f"root {shown} is not readable and writable by uid {os.geteuid()}")
+    if not os.access(root, os.R_OK | os.X_OK):  # (writing: the probe says why not)
+        raise RootUnusable(f"root {shown} is not readable by uid {os.geteuid()}")
     return _probe(root, shown, file_mode, direct)
 
 
