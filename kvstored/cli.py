@@ -11,6 +11,7 @@ import logging
 import os
 import platform
 import sys
+import textwrap
 from pathlib import Path
 
 from kvstored import __version__
@@ -37,12 +38,41 @@ def _shown_default(f: dataclasses.Field) -> str:
     return "; default " + str(value).replace("%", "%%")  # argparse formats help with %
 
 
+def _tier_key(f: dataclasses.Field) -> str:
+    if f.default is dataclasses.MISSING:
+        return f"{f.name} (required)"
+    value = f.default
+    if isinstance(value, enum.Enum):
+        value = value.value
+    elif isinstance(value, bool):
+        value = str(value).lower()
+    elif value in (None, "", ()):
+        return f.name
+    return f"{f.name}={value}"
+
+
+def tier_keys_help(width: int = 78) -> str:
+    """The keys of each tier kind with their defaults, for --help (from the kinds' config
+    dataclasses, so it cannot fall behind them)."""
+    from kvstored.tiers.registry import KINDS
+
+    lines = ["--tiers keys per kind (name defaults to the kind: fs, then fs-2, ... for a second one):"]
+    for label, spec in KINDS.items():
+        keys = ", ".join(_tier_key(f) for f in dataclasses.fields(spec.config))
+        lines += textwrap.wrap(keys, width, initial_indent=f"  kind={label}: ", subsequent_indent="    ")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    precedence = (
+        "Precedence: flags > KVSTORED_* environment > --config TOML file > defaults. "
+        'TOML keys are the option names with underscores (cpu_bytes = "8GiB").'
+    )
     parser = argparse.ArgumentParser(
         prog="kvstored",
         description="kvstored: a per-node KV-cache store for LLM inference (host RAM -> secondary tiers).",
-        epilog="Precedence: flags > KVSTORED_* environment > --config TOML file > defaults. "
-        'TOML keys are the option names with underscores (cpu_bytes = "8GiB").',
+        epilog="\n".join(textwrap.wrap(precedence, 78)) + "\n\n" + tier_keys_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("command", nargs="?", choices=["serve"], default="serve", help="what to run (default: serve)")
     parser.add_argument("--version", action="version", version=f"kvstored {__version__}")
@@ -96,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # SIGHUP re-reads the same sources the daemon started from.
         uvloop.run(run(config, reload_config=lambda: load_config(flags, config_file=args.config)))
-    except (TierStartError, PoolMemoryError) as exc:
+    except (TierStartError, PoolMemoryError, ConfigError) as exc:
         # Credentials, a bucket, an unusable root, a pool the machine cannot give: a restart fails
         # the same way, so this is a configuration error (exit 2, which the systemd unit does not
         # restart on). An S3 endpoint that does not answer is not one: the tier starts and retries

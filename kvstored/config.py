@@ -171,14 +171,19 @@ def _check_tier(tier: TierConfig) -> None:
         raise ConfigError(str(exc)) from None
 
 
+def _tier_table(spec: Mapping[str, Any] | str) -> dict[str, Any]:
+    """A TOML table, or a "kind=fs,root=/mnt/kv,bytes=100GiB" string, as a dict."""
+    if not isinstance(spec, str):
+        return dict(spec)
+    pairs = [p.split("=", 1) for p in spec.split(",") if p.strip()]
+    if any(len(p) != 2 for p in pairs):
+        raise ValueError(f"tier {spec!r}: expected comma-separated key=value pairs")
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
 def _parse_tier(spec: Mapping[str, Any] | str) -> TierConfig:
     """One tier from a TOML table or a "kind=fs,root=/mnt/kv,bytes=100GiB" string."""
-    if isinstance(spec, str):
-        pairs = [p.split("=", 1) for p in spec.split(",") if p.strip()]
-        if any(len(p) != 2 for p in pairs):
-            raise ValueError(f"tier {spec!r}: expected comma-separated key=value pairs")
-        spec = {k.strip(): v.strip() for k, v in pairs}
-    spec = dict(spec)
+    spec = _tier_table(spec)
     label = spec.pop("kind", None)
     kind = TIER_KINDS.get(label) if isinstance(label, str) else None
     if kind is None:
@@ -207,11 +212,27 @@ def _parse_tiers(value: Any) -> tuple[TierConfig, ...]:
     """TOML: a list of tables; flags: a list of strings; env: strings separated by ';'."""
     if isinstance(value, str):
         value = [part for part in value.split(";") if part.strip()]
-    tiers = tuple(_parse_tier(item) for item in value)
-    names = [t.name for t in tiers]
-    if len(set(names)) != len(names):
-        raise ValueError(f"tier names must be unique, got {names}: set name=... on each")
-    return tiers
+    tables = [_tier_table(item) for item in value]
+    given = [str(t["name"]) for t in tables if "name" in t]
+    if len(set(given)) != len(given):
+        raise ValueError(f"tier names must be unique, got {given}")
+    _name_unnamed(tables, set(given))
+    return tuple(_parse_tier(table) for table in tables)
+
+
+def _name_unnamed(tables: list[dict[str, Any]], taken: set[str]) -> None:
+    """A tier without `name` is named after its kind ("fs"); the second of a kind "fs-2", and so
+    on, skipping names given to other tiers."""
+    for table in tables:
+        kind = table.get("kind")
+        if "name" in table or not isinstance(kind, str):
+            continue  # (a missing or unknown kind is refused by _parse_tier)
+        name, n = kind, 1
+        while name in taken:
+            n += 1
+            name = f"{kind}-{n}"
+        table["name"] = name
+        taken.add(name)
 
 
 @dataclass(frozen=True)

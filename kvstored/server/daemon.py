@@ -26,9 +26,9 @@ import signal
 import socket
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -51,6 +51,7 @@ from kvstored.server.errors import ErrorMappingInterceptor
 from kvstored.server.namespace_records import NamespaceRecords
 from kvstored.server.peer_service import SERVICE_NAME as PEER_SERVICE_NAME
 from kvstored.server.peer_service import PeerService
+from kvstored.server.preflight import preflight
 from kvstored.server.service import KVStoreService
 from kvstored.server.session_socket import SessionSocketServer
 from kvstored.server.systemd import notify
@@ -74,6 +75,8 @@ if TYPE_CHECKING:  # optional features import their libraries (aiohttp, pyzmq, u
     from kvstored.tiers.peer import PeerTier
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 
@@ -166,12 +169,19 @@ class Daemon:
                 "built without kvstored.shm._safecopy: a client truncating its region mid-copy "
                 "can crash the daemon (install a C compiler and reinstall)"
             )
-        self.pool = SharedPool(pool_bytes, populate=False, pages=cfg.pool_pages, numa=cfg.numa_node)
-        if cfg.populate:
-            await self._populate_pool()
-        self.arenas = ArenaSet(self.pool)
         self.namespaces = NamespaceRegistry(pool_bytes)
         lower = build_lower_tiers(cfg.tiers, TierContext(self.namespaces, cfg, self.incarnation))
+        try:
+            # Everything that can fail without the pool fails before the (long) populate.
+            await self._unless_stopped(preflight(cfg, lower), "stop requested while checking the tiers")
+            self.pool = SharedPool(pool_bytes, populate=False, pages=cfg.pool_pages, numa=cfg.numa_node)
+            if cfg.populate:
+                await self._populate_pool()
+        except BaseException:
+            for t in lower:
+                await t.tier.close()
+            raise
+        self.arenas = ArenaSet(self.pool)
         writable = any(t.capabilities.accepts_writedowns for t in lower)  # RAM's chunks can go down
         ram = RamTier(pool_bytes, cfg.page_bytes, has_lower_tiers=writable, populated=cfg.populate)
         self.releaser = PageReleaser(self.arenas, cfg.page_bytes, ram.released)
@@ -274,11 +284,11 @@ class Daemon:
         )
         if cfg.tcp_listen:  # first: a port that cannot be bound leaves no socket file behind
             self.tcp_port = add_tcp_port(self.server, cfg)
+        if cfg.metrics_addr:  # (also before the socket file: see above)
+            await self._start_metrics(cfg.metrics_addr)
         self.server.add_insecure_port(f"unix:{cfg.socket}")
         await self.server.start()
         os.chmod(cfg.socket, cfg.socket_mode)
-        if cfg.metrics_addr:
-            await self._start_metrics(cfg.metrics_addr)
 
         self.session_server = SessionSocketServer(
             cfg.session_socket, cfg.socket_mode, self.broker, self.pool, self.chain.page_bytes, self.tenancy
@@ -325,11 +335,28 @@ class Daemon:
 
         return peers_snapshot(self.peer_serving, self.peer_tier)
 
+    async def _unless_stopped(self, work: Awaitable[T], why: str) -> T:
+        """`work`, or StoppedDuringStart (`work` cancelled) if a stop is requested first."""
+        job = asyncio.ensure_future(work)
+        waiter = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait((job, waiter), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+            if not job.done():
+                job.cancel()
+                await asyncio.wait((job,))
+        if job.cancelled():
+            raise StoppedDuringStart(why)
+        return job.result()
+
     async def _populate_pool(self) -> None:
         """Fill the pool's pages in a thread (10 GiB took 13 s here), saying how far it is (log and
         systemd status, extending the start timeout) and giving up at once on SIGTERM."""
         stop = threading.Event()
-        job = asyncio.ensure_future(asyncio.to_thread(self.pool.populate, _report_populate, stop))
+        threads = memory.populate_threads(self.config.numa_node)
+        report = functools.partial(_report_populate, threads)
+        job = asyncio.ensure_future(asyncio.to_thread(self.pool.populate, report, stop, threads))
         waiter = asyncio.ensure_future(self._stopping.wait())
         try:
             await asyncio.wait((job, waiter), return_when=asyncio.FIRST_COMPLETED)
@@ -390,15 +417,16 @@ class Daemon:
         await self.records.recover()  # the namespaces the tiers hold, known before any client returns
 
     async def _start_metrics(self, addr: str) -> None:
-        """A taken metrics port costs the metrics, not the cache: log it and serve on."""
+        """A taken metrics port ends the start, as a taken tcp_listen does (exit 1: systemd tries
+        again, the port may be free then): a daemon nobody can see is worse than one that is
+        not running. The preflight found it free; this is a port taken since."""
         from kvstored.observability import http
 
         server = http.MetricsServer(self.metrics.registry, addr)
         try:
             await server.start()
         except OSError as exc:
-            log.error("metrics disabled: cannot listen on %s: %s", addr, exc.strerror or exc)
-            return
+            raise ListenError(f"cannot listen on {addr} (metrics_addr): {exc.strerror or exc}") from None
         self.metrics_server = server
 
     def request_stop(self) -> None:
@@ -482,10 +510,12 @@ class Daemon:
 EXTEND_START_S = 30  # each progress report gives systemd's start timeout this much more
 
 
-def _report_populate(progress: PopulateProgress) -> None:
+def _report_populate(threads: int, progress: PopulateProgress) -> None:
     """Populate progress, from its thread: a log line and systemd's status."""
     if progress.done_bytes == 0:
-        log.info("populating the RAM tier (%s)", format_size(progress.total_bytes))
+        log.info(
+            "populating the RAM tier (%s, %d thread%s)", format_size(progress.total_bytes), threads, "s"[: threads > 1]
+        )
     elif progress.finished:
         log.info(
             "RAM tier populated: %s in %.1f s (%s/s)",

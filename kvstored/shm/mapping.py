@@ -63,10 +63,14 @@ class SharedPool:
         self.array = np.frombuffer(self._map, dtype=np.uint8)
 
     def populate(
-        self, progress: Callable[[PopulateProgress], None] | None = None, stop: threading.Event | None = None
+        self,
+        progress: Callable[[PopulateProgress], None] | None = None,
+        stop: threading.Event | None = None,
+        threads: int | None = None,
     ) -> bool:
-        """Fill every page (blocking: run it in a thread); False if `stop` ended it first."""
-        return memory.populate(self.memory, progress, stop)
+        """Fill every page (blocking: run it in a thread; it starts `threads` - 1 more, default
+        memory.populate_threads); False if `stop` ended it first."""
+        return memory.populate(self.memory, progress, stop, threads=threads)
 
     def huge_page_bytes(self) -> int:
         """How much of the pool the kernel backs with 2 MiB pages now."""

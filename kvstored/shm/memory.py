@@ -282,43 +282,127 @@ def create_memfd(
     return PoolMemory(fd, mapping, size, pages, numa)
 
 
+MAX_POPULATE_THREADS = 8
+
+
+def populate_threads(numa: NumaPlacement | None) -> int:
+    """Threads that fill the pool: one per CPU this process may run on, at most 8 (the kernel's
+    page zeroing and page-table work scale with cores until memory bandwidth is the limit). One
+    with numa_node unset on a machine of several nodes: first touch places a page on the node of
+    the thread that touches it, and one thread keeps the pool on one node as before."""
+    cpus = len(os.sched_getaffinity(0))
+    if numa is None and len(numa_nodes()) > 1:
+        return 1
+    return max(1, min(cpus, MAX_POPULATE_THREADS))
+
+
 def populate(
     memory: PoolMemory,
     progress: Callable[[PopulateProgress], None] | None = None,
     stop: threading.Event | None = None,
     report_every_s: float = REPORT_EVERY_S,
     clock: Callable[[], float] = time.monotonic,
+    threads: int | None = None,
 ) -> bool:
-    """Allocate and map every page of the pool, POPULATE_STEP_BYTES at a time (blocking, without
-    the GIL: run it in a thread). `progress` hears at the start, every `report_every_s` and at
-    the end; `stop` ends it within one step. True once every page is in, False if stopped."""
+    """Allocate and map every page of the pool, POPULATE_STEP_BYTES at a time, `threads` steps
+    at once (default populate_threads(); blocking, without the GIL: run it in a thread).
+    `progress` hears at the start, every `report_every_s` and at the end, always from this
+    thread; `stop` ends it within one step. True once every page is in, False if stopped."""
     start = last = clock()
     size = memory.size
     if progress is not None:
         progress(PopulateProgress(0, size, 0.0))
-    address = _address(memory.mapping)
-    touch = False  # kernels before 5.14 lack MADV_POPULATE_WRITE: touch one byte per page instead
-    for offset in range(0, size, POPULATE_STEP_BYTES):
-        if stop is not None and stop.is_set():
-            return False
-        length = min(POPULATE_STEP_BYTES, size - offset)
-        if not touch and _libc.madvise(ctypes.c_void_p(address + offset), ctypes.c_size_t(length), MADV_POPULATE_WRITE):
+    filler = _Filler(memory, stop)
+    count = max(1, threads if threads is not None else populate_threads(memory.numa))
+    workers = [threading.Thread(target=filler.run, name=f"kvstored-populate-{i}", daemon=True) for i in range(1, count)]
+    for worker in workers:
+        worker.start()
+    reported = 0
+    try:
+        while filler.step(wait_s=report_every_s if workers else 0):
+            now = clock()
+            if progress is not None and now - last >= report_every_s and filler.done > reported:
+                last, reported = now, filler.done
+                progress(PopulateProgress(reported, size, now - start))
+    finally:
+        filler.abandon()  # (an error here: the others stop after their current step)
+        for worker in workers:
+            worker.join()
+    if filler.error is not None:
+        raise filler.error
+    if filler.done < size:
+        return False
+    if progress is not None and reported < size:
+        progress(PopulateProgress(size, size, clock() - start))
+    return True
+
+
+class _Filler:
+    """Hands out the pool's steps, in order, to the threads filling it (each step to one
+    thread: disjoint ranges); counts what is done, keeps the first error."""
+
+    def __init__(self, memory: PoolMemory, stop: threading.Event | None) -> None:
+        self.memory = memory
+        self.address = _address(memory.mapping)
+        self.stop = stop if stop is not None else threading.Event()
+        self.touch = False  # kernels before 5.14 lack MADV_POPULATE_WRITE: touch one byte per page
+        self.done = 0
+        self.error: BaseException | None = None
+        self._next = 0
+        self._running = 0
+        self._lock = threading.Lock()
+        self._ended = threading.Condition(self._lock)
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._next = self.memory.size
+
+    def run(self) -> None:
+        while self.step(wait_s=0):
+            pass
+
+    def step(self, wait_s: float) -> bool:
+        """Fill the next step, or (none left) wait up to `wait_s` for the others; False once
+        every step has ended, a stop was asked or a step failed."""
+        with self._lock:
+            if self.stop.is_set() or self.error is not None:
+                self._next = self.memory.size
+            offset = self._next
+            if offset >= self.memory.size:
+                if self._running and wait_s:
+                    self._ended.wait(wait_s)
+                return bool(self._running)
+            length = min(POPULATE_STEP_BYTES, self.memory.size - offset)
+            self._next += length
+            self._running += 1
+        try:
+            self._fill(offset, length)
+        except BaseException as exc:  # noqa: BLE001 - handed to populate()'s caller
+            with self._lock:
+                self.error = self.error or exc
+        finally:
+            with self._lock:
+                self._running -= 1
+                self.done += length
+                self._ended.notify_all()
+        return True
+
+    def _fill(self, offset: int, length: int) -> None:
+        memory = self.memory
+        if not self.touch and _libc.madvise(
+            ctypes.c_void_p(self.address + offset), ctypes.c_size_t(length), MADV_POPULATE_WRITE
+        ):
             err = ctypes.get_errno()
             if err != errno.EINVAL:
                 raise PoolMemoryError(
-                    f"populating the pool failed at {format_size(offset)} of {format_size(size)}: "
+                    f"populating the pool failed at {format_size(offset)} of {format_size(memory.size)}: "
                     f"{os.strerror(err)} ({_has(memory.pages)})"
                 )
-            touch = True
-        if touch:
+            self.touch = True
+        if self.touch:
             page = HUGE_PAGE_BYTES if memory.pages is PoolPages.HUGETLB else mmap.PAGESIZE
             for at in range(offset, offset + length, page):
                 memory.mapping[at] = 0  # a fresh memfd reads zeros: writing one changes nothing
-        now = clock()
-        if progress is not None and (now - last >= report_every_s or offset + length >= size):
-            last = now
-            progress(PopulateProgress(offset + length, size, now - start))
-    return True
 
 
 def huge_page_bytes(memory: PoolMemory) -> int:

@@ -95,6 +95,13 @@ class SecondaryTier(abc.ABC):
         if self.removal_listener is not None:
             self.removal_listener(self, chunk, cause)
 
+    async def preflight(self) -> str:
+        """Check what can be checked before the daemon populates its RAM tier (an fs root, an
+        S3 bucket and its credentials, a peer tier's ports), quickly; one phrase saying what was
+        checked, for the start-up log. Raises, naming the problem, when the tier cannot work as
+        configured (the daemon exits 2 without populating). `start` follows unless this raised."""
+        return "nothing to check before start"
+
     async def start(self) -> None:
         """Open the tier (fs: rebuild the index from disk; s3: check the bucket). Raises when the
         tier cannot work as configured."""

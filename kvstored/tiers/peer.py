@@ -29,8 +29,11 @@ from collections.abc import Sequence
 import grpc
 
 from kvstored.chunks.ids import ChunkId, TierKind
+from kvstored.errors import ListenError
+from kvstored.io.ports import bind_problem
 from kvstored.namespaces import Namespace, NamespaceRegistry
 from kvstored.peer.control import ClientTls
+from kvstored.peer.factory import local_transports
 from kvstored.peer.fetcher import REFUSED, PeerFetcher
 from kvstored.peer.fleet import FleetSettings, PeerFleet
 from kvstored.peer.handshake import LocalHello
@@ -45,10 +48,12 @@ from kvstored.peer.transport import (
     SendOrder,
     Slot,
     TransportConfig,
+    TransportKind,
+    TransportPreference,
     UcxConfig,
 )
 from kvstored.tiers.base import SecondaryTier, TierUsage, WriteOutcome
-from kvstored.tiers.config import PeerTierConfig, TierContext
+from kvstored.tiers.config import PeerTierConfig, TierContext, data_ports
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +70,7 @@ class PeerTier(SecondaryTier):
         self.incarnation = ctx.incarnation
         options = ctx.options
         own = options.tcp_listen if options is not None else ""
+        self._own_listen = own
         self.index = PeerIndex(cfg.index_entries)
         self.membership = Membership(cfg.peers, own, cfg.breaker_failures, cfg.breaker_reset_s)
         transport = TransportConfig(
@@ -88,6 +94,30 @@ class PeerTier(SecondaryTier):
     def serve_as(self, hello: LocalHello) -> None:
         """How this daemon introduces itself to its peers (its serving side's ports and tiers)."""
         self.fleet.local = hello
+
+    async def preflight(self) -> str:
+        """The data ports are free and the transport asked for is installed (its peers are
+        reached only once serving: one that is down is not this daemon's problem)."""
+        cfg = self.config
+        listen = self._own_listen
+        host = listen.rpartition(":")[0].strip("[]") or "0.0.0.0"
+        tcp, ucx = data_ports(cfg, listen)
+        ucx_here = TransportKind.UCX in local_transports()
+        if cfg.transport is TransportPreference.UCX and not ucx_here:
+            raise ValueError(
+                "transport = \"ucx\" but ucxx is not installed (pip install 'kvstored[ucx]'), "
+                'or set transport = "auto" or "tcp"'
+            )
+        ports = [("tcp_port", tcp)]
+        if cfg.transport is TransportPreference.UCX:  # (auto falls back to TCP alone)
+            ports.append(("ucx_port", ucx))
+        for option, port in ports:
+            problem = bind_problem(host, port)
+            if problem is not None:
+                raise ListenError(f"peer tier {self.name!r}: cannot listen on {host}:{port} ({option}): {problem}")
+        listed = f"{len(cfg.peers)} peer(s) listed" + (f", peers_dns {cfg.peers_dns}" if cfg.peers_dns else "")
+        shown = ", ".join(f"{option} {port or 'any'}" for option, port in ports)
+        return f"{listed}; data ports free ({shown})"
 
     async def start(self) -> None:
         await self.fleet.start()

@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import aiohttp
 from aiobotocore.config import AioConfig
@@ -149,6 +149,9 @@ class _Body:
     data: bytes | None  # its bytes, unless the length was wrong (then it is not read)
 
 
+PREFLIGHT_S = 5.0  # the most the check before populating waits for an endpoint (timeout_s if less)
+
+
 class S3Tier(SecondaryTier):
     """Counters: lookups/hits per chunk asked of contains(); reads/read_bytes per verified chunk
     served; writes/written_bytes per chunk written (payload bytes); evictions per object deleted
@@ -203,6 +206,8 @@ class S3Tier(SecondaryTier):
         self._stack: AsyncExitStack | None = None
         self._client: Any = None
         self._ready = False  # bucket checked: again after each outage (probe), lazily if start() could not
+        self._bucket_checked = False  # by preflight(): start() goes on from there
+        self._unreachable_at_start: S3Failure | None = None  # what preflight() met, if the endpoint was down
         self._listed = False  # the prefix listed into the index (with a capacity)
         self._closed = False
         self.requests = 0
@@ -215,11 +220,74 @@ class S3Tier(SecondaryTier):
 
     # -- lifecycle ------------------------------------------------------------------------
 
+    async def preflight(self) -> str:
+        """Open the client and check (or create) the bucket with its credentials, before the
+        daemon populates its RAM tier. Refused credentials or a missing bucket raise
+        (S3TierError); an endpoint that does not answer does not: the daemon starts without the
+        tier, whose breaker probes it every breaker_reset_s (an outage at start is an outage)."""
+        await self._open()
+        where = f"bucket {self.bucket!r} at {self.endpoint_url or 'AWS'}"
+        try:
+            async with asyncio.timeout(min(self._timeout_s, PREFLIGHT_S)):
+                await self._check_bucket()
+        except TimeoutError:
+            exc = S3Failure(Fault.UNREACHABLE, f"no answer within {min(self._timeout_s, PREFLIGHT_S):g} s")
+            self._unreachable_at_start = exc
+            return f"{where} unreachable ({exc}): starting without it, probed every {self._breaker.reset_s:g} s"
+        except S3Failure as exc:
+            if exc.fault.answered:
+                await self._refuse(exc)
+            self._unreachable_at_start = exc
+            return f"{where} unreachable ({exc}): starting without it, probed every {self._breaker.reset_s:g} s"
+        except BaseException:
+            await self.close()
+            raise
+        self._bucket_checked = True
+        return f"{where}: credentials and bucket checked"
+
     async def start(self) -> None:
-        """Open the client, check (or create) the bucket, warm it up and, with a capacity, list the
-        prefix to rebuild the index. An unreachable endpoint is not fatal: the breaker opens and
-        the first probe after breaker_reset_s finishes the set-up. Bad credentials or a missing
-        bucket are (S3TierError)."""
+        """Open the client, check (or create) the bucket (unless preflight did), warm it up and,
+        with a capacity, list the prefix to rebuild the index. An unreachable endpoint is not
+        fatal: the breaker opens and the first probe after breaker_reset_s finishes the set-up.
+        Bad credentials or a missing bucket are (S3TierError)."""
+        if self._client is None:
+            await self._open()
+        failure = self._unreachable_at_start
+        try:
+            if failure is None:
+                await self._setup(bucket_checked=self._bucket_checked)
+        except S3Failure as exc:
+            if exc.fault.answered:
+                await self._refuse(exc)
+            failure = exc
+        except BaseException:
+            await self.close()
+            raise
+        if failure is not None:
+            self._breaker.trip()
+            log.warning(
+                "s3 tier %s: %s unreachable at start (%s); retrying in %.1f s",
+                self.name,
+                self.endpoint_url or "S3",
+                failure,
+                self._breaker.reset_s,
+            )
+            return
+        victims = self._index.shrink_to_capacity()  # the listing found more than the capacity
+        if victims:
+            await self._evict(self._claim_deletes(victims))
+        log.info(
+            "s3 tier %s: bucket %s prefix %r at %s: %d objects, %s known (capacity %s)",
+            self.name,
+            self.bucket,
+            self.prefix,
+            self.endpoint_url or "AWS",
+            len(self._index),
+            format_size(self._index.used_bytes),
+            format_size(self.capacity_bytes) if self.capacity_bytes else "unbounded",
+        )
+
+    async def _open(self) -> None:
         config = AioConfig(
             connect_timeout=min(self._timeout_s, 2.0),
             read_timeout=self._timeout_s,
@@ -242,41 +310,14 @@ class S3Tier(SecondaryTier):
                 **self._credentials,
             )
         )
-        try:
-            await self._setup()
-        except S3Failure as exc:
-            if exc.fault.answered:
-                await self.close()
-                hint = CREDENTIALS_HINT if exc.detail in _CREDENTIAL_CODES else ""
-                raise S3TierError(
-                    f"s3 tier {self.name}: bucket {self.bucket!r} at "
-                    f"{self.endpoint_url or 'AWS'} is not usable: {exc}{hint}"
-                ) from exc
-            self._breaker.trip()
-            log.warning(
-                "s3 tier %s: %s unreachable at start (%s); retrying in %.1f s",
-                self.name,
-                self.endpoint_url or "S3",
-                exc,
-                self._breaker.reset_s,
-            )
-            return
-        except BaseException:
-            await self.close()
-            raise
-        victims = self._index.shrink_to_capacity()  # the listing found more than the capacity
-        if victims:
-            await self._evict(self._claim_deletes(victims))
-        log.info(
-            "s3 tier %s: bucket %s prefix %r at %s: %d objects, %s known (capacity %s)",
-            self.name,
-            self.bucket,
-            self.prefix,
-            self.endpoint_url or "AWS",
-            len(self._index),
-            format_size(self._index.used_bytes),
-            format_size(self.capacity_bytes) if self.capacity_bytes else "unbounded",
-        )
+
+    async def _refuse(self, exc: S3Failure) -> NoReturn:
+        """The endpoint answered that this tier cannot work (credentials, bucket): close, raise."""
+        await self.close()
+        hint = CREDENTIALS_HINT if exc.detail in _CREDENTIAL_CODES else ""
+        raise S3TierError(
+            f"s3 tier {self.name}: bucket {self.bucket!r} at {self.endpoint_url or 'AWS'} is not usable: {exc}{hint}"
+        ) from exc
 
     async def close(self) -> None:
         self._closed = True
@@ -287,9 +328,22 @@ class S3Tier(SecondaryTier):
             stack, self._stack = self._stack, None
             await stack.aclose()
 
-    async def _setup(self) -> None:
+    async def _setup(self, bucket_checked: bool = False) -> None:
         """Bucket check/creation, a warm-up PUT (radosgw makes its data pool on the first one),
         and with a capacity the listing (an index over the capacity shrinks on the next write)."""
+        if not bucket_checked:
+            await self._check_bucket()
+        if not self._listed:
+            await self._rebuild()
+        self._ready = True
+
+    async def _rebuild(self) -> None:
+        """With a capacity, the index from a listing of the prefix (once: the tier keeps it after)."""
+        if self.capacity_bytes:
+            await self._list()
+            self._listed = True
+
+    async def _check_bucket(self) -> None:
         try:
             await self._retrying(lambda: self._client.head_bucket(Bucket=self.bucket))
         except S3Failure as exc:
@@ -301,15 +355,6 @@ class S3Tier(SecondaryTier):
         warmup = self.prefix + WARMUP_KEY
         await self._retrying(lambda: self._client.put_object(Bucket=self.bucket, Key=warmup, Body=b""))
         await self._retrying(lambda: self._client.delete_object(Bucket=self.bucket, Key=warmup))
-        if not self._listed:
-            await self._rebuild()
-        self._ready = True
-
-    async def _rebuild(self) -> None:
-        """With a capacity, the index from a listing of the prefix (once: the tier keeps it after)."""
-        if self.capacity_bytes:
-            await self._list()
-            self._listed = True
 
     async def _make_bucket(self) -> None:
         kwargs: dict[str, Any] = {"Bucket": self.bucket}

@@ -52,6 +52,7 @@ COMPARED = {
         "llm-d consuming KV events",
         "budget",
     ],
+    "populate.py": ["1 thread (the baseline)", "page mode", "same run"],
     "tiers.py": ["raw O_DIRECT", "raw aiobotocore", "fs tier", "S3 tier"],
     "vllm_tier.py": ["vLLM's built-in fs tier", "TieringOffloadingManager"],
 }

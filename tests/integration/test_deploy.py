@@ -368,6 +368,102 @@ def test_manifests_fit_together():
     assert tiers[0]["type"] == "kvstored" and os.path.dirname(tiers[0]["socket"]) == socket_dir
 
 
+def kubernetes_steps() -> tuple[str, list[str]]:
+    """docs/operations.md's "Kubernetes, step by step": its whole text, and its commands (the sh
+    block, one per line, continuations joined, comments dropped)."""
+    text = OPERATIONS_DOC.read_text()
+    start = text.index("### Kubernetes, step by step")
+    section = text[start : text.index("\n## ", start)]
+    block = section[section.index("```sh") + 5 : section.index("```", section.index("```sh") + 5)]
+    commands = [line.split("#", 1)[0].strip() for line in block.replace("\\\n", " ").splitlines()]
+    return section, [c for c in commands if c]
+
+
+def referenced(doc: dict) -> dict[str, set]:
+    """What a manifest needs to exist before it runs: Secrets (required or optional), ConfigMaps,
+    images, hostPath directories, uids and gids."""
+    found: dict[str, set] = {k: set() for k in ("secret", "optional secret", "configmap", "image", "hostpath", "id")}
+    spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+    for volume in spec.get("volumes", []):
+        if "secret" in volume:
+            optional = volume["secret"].get("optional", False)
+            found["optional secret" if optional else "secret"].add(volume["secret"]["secretName"])
+        if "configMap" in volume:
+            found["configmap"].add(volume["configMap"]["name"])
+        if "hostPath" in volume:
+            found["hostpath"].add(volume["hostPath"]["path"])
+    for container in spec.get("initContainers", []) + spec.get("containers", []):
+        found["image"].add(container["image"])
+        for source in container.get("envFrom", []):
+            ref = source.get("secretRef")
+            if ref:
+                found["optional secret" if ref.get("optional") else "secret"].add(ref["name"])
+    context = spec.get("securityContext", {})
+    found["id"] |= {str(context[k]) for k in ("runAsUser", "runAsGroup") if k in context}
+    return found
+
+
+def test_kubernetes_steps_name_every_prerequisite_in_order():
+    """A newcomer with only the docs: every object and prerequisite the applied manifests
+    reference is named in the steps, and each is made before the command that needs it."""
+    section, commands = kubernetes_steps()
+    applied = sorted(KUBE.glob("*.yaml"))  # examples/ are not part of the deployment
+    docs = [doc for path in applied for doc in yaml.safe_load_all(path.read_text()) if doc]
+    needs: dict[str, set] = {}
+    for doc in docs:
+        for kind, names in referenced(doc).items():
+            needs.setdefault(kind, set()).update(names)
+    for kind, names in needs.items():
+        for name in names:
+            assert name in section, f"the Kubernetes steps never name the {kind} {name!r}"
+
+    def first(predicate, what: str) -> int:
+        found = [i for i, c in enumerate(commands) if predicate(c)]
+        assert found, f"no step {what}:\n" + "\n".join(commands)
+        return found[0]
+
+    def applies(path: Path) -> int:
+        return first(
+            lambda c: c.startswith("kubectl apply") and f"deploy/kubernetes/{path.name}" in c, f"applies {path}"
+        )
+
+    daemonset = applies(KUBE / "daemonset.yaml")
+    for image in needs["image"]:
+        built = first(lambda c, i=image: c.startswith("docker build") and f"-t {i}" in c, f"builds {image}")
+        loaded = first(lambda c, i=image: c == f"kind load docker-image {i}", f"loads {image} into kind")
+        assert built < loaded < daemonset
+        assert f"docker save {image} | sudo k3s ctr images import -" in section  # k3s
+        assert f"docker push REGISTRY/{image}" in section  # a registry
+    namespaces = {doc["metadata"]["name"] for doc in docs if doc["kind"] == "Namespace"}
+    (namespace,) = namespaces
+    made = applies(KUBE / "namespace.yaml")
+    for path in applied:
+        if path.name != "namespace.yaml":
+            assert made < applies(path), f"{path.name} is applied before its namespace exists"
+    for secret in needs["secret"] | needs["optional secret"]:
+        assert f"Secret {secret}" in section
+    for secret in needs["secret"]:
+        created = first(
+            lambda c, s=secret: c.startswith(f"kubectl -n {namespace} create secret") and f" {s} " in f"{c} ",
+            f"creates the Secret {secret}",
+        )
+        assert made < created < daemonset
+    assert "Without TLS" in section and "optional" in section  # the kvstored-tls volume may be absent
+    for config_map in needs["configmap"]:
+        source = next(p for p in applied if f"name: {config_map}" in p.read_text())
+        assert applies(source) <= daemonset and f"ConfigMap {config_map}" in section
+    ready = first(lambda c: c.startswith(f"kubectl -n {namespace} rollout status ds/"), "waits for readiness")
+    assert daemonset < ready
+    for uid in needs["id"]:
+        assert f"uid {uid}" in section and f"gid {uid}" in section
+
+
+def test_kubernetes_secret_volumes_are_optional_only_where_the_steps_say_so():
+    ds = manifests()["DaemonSet/kvstored"]["spec"]["template"]["spec"]
+    tls = next(v for v in ds["volumes"] if v["name"] == "tls")
+    assert tls["secret"]["secretName"] == "kvstored-tls" and tls["secret"]["optional"] is True
+
+
 # -- the systemd recipe -------------------------------------------------------------------------------
 
 

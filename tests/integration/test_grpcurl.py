@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from kvstored_client.keys import namespace_id_for
+from tests.support.daemon import REPO_ROOT
 from tests.support.data import make_keys, payloads
 from tests.support.rpc import pb
 
@@ -110,3 +111,14 @@ def test_errors_show_code_and_message(grpcurl_run, ns_name):
     missing = grpcurl_run("kvstored.v1.KVStore/Lookup", data={"namespace_id": "nope", "keys": []}, check=False)
     assert missing.returncode != 0
     assert "NotFound" in missing.stderr and "nope" in missing.stderr
+
+
+def test_peer_status_as_the_docs_show_it(grpcurl, grpcurl_run, shared_daemon):
+    """docs/operations.md: without -emit-defaults grpcurl prints `{}` for a reply of defaults;
+    with it, a daemon without a peer tier says "enabled": false."""
+    assert json.loads(grpcurl_run("kvstored.v1.Peer/Status").stdout) == {}
+    documented = "grpcurl -plaintext -unix -emit-defaults $S kvstored.v1.Peer/Status"
+    assert documented in (REPO_ROOT / "docs" / "operations.md").read_text()
+    argv = [grpcurl, "-plaintext", "-unix", "-emit-defaults", str(shared_daemon.socket), "kvstored.v1.Peer/Status"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(out.stdout)["enabled"] is False

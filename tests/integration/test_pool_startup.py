@@ -70,7 +70,7 @@ def test_populate_reports_progress_to_systemd_and_the_log(daemon_factory, notifi
     assert done["STATUS"].startswith("populating the RAM tier: 256.0 MiB of 256.0 MiB (100%)")
     assert "READY" in notifications.next(d.log)
     d.wait_ready()
-    assert "populating the RAM tier (256.0 MiB)" in d.log and "RAM tier populated: 256.0 MiB in" in d.log
+    assert "populating the RAM tier (256.0 MiB, " in d.log and "RAM tier populated: 256.0 MiB in" in d.log
 
 
 def test_sigterm_while_populating_stops_at_once(daemon_factory, notifications):

@@ -181,6 +181,8 @@ def test_every_snippet_runs_twice(readme_daemon, tmp_path):
         for round_ in (1, 2):  # every document once, then again on the same daemon
             for block in RUNNABLE:
                 proc = run_block(block, readme_daemon.socket, region, tmp_path)
+                if proc.returncode == 0 and REGION_IN_DOCS in block.code and region.exists():
+                    failures.append(f"{block.label}, run {round_}: leaves its region file in /dev/shm")
                 if proc.returncode != 0:
                     failures.append(
                         f"{block.label}, run {round_}: exit {proc.returncode}\n--- code\n"

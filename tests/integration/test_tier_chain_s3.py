@@ -129,3 +129,4 @@ def test_credentials_refused_at_start_exit_2_without_a_restart_loop(daemon_facto
     assert len(errors) == 1 and "cannot start tier 's3'" in errors[0], d.log
     assert "rejected: 403 (credentials refused: check access_key/secret_key" in errors[0]
     assert "Traceback" not in d.log and not d.socket.exists()
+    assert "populating" not in d.log  # refused by the check before the RAM tier is populated

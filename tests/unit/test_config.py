@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -442,3 +443,36 @@ def test_staging_bytes_is_off_or_at_least_a_page():
     assert load_config({}, {"KVSTORED_STAGING_BYTES": "256MiB"}).staging_bytes == 256 << 20
     with pytest.raises(ConfigError, match="staging_bytes must be 0 .* got 100"):
         load_config({"staging_bytes": "100"}, {})
+
+
+def test_tiers_without_a_name_are_named_after_their_kind_uniquely():
+    """`make run RUN_ARGS="--tiers kind=fs,..."` adds a second fs tier to the default one: it
+    needs no name= of its own."""
+    cfg = load_config(
+        {
+            "tiers": [
+                "kind=fs,root=/a,bytes=1GiB",
+                "kind=fs,root=/b,bytes=1GiB",
+                "kind=fs,root=/c,bytes=1GiB,name=fs-3",  # a name given is kept, and skipped below
+                "kind=fs,root=/d,bytes=1GiB",
+                "kind=s3,bucket=kv",
+            ]
+        },
+        {},
+    )
+    assert [t.name for t in cfg.tiers] == ["fs", "fs-2", "fs-3", "fs-4", "s3"]
+    with pytest.raises(ConfigError, match=r"tier names must be unique, got \['hot', 'hot'\]"):
+        load_config({"tiers": ["kind=fs,root=/a,bytes=1GiB,name=hot", "kind=s3,bucket=kv,name=hot"]}, {})
+
+
+def test_help_lists_the_tier_keys_of_every_kind():
+    from kvstored.cli import build_parser
+    from kvstored.tiers.registry import KINDS
+
+    text = build_parser().format_help()
+    for label, spec in KINDS.items():
+        assert f"kind={label}: " in text
+        for f in dataclasses.fields(spec.config):
+            assert f.name in text.split(f"kind={label}: ", 1)[1], (label, f.name)
+    assert "root (required), bytes (required), name=fs," in text
+    assert max(len(line) for line in text.split("--tiers keys per kind", 1)[1].splitlines()) <= 80

@@ -64,7 +64,7 @@ def test_populate_reports_progress_in_steps_and_fills_every_page(made):
     ticks = iter(range(0, 1000, 10))  # a clock 10 s further on at every look: every step reports
     seen: list[PopulateProgress] = []
     assert resident(mem) == 0
-    assert memory.populate(mem, seen.append, clock=lambda: next(ticks))
+    assert memory.populate(mem, seen.append, clock=lambda: next(ticks), threads=1)
     assert [p.done_bytes for p in seen] == [0, STEP, 2 * STEP, 3 * STEP, mem.size]
     assert seen[-1].finished and seen[-1].rate > 0 and "(100%)" in seen[-1].describe()
     assert seen[1].describe() == "64.0 MiB of 200.0 MiB (32%), 6.4 MiB/s, ~21 s left"  # 10 s per step here
@@ -80,8 +80,30 @@ def test_populate_stops_within_one_step(made):
             stop.set()  # as the daemon's SIGTERM does, from another thread
 
     ticks = iter(range(0, 1000, 10))
-    assert not memory.populate(mem, progress, stop, clock=lambda: next(ticks))
+    assert not memory.populate(mem, progress, stop, clock=lambda: next(ticks), threads=1)
     assert resident(mem) == STEP
+
+
+def test_populate_in_threads_fills_every_page_once_and_stops_within_a_step_each(made):
+    mem = made(9 * STEP + 8 * MIB)
+    seen: list[PopulateProgress] = []
+    assert memory.populate(mem, seen.append, report_every_s=0, threads=3)
+    done = [p.done_bytes for p in seen]
+    assert done[0] == 0 and done == sorted(set(done)) and done[-1] == mem.size  # from one thread, in order
+    assert resident(mem) == mem.size
+
+    mem = made(16 * STEP)
+    stop = threading.Event()
+    at_stop: list[int] = []
+
+    def progress(p: PopulateProgress) -> None:
+        if p.done_bytes >= STEP and not stop.is_set():
+            at_stop.append(p.done_bytes)
+            stop.set()
+
+    assert not memory.populate(mem, progress, stop, report_every_s=0, threads=3)
+    assert at_stop[0] <= resident(mem) <= at_stop[0] + 3 * STEP  # what was done, plus one step per thread
+    assert resident(mem) < mem.size
 
 
 def test_numa_placement_is_the_mappings_policy(made):

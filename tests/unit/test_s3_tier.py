@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
+import socket
 import threading
 import uuid
 
@@ -668,3 +669,37 @@ async def test_namespace_records_of_an_unreachable_endpoint_raise_tier_unavailab
         await tier.namespace_records()
     with pytest.raises(TierUnavailable, match="cannot list"):
         await tier.namespace_chunks("0123456789abcdef0123456789abcdef")
+
+
+# -- preflight (before the daemon populates its RAM tier) -----------------------------------
+
+
+async def test_preflight_checks_the_bucket_once_for_the_start(make_tier, raw, bucket):
+    tier = await make_tier(start=False)
+    said = await tier.preflight()
+    assert said.endswith(": credentials and bucket checked") and f"bucket {bucket!r}" in said
+    await raw.head_bucket(Bucket=bucket)  # created by the preflight (create_bucket)
+    sent = tier.requests
+    await tier.start()
+    assert tier.requests == sent  # no capacity: nothing to list, the bucket is not asked again
+    chunk = new_chunk()
+    data = await stored(tier, chunk)
+    pages = Pages([3])
+    assert await tier.read(chunk, pages.views, len(data)) and pages.bytes(len(data)) == data
+
+
+async def test_preflight_refuses_a_missing_bucket_it_may_not_create(make_tier):
+    tier = await make_tier(start=False, create_bucket=False)
+    with pytest.raises(S3TierError, match=r"is not usable: rejected: NoSuchBucket"):
+        await tier.preflight()
+
+
+async def test_preflight_of_an_endpoint_that_does_not_answer_lets_the_tier_start_without_it(make_tier):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens: refused
+    tier = await make_tier(start=False, endpoint_url=f"http://127.0.0.1:{port}", timeout_s=1.0)
+    said = await tier.preflight()
+    assert "unreachable" in said and "starting without it, probed every" in said
+    await tier.start()  # returns at once: the breaker probes later
+    assert not tier.available

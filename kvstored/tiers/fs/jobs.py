@@ -27,6 +27,7 @@ from kvstored.chunks.chunkfile import HEADER_BYTES, CorruptChunk
 from kvstored.chunks.ids import ChunkId
 from kvstored.chunks.views import trim
 from kvstored.tiers.fs import io as fs_io
+from kvstored.tiers.fs.root import RootCheck, check_root
 
 log = logging.getLogger(__name__)
 
@@ -62,34 +63,16 @@ class FsJobs:
         self._stale_tmp_s = stale_tmp_s
         self._closing = closing
 
-    def start(self) -> tuple[list[tuple[ChunkId, int, float]], int]:
-        fs_io.make_dirs(self.root, self._dir_mode)
-        if self.direct and not self._probe_direct():
-            log.info("fs tier %s: %s refuses O_DIRECT; using buffered I/O", self._name, self.root)
-            self.direct = False
-        return self._scan()
+    def check_root(self) -> RootCheck:
+        """The root is usable (created if needed; RootUnusable if not); O_DIRECT is turned off
+        for good when the filesystem refuses it."""
+        found = check_root(self.root, self._dir_mode, self._file_mode, self.direct)
+        self.direct = found.direct
+        return found
 
-    def _probe_direct(self) -> bool:
-        """False only if the filesystem refuses O_DIRECT (EINVAL). Any other failure (a full disk,
-        a read-only root) says nothing about O_DIRECT and must not stop the start: the existing
-        files are still served, the start-up eviction may free space, and writes find out."""
-        try:
-            fd, probe = fs_io.create_tmp(os.path.join(self.root, "odirect-probe.kv"), self._file_mode)
-        except OSError as exc:
-            log.warning("fs tier %s: cannot probe O_DIRECT under %s (%s); keeping it on", self._name, self.root, exc)
-            return True
-        try:
-            fs_io.set_direct(fd, True)
-            os.pwrite(fd, fs_io.header_buffer(), 0)
-            return True
-        except OSError as exc:
-            if exc.errno == errno.EINVAL:
-                return False
-            log.warning("fs tier %s: cannot probe O_DIRECT under %s (%s); keeping it on", self._name, self.root, exc)
-            return True
-        finally:
-            fs_io.unlink_quiet(probe)
-            os.close(fd)
+    def start(self) -> tuple[list[tuple[ChunkId, int, float]], int]:
+        self.check_root()
+        return self._scan()
 
     def _scan(self) -> tuple[list[tuple[ChunkId, int, float]], int]:
         """Every chunk file under the root, named by its path: <ns>/<k0k1>/<k2k3>/<key hex>.kv,

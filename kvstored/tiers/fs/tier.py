@@ -122,6 +122,12 @@ class FsTier(SecondaryTier):
 
     # -- lifecycle ------------------------------------------------------------------------
 
+    async def preflight(self) -> str:
+        """The root is usable: a directory (created if missing) this daemon can write to, on
+        storage (not /proc or /sys)."""
+        found = await self._run(Priority.LOAD, _result, self._jobs.check_root)
+        return f"root {self._root} {found.describe()}"
+
     async def start(self) -> None:
         """Create the root, probe O_DIRECT, rebuild the index from the files on disk (oldest
         mtime = least recently used), remove stale temporary files, evict down to the capacity."""
