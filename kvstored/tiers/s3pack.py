@@ -104,7 +104,7 @@ class PackedS3Tier(S3Tier):
         self._poll_s = pack_poll_s
         self._packs = PackIndex()
         self._packs_prefix = f"{self.prefix}{PACKS_DIR}/"
-        self._open: _OpenPack | None = None
+        self._filling: _OpenPack | None = None
         self._opened = asyncio.Event()  # a new open pack (the age loop waits for one)
         self._buffered: dict[ChunkId, _OpenPack] = {}  # chunks written, not yet in an uploaded pack
         self._buffered_bytes = 0
@@ -239,16 +239,16 @@ class PackedS3Tier(S3Tier):
                 return WriteOutcome.ALREADY_PRESENT
             if self._closed or self._closing:
                 return WriteOutcome.FAILED
-            current = self._open
+            current = self._filling
             if current is None or not current.nbytes or current.nbytes + len(record) <= self.pack_bytes:
                 break
             if len(self._uploads) < self._pack_uploads:
                 self._seal()
                 break
             await asyncio.wait(list(self._uploads), return_when=asyncio.FIRST_COMPLETED)
-        pack = self._open
+        pack = self._filling
         if pack is None:
-            pack = self._open = _OpenPack(asyncio.get_running_loop().time())
+            pack = self._filling = _OpenPack(asyncio.get_running_loop().time())
             self._opened.set()
         pack.records[chunk] = record
         pack.nbytes += len(record)
@@ -352,7 +352,7 @@ class PackedS3Tier(S3Tier):
     # -- packs: sealing, uploading, expiry ----------------------------------------------------
 
     def _seal(self) -> None:
-        pack, self._open = self._open, None
+        pack, self._filling = self._filling, None
         if pack is None or not pack.records or self._client is None:
             return
         pack.sealed = True
@@ -464,7 +464,7 @@ class PackedS3Tier(S3Tier):
         """Send the open pack once it is pack_age_s old (a slow trickle of write-downs)."""
         loop = asyncio.get_running_loop()
         while True:
-            pack = self._open
+            pack = self._filling
             if pack is None:
                 self._opened.clear()
                 await self._opened.wait()
@@ -475,7 +475,7 @@ class PackedS3Tier(S3Tier):
                 continue
             while len(self._uploads) >= self._pack_uploads:
                 await asyncio.wait(list(self._uploads), return_when=asyncio.FIRST_COMPLETED)
-            if self._open is pack:
+            if self._filling is pack:
                 self._seal()
 
     async def _poll_loop(self) -> None:
