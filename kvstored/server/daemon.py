@@ -286,7 +286,7 @@ class Daemon:
             self.pool,
             self.chain.page_bytes,
             self.tenancy,
-            FastPath(service, self.broker),
+            FastPath(service, self.broker, self.metrics.observe_session_call),
         )
         await self.session_server.start()
         for name in ("", SERVICE_NAME):

@@ -12,7 +12,9 @@ session_id is the connection's: the connection *is* the session, so a client can
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -32,36 +34,55 @@ SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 KINDS = frozenset(FAST_METHODS.values())  # the SessionRequest fields served here
 
 
-class FastPath:
-    """Answers one fast-path request of a session: the SessionReply's bytes, never raises."""
+Observe = Callable[[str, str, str, float], None]  # (service, method, status code name, seconds)
 
-    def __init__(self, service: KVStoreService, broker: SessionBroker) -> None:
+
+def _unobserved(service: str, method: str, code: str, seconds: float) -> None:
+    pass
+
+
+class FastPath:
+    """Answers one fast-path request of a session: the SessionReply's bytes, never raises.
+    `observe` records each call (the daemon's metrics, under the gRPC method's name)."""
+
+    def __init__(self, service: KVStoreService, broker: SessionBroker, observe: Observe = _unobserved) -> None:
         self._broker = broker
+        self._observe = observe
         self._handlers: dict[str, tuple[str, Callable[[Any, Any], Awaitable[Message]]]] = {
-            kind: (f"/{SERVICE}/{method}", getattr(service, method)) for method, kind in FAST_METHODS.items()
+            kind: (method, getattr(service, method)) for method, kind in FAST_METHODS.items()
         }
 
     async def answer(self, session: Session, request: pb.SessionRequest, kind: str, limit: int) -> bytes:
         """`limit`: the largest packet the connection can send; a larger answer is given back
         (its handles released) and the client told to ask over gRPC."""
         method, handler = self._handlers[kind]
-        message = getattr(request, kind)
-        message.session_id = session.session_id
+        started = time.perf_counter()
+        code = "OK"
         try:
-            response = await handler(message, None)  # (the handlers use no gRPC context)
-        except Exception as exc:
-            failure = failure_for(exc, method)
-            return _error(failure.code.name, failure.message, failure.kind)
-        reply = pb.SessionReply(**{kind: response}).SerializeToString()
-        if len(reply) <= limit:
-            return reply
-        self._give_back(session, response)
-        return _error(
-            "RESOURCE_EXHAUSTED",
-            f"the {method} answer ({len(reply)} bytes) does not fit one session socket packet ({limit}); "
-            f"it was given back: ask over gRPC",
-            REPLY_TOO_LARGE,
-        )
+            message = getattr(request, kind)
+            message.session_id = session.session_id
+            try:
+                response = await handler(message, None)  # (the handlers use no gRPC context)
+            except asyncio.CancelledError:  # the connection closed, or the daemon stops
+                code = "CANCELLED"
+                raise
+            except Exception as exc:
+                failure = failure_for(exc, f"/{SERVICE}/{method}")
+                code = failure.code.name
+                return _error(code, failure.message, failure.kind)
+            reply = pb.SessionReply(**{kind: response}).SerializeToString()
+            if len(reply) <= limit:
+                return reply
+            self._give_back(session, response)
+            code = "RESOURCE_EXHAUSTED"
+            return _error(
+                code,
+                f"the {method} answer ({len(reply)} bytes) does not fit one session socket packet ({limit}); "
+                f"it was given back: ask over gRPC",
+                REPLY_TOO_LARGE,
+            )
+        finally:
+            self._observe(SERVICE, method, code, time.perf_counter() - started)
 
     def _give_back(self, session: Session, response: Message) -> None:
         """Release what an answer that cannot be sent granted (Reserve's slots, Acquire's leases)."""
