@@ -392,6 +392,7 @@ class DaemonMetrics:
             ["method", "code"],
             registry=self.registry,
         )
+        self._session_series: dict[tuple[str, str, str], tuple[Counter, Histogram, Counter]] = {}
         self.tier_op_seconds = Histogram(
             f"{PREFIX}_tier_operation_seconds",
             "secondary tier operation latency (lookup is one batched call)",
@@ -417,9 +418,17 @@ class DaemonMetrics:
         """Record one call answered over the session socket's fast path. It lands in the gRPC
         series as well, under its method's name: rates, error alerts and latency panels cover a
         method whichever transport carried it."""
-        self.grpc_handled.labels(service, method, code).inc()
-        self.grpc_seconds.labels(service, method, code).observe(seconds)
-        self.session_calls.labels(method, code).inc()
+        series = self._session_series.get((service, method, code))
+        if series is None:  # labels() costs more than the rest of a fast call's bookkeeping: once
+            series = self._session_series[(service, method, code)] = (
+                self.grpc_handled.labels(service, method, code),
+                self.grpc_seconds.labels(service, method, code),
+                self.session_calls.labels(method, code),
+            )
+        handled, latency, calls = series
+        handled.inc()
+        latency.observe(seconds)
+        calls.inc()
 
     def observe_tier_op(self, tier: str, op: str, seconds: float) -> None:
         """Record one secondary-tier operation: `tier` is its configured name, `op` one of TIER_OPS.

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 KINDS = frozenset(FAST_METHODS.values())  # the SessionRequest fields served here
+NEVER_WAIT = frozenset({"commit", "release"})  # answered at once: no task of their own needed
 
 
 Observe = Callable[[str, str, str, float], None]  # (service, method, status code name, seconds)
