@@ -13,6 +13,7 @@ the daemon granted it).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 from typing import Any
@@ -58,27 +59,70 @@ def _varint(value: int) -> bytes:
 _TAGS = {method: _field_tag(kind) for method, kind in FAST_METHODS.items()}
 
 
+def _packet(method: str, request: Message) -> bytes | None:
+    """The packet carrying `request`; None when it does not fit one."""
+    body = request.SerializeToString()
+    data = b"".join((_TAGS[method], _varint(len(body)), body))
+    return data if len(data) <= MAX_PACKET else None
+
+
 class FastLink:
     """One session's fast path over its (blocking) session socket."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
-        self._buffer = bytearray(FAST_REPLY_MAX)
+        self._buffer = bytearray(FAST_REPLY_MAX + 1)  # one byte more: a longer packet shows as cut
+        self._aio: socket.socket | None = None  # the same connection for an event loop (timeout 0)
         self.broken = False
+
+    def close(self) -> None:
+        if self._aio is not None:
+            self._aio.close()
+            self._aio = None
+
+    async def call_async(self, method: str, request: Message, timeout: float) -> Any | None:
+        """call() for asyncio: the same answers and errors, awaited on the running loop. A
+        cancelled call leaves the link broken (its answer may still come)."""
+        data = _packet(method, request)
+        if data is None:
+            return None
+        if self._aio is None:  # a second socket object on a dup of the fd, non-blocking for the loop
+            self._aio = socket.socket(fileno=os.dup(self._sock.fileno()))
+            self._aio.setblocking(False)
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(timeout):
+                await loop.sock_sendall(self._aio, data)
+                size = await loop.sock_recv_into(self._aio, self._buffer)
+        except TimeoutError:
+            self.broken = True
+            raise DeadlineExceeded(f"{method}: no answer on the session socket within {timeout:.3f} s") from None
+        except (BrokenPipeError, ConnectionResetError):
+            self.broken = True
+            raise UnknownSession(f"{method}: kvstored closed the session (restarted or stopped)") from None
+        except OSError as exc:
+            self.broken = True
+            raise Unavailable(f"{method}: the session socket failed: {exc}") from None
+        except BaseException:  # cancelled: the answer may still come
+            self.broken = True
+            raise
+        if size == 0:
+            self.broken = True
+            raise UnknownSession(f"{method}: kvstored closed the session (restarted or stopped)")
+        return self._answer(method, size)
 
     def call(self, method: str, request: Message, timeout: float) -> Any | None:
         """`method`'s answer to `request`, within `timeout` seconds; None when this call must go
         over gRPC instead (its request or its answer is too large for one packet). Raises what
         the gRPC call would (the daemon's errors mapped the same way); DeadlineExceeded on a
         timeout; UnknownSession when the daemon closed the session (it restarted or stopped)."""
-        body = request.SerializeToString()
-        data = b"".join((_TAGS[method], _varint(len(body)), body))
-        if len(data) > MAX_PACKET:
+        data = _packet(method, request)
+        if data is None:
             return None
         try:
             self._sock.settimeout(timeout)
             self._sock.send(data)
-            size = self._sock.recv_into(self._buffer, FAST_REPLY_MAX, socket.MSG_TRUNC)
+            size = self._sock.recv_into(self._buffer, len(self._buffer), socket.MSG_TRUNC)
         except TimeoutError:
             self.broken = True
             raise DeadlineExceeded(f"{method}: no answer on the session socket within {timeout:.3f} s") from None

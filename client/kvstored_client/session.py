@@ -93,6 +93,8 @@ class PoolSession:
 
     def close(self) -> None:
         self.copier.close()
+        if self.fast is not None:
+            self.fast.close()
         self._sock.close()
         self.arrays.release()
         for mapped, arrays in [(self._map, self.arrays), *self._arenas.values()]:

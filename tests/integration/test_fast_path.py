@@ -7,6 +7,7 @@ client held, and hands what does not fit a packet to gRPC."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -238,3 +239,35 @@ def test_a_bad_switch_value_is_named(monkeypatch):
     monkeypatch.setenv(ENV, "maybe")
     with pytest.raises(ValueError, match=f"{ENV}='maybe'"):
         fast_path_default()
+
+
+async def test_the_async_client_takes_the_fast_path_too(daemon_factory, ns_name):
+    d = daemon_factory(METRICS_PORT_0)
+    keys = make_keys(ns_name, 3)
+    data = payloads(keys, CHUNK)
+    async with d.async_client(fast_path=True) as c:
+        ns = await c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
+        assert await c.store(ns, keys, data) == StoreResult(stored=3)
+        assert (await c.lookup(ns, keys)).tiers == [Tier.RAM] * 3
+        out = np.zeros_like(data)
+        assert await c.load(ns, keys, out) == 3
+        np.testing.assert_array_equal(out, data)
+        _, fast = calls(d)
+        assert {m: fast[m] for m in FAST} == dict.fromkeys(FAST, 1)
+        with pytest.raises(KvstoredError, match="not held"):  # a daemon error comes through, mapped
+            session = c._session
+            assert session is not None and session.fast is not None
+            await session.fast.call_async("Release", pb.ReleaseRequest(handles=[5]), 10.0)
+        # Cancelled while the daemon cannot answer: the session goes, with whatever it held.
+        os.kill(d.pid, signal.SIGSTOP)
+        try:
+            task = asyncio.create_task(c.load(ns, keys, out))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+        assert await c.load(ns, keys, out) == 3  # a new session
+        np.testing.assert_array_equal(out, data)
+    assert wait_for(lambda: d.stats().sessions == 0 and d.stats().leases == 0), d.stats()
