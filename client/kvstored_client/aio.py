@@ -28,10 +28,12 @@ from kvstored_client.client import (
 )
 from kvstored_client.copy_policy import MIN_PART_BYTES as OFF_LOOP_COPY_BYTES  # smaller: a thread hop costs more
 from kvstored_client.errors import KvstoredError
+from kvstored_client.fast import fast_path_default
 from kvstored_client.kinds import LoadInto
 from kvstored_client.ops import Health, LookupResult, Namespace, NamespaceSpec, Region, StoreResult
 from kvstored_client.protocol import (
     CHANNEL_OPTIONS,
+    FAST_METHODS,
     HEALTH_CHECK,
     channel_target,
     decode_health_response,
@@ -51,10 +53,12 @@ class AsyncClient(ClientBase):
         client_name: str | None = None,
         populate: bool = True,
         copy_threads: int | None = None,
+        fast_path: bool | None = None,
     ) -> None:
         """copy_threads: threads splitting a large store/load between your buffers and the pool
-        (default: up to 4, one per core)."""
+        (default: up to 4, one per core). fast_path: as Client's."""
         super().__init__(socket, deadline_s, client_name, populate, copy_threads)
+        self.fast_path = fast_path_default() if fast_path is None else fast_path
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.KVStoreStub | None = None
         self._lock = asyncio.Lock()
@@ -180,13 +184,26 @@ class AsyncClient(ClientBase):
                     elif effect.copy_grace_s:  # a region transfer: once sent, the daemon may be copying
                         result = await _to_the_end(self._call(getattr(stub, effect.method), effect, deadline))
                     else:
-                        result = await self._call(getattr(stub, effect.method), effect, deadline)
+                        result = await self._fast_call(effect, deadline)
+                        if result is None:
+                            result = await self._call(getattr(stub, effect.method), effect, deadline)
                 except BaseException as exc:  # a cancellation is re-raised
                     effect = self._failed(plan, effect, exc)
                 else:
                     effect = plan.send(result)
         except StopIteration as stop:
             return stop.value
+
+    async def _fast_call(self, effect: ops.Call, deadline: float) -> Any | None:
+        """Client._fast_call for asyncio."""
+        session = self._session
+        if not self.fast_path or session is None or session.fast is None or effect.method not in FAST_METHODS:
+            return None
+        try:
+            return await session.fast.call_async(effect.method, effect.request, _remaining(deadline))
+        finally:
+            if session.fast.broken:  # an answer may still come: never use this session again
+                self._drop_session()
 
     async def _call(self, method: Any, effect: ops.Call, deadline: float) -> Any:
         request, timeout = _bounded(effect, deadline)

@@ -36,11 +36,13 @@ from kvstored_client.errors import (
     may_have_run,
     never_sent,
 )
+from kvstored_client.fast import fast_path_default
 from kvstored_client.kinds import LoadInto
 from kvstored_client.ops import Health, LookupResult, Namespace, NamespaceSpec, Region, StoreResult
 from kvstored_client.paths import default_socket_path
 from kvstored_client.protocol import (
     CHANNEL_OPTIONS,
+    FAST_METHODS,
     HEALTH_CHECK,
     Condition,
     ForkGuard,
@@ -293,10 +295,14 @@ class Client(ClientBase):
         client_name: str | None = None,
         populate: bool = True,
         copy_threads: int | None = None,
+        fast_path: bool | None = None,
     ) -> None:
         """copy_threads: threads splitting a large store/load between your buffers and the pool
-        (default: up to 4, one per core)."""
+        (default: up to 4, one per core). fast_path: send lookups, stores' and loads' calls over
+        the session socket rather than gRPC once a session is open (default: KVSTORED_FAST_PATH,
+        on unless set to 0)."""
         super().__init__(socket, deadline_s, client_name, populate, copy_threads)
+        self.fast_path = fast_path_default() if fast_path is None else fast_path
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.KVStoreStub | None = None
         self._lock = threading.Lock()  # one operation at a time per client
@@ -425,7 +431,9 @@ class Client(ClientBase):
                     elif isinstance(effect, (ops.Copy, ops.MapArena)):
                         effect.run()
                     else:
-                        result = self._call(getattr(stub, effect.method), effect, deadline)
+                        result = self._fast_call(effect, deadline)
+                        if result is None:
+                            result = self._call(getattr(stub, effect.method), effect, deadline)
                 except BaseException as exc:
                     effect = self._failed(plan, effect, exc)
                 else:
@@ -436,6 +444,18 @@ class Client(ClientBase):
             if not isinstance(exc, Exception):  # interrupted in the plan's own code: handles may be held
                 self._drop_session()
             raise
+
+    def _fast_call(self, effect: ops.Call, deadline: float) -> Any | None:
+        """The call over the session's fast path; None: it goes over gRPC (no session yet, the
+        fast path off, or a call it does not carry)."""
+        session = self._session
+        if not self.fast_path or session is None or session.fast is None or effect.method not in FAST_METHODS:
+            return None
+        try:
+            return session.fast.call(effect.method, effect.request, _remaining(deadline))
+        finally:
+            if session.fast.broken:  # an answer may still come: never use this session again
+                self._drop_session()
 
     def _call(self, method: Any, effect: ops.Call, deadline: float) -> Any:
         request, timeout = _bounded(effect, deadline)

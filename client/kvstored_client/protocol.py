@@ -33,6 +33,18 @@ log = logging.getLogger(__name__)
 MAX_PACKET = 64 << 10  # one session socket packet (SEQPACKET keeps message boundaries)
 MAX_FDS = 4  # file descriptors accepted with one packet (a reply carries at most one)
 
+# The fast path: these gRPC methods can also travel over the session socket, one packet each way
+# (the SessionRequest / SessionReply field of each). A daemon that serves them says so in Welcome.
+FAST_METHODS = {
+    "Lookup": "lookup",
+    "Reserve": "reserve",
+    "Commit": "commit",
+    "Acquire": "acquire",
+    "Release": "release",
+}
+REPLY_TOO_LARGE = "ReplyTooLarge"  # SessionError.kind: the answer did not fit a packet; ask over gRPC
+FAST_REPLY_MAX = 1 << 20  # the largest fast-path answer a daemon sends (clients receive into this much)
+
 # Reconnect quickly after a daemon restart instead of gRPC's default backoff (up to 120 s).
 CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 50),
@@ -63,6 +75,7 @@ class Welcome:
     pool_bytes: int
     page_bytes: int
     pool_fd: int
+    fast_path: bool = False  # the daemon serves FAST_METHODS on the session socket
 
 
 @dataclass(frozen=True)
@@ -127,7 +140,7 @@ class Handshake:
             _close_all(fds)
             raise Unavailable(f"unexpected session reply to Hello: {reply}")
         welcome = reply.welcome
-        self.welcome = Welcome(welcome.session_id, welcome.pool_bytes, welcome.page_bytes, fds[0])
+        self.welcome = Welcome(welcome.session_id, welcome.pool_bytes, welcome.page_bytes, fds[0], welcome.fast_path)
         return self.welcome
 
     def attached_from(self, data: bytes, fds: list[int]) -> RegionAttached:

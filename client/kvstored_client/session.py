@@ -23,6 +23,7 @@ import numpy as np
 
 from kvstored_client.buffers import ChunkCopier, PoolArrays
 from kvstored_client.errors import InvalidArgument, RegionFileMissing, Unavailable
+from kvstored_client.fast import FastLink
 from kvstored_client.paths import session_socket_path
 from kvstored_client.protocol import MAX_FDS, MAX_PACKET, Condition, Handshake, Packet, Reason
 
@@ -40,6 +41,7 @@ class PoolSession:
         self.session_id = welcome.session_id
         self.pool_bytes = welcome.pool_bytes
         self.page_bytes = welcome.page_bytes
+        self.fast = FastLink(sock) if welcome.fast_path else None  # None: the daemon has no fast path
         try:
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
             self._map = mmap.mmap(welcome.pool_fd, self.pool_bytes, flags=flags)
@@ -91,6 +93,8 @@ class PoolSession:
 
     def close(self) -> None:
         self.copier.close()
+        if self.fast is not None:
+            self.fast.close()
         self._sock.close()
         self.arrays.release()
         for mapped, arrays in [(self._map, self.arrays), *self._arenas.values()]:

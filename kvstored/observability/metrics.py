@@ -397,6 +397,13 @@ class DaemonMetrics:
             buckets=GRPC_BUCKETS,
             registry=self.registry,
         )
+        self.session_calls = Counter(
+            f"{PREFIX}_session_calls",
+            "KVStore calls that came over the session socket's fast path (also counted in the gRPC series)",
+            ["method", "code"],
+            registry=self.registry,
+        )
+        self._session_series: dict[tuple[str, str, str], tuple[Counter, Histogram, Counter]] = {}
         self.tier_op_seconds = Histogram(
             f"{PREFIX}_tier_operation_seconds",
             "secondary tier operation latency (lookup is one batched call)",
@@ -417,6 +424,22 @@ class DaemonMetrics:
             self.grpc_handled.labels(service.full_name, method.name, "OK")
             if not method.server_streaming:
                 self.grpc_seconds.labels(service.full_name, method.name, "OK")
+
+    def observe_session_call(self, service: str, method: str, code: str, seconds: float) -> None:
+        """Record one call answered over the session socket's fast path. It lands in the gRPC
+        series as well, under its method's name: rates, error alerts and latency panels cover a
+        method whichever transport carried it."""
+        series = self._session_series.get((service, method, code))
+        if series is None:  # labels() costs more than the rest of a fast call's bookkeeping: once
+            series = self._session_series[(service, method, code)] = (
+                self.grpc_handled.labels(service, method, code),
+                self.grpc_seconds.labels(service, method, code),
+                self.session_calls.labels(method, code),
+            )
+        handled, latency, calls = series
+        handled.inc()
+        latency.observe(seconds)
+        calls.inc()
 
     def observe_tier_op(self, tier: str, op: str, seconds: float) -> None:
         """Record one secondary-tier operation: `tier` is its configured name, `op` one of TIER_OPS.

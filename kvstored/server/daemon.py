@@ -48,6 +48,7 @@ from kvstored.observability.metrics import DaemonMetrics
 from kvstored.peer.control import SERVER_OPTIONS as PEER_KEEPALIVE_OPTIONS
 from kvstored.server.broker import SessionBroker
 from kvstored.server.errors import ErrorMappingInterceptor
+from kvstored.server.fast_path import FastPath
 from kvstored.server.namespace_records import NamespaceRecords
 from kvstored.server.peer_service import SERVICE_NAME as PEER_SERVICE_NAME
 from kvstored.server.peer_service import PeerService
@@ -256,18 +257,16 @@ class Daemon:
         self.server = grpc.aio.server(
             interceptors=[self.metrics.interceptor, ErrorMappingInterceptor()], options=PEER_KEEPALIVE_OPTIONS
         )
-        pb_grpc.add_KVStoreServicer_to_server(
-            KVStoreService(
-                self.chain,
-                self.broker,
-                self.namespaces,
-                cfg.max_batch_keys,
-                cfg.region_dirs,
-                self.tenancy,
-                self._peer_counts,
-            ),
-            self.server,
+        service = KVStoreService(
+            self.chain,
+            self.broker,
+            self.namespaces,
+            cfg.max_batch_keys,
+            cfg.region_dirs,
+            self.tenancy,
+            self._peer_counts,
         )
+        pb_grpc.add_KVStoreServicer_to_server(service, self.server)
         pb_grpc.add_PeerServicer_to_server(
             PeerService(self.peer_serving, self.peer_tier, self.chain.events), self.server
         )
@@ -291,7 +290,13 @@ class Daemon:
         os.chmod(cfg.socket, cfg.socket_mode)
 
         self.session_server = SessionSocketServer(
-            cfg.session_socket, cfg.socket_mode, self.broker, self.pool, self.chain.page_bytes, self.tenancy
+            cfg.session_socket,
+            cfg.socket_mode,
+            self.broker,
+            self.pool,
+            self.chain.page_bytes,
+            self.tenancy,
+            FastPath(service, self.broker, self.metrics.observe_session_call),
         )
         await self.session_server.start()
         for name in ("", SERVICE_NAME):

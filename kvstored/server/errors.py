@@ -67,13 +67,28 @@ def bounded(text: str, limit: int = MAX_DETAILS_BYTES) -> str:
     return data[: limit - 3].decode(errors="ignore") + "..."
 
 
-async def abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: str) -> None:
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """What a client is told about a failed call, whichever transport carried it."""
+
+    code: grpc.StatusCode
+    message: str
+    kind: str  # the error's class name (ERROR_KIND_KEY)
+
+
+def failure_for(exc: Exception, method: str) -> Failure:
+    """A handler's exception as the client sees it: a KvstoredError -> its status and message;
+    anything else -> INTERNAL, logged (the message does not leak internals)."""
     if isinstance(exc, errors.KvstoredError):
-        context.set_trailing_metadata(((ERROR_KIND_KEY, type(exc).__name__),))
-        await context.abort(status_for(exc), bounded(str(exc)))
+        return Failure(status_for(exc), bounded(str(exc)), type(exc).__name__)
     limited.log(f"internal {method}", logging.ERROR, "internal error in %s", method, exc_info=exc)
-    context.set_trailing_metadata(((ERROR_KIND_KEY, "InternalError"),))
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see daemon log")
+    return Failure(grpc.StatusCode.INTERNAL, f"internal error in {method}; see daemon log", "InternalError")
+
+
+async def abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: str) -> None:
+    failure = failure_for(exc, method)
+    context.set_trailing_metadata(((ERROR_KIND_KEY, failure.kind),))
+    await context.abort(failure.code, failure.message)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,9 @@ the daemon a region file it may not be able to open by path (vLLM's region is mo
 another user). One packet is one protobuf message; fds ride
 along as SCM_RIGHTS. The connection *is* the session: when it closes, for any reason, the
 session's leases, reservations and regions are given back.
+
+The data path's hot calls also travel here (fast_path.py): they are answered by tasks of the
+connection, so that the connection closing is noticed (and the session ended) while one waits.
 """
 
 from __future__ import annotations
@@ -17,34 +20,69 @@ import contextlib
 import logging
 import os
 import socket
+from collections.abc import Awaitable
 from pathlib import Path
 
 from kvstored.errors import KvstoredError
 from kvstored.server.broker import SessionBroker
 from kvstored.server.errors import status_for
+from kvstored.server.fast_path import KINDS as FAST_KINDS
+from kvstored.server.fast_path import NEVER_WAIT, FastPath
+from kvstored.server.sessions import Session
 from kvstored.server.tenants import Tenancy
 from kvstored.shm.mapping import SharedPool
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from kvstored_client.protocol import FAST_REPLY_MAX
 
 log = logging.getLogger(__name__)
 
 MAX_PACKET = 64 << 10
 ACCEPT_RETRY_S = 0.1
+SEND_BUFFER = 1 << 20  # asked for, so that large fast-path answers fit a packet (the kernel caps it)
+MAX_IN_FLIGHT = 64  # fast-path requests answered at once per connection; more wait to be read
 
 
-async def _recv_with_fds(sock: socket.socket) -> tuple[bytes, list[int]]:
-    loop = asyncio.get_running_loop()
-    while True:
-        try:
-            data, fds, _flags, _addr = socket.recv_fds(sock, MAX_PACKET, 4)
-            return data, fds
-        except BlockingIOError:
-            ready = loop.create_future()
-            loop.add_reader(sock.fileno(), ready.set_result, None)
+_MSG_TRUNC = int(socket.MSG_TRUNC)  # (an IntFlag: `&` on it costs microseconds a packet)
+
+
+class _Packets:
+    """A connection's incoming packets. Its fd stays watched while packets keep coming, instead
+    of being watched anew for each one (two epoll_ctl calls a packet, on the fast path's clock)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._waiter: asyncio.Future | None = None
+        self._watching = False
+
+    async def next(self) -> tuple[bytes, list[int], bool]:
+        """The next packet, its fds, and whether it was cut to MAX_PACKET (SEQPACKET truncates)."""
+        while True:
             try:
-                await ready
+                data, fds, flags, _addr = socket.recv_fds(self._sock, MAX_PACKET, 4)
+                return data, fds, bool(flags & _MSG_TRUNC)
+            except BlockingIOError:
+                pass
+            if not self._watching:
+                self._loop.add_reader(self._sock.fileno(), self._readable)
+                self._watching = True
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
             finally:
-                loop.remove_reader(sock.fileno())
+                self._waiter = None
+
+    def _readable(self) -> None:
+        if self._waiter is not None:
+            if not self._waiter.done():
+                self._waiter.set_result(None)
+        else:  # nobody reads now: stop watching (a readable fd would call this every iteration)
+            self.close()
+
+    def close(self) -> None:
+        if self._watching:
+            self._loop.remove_reader(self._sock.fileno())
+            self._watching = False
 
 
 def _send(sock: socket.socket, reply: pb.SessionReply, fds: list[int] | None = None) -> None:
@@ -54,8 +92,16 @@ def _send(sock: socket.socket, reply: pb.SessionReply, fds: list[int] | None = N
 
 class SessionSocketServer:
     def __init__(
-        self, path: Path, mode: int, broker: SessionBroker, pool: SharedPool, page_bytes: int, tenancy: Tenancy
+        self,
+        path: Path,
+        mode: int,
+        broker: SessionBroker,
+        pool: SharedPool,
+        page_bytes: int,
+        tenancy: Tenancy,
+        fast: FastPath | None = None,
     ) -> None:
+        self._fast = fast  # None: the fast path is refused (clients fall back to gRPC)
         self._path = path
         self._mode = mode
         self._broker = broker
@@ -108,17 +154,35 @@ class SessionSocketServer:
 
     async def _serve(self, conn: socket.socket) -> None:
         session = None
+        packets = _Packets(conn)
+        in_flight: set[asyncio.Task] = set()
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+        # The largest answer a packet can carry here (less the kernel's per-packet overhead).
+        limit = min(conn.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) - 1024, FAST_REPLY_MAX)
         try:
             while True:
-                data, fds = await _recv_with_fds(conn)
+                if len(in_flight) >= MAX_IN_FLIGHT:
+                    await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                data, fds, truncated = await packets.next()
                 if not data:  # the peer closed (clients never send an empty message): the session ends
                     for fd in fds:  # a zero-length packet may still carry fds
                         os.close(fd)
                     return
                 try:
+                    if truncated:
+                        _send_error(conn, "INVALID_ARGUMENT", f"session message exceeds {MAX_PACKET} bytes")
+                        continue
                     request = pb.SessionRequest.FromString(data)
                     kind = request.WhichOneof("kind")
-                    if kind == "hello" and session is None:
+                    if kind in FAST_KINDS and session is not None and self._fast is not None:
+                        answer = self._fast.answer(session, request, kind, limit)
+                        if kind in NEVER_WAIT:
+                            await _reply(conn, session, answer)
+                        else:  # may wait (room, a promotion): the connection keeps being read meanwhile
+                            task = asyncio.create_task(_reply(conn, session, answer), name=kind)
+                            in_flight.add(task)
+                            task.add_done_callback(in_flight.discard)
+                    elif kind == "hello" and session is None:
                         hello = request.hello
                         session = self._broker.open(hello.client_name, hello.arenas, hello.pins_pool)
                         log.info("session %s opened by %r", session.session_id[:8], session.client_name)
@@ -126,6 +190,7 @@ class SessionSocketServer:
                             session_id=session.session_id,
                             pool_bytes=self._pool.size,
                             page_bytes=self._page_bytes,
+                            fast_path=self._fast is not None,
                         )
                         _send(conn, pb.SessionReply(welcome=welcome), [self._pool.fd])
                     elif kind == "attach_region" and session is not None:
@@ -152,10 +217,23 @@ class SessionSocketServer:
         except (ConnectionError, OSError) as exc:
             log.debug("session connection error: %s", exc)
         finally:
+            # Requests still waiting are cut short, as gRPC cancels a call whose client went away.
+            for task in in_flight:
+                task.cancel()
+            await asyncio.gather(*in_flight, return_exceptions=True)
+            packets.close()
             conn.close()
             if session is not None:
                 self._broker.close_session(session)
                 log.info("session %s closed", session.session_id[:8])
+
+
+async def _reply(conn: socket.socket, session: Session, answer: Awaitable[bytes]) -> None:
+    reply = await answer
+    try:
+        await asyncio.get_running_loop().sock_sendall(conn, reply)
+    except OSError as exc:  # the client went away: the session ends with its connection
+        log.debug("session %s: cannot send a fast-path answer: %s", session.session_id[:8], exc)
 
 
 def _send_error(conn: socket.socket, code: str, message: str) -> None:

@@ -1,0 +1,138 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
+"""Per-call latency with the fast path (calls over the session socket) against gRPC, in one run.
+
+Two sync Clients on one daemon, one with fast_path=True, one with fast_path=False, interleaved
+call by call: a 1-chunk store and load, a 1- and a 256-key lookup, and an empty gRPC round trip
+(the health check) as the floor gRPC sets. Every loaded chunk is checked. Prints p50/p99 per
+call and the ratio gRPC / fast path.
+
+    python -m bench.fast_path [--iters 2000] [--chunk-mib 2] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from bench.lib.buffers import populate
+from bench.lib.daemons import Daemon
+from bench.lib.report import percentile, print_aligned, write_json
+
+LOOKUP_KEYS = 256
+STORE_KEYS = 16  # distinct keys the 1-chunk stores cycle through (each deleted before it is stored again)
+
+
+def measure(socket: str, chunk: int, iters: int, warmup: int) -> dict[str, dict[str, float]]:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvstored_client import Client, NamespaceSpec
+
+    spec = NamespaceSpec(model="bench-fast-path", dtype="uint8", chunk_bytes=chunk)
+    fast = Client(socket, deadline_s=30.0, client_name="bench-fast", fast_path=True)
+    grpc_ = Client(socket, deadline_s=30.0, client_name="bench-grpc", fast_path=False)
+    src = np.full(chunk, 7, dtype=np.uint8)  # (written whole: no first-touch faults in the timed calls)
+    out = populate(np.zeros(chunk, dtype=np.uint8))
+    with fast, grpc_:
+        ns = fast.register_namespace(spec)
+        grpc_.register_namespace(spec)
+        lookup_keys = [b"L%031d" % i for i in range(LOOKUP_KEYS)]
+        if fast.store(ns, lookup_keys, [src] * LOOKUP_KEYS).dropped:
+            raise RuntimeError("could not store the lookup keys")
+        grpc_.lookup(ns, lookup_keys[:1])  # opens grpc_'s channel
+        health = health_pb2_grpc.HealthStub(grpc_._get_channel())
+        check = health_pb2.HealthCheckRequest()
+        counter = iter(range(1 << 62))
+
+        # Each kind runs one call and returns the seconds it took (set-up around it untimed).
+        def store(kv: Client) -> Callable[[], float]:
+            def run() -> float:
+                key = b"S%031d" % (next(counter) % STORE_KEYS)
+                kv.delete(ns, [key])  # so that every store copies
+                t0 = time.perf_counter()
+                r = kv.store(ns, [key], src)
+                elapsed = time.perf_counter() - t0
+                if r.stored != 1:
+                    raise RuntimeError(f"a 1-chunk store did not store: {r}")
+                return elapsed
+
+            return run
+
+        def load(kv: Client) -> Callable[[], float]:
+            def run() -> float:
+                out[:8] = 0
+                t0 = time.perf_counter()
+                loaded = kv.load(ns, lookup_keys[:1], out)
+                elapsed = time.perf_counter() - t0
+                if loaded != 1 or not (out == 7).all():
+                    raise RuntimeError("a 1-chunk load did not load the stored bytes")
+                return elapsed
+
+            return run
+
+        def lookup(kv: Client, n: int) -> Callable[[], float]:
+            def run() -> float:
+                t0 = time.perf_counter()
+                hits = kv.lookup(ns, lookup_keys[:n]).prefix_hits
+                elapsed = time.perf_counter() - t0
+                if hits != n:
+                    raise RuntimeError(f"a lookup of {n} cached keys missed")
+                return elapsed
+
+            return run
+
+        def empty() -> float:
+            t0 = time.perf_counter()
+            health.Check(check, timeout=5.0)
+            return time.perf_counter() - t0
+
+        kinds: dict[str, Callable[[], float]] = {"empty gRPC round trip": empty}
+        for label, kv in (("fast", fast), ("gRPC", grpc_)):
+            kinds[f"store 1 chunk ({label})"] = store(kv)
+            kinds[f"load 1 chunk ({label})"] = load(kv)
+            kinds[f"lookup 1 key ({label})"] = lookup(kv, 1)
+            kinds[f"lookup {LOOKUP_KEYS} keys ({label})"] = lookup(kv, LOOKUP_KEYS)
+        names = list(kinds)
+        samples: dict[str, list[float]] = {k: [] for k in names}
+        for i in range(warmup + iters):
+            for j in range(len(names)):  # rotated, so no kind always follows the same one
+                name = names[(i + j) % len(names)]
+                elapsed = kinds[name]()
+                if i >= warmup:
+                    samples[name].append(elapsed * 1e3)
+        fast.delete(ns, lookup_keys)
+    return {k: {"p50_ms": percentile(v, 50), "p99_ms": percentile(v, 99), "n": len(v)} for k, v in samples.items()}
+
+
+def report(results: dict[str, dict[str, float]]) -> None:
+    table = [["call", "p50 ms", "p99 ms", "gRPC / fast (p50)"]]
+    for name, r in results.items():
+        ratio = ""
+        if name.endswith("(fast)"):
+            other = results[name.replace("(fast)", "(gRPC)")]
+            ratio = f"{other['p50_ms'] / r['p50_ms']:.2f}x"
+        table.append([name, f"{r['p50_ms']:.3f}", f"{r['p99_ms']:.3f}", ratio])
+    print_aligned(table, right={1, 2, 3})
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.fast_path", description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=2000, help="timed calls of each kind (default 2000)")
+    ap.add_argument("--warmup", type=int, default=50, help="untimed calls of each kind first (default 50)")
+    ap.add_argument("--chunk-mib", type=float, default=2.0, help="chunk size in MiB (default 2)")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    args = ap.parse_args(argv)
+    chunk = int(args.chunk_mib * (1 << 20))
+    with Daemon(cpu_bytes=max(1 << 30, 2 * (LOOKUP_KEYS + STORE_KEYS) * chunk)) as daemon:  # room: no eviction
+        results = measure(str(daemon.socket), chunk, args.iters, args.warmup)
+    report(results)
+    if args.json:
+        write_json(args.json, results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

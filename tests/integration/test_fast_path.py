@@ -1,0 +1,273 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
+"""The fast path (Lookup, Reserve, Commit, Acquire, Release over the session socket) on a real
+daemon: it carries the sync client's data path, answers and fails exactly as gRPC does, serves
+only the connection's own session, holds deadlines, survives restarts, frees what a killed
+client held, and hands what does not fit a packet to gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import urllib.request
+from collections import Counter
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvstored_client import LookupResult, StoreResult, Tier
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from kvstored_client.errors import KvstoredError, from_rpc_error
+from kvstored_client.fast import ENV, fast_path_default
+from kvstored_client.protocol import MAX_PACKET
+from tests.support.data import make_keys, payloads
+from tests.support.rpc import raw
+from tests.support.wait import wait_for
+
+CHUNK = 64 << 10
+METRICS_PORT_0 = ["--metrics-addr", "127.0.0.1:0"]
+FAST = ("Lookup", "Reserve", "Commit", "Acquire", "Release")
+
+
+def calls(daemon) -> tuple[Counter, Counter]:
+    """(KVStore calls by method in the gRPC series, fast-path calls by method), code OK."""
+    port = next(line for line in daemon.log.splitlines() if "metrics on http://" in line).rsplit(":", 1)[1]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port.split('/')[0]}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    handled: Counter[str] = Counter()
+    fast: Counter[str] = Counter()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.labels.get("code") != "OK":
+                continue
+            if s.name == "kvstored_grpc_server_handled_total" and s.labels["service"] == "kvstored.v1.KVStore":
+                handled[s.labels["method"]] += int(s.value)
+            elif s.name == "kvstored_session_calls_total":
+                fast[s.labels["method"]] += int(s.value)
+    return handled, fast
+
+
+def test_the_data_path_goes_over_the_session_socket_and_is_counted(daemon_factory, ns_name):
+    d = daemon_factory(METRICS_PORT_0)
+    keys = make_keys(ns_name, 4)
+    data = payloads(keys, CHUNK)
+    with d.client(fast_path=True) as c:
+        ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
+        assert c.store(ns, keys, data) == StoreResult(stored=4)
+        assert c.lookup(ns, keys).tiers == [Tier.RAM] * 4
+        out = np.zeros_like(data)
+        assert c.load(ns, keys, out) == 4
+        np.testing.assert_array_equal(out, data)
+        handled, fast = calls(d)
+        assert {m: fast[m] for m in FAST} == dict.fromkeys(FAST, 1)
+        assert {m: handled[m] for m in FAST} == dict.fromkeys(FAST, 1)  # the gRPC series count them too
+
+        # A lookup too large for one packet goes over gRPC, with the same answer.
+        many = keys + make_keys(f"{ns_name}/absent", 3000)
+        assert len(pb.LookupRequest(namespace_id=ns.namespace_id, keys=many).SerializeToString()) > MAX_PACKET
+        assert c.lookup(ns, many) == LookupResult(4, [Tier.RAM] * 4 + [Tier.NONE] * 3000)
+        handled, fast = calls(d)
+        assert (handled["Lookup"], fast["Lookup"]) == (2, 1)
+
+    with d.client(fast_path=False) as c:  # the switch: everything over gRPC
+        ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
+        assert c.lookup(ns, keys).prefix_hits == 4
+        assert c.load(ns, keys, np.zeros_like(data)) == 4
+        handled, fast = calls(d)
+        assert {m: fast[m] for m in FAST} == {"Lookup": 1, "Reserve": 1, "Commit": 1, "Acquire": 1, "Release": 1}
+        assert (handled["Lookup"], handled["Acquire"], handled["Release"]) == (3, 2, 2)
+
+
+def _failure(fn) -> KvstoredError:
+    try:
+        result = fn()
+    except KvstoredError as exc:
+        return exc
+    raise AssertionError(f"expected an error, got {result!r}")
+
+
+def test_both_transports_give_the_same_answers_and_the_same_errors(daemon_factory, ns_name):
+    d = daemon_factory(["--max-batch-keys", "8"])
+    with raw(d.socket) as conn:
+        assert conn.session is not None and conn.session.fast is not None
+        ns_id = conn.register(ns_name, CHUNK, key_bytes=32)
+        keys = make_keys(ns_name, 2)
+        sid = conn.session_id
+        requests = {
+            "a lookup": ("Lookup", pb.LookupRequest(namespace_id=ns_id, keys=keys, session_id=sid)),
+            "an unknown namespace": ("Lookup", pb.LookupRequest(namespace_id="nope", keys=keys, session_id=sid)),
+            "a short key": ("Lookup", pb.LookupRequest(namespace_id=ns_id, keys=[b"short"], session_id=sid)),
+            "a bad load_into": ("Lookup", pb.LookupRequest(namespace_id=ns_id, keys=keys, load_into=77)),
+            "too many keys": ("Acquire", pb.AcquireRequest(namespace_id=ns_id, keys=keys * 5, session_id=sid)),
+            "an unknown handle": ("Release", pb.ReleaseRequest(handles=[12345], session_id=sid)),
+            "a handle twice": ("Commit", pb.CommitRequest(handles=[7, 7], session_id=sid)),
+            "nothing reserved": ("Acquire", pb.AcquireRequest(namespace_id=ns_id, keys=keys, session_id=sid)),
+        }
+        for what, (method, request) in requests.items():
+            try:
+                expected = ("answer", conn.call(method, request))
+            except Exception as exc:  # noqa: BLE001 - a grpc.RpcError
+                error = from_rpc_error(exc)
+                expected = ("error", (type(error), str(error)))
+            try:
+                got = ("answer", conn.session.fast.call(method, request, 10.0))
+            except KvstoredError as exc:
+                got = ("error", (type(exc), str(exc)))
+            assert got == expected, what
+        assert conn.stats().leases == conn.stats().reservations == 0
+
+
+def test_a_fast_call_serves_only_the_connections_own_session(daemon, ns_name):
+    """Over gRPC a session id is a bearer secret; on the session socket the connection is the
+    session: naming another session's id there reads nothing of that session's tenant."""
+    keys = make_keys(ns_name, 2)
+    with daemon.client() as owner, raw(daemon.socket) as other:
+        ns = owner.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK, tenant_salt=b"secret")
+        assert owner.store(ns, keys, payloads(keys, CHUNK)).stored == 2
+        assert owner._session is not None and other.session is not None and other.session.fast is not None
+        owners = owner._session.session_id
+        lookup = pb.LookupRequest(namespace_id=ns.namespace_id, keys=keys, session_id=owners)
+        assert other.call("Lookup", lookup).prefix_hits == 2  # gRPC believes the id it is given
+        assert other.session.fast.call("Lookup", lookup, 10.0).prefix_hits == 0
+        acquire = pb.AcquireRequest(namespace_id=ns.namespace_id, keys=keys, session_id=owners)
+        assert list(other.session.fast.call("Acquire", acquire, 10.0).leases) == []
+        assert owner.lookup(ns, keys).prefix_hits == 2
+
+
+def test_the_first_call_after_a_restart_works(daemon, ns_name):
+    keys = make_keys(ns_name, 2)
+    data = payloads(keys, CHUNK)
+    with daemon.client() as c:
+        ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
+        assert c.store(ns, keys[:1], data[:1]).stored == 1
+        daemon.stop()
+        daemon.start()
+        # The old session's socket is closed: seen as a restart, set up again, sent once more.
+        assert c.store(ns, keys, data) == StoreResult(stored=2)
+        out = np.zeros_like(data)
+        assert c.load(ns, keys, out) == 2
+        np.testing.assert_array_equal(out, data)
+        assert daemon.stats().sessions == 1
+
+
+def test_a_stopped_daemon_costs_a_deadline_then_a_new_session(daemon, ns_name):
+    keys = make_keys(ns_name, 2)
+    data = payloads(keys, CHUNK)
+    with daemon.client(deadline_s=0.5) as c:
+        ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
+        assert c.store(ns, keys, data).stored == 2
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            assert c.lookup(ns, keys) == LookupResult.miss(2)  # no answer within the deadline: a miss
+            assert c.load(ns, keys, np.zeros_like(data)) == 0
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        c.deadline_s = 10.0
+        out = np.zeros_like(data)
+        assert c.load(ns, keys, out) == 2  # late answers went with the old session
+        np.testing.assert_array_equal(out, data)
+        assert wait_for(lambda: daemon.stats().sessions == 1 and daemon.stats().leases == 0), daemon.stats()
+
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+    from kvstored_client.session import PoolSession
+    session = PoolSession.open(sys.argv[1], "holder", 10.0)
+    keys = [bytes.fromhex(k) for k in sys.argv[3:]]
+    leases = session.fast.call("Acquire", pb.AcquireRequest(namespace_id=sys.argv[2], keys=keys), 10.0).leases
+    print(len(leases), flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_a_killed_client_gives_back_its_fast_path_leases(daemon, ns_name):
+    keys = make_keys(ns_name, 3)
+    with daemon.client() as c:
+        ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
+        assert c.store(ns, keys, payloads(keys, CHUNK)).stored == 3
+    argv = [sys.executable, "-c", HOLDER, str(daemon.socket), ns.namespace_id, *(k.hex() for k in keys)]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) as holder:
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "3"
+            assert daemon.stats().leases == 3
+        finally:
+            holder.kill()
+    assert wait_for(lambda: daemon.stats().leases == 0 and daemon.stats().sessions == 0), daemon.stats()
+
+
+def _exchange(sock: socket.socket, request: pb.SessionRequest | bytes) -> pb.SessionReply:
+    sock.send(request if isinstance(request, bytes) else request.SerializeToString())
+    data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 4)
+    for fd in fds:
+        os.close(fd)
+    return pb.SessionReply.FromString(data)
+
+
+def test_session_socket_refuses_fast_calls_before_hello_and_oversized_packets(daemon, ns_name):
+    lookup = pb.SessionRequest(lookup=pb.LookupRequest(namespace_id="x", keys=[b"k" * 32]))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.settimeout(10)
+        s.connect(str(daemon.session_socket))
+        assert _exchange(s, lookup).error.code == "FAILED_PRECONDITION"  # no session yet
+        welcome = _exchange(s, pb.SessionRequest(hello=pb.Hello(client_name="probe")))
+        assert welcome.welcome.fast_path
+        reply = _exchange(s, lookup)
+        assert (reply.error.code, reply.error.kind) == ("NOT_FOUND", "UnknownNamespace")
+        # Cut to the daemon's packet size, it could parse as a shorter request: refused whole.
+        big = pb.SessionRequest(lookup=pb.LookupRequest(namespace_id="x", keys=[b"k" * 32] * 3000))
+        reply = _exchange(s, big)
+        assert reply.error.code == "INVALID_ARGUMENT" and "exceeds" in reply.error.message
+        assert _exchange(s, lookup).error.kind == "UnknownNamespace"  # the session still serves
+
+
+@pytest.mark.parametrize(("value", "expected"), [("", True), ("1", True), ("on", True), ("0", False), ("off", False)])
+def test_the_environment_switch(monkeypatch, value, expected):
+    monkeypatch.setenv(ENV, value)
+    assert fast_path_default() is expected
+
+
+def test_a_bad_switch_value_is_named(monkeypatch):
+    monkeypatch.setenv(ENV, "maybe")
+    with pytest.raises(ValueError, match=f"{ENV}='maybe'"):
+        fast_path_default()
+
+
+async def test_the_async_client_takes_the_fast_path_too(daemon_factory, ns_name):
+    d = daemon_factory(METRICS_PORT_0)
+    keys = make_keys(ns_name, 3)
+    data = payloads(keys, CHUNK)
+    async with d.async_client(fast_path=True) as c:
+        ns = await c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
+        assert await c.store(ns, keys, data) == StoreResult(stored=3)
+        assert (await c.lookup(ns, keys)).tiers == [Tier.RAM] * 3
+        out = np.zeros_like(data)
+        assert await c.load(ns, keys, out) == 3
+        np.testing.assert_array_equal(out, data)
+        _, fast = calls(d)
+        assert {m: fast[m] for m in FAST} == dict.fromkeys(FAST, 1)
+        with pytest.raises(KvstoredError, match="not held"):  # a daemon error comes through, mapped
+            session = c._session
+            assert session is not None and session.fast is not None
+            await session.fast.call_async("Release", pb.ReleaseRequest(handles=[5]), 10.0)
+        # Cancelled while the daemon cannot answer: the session goes, with whatever it held.
+        os.kill(d.pid, signal.SIGSTOP)
+        try:
+            task = asyncio.create_task(c.load(ns, keys, out))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+        assert await c.load(ns, keys, out) == 3  # a new session
+        np.testing.assert_array_equal(out, data)
+    assert wait_for(lambda: d.stats().sessions == 0 and d.stats().leases == 0), d.stats()
