@@ -15,6 +15,7 @@ from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from tests.support.daemon import short_tmpdir
 from tests.support.data import make_keys, payloads
+from tests.support.rpc import raw, rpc_error
 from tests.support.wait import wait_for
 from tests.support.zmq_events import free_port, prompt_identities, replay
 
@@ -284,3 +285,23 @@ def test_watch_from_a_seq_no_longer_buffered_ends_out_of_range(daemon_factory, n
         events = _collect(stub, from_seq=5, count=4)  # the oldest still buffered: nothing lost
     assert [e.seq for e in events] == [5, 6, 7, 8]
     assert [k for e in events for k in e.keys] == keys[4:]
+
+
+def test_a_store_with_a_malformed_block_identity_is_refused_and_stores_nothing(daemon_factory, ns_name):
+    d = daemon_factory(["--events-zmq-endpoint", f"tcp://127.0.0.1:{free_port()}"])
+    keys = make_keys("bad-identity", 2)
+    _, identities = prompt_identities("bad-identity", 2)
+    bad = identities[0].to_pb()
+    del bad.token_ids[-1]  # one token short of block_size x blocks
+    with raw(d.socket) as conn:
+        ns_id = conn.register(ns_name, CHUNK)
+        for blocks, problem in (([bad, identities[1].to_pb()], "token_ids"), ([bad], "one per key")):
+            request = pb.ReserveRequest(session_id=conn.session_id, namespace_id=ns_id, keys=keys, blocks=blocks)
+            err = rpc_error(conn.call, "Reserve", request)
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert problem in err.details()
+    with d.client() as kv:
+        ns = kv.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
+        assert ns.namespace_id == ns_id
+        assert kv.lookup(ns, keys).prefix_hits == 0
+        assert kv.store(ns, keys, payloads(keys, CHUNK), blocks=identities).stored == 2  # still serving
