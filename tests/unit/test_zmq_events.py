@@ -234,7 +234,7 @@ def _replay(port: int, start: int) -> list[tuple[int, list]]:
         sock.RCVTIMEO = RECV_GUARD_MS
         sock.connect(f"tcp://127.0.0.1:{port}")
         sock.send_multipart([b"", start.to_bytes(8, "big")])
-        out = []
+        out: list[tuple[int, list]] = []
         while True:
             _, _, seq, payload = sock.recv_multipart()
             if seq == END_SEQ:
