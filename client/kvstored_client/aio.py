@@ -89,7 +89,7 @@ class AsyncClient(ClientBase):
         )
 
     async def store(
-        self, ns: Namespace, keys: Sequence[bytes], data: Any, blocks: Sequence[BlockIdentity] | None = None
+        self, ns: Namespace, keys: Sequence[bytes], data: Any, blocks: Sequence[BlockIdentity | None] | None = None
     ) -> StoreResult:
         return await self._run(
             lambda s: ops.store(in_session(s), ns, keys, data, blocks), StoreResult.all_dropped(len(keys)), session=True
@@ -115,7 +115,7 @@ class AsyncClient(ClientBase):
         region: Region,
         keys: Sequence[bytes],
         offsets: Sequence[int],
-        blocks: Sequence[BlockIdentity] | None = None,
+        blocks: Sequence[BlockIdentity | None] | None = None,
     ) -> StoreResult:
         return await self._run(
             lambda s: ops.store_from_region(in_session(s), ns, region, keys, offsets, blocks),

@@ -79,9 +79,10 @@ def chunk_identities(
     return out
 
 
-def to_pb(blocks: Sequence[BlockIdentity] | None, keys: int) -> list[pb.BlockIdentity]:
-    if not blocks:
+def to_pb(blocks: Sequence[BlockIdentity | None] | None, keys: int) -> list[pb.BlockIdentity]:
+    """The request's identities: none at all, or one per key (None: this key has none)."""
+    if not blocks or all(b is None for b in blocks):
         return []
     if len(blocks) != keys:
         raise ValueError(f"blocks must be one per key: {len(blocks)} identities for {keys} keys")
-    return [b.to_pb() for b in blocks]
+    return [b.to_pb() if b is not None else pb.BlockIdentity() for b in blocks]

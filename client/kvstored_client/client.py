@@ -334,7 +334,7 @@ class Client(ClientBase):
         return self._run(lambda s: ops.lookup(ns, keys, s, load_into), LookupResult.miss(len(keys)), session=ns.private)
 
     def store(
-        self, ns: Namespace, keys: Sequence[bytes], data: Any, blocks: Sequence[BlockIdentity] | None = None
+        self, ns: Namespace, keys: Sequence[bytes], data: Any, blocks: Sequence[BlockIdentity | None] | None = None
     ) -> StoreResult:
         """Copy chunks into the daemon's pool. `data`: one buffer of len(keys) chunks, or a list."""
         return self._run(
@@ -363,7 +363,7 @@ class Client(ClientBase):
         region: Region,
         keys: Sequence[bytes],
         offsets: Sequence[int],
-        blocks: Sequence[BlockIdentity] | None = None,
+        blocks: Sequence[BlockIdentity | None] | None = None,
     ) -> StoreResult:
         return self._run(
             lambda s: ops.store_from_region(in_session(s), ns, region, keys, offsets, blocks),

@@ -208,7 +208,11 @@ def lookup(
 
 
 def store(
-    session: PoolSession, ns: Namespace, keys: Sequence[bytes], data: Any, blocks: Sequence[BlockIdentity] | None = None
+    session: PoolSession,
+    ns: Namespace,
+    keys: Sequence[bytes],
+    data: Any,
+    blocks: Sequence[BlockIdentity | None] | None = None,
 ) -> Op:
     views = chunk_views(data, len(keys), ns.chunk_bytes, writable=False)
     identities = blocks_pb(blocks, len(keys))
@@ -283,7 +287,7 @@ def store_from_region(
     region: Region,
     keys: Sequence[bytes],
     offsets: Sequence[int],
-    blocks: Sequence[BlockIdentity] | None = None,
+    blocks: Sequence[BlockIdentity | None] | None = None,
 ) -> Op:
     _usable(region)
     identities = blocks_pb(blocks, len(keys))

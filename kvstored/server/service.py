@@ -70,14 +70,18 @@ def _region_path(path: str) -> str:
 MAX_IDENTITY_TOKENS = 1 << 16
 
 
-def _identities(blocks: Sequence[pb.BlockIdentity], keys: int) -> list[BlockIdentity] | None:
-    """The request's block identities (one per key), checked; None when it sends none."""
+def _identities(blocks: Sequence[pb.BlockIdentity], keys: int) -> list[BlockIdentity | None] | None:
+    """The request's block identities (one per key; None for a key sent with an empty one),
+    checked; None when it sends none."""
     if not blocks:
         return None
     if len(blocks) != keys:
         raise InvalidRequest(f"blocks must be empty or one per key: {len(blocks)} block identities for {keys} keys")
-    out = []
+    out: list[BlockIdentity | None] = []
     for i, b in enumerate(blocks):
+        if not b.block_hashes and not b.token_ids:
+            out.append(None)
+            continue
         if len(b.token_ids) > MAX_IDENTITY_TOKENS:
             raise InvalidRequest(
                 f"block identity {i}: {len(b.token_ids)} token_ids exceed the limit of {MAX_IDENTITY_TOKENS}"
@@ -161,7 +165,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         identities = _identities(blocks, len(keys))
         if identities is not None and self._identities is not None:
             for key, identity in zip(keys, identities):
-                self._identities.offer(ns.namespace_id, key, identity)
+                if identity is not None:
+                    self._identities.offer(ns.namespace_id, key, identity)
 
     def _check_handles(self, handles: Sequence[int]) -> None:
         if len(handles) > self._max_keys:

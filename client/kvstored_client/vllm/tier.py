@@ -60,8 +60,10 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from kvstored_client.blocks import to_pb as blocks_pb
 from kvstored_client.paths import default_socket_path
 from kvstored_client.vllm.driver import DaemonLink, LinkOptions, LinkState, Outcome, outcome
+from kvstored_client.vllm.identity import IdentitySource
 from kvstored_client.vllm.lookups import LookupBatcher
 from kvstored_client.vllm.namespace import (
     SHA256_OFFLOAD_KEY_BYTES,
@@ -170,6 +172,7 @@ class KvstoredTierManager(SecondaryTierManager):
         self._rpc_chunks = max(1, min(int(transfer_chunks_per_rpc), self._max_batch_keys))
         self._layout = layout_info(offloading_spec, TIER_ROW_FORMAT, parallel_agnostic=True)
 
+        self._identities: IdentitySource | None = None  # see use_identities
         self.events: list[OffloadingEvent] | None = None
         if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events:
             self.events = []
@@ -217,6 +220,11 @@ class KvstoredTierManager(SecondaryTierManager):
     def connected(self) -> bool:
         """Whether the session with the daemon is up (as of the last poll)."""
         return self._link.ready
+
+    def use_identities(self, source: IdentitySource) -> None:
+        """Send each stored chunk's block identity (from vLLM's events tracker, see
+        identity.py) with the store, so the daemon's KV events name its engine blocks."""
+        self._identities = source
 
     # -- vLLM API: lookups --------------------------------------------------------------------
 
@@ -502,12 +510,17 @@ class KvstoredTierManager(SecondaryTierManager):
         transfer.started_at = now
         for start in range(0, len(transfer.keys), self._rpc_chunks):
             end = start + self._rpc_chunks
+            keys = transfer.keys[start:end]
+            blocks = []
+            if self._identities is not None and not transfer.is_load:
+                blocks = blocks_pb([self._identities(k) for k in keys], len(keys))
             request = pb.RegionTransferRequest(
                 session_id=self._link.session_id,
                 namespace_id=transfer.namespace_id,
                 region_id=self._link.region_id,
-                keys=transfer.keys[start:end],
+                keys=keys,
                 offsets=transfer.offsets[start:end],
+                blocks=blocks,
             )
             # No deadline: see the module docstring (a started transfer ends when the daemon answers or dies).
             transfer.futures.append((self._link.call(method, request), start))
@@ -542,6 +555,9 @@ class KvstoredTierManager(SecondaryTierManager):
         if dropped:
             self._count_dropped("error" if error else "daemon_full", dropped)
         # Routers hear of every chunk the daemon now holds, even when part of the job was dropped.
+        # No ownership: routers (Dynamo) drop events that carry one. Not removal_expected: the
+        # tier does not report the daemon's evictions, so vLLM's tracker must not keep the
+        # chunk's identity waiting for one.
         if held and self.events is not None:
             self.events.append(
                 OffloadingEvent(
@@ -549,7 +565,6 @@ class KvstoredTierManager(SecondaryTierManager):
                     medium=self.medium,
                     removed=False,
                     locality=self.locality,
-                    ownership=self.tier_type,
                 )
             )
         self._finished.append(
