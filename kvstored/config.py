@@ -506,6 +506,8 @@ class Config:
         if self.events_zmq_endpoint:
             _check_zmq_endpoint("events_zmq_endpoint", self.events_zmq_endpoint)
         _check_topic(self.events_zmq_topic)
+        if "@" in self.events_node:  # llm-d splits kv@<pod>@<model> on "@"
+            raise ConfigError(f"events_node must not contain '@', got {self.events_node!r}")
         if self.events_zmq_dp_rank < 0:
             raise ConfigError(f"events_zmq_dp_rank must not be negative, got {self.events_zmq_dp_rank}")
         if self.events_zmq_queue < 0:

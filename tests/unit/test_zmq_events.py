@@ -93,6 +93,8 @@ def test_bind_or_connect_follows_vllms_rule():
 def test_topic_template_is_checked():
     with pytest.raises(ConfigError, match="events_zmq_topic"):
         load_config(env={"KVSTORED_EVENTS_ZMQ_TOPIC": "kv@{pod}@{model}"})
+    with pytest.raises(ConfigError, match="events_node"):
+        load_config(env={"KVSTORED_EVENTS_NODE": "a@b"})
 
 
 class _Node:
