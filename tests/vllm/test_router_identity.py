@@ -77,3 +77,34 @@ def test_chunks_stored_without_the_tracker_are_not_published(own_daemon):
         assert daemon.stats().tiers[0].chunks == 3  # all stored; one of them named for routers
     (event,) = _daemon_events(replay_port)
     assert not isinstance(event, BlockRemoved) and event.token_ids == p.tokens
+
+
+def test_the_daemons_evictions_reach_vllms_events_as_removals(own_daemon):
+    """vLLM's own stream (through its tracker) hears that the daemon evicted a chunk, with the
+    same block hashes it announced; and the tracker then forgets the chunk."""
+    daemon = own_daemon(cpu_bytes="1MiB").start()  # four 256 KiB chunks
+    p = VllmPrompt("evicted", 2)
+    with Engine([kvstored_tier(daemon)]) as engine:
+        attach_identities(engine.manager, tracker_identities(p.tracker))
+        ctx = engine.request()
+        assert engine.store(ctx, p.keys) == p.keys
+        engine.settle()
+        engine.finish(ctx)
+        stored = list(p.tracker.take_events(engine.tier_events()))
+        ctx = engine.request()
+        fillers = offload_keys("filler", 4)  # RAM holds four: the prompt's two are evicted
+        assert engine.store(ctx, fillers) == fillers
+        engine.settle()
+        engine.finish(ctx)
+        removed: list = []
+
+        def removals() -> int:
+            engine.step()
+            removed.extend(e for e in p.tracker.take_events(engine.tier_events()) if isinstance(e, BlockRemoved))
+            return sum(len(e.block_hashes) for e in removed)
+
+        assert wait_for(lambda: removals() >= 8)
+    assert sorted(h for e in removed for h in e.block_hashes) == sorted(
+        h for e in stored if isinstance(e, BlockStored) for h in e.block_hashes
+    )
+    assert all(e.medium == "CPU" and e.ownership is None for e in removed)

@@ -74,6 +74,7 @@ from kvstored_client.vllm.namespace import (
 )
 from kvstored_client.vllm.plugin import SOCKET_OPTION, socket_option
 from kvstored_client.vllm.region import RegionNotShareable, region_file
+from kvstored_client.vllm.removals import RemovalWatch
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -212,9 +213,21 @@ class KvstoredTierManager(SecondaryTierManager):
         self._stats = OffloadingConnectorStats()
         self._label = (tier_type,)
         self._sessions_reported = 0
+        self._stored_namespaces: set[str] = set()
+        # The daemon's evictions, reported to vLLM (only where the tier reports stores).
+        self._removals: RemovalWatch | None = None
+        if self.events is not None and self._region_fd is not None:
+            self._removals = RemovalWatch(
+                self._link.socket_path, lambda: self._link.session_id, lambda: self._stored_namespaces
+            )
         if self._region_fd is not None:
             # Start-up (not a scheduler step): wait briefly so the first requests find the session up.
             self._link.settle(float(connect_timeout_s), (self._namespaces.id_for(key_bytes),))
+            self._start_removals()
+
+    def _start_removals(self) -> None:
+        if self._removals is not None and self._link.ready:
+            self._removals.start()
 
     @property
     def connected(self) -> bool:
@@ -255,6 +268,7 @@ class KvstoredTierManager(SecondaryTierManager):
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         """Once per step: advance the link, collect answers, send this step's lookup batch."""
         self._link.poll()
+        self._start_removals()
         self._collect_lookups()
         self._flush_lookups()
         self._pump()
@@ -328,6 +342,10 @@ class KvstoredTierManager(SecondaryTierManager):
 
     @override
     def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._removals is not None and self.events is not None:
+            gone = [OffloadKey(key) for _, key in self._removals.take_gone()]
+            if gone:
+                self.events.append(OffloadingEvent(keys=gone, medium=self.medium, removed=True, locality=self.locality))
         if self.events:
             events, self.events = self.events, []
             yield from events
@@ -340,6 +358,8 @@ class KvstoredTierManager(SecondaryTierManager):
         for call in self._lookups:
             call.future.cancel()
         self._lookups.clear()
+        if self._removals is not None:
+            self._removals.close()
         self._link.close()
         if self._region_fd is not None:
             os.close(self._region_fd)
@@ -480,6 +500,8 @@ class KvstoredTierManager(SecondaryTierManager):
         if keys and self._region_fd is not None:
             namespace_id = self._namespace_of(keys[0], job.req_context)
         transfer = _Transfer(job.job_id, is_load, namespace_id or "", keys, offsets, time.monotonic())
+        if namespace_id is not None and not is_load:
+            self._stored_namespaces.add(namespace_id)
         if namespace_id is None:
             if is_load:
                 self._fail_transfer(transfer, "tier disabled")
@@ -555,16 +577,19 @@ class KvstoredTierManager(SecondaryTierManager):
         if dropped:
             self._count_dropped("error" if error else "daemon_full", dropped)
         # Routers hear of every chunk the daemon now holds, even when part of the job was dropped.
-        # No ownership: routers (Dynamo) drop events that carry one. Not removal_expected: the
-        # tier does not report the daemon's evictions, so vLLM's tracker must not keep the
-        # chunk's identity waiting for one.
+        # No ownership: routers (Dynamo) drop events that carry one. removal_expected: the tier
+        # reports the daemon's evictions (removals.py), so vLLM's tracker keeps the chunk's
+        # identity until then.
         if held and self.events is not None:
+            if self._removals is not None:
+                self._removals.reported(transfer.namespace_id, held)
             self.events.append(
                 OffloadingEvent(
                     keys=held,
                     medium=self.medium,
                     removed=False,
                     locality=self.locality,
+                    removal_expected=self._removals is not None,
                 )
             )
         self._finished.append(
