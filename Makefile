@@ -72,9 +72,11 @@ test-fast: setup
 system-deps:
 	./deploy/install-system-deps.sh
 
-# vllm==0.33.0 without its CUDA dependencies, for the integration tests (see the script).
+# vllm==0.33.0 without its CUDA dependencies, for the integration tests, and Dynamo's router in
+# a venv of its own for the router tests (see the scripts).
 vllm-deps: setup
 	VENV=$(VENV) ./tests/vllm/install_vllm.sh
+	VENV=$(VENV) ./tests/vllm/install_dynamo.sh
 
 # Benchmarks (not tests): figures beside same-run baselines; JSON and the chart under results/.
 # About 20 minutes on a 2-core VM; e.g. BENCH_MULTITURN_ARGS="--conversations 16,64,128,256" for less.

@@ -152,6 +152,15 @@ def _check_zmq_endpoint(option: str, endpoint: str) -> None:
         )
 
 
+def _check_topic(template: str) -> None:
+    try:
+        template.format(node="n", model="m", namespace="ns")
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConfigError(
+            f"events_zmq_topic {template!r} is not a valid template ({exc!r}): use {{node}}, {{model}}, {{namespace}}"
+        ) from None
+
+
 def parse_listen_addr(value: str) -> str:
     """HOST:PORT (IPv6 as [::1]:9464), or "" / "off" to disable; returns "" or the address."""
     value = str(value).strip()
@@ -404,7 +413,34 @@ class Config:
     events_zmq_replay_endpoint: str = field(
         default="", metadata=_opt("ZMQ ROUTER endpoint answering vLLM-style replay requests", str, "ENDPOINT")
     )
-    events_zmq_topic: str = field(default="", metadata=_opt("topic frame of every ZMQ event message", str, "TOPIC"))
+    events_zmq_topic: str = field(
+        default="kv@{node}@{model}",
+        metadata=_opt(
+            "topic of ZMQ event messages, per namespace: {node} (events_node), {model}, {namespace} "
+            "(the namespace id); the default is llm-d's kv@<pod>@<model>",
+            str,
+            "TEMPLATE",
+        ),
+    )
+    events_node: str = field(
+        default="",
+        metadata=_opt("the node's name in event topics ({node}; default: the host name)", str, "NAME"),
+    )
+    events_zmq_dp_rank: int = field(
+        default=0, metadata=_opt("data-parallel rank sent in every ZMQ event batch (vLLM's third field)", int, "N")
+    )
+    events_zmq_queue: int = field(
+        default=10_000,
+        metadata=_opt("ZMQ event batches held while no router is subscribed (the oldest dropped past it)", int, "N"),
+    )
+    events_interval: float = field(
+        default=0.1,
+        metadata=_opt(
+            "ZMQ events are coalesced over this interval: one batch per topic, net changes only",
+            parse_seconds,
+            "SECONDS",
+        ),
+    )
     events_zmq_tenants: bool = field(
         default=False,
         metadata=_opt(
@@ -490,6 +526,15 @@ class Config:
             raise ConfigError(f"events_buffer must not be negative, got {self.events_buffer}")
         if self.events_zmq_endpoint:
             _check_zmq_endpoint("events_zmq_endpoint", self.events_zmq_endpoint)
+        _check_topic(self.events_zmq_topic)
+        if "@" in self.events_node:  # llm-d splits kv@<pod>@<model> on "@"
+            raise ConfigError(f"events_node must not contain '@', got {self.events_node!r}")
+        if self.events_zmq_dp_rank < 0:
+            raise ConfigError(f"events_zmq_dp_rank must not be negative, got {self.events_zmq_dp_rank}")
+        if self.events_zmq_queue < 0:
+            raise ConfigError(f"events_zmq_queue must not be negative, got {self.events_zmq_queue}")
+        if not 0.001 <= self.events_interval <= 10:
+            raise ConfigError(f"events_interval must be within 1ms..10s, got {self.events_interval}s")
         if self.events_zmq_replay_endpoint:
             _check_zmq_endpoint("events_zmq_replay_endpoint", self.events_zmq_replay_endpoint)
             if not self.events_zmq_endpoint:  # the publisher serves replay: alone it would be ignored

@@ -166,6 +166,11 @@ class NamespaceRegistry:
         ns = self._by_id.get(namespace_id)
         return ns.block_tokens if ns else 0
 
+    def model_of(self, namespace_id: str) -> str:
+        """The namespace's model ("" for one not registered since the daemon started)."""
+        ns = self._by_id.get(namespace_id)
+        return ns.model if ns else ""
+
     def _check_sizes(self, chunk_bytes: int, key_bytes: int) -> None:
         if chunk_bytes <= 0:
             raise InvalidRequest("namespace chunk_bytes must be positive")

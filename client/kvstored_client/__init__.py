@@ -10,6 +10,7 @@ with Client() as kv:
 """
 
 from kvstored_client.aio import AsyncClient
+from kvstored_client.blocks import BlockIdentity, chunk_identities
 from kvstored_client.client import Client
 from kvstored_client.errors import KvstoredError, TransferOutcomeUnknown, Unavailable
 from kvstored_client.keys import chunk_keys, namespace_id_for
@@ -18,6 +19,7 @@ from kvstored_client.ops import Health, LookupResult, Namespace, NamespaceSpec, 
 
 __all__ = [
     "AsyncClient",
+    "BlockIdentity",
     "Client",
     "DropReason",
     "Health",
@@ -33,6 +35,7 @@ __all__ = [
     "TierKind",
     "TransferOutcomeUnknown",
     "Unavailable",
+    "chunk_identities",
     "chunk_keys",
     "namespace_id_for",
 ]

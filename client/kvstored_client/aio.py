@@ -16,6 +16,7 @@ import grpc
 from kvstored_client import ops
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
+from kvstored_client.blocks import BlockIdentity
 from kvstored_client.client import (
     DEFAULT_DEADLINE_S,
     OPEN_SESSION,
@@ -91,9 +92,11 @@ class AsyncClient(ClientBase):
             lambda s: ops.lookup(ns, keys, s, load_into), LookupResult.miss(len(keys)), session=ns.private
         )
 
-    async def store(self, ns: Namespace, keys: Sequence[bytes], data: Any) -> StoreResult:
+    async def store(
+        self, ns: Namespace, keys: Sequence[bytes], data: Any, blocks: Sequence[BlockIdentity | None] | None = None
+    ) -> StoreResult:
         return await self._run(
-            lambda s: ops.store(in_session(s), ns, keys, data), StoreResult.all_dropped(len(keys)), session=True
+            lambda s: ops.store(in_session(s), ns, keys, data, blocks), StoreResult.all_dropped(len(keys)), session=True
         )
 
     async def load(self, ns: Namespace, keys: Sequence[bytes], out: Any) -> int:
@@ -111,10 +114,15 @@ class AsyncClient(ClientBase):
         return region
 
     async def store_from_region(
-        self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
+        self,
+        ns: Namespace,
+        region: Region,
+        keys: Sequence[bytes],
+        offsets: Sequence[int],
+        blocks: Sequence[BlockIdentity | None] | None = None,
     ) -> StoreResult:
         return await self._run(
-            lambda s: ops.store_from_region(in_session(s), ns, region, keys, offsets),
+            lambda s: ops.store_from_region(in_session(s), ns, region, keys, offsets, blocks),
             StoreResult.all_dropped(len(keys)),
             session=True,
         )

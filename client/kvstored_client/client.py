@@ -21,6 +21,7 @@ import grpc
 from kvstored_client import ops
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
+from kvstored_client.blocks import BlockIdentity
 from kvstored_client.copy_policy import client_copy_threads
 from kvstored_client.errors import (
     DeadlineExceeded,
@@ -338,10 +339,12 @@ class Client(ClientBase):
         load_to_region (REGION); it decides how the daemon readies the hits below RAM."""
         return self._run(lambda s: ops.lookup(ns, keys, s, load_into), LookupResult.miss(len(keys)), session=ns.private)
 
-    def store(self, ns: Namespace, keys: Sequence[bytes], data: Any) -> StoreResult:
+    def store(
+        self, ns: Namespace, keys: Sequence[bytes], data: Any, blocks: Sequence[BlockIdentity | None] | None = None
+    ) -> StoreResult:
         """Copy chunks into the daemon's pool. `data`: one buffer of len(keys) chunks, or a list."""
         return self._run(
-            lambda s: ops.store(in_session(s), ns, keys, data), StoreResult.all_dropped(len(keys)), session=True
+            lambda s: ops.store(in_session(s), ns, keys, data, blocks), StoreResult.all_dropped(len(keys)), session=True
         )
 
     def load(self, ns: Namespace, keys: Sequence[bytes], out: Any) -> int:
@@ -361,10 +364,15 @@ class Client(ClientBase):
         return region
 
     def store_from_region(
-        self, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
+        self,
+        ns: Namespace,
+        region: Region,
+        keys: Sequence[bytes],
+        offsets: Sequence[int],
+        blocks: Sequence[BlockIdentity | None] | None = None,
     ) -> StoreResult:
         return self._run(
-            lambda s: ops.store_from_region(in_session(s), ns, region, keys, offsets),
+            lambda s: ops.store_from_region(in_session(s), ns, region, keys, offsets, blocks),
             StoreResult.all_dropped(len(keys)),
             session=True,
         )

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from kvstored_client.blocks import BlockIdentity
+from kvstored_client.blocks import to_pb as blocks_pb
 from kvstored_client.buffers import chunk_views
 from kvstored_client.errors import InternalError, PoolExhausted
 from kvstored_client.keys import namespace_id_for
@@ -243,11 +245,21 @@ def lookup(
     return LookupResult(resp.prefix_hits, _tier_kinds(resp.tiers))
 
 
-def store(session: PoolSession, ns: Namespace, keys: Sequence[bytes], data: Any) -> Op:
+def store(
+    session: PoolSession,
+    ns: Namespace,
+    keys: Sequence[bytes],
+    data: Any,
+    blocks: Sequence[BlockIdentity | None] | None = None,
+) -> Op:
     views = chunk_views(data, len(keys), ns.chunk_bytes, writable=False)
+    identities = blocks_pb(blocks, len(keys))
     try:
         resp = yield Call(
-            "Reserve", pb.ReserveRequest(session_id=session.session_id, namespace_id=ns.namespace_id, keys=keys)
+            "Reserve",
+            pb.ReserveRequest(
+                session_id=session.session_id, namespace_id=ns.namespace_id, keys=keys, blocks=identities
+            ),
         )
     except PoolExhausted:  # (an older daemon's answer to a RAM with no room at all)
         return StoreResult.all_dropped(len(keys), DropReason.RAM_FULL)
@@ -316,9 +328,15 @@ def _usable(region: Region) -> Region:
 
 
 def store_from_region(
-    session: PoolSession, ns: Namespace, region: Region, keys: Sequence[bytes], offsets: Sequence[int]
+    session: PoolSession,
+    ns: Namespace,
+    region: Region,
+    keys: Sequence[bytes],
+    offsets: Sequence[int],
+    blocks: Sequence[BlockIdentity | None] | None = None,
 ) -> Op:
     _usable(region)
+    identities = blocks_pb(blocks, len(keys))
     resp = yield Call(
         "StoreFromRegion",
         pb.RegionTransferRequest(
@@ -327,6 +345,7 @@ def store_from_region(
             region_id=region.region_id,
             keys=keys,
             offsets=offsets,
+            blocks=identities,
         ),
         REGION_COPY_GRACE_S,
     )

@@ -1,17 +1,36 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""KV events on a ZMQ PUB socket in vLLM's wire format, for llm-d / Dynamo style routers.
+"""KV events on ZMQ in vLLM's wire format, as llm-d and Dynamo index them.
 
-Each message is multipart `[topic, seq (8 bytes big-endian), msgpack(EventBatch)]`, where the
-batch is vLLM's array-like `[ts, [event, ...]]`. Events are BlockStored / BlockRemoved, encoded
-either as vLLM 0.33's tagged maps (`{"type": "BlockStored", ...}`) or as the positional arrays
-older consumers decode (`["BlockStored", hashes, parent, ...]`).
+Each message is multipart `[topic, seq (8 bytes big-endian), msgpack(batch)]`, the batch being
+vLLM's array-like `[ts, [event, ...], data_parallel_rank]`; seq counts from 0, one sequence for
+every topic of the publisher. Events are BlockStored / BlockRemoved per engine block, with the
+identity the client handed over with the store (identity.py): 64-bit block hashes, the parent
+hash, token ids, the engine's block size, group_idx, medium CPU (RAM) or STORAGE (fs, s3) and
+locality; never `ownership` (the publisher is the node itself). Encoded as vLLM 0.33's tagged
+maps or as the positional arrays older decoders read.
+
+The topic is a template (`kv@{node}@{model}` by default, llm-d's shape): one topic per model, so
+two models with equal block hashes never mix.
+
+Changes are coalesced per interval (coalesce.py): per interval, one batch per topic with each
+chunk's net change at each place. A chunk that appears and goes within an interval is never
+sent.
+
+Like vLLM's publisher the PUB socket binds a wildcard or ipc/inproc endpoint (`tcp://*:5557`)
+and connects to any other (`tcp://router:5557`, where the router binds its SUB); ZMQ reconnects
+by itself. While no subscriber is there at all (the router restarting, or not up yet), batches
+are held, the oldest dropped past `queue_batches`, and sent when one subscribes (the socket is
+an XPUB, which sees subscriptions).
+
 A ROUTER replay socket answers `[b"", start_seq (8 bytes)]` with every buffered batch from that
-seq, then an end marker (seq -1), as vLLM's ZmqEventPublisher does.
+seq, then an end marker (seq -1), as vLLM's publisher does. A start seq older than the buffer
+(a router that lost track, or restarted after the buffer rolled over) gets a resync instead:
+AllBlocksCleared, then BlockStored for every block the node holds, per topic, all at the last
+seq sent (the state as of that batch), then the end marker.
 
-A namespace clear is published as BlockRemoved for each removed key only: vLLM's AllBlocksCleared
-means every block of the publisher, so the bus's per-namespace CLEARED is never sent. Batches are
-numbered by this publisher (no gaps where a CLEARED was left out), not by the bus.
+AllBlocksCleared means every block of the publisher (the whole node) and is sent only in a
+resync; a cleared namespace is sent as its blocks removed.
 """
 
 from __future__ import annotations
@@ -20,8 +39,10 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -31,108 +52,250 @@ import zmq.asyncio
 from kvstored.chunks.ids import TierKind
 from kvstored.errors import ListenError
 from kvstored.events.bus import EventEncoding, EventType, KvEvent
+from kvstored.events.coalesce import Change, Coalescer
+from kvstored.events.identity import BlockIdentity, IdentityBook
 
 log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-_MEDIUM = {TierKind.RAM: "CPU", TierKind.FS: "STORAGE", TierKind.S3: "STORAGE", TierKind.PEER: "STORAGE"}
-_LOCALITY = {TierKind.RAM: "LOCAL", TierKind.FS: "LOCAL", TierKind.S3: "REMOTE", TierKind.PEER: "REMOTE"}
+CPU, STORAGE = "CPU", "STORAGE"
+LOCAL, REMOTE = "LOCAL", "REMOTE"
+Place = tuple[str, str]  # (medium, locality)
+# The peer tier's chunks are other nodes' (their own publishers report them): not this node's.
+_PLACE: dict[TierKind, Place] = {
+    TierKind.RAM: (CPU, LOCAL),
+    TierKind.FS: (STORAGE, LOCAL),
+    TierKind.S3: (STORAGE, REMOTE),
+}
+PLACES = tuple(dict.fromkeys(_PLACE.values()))
+_EVENTS_PER_BATCH = 1024  # a resync of a large node is many batches, none too large for a consumer
 
 
-def encode_event(event: KvEvent, block_size: int, encoding: EventEncoding) -> Any:
-    medium = _MEDIUM.get(event.tier_kind)
-    hashes = list(event.keys)
-    if event.type is EventType.STORED:
-        if encoding is EventEncoding.ARRAY:
-            return ["BlockStored", hashes, None, [], block_size, None, medium]
-        return {
-            "type": "BlockStored",
-            "block_hashes": hashes,
-            "parent_block_hash": None,
-            "token_ids": [],
-            "block_size": block_size,
-            "lora_id": None,
-            "medium": medium,
-            "lora_name": None,
-            "locality": _LOCALITY.get(event.tier_kind),
-            "ownership": event.tier,
-        }
-    if event.type is EventType.REMOVED:
-        if encoding is EventEncoding.ARRAY:
-            return ["BlockRemoved", hashes, medium]
-        return {
-            "type": "BlockRemoved",
-            "block_hashes": hashes,
-            "medium": medium,
-            "locality": _LOCALITY.get(event.tier_kind),
-            "ownership": event.tier,
-        }
-    raise ValueError(f"no vLLM event for {event.type!r}")  # CLEARED: see _published
+def place_of(event: KvEvent) -> Place | None:
+    return _PLACE.get(event.tier_kind)
 
 
-def encode_batch(event: KvEvent, block_size: int, encoding: EventEncoding) -> bytes:
-    return msgpack.packb([event.ts, [encode_event(event, block_size, encoding)]], use_bin_type=True)
+def is_bind_endpoint(endpoint: str) -> bool:
+    """vLLM's rule: bind wildcard and ipc/inproc endpoints, connect to the rest."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
-def _published(event: KvEvent) -> bool:
-    """CLEARED is one namespace's: as AllBlocksCleared a router would forget every namespace.
-    The chain publishes the cleared keys as REMOVED events before it."""
-    return event.type is not EventType.CLEARED
+@dataclass(frozen=True, slots=True)
+class ZmqSettings:
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = "kv@{node}@{model}"  # placeholders: {node}, {model}, {namespace}
+    node: str = ""
+    data_parallel_rank: int = 0
+    encoding: EventEncoding = EventEncoding.MAP
+    buffer_batches: int = 10_000  # kept for replay
+    queue_batches: int = 10_000  # held while no subscriber is there
+    interval_s: float = 0.1
+
+
+def stored_event(identity: BlockIdentity, medium: str, locality: str, encoding: EventEncoding) -> Any:
+    hashes = list(identity.block_hashes)
+    tokens = list(identity.token_ids)
+    if encoding is EventEncoding.ARRAY:
+        # vLLM's field order (array_like); trailing fields older decoders lack are left off.
+        return ["BlockStored", hashes, identity.parent_block_hash, tokens, identity.block_size, None, medium]
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": identity.parent_block_hash,
+        "token_ids": tokens,
+        "block_size": identity.block_size,
+        "lora_id": None,
+        "medium": medium,
+        "lora_name": None,
+        "group_idx": identity.group_idx,
+        "locality": locality,
+    }
+
+
+def removed_event(hashes: list[int], medium: str, locality: str, group_idx: int, encoding: EventEncoding) -> Any:
+    if encoding is EventEncoding.ARRAY:
+        return ["BlockRemoved", hashes, medium]
+    return {
+        "type": "BlockRemoved",
+        "block_hashes": hashes,
+        "medium": medium,
+        "group_idx": group_idx,
+        "locality": locality,
+    }
+
+
+CLEARED_MAP: dict[str, Any] = {"type": "AllBlocksCleared"}
+CLEARED_ARRAY: list[Any] = ["AllBlocksCleared"]
+
+
+def encode_batch(ts: float, events: list[Any], data_parallel_rank: int) -> bytes:
+    return msgpack.packb([ts, events, data_parallel_rank], use_bin_type=True)
+
+
+@dataclass(slots=True)
+class PublisherCounts:
+    batches: int = 0  # numbered (sent, held or both)
+    held_dropped: int = 0  # held while no subscriber, then pushed out by newer ones
+    unidentified: int = 0  # chunk changes not published: stored without an identity
+    resyncs: int = 0
 
 
 class ZmqEventPublisher:
-    def __init__(
-        self,
-        endpoint: str,
-        replay_endpoint: str | None,
-        topic: str,
-        encoding: EventEncoding,
-        block_size_of: Callable[[str], int],
-        buffer_batches: int = 10_000,
-    ) -> None:
-        self._endpoint = endpoint
-        self._replay_endpoint = replay_endpoint
-        self._topic = topic.encode()
-        self._encoding = encoding
-        self._block_size_of = block_size_of
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+    def __init__(self, settings: ZmqSettings, identities: IdentityBook, model_of: Callable[[str], str]) -> None:
+        """model_of: a namespace id's model (for the topic)."""
+        self._s = settings
+        self._identities = identities
+        self._model_of = model_of
+        self._coalescer: Coalescer[Place] = Coalescer(place_of)
+        self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=settings.buffer_batches)  # seq, topic, payload
+        self._held: deque[tuple[bytes, bytes, bytes]] = deque()  # frames waiting for a subscriber
+        self._subscriptions: set[bytes] = set()  # topic prefixes subscribed (XPUB passes each once)
         # Like vLLM's publisher: a full replay plus its end marker, twice over, fits in the
         # ROUTER's send queue (past its high-water mark ROUTER silently drops messages).
-        self._replay_hwm = 2 * (buffer_batches + 1)
-        self._seq = itertools.count(1)
+        self._replay_hwm = 2 * (settings.buffer_batches + 1)
+        self._seq = itertools.count(0)
+        self.last_seq = -1
+        self._topics: dict[str, bytes] = {}
         self._ctx = zmq.asyncio.Context()  # the replay socket is served on the event loop
-        self._pub_ctx = zmq.Context()  # PUB sends are plain non-blocking calls
+        self._pub_ctx = zmq.Context()  # XPUB sends and subscription reads are plain non-blocking calls
         self._pub: zmq.Socket | None = None
         self._replay: zmq.asyncio.Socket | None = None
-        self._replay_task: asyncio.Task | None = None
-        self.sent = 0
+        self._tasks: list[asyncio.Task] = []
+        self.counts = PublisherCounts()
 
     def start(self) -> None:
-        self._pub = self._pub_ctx.socket(zmq.PUB)
+        self._pub = self._pub_ctx.socket(zmq.XPUB)
         self._pub.set_hwm(100_000)
-        _bind(self._pub, self._endpoint, "events_zmq_endpoint")
-        if self._replay_endpoint:
+        if is_bind_endpoint(self._s.endpoint):
+            _bind(self._pub, self._s.endpoint, "events_zmq_endpoint")
+        else:
+            self._pub.connect(self._s.endpoint)
+        if self._s.replay_endpoint:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.SNDHWM, self._replay_hwm)  # before bind: pipes take it then
-            _bind(self._replay, self._replay_endpoint, "events_zmq_replay_endpoint")
-            self._replay_task = asyncio.create_task(self._serve_replay(self._replay), name="zmq-replay")
+            _bind(self._replay, self._s.replay_endpoint, "events_zmq_replay_endpoint")
+            self._tasks.append(asyncio.create_task(self._serve_replay(self._replay), name="zmq-replay"))
+        self._tasks.append(asyncio.create_task(self._run(), name="zmq-events"))
         log.info(
-            "KV events on %s (replay %s, %s encoding)",
-            self._endpoint,
-            self._replay_endpoint or "off",
-            self._encoding.value,
+            "KV events: %s %s (replay %s, %s encoding, every %.0f ms)",
+            "bound to" if is_bind_endpoint(self._s.endpoint) else "connecting to",
+            self._s.endpoint,
+            self._s.replay_endpoint or "off",
+            self._s.encoding.value,
+            self._s.interval_s * 1000,
         )
 
     def __call__(self, event: KvEvent) -> None:
-        """Bus listener: publish at once. PUB never blocks: past its high-water mark ZMQ drops."""
-        if self._pub is None or not _published(event):
-            return
-        payload = encode_batch(event, self._block_size_of(event.namespace_id), self._encoding)
+        """Bus listener: bookkeeping only; the timer publishes."""
+        if event.type is EventType.STORED:
+            for key in event.keys:
+                self._identities.on_stored(event.namespace_id, key)
+        self._coalescer.add(event)
+
+    def topic(self, namespace_id: str) -> bytes:
+        topic = self._topics.get(namespace_id)
+        if topic is None:
+            topic = self._s.topic.format(
+                node=self._s.node, model=self._model_of(namespace_id), namespace=namespace_id
+            ).encode()
+            self._topics[namespace_id] = topic
+        return topic
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._s.interval_s)
+            self.flush()
+
+    def flush(self) -> None:
+        """Publish the interval's net changes (one batch per topic) and any batches held for a
+        subscriber that has now come."""
+        self._read_subscriptions()
+        if self._coalescer.pending:
+            self._publish(self._coalescer.take())
+        self._send_held()
+
+    def _publish(self, changes: list[Change[Place]]) -> None:
+        by_topic: dict[bytes, list[Any]] = {}
+        gone: list[tuple[str, bytes]] = []
+        removals: dict[tuple[bytes, str, str, int], list[int]] = {}  # merged per topic/place/group
+        for change in changes:
+            identity = self._identities.get(change.namespace_id, change.key)
+            if identity is None:
+                self.counts.unidentified += 1
+                continue
+            topic = self.topic(change.namespace_id)
+            medium, locality = change.place
+            if change.present:
+                self._flush_removals(removals, by_topic)
+                by_topic.setdefault(topic, []).append(stored_event(identity, medium, locality, self._s.encoding))
+            else:
+                removals.setdefault((topic, medium, locality, identity.group_idx), []).extend(identity.block_hashes)
+                if not self._coalescer.holds(change.namespace_id, change.key, PLACES):
+                    gone.append((change.namespace_id, change.key))
+        self._flush_removals(removals, by_topic)
+        now = time.time()
+        for topic, events in by_topic.items():
+            for first in range(0, len(events), _EVENTS_PER_BATCH):
+                self._send(
+                    topic, encode_batch(now, events[first : first + _EVENTS_PER_BATCH], self._s.data_parallel_rank)
+                )
+        for ns, key in gone:
+            self._identities.forget(ns, key)
+
+    def _flush_removals(
+        self, removals: dict[tuple[bytes, str, str, int], list[int]], by_topic: dict[bytes, list[Any]]
+    ) -> None:
+        for (topic, medium, locality, group_idx), hashes in removals.items():
+            by_topic.setdefault(topic, []).append(removed_event(hashes, medium, locality, group_idx, self._s.encoding))
+        removals.clear()
+
+    def _send(self, topic: bytes, payload: bytes) -> None:
         seq = next(self._seq)
-        self._buffer.append((seq, payload))
-        with contextlib.suppress(zmq.Again):
-            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
-            self.sent += 1
+        self.last_seq = seq
+        self.counts.batches += 1
+        self._buffer.append((seq, topic, payload))
+        frames = (topic, seq.to_bytes(8, "big"), payload)
+        if self._held or not self._subscribed(topic):
+            self._hold(frames)
+        else:
+            self._pub_send(frames)
+
+    def _hold(self, frames: tuple[bytes, bytes, bytes]) -> None:
+        self._held.append(frames)
+        while len(self._held) > self._s.queue_batches:
+            self._held.popleft()
+            self.counts.held_dropped += 1
+
+    def _send_held(self) -> None:
+        while self._held and self._subscribed(self._held[0][0]):
+            self._pub_send(self._held.popleft())
+        if self._held and self._subscriptions:
+            # A subscriber is there but not for these topics: they were not held for it.
+            self._held.clear()
+
+    def _pub_send(self, frames: tuple[bytes, bytes, bytes]) -> None:
+        assert self._pub is not None
+        with contextlib.suppress(zmq.Again):  # past the high-water mark ZMQ drops, as vLLM's does
+            self._pub.send_multipart(frames, flags=zmq.NOBLOCK)
+
+    def _subscribed(self, topic: bytes) -> bool:
+        return any(topic.startswith(prefix) for prefix in self._subscriptions)
+
+    def _read_subscriptions(self) -> None:
+        if self._pub is None:
+            return
+        while True:
+            try:
+                message = self._pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if message[:1] == b"\x01":
+                self._subscriptions.add(message[1:])
+            elif message[:1] == b"\x00":
+                self._subscriptions.discard(message[1:])
+
+    # -- replay and resync ----------------------------------------------------------------------
 
     async def _serve_replay(self, sock: zmq.asyncio.Socket) -> None:
         while True:
@@ -142,16 +305,47 @@ class ZmqEventPublisher:
                 continue
             client, _, start = frames
             start_seq = int.from_bytes(start, "big")
-            for seq, payload in list(self._buffer):
-                if seq >= start_seq:
-                    await sock.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+            if self._buffer and start_seq < self._buffer[0][0]:
+                await self._resync(sock, client)
+            else:
+                for seq, topic, payload in list(self._buffer):
+                    if seq >= start_seq:
+                        await sock.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
             await sock.send_multipart((client, b"", b"", END_SEQ, b""))
 
+    async def _resync(self, sock: zmq.asyncio.Socket, client: bytes) -> None:
+        self.flush()  # so that the snapshot is the state as of the last seq sent
+        self.counts.resyncs += 1
+        seq = max(self.last_seq, 0).to_bytes(8, "big")
+        for topic, payload in self.snapshot():
+            await sock.send_multipart((client, b"", topic, seq, payload))
+
+    def snapshot(self) -> Iterable[tuple[bytes, bytes]]:
+        """(topic, batch) for AllBlocksCleared, then every identified block held, per topic."""
+        cleared = CLEARED_ARRAY if self._s.encoding is EventEncoding.ARRAY else CLEARED_MAP
+        by_topic: dict[bytes, list[Any]] = {}
+        for ns, key, (medium, locality) in self._coalescer.held():
+            identity = self._identities.get(ns, key)
+            if identity is not None:
+                by_topic.setdefault(self.topic(ns), []).append(
+                    stored_event(identity, medium, locality, self._s.encoding)
+                )
+        now = time.time()
+        first_topic = next(iter(by_topic), self._s.topic.format(node=self._s.node, model="", namespace="").encode())
+        yield first_topic, encode_batch(now, [cleared], self._s.data_parallel_rank)
+        for topic, events in by_topic.items():
+            for first in range(0, len(events), _EVENTS_PER_BATCH):
+                yield topic, encode_batch(now, events[first : first + _EVENTS_PER_BATCH], self._s.data_parallel_rank)
+
     async def close(self) -> None:
-        if self._replay_task is not None:
-            self._replay_task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._replay_task
+                await task
+        self._tasks.clear()
+        if self._pub is not None:
+            self.flush()  # the last interval's changes, to whoever is subscribed
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)

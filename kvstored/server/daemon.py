@@ -42,6 +42,7 @@ from kvstored.chunks.ids import TierKind
 from kvstored.config import Config, ConfigError
 from kvstored.errors import ListenError
 from kvstored.events.bus import EventBus, KvEvent
+from kvstored.events.identity import IdentityBook
 from kvstored.logs import setup_logging
 from kvstored.namespaces import NamespaceRegistry
 from kvstored.observability.metrics import DaemonMetrics
@@ -219,16 +220,25 @@ class Daemon:
         self.records.start()
         self.broker = SessionBroker(self.chain, tenancy=self.tenancy)
         self.zmq_events: ZmqEventPublisher | None = None
+        self.identities: IdentityBook | None = None  # only kept for a ZMQ publisher
         if cfg.events_zmq_endpoint:
             from kvstored.events import zmq_publisher
 
+            self.identities = IdentityBook()
             self.zmq_events = zmq_publisher.ZmqEventPublisher(
-                cfg.events_zmq_endpoint,
-                cfg.events_zmq_replay_endpoint or None,
-                cfg.events_zmq_topic,
-                cfg.events_encoding,
-                self.namespaces.block_tokens,
-                cfg.events_buffer,
+                zmq_publisher.ZmqSettings(
+                    endpoint=cfg.events_zmq_endpoint,
+                    replay_endpoint=cfg.events_zmq_replay_endpoint or None,
+                    topic=cfg.events_zmq_topic,
+                    node=cfg.events_node or socket.gethostname(),
+                    data_parallel_rank=cfg.events_zmq_dp_rank,
+                    encoding=cfg.events_encoding,
+                    buffer_batches=cfg.events_buffer,
+                    queue_batches=cfg.events_zmq_queue,
+                    interval_s=cfg.events_interval,
+                ),
+                self.identities,
+                self.namespaces.model_of,
             )
             self.zmq_events.start()
             self.chain.events.add_listener(self._zmq_listener(self.zmq_events, cfg.events_zmq_tenants))
@@ -265,6 +275,7 @@ class Daemon:
             cfg.region_dirs,
             self.tenancy,
             self._peer_counts,
+            self.identities,
         )
         pb_grpc.add_KVStoreServicer_to_server(service, self.server)
         pb_grpc.add_PeerServicer_to_server(

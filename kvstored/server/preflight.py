@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from kvstored.chain.lower import LowerTier
 from kvstored.config import Config, ConfigError
 from kvstored.errors import ListenError, TierStartError
+from kvstored.events.zmq_publisher import is_bind_endpoint
 from kvstored.io.ports import bind_problem, split_host_port
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,10 @@ def listen_addresses(cfg: Config) -> list[tuple[str, str]]:
     """(option, HOST:PORT) of every TCP address the daemon will listen on."""
     found = [("metrics_addr", cfg.metrics_addr), ("tcp_listen", cfg.tcp_listen)]
     for option in ("events_zmq_endpoint", "events_zmq_replay_endpoint"):
-        transport, _, address = getattr(cfg, option).partition("://")
+        endpoint = getattr(cfg, option)
+        if option == "events_zmq_endpoint" and not is_bind_endpoint(endpoint):
+            continue  # it connects to a router: nothing here listens
+        transport, _, address = endpoint.partition("://")
         if transport == "tcp" and address.rpartition(":")[2].isdigit():  # (ZMQ also takes interface names)
             host, _, port = address.rpartition(":")
             found.append((option, f"{'' if host == '*' else host}:{port}"))

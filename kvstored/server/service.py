@@ -19,6 +19,7 @@ from kvstored.chain.stats import chain_snapshot
 from kvstored.chunks.ids import TierKind
 from kvstored.errors import BatchTooLarge, InvalidRequest, SessionRequired, WatcherLagged, shown
 from kvstored.events.bus import KvEvent
+from kvstored.events.identity import BlockIdentity, IdentityBook
 from kvstored.namespaces import Namespace, NamespaceRegistry, check_keys
 from kvstored.observability.snapshot import STORE_DROP_REASONS
 from kvstored.server.broker import SessionBroker
@@ -66,6 +67,41 @@ def _region_path(path: str) -> str:
     return path
 
 
+# Tokens per chunk at most in a block identity (a 2 MiB chunk of a small model: a few thousand).
+MAX_IDENTITY_TOKENS = 1 << 16
+
+
+def _identities(blocks: Sequence[pb.BlockIdentity], keys: int) -> list[BlockIdentity | None] | None:
+    """The request's block identities (one per key; None for a key sent with an empty one),
+    checked; None when it sends none."""
+    if not blocks:
+        return None
+    if len(blocks) != keys:
+        raise InvalidRequest(f"blocks must be empty or one per key: {len(blocks)} block identities for {keys} keys")
+    out: list[BlockIdentity | None] = []
+    for i, b in enumerate(blocks):
+        if not b.block_hashes and not b.token_ids:
+            out.append(None)
+            continue
+        if len(b.token_ids) > MAX_IDENTITY_TOKENS:
+            raise InvalidRequest(
+                f"block identity {i}: {len(b.token_ids)} token_ids exceed the limit of {MAX_IDENTITY_TOKENS}"
+            )
+        try:
+            out.append(
+                BlockIdentity.of(
+                    list(b.block_hashes),
+                    b.parent_block_hash if b.has_parent else None,
+                    list(b.token_ids),
+                    b.block_size,
+                    b.group_idx,
+                )
+            )
+        except ValueError as exc:
+            raise InvalidRequest(f"block identity {i}: {exc}") from None
+    return out
+
+
 def _event(e: KvEvent) -> pb.KvEvent:
     return pb.KvEvent(
         seq=e.seq,
@@ -93,7 +129,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         region_dirs: Sequence[Path],
         tenancy: Tenancy,
         peer_counts: Callable[[], tuple[int, int]] = lambda: (0, 0),
+        identities: IdentityBook | None = None,
     ) -> None:
+        self._identities = identities  # None: no ZMQ publisher, identities are checked, not kept
         self._peer_counts = peer_counts  # (chunks leased to peers, RAM slots peer fetches hold)
         self._region_dirs = tuple(region_dirs)
         self._tenancy = tenancy
@@ -123,6 +161,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 f"arena, and this session's client maps only the public pool: upgrade the client, or use "
                 f"region transfers (StoreFromRegion / LoadToRegion)"
             )
+
+    def _offer_identities(self, ns: Namespace, keys: Sequence[bytes], blocks: Sequence[pb.BlockIdentity]) -> None:
+        identities = _identities(blocks, len(keys))
+        if identities is not None and self._identities is not None:
+            for key, identity in zip(keys, identities):
+                if identity is not None:
+                    self._identities.offer(ns.namespace_id, key, identity)
 
     def _check_handles(self, handles: Sequence[int]) -> None:
         if len(handles) > self._max_keys:
@@ -174,6 +219,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 slots=[pb.Slot(state=pb.SLOT_STATE_NO_SPACE, drop_reason=DropReason.NOT_VISIBLE) for _ in request.keys]
             )
         self._check_arenas(ns, session)
+        self._offer_identities(ns, request.keys, request.blocks)
         slots = await self._broker.reserve(session, ns, request.keys)
         return pb.ReserveResponse(
             slots=[
@@ -229,6 +275,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 present_in=[TierKind.NONE] * n,
                 drop_reasons=[DropReason.NOT_VISIBLE] * n,
             )
+        self._offer_identities(ns, request.keys, request.blocks)
         result = await self._broker.store_from_region(
             session, ns, region, request.keys, request.offsets, _start_by(request)
         )

@@ -5,27 +5,21 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import threading
 
 import grpc
 import msgpack
 import pytest
-import zmq
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from tests.support.daemon import short_tmpdir
 from tests.support.data import make_keys, payloads
+from tests.support.rpc import raw, rpc_error
 from tests.support.wait import wait_for
+from tests.support.zmq_events import free_port, prompt_identities, replay
 
 CHUNK = 64 << 10
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _collect(stub, from_seq: int, count: int) -> list[pb.KvEvent]:
@@ -93,7 +87,7 @@ def test_zmq_events_decode_with_vllm_classes_and_replay(daemon_factory, ns_name)
         pytest.fail(f"vllm 0.33 is needed for this test: run tests/vllm/install_vllm.sh ({exc})")
     import msgspec as ms
 
-    pub_port, replay_port = _free_port(), _free_port()
+    pub_port, replay_port = free_port(), free_port()
     d = daemon_factory(
         [
             "--events-zmq-endpoint",
@@ -106,41 +100,46 @@ def test_zmq_events_decode_with_vllm_classes_and_replay(daemon_factory, ns_name)
         cpu_bytes="1MiB",
     )
     keys = make_keys("zmq", 20)
+    _, identities = prompt_identities("zmq", 20)
+    decoder = ms.msgpack.Decoder(type=KVEventBatch)
+
+    def blocks(kind) -> int:
+        return sum(
+            len(e.block_hashes)
+            for _, _, p in replay(replay_port)
+            for e in decoder.decode(p).events
+            if isinstance(e, kind)
+        )
+
     with d.client() as kv:
-        ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK, block_tokens=16)
-        for part in (keys[:10], keys[10:]):  # 16 fit: the first 4 are evicted
-            assert kv.store(ns, part, payloads(part, CHUNK)).stored == len(part)
+        ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK, block_tokens=64)
+        assert kv.store(ns, keys[:10], payloads(keys[:10], CHUNK), blocks=identities[:10]).stored == 10
+        # Sent before the next store: changes within one interval are coalesced (a chunk stored
+        # and evicted within it would never be published).
+        assert wait_for(lambda: blocks(BlockStored) == 40)
+        # 16 fit: the first 4 are evicted
+        assert kv.store(ns, keys[10:], payloads(keys[10:], CHUNK), blocks=identities[10:]).stored == 10
 
-    ctx = zmq.Context()
-    try:
-        replay = ctx.socket(zmq.DEALER)
-        replay.RCVTIMEO = 10_000
-        replay.connect(f"tcp://127.0.0.1:{replay_port}")
-        replay.send_multipart([b"", (1).to_bytes(8, "big")])
-        decoder = ms.msgpack.Decoder(type=KVEventBatch)
-        batches = []
-        while True:
-            frames = replay.recv_multipart()
-            _, topic, seq, payload = frames
-            if seq == (-1).to_bytes(8, "big", signed=True):
-                break
-            assert topic == b"kv"
-            batches.append((int.from_bytes(seq, "big"), decoder.decode(payload)))
-    finally:
-        ctx.destroy(linger=0)
-
-    assert [s for s, _ in batches] == sorted(s for s, _ in batches)
-    events = [e for _, b in batches for e in b.events]
-    stored = [h for e in events if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert wait_for(lambda: blocks(BlockRemoved) == 16)
+    batches = replay(replay_port)
+    assert {topic for topic, _, _ in batches} == {b"kv"}
+    assert [seq for _, seq, _ in batches] == list(range(len(batches)))  # from 0, no gaps
+    decoded = [decoder.decode(p) for _, _, p in batches]
+    assert all(b.data_parallel_rank == 0 for b in decoded)
+    assert all(isinstance(msgpack.unpackb(p), list) and len(msgpack.unpackb(p)) == 3 for _, _, p in batches)
+    events = [e for b in decoded for e in b.events]
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert [e.block_hashes for e in stored] == [list(i.block_hashes) for i in identities]
+    assert [e.parent_block_hash for e in stored] == [i.parent_block_hash for i in identities]
+    assert [e.token_ids for e in stored] == [list(i.token_ids) for i in identities]
+    assert all(e.block_size == 16 and e.group_idx == 0 and e.ownership is None for e in stored)
     removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
-    assert stored == keys
-    assert removed == keys[:4]
-    assert all(e.medium == "CPU" for e in events)
-    assert all(e.block_size == 16 for e in events if isinstance(e, BlockStored))
+    assert removed == [h for i in identities[:4] for h in i.block_hashes]
+    assert all(e.medium == "CPU" and e.ownership is None for e in events)
 
 
 def test_zmq_array_encoding_is_positional(daemon_factory, ns_name):
-    pub_port, replay_port = _free_port(), _free_port()
+    pub_port, replay_port = free_port(), free_port()
     d = daemon_factory(
         [
             "--events-zmq-endpoint",
@@ -152,21 +151,15 @@ def test_zmq_array_encoding_is_positional(daemon_factory, ns_name):
         ]
     )
     key = make_keys("arr", 1)
+    _, (identity,) = prompt_identities("arr", 1, block_size=8)
     with d.client() as kv:
         ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK, block_tokens=32)
-        kv.store(ns, key, payloads(key, CHUNK))
-    ctx = zmq.Context()
-    try:
-        replay = ctx.socket(zmq.DEALER)
-        replay.RCVTIMEO = 10_000
-        replay.connect(f"tcp://127.0.0.1:{replay_port}")
-        replay.send_multipart([b"", (0).to_bytes(8, "big")])
-        _, _, _, payload = replay.recv_multipart()
-    finally:
-        ctx.destroy(linger=0)
-    ts, events = msgpack.unpackb(payload)
-    assert isinstance(ts, float)
-    assert events == [["BlockStored", key, None, [], 32, None, "CPU"]]
+        kv.store(ns, key, payloads(key, CHUNK), blocks=[identity])
+    assert wait_for(lambda: len(replay(replay_port)) == 1)
+    ((_, _, payload),) = replay(replay_port)
+    ts, events, dp_rank = msgpack.unpackb(payload)
+    assert isinstance(ts, float) and dp_rank == 0
+    assert events == [["BlockStored", list(identity.block_hashes), None, list(identity.token_ids), 8, None, "CPU"]]
 
 
 def test_watch_from_a_future_seq_waits_for_live_events(daemon):
@@ -179,24 +172,6 @@ def test_watch_from_a_future_seq_waits_for_live_events(daemon):
         assert stub.Stats(pb.StatsRequest(), timeout=5).version
 
 
-def _zmq_replay(replay_port: int) -> list[bytes]:
-    """Every buffered batch's payload, by vLLM's replay protocol (from seq 0 to the end marker)."""
-    ctx = zmq.Context()
-    try:
-        replay = ctx.socket(zmq.DEALER)
-        replay.RCVTIMEO = 10_000
-        replay.connect(f"tcp://127.0.0.1:{replay_port}")
-        replay.send_multipart([b"", (0).to_bytes(8, "big")])
-        payloads_: list[bytes] = []
-        while True:
-            _, _, seq, payload = replay.recv_multipart()
-            if seq == (-1).to_bytes(8, "big", signed=True):
-                return payloads_
-            payloads_.append(payload)
-    finally:
-        ctx.destroy(linger=0)
-
-
 @pytest.mark.vllm
 def test_clear_namespace_reaches_zmq_routers_as_its_keys_removed_only(daemon_factory, ns_name):
     try:
@@ -206,13 +181,15 @@ def test_clear_namespace_reaches_zmq_routers_as_its_keys_removed_only(daemon_fac
     import msgspec as ms
 
     root = short_tmpdir("kvfs")
-    pub_port, replay_port = _free_port(), _free_port()
+    pub_port, replay_port = free_port(), free_port()
     d = daemon_factory(
         [
             "--events-zmq-endpoint",
             f"tcp://127.0.0.1:{pub_port}",
             "--events-zmq-replay-endpoint",
             f"tcp://127.0.0.1:{replay_port}",
+            "--events-node",
+            "node-1",
             "--tiers",
             f"kind=fs,root={root},bytes=64MiB",
             "--write-policy",
@@ -220,28 +197,46 @@ def test_clear_namespace_reaches_zmq_routers_as_its_keys_removed_only(daemon_fac
         ]
     )
     a_keys, b_keys = make_keys("clear-a", 4), make_keys("clear-b", 4)
+    (_, a_ids), (_, b_ids) = prompt_identities("clear-a", 4), prompt_identities("clear-b", 4)
+    a_hashes = {h for i in a_ids for h in i.block_hashes}
+    b_hashes = {h for i in b_ids for h in i.block_hashes}
+    decoder = ms.msgpack.Decoder(type=KVEventBatch)
+
+    def blocks(kind) -> int:
+        return sum(
+            len(e.block_hashes)
+            for _, _, p in replay(replay_port)
+            for e in decoder.decode(p).events
+            if isinstance(e, kind)
+        )
+
     try:
         with d.client() as kv:
             a = kv.register_namespace(model=ns_name + "/a", dtype="u8", chunk_bytes=CHUNK, block_tokens=16)
             b = kv.register_namespace(model=ns_name + "/b", dtype="u8", chunk_bytes=CHUNK, block_tokens=16)
-            assert kv.store(a, a_keys, payloads(a_keys, CHUNK)).stored == 4
-            assert kv.store(b, b_keys, payloads(b_keys, CHUNK)).stored == 4
+            assert kv.store(a, a_keys, payloads(a_keys, CHUNK), blocks=a_ids).stored == 4
+            assert kv.store(b, b_keys, payloads(b_keys, CHUNK), blocks=b_ids).stored == 4
             # both namespaces in RAM and on disk, so the clear removes A from two tiers
             assert wait_for(lambda: _fs_chunks(d) == 8)
+            # published before the clear (changes within one interval are coalesced)
+            assert wait_for(lambda: blocks(BlockStored) == 2 * (len(a_hashes) + len(b_hashes)))
             with d.channel() as channel:
                 stub = pb_grpc.KVStoreStub(channel)
                 cleared = stub.ClearNamespace(pb.ClearNamespaceRequest(namespace_id=a.namespace_id), timeout=20)
                 assert cleared.removed == 8
                 grpc_events = _collect_through_cleared(stub, "fs")  # the chain clears the fs tier last
             assert kv.lookup(b, b_keys).prefix_hits == 4
-        decoder = ms.msgpack.Decoder(type=KVEventBatch)
-        events = [e for p in _zmq_replay(replay_port) for e in decoder.decode(p).events]
+        assert wait_for(lambda: blocks(BlockRemoved) == 2 * len(a_hashes))  # from RAM and from disk
+        batches = replay(replay_port)
+        events = [e for _, _, p in batches for e in decoder.decode(p).events]
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
     assert not [e for e in events if isinstance(e, AllBlocksCleared)]
     removed = {(e.medium, h) for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes}
-    assert removed == {(medium, k) for medium in ("CPU", "STORAGE") for k in a_keys}
+    assert removed == {(medium, h) for medium in ("CPU", "STORAGE") for h in a_hashes}
+    # One topic per model, in llm-d's shape.
+    assert {t for t, _, _ in batches} == {f"kv@node-1@{ns_name}/a".encode(), f"kv@node-1@{ns_name}/b".encode()}
     # A router applying vLLM's semantics still knows every block of B, on both media.
     known = set()
     for e in events:
@@ -249,7 +244,7 @@ def test_clear_namespace_reaches_zmq_routers_as_its_keys_removed_only(daemon_fac
             known |= {(e.medium, h) for h in e.block_hashes}
         else:
             known -= {(e.medium, h) for h in e.block_hashes}
-    assert known == {(medium, k) for medium in ("CPU", "STORAGE") for k in b_keys}
+    assert known == {(medium, h) for medium in ("CPU", "STORAGE") for h in b_hashes}
     # gRPC watchers, which track namespaces, still get one CLEARED per tier for A.
     assert sorted((e.tier, e.namespace_id) for e in grpc_events if e.type == pb.EVENT_TYPE_CLEARED) == [
         ("fs", a.namespace_id),
@@ -290,3 +285,23 @@ def test_watch_from_a_seq_no_longer_buffered_ends_out_of_range(daemon_factory, n
         events = _collect(stub, from_seq=5, count=4)  # the oldest still buffered: nothing lost
     assert [e.seq for e in events] == [5, 6, 7, 8]
     assert [k for e in events for k in e.keys] == keys[4:]
+
+
+def test_a_store_with_a_malformed_block_identity_is_refused_and_stores_nothing(daemon_factory, ns_name):
+    d = daemon_factory(["--events-zmq-endpoint", f"tcp://127.0.0.1:{free_port()}"])
+    keys = make_keys("bad-identity", 2)
+    _, identities = prompt_identities("bad-identity", 2)
+    bad = identities[0].to_pb()
+    del bad.token_ids[-1]  # one token short of block_size x blocks
+    with raw(d.socket) as conn:
+        ns_id = conn.register(ns_name, CHUNK)
+        for blocks, problem in (([bad, identities[1].to_pb()], "token_ids"), ([bad], "one per key")):
+            request = pb.ReserveRequest(session_id=conn.session_id, namespace_id=ns_id, keys=keys, blocks=blocks)
+            err = rpc_error(conn.call, "Reserve", request)
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert problem in err.details()
+    with d.client() as kv:
+        ns = kv.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
+        assert ns.namespace_id == ns_id
+        assert kv.lookup(ns, keys).prefix_hits == 0
+        assert kv.store(ns, keys, payloads(keys, CHUNK), blocks=identities).stored == 2  # still serving

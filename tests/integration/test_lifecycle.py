@@ -277,7 +277,8 @@ def test_a_busy_port_is_one_clear_line_and_exit_1(daemon_factory, option):
     busy.bind(("127.0.0.1", 0))
     busy.listen(1)
     port = busy.getsockname()[1]
-    address = f"127.0.0.1:{port}" if option == "--tcp-listen" else f"tcp://127.0.0.1:{port}"
+    # (a ZMQ endpoint binds only with a wildcard; on the busy port it fails before listening)
+    address = f"127.0.0.1:{port}" if option == "--tcp-listen" else f"tcp://*:{port}"
     d = daemon_factory(start=False)
     try:
         d.spawn([option, address])

@@ -26,6 +26,7 @@ from kvstored_client.session import PoolSession, connect
 from tests.support.daemon import REPO_ROOT, clean_env
 from tests.support.data import make_keys, payloads
 from tests.support.wait import wait_for
+from tests.support.zmq_events import prompt_identities
 
 CHUNK = 64 << 10
 SALT_A = b"tenant-a-secret"
@@ -249,34 +250,31 @@ def _free_port() -> int:
 @pytest.mark.parametrize("tenants_on_zmq", [False, True])
 def test_zmq_publishes_tenant_events_only_when_asked(daemon_factory, ns_name, tenants_on_zmq):
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)  # the router binds; the daemon's publisher connects to it
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.bind(endpoint)
     args = ["--events-zmq-endpoint", endpoint]
     if tenants_on_zmq:
         args += ["--events-zmq-tenants", "true"]
     d = daemon_factory(args)
-    ctx = zmq.Context.instance()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(endpoint)
     try:
         with d.client() as kv:
             ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK, tenant_salt=SALT_A)
             public = kv.register_namespace(model=ns_name + "/public", dtype="u8", chunk_bytes=CHUNK)
-            warm = make_keys("zmq-warm", 1)
-            # A slow joiner misses the first messages: store public chunks until one arrives.
-            assert wait_for(
-                lambda: (kv.store(public, warm, payloads(warm, CHUNK)), kv.delete(public, warm), sub.poll(100))[-1],
-                timeout=30,
-            )
             tenant_keys, marker = make_keys("zmq-tenant", 2), make_keys("zmq-marker", 1)
-            kv.store(ns, tenant_keys, payloads(tenant_keys, CHUNK))
-            kv.store(public, marker, payloads(marker, CHUNK))
-            hashes: set[bytes] = set()
-            while marker[0] not in hashes:
+            _, tenant_ids = prompt_identities("zmq-tenant", 2)
+            _, marker_ids = prompt_identities("zmq-marker", 1)
+            kv.store(ns, tenant_keys, payloads(tenant_keys, CHUNK), blocks=tenant_ids)
+            kv.store(public, marker, payloads(marker, CHUNK), blocks=marker_ids)
+            hashes: set[int] = set()
+            # batches are held until the router has subscribed: none is missed
+            while marker_ids[0].block_hashes[0] not in hashes:
                 assert sub.poll(20_000), "no ZMQ event"
                 _topic, _seq, payload = sub.recv_multipart()
                 for event in msgpack.unpackb(payload)[1]:
-                    hashes.update(event["block_hashes"] if isinstance(event, dict) else event[1])
-            assert bool(set(tenant_keys) & hashes) is tenants_on_zmq
+                    hashes.update(event["block_hashes"])
+            assert bool({h for i in tenant_ids for h in i.block_hashes} & hashes) is tenants_on_zmq
     finally:
         sub.close(linger=0)
 

@@ -10,8 +10,9 @@ import socket
 import zmq
 
 from kvstored.chunks.ids import TierKind
-from kvstored.events.bus import Cause, EventBus, EventEncoding, EventType
-from kvstored.events.zmq_publisher import END_SEQ, ZmqEventPublisher
+from kvstored.events.bus import Cause, EventBus, EventType
+from kvstored.events.identity import BlockIdentity, IdentityBook
+from kvstored.events.zmq_publisher import END_SEQ, ZmqEventPublisher, ZmqSettings
 
 NS = "0123456789abcdef0123456789abcdef"
 BATCHES = 10_000  # the default events_buffer
@@ -25,8 +26,8 @@ def _tcp_endpoint() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-def _publish_stored(bus: EventBus, count: int, keys_per_event: int = 1) -> None:
-    for i in range(count):
+def _publish_stored(bus: EventBus, count: int, keys_per_event: int = 1, first: int = 0) -> None:
+    for i in range(first, first + count):
         keys = [(i * keys_per_event + j).to_bytes(32, "big") for j in range(keys_per_event)]
         bus.publish(EventType.STORED, Cause.WRITTEN_DOWN, "fs", TierKind.FS, [(NS, k) for k in keys])
 
@@ -47,14 +48,14 @@ def test_subscriber_is_cut_off_before_more_events_wait_than_the_buffer_keeps():
 
 
 def _replay_to_late_reader(endpoint: str) -> tuple[list[int], bool]:
-    """Ask for a replay from seq 1 and read it only once the daemon has handed all of it to ZMQ;
+    """Ask for a replay from seq 0 and read it only once the daemon has handed all of it to ZMQ;
     returns the seqs received and whether the end marker came."""
     ctx = zmq.Context()
     try:
         late = ctx.socket(zmq.DEALER)
         late.RCVTIMEO = HANG_GUARD_MS
         late.connect(endpoint)
-        late.send_multipart([b"", (1).to_bytes(8, "big")])
+        late.send_multipart([b"", (0).to_bytes(8, "big")])
         assert late.poll(HANG_GUARD_MS, zmq.POLLIN), "the replay never started"  # started, nothing read
         # Requests are answered one after the other: once a second one is, the first replay
         # has been sent in full, while `late` has read none of it.
@@ -79,16 +80,26 @@ def _replay_to_late_reader(endpoint: str) -> tuple[list[int], bool]:
 async def test_zmq_replay_of_a_full_buffer_reaches_a_reader_that_starts_late():
     replay_endpoint = _tcp_endpoint()
     bus = EventBus(BATCHES)
-    publisher = ZmqEventPublisher(_tcp_endpoint(), replay_endpoint, "kv", EventEncoding.MAP, lambda ns: 16, BATCHES)
+    identities = IdentityBook(pending_limit=BATCHES * KEYS_PER_BATCH)
+    publisher = ZmqEventPublisher(
+        ZmqSettings(_tcp_endpoint(), replay_endpoint, "kv", buffer_batches=BATCHES, interval_s=3600),
+        identities,
+        lambda ns: "m",
+    )
     publisher.start()
     bus.add_listener(publisher)
+    identity = BlockIdentity.of([1, 2, 3, 4], None, list(range(64)), 16)
     try:
-        _publish_stored(bus, BATCHES, KEYS_PER_BATCH)
+        for i in range(BATCHES):  # one interval per event: one batch each
+            for j in range(KEYS_PER_BATCH):
+                identities.offer(NS, (i * KEYS_PER_BATCH + j).to_bytes(32, "big"), identity)
+            _publish_stored(bus, 1, KEYS_PER_BATCH, first=i)
+            publisher.flush()
         seqs, ended = await asyncio.to_thread(_replay_to_late_reader, replay_endpoint)
     finally:
         await publisher.close()
     assert (len(seqs), ended) == (BATCHES, True)
-    assert seqs == list(range(1, BATCHES + 1))
+    assert seqs == list(range(BATCHES))
 
 
 def test_a_removal_of_millions_of_keys_is_published_in_events_a_grpc_client_can_read():

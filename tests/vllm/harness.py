@@ -172,6 +172,11 @@ class Engine:
         with self.manager.lock:
             return list(self.manager.take_events())
 
+    def tier_events(self) -> list:
+        """The events of the (first) secondary tier alone."""
+        with self.manager.lock:
+            return list(self.tier.take_events())
+
     def stats(self):
         with self.manager.lock:
             return self.manager.get_stats()

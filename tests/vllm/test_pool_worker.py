@@ -164,3 +164,34 @@ def test_no_copy_into_slots_granted_to_a_session_that_ended(own_daemon):
             assert (out == 1).all(), "the ended session's copy overwrote another writer's chunk"
     finally:
         engine.close()
+
+
+def test_a_store_with_block_identities_reaches_routers(own_daemon):
+    """The direct spec's path (Reserve, copy, Commit) hands the daemon the identities the
+    scheduler put in the store spec; the daemon publishes them as BlockStored."""
+    from kvstored_client import chunk_identities
+    from tests.support.wait import wait_for
+    from tests.support.zmq_events import events_of, free_port, replay
+
+    replay_port = free_port()
+    daemon = own_daemon(cpu_bytes="16MiB").start(
+        [
+            "--events-zmq-endpoint",
+            f"tcp://127.0.0.1:{free_port()}",
+            "--events-zmq-replay-endpoint",
+            f"tcp://127.0.0.1:{replay_port}",
+        ]
+    )
+    engine, ns = make_engine(daemon)
+    tokens = list(range(2 * BPC * 16))
+    identities = chunk_identities([1000 + b for b in range(2 * BPC)], tokens, 16, BPC)
+    try:
+        engine.submit_store(3, np.arange(2 * BPC), [2 * BPC], [0], ns, keys("routed", 2), identities)
+        until(lambda: not engine.has_pending_work(), engine)
+        assert wait_for(lambda: len(events_of(replay(replay_port))) == 2)
+    finally:
+        engine.close()
+    events = events_of(replay(replay_port))
+    assert [e["block_hashes"] for e in events] == [[1000, 1001, 1002, 1003], [1004, 1005, 1006, 1007]]
+    assert [e["parent_block_hash"] for e in events] == [None, 1003]
+    assert [t for e in events for t in e["token_ids"]] == tokens

@@ -63,10 +63,12 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from kvstored_client.blocks import BlockIdentity
 from kvstored_client.ops import NamespaceSpec
 from kvstored_client.paths import default_socket_path
 from kvstored_client.vllm.blockcopy import ChunkExtents, KVLayout, LayerRef
 from kvstored_client.vllm.driver import DaemonLink, LinkOptions, LinkState, arena_key, outcome
+from kvstored_client.vllm.identity import IdentitySource
 from kvstored_client.vllm.lookups import LookupBatcher, ProbeKey
 from kvstored_client.vllm.namespace import (
     SHA256_OFFLOAD_KEY_BYTES,
@@ -95,11 +97,13 @@ class DirectMetrics:
 
 
 class KvstoredStoreSpec(LoadStoreSpec):
-    """Chunks to store: their keys (each worker appends its rank) and the request's cache salt."""
+    """Chunks to store: their keys (each worker appends its rank), the request's cache salt, and
+    their block identities for the daemon's KV events (empty: none; see identity.py)."""
 
-    def __init__(self, keys: Sequence[bytes], cache_salt: bytes) -> None:
+    def __init__(self, keys: Sequence[bytes], cache_salt: bytes, blocks: Sequence[BlockIdentity | None] = ()) -> None:
         self.keys = keys
         self.cache_salt = cache_salt
+        self.blocks = blocks
 
     def __repr__(self) -> str:
         return f"KvstoredStoreSpec({len(self.keys)} chunks)"
@@ -245,7 +249,13 @@ class KvstoredDirectManager(OffloadingManager):
         self._to_release: list[tuple[int, int]] = []  # (session epoch, handle)
         self._releases: list[grpc.Future] = []
         self._stats = OffloadingConnectorStats()
+        self._identities: IdentitySource | None = None
         self._link.settle(spec.connect_timeout_s, (self._namespaces.id_for(SHA256_OFFLOAD_KEY_BYTES),))
+
+    def use_identities(self, source: IdentitySource) -> None:
+        """Hand each stored chunk's block identity (vLLM's tracker, identity.py) to the workers,
+        which send it with the store."""
+        self._identities = source
 
     @property
     def connected(self) -> bool:
@@ -327,7 +337,11 @@ class KvstoredDirectManager(OffloadingManager):
         to_store = [k for k in keys if (self._namespace_of(k, req_context), k) not in self._leases]
         return PrepareStoreOutput(
             keys_to_store=to_store,
-            store_spec=KvstoredStoreSpec(to_store, self._namespaces.salt_of(req_context)),
+            store_spec=KvstoredStoreSpec(
+                to_store,
+                self._namespaces.salt_of(req_context),
+                [self._identities(k) for k in to_store] if self._identities is not None else (),
+            ),
             evicted_keys=[],
         )
 
@@ -505,8 +519,10 @@ class KvstoredOffloadingWorker(OffloadingWorker):
         ns_spec = self._spec.namespace_spec(len(dst_spec.keys[0]), dst_spec.cache_salt)
         namespace_id = self._engine.link.namespace(ns_spec)
         keys = [part_key(k, self._spec.rank, self._spec.world_size) for k in dst_spec.keys]
+        # Rank 0's parts alone carry the identity: routers hear of each engine block once.
+        blocks = dst_spec.blocks if self._spec.rank == 0 else ()
         self._engine.submit_store(
-            job_id, src_spec.block_ids, src_spec.group_sizes, src_spec.block_indices, namespace_id, keys
+            job_id, src_spec.block_ids, src_spec.group_sizes, src_spec.block_indices, namespace_id, keys, blocks
         )
         return True
 

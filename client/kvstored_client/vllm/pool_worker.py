@@ -34,6 +34,8 @@ import grpc
 import numpy as np
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from kvstored_client.blocks import BlockIdentity
+from kvstored_client.blocks import to_pb as blocks_pb
 from kvstored_client.vllm.blockcopy import ChunkExtents, Copies, CudaRuntime, KVLayout, MappedPool, run_copies_cpu
 from kvstored_client.vllm.driver import DaemonLink, LinkOptions, LinkState, arena_key, outcome
 
@@ -58,6 +60,7 @@ class _Store:
     keys: list[bytes]
     submitted: float
     deadline: float
+    blocks: Sequence[BlockIdentity | None] = ()  # block identities for the daemon's KV events
     ready_event: Any = None  # CUDA event on the compute stream at submit time
     reserve: Any = None  # grpc future
     epoch: int = 0  # the link's session when Reserve was sent: its handles die with it
@@ -129,6 +132,7 @@ class PoolTransferEngine:
         block_indices: Sequence[int],
         namespace_id: str,
         keys: list[bytes],
+        blocks: Sequence[BlockIdentity | None] = (),
     ) -> None:
         now = time.monotonic()
         if not keys:
@@ -143,6 +147,7 @@ class PoolTransferEngine:
             keys,
             now,
             now + self._store_timeout_s,
+            blocks,
         )
         if self.cuda is not None:
             import torch
@@ -158,7 +163,10 @@ class PoolTransferEngine:
         if job.reserve is None:
             if self.link.ready and self.link.pool_id in self.pools and self.link.namespace_ready(job.namespace_id):
                 request = pb.ReserveRequest(
-                    session_id=self.link.session_id, namespace_id=job.namespace_id, keys=job.keys
+                    session_id=self.link.session_id,
+                    namespace_id=job.namespace_id,
+                    keys=job.keys,
+                    blocks=blocks_pb(job.blocks, len(job.keys)),
                 )
                 job.reserve = self.link.call("Reserve", request)
                 job.pool_id, job.epoch = self.link.pool_id, self.link.epoch

@@ -60,9 +60,11 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from kvstored_client.blocks import to_pb as blocks_pb
 from kvstored_client.kinds import DropReason
 from kvstored_client.paths import default_socket_path
 from kvstored_client.vllm.driver import DaemonLink, LinkOptions, LinkState, Outcome, outcome
+from kvstored_client.vllm.identity import IdentitySource
 from kvstored_client.vllm.lookups import LookupBatcher
 from kvstored_client.vllm.namespace import (
     SHA256_OFFLOAD_KEY_BYTES,
@@ -73,6 +75,7 @@ from kvstored_client.vllm.namespace import (
 )
 from kvstored_client.vllm.plugin import SOCKET_OPTION, socket_option
 from kvstored_client.vllm.region import RegionNotShareable, region_file
+from kvstored_client.vllm.removals import RemovalWatch
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -172,6 +175,7 @@ class KvstoredTierManager(SecondaryTierManager):
         self._rpc_chunks = max(1, min(int(transfer_chunks_per_rpc), self._max_batch_keys))
         self._layout = layout_info(offloading_spec, TIER_ROW_FORMAT, parallel_agnostic=True)
 
+        self._identities: IdentitySource | None = None  # see use_identities
         self.events: list[OffloadingEvent] | None = None
         if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events:
             self.events = []
@@ -211,14 +215,31 @@ class KvstoredTierManager(SecondaryTierManager):
         self._stats = OffloadingConnectorStats()
         self._label = (tier_type,)
         self._sessions_reported = 0
+        self._stored_namespaces: set[str] = set()
+        # The daemon's evictions, reported to vLLM (only where the tier reports stores).
+        self._removals: RemovalWatch | None = None
+        if self.events is not None and self._region_fd is not None:
+            self._removals = RemovalWatch(
+                self._link.socket_path, lambda: self._link.session_id, lambda: self._stored_namespaces
+            )
         if self._region_fd is not None:
             # Start-up (not a scheduler step): wait briefly so the first requests find the session up.
             self._link.settle(float(connect_timeout_s), (self._namespaces.id_for(key_bytes),))
+            self._start_removals()
+
+    def _start_removals(self) -> None:
+        if self._removals is not None and self._link.ready:
+            self._removals.start()
 
     @property
     def connected(self) -> bool:
         """Whether the session with the daemon is up (as of the last poll)."""
         return self._link.ready
+
+    def use_identities(self, source: IdentitySource) -> None:
+        """Send each stored chunk's block identity (from vLLM's events tracker, see
+        identity.py) with the store, so the daemon's KV events name its engine blocks."""
+        self._identities = source
 
     # -- vLLM API: lookups --------------------------------------------------------------------
 
@@ -249,6 +270,7 @@ class KvstoredTierManager(SecondaryTierManager):
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         """Once per step: advance the link, collect answers, send this step's lookup batch."""
         self._link.poll()
+        self._start_removals()
         self._collect_lookups()
         self._flush_lookups()
         self._pump()
@@ -322,6 +344,10 @@ class KvstoredTierManager(SecondaryTierManager):
 
     @override
     def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._removals is not None and self.events is not None:
+            gone = [OffloadKey(key) for _, key in self._removals.take_gone()]
+            if gone:
+                self.events.append(OffloadingEvent(keys=gone, medium=self.medium, removed=True, locality=self.locality))
         if self.events:
             events, self.events = self.events, []
             yield from events
@@ -334,6 +360,8 @@ class KvstoredTierManager(SecondaryTierManager):
         for call in self._lookups:
             call.future.cancel()
         self._lookups.clear()
+        if self._removals is not None:
+            self._removals.close()
         self._link.close()
         if self._region_fd is not None:
             os.close(self._region_fd)
@@ -474,6 +502,8 @@ class KvstoredTierManager(SecondaryTierManager):
         if keys and self._region_fd is not None:
             namespace_id = self._namespace_of(keys[0], job.req_context)
         transfer = _Transfer(job.job_id, is_load, namespace_id or "", keys, offsets, time.monotonic())
+        if namespace_id is not None and not is_load:
+            self._stored_namespaces.add(namespace_id)
         if namespace_id is None:
             if is_load:
                 self._fail_transfer(transfer, "tier disabled")
@@ -504,12 +534,17 @@ class KvstoredTierManager(SecondaryTierManager):
         transfer.started_at = now
         for start in range(0, len(transfer.keys), self._rpc_chunks):
             end = start + self._rpc_chunks
+            keys = transfer.keys[start:end]
+            blocks = []
+            if self._identities is not None and not transfer.is_load:
+                blocks = blocks_pb([self._identities(k) for k in keys], len(keys))
             request = pb.RegionTransferRequest(
                 session_id=self._link.session_id,
                 namespace_id=transfer.namespace_id,
                 region_id=self._link.region_id,
-                keys=transfer.keys[start:end],
+                keys=keys,
                 offsets=transfer.offsets[start:end],
+                blocks=blocks,
             )
             # No deadline: see the module docstring (a started transfer ends when the daemon answers or dies).
             transfer.futures.append((self._link.call(method, request), start))
@@ -544,14 +579,19 @@ class KvstoredTierManager(SecondaryTierManager):
                 held += batch
             self._count_daemon_drops(response)
         # Routers hear of every chunk the daemon now holds, even when part of the job was dropped.
+        # No ownership: routers (Dynamo) drop events that carry one. removal_expected: the tier
+        # reports the daemon's evictions (removals.py), so vLLM's tracker keeps the chunk's
+        # identity until then.
         if held and self.events is not None:
+            if self._removals is not None:
+                self._removals.reported(transfer.namespace_id, held)
             self.events.append(
                 OffloadingEvent(
                     keys=held,
                     medium=self.medium,
                     removed=False,
                     locality=self.locality,
-                    ownership=self.tier_type,
+                    removal_expected=self._removals is not None,
                 )
             )
         self._finished.append(

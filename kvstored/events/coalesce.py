@@ -1,0 +1,86 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
+"""Net presence changes per interval: what a follower of this node must learn, no more.
+
+The bus reports every step (a store, a write-down, an eviction, a promotion back up); a router
+or a peer following the node only needs, per interval, which chunks appeared at or left a
+place. A *place* is whatever the follower distinguishes: the ZMQ publisher uses (medium,
+locality), so a chunk on both fs and S3 is one STORAGE place each; a peer stream can use the
+tier itself. Several tiers may share a place: a chunk leaves a place when the last of them
+drops it. A chunk stored and evicted within one interval yields nothing at all.
+
+Bookkeeping only (no I/O, no clock): the owner calls add() from a bus listener and take() on
+its own timer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from kvstored.events.bus import EventType, KvEvent
+
+Place = TypeVar("Place", bound=Hashable)
+
+
+@dataclass(frozen=True, slots=True)
+class Change(Generic[Place]):
+    namespace_id: str
+    key: bytes
+    place: Place
+    present: bool  # True: now held at `place`; False: gone from it
+
+
+class Coalescer(Generic[Place]):
+    def __init__(self, place_of: Callable[[KvEvent], Place | None]) -> None:
+        """place_of: the place an event's tier counts as, or None for tiers the follower ignores."""
+        self._place_of = place_of
+        self._holders: dict[tuple[str, bytes, Place], set[str]] = {}  # the tiers holding it now
+        # Touched since the last take, with whether it was present then (insertion order: the
+        # order of the calls, so a prefix stored chunk by chunk comes out parent first).
+        self._dirty: dict[tuple[str, bytes, Place], bool] = {}
+
+    def add(self, event: KvEvent) -> None:
+        # CLEARED needs nothing: the chain publishes a cleared namespace's keys as REMOVED first.
+        if event.type is EventType.CLEARED:
+            return
+        place = self._place_of(event)
+        if place is None:
+            return
+        stored = event.type is EventType.STORED
+        for key in event.keys:
+            entry = (event.namespace_id, key, place)
+            holders = self._holders.get(entry)
+            self._dirty.setdefault(entry, holders is not None)
+            if stored:
+                if holders is None:
+                    self._holders[entry] = {event.tier}
+                else:
+                    holders.add(event.tier)
+            elif holders is not None:
+                holders.discard(event.tier)
+                if not holders:
+                    del self._holders[entry]
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._dirty)
+
+    def take(self) -> list[Change[Place]]:
+        """The net changes since the last take, in the order they were first touched."""
+        changes = []
+        for (ns, key, place), was in self._dirty.items():
+            now = (ns, key, place) in self._holders
+            if now != was:
+                changes.append(Change(ns, key, place, now))
+        self._dirty.clear()
+        return changes
+
+    def holds(self, namespace_id: str, key: bytes, places: tuple[Place, ...]) -> bool:
+        return any((namespace_id, key, p) in self._holders for p in places)
+
+    def held(self) -> Iterator[tuple[str, bytes, Place]]:
+        """Everything held now (a snapshot for a follower that lost track; take() first so the
+        snapshot and the changes already sent agree)."""
+        return iter(list(self._holders))
