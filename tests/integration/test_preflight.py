@@ -155,3 +155,15 @@ def test_a_read_only_root_is_exit_2_before_populating(daemon_factory):
         assert f"cannot start tier 'fs': root {root} is not writable: Read-only file system" in error, error
     finally:
         subprocess.run(["umount", str(root)], check=False)
+
+
+def test_an_events_endpoint_that_connects_to_a_local_router_is_not_a_listener(daemon_factory, busy_port):
+    """`tcp://HOST:PORT` connects (vLLM's rule): a router bound on this host is what it wants,
+    not a taken port; only `tcp://*:PORT` is checked as a listener."""
+    d = daemon_factory(["--events-zmq-endpoint", f"tcp://127.0.0.1:{busy_port}"], cpu_bytes="64MiB")
+    assert "serving on" in d.log and f"events_zmq_endpoint 127.0.0.1:{busy_port}" not in d.log, d.log
+    d.stop()
+    bound = daemon_factory(start=False, cpu_bytes=BIG_POOL)
+    bound.spawn(["--events-zmq-endpoint", f"tcp://*:{busy_port}"])
+    error = refused_before_populating(bound, 1)
+    assert f"cannot listen on tcp://:{busy_port} (events_zmq_endpoint)" in error, error
