@@ -404,8 +404,8 @@ class Config:
     events_zmq_endpoint: str = field(
         default="",
         metadata=_opt(
-            "publish KV events on this ZMQ PUB endpoint in vLLM's wire format, "
-            "e.g. tcp://127.0.0.1:5557 (default: off)",
+            "publish KV events on this ZMQ PUB endpoint in vLLM's wire format: tcp://*:5557 or "
+            "ipc:// binds, tcp://router:5557 connects to a router that binds (default: off)",
             str,
             "ENDPOINT",
         ),

@@ -53,6 +53,7 @@ from kvstored.chunks.ids import TierKind
 from kvstored.errors import ListenError
 from kvstored.events.bus import EventEncoding, EventType, KvEvent
 from kvstored.events.coalesce import Change, Coalescer
+from kvstored.events.endpoints import is_bind_endpoint
 from kvstored.events.identity import BlockIdentity, IdentityBook
 
 log = logging.getLogger(__name__)
@@ -73,11 +74,6 @@ _EVENTS_PER_BATCH = 1024  # a resync of a large node is many batches, none too l
 
 def place_of(event: KvEvent) -> Place | None:
     return _PLACE.get(event.tier_kind)
-
-
-def is_bind_endpoint(endpoint: str) -> bool:
-    """vLLM's rule: bind wildcard and ipc/inproc endpoints, connect to the rest."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from kvstored.chain.lower import LowerTier
 from kvstored.config import Config, ConfigError
 from kvstored.errors import ListenError, TierStartError
-from kvstored.events.zmq_publisher import is_bind_endpoint
+from kvstored.events.endpoints import is_bind_endpoint
 from kvstored.io.ports import bind_problem, split_host_port
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def check_listeners(cfg: Config) -> tuple[str, ...]:
         host, port = split_host_port(address)
         problem = bind_problem(host, port)
         if problem is not None:
-            shown = f"tcp://{address}" if option.startswith("events_zmq") else address
+            shown = getattr(cfg, option) if option.startswith("events_zmq") else address  # as configured
             raise ListenError(f"cannot listen on {shown} ({option}): {problem}")
         checked.append(f"{option} {address}")
     return tuple(checked)

@@ -166,4 +166,4 @@ def test_an_events_endpoint_that_connects_to_a_local_router_is_not_a_listener(da
     bound = daemon_factory(start=False, cpu_bytes=BIG_POOL)
     bound.spawn(["--events-zmq-endpoint", f"tcp://*:{busy_port}"])
     error = refused_before_populating(bound, 1)
-    assert f"cannot listen on tcp://:{busy_port} (events_zmq_endpoint)" in error, error
+    assert f"cannot listen on tcp://*:{busy_port} (events_zmq_endpoint)" in error, error

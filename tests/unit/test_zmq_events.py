@@ -15,8 +15,9 @@ from kvstored.chunks.ids import TierKind
 from kvstored.config import ConfigError, load_config
 from kvstored.events.bus import Cause, EventBus, EventType
 from kvstored.events.coalesce import Change, Coalescer
+from kvstored.events.endpoints import is_bind_endpoint
 from kvstored.events.identity import BlockIdentity, IdentityBook
-from kvstored.events.zmq_publisher import END_SEQ, ZmqEventPublisher, ZmqSettings, is_bind_endpoint, place_of
+from kvstored.events.zmq_publisher import END_SEQ, ZmqEventPublisher, ZmqSettings, place_of
 from tests.support.zmq_events import free_port
 
 NS_A, NS_B = "a" * 32, "b" * 32
