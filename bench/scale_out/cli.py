@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("--ram-gib", "each node's RAM tier"),
         ("--fs-tib", "each node's fs tier (0: not indexed)"),
         ("--no-s3", "no S3 tier below the peers"),
+        ("--pack-bytes", "the S3 tier's pack_bytes (0: one object per chunk)"),
         ("--interval-s", "coalesced mesh, directory, router: one message per destination per interval"),
         ("--group-chunks", "directory: consecutive chunks of a chain owned together"),
         ("--replicas", "directory: owners per chunk group"),
@@ -125,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         **result,
         "s3": {
             "puts_per_s_per_node": puts,
-            "in_flight_puts": puts * costs.s3_put_s,
+            "in_flight_puts": puts * costs.s3_put_s * fleet.chunks_per_put,  # a pack's PUT: its chunks' bytes
             "prefixes_at_1000": math.ceil(puts * 1000 / S3_PREFIX_PUTS_PER_S),
             "usd_per_month_at_1000": 1000 * puts * fleet.put_usd_per_1k / 1000 * SECONDS_PER_MONTH,
         },

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.lib.report import GIB, MIB, REPO
+from kvstored.chunks.chunkfile import HEADER_BYTES
 
 DEFAULT_CALIBRATION = REPO / "docs" / "scale-out-calibration.json"
 SECONDS_PER_MONTH = 30 * 86_400
@@ -39,12 +40,17 @@ class Fleet:
     ram_bytes: int = 100 * GIB  # what each node's peers may fetch from: its RAM tier ...
     fs_bytes: int = 2 << 40  # ... and its fs tier
     s3_tier: bool = True  # RAM -> fs -> peer -> s3: every write-down also goes to S3 (a PUT, and an event)
+    pack_bytes: int = 32 * MIB  # the S3 tier's packs: chunks per PUT (0: one object per chunk)
     interval_s: float = 0.1  # coalesced mesh, directory, router: one message per destination per interval
     group_chunks: int = 32  # directory: consecutive chunks of a chain owned together
     replicas: int = 1  # directory: owners per group
     routers: int = 1  # router: router instances each node publishes to
     put_usd_per_1k: float = 0.005  # S3 Standard, us-east-1 list price (PUT, COPY, POST, LIST)
     get_usd_per_1k: float = 0.0004  # S3 Standard, us-east-1 list price (GET, SELECT)
+
+    @property
+    def chunks_per_put(self) -> int:  # (a pack's records carry a chunk file header each)
+        return max(1, self.pack_bytes // (self.chunk_bytes + HEADER_BYTES))
 
     @property
     def new_tokens_per_turn(self) -> float:
@@ -181,6 +187,6 @@ class Rates:
             groups_changed_per_s=net / run,
             lookup_groups_per_turn=math.ceil(looked_up / f.group_chunks),
             chunks_held=(f.ram_bytes + f.fs_bytes) / f.chunk_bytes,
-            s3_puts_per_s=lives if f.s3_tier else 0.0,  # every write-down goes to fs and S3 (a fetched chunk too)
+            s3_puts_per_s=lives / f.chunks_per_put if f.s3_tier else 0.0,  # every write-down goes to fs and S3
             s3_base_gets_per_s=reads * f.s3_read_share if f.s3_tier else 0.0,
         )

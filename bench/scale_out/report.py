@@ -23,6 +23,7 @@ from bench.scale_out.fleet import (
     Fleet,
     Rates,
 )
+from kvstored.tiers.config import S3TierConfig
 
 
 def run(model: Model, nodes: Sequence[int], max_nodes: int) -> dict[str, Any]:
@@ -127,7 +128,8 @@ def basis(f: Fleet, r: Rates, c: Costs) -> list[tuple[str, str, str]]:
             "S3",
             f"{r.s3_puts_per_s:,.0f} PUT/s, {r.s3_base_gets_per_s:,.1f} GET/s (+ cross-node reads the index "
             "cannot place)",
-            "every chunk leaving RAM is written to fs and S3 (stored and fetched ones); "
+            f"every chunk leaving RAM is written to fs and S3 (stored and fetched ones), {f.chunks_per_put} "
+            "per PUT (--pack-bytes; a shared bucket's polls not counted); "
             f"${f.put_usd_per_1k:g} per 1k PUT, ${f.get_usd_per_1k:g} per 1k GET (S3 Standard, us-east-1 list prices; "
             "--put-usd-per-1k, --get-usd-per-1k)",
         ),
@@ -155,7 +157,7 @@ def print_report(doc: dict[str, Any], model: Model) -> None:
     print_aligned(
         [["figure", "value", "basis"], *[list(b) for b in basis(model.fleet, model.rates, model.costs)]], right=set()
     )
-    c = model.costs
+    c, f = model.costs, model.fleet
     print("\nmeasured costs used:")
     print_aligned(
         [
@@ -239,7 +241,8 @@ def print_report(doc: dict[str, Any], model: Model) -> None:
     s3 = doc["s3"]
     print(
         f"\nS3: {s3['puts_per_s_per_node']:,.0f} PUT/s per node ({s3['in_flight_puts']:.1f} in flight at "
-        f"{c.s3_put_s * 1e3:.1f} ms each, the S3 tier keeps {S3_TIER_CONCURRENCY}); at 1,000 nodes "
+        f"{c.s3_put_s * 1e3 * f.chunks_per_put:.1f} ms each, the S3 tier keeps "
+        f"{S3TierConfig.pack_uploads if f.pack_bytes else S3_TIER_CONCURRENCY}); at 1,000 nodes "
         f"{s3['puts_per_s_per_node'] * 1000:,.0f} PUT/s need >= {s3['prefixes_at_1000']} partitioned prefixes "
         f"({S3_PREFIX_PUTS_PER_S:,} PUT/s each) and cost ${s3['usd_per_month_at_1000']:,.0f}/month in requests"
     )

@@ -111,6 +111,13 @@ class ChainPolicy:
     staging_bytes: int = 64 << 20  # region loads past a full RAM read through it (0: they promote, evicting)
 
 
+_EVENT_CAUSE = {
+    RemovalCause.EVICTED: Cause.EVICTED,
+    RemovalCause.CORRUPT: Cause.CORRUPT,
+    RemovalCause.DELETED: Cause.DELETED,
+}
+
+
 class TierChain:
     def __init__(
         self,
@@ -153,8 +160,7 @@ class TierChain:
             lower_tier.tier.removal_listener = self._tier_removed
 
     def _tier_removed(self, tier: SecondaryTier, chunk: ChunkId, cause: RemovalCause) -> None:
-        event_cause = Cause.CORRUPT if cause is RemovalCause.CORRUPT else Cause.EVICTED
-        self.events.publish(EventType.REMOVED, event_cause, tier.name, tier.kind, [chunk])
+        self.events.publish(EventType.REMOVED, _EVENT_CAUSE[cause], tier.name, tier.kind, [chunk])
 
     def _publish_ram(self, type: EventType, cause: Cause, chunks: Sequence[ChunkId]) -> None:
         if chunks:

@@ -18,3 +18,4 @@ class RemovalCause(enum.Enum):
 
     EVICTED = enum.auto()  # the tier's own capacity bound
     CORRUPT = enum.auto()  # failed verification
+    DELETED = enum.auto()  # deleted through another daemon sharing the store

@@ -12,8 +12,10 @@ Pack names sort by the time they were written (milliseconds since the epoch, hex
 so a reader can list only the packs newer than a point in time (ListObjectsV2 StartAfter).
 
 A manifest announces the packs one daemon wrote lately: for each, its name, size, creation time
-and its index exactly as the pack ends (index block and trailer), then a trailer of its own
-(magic, count, crc32 of everything before). One GET of a manifest stands for one GET per pack.
+and its index exactly as the pack ends (index block and trailer); then the chunks that daemon
+deleted from packs lately (each pack's name, then its chunks, as its tombstones name them); then a
+trailer of its own (magic, pack count, crc32 of everything before). One GET of a manifest stands
+for one GET per pack, and tells the daemons running on the bucket what was deleted.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ MANIFEST_SUFFIX = ".kvm"
 _NAME = re.compile(r"^([0-9a-f]{12})-([0-9a-f]{8})-([0-9a-f]{8})(\.kvp|\.kvm)$")
 _MANIFEST_ITEM = struct.Struct("<HQQI")  # name_len, pack size, created_ms, index_len; name, index
 _MANIFEST_TRAILER = struct.Struct("<8sII")  # magic, count, crc32 of the items
-MANIFEST_MAGIC = b"KVSMANI1"
+_MANIFEST_DELETES = struct.Struct("<HI")  # name_len, chunk count; name, then tombstone items
+MANIFEST_MAGIC = b"KVSMANI2"
+MANIFEST_MAGIC_V1 = b"KVSMANI1"  # packs only (still read)
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest names a few seconds of one daemon's packs
 
 
@@ -97,26 +101,39 @@ class Announced:
     entries: list[PackEntry]
 
 
-def encode_manifest(packs: Sequence[tuple[str, int, int, bytes]]) -> bytes:
-    """(name, size, created_ms, the pack's last bytes: index block and trailer) of each pack."""
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    packs: list[Announced]
+    deleted: list[tuple[str, list[ChunkId]]]  # (pack name within PACKS_DIR, chunks deleted from it)
+
+
+def encode_manifest(
+    packs: Sequence[tuple[str, int, int, bytes]], deleted: Sequence[tuple[str, Sequence[ChunkId]]] = ()
+) -> bytes:
+    """(name, size, created_ms, the pack's last bytes: index block and trailer) of each pack, then
+    (pack name, chunks) of each pack chunks were deleted from."""
     parts = []
     for name, size, created_ms, index in packs:
         raw = name.encode()
         parts.append(_MANIFEST_ITEM.pack(len(raw), size, created_ms, len(index)) + raw + index)
+    for name, chunks in deleted:
+        raw = name.encode()
+        parts.append(_MANIFEST_DELETES.pack(len(raw), len(chunks)) + raw + _tomb_items(chunks))
     body = b"".join(parts)
     return body + _MANIFEST_TRAILER.pack(MANIFEST_MAGIC, len(packs), zlib.crc32(body))
 
 
-def decode_manifest(data: bytes | memoryview) -> list[Announced]:
-    """The packs a manifest names, each index checked as decode_index does; CorruptPack if not."""
+def decode_manifest(data: bytes | memoryview) -> Manifest:
+    """The packs a manifest names, each index checked as decode_index does, and the chunks it
+    says were deleted; CorruptPack if it does not hold together."""
     raw = memoryview(data)
     if len(raw) < _MANIFEST_TRAILER.size:
         raise CorruptPack("manifest too short")
     magic, count, crc = _MANIFEST_TRAILER.unpack_from(raw, len(raw) - _MANIFEST_TRAILER.size)
     body = raw[: len(raw) - _MANIFEST_TRAILER.size]
-    if magic != MANIFEST_MAGIC or zlib.crc32(body) != crc:
+    if magic not in (MANIFEST_MAGIC, MANIFEST_MAGIC_V1) or zlib.crc32(body) != crc:
         raise CorruptPack("manifest damaged (magic or checksum)")
-    out, pos = [], 0
+    packs, pos = [], 0
     for _ in range(count):
         if pos + _MANIFEST_ITEM.size > len(body):
             raise CorruptPack("manifest shorter than its count")
@@ -129,10 +146,21 @@ def decode_manifest(data: bytes | memoryview) -> list[Announced]:
         pos += name_len + index_len
         if isinstance(entries, NeedTail) or parse_pack_name(name) != created_ms:
             raise CorruptPack(f"manifest names {name!r} inconsistently")
-        out.append(Announced(name, size, created_ms, entries))
+        packs.append(Announced(name, size, created_ms, entries))
+    deleted = []
+    while pos < len(body) and magic == MANIFEST_MAGIC:
+        if pos + _MANIFEST_DELETES.size > len(body):
+            raise CorruptPack("manifest deletion runs past its end")
+        name_len, n = _MANIFEST_DELETES.unpack_from(body, pos)
+        pos += _MANIFEST_DELETES.size
+        name = bytes(body[pos : pos + name_len]).decode(errors="replace")
+        if pos + name_len > len(body) or parse_pack_name(name) is None:
+            raise CorruptPack(f"manifest deletion names {name!r}, not a pack")
+        chunks, pos = _read_tomb_items(body, pos + name_len, n)
+        deleted.append((name, chunks))
     if pos != len(body):
         raise CorruptPack("manifest longer than its items")
-    return out
+    return Manifest(packs, deleted)
 
 
 def time_marker(created_ms: int) -> str:
@@ -208,12 +236,31 @@ _TOMB_ITEM = struct.Struct("<HH")
 _TOMB_TRAILER = struct.Struct("<8sII")  # magic, count, crc32 of the items
 
 
-def encode_tombstone(chunks: Sequence[ChunkId]) -> bytes:
+def _tomb_items(chunks: Sequence[ChunkId]) -> bytes:
     parts = []
     for ns, key in chunks:
         raw = ns.encode()
         parts.append(_TOMB_ITEM.pack(len(raw), len(key)) + raw + key)
-    body = b"".join(parts)
+    return b"".join(parts)
+
+
+def _read_tomb_items(body: memoryview, pos: int, count: int) -> tuple[list[ChunkId], int]:
+    out = []
+    for _ in range(count):
+        if pos + _TOMB_ITEM.size > len(body):
+            raise CorruptPack("tombstone shorter than its count")
+        ns_len, key_len = _TOMB_ITEM.unpack_from(body, pos)
+        pos += _TOMB_ITEM.size
+        if pos + ns_len + key_len > len(body):
+            raise CorruptPack("tombstone item runs past its end")
+        ns = bytes(body[pos : pos + ns_len]).decode(errors="replace")
+        out.append((ns, bytes(body[pos + ns_len : pos + ns_len + key_len])))
+        pos += ns_len + key_len
+    return out, pos
+
+
+def encode_tombstone(chunks: Sequence[ChunkId]) -> bytes:
+    body = _tomb_items(chunks)
     return body + _TOMB_TRAILER.pack(TOMBSTONE_MAGIC, len(chunks), zlib.crc32(body))
 
 
@@ -225,15 +272,7 @@ def decode_tombstone(data: bytes | memoryview) -> list[ChunkId]:
     body = raw[: len(raw) - _TOMB_TRAILER.size]
     if magic != TOMBSTONE_MAGIC or zlib.crc32(body) != crc:
         raise CorruptPack("tombstone damaged (magic or checksum)")
-    out, pos = [], 0
-    for _ in range(count):
-        if pos + _TOMB_ITEM.size > len(body):
-            raise CorruptPack("tombstone shorter than its count")
-        ns_len, key_len = _TOMB_ITEM.unpack_from(body, pos)
-        pos += _TOMB_ITEM.size
-        if pos + ns_len + key_len > len(body):
-            raise CorruptPack("tombstone item runs past its end")
-        ns = bytes(body[pos : pos + ns_len]).decode(errors="replace")
-        out.append((ns, bytes(body[pos + ns_len : pos + ns_len + key_len])))
-        pos += ns_len + key_len
+    out, pos = _read_tomb_items(body, 0, count)
+    if pos != len(body):
+        raise CorruptPack("tombstone longer than its items")
     return out

@@ -9,7 +9,10 @@ the packs' last bytes. Running daemons sharing the bucket and prefix keep it cur
 `pack_poll_s`: each PUTs one small manifest naming the packs it wrote since the last one (with
 their indexes), and LISTs the manifests newer than the last one seen, one GET each; a pack no
 manifest announced within a few polls (its writer died, or does not poll) is read from its own
-last bytes. Manifests older than MANIFEST_TTL_MS are deleted by their writer.
+last bytes. A manifest also names the packed chunks its writer deleted since the last one, so
+the daemons running on the bucket stop serving them within a poll (the tombstone objects written
+at each delete are for the rebuild). Manifests older than MANIFEST_TTL_MS are deleted by their
+writer.
 
 A write returns once the chunk's record is in the open pack in memory (WRITTEN: the tier serves
 it from there until the PUT lands). At most `pack_uploads` packs are in flight and one is open, so
@@ -60,6 +63,8 @@ T = TypeVar("T")
 LIST_OVERLAP_MS = 60_000
 MANIFEST_TTL_MS = 2 * LIST_OVERLAP_MS  # past every reader's listing window
 MAX_UNANNOUNCED = 10_000  # packs awaiting a manifest; older ones are left to the orphan reads
+MAX_UNANNOUNCED_DELETES = 100_000  # chunks awaiting a manifest; older ones wait for a restart
+MAX_DEAD_PACKS = 10_000  # packs not indexed yet that deletions name
 GONE_LIMIT = 100_000  # names of packs this daemon dropped, never indexed again by a listing
 
 
@@ -119,6 +124,8 @@ class PackedS3Tier(S3Tier):
         self._tombs_prefix = f"{self.prefix}{packfile.TOMBSTONES_DIR}/"
         self._dead: dict[str, set[ChunkId]] = {}  # pack key -> chunks its tombstones name (rebuild)
         self._unannounced: list[tuple[str, int, int, bytes]] = []  # packs this daemon wrote since
+        self._unannounced_deletes: dict[str, list[ChunkId]] = {}  # pack name -> chunks deleted since
+        self._deletes_pending = 0  # chunks in _unannounced_deletes
         self._own_manifests: list[tuple[int, str]] = []  # (created_ms, key), oldest first
         self._seen_manifests: dict[str, int] = {}  # manifests read (or skipped) -> created_ms
         self._manifest_ms = int(time.time() * 1000)  # newest manifest listed (older packs: the rebuild)
@@ -299,9 +306,9 @@ class PackedS3Tier(S3Tier):
 
     async def remove(self, chunk: ChunkId) -> bool:
         """Stop serving the chunk. A packed record stays in its object until the pack expires or
-        has no live chunk left; a tombstone keeps a rebuild from serving it (daemons sharing the
-        bucket that are running already may still serve it until they restart). Raises
-        TierUnavailable when the tombstone could not be stored."""
+        has no live chunk left; a tombstone keeps a rebuild from serving it, and the next manifest
+        tells the daemons running on the bucket. Raises TierUnavailable when the tombstone could
+        not be stored."""
         removed = False
         pack = self._buffered.pop(chunk, None)
         if pack is not None:
@@ -314,20 +321,27 @@ class PackedS3Tier(S3Tier):
         if found is not None:
             removed = True
             emptied = self._packs.drop_chunk(chunk)
-            # the record stays in the pack: a tombstone keeps a rebuild from serving it again
-            stem = found[0].key[len(self._packs_prefix) : -len(packfile.PACK_SUFFIX)]
-            self._seq += 1
-            name = packfile.pack_name(int(time.time() * 1000), self._writer, self._seq, packfile.TOMBSTONE_SUFFIX)
-            key = f"{self._tombs_prefix}{stem}/{name}"
-            body = packfile.encode_tombstone([chunk])
-            await self._guarded(
-                "delete", key, self._call(lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=body))
-            )
-            if emptied is not None:
-                self._forget(emptied, "emptied", delete=True)
+            try:
+                await self._guarded("delete", found[0].key, self._tombstone(found[0].key, [chunk]))
+            finally:
+                if emptied is not None:
+                    self._forget(emptied, "emptied", delete=True)
         if chunk in self._index or not removed:  # a one-object copy (S3Tier's DELETE by name)
             removed = await super().remove(chunk) or removed
         return removed
+
+    async def _tombstone(self, pack_key: str, chunks: list[ChunkId]) -> None:
+        """Record chunks deleted from a pack whose records stay in it: for the next manifest
+        (running daemons) and in a tombstone object (a rebuild)."""
+        name = pack_key[len(self._packs_prefix) :]
+        if self._poll_s > 0 and self._deletes_pending < MAX_UNANNOUNCED_DELETES:
+            self._unannounced_deletes.setdefault(name, []).extend(chunks)
+            self._deletes_pending += len(chunks)
+        self._seq += 1
+        tomb = packfile.pack_name(int(time.time() * 1000), self._writer, self._seq, packfile.TOMBSTONE_SUFFIX)
+        key = f"{self._tombs_prefix}{name[: -len(packfile.PACK_SUFFIX)]}/{tomb}"
+        body = packfile.encode_tombstone(chunks)
+        await self._call(lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=body))
 
     def known_chunks(self, namespace_id: str) -> list[ChunkId]:
         found = dict.fromkeys(self._packs.chunks_of(namespace_id))
@@ -368,6 +382,7 @@ class PackedS3Tier(S3Tier):
         body = b""
         entries: list[PackEntry] = []
         stored = False
+        deleted: list[ChunkId] = []  # while the PUT ran: their records are in the object
         try:
             body, entries, records_end = await self._off_loop(_assemble, list(pack.records.items()))
             self._reserved += len(body)
@@ -396,6 +411,7 @@ class PackedS3Tier(S3Tier):
                     self._unannounced.append((name, len(body), created_ms, body[records_end:]))
                     del self._unannounced[:-MAX_UNANNOUNCED]
                 alive = set(live)
+                deleted = [e.chunk for e in entries if e.chunk not in alive]
                 self._packs.add(key, len(body), created_ms, [e for e in entries if e.chunk in alive])
                 indexed = self._packs.pack(key)
                 if indexed is not None and not indexed.live:  # every chunk was deleted meanwhile
@@ -406,6 +422,13 @@ class PackedS3Tier(S3Tier):
                 )
                 for chunk in live:
                     self.notify_removed(chunk, RemovalCause.EVICTED)
+        if deleted and key not in self._gone:
+            try:
+                await self._tombstone(key, deleted)
+            except (_Skipped, S3Failure) as exc:
+                log.warning(
+                    "s3 tier %s: tombstone of %d chunks of %s not stored: %s", self.name, len(deleted), key, exc
+                )
 
     async def _expire(self, incoming: int) -> None:
         """Make room within the capacity for `incoming` more bytes: one-object chunks first (LRU),
@@ -499,16 +522,23 @@ class PackedS3Tier(S3Tier):
                 log.exception("s3 tier %s: pack listing failed", self.name)
 
     async def _announce(self) -> None:
-        """One manifest naming the packs written since the last one (nothing when none were)."""
-        if not self._unannounced:
+        """One manifest naming the packs written and the packed chunks deleted since the last one
+        (nothing when there were none)."""
+        if not self._unannounced and not self._unannounced_deletes:
             return
         items = list(self._unannounced)
+        deleted = {name: list(chunks) for name, chunks in self._unannounced_deletes.items()}
         created_ms = int(time.time() * 1000)
         self._seq += 1
         key = self._manifests_prefix + packfile.pack_name(created_ms, self._writer, self._seq, packfile.MANIFEST_SUFFIX)
-        body = packfile.encode_manifest(items)
+        body = packfile.encode_manifest(items, list(deleted.items()))
         await self._call(lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=body))
         del self._unannounced[: len(items)]
+        for name, chunks in deleted.items():  # (deletes made during the PUT stay for the next one)
+            rest = self._unannounced_deletes.pop(name)[len(chunks) :]
+            if rest:
+                self._unannounced_deletes[name] = rest
+            self._deletes_pending -= len(chunks)
         self._own_manifests.append((created_ms, key))
         self.manifests_written += 1
 
@@ -532,27 +562,51 @@ class PackedS3Tier(S3Tier):
         )
         for (key, created_ms), data in zip(to_read.items(), bodies):
             if isinstance(data, S3Failure) and data.fault is Fault.NOT_FOUND:
-                announced = []
+                manifest = packfile.Manifest([], [])
             elif isinstance(data, BaseException):
                 if not isinstance(data, (S3Failure, _Skipped)):
                     raise data
                 continue  # read again at the next poll
             else:
                 try:
-                    announced = packfile.decode_manifest(data)
+                    manifest = packfile.decode_manifest(data)
                 except CorruptPack as exc:
                     log.warning("s3 tier %s: manifest %s skipped: %s", self.name, key, exc)
-                    announced = []
+                    manifest = packfile.Manifest([], [])
             self._seen_manifests[key] = created_ms
             self.manifests_read += 1
-            for pack in announced:
+            for pack in manifest.packs:
                 pack_key = self._packs_prefix + pack.name
                 if not self._packs.has_pack(pack_key) and pack_key not in self._gone:
-                    self._packs.add(pack_key, pack.size, pack.created_ms, pack.entries)
+                    dead = self._dead.pop(pack_key, ())
+                    self._packs.add(
+                        pack_key, pack.size, pack.created_ms, [e for e in pack.entries if e.chunk not in dead]
+                    )
                     self._seen_ms = max(self._seen_ms, pack.created_ms)
+            for name, chunks in manifest.deleted:  # after the packs: a pack and deletes from it
+                self._deleted_elsewhere(self._packs_prefix + name, chunks)
         horizon = self._manifest_ms - 2 * LIST_OVERLAP_MS
         for key in [k for k, ms in self._seen_manifests.items() if ms < horizon]:
             del self._seen_manifests[key]
+
+    def _deleted_elsewhere(self, pack_key: str, chunks: Sequence[ChunkId]) -> None:
+        """Another daemon deleted these chunks from this pack: stop serving them (a pack left with
+        no live chunk is deleted, as this daemon's own deletes do); for a pack not indexed yet,
+        remember them for when it is."""
+        pack = self._packs.pack(pack_key)
+        if pack is None:
+            if pack_key not in self._gone and pack_key not in self._uploading:
+                self._dead.setdefault(pack_key, set()).update(chunks)
+                while len(self._dead) > MAX_DEAD_PACKS:
+                    del self._dead[next(iter(self._dead))]
+            return
+        emptied = None
+        for chunk in chunks:
+            if chunk in pack.live:  # (a copy served from another pack is not this deletion's)
+                emptied = self._packs.drop_chunk(chunk) or emptied
+                self.notify_removed(chunk, RemovalCause.DELETED)
+        if emptied is not None:
+            self._forget(emptied, "emptied", delete=True)
 
     async def _prune_manifests(self) -> None:
         """Delete this daemon's manifests that every reader has listed by now."""
@@ -606,7 +660,7 @@ class PackedS3Tier(S3Tier):
         for (key, (size, created_ms)), result in zip(new.items(), results):
             if isinstance(result, list):
                 if key not in self._gone:  # (dropped while its index was read)
-                    dead = self._dead.get(key, ())
+                    dead = self._dead.pop(key, ())
                     self._packs.add(key, size, created_ms, [e for e in result if e.chunk not in dead])
             elif isinstance(result, (S3Failure, _Skipped)):
                 if not (isinstance(result, S3Failure) and result.fault is Fault.NOT_FOUND):

@@ -7,7 +7,8 @@
 - A full bucket quota: the pack's PUT is refused, its chunks are reported dropped, the breaker
   stays closed (the gateway answered) and nothing hangs; packs stored before still serve.
 - Two real daemons on one bucket (default config: packs): a chunk stored by one is a hit for the
-  other within seconds, byte-exact.
+  other within seconds, byte-exact; a chunk deleted through one is a miss on the other within
+  seconds.
 - A daemon killed with SIGKILL in the middle of write-downs: the bucket holds whole packs only
   (every index decodes), and a daemon started on it serves exact bytes or misses.
 """
@@ -269,6 +270,19 @@ def test_two_daemons_on_one_bucket_share_packed_chunks_within_seconds(daemon_fac
         # b stored none of them: every hit came out of a's packs (some promoted to b's RAM by now)
         s3_b = next(t for t in b.stats().tiers if t.name == "s3")
         assert s3_b.stored_chunks == 0 and s3_b.loaded_chunks >= 1
+
+        # a Delete on a: b stops serving them within seconds (a's next manifest names them). b
+        # never looks them up before that (a lookup hit would promote them into b's RAM).
+        def s3_chunks_of_b() -> int:
+            return next(t for t in b.stats().tiers if t.name == "s3").chunks
+
+        deleted = make_keys(ns_name, 3, start=12)
+        assert ca.store(ns_a, deleted, payloads(deleted, CHUNK)).stored == 3
+        assert wait_for(lambda: s3_chunks_of_b() == 15, 30), "b never saw a's new packs"
+        assert ca.delete(ns_a, deleted) == 3
+        assert wait_for(lambda: s3_chunks_of_b() == 12, 30), "b still serves the chunks a deleted"
+        assert cb.lookup(ns_b, deleted).tiers == [Tier.NONE] * 3
+        assert cb.lookup(ns_b, keys).prefix_hits == 12  # the others still served
 
 
 def test_a_daemon_killed_mid_write_down_leaves_whole_packs_only(daemon_factory, rgw, ns_name):

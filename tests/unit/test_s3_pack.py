@@ -254,6 +254,68 @@ async def test_a_running_daemon_learns_new_packs_from_the_writers_manifest(make_
     await until(pruned)
 
 
+async def test_a_running_daemon_stops_serving_a_chunk_another_deleted_after_one_poll(make_tier, raw, bucket):
+    reader = await make_tier(prefix="kv/", pack_poll_s=0.05)
+    writer = await make_tier(prefix="kv/", pack_poll_s=0.05)
+    removed = []
+    reader.removal_listener = lambda _t, chunk, cause: removed.append((chunk, cause))
+    chunks = [chunk_of(i) for i in range(3)]
+    data = {c: await write(writer, c) for c in chunks}
+    await writer.flush()
+    ((key, size),) = await pack_keys(raw, bucket)
+
+    async def all_found():
+        return await reader.contains(chunks) == [True] * 3
+
+    await until(all_found)
+    assert await read(reader, chunks[0]) == data[chunks[0]]
+    # nothing written or deleted since: the writer's polls PUT no manifest
+    written, polls = writer.manifests_written, reader.manifests_read
+    for _ in range(5):  # a few polls
+        await asyncio.sleep(0.05)
+    assert writer.manifests_written == written
+    assert await writer.remove(chunks[0])
+
+    async def gone():
+        return await reader.contains(chunks) == [False, True, True]
+
+    await until(gone)
+    assert reader.manifests_read > polls and removed == [(chunks[0], RemovalCause.DELETED)]
+    requests = reader.requests
+    assert await read(reader, chunks[0]) is None and reader.requests == requests  # no GET for it
+    assert await read(reader, chunks[1]) == data[chunks[1]]
+    assert reader.live_fraction(key) == pytest.approx(2 * RECORD / size) == writer.live_fraction(key)
+    # each daemon deletes one of the two left: both see the pack emptied, and it is deleted
+    assert await writer.remove(chunks[1]) and await reader.remove(chunks[2])
+
+    async def pack_deleted():
+        return await pack_keys(raw, bucket) == [] and reader.live_fraction(key) is writer.live_fraction(key) is None
+
+    await until(pack_deleted)
+    assert await reader.contains(chunks) == await writer.contains(chunks) == [False] * 3
+
+
+async def test_a_chunk_deleted_while_its_pack_is_sent_stays_deleted_everywhere(make_tier, raw, bucket):
+    reader = await make_tier(prefix="kv/", pack_poll_s=0.05)
+    writer = await make_tier(prefix="kv/", pack_poll_s=0.05)
+    kept, deleted = chunk_of(0), chunk_of(1)
+    data = await write(writer, kept)
+    await write(writer, deleted)
+    writer._seal()  # the pack's PUT is under way (its records are in the object)
+    assert await writer.remove(deleted)
+    await writer.flush()
+    assert await writer.contains([kept, deleted]) == [True, False]
+
+    async def found():
+        return (await reader.contains([kept]))[0]
+
+    await until(found)
+    assert await reader.contains([deleted]) == [False]
+    assert await read(reader, kept) == data
+    restarted = await make_tier(prefix="kv/")  # its tombstone keeps a rebuild from serving it
+    assert await restarted.contains([kept, deleted]) == [True, False]
+
+
 async def test_packs_no_manifest_announced_are_read_from_their_own_end(make_tier):
     reader = await make_tier(prefix="kv/", pack_poll_s=0.05, timeout_s=1.0)
     writer = await make_tier(prefix="kv/")  # pack_poll_s = 0: it never announces its packs
@@ -274,8 +336,11 @@ def test_manifests_round_trip_and_refuse_damage():
     records_end = 2 * (HEADER_BYTES + 100)
     index = packfile.encode_index(entries, records_end)
     name = packfile.pack_name(5_000, 1, 2)
-    body = packfile.encode_manifest([(name, records_end + len(index), 5_000, index)])
-    (announced,) = packfile.decode_manifest(body)
+    deleted = [(name, [("ns", b"k1"), ("other", bytes(32))])]
+    body = packfile.encode_manifest([(name, records_end + len(index), 5_000, index)], deleted)
+    manifest = packfile.decode_manifest(body)
+    (announced,) = manifest.packs
+    assert manifest.deleted == deleted
     assert (announced.name, announced.size, announced.created_ms, announced.entries) == (
         name,
         records_end + len(index),
@@ -286,6 +351,7 @@ def test_manifests_round_trip_and_refuse_damage():
     for damaged in (body[:-1], body[:10] + bytes([body[10] ^ 1]) + body[11:]):
         with pytest.raises(CorruptPack):
             packfile.decode_manifest(damaged)
+    assert packfile.decode_manifest(packfile.encode_manifest([], deleted)).deleted == deleted  # deletes only
 
 
 async def test_an_open_pack_is_sent_once_it_is_pack_age_s_old(make_tier):
