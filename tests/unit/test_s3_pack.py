@@ -223,7 +223,9 @@ async def until(check, polls: int = 400) -> None:
 
 
 async def test_a_running_daemon_learns_new_packs_from_the_writers_manifest(make_tier, raw, bucket, monkeypatch):
-    reader = await make_tier(prefix="kv/", pack_poll_s=0.05)
+    # A long timeout_s puts the orphan age (3 polls + timeout_s) past the test: on a loaded machine
+    # the reader must still learn the packs from the manifest, not from the orphan reads.
+    reader = await make_tier(prefix="kv/", pack_poll_s=0.05, timeout_s=60.0)
     footer_reads = []
     read_index = reader._read_index
 
