@@ -16,6 +16,7 @@ import numpy as np
 
 from bench.lib.daemons import Daemon, free_port
 from bench.lib.report import MIB
+from bench.multiturn.kvroute import KvIndex, choose, token_ids
 from bench.multiturn.model import Config, Model, Sizes, Workload
 from bench.multiturn.offload import Offload
 from bench.multiturn.runs import TIER_SPECS, TierResources
@@ -65,6 +66,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="the peer tier's data plane on loopback (tcp: the faster one on these machines)",
     )
     g.add_argument(
+        "--route",
+        default="rr",
+        choices=("rr", "kv"),
+        help="kv: also run every set-up with each turn routed by Dynamo's KV indexer (fed by the daemons' ZMQ "
+        "events; its venv: tests/vllm/install_dynamo.sh) and compare it with round robin",
+    )
+    g.add_argument(
         "--settle-s",
         type=float,
         default=0.2,
@@ -79,13 +87,24 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 class Nodes:
     """N daemons of one set-up: their tiers, listeners and a client each. close() stops them all."""
 
-    def __init__(self, config: NodesConfig, n: int, sizes: Sizes, res: TierResources, peer_transport: str) -> None:
+    def __init__(
+        self,
+        config: NodesConfig,
+        n: int,
+        sizes: Sizes,
+        res: TierResources,
+        peer_transport: str,
+        events: Sequence[str] = (),
+    ) -> None:
+        """events: each node's ZMQ events endpoint (it binds), for a KV-aware router; none by default."""
         self.config = config
         self.addresses = [f"127.0.0.1:{free_port()}" for _ in range(n)] if config.uses("peer") else []
         shared_s3 = TIER_SPECS["s3"](res, sizes.s3_bytes) if config.uses("s3") else ""  # one bucket for all
         self.daemons: list[Daemon] = []
         for i in range(n):
             args = ["--metrics-addr", "off"]
+            if events:
+                args += ["--events-zmq-endpoint", events[i]]
             if config.write_through:
                 args += ["--write-policy", "write-through"]
             if self.addresses:
@@ -230,9 +249,12 @@ class ClusterSim:
         settle_s: float,
         s3_written: Callable[[int], int] | None = None,
         s3_base: Sequence[int] = (),
+        kv: KvIndex | None = None,
     ) -> None:
         """s3_written: node -> its S3 tier's writes done or given up (with a shared bucket), which
-        were `s3_base` before the run."""
+        were `s3_base` before the run. kv: route each turn by that index (kvroute.py), not round robin."""
+        self.kv = kv
+        self.kv_routed = 0  # turns the index sent elsewhere than round robin would
         self.w, self.m, self.n = w, m, conversations
         self.nodes = [NodeSim(w, m, conversations, o) for o in offloads]
         self.lanes = [Lane() for _ in self.nodes]
@@ -253,7 +275,16 @@ class ClusterSim:
         return self.nodes[0].thinks
 
     def route(self, conv: int, turn: int) -> int:
-        return (conv + turn - 1) % len(self.nodes)
+        rr = (conv + turn - 1) % len(self.nodes)
+        reusable = self.w.reusable_chunks(turn) * self.w.chunk_tokens
+        if self.kv is None or not reusable:
+            return rr
+        mark = self.marks.get(conv)
+        if mark is not None:  # the previous turn's events get the think time to reach the router
+            time.sleep(max(0.0, mark.wall + self.settle_s - time.perf_counter()))
+        node = choose(self.kv.matched(token_ids(conv, 0, reusable)), rr)
+        self.kv_routed += node != rr
+        return node
 
     def settle(self, rec: TurnRecord) -> None:
         """Give the previous turn's stores what the think time gives them (see the module's doc)."""

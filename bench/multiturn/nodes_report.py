@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from bench.lib.report import GIB, fmt_bytes, load_average, machine_info, write_json
+from bench.multiturn.kvroute import ROUTING as KV_ROUTING
 from bench.multiturn.limits import Limits, measure_limits
 from bench.multiturn.model import MODELS, TARGET_HIT, Model
 from bench.multiturn.nodes import (
@@ -64,6 +65,28 @@ NODES = Layout(
     gib_right=False,
     skip_reason=True,
 )
+
+
+def route_lines(rr: Sequence[NodesRunResult], kv: Sequence[NodesRunResult]) -> list[str]:
+    """Each set-up at each count, both routings: hit rates per tier, peer fetches, throughput."""
+    by_key = {(r.config, r.conversations): r for r in rr}
+    lines = []
+    for k in kv:
+        r = by_key.get((k.config, k.conversations))
+        if r is None or r.skipped or k.skipped:
+            lines.append(
+                f"{LABELS[k.config]}, {k.conversations} conversations: skipped ({k.skipped or r and r.skipped})"
+            )
+            continue
+        for name, x in (("round robin", r), ("KV-aware", k)):
+            tiers = "  ".join(f"{t} {100 * x.hit_rate.get(t, 0.0):.1f}%" for t in NODE_TIERS)
+            lines.append(
+                f"{LABELS[k.config]}, {k.conversations} conversations, {name:<11}: hit {100 * x.hit_rate_overall:.1f}% "
+                f"({tiers}); peer fetches {x.peers.get('fetches', 0)} ({x.peers.get('received_chunks', 0)} chunks); "
+                f"{x.throughput_tokens_s:,.0f} tokens/s"
+                + (f"; {x.kv_routed} turns routed off round robin" if x.route == "kv" else "")
+            )
+    return lines
 
 
 def daemon_lines(results: Sequence[NodesRunResult]) -> list[str]:
@@ -301,7 +324,21 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
         None if args.no_limits else measure,
         max(len(c.label) for c in CONFIGS),
     )
-    load = load_summary(results, load_start, load_average())
+    kv_results: list[NodesRunResult] = []
+    if args.route == "kv":
+        kv_results, kv_s = sweep(
+            counts,
+            [c for c in configs if c.offload],
+            s3,
+            s3_note,
+            lambda c, count: run_one(c, count, n, w, m, sizes, workdir, s3, args.peer_transport, args.settle_s, "kv"),
+            lambda c, count, note: NodesRunResult(c.key, count, nodes=n, skipped=note, route="kv"),
+            lambda r: f"KV-routed: hit {100 * r.hit_rate_overall:.1f}%  {r.throughput_tokens_s:,.0f} tokens/s",
+            None,
+            max(len(c.label) for c in CONFIGS),
+        )
+        total_s += kv_s
+    load = load_summary(results + kv_results, load_start, load_average())
 
     print()
     print_results(results, NODES)
@@ -323,6 +360,8 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
     section("cost of a token loaded from each tier (marginal rate, at the largest count measured):", costs)
     bounds = bound_lines(results, m)
     section("where the modelled time went at the largest count:", bounds)
+    if kv_results:
+        section(f"routing: round robin vs {KV_ROUTING}:", route_lines(results, kv_results))
     print()
     rows = target_rows(results, m, limits, raw_tcp, n)
     print(
@@ -336,6 +375,7 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
         {
             "s3_server": s3_note,
             "results": [asdict(r) for r in results],
+            "kv_results": [asdict(r) for r in kv_results],
             "rows": rows,
             "targets": targets(rows),
             "limits": {**limits.to_json(), "raw_tcp": raw_tcp},

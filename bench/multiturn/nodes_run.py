@@ -5,6 +5,8 @@ over the nodes; the raw TCP limit beside the peer tier."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -13,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.lib.s3 import S3
+from bench.multiturn.kvroute import KvIndex, identity_for
 from bench.multiturn.model import Model, Sizes, Workload
 from bench.multiturn.nodes import NODE_TIERS, RAW_TCP_BYTES, ClusterSim, Nodes, NodesConfig, peer_counters
 from bench.multiturn.offload import Offload
@@ -30,6 +33,8 @@ class NodesRunResult(TurnsResult):
     lookup_moved_s: float = 0.0  # lookup time charged to fs/peer load calls instead (see NodeSim)
     peers: dict[str, int] = field(default_factory=dict)  # Peer Status counters, summed over nodes
     settle: dict[str, float] = field(default_factory=dict)
+    route: str = "rr"  # rr: round robin; kv: by Dynamo's index of the daemons' events (kvroute.py)
+    kv_routed: int = 0  # turns the index sent elsewhere than round robin would
 
 
 def summarize(
@@ -123,14 +128,39 @@ def run_one(
     s3: S3 | None,
     peer_transport: str,
     settle_s: float,
+    route: str = "rr",
 ) -> NodesRunResult:
+    if not config.offload or route == "rr":
+        return _run_one(config, conversations, n, w, m, sizes, workdir, s3, peer_transport, settle_s, None)
+    events = Path(tempfile.mkdtemp(prefix="kvmt-", dir="/tmp"))  # ipc paths must be short
+    try:
+        return _run_one(config, conversations, n, w, m, sizes, workdir, s3, peer_transport, settle_s, events)
+    finally:
+        shutil.rmtree(events, ignore_errors=True)
+
+
+def _run_one(
+    config: NodesConfig,
+    conversations: int,
+    n: int,
+    w: Workload,
+    m: Model,
+    sizes: Sizes,
+    workdir: Path,
+    s3: S3 | None,
+    peer_transport: str,
+    settle_s: float,
+    events: Path | None,
+) -> NodesRunResult:
+    """events: a folder for the nodes' ZMQ endpoints, which Dynamo's index routes by; None: round robin."""
     if not config.offload:
         sim = ClusterSim(w, m, conversations, [None] * n, settle_s)
         sim.run()
         return summarize(config.key, sim, None, None, [])
     res = TierResources(workdir, f"{config.key.replace('+', '-')}-{conversations}", s3)
     try:
-        nodes = Nodes(config, n, sizes, res, peer_transport)
+        endpoints = [f"ipc://{events}/node-{i}.sock" for i in range(n)] if events else []
+        nodes = Nodes(config, n, sizes, res, peer_transport, endpoints)
     except Exception as exc:  # noqa: BLE001 - a tier whose resources cannot be made: say so, go on
         res.close()
         return NodesRunResult(config.key, conversations, nodes=n, skipped=f"tier set-up failed: {exc}")
@@ -141,15 +171,20 @@ def run_one(
         why = f"nodes did not start: {exc}: {nodes.failure_log()}"
         return NodesRunResult(config.key, conversations, nodes=n, skipped=why)
     offloads: list[Offload] = []
+    kv: KvIndex | None = None
     try:
+        if events is not None:
+            kv = KvIndex([f"ipc://{events}/node-{i}.sock" for i in range(n)], workdir / f"dynamo-{config.key}.log")
         chunk_bytes = w.chunk_tokens * m.kv_bytes_per_token
         for d in nodes.daemons:
             offloads.append(
                 Offload(d.socket, chunk_bytes, w.chunk_tokens, w.final_tokens // w.chunk_tokens, w.seed, m.transfer)
             )
+            if kv is not None:
+                offloads[-1].identity = identity_for(w.chunk_tokens, w.seed)
         before = [o.stats() for o in offloads]
         written = (lambda i: s3_written(offloads[i].stats())) if config.uses("s3") else None
-        sim = ClusterSim(w, m, conversations, offloads, settle_s, written, [s3_written(b) for b in before])
+        sim = ClusterSim(w, m, conversations, offloads, settle_s, written, [s3_written(b) for b in before], kv)
         for node in sim.nodes:
             assert node.offload is not None
             node.lookup_floor_s = calibrate_lookup_floor(node.offload)
@@ -157,8 +192,13 @@ def run_one(
         sim.run()
         after = [o.stats() for o in offloads]
         peers = [peer_counters(nodes.peer_status(i)) for i in range(n)] if config.uses("peer") else []
-        return summarize(config.key, sim, before, after, peers)
+        r = summarize(config.key, sim, before, after, peers)
+        if kv is not None:
+            r.route, r.kv_routed = "kv", sim.kv_routed
+        return r
     finally:
+        if kv is not None:
+            kv.close()
         for o in offloads:
             o.close()
         nodes.close()

@@ -8,9 +8,10 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -79,6 +80,8 @@ class Offload:
         self.store_s = 0.0
         self.store_counts = {"stored": 0, "already_present": 0, "dropped": 0}
         self.corrupt = 0
+        # (conversation, chunk index) -> the chunk's block identity, for routers (bench/multiturn/kvroute.py)
+        self.identity: Callable[[int, int], Any] | None = None
 
     def _calibrate_call_floor(self, calls: int = 40) -> float:
         """The fixed cost of one load call (Acquire + Release RPCs, or one LoadToRegion, and client
@@ -101,12 +104,13 @@ class Offload:
         self.client.delete(ns, [key])
         return float(np.median(times[calls // 4 :]))
 
-    def _store(self, ns, keys: Sequence[bytes], buf: np.ndarray, region_offset: int):
+    def _store(self, ns, keys: Sequence[bytes], buf: np.ndarray, region_offset: int, blocks=None):
         """Store len(keys) chunks held in `buf` (which, in region mode, is the region at `region_offset`)."""
         if self._region is None:
-            return self.client.store(ns, keys, buf)
+            return self.client.store(ns, keys, buf, blocks)
         cb = ns.chunk_bytes
-        return self.client.store_from_region(ns, self._region, keys, [region_offset + i * cb for i in range(len(keys))])
+        offsets = [region_offset + i * cb for i in range(len(keys))]
+        return self.client.store_from_region(ns, self._region, keys, offsets, blocks=blocks)
 
     def _load(self, ns, keys: Sequence[bytes], out: np.ndarray, region_offset: int) -> int:
         if self._region is None:
@@ -151,7 +155,8 @@ class Offload:
             for row, (key, conv, index) in enumerate(batch):
                 buf[row, :HEADER] = np.frombuffer(_header(key, conv, index), dtype=np.uint8)
             t0 = time.perf_counter()
-            result = self._store(self.ns, [k for k, _, _ in batch], buf, 0)
+            blocks = [self.identity(conv, index) for _, conv, index in batch] if self.identity else None
+            result = self._store(self.ns, [k for k, _, _ in batch], buf, 0, blocks)
             self.store_s += time.perf_counter() - t0
             self.store_counts["stored"] += result.stored
             self.store_counts["already_present"] += result.already_present

@@ -420,3 +420,34 @@ def test_multiturn_nodes_small_run_reports_peer_hits_and_rows(tmp_path):
     assert doc["load_average"]["max"] >= doc["load_average"]["min"] > 0
     assert doc["model"]["transfer"] == "region"  # (the default: vLLM's kvstored tier)
     assert "targets and ratios" in proc.stdout and "raw TCP on loopback" in proc.stdout
+
+
+@pytest.mark.vllm  # Dynamo's router venv comes with vllm-deps
+def test_multiturn_nodes_kv_route_follows_dynamos_index(tmp_path):
+    """--route kv: the same tiny cluster routed by Dynamo's indexer fed by the daemons' ZMQ events,
+    beside round robin. Each conversation stays on the node that holds its chunks, so it finds
+    them there: no peer fetches, where round robin fetches every later turn from the other node."""
+    out = tmp_path / "run.json"
+    proc = subprocess.run(
+        [
+            *bench("multiturn"),
+            *("--nodes", "2", "--route", "kv", "--configs", "ram+fs+peer", "--conversations", "4"),
+            *("--initial-tokens", "8192", "--turn-tokens", "4096", "--turns", "3", "--think-s", "0.5"),
+            *("--gpu-tokens", "16384", "--ram-conversations", "2", "--fs-conversations", "8", "--settle-s", "0.5"),
+            *("--no-limits", "--workdir", str(tmp_path / "work"), "--json", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=clean_env(),
+        cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    (rr,), (kv,) = doc["results"], doc["kv_results"]
+    assert (rr["route"], kv["route"]) == ("rr", "kv") and not rr["skipped"] and not kv["skipped"]
+    assert kv["kv_routed"] > 0 and kv["corrupt_chunks"] == 0
+    assert rr["peers"]["received_chunks"] > 0 and kv["peers"]["received_chunks"] < rr["peers"]["received_chunks"]
+    assert kv["hit_rate"]["peer"] < rr["hit_rate"]["peer"]
+    assert kv["hit_rate_overall"] >= rr["hit_rate_overall"]
+    assert "routing: round robin vs KV-aware" in proc.stdout

@@ -70,3 +70,46 @@ class DynamoIndexer:
         self._proc.terminate()
         self._proc.wait(10)
         self._log.close()
+
+
+class DynamoKvRouter:
+    """Dynamo's deployment path (dynamo_kvrouter.py in Dynamo's venv): a worker registered with
+    in-memory discovery and the ZMQ event plane relays the daemon's stream through
+    KvEventPublisher(zmq_endpoint=...); a KvRouter over it answers get_overlap_scores."""
+
+    def __init__(self, worker_endpoint: str, model: str, block_size: int, log: Path) -> None:
+        self._log = open(log, "w")  # noqa: SIM115  (closed in stop)
+        script = Path(__file__).with_name("dynamo_kvrouter.py")
+        self._proc = subprocess.Popen(  # -P: this folder's dynamo.py must not shadow Dynamo's package
+            [str(dynamo_python()), "-P", str(script), worker_endpoint, model, str(block_size)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
+        ready = self._read()
+        self.worker_id = ready["ready"][0]
+
+    def _read(self) -> Any:
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        assert line, f"Dynamo's KvRouter exited: {Path(self._log.name).read_text()[-2000:]}"
+        return json.loads(line)
+
+    def overlap(self, token_ids: list[int]) -> dict[str, int]:
+        """The worker's row of get_overlap_scores, in blocks per tier ({} when it is not listed)."""
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps({"token_ids": token_ids}) + "\n")
+        self._proc.stdin.flush()
+        rows = self._read()["workers"]
+        return next((row for row in rows if row["worker_id"] == self.worker_id), {})
+
+    def stop(self) -> None:
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(10)
+        self._log.close()

@@ -1,0 +1,122 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
+"""KV-aware routing for `--nodes N --route kv`: each turn goes to the node that Dynamo 1.6.1's own
+router index (its standalone indexer, in the venv tests/vllm/install_dynamo.sh makes), fed by the
+daemons' ZMQ events, says holds the longest prefix of the conversation; ties, and a prompt no node
+holds, fall back to round robin.
+
+For the daemons to publish what a router indexes, every stored chunk carries vLLM's block identity
+(kvstored_client.blocks): synthetic token ids unique to the conversation, one 64-bit id per engine
+block, chained to its parent."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from bench.lib.daemons import free_port
+
+BLOCK_SIZE = 16  # the modelled engine's tokens per block (vLLM's default)
+ROUTING = "KV-aware: each turn on the node whose chunks Dynamo's indexer matches longest (ties: round robin)"
+UP_S = 60.0  # a bound for the indexer to answer, never a measurement
+_RUN = "import sys, dynamo._core as c; c.run_kv_indexer(sys.argv[1:])"
+
+
+def dynamo_python() -> Path:
+    return Path(sys.prefix) / "dynamo-1.6.1" / "bin" / "python"
+
+
+def token_ids(conv: int, start: int, count: int) -> list[int]:
+    """The conversation's tokens at positions [start, start + count): unique to the conversation."""
+    return [conv * (1 << 20) + p for p in range(start, start + count)]
+
+
+def block_id(seed: int, conv: int, block: int) -> int:
+    """The engine's id for one block (vLLM's hash, as an int): what parents and removals name."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{conv}:{block}".encode(), digest_size=8).digest(), "big")
+
+
+def identity_for(chunk_tokens: int, seed: int) -> Callable[[int, int], object]:
+    """(conversation, chunk index) -> the chunk's BlockIdentity."""
+    from kvstored_client.blocks import BlockIdentity
+
+    per_chunk = chunk_tokens // BLOCK_SIZE
+
+    def identity(conv: int, index: int) -> BlockIdentity:
+        first = index * per_chunk
+        return BlockIdentity(
+            tuple(block_id(seed, conv, b) for b in range(first, first + per_chunk)),
+            block_id(seed, conv, first - 1) if first else None,
+            tuple(token_ids(conv, first * BLOCK_SIZE, chunk_tokens)),
+            BLOCK_SIZE,
+        )
+
+    return identity
+
+
+class KvIndex:
+    """Dynamo's standalone indexer subscribed to every node's stream (worker id = node index)."""
+
+    def __init__(self, endpoints: Sequence[str], log: Path) -> None:
+        python = dynamo_python()
+        if not python.exists():
+            raise RuntimeError(f"--route kv needs Dynamo's router: run tests/vllm/install_dynamo.sh ({python})")
+        self.port = free_port()
+        workers = ",".join(f"{i}={e}" for i, e in enumerate(endpoints))
+        args = ["--port", str(self.port), "--block-size", str(BLOCK_SIZE), "--threads", "1", "--workers", workers]
+        self._log = open(log, "w")  # noqa: SIM115  (closed in close)
+        self._proc = subprocess.Popen(
+            [str(python), "-P", "-c", _RUN, *args], stdout=self._log, stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + UP_S
+        while not self._up():
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"Dynamo's indexer did not come up: {log.read_text()[-2000:]}")
+            time.sleep(0.1)
+        self.queries = 0
+
+    def _post(self, path: str, body: object) -> dict:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}",
+            data=json.dumps(body).encode() if body is not None else None,
+            headers={"content-type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.loads(response.read())
+
+    def _up(self) -> bool:
+        try:
+            self._post("/dump", None)
+            return True
+        except OSError:
+            return False
+
+    def matched(self, tokens: list[int]) -> dict[int, int]:
+        """Node -> the tokens of `tokens`' prefix its daemon holds (any tier), per the index."""
+        self.queries += 1
+        scores = self._post("/query", {"token_ids": tokens, "model_name": "default"})
+        return {int(k): int(v.get("longest_matched", 0)) for k, v in scores.get("instances", {}).items()}
+
+    def close(self) -> None:
+        self._proc.terminate()
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(10)
+        self._log.close()
+
+
+def choose(matched: dict[int, int], fallback: int) -> int:
+    """The node with the longest match; the round-robin node on a tie with it or when none holds any."""
+    best = max(matched.values(), default=0)
+    if best == 0 or matched.get(fallback, 0) == best:
+        return fallback
+    return min(i for i, v in matched.items() if v == best)
