@@ -127,8 +127,10 @@ class Outcome:
 
 def outcome(future: grpc.Future | FastCall) -> Outcome:
     """Collect a finished future without raising."""
-    if isinstance(future, FastCall):
-        return future.outcome()
+    fast_outcome = getattr(future, "fast_outcome", None)  # (also through a wrapper that forwards)
+    if fast_outcome is not None:
+        return fast_outcome()
+    assert not isinstance(future, FastCall)
     try:
         return Outcome(response=future.result())
     except grpc.RpcError as exc:
@@ -148,16 +150,16 @@ class FastCall:
         self.request = request
         self.timeout = timeout
         self.deadline = None if timeout is None else time.monotonic() + timeout
-        self.result: Outcome | None = None
+        self.answer: Outcome | None = None
         self.fallback: grpc.Future | None = None
         self._link = link
 
     def done(self) -> bool:
         if self.fallback is not None:
             return bool(self.fallback.done())
-        if self.result is None:
+        if self.answer is None:
             self._link.collect()
-        return self.result is not None or (self.fallback is not None and self.fallback.done())
+        return self.answer is not None or (self.fallback is not None and self.fallback.done())
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Wait (blocking: for shutdown and drain code only) until done; grpc.FutureTimeoutError
@@ -173,23 +175,24 @@ class FastCall:
                 except grpc.FutureCancelledError:
                     return None
             self._link.wait_readable(0.01 if left is None else min(left, 0.01))
-        return self.outcome().error
+        return self.fast_outcome().error
 
     def cancel(self) -> bool:
         if self.fallback is not None:
             return bool(self.fallback.cancel())
-        if self.result is not None:
+        if self.answer is not None:
             return False
         self._link.forget(self)
-        self.result = Outcome(error=Unavailable("call cancelled"), code=grpc.StatusCode.CANCELLED, stale=True)
+        self.answer = Outcome(error=Unavailable("call cancelled"), code=grpc.StatusCode.CANCELLED, stale=True)
         return True
 
-    def outcome(self) -> Outcome:
+    def fast_outcome(self) -> Outcome:
         if self.fallback is not None:
             return outcome(self.fallback)
-        if self.result is None:
-            raise RuntimeError("FastCall.outcome() before done()")
-        return self.result
+        if self.answer is None:  # blocks until done, as a gRPC future's result() does
+            self.exception()
+            return self.fast_outcome()
+        return self.answer
 
 
 Call: TypeAlias = "grpc.Future | FastCall"  # what DaemonLink.call starts
@@ -384,7 +387,7 @@ class DaemonLink:
         late = [c for c in self._pending.values() if c.deadline is not None and now > c.deadline]
         for call in late:
             self.forget(call)
-            call.result = Outcome(
+            call.answer = Outcome(
                 error=DeadlineExceeded(f"{call.method}: no answer on the session socket within {call.timeout:.3f} s"),
                 code=grpc.StatusCode.DEADLINE_EXCEEDED,
                 stale=True,
@@ -448,19 +451,19 @@ class DaemonLink:
                 response = fast.response_of(call.method, reply)
             except KvstoredError as exc:
                 code = getattr(grpc.StatusCode, reply.error.code, grpc.StatusCode.UNKNOWN)
-                call.result = Outcome(error=exc, code=code if reply.HasField("error") else grpc.StatusCode.UNAVAILABLE)
+                call.answer = Outcome(error=exc, code=code if reply.HasField("error") else grpc.StatusCode.UNAVAILABLE)
                 continue
             if response is None:  # the answer did not fit a packet: ask over gRPC
                 left = None if call.deadline is None else max(call.deadline - time.monotonic(), 0.0)
                 call.fallback = self._grpc_call(call.method, call.request, left)
             else:
-                call.result = Outcome(response=response)
+                call.answer = Outcome(response=response)
 
     def _end_pending(self) -> None:
         """The session ended: its fast calls end as gRPC's do when the daemon goes away."""
         pending, self._pending = self._pending, {}
         for call in pending.values():
-            call.result = Outcome(
+            call.answer = Outcome(
                 error=Unavailable(
                     f"{call.method}: the session ended before the answer (kvstored restarted or stopped)"
                 ),
