@@ -59,11 +59,34 @@ def _varint(value: int) -> bytes:
 _TAGS = {method: _field_tag(kind) for method, kind in FAST_METHODS.items()}
 
 
-def _packet(method: str, request: Message) -> bytes | None:
-    """The packet carrying `request`; None when it does not fit one."""
+_CALL_ID_TAG = _varint(pb.SessionRequest.DESCRIPTOR.fields_by_name["call_id"].number << 3)  # a varint field
+
+
+def _packet(method: str, request: Message, call_id: int = 0) -> bytes | None:
+    """The packet carrying `request` (and `call_id`, echoed in the answer, when not 0); None when
+    it does not fit one."""
     body = request.SerializeToString()
-    data = b"".join((_TAGS[method], _varint(len(body)), body))
+    parts = [_TAGS[method], _varint(len(body)), body]
+    if call_id:
+        parts += [_CALL_ID_TAG, _varint(call_id)]
+    data = b"".join(parts)
     return data if len(data) <= MAX_PACKET else None
+
+
+packet = _packet
+
+
+def response_of(method: str, reply: pb.SessionReply) -> Any | None:
+    """The response a fast-path answer carries; None: ask over gRPC (it did not fit a packet).
+    Raises the daemon's error mapped as gRPC's would be, Unavailable for an answer of another kind."""
+    kind = reply.WhichOneof("kind")
+    if kind == FAST_METHODS[method]:
+        return getattr(reply, kind)
+    if kind == "error":
+        if reply.error.kind == REPLY_TOO_LARGE:
+            return None
+        raise from_code(reply.error.code, reply.error.message, reply.error.kind)
+    raise Unavailable(f"{method}: unexpected answer {kind!r} on the session socket")
 
 
 class FastLink:

@@ -59,6 +59,7 @@ class FastPath:
         method, handler = self._handlers[kind]
         started = time.perf_counter()
         code = "OK"
+        call_id = request.call_id
         try:
             message = getattr(request, kind)
             message.session_id = session.session_id
@@ -70,8 +71,8 @@ class FastPath:
             except Exception as exc:
                 failure = failure_for(exc, f"/{SERVICE}/{method}")
                 code = failure.code.name
-                return _error(code, failure.message, failure.kind)
-            reply = pb.SessionReply(**{kind: response}).SerializeToString()
+                return _error(code, failure.message, failure.kind, call_id)
+            reply = pb.SessionReply(**{kind: response}, call_id=call_id).SerializeToString()
             if len(reply) <= limit:
                 return reply
             self._give_back(session, response)
@@ -81,6 +82,7 @@ class FastPath:
                 f"the {method} answer ({len(reply)} bytes) does not fit one session socket packet ({limit}); "
                 f"it was given back: ask over gRPC",
                 REPLY_TOO_LARGE,
+                call_id,
             )
         finally:
             self._observe(SERVICE, method, code, time.perf_counter() - started)
@@ -99,5 +101,6 @@ class FastPath:
             log.debug("fast path: giving back an unsendable answer: %s", exc)
 
 
-def _error(code: str, message: str, kind: str) -> bytes:
-    return pb.SessionReply(error=pb.SessionError(code=code, message=message, kind=kind)).SerializeToString()
+def _error(code: str, message: str, kind: str, call_id: int) -> bytes:
+    error = pb.SessionError(code=code, message=message, kind=kind)
+    return pb.SessionReply(error=error, call_id=call_id).SerializeToString()

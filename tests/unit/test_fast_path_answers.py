@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The daemon's fast-path dispatcher over a real tier chain and service: an answer too large for
 a packet gives back what it granted and tells the client to ask over gRPC; every call is observed
-under its gRPC method's name and status."""
+under its gRPC method's name and status; every answer carries its request's call id."""
 
 from __future__ import annotations
 
@@ -62,3 +62,16 @@ async def test_the_request_names_the_connections_session_whatever_it_says(rig):
     assert (reply.error.code, reply.error.kind) == ("FAILED_PRECONDITION", "HandleNotHeld")
     assert session.session_id in reply.error.message
     assert seen == [(SERVICE, "Release", "FAILED_PRECONDITION")]
+
+
+async def test_every_answer_carries_its_requests_call_id(rig):
+    fast, broker, session, ns, seen = rig
+    lookup = pb.SessionRequest(lookup=pb.LookupRequest(namespace_id=ns.namespace_id, keys=keys(2)), call_id=7)
+    reply = pb.SessionReply.FromString(await fast.answer(session, lookup, "lookup", limit=FAST_REPLY_MAX))
+    assert (reply.WhichOneof("kind"), reply.call_id) == ("lookup", 7)
+    release = pb.SessionRequest(release=pb.ReleaseRequest(handles=[1]), call_id=8)  # an error
+    reply = pb.SessionReply.FromString(await fast.answer(session, release, "release", limit=FAST_REPLY_MAX))
+    assert (reply.WhichOneof("kind"), reply.call_id) == ("error", 8)
+    reserve = pb.SessionRequest(reserve=pb.ReserveRequest(namespace_id=ns.namespace_id, keys=keys(4)), call_id=9)
+    reply = pb.SessionReply.FromString(await fast.answer(session, reserve, "reserve", limit=32))  # too large
+    assert (reply.error.kind, reply.call_id) == (REPLY_TOO_LARGE, 9)

@@ -39,7 +39,6 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 from typing_extensions import override
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
@@ -67,7 +66,7 @@ from kvstored_client.blocks import BlockIdentity
 from kvstored_client.ops import NamespaceSpec
 from kvstored_client.paths import default_socket_path
 from kvstored_client.vllm.blockcopy import ChunkExtents, KVLayout, LayerRef
-from kvstored_client.vllm.driver import DaemonLink, LinkOptions, LinkState, arena_key, outcome
+from kvstored_client.vllm.driver import Call, DaemonLink, LinkOptions, LinkState, arena_key, outcome
 from kvstored_client.vllm.identity import IdentitySource
 from kvstored_client.vllm.lookups import LookupBatcher, ProbeKey
 from kvstored_client.vllm.namespace import (
@@ -221,7 +220,7 @@ class _Lease:
 
 @dataclass(slots=True)
 class _Acquire:
-    future: grpc.Future
+    future: Call
     namespace_id: str
     keys: list[OffloadKey]
     pool_id: str
@@ -247,7 +246,7 @@ class KvstoredDirectManager(OffloadingManager):
         self._req_leases: dict[str, set[ProbeKey[OffloadKey]]] = {}  # leases a request found without asking
         self._acquires: list[_Acquire] = []
         self._to_release: list[tuple[int, int]] = []  # (session epoch, handle)
-        self._releases: list[grpc.Future] = []
+        self._releases: list[Call] = []
         self._stats = OffloadingConnectorStats()
         self._identities: IdentitySource | None = None
         self._link.settle(spec.connect_timeout_s, (self._namespaces.id_for(SHA256_OFFLOAD_KEY_BYTES),))
@@ -476,7 +475,7 @@ class KvstoredDirectManager(OffloadingManager):
                 self._link.call("Release", pb.ReleaseRequest(session_id=self._link.session_id, handles=handles))
             )
 
-    def _release_failed(self, future: grpc.Future) -> bool:
+    def _release_failed(self, future: Call) -> bool:
         result = outcome(future)
         if not result.ok:
             self._link.on_rpc_error(result)

@@ -5,7 +5,8 @@
 The sync `Client` blocks on every call. Code that runs inside vLLM's scheduler step cannot, so this
 driver is polled instead: `poll()` advances the session handshake one non-blocking step at a time,
 RPCs are issued with gRPC's `stub.Method.future(...)` and collected later with `done()`. There is
-no thread and no event loop of our own; gRPC's channel does the I/O.
+no thread and no event loop of our own: gRPC's channel does the I/O, and the fast path's answers
+(FastCall) are read by poll() and done() with non-blocking receives, matched to calls by id.
 
 State machine:  DOWN --(retry time reached)--> HELLO --(Welcome)--> ATTACH --(RegionAttached)--> READY
 Any failure returns to DOWN with an exponential backoff. A link that maps the pool (keep_pool_fd)
@@ -24,20 +25,25 @@ kvstored_client.protocol's, shared with the blocking clients; this module only p
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import os
+import select
 import socket
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
+from google.protobuf.message import DecodeError
 
-from kvstored_client import session
+from kvstored_client import fast, session
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.errors import (
+    DeadlineExceeded,
     InvalidArgument,
     KvstoredError,
     Unavailable,
@@ -50,6 +56,9 @@ from kvstored_client.ops import NamespaceSpec
 from kvstored_client.paths import session_socket_path
 from kvstored_client.protocol import (
     CHANNEL_OPTIONS,
+    FAST_METHODS,
+    FAST_REPLY_MAX,
+    MAX_FDS,
     Backoff,
     Condition,
     ForkGuard,
@@ -109,14 +118,19 @@ class Outcome:
     response: Any = None
     error: KvstoredError | None = None
     code: grpc.StatusCode | None = None
+    stale: bool = False  # the link already ended the session this call was on: nothing more to do
 
     @property
     def ok(self) -> bool:
         return self.error is None
 
 
-def outcome(future: grpc.Future) -> Outcome:
+def outcome(future: grpc.Future | FastCall) -> Outcome:
     """Collect a finished future without raising."""
+    fast_outcome = getattr(future, "fast_outcome", None)  # (also through a wrapper that forwards)
+    if fast_outcome is not None:
+        return fast_outcome()
+    assert not isinstance(future, FastCall)
     try:
         return Outcome(response=future.result())
     except grpc.RpcError as exc:
@@ -125,10 +139,71 @@ def outcome(future: grpc.Future) -> Outcome:
         return Outcome(error=Unavailable("call cancelled"), code=grpc.StatusCode.CANCELLED)
 
 
+class FastCall:
+    """A call in flight on the session socket's fast path, read like the grpc.Future it stands
+    for (done, exception, cancel; collect it with `outcome`). Its answer is read by the link's
+    poll step, or by done() itself, never blocking; an answer too large for a packet is asked
+    again over gRPC (`fallback`)."""
+
+    def __init__(self, link: DaemonLink, method: str, request: Any, timeout: float | None) -> None:
+        self.method = method
+        self.request = request
+        self.timeout = timeout
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.answer: Outcome | None = None
+        self.fallback: grpc.Future | None = None
+        self._link = link
+
+    def done(self) -> bool:
+        if self.fallback is not None:
+            return bool(self.fallback.done())
+        if self.answer is None:
+            self._link.collect()
+        return self.answer is not None or (self.fallback is not None and self.fallback.done())
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Wait (blocking: for shutdown and drain code only) until done; grpc.FutureTimeoutError
+        when `timeout` passes first."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self.done():
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                raise grpc.FutureTimeoutError()
+            if self.fallback is not None:
+                try:
+                    return self.fallback.exception(timeout=left)
+                except grpc.FutureCancelledError:
+                    return None
+            self._link.wait_readable(0.01 if left is None else min(left, 0.01))
+        return self.fast_outcome().error
+
+    def cancel(self) -> bool:
+        if self.fallback is not None:
+            return bool(self.fallback.cancel())
+        if self.answer is not None:
+            return False
+        self._link.forget(self)
+        self.answer = Outcome(error=Unavailable("call cancelled"), code=grpc.StatusCode.CANCELLED, stale=True)
+        return True
+
+    def fast_outcome(self) -> Outcome:
+        if self.fallback is not None:
+            return outcome(self.fallback)
+        if self.answer is None:  # blocks until done, as a gRPC future's result() does
+            self.exception()
+            return self.fast_outcome()
+        return self.answer
+
+
+Call: TypeAlias = "grpc.Future | FastCall"  # what DaemonLink.call starts
+
+
 @dataclass
 class LinkCounters:
     sessions_opened: int = 0
     failures: int = 0
+    fast_calls: int = 0  # calls sent over the session socket's fast path
+    grpc_calls: int = 0  # calls sent over gRPC
     last_error: str = ""
     errors_by_code: dict[str, int] = field(default_factory=dict)
 
@@ -146,9 +221,13 @@ class DaemonLink:
         keep_pool_fd: bool = False,
         pins_pool: bool = False,
         options: LinkOptions = LinkOptions(),
+        fast_path: bool | None = None,
     ) -> None:
         """keep_pool_fd: keep the pool's memfd (and open tenant arenas) to map them; pins_pool:
-        the pool is pinned for DMA (told to the daemon, which then keeps the pool's memory)."""
+        the pool is pinned for DMA (told to the daemon, which then keeps the pool's memory);
+        fast_path: send Lookup, Reserve, Commit, Acquire and Release over the session socket
+        when the daemon serves them there (default: KVSTORED_FAST_PATH, on)."""
+        self.fast_path = fast.fast_path_default() if fast_path is None else fast_path
         self.socket_path = Path(socket_path)
         self.client_name = client_name
         self.options = options
@@ -178,6 +257,10 @@ class DaemonLink:
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.KVStoreStub | None = None
         self._namespaces: dict[str, _NamespaceState] = {}
+        self._daemon_fast = False  # this session's daemon serves the fast path
+        self._pending: dict[int, FastCall] = {}  # fast calls sent, by call id
+        self._call_ids = itertools.count(1)
+        self._control: deque[tuple[bytes, list[int]]] = deque()  # session replies without a call id
 
     # -- connection -------------------------------------------------------------------------
 
@@ -191,6 +274,11 @@ class DaemonLink:
         now = time.monotonic()
         try:
             if self.state is LinkState.READY:
+                self.collect()
+                if self._control and self._arena_asked is None:
+                    raise Unavailable("kvstored sent an unexpected session message")
+                if self.state is not LinkState.READY:
+                    return self._start_if_due(time.monotonic())
                 if self._arena_asked is not None or self._arenas_wanted:
                     self._open_arenas(now)
                     if self.state is not LinkState.READY:
@@ -242,6 +330,8 @@ class DaemonLink:
         """React to a failed RPC: connection problems drop the session, restarts reconnect at once."""
         code = result.code.name if result.code is not None else "UNKNOWN"
         self.counters.errors_by_code[code] = self.counters.errors_by_code.get(code, 0) + 1
+        if result.stale:
+            return
         if isinstance(result.error, SESSION_LOST):
             self.fail(result.error, backoff=False)
         elif isinstance(result.error, UnknownNamespace):
@@ -261,9 +351,125 @@ class DaemonLink:
 
     # -- RPCs -------------------------------------------------------------------------------
 
-    def call(self, method: str, request: Any, timeout: float | None = None) -> grpc.Future:
-        """Start an RPC; collect it with `outcome(future)` once `future.done()`."""
+    def call(self, method: str, request: Any, timeout: float | None = None) -> Call:
+        """Start an RPC (over the fast path where it can go); collect it with `outcome(future)`
+        once `future.done()`."""
+        if self.fast_path and self._daemon_fast and method in FAST_METHODS and self.ready and self._sock is not None:
+            call_id = next(self._call_ids)
+            data = fast.packet(method, request, call_id)
+            if data is not None:  # (else: too large for a packet, over gRPC)
+                try:
+                    self._sock.send(data)
+                except BlockingIOError:
+                    pass  # the socket's buffer is full: this one goes over gRPC
+                except OSError as exc:
+                    self.fail(Unavailable(f"the session socket failed: {exc}"), backoff=False)
+                else:
+                    call = FastCall(self, method, request, timeout)
+                    self._pending[call_id] = call
+                    self.counters.fast_calls += 1
+                    return call
+        return self._grpc_call(method, request, timeout)
+
+    def _grpc_call(self, method: str, request: Any, timeout: float | None) -> grpc.Future:
+        self.counters.grpc_calls += 1
         return getattr(self._get_stub(), method).future(request, timeout=timeout)
+
+    def collect(self) -> None:
+        """Read the fast path's answers that have come (never blocking) and end the calls whose
+        deadline passed. A late answer is recognised by its call id and dropped, so a Lookup past
+        its deadline ends alone (it grants nothing); any other call ends the session, since what
+        its late answer grants (slots, leases) would be held by nobody."""
+        self._read()
+        if not self._pending:
+            return
+        now = time.monotonic()
+        late = [c for c in self._pending.values() if c.deadline is not None and now > c.deadline]
+        for call in late:
+            self.forget(call)
+            call.answer = Outcome(
+                error=DeadlineExceeded(f"{call.method}: no answer on the session socket within {call.timeout:.3f} s"),
+                code=grpc.StatusCode.DEADLINE_EXCEEDED,
+                stale=True,
+            )
+        granting = [c.method for c in late if c.method != "Lookup"]
+        if granting:
+            self.fail(DeadlineExceeded(f"{granting[0]}: no answer on the session socket in time"), backoff=False)
+
+    def forget(self, call: FastCall) -> None:
+        """Stop waiting for a call's answer (cancelled); an answer still coming is dropped."""
+        for call_id, pending in list(self._pending.items()):
+            if pending is call:
+                del self._pending[call_id]
+
+    def wait_readable(self, timeout: float) -> None:
+        """Block until the session socket has something to read, at most `timeout` (drain and
+        shutdown code only)."""
+        if self._sock is None:
+            time.sleep(timeout)
+            return
+        select.select([self._sock], [], [], max(timeout, 0.0))
+
+    def _read(self) -> None:
+        """Every packet waiting on the session socket: fast-path answers end their calls, the rest
+        (OpenArena's answers) wait in `_control`."""
+        sock = self._sock
+        if sock is None or self.state is not LinkState.READY:
+            return
+        while True:
+            try:  # a one-byte peek first: most polls find nothing, and a receive needs a 1 MiB buffer
+                if not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                    self.fail(Unavailable("kvstored closed the session (stopped or restarted)"), backoff=False)
+                    return
+                data, fds, flags, _addr = socket.recv_fds(sock, FAST_REPLY_MAX + 1, MAX_FDS, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                self.fail(Unavailable(f"kvstored closed the session (stopped or restarted): {exc}"), backoff=False)
+                return
+            if not data:
+                for fd in fds:
+                    os.close(fd)
+                self.fail(Unavailable("kvstored closed the session (stopped or restarted)"), backoff=False)
+                return
+            try:
+                if flags & socket.MSG_TRUNC:
+                    raise Unavailable(f"a session answer exceeds {FAST_REPLY_MAX} bytes")
+                reply = pb.SessionReply.FromString(data)
+            except (DecodeError, Unavailable) as exc:
+                for fd in fds:
+                    os.close(fd)
+                self.fail(Unavailable(f"undecodable answer on the session socket: {exc}"), backoff=False)
+                return
+            if not reply.call_id:
+                self._control.append((data, fds))
+                continue
+            call = self._pending.pop(reply.call_id, None)
+            if call is None:  # cancelled meanwhile
+                continue
+            try:
+                response = fast.response_of(call.method, reply)
+            except KvstoredError as exc:
+                code = getattr(grpc.StatusCode, reply.error.code, grpc.StatusCode.UNKNOWN)
+                call.answer = Outcome(error=exc, code=code if reply.HasField("error") else grpc.StatusCode.UNAVAILABLE)
+                continue
+            if response is None:  # the answer did not fit a packet: ask over gRPC
+                left = None if call.deadline is None else max(call.deadline - time.monotonic(), 0.0)
+                call.fallback = self._grpc_call(call.method, call.request, left)
+            else:
+                call.answer = Outcome(response=response)
+
+    def _end_pending(self) -> None:
+        """The session ended: its fast calls end as gRPC's do when the daemon goes away."""
+        pending, self._pending = self._pending, {}
+        for call in pending.values():
+            call.answer = Outcome(
+                error=Unavailable(
+                    f"{call.method}: the session ended before the answer (kvstored restarted or stopped)"
+                ),
+                code=grpc.StatusCode.UNAVAILABLE,
+                stale=True,
+            )
 
     def namespace(self, spec: NamespaceSpec) -> str:
         """The namespace id (computed locally, like every daemon does); starts tracking it."""
@@ -326,10 +532,10 @@ class DaemonLink:
             if self._arena_asked is not None:
                 if now > self._step_deadline:
                     raise Unavailable(f"kvstored did not answer OpenArena within {self.options.connect_timeout_s}s")
-                reply = session.receive(sock)
-                if reply is None:
+                self._read()
+                if not self._control:
                     return
-                opened = handshake.arena_from(*reply)
+                opened = handshake.arena_from(*self._control.popleft())
                 self.arena_fds[opened.arena_id] = (opened.fd, opened.size)
                 self._arena_asked = None
             if self._arenas_wanted:
@@ -349,6 +555,8 @@ class DaemonLink:
             self.pool_fd = None
             self.arena_fds = {}  # the parent's fds: not ours to close
             self._arenas_wanted, self._arena_asked = [], None
+            self._pending = {}  # the parent's calls
+            self._control.clear()
             self.state = LinkState.DOWN
             self._backoff.skip()
 
@@ -391,6 +599,7 @@ class DaemonLink:
                 return
             welcome = handshake.welcome_from(*reply)
             self.session_id = welcome.session_id
+            self._daemon_fast = welcome.fast_path
             self.pool_bytes, self.page_bytes = welcome.pool_bytes, welcome.page_bytes
             pool = os.fstat(welcome.pool_fd)
             self.pool_id = f"{pool.st_dev}:{pool.st_ino}"  # the same memfd in every process: one daemon run
@@ -431,6 +640,12 @@ class DaemonLink:
             os.close(fd)
         self.arena_fds.clear()
         self._arenas_wanted, self._arena_asked = [], None
+        for _data, fds in self._control:
+            for fd in fds:
+                os.close(fd)
+        self._control.clear()
+        self._end_pending()
+        self._daemon_fast = False
         self.state = LinkState.DOWN
         self.session_id = ""
         self.region_id = 0

@@ -62,7 +62,7 @@ class _Store:
     deadline: float
     blocks: Sequence[BlockIdentity | None] = ()  # block identities for the daemon's KV events
     ready_event: Any = None  # CUDA event on the compute stream at submit time
-    reserve: Any = None  # grpc future
+    reserve: Any = None  # a DaemonLink call (driver.Call)
     epoch: int = 0  # the link's session when Reserve was sent: its handles die with it
     pool_id: str = ""
     handles: list[int] = field(default_factory=list)

@@ -63,7 +63,7 @@ from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client.blocks import to_pb as blocks_pb
 from kvstored_client.kinds import DropReason
 from kvstored_client.paths import default_socket_path
-from kvstored_client.vllm.driver import DaemonLink, LinkOptions, LinkState, Outcome, outcome
+from kvstored_client.vllm.driver import Call, DaemonLink, LinkOptions, LinkState, Outcome, outcome
 from kvstored_client.vllm.identity import IdentitySource
 from kvstored_client.vllm.lookups import LookupBatcher
 from kvstored_client.vllm.namespace import (
@@ -105,7 +105,7 @@ class KvstoredMetrics:
 
 @dataclass(slots=True)
 class _LookupCall:
-    future: grpc.Future
+    future: Call
     namespace_id: str
     keys: list[OffloadKey]
     sent_at: float
@@ -120,7 +120,7 @@ class _Transfer:
     offsets: list[int]
     queued_at: float
     started_at: float = 0.0
-    futures: list[tuple[grpc.Future, int]] = field(default_factory=list)  # (future, first key index)
+    futures: list[tuple[Call, int]] = field(default_factory=list)  # (future, first key index)
 
 
 class KvstoredTierManager(SecondaryTierManager):
