@@ -14,8 +14,10 @@ the daemon granted it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 from google.protobuf.message import DecodeError, Message
@@ -113,25 +115,10 @@ class FastLink:
             self._aio = socket.socket(fileno=os.dup(self._sock.fileno()))
             self._aio.setblocking(False)
         loop = asyncio.get_running_loop()
-        try:
+        with self._exchange(method, timeout):
             async with asyncio.timeout(timeout):
                 await loop.sock_sendall(self._aio, data)
                 size = await loop.sock_recv_into(self._aio, self._buffer)
-        except TimeoutError:
-            self.broken = True
-            raise DeadlineExceeded(f"{method}: no answer on the session socket within {timeout:.3f} s") from None
-        except (BrokenPipeError, ConnectionResetError):
-            self.broken = True
-            raise UnknownSession(f"{method}: kvstored closed the session (restarted or stopped)") from None
-        except OSError as exc:
-            self.broken = True
-            raise Unavailable(f"{method}: the session socket failed: {exc}") from None
-        except BaseException:  # cancelled: the answer may still come
-            self.broken = True
-            raise
-        if size == 0:
-            self.broken = True
-            raise UnknownSession(f"{method}: kvstored closed the session (restarted or stopped)")
         return self._answer(method, size)
 
     def call(self, method: str, request: Message, timeout: float) -> Any | None:
@@ -142,10 +129,18 @@ class FastLink:
         data = _packet(method, request)
         if data is None:
             return None
-        try:
+        with self._exchange(method, timeout):
             self._sock.settimeout(timeout)
             self._sock.send(data)
             size = self._sock.recv_into(self._buffer, len(self._buffer), socket.MSG_TRUNC)
+        return self._answer(method, size)
+
+    @contextlib.contextmanager
+    def _exchange(self, method: str, timeout: float) -> Iterator[None]:
+        """One request and its answer: a failure breaks the link (the stream is out of step, or an
+        answer may still come) and is raised as the gRPC call's would be."""
+        try:
+            yield
         except TimeoutError:
             self.broken = True
             raise DeadlineExceeded(f"{method}: no answer on the session socket within {timeout:.3f} s") from None
@@ -155,15 +150,14 @@ class FastLink:
         except OSError as exc:
             self.broken = True
             raise Unavailable(f"{method}: the session socket failed: {exc}") from None
-        except BaseException:  # interrupted: the answer may still come
+        except BaseException:  # interrupted or cancelled: the answer may still come
             self.broken = True
             raise
+
+    def _answer(self, method: str, size: int) -> Any | None:
         if size == 0:
             self.broken = True
             raise UnknownSession(f"{method}: kvstored closed the session (restarted or stopped)")
-        return self._answer(method, size)
-
-    def _answer(self, method: str, size: int) -> Any | None:
         if size > FAST_REPLY_MAX:
             self.broken = True  # (the stream is in step, but the daemon broke its own limit)
             raise Unavailable(f"{method}: the answer ({size} bytes) exceeds {FAST_REPLY_MAX} bytes")
