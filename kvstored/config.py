@@ -436,7 +436,7 @@ class Config:
     events_interval: float = field(
         default=0.1,
         metadata=_opt(
-            "ZMQ events are coalesced over this interval: one batch per topic, net changes only",
+            "ZMQ events and coalesced WatchEvents streams (peer followers): net changes once per interval",
             parse_seconds,
             "SECONDS",
         ),

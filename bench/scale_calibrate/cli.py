@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from bench.lib.report import machine_info, write_json
+from bench.scale_calibrate.coalescing import coalescing_lines, measure_coalescing
 from bench.scale_calibrate.common import DEFAULT_OUT, README_BYTES_PER_ENTRY, SINGLE_EVENTS, SMALL, loadavg
 from bench.scale_calibrate.daemons import Pair
 from bench.scale_calibrate.events import events_report, run_event_phases
@@ -56,10 +57,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the S3 server for PUT/GET latency (auto: radosgw if Ceph starts here, else moto)",
     )
     parser.add_argument("--s3-chunk-mib", type=int, default=2, help="object size for S3 PUT/GET latency")
+    parser.add_argument(
+        "--turns", type=int, default=60, help="stores of --batch chunks per follower mode in the coalescing phase"
+    )
+    parser.add_argument(
+        "--turn-rate", type=float, default=10.0, help="stores per second in the coalescing phase (the model's turns)"
+    )
     parser.add_argument("--serve-subscribers", nargs=2, metavar=("ADDRESS", "STREAMS"), help=argparse.SUPPRESS)
+    parser.add_argument("--coalesced-subscribers", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_subscribers:
-        asyncio.run(serve_subscribers(args.serve_subscribers[0], int(args.serve_subscribers[1])))
+        address, streams = args.serve_subscribers
+        asyncio.run(serve_subscribers(address, int(streams), args.coalesced_subscribers))
         return 0
     if shutil.which("ss") is None:
         print("scale_calibrate: needs `ss` (iproute2) to read what B's TCP socket received", file=sys.stderr)
@@ -71,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "schema": 1,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine_info(),
-        "parameters": {k: v for k, v in vars(args).items() if k != "serve_subscribers"},
+        "parameters": {k: v for k, v in vars(args).items() if k not in ("serve_subscribers", "coalesced_subscribers")},
     }
     # Every 4 KiB chunk of the event phases stays in A's RAM, below its write-back headroom (5%).
     small_chunks = 2 * SINGLE_EVENTS + args.entries + args.entries // 4 + 200
@@ -83,6 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_event_phases(pair, args.entries, args.subscribers, args.batch), args.subscribers, args.batch
         )
         load["after_events"] = loadavg()
+        doc["coalescing"] = measure_coalescing(pair, args.batch, args.turns, args.turn_rate, args.subscribers)
+        load["after_coalescing"] = loadavg()
         doc["lookup"] = measure_lookups_and_fetch(pair, args.reps)
         load["after_lookups"] = loadavg()
     finally:
@@ -169,6 +180,7 @@ def summarize(doc: dict[str, Any]) -> None:
                 f"GET {s3['get_small_ms']:.1f} ms",
             )
         )
+    lines += coalescing_lines(doc["coalescing"])
     width = max(len(k) for k, _ in lines)
     for k, v in lines:
         print(f"  {k.ljust(width)}  {v}")

@@ -17,7 +17,7 @@ from bench.lib.daemons import REPO
 from bench.scale_calibrate.common import WAIT_S, rss_anon
 
 
-async def serve_subscribers(address: str, streams: int) -> None:
+async def serve_subscribers(address: str, streams: int, coalesce: bool = False) -> None:
     """(The child process.) `streams` WatchEvents streams on `address`, each on its own gRPC
     channel as a follower opens them; prints its RSS, "ready" once every stream has had an event,
     then the events received, every 0.1 s, until killed."""
@@ -29,7 +29,7 @@ async def serve_subscribers(address: str, streams: int) -> None:
     counts = [0] * streams
 
     async def follow(i: int) -> None:
-        async for _ in channels[i].watch(0):
+        async for _ in channels[i].watch(0, coalesce):
             counts[i] += 1
 
     tasks = [asyncio.create_task(follow(i)) for i in range(streams)]
@@ -48,10 +48,11 @@ async def serve_subscribers(address: str, streams: int) -> None:
 class Subscribers:
     """The child process of serve_subscribers, and what it reports."""
 
-    def __init__(self, address: str, streams: int) -> None:
+    def __init__(self, address: str, streams: int, coalesce: bool = False) -> None:
         self.streams = streams
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.scale_calibrate", "--serve-subscribers", address, str(streams)],
+            [sys.executable, "-m", "bench.scale_calibrate", "--serve-subscribers", address, str(streams)]
+            + (["--coalesced-subscribers"] if coalesce else []),
             stdout=subprocess.PIPE,
             text=True,
             env=_child_env(),

@@ -128,7 +128,7 @@ class Model:
         per_key = c.follow_s_per_key + c.follow_s_per_key_per_slot * mean_slot
         m = c.index_bytes_per_entry + c.index_bytes_per_slot * mean_slot
         entries, index, coverage = self.full_view(nodes, m)
-        messages = 1 / f.interval_s
+        messages = c.messages_per_interval / f.interval_s
         cpu = {
             "follow": peers * (messages * c.follow_s_per_event + r.net_keys_per_s * per_key),
             "publish": peers * (messages * c.publish_s_per_event + r.net_keys_per_s * c.publish_s_per_key),

@@ -100,6 +100,9 @@ class Costs:
     s3_put_s: float
     s3_get_s: float
     s3_server: str
+    # A coalesced stream's messages per interval (one per kind of change: stored, written down,
+    # evicted, ...), measured; 1 where the calibration predates it.
+    messages_per_interval: float = 1.0
 
     @classmethod
     def from_calibration(cls, doc: dict[str, Any]) -> Costs:
@@ -131,6 +134,7 @@ class Costs:
             s3_put_s=s3.get("put_chunk_ms", 0.0) * 1e-3,
             s3_get_s=s3.get("get_chunk_ms", 0.0) * 1e-3,
             s3_server=s3.get("server") or "not measured",
+            messages_per_interval=doc.get("coalescing", {}).get("coalesced_messages_per_interval", 1.0),
         )
 
 

@@ -11,15 +11,21 @@ drops it. A chunk stored and evicted within one interval yields nothing at all.
 
 Bookkeeping only (no I/O, no clock): the owner calls add() from a bus listener and take() on
 its own timer.
+
+`net_events` is the stateless kind, for a coalesced WatchEvents stream (a peer's follower): it
+sees only one interval's events, so per tier each chunk's last change wins (stored and evicted
+within the interval reads as removed, which a follower applies as a no-op). A Coalescer per
+stream would hold every chunk the node has, once per follower.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from kvstored.events.bus import EventType, KvEvent
+from kvstored.chunks.ids import TierKind
+from kvstored.events.bus import MAX_EVENT_KEYS, Cause, EventType, KvEvent
 
 Place = TypeVar("Place", bound=Hashable)
 
@@ -84,3 +90,39 @@ class Coalescer(Generic[Place]):
         """Everything held now (a snapshot for a follower that lost track; take() first so the
         snapshot and the changes already sent agree)."""
         return iter(list(self._holders))
+
+
+def net_events(events: Sequence[KvEvent]) -> list[KvEvent]:
+    """One interval's events as net changes: per (type, cause, tier, namespace) one event (split
+    at MAX_EVENT_KEYS) with the chunks whose last change in the tier it was, in the order the
+    chunks were first touched; a CLEARED event stays where it was (what came before it is
+    emitted before it). Every event carries the seq and time of the interval's last event."""
+    if not events:
+        return []
+    last = events[-1]
+    out: list[KvEvent] = []
+    # (tier, namespace, key) -> (type, cause, tier_kind), insertion-ordered by first touch
+    latest: dict[tuple[str, str, bytes], tuple[EventType, Cause, TierKind]] = {}
+
+    def flush() -> None:
+        groups: dict[tuple[EventType, Cause, str, TierKind, str], list[bytes]] = {}
+        for (tier, ns, key), (type_, cause, kind) in latest.items():
+            groups.setdefault((type_, cause, tier, kind, ns), []).append(key)
+        for (type_, cause, tier, kind, ns), keys in groups.items():
+            for first in range(0, len(keys), MAX_EVENT_KEYS):
+                chunk = tuple(keys[first : first + MAX_EVENT_KEYS])
+                out.append(KvEvent(last.seq, last.ts, type_, cause, tier, kind, ns, chunk))
+        latest.clear()
+
+    for event in events:
+        if event.type is EventType.CLEARED:
+            flush()
+            out.append(
+                KvEvent(last.seq, last.ts, event.type, event.cause, event.tier, event.tier_kind, event.namespace_id, ())
+            )
+            continue
+        for key in event.keys:
+            entry = (event.tier, event.namespace_id, key)
+            latest[entry] = (event.type, event.cause, event.tier_kind)  # (keeps its first position)
+    flush()
+    return out

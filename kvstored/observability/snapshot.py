@@ -70,6 +70,7 @@ class PeerRow:
     events: int = 0
     resyncs: int = 0
     detail: str = ""
+    last_seq: int = 0  # of its events, the last one the index reflects
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ class FleetSettings:
     reconnect_s: float
     peers_dns: str = ""  # NAME:PORT
     dns_interval_s: float = 10.0
+    coalesce_events: bool = True  # follow peers' net changes per interval, not every event
 
 
 LinkFactory = Callable[[TransportKind, PeerAddress, TransportConfig], PeerLink]
@@ -211,7 +212,9 @@ class PeerFleet:
         record.hello = hello
         await self._ensure_link(record, kind, PeerAddress(record.address.host, port))
         record.transport = kind
-        follower = Follower(channel, record, self.index, self.local.incarnation, self._sweep_wanted.set)
+        follower = Follower(
+            channel, record, self.index, self.local.incarnation, self._sweep_wanted.set, self.settings.coalesce_events
+        )
         if record.slot is None:
             await follower.resync()
         self._set(record, PeerState.UP, f"over {kind.value}, {self.index.count(record.slot or 0)} chunks indexed")

@@ -39,7 +39,9 @@ class Follower:
         index: PeerIndex,
         incarnation: int,
         on_retired: Callable[[], None],
+        coalesce: bool = True,
     ) -> None:
+        self._coalesce = coalesce  # ask for the net changes per interval
         self._channel = channel
         self._record = record
         self._index = index
@@ -53,7 +55,7 @@ class Follower:
             await self.resync()
         while True:
             try:
-                async for event in self._channel.watch(record.last_seq + 1):
+                async for event in self._channel.watch(record.last_seq + 1, self._coalesce):
                     self._apply(event)
                 return
             except grpc.aio.AioRpcError as exc:
@@ -103,7 +105,8 @@ class Follower:
 
     def _apply(self, event: pb.KvEvent) -> None:
         record = self._record
-        record.last_seq = event.seq
+        if not event.partial:  # (a coalesced interval is resumed from its end, not its middle)
+            record.last_seq = event.seq
         record.counters.events += 1
         if record.slot is None or record.hello is None:
             return

@@ -276,6 +276,7 @@ class Daemon:
             self.tenancy,
             self._peer_counts,
             self.identities,
+            cfg.events_interval,
         )
         pb_grpc.add_KVStoreServicer_to_server(service, self.server)
         pb_grpc.add_PeerServicer_to_server(

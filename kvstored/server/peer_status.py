@@ -39,6 +39,7 @@ def peers_snapshot(serving: PeerServing, tier: PeerTier) -> PeersSnapshot:
                 events=c.events,
                 resyncs=c.resyncs,
                 detail=record.detail,
+                last_seq=record.last_seq,
             )
         )
     others = sum(sent for incarnation, sent in serving.sent_to.items() if incarnation not in known)

@@ -17,14 +17,14 @@ from kvstored import __version__
 from kvstored.chain.chain import TierChain
 from kvstored.chain.stats import chain_snapshot
 from kvstored.chunks.ids import TierKind
-from kvstored.errors import BatchTooLarge, InvalidRequest, SessionRequired, WatcherLagged, shown
-from kvstored.events.bus import KvEvent
+from kvstored.errors import BatchTooLarge, InvalidRequest, SessionRequired, shown
 from kvstored.events.identity import BlockIdentity, IdentityBook
 from kvstored.namespaces import Namespace, NamespaceRegistry, check_keys
 from kvstored.observability.snapshot import STORE_DROP_REASONS
 from kvstored.server.broker import SessionBroker
 from kvstored.server.sessions import Session
 from kvstored.server.tenants import ArenasUnsupported, Tenancy, events_for, visible
+from kvstored.server.watch import each_event, net_changes
 from kvstored.shm.mapping import open_region_file
 from kvstored.tiers.ram import Extent, ReserveOutcome
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
@@ -102,19 +102,6 @@ def _identities(blocks: Sequence[pb.BlockIdentity], keys: int) -> list[BlockIden
     return out
 
 
-def _event(e: KvEvent) -> pb.KvEvent:
-    return pb.KvEvent(
-        seq=e.seq,
-        ts=e.ts,
-        type=int(e.type),
-        cause=int(e.cause),
-        tier=e.tier,
-        tier_kind=int(e.tier_kind),
-        namespace_id=e.namespace_id,
-        keys=e.keys,
-    )
-
-
 def _extents(extents: Sequence[Extent]) -> list[pb.Extent]:
     return [pb.Extent(offset=e.offset, length=e.length, arena=e.arena) for e in extents]
 
@@ -130,7 +117,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         tenancy: Tenancy,
         peer_counts: Callable[[], tuple[int, int]] = lambda: (0, 0),
         identities: IdentityBook | None = None,
+        events_interval: float = 0.1,
     ) -> None:
+        self._events_interval = events_interval  # a coalesced watch stream's
         self._identities = identities  # None: no ZMQ publisher, identities are checked, not kept
         self._peer_counts = peer_counts  # (chunks leased to peers, RAM slots peer fetches hold)
         self._region_dirs = tuple(region_dirs)
@@ -380,25 +369,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 f"available is seq {bus.oldest_seq} (events_buffer={bus.buffer_events})"
             )
             return
-        sub = bus.subscribe(accepts)  # before the replay, so no event falls between the two
-        try:
-            last = 0
-            if request.from_seq:
-                for event in bus.replay(request.from_seq):
-                    if accepts(event):
-                        yield _event(event)
-                    last = event.seq
-            while True:
-                live = await sub.queue.get()
-                if live is None:
-                    return
-                if live.seq > last:
-                    yield _event(live)
-                    last = live.seq
-                if sub.lagged and sub.queue.empty():
-                    raise WatcherLagged(f"event watcher fell behind after seq {last}; resume with from_seq={last + 1}")
-        finally:
-            bus.unsubscribe(sub)
+        if request.coalesce:
+            stream = net_changes(bus, accepts, request.from_seq, self._events_interval)
+        else:
+            stream = each_event(bus, accepts, request.from_seq)
+        async for event in stream:
+            yield event
 
 
 def _load_into(value: int) -> LoadInto:

@@ -80,7 +80,13 @@ class PeerTier(SecondaryTier):
             ucx=UcxConfig(tls=cfg.ucx_tls, net_devices=cfg.ucx_net_devices),
         )
         settings = FleetSettings(
-            cfg.transport, transport, cfg.connect_timeout_s, cfg.reconnect_s, cfg.peers_dns, cfg.dns_interval_s
+            cfg.transport,
+            transport,
+            cfg.connect_timeout_s,
+            cfg.reconnect_s,
+            cfg.peers_dns,
+            cfg.dns_interval_s,
+            cfg.coalesce_events,
         )
         self.fleet = PeerFleet(settings, self.membership, self.index, _client_tls(cfg, options))
         self._fetchers: dict[PeerRecord, PeerFetcher] = {}

@@ -309,6 +309,7 @@ PEER = TierKindSpec(
         "breaker_failures": int,
         "breaker_reset_s": parse_seconds,
         "reconnect_s": parse_seconds,
+        "coalesce_events": parse_bool,
         "tls_ca_file": Path,
         "concurrency": int,
         "max_backlog": int,

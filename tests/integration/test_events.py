@@ -305,3 +305,87 @@ def test_a_store_with_a_malformed_block_identity_is_refused_and_stores_nothing(d
         assert ns.namespace_id == ns_id
         assert kv.lookup(ns, keys).prefix_hits == 0
         assert kv.store(ns, keys, payloads(keys, CHUNK), blocks=identities).stored == 2  # still serving
+
+
+def _intervals(events: list[pb.KvEvent]) -> list[list[pb.KvEvent]]:
+    """A coalesced stream cut at the events with `partial` unset."""
+    out: list[list[pb.KvEvent]] = [[]]
+    for e in events:
+        out[-1].append(e)
+        if not e.partial:
+            out.append([])
+    return out[:-1] if not out[-1] else out
+
+
+def _keys(events: list[pb.KvEvent], type_: int, cause: int | None = None) -> list[bytes]:
+    return [k for e in events if e.type == type_ and (cause is None or e.cause == cause) for k in e.keys]
+
+
+def test_a_coalesced_watch_replays_the_net_changes_as_one_interval_and_resumes_after_it(daemon_factory, ns_name):
+    # 16 chunks of RAM: storing 24 one by one evicts the 8 oldest; the last is deleted.
+    d = daemon_factory(cpu_bytes="1MiB")
+    keys = make_keys("coalesced", 24)
+    with d.client() as kv:
+        ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK, block_tokens=16)
+        for key in keys:
+            assert kv.store(ns, [key], payloads([key], CHUNK)).stored == 1
+        assert kv.delete(ns, keys[-1:]) == 1
+    with d.channel() as channel:
+        stub = pb_grpc.KVStoreStub(channel)
+        call = stub.WatchEvents(pb.WatchEventsRequest(from_seq=1, coalesce=True), timeout=20)
+        replayed = []
+        for event in call:  # one interval: read up to its end
+            replayed.append(event)
+            if not event.partial:
+                call.cancel()
+                break
+        # 33 bus events (24 stores, 8 evictions, 1 delete) as 3 messages, one per kind
+        assert len(replayed) == 3
+        assert _keys(replayed, pb.EVENT_TYPE_STORED) == keys[8:23]
+        assert _keys(replayed, pb.EVENT_TYPE_REMOVED, pb.EVENT_CAUSE_EVICTED) == keys[:8]
+        assert _keys(replayed, pb.EVENT_TYPE_REMOVED, pb.EVENT_CAUSE_DELETED) == keys[23:]
+        assert len({e.seq for e in replayed}) == 1 and [e.partial for e in replayed] == [True, True, False]
+        resume = replayed[-1].seq + 1
+        more = make_keys("coalesced-more", 3)
+        with d.client() as kv:
+            ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK, block_tokens=16)
+            assert kv.store(ns, more, payloads(more, CHUNK)).stored == 3  # evicts 2 more
+        got = []
+        call = stub.WatchEvents(pb.WatchEventsRequest(from_seq=resume, coalesce=True), timeout=20)
+        for event in call:
+            got.append(event)
+            if not event.partial:
+                call.cancel()
+                break
+        assert _keys(got, pb.EVENT_TYPE_STORED) == more  # nothing of before the resume seq
+        assert _keys(got, pb.EVENT_TYPE_REMOVED, pb.EVENT_CAUSE_EVICTED) == keys[8:10]  # the delete freed a slot
+
+
+def test_a_live_coalesced_watch_sees_every_change_in_whole_intervals(daemon_factory, ns_name):
+    d = daemon_factory(extra_args=["--events-interval", "0.05"])
+    keys = make_keys("coalesced-live", 40)
+    with d.channel() as channel:
+        stub = pb_grpc.KVStoreStub(channel)
+        got: list[pb.KvEvent] = []
+
+        def read() -> None:
+            call = stub.WatchEvents(pb.WatchEventsRequest(from_seq=1, coalesce=True), timeout=30)
+            for event in call:
+                got.append(event)
+                if not event.partial and set(_keys(got, pb.EVENT_TYPE_STORED)) >= set(keys):
+                    call.cancel()
+                    return
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        with d.client() as kv:
+            ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
+            for key in keys:  # one event each; a reader subscribing late gets the first ones replayed
+                kv.store(ns, [key], payloads([key], CHUNK))
+        reader.join(30)
+        assert not reader.is_alive()
+    intervals = _intervals(got)
+    assert intervals and all(len({e.seq for e in chunk}) == 1 for chunk in intervals)  # one seq per interval
+    assert [c[0].seq for c in intervals] == sorted({c[0].seq for c in intervals})  # increasing
+    stored = _keys(got, pb.EVENT_TYPE_STORED)
+    assert len(stored) == len(set(stored))  # each stored chunk once

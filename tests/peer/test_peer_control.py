@@ -243,6 +243,47 @@ async def test_a_follower_whose_events_are_gone_reads_the_peer_whole_again(node)
         await channel.close()
 
 
+@pytest.mark.parametrize("coalesce", [True, False], ids=["coalesced", "each-event"])
+async def test_a_follower_applies_what_it_missed_as_net_changes_or_event_by_event(daemon_factory, fake_peer, coalesce):
+    """A follower resuming after 40 events (39 single-key stores, one delete of 9 of them) gets
+    them replayed as one interval of net changes (2 messages), or one message per event; either
+    way its index ends the same and it resumes after the last."""
+    _, fake = fake_peer
+    listen = f"127.0.0.1:{free_port()}"
+    node = daemon_factory(
+        ["--tcp-listen", listen, "--tiers", f"kind=peer,peers={fake},transport=tcp,tcp_port=0,reconnect_s=0.1"]
+    )
+    first, keys = make_keys("net-first", 1), make_keys("net", 39)
+    with node.client() as kv:
+        ns = kv.register_namespace(model="net", dtype="u8", chunk_bytes=CHUNK)
+        kv.store(ns, first, payloads(first, CHUNK))  # seq 1: followed already
+        for key in keys:
+            kv.store(ns, [key], payloads([key], CHUNK))
+        assert kv.delete(ns, keys[:9]) == 9
+    host, port = listen.rsplit(":", 1)
+    channel = ControlChannel(PeerAddress(host, int(port)), None, 0.5)
+    try:
+        me = LocalHello(secrets.randbits(62) + 1, frozenset({TransportKind.TCP}), 0, 0, ("ram",), "test")
+        record = PeerRecord(PeerAddress(host, int(port)), "test", Breaker(3, 5))
+        record.hello = hello_from_proto(await channel.hello(me.to_proto(), 10))
+        index = PeerIndex(1000)
+        record.slot = index.add_peer()
+        record.last_seq = 1
+        follower = Follower(channel, record, index, me.incarnation, lambda: None, coalesce=coalesce)
+        task = asyncio.create_task(follower.run())
+        try:
+            await _until(lambda: record.last_seq == 41)
+            assert record.counters.events == (2 if coalesce else 40)
+            assert index.count(record.slot) == 30 and record.counters.resyncs == 0
+            assert [index.holders((ns.namespace_id, k)) for k in keys[:9]] == [[]] * 9
+            assert all(index.holders((ns.namespace_id, k)) for k in keys[9:])
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    finally:
+        await channel.close()
+
+
 def test_a_daemon_without_a_peer_tier_says_so(shared_daemon):
     with shared_daemon.channel() as channel:
         stub = pb_grpc.PeerStub(channel)

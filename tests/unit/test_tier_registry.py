@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,23 @@ from kvstored.tiers.config import FsTierConfig, S3TierConfig
 from kvstored.tiers.registry import KINDS, TierKindSpec, admission_changes, spec_of
 
 SECOND = AdmissionPolicy.SECOND_EVICTION
+
+
+def test_every_option_that_is_not_a_string_has_a_parser():
+    """Else `coalesce_events=false` in --tiers would reach the tier as the string "false"."""
+    from kvstored.tiers.registry import COMMON_PARSERS
+
+    for spec in KINDS.values():
+        hints = typing.get_type_hints(spec.config)
+        unparsed = [
+            f.name
+            for f in dataclasses.fields(spec.config)
+            if hints[f.name] not in (str, str | None) and f.name not in {**COMMON_PARSERS, **spec.parsers}
+        ]
+        assert unparsed == [], f"{spec.label}: {unparsed}"
+    doc = {"tcp_listen": "127.0.0.1:7070", "tiers": ["kind=peer,peers=10.0.0.2:7070,coalesce_events=false"]}
+    cfg = load_config(doc, {}).tiers[0]
+    assert cfg.coalesce_events is False
 
 
 def test_each_kind_is_found_by_its_label_and_by_its_config():

@@ -1,0 +1,134 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
+"""The coalescing phase: B following A's events each as it happens, then coalesced (A's net
+changes once per its events_interval), under the fleet model's workload: a turn's store of
+`batch` chunks, `turn_rate` turns a second, with A's RAM and fs full so that every store writes
+down and evicts (one key per event). What following A costs B per turn, and what one more
+follower costs A (its CPU with `subscribers` more streams minus without, per stream)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from bench.scale_calibrate.common import LIFE_CHUNK, batches, new_keys, ns_fields
+from bench.scale_calibrate.daemons import Pair, Phase
+from bench.scale_calibrate.subscribers import Subscribers
+
+EVENTS_INTERVAL_S = 0.1  # A's events_interval (the daemon's default)
+
+
+@dataclass(frozen=True)
+class FollowMode:
+    coalesced: bool
+    turns: int
+    seconds: float  # the paced stores, B catching up included
+    bus_events: int  # what A published (its bus: the uncoalesced watcher's count)
+    bus_keys: int
+    messages: int  # what B applied
+    follower_cpu_s: float  # B's
+    publisher_cpu_s_per_subscriber: float  # A's, per extra stream
+
+    @property
+    def follower_s_per_turn(self) -> float:
+        return self.follower_cpu_s / self.turns
+
+    @property
+    def publisher_s_per_turn(self) -> float:
+        return self.publisher_cpu_s_per_subscriber / self.turns
+
+
+def measure_coalescing(pair: Pair, batch: int, turns: int, turn_rate: float, subscribers: int) -> dict[str, Any]:
+    data = np.zeros((batch, LIFE_CHUNK), np.uint8)
+    modes: list[FollowMode] = []
+    print(f"coalescing: {turns} turns of {batch} chunks at {turn_rate:g}/s, RAM and fs full", flush=True)
+    with pair.a.client() as kv:
+        ns = kv.register_namespace(**ns_fields("life", LIFE_CHUNK))  # the lifecycle phase's: full
+
+        def paced(tag: str) -> Callable[[], int]:
+            keys = new_keys(turns * batch, tag)
+
+            def work() -> int:
+                t0 = time.monotonic()
+                for i, part in enumerate(batches(keys, batch)):
+                    kv.store(ns, part, data[: len(part)])
+                    time.sleep(max(0.0, t0 + (i + 1) / turn_rate - time.monotonic()))
+                return len(keys)
+
+            return work
+
+        def nudger(keys: Iterator[bytes]) -> Callable[[], None]:
+            def nudge() -> None:
+                kv.store(ns, [next(keys)], data[:1])
+
+            return nudge
+
+        for coalesce in (False, True):
+            name = "coalesced" if coalesce else "each event"
+            pair.follow(coalesce)
+            pair.measure_idle()
+            alone = pair.phase(f"turns, B following {name}", paced(f"c{coalesce:d}-1"))
+            subs = Subscribers(pair.a.address, subscribers, coalesce)
+            try:
+                subs.wait_ready(nudger(iter(new_keys(200, f"c{coalesce:d}-n"))))
+                crowd = pair.phase(f"turns, {subscribers} more followers {name}", paced(f"c{coalesce:d}-2"))
+            finally:
+                subs.stop()
+            modes.append(_mode(coalesce, turns, alone, crowd, subscribers))
+    each, coalesced = modes
+    return {
+        "basis": f"{turns} stores of {batch} chunks of {LIFE_CHUNK >> 10} KiB at {turn_rate:g}/s on A (RAM and fs "
+        "full: each store writes down and evicts), B following A each event as it happens, then coalesced "
+        f"(A's events_interval {EVENTS_INTERVAL_S:g} s); B's CPU, idle and polls subtracted; A's CPU with "
+        f"{subscribers} more followers of the same kind (a child process) minus without, per follower",
+        "turn_rate": turn_rate,
+        "modes": [{**asdict(m), "follower_s_per_turn": m.follower_s_per_turn} for m in modes],
+        "follower_ratio": _ratio(each.follower_s_per_turn, coalesced.follower_s_per_turn),
+        "publisher_ratio": _ratio(each.publisher_s_per_turn, coalesced.publisher_s_per_turn),
+        "messages_ratio": _ratio(each.messages, coalesced.messages),
+        "coalesced_messages_per_interval": coalesced.messages / max(1.0, coalesced.seconds / EVENTS_INTERVAL_S),
+    }
+
+
+def _mode(coalesce: bool, turns: int, alone: Phase, crowd: Phase, subscribers: int) -> FollowMode:
+    return FollowMode(
+        coalesce,
+        turns,
+        alone.seconds,
+        sum(v for k, v in alone.by_kind.items() if not k.endswith(" keys")),
+        alone.keys,
+        alone.events,
+        alone.b_cpu_s,
+        max(0.0, crowd.a_cpu_s - alone.a_cpu_s) / subscribers,
+    )
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None
+
+
+def coalescing_lines(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    each, coalesced = doc["modes"]
+    rate = doc["turn_rate"]
+
+    def times(r: float | None) -> str:
+        return f"{r:.0f}x" if r is not None else "(coalesced below the noise)"
+
+    return [
+        (
+            "following A at the model's turn rate",
+            f"each event {each['follower_s_per_turn'] * rate:.1%} of a core ({each['messages']} messages), "
+            f"coalesced {coalesced['follower_s_per_turn'] * rate:.2%} ({coalesced['messages']}): "
+            f"{times(doc['follower_ratio'])} less",
+        ),
+        (
+            "publishing to one more follower",
+            f"each event {each['publisher_cpu_s_per_subscriber'] / each['turns'] * rate:.1%} of a core, coalesced "
+            f"{coalesced['publisher_cpu_s_per_subscriber'] / coalesced['turns'] * rate:.2%}: "
+            f"{times(doc['publisher_ratio'])} less",
+        ),
+    ]

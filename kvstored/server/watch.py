@@ -1,0 +1,109 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
+"""The WatchEvents stream: buffered events from a seq, then live ones; one message per bus event,
+or, coalesced, the net changes once per interval (what a peer's follower asks for: a node that
+writes down and evicts one chunk at a time would otherwise cost each follower a message per key).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from kvstored.errors import WatcherLagged
+from kvstored.events.bus import EventBus, EventFilter, KvEvent, Subscription
+from kvstored.events.coalesce import net_events
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+
+
+def to_proto(e: KvEvent, partial: bool = False) -> pb.KvEvent:
+    return pb.KvEvent(
+        seq=e.seq,
+        ts=e.ts,
+        type=int(e.type),
+        cause=int(e.cause),
+        tier=e.tier,
+        tier_kind=int(e.tier_kind),
+        namespace_id=e.namespace_id,
+        keys=e.keys,
+        partial=partial,
+    )
+
+
+def _lagged(last: int) -> WatcherLagged:
+    return WatcherLagged(f"event watcher fell behind after seq {last}; resume with from_seq={last + 1}")
+
+
+async def each_event(bus: EventBus, accepts: EventFilter, from_seq: int) -> AsyncIterator[pb.KvEvent]:
+    """Every event, one message each. (The caller has checked from_seq is still buffered.)"""
+    sub = bus.subscribe(accepts)  # before the replay, so no event falls between the two
+    try:
+        last = 0
+        if from_seq:
+            for event in bus.replay(from_seq):
+                if accepts(event):
+                    yield to_proto(event)
+                last = event.seq
+        while True:
+            live = await sub.queue.get()
+            if live is None:
+                return
+            if live.seq > last:
+                yield to_proto(live)
+                last = live.seq
+            if sub.lagged and sub.queue.empty():
+                raise _lagged(last)
+    finally:
+        bus.unsubscribe(sub)
+
+
+async def net_changes(
+    bus: EventBus, accepts: EventFilter, from_seq: int, interval_s: float
+) -> AsyncIterator[pb.KvEvent]:
+    """The net changes of each interval (coalesce.net_events), `partial` on all but its last
+    message; the replay from from_seq is one interval. An idle stream waits for an event, then
+    gathers for interval_s."""
+    sub = bus.subscribe(accepts)
+    try:
+        last = 0
+        pending: list[KvEvent] = []
+        if from_seq:
+            pending = [e for e in bus.replay(from_seq) if accepts(e)]
+            last = bus.last_seq
+        while True:
+            for message in _messages(pending):
+                yield message
+            if sub.lagged and sub.queue.empty():
+                raise _lagged(last)
+            first = await sub.queue.get()
+            if first is None:
+                return
+            await asyncio.sleep(interval_s)
+            pending, closed = _drain(sub, first, last)
+            last = max(last, pending[-1].seq) if pending else last
+            if closed:
+                for message in _messages(pending):
+                    yield message
+                return
+    finally:
+        bus.unsubscribe(sub)
+
+
+def _drain(sub: Subscription, first: KvEvent, after: int) -> tuple[list[KvEvent], bool]:
+    """The events queued now (past `after`: the replay may have covered some), and whether the
+    bus closed."""
+    events = [first] if first.seq > after else []
+    while True:
+        try:
+            event = sub.queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return events, False
+        if event is None:
+            return events, True
+        if event.seq > after:
+            events.append(event)
+
+
+def _messages(events: list[KvEvent]) -> list[pb.KvEvent]:
+    net = net_events(events)
+    return [to_proto(e, partial=i < len(net) - 1) for i, e in enumerate(net)]
