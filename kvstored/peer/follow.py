@@ -21,7 +21,7 @@ import grpc
 from kvstored.events.bus import EventType
 from kvstored.peer.control import ControlChannel
 from kvstored.peer.index import PeerIndex, tier_bit
-from kvstored.peer.membership import PeerRecord
+from kvstored.peer.membership import Hello, PeerRecord
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -110,11 +110,15 @@ class Follower:
         record.counters.events += 1
         if record.slot is None or record.hello is None:
             return
-        position = record.hello.tier_position(event.tier)
+        for change in event.changes or (event,):  # coalesced: the interval's changes
+            self._change(record.slot, record.hello, change)
+
+    def _change(self, slot: int, hello: Hello, change: pb.KvEvent) -> None:
+        position = hello.tier_position(change.tier)
         if position is None:  # a tier it does not serve peers from (s3, its own peer tier)
             return
-        if event.type == EventType.STORED:
-            self._index.add(record.slot, tier_bit(position), event.namespace_id, event.keys)
-        elif event.type == EventType.REMOVED:
-            self._index.remove(record.slot, tier_bit(position), event.namespace_id, event.keys)
+        if change.type == EventType.STORED:
+            self._index.add(slot, tier_bit(position), change.namespace_id, change.keys)
+        elif change.type == EventType.REMOVED:
+            self._index.remove(slot, tier_bit(position), change.namespace_id, change.keys)
         # CLEARED: the chunks it lists were each a REMOVED event just before

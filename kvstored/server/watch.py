@@ -11,12 +11,12 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from kvstored.errors import WatcherLagged
-from kvstored.events.bus import EventBus, EventFilter, KvEvent, Subscription
+from kvstored.events.bus import MAX_EVENT_KEYS, EventBus, EventFilter, KvEvent, Subscription
 from kvstored.events.coalesce import net_events
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 
 
-def to_proto(e: KvEvent, partial: bool = False) -> pb.KvEvent:
+def to_proto(e: KvEvent) -> pb.KvEvent:
     return pb.KvEvent(
         seq=e.seq,
         ts=e.ts,
@@ -26,7 +26,6 @@ def to_proto(e: KvEvent, partial: bool = False) -> pb.KvEvent:
         tier_kind=int(e.tier_kind),
         namespace_id=e.namespace_id,
         keys=e.keys,
-        partial=partial,
     )
 
 
@@ -60,9 +59,9 @@ async def each_event(bus: EventBus, accepts: EventFilter, from_seq: int) -> Asyn
 async def net_changes(
     bus: EventBus, accepts: EventFilter, from_seq: int, interval_s: float
 ) -> AsyncIterator[pb.KvEvent]:
-    """The net changes of each interval (coalesce.net_events), `partial` on all but its last
-    message; the replay from from_seq is one interval. An idle stream waits for an event, then
-    gathers for interval_s."""
+    """The net changes of each interval (coalesce.net_events) in one message (`partial` on all
+    but the last where it takes several); the replay from from_seq is one interval. An idle
+    stream waits for an event, then gathers for interval_s."""
     sub = bus.subscribe(accepts)
     try:
         last = 0
@@ -71,7 +70,7 @@ async def net_changes(
             pending = [e for e in bus.replay(from_seq) if accepts(e)]
             last = bus.last_seq
         while True:
-            for message in _messages(pending):
+            for message in interval_messages(pending):
                 yield message
             if sub.lagged and sub.queue.empty():
                 raise _lagged(last)
@@ -82,7 +81,7 @@ async def net_changes(
             pending, closed = _drain(sub, first, last)
             last = max(last, pending[-1].seq) if pending else last
             if closed:
-                for message in _messages(pending):
+                for message in interval_messages(pending):
                     yield message
                 return
     finally:
@@ -104,6 +103,33 @@ def _drain(sub: Subscription, first: KvEvent, after: int) -> tuple[list[KvEvent]
             events.append(event)
 
 
-def _messages(events: list[KvEvent]) -> list[pb.KvEvent]:
+def interval_messages(events: list[KvEvent]) -> list[pb.KvEvent]:
+    """An interval's net changes as one message (several past MAX_EVENT_KEYS keys, as the bus
+    splits events: a message a follower can always take)."""
     net = net_events(events)
-    return [to_proto(e, partial=i < len(net) - 1) for i, e in enumerate(net)]
+    if not net:
+        return []
+    packs: list[list[KvEvent]] = [[]]
+    keys = 0
+    for change in net:
+        if packs[-1] and keys + len(change.keys) > MAX_EVENT_KEYS:
+            packs.append([])
+            keys = 0
+        packs[-1].append(change)
+        keys += len(change.keys)
+    last = events[-1]
+    return [
+        pb.KvEvent(seq=last.seq, ts=last.ts, changes=[_change(c) for c in pack], partial=i < len(packs) - 1)
+        for i, pack in enumerate(packs)
+    ]
+
+
+def _change(e: KvEvent) -> pb.KvEvent:
+    return pb.KvEvent(
+        type=int(e.type),
+        cause=int(e.cause),
+        tier=e.tier,
+        tier_kind=int(e.tier_kind),
+        namespace_id=e.namespace_id,
+        keys=e.keys,
+    )

@@ -307,18 +307,10 @@ def test_a_store_with_a_malformed_block_identity_is_refused_and_stores_nothing(d
         assert kv.store(ns, keys, payloads(keys, CHUNK), blocks=identities).stored == 2  # still serving
 
 
-def _intervals(events: list[pb.KvEvent]) -> list[list[pb.KvEvent]]:
-    """A coalesced stream cut at the events with `partial` unset."""
-    out: list[list[pb.KvEvent]] = [[]]
-    for e in events:
-        out[-1].append(e)
-        if not e.partial:
-            out.append([])
-    return out[:-1] if not out[-1] else out
-
-
-def _keys(events: list[pb.KvEvent], type_: int, cause: int | None = None) -> list[bytes]:
-    return [k for e in events if e.type == type_ and (cause is None or e.cause == cause) for k in e.keys]
+def _keys(messages: list[pb.KvEvent], type_: int, cause: int | None = None) -> list[bytes]:
+    """The keys of a coalesced stream's changes of that type (and cause)."""
+    changes = [c for m in messages for c in m.changes]
+    return [k for c in changes if c.type == type_ and (cause is None or c.cause == cause) for k in c.keys]
 
 
 def test_a_coalesced_watch_replays_the_net_changes_as_one_interval_and_resumes_after_it(daemon_factory, ns_name):
@@ -339,12 +331,18 @@ def test_a_coalesced_watch_replays_the_net_changes_as_one_interval_and_resumes_a
             if not event.partial:
                 call.cancel()
                 break
-        # 33 bus events (24 stores, 8 evictions, 1 delete) as 3 messages, one per kind
-        assert len(replayed) == 3
+        # 33 bus events (24 stores, 8 evictions, 1 delete) as one message of 3 changes, one per kind
+        (message,) = replayed
+        assert sorted((c.type, c.cause) for c in message.changes) == [
+            (pb.EVENT_TYPE_STORED, pb.EVENT_CAUSE_STORED),
+            (pb.EVENT_TYPE_REMOVED, pb.EVENT_CAUSE_EVICTED),
+            (pb.EVENT_TYPE_REMOVED, pb.EVENT_CAUSE_DELETED),
+        ]
         assert _keys(replayed, pb.EVENT_TYPE_STORED) == keys[8:23]
         assert _keys(replayed, pb.EVENT_TYPE_REMOVED, pb.EVENT_CAUSE_EVICTED) == keys[:8]
         assert _keys(replayed, pb.EVENT_TYPE_REMOVED, pb.EVENT_CAUSE_DELETED) == keys[23:]
-        assert len({e.seq for e in replayed}) == 1 and [e.partial for e in replayed] == [True, True, False]
+        assert message.seq == 33 and not message.partial and not message.keys
+        assert all(c.tier == "ram" and c.namespace_id == ns.namespace_id for c in message.changes)
         resume = replayed[-1].seq + 1
         more = make_keys("coalesced-more", 3)
         with d.client() as kv:
@@ -384,8 +382,7 @@ def test_a_live_coalesced_watch_sees_every_change_in_whole_intervals(daemon_fact
                 kv.store(ns, [key], payloads([key], CHUNK))
         reader.join(30)
         assert not reader.is_alive()
-    intervals = _intervals(got)
-    assert intervals and all(len({e.seq for e in chunk}) == 1 for chunk in intervals)  # one seq per interval
-    assert [c[0].seq for c in intervals] == sorted({c[0].seq for c in intervals})  # increasing
+    assert got and not any(m.partial for m in got)  # small intervals: one message each
+    assert [m.seq for m in got] == sorted({m.seq for m in got})  # increasing
     stored = _keys(got, pb.EVENT_TYPE_STORED)
     assert len(stored) == len(set(stored))  # each stored chunk once

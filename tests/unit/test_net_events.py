@@ -85,3 +85,22 @@ def test_a_cleared_namespace_stays_between_what_came_before_and_after_it():
 
 def test_no_events_no_changes():
     assert net_events([]) == []
+
+
+def test_an_interval_is_one_message_unless_it_holds_more_keys_than_a_message_takes():
+    from kvstored.server.watch import interval_messages
+
+    small = _events(
+        (EventType.STORED, Cause.STORED, "ram", [b"a"]),
+        (EventType.STORED, Cause.WRITTEN_DOWN, "fs", [b"a"]),
+    )
+    (message,) = interval_messages(small)
+    assert message.seq == 2 and not message.partial and not message.keys
+    assert [(c.tier, list(c.keys), c.seq) for c in message.changes] == [("ram", [b"a"], 0), ("fs", [b"a"], 0)]
+    many = [i.to_bytes(4, "big") for i in range(2 * MAX_EVENT_KEYS + 1)]
+    big = _events((EventType.STORED, Cause.STORED, "ram", many), (EventType.REMOVED, Cause.EVICTED, "ram", [b"x"]))
+    messages = interval_messages(big)
+    assert [m.partial for m in messages] == [True, True, False] and {m.seq for m in messages} == {2}
+    assert [k for m in messages for c in m.changes if c.type == EventType.STORED for k in c.keys] == many
+    assert all(sum(len(c.keys) for c in m.changes) <= MAX_EVENT_KEYS for m in messages)
+    assert interval_messages([]) == []
