@@ -58,6 +58,11 @@ def encode_header(chunk: ChunkId, payload_len: int, payload_checksum: int) -> by
     return body.ljust(HEADER_BYTES, b"\0")
 
 
+def header_used(chunk: ChunkId) -> int:
+    """The bytes of the header encode_header() fills for `chunk` (the rest is zero padding)."""
+    return _FIXED.size + len(chunk[0].encode()) + len(chunk[1]) + _CRC.size
+
+
 def decode_header(raw: bytes | memoryview) -> ChunkHeader:
     if len(raw) < _FIXED.size:
         raise CorruptChunk("truncated header")

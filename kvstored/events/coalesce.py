@@ -69,6 +69,25 @@ class Coalescer(Generic[Place]):
                 if not holders:
                     del self._holders[entry]
 
+    def found(self, namespace_id: str, key: bytes, place: Place, tier: str) -> None:
+        """`tier` holds the chunk though no event said so (a restarted node's disk, read back):
+        as if it had stored it now."""
+        entry = (namespace_id, key, place)
+        holders = self._holders.get(entry)
+        self._dirty.setdefault(entry, holders is not None)
+        if holders is None:
+            self._holders[entry] = {tier}
+        else:
+            holders.add(tier)
+
+    def unsent(self, namespace_id: str, key: bytes, places: tuple[Place, ...]) -> None:
+        """The chunk's places held now count as not yet sent: the next take() lists them as
+        appeared (their changes went by while the follower could not be told, say)."""
+        for place in places:
+            entry = (namespace_id, key, place)
+            if entry in self._holders:
+                self._dirty[entry] = False
+
     @property
     def pending(self) -> bool:
         return bool(self._dirty)

@@ -11,10 +11,18 @@ without it is not published to routers.
 The book keeps an identity while the node holds its chunk (the publisher forgets it when the
 chunk has left every tier), and a bounded number of offered identities whose store has not
 landed yet (a store that is dropped leaves one behind until newer offers push it out).
+
+An identity also travels as a record (`encode_record` / `decode_record`): the fs tier keeps it
+in its chunk file's header, so a restarted daemon publishes its disk again, and a peer's fetch
+reply carries it (kvstored/peer/messages.py). A record is versioned and fully checked: a
+record that is truncated, of another version or inconsistent raises ValueError, and the chunk
+is then simply not published.
 """
 
 from __future__ import annotations
 
+import struct
+import sys
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -72,6 +80,59 @@ class BlockIdentity:
 
 ChunkRef = tuple[str, bytes]  # (namespace id, key)
 
+# version, flags, block_size, group_idx, blocks, tokens, parent hash; then the hashes ('Q') and
+# the tokens ('I' or 'Q', by the flag), little-endian
+RECORD_VERSION = 1
+_RECORD = struct.Struct("<BBIIIIQ")
+_HAS_PARENT, _WIDE_TOKENS = 1, 2
+
+
+def encode_record(identity: BlockIdentity) -> bytes:
+    wide = identity.token_ids.typecode == "Q"
+    flags = (_HAS_PARENT if identity.parent_block_hash is not None else 0) | (_WIDE_TOKENS if wide else 0)
+    hashes, tokens = array("Q", identity.block_hashes), array(identity.token_ids.typecode, identity.token_ids)
+    if sys.byteorder != "little":
+        hashes.byteswap()
+        tokens.byteswap()
+    head = _RECORD.pack(
+        RECORD_VERSION,
+        flags,
+        identity.block_size,
+        identity.group_idx,
+        len(hashes),
+        len(tokens),
+        identity.parent_block_hash or 0,
+    )
+    return head + hashes.tobytes() + tokens.tobytes()
+
+
+def decode_record(raw: bytes | memoryview) -> BlockIdentity:
+    """The identity a record holds; ValueError, naming the problem, for anything but a whole,
+    consistent record of this version."""
+    if len(raw) < _RECORD.size:
+        raise ValueError(f"identity record truncated: {len(raw)} bytes, less than its {_RECORD.size}-byte head")
+    version, flags, block_size, group_idx, blocks, tokens, parent = _RECORD.unpack_from(raw)
+    if version != RECORD_VERSION:
+        raise ValueError(f"identity record of version {version}; this daemon reads version {RECORD_VERSION}")
+    if flags & ~(_HAS_PARENT | _WIDE_TOKENS):
+        raise ValueError(f"identity record with unknown flags {flags:#x}")
+    if parent and not flags & _HAS_PARENT:
+        raise ValueError("identity record with a parent hash but no parent flag")
+    width = 8 if flags & _WIDE_TOKENS else 4
+    want = _RECORD.size + 8 * blocks + width * tokens
+    if len(raw) != want:
+        raise ValueError(f"identity record of {len(raw)} bytes; its head says {want}")
+    hashes = array("Q")
+    hashes.frombytes(bytes(raw[_RECORD.size : _RECORD.size + 8 * blocks]))
+    token_ids = array("Q" if width == 8 else "I")
+    token_ids.frombytes(bytes(raw[_RECORD.size + 8 * blocks :]))
+    if sys.byteorder != "little":
+        hashes.byteswap()
+        token_ids.byteswap()
+    return BlockIdentity.of(
+        list(hashes), parent if flags & _HAS_PARENT else None, list(token_ids), block_size, group_idx
+    )
+
 
 class IdentityBook:
     def __init__(self, pending_limit: int = PENDING_IDENTITIES) -> None:
@@ -94,6 +155,20 @@ class IdentityBook:
         identity = self._pending.pop(ref, None)
         if identity is not None:
             self._held[ref] = identity
+
+    def hold(self, namespace_id: str, key: bytes, identity: BlockIdentity) -> None:
+        """The node holds the chunk already (found on a tier after a restart): known at once."""
+        ref = (namespace_id, key)
+        self._pending.pop(ref, None)
+        self._held.setdefault(ref, identity)
+
+    def holds(self, namespace_id: str, key: bytes) -> bool:
+        return (namespace_id, key) in self._held
+
+    def record_of(self, chunk: ChunkRef) -> bytes | None:
+        """The chunk's identity as a record (encode_record), if the book knows one."""
+        identity = self.get(*chunk)
+        return encode_record(identity) if identity is not None else None
 
     def get(self, namespace_id: str, key: bytes) -> BlockIdentity | None:
         ref = (namespace_id, key)

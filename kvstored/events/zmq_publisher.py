@@ -31,6 +31,15 @@ seq sent (the state as of that batch), then the end marker.
 
 AllBlocksCleared means every block of the publisher (the whole node) and is sent only in a
 resync; a cleared namespace is sent as its blocks removed.
+
+A restarted daemon publishes what its fs tier still holds: the fs tier keeps each chunk's
+identity record in the chunk file's header and reads them back in the background after the
+start (`restore_from`); each chunk whose record checks out is published as STORAGE from the
+next interval on, and a chunk without one (or with a doubtful one) is served but not published.
+S3 is not read back: its chunks are published with locality REMOTE, which Dynamo drops, and a
+restart would have to list the bucket and read every object's header. Chunks this node fetched
+from a peer and keeps are its own: the peer's fetch reply carries the identity the holder had
+(kvstored/peer/messages.py), offered to the book like a client's.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,12 +58,12 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from kvstored.chunks.ids import TierKind
+from kvstored.chunks.ids import ChunkId, TierKind
 from kvstored.errors import ListenError
 from kvstored.events.bus import EventEncoding, EventType, KvEvent
 from kvstored.events.coalesce import Change, Coalescer
 from kvstored.events.endpoints import is_bind_endpoint
-from kvstored.events.identity import BlockIdentity, IdentityBook
+from kvstored.events.identity import BlockIdentity, IdentityBook, decode_record
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +78,7 @@ _PLACE: dict[TierKind, Place] = {
     TierKind.S3: (STORAGE, REMOTE),
 }
 PLACES = tuple(dict.fromkeys(_PLACE.values()))
+Found = list[tuple[ChunkId, bytes | None]]  # a tier's chunks and their identity records (None: none kept)
 _EVENTS_PER_BATCH = 1024  # a resync of a large node is many batches, none too large for a consumer
 
 
@@ -135,6 +145,9 @@ class PublisherCounts:
     held_dropped: int = 0  # held while no subscriber, then pushed out by newer ones
     unidentified: int = 0  # chunk changes not published: stored without an identity
     resyncs: int = 0
+    restored: int = 0  # chunks a tier held at the start, published from their identity records
+    unrecorded: int = 0  # ... held at the start without an identity record (not published)
+    doubtful: int = 0  # ... held at the start with a record that did not check out (not published)
 
 
 class ZmqEventPublisher:
@@ -197,6 +210,56 @@ class ZmqEventPublisher:
             ).encode()
             self._topics[namespace_id] = topic
         return topic
+
+    # -- what the tiers held before the start ----------------------------------------------
+
+    def restore_from(self, tier: str, tier_kind: TierKind, batches: AsyncIterator[Found]) -> None:
+        """Read `tier`'s chunks and identity records in the background (restore() per batch)."""
+        self._tasks.append(asyncio.create_task(self._restore(tier, tier_kind, batches), name=f"zmq-restore-{tier}"))
+
+    async def _restore(self, tier: str, tier_kind: TierKind, batches: AsyncIterator[Found]) -> None:
+        before = (self.counts.restored, self.counts.unrecorded, self.counts.doubtful)
+        try:
+            async for batch in batches:
+                self.restore(tier, tier_kind, batch)
+        except Exception:  # the tier's failure: its chunks are served anyway, only not announced
+            log.exception("KV events: reading the identities of tier %s's chunks failed", tier)
+            return
+        restored, unrecorded, doubtful = (
+            now - then
+            for now, then in zip((self.counts.restored, self.counts.unrecorded, self.counts.doubtful), before)
+        )
+        log.info(
+            "KV events: tier %s's chunks read back: %d published, %d without an identity, %d with a doubtful one",
+            tier,
+            restored,
+            unrecorded,
+            doubtful,
+        )
+
+    def restore(self, tier: str, tier_kind: TierKind, found: Iterable[tuple[ChunkId, bytes | None]]) -> None:
+        """Chunks `tier` holds though no event said so (it held them before this daemon started),
+        each with the identity record kept beside it (None: none was): published as held there
+        from the next interval on. A chunk whose record is missing or does not decode is not
+        published (it is still served)."""
+        place = _PLACE.get(tier_kind)
+        if place is None:
+            return
+        for (ns, key), record in found:
+            if not self._identities.holds(ns, key):
+                if record is None:
+                    self.counts.unrecorded += 1
+                    continue
+                try:
+                    identity = decode_record(record)
+                except ValueError as exc:
+                    self.counts.doubtful += 1
+                    log.debug("KV events: chunk %s of %s on %s not published: %s", key.hex(), ns, tier, exc)
+                    continue
+                self._identities.hold(ns, key, identity)
+                self._coalescer.unsent(ns, key, PLACES)  # RAM copies made meanwhile went unpublished
+                self.counts.restored += 1
+            self._coalescer.found(ns, key, place, tier)
 
     async def _run(self) -> None:
         while True:

@@ -65,6 +65,7 @@ from kvstored.shm.mapping import SharedPool
 from kvstored.shm.memory import PoolPages, PopulateProgress
 from kvstored.sizes import format_size
 from kvstored.tiers.config import TierConfig, TierContext
+from kvstored.tiers.fs.tier import FsTier
 from kvstored.tiers.ram import RamTier
 from kvstored.tiers.registry import admission_changes
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
@@ -242,6 +243,7 @@ class Daemon:
             )
             self.zmq_events.start()
             self.chain.events.add_listener(self._zmq_listener(self.zmq_events, cfg.events_zmq_tenants))
+            self._carry_identities(self.zmq_events, self.identities, lower)
         for t in lower:
             usage = t.tier.usage()
             log.info(
@@ -315,6 +317,18 @@ class Daemon:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving on %s (sessions on %s)", cfg.socket, cfg.session_socket)
         notify("READY=1\nSTATUS=serving")
+
+    def _carry_identities(self, publisher: ZmqEventPublisher, book: IdentityBook, lower: list) -> None:
+        """Identities beyond the client's store: kept in fs chunk files and published again after
+        a restart (what the disk holds, read back in the background), carried by peer fetches."""
+        for t in lower:
+            if isinstance(t.tier, FsTier):
+                t.tier.identity_of = book.record_of
+                publisher.restore_from(t.tier.name, t.tier.kind, t.tier.identity_records())
+        if self.peer_serving is not None:
+            self.peer_serving.identities = book
+        if self.peer_tier is not None:
+            self.peer_tier.on_identity = book.offer
 
     async def _start_peer_serving(self) -> None:
         """With a peer tier: listen on the data ports and tell the tier how to introduce this

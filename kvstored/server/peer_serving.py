@@ -25,6 +25,7 @@ from kvstored.chain.chain import TierChain
 from kvstored.chain.leases import LeaseRequest, Reach
 from kvstored.errors import BatchTooLarge, InvalidRequest, PeerIncompatible, TierStartError
 from kvstored.events.bus import EventBus
+from kvstored.events.identity import IdentityBook
 from kvstored.namespaces import Namespace, NamespaceRegistry
 from kvstored.peer.errors import TransportUnavailable
 from kvstored.peer.factory import local_transports, make_server
@@ -86,6 +87,7 @@ class PeerServing:
         self._refused_logged: set[tuple[int, str]] = set()
         self._local = ["ram"] + [lower.tier.name for lower in chain.lower if lower.capabilities.local]
         self.hello: LocalHello | None = None
+        self.identities: IdentityBook | None = None  # set with a ZMQ publisher: fetch replies carry them
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -190,7 +192,11 @@ class PeerServing:
         finally:
             self._release(server, entries, sources, sent)
         self._count(request.incarnation, sent, len(request.keys))
-        return fetch_response(sent, self.incarnation)
+        book = self.identities
+        if book is None:
+            return fetch_response(sent, self.incarnation)
+        keys = {t.transfer_id: key for t, key in zip(order.transfers, request.keys)}
+        return fetch_response(sent, self.incarnation, keys, lambda key: book.get(ns.namespace_id, key))
 
     def _shareable(self, request: pb.FetchRequest) -> Namespace | None:
         """The namespace if peers may have its chunks (a public one this daemon knows)."""

@@ -62,6 +62,10 @@ class CapacityIndex:
     def chunks_of(self, namespace_id: str) -> list[ChunkId]:
         return [c for c in self._entries if c[0] == namespace_id]
 
+    def chunks(self) -> list[ChunkId]:
+        """Every indexed chunk, least recently used first."""
+        return list(self._entries)
+
     def get(self, chunk: ChunkId) -> CapacityEntry | None:
         return self._entries.get(chunk)
 

@@ -24,12 +24,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 
 from kvstored.chunks.ids import ChunkId, TierKind
 from kvstored.errors import ListenError
+from kvstored.events.identity import BlockIdentity
 from kvstored.io.ports import bind_problem
 from kvstored.namespaces import Namespace, NamespaceRegistry
 from kvstored.peer.control import ClientTls
@@ -39,7 +40,7 @@ from kvstored.peer.fleet import FleetSettings, PeerFleet
 from kvstored.peer.handshake import LocalHello
 from kvstored.peer.index import SLOT_MASK, TIER_BITS, PeerIndex
 from kvstored.peer.membership import Membership, PeerRecord
-from kvstored.peer.messages import fetch_request, receipts_of
+from kvstored.peer.messages import fetch_request, identities_of, receipts_of
 from kvstored.peer.quarantine import span_of
 from kvstored.peer.transport import (
     Receipt,
@@ -94,6 +95,9 @@ class PeerTier(SecondaryTier):
         self._refused: set[tuple] = set()  # (peer, incarnation, namespace) refusals logged
         self._busy: dict[tuple[int, int], asyncio.Future] = {}  # slots a transfer may still touch
         self._closed = False
+        # Where the identities the peers' fetch replies carry go (the daemon's IdentityBook.offer,
+        # with a ZMQ publisher): a fetched chunk this node keeps is published as its own.
+        self.on_identity: Callable[[str, bytes, BlockIdentity], None] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -247,7 +251,13 @@ class PeerTier(SecondaryTier):
                     if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:  # a namespace the peer sizes otherwise
                         self._refused_once(record, ns, exc.details() or "")
                     raise
-                return receipts_of(response)
+                receipts = receipts_of(response)
+                if self.on_identity is not None:
+                    # offered before the chunk lands in RAM: its STORED event finds it
+                    by_transfer = {t.transfer_id: key for t, key in zip(order.transfers, keys)}
+                    for key, identity in identities_of(response, by_transfer):
+                        self.on_identity(ns.namespace_id, key, identity)
+                return receipts
 
             return ask
 

@@ -26,6 +26,7 @@ from kvstored.chunks import chunkfile
 from kvstored.chunks.chunkfile import HEADER_BYTES, CorruptChunk
 from kvstored.chunks.ids import ChunkId
 from kvstored.chunks.views import trim
+from kvstored.tiers.fs import identity_area
 from kvstored.tiers.fs import io as fs_io
 from kvstored.tiers.fs.root import RootCheck, check_root
 
@@ -151,10 +152,12 @@ class FsJobs:
         views: Sequence[memoryview],
         size: int,
         victims: list[tuple[ChunkId, str]],
+        record: bytes | None = None,
     ) -> tuple[int, bool, str | None]:
-        """Unlink evicted files, write the chunk to a temporary file, rename it into place.
-        (file size, whether the file was there already: content addressing makes it the same
-        bytes, the odd entry found under the name if any)."""
+        """Unlink evicted files, write the chunk to a temporary file (with its identity record in
+        the header, if given: identity_area.py), rename it into place. (file size, whether the
+        file was there already: content addressing makes it the same bytes, the odd entry found
+        under the name if any)."""
         for _, victim in victims:
             fs_io.unlink_quiet(victim)
         odd = None
@@ -172,15 +175,19 @@ class FsJobs:
             else:
                 odd = f"{path} was {what}, not a chunk file; replaced"
         try:
-            return (*self._write_file(chunk, path, views, size), odd)
+            return (*self._write_file(chunk, path, views, size, record), odd)
         except OSError as exc:
             if odd is None:
                 raise
             raise WriteFailed(exc, odd) from None
 
-    def _write_file(self, chunk: ChunkId, path: str, views: Sequence[memoryview], size: int) -> tuple[int, bool]:
+    def _write_file(
+        self, chunk: ChunkId, path: str, views: Sequence[memoryview], size: int, record: bytes | None
+    ) -> tuple[int, bool]:
         header = fs_io.header_buffer()
         header[:] = chunkfile.encode_header(chunk, size, chunkfile.checksum(views, size))
+        if record:
+            identity_area.place(header, record)
         direct_bufs = fs_io.direct_buffers(views, size) if self.direct else None
         try:
             fd, tmp = fs_io.create_tmp(path, self._file_mode)
@@ -273,6 +280,30 @@ class FsJobs:
             return ReadStatus.UNREADABLE, 0, str(exc)
         finally:
             os.close(fd)
+
+    def read_identities(self, items: list[tuple[ChunkId, str]]) -> list[tuple[ChunkId, bytes | None]]:
+        """Per chunk file, the identity record its header keeps (identity_area.take: None for
+        none, DOUBTFUL for one that does not check out); a file that is gone, odd or unreadable
+        keeps none. Reads the header only (buffered: one page, no O_DIRECT needed); the chunk
+        itself is not verified or touched here (its own read does that)."""
+        out: list[tuple[ChunkId, bytes | None]] = []
+        for chunk, path in items:
+            if self._closing():
+                break
+            try:
+                fd, _ = fs_io.open_regular(path, os.O_RDONLY)
+            except (OSError, fs_io.NotRegularFile):
+                out.append((chunk, None))
+                continue
+            try:
+                header = os.pread(fd, HEADER_BYTES, 0)
+            except OSError:
+                out.append((chunk, None))
+                continue
+            finally:
+                os.close(fd)
+            out.append((chunk, identity_area.take(chunk, header)))
+        return out
 
 
 class WriteFailed(Exception):

@@ -32,7 +32,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +45,7 @@ from kvstored.io.threads import PriorityThreadPool
 from kvstored.sizes import format_size
 from kvstored.tiers.base import AdmissionPolicy, SecondaryTier, TierUsage, WriteOutcome
 from kvstored.tiers.capacity import CapacityIndex
+from kvstored.tiers.fs import identity_area
 from kvstored.tiers.fs import io as fs_io
 from kvstored.tiers.fs import records as fs_records
 from kvstored.tiers.fs.jobs import FsJobs, ReadStatus, WriteFailed
@@ -56,6 +57,7 @@ FULL_BACKOFF_S = 1.0  # after ENOSPC, writes are refused for this long
 TOUCH_INTERVAL_S = 60.0  # a read hit refreshes the file's mtime (restart LRU order) at most this often
 INLINE_STATS = 8  # contains(): up to this many index misses are stat'ed on the loop, more in the pool
 CLAIMS_REMEMBERED = 4096  # recent unlinks remembered per chunk (see FsTier._may_adopt)
+IDENTITY_READ_BATCH = 256  # chunk headers read per job when reading identities back
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
@@ -111,6 +113,11 @@ class FsTier(SecondaryTier):
         self._forgotten_epoch = 0
         self._full_until = 0.0  # loop.time() until which writes are refused (disk full)
         self._closed = False
+        # The identity record to keep in a chunk file's header (identity_area.py), asked when the
+        # file is written; set by the daemon when it publishes KV events (None: none kept).
+        self.identity_of: Callable[[ChunkId], bytes | None] | None = None
+        self.identities_kept = 0  # files written with an identity record
+        self.identities_unfit = 0  # ... whose record did not fit beside the header (not kept)
         self._jobs = FsJobs(
             name, self._root, self._file_mode, self._dir_mode, direct_io, stale_tmp_s, lambda: self._closed
         )
@@ -226,6 +233,7 @@ class FsTier(SecondaryTier):
         victims = [(victim, self._path(victim)) for victim, _ in reservation.victims]
         self._evicted(victims)
         gate = self._claim_unlinks(victims)
+        identity = self._identity_record(chunk)
         record = _PendingWrite(loop.create_future())
         self._pending[chunk] = record
         outcome = WriteOutcome.FAILED
@@ -272,7 +280,9 @@ class FsTier(SecondaryTier):
         try:
             while (prior := self._unlinking.get(chunk)) is not None:  # an eviction or remove of
                 await asyncio.wait((prior,))  # this chunk's old file must land first
-            return await self._run(Priority.WRITEDOWN, finish, self._jobs.write, chunk, path, views, size, victims)
+            return await self._run(
+                Priority.WRITEDOWN, finish, self._jobs.write, chunk, path, views, size, victims, identity
+            )
         finally:
             self._settle_unlinks(victims, gate)
             self._index.release(reservation)  # no-op unless the job never ran
@@ -354,6 +364,25 @@ class FsTier(SecondaryTier):
             if removal is not None and not removal.done():
                 removal.set_result(None)
 
+    async def identity_records(self) -> AsyncIterator[list[tuple[ChunkId, bytes | None]]]:
+        """The identity records kept with the chunks indexed now (after start(): what the disk
+        held before), in batches of header reads at the lowest priority, so loads and write-downs
+        go first. Each batch lists only chunks still indexed as it is handed over (its consumer
+        runs before any other event of the loop): (chunk, record), record None for a file that
+        keeps none, identity_area.DOUBTFUL for one that did not check out."""
+        chunks = self._index.chunks()
+        for first in range(0, len(chunks), IDENTITY_READ_BATCH):
+            if self._closed:
+                return
+            items = [(chunk, self._path(chunk)) for chunk in chunks[first : first + IDENTITY_READ_BATCH]]
+            items = [item for item in items if item[0] in self._index]
+            if not items:
+                continue
+            found = await self._run(Priority.DELETE, _result_or_nothing, self._jobs.read_identities, items)
+            batch = [(c, r) for c, r in found or () if c in self._index and c not in self._unlinking]
+            if batch:
+                yield batch
+
     def known_chunks(self, namespace_id: str) -> list[ChunkId]:
         return self._index.chunks_of(namespace_id)
 
@@ -423,6 +452,25 @@ class FsTier(SecondaryTier):
         if cancelled:
             raise asyncio.CancelledError()
         return result
+
+    def _identity_record(self, chunk: ChunkId) -> bytes | None:
+        if self.identity_of is None:
+            return None
+        record = self.identity_of(chunk)
+        if record is None:
+            return None
+        if len(record) > identity_area.room(chunk):
+            if not self.identities_unfit:
+                log.info(
+                    "fs tier %s: a chunk's identity (%d bytes) does not fit in its file's header: such chunks "
+                    "are not published again after a restart",
+                    self.name,
+                    len(record),
+                )
+            self.identities_unfit += 1
+            return None
+        self.identities_kept += 1
+        return record
 
     def _may_adopt(self, chunk: ChunkId, epoch: int) -> bool:
         """Whether a file seen on disk since `epoch` (taken when `chunk` was not being unlinked)
