@@ -302,6 +302,15 @@ def tier_families(snaps: Iterable[TierSnapshot]) -> list:
     utilization = gauge("utilization_ratio", "used / capacity (bounded tiers only)")
     chunks = gauge("chunks", "chunks held")
     queued = gauge("queued_operations", "operations waiting in the tier's I/O queue (secondary tiers)")
+    load_rate = gauge(
+        "load_rate_bytes_per_second", "measured load throughput, bytes per busy second (secondary tiers; 0: not yet)"
+    )
+    skipped_hits = counter(
+        "skipped_slow_hits", "hits not reported because loading them would be slower than recomputing (chunks)"
+    )
+    skipped_writedowns = counter(
+        "skipped_slow_writedowns", "write-downs not done because this tier cannot beat recomputing (chunks)"
+    )
     lookups = counter("lookups", "keys looked up in this tier")
     hits = counter("hits", "lookups that found the chunk in this tier")
     misses = counter("misses", "lookups that did not find the chunk in this tier")
@@ -330,6 +339,10 @@ def tier_families(snaps: Iterable[TierSnapshot]) -> list:
             utilization.add_metric(lv, s.used_bytes / s.capacity_bytes)
         chunks.add_metric(lv, s.chunks)
         queued.add_metric(lv, s.queued)
+        if s.kind is not TierKind.RAM:  # (RAM hits always count)
+            load_rate.add_metric(lv, s.load_bytes_per_s)
+            skipped_hits.add_metric(lv, s.skipped_slow_hits)
+            skipped_writedowns.add_metric(lv, s.skipped_slow_writedowns)
         lookups.add_metric(lv, s.lookups)
         hits.add_metric(lv, s.hits)
         misses.add_metric(lv, max(s.lookups - s.hits, 0))
@@ -350,6 +363,9 @@ def tier_families(snaps: Iterable[TierSnapshot]) -> list:
         utilization,
         chunks,
         queued,
+        load_rate,
+        skipped_hits,
+        skipped_writedowns,
         lookups,
         hits,
         misses,
