@@ -194,7 +194,7 @@ async def test_a_fast_tier_that_turns_slow_loses_its_hits(rig):
         await tier.until_waiting("read")
         clock.now += CHUNK / SLOW
         tier.open_gate("read")
-        await settle(lambda: chain.ram.contains_many(NS.namespace_id, [keys[i]]) == [True], "promoted")
+        await settle(lambda k=keys[i]: chain.ram.contains_many(NS.namespace_id, [k]) == [True], "promoted")
     else:
         pytest.fail("a tier that turned slow kept its hits")
     assert chain.gate.skipped[0].hits == skipped + 1
