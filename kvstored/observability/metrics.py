@@ -311,6 +311,9 @@ def tier_families(snaps: Iterable[TierSnapshot]) -> list:
     skipped_writedowns = counter(
         "skipped_slow_writedowns", "write-downs not done because this tier cannot beat recomputing (chunks)"
     )
+    rate_probes = counter(
+        "rate_probes", "skipped hits promoted, or write-downs let through, to measure a tier skipped as slow again"
+    )
     lookups = counter("lookups", "keys looked up in this tier")
     hits = counter("hits", "lookups that found the chunk in this tier")
     misses = counter("misses", "lookups that did not find the chunk in this tier")
@@ -339,10 +342,10 @@ def tier_families(snaps: Iterable[TierSnapshot]) -> list:
             utilization.add_metric(lv, s.used_bytes / s.capacity_bytes)
         chunks.add_metric(lv, s.chunks)
         queued.add_metric(lv, s.queued)
-        if s.kind is not TierKind.RAM:  # (RAM hits always count)
-            load_rate.add_metric(lv, s.load_bytes_per_s)
-            skipped_hits.add_metric(lv, s.skipped_slow_hits)
-            skipped_writedowns.add_metric(lv, s.skipped_slow_writedowns)
+        load_rate.add_metric(lv, s.load_bytes_per_s)  # (RAM: 0; its hits always count)
+        skipped_hits.add_metric(lv, s.skipped_slow_hits)
+        skipped_writedowns.add_metric(lv, s.skipped_slow_writedowns)
+        rate_probes.add_metric(lv, s.rate_probes)
         lookups.add_metric(lv, s.lookups)
         hits.add_metric(lv, s.hits)
         misses.add_metric(lv, max(s.lookups - s.hits, 0))
@@ -366,6 +369,7 @@ def tier_families(snaps: Iterable[TierSnapshot]) -> list:
         load_rate,
         skipped_hits,
         skipped_writedowns,
+        rate_probes,
         lookups,
         hits,
         misses,
