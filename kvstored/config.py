@@ -370,6 +370,25 @@ class Config:
             "BYTES",
         ),
     )
+    recompute_gate: bool = field(
+        default=True,
+        metadata=_opt(
+            "for namespaces that registered their recompute rates (prefill_tokens_per_s, "
+            "kv_bytes_per_token): report hits below RAM only where loading them is expected to beat "
+            "recomputing, and skip write-downs to tiers that cannot (false: every hit counts)",
+            parse_bool,
+            "BOOL",
+        ),
+    )
+    rate_probe_seconds: float = field(
+        default=5.0,
+        metadata=_opt(
+            "a tier skipped as slower than recomputing is measured again (one promotion or "
+            "write-down let through) once its last measurement is this old",
+            parse_seconds,
+            "SECONDS",
+        ),
+    )
     metrics_addr: str = field(
         default="127.0.0.1:9464",
         metadata=_opt(
@@ -489,6 +508,8 @@ class Config:
             raise ConfigError(f"copy_threads must be 1 to 64, got {self.copy_threads}")
         if self.staging_bytes and self.staging_bytes < 4096:
             raise ConfigError(f"staging_bytes must be 0 (off) or at least one page (4096), got {self.staging_bytes}")
+        if self.rate_probe_seconds <= 0:
+            raise ConfigError(f"rate_probe_seconds must be positive, got {self.rate_probe_seconds}")
         if self.max_batch_keys <= 0:
             raise ConfigError(f"max_batch_keys must be positive, got {self.max_batch_keys}")
         if self.tenant_quota_bytes < self.page_bytes:

@@ -9,8 +9,10 @@ so an operator can inspect and purge what is on disk before any client returns."
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -31,11 +33,26 @@ class Namespace:
     key_bytes: int
     block_tokens: int = 0  # tokens per chunk, for KV events (0: not given)
     tenant: str = ""  # registered with a tenant salt: that tenant's key (see tenant_key); "" public
+    # How fast the engine recomputes (registration only, never in a record): 0 is unknown.
+    prefill_tokens_per_s: float = 0.0
+    kv_bytes_per_token: int = 0
 
     @property
     def private(self) -> bool:
         """A tenant namespace: only the sessions that registered it may see it."""
         return bool(self.tenant)
+
+    @property
+    def recompute_bytes_per_s(self) -> float:
+        """The load rate at which loading a chunk takes as long as recomputing its tokens (the
+        break-even); 0 where the engine did not say how fast it recomputes."""
+        return self.prefill_tokens_per_s * self.kv_bytes_per_token
+
+    @property
+    def recompute_chunk_s(self) -> float:
+        """Seconds the engine takes to recompute one chunk's tokens (0: unknown)."""
+        rate = self.recompute_bytes_per_s
+        return self.chunk_bytes / rate if rate else 0.0
 
 
 def tenant_key(salt: bytes) -> str:
@@ -51,6 +68,7 @@ RECOVERED_TENANT = "recovered"
 
 
 RECORD_FORMAT = 1
+_ENGINE_FIELDS = ("prefill_tokens_per_s", "kv_bytes_per_token")
 
 
 def encode_record(ns: Namespace) -> bytes:
@@ -58,6 +76,8 @@ def encode_record(ns: Namespace) -> bytes:
     so, without its salt: recovered, it stays private until a session registers it again."""
     fields = asdict(ns)
     fields["tenant"] = ns.private  # whether, never which (see RECOVERED_TENANT)
+    for engine_only in _ENGINE_FIELDS:  # the engine's speed is its registration's, not the tier's
+        del fields[engine_only]
     return json.dumps({"format": RECORD_FORMAT, **fields}, sort_keys=True).encode()
 
 
@@ -118,7 +138,12 @@ class NamespaceRegistry:
         tenant_salt: bytes,
         key_bytes: int,
         block_tokens: int = 0,
+        prefill_tokens_per_s: float = 0.0,
+        kv_bytes_per_token: int = 0,
     ) -> Namespace:
+        """Declare a namespace (or again). Not part of the id, and kept from earlier registrations
+        where this one gives none: block_tokens, and the recompute rates (given together: the
+        latest non-zero prefill rate wins, with its bytes per token)."""
         if not model:
             raise InvalidRequest("namespace needs a model name")
         for name, value in (("model", model), ("dtype", dtype), ("layout", layout), ("tenant_salt", tenant_salt)):
@@ -127,19 +152,35 @@ class NamespaceRegistry:
                 raise InvalidRequest(f"namespace {name} is {size} bytes; at most {MAX_NAME_BYTES}")
         key_bytes = key_bytes or DEFAULT_KEY_BYTES
         self._check_sizes(chunk_bytes, key_bytes)
+        kv_bytes_per_token = _check_rates(chunk_bytes, block_tokens, prefill_tokens_per_s, kv_bytes_per_token)
         ns_id = namespace_id_for(model, dtype, chunk_bytes, layout, tenant_salt, key_bytes)
-        ns = Namespace(ns_id, model, dtype, chunk_bytes, layout, key_bytes, block_tokens, tenant_key(tenant_salt))
-        known = self._by_id.setdefault(ns_id, ns)
-        if self._recovered.pop(ns_id, None) is not None or (block_tokens and not known.block_tokens):
-            # A registration replaces what a record said (a recovered tenant namespace learns its
-            # tenant here); block_tokens, once given, is kept.
-            ns = (
-                ns
-                if block_tokens or not known.block_tokens
-                else Namespace(ns_id, model, dtype, chunk_bytes, layout, key_bytes, known.block_tokens, ns.tenant)
-            )
-            self._by_id[ns_id] = known = ns
-        return known
+        ns = Namespace(
+            ns_id,
+            model,
+            dtype,
+            chunk_bytes,
+            layout,
+            key_bytes,
+            block_tokens,
+            tenant_key(tenant_salt),
+            prefill_tokens_per_s,
+            kv_bytes_per_token if prefill_tokens_per_s else 0,
+        )
+        known = self._by_id.get(ns_id)
+        # A registration replaces what a record said (a recovered tenant namespace learns its
+        # tenant here); what it leaves out, an earlier one may have said.
+        recovered = self._recovered.pop(ns_id, None) is not None
+        if known is not None:
+            if not block_tokens or (known.block_tokens and not recovered):  # once given, kept
+                ns = dataclasses.replace(ns, block_tokens=known.block_tokens)
+            if not prefill_tokens_per_s:
+                ns = dataclasses.replace(
+                    ns, prefill_tokens_per_s=known.prefill_tokens_per_s, kv_bytes_per_token=known.kv_bytes_per_token
+                )
+            if ns == known:
+                return known
+        self._by_id[ns_id] = ns
+        return ns
 
     def recover(self, ns: Namespace, tier: str) -> None:
         """Know `ns` from a tier's record (at start). Raises InvalidRequest if this daemon could
@@ -189,6 +230,24 @@ class NamespaceRegistry:
 
     def all(self) -> list[Namespace]:
         return list(self._by_id.values())
+
+
+def _check_rates(chunk_bytes: int, block_tokens: int, prefill_tokens_per_s: float, kv_bytes_per_token: int) -> int:
+    """The namespace's KV bytes per token (given, or chunk_bytes / block_tokens); InvalidRequest
+    naming the field for a rate that is negative, not finite, or cannot be used."""
+    if not math.isfinite(prefill_tokens_per_s) or prefill_tokens_per_s < 0:
+        raise InvalidRequest(
+            f"namespace prefill_tokens_per_s must be a finite number >= 0 (0: unknown), got {prefill_tokens_per_s}"
+        )
+    if kv_bytes_per_token > chunk_bytes:
+        raise InvalidRequest(
+            f"namespace kv_bytes_per_token {kv_bytes_per_token} exceeds chunk_bytes {chunk_bytes}: "
+            "a chunk holds at least one token"
+        )
+    per_token = kv_bytes_per_token or (chunk_bytes // block_tokens if block_tokens else 0)
+    if prefill_tokens_per_s and not per_token:
+        raise InvalidRequest("namespace prefill_tokens_per_s needs kv_bytes_per_token (or block_tokens) too")
+    return per_token
 
 
 def check_keys(ns: Namespace, keys: Sequence[bytes], max_keys: int) -> None:

@@ -25,6 +25,9 @@ RATES = (
     ("promotions", "promotions", False),
     ("evictions", "evictions", False),
     ("drops", None, False),  # the sum of every drop counter (see drops())
+    # below RAM: hits not reported and write-downs not done, as slower than recomputing
+    ("slow_hits", "skipped_slow_hits", False),
+    ("slow_writes", "skipped_slow_writedowns", False),
 )
 
 
@@ -69,6 +72,9 @@ class TierRow:
     promotions_per_s: float | None
     evictions_per_s: float | None
     drops_per_s: float | None
+    slow_hits_per_s: float | None
+    slow_writes_per_s: float | None
+    load_bytes_per_s: float  # the tier's measured load throughput (0: not yet, and RAM)
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,7 @@ def _row(t: pb.TierStats, before: pb.TierStats | None, dt: float | None) -> Tier
         hits=t.hits,
         drops=drops(t),
         promotions=t.promotions,
+        load_bytes_per_s=t.load_bytes_per_s,
         **rates,
     )
 
@@ -183,13 +190,29 @@ COLUMNS = (
     "IN/s",
     "OUT/s",
     "QUEUE",
+    "LOADRATE",  # below RAM: measured load throughput; then hits and write-downs skipped as slow
+    "SLOWHIT/s",
+    "SLOWWR/s",
     "DROP/s",
     "PROMO/s",
     "EVICT/s",
 )
 # Dropped first to last while the table is wider than the terminal (as top and htop do); TIER,
 # USED, HIT%, IN/s, OUT/s and DROP/s always stay (52 columns with 8-character tier names).
-SHED_ORDER = ("HIT%ALL", "CAP", "PROMO/s", "EVICT/s", "CHUNKS", "QUEUE", "KIND", "LOOKUP/s", "UTIL")
+SHED_ORDER = (
+    "SLOWWR/s",
+    "LOADRATE",
+    "SLOWHIT/s",
+    "HIT%ALL",
+    "CAP",
+    "PROMO/s",
+    "EVICT/s",
+    "CHUNKS",
+    "QUEUE",
+    "KIND",
+    "LOOKUP/s",
+    "UTIL",
+)
 
 
 def _cells(t: TierRow) -> list[str]:
@@ -206,6 +229,9 @@ def _cells(t: TierRow) -> list[str]:
         _per_s(t.in_bytes_per_s, size=True),
         _per_s(t.out_bytes_per_s, size=True),
         str(t.queued),
+        compact_size(t.load_bytes_per_s) if t.load_bytes_per_s else "-",
+        _per_s(t.slow_hits_per_s),
+        _per_s(t.slow_writes_per_s),
         _per_s(t.drops_per_s),
         _per_s(t.promotions_per_s),
         _per_s(t.evictions_per_s),

@@ -43,6 +43,10 @@ class NamespaceSpec:
     key_bytes: int = 32
     block_tokens: int = 0  # tokens per chunk: reported in KV events
     quota_bytes: int = 0  # RAM quota of the namespace (capped by the daemon; 0: none); not part of the id
+    # How fast the engine recomputes (not part of the id; 0: unknown, every hit counts): hits below
+    # RAM are reported only where loading them beats recomputing (docs/configuration.md).
+    prefill_tokens_per_s: float = 0.0
+    kv_bytes_per_token: int = 0  # 0: chunk_bytes / block_tokens where block_tokens is given
 
     def namespace_id(self) -> str:
         """The id every daemon derives for this namespace (computed locally)."""
@@ -58,6 +62,8 @@ class NamespaceSpec:
             key_bytes=self.key_bytes,
             block_tokens=self.block_tokens,
             quota_bytes=self.quota_bytes,
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            kv_bytes_per_token=self.kv_bytes_per_token,
         )
 
 

@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvstored.chain.drops import StoreDrops
 from kvstored.chain.leases import LeaseRequest, Leases
+from kvstored.chain.load_rate import Clock
 from kvstored.chain.lower import LowerTier
 from kvstored.chain.promotion import DeletionGuard, Promoter
+from kvstored.chain.recompute import DEFAULT_PROBE_S, NamespaceFinder, RecomputeGate
 from kvstored.chain.region_copy import RegionCopies
 from kvstored.chain.region_load import RegionLoader
 from kvstored.chain.room import RamRoom
@@ -62,6 +65,11 @@ took on the caller's behalf and lets the exception through."""
 
 def always_proceed() -> None:
     """A caller that always still wants what it asked for (tests, in-process callers)."""
+
+
+def no_namespaces(namespace_id: str) -> Namespace | None:
+    """A chain told of no registered namespaces (tests): write-downs are never gated."""
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +117,8 @@ class ChainPolicy:
     writeback_wait_s: float = 1.0  # how long a store may wait for write-downs to free RAM
     copy_threads: int = field(default_factory=default_copy_threads)  # region <-> pool copies
     staging_bytes: int = 64 << 20  # region loads past a full RAM read through it (0: they promote, evicting)
+    recompute_gate: bool = True  # hits and write-downs only where loading beats recomputing (recompute.py)
+    rate_probe_s: float = DEFAULT_PROBE_S  # a tier skipped as slow is measured again this often
 
 
 _EVENT_CAUSE = {
@@ -126,11 +136,14 @@ class TierChain:
         lower: Sequence[LowerTier] = (),
         policy: ChainPolicy = ChainPolicy(),
         events: EventBus | None = None,
+        namespaces: NamespaceFinder = no_namespaces,
+        clock: Clock = time.monotonic,  # when the gate's probes are due (tests pass their own)
     ) -> None:
         self.events = events or EventBus()
         self.ram = ram
         self.lower = list(lower)
         self.arenas = arenas
+        self.gate = RecomputeGate(self.lower, namespaces, policy.recompute_gate, policy.rate_probe_s, clock)
         self._copies = RegionCopies(policy.copy_threads)
         self._waits = StartWaits()  # waits a transfer gave up at its start deadline
         self.writeback = WriteBack(
@@ -141,6 +154,7 @@ class TierChain:
             policy.headroom_bytes,
             policy.writeback_wait_s,
             self.events,
+            self.gate.admits,
         )
         self._deletable = [t for t in self.lower if t.capabilities.accepts_deletes]
         self._deleting = DeletionGuard()
@@ -199,6 +213,9 @@ class TierChain:
                     tiers[i] = self.lower[tier_index].tier.kind
                     below.append((i, chunks[i], tier_index))
             first_miss = tiers.index(TierKind.NONE) if TierKind.NONE in tiers else len(tiers)
+            if self.gate.applies(ns):
+                first_miss = self._cut_slow_hits(ns, tiers, below, first_miss)
+                below = [b for b in below if tiers[b[0]] is not TierKind.NONE]
             if load_into is LoadInto.REGION and self._region_loader is not None and self._region_loader.serves(ns):
                 self._prefetch_for_region(ns, below, first_miss)
                 return tiers
@@ -212,6 +229,23 @@ class TierChain:
             for _, chunk, tier_index in below[len(leading) :]:  # the others: into free RAM only
                 self.promoter.start(chunk, ns.chunk_bytes, tier_index, evict=False)
         return tiers
+
+    def _cut_slow_hits(
+        self, ns: Namespace, tiers: list[TierKind], below: list[tuple[int, ChunkId, int]], first_miss: int
+    ) -> int:
+        """Report the hit prefix only as far as loading it beats recomputing it (recompute.py):
+        the hits below RAM past that become misses (counted per tier). A tier due a measurement
+        gets one of them promoted anyway, into free RAM, with nobody waiting on it. Returns the
+        new first miss."""
+        lower_of: dict[int, int] = {i: tier_index for i, _, tier_index in below if i < first_miss}
+        prefix = self.gate.prefix(ns, [lower_of.get(i) for i in range(first_miss)])
+        for i, chunk, tier_index in below:
+            if prefix <= i < first_miss:
+                tiers[i] = TierKind.NONE
+                self.gate.skip_hit(tier_index)
+                if self.gate.take_probe(tier_index):
+                    self.promoter.start(chunk, ns.chunk_bytes, tier_index, evict=False)
+        return prefix
 
     def _prefetch_for_region(self, ns: Namespace, below: list[tuple[int, ChunkId, int]], first_miss: int) -> None:
         """A region load follows: hits below RAM start their promotion into free RAM; once RAM has

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from kvstored.chain.load_rate import LoadRate
 from kvstored.chunks.ids import ChunkId
 from kvstored.io.scheduler import Priority, TierQueue
 from kvstored.tiers.base import SecondaryTier, TierCapabilities
@@ -38,6 +39,7 @@ class LowerTier:
     queue: TierQueue
     capabilities: TierCapabilities = field(default_factory=TierCapabilities)  # what the chain asks of it
     observe: OpObserver = _ignore  # the daemon plugs its latency histograms in here
+    load_rate: LoadRate = field(default_factory=LoadRate)  # measured by timed_read
 
     async def timed(self, op: str, awaitable: Awaitable[T]) -> T:
         """Await one tier operation, reporting how long it took (queue wait not included)."""
@@ -46,6 +48,17 @@ class LowerTier:
             return await awaitable
         finally:
             self.observe(self.tier.name, op, time.perf_counter() - start)
+
+    async def timed_read(self, read: Awaitable[bool], nbytes: int) -> bool:
+        """Await one read of `nbytes` (a tier's read: True once delivered and verified), timed as
+        timed() does and measured into load_rate."""
+        self.load_rate.begin()
+        ok = False
+        try:
+            ok = bool(await self.timed("read", read))
+            return ok
+        finally:
+            self.load_rate.end(nbytes, ok)
 
     async def remove_all(self, chunks: Sequence[ChunkId]) -> Removal:
         """Remove chunks at deletion priority (behind loads and write-downs already queued),

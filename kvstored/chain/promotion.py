@@ -147,7 +147,7 @@ class Promoter:
         entry = reservation.entry
         lower = self._lower[tier_index]
         views = self._ram.page_views(entry, self._arena_view(entry.arena))
-        read = lower.queue.submit(Priority.LOAD, lambda: lower.timed("read", lower.tier.read(chunk, views, size)))
+        read = lower.queue.submit(Priority.LOAD, lambda: lower.timed_read(lower.tier.read(chunk, views, size), size))
         if read is None:  # (loads are never refused: only write-downs and deletions have a backlog bound)
             self._ram.abort(entry)
             return None

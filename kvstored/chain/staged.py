@@ -62,7 +62,7 @@ class StagedReads:
         views = self.staging.views(slot)
         watch = self._deleting.add_watch(chunk)
         size = slot.size
-        read = lower.queue.submit(Priority.LOAD, lambda: lower.timed("read", lower.tier.read(chunk, views, size)))
+        read = lower.queue.submit(Priority.LOAD, lambda: lower.timed_read(lower.tier.read(chunk, views, size), size))
         if read is None:  # (loads are never refused)
             self._deleting.drop_watch(watch)
             self.staging.give(slot)

@@ -44,7 +44,7 @@ def tier_snapshots(chain: TierChain) -> list[TierSnapshot]:
             written_bytes=c.written_bytes,
         )
     ]
-    for lower in chain.lower:
+    for lower, skipped in zip(chain.lower, chain.gate.skipped):
         tier, tc, usage = lower.tier, lower.tier.counters, lower.tier.usage()
         snaps.append(
             TierSnapshot(
@@ -68,6 +68,10 @@ def tier_snapshots(chain: TierChain) -> list[TierSnapshot]:
                 # only refused write-downs lose a copy: a refused delete runs directly
                 dropped_backpressure=lower.queue.dropped[Priority.WRITEDOWN],
                 queued=sum(lower.queue.backlog.values()),
+                skipped_slow_hits=skipped.hits,
+                skipped_slow_writedowns=skipped.admissions,
+                rate_probes=skipped.probes,
+                load_bytes_per_s=lower.load_rate.estimate().bytes_per_s,
             )
         )
     return snaps

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvstored.chain.lower import ArenaView, LowerTier
@@ -27,6 +27,12 @@ from kvstored.tiers.base import WriteOutcome
 from kvstored.tiers.ram import QuotaScope, RamEntry, RamTier
 
 log = logging.getLogger(__name__)
+
+Admits = Callable[[LowerTier, ChunkId], bool]  # whether a chunk goes down to that tier
+
+
+def _admit_all(lower: LowerTier, chunk: ChunkId) -> bool:
+    return True
 
 
 class WritePolicy(Choice):
@@ -93,8 +99,10 @@ class WriteBack:
         headroom_bytes: int,
         wait_s: float,
         events: EventBus,
+        admits: Admits = _admit_all,
     ) -> None:
         self._events = events
+        self._admits = admits  # a tier that cannot beat recomputing a chunk is not written to
         self._ram = ram
         self.state = WriteBackState(ram)
         self._arena_view = arena_view
@@ -233,11 +241,13 @@ class WriteBack:
         views = self._ram.page_views(entry, self._arena_view(entry.arena))
         futures = []
         for lower in self._lower:
+            if not self._admits(lower, entry.chunk):
+                continue
             job = _write_job(lower, entry, views, self._events)
             future = lower.queue.submit(Priority.WRITEDOWN, job)
             if future is not None:
                 futures.append((lower.queue, future))
-        if not futures:  # every tier is behind: this chunk is dropped (counted by the queues)
+        if not futures:  # every tier is behind, or skipped it: this chunk is dropped (counted)
             self._finish(entry, [], 0)
             return []
         write = _WriteDown(entry, self._ram.pages_for(entry.size) * self._ram.page_bytes, len(futures))

@@ -48,6 +48,11 @@ class TierQueue:
         """Jobs run at once (worker tasks)."""
         return self._concurrency
 
+    @property
+    def loads_ahead(self) -> int:
+        """Jobs a load submitted now would wait for: loads queued, and every job running."""
+        return self.backlog[Priority.LOAD] + len(self._running)
+
     def start(self) -> None:
         self._workers = [
             asyncio.create_task(self._work(), name=f"io-{self.name}-{i}") for i in range(self._concurrency)

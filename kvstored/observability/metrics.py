@@ -302,6 +302,18 @@ def tier_families(snaps: Iterable[TierSnapshot]) -> list:
     utilization = gauge("utilization_ratio", "used / capacity (bounded tiers only)")
     chunks = gauge("chunks", "chunks held")
     queued = gauge("queued_operations", "operations waiting in the tier's I/O queue (secondary tiers)")
+    load_rate = gauge(
+        "load_rate_bytes_per_second", "measured load throughput, bytes per busy second (secondary tiers; 0: not yet)"
+    )
+    skipped_hits = counter(
+        "skipped_slow_hits", "hits not reported because loading them would be slower than recomputing (chunks)"
+    )
+    skipped_writedowns = counter(
+        "skipped_slow_writedowns", "write-downs not done because this tier cannot beat recomputing (chunks)"
+    )
+    rate_probes = counter(
+        "rate_probes", "skipped hits promoted, or write-downs let through, to measure a tier skipped as slow again"
+    )
     lookups = counter("lookups", "keys looked up in this tier")
     hits = counter("hits", "lookups that found the chunk in this tier")
     misses = counter("misses", "lookups that did not find the chunk in this tier")
@@ -330,6 +342,10 @@ def tier_families(snaps: Iterable[TierSnapshot]) -> list:
             utilization.add_metric(lv, s.used_bytes / s.capacity_bytes)
         chunks.add_metric(lv, s.chunks)
         queued.add_metric(lv, s.queued)
+        load_rate.add_metric(lv, s.load_bytes_per_s)  # (RAM: 0; its hits always count)
+        skipped_hits.add_metric(lv, s.skipped_slow_hits)
+        skipped_writedowns.add_metric(lv, s.skipped_slow_writedowns)
+        rate_probes.add_metric(lv, s.rate_probes)
         lookups.add_metric(lv, s.lookups)
         hits.add_metric(lv, s.hits)
         misses.add_metric(lv, max(s.lookups - s.hits, 0))
@@ -350,6 +366,10 @@ def tier_families(snaps: Iterable[TierSnapshot]) -> list:
         utilization,
         chunks,
         queued,
+        load_rate,
+        skipped_hits,
+        skipped_writedowns,
+        rate_probes,
         lookups,
         hits,
         misses,

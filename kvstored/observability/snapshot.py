@@ -118,6 +118,10 @@ class TierSnapshot:
     rejected_admission: int = 0
     dropped_backpressure: int = 0
     queued: int = 0
+    skipped_slow_hits: int = 0  # hits not reported: loading would be slower than recomputing
+    skipped_slow_writedowns: int = 0  # write-downs not done: the tier cannot beat recomputing
+    rate_probes: int = 0  # skipped hits promoted (write-downs let through) to measure the tier again
+    load_bytes_per_s: float = 0.0  # measured load throughput (0: not yet)
 
 
 @dataclass(frozen=True)

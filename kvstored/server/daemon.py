@@ -200,8 +200,11 @@ class Daemon:
                 cfg.writeback_wait_seconds,
                 cfg.copy_threads,
                 cfg.staging_bytes,
+                cfg.recompute_gate,
+                cfg.rate_probe_seconds,
             ),
             EventBus(cfg.events_buffer),
+            self.namespaces.find,
         )
         self.records = NamespaceRecords([t.tier for t in lower], self.namespaces)
         try:

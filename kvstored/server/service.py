@@ -175,6 +175,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             spec.tenant_salt,
             spec.key_bytes,
             spec.block_tokens,
+            spec.prefill_tokens_per_s,
+            spec.kv_bytes_per_token,
         )
         placed = self._tenancy.register(session, ns, spec.quota_bytes)
         if ns.private and session is not None:  # (a tenant namespace always has one: checked above)

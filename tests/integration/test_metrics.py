@@ -38,6 +38,7 @@ TIER_GAUGES = {
     "used_bytes": "kvstored_tier_used_bytes",
     "chunks": "kvstored_tier_chunks",
     "queued": "kvstored_tier_queued_operations",
+    "load_bytes_per_s": "kvstored_tier_load_rate_bytes_per_second",
 }
 TIER_COUNTERS = {
     "lookups": "kvstored_tier_lookups_total",
@@ -51,6 +52,9 @@ TIER_COUNTERS = {
     "writedowns": "kvstored_tier_writedowns_total",
     "checksum_failures": "kvstored_tier_checksum_failures_total",
     "bad_entries": "kvstored_tier_bad_entries_total",
+    "skipped_slow_hits": "kvstored_tier_skipped_slow_hits_total",
+    "skipped_slow_writedowns": "kvstored_tier_skipped_slow_writedowns_total",
+    "rate_probes": "kvstored_tier_rate_probes_total",
 }
 TIER_DROPS = {
     "dropped_backpressure": "backpressure",

@@ -9,11 +9,14 @@ it wants to race with that operation, then opens the gate.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from kvstored.chain.chain import ChainPolicy, TierChain
+from kvstored.chain.chain import ChainPolicy, TierChain, no_namespaces
+from kvstored.chain.load_rate import Clock, LoadRate
 from kvstored.chain.lower import LowerTier
+from kvstored.chain.recompute import NamespaceFinder
 from kvstored.chunks.ids import ChunkId, TierKind
 from kvstored.io.scheduler import TierQueue
 from kvstored.namespaces import Namespace
@@ -124,13 +127,24 @@ def make_chain(
     page: int = 4096,
     concurrency: int = 2,
     policy: ChainPolicy | None = None,
+    namespaces: NamespaceFinder = no_namespaces,
+    clock: Clock = time.monotonic,
 ) -> TierChain:
-    """A chain over a fresh pool and the given lower tiers (not started)."""
-    lower = [LowerTier(tier, TierQueue(tier.name, concurrency, 64), capabilities=caps) for tier, caps in tiers]
+    """A chain over a fresh pool and the given lower tiers (not started). `namespaces` and
+    `clock`: what its recompute gate knows of namespaces, and its time (rates and probes)."""
+    lower = [
+        LowerTier(tier, TierQueue(tier.name, concurrency, 64), capabilities=caps, load_rate=LoadRate(clock=clock))
+        for tier, caps in tiers
+    ]
     # Stores wait for write-downs as long as a test holds them (no timeout decides a race).
     policy = policy or ChainPolicy(writeback_wait_s=60.0)
     return TierChain(
-        RamTier(pool, page, has_lower_tiers=bool(lower)), ArenaSet(SharedPool(pool, populate=False)), lower, policy
+        RamTier(pool, page, has_lower_tiers=bool(lower)),
+        ArenaSet(SharedPool(pool, populate=False)),
+        lower,
+        policy,
+        namespaces=namespaces,
+        clock=clock,
     )
 
 

@@ -70,12 +70,14 @@ from kvstored_client.vllm.driver import Call, DaemonLink, LinkOptions, LinkState
 from kvstored_client.vllm.identity import IdentitySource
 from kvstored_client.vllm.lookups import LookupBatcher, ProbeKey
 from kvstored_client.vllm.namespace import (
+    PREFILL_OPTION,
     SHA256_OFFLOAD_KEY_BYTES,
     WORKER_PART_FORMAT,
     LayoutInfo,
     RequestNamespaces,
     layout_info,
     namespace_spec,
+    prefill_rate,
 )
 from kvstored_client.vllm.plugin import socket_option
 from kvstored_client.vllm.pool_worker import PoolTransferEngine
@@ -185,12 +187,21 @@ class KvstoredOffloadingSpec(OffloadingSpec):
         self.layout: LayoutInfo = layout_info(
             self, WORKER_PART_FORMAT, parallel_agnostic=False, include_rank=False, extra={"world_size": self.world_size}
         )
+        self.prefill_tokens_per_s = prefill_rate(extra.get(PREFILL_OPTION))
         self._manager: KvstoredDirectManager | None = None
         self._worker: KvstoredOffloadingWorker | None = None
 
     def namespace_spec(self, key_bytes: int, cache_salt: bytes) -> NamespaceSpec:
         suffix = 0 if self.world_size == 1 else RANK_SUFFIX_BYTES
-        return namespace_spec(self.layout, self.part_bytes, key_bytes + suffix, cache_salt)
+        # Every rank's part of a chunk loads through this daemon: the break-even is the node's
+        return namespace_spec(
+            self.layout,
+            self.part_bytes,
+            key_bytes + suffix,
+            cache_salt,
+            self.prefill_tokens_per_s,
+            self.part_bytes * self.world_size,
+        )
 
     @override
     def get_manager(self) -> OffloadingManager:

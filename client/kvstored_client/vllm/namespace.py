@@ -17,6 +17,8 @@ with `key_bytes = len(key)`.
 from __future__ import annotations
 
 import json
+import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +30,10 @@ TIER_ROW_FORMAT = "vllm-primary-row/1"  # secondary tier: one row of the primary
 WORKER_PART_FORMAT = "vllm-worker-part/1"  # direct spec: one worker's bytes of a chunk
 SHA256_OFFLOAD_KEY_BYTES = 36
 CACHE_SALT_PARAM = "cache_salt"  # kv_transfer_params key whose value scopes a request's chunks
+# The engine's prefill rate (tokens/s), which vLLM does not measure: a config option of either
+# integration, else this environment variable; unset, 0: unknown (every hit below RAM counts).
+PREFILL_OPTION = "prefill_tokens_per_s"
+PREFILL_ENV = "KVSTORED_PREFILL_TOKENS_PER_S"
 
 
 @dataclass(frozen=True)
@@ -77,7 +83,35 @@ def layout_info(
     )
 
 
-def namespace_spec(info: LayoutInfo, chunk_bytes: int, key_bytes: int, cache_salt: bytes = b"") -> NamespaceSpec:
+def prefill_rate(option: Any = None) -> float:
+    """The engine's prefill tokens per second: `option` (the integration's config value), else
+    $KVSTORED_PREFILL_TOKENS_PER_S, else 0 (unknown). ValueError naming it for a bad value."""
+    raw = option if option not in (None, "") else os.environ.get(PREFILL_ENV, "")
+    if raw in (None, ""):
+        return 0.0
+    try:
+        rate = float(raw)
+    except (TypeError, ValueError):
+        rate = math.nan
+    if not math.isfinite(rate) or rate < 0:
+        raise ValueError(f"{PREFILL_OPTION} (or ${PREFILL_ENV}) must be a number >= 0, got {raw!r}")
+    return rate
+
+
+def namespace_spec(
+    info: LayoutInfo,
+    chunk_bytes: int,
+    key_bytes: int,
+    cache_salt: bytes = b"",
+    prefill_tokens_per_s: float = 0.0,
+    node_bytes_per_chunk: int = 0,
+) -> NamespaceSpec:
+    """The spec of one of the integration's namespaces. With a prefill rate, the KV bytes per
+    token follow from the layout: the bytes the node loads per chunk (`node_bytes_per_chunk`, by
+    default `chunk_bytes`; the direct spec's parts of all ranks) over its tokens."""
+    per_token = 0
+    if prefill_tokens_per_s and info.block_tokens:
+        per_token = min(chunk_bytes, max(1, (node_bytes_per_chunk or chunk_bytes) // info.block_tokens))
     return NamespaceSpec(
         model=info.model,
         dtype=info.dtype,
@@ -86,6 +120,8 @@ def namespace_spec(info: LayoutInfo, chunk_bytes: int, key_bytes: int, cache_sal
         tenant_salt=cache_salt,
         key_bytes=key_bytes,
         block_tokens=info.block_tokens,
+        prefill_tokens_per_s=prefill_tokens_per_s if per_token else 0.0,
+        kv_bytes_per_token=per_token,
     )
 
 

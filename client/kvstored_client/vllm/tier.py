@@ -72,6 +72,7 @@ from kvstored_client.vllm.namespace import (
     RequestNamespaces,
     layout_info,
     namespace_spec,
+    prefill_rate,
 )
 from kvstored_client.vllm.plugin import SOCKET_OPTION, socket_option
 from kvstored_client.vllm.region import RegionNotShareable, region_file
@@ -146,6 +147,7 @@ class KvstoredTierManager(SecondaryTierManager):
         locality: str | None = "LOCAL",
         client_name: str | None = None,
         backpressure_detector: BackpressureDetector | None = None,
+        prefill_tokens_per_s: float | None = None,
     ) -> None:
         """Args (all but the first three come from the tier's config dict):
         kvstored_socket: the daemon's gRPC unix socket (default: $KVSTORED_SOCKET, else the
@@ -164,6 +166,9 @@ class KvstoredTierManager(SecondaryTierManager):
         enable_kv_events: report BlockStored events for chunks this tier stored (effective only
             when vLLM's KV cache events are enabled).
         locality: LOCAL or REMOTE, reported with events and used by request tier filters.
+        prefill_tokens_per_s: how fast this engine prefills (vLLM does not measure it; default
+            $KVSTORED_PREFILL_TOKENS_PER_S, else unknown): with it the daemon reports a hit
+            below RAM only where loading it beats recomputing (docs/vllm.md).
         """
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else None
@@ -174,6 +179,7 @@ class KvstoredTierManager(SecondaryTierManager):
         self._max_batch_keys = max(1, int(max_batch_keys))
         self._rpc_chunks = max(1, min(int(transfer_chunks_per_rpc), self._max_batch_keys))
         self._layout = layout_info(offloading_spec, TIER_ROW_FORMAT, parallel_agnostic=True)
+        self._prefill_tokens_per_s = prefill_rate(prefill_tokens_per_s)
 
         self._identities: IdentitySource | None = None  # see use_identities
         self.events: list[OffloadingEvent] | None = None
@@ -202,7 +208,9 @@ class KvstoredTierManager(SecondaryTierManager):
             options=LinkOptions(connect_timeout_s=float(connect_timeout_s), rpc_timeout_s=float(connect_timeout_s)),
         )
         self._namespaces = RequestNamespaces(
-            lambda key_bytes, salt: namespace_spec(self._layout, self.block_size_bytes, key_bytes, salt),
+            lambda key_bytes, salt: namespace_spec(
+                self._layout, self.block_size_bytes, key_bytes, salt, self._prefill_tokens_per_s
+            ),
             self._link.namespace,
         )
         self._batcher: LookupBatcher[OffloadKey, ReqContext] = LookupBatcher()  # one lookup batch per namespace
