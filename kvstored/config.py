@@ -352,6 +352,26 @@ class Config:
             "SECONDS",
         ),
     )
+    handover: bool = field(
+        default=True,
+        metadata=_opt(
+            "keep RAM across a restart: on start, take the RAM tier over from a daemon serving on the "
+            "same socket (asked on <socket>.handover) or from systemd's fd store; on such a request, "
+            "or at a stop under systemd with FileDescriptorStoreMax=, hand it over (false: every start "
+            "is cold)",
+            parse_bool,
+            "BOOL",
+        ),
+    )
+    handover_checksums: bool = field(
+        default=True,
+        metadata=_opt(
+            "checksum every RAM chunk's bytes (xxh3-64) when handing over and check them on adoption "
+            "(a chunk that differs is dropped); ~1 s a side for 16 GiB here",
+            parse_bool,
+            "BOOL",
+        ),
+    )
     writeback_wait_seconds: float = field(
         default=1.0,
         metadata=_opt(

@@ -195,6 +195,17 @@ class NamespaceRegistry:
         if tier not in tiers:
             self._recovered[ns.namespace_id] = tiers + (tier,)
 
+    def recovered(self) -> dict[str, tuple[str, ...]]:
+        """Namespaces known from tier records and not registered since: their tiers (for a hand-over)."""
+        return dict(self._recovered)
+
+    def adopt(self, ns: Namespace, recovered_from: tuple[str, ...] = ()) -> None:
+        """Know a namespace the previous daemon knew (a hand-over), as it knew it."""
+        self._check_sizes(ns.chunk_bytes, ns.key_bytes)
+        self._by_id[ns.namespace_id] = ns
+        if recovered_from:
+            self._recovered[ns.namespace_id] = recovered_from
+
     def recovered_from(self, namespace_id: str) -> tuple[str, ...]:
         """The tiers whose records brought the namespace back at start; () once a client has
         registered it (or for one only registered)."""

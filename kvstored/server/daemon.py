@@ -47,6 +47,7 @@ from kvstored.logs import setup_logging
 from kvstored.namespaces import NamespaceRegistry
 from kvstored.observability.metrics import DaemonMetrics
 from kvstored.peer.control import SERVER_OPTIONS as PEER_KEEPALIVE_OPTIONS
+from kvstored.server import handover
 from kvstored.server.broker import SessionBroker
 from kvstored.server.errors import ErrorMappingInterceptor
 from kvstored.server.fast_path import FastPath
@@ -56,17 +57,17 @@ from kvstored.server.peer_service import PeerService
 from kvstored.server.preflight import preflight
 from kvstored.server.service import KVStoreService
 from kvstored.server.session_socket import SessionSocketServer
-from kvstored.server.systemd import notify
+from kvstored.server.systemd import fd_store_enabled, forget_fds, listened_fds, notify, store_fds
 from kvstored.server.tenants import Tenancy, TenantPolicy, events_for
 from kvstored.shm import memory
 from kvstored.shm.arenas import ArenaSet, PageReleaser
 from kvstored.shm.copy import GUARDED as copy_guarded
 from kvstored.shm.mapping import SharedPool
-from kvstored.shm.memory import PoolPages, PopulateProgress
+from kvstored.shm.memory import PoolMemoryError, PoolPages, PopulateProgress
 from kvstored.sizes import format_size
 from kvstored.tiers.config import TierConfig, TierContext
 from kvstored.tiers.fs.tier import FsTier
-from kvstored.tiers.ram import RamTier
+from kvstored.tiers.ram import AdoptionError, ChunkRecord, RamTier
 from kvstored.tiers.registry import admission_changes
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
@@ -145,12 +146,18 @@ class Daemon:
         self.incarnation = secrets.randbits(63) | 1  # this run of the daemon, as its peers know it
         self.peer_tier: PeerTier | None = None
         self.peer_serving: PeerServing | None = None
+        self.handover_listener: handover.HandoverListener | None = None
+        self._handed: handover.HandedOver | None = None  # fds of the previous daemon's RAM tier
+        self._state: handover.PoolState | None = None  # what they hold, checked
+        self._handed_names: list[str] = []
 
     async def start(self) -> None:
         cfg = self.config
+        pool_bytes = memory.pool_size(cfg.cpu_bytes, cfg.pool_pages)
+        if cfg.handover:
+            await self._receive_handover(pool_bytes)
         claim_socket_path(cfg.socket)
         claim_socket_path(cfg.session_socket)
-        pool_bytes = memory.pool_size(cfg.cpu_bytes, cfg.pool_pages)
         for warning in memory.check_request(pool_bytes, cfg.pool_pages, cfg.numa_node, cfg.populate):
             log.warning("%s", warning)  # (what the machine cannot give at all raised PoolMemoryError)
         log.info(
@@ -173,16 +180,20 @@ class Daemon:
                 "can crash the daemon (install a C compiler and reinstall)"
             )
         self.namespaces = NamespaceRegistry(pool_bytes)
+        if self._state is not None:
+            for ns, tiers in self._state.namespaces:
+                self.namespaces.adopt(ns, tiers)
         lower = build_lower_tiers(cfg.tiers, TierContext(self.namespaces, cfg, self.incarnation))
         try:
             # Everything that can fail without the pool fails before the (long) populate.
             await self._unless_stopped(preflight(cfg, lower), "stop requested while checking the tiers")
-            self.pool = SharedPool(pool_bytes, populate=False, pages=cfg.pool_pages, numa=cfg.numa_node)
+            self.pool = self._adopt_pool(pool_bytes)
             if cfg.populate:
                 await self._populate_pool()
         except BaseException:
             for t in lower:
                 await t.tier.close()
+            self._drop_handover()
             raise
         self.arenas = ArenaSet(self.pool)
         writable = any(t.capabilities.accepts_writedowns for t in lower)  # RAM's chunks can go down
@@ -190,6 +201,8 @@ class Daemon:
         self.releaser = PageReleaser(self.arenas, cfg.page_bytes, ram.released)
         ram.set_releaser(self.releaser.release)
         self.tenancy = Tenancy(ram, self.arenas, self.namespaces, TenantPolicy(cfg.tenant_quota_bytes, cfg.max_tenants))
+        if self._state is not None:
+            await self._adopt_ram(ram, self._state)
         self.chain = TierChain(
             ram,
             self.arenas,
@@ -316,6 +329,9 @@ class Daemon:
             FastPath(service, self.broker, self.metrics.observe_session_call),
         )
         await self.session_server.start()
+        if cfg.handover:
+            self.handover_listener = handover.HandoverListener(handover.handover_path(cfg.socket), self.request_stop)
+            await self.handover_listener.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving on %s (sessions on %s)", cfg.socket, cfg.session_socket)
@@ -514,6 +530,9 @@ class Daemon:
         cfg = self.config
         log.info("shutting down (grace %.1fs)", cfg.grace_seconds)
         notify("STOPPING=1")
+        listener = self.handover_listener
+        if listener is not None:
+            await listener.stop_listening()
         await self.health.enter_graceful_shutdown()
         self.chain.events.close()  # event streams end now instead of holding the grace period
         if self.peer_tier is not None:
@@ -534,11 +553,162 @@ class Daemon:
             await self.zmq_events.close()
         await self.chain.close()
         await self.releaser.close()
+        if listener is not None and listener.requested:
+            await self._hand_over(listener.send)
+        elif cfg.handover and fd_store_enabled():
+            await self._hand_over(store_fds)
         self.arenas.close()
         self.pool.close()
         with contextlib.suppress(FileNotFoundError):
             cfg.socket.unlink()
+        if listener is not None:
+            listener.finish()  # (after the socket files are gone: the next daemon claims them)
         log.info("stopped")
+
+    # -- hand-over (kvstored/server/handover.py) ------------------------------------------------
+
+    def _layout(self, pool_bytes: int) -> handover.Layout:
+        cfg = self.config
+        arena_pages = max(1, min(cfg.tenant_quota_bytes, pool_bytes) // cfg.page_bytes)
+        return handover.Layout(pool_bytes, cfg.page_bytes, cfg.pool_pages.value, 2 * arena_pages * cfg.page_bytes)
+
+    async def _receive_handover(self, pool_bytes: int) -> None:
+        """Get the previous daemon's RAM tier (from systemd's fd store, or by asking a daemon
+        serving on our socket) and check its state; on any doubt, log why and start cold."""
+        cfg = self.config
+        try:
+            handed = listened_fds()
+            if handed is None:
+                timeout = cfg.grace_seconds + cfg.flush_on_stop_seconds + 60  # its whole stop
+                handed = await self._unless_stopped(
+                    handover.request_handover(handover.handover_path(cfg.socket), timeout),
+                    "stop requested while waiting for the hand-over",
+                )
+        except handover.HandoverRefused as exc:
+            log.warning("RAM tier not handed over (%s): starting cold", exc)
+            return
+        if handed is None:
+            return
+        self._handed, self._handed_names = handed, list(handed.fds)
+        handover.pause_at(handover.HandoverStep.RECEIVED)
+        try:
+            state = handover.read_state_memfd(handed.take(handover.STATE_FD))
+            handover.check_layout(state, self._layout(pool_bytes))
+            missing = [a for a in state.tenants if f"{handover.ARENA_FD}{a}" not in handed.fds]
+            if missing or handover.POOL_FD not in handed.fds:
+                raise handover.HandoverRefused(f"fds missing: pool and arenas {missing}")
+        except (handover.HandoverRefused, OSError) as exc:
+            log.warning("RAM tier from %s refused (%s): starting cold", handed.source, exc)
+            self._drop_handover()
+            return
+        log.info(
+            "RAM tier handed over by %s (kvstored %s): %d chunks, %d namespaces, %d tenant arenas",
+            handed.source,
+            state.version,
+            len(state.ram.chunks),
+            len(state.namespaces),
+            len(state.tenants),
+        )
+        self._state = state
+        handover.pause_at(handover.HandoverStep.VERIFIED)
+
+    def _drop_handover(self) -> None:
+        if self._handed is not None:
+            self._handed.close()
+        self._handed, self._state = None, None
+
+    def _adopt_pool(self, pool_bytes: int) -> SharedPool:
+        """The handed-over pool if there is one that maps as it should, else a new one."""
+        cfg = self.config
+        if self._handed is not None and self._state is not None:
+            fd = self._handed.take(handover.POOL_FD)
+            try:
+                return SharedPool(pool_bytes, populate=False, pages=cfg.pool_pages, numa=cfg.numa_node, adopt_fd=fd)
+            except PoolMemoryError as exc:
+                os.close(fd)
+                log.warning("RAM tier refused (%s): starting cold", exc)
+                self._drop_handover()
+        return SharedPool(pool_bytes, populate=False, pages=cfg.pool_pages, numa=cfg.numa_node)
+
+    async def _adopt_ram(self, ram: RamTier, state: handover.PoolState) -> None:
+        """Adopt the tenant arenas and the RAM index; chunks whose bytes changed are dropped. On
+        an index that does not add up, RAM starts empty (its pages are all free then)."""
+        handed = self._handed
+        assert handed is not None
+        try:
+            for arena_id, tenant in sorted(state.tenants.items()):
+                fd = handed.take(f"{handover.ARENA_FD}{arena_id}")
+                size = state.ram.arenas[arena_id].total_pages * ram.page_bytes if arena_id in state.ram.arenas else 0
+                try:
+                    arena = self.arenas.adopt(arena_id, tenant, fd, size)
+                except (ValueError, OSError):
+                    os.close(fd)
+                    raise
+                self.tenancy.adopt_tenant(tenant, arena)
+            keep = await self._verified(state)
+            adopted = ram.adopt(state.ram, keep)
+        except (AdoptionError, ValueError, OSError, handover.HandoverRefused) as exc:
+            log.warning("RAM index refused (%s): RAM starts empty", exc)
+            self.tenancy.sweep()
+        else:
+            dropped = len(state.ram.chunks) - adopted
+            log.info(
+                "RAM tier adopted: %d chunks%s",
+                adopted,
+                f", {dropped} dropped (their bytes changed since the hand-over)" if dropped else "",
+            )
+        finally:
+            self._drop_handover()
+        forget_fds(self._handed_names)  # (systemd's copies: the state describes this RAM no more)
+        handover.pause_at(handover.HandoverStep.ADOPTED)
+
+    async def _verified(self, state: handover.PoolState) -> Callable[[ChunkRecord], bool]:
+        """Which chunk records to keep: those whose bytes hash as they did at the hand-over."""
+        if state.checksums is None or not self.config.handover_checksums:
+            if state.checksums is None and self.config.handover_checksums:
+                log.info("RAM tier handed over without chunk checksums: adopted as is")
+            return lambda _record: True
+        page_bytes = self.config.page_bytes
+        now = await asyncio.to_thread(
+            handover.chunk_checksums, state.ram.chunks, self.arenas.view, page_bytes, self.config.copy_threads
+        )
+        good = {id(r) for r, a, b in zip(state.ram.chunks, now, state.checksums, strict=True) if a == b}
+        return lambda record: id(record) in good
+
+    async def _hand_over(self, send: Callable[[dict[str, int]], None]) -> None:
+        """Snapshot the quiesced RAM tier into a state memfd and send it with the pool's and the
+        arenas' fds (`send`: to the next daemon, or to systemd's fd store)."""
+        handover.pause_at(handover.HandoverStep.QUIESCED)
+        cfg = self.config
+        ram = self.chain.ram
+        snapshot = ram.snapshot()
+        checksums = None
+        if cfg.handover_checksums:
+            checksums = await asyncio.to_thread(
+                handover.chunk_checksums, snapshot.chunks, self.arenas.view, ram.page_bytes, cfg.copy_threads
+            )
+        recovered = self.namespaces.recovered()
+        state = handover.PoolState(
+            __version__,
+            self._layout(self.pool.size),
+            [(ns, recovered.get(ns.namespace_id, ())) for ns in self.namespaces.all()],
+            {arena: key for key, arena in self.tenancy.arenas_by_tenant().items()},
+            snapshot,
+            checksums,
+        )
+        fd = handover.write_state_memfd(handover.encode_state(state))
+        try:
+            fds = {handover.POOL_FD: self.pool.fd}
+            fds |= {f"{handover.ARENA_FD}{a.arena_id}": a.fd for a in self.arenas.tenant_arenas()}
+            fds[handover.STATE_FD] = fd
+            handover.pause_at(handover.HandoverStep.SNAPSHOT)
+            send(fds)
+            log.info("RAM tier handed over: %d chunks, %s", len(snapshot.chunks), format_size(ram.used_bytes))
+        except OSError as exc:
+            log.warning("RAM tier not handed over (%s): it is lost with this daemon", exc)
+        finally:
+            os.close(fd)
+        handover.pause_at(handover.HandoverStep.SENT)
 
 
 EXTEND_START_S = 30  # each progress report gives systemd's start timeout this much more

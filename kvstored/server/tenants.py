@@ -206,6 +206,20 @@ class Tenancy:
             self._placements.clear()
             log.debug("tenant arena %d removed (no session, no chunk)", arena_id)
 
+    # -- hand-over (kvstored/server/handover.py) -----------------------------------------------
+
+    def arenas_by_tenant(self) -> dict[str, int]:
+        """Each tenant's key and arena id, for the next daemon."""
+        return {key: tenant.arena.arena_id for key, tenant in self._tenants.items()}
+
+    def adopt_tenant(self, key: str, arena: Arena) -> None:
+        """A tenant whose arena the previous daemon handed over (its sessions register again)."""
+        self._ram.add_arena(arena.arena_id, arena.size)
+        tenant = Tenant(key, arena, QuotaScope(f"arena:{arena.arena_id}", self._tenant_pages))
+        self._tenants[key] = tenant
+        self._by_arena[arena.arena_id] = tenant
+        self._placements.clear()
+
     # -- internals ------------------------------------------------------------------------
 
     def _new_tenant(self, key: str) -> Tenant:

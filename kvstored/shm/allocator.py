@@ -156,3 +156,32 @@ class PageAllocator:
     def _hand_out(self, run: PageRun) -> PageRun:
         self._allocated.add(run)
         return run
+
+    # -- hand-over (kvstored/server/handover.py) ---------------------------------------------
+
+    def hole_runs(self) -> list[PageRun]:
+        """The free pages that are not backed by memory (the rest of the free pages are)."""
+        return [PageRun(start, count) for start, count in sorted(self._holes.runs.items())]
+
+    @classmethod
+    def restore(cls, total_pages: int, allocated: list[PageRun], holes: list[PageRun]) -> PageAllocator:
+        """An allocator with exactly `allocated` handed out, `holes` free and not resident, and
+        every other page free and resident. ValueError for runs out of bounds or overlapping."""
+        alloc = cls(total_pages, resident=False)
+        alloc._holes = _FreeRuns()
+        spans = sorted([(run.start, run.count, True) for run in allocated] + [(r.start, r.count, False) for r in holes])
+        alloc._resident = _FreeRuns()
+        edge = 0
+        for start, count, used in spans:
+            if count <= 0 or start < edge or start + count > total_pages:
+                raise ValueError(f"pages {start}..{start + count} overlap others or lie outside {total_pages} pages")
+            if start > edge:
+                alloc._resident.add(edge, start - edge)
+            if used:
+                alloc._allocated.add(PageRun(start, count))
+            else:
+                alloc._holes.add(start, count)
+            edge = start + count
+        if edge < total_pages:
+            alloc._resident.add(edge, total_pages - edge)
+        return alloc

@@ -15,6 +15,7 @@ runs in a thread of its own, and the pages stay out of the allocator until it is
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import itertools
 import logging
 import mmap
@@ -31,6 +32,7 @@ from kvstored.shm.mapping import SharedPool, create_arena_memfd, map_fd, punch_h
 log = logging.getLogger(__name__)
 
 PUBLIC_ARENA = 0
+_SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +97,21 @@ class ArenaSet:
         arena = Arena(arena_id, tenant, fd, size, np.frombuffer(mapped, dtype=np.uint8), mapped)
         self._arenas[arena_id] = arena
         return arena
+
+    def adopt(self, arena_id: int, tenant: str, fd: int, size: int) -> Arena:
+        """A tenant arena handed over by the previous daemon, under its id there (ids given
+        from now on follow the largest). ValueError if the fd is not a sealed memfd of `size`."""
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        if arena_id in self._arenas or seals & _SIZE_SEALS != _SIZE_SEALS or os.fstat(fd).st_size != size:
+            raise ValueError(f"handed-over arena {arena_id} is not a free id with a sealed memfd of {size} bytes")
+        mapped = map_fd(fd, size, populate=False)  # (its written pages are there: faults are cheap)
+        arena = Arena(arena_id, tenant, fd, size, np.frombuffer(mapped, dtype=np.uint8), mapped)
+        self._arenas[arena_id] = arena
+        self._ids = itertools.count(max(self._arenas) + 1)
+        return arena
+
+    def tenant_arenas(self) -> list[Arena]:
+        return [a for i, a in sorted(self._arenas.items()) if i != PUBLIC_ARENA]
 
     def remove(self, arena_id: int) -> None:
         if arena_id == PUBLIC_ARENA:

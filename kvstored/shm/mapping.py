@@ -47,9 +47,19 @@ class SharedPool:
     """
 
     def __init__(
-        self, size: int, populate: bool, *, pages: PoolPages = PoolPages.SMALL, numa: NumaPlacement | None = None
+        self,
+        size: int,
+        populate: bool,
+        *,
+        pages: PoolPages = PoolPages.SMALL,
+        numa: NumaPlacement | None = None,
+        adopt_fd: int | None = None,
     ) -> None:
-        self.memory = memory.create_memfd(size, pages, numa)
+        """adopt_fd: the pool memfd of the previous daemon (a hand-over), instead of a new one."""
+        if adopt_fd is None:
+            self.memory = memory.create_memfd(size, pages, numa)
+        else:
+            self.memory = memory.adopt_memfd(adopt_fd, size, pages, numa)
         self.size = size
         self.fd = self.memory.fd
         self._map = self.memory.mapping

@@ -282,6 +282,37 @@ def create_memfd(
     return PoolMemory(fd, mapping, size, pages, numa)
 
 
+def adopt_memfd(fd: int, size: int, pages: PoolPages, numa: NumaPlacement | None) -> PoolMemory:
+    """Map a pool memfd handed over by the previous daemon (kvstored/server/handover.py): its
+    pages are already there; the policy and advice apply to pages it gets from now on.
+    PoolMemoryError if the fd is not a sealed memfd of `size` bytes."""
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS) if _is_memfd(fd) else 0
+    wanted = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    if seals & wanted != wanted or os.fstat(fd).st_size != size:
+        raise PoolMemoryError(f"the handed-over pool is not a sealed memfd of {format_size(size)}")
+    try:
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        raise PoolMemoryError(f"cannot map the handed-over pool: {exc.strerror}") from None
+    try:
+        address = _address(mapping)
+        if numa is not None:
+            _mbind(address, size, numa)
+        if pages is PoolPages.THP:
+            _madvise(address, size, MADV_HUGEPAGE, "MADV_HUGEPAGE")
+    except BaseException:
+        mapping.close()
+        raise
+    return PoolMemory(fd, mapping, size, pages, numa)
+
+
+def _is_memfd(fd: int) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+    except OSError:
+        return False
+
+
 MAX_POPULATE_THREADS = 8
 
 

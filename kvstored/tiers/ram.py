@@ -118,6 +118,39 @@ class RamCounters:
 
 
 @dataclass(frozen=True, slots=True)
+class ChunkRecord:
+    """A READY chunk as a hand-over carries it (kvstored/server/handover.py)."""
+
+    chunk: ChunkId
+    size: int
+    arena: int
+    runs: tuple[PageRun, ...]
+    persisted: bool
+    probation: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaPages:
+    """An arena's page map as a hand-over carries it: its size in pages and its holes (free
+    pages not backed by memory); the chunks' runs are allocated, every other page free."""
+
+    total_pages: int
+    holes: tuple[PageRun, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RamSnapshot:
+    page_bytes: int
+    capacity_bytes: int
+    arenas: dict[int, ArenaPages]
+    chunks: list[ChunkRecord]  # least recently used first
+
+
+class AdoptionError(ValueError):
+    """A snapshot this tier cannot take as it is (its page map or index is inconsistent)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Reservation:
     outcome: ReserveOutcome
     entry: RamEntry | None = None
@@ -467,6 +500,81 @@ class RamTier:
             out.append(Extent(run.start * self.page_bytes, length, entry.arena))
             remaining -= length
         return out
+
+    # -- hand-over ----------------------------------------------------------------------------
+
+    def snapshot(self) -> RamSnapshot:
+        """The READY chunks (evictable ones in LRU order, then any still pinned) and each arena's
+        page map. Taken once the daemon has quiesced: no session, no write-down, no release."""
+        if self._releasing_pages:
+            raise ValueError("snapshot while pages are being released")
+        ready = EntryState.READY
+        order = list(self._lru.values()) + [
+            e for e in self._index.values() if e.state is ready and e.chunk not in self._lru
+        ]
+        chunks = [
+            ChunkRecord(e.chunk, e.size, e.arena, tuple(e.runs), e.persisted, e.probation)
+            for e in order
+            if e.state is ready and e.indexed
+        ]
+        arenas = {a: ArenaPages(alloc.total_pages, tuple(alloc.hole_runs())) for a, alloc in self._arenas.items()}
+        return RamSnapshot(self.page_bytes, self.capacity_bytes, arenas, chunks)
+
+    def adopt(self, snapshot: RamSnapshot, keep: Callable[[ChunkRecord], bool] = lambda _r: True) -> int:
+        """Take over a snapshot's chunks into an empty tier whose arenas are already added (the
+        adopted arenas' memory): the chunks `keep` accepts become READY in their LRU order,
+        the pages of the others free. AdoptionError if anything in it does not add up (this
+        tier is left empty then). Returns the chunks adopted."""
+        if self._index:
+            raise AdoptionError("adoption into a RAM tier that holds chunks")
+        if snapshot.page_bytes != self.page_bytes or snapshot.capacity_bytes != self.capacity_bytes:
+            raise AdoptionError(
+                f"page_bytes/capacity {snapshot.page_bytes}/{snapshot.capacity_bytes} differ from "
+                f"{self.page_bytes}/{self.capacity_bytes}"
+            )
+        if set(snapshot.arenas) != set(self._arenas):
+            raise AdoptionError(f"arenas {sorted(snapshot.arenas)} differ from {sorted(self._arenas)}")
+        runs_of: dict[int, list[PageRun]] = {arena: [] for arena in self._arenas}
+        kept: list[tuple[ChunkRecord, Placement]] = []
+        seen: set[ChunkId] = set()
+        for record in snapshot.chunks:
+            held = sum(run.count for run in record.runs)
+            if record.chunk in seen or record.arena not in runs_of or held != self.pages_for(record.size):
+                raise AdoptionError(f"chunk record {record.chunk!r} is inconsistent")
+            seen.add(record.chunk)
+            if not keep(record):
+                continue
+            placement = self._placement(record.chunk[0])
+            if placement is None or placement.arena != record.arena:
+                raise AdoptionError(f"chunk {record.chunk!r} is in arena {record.arena}, not its namespace's")
+            runs_of[record.arena] += record.runs
+            kept.append((record, placement))
+        allocators: dict[int, PageAllocator] = {}
+        for arena, map_ in snapshot.arenas.items():
+            expected = self._arenas[arena].total_pages
+            if map_.total_pages != expected:
+                raise AdoptionError(f"arena {arena} has {map_.total_pages} pages, not {expected}")
+            try:
+                allocators[arena] = PageAllocator.restore(map_.total_pages, runs_of[arena], list(map_.holes))
+            except ValueError as exc:
+                raise AdoptionError(f"arena {arena}: {exc}") from None
+        used = sum(self.pages_for(record.size) for record, _ in kept)
+        if used > self._capacity_pages:
+            raise AdoptionError(f"the chunks hold {used} pages, more than the capacity of {self._capacity_pages}")
+        self._arenas = allocators
+        self._resident_pages = sum(alloc.resident_pages for alloc in allocators.values())
+        for record, placement in kept:
+            pages = self.pages_for(record.size)
+            entry = RamEntry(record.chunk, record.size, list(record.runs), record.arena, placement.scopes, pages)
+            entry.state = EntryState.READY
+            entry.persisted, entry.probation = record.persisted, record.probation
+            self._index[record.chunk] = entry
+            self._used_pages += pages
+            for scope in placement.scopes:
+                scope.used_pages += pages
+            self._ready += 1
+            self._lru_add(entry)
+        return len(kept)
 
     # -- internals ------------------------------------------------------------------------
 

@@ -98,10 +98,11 @@ def test_stale_socket_files_after_sigkill_do_not_block_a_restart(daemon, ns_name
 
 
 def test_second_daemon_on_a_live_socket_fails_clearly(daemon, ns_name):
+    """(With hand-over off: with it on, the second daemon takes over, see test_handover.py.)"""
     store_and_check(daemon, ns_name)
     second = Daemon(daemon.socket)  # its own work dir (for its log), removed by cleanup()
     try:
-        second.spawn()
+        second.spawn(["--handover", "false"])
         rc = second.wait()
         assert rc != 0
         assert "already serving" in second.log and str(daemon.socket) in second.log, second.log

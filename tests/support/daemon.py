@@ -51,6 +51,20 @@ def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+# What systemd does when it starts a service with fds (socket activation, the fd store): the fds
+# from 3 on, LISTEN_FDS / LISTEN_FDNAMES naming them and LISTEN_PID the process, which exec keeps.
+_LISTEN_FDS_EXEC = """
+import os, sys
+names, fds, argv = sys.argv[1].split(":"), [int(x) for x in sys.argv[2].split(",")], sys.argv[3:]
+import fcntl
+high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3 + len(fds)) for fd in fds]  # (clear of the targets)
+for i, fd in enumerate(high):
+    os.dup2(fd, 3 + i, inheritable=True)
+os.environ.update(LISTEN_FDS=str(len(fds)), LISTEN_FDNAMES=":".join(names), LISTEN_PID=str(os.getpid()))
+os.execv(argv[0], argv)
+"""
+
+
 class DaemonError(AssertionError):
     pass
 
@@ -133,8 +147,14 @@ class Daemon:
 
     # -- lifecycle ----------------------------------------------------------------------------
 
-    def spawn(self, extra_args: Iterable[str] = (), env: Mapping[str, str] | None = None) -> subprocess.Popen:
-        """Start the process without waiting for readiness (for tests that expect it to fail)."""
+    def spawn(
+        self,
+        extra_args: Iterable[str] = (),
+        env: Mapping[str, str] | None = None,
+        listen_fds: Mapping[str, int] | None = None,
+    ) -> subprocess.Popen:
+        """Start the process without waiting for readiness (for tests that expect it to fail).
+        `listen_fds`: fds by name, passed as systemd passes them (LISTEN_FDS from fd 3)."""
         if self.running:
             raise DaemonError("daemon already running")
         self._starts += 1
@@ -142,8 +162,12 @@ class Daemon:
         log = open(self.log_path, "wb")
         try:
             argv = kvstored_command() + self.base_args + list(extra_args)
+            if listen_fds:
+                names, fds = ":".join(listen_fds), ",".join(map(str, listen_fds.values()))
+                argv = [sys.executable, "-c", _LISTEN_FDS_EXEC, names, fds, *argv]
             self.proc = subprocess.Popen(
                 self._wrap(argv) if self._wrap else argv,
+                pass_fds=tuple(listen_fds.values()) if listen_fds else (),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

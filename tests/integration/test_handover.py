@@ -1,0 +1,284 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
+"""A restart keeps RAM: a new daemon started on the same socket takes the RAM tier over from the
+running one (kvstored/server/handover.py), or from systemd's fd store; interrupted at any step,
+or handed something doubtful, it starts cold and serves no wrong byte.
+
+Each "old" and "new" daemon is a real process; a step is interrupted by the test hook
+KVSTORED_TEST_HANDOVER_PAUSE, which stops the process (SIGSTOP) there: the test sees the stopped
+state in /proc, then kills it or lets it go on (SIGCONT)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstored_client import Tier
+from tests.support.daemon import Daemon, short_tmpdir
+from tests.support.data import make_keys, payloads
+from tests.support.wait import wait_for
+
+CHUNK = 64 << 10
+SALT = b"handover-tenant"
+PAUSE = "KVSTORED_TEST_HANDOVER_PAUSE"
+
+
+@pytest.fixture
+def workdir():
+    path = short_tmpdir("kvho")
+    yield path
+    subprocess.run(["rm", "-rf", str(path)], check=False)
+
+
+@pytest.fixture
+def daemons():
+    made: list[Daemon] = []
+    yield made
+    for d in made:
+        if d.running:
+            d.kill()
+
+
+def make(daemons: list[Daemon], workdir: Path, cpu_bytes: str = "16MiB") -> Daemon:
+    d = Daemon(workdir / "kv.sock", workdir=workdir, cpu_bytes=cpu_bytes)
+    daemons.append(d)
+    return d
+
+
+def fs_args(workdir: Path) -> list[str]:
+    return ["--tiers", f"kind=fs,root={workdir / 'fs'},bytes=64MiB"]
+
+
+def stopped(d: Daemon) -> bool:
+    """The process is stopped (state T): it reached the step it was told to pause at."""
+    stat = Path(f"/proc/{d.pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2] in "Tt"
+
+
+def fill(d: Daemon, model: str, n: int = 48, tenant_n: int = 16) -> dict:
+    """Public and tenant chunks; returns what to ask for afterwards."""
+    keys, tkeys = make_keys("public", n), make_keys("tenant", tenant_n)
+    with d.client() as kv:
+        ns = kv.register_namespace(model=model, dtype="u8", chunk_bytes=CHUNK)
+        tns = kv.register_namespace(model=model, dtype="u8", chunk_bytes=CHUNK, tenant_salt=SALT)
+        for i in range(0, n, 8):
+            assert kv.store(ns, keys[i : i + 8], payloads(keys[i : i + 8], CHUNK)).stored == 8
+        assert kv.store(tns, tkeys, payloads(tkeys, CHUNK)).stored == tenant_n
+    return {"model": model, "keys": keys, "tkeys": tkeys}
+
+
+def where(d: Daemon, data: dict) -> tuple[list[Tier], list[Tier]]:
+    """Each chunk's tier (public, tenant), checking that whatever loads is byte-exact."""
+    out = []
+    with d.client() as kv:
+        for salt, keys in ((b"", data["keys"]), (SALT, data["tkeys"])):
+            ns = kv.register_namespace(model=data["model"], dtype="u8", chunk_bytes=CHUNK, tenant_salt=salt)
+            tiers = kv.lookup(ns, keys).tiers
+            for key, tier in zip(keys, tiers, strict=True):
+                got = np.zeros((1, CHUNK), dtype=np.uint8)
+                loaded = kv.load(ns, [key], got)
+                assert loaded == (tier is not Tier.NONE)
+                if loaded:
+                    assert np.array_equal(got, payloads([key], CHUNK)), "a wrong byte was served"
+            out.append(tiers)
+    return out[0], out[1]
+
+
+def hand_over(old: Daemon, new: Daemon, new_args=(), new_env=None) -> None:
+    """Start `new` beside `old`: `old` hands over and exits cleanly, then `new` serves."""
+    new.spawn(new_args, new_env)
+    assert old.wait() == 0, old.log
+    new.wait_ready()
+
+
+def test_restart_keeps_every_ram_chunk_a_byte_exact_ram_hit(daemons, workdir, ns_name):
+    old = make(daemons, workdir).start()
+    data = fill(old, ns_name)
+    new = make(daemons, workdir)
+    hand_over(old, new)
+    public, tenant = where(new, data)
+    assert public == [Tier.RAM] * len(data["keys"])
+    assert tenant == [Tier.RAM] * len(data["tkeys"])
+    assert f"RAM tier adopted: {len(data['keys']) + len(data['tkeys'])} chunks" in new.log
+    # ... and the next restart does it again (the adopted tier is handed over as it was).
+    newer = make(daemons, workdir)
+    hand_over(new, newer)
+    assert where(newer, data) == ([Tier.RAM] * len(data["keys"]), [Tier.RAM] * len(data["tkeys"]))
+    newer.stop()
+
+
+def test_handover_off_starts_cold(daemons, workdir, ns_name):
+    old = make(daemons, workdir).start()
+    data = fill(old, ns_name)
+    old.stop()
+    new = make(daemons, workdir).start(["--handover", "false"])
+    assert where(new, data) == ([Tier.NONE] * len(data["keys"]), [Tier.NONE] * len(data["tkeys"]))
+    new.stop()
+
+
+@pytest.mark.parametrize("step", ["requested", "quiesced", "snapshot", "sent"])
+def test_old_daemon_killed_mid_handover(daemons, workdir, ns_name, step):
+    """Killed before it sent everything, the new daemon starts cold (and finds on disk what
+    the old one wrote down once quiesced); killed after, the new one has it all."""
+    old = make(daemons, workdir).start(fs_args(workdir), env={PAUSE: step})
+    data = fill(old, ns_name)
+    new = make(daemons, workdir)
+    new.spawn(fs_args(workdir))
+    assert wait_for(lambda: stopped(old)), old.log
+    old.kill()
+    new.wait_ready()
+    public, tenant = where(new, data)
+    if step == "sent":
+        assert public == [Tier.RAM] * len(public) and tenant == [Tier.RAM] * len(tenant), new.log
+        assert "RAM tier adopted" in new.log
+    else:
+        assert "starting cold" in new.log
+        assert Tier.RAM not in public + tenant
+        if step != "requested":  # quiesced: its dirty chunks were written down first
+            assert public == [Tier.FS] * len(public), new.log
+    new.stop()
+
+
+@pytest.mark.parametrize("step", ["received", "verified", "adopted"])
+def test_new_daemon_killed_mid_adoption(daemons, workdir, ns_name, step):
+    """The old daemon wrote its chunks down before handing over: a new one killed while adopting
+    loses RAM, and the next start serves them from disk, byte-exact."""
+    old = make(daemons, workdir).start(fs_args(workdir))
+    data = fill(old, ns_name)
+    new = make(daemons, workdir)
+    new.spawn(fs_args(workdir), env={PAUSE: step})
+    assert old.wait() == 0, old.log
+    assert wait_for(lambda: stopped(new)), new.log
+    new.kill()
+    third = make(daemons, workdir).start(fs_args(workdir))
+    public, _tenant = where(third, data)
+    assert public == [Tier.FS] * len(public), third.log
+    third.stop()
+
+
+def memfd_of(d: Daemon, name: str) -> Path:
+    for fd in Path(f"/proc/{d.pid}/fd").iterdir():
+        try:
+            if os.readlink(fd).startswith(f"/memfd:{name} "):
+                return fd
+        except OSError:
+            continue
+    raise AssertionError(f"no memfd {name} in {d}")
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b", buffering=0) as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_corrupted_state_is_refused_and_the_new_daemon_starts_cold(daemons, workdir, ns_name):
+    old = make(daemons, workdir).start(env={PAUSE: "snapshot"})
+    data = fill(old, ns_name)
+    new = make(daemons, workdir)
+    new.spawn()
+    assert wait_for(lambda: stopped(old)), old.log
+    state = memfd_of(old, "kvstored-handover-state")
+    flip_byte(state, state.stat().st_size // 2)
+    os.kill(old.pid, signal.SIGCONT)
+    assert old.wait() == 0, old.log
+    new.wait_ready()
+    assert "checksum does not match" in new.log and "starting cold" in new.log
+    assert where(new, data) == ([Tier.NONE] * len(data["keys"]), [Tier.NONE] * len(data["tkeys"]))
+    new.stop()
+
+
+def test_chunk_changed_after_the_snapshot_is_dropped_not_served(daemons, workdir, ns_name):
+    old = make(daemons, workdir).start(env={PAUSE: "snapshot"})
+    data = fill(old, ns_name, tenant_n=1)
+    new = make(daemons, workdir)
+    new.spawn()
+    assert wait_for(lambda: stopped(old)), old.log
+    # Every public chunk's first byte flips (the test cannot tell which slot holds which).
+    pool = memfd_of(old, "kvstored-pool")
+    for offset in range(0, 16 << 20, CHUNK):
+        flip_byte(pool, offset)
+    os.kill(old.pid, signal.SIGCONT)
+    assert old.wait() == 0, old.log
+    new.wait_ready()
+    public, tenant = where(new, data)
+    assert public == [Tier.NONE] * len(public), new.log
+    assert tenant == [Tier.RAM], new.log  # (in its own arena, untouched)
+    assert f"{len(public)} dropped" in new.log
+    new.stop()
+
+
+def test_layout_mismatch_is_refused(daemons, workdir, ns_name):
+    old = make(daemons, workdir).start()
+    data = fill(old, ns_name)
+    new = make(daemons, workdir, cpu_bytes="32MiB")
+    hand_over(old, new)
+    assert "cpu_bytes 16777216 (handed over) != 33554432 (configured)" in new.log
+    assert where(new, data) == ([Tier.NONE] * len(data["keys"]), [Tier.NONE] * len(data["tkeys"]))
+    new.stop()
+
+
+def test_killed_daemon_leaves_nothing_to_adopt(daemons, workdir, ns_name):
+    old = make(daemons, workdir).start(fs_args(workdir))
+    data = fill(old, ns_name)
+    old.kill()
+    new = make(daemons, workdir).start(fs_args(workdir))
+    assert "no daemon listens" in new.log and "adopted" not in new.log
+    public, tenant = where(new, data)
+    assert Tier.RAM not in public + tenant
+    new.stop()
+
+
+# -- systemd's fd store ----------------------------------------------------------------------------
+
+
+def receive_notifications(sock: socket.socket) -> list[tuple[str, list[int]]]:
+    got: list[tuple[str, list[int]]] = []
+    sock.setblocking(False)
+    while True:
+        try:
+            msg, fds, _flags, _addr = socket.recv_fds(sock, 4096, 16)
+        except BlockingIOError:
+            return got
+        got.append((msg.decode(), fds))
+
+
+def test_systemd_fd_store_keeps_ram_across_a_restart(daemons, workdir, ns_name):
+    """systemd's protocol, played by the test: a datagram NOTIFY_SOCKET receives the fds the
+    daemon stores at stop (FDSTORE=1, FDNAME=), and the next daemon gets them as systemd passes
+    them (LISTEN_FDS from fd 3, LISTEN_FDNAMES, LISTEN_PID)."""
+    notify_path = workdir / "notify"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(notify_path))
+    env = {"NOTIFY_SOCKET": str(notify_path), "FDSTORE": "64"}
+    try:
+        old = make(daemons, workdir).start(env=env)
+        data = fill(old, ns_name)
+        old.stop()
+        stored = {}
+        for text, fds in receive_notifications(sock):
+            fields = dict(line.split("=", 1) for line in text.splitlines())
+            if fields.get("FDSTORE") == "1":
+                stored[fields["FDNAME"]] = fds[0]
+        assert set(stored) == {"kvstored-pool", "kvstored-state", "kvstored-arena-1"}, stored
+        new = make(daemons, workdir)
+        new.spawn(env=env, listen_fds=stored)
+        new.wait_ready()
+        for fd in stored.values():
+            os.close(fd)
+        public, tenant = where(new, data)
+        assert public == [Tier.RAM] * len(public) and tenant == [Tier.RAM] * len(tenant), new.log
+        assert "handed over by systemd's fd store" in new.log
+        removed = [t for t, _ in receive_notifications(sock) if t.startswith("FDSTOREREMOVE=1")]
+        assert sorted(removed) == sorted(f"FDSTOREREMOVE=1\nFDNAME={name}" for name in stored)
+        new.stop()
+    finally:
+        sock.close()
