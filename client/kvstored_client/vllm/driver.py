@@ -59,6 +59,7 @@ from kvstored_client.protocol import (
     CHANNEL_OPTIONS,
     FAST_REPLY_MAX,
     MAX_FDS,
+    REPLY_TOO_LARGE,
     Backoff,
     Condition,
     ForkGuard,
@@ -150,6 +151,7 @@ class FastCall:
         self.request = request
         self.timeout = timeout
         self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.started = time.perf_counter()
         self.answer: Outcome | None = None
         self.fallback: grpc.Future | None = None
         self._link = link
@@ -248,6 +250,9 @@ class DaemonLink:
         self._arenas_wanted: list[int] = []
         self._arena_asked: int | None = None  # OpenArena sent, reply not read yet
         self.counters = LinkCounters()
+        # Called with (method, seconds from issue to answer) for each answered call (benches
+        # time calls with it); None: nothing is timed.
+        self.observe: Callable[[str, float], None] | None = None
         self.health = LinkHealth(self.socket_path)
         self._sock: socket.socket | None = None
         self._handshake: Handshake | None = None
@@ -373,7 +378,12 @@ class DaemonLink:
 
     def _grpc_call(self, method: str, request: Any, timeout: float | None) -> grpc.Future:
         self.counters.grpc_calls += 1
-        return getattr(self._get_stub(), method).future(request, timeout=timeout)
+        started = time.perf_counter()
+        future = getattr(self._get_stub(), method).future(request, timeout=timeout)
+        observe = self.observe
+        if observe is not None:  # (the callback runs on gRPC's thread, or here when already done)
+            future.add_done_callback(lambda _f: observe(method, time.perf_counter() - started))
+        return future
 
     def collect(self) -> None:
         """Read the fast path's answers that have come (never blocking) and end the calls whose
@@ -447,6 +457,8 @@ class DaemonLink:
             call = self._pending.pop(reply.call_id, None)
             if call is None:  # cancelled meanwhile
                 continue
+            if self.observe is not None and reply.error.kind != REPLY_TOO_LARGE:  # (else timed as gRPC's)
+                self.observe(call.method, time.perf_counter() - call.started)
             try:
                 response = fast.response_of(call.method, reply)
             except KvstoredError as exc:
