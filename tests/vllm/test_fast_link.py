@@ -93,6 +93,8 @@ def test_a_region_copy_waiting_on_the_daemon_holds_up_no_other_call(own_daemon):
             spec = NamespaceSpec(model="test/fast-region", dtype="uint8", chunk_bytes=CHUNK, key_bytes=32)
             ns = link.namespace(spec)
             assert link.settle(SETTLE_LIMIT_S, (ns,))
+            seen: list[str] = []  # (the benches' per-call latency hook)
+            link.observe = lambda method, seconds: seen.append(method)
             keys = make_keys("fast-region", 8)
 
             def copy(method: str, i: int):
@@ -113,6 +115,7 @@ def test_a_region_copy_waiting_on_the_daemon_holds_up_no_other_call(own_daemon):
             loads = [copy("LoadToRegion", i) for i in range(0, 8, 2)]
             wait_done(link, loads)
             assert [outcome(f).response.loaded for f in loads] == [2] * 4
+            assert sorted(seen) == ["LoadToRegion"] * 4 + ["Lookup"] + ["StoreFromRegion"] * 4
 
             os.kill(daemon.pid, signal.SIGSTOP)  # copies sent and not answered...
             try:
