@@ -3,8 +3,9 @@
 """Per-call latency with the fast path (calls over the session socket) against gRPC, in one run.
 
 Two sync Clients on one daemon, one with fast_path=True, one with fast_path=False, interleaved
-call by call: a 1-chunk store and load, a 1- and a 256-key lookup, and an empty gRPC round trip
-(the health check) as the floor gRPC sets. Every loaded chunk is checked. Prints p50/p99 per
+call by call: a 1-chunk store and load through the pool mapping, a 1-chunk store and load through
+a registered region (StoreFromRegion / LoadToRegion), a 1- and a 256-key lookup, and an empty
+gRPC round trip (the health check) as the floor gRPC sets. Every loaded chunk is checked. Prints p50/p99 per
 call and the ratio gRPC / fast path.
 
     python -m bench.fast_path [--iters 2000] [--chunk-mib 2] [--json PATH]
@@ -13,6 +14,8 @@ call and the ratio gRPC / fast path.
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -36,6 +39,12 @@ def measure(socket: str, chunk: int, iters: int, warmup: int) -> dict[str, dict[
     grpc_ = Client(socket, deadline_s=30.0, client_name="bench-grpc", fast_path=False)
     src = np.full(chunk, 7, dtype=np.uint8)  # (written whole: no first-touch faults in the timed calls)
     out = populate(np.zeros(chunk, dtype=np.uint8))
+    # One region for both clients: chunk 0 is the stores' source, chunk 1 the loads' target.
+    fd, path = tempfile.mkstemp(prefix="kvstored-bench-fast-path-", dir="/dev/shm")
+    os.ftruncate(fd, 2 * chunk)
+    os.close(fd)
+    region_map = populate(np.memmap(path, dtype=np.uint8, mode="r+"))
+    region_map[:chunk] = 7
     with fast, grpc_:
         ns = fast.register_namespace(spec)
         grpc_.register_namespace(spec)
@@ -43,6 +52,7 @@ def measure(socket: str, chunk: int, iters: int, warmup: int) -> dict[str, dict[
         if fast.store(ns, lookup_keys, [src] * LOOKUP_KEYS).dropped:
             raise RuntimeError("could not store the lookup keys")
         grpc_.lookup(ns, lookup_keys[:1])  # opens grpc_'s channel
+        regions = {id(kv): kv.register_region(path) for kv in (fast, grpc_)}
         health = health_pb2_grpc.HealthStub(grpc_._get_channel())
         check = health_pb2.HealthCheckRequest()
         counter = iter(range(1 << 62))
@@ -73,6 +83,31 @@ def measure(socket: str, chunk: int, iters: int, warmup: int) -> dict[str, dict[
 
             return run
 
+        def store_region(kv: Client) -> Callable[[], float]:
+            def run() -> float:
+                key = b"R%031d" % (next(counter) % STORE_KEYS)
+                kv.delete(ns, [key])
+                t0 = time.perf_counter()
+                r = kv.store_from_region(ns, regions[id(kv)], [key], [0])
+                elapsed = time.perf_counter() - t0
+                if r.stored != 1:
+                    raise RuntimeError(f"a 1-chunk region store did not store: {r}")
+                return elapsed
+
+            return run
+
+        def load_region(kv: Client) -> Callable[[], float]:
+            def run() -> float:
+                region_map[chunk : chunk + 8] = 0
+                t0 = time.perf_counter()
+                loaded = kv.load_to_region(ns, regions[id(kv)], lookup_keys[:1], [chunk])
+                elapsed = time.perf_counter() - t0
+                if loaded != 1 or not (region_map[chunk:] == 7).all():
+                    raise RuntimeError("a 1-chunk region load did not load the stored bytes")
+                return elapsed
+
+            return run
+
         def lookup(kv: Client, n: int) -> Callable[[], float]:
             def run() -> float:
                 t0 = time.perf_counter()
@@ -93,6 +128,8 @@ def measure(socket: str, chunk: int, iters: int, warmup: int) -> dict[str, dict[
         for label, kv in (("fast", fast), ("gRPC", grpc_)):
             kinds[f"store 1 chunk ({label})"] = store(kv)
             kinds[f"load 1 chunk ({label})"] = load(kv)
+            kinds[f"region store 1 chunk ({label})"] = store_region(kv)
+            kinds[f"region load 1 chunk ({label})"] = load_region(kv)
             kinds[f"lookup 1 key ({label})"] = lookup(kv, 1)
             kinds[f"lookup {LOOKUP_KEYS} keys ({label})"] = lookup(kv, LOOKUP_KEYS)
         names = list(kinds)
@@ -104,6 +141,7 @@ def measure(socket: str, chunk: int, iters: int, warmup: int) -> dict[str, dict[
                 if i >= warmup:
                     samples[name].append(elapsed * 1e3)
         fast.delete(ns, lookup_keys)
+    os.unlink(path)  # (the mapping goes with the process)
     return {k: {"p50_ms": percentile(v, 50), "p99_ms": percentile(v, 99), "n": len(v)} for k, v in samples.items()}
 
 

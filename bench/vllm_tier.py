@@ -21,6 +21,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from bench.lib.call_latency import CallLatency
 from bench.lib.daemons import Daemon
 from bench.lib.limits import drop_page_cache, memcpy_gib_s, raw_odirect
 from bench.lib.report import GIB, MIB, Row, load_average, machine_info, print_table, write_json
@@ -64,7 +65,7 @@ def tag(key: bytes) -> np.uint64:
 class Engine:
     """Scheduler-side manager of one vLLM engine, driven like OffloadingConnectorScheduler."""
 
-    def __init__(self, tier: dict, primary_bytes: int, chunk_bytes: int) -> None:
+    def __init__(self, tier: dict, primary_bytes: int, chunk_bytes: int, latency: CallLatency | None = None) -> None:
         config = OffloadingConfig(
             groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layers",), group_id=0),),
             worker_kv_bytes_per_block=chunk_bytes // BLOCKS_PER_CHUNK,
@@ -76,6 +77,11 @@ class Engine:
             parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True),
         )
         self.manager: Any = cast(Any, TieringOffloadingSpec(config).get_manager())  # a TieringOffloadingManager
+        # The kvstored tiers' links to the daemon: their calls are timed (issue to answer).
+        self.links = [t.link for t in self.manager.secondary_tiers if hasattr(t, "link")]
+        if latency is not None:
+            for link in self.links:
+                latency.watch(link)
         self.rows = np.asarray(self.manager.primary_tier.get_kv_memoryview()).view(np.uint64)
         self.base = np.arange(self.rows.shape[1], dtype=np.uint64)
         self.rows[:] = self.base  # every page touched before timing
@@ -163,17 +169,20 @@ def daemon_tiers(daemon: Daemon) -> dict:
 
 
 def run_case(name: str, tier: dict, args, keys: list[bytes], daemon: Daemon | None = None) -> dict:
-    writer = Engine(tier, args.primary, args.chunk)
+    latency = CallLatency()
+    writer = Engine(tier, args.primary, args.chunk, latency)
     store_s, fill_s = writer.store(keys, args.store_batch)
     with writer.manager.lock:
         failures = writer.manager.get_stats().data["data"].get("vllm:kv_offload_tiering_cascade_job_failures", {})
     if sum(failures.values()):
         print(f"  {name}: {sum(failures.values())} cascade jobs failed", flush=True)
+    transports = _transports(writer)
     writer.close()
     below = daemon_tiers(daemon).get("fs") if daemon is not None else None
     cold = drop_page_cache()
-    reader = Engine(tier, args.primary, args.chunk)  # a vLLM restart: empty primary tier
+    reader = Engine(tier, args.primary, args.chunk, latency)  # a vLLM restart: empty primary tier
     load_s, loaded, missed = reader.load(keys, args.load_batch)
+    transports = [a + b for a, b in zip(transports, _transports(reader))]
     reader.close()
     total = len(keys) * args.chunk
     result = {
@@ -187,6 +196,8 @@ def run_case(name: str, tier: dict, args, keys: list[bytes], daemon: Daemon | No
         "missed": missed,
         "page_cache_dropped": cold,
         "load_average": load_average(),
+        "call_latency_ms": latency.summary(),
+        "calls_fast_grpc": transports,
     }
     extra = ""
     if below is not None and daemon is not None:
@@ -208,7 +219,16 @@ def run_case(name: str, tier: dict, args, keys: list[bytes], daemon: Daemon | No
         f"   ({loaded} chunks loaded and verified, {missed} missed{extra}; load avg {result['load_average']:.2f})",
         flush=True,
     )
+    if writer.links:
+        over = f"{transports[0]} fast path, {transports[1]} gRPC calls"
+        latency.print(f"  {name}: per-call latency at the tier", over)
     return result
+
+
+def _transports(engine: Engine) -> list[int]:
+    """[calls over the fast path, calls over gRPC] by the engine's kvstored tiers."""
+    counters = [link.counters for link in engine.links]
+    return [sum(c.fast_calls for c in counters), sum(c.grpc_calls for c in counters)]
 
 
 def _cold_load_bound(r: dict, chunk: int, limits: dict, fs_load_gib_s: float) -> str:

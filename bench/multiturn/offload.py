@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from bench.lib.buffers import populate
+from bench.lib.call_latency import CallLatency
 from bench.multiturn.model import HEADER, TIERS, Transfer
 
 # -- kvstored as the modelled engine's offload target --------------------------------------------
@@ -80,6 +81,7 @@ class Offload:
         self.store_s = 0.0
         self.store_counts = {"stored": 0, "already_present": 0, "dropped": 0}
         self.corrupt = 0
+        self.latency = CallLatency()  # per call, as the client saw it (the calibration's untimed)
         # (conversation, chunk index) -> the chunk's block identity, for routers (bench/multiturn/kvroute.py)
         self.identity: Callable[[int, int], Any] | None = None
 
@@ -157,6 +159,7 @@ class Offload:
             t0 = time.perf_counter()
             blocks = [self.identity(conv, index) for _, conv, index in batch] if self.identity else None
             result = self._store(self.ns, [k for k, _, _ in batch], buf, 0, blocks)
+            self.latency.record("store", time.perf_counter() - t0)
             self.store_s += time.perf_counter() - t0
             self.store_counts["stored"] += result.stored
             self.store_counts["already_present"] += result.already_present
@@ -167,6 +170,7 @@ class Offload:
         t0 = time.perf_counter()
         found = self.client.lookup(self.ns, keys, load_into=self._load_into)
         lookup_s = time.perf_counter() - t0
+        self.latency.record("lookup", lookup_s)
         hits = {name: 0 for name in TIERS}
         seconds = {name: 0.0 for name in TIERS}
         n = min(found.prefix_hits, self.max_chunks)
@@ -184,6 +188,7 @@ class Offload:
                 self.ns, keys[start:end], self._out[start * cb : end * cb], self.max_chunks * cb + start * cb
             )
             elapsed = time.perf_counter() - t1
+            self.latency.record("load", elapsed)
             seconds[tier] = seconds.get(tier, 0.0) + elapsed
             for i in range(start, start + got):  # wrong bytes are counted, never served as a hit
                 if bytes(self._out[i * cb : i * cb + HEADER]) != _header(keys[i], conv, first_index + i):

@@ -134,6 +134,7 @@ class RunResult(TurnsResult):
     charged_s: dict[str, float] = field(default_factory=dict)  # modelled loader seconds per tier (fixed + bytes)
     charged_fixed_s: dict[str, float] = field(default_factory=dict)  # of which the load calls' fixed cost
     lookup_s: float = 0.0  # measured lookup time, all turns (on the loader's timeline)
+    call_latency_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # per kind: calls, p50, p99
 
 
 def summarize(
@@ -157,6 +158,7 @@ def summarize(
         r.load_call_floor_ms = offload.call_floor_s * 1e3
         r.store = store_summary(offload.store_counts, offload.store_s, offload.chunk_bytes)
         r.corrupt_chunks = offload.corrupt
+        r.call_latency_ms = offload.latency.summary()
         if before is not None and after is not None:
             r.daemon = stats_delta(before, after)
     return r
@@ -256,6 +258,7 @@ def run_one(
         sim = Simulation(w, m, conversations, offload)
         sim.run()
         after = offload.stats()
+        offload.latency.print(f"{config.key}: per-call latency at the client ({m.transfer.value} transfers)")
         return summarize(config.key, sim, offload, before, after)
     finally:
         if offload is not None:

@@ -34,7 +34,6 @@ from kvstored_client.kinds import LoadInto
 from kvstored_client.ops import Health, LookupResult, Namespace, NamespaceSpec, Region, StoreResult
 from kvstored_client.protocol import (
     CHANNEL_OPTIONS,
-    FAST_METHODS,
     HEALTH_CHECK,
     channel_target,
     decode_health_response,
@@ -190,11 +189,9 @@ class AsyncClient(ClientBase):
                         else:
                             await _to_the_end(asyncio.to_thread(effect.run))
                     elif effect.copy_grace_s:  # a region transfer: once sent, the daemon may be copying
-                        result = await _to_the_end(self._call(getattr(stub, effect.method), effect, deadline))
+                        result = await _to_the_end(self._send(stub, effect, deadline))
                     else:
-                        result = await self._fast_call(effect, deadline)
-                        if result is None:
-                            result = await self._call(getattr(stub, effect.method), effect, deadline)
+                        result = await self._send(stub, effect, deadline)
                 except BaseException as exc:  # a cancellation is re-raised
                     effect = self._failed(plan, effect, exc)
                 else:
@@ -202,15 +199,26 @@ class AsyncClient(ClientBase):
         except StopIteration as stop:
             return stop.value
 
+    async def _send(self, stub: Any, effect: ops.Call, deadline: float) -> Any:
+        """One call: over the fast path where it can go, else over gRPC."""
+        result = await self._fast_call(effect, deadline)
+        if result is None:
+            result = await self._call(getattr(stub, effect.method), effect, deadline)
+        return result
+
     async def _fast_call(self, effect: ops.Call, deadline: float) -> Any | None:
         """Client._fast_call for asyncio."""
         session = self._session
-        if not self.fast_path or session is None or session.fast is None or effect.method not in FAST_METHODS:
+        if not self.fast_path or session is None or session.fast is None or not session.fast.serves(effect.method):
             return None
+        link = session.fast
+        request, timeout = _bounded(effect, deadline)
         try:
-            return await session.fast.call_async(effect.method, effect.request, _remaining(deadline))
+            return await link.call_async(effect.method, request, timeout)
+        except KvstoredError as exc:
+            raise self._fast_failed(effect, exc, link) from None
         finally:
-            if session.fast.broken:  # an answer may still come: never use this session again
+            if link.broken:  # an answer may still come: never use this session again
                 self._drop_session()
 
     async def _call(self, method: Any, effect: ops.Call, deadline: float) -> Any:

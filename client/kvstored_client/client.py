@@ -37,13 +37,12 @@ from kvstored_client.errors import (
     may_have_run,
     never_sent,
 )
-from kvstored_client.fast import fast_path_default
+from kvstored_client.fast import FastLink, fast_path_default
 from kvstored_client.kinds import LoadInto
 from kvstored_client.ops import Health, LookupResult, Namespace, NamespaceSpec, Region, StoreResult
 from kvstored_client.paths import default_socket_path
 from kvstored_client.protocol import (
     CHANNEL_OPTIONS,
-    FAST_METHODS,
     HEALTH_CHECK,
     Condition,
     ForkGuard,
@@ -167,20 +166,19 @@ class ClientBase:
         (0 / dropped means nothing was copied)."""
         error = from_rpc_error(exc)
         if effect.copy_grace_s and may_have_run(exc):
-            region = effect.request.region_id
-            if isinstance(error, DeadlineExceeded):
-                return TransferOutcomeUnknown(
-                    f"{effect.method} got no answer {effect.copy_grace_s:.0f} s past its deadline: the daemon may "
-                    f"still be copying, so region {region}'s bytes are undefined for now"
-                )
-            self._drop_session()  # the daemon is gone or the connection broke: a new session next time
-            return TransferOutcomeUnknown(
-                f"{effect.method} was sent, but the daemon did not answer ({exc.details()}): it may have copied "
-                f"part of the batch, so region {region}'s bytes at the transfer's offsets are undefined"
-            )
+            if not isinstance(error, DeadlineExceeded):
+                self._drop_session()  # the daemon is gone or the connection broke: a new session next time
+            return _outcome_unknown(effect, error, exc.details())
         if isinstance(error, DeadlineExceeded) and effect.method in HANDLE_METHODS:
             self._drop_session()
         return error
+
+    def _fast_failed(self, effect: ops.Call, exc: KvstoredError, link: FastLink) -> KvstoredError:
+        """A fast call's failure as its gRPC call's would be: a region transfer sent and never
+        answered has an unknown outcome (the broken link ends the session either way)."""
+        if effect.copy_grace_s and link.broken and link.sent:
+            return _outcome_unknown(effect, exc, str(exc))
+        return exc
 
     def _retry_when_ready(self, effect: Any, exc: grpc.RpcError) -> bool:
         """Whether to send the call again, waiting for the daemon: only if it may be coming up
@@ -457,12 +455,16 @@ class Client(ClientBase):
         """The call over the session's fast path; None: it goes over gRPC (no session yet, the
         fast path off, or a call it does not carry)."""
         session = self._session
-        if not self.fast_path or session is None or session.fast is None or effect.method not in FAST_METHODS:
+        if not self.fast_path or session is None or session.fast is None or not session.fast.serves(effect.method):
             return None
+        link = session.fast
+        request, timeout = _bounded(effect, deadline)
         try:
-            return session.fast.call(effect.method, effect.request, _remaining(deadline))
+            return link.call(effect.method, request, timeout, to_the_end=bool(effect.copy_grace_s))
+        except KvstoredError as exc:
+            raise self._fast_failed(effect, exc, link) from None
         finally:
-            if session.fast.broken:  # an answer may still come: never use this session again
+            if link.broken:  # an answer may still come: never use this session again
                 self._drop_session()
 
     def _call(self, method: Any, effect: ops.Call, deadline: float) -> Any:
@@ -498,6 +500,20 @@ def _to_the_end(method: Any, request: Any, timeout: float, wait_for_ready: bool)
     if interrupted is not None:
         raise interrupted
     return result
+
+
+def _outcome_unknown(effect: ops.Call, error: KvstoredError, detail: str) -> TransferOutcomeUnknown:
+    """A region transfer that was sent and got no answer, over either transport."""
+    region = effect.request.region_id
+    if isinstance(error, DeadlineExceeded):
+        return TransferOutcomeUnknown(
+            f"{effect.method} got no answer {effect.copy_grace_s:.0f} s past its deadline: the daemon may "
+            f"still be copying, so region {region}'s bytes are undefined for now"
+        )
+    return TransferOutcomeUnknown(
+        f"{effect.method} was sent, but the daemon did not answer ({detail}): it may have copied "
+        f"part of the batch, so region {region}'s bytes at the transfer's offsets are undefined"
+    )
 
 
 def _remaining(deadline: float) -> float:

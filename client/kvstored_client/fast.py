@@ -1,14 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""The fast path, blocking side: Lookup, Reserve, Commit, Acquire and Release as one packet each
-way over the session socket instead of a gRPC call each (gRPC's machinery costs ~0.4 ms a call
-here; a packet exchange a fraction of it). The daemon answers with the handler and the status
-gRPC would give, so callers see the same results and the same errors.
+"""The fast path, blocking side: Lookup, Reserve, Commit, Acquire, Release, StoreFromRegion and
+LoadToRegion as one packet each way over the session socket instead of a gRPC call each
+(gRPC's machinery costs ~0.4 ms a call here; a packet exchange a fraction of it). The daemon
+answers with the handler and the status gRPC would give, so callers see the same results and
+the same errors.
 
 One request is outstanding at a time (the client's lock). A call that fails without its answer
 (a timeout, an interrupt, a broken connection) leaves the link `broken`: an answer may still
 come, so the session must not be used again (the client drops it, which also frees whatever
-the daemon granted it).
+the daemon granted it). `sent` then says whether the request had left (a region copy that was
+sent and not answered may have copied part of its batch).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from google.protobuf.message import DecodeError, Message
@@ -94,11 +97,14 @@ def response_of(method: str, reply: pb.SessionReply) -> Any | None:
 class FastLink:
     """One session's fast path over its (blocking) session socket."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, serves: Callable[[str], bool] = FAST_METHODS.__contains__) -> None:
+        """serves: which methods the daemon answers here (protocol.Welcome.serves_fast)."""
         self._sock = sock
+        self.serves = serves
         self._buffer = bytearray(FAST_REPLY_MAX + 1)  # one byte more: a longer packet shows as cut
         self._aio: socket.socket | None = None  # the same connection for an event loop (timeout 0)
         self.broken = False
+        self.sent = False  # the last call's request was sent
 
     def close(self) -> None:
         if self._aio is not None:
@@ -117,23 +123,46 @@ class FastLink:
         loop = asyncio.get_running_loop()
         with self._exchange(method, timeout):
             async with asyncio.timeout(timeout):
+                self.sent = False
                 await loop.sock_sendall(self._aio, data)
+                self.sent = True
                 size = await loop.sock_recv_into(self._aio, self._buffer)
         return self._answer(method, size)
 
-    def call(self, method: str, request: Message, timeout: float) -> Any | None:
+    def call(self, method: str, request: Message, timeout: float, to_the_end: bool = False) -> Any | None:
         """`method`'s answer to `request`, within `timeout` seconds; None when this call must go
         over gRPC instead (its request or its answer is too large for one packet). Raises what
         the gRPC call would (the daemon's errors mapped the same way); DeadlineExceeded on a
-        timeout; UnknownSession when the daemon closed the session (it restarted or stopped)."""
+        timeout; UnknownSession when the daemon closed the session (it restarted or stopped).
+        to_the_end (region copies): once sent, an interrupt (Ctrl-C) waits for the answer, within
+        `timeout`, before it is raised: the daemon may be copying into the caller's region."""
         data = _packet(method, request)
         if data is None:
             return None
+        interrupted: BaseException | None = None
         with self._exchange(method, timeout):
+            self.sent = False
             self._sock.settimeout(timeout)
             self._sock.send(data)
-            size = self._sock.recv_into(self._buffer, len(self._buffer), socket.MSG_TRUNC)
-        return self._answer(method, size)
+            self.sent = True
+            end = time.monotonic() + timeout
+            while True:
+                try:
+                    size = self._sock.recv_into(self._buffer, len(self._buffer), socket.MSG_TRUNC)
+                    break
+                except Exception:
+                    if interrupted is not None:
+                        raise interrupted from None
+                    raise
+                except BaseException as exc:  # KeyboardInterrupt
+                    if not to_the_end:
+                        raise
+                    interrupted = exc
+                    self._sock.settimeout(max(end - time.monotonic(), 1e-6))
+        answer = self._answer(method, size)
+        if interrupted is not None:
+            raise interrupted
+        return answer
 
     @contextlib.contextmanager
     def _exchange(self, method: str, timeout: float) -> Iterator[None]:

@@ -41,7 +41,12 @@ FAST_METHODS = {
     "Commit": "commit",
     "Acquire": "acquire",
     "Release": "release",
+    "StoreFromRegion": "store_from_region",
+    "LoadToRegion": "load_to_region",
 }
+# Region copies joined the fast path later: a daemon serves them there only if its Welcome says
+# fast_regions (an older one would refuse them), else they go over gRPC.
+FAST_REGION_METHODS = frozenset({"StoreFromRegion", "LoadToRegion"})
 REPLY_TOO_LARGE = "ReplyTooLarge"  # SessionError.kind: the answer did not fit a packet; ask over gRPC
 FAST_REPLY_MAX = 1 << 20  # the largest fast-path answer a daemon sends (clients receive into this much)
 
@@ -76,6 +81,13 @@ class Welcome:
     page_bytes: int
     pool_fd: int
     fast_path: bool = False  # the daemon serves FAST_METHODS on the session socket
+    fast_regions: bool = False  # ... FAST_REGION_METHODS included
+
+    def serves_fast(self, method: str) -> bool:
+        """Whether `method` may go over this session's fast path."""
+        if not self.fast_path or method not in FAST_METHODS:
+            return False
+        return self.fast_regions or method not in FAST_REGION_METHODS
 
 
 @dataclass(frozen=True)
@@ -140,7 +152,14 @@ class Handshake:
             _close_all(fds)
             raise Unavailable(f"unexpected session reply to Hello: {reply}")
         welcome = reply.welcome
-        self.welcome = Welcome(welcome.session_id, welcome.pool_bytes, welcome.page_bytes, fds[0], welcome.fast_path)
+        self.welcome = Welcome(
+            welcome.session_id,
+            welcome.pool_bytes,
+            welcome.page_bytes,
+            fds[0],
+            welcome.fast_path,
+            welcome.fast_regions,
+        )
         return self.welcome
 
     def attached_from(self, data: bytes, fds: list[int]) -> RegionAttached:

@@ -41,7 +41,7 @@ class PoolSession:
         self.session_id = welcome.session_id
         self.pool_bytes = welcome.pool_bytes
         self.page_bytes = welcome.page_bytes
-        self.fast = FastLink(sock) if welcome.fast_path else None  # None: the daemon has no fast path
+        self.fast = FastLink(sock, welcome.serves_fast) if welcome.fast_path else None  # None: no fast path
         try:
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
             self._map = mmap.mmap(welcome.pool_fd, self.pool_bytes, flags=flags)

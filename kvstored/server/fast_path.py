@@ -1,13 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""The fast path: the data path's hot calls (Lookup, Reserve, Commit, Acquire, Release) carried
-over the session socket, one packet each way, instead of a gRPC call each.
+"""The fast path: the data path's hot calls (Lookup, Reserve, Commit, Acquire, Release, and the
+region copies StoreFromRegion and LoadToRegion) carried over the session socket, one packet each
+way, instead of a gRPC call each.
 
 A gRPC unary call over the unix socket costs ~0.4 ms of machinery on both sides, more than the
 handler itself and as much as copying a 2 MiB chunk. Here the request is answered by the very
 handler gRPC would call (service.KVStoreService) and its errors are mapped by the one error map
 (errors.failure_for), so both transports give the same answer, status and message. The request's
 session_id is the connection's: the connection *is* the session, so a client can name no other.
+A region copy's deadline travels in its request (start_within_ms), as over gRPC; it may wait
+long (room, a promotion), so it is answered by a task of its own (session_socket.py).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 KINDS = frozenset(FAST_METHODS.values())  # the SessionRequest fields served here
 NEVER_WAIT = frozenset({"commit", "release"})  # answered at once: no task of their own needed
+# (Every other kind, the region copies included, is answered by a task of the connection, so a
+# copy waiting on a lower tier never holds up the session's other calls.)
 
 
 Observe = Callable[[str, str, str, float], None]  # (service, method, status code name, seconds)

@@ -191,6 +191,7 @@ class SessionSocketServer:
                             pool_bytes=self._pool.size,
                             page_bytes=self._page_bytes,
                             fast_path=self._fast is not None,
+                            fast_regions=self._fast is not None,
                         )
                         _send(conn, pb.SessionReply(welcome=welcome), [self._pool.fd])
                     elif kind == "attach_region" and session is not None:

@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""The fast path (Lookup, Reserve, Commit, Acquire, Release over the session socket) on a real
-daemon: it carries the sync client's data path, answers and fails exactly as gRPC does, serves
-only the connection's own session, holds deadlines, survives restarts, frees what a killed
-client held, and hands what does not fit a packet to gRPC."""
+"""The fast path (Lookup, Reserve, Commit, Acquire, Release, StoreFromRegion and LoadToRegion
+over the session socket) on a real daemon: it carries the clients' data path, answers and fails
+exactly as gRPC does, serves only the connection's own session, holds deadlines, survives
+restarts, frees what a killed client held (mid-copy too), and hands what does not fit a packet
+to gRPC."""
 
 from __future__ import annotations
 
@@ -13,9 +14,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
+import threading
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,6 +38,19 @@ from tests.support.wait import wait_for
 CHUNK = 64 << 10
 METRICS_PORT_0 = ["--metrics-addr", "127.0.0.1:0"]
 FAST = ("Lookup", "Reserve", "Commit", "Acquire", "Release")
+REGION = ("StoreFromRegion", "LoadToRegion")
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="kvfast", dir="/dev/shm") as d:
+        yield Path(d)
+
+
+def region_file(directory: Path, data: np.ndarray, name: str = "region") -> Path:
+    path = directory / name
+    path.write_bytes(data.tobytes())
+    return path
 
 
 def calls(daemon) -> tuple[Counter, Counter]:
@@ -84,6 +102,29 @@ def test_the_data_path_goes_over_the_session_socket_and_is_counted(daemon_factor
         assert (handled["Lookup"], handled["Acquire"], handled["Release"]) == (3, 2, 2)
 
 
+@pytest.mark.parametrize("transport", ["fast", "gRPC"])
+def test_region_copies_take_the_transport_asked_for_with_the_same_results(daemon_factory, ns_name, shm_dir, transport):
+    d = daemon_factory(METRICS_PORT_0)
+    keys = make_keys(ns_name, 4)
+    data = payloads(keys, CHUNK)
+    source = region_file(shm_dir, data, "source")
+    target = region_file(shm_dir, np.zeros_like(data), "target")
+    offsets = [i * CHUNK for i in range(4)]
+    with d.client(fast_path=transport == "fast") as c:
+        ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
+        src, dst = c.register_region(source), c.register_region(target)
+        assert c.store_from_region(ns, src, keys[:2], offsets[:2]) == StoreResult(stored=2)
+        again = c.store_from_region(ns, src, keys, offsets)
+        assert (again.stored, again.already_present, again.present_in[:2]) == (2, 2, (Tier.RAM, Tier.RAM))
+        assert c.load_to_region(ns, dst, keys, offsets) == 4
+        assert c.load_to_region(ns, dst, make_keys(f"{ns_name}/absent", 2), offsets[:2]) == 0
+        np.testing.assert_array_equal(np.fromfile(target, np.uint8).reshape(data.shape), data)
+        handled, fast = calls(d)
+    over_fast = 2 if transport == "fast" else 0
+    assert {m: fast[m] for m in REGION} == dict.fromkeys(REGION, over_fast)
+    assert {m: handled[m] for m in REGION} == dict.fromkeys(REGION, 2)  # the gRPC series counts both
+
+
 def _failure(fn) -> KvstoredError:
     try:
         result = fn()
@@ -92,14 +133,23 @@ def _failure(fn) -> KvstoredError:
     raise AssertionError(f"expected an error, got {result!r}")
 
 
-def test_both_transports_give_the_same_answers_and_the_same_errors(daemon_factory, ns_name):
+def test_both_transports_give_the_same_answers_and_the_same_errors(daemon_factory, ns_name, shm_dir):
     d = daemon_factory(["--max-batch-keys", "8"])
     with raw(d.socket) as conn:
         assert conn.session is not None and conn.session.fast is not None
         ns_id = conn.register(ns_name, CHUNK, key_bytes=32)
         keys = make_keys(ns_name, 2)
         sid = conn.session_id
+        path = region_file(shm_dir, payloads(keys, CHUNK))
+        region = conn.call("RegisterRegion", pb.RegisterRegionRequest(session_id=sid, path=str(path))).region_id
+
+        def copy(keys=keys, offsets=(0, CHUNK), region=region, namespace=ns_id) -> pb.RegionTransferRequest:
+            return pb.RegionTransferRequest(
+                session_id=sid, namespace_id=namespace, region_id=region, keys=keys, offsets=offsets
+            )
+
         requests = {
+            "a load of nothing stored": ("LoadToRegion", copy()),
             "a lookup": ("Lookup", pb.LookupRequest(namespace_id=ns_id, keys=keys, session_id=sid)),
             "an unknown namespace": ("Lookup", pb.LookupRequest(namespace_id="nope", keys=keys, session_id=sid)),
             "a short key": ("Lookup", pb.LookupRequest(namespace_id=ns_id, keys=[b"short"], session_id=sid)),
@@ -108,8 +158,19 @@ def test_both_transports_give_the_same_answers_and_the_same_errors(daemon_factor
             "an unknown handle": ("Release", pb.ReleaseRequest(handles=[12345], session_id=sid)),
             "a handle twice": ("Commit", pb.CommitRequest(handles=[7, 7], session_id=sid)),
             "nothing reserved": ("Acquire", pb.AcquireRequest(namespace_id=ns_id, keys=keys, session_id=sid)),
+            "a store": ("StoreFromRegion", copy()),  # (before the loop, over gRPC: both see them present)
+            "a load": ("LoadToRegion", copy()),
+            "an unknown region": ("LoadToRegion", copy(region=region + 99)),
+            "an unknown region to store from": ("StoreFromRegion", copy(region=region + 99)),
+            "keys without offsets": ("StoreFromRegion", copy(offsets=[0])),
+            "an offset outside the region": ("LoadToRegion", copy(offsets=[0, 2 * CHUNK])),
+            "a region copy of a short key": ("StoreFromRegion", copy(keys=[b"short"], offsets=[0])),
+            "a region copy of too many keys": ("LoadToRegion", copy(keys=keys * 5, offsets=[0] * 10)),
+            "a region copy in an unknown namespace": ("LoadToRegion", copy(namespace="nope")),
         }
         for what, (method, request) in requests.items():
+            if what == "a store":
+                assert conn.call(method, request).stored == 2
             try:
                 expected = ("answer", conn.call(method, request))
             except Exception as exc:  # noqa: BLE001 - a grpc.RpcError
@@ -204,6 +265,94 @@ def test_a_killed_client_gives_back_its_fast_path_leases(daemon, ns_name):
     assert wait_for(lambda: daemon.stats().leases == 0 and daemon.stats().sessions == 0), daemon.stats()
 
 
+COPIER = textwrap.dedent(
+    """
+    import sys
+    from kvstored_client import Client
+    from tests.support.data import make_keys
+    method, socket_path, ns_name, chunk, n, path = sys.argv[1:7]
+    chunk, n = int(chunk), int(n)
+    with Client(socket_path, deadline_s=60.0, fast_path=True) as c:
+        ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=chunk)
+        region = c.register_region(path)
+        print("ready", flush=True)
+        sys.stdin.readline()
+        result = getattr(c, method)(ns, region, make_keys(ns_name, n), [i * chunk for i in range(n)])
+        print("answered", result, flush=True)
+    """
+)
+COPY_CHUNK = 1 << 20
+COPY_N = 128  # a 128 MiB batch: the copy takes some ms, much longer than a kill takes to land
+
+
+def _kill_when_changed(view: np.ndarray, pid: int) -> threading.Thread:
+    """Kills `pid` as soon as `view` (the copy's first destination bytes) changes."""
+    initial = view.copy()
+
+    def watch() -> None:
+        while np.array_equal(view, initial):
+            os.sched_yield()
+        os.kill(pid, signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("method", ["load_to_region", "store_from_region"])
+def test_a_client_killed_mid_copy_gives_back_what_it_held(daemon_factory, ns_name, shm_dir, method):
+    """Killed while the daemon copies its fast-path region transfer: the daemon ends the session
+    and gives back the copy's leases and reservations, and keeps serving right bytes."""
+    keys = make_keys(ns_name, COPY_N)
+    data = payloads(keys, COPY_CHUNK)
+    loading = method == "load_to_region"
+    for attempt in range(4):  # until the kill lands before the answer (bounded)
+        d = daemon_factory(cpu_bytes="160MiB")
+        path = region_file(shm_dir, np.zeros_like(data) if loading else data, f"region-{attempt}")
+        with raw(d.socket) as conn:
+            assert conn.session is not None and conn.session.pool is not None
+            if loading:
+                with d.client() as c:
+                    ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=COPY_CHUNK)
+                    assert c.store(ns, keys, data).stored == COPY_N
+            # A load's first bytes land in the region; a store's at the start of a fresh pool.
+            view = np.memmap(path, dtype=np.uint8, mode="r")[:8] if loading else conn.session.pool[:8]
+            argv = [
+                sys.executable,
+                "-c",
+                COPIER,
+                method,
+                str(d.socket),
+                ns_name,
+                str(COPY_CHUNK),
+                str(COPY_N),
+                str(path),
+            ]
+            with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as copier:
+                assert copier.stdin is not None and copier.stdout is not None
+                assert copier.stdout.readline().strip() == "ready"
+                watcher = _kill_when_changed(view, copier.pid)
+                copier.stdin.write("go\n")
+                copier.stdin.flush()
+                watcher.join(60)
+                assert not watcher.is_alive(), "the copy never began"
+                answered = copier.stdout.read()
+            del view
+        assert wait_for(lambda d=d: (d.stats().sessions, d.stats().leases, d.stats().reservations) == (0, 0, 0)), (
+            d.stats()
+        )
+        with d.client() as c:  # it keeps serving: whatever it holds reads back right
+            ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=COPY_CHUNK)
+            out = np.zeros_like(data)
+            loaded = c.load(ns, keys, out)
+            assert loaded == (COPY_N if loading else loaded)
+            np.testing.assert_array_equal(out[:loaded], data[:loaded])
+        path.unlink()
+        if "answered" not in answered:
+            return
+    raise AssertionError(f"no kill landed before the answer in 4 attempts (last: {answered!r})")
+
+
 def _exchange(sock: socket.socket, request: pb.SessionRequest | bytes) -> pb.SessionReply:
     sock.send(request if isinstance(request, bytes) else request.SerializeToString())
     data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 4)
@@ -241,7 +390,7 @@ def test_a_bad_switch_value_is_named(monkeypatch):
         fast_path_default()
 
 
-async def test_the_async_client_takes_the_fast_path_too(daemon_factory, ns_name):
+async def test_the_async_client_takes_the_fast_path_too(daemon_factory, ns_name, shm_dir):
     d = daemon_factory(METRICS_PORT_0)
     keys = make_keys(ns_name, 3)
     data = payloads(keys, CHUNK)
@@ -252,8 +401,14 @@ async def test_the_async_client_takes_the_fast_path_too(daemon_factory, ns_name)
         out = np.zeros_like(data)
         assert await c.load(ns, keys, out) == 3
         np.testing.assert_array_equal(out, data)
+        target = region_file(shm_dir, np.zeros_like(data))
+        region = await c.register_region(target)
+        offsets = [i * CHUNK for i in range(3)]
+        assert await c.load_to_region(ns, region, keys, offsets) == 3
+        assert (await c.store_from_region(ns, region, keys, offsets)).already_present == 3
+        np.testing.assert_array_equal(np.fromfile(target, np.uint8).reshape(data.shape), data)
         _, fast = calls(d)
-        assert {m: fast[m] for m in FAST} == dict.fromkeys(FAST, 1)
+        assert {m: fast[m] for m in FAST + REGION} == dict.fromkeys(FAST + REGION, 1)
         with pytest.raises(KvstoredError, match="not held"):  # a daemon error comes through, mapped
             session = c._session
             assert session is not None and session.fast is not None

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""The vLLM integrations' calls on the fast path: the tier's lookups and the direct spec's
-Reserve/Commit/Acquire/Release travel over the session socket (counted by the daemon), several
+"""The vLLM integrations' calls on the fast path: the tier's lookups and region copies
+(StoreFromRegion/LoadToRegion) and the direct spec's Reserve/Commit/Acquire/Release travel over
+the session socket (counted by the daemon), several
 in flight at once; deadlines end the session, restarts are survived, oversized requests and the
 KVSTORED_FAST_PATH=0 switch go over gRPC."""
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
 
 import grpc
@@ -52,7 +54,7 @@ def reconnect(link: DaemonLink, ns: str) -> None:
         time.sleep(0.01)
 
 
-def test_the_tiers_lookups_are_fast_path_calls(own_daemon, monkeypatch):
+def test_the_tiers_lookups_and_copies_are_fast_path_calls(own_daemon, monkeypatch):
     daemon = own_daemon().start(METRICS_PORT_0)
     keys = offload_keys("fast-tier", 3)
     with Engine([kvstored_tier(daemon)]) as engine:
@@ -63,8 +65,9 @@ def test_the_tiers_lookups_are_fast_path_calls(own_daemon, monkeypatch):
         assert exact(engine.load(ctx, keys), keys)
         engine.finish(ctx)
     handled, fast = calls(daemon)
-    assert fast["Lookup"] >= 1
-    assert handled["Lookup"] == fast["Lookup"]  # none over gRPC (the gRPC series counts both)
+    for method in ("Lookup", "StoreFromRegion", "LoadToRegion"):
+        assert fast[method] >= 1, method
+        assert handled[method] == fast[method], method  # none over gRPC (the gRPC series counts both)
 
     monkeypatch.setenv(ENV, "0")  # the switch: the same lookups over gRPC
     with Engine([kvstored_tier(daemon)]) as engine:
@@ -74,6 +77,62 @@ def test_the_tiers_lookups_are_fast_path_calls(own_daemon, monkeypatch):
     again_handled, again_fast = calls(daemon)
     assert again_fast["Lookup"] == fast["Lookup"]
     assert again_handled["Lookup"] > handled["Lookup"]
+
+
+def test_a_region_copy_waiting_on_the_daemon_holds_up_no_other_call(own_daemon):
+    """Region copies have no deadline in the tier: several in flight on one session, each
+    matched to its answer, lookups answered meanwhile; a daemon gone mid-copy ends them."""
+    daemon = own_daemon().start()
+    with tempfile.TemporaryDirectory(prefix="kvfastlink", dir="/dev/shm") as tmp:
+        path = os.path.join(tmp, "region")
+        with open(path, "wb") as fh:
+            fh.truncate(8 * CHUNK)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            link = DaemonLink(daemon.socket, "fast-region", region_fd=fd, region_name="fast-region")
+            spec = NamespaceSpec(model="test/fast-region", dtype="uint8", chunk_bytes=CHUNK, key_bytes=32)
+            ns = link.namespace(spec)
+            assert link.settle(SETTLE_LIMIT_S, (ns,))
+            seen: list[str] = []  # (the benches' per-call latency hook)
+            link.observe = lambda method, seconds: seen.append(method)
+            keys = make_keys("fast-region", 8)
+
+            def copy(method: str, i: int):
+                request = pb.RegionTransferRequest(
+                    session_id=link.session_id,
+                    namespace_id=ns,
+                    region_id=link.region_id,
+                    keys=keys[i : i + 2],
+                    offsets=[i * CHUNK, (i + 1) * CHUNK],
+                )
+                return link.call(method, request)
+
+            stores = [copy("StoreFromRegion", i) for i in range(0, 8, 2)]
+            lookup = link.call("Lookup", pb.LookupRequest(session_id=link.session_id, namespace_id=ns, keys=keys))
+            assert all(isinstance(f, FastCall) for f in [*stores, lookup])
+            wait_done(link, [*stores, lookup])
+            assert [outcome(f).response.stored for f in stores] == [2] * 4
+            loads = [copy("LoadToRegion", i) for i in range(0, 8, 2)]
+            wait_done(link, loads)
+            assert [outcome(f).response.loaded for f in loads] == [2] * 4
+            assert sorted(seen) == ["LoadToRegion"] * 4 + ["Lookup"] + ["StoreFromRegion"] * 4
+
+            os.kill(daemon.pid, signal.SIGSTOP)  # copies sent and not answered...
+            try:
+                waiting = copy("LoadToRegion", 0)
+                link.poll()
+                assert not waiting.done()
+            finally:
+                daemon.kill()  # ... end when the daemon goes (the session with it)
+            deadline = time.monotonic() + SETTLE_LIMIT_S
+            while not waiting.done():
+                link.poll()
+                assert time.monotonic() < deadline, "the copy never ended"
+                time.sleep(0.001)
+            assert outcome(waiting).code is grpc.StatusCode.UNAVAILABLE
+            link.close()
+        finally:
+            os.close(fd)
 
 
 def test_the_direct_specs_calls_are_fast_path_calls(own_daemon):

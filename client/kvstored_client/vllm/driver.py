@@ -32,6 +32,7 @@ import select
 import socket
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeAlias
@@ -56,9 +57,9 @@ from kvstored_client.ops import NamespaceSpec
 from kvstored_client.paths import session_socket_path
 from kvstored_client.protocol import (
     CHANNEL_OPTIONS,
-    FAST_METHODS,
     FAST_REPLY_MAX,
     MAX_FDS,
+    REPLY_TOO_LARGE,
     Backoff,
     Condition,
     ForkGuard,
@@ -150,6 +151,7 @@ class FastCall:
         self.request = request
         self.timeout = timeout
         self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.started = time.perf_counter()
         self.answer: Outcome | None = None
         self.fallback: grpc.Future | None = None
         self._link = link
@@ -225,8 +227,8 @@ class DaemonLink:
     ) -> None:
         """keep_pool_fd: keep the pool's memfd (and open tenant arenas) to map them; pins_pool:
         the pool is pinned for DMA (told to the daemon, which then keeps the pool's memory);
-        fast_path: send Lookup, Reserve, Commit, Acquire and Release over the session socket
-        when the daemon serves them there (default: KVSTORED_FAST_PATH, on)."""
+        fast_path: send Lookup, Reserve, Commit, Acquire, Release and the region copies over
+        the session socket when the daemon serves them there (default: KVSTORED_FAST_PATH, on)."""
         self.fast_path = fast.fast_path_default() if fast_path is None else fast_path
         self.socket_path = Path(socket_path)
         self.client_name = client_name
@@ -248,6 +250,9 @@ class DaemonLink:
         self._arenas_wanted: list[int] = []
         self._arena_asked: int | None = None  # OpenArena sent, reply not read yet
         self.counters = LinkCounters()
+        # Called with (method, seconds from issue to answer) for each answered call (benches
+        # time calls with it); None: nothing is timed.
+        self.observe: Callable[[str, float], None] | None = None
         self.health = LinkHealth(self.socket_path)
         self._sock: socket.socket | None = None
         self._handshake: Handshake | None = None
@@ -257,7 +262,7 @@ class DaemonLink:
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.KVStoreStub | None = None
         self._namespaces: dict[str, _NamespaceState] = {}
-        self._daemon_fast = False  # this session's daemon serves the fast path
+        self._serves_fast: Callable[[str], bool] = _nothing_fast  # what this session's daemon serves there
         self._pending: dict[int, FastCall] = {}  # fast calls sent, by call id
         self._call_ids = itertools.count(1)
         self._control: deque[tuple[bytes, list[int]]] = deque()  # session replies without a call id
@@ -354,7 +359,7 @@ class DaemonLink:
     def call(self, method: str, request: Any, timeout: float | None = None) -> Call:
         """Start an RPC (over the fast path where it can go); collect it with `outcome(future)`
         once `future.done()`."""
-        if self.fast_path and self._daemon_fast and method in FAST_METHODS and self.ready and self._sock is not None:
+        if self.fast_path and self._serves_fast(method) and self.ready and self._sock is not None:
             call_id = next(self._call_ids)
             data = fast.packet(method, request, call_id)
             if data is not None:  # (else: too large for a packet, over gRPC)
@@ -373,7 +378,12 @@ class DaemonLink:
 
     def _grpc_call(self, method: str, request: Any, timeout: float | None) -> grpc.Future:
         self.counters.grpc_calls += 1
-        return getattr(self._get_stub(), method).future(request, timeout=timeout)
+        started = time.perf_counter()
+        future = getattr(self._get_stub(), method).future(request, timeout=timeout)
+        observe = self.observe
+        if observe is not None:  # (the callback runs on gRPC's thread, or here when already done)
+            future.add_done_callback(lambda _f: observe(method, time.perf_counter() - started))
+        return future
 
     def collect(self) -> None:
         """Read the fast path's answers that have come (never blocking) and end the calls whose
@@ -447,6 +457,8 @@ class DaemonLink:
             call = self._pending.pop(reply.call_id, None)
             if call is None:  # cancelled meanwhile
                 continue
+            if self.observe is not None and reply.error.kind != REPLY_TOO_LARGE:  # (else timed as gRPC's)
+                self.observe(call.method, time.perf_counter() - call.started)
             try:
                 response = fast.response_of(call.method, reply)
             except KvstoredError as exc:
@@ -599,7 +611,7 @@ class DaemonLink:
                 return
             welcome = handshake.welcome_from(*reply)
             self.session_id = welcome.session_id
-            self._daemon_fast = welcome.fast_path
+            self._serves_fast = welcome.serves_fast
             self.pool_bytes, self.page_bytes = welcome.pool_bytes, welcome.page_bytes
             pool = os.fstat(welcome.pool_fd)
             self.pool_id = f"{pool.st_dev}:{pool.st_ino}"  # the same memfd in every process: one daemon run
@@ -645,10 +657,14 @@ class DaemonLink:
                 os.close(fd)
         self._control.clear()
         self._end_pending()
-        self._daemon_fast = False
+        self._serves_fast = _nothing_fast
         self.state = LinkState.DOWN
         self.session_id = ""
         self.region_id = 0
+
+
+def _nothing_fast(method: str) -> bool:
+    return False
 
 
 def _listening_but(socket_path: Path, exc: BaseException) -> Condition:

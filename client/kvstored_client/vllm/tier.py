@@ -244,6 +244,11 @@ class KvstoredTierManager(SecondaryTierManager):
         """Whether the session with the daemon is up (as of the last poll)."""
         return self._link.ready
 
+    @property
+    def link(self) -> DaemonLink:
+        """The tier's link to the daemon (its counters say which transport the calls took)."""
+        return self._link
+
     def use_identities(self, source: IdentitySource) -> None:
         """Send each stored chunk's block identity (from vLLM's events tracker, see
         identity.py) with the store, so the daemon's KV events name its engine blocks."""

@@ -1,0 +1,67 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
+"""Per-call latency as a client saw it, by call kind (lookup, store, load): p50/p99 printed after
+a run. One helper for every bench that drives the daemon: wrap a Client call in `timed(kind)`,
+or `watch(link)` a vLLM DaemonLink to time each of its calls from issue to answer."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from bench.lib.report import percentile, print_aligned
+
+# The kind each data-path RPC belongs to (the direct spec's two calls per transfer count apart).
+KIND_OF = {
+    "Lookup": "lookup",
+    "StoreFromRegion": "store",
+    "Reserve": "store (Reserve)",
+    "Commit": "store (Commit)",
+    "LoadToRegion": "load",
+    "Acquire": "load (Acquire)",
+    "Release": "load (Release)",
+}
+
+
+class CallLatency:
+    def __init__(self) -> None:
+        self.samples: dict[str, list[float]] = {}  # kind -> seconds, one per call
+
+    def record(self, kind: str, seconds: float) -> None:
+        self.samples.setdefault(kind, []).append(seconds)  # (list.append: safe from gRPC's threads)
+
+    @contextlib.contextmanager
+    def timed(self, kind: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.record(kind, time.perf_counter() - t0)
+
+    def watch(self, link: Any) -> None:
+        """Time the calls of a kvstored_client.vllm.driver.DaemonLink (its `observe` hook)."""
+
+        def observe(method: str, seconds: float) -> None:
+            self.record(KIND_OF.get(method) or method, seconds)
+
+        link.observe = observe
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {
+            kind: {"calls": len(v), "p50_ms": percentile(v, 50) * 1e3, "p99_ms": percentile(v, 99) * 1e3}
+            for kind, v in self.samples.items()
+            if v
+        }
+
+    def print(self, title: str, transports: str = "") -> None:
+        """A table of p50/p99 per kind; `transports`: how the calls went (fast path / gRPC counts)."""
+        summary = self.summary()
+        if not summary:
+            return
+        print(f"{title}{f' ({transports})' if transports else ''}:")
+        table = [["call", "calls", "p50 ms", "p99 ms"]]
+        for kind, s in sorted(summary.items()):
+            table.append([kind, str(int(s["calls"])), f"{s['p50_ms']:.3f}", f"{s['p99_ms']:.3f}"])
+        print_aligned(table, right={1, 2, 3})
