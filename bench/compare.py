@@ -1,9 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""kvstored against the alternatives, in one run, on the same 2 MiB chunks (not a test): kvstored's
-local path (Client.store/load through the shared pool) and its fs tier, beside Redis 7 GET/SET
-(redis-py + hiredis on loopback, LMCache's usual remote backend), a raw memcpy of the same bytes,
-and raw O_DIRECT reads/writes (the disk ceiling of the fs tier).
+"""kvstored beside the real peers, interleaved in one run, on the same 2 MiB chunks (not a test):
+kvstored (a real daemon, the client's default path), Mooncake Store (standalone per-node client
+with zero-copy dummy clients, and embedded), LMCache's MP server, Redis 7 and a raw memcpy. Each
+peer runs from a venv of its own that the bench makes under .venv/peers/ (and says what it
+installs); one that fails to install or start is reported with why.
+
+Per system and number of client processes (1, 2, 4 for kvstored and memcpy; 1, 2 for the
+peers): 64-chunk store and load GiB/s (all processes at once), p50 of 1-chunk stores and loads
+and of 256-key lookups (every process at once), CPU seconds per GiB of client + server processes
+and the server's CPU per call. Every loaded byte is checked. Rounds go system by system, in a
+rotated order, so drift on this shared machine spreads over all of them.
 
 Method, baselines, targets and results: docs/benchmarks.md.
 """
@@ -12,410 +19,264 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import shutil
-import subprocess
+import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from bench.lib.buffers import aligned_pool, fill_pattern
-from bench.lib.daemons import Daemon, free_port
-from bench.lib.limits import ODirectFiles, apply_nt_threshold, nt_threshold_arg
-from bench.lib.report import GIB, MIB, REPO, Row, load_average, machine_info, print_table, write_json
+from bench.lib.limits import apply_nt_threshold, nt_threshold_arg
+from bench.lib.report import GIB, MIB, REPO, Row, load_average, machine_info, print_aligned, print_table, write_json
+from bench.peers import lmcache, local, mooncake
+from bench.peers.server import Server
+from bench.peers.systems import System, WorkerProcess
 
 TARGET_VS_REDIS = 5.0
-BATCH = 64  # chunks per kvstored call
-PIPELINE = 16  # Redis commands per pipeline (2 MiB each; deeper pipelines measured slower here)
-IO_THREADS = 8  # as the fs tier's default io_threads
+LOOKUP_KEYS = 256
+# name, label, whether it runs at every process count (else at most --peer-procs), start(workdir, capacity)
+SYSTEMS: list[tuple[str, str, bool, Callable[[Path, int], Server]]] = [
+    ("kvstored", "kvstored", True, local.start_kvstored),
+    ("mooncake", "Mooncake (standalone client)", False, partial(mooncake.start, standalone=True)),
+    ("mooncake-embedded", "Mooncake (embedded)", False, partial(mooncake.start, standalone=False)),
+    ("lmcache", "LMCache MP server", False, lmcache.start),
+    ("redis", "Redis 7", False, local.start_redis),
+    ("memcpy", "memcpy", True, local.start_memcpy),
+]
+
+Results = dict[tuple[str, int, str], list[float]]  # (system, processes, metric) -> one value per round
 
 
-@dataclass
-class Samples:
-    gib_s: list[float] = field(default_factory=list)
-
-    @property
-    def median(self) -> float:
-        return float(np.median(self.gib_s))
-
-    @property
-    def best(self) -> float:
-        return max(self.gib_s)
+def _all(clients: list[WorkerProcess], op: str, per_client: Callable[[int], dict[str, Any]]) -> list[dict[str, Any]]:
+    """The same command to every client process at once; their answers."""
+    for i, w in enumerate(clients):
+        w.send(op, **per_client(i))
+    return [w._read() for w in clients]
 
 
-def timed(nbytes: int, fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return nbytes / GIB / (time.perf_counter() - t0)
+def _own_tag(prefix: str, iters: int, i: int) -> dict[str, Any]:
+    return {"tag": f"{prefix}{i}", "iters": iters}
 
 
-# -- systems ----------------------------------------------------------------------------------------
+def measure(
+    s: System, p: int, rnd: int, args: argparse.Namespace, chunk: int, log_dir: Path, res: Results, iters: int
+) -> None:
+    clients = s.clients(p, {"chunk": chunk, "slots": args.batch}, log_dir)
+    tag = f"r{rnd}p{p}"
+    n = args.batch
+    clients[0].call("clear")
+
+    def put(metric: str, value: float) -> None:
+        res.setdefault((s.name, p, metric), []).append(value)
+
+    # 64-chunk batches, all processes at once
+    cpu, wall = [0.0, 0.0], 0.0
+    for prep, op, metric in (("fill", "batch_store", "store_gib_s"), ("zero", "batch_load", "load_gib_s")):
+        _all(clients, prep, lambda i: {"n": n})
+        c0, s0, t0 = *s.cpu_seconds(clients), time.perf_counter()
+        replies = _all(clients, op, lambda i: {"tag": f"{tag}w{i}", "n": n})
+        c1, s1 = s.cpu_seconds(clients)
+        wall += time.perf_counter() - t0
+        cpu[0], cpu[1] = cpu[0] + c1 - c0, cpu[1] + s1 - s0
+        span = max(r["t1"] for r in replies) - min(r["t0"] for r in replies)
+        put(metric, p * n * chunk / GIB / span)
+    _all(clients, "verify", lambda i: {"n": n})
+    moved = 2 * p * n * chunk / GIB
+    put("client_cpu_s_gib", cpu[0] / moved)
+    put("server_cpu_s_gib", cpu[1] / moved)
+    put("cpus_busy", (cpu[0] + cpu[1]) / wall)
+    _all(clients, "remove", lambda i: {"tag": f"{tag}w{i}", "n": n})
+
+    # one call at a time in each process, all processes at once
+    for op, metric in (("lat_store", "store1_ms"), ("lat_load", "load1_ms"), ("lat_lookup", "lookup_ms")):
+        if op == "lat_lookup":
+            if s.name == "memcpy":
+                continue
+            clients[0].call("clear")
+            clients[0].call("prepare_lookup", tag=f"{tag}lk", keys=LOOKUP_KEYS)
+        _, sc0 = s.cpu_seconds(clients)
+        if op == "lat_lookup":
+            replies = _all(clients, op, lambda i: {"tag": f"{tag}lk", "iters": iters, "keys": LOOKUP_KEYS})
+        else:
+            replies = _all(clients, op, partial(_own_tag, f"{tag}{op}", iters))
+        _, sc1 = s.cpu_seconds(clients)
+        lat = [x for r in replies for x in r["lat"]]
+        put(metric, statistics.median(lat) * 1e3)
+        put(metric.replace("_ms", "_server_cpu_ms"), (sc1 - sc0) / len(lat) * 1e3)
+        if op == "lat_lookup":
+            clients[0].call("remove", tag=f"{tag}lk", n=LOOKUP_KEYS)
 
 
-class KvLocal:
-    """kvstored, RAM tier, pool mapping."""
-
-    def __init__(self, chunk: int, n: int) -> None:
-        from kvstored_client import Client, NamespaceSpec
-
-        self.daemon = Daemon(int(n * chunk * 1.25) + 64 * MIB, extra_args=["--metrics-addr", "off"])
-        self.daemon.start()
-        self.client = Client(self.daemon.socket, deadline_s=60.0, client_name="bench-compare")
-        self.ns = self.client.register_namespace(NamespaceSpec(model="bench/compare", dtype="u8", chunk_bytes=chunk))
-        self.chunk, self.n = chunk, n
-        self.keys = [b"L" + i.to_bytes(31, "big") for i in range(n)]
-
-    def store(self, src: np.ndarray) -> None:
-        for b in range(0, self.n, BATCH):
-            r = self.client.store(self.ns, self.keys[b : b + BATCH], src[b * self.chunk : (b + BATCH) * self.chunk])
-            if r.stored != len(self.keys[b : b + BATCH]):
-                raise RuntimeError(f"kvstored store: {r}")
-
-    def load(self, dst: np.ndarray) -> None:
-        for b in range(0, self.n, BATCH):
-            got = self.client.load(self.ns, self.keys[b : b + BATCH], dst[b * self.chunk : (b + BATCH) * self.chunk])
-            if got != len(self.keys[b : b + BATCH]):
-                raise RuntimeError(f"kvstored load: {got} chunks")
-
-    def clear(self) -> None:
-        self.client.delete(self.ns, self.keys)
-
-    def close(self) -> None:
-        self.client.close()
-        self.daemon.stop()
+def _range(v: list[float] | None, fmt: str = ".2f") -> str:
+    if not v:
+        return "-"
+    med = statistics.median(v)
+    return f"{med:{fmt}}" if len(v) == 1 else f"{med:{fmt}} ({min(v):{fmt}}-{max(v):{fmt}})"
 
 
-class KvFs:
-    """kvstored's fs tier: write-through stores timed to the last file written; loads by a
-    fresh daemon (cold RAM) on the same root."""
-
-    def __init__(self, chunk: int, n: int, workdir: Path) -> None:
-        self.chunk, self.n = chunk, n
-        self.workdir = workdir
-        self.keys = [b"F" + i.to_bytes(31, "big") for i in range(n)]
-        self.root: Path | None = None
-        self.ram = int(n * chunk * 1.25) + 64 * MIB
-
-    def _daemon(self, *extra: str) -> tuple[Daemon, Any, Any]:
-        from kvstored_client import Client, NamespaceSpec
-
-        assert self.root is not None
-        # a backlog that takes the whole working set: write-through queues every chunk, none dropped
-        tier = f"kind=fs,root={self.root},bytes={4 * self.n * self.chunk},max_backlog={self.n + 64}"
-        d = Daemon(self.ram, extra_args=["--metrics-addr", "off", "--tiers", tier, *extra])
-        d.start()
-        c = Client(d.socket, deadline_s=120.0, client_name="bench-compare-fs")
-        ns = c.register_namespace(NamespaceSpec(model="bench/compare-fs", dtype="u8", chunk_bytes=self.chunk))
-        return d, c, ns
-
-    def store(self, src: np.ndarray) -> float:
-        """GiB/s from the first store to the fs tier reporting every chunk written."""
-        if self.root is not None:
-            shutil.rmtree(self.root, ignore_errors=True)
-        self.root = Path(tempfile.mkdtemp(prefix="compare-fs-", dir=self.workdir))
-        d, c, ns = self._daemon("--write-policy", "write-through")
-        try:
-            fs_stats = lambda: next(t for t in c.stats().tiers if t.name == "fs")  # noqa: E731
-            before = fs_stats().stored_chunks
-            t0 = time.perf_counter()
-            for b in range(0, self.n, BATCH):
-                r = c.store(ns, self.keys[b : b + BATCH], src[b * self.chunk : (b + BATCH) * self.chunk])
-                if r.stored != len(self.keys[b : b + BATCH]):
-                    raise RuntimeError(f"kvstored fs store: {r}")
-            progress, last_change = before, time.monotonic()
-            while True:
-                fs = fs_stats()
-                if fs.dropped_backpressure or fs.errors or fs.rejected_full or fs.rejected_admission:
-                    raise RuntimeError(f"fs tier dropped or failed writes: {fs}")
-                if fs.stored_chunks - before >= self.n:
-                    break
-                if fs.stored_chunks != progress:
-                    progress, last_change = fs.stored_chunks, time.monotonic()
-                elif time.monotonic() - last_change > 30:
-                    raise RuntimeError(f"fs tier stopped writing at {progress - before}/{self.n} chunks: {fs}")
-                time.sleep(0.002)
-            elapsed = time.perf_counter() - t0
-        finally:
-            c.close()
-            d.stop()
-        return self.n * self.chunk / GIB / elapsed
-
-    def load(self, dst: np.ndarray) -> float:
-        d, c, ns = self._daemon()
-        try:
-            t0 = time.perf_counter()
-            for b in range(0, self.n, BATCH):
-                keys = self.keys[b : b + BATCH]
-                found = c.lookup(ns, keys)
-                if found.prefix_hits != len(keys) or any(t.name != "FS" for t in found.tiers):
-                    raise RuntimeError(f"kvstored fs: expected fs hits, got {found}")
-                got = c.load(ns, keys, dst[b * self.chunk : (b + BATCH) * self.chunk])
-                if got != len(keys):
-                    raise RuntimeError(f"kvstored fs load: {got} chunks")
-            elapsed = time.perf_counter() - t0
-        finally:
-            c.close()
-            d.stop()
-        return self.n * self.chunk / GIB / elapsed
-
-    def close(self) -> None:
-        if self.root is not None:
-            shutil.rmtree(self.root, ignore_errors=True)
-
-
-class RedisServer:
-    """Debian's redis-server on 127.0.0.1, no persistence; redis-py with hiredis."""
-
-    def __init__(self, chunk: int, n: int, workdir: Path) -> None:
-        import redis
-        from redis.utils import HIREDIS_AVAILABLE
-
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise RuntimeError("redis-server not installed (apt-get install -y --no-install-recommends redis-server)")
-        self.port = free_port()
-        self.dir = Path(tempfile.mkdtemp(prefix="redis-", dir=workdir))
-        self.log = open(self.dir / "redis.log", "wb")
-        argv = f"--bind 127.0.0.1 --port {self.port} --appendonly no --protected-mode no --daemonize no".split()
-        self.proc = subprocess.Popen(
-            [exe, *argv, "--save", "", "--dir", str(self.dir)],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+def report(systems: list[System], res: Results, procs: dict[str, list[int]], cpus: int) -> list[Row]:
+    cols = [
+        ("store_gib_s", "store64 GiB/s", ".2f"),
+        ("load_gib_s", "load64 GiB/s", ".2f"),
+        ("store1_ms", "store1 p50 ms", ".3f"),
+        ("load1_ms", "load1 p50 ms", ".3f"),
+        ("lookup_ms", f"lookup{LOOKUP_KEYS} p50 ms", ".3f"),
+        ("client_cpu_s_gib", "client CPU s/GiB", ".3f"),
+        ("server_cpu_s_gib", "server CPU s/GiB", ".3f"),
+        ("store1_server_cpu_ms", "server CPU ms/store1", ".3f"),
+        ("load1_server_cpu_ms", "ms/load1", ".3f"),
+        ("lookup_server_cpu_ms", "ms/lookup", ".3f"),
+        ("cpus_busy", f"CPUs busy (of {cpus})", ".2f"),
+    ]
+    table = [["system", "procs", *(c[1] for c in cols)]]
+    for s in systems:
+        if s.error and not any(k[0] == s.name for k in res):
+            table.append([s.label, "-", s.error[:120], *[""] * (len(cols) - 1)])
+            continue
+        for p in procs[s.name]:
+            table.append([s.label, str(p), *(_range(res.get((s.name, p, c[0])), c[2]) for c in cols)])
+    print("median over rounds (min-max); p50s pool the calls of every process in a round")
+    print_aligned(table, right=set(range(1, len(cols) + 2)))
+    for s in systems:
+        if s.error and any(k[0] == s.name for k in res):
+            print(f"  * {s.label}: {s.error}")
+    busy = [
+        f"{s.label} x{p} ({statistics.median(v):.2f})"
+        for s in systems
+        for p in procs[s.name]
+        if (v := res.get((s.name, p, "cpus_busy"))) and statistics.median(v) >= 0.85 * cpus
+    ]
+    if busy:
+        print(
+            f"  * CPU-bound on this {cpus}-CPU machine (client + server processes keep >= 85% of the CPUs busy "
+            f"during the 64-chunk phases): " + ", ".join(busy)
         )
-        self.version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip()
-        self.hiredis = HIREDIS_AVAILABLE
-        self.r = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=60)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                self.r.ping()
-                break
-            except redis.ConnectionError as exc:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    log = (self.dir / "redis.log").read_text()[-500:]
-                    raise RuntimeError(f"redis-server did not start ({log})") from exc
-                time.sleep(0.05)
-        self.chunk, self.n = chunk, n
-        self.keys = [b"kv:" + i.to_bytes(8, "big") for i in range(n)]
 
-    def set(self, src: np.ndarray) -> None:
-        c = self.chunk
-        for b in range(0, self.n, PIPELINE):
-            pipe = self.r.pipeline(transaction=False)
-            for i in range(b, min(b + PIPELINE, self.n)):
-                pipe.set(self.keys[i], src[i * c : (i + 1) * c].data)
-            pipe.execute()
+    def med(name: str, p: int, metric: str) -> float | None:
+        v = res.get((name, p, metric))
+        return statistics.median(v) if v else None
 
-    def get_pipelined(self, sink: list) -> None:
-        sink.clear()
-        for b in range(0, self.n, PIPELINE):
-            pipe = self.r.pipeline(transaction=False)
-            for i in range(b, min(b + PIPELINE, self.n)):
-                pipe.get(self.keys[i])
-            sink.extend(pipe.execute())
-            sink.clear()  # keep memory flat: one batch of bytes objects alive at a time
-
-    def get_each(self, sink: list) -> None:
-        for key in self.keys:
-            value = self.r.get(key)
-            if value is None:
-                raise RuntimeError("redis GET: missing key")
-        sink.clear()
-
-    def check(self, src: np.ndarray) -> None:
-        c = self.chunk
-        for i in (0, self.n // 2, self.n - 1):
-            if self.r.get(self.keys[i]) != src[i * c : (i + 1) * c].tobytes():
-                raise RuntimeError(f"redis returned wrong bytes for chunk {i}")
-
-    def clear(self) -> None:
-        self.r.flushall()
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.r.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-# -- main -------------------------------------------------------------------------------------------
+    rows: list[Row] = []
+    for metric, what, higher in (
+        ("store1_ms", "1-chunk store p50", False),
+        ("load1_ms", "1-chunk load p50", False),
+        ("lookup_ms", f"{LOOKUP_KEYS}-key lookup p50 (Mooncake: batch_is_exist)", False),
+        ("store_gib_s", "64-chunk store, 1 process", True),
+        ("load_gib_s", "64-chunk load, 1 process", True),
+    ):
+        kv = med("kvstored", 1, metric)
+        for peer in ("mooncake", "mooncake-embedded"):
+            base = med(peer, 1, metric)
+            if kv is None or base is None:
+                continue
+            label = next(s.label for s in systems if s.name == peer)
+            unit = "ms" if metric.endswith("_ms") else "GiB/s"
+            rows.append(Row(f"kvstored {what}", kv, unit, label, base, target=1.0, higher_is_better=higher))
+    for metric, what in (("store_gib_s", "64-chunk store"), ("load_gib_s", "64-chunk load")):
+        for peer in ("mooncake", "mooncake-embedded"):
+            kv, base = med("kvstored", 2, metric), med(peer, 2, metric)
+            if kv is not None and base is not None:
+                label = next(s.label for s in systems if s.name == peer)
+                rows.append(Row(f"kvstored {what}, 2 processes", kv, "GiB/s", label, base, target=1.0))
+    kv, redis = med("kvstored", 1, "load_gib_s"), med("redis", 1, "load_gib_s")
+    if kv is not None and redis is not None:
+        rows.append(
+            Row(
+                "kvstored 64-chunk load",
+                kv,
+                "GiB/s",
+                "Redis 7 GET pipelined 16",
+                redis,
+                target=TARGET_VS_REDIS,
+                note="issue 5 target: >= 5x Redis GET",
+            )
+        )
+    print()
+    print_table(rows, title="targets (issue 23): same-run medians over rounds, 1 process unless said")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gib", type=float, default=1.0, help="working set in GiB (default 1)")
-    ap.add_argument("--chunk-mib", type=float, default=2.0, help="chunk size in MiB (default 2)")
-    ap.add_argument(
-        "--repeat",
-        type=int,
-        default=5,
-        help="repeats of every phase (default 5; the best is reported, the median beside it)",
-    )
-    ap.add_argument(
-        "--workdir",
-        default=str(REPO / "results" / "tmp"),
-        help="fs tier root, raw O_DIRECT files and redis' directory go under here",
-    )
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over every system (default 3)")
+    ap.add_argument("--iters", type=int, default=100, help="calls per latency measurement per process (default 100)")
+    ap.add_argument("--batch", type=int, default=64, help="chunks per batch store/load (default 64)")
+    ap.add_argument("--chunk-mib", type=float, default=2.0, help="chunk size in MiB (default 2; LMCache needs 2)")
+    ap.add_argument("--procs", default="1,2,4", help="client processes for kvstored and memcpy (default 1,2,4)")
+    ap.add_argument("--peer-procs", default="1,2", help="client processes for the peers (default 1,2)")
+    ap.add_argument("--systems", default=",".join(s[0] for s in SYSTEMS), help="which systems (default: all of them)")
+    ap.add_argument("--workdir", default=str(REPO / "results" / "tmp"), help="servers' directories and logs")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     nt_threshold_arg(ap)
     args = ap.parse_args(argv)
     apply_nt_threshold(args.nt_threshold)
-
     chunk = int(args.chunk_mib * MIB)
-    if chunk % 4096:
-        ap.error("--chunk-mib must give a multiple of 4096 bytes")
-    n = max(1, int(args.gib * GIB) // chunk)
-    nbytes = n * chunk
+    every, peer = [int(x) for x in args.procs.split(",")], [int(x) for x in args.peer_procs.split(",")]
+    wanted = args.systems.split(",")
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="compare-", dir=workdir))
     info = machine_info()
     print(
-        f"kvstored vs alternatives -- {n} chunks of {chunk / MIB:g} MiB ({nbytes / GIB:.2f} GiB), "
-        f"{args.repeat} repeats, round-robin; {info['cpu_model']}, {info['cpus']} CPUs, {info['mem_total_gib']} GiB, "
-        f"git {info['git']}, load average {load_average():.2f}; GLIBC_TUNABLES={info['glibc_tunables'] or '(none)'} "
-        f"for every process",
+        f"kvstored beside the peers -- {chunk / MIB:g} MiB chunks, batches of {args.batch}, {args.rounds} rounds, "
+        f"{args.iters} calls per latency measurement per process; {info['cpu_model']}, {info['cpus']} CPUs, "
+        f"{info['mem_total_gib']} GiB, git {info['git']}, load average {load_average():.2f}",
         flush=True,
     )
-
-    src_map, dst_map = aligned_pool(nbytes), aligned_pool(nbytes)
-    src, dst = np.frombuffer(src_map, dtype=np.uint8), np.frombuffer(dst_map, dtype=np.uint8)
-    fill_pattern(src, chunk, seed=7)
-
-    samples: dict[str, Samples] = {
-        k: Samples()
-        for k in (
-            "memcpy kv_store kv_load kvfs_store kvfs_load redis_set redis_get_pipelined redis_get_each "
-            "odirect_write odirect_read"
-        ).split()
-    }
-    kv = kvfs = redis_srv = raw = None
-    sink: list = []
+    systems: list[System] = []
+    procs: dict[str, list[int]] = {}
+    res: Results = {}
     t_all = time.perf_counter()
     try:
-        kv = KvLocal(chunk, n)
-        kvfs = KvFs(chunk, n, workdir)
-        redis_srv = RedisServer(chunk, n, workdir)
-        raw = ODirectFiles(workdir, n, chunk, IO_THREADS)  # the disk ceiling of the fs tier
-        print(f"  redis: {redis_srv.version}; redis-py hiredis parser: {redis_srv.hiredis}", flush=True)
-        for rep in range(args.repeat):
-
-            def memcpy() -> None:
-                for i in range(n):
-                    dst[i * chunk : (i + 1) * chunk] = src[i * chunk : (i + 1) * chunk]
-
-            samples["memcpy"].gib_s.append(timed(nbytes, memcpy))
-
-            samples["kv_store"].gib_s.append(timed(nbytes, lambda: kv.store(src)))
-            dst[:] = 0
-            samples["kv_load"].gib_s.append(timed(nbytes, lambda: kv.load(dst)))
-            if rep == 0 and not np.array_equal(src, dst):
-                raise RuntimeError("kvstored local load returned wrong bytes")
-            kv.clear()
-
-            samples["redis_set"].gib_s.append(timed(nbytes, lambda: redis_srv.set(src)))
-            if rep == 0:
-                redis_srv.check(src)
-            samples["redis_get_pipelined"].gib_s.append(timed(nbytes, lambda: redis_srv.get_pipelined(sink)))
-            samples["redis_get_each"].gib_s.append(timed(nbytes, lambda: redis_srv.get_each(sink)))
-            redis_srv.clear()
-
-            samples["odirect_write"].gib_s.append(timed(nbytes, lambda: raw.write(memoryview(src_map))))
-            samples["odirect_read"].gib_s.append(timed(nbytes, lambda: raw.read(memoryview(dst_map))))
-
-            samples["kvfs_store"].gib_s.append(kvfs.store(src))
-            dst[:] = 0
-            samples["kvfs_load"].gib_s.append(kvfs.load(dst))
-            if rep == 0 and not np.array_equal(src, dst):
-                raise RuntimeError("kvstored fs load returned wrong bytes")
-            print(
-                f"  repeat {rep + 1}/{args.repeat}: "
-                + ", ".join(f"{k} {v.gib_s[-1]:.2f}" for k, v in samples.items())
-                + " GiB/s",
-                flush=True,
-            )
+        for name, label, all_procs, start in SYSTEMS:
+            if name not in wanted:
+                continue
+            procs[name] = every if all_procs else peer
+            capacity = max(procs[name]) * args.batch * chunk + LOOKUP_KEYS * chunk + 128 * MIB
+            if name == "kvstored":
+                capacity = int(capacity * 1.25)
+            systems.append(System.start(name, label, max(procs[name]), partial(start, workdir, capacity)))
+        # round -1 warms every system up (fresh pages of servers and clients, connections) and is dropped
+        for rnd in range(-1, args.rounds):
+            order = systems[rnd % len(systems) :] + systems[: rnd % len(systems)]
+            for s in order:
+                if not s.ok:
+                    continue
+                try:
+                    for p in procs[s.name]:
+                        measure(s, p, rnd, args, chunk, log_dir, res if rnd >= 0 else {}, args.iters if rnd >= 0 else 5)
+                except Exception as exc:
+                    tail = " | ".join(w.log_tail() for w in s.workers[:1])
+                    s.fail(RuntimeError(f"{exc}{' (client log: ' + tail + ')' if tail else ''}"))
+            done = [f"{s.label} {statistics.median(v):.3f}" for s in systems if (v := res.get((s.name, 1, "load1_ms")))]
+            print(f"  round {rnd + 1}/{args.rounds} done (0: warm-up): load1 p50 ms " + ", ".join(done), flush=True)
     finally:
-        for system in (kv, kvfs, redis_srv, raw):
-            if system is not None:
-                with contextlib.suppress(Exception):
-                    system.close()
-
-    med = {k: v.median for k, v in samples.items()}
-    best = {k: v.best for k, v in samples.items()}
-
-    def row(name: str, key: str, base_name: str, base_key: str, target: float | None = None, note: str = "") -> Row:
-        return Row(name, best[key], "GiB/s", base_name, best[base_key], target=target, median=med[key], note=note)
-
-    rows = [
-        row("kvstored local path: load", "kv_load", "kvstored local load", "kv_load"),
-        row("kvstored local path: store", "kv_store", "kvstored local store", "kv_store"),
-        row("kvstored fs tier: load (cold RAM)", "kvfs_load", "kvstored local load", "kv_load"),
-        row("kvstored fs tier: store (to disk)", "kvfs_store", "kvstored local store", "kv_store"),
-        row("Redis GET, pipelined 16", "redis_get_pipelined", "kvstored local load", "kv_load"),
-        row("Redis GET, one at a time", "redis_get_each", "kvstored local load", "kv_load"),
-        row("Redis SET, pipelined 16", "redis_set", "kvstored local store", "kv_store"),
-        row("raw memcpy (2 MiB pieces)", "memcpy", "kvstored local load", "kv_load"),
-        row("raw O_DIRECT read (8 threads)", "odirect_read", "kvstored fs load", "kvfs_load"),
-        row("raw O_DIRECT write (8 threads)", "odirect_write", "kvstored fs store", "kvfs_store"),
-    ]
-    redis_best = max(
-        ("redis_get_pipelined", "Redis GET, pipelined 16"),
-        ("redis_get_each", "Redis GET, one at a time"),
-        key=lambda kv_: best[kv_[0]],
-    )
-    target_row = Row(
-        "kvstored local load vs Redis GET",
-        best["kv_load"],
-        "GiB/s",
-        redis_best[1],
-        best[redis_best[0]],
-        target=TARGET_VS_REDIS,
-        median=med["kv_load"],
-        note="issue 5 target: kvstored's local path >= 5x Redis GET (Redis' faster GET variant)",
-    )
+        for s in systems:
+            with contextlib.suppress(Exception):
+                s.close()
+        with contextlib.suppress(OSError):
+            log_dir.rmdir()
     print()
-    print_table(
-        rows,
-        title="value: best repeat (as bench/local_path.py), median: median repeat; ratio: value / "
-        "the baseline's value (a kvstored row)",
-    )
-    print()
-    print_table([target_row], title="target")
+    rows = report(systems, res, procs, info["cpus"] or 1)
     print(f"\ntook {time.perf_counter() - t_all:.0f} s; load average now {load_average():.2f}")
-
     if args.json:
         write_json(
             args.json,
             {
                 "benchmark": "compare",
-                "command": " ".join(
-                    [Path(sys.executable).name, *(sys.argv if argv is None else ["bench/compare.py", *argv])]
-                ),
+                "command": " ".join([Path(sys.executable).name, "-m", "bench.compare", *(argv or sys.argv[1:])]),
                 "machine": info,
                 "chunk_bytes": chunk,
-                "chunks": n,
-                "repeat": args.repeat,
-                "redis": {
-                    "version": redis_srv.version if redis_srv else "",
-                    "hiredis": redis_srv.hiredis if redis_srv else None,
-                },
-                "samples_gib_s": {k: v.gib_s for k, v in samples.items()},
-                "median_gib_s": med,
-                "best_gib_s": best,
-                "rows": [r.to_json() for r in rows],
-                "target": target_row.to_json(),
+                "batch": args.batch,
+                "rounds": args.rounds,
+                "iters": args.iters,
+                "systems": {s.name: {"label": s.label, "error": s.error} for s in systems},
+                "results": [
+                    {"system": k[0], "procs": k[1], "metric": k[2], "per_round": v} for k, v in sorted(res.items())
+                ],
+                "targets": [r.to_json() for r in rows],
             },
         )
         print(f"JSON written to {args.json}")

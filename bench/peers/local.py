@@ -1,0 +1,215 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
+"""The systems that run from the project's own venv: kvstored (a real daemon; the client's default
+path, the fast path over the session socket with the pool mapped), Redis 7 (Debian's
+redis-server, redis-py + hiredis, LMCache's usual remote backend) and memcpy (the copy every
+system has to make at least once: slots to a private area of the same process and back)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.peers.server import Server
+from bench.peers.worker import Driver
+
+PIPELINE = 16  # Redis commands per pipeline (2 MiB each; deeper pipelines measured slower here)
+
+
+def _flat_slots(chunk: int, slots: int) -> tuple[Any, np.ndarray]:
+    from bench.lib.buffers import aligned_pool
+
+    buf = aligned_pool(chunk * slots)
+    return buf, np.frombuffer(buf, dtype=np.uint8)
+
+
+# -- kvstored ---------------------------------------------------------------------------------------
+
+
+def start_kvstored(workdir: Path, capacity: int) -> Server:
+    from bench.lib.daemons import Daemon
+
+    daemon = Daemon(capacity, extra_args=["--metrics-addr", "off"])
+    daemon.start()
+    return Server(
+        pids=lambda: [daemon.pid],
+        config={"socket": str(daemon.socket)},
+        describe=f"kvstored daemon, {capacity >> 20} MiB RAM tier, client default path (fast path)",
+        stop=daemon.stop,
+    )
+
+
+class KvstoredDriver(Driver):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__(cfg)
+        from kvstored_client import Client, NamespaceSpec
+
+        self._map, self.buf = _flat_slots(self.chunk, self.slots)
+        self.client = Client(cfg["socket"], deadline_s=60.0, client_name="bench-compare")
+        self.ns = self.client.register_namespace(
+            NamespaceSpec(model="bench/compare", dtype="u8", chunk_bytes=self.chunk)
+        )
+
+    def _keys(self, tag: str, n: int, first: int = 0) -> list[bytes]:
+        return [hashlib.blake2b(f"{tag}/{i}".encode(), digest_size=32).digest() for i in range(first, first + n)]
+
+    def chunk_views(self, slot: int) -> list[np.ndarray]:
+        return [self.buf[slot * self.chunk : (slot + 1) * self.chunk]]
+
+    def store(self, tag: str, n: int, first: int = 0) -> None:
+        r = self.client.store(self.ns, self._keys(tag, n, first), self.buf[: n * self.chunk])
+        if r.stored != n:
+            raise RuntimeError(f"kvstored store of {n}: {r}")
+
+    def load(self, tag: str, n: int) -> None:
+        got = self.client.load(self.ns, self._keys(tag, n), self.buf[: n * self.chunk])
+        if got != n:
+            raise RuntimeError(f"kvstored load of {n}: {got} chunks")
+
+    def lookup(self, tag: str, n: int) -> int:
+        return int(self.client.lookup(self.ns, self._keys(tag, n)).prefix_hits)
+
+    def remove(self, tag: str, n: int) -> None:
+        self.client.delete(self.ns, self._keys(tag, n))
+
+    def close(self) -> None:
+        self.client.close()
+
+
+# -- Redis ------------------------------------------------------------------------------------------
+
+
+def start_redis(workdir: Path, capacity: int) -> Server:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server not installed (apt-get install -y --no-install-recommends redis-server)")
+    from bench.lib.daemons import free_port
+
+    port = free_port()
+    rdir = Path(tempfile.mkdtemp(prefix="redis-", dir=workdir))
+    log = open(rdir / "redis.log", "wb")
+    argv = f"--bind 127.0.0.1 --port {port} --appendonly no --protected-mode no --daemonize no".split()
+    proc = subprocess.Popen(
+        [exe, *argv, "--save", "", "--dir", str(rdir), "--maxmemory", str(capacity)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip()
+
+    def stop() -> None:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+        shutil.rmtree(rdir, ignore_errors=True)
+
+    import redis
+
+    r = redis.Redis(host="127.0.0.1", port=port)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            r.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                stop()
+                raise RuntimeError(f"redis-server did not start: {(rdir / 'redis.log').read_text()[-300:]}") from None
+            time.sleep(0.05)
+    r.close()
+    from redis.utils import HIREDIS_AVAILABLE
+
+    return Server(
+        pids=lambda: [proc.pid],
+        config={"port": port},
+        describe=f"{version}; redis-py hiredis parser: {HIREDIS_AVAILABLE}; pipelines of {PIPELINE}",
+        stop=stop,
+    )
+
+
+class RedisDriver(Driver):
+    """SET/GET pipelined 16 from/into the slots (a GET's bytes object is copied into its slot:
+    the copy a consumer makes)."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__(cfg)
+        import redis
+
+        self._map, self.buf = _flat_slots(self.chunk, self.slots)
+        self.r = redis.Redis(host="127.0.0.1", port=cfg["port"], socket_timeout=60)
+
+    def _key(self, tag: str, i: int) -> bytes:
+        return f"{tag}/{i}".encode()
+
+    def chunk_views(self, slot: int) -> list[np.ndarray]:
+        return [self.buf[slot * self.chunk : (slot + 1) * self.chunk]]
+
+    def store(self, tag: str, n: int, first: int = 0) -> None:
+        c = self.chunk
+        for b in range(0, n, PIPELINE):
+            pipe = self.r.pipeline(transaction=False)
+            for s in range(b, min(b + PIPELINE, n)):
+                pipe.set(self._key(tag, first + s), self.buf[s * c : (s + 1) * c].data)
+            if not all(pipe.execute()):
+                raise RuntimeError("redis SET failed")
+
+    def load(self, tag: str, n: int) -> None:
+        c = self.chunk
+        for b in range(0, n, PIPELINE):
+            pipe = self.r.pipeline(transaction=False)
+            for s in range(b, min(b + PIPELINE, n)):
+                pipe.get(self._key(tag, s))
+            for s, value in zip(range(b, min(b + PIPELINE, n)), pipe.execute()):
+                if value is None or len(value) != c:
+                    raise RuntimeError(f"redis GET of {tag}/{s}: missing")
+                self.buf[s * c : (s + 1) * c] = np.frombuffer(value, dtype=np.uint8)
+
+    def lookup(self, tag: str, n: int) -> int:
+        return int(self.r.exists(*[self._key(tag, i) for i in range(n)]))
+
+    def remove(self, tag: str, n: int) -> None:
+        self.r.delete(*[self._key(tag, i) for i in range(n)])
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.r.close()
+
+
+# -- memcpy -----------------------------------------------------------------------------------------
+
+
+def start_memcpy(workdir: Path, capacity: int) -> Server:
+    return Server(pids=list, config={}, describe="np.copyto of each 2 MiB piece, slots <-> a private area")
+
+
+class MemcpyDriver(Driver):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__(cfg)
+        self._map, self.buf = _flat_slots(self.chunk, self.slots)
+        self._amap, self.area = _flat_slots(self.chunk, self.slots)
+
+    def chunk_views(self, slot: int) -> list[np.ndarray]:
+        return [self.buf[slot * self.chunk : (slot + 1) * self.chunk]]
+
+    def store(self, tag: str, n: int, first: int = 0) -> None:
+        c = self.chunk
+        for s in range(n):
+            np.copyto(self.area[s * c : (s + 1) * c], self.buf[s * c : (s + 1) * c])
+
+    def load(self, tag: str, n: int) -> None:
+        c = self.chunk
+        for s in range(n):
+            np.copyto(self.buf[s * c : (s + 1) * c], self.area[s * c : (s + 1) * c])

@@ -1,0 +1,221 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
+"""One client process of bench.compare: `python -m bench.peers.worker SYSTEM CONFIG_JSON`, run by
+the coordinator in the system's own venv. It reads one JSON command a line on stdin and answers
+one JSON line on stdout; it does the timing (perf_counter, CLOCK_MONOTONIC: windows of several
+processes combine) and checks every loaded byte against a digest taken before the store.
+
+A driver owns `slots` chunk slots of client memory (where its library wants them: registered
+buffers, a pool, tensors) and moves chunks between slots and named keys (`tag` + index)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import sys
+import time
+import traceback
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+
+# system name -> "module:Class"; imported in the worker only (each in its own venv)
+DRIVERS = {
+    "kvstored": "bench.peers.local:KvstoredDriver",
+    "redis": "bench.peers.local:RedisDriver",
+    "memcpy": "bench.peers.local:MemcpyDriver",
+    "mooncake": "bench.peers.mooncake:StandaloneDriver",
+    "mooncake-embedded": "bench.peers.mooncake:EmbeddedDriver",
+    "lmcache": "bench.peers.lmcache:LMCacheDriver",
+}
+
+
+class Driver(ABC):
+    """A system's client: slot i of client memory <-> key (tag, first + i)."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.chunk: int = cfg["chunk"]
+        self.slots: int = cfg["slots"]
+
+    @abstractmethod
+    def chunk_views(self, slot: int) -> list[np.ndarray]:
+        """The uint8 arrays slot `slot` is made of (one for a flat buffer)."""
+
+    @abstractmethod
+    def store(self, tag: str, n: int, first: int = 0) -> None:
+        """Slots 0..n-1 -> keys tag/first..first+n-1; raises unless all are stored."""
+
+    @abstractmethod
+    def load(self, tag: str, n: int) -> None:
+        """Keys tag/0..n-1 -> slots 0..n-1; raises unless all are loaded."""
+
+    def lookup(self, tag: str, n: int) -> int:
+        """How many of keys tag/0..n-1 the system holds (a prefix for prefix-keyed systems)."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Untimed clean-up after a timed lookup (locks a lookup took)."""
+
+    def remove(self, tag: str, n: int) -> None:
+        """Drop keys tag/0..n-1 (untimed; a no-op where the system evicts by itself)."""
+
+    def clear(self) -> None:
+        """Drop every key (the coordinator's, between measurements, where the system cannot be
+        trusted to evict what the next measurement needs)."""
+
+    def close(self) -> None:
+        pass
+
+
+class Worker:
+    def __init__(self, driver: Driver) -> None:
+        self.d = driver
+        self.digests: dict[int, bytes] = {}
+        self.counter = 0
+
+    def _digest(self, slot: int) -> bytes:
+        h = hashlib.blake2b(digest_size=16)
+        for v in self.d.chunk_views(slot):
+            h.update(v.data)
+        return h.digest()
+
+    def _fill(self, n: int, seed: int) -> None:
+        """Distinct content per slot and per fill; the digests taken here check the loads."""
+        for s in range(n):
+            views = self.d.chunk_views(s)
+            for j, v in enumerate(views):
+                words = v.view(np.uint64)
+                words[:] = np.arange(words.size, dtype=np.uint64)
+                words ^= np.uint64((seed << 40) | (s << 20) | (j << 8) | 0x5A)
+            self.digests[s] = self._digest(s)
+
+    def _zero(self, n: int) -> None:
+        for s in range(n):
+            for v in self.d.chunk_views(s):
+                v[:] = 0
+
+    def _verify(self, n: int, what: str) -> None:
+        for s in range(n):
+            if self._digest(s) != self.digests[s]:
+                raise RuntimeError(f"{what}: slot {s} does not hold the bytes stored")
+
+    def _seed(self) -> int:
+        self.counter += 1
+        return (os.getpid() * 1009 + self.counter) & 0xFFFFF
+
+    # -- commands ---------------------------------------------------------------------------------
+
+    # a batch is fill, store, zero, load, verify: five commands, so that every process's timed
+    # window runs while the others wait (their untimed work would count in the combined window)
+    def fill(self, n: int) -> dict[str, Any]:
+        self._fill(n, self._seed())
+        return {}
+
+    def zero(self, n: int) -> dict[str, Any]:
+        self._zero(n)
+        return {}
+
+    def verify(self, n: int) -> dict[str, Any]:
+        self._verify(n, "batch load")
+        return {"verified_bytes": n * self.d.chunk}
+
+    def batch_store(self, tag: str, n: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        self.d.store(tag, n)
+        return {"t0": t0, "t1": time.perf_counter()}
+
+    def batch_load(self, tag: str, n: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        self.d.load(tag, n)
+        return {"t0": t0, "t1": time.perf_counter()}
+
+    def remove(self, tag: str, n: int) -> dict[str, Any]:
+        self.d.remove(tag, n)
+        return {}
+
+    def clear(self) -> dict[str, Any]:
+        self.d.clear()
+        return {}
+
+    def lat_store(self, tag: str, iters: int) -> dict[str, Any]:
+        """1-chunk stores, each of a new key (removed after its timing)."""
+        self._fill(1, self._seed())
+        lat = []
+        for i in range(iters):
+            key = f"{tag}-{i}"
+            t0 = time.perf_counter()
+            self.d.store(key, 1)
+            lat.append(time.perf_counter() - t0)
+            self.d.remove(key, 1)
+        return {"lat": lat}
+
+    def lat_load(self, tag: str, iters: int) -> dict[str, Any]:
+        """1-chunk loads of one stored chunk, each checked."""
+        self._fill(1, self._seed())
+        self.d.store(tag, 1)
+        lat = []
+        for _ in range(iters):
+            self._zero(1)
+            t0 = time.perf_counter()
+            self.d.load(tag, 1)
+            lat.append(time.perf_counter() - t0)
+            self._verify(1, "1-chunk load")
+        self.d.remove(tag, 1)
+        return {"lat": lat, "verified_bytes": iters * self.d.chunk}
+
+    def prepare_lookup(self, tag: str, keys: int) -> dict[str, Any]:
+        """Store `keys` chunks under `tag` (from the slots, `slots` at a time) for lat_lookup."""
+        self._fill(min(keys, self.d.slots), self._seed())
+        for first in range(0, keys, self.d.slots):
+            self.d.store(tag, min(self.d.slots, keys - first), first)
+        return {}
+
+    def lat_lookup(self, tag: str, iters: int, keys: int) -> dict[str, Any]:
+        """Lookups of `keys` keys that prepare_lookup stored (here or in another process)."""
+        lat = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            hits = self.d.lookup(tag, keys)
+            lat.append(time.perf_counter() - t0)
+            self.d.release()
+            if hits != keys:
+                raise RuntimeError(f"lookup of {keys} stored keys found {hits}")
+        return {"lat": lat}
+
+
+def main() -> int:
+    # the protocol owns the real stdout; libraries that print go to stderr (the worker's log)
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    system, cfg = sys.argv[1], json.loads(sys.argv[2])
+    try:
+        module, cls = DRIVERS[system].split(":")
+        driver: Driver = getattr(importlib.import_module(module), cls)(cfg)
+    except Exception as exc:  # reported to the coordinator, which prints it as the system's failure
+        traceback.print_exc()
+        proto.write(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}) + "\n")
+        return 1
+    proto.write(json.dumps({"ok": True, "pid": os.getpid()}) + "\n")
+    worker = Worker(driver)
+    try:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            op = cmd.pop("op")
+            if op == "quit":
+                break
+            try:
+                reply = {"ok": True, **getattr(worker, op)(**cmd)}
+            except Exception as exc:
+                traceback.print_exc()
+                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            proto.write(json.dumps(reply) + "\n")
+    finally:
+        driver.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
