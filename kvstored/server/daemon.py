@@ -66,7 +66,6 @@ from kvstored.shm.mapping import SharedPool
 from kvstored.shm.memory import PoolMemoryError, PoolPages, PopulateProgress
 from kvstored.sizes import format_size
 from kvstored.tiers.config import TierConfig, TierContext
-from kvstored.tiers.fs.tier import FsTier
 from kvstored.tiers.ram import AdoptionError, ChunkRecord, RamTier
 from kvstored.tiers.registry import admission_changes
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
@@ -198,6 +197,7 @@ class Daemon:
         self.arenas = ArenaSet(self.pool)
         writable = any(t.capabilities.accepts_writedowns for t in lower)  # RAM's chunks can go down
         ram = RamTier(pool_bytes, cfg.page_bytes, has_lower_tiers=writable, populated=cfg.populate)
+        self.ram = ram  # (what a hand-over snapshots, after the chain has closed)
         self.releaser = PageReleaser(self.arenas, cfg.page_bytes, ram.released)
         ram.set_releaser(self.releaser.release)
         self.tenancy = Tenancy(ram, self.arenas, self.namespaces, TenantPolicy(cfg.tenant_quota_bytes, cfg.max_tenants))
@@ -340,6 +340,8 @@ class Daemon:
     def _carry_identities(self, publisher: ZmqEventPublisher, book: IdentityBook, lower: list) -> None:
         """Identities beyond the client's store: kept in fs chunk files and published again after
         a restart (what the disk holds, read back in the background), carried by peer fetches."""
+        from kvstored.tiers.fs.tier import FsTier  # (an fs tier's module, only where identities are kept)
+
         for t in lower:
             if isinstance(t.tier, FsTier):
                 t.tier.identity_of = book.record_of
@@ -655,7 +657,7 @@ class Daemon:
             log.info(
                 "RAM tier adopted: %d chunks%s",
                 adopted,
-                f", {dropped} dropped (their bytes changed since the hand-over)" if dropped else "",
+                f", {dropped} dropped (altered since the hand-over)" if dropped else "",
             )
         finally:
             self._drop_handover()
@@ -680,7 +682,7 @@ class Daemon:
         arenas' fds (`send`: to the next daemon, or to systemd's fd store)."""
         handover.pause_at(handover.HandoverStep.QUIESCED)
         cfg = self.config
-        ram = self.chain.ram
+        ram = self.ram
         snapshot = ram.snapshot()
         checksums = None
         if cfg.handover_checksums:

@@ -37,9 +37,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import msgpack
-import xxhash
-
 from kvstored.namespaces import Namespace
 from kvstored.shm.allocator import PageRun
 from kvstored.tiers.ram import ArenaPages, ChunkRecord, RamSnapshot
@@ -171,6 +168,9 @@ def encode_state(state: PoolState) -> bytes:
         "chunks": chunks,
         "checksums": state.checksums,
     }
+    import msgpack
+    import xxhash
+
     payload = msgpack.packb(body, use_bin_type=True)
     return _FRAME.pack(MAGIC, len(payload), xxhash.xxh3_128_digest(payload)) + payload
 
@@ -183,6 +183,9 @@ def decode_state(frame: bytes) -> PoolState:
     payload = frame[_FRAME.size : _FRAME.size + length]
     if magic != MAGIC or len(payload) != length:
         raise HandoverRefused("the state is not a complete kvstored hand-over state")
+    import msgpack  # (here: the GPU machine's lean installs start daemons without them)
+    import xxhash
+
     if xxhash.xxh3_128_digest(payload) != digest:
         raise HandoverRefused("the state's checksum does not match its bytes")
     try:
@@ -267,6 +270,8 @@ def chunk_checksums(
 ) -> list[int]:
     """xxh3-64 of each chunk's bytes (its runs, up to its size), in `threads` threads (xxhash
     hashes without the GIL: ~9 GiB/s a thread here). Blocking: run it in a thread."""
+
+    import xxhash
 
     def one(record: ChunkRecord) -> int:
         view, h, remaining = view_of(record.arena), xxhash.xxh3_64(), record.size

@@ -15,7 +15,7 @@ import pytest
 from tests.support.daemon import REPO_ROOT, clean_env
 
 COMPARED = {
-    "compare.py": ["Redis 7 GET/SET", "raw memcpy", "raw O_DIRECT", "fs tier", "local"],
+    "compare.py": ["Mooncake Store", "LMCache", "Redis 7", "raw memcpy", "interleaved"],
     "local_path.py": ["pool mapping", "region registration", "memcpy", "empty gRPC round trip"],
     "peer.py": ["peer tier", "raw TCP socket", "raw ucxx", "fs tier", "S3 tier", "radosgw"],
     "multiturn.py": [
