@@ -16,10 +16,11 @@ from kvstored.events.coalesce import net_events
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 
 
-def to_proto(e: KvEvent) -> pb.KvEvent:
+def to_proto(e: KvEvent, numbered: bool = True) -> pb.KvEvent:
+    """numbered=False: a coalesced message's change (its message carries the seq and time)."""
     return pb.KvEvent(
-        seq=e.seq,
-        ts=e.ts,
+        seq=e.seq if numbered else 0,
+        ts=e.ts if numbered else 0.0,
         type=int(e.type),
         cause=int(e.cause),
         tier=e.tier,
@@ -119,17 +120,8 @@ def interval_messages(events: list[KvEvent]) -> list[pb.KvEvent]:
         keys += len(change.keys)
     last = events[-1]
     return [
-        pb.KvEvent(seq=last.seq, ts=last.ts, changes=[_change(c) for c in pack], partial=i < len(packs) - 1)
+        pb.KvEvent(
+            seq=last.seq, ts=last.ts, changes=[to_proto(c, numbered=False) for c in pack], partial=i < len(packs) - 1
+        )
         for i, pack in enumerate(packs)
     ]
-
-
-def _change(e: KvEvent) -> pb.KvEvent:
-    return pb.KvEvent(
-        type=int(e.type),
-        cause=int(e.cause),
-        tier=e.tier,
-        tier_kind=int(e.tier_kind),
-        namespace_id=e.namespace_id,
-        keys=e.keys,
-    )

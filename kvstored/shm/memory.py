@@ -267,15 +267,7 @@ def create_memfd(
             raise PoolMemoryError(
                 f"cannot map a {format_size(size)} pool of {pages.value} pages: {exc.strerror} ({_has(pages)})"
             ) from None
-        try:
-            address = _address(mapping)
-            if numa is not None:
-                _mbind(address, size, numa)
-            if pages is PoolPages.THP:
-                _madvise(address, size, MADV_HUGEPAGE, "MADV_HUGEPAGE")
-        except BaseException:
-            mapping.close()
-            raise
+        _place(mapping, size, pages, numa)
     except BaseException:
         os.close(fd)
         raise
@@ -294,6 +286,12 @@ def adopt_memfd(fd: int, size: int, pages: PoolPages, numa: NumaPlacement | None
         mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as exc:
         raise PoolMemoryError(f"cannot map the handed-over pool: {exc.strerror}") from None
+    _place(mapping, size, pages, numa)
+    return PoolMemory(fd, mapping, size, pages, numa)
+
+
+def _place(mapping: mmap.mmap, size: int, pages: PoolPages, numa: NumaPlacement | None) -> None:
+    """The NUMA policy and page advice of a pool mapping (closed if either fails)."""
     try:
         address = _address(mapping)
         if numa is not None:
@@ -303,7 +301,6 @@ def adopt_memfd(fd: int, size: int, pages: PoolPages, numa: NumaPlacement | None
     except BaseException:
         mapping.close()
         raise
-    return PoolMemory(fd, mapping, size, pages, numa)
 
 
 def _is_memfd(fd: int) -> bool:

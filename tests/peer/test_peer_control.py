@@ -7,8 +7,10 @@ when the events it resumes from are gone (OUT_OF_RANGE), and a daemon without a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import threading
+from collections.abc import AsyncIterator
 from concurrent import futures
 
 import grpc
@@ -217,25 +219,32 @@ async def test_a_follower_whose_events_are_gone_reads_the_peer_whole_again(node)
         ns = kv.register_namespace(model="resync", dtype="u8", chunk_bytes=CHUNK)
         for key in keys:  # 24 events: the first ones leave the buffer
             kv.store(ns, [key], payloads([key], CHUNK))
-    host, port = node.listen.rsplit(":", 1)
+    async with _following(node.listen) as (record, index):
+        await _until(lambda: record.counters.resyncs == 1 and index.count(record.slot) == len(keys))
+        more = make_keys("resync-more", 1)
+        with node.client() as kv:
+            ns = kv.register_namespace(model="resync", dtype="u8", chunk_bytes=CHUNK)
+            kv.store(ns, more, payloads(more, CHUNK))
+        await _until(lambda: index.count(record.slot) == len(keys) + 1)  # followed after the snapshot
+        assert [h.tier_bit for h in index.holders((ns.namespace_id, more[0]))] == [0]  # in its RAM
+
+
+@contextlib.asynccontextmanager
+async def _following(listen: str, coalesce: bool = True) -> AsyncIterator[tuple[PeerRecord, PeerIndex]]:
+    """A Follower of the daemon at `listen`, as if it had followed it up to seq 1, running."""
+    host, port = listen.rsplit(":", 1)
     channel = ControlChannel(PeerAddress(host, int(port)), None, 0.5)
     try:
         me = LocalHello(secrets.randbits(62) + 1, frozenset({TransportKind.TCP}), 0, 0, ("ram",), "test")
         record = PeerRecord(PeerAddress(host, int(port)), "test", Breaker(3, 5))
         record.hello = hello_from_proto(await channel.hello(me.to_proto(), 10))
         index = PeerIndex(1000)
-        record.slot = index.add_peer()  # as if it had followed the peer up to seq 1
+        record.slot = index.add_peer()
         record.last_seq = 1
-        follower = Follower(channel, record, index, me.incarnation, lambda: None)
+        follower = Follower(channel, record, index, me.incarnation, lambda: None, coalesce=coalesce)
         task = asyncio.create_task(follower.run())
         try:
-            await _until(lambda: record.counters.resyncs == 1 and index.count(record.slot) == len(keys))
-            more = make_keys("resync-more", 1)
-            with node.client() as kv:
-                ns = kv.register_namespace(model="resync", dtype="u8", chunk_bytes=CHUNK)
-                kv.store(ns, more, payloads(more, CHUNK))
-            await _until(lambda: index.count(record.slot) == len(keys) + 1)  # followed after the snapshot
-            assert [h.tier_bit for h in index.holders((ns.namespace_id, more[0]))] == [0]  # in its RAM
+            yield record, index
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -260,28 +269,12 @@ async def test_a_follower_applies_what_it_missed_as_net_changes_or_event_by_even
         for key in keys:
             kv.store(ns, [key], payloads([key], CHUNK))
         assert kv.delete(ns, keys[:9]) == 9
-    host, port = listen.rsplit(":", 1)
-    channel = ControlChannel(PeerAddress(host, int(port)), None, 0.5)
-    try:
-        me = LocalHello(secrets.randbits(62) + 1, frozenset({TransportKind.TCP}), 0, 0, ("ram",), "test")
-        record = PeerRecord(PeerAddress(host, int(port)), "test", Breaker(3, 5))
-        record.hello = hello_from_proto(await channel.hello(me.to_proto(), 10))
-        index = PeerIndex(1000)
-        record.slot = index.add_peer()
-        record.last_seq = 1
-        follower = Follower(channel, record, index, me.incarnation, lambda: None, coalesce=coalesce)
-        task = asyncio.create_task(follower.run())
-        try:
-            await _until(lambda: record.last_seq == 41)
-            assert record.counters.events == (1 if coalesce else 40)
-            assert index.count(record.slot) == 30 and record.counters.resyncs == 0
-            assert [index.holders((ns.namespace_id, k)) for k in keys[:9]] == [[]] * 9
-            assert all(index.holders((ns.namespace_id, k)) for k in keys[9:])
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    finally:
-        await channel.close()
+    async with _following(listen, coalesce) as (record, index):
+        await _until(lambda: record.last_seq == 41)
+        assert record.counters.events == (1 if coalesce else 40)
+        assert index.count(record.slot) == 30 and record.counters.resyncs == 0
+        assert [index.holders((ns.namespace_id, k)) for k in keys[:9]] == [[]] * 9
+        assert all(index.holders((ns.namespace_id, k)) for k in keys[9:])
 
 
 def test_a_daemon_without_a_peer_tier_says_so(shared_daemon):
