@@ -270,6 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=None, help="where both fs tiers write (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    for flag, batch in (("--store-batch", args.store_batch), ("--load-batch", args.load_batch)):
+        # A request must fit in vLLM's CPU tier at once: its promotions wait for room that never frees.
+        if batch < 1 or batch * args.chunk > args.primary:
+            parser.error(
+                f"{flag} {batch} x {args.chunk / MIB:.0f} MiB chunks does not fit vLLM's CPU tier "
+                f"(--primary {args.primary / MIB:.0f} MiB); use at most {args.primary // args.chunk}"
+            )
     global STEP_S
     STEP_S = args.step_ms / 1000
     logging.basicConfig(level=logging.WARNING)

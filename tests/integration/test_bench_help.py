@@ -451,3 +451,20 @@ def test_multiturn_nodes_kv_route_follows_dynamos_index(tmp_path):
     assert kv["hit_rate"]["peer"] < rr["hit_rate"]["peer"]
     assert kv["hit_rate_overall"] >= rr["hit_rate_overall"]
     assert "routing: round robin vs KV-aware" in proc.stdout
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("flag", ["--load-batch", "--store-batch"])
+def test_vllm_tier_refuses_a_batch_larger_than_vllms_cpu_tier(flag):
+    # 200 x 2 MiB is more than the 256 MiB CPU tier: the run would wait for room that never frees.
+    proc = subprocess.run(
+        [*bench("vllm_tier"), flag, "200", "--primary", "256MiB"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean_env(),
+        cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert f"{flag} 200 x 2 MiB chunks does not fit vLLM's CPU tier" in proc.stderr
+    assert "use at most 128" in proc.stderr
