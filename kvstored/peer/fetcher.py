@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstored.io.breaker import Permit
 from kvstored.namespaces import Namespace
 from kvstored.peer.quarantine import span_of
 from kvstored.peer.transport import (
@@ -35,8 +36,8 @@ from kvstored.peer.transport import (
 log = logging.getLogger(__name__)
 
 AskFor = Callable[[Namespace, list[bytes]], Callable[[SendOrder], Awaitable["Sequence[Receipt] | None"]]]
-BatchObserver = Callable[[list[ReceiveResult]], None]
-Gate = Callable[[], bool]  # may a batch go to the peer now (its breaker)?
+BatchObserver = Callable[[Permit, list[ReceiveResult]], None]  # the verdict, under the gate's permit
+Gate = Callable[[], Permit | None]  # may a batch go to the peer now (its breaker)? None: no
 
 # What a read gets when the peer's breaker kept its batch from going out (no network, no verdict).
 REFUSED = ReceiveResult(ReceiveOutcome.FAILED, "the peer's breaker is open")
@@ -123,7 +124,8 @@ class PeerFetcher:
         if rest:  # the next batch starts at once
             self._pending[namespace_id] = _Pending(pending.ns, rest)
             self._spawn(namespace_id)
-        if not self._gate():
+        permit = self._gate()
+        if permit is None:
             self._settle(wants, [REFUSED] * len(wants))
             return
         try:
@@ -131,12 +133,13 @@ class PeerFetcher:
                 [w.slot for w in wants], self._ask_for(pending.ns, [w.key for w in wants]), self._timeout_s
             )
         except asyncio.CancelledError:  # (the loop is going away) the slots go once the link lets go
+            self._on_batch(permit, [])  # no verdict: a probe's turn goes back
             self._settle(wants, failed_all(wants, ReceiveOutcome.FAILED, "cancelled"))
             raise
         except Exception as exc:  # the contract says it returns results: a failure is a miss anyway
             log.error("peer read from %s raised: %r", self.link.address, exc)
             results = failed_all(wants, ReceiveOutcome.FAILED, f"receive raised {exc!r}")
-        self._on_batch(results)
+        self._on_batch(permit, results)
         self._settle(wants, results)
 
     def _settle(self, wants: list[_Want], results: list[ReceiveResult]) -> None:

@@ -203,7 +203,7 @@ class PeerFleet:
         if record.hello is not None and record.hello.incarnation != hello.incarnation:
             log.info("peer %s restarted (a new incarnation): its chunks are indexed anew", record.address)
             self._retire(record)
-            record.breaker.success()  # the failures were the old process's: the new one starts trusted
+            record.breaker.reset()  # the failures were the old process's: the new one starts trusted
         try:
             kind = choose_transport(self.settings.preference, self.transports, hello.transports)
         except TransportUnavailable as exc:

@@ -9,9 +9,10 @@ it is reached through another address, e.g. its pod IP).
 
 Each peer has a state (CONNECTING, UP, DOWN, INCOMPATIBLE, SELF), the facts its handshake told
 (incarnation, transports, data ports, serving tiers), its slot in the remote-location index,
-counters, and a circuit breaker: after `failures` consecutive failed fetches (a failure or a
-timeout, not a miss) its chunks count as misses for `reset_s`, then one fetch probes it. So a
-peer that hangs costs `failures` timeouts, not one per lookup.
+counters, and a circuit breaker (kvstored.io.breaker, the one S3 uses): after `failures`
+consecutive failed fetches (a failure or a timeout, not a miss) its chunks count as misses for
+`reset_s`, then one fetch probes it. So a peer that hangs costs `failures` timeouts, not one per
+lookup.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvstored.io.breaker import CircuitBreaker
 from kvstored.peer.transport import PeerAddress, TransportKind
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 
@@ -36,66 +38,6 @@ class PeerState(enum.IntEnum):
     DOWN = pb.PEER_STATE_DOWN
     INCOMPATIBLE = pb.PEER_STATE_INCOMPATIBLE
     SELF = pb.PEER_STATE_SELF
-
-
-class BreakerState(enum.IntEnum):
-    CLOSED = pb.BREAKER_STATE_CLOSED
-    OPEN = pb.BREAKER_STATE_OPEN
-    HALF_OPEN = pb.BREAKER_STATE_HALF_OPEN
-
-
-class Breaker:
-    def __init__(self, failures: int, reset_s: float, clock: Clock = time.monotonic) -> None:
-        self._threshold = failures
-        self._reset_s = reset_s
-        self._clock = clock
-        self._failures = 0
-        self._opened_at: float | None = None
-        self._probing = False
-        self.opened = 0  # times it opened
-
-    @property
-    def state(self) -> BreakerState:
-        if self._opened_at is None:
-            return BreakerState.CLOSED
-        if self._clock() - self._opened_at < self._reset_s:
-            return BreakerState.OPEN
-        return BreakerState.HALF_OPEN
-
-    def available(self) -> bool:
-        """Whether a fetch may be tried now (half-open: while no probe is out)."""
-        state = self.state
-        return state is BreakerState.CLOSED or (state is BreakerState.HALF_OPEN and not self._probing)
-
-    def begin(self) -> bool:
-        """Take a turn for one fetch; False when the breaker says no (the chunk is a miss)."""
-        state = self.state
-        if state is BreakerState.CLOSED:
-            return True
-        if state is BreakerState.HALF_OPEN and not self._probing:
-            self._probing = True
-            return True
-        return False
-
-    def success(self) -> None:
-        self._failures = 0
-        self._opened_at = None
-        self._probing = False
-
-    def failure(self) -> None:
-        self._probing = False
-        if self._opened_at is not None:  # a failed probe: open again for another period
-            self._opened_at = self._clock()
-            self.opened += 1
-            return
-        self._failures += 1
-        if self._failures >= self._threshold:
-            self._opened_at = self._clock()
-            self.opened += 1
-
-    def cancelled(self) -> None:
-        """A fetch that ended without a verdict (its caller gave up): the probe turn goes back."""
-        self._probing = False
 
 
 @dataclass(frozen=True)
@@ -134,7 +76,7 @@ class PeerCounters:
 class PeerRecord:
     address: PeerAddress  # its control address (tcp_listen)
     label: str  # its metrics label
-    breaker: Breaker
+    breaker: CircuitBreaker
     static: bool = True  # from the static list (else from DNS)
     state: PeerState = PeerState.CONNECTING
     detail: str = ""  # why it is down or incompatible
@@ -150,7 +92,7 @@ class PeerRecord:
 
     def usable(self) -> bool:
         """Its chunks may be fetched now."""
-        return self.state is PeerState.UP and self.transport is not None and self.breaker.available()
+        return self.state is PeerState.UP and self.transport is not None and self.breaker.would_allow()
 
 
 def parse_address(text: str) -> PeerAddress:
@@ -178,7 +120,7 @@ class Membership:
     def _add(self, address: PeerAddress, static: bool) -> PeerRecord:
         labelled = sum(1 for r in self.peers.values() if r.label != OTHER_LABEL)
         label = str(address) if labelled < MAX_PEER_LABELS else OTHER_LABEL
-        record = PeerRecord(address, label, Breaker(*self._breaker), static=static)
+        record = PeerRecord(address, label, CircuitBreaker(*self._breaker), static=static)
         self.peers[address] = record
         return record
 

@@ -31,6 +31,7 @@ import grpc
 from kvstored.chunks.ids import ChunkId, TierKind
 from kvstored.errors import ListenError
 from kvstored.events.identity import BlockIdentity
+from kvstored.io.breaker import Permit
 from kvstored.io.ports import bind_problem
 from kvstored.namespaces import Namespace, NamespaceRegistry
 from kvstored.peer.control import ClientTls
@@ -270,22 +271,22 @@ class PeerTier(SecondaryTier):
             log.error("peer %s refuses to serve namespace %s: %s", record.address, ns.namespace_id, why)
 
     @staticmethod
-    def _gate(record: PeerRecord) -> bool:
-        """A batch may go to the peer (its breaker's turn taken): counted as a fetch."""
-        if not record.breaker.begin():
-            return False
-        record.counters.fetches += 1
-        return True
+    def _gate(record: PeerRecord) -> Permit | None:
+        """A batch may go to the peer (its breaker's permit taken): counted as a fetch."""
+        permit = record.breaker.allow()
+        if permit is not None:
+            record.counters.fetches += 1
+        return permit
 
-    def _verdict(self, record: PeerRecord, results: list[ReceiveResult]) -> None:
+    def _verdict(self, record: PeerRecord, permit: Permit, results: list[ReceiveResult]) -> None:
         """One verdict per batch for the peer's breaker: a failure or timeout opens it (after
         breaker_failures in a row), an answer (a hit, or an honest miss) closes it."""
         if any(r.outcome in FAILURES for r in results):
-            record.breaker.failure()
+            record.breaker.record(permit, False)
         elif any(r.outcome in (ReceiveOutcome.RECEIVED, ReceiveOutcome.MISSING) for r in results):
-            record.breaker.success()
+            record.breaker.record(permit, True)
         else:
-            record.breaker.cancelled()
+            record.breaker.abandon(permit)
 
     def _judge(self, record: PeerRecord, chunk: ChunkId, result: ReceiveResult, size: int) -> bool:
         c, tc = record.counters, self.counters

@@ -54,10 +54,11 @@ from kvstored.chunks.chunkfile import HEADER_BYTES, CorruptChunk
 from kvstored.chunks.ids import ChunkId, RemovalCause, TierKind
 from kvstored.chunks.views import trim
 from kvstored.errors import TierUnavailable
+from kvstored.io.breaker import CircuitBreaker, Permit
 from kvstored.sizes import format_size
 from kvstored.tiers.base import AdmissionPolicy, SecondaryTier, TierUsage, WriteOutcome
 from kvstored.tiers.capacity import CapacityIndex
-from kvstored.tiers.resilience import Backoff, CircuitBreaker, NegativeCache, Permit
+from kvstored.tiers.resilience import Backoff, NegativeCache
 
 log = logging.getLogger(__name__)
 DEFAULT_BACKOFF = Backoff()

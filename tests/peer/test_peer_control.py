@@ -16,11 +16,12 @@ from concurrent import futures
 import grpc
 import pytest
 
+from kvstored.io.breaker import CircuitBreaker
 from kvstored.peer.control import ControlChannel
 from kvstored.peer.follow import Follower
 from kvstored.peer.handshake import LocalHello, hello_from_proto, namespace_fingerprint
 from kvstored.peer.index import PeerIndex
-from kvstored.peer.membership import Breaker, PeerRecord
+from kvstored.peer.membership import PeerRecord
 from kvstored.peer.transport import PeerAddress, TransportKind
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
@@ -236,7 +237,7 @@ async def _following(listen: str, coalesce: bool = True) -> AsyncIterator[tuple[
     channel = ControlChannel(PeerAddress(host, int(port)), None, 0.5)
     try:
         me = LocalHello(secrets.randbits(62) + 1, frozenset({TransportKind.TCP}), 0, 0, ("ram",), "test")
-        record = PeerRecord(PeerAddress(host, int(port)), "test", Breaker(3, 5))
+        record = PeerRecord(PeerAddress(host, int(port)), "test", CircuitBreaker(3, 5))
         record.hello = hello_from_proto(await channel.hello(me.to_proto(), 10))
         index = PeerIndex(1000)
         record.slot = index.add_peer()

@@ -5,7 +5,8 @@ address, metrics labels, and the per-peer breaker (a fake clock: counted, not ti
 
 from __future__ import annotations
 
-from kvstored.peer.membership import MAX_PEER_LABELS, OTHER_LABEL, Breaker, BreakerState, Membership
+from kvstored.io.breaker import BreakerState, CircuitBreaker
+from kvstored.peer.membership import MAX_PEER_LABELS, OTHER_LABEL, Membership
 from kvstored.peer.transport import PeerAddress
 
 
@@ -17,39 +18,46 @@ class Clock:
         return self.now
 
 
-def test_breaker_opens_after_consecutive_failures_and_lets_one_probe_through():
+def test_a_peer_breaker_opens_after_consecutive_failures_and_lets_one_probe_through():
     clock = Clock()
-    b = Breaker(3, 5.0, clock)
+    b = CircuitBreaker(3, 5.0, clock)
     for _ in range(2):
-        assert b.begin()
-        b.failure()
-    b.begin()
-    b.success()  # an answer resets the count
+        b.record(b.allow(), False)
+    b.record(b.allow(), True)  # an answer resets the count
     for _ in range(3):
-        assert b.begin()
-        b.failure()
-    assert b.state is BreakerState.OPEN and not b.available() and not b.begin()
+        b.record(b.allow(), False)
+    assert b.state is BreakerState.OPEN and not b.would_allow() and b.allow() is None
     clock.now = 5.0
-    assert b.state is BreakerState.HALF_OPEN and b.available()
-    assert b.begin()  # the probe
-    assert not b.available() and not b.begin()  # one at a time
-    b.failure()  # a failed probe opens it for another period
-    assert b.state is BreakerState.OPEN and b.opened == 2
+    assert b.state is BreakerState.HALF_OPEN and b.would_allow()
+    probe = b.allow()
+    assert probe is not None and probe.probe
+    assert not b.would_allow() and b.allow() is None  # one probe at a time
+    b.record(probe, False)  # a failed probe opens it for another period
+    assert b.state is BreakerState.OPEN and b.times_opened == 1
     clock.now = 10.0
-    assert b.begin()
-    b.success()
-    assert b.state is BreakerState.CLOSED and b.available()
+    b.record(b.allow(), True)
+    assert b.state is BreakerState.CLOSED and b.would_allow()
 
 
 def test_a_probe_whose_caller_gave_up_gives_its_turn_back():
     clock = Clock()
-    b = Breaker(1, 1.0, clock)
-    b.begin()
-    b.failure()
+    b = CircuitBreaker(1, 1.0, clock)
+    b.record(b.allow(), False)
     clock.now = 1.0
-    assert b.begin() and not b.available()
-    b.cancelled()
-    assert b.available()
+    probe = b.allow()
+    assert probe is not None and not b.would_allow()
+    b.abandon(probe)
+    assert b.would_allow()
+
+
+def test_a_peer_restarted_as_a_new_process_starts_with_its_breaker_closed():
+    clock = Clock()
+    m = Membership(["127.0.0.1:7072"], "", 1, 60.0, clock)
+    record = m.records()[0]
+    record.breaker.record(record.breaker.allow(), False)
+    assert record.breaker.state is BreakerState.OPEN
+    record.breaker.reset()
+    assert record.breaker.state is BreakerState.CLOSED and record.breaker.allow() is not None
 
 
 def test_the_static_list_skips_this_daemons_own_address_and_duplicates():

@@ -13,7 +13,6 @@ import os
 import uuid
 
 import pytest
-from aiobotocore.session import get_session
 
 from kvstored.chunks import chunkfile, packfile
 from kvstored.chunks.chunkfile import HEADER_BYTES
@@ -119,40 +118,15 @@ def test_pack_index_live_fraction_expiry_and_first_copy_wins():
 # -- the tier against moto ------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def moto():
-    with MotoServer() as endpoint:
-        yield endpoint
-
-
 @pytest.fixture
-def bucket() -> str:
-    return f"kv-{uuid.uuid4().hex[:16]}"
-
-
-@pytest.fixture
-async def raw(moto):
-    async with get_session().create_client("s3", **moto.client_kwargs()) as client:
-        yield client
-
-
-@pytest.fixture
-async def make_tier(moto, bucket):
-    tiers: list[S3Tier] = []
-
+def make_tier(s3_tiers):
     async def make(cls=PackedS3Tier, start: bool = True, **kwargs) -> S3Tier:
-        options = {**moto.tier_kwargs(), "bucket": bucket, "timeout_s": 5.0, "backoff": FAST_BACKOFF, **kwargs}
+        options = {"backoff": FAST_BACKOFF, **kwargs}
         if cls is PackedS3Tier:
             options = {"pack_bytes": 4 * RECORD, "pack_age_s": 30.0, "pack_poll_s": 0, **options}
-        tier = cls("s3", **options)
-        tiers.append(tier)
-        if start:
-            await tier.start()
-        return tier
+        return await s3_tiers(cls, start, **options)
 
-    yield make
-    for tier in tiers:
-        await tier.close()
+    return make
 
 
 class Slot:

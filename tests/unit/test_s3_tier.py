@@ -13,18 +13,17 @@ import mmap
 import os
 import socket
 import threading
-import uuid
 
 import pytest
-from aiobotocore.session import get_session
 
 from kvstored.chunks import chunkfile
 from kvstored.chunks.chunkfile import HEADER_BYTES
 from kvstored.chunks.chunkfile import parse_relpath as _parse_key
 from kvstored.chunks.ids import RemovalCause
 from kvstored.errors import TierUnavailable
+from kvstored.io.breaker import BreakerState, CircuitBreaker
 from kvstored.tiers.base import AdmissionPolicy, TierUsage, WriteOutcome
-from kvstored.tiers.resilience import Backoff, BreakerState, CircuitBreaker, NegativeCache
+from kvstored.tiers.resilience import Backoff, NegativeCache
 from kvstored.tiers.s3 import S3Tier, S3TierError
 from tests.support.s3 import FaultProxy, MotoServer, free_port
 
@@ -35,39 +34,14 @@ FAST_BACKOFF = Backoff(attempts=4, base_s=0.005, cap_s=0.02)
 # -- fixtures and helpers -----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def moto():
-    with MotoServer() as endpoint:
-        yield endpoint
-
-
 @pytest.fixture
-def bucket() -> str:
-    return f"kv-{uuid.uuid4().hex[:16]}"
-
-
-@pytest.fixture
-async def raw(moto):
-    async with get_session().create_client("s3", **moto.client_kwargs()) as client:
-        yield client
-
-
-@pytest.fixture
-async def make_tier(moto, bucket):
+def make_tier(s3_tiers):
     """Start S3 tiers on the test's bucket (moto endpoint unless told otherwise); closed at the end."""
-    tiers: list[S3Tier] = []
 
     async def make(start: bool = True, **kwargs) -> S3Tier:
-        options = {**moto.tier_kwargs(), "bucket": bucket, "timeout_s": 5.0, "backoff": FAST_BACKOFF, **kwargs}
-        tier = S3Tier("s3", **options)
-        tiers.append(tier)
-        if start:
-            await tier.start()
-        return tier
+        return await s3_tiers(S3Tier, start, **{"backoff": FAST_BACKOFF, **kwargs})
 
-    yield make
-    for tier in tiers:
-        await tier.close()
+    return make
 
 
 class Pages:
