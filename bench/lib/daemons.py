@@ -14,7 +14,7 @@ from typing import Any
 
 from tests.support.daemon import REPO_ROOT as REPO
 from tests.support.daemon import Daemon as _Daemon
-from tests.support.s3 import free_port
+from tests.support.ports import free_port
 
 __all__ = ["REPO", "Daemon", "cpu_of", "free_port", "process_cpu_seconds"]
 

@@ -12,24 +12,13 @@ block, chained to its parent."""
 from __future__ import annotations
 
 import hashlib
-import json
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from bench.lib.daemons import free_port
+from tests.support.dynamo import DynamoIndexer, DynamoMissing
 
 BLOCK_SIZE = 16  # the modelled engine's tokens per block (vLLM's default)
 ROUTING = "KV-aware: each turn on the node whose chunks Dynamo's indexer matches longest (ties: round robin)"
-UP_S = 60.0  # a bound for the indexer to answer, never a measurement
-_RUN = "import sys, dynamo._core as c; c.run_kv_indexer(sys.argv[1:])"
-
-
-def dynamo_python() -> Path:
-    return Path(sys.prefix) / "dynamo-1.6.1" / "bin" / "python"
 
 
 def token_ids(conv: int, start: int, count: int) -> list[int]:
@@ -64,54 +53,19 @@ class KvIndex:
     """Dynamo's standalone indexer subscribed to every node's stream (worker id = node index)."""
 
     def __init__(self, endpoints: Sequence[str], log: Path) -> None:
-        python = dynamo_python()
-        if not python.exists():
-            raise RuntimeError(f"--route kv needs Dynamo's router: run tests/vllm/install_dynamo.sh ({python})")
-        self.port = free_port()
-        workers = ",".join(f"{i}={e}" for i, e in enumerate(endpoints))
-        args = ["--port", str(self.port), "--block-size", str(BLOCK_SIZE), "--threads", "1", "--workers", workers]
-        self._log = open(log, "w")  # noqa: SIM115  (closed in close)
-        self._proc = subprocess.Popen(
-            [str(python), "-P", "-c", _RUN, *args], stdout=self._log, stderr=subprocess.STDOUT
-        )
-        deadline = time.monotonic() + UP_S
-        while not self._up():
-            if self._proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"Dynamo's indexer did not come up: {log.read_text()[-2000:]}")
-            time.sleep(0.1)
-        self.queries = 0
-
-    def _post(self, path: str, body: object) -> dict:
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}{path}",
-            data=json.dumps(body).encode() if body is not None else None,
-            headers={"content-type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return json.loads(response.read())
-
-    def _up(self) -> bool:
         try:
-            self._post("/dump", None)
-            return True
-        except OSError:
-            return False
+            self._indexer = DynamoIndexer(dict(enumerate(endpoints)), BLOCK_SIZE, log)
+        except DynamoMissing as exc:
+            raise RuntimeError(f"--route kv needs {exc}") from None
+        self.queries = 0
 
     def matched(self, tokens: list[int]) -> dict[int, int]:
         """Node -> the tokens of `tokens`' prefix its daemon holds (any tier), per the index."""
         self.queries += 1
-        scores = self._post("/query", {"token_ids": tokens, "model_name": "default"})
-        return {int(k): int(v.get("longest_matched", 0)) for k, v in scores.get("instances", {}).items()}
+        return {node: int(row.get("longest_matched", 0)) for node, row in self._indexer.scores(tokens).items()}
 
     def close(self) -> None:
-        self._proc.terminate()
-        try:
-            self._proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait(10)
-        self._log.close()
+        self._indexer.stop()
 
 
 def choose(matched: dict[int, int], fallback: int) -> int:

@@ -15,9 +15,10 @@ from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from tests.support.daemon import short_tmpdir
 from tests.support.data import make_keys, payloads
+from tests.support.ports import free_port
 from tests.support.rpc import raw, rpc_error
 from tests.support.wait import wait_for
-from tests.support.zmq_events import free_port, prompt_identities, replay
+from tests.support.zmq_events import prompt_identities, replay
 
 CHUNK = 64 << 10
 

@@ -251,8 +251,8 @@ def test_metrics_port_taken_refuses_the_start_and_off_serves_without(daemon_fact
 def fs_run():
     """One daemon with 4 MiB of RAM over a 256 MiB fs tier (and a peer tier), driven through
     write-back and promotion; yields its scrape and the quiet Stats around it."""
-    from tests.support.cluster import free_port
     from tests.support.daemon import Daemon
+    from tests.support.ports import free_port
 
     root = short_tmpdir("kvfs")
     d = Daemon(cpu_bytes="4MiB")

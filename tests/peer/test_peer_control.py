@@ -25,8 +25,8 @@ from kvstored.peer.membership import PeerRecord
 from kvstored.peer.transport import PeerAddress, TransportKind
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
-from tests.support.cluster import free_port
 from tests.support.data import make_keys, payloads
+from tests.support.ports import free_port
 from tests.support.wait import wait_for
 
 CHUNK = 64 << 10

@@ -15,7 +15,6 @@ The daemons' unix sockets are in /tmp, reachable from the test process whatever 
 from __future__ import annotations
 
 import signal
-import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -25,6 +24,7 @@ from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from tests.support.daemon import Daemon, DaemonError, short_tmpdir, stop_all
 from tests.support.netns import Node, Topology
+from tests.support.ports import free_port
 from tests.support.tls import make_certs
 
 WAIT_S = 60.0  # a bound for every wait on the cluster's state, never a measurement
@@ -38,12 +38,6 @@ TEST_PEER_OPTIONS = {
     "breaker_failures": "3",
     "breaker_reset_s": "3",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PeerDaemon(Daemon):

@@ -32,6 +32,7 @@ import pytest
 from aiohttp import web
 
 from tests.support.needs import Needs, require
+from tests.support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 START_RGW = REPO / "deploy" / "ceph" / "start_rgw.sh"
@@ -67,12 +68,6 @@ class S3Endpoint:
             "access_key": self.access_key,
             "secret_key": self.secret_key,
         }
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_port(port: int, timeout_s: float, alive=lambda: True) -> None:

@@ -6,7 +6,6 @@ identities made the way vLLM's engine makes them (per engine block, chained)."""
 from __future__ import annotations
 
 import hashlib
-import socket
 
 import msgpack
 import zmq
@@ -14,12 +13,6 @@ import zmq
 from kvstored_client import BlockIdentity, chunk_identities
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def replay(replay_port: int, start_seq: int = 0) -> list[tuple[bytes, int, bytes]]:

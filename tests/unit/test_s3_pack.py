@@ -24,7 +24,8 @@ from kvstored.tiers.packindex import PackIndex
 from kvstored.tiers.resilience import Backoff
 from kvstored.tiers.s3 import S3Tier
 from kvstored.tiers.s3pack import PackedS3Tier
-from tests.support.s3 import MotoServer, free_port
+from tests.support.ports import free_port
+from tests.support.s3 import MotoServer
 
 PAGE = 4096
 SIZE = 3 * PAGE - 100  # payload bytes of the test chunks (a record is HEADER_BYTES + SIZE)

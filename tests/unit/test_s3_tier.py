@@ -25,7 +25,8 @@ from kvstored.io.breaker import BreakerState, CircuitBreaker
 from kvstored.tiers.base import AdmissionPolicy, TierUsage, WriteOutcome
 from kvstored.tiers.resilience import Backoff, NegativeCache
 from kvstored.tiers.s3 import S3Tier, S3TierError
-from tests.support.s3 import FaultProxy, MotoServer, free_port
+from tests.support.ports import free_port
+from tests.support.s3 import FaultProxy, MotoServer
 
 PAGE = 4096
 FAST_BACKOFF = Backoff(attempts=4, base_s=0.005, cap_s=0.02)

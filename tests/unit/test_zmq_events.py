@@ -18,7 +18,7 @@ from kvstored.events.coalesce import Change, Coalescer
 from kvstored.events.endpoints import is_bind_endpoint
 from kvstored.events.identity import BlockIdentity, IdentityBook
 from kvstored.events.zmq_publisher import END_SEQ, ZmqEventPublisher, ZmqSettings, place_of
-from tests.support.zmq_events import free_port
+from tests.support.ports import free_port
 
 NS_A, NS_B = "a" * 32, "b" * 32
 MODELS = {NS_A: "org/model-a", NS_B: "org/model-b"}

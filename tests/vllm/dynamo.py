@@ -1,75 +1,46 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""Dynamo 1.6.1's standalone KV indexer (its own venv, install_dynamo.sh) as a router process:
-it subscribes to a worker's ZMQ stream with Dynamo's own decoder and answers /query."""
+"""Dynamo 1.6.1 as the router tests see it: its standalone KV indexer following the daemon under
+test (tests/support/dynamo.py starts it), and its deployment path's KvRouter (dynamo_kvrouter.py)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.wait import wait_for
-from tests.support.zmq_events import free_port
+from tests.support import dynamo as support
 
 REPO = Path(__file__).resolve().parents[2]
-INSTALL_HINT = "Dynamo's router is not installed: run tests/vllm/install_dynamo.sh (make vllm-deps does)"
-_RUN = "import sys, dynamo._core as c; c.run_kv_indexer(sys.argv[1:])"
 
 
 def dynamo_python() -> Path:
-    python = Path(sys.prefix) / "dynamo-1.6.1" / "bin" / "python"
-    if not python.exists():
-        pytest.fail(INSTALL_HINT)
-    return python
+    try:
+        return support.dynamo_python()
+    except support.DynamoMissing as exc:
+        pytest.fail(str(exc))
 
 
 class DynamoIndexer:
+    """Dynamo's indexer following one worker (the daemon under test), as its router would."""
+
     def __init__(self, worker_endpoint: str, model: str, block_size: int, log: Path, worker_id: int = 7) -> None:
-        self.port = free_port()
-        self.model = model
-        self.worker_id = str(worker_id)
-        args = ["--port", str(self.port), "--block-size", str(block_size), "--model-name", model, "--threads", "1"]
-        args += ["--workers", f"{worker_id}={worker_endpoint}"]
-        self._log = open(log, "w")  # noqa: SIM115  (closed in stop)
-        self._proc = subprocess.Popen(
-            [str(dynamo_python()), "-c", _RUN, *args], stdout=self._log, stderr=subprocess.STDOUT
-        )
-        assert wait_for(self._up, 30), f"Dynamo's indexer did not come up: {log.read_text()[-2000:]}"
-
-    def _up(self) -> bool:
-        try:
-            self.dump()
-            return True
-        except OSError:
-            return False
-
-    def _post(self, path: str, body: Any) -> Any:
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}{path}",
-            data=json.dumps(body).encode() if body is not None else None,
-            headers={"content-type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=5) as response:
-            return json.loads(response.read())
+        dynamo_python()
+        self.worker_id = worker_id
+        self._indexer = support.DynamoIndexer({worker_id: worker_endpoint}, block_size, log, model)
 
     def dump(self) -> Any:
-        return self._post("/dump", None)
+        return self._indexer.dump()
 
     def overlap(self, token_ids: list[int]) -> dict[str, int]:
         """The worker's matched tokens per tier ({} when the router knows nothing of it)."""
-        scores = self._post("/query", {"token_ids": token_ids, "model_name": self.model})
-        return scores.get("instances", {}).get(self.worker_id, {})
+        return self._indexer.scores(token_ids).get(self.worker_id, {})
 
     def stop(self) -> None:
-        self._proc.terminate()
-        self._proc.wait(10)
-        self._log.close()
+        self._indexer.stop()
 
 
 class DynamoKvRouter:

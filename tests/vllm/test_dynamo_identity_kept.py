@@ -24,8 +24,8 @@ from kvstored_client import chunk_identities
 from tests.support.cluster import Cluster
 from tests.support.daemon import Daemon, short_tmpdir
 from tests.support.data import make_keys, payloads
+from tests.support.ports import free_port
 from tests.support.wait import wait_for
-from tests.support.zmq_events import free_port
 from tests.vllm.dynamo import DynamoIndexer
 
 MODEL = "org/identity-model"

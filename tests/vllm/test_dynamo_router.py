@@ -16,8 +16,8 @@ from kvstored_client.vllm.connector import attach_identities
 from kvstored_client.vllm.identity import tracker_identities
 from kvstored_client.vllm.plugin import register
 from tests.support.daemon import short_tmpdir
+from tests.support.ports import free_port
 from tests.support.wait import wait_for
-from tests.support.zmq_events import free_port
 from tests.vllm.dynamo import DynamoIndexer, DynamoKvRouter
 from tests.vllm.harness import Engine, kvstored_tier, offload_keys
 from tests.vllm.vllm_blocks import BLOCK_SIZE, VllmPrompt

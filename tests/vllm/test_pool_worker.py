@@ -170,8 +170,9 @@ def test_a_store_with_block_identities_reaches_routers(own_daemon):
     """The direct spec's path (Reserve, copy, Commit) hands the daemon the identities the
     scheduler put in the store spec; the daemon publishes them as BlockStored."""
     from kvstored_client import chunk_identities
+    from tests.support.ports import free_port
     from tests.support.wait import wait_for
-    from tests.support.zmq_events import events_of, free_port, replay
+    from tests.support.zmq_events import events_of, replay
 
     replay_port = free_port()
     daemon = own_daemon(cpu_bytes="16MiB").start(

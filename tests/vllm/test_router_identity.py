@@ -11,8 +11,9 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from kvstored_client.vllm.connector import attach_identities
 from kvstored_client.vllm.identity import tracker_identities
 from kvstored_client.vllm.plugin import register
+from tests.support.ports import free_port
 from tests.support.wait import wait_for
-from tests.support.zmq_events import free_port, replay
+from tests.support.zmq_events import replay
 from tests.vllm.harness import Engine, kvstored_tier, offload_keys
 from tests.vllm.vllm_blocks import BLOCK_SIZE, VllmPrompt
 
