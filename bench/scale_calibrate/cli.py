@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from bench.lib.report import machine_info, write_json
-from bench.scale_calibrate.coalescing import coalescing_lines, measure_coalescing
+from bench.scale_calibrate.coalescing import coalescing_lines, fill_for_coalescing, measure_coalescing
 from bench.scale_calibrate.common import DEFAULT_OUT, README_BYTES_PER_ENTRY, SINGLE_EVENTS, SMALL, loadavg
 from bench.scale_calibrate.daemons import Pair
 from bench.scale_calibrate.events import events_report, run_event_phases
@@ -63,6 +63,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--turn-rate", type=float, default=10.0, help="stores per second in the coalescing phase (the model's turns)"
     )
+    parser.add_argument(
+        "--only-coalescing",
+        action="store_true",
+        help="run the coalescing phase alone (A filled first) and print its figures; writes no JSON",
+    )
     parser.add_argument("--serve-subscribers", nargs=2, metavar=("ADDRESS", "STREAMS"), help=argparse.SUPPRESS)
     parser.add_argument("--coalesced-subscribers", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -74,6 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("scale_calibrate: needs `ss` (iproute2) to read what B's TCP socket received", file=sys.stderr)
         return 2
 
+    if args.only_coalescing:
+        return only_coalescing(args)
     started = time.monotonic()
     load = {"start": loadavg()}
     doc: dict[str, Any] = {
@@ -109,6 +116,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"wrote {args.out} ({doc['duration_s']} s; load average {load['start'][0]} at the start, "
         f"{load['end'][0]} at the end)"
     )
+    return 0
+
+
+def only_coalescing(args: argparse.Namespace) -> int:
+    pair = Pair("64MiB")
+    try:
+        pair.start()
+        fill_for_coalescing(pair, args.batch)
+        doc = measure_coalescing(pair, args.batch, args.turns, args.turn_rate, args.subscribers)
+    finally:
+        pair.close()
+    for k, v in coalescing_lines(doc):
+        print(f"  {k}  {v}")
     return 0
 
 

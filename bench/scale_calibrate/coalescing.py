@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.scale_calibrate.common import LIFE_CHUNK, batches, new_keys, ns_fields
+from bench.scale_calibrate.common import FS_BYTES, LIFE_CHUNK, batches, new_keys, ns_fields
 from bench.scale_calibrate.daemons import Pair, Phase
+from bench.scale_calibrate.events import pair_ram_bytes
 from bench.scale_calibrate.subscribers import Subscribers
 
 EVENTS_INTERVAL_S = 0.1  # A's events_interval (the daemon's default)
@@ -40,6 +41,19 @@ class FollowMode:
     @property
     def publisher_s_per_turn(self) -> float:
         return self.publisher_cpu_s_per_subscriber / self.turns
+
+
+def fill_for_coalescing(pair: Pair, batch: int) -> None:
+    """A's RAM and fs full of the lifecycle namespace's chunks, as the event phases leave them
+    (for a run of the coalescing phase alone)."""
+    data = np.zeros((batch, LIFE_CHUNK), np.uint8)
+    with pair.a.client() as kv:
+        ns = kv.register_namespace(**ns_fields("life", LIFE_CHUNK))
+        fill = new_keys(pair_ram_bytes(pair) // LIFE_CHUNK + FS_BYTES // LIFE_CHUNK + 2 * batch, "fill")
+        pair.phase(
+            "filling A's RAM and fs",
+            lambda: sum(kv.store(ns, part, data[: len(part)]).stored for part in batches(fill, batch)),
+        )
 
 
 def measure_coalescing(pair: Pair, batch: int, turns: int, turn_rate: float, subscribers: int) -> dict[str, Any]:
