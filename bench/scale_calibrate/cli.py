@@ -44,6 +44,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--subscribers", type=int, default=16, help="extra WatchEvents streams on A (publisher cost)")
     parser.add_argument(
+        "--coalesced-subscribers",
+        type=int,
+        default=64,
+        help="extra coalesced WatchEvents streams on A in the coalescing phase (publisher cost)",
+    )
+    parser.add_argument(
         "--batch",
         type=int,
         default=50,
@@ -69,11 +75,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="run the coalescing phase alone (A filled first) and print its figures; writes no JSON",
     )
     parser.add_argument("--serve-subscribers", nargs=2, metavar=("ADDRESS", "STREAMS"), help=argparse.SUPPRESS)
-    parser.add_argument("--coalesced-subscribers", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-coalesced", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_subscribers:
         address, streams = args.serve_subscribers
-        asyncio.run(serve_subscribers(address, int(streams), args.coalesced_subscribers))
+        asyncio.run(serve_subscribers(address, int(streams), args.serve_coalesced))
         return 0
     if shutil.which("ss") is None:
         print("scale_calibrate: needs `ss` (iproute2) to read what B's TCP socket received", file=sys.stderr)
@@ -87,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "schema": 1,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine_info(),
-        "parameters": {k: v for k, v in vars(args).items() if k not in ("serve_subscribers", "coalesced_subscribers")},
+        "parameters": {k: v for k, v in vars(args).items() if k not in ("serve_subscribers", "serve_coalesced")},
     }
     # Every 4 KiB chunk of the event phases stays in A's RAM, below its write-back headroom (5%).
     small_chunks = 2 * SINGLE_EVENTS + args.entries + args.entries // 4 + 200
@@ -99,7 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_event_phases(pair, args.entries, args.subscribers, args.batch), args.subscribers, args.batch
         )
         load["after_events"] = loadavg()
-        doc["coalescing"] = measure_coalescing(pair, args.batch, args.turns, args.turn_rate, args.subscribers)
+        doc["coalescing"] = measure_coalescing(
+            pair, args.batch, args.turns, args.turn_rate, args.subscribers, args.coalesced_subscribers
+        )
         load["after_coalescing"] = loadavg()
         doc["lookup"] = measure_lookups_and_fetch(pair, args.reps)
         load["after_lookups"] = loadavg()
@@ -124,7 +132,9 @@ def only_coalescing(args: argparse.Namespace) -> int:
     try:
         pair.start()
         fill_for_coalescing(pair, args.batch)
-        doc = measure_coalescing(pair, args.batch, args.turns, args.turn_rate, args.subscribers)
+        doc = measure_coalescing(
+            pair, args.batch, args.turns, args.turn_rate, args.subscribers, args.coalesced_subscribers
+        )
     finally:
         pair.close()
     for k, v in coalescing_lines(doc):

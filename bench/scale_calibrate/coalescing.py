@@ -33,6 +33,7 @@ class FollowMode:
     messages: int  # what B applied
     follower_cpu_s: float  # B's
     publisher_cpu_s_per_subscriber: float  # A's, per extra stream
+    subscribers: int  # the extra streams
 
     @property
     def follower_s_per_turn(self) -> float:
@@ -56,7 +57,11 @@ def fill_for_coalescing(pair: Pair, batch: int) -> None:
         )
 
 
-def measure_coalescing(pair: Pair, batch: int, turns: int, turn_rate: float, subscribers: int) -> dict[str, Any]:
+def measure_coalescing(
+    pair: Pair, batch: int, turns: int, turn_rate: float, subscribers: int, coalesced_subscribers: int
+) -> dict[str, Any]:
+    """subscribers, coalesced_subscribers: the extra streams of each mode (a coalesced stream
+    costs A so little that 16 of them are within the noise of A's own stores)."""
     data = np.zeros((batch, LIFE_CHUNK), np.uint8)
     modes: list[FollowMode] = []
     print(f"coalescing: {turns} turns of {batch} chunks at {turn_rate:g}/s, RAM and fs full", flush=True)
@@ -81,24 +86,25 @@ def measure_coalescing(pair: Pair, batch: int, turns: int, turn_rate: float, sub
 
             return nudge
 
-        for coalesce in (False, True):
+        for coalesce, crowd_size in ((False, subscribers), (True, coalesced_subscribers)):
             name = "coalesced" if coalesce else "each event"
             pair.follow(coalesce)
             pair.measure_idle()
             alone = pair.phase(f"turns, B following {name}", paced(f"c{coalesce:d}-1"))
-            subs = Subscribers(pair.a.address, subscribers, coalesce)
+            subs = Subscribers(pair.a.address, crowd_size, coalesce)
             try:
                 subs.wait_ready(nudger(iter(new_keys(200, f"c{coalesce:d}-n"))))
-                crowd = pair.phase(f"turns, {subscribers} more followers {name}", paced(f"c{coalesce:d}-2"))
+                crowd = pair.phase(f"turns, {crowd_size} more followers {name}", paced(f"c{coalesce:d}-2"))
             finally:
                 subs.stop()
-            modes.append(_mode(coalesce, turns, alone, crowd, subscribers))
+            modes.append(_mode(coalesce, turns, alone, crowd, crowd_size))
     each, coalesced = modes
     return {
         "basis": f"{turns} stores of {batch} chunks of {LIFE_CHUNK >> 10} KiB at {turn_rate:g}/s on A (RAM and fs "
         "full: each store writes down and evicts), B following A each event as it happens, then coalesced "
         f"(A's events_interval {EVENTS_INTERVAL_S:g} s); B's CPU, idle and polls subtracted; A's CPU with "
-        f"{subscribers} more followers of the same kind (a child process) minus without, per follower",
+        f"{subscribers} more followers each event, {coalesced_subscribers} coalesced (a child process) minus "
+        "without, per follower",
         "turn_rate": turn_rate,
         "modes": [{**asdict(m), "follower_s_per_turn": m.follower_s_per_turn} for m in modes],
         "follower_ratio": _ratio(each.follower_s_per_turn, coalesced.follower_s_per_turn),
@@ -118,6 +124,7 @@ def _mode(coalesce: bool, turns: int, alone: Phase, crowd: Phase, subscribers: i
         alone.events,
         alone.b_cpu_s,
         max(0.0, crowd.a_cpu_s - alone.a_cpu_s) / subscribers,
+        subscribers,
     )
 
 

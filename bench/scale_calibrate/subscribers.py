@@ -52,7 +52,7 @@ class Subscribers:
         self.streams = streams
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bench.scale_calibrate", "--serve-subscribers", address, str(streams)]
-            + (["--coalesced-subscribers"] if coalesce else []),
+            + (["--serve-coalesced"] if coalesce else []),
             stdout=subprocess.PIPE,
             text=True,
             env=_child_env(),
