@@ -18,10 +18,13 @@ from bench.scale_calibrate.coalescing import coalescing_lines, fill_for_coalesci
 from bench.scale_calibrate.common import DEFAULT_OUT, README_BYTES_PER_ENTRY, SINGLE_EVENTS, SMALL, loadavg
 from bench.scale_calibrate.daemons import Pair
 from bench.scale_calibrate.events import events_report, run_event_phases
+from bench.scale_calibrate.grpc_floor import floor_client, measure_grpc_floor
 from bench.scale_calibrate.in_process import measure_in_process
 from bench.scale_calibrate.lookups import measure_lookups_and_fetch
 from bench.scale_calibrate.s3 import measure_s3
 from bench.scale_calibrate.subscribers import serve_subscribers
+
+HIDDEN = ("serve_subscribers", "serve_coalesced", "floor_client")  # the child processes' flags
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -76,7 +79,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--serve-subscribers", nargs=2, metavar=("ADDRESS", "STREAMS"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-coalesced", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--floor-client", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.floor_client:
+        import uvloop
+
+        uvloop.run(floor_client(args.floor_client))
+        return 0
     if args.serve_subscribers:
         address, streams = args.serve_subscribers
         asyncio.run(serve_subscribers(address, int(streams), args.serve_coalesced))
@@ -93,7 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "schema": 1,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine_info(),
-        "parameters": {k: v for k, v in vars(args).items() if k not in ("serve_subscribers", "serve_coalesced")},
+        "parameters": {
+            k: v for k, v in vars(args).items() if k not in ("serve_subscribers", "serve_coalesced", "floor_client")
+        },
     }
     # Every 4 KiB chunk of the event phases stays in A's RAM, below its write-back headroom (5%).
     small_chunks = 2 * SINGLE_EVENTS + args.entries + args.entries // 4 + 200
@@ -108,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc["coalescing"] = measure_coalescing(
             pair, args.batch, args.turns, args.turn_rate, args.subscribers, args.coalesced_subscribers
         )
+        doc["coalescing"]["grpc_floor"] = measure_grpc_floor()
         load["after_coalescing"] = loadavg()
         doc["lookup"] = measure_lookups_and_fetch(pair, args.reps)
         load["after_lookups"] = loadavg()

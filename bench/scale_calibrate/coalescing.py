@@ -139,7 +139,7 @@ def coalescing_lines(doc: dict[str, Any]) -> list[tuple[str, str]]:
     def times(r: float | None) -> str:
         return f"{r:.0f}x" if r is not None else "(coalesced below the noise)"
 
-    return [
+    lines = [
         (
             "following A at the model's turn rate",
             f"each event {each['follower_s_per_turn'] * rate:.1%} of a core ({each['messages']} messages), "
@@ -153,3 +153,16 @@ def coalescing_lines(doc: dict[str, Any]) -> list[tuple[str, str]]:
             f"{times(doc['publisher_ratio'])} less",
         ),
     ]
+    floor = doc.get("grpc_floor")
+    if floor:
+        lines.append(
+            (
+                "gRPC's floor per message (no daemon)",
+                f"receiving {floor['receiver_s_per_message'] * 1e6:.0f} us, sending "
+                f"{floor['sender_s_per_message'] * 1e6:.0f} us per {floor['payload_bytes']:,} B message after a "
+                f"quiet interval: {floor['receiver_s_per_message'] * rate:.2%} of a core at {rate:g}/s; the "
+                f"coalesced follower's {coalesced['follower_cpu_s'] / max(1, coalesced['messages']) * 1e6:.0f} us "
+                "per message",
+            )
+        )
+    return lines

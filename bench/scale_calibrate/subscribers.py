@@ -55,7 +55,7 @@ class Subscribers:
             + (["--serve-coalesced"] if coalesce else []),
             stdout=subprocess.PIPE,
             text=True,
-            env=_child_env(),
+            env=child_env(),
             cwd=REPO,
         )
         self.rss_before = self.rss_ready = 0
@@ -96,7 +96,7 @@ class Subscribers:
         self._thread.join(5)
 
 
-def _child_env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "client"), env.get("PYTHONPATH", "")])
     return env
