@@ -14,14 +14,17 @@ from datetime import UTC, datetime
 from typing import Any
 
 from bench.lib.report import machine_info, write_json
-from bench.scale_calibrate.coalescing import coalescing_lines, measure_coalescing
+from bench.scale_calibrate.coalescing import coalescing_lines, fill_for_coalescing, measure_coalescing
 from bench.scale_calibrate.common import DEFAULT_OUT, README_BYTES_PER_ENTRY, SINGLE_EVENTS, SMALL, loadavg
 from bench.scale_calibrate.daemons import Pair
 from bench.scale_calibrate.events import events_report, run_event_phases
+from bench.scale_calibrate.grpc_floor import floor_client, measure_grpc_floor
 from bench.scale_calibrate.in_process import measure_in_process
 from bench.scale_calibrate.lookups import measure_lookups_and_fetch
 from bench.scale_calibrate.s3 import measure_s3
 from bench.scale_calibrate.subscribers import serve_subscribers
+
+HIDDEN = ("serve_subscribers", "serve_coalesced", "floor_client")  # the child processes' flags
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -44,6 +47,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--subscribers", type=int, default=16, help="extra WatchEvents streams on A (publisher cost)")
     parser.add_argument(
+        "--coalesced-subscribers",
+        type=int,
+        default=64,
+        help="extra coalesced WatchEvents streams on A in the coalescing phase (publisher cost)",
+    )
+    parser.add_argument(
         "--batch",
         type=int,
         default=50,
@@ -63,24 +72,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--turn-rate", type=float, default=10.0, help="stores per second in the coalescing phase (the model's turns)"
     )
+    parser.add_argument(
+        "--only-coalescing",
+        action="store_true",
+        help="run the coalescing phase alone (A filled first) and print its figures; writes no JSON",
+    )
     parser.add_argument("--serve-subscribers", nargs=2, metavar=("ADDRESS", "STREAMS"), help=argparse.SUPPRESS)
-    parser.add_argument("--coalesced-subscribers", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-coalesced", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--floor-client", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.floor_client:
+        import uvloop
+
+        uvloop.run(floor_client(args.floor_client))
+        return 0
     if args.serve_subscribers:
         address, streams = args.serve_subscribers
-        asyncio.run(serve_subscribers(address, int(streams), args.coalesced_subscribers))
+        asyncio.run(serve_subscribers(address, int(streams), args.serve_coalesced))
         return 0
     if shutil.which("ss") is None:
         print("scale_calibrate: needs `ss` (iproute2) to read what B's TCP socket received", file=sys.stderr)
         return 2
 
+    if args.only_coalescing:
+        return only_coalescing(args)
     started = time.monotonic()
     load = {"start": loadavg()}
     doc: dict[str, Any] = {
         "schema": 1,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine_info(),
-        "parameters": {k: v for k, v in vars(args).items() if k not in ("serve_subscribers", "coalesced_subscribers")},
+        "parameters": {
+            k: v for k, v in vars(args).items() if k not in ("serve_subscribers", "serve_coalesced", "floor_client")
+        },
     }
     # Every 4 KiB chunk of the event phases stays in A's RAM, below its write-back headroom (5%).
     small_chunks = 2 * SINGLE_EVENTS + args.entries + args.entries // 4 + 200
@@ -92,7 +116,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_event_phases(pair, args.entries, args.subscribers, args.batch), args.subscribers, args.batch
         )
         load["after_events"] = loadavg()
-        doc["coalescing"] = measure_coalescing(pair, args.batch, args.turns, args.turn_rate, args.subscribers)
+        doc["coalescing"] = measure_coalescing(
+            pair, args.batch, args.turns, args.turn_rate, args.subscribers, args.coalesced_subscribers
+        )
+        doc["coalescing"]["grpc_floor"] = measure_grpc_floor()
         load["after_coalescing"] = loadavg()
         doc["lookup"] = measure_lookups_and_fetch(pair, args.reps)
         load["after_lookups"] = loadavg()
@@ -109,6 +136,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"wrote {args.out} ({doc['duration_s']} s; load average {load['start'][0]} at the start, "
         f"{load['end'][0]} at the end)"
     )
+    return 0
+
+
+def only_coalescing(args: argparse.Namespace) -> int:
+    pair = Pair("64MiB")
+    try:
+        pair.start()
+        fill_for_coalescing(pair, args.batch)
+        doc = measure_coalescing(
+            pair, args.batch, args.turns, args.turn_rate, args.subscribers, args.coalesced_subscribers
+        )
+    finally:
+        pair.close()
+    for k, v in coalescing_lines(doc):
+        print(f"  {k}  {v}")
     return 0
 
 

@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.scale_calibrate.common import LIFE_CHUNK, batches, new_keys, ns_fields
+from bench.scale_calibrate.common import FS_BYTES, LIFE_CHUNK, batches, new_keys, ns_fields
 from bench.scale_calibrate.daemons import Pair, Phase
+from bench.scale_calibrate.events import pair_ram_bytes
 from bench.scale_calibrate.subscribers import Subscribers
 
 EVENTS_INTERVAL_S = 0.1  # A's events_interval (the daemon's default)
@@ -32,6 +33,7 @@ class FollowMode:
     messages: int  # what B applied
     follower_cpu_s: float  # B's
     publisher_cpu_s_per_subscriber: float  # A's, per extra stream
+    subscribers: int  # the extra streams
 
     @property
     def follower_s_per_turn(self) -> float:
@@ -42,7 +44,24 @@ class FollowMode:
         return self.publisher_cpu_s_per_subscriber / self.turns
 
 
-def measure_coalescing(pair: Pair, batch: int, turns: int, turn_rate: float, subscribers: int) -> dict[str, Any]:
+def fill_for_coalescing(pair: Pair, batch: int) -> None:
+    """A's RAM and fs full of the lifecycle namespace's chunks, as the event phases leave them
+    (for a run of the coalescing phase alone)."""
+    data = np.zeros((batch, LIFE_CHUNK), np.uint8)
+    with pair.a.client() as kv:
+        ns = kv.register_namespace(**ns_fields("life", LIFE_CHUNK))
+        fill = new_keys(pair_ram_bytes(pair) // LIFE_CHUNK + FS_BYTES // LIFE_CHUNK + 2 * batch, "fill")
+        pair.phase(
+            "filling A's RAM and fs",
+            lambda: sum(kv.store(ns, part, data[: len(part)]).stored for part in batches(fill, batch)),
+        )
+
+
+def measure_coalescing(
+    pair: Pair, batch: int, turns: int, turn_rate: float, subscribers: int, coalesced_subscribers: int
+) -> dict[str, Any]:
+    """subscribers, coalesced_subscribers: the extra streams of each mode (a coalesced stream
+    costs A so little that 16 of them are within the noise of A's own stores)."""
     data = np.zeros((batch, LIFE_CHUNK), np.uint8)
     modes: list[FollowMode] = []
     print(f"coalescing: {turns} turns of {batch} chunks at {turn_rate:g}/s, RAM and fs full", flush=True)
@@ -67,24 +86,25 @@ def measure_coalescing(pair: Pair, batch: int, turns: int, turn_rate: float, sub
 
             return nudge
 
-        for coalesce in (False, True):
+        for coalesce, crowd_size in ((False, subscribers), (True, coalesced_subscribers)):
             name = "coalesced" if coalesce else "each event"
             pair.follow(coalesce)
             pair.measure_idle()
             alone = pair.phase(f"turns, B following {name}", paced(f"c{coalesce:d}-1"))
-            subs = Subscribers(pair.a.address, subscribers, coalesce)
+            subs = Subscribers(pair.a.address, crowd_size, coalesce)
             try:
                 subs.wait_ready(nudger(iter(new_keys(200, f"c{coalesce:d}-n"))))
-                crowd = pair.phase(f"turns, {subscribers} more followers {name}", paced(f"c{coalesce:d}-2"))
+                crowd = pair.phase(f"turns, {crowd_size} more followers {name}", paced(f"c{coalesce:d}-2"))
             finally:
                 subs.stop()
-            modes.append(_mode(coalesce, turns, alone, crowd, subscribers))
+            modes.append(_mode(coalesce, turns, alone, crowd, crowd_size))
     each, coalesced = modes
     return {
         "basis": f"{turns} stores of {batch} chunks of {LIFE_CHUNK >> 10} KiB at {turn_rate:g}/s on A (RAM and fs "
         "full: each store writes down and evicts), B following A each event as it happens, then coalesced "
         f"(A's events_interval {EVENTS_INTERVAL_S:g} s); B's CPU, idle and polls subtracted; A's CPU with "
-        f"{subscribers} more followers of the same kind (a child process) minus without, per follower",
+        f"{subscribers} more followers each event, {coalesced_subscribers} coalesced (a child process) minus "
+        "without, per follower",
         "turn_rate": turn_rate,
         "modes": [{**asdict(m), "follower_s_per_turn": m.follower_s_per_turn} for m in modes],
         "follower_ratio": _ratio(each.follower_s_per_turn, coalesced.follower_s_per_turn),
@@ -104,6 +124,7 @@ def _mode(coalesce: bool, turns: int, alone: Phase, crowd: Phase, subscribers: i
         alone.events,
         alone.b_cpu_s,
         max(0.0, crowd.a_cpu_s - alone.a_cpu_s) / subscribers,
+        subscribers,
     )
 
 
@@ -118,7 +139,7 @@ def coalescing_lines(doc: dict[str, Any]) -> list[tuple[str, str]]:
     def times(r: float | None) -> str:
         return f"{r:.0f}x" if r is not None else "(coalesced below the noise)"
 
-    return [
+    lines = [
         (
             "following A at the model's turn rate",
             f"each event {each['follower_s_per_turn'] * rate:.1%} of a core ({each['messages']} messages), "
@@ -132,3 +153,16 @@ def coalescing_lines(doc: dict[str, Any]) -> list[tuple[str, str]]:
             f"{times(doc['publisher_ratio'])} less",
         ),
     ]
+    floor = doc.get("grpc_floor")
+    if floor:
+        lines.append(
+            (
+                "gRPC's floor per message (no daemon)",
+                f"receiving {floor['receiver_s_per_message'] * 1e6:.0f} us, sending "
+                f"{floor['sender_s_per_message'] * 1e6:.0f} us per {floor['payload_bytes']:,} B message after a "
+                f"quiet interval: {floor['receiver_s_per_message'] * rate:.2%} of a core at {rate:g}/s; the "
+                f"coalesced follower's {coalesced['follower_cpu_s'] / max(1, coalesced['messages']) * 1e6:.0f} us "
+                "per message",
+            )
+        )
+    return lines

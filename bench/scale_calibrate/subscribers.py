@@ -52,10 +52,10 @@ class Subscribers:
         self.streams = streams
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bench.scale_calibrate", "--serve-subscribers", address, str(streams)]
-            + (["--coalesced-subscribers"] if coalesce else []),
+            + (["--serve-coalesced"] if coalesce else []),
             stdout=subprocess.PIPE,
             text=True,
-            env=_child_env(),
+            env=child_env(),
             cwd=REPO,
         )
         self.rss_before = self.rss_ready = 0
@@ -96,7 +96,7 @@ class Subscribers:
         self._thread.join(5)
 
 
-def _child_env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "client"), env.get("PYTHONPATH", "")])
     return env

@@ -83,6 +83,19 @@ class Subscription:
 Listener = Callable[[KvEvent], None]
 
 
+class Tap:
+    """A subscriber that takes each event it accepts as it is published (an interval feed
+    gathering its interval: no queue of its own)."""
+
+    def __init__(self, take: Listener, accepts: EventFilter = everything) -> None:
+        self.take = take
+        self.accepts = accepts
+
+    def offer(self, event: KvEvent) -> None:
+        if self.accepts(event):
+            self.take(event)
+
+
 # Keys per event at most: a ClearNamespace of millions of keys would otherwise be one message
 # larger than a gRPC client takes (4 MiB by default; a peer's follower, 64 MiB), which no
 # subscriber could ever read past. 16,384 keys of 32 bytes: about 0.6 MB encoded.
@@ -96,7 +109,7 @@ class EventBus:
         # A subscriber holds no more than the buffer: it is cut off before it has fallen further
         # behind than a resume could replay (with no buffer there is no resuming anyway).
         self._subscriber_queue = min(subscriber_queue, buffer_events) if buffer_events > 0 else subscriber_queue
-        self._subscriptions: set[Subscription] = set()
+        self._subscriptions: set[Subscription | Tap] = set()
         self._listeners: list[Listener] = []
         self.last_seq = 0
         self._soon: tuple[tuple[EventType, Cause, str, TierKind], list[ChunkId]] | None = None  # publish_soon's
@@ -104,6 +117,11 @@ class EventBus:
     @property
     def buffer_events(self) -> int:
         return self._buffer.maxlen or 0
+
+    @property
+    def subscriber_queue(self) -> int:
+        """Events a subscriber may fall behind by before it is cut off."""
+        return self._subscriber_queue
 
     def add_listener(self, listener: Listener) -> None:
         self._listeners.append(listener)
@@ -147,6 +165,10 @@ class EventBus:
             asyncio.get_running_loop().call_soon(self._flush_soon)
         self._soon[1].extend(chunks)
 
+    def flush_soon(self) -> None:
+        """Publish what publish_soon holds now (an interval ending)."""
+        self._flush_soon()
+
     def _flush_soon(self) -> None:
         if self._soon is not None:
             (type, cause, tier, tier_kind), chunks = self._soon
@@ -181,13 +203,21 @@ class EventBus:
         self._subscriptions.add(sub)
         return sub
 
-    def unsubscribe(self, sub: Subscription) -> None:
+    def listen(self, take: Listener, accepts: EventFilter = everything) -> Tap:
+        """Like subscribe(), but `take` gets each accepted event as it is published."""
+        tap = Tap(take, accepts)
+        self._subscriptions.add(tap)
+        return tap
+
+    def unsubscribe(self, sub: Subscription | Tap) -> None:
         self._subscriptions.discard(sub)
 
     def close(self) -> None:
         """End every subscription (daemon shutdown): streams finish instead of being cut."""
         self._flush_soon()
         for sub in self._subscriptions:
+            if isinstance(sub, Tap):
+                continue
             while True:
                 try:
                     sub.queue.put_nowait(None)

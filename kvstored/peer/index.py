@@ -137,16 +137,23 @@ class PeerIndex:
         flag = 1 << (slot * TIER_BITS + bit)
         slot_bits = SLOT_MASK << (slot * TIER_BITS)
         entries = self._entries
+        get, to_end = entries.get, entries.move_to_end
         added = 0
         for key in keys:
             chunk = prefix + key
-            mask = entries.get(chunk, 0)
+            mask = get(chunk)
+            if mask is None:  # new: it lands at the recent end already
+                entries[chunk] = flag
+                added += 1
+                continue
             if not mask & slot_bits:
                 added += 1
-            entries[chunk] = mask | flag
-            entries.move_to_end(chunk)
+            if mask & flag != flag:
+                entries[chunk] = mask | flag
+            to_end(chunk)
         self._counts[slot] += added
-        self._evict()
+        if len(entries) > self.max_entries:
+            self._evict()
 
     def remove(self, slot: int, bit: int, namespace_id: str, keys: Sequence[bytes]) -> None:
         """The peer in `slot` no longer holds these chunks in its tier `bit`."""
@@ -158,18 +165,21 @@ class PeerIndex:
         flag = 1 << (slot * TIER_BITS + bit)
         slot_bits = SLOT_MASK << (slot * TIER_BITS)
         entries = self._entries
+        get, live = entries.get, self._live
+        gone = 0
         for key in keys:
-            chunk = prefix + key
-            mask = entries.get(chunk)
+            mask = get(prefix + key)
             if mask is None or not mask & flag:
                 continue
+            chunk = prefix + key
             mask &= ~flag
             if not mask & slot_bits:
-                self._counts[slot] -= 1
-            if mask & self._live:
+                gone += 1
+            if mask & live:
                 entries[chunk] = mask
             else:
                 del entries[chunk]
+        self._counts[slot] -= gone
 
     def drop(self, slot: int, namespace_id: str, key: bytes) -> None:
         """The peer in `slot` said it does not hold this chunk (a stale entry found at fetch)."""

@@ -42,6 +42,7 @@ from kvstored.chunks.ids import TierKind
 from kvstored.config import Config, ConfigError
 from kvstored.errors import ListenError
 from kvstored.events.bus import EventBus, KvEvent
+from kvstored.events.feed import IntervalFeeds
 from kvstored.events.identity import IdentityBook
 from kvstored.logs import setup_logging
 from kvstored.namespaces import NamespaceRegistry
@@ -55,10 +56,11 @@ from kvstored.server.namespace_records import NamespaceRecords
 from kvstored.server.peer_service import SERVICE_NAME as PEER_SERVICE_NAME
 from kvstored.server.peer_service import PeerService
 from kvstored.server.preflight import preflight
-from kvstored.server.service import KVStoreService
+from kvstored.server.service import KVStoreService, add_to_server
 from kvstored.server.session_socket import SessionSocketServer
 from kvstored.server.systemd import fd_store_enabled, forget_fds, listened_fds, notify, store_fds
 from kvstored.server.tenants import Tenancy, TenantPolicy, events_for
+from kvstored.server.watch import encode_interval
 from kvstored.shm import memory
 from kvstored.shm.arenas import ArenaSet, PageReleaser
 from kvstored.shm.copy import GUARDED as copy_guarded
@@ -271,6 +273,9 @@ class Daemon:
                 usage.chunks,
             )
 
+        # Coalesced watch streams' intervals: one feed per audience, its timer started with the server.
+        self.feeds = IntervalFeeds(self.chain.events, cfg.events_interval, encode_interval)
+        self._feeds_timer: asyncio.Task | None = None
         self.metrics = DaemonMetrics(
             functools.partial(chain_snapshot, self.chain),
             self.broker.counts,
@@ -294,9 +299,9 @@ class Daemon:
             self.tenancy,
             self._peer_counts,
             self.identities,
-            cfg.events_interval,
+            self.feeds,
         )
-        pb_grpc.add_KVStoreServicer_to_server(service, self.server)
+        add_to_server(service, self.server)
         pb_grpc.add_PeerServicer_to_server(
             PeerService(self.peer_serving, self.peer_tier, self.chain.events), self.server
         )
@@ -317,6 +322,7 @@ class Daemon:
             await self._start_metrics(cfg.metrics_addr)
         self.server.add_insecure_port(f"unix:{cfg.socket}")
         await self.server.start()
+        self._feeds_timer = asyncio.create_task(self.feeds.run(), name="event-feeds")
         os.chmod(cfg.socket, cfg.socket_mode)
 
         self.session_server = SessionSocketServer(
@@ -525,6 +531,14 @@ class Daemon:
             applied.append(f"tier {new[index].name} admission={policy.value}")
         return new
 
+    async def _close_feeds(self) -> None:
+        timer, self._feeds_timer = self._feeds_timer, None
+        if timer is not None:
+            timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await timer
+        self.feeds.close()
+
     async def wait_stopped(self) -> None:
         await self._stopping.wait()
 
@@ -536,6 +550,7 @@ class Daemon:
         if listener is not None:
             await listener.stop_listening()
         await self.health.enter_graceful_shutdown()
+        await self._close_feeds()  # (their last interval sent first)
         self.chain.events.close()  # event streams end now instead of holding the grace period
         if self.peer_tier is not None:
             await self.peer_tier.close()  # stop following the peers; their reads end as misses

@@ -18,6 +18,7 @@ from kvstored.chain.chain import TierChain
 from kvstored.chain.stats import chain_snapshot
 from kvstored.chunks.ids import TierKind
 from kvstored.errors import BatchTooLarge, InvalidRequest, SessionRequired, shown
+from kvstored.events.feed import IntervalFeeds
 from kvstored.events.identity import BlockIdentity, IdentityBook
 from kvstored.namespaces import Namespace, NamespaceRegistry, check_keys
 from kvstored.observability.snapshot import STORE_DROP_REASONS
@@ -117,9 +118,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         tenancy: Tenancy,
         peer_counts: Callable[[], tuple[int, int]] = lambda: (0, 0),
         identities: IdentityBook | None = None,
-        events_interval: float = 0.1,
+        feeds: IntervalFeeds | None = None,
     ) -> None:
-        self._events_interval = events_interval  # a coalesced watch stream's
+        self._feeds = feeds  # coalesced watch streams' (None: not served)
         self._identities = identities  # None: no ZMQ publisher, identities are checked, not kept
         self._peer_counts = peer_counts  # (chunks leased to peers, RAM slots peer fetches hold)
         self._region_dirs = tuple(region_dirs)
@@ -371,12 +372,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 f"available is seq {bus.oldest_seq} (events_buffer={bus.buffer_events})"
             )
             return
-        if request.coalesce:
-            stream = net_changes(bus, accepts, request.from_seq, self._events_interval)
-        else:
-            stream = each_event(bus, accepts, request.from_seq)
-        async for event in stream:
-            yield event
+        if not request.coalesce:
+            async for event in each_event(bus, accepts, request.from_seq):
+                yield event
+            return
+        if self._feeds is None:
+            raise InvalidRequest("coalesced event streams are not served here")
+        # Streams that see the same events share a feed: those of one session, or of none.
+        async for payload in net_changes(self._feeds, request.session_id, accepts, request.from_seq):
+            yield payload  # (encoded once for the whole audience: see add_to_server)
 
 
 def _load_into(value: int) -> LoadInto:
@@ -386,3 +390,33 @@ def _load_into(value: int) -> LoadInto:
         raise InvalidRequest(
             f"load_into {value} is not a LoadInto value ({', '.join(f'{m.value}: {m.name}' for m in LoadInto)})"
         ) from None
+
+
+def _encoded_or_message(message: bytes | pb.KvEvent) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+class _PassEncoded:
+    """Stands in for the server while the generated code registers the KVStore handlers: gives
+    WatchEvents a serializer that passes an already encoded message through."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self._server = server
+
+    def _patched(self, handlers: dict[str, grpc.RpcMethodHandler]) -> dict[str, grpc.RpcMethodHandler]:
+        watch = handlers["WatchEvents"]
+        return {**handlers, "WatchEvents": watch._replace(response_serializer=_encoded_or_message)}
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        pass  # (the same methods come again as registered ones: both are added from those)
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        methods = self._patched(handlers)
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, methods),))
+        self._server.add_registered_method_handlers(service, methods)
+
+
+def add_to_server(service: KVStoreService, server: grpc.aio.Server) -> None:
+    """Register the KVStore service; a coalesced WatchEvents stream yields messages its feed
+    encoded once for every stream of the audience (feed.py), sent as they are."""
+    pb_grpc.add_KVStoreServicer_to_server(service, _PassEncoded(server))

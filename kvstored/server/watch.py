@@ -7,12 +7,12 @@ writes down and evicts one chunk at a time would otherwise cost each follower a 
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Hashable
 
 from kvstored.errors import WatcherLagged
-from kvstored.events.bus import MAX_EVENT_KEYS, EventBus, EventFilter, KvEvent, Subscription
+from kvstored.events.bus import MAX_EVENT_KEYS, EventBus, EventFilter, KvEvent
 from kvstored.events.coalesce import net_events
+from kvstored.events.feed import IntervalFeeds
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 
 
@@ -58,50 +58,34 @@ async def each_event(bus: EventBus, accepts: EventFilter, from_seq: int) -> Asyn
 
 
 async def net_changes(
-    bus: EventBus, accepts: EventFilter, from_seq: int, interval_s: float
-) -> AsyncIterator[pb.KvEvent]:
-    """The net changes of each interval (coalesce.net_events) in one message (`partial` on all
-    but the last where it takes several); the replay from from_seq is one interval. An idle
-    stream waits for an event, then gathers for interval_s."""
-    sub = bus.subscribe(accepts)
+    feeds: IntervalFeeds, audience: Hashable, accepts: EventFilter, from_seq: int
+) -> AsyncIterator[bytes]:
+    """The net changes of each interval (coalesce.net_events), encoded: the audience's feed's
+    messages, the same bytes for every stream of the audience (feed.py); first the replay from
+    from_seq up to the feed's interval, as one interval of this stream's own."""
+    replay, stream = feeds.join(audience, accepts, from_seq)
     try:
         last = 0
-        pending: list[KvEvent] = []
-        if from_seq:
-            pending = [e for e in bus.replay(from_seq) if accepts(e)]
-            last = bus.last_seq
+        for payload in encode_interval(replay):
+            yield payload
+        if replay:
+            last = replay[-1].seq
         while True:
-            for message in interval_messages(pending):
-                yield message
-            if sub.lagged and sub.queue.empty():
-                raise _lagged(last)
-            first = await sub.queue.get()
-            if first is None:
+            message = await stream.next()
+            if message is None:
+                if stream.lagged:
+                    raise _lagged(last)
                 return
-            await asyncio.sleep(interval_s)
-            pending, closed = _drain(sub, first, last)
-            last = max(last, pending[-1].seq) if pending else last
-            if closed:
-                for message in interval_messages(pending):
-                    yield message
-                return
+            yield message.payload
+            if message.events:  # the last of its interval: resumable after it
+                last = message.seq
     finally:
-        bus.unsubscribe(sub)
+        feeds.leave(audience, stream)
 
 
-def _drain(sub: Subscription, first: KvEvent, after: int) -> tuple[list[KvEvent], bool]:
-    """The events queued now (past `after`: the replay may have covered some), and whether the
-    bus closed."""
-    events = [first] if first.seq > after else []
-    while True:
-        try:
-            event = sub.queue.get_nowait()
-        except asyncio.QueueEmpty:
-            return events, False
-        if event is None:
-            return events, True
-        if event.seq > after:
-            events.append(event)
+def encode_interval(events: list[KvEvent]) -> list[bytes]:
+    """An interval's messages (interval_messages), encoded once for every stream that sends them."""
+    return [m.SerializeToString() for m in interval_messages(events)]
 
 
 def interval_messages(events: list[KvEvent]) -> list[pb.KvEvent]:

@@ -387,3 +387,58 @@ def test_a_live_coalesced_watch_sees_every_change_in_whole_intervals(daemon_fact
     assert [m.seq for m in got] == sorted({m.seq for m in got})  # increasing
     stored = _keys(got, pb.EVENT_TYPE_STORED)
     assert len(stored) == len(set(stored))  # each stored chunk once
+
+
+class _Reader:
+    """A coalesced WatchEvents stream read in a thread until a message has `until` stored."""
+
+    def __init__(self, stub, from_seq: int, until: bytes) -> None:
+        self.messages: list[pb.KvEvent] = []
+        self._call = stub.WatchEvents(pb.WatchEventsRequest(from_seq=from_seq, coalesce=True), timeout=60)
+        self._until = until
+        self._thread = threading.Thread(target=self._read)
+        self._thread.start()
+
+    def _read(self) -> None:
+        for event in self._call:
+            self.messages.append(event)
+            if not event.partial and self._until in _keys(self.messages, pb.EVENT_TYPE_STORED):
+                self._call.cancel()
+                return
+
+    def join(self) -> list[pb.KvEvent]:
+        self._thread.join(60)
+        assert not self._thread.is_alive()
+        return self.messages
+
+
+def test_coalesced_watchers_share_each_interval_and_a_late_one_resumes_without_gaps(daemon_factory, ns_name):
+    d = daemon_factory(extra_args=["--events-interval", "0.05"])
+    nudges, keys = make_keys("shared-nudge", 50), make_keys("shared", 30)
+    final = keys[-1]
+    with d.channel() as channel, d.client() as kv:
+        stub = pb_grpc.KVStoreStub(channel)
+        ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
+        a, b = _Reader(stub, 0, final), _Reader(stub, 0, final)
+        for nudge in nudges:  # until both streams are live
+            kv.store(ns, [nudge], payloads([nudge], CHUNK))
+            if wait_for(lambda: bool(a.messages and b.messages), timeout=0.2):
+                break
+        assert a.messages and b.messages
+        for key in keys:
+            kv.store(ns, [key], payloads([key], CHUNK))
+        got_a, got_b = a.join(), b.join()
+        # Past the interval both had joined by, they got the same messages (seq, changes, bytes).
+        joined = max(got_a[0].seq, got_b[0].seq)
+        tail_a = [m.SerializeToString() for m in got_a if m.seq > joined]
+        tail_b = [m.SerializeToString() for m in got_b if m.seq > joined]
+        assert tail_a == tail_b and tail_a
+        assert set(keys) <= set(_keys(got_a, pb.EVENT_TYPE_STORED))
+        # A late watcher resuming after the first message: the rest, each chunk once, nothing before.
+        resume = got_a[0].seq + 1
+        late = _Reader(stub, resume, final).join()
+        stored = _keys(late, pb.EVENT_TYPE_STORED)
+        assert len(stored) == len(set(stored))
+        assert set(keys) <= set(stored)
+        assert not set(_keys(got_a[:1], pb.EVENT_TYPE_STORED)) & set(stored)
+        assert [m.seq for m in late] == sorted({m.seq for m in late})
