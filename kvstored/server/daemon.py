@@ -155,6 +155,8 @@ class Daemon:
         pool_bytes = memory.pool_size(cfg.cpu_bytes, cfg.pool_pages)
         if cfg.handover:
             await self._receive_handover(pool_bytes)
+        else:
+            self._release_stored_fds()
         claim_socket_path(cfg.socket)
         claim_socket_path(cfg.session_socket)
         for warning in memory.check_request(pool_bytes, cfg.pool_pages, cfg.numa_node, cfg.populate):
@@ -615,6 +617,16 @@ class Daemon:
         )
         self._state = state
         handover.pause_at(handover.HandoverStep.VERIFIED)
+
+    def _release_stored_fds(self) -> None:
+        """handover = false: a RAM tier systemd kept for us is closed and taken out of its store,
+        or it would hold a second pool's memory for as long as the service lives."""
+        handed = listened_fds()
+        if handed is not None:
+            names = list(handed.fds)
+            handed.close()
+            forget_fds(names)
+            log.info("handover = false: the RAM tier kept in %s is released", handed.source)
 
     def _drop_handover(self) -> None:
         if self._handed is not None:
