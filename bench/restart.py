@@ -17,6 +17,7 @@ Results: docs/benchmarks.md#restarting-with-a-full-ram-tier.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -74,8 +75,12 @@ class Restart:
 
 def pool_inodes(pid: int) -> set[int]:
     """The pool memfds `pid` holds, by inode."""
-    fds = Path(f"/proc/{pid}/fd")
-    return {fd.stat().st_ino for fd in fds.iterdir() if os.readlink(fd).startswith("/memfd:kvstored-pool")}
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # (closed while listed: the daemon's own fds come and go)
+            if os.readlink(fd).startswith("/memfd:kvstored-pool"):
+                inodes.add(fd.stat().st_ino)
+    return inodes
 
 
 def shmem_bytes() -> int:

@@ -11,6 +11,7 @@ talked to with `systemctl --user` over its private socket. The service's output 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -106,8 +107,12 @@ def tiers(sock: Path, model: str, keys: list[bytes]) -> list[Tier]:
 
 def pools(pid: int) -> int:
     """How many pool memfds the process has open (distinct ones: it may hold one more than once)."""
-    fds = [fd for fd in Path(f"/proc/{pid}/fd").iterdir() if os.readlink(fd).startswith("/memfd:kvstored-pool")]
-    return len({fd.stat().st_ino for fd in fds})
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # (closed while listed)
+            if os.readlink(fd).startswith("/memfd:kvstored-pool"):
+                inodes.add(fd.stat().st_ino)
+    return len(inodes)
 
 
 def test_systemctl_restart_keeps_every_chunk_a_byte_exact_ram_hit(manager, ns_name):
