@@ -4,10 +4,11 @@
 service's fd store at stop and adopts it from LISTEN_FDS at the next start.
 
 This machine's systemd is not PID 1, so the test starts a user manager (`systemd --user`) of its
-own: in a private mount namespace with /run/systemd/system present (without it `systemd --user`
-refuses to run on a system not booted with systemd), its runtime directory a temporary one,
-talked to with `systemctl --user` over its private socket. The service's output goes to a file
-(no journald here)."""
+own: in cgroups of its own (removed after: a manager in the root cgroup moves every process there
+into an init.scope), in a private mount namespace with /run/systemd/system present (without it
+`systemd --user` refuses to run on a system not booted with systemd), its runtime directory a
+temporary one, talked to with `systemctl --user` over its private socket. The service's output
+goes to a file (no journald here)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,39 @@ pytestmark = [pytest.mark.root, pytest.mark.system_deps]
 SYSTEMD = Path("/usr/lib/systemd/systemd")
 CHUNK = 64 << 10
 WAIT_S = 60.0  # a hang guard only: every wait ends on a state
-# /run/systemd/system exists on a system booted with systemd; systemd --user insists on it.
+# In cgroups of its own: a manager that finds itself in the root cgroup moves every process there
+# (the machine's) into an init.scope. /run/systemd/system exists on a system booted with systemd;
+# systemd --user insists on it (here in a private mount namespace).
 _MANAGER = (
-    "mkdir -p /run/systemd && mount -t tmpfs kvstored-test /run/systemd && mkdir /run/systemd/system && exec {} --user"
+    'for d in {cgroups}; do echo $$ > "$d/cgroup.procs" || exit 3; done; '
+    "mkdir -p /run/systemd && mount -t tmpfs kvstored-test /run/systemd && mkdir /run/systemd/system && "
+    "exec {systemd} --user"
 )
+
+
+def own_cgroups() -> list[Path]:
+    """A new child of this process's cgroup in each hierarchy systemd tracks units in: cgroup2, and
+    name=systemd where the machine is hybrid."""
+    mine = dict(line.split(":", 2)[1:] for line in Path("/proc/self/cgroup").read_text().splitlines())
+    name = f"kvstored-test-{uuid.uuid4().hex[:8]}"  # one name: a hybrid systemd mirrors its cgroup2 path
+    made = []
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        _, mount, fstype, options = line.split()[:4]
+        key = "" if fstype == "cgroup2" else "name=systemd" if "name=systemd" in options.split(",") else None
+        if key is not None and key in mine:
+            made.append(Path(mount) / mine[key].lstrip("/") / name)
+            made[-1].mkdir()
+    return made
+
+
+def remove_cgroups(roots: list[Path]) -> None:
+    """Each cgroup and what the manager made under it, once their processes are gone."""
+    for root in roots:
+        for d in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+            wait_for(lambda d=d: not (d / "cgroup.procs").read_text().strip(), WAIT_S)
+            d.rmdir()
+        wait_for(lambda root=root: not (root / "cgroup.procs").read_text().strip(), WAIT_S)
+        root.rmdir()
 
 
 class UserManager:
@@ -66,9 +96,11 @@ def manager() -> Iterator[UserManager]:
     runtime = short_tmpdir("kvsd")
     os.chmod(runtime, 0o700)
     m = UserManager(runtime)
+    cgroups = own_cgroups()
+    script = _MANAGER.format(cgroups=" ".join(f"'{d}'" for d in cgroups), systemd=SYSTEMD)
     log = open(runtime / "manager.log", "wb")
     proc = subprocess.Popen(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", _MANAGER.format(SYSTEMD)],
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
         env=m.env,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -90,6 +122,7 @@ def manager() -> Iterator[UserManager]:
     finally:
         proc.terminate()
         proc.wait(WAIT_S)
+        remove_cgroups(cgroups)
         shutil.rmtree(runtime, ignore_errors=True)
 
 
