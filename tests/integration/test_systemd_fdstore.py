@@ -13,6 +13,7 @@ goes to a file (no journald here)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import subprocess
@@ -61,11 +62,13 @@ def own_cgroups() -> list[Path]:
 def remove_cgroups(roots: list[Path]) -> None:
     """Each cgroup and what the manager made under it, once their processes are gone."""
     for root in roots:
-        for d in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
-            wait_for(lambda d=d: not (d / "cgroup.procs").read_text().strip(), WAIT_S)
+        for d in [*sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)), root]:
+            wait_for(functools.partial(_empty, d), WAIT_S)
             d.rmdir()
-        wait_for(lambda root=root: not (root / "cgroup.procs").read_text().strip(), WAIT_S)
-        root.rmdir()
+
+
+def _empty(cgroup: Path) -> bool:
+    return not (cgroup / "cgroup.procs").read_text().strip()
 
 
 class UserManager:
