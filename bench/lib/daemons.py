@@ -39,8 +39,10 @@ class Daemon:
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         start_timeout_s: float = 60.0,
+        socket: os.PathLike | None = None,
     ) -> None:
-        self._d = _Daemon(cpu_bytes=str(cpu_bytes), wrap=_die_with_parent)
+        # `socket`: several daemons on one socket, one after the other (a restart; each has its own log)
+        self._d = _Daemon(socket, cpu_bytes=str(cpu_bytes), wrap=_die_with_parent)
         self.args = ["--log-level", log_level, *extra_args]
         self.env = {**os.environ, **(env or {})}
         self.start_timeout_s = start_timeout_s
@@ -61,12 +63,29 @@ class Daemon:
 
     def start(self) -> None:
         t0 = time.perf_counter()
+        self.spawn()
+        self.wait_ready()
+        self.start_s = time.perf_counter() - t0
+
+    def spawn(self) -> None:
+        """Start the process, not waiting for it to serve (wait_ready() does)."""
+        self._d.spawn(self.args, self.env)
+
+    def wait_ready(self) -> None:
         try:
-            self._d.start(self.args, self.env, self.start_timeout_s)
+            self._d.wait_ready(self.start_timeout_s)
         except AssertionError as exc:  # tests' DaemonError: its first line (the log is in log_tail)
             self.stop()
             raise RuntimeError(str(exc).splitlines()[0]) from None
-        self.start_s = time.perf_counter() - t0
+
+    def wait(self, timeout_s: float = 60.0) -> int:
+        """Wait for the process to exit by itself; its exit code."""
+        return self._d.wait(timeout_s)
+
+    @property
+    def log(self) -> str:
+        """Everything the current (or last) process wrote."""
+        return self._d.log
 
     def stats(self) -> Any:
         """kvstored.v1.KVStore/Stats."""

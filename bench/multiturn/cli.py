@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ from bench.lib.limits import apply_nt_threshold, nt_threshold_arg
 from bench.lib.report import REPO, fmt_bytes, load_average, machine_info, write_json
 from bench.multiturn import nodes, nodes_report
 from bench.multiturn.limits import Limits, measure_limits
-from bench.multiturn.model import CONFIG_BY_KEY, CONFIGS, DEFAULT_MODEL, MODELS, Transfer
+from bench.multiturn.model import CONFIG_BY_KEY, CONFIGS, DEFAULT_MODEL, MODELS, SLOW_DISK, Transfer
 from bench.multiturn.plan import (
     command_line,
     model_doc,
@@ -37,11 +37,13 @@ from bench.multiturn.report import (
     print_results,
     print_rows,
     scaling_lines,
+    slow_disk_lines,
     target_rows,
 )
 from bench.multiturn.runs import RunResult, run_one
 
 DESCRIPTION = (bench.multiturn.__doc__ or "").split("\n\n")[0]
+SLOW_DISK_PREFILL = 4.0  # x the model's prefill rate: the seed's break-even 0.95 -> 3.8 GiB/s, above the fs tier here
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -131,7 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--configs",
         default=None,
-        help=f"among {', '.join(c.key for c in CONFIGS)} (default: all; with --nodes: {', '.join(nodes.CONFIG_KEYS)})",
+        help=f"among {', '.join(CONFIG_BY_KEY)} (default: {', '.join(c.key for c in CONFIGS)}; with --nodes: "
+        f"{', '.join(nodes.CONFIG_KEYS)}; with --slow-disk: {', '.join(c.key for c in SLOW_DISK)})",
+    )
+    g.add_argument(
+        "--slow-disk",
+        action="store_true",
+        help=f"preset: RAM alone vs RAM + a disk slower than recomputing with the recompute gate on vs "
+        f"off (recompute_gate=false): configs {', '.join(c.key for c in SLOW_DISK)}, the prefill rate "
+        f"registered with the namespace (the daemon's gate applies), and, unless --prefill-tokens-per-s "
+        f"is given, {SLOW_DISK_PREFILL:g}x the model's prefill rate: this machine has no cgroup io.max "
+        "(cgroup v2 without the io controller) and no device-mapper, so the break-even is raised above "
+        "its disk instead of the disk throttled below the break-even",
     )
     g.add_argument(
         "--ram-conversations",
@@ -188,12 +201,16 @@ def main(argv: list[str] | None = None) -> int:
         args.ram_conversations = nodes.RAM_CONVERSATIONS if args.nodes > 1 else 128.0
     if args.nodes > 1:
         return nodes_report.main(ap, args, argv)
-    keys = [c.strip() for c in (args.configs or ",".join(CONFIG_BY_KEY)).split(",") if c.strip()]
+    if args.slow_disk and args.prefill_tokens_per_s is None:
+        args.prefill_tokens_per_s = SLOW_DISK_PREFILL * MODELS[args.model].prefill_tokens_per_s
+    default = SLOW_DISK if args.slow_disk else CONFIGS
+    keys = [c.strip() for c in (args.configs or ",".join(c.key for c in default)).split(",") if c.strip()]
     bad = [c for c in keys if c not in CONFIG_BY_KEY]
     if bad:
         ap.error(f"unknown configuration(s) {bad}; choose among {', '.join(CONFIG_BY_KEY)}")
     configs = [CONFIG_BY_KEY[c] for c in keys]
     w, m, basis, derivation, sizes, sizes_conv = setup(ap, args)
+    m = replace(m, register_rates=args.slow_disk)
     counts = parse_counts(args.conversations)
     workdir = Path(args.workdir)
 
@@ -224,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         "sizes": asdict(sizes),
         "sizes_in_conversations": sizes_conv,
         "scaling": scale,
+        "slow_disk": args.slow_disk,
+        "registered_prefill_tokens_per_s": m.gate_prefill_tokens_per_s,
     }
     if args.dry_run:
         if args.json:
@@ -249,13 +268,17 @@ def main(argv: list[str] | None = None) -> int:
             f"load {r.load_average[1]:.1f}"
         ),
         None if args.no_limits else lambda: measure_limits(limits, workdir, chunk_bytes, batch, s3),
-        max(len(c.label) for c in CONFIGS),
+        max(len(c.label) for c in CONFIG_BY_KEY.values()),
     )
     load = load_summary(results, load_start, load_average())
 
     print()
     print_results(results)
     section("daemon counters per run (Stats deltas; bytes are the scaled bytes):", daemon_lines(results))
+    if args.slow_disk:
+        section(
+            "slow disk: RAM + fs with the recompute gate on and off, against RAM alone:", slow_disk_lines(results, m)
+        )
     section("physical limits of this machine (measured at the start and at the end of the sweep):", limit_lines(limits))
     costs = cost_lines(results, m, limits)
     section("cost of a token loaded from each tier (marginal rate, at the largest count measured):", costs)

@@ -34,6 +34,7 @@ class Config:
     label: str
     lower: tuple[tuple[str, str], ...] = ()
     offload: bool = True  # False: no daemon, the GPU's own prefix cache only
+    daemon_args: tuple[str, ...] = ()  # more `kvstored serve` flags
 
     @property
     def tiers(self) -> tuple[str, ...]:
@@ -50,8 +51,13 @@ CONFIGS = (
     Config("ram+fs", "RAM + fs", (("fs", "fs_bytes"),)),
     Config("ram+fs+s3", "RAM + fs + S3", (("fs", "s3_fs_bytes"), ("s3", "s3_bytes"))),
 )
-CONFIG_BY_KEY = {c.key: c for c in CONFIGS}
-CONFIG_LABELS = {c.key: c.label for c in CONFIGS}
+# --slow-disk: RAM alone against RAM + a disk slower than recomputing, with the recompute gate and without
+NO_GATE = Config(
+    "ram+fs-nogate", "RAM + fs, gate off", (("fs", "fs_bytes"),), daemon_args=("--recompute-gate", "false")
+)
+SLOW_DISK = (CONFIGS[1], CONFIGS[2], NO_GATE)
+CONFIG_BY_KEY = {c.key: c for c in (*CONFIGS, NO_GATE)}
+CONFIG_LABELS = {c.key: c.label for c in CONFIG_BY_KEY.values()}
 
 
 # -- parameters ---------------------------------------------------------------------------------
@@ -231,6 +237,12 @@ class Model:
     serial_loads: bool = False
     model_key: str = ""
     transfer: Transfer = field(default_factory=lambda: Transfer.REGION)
+    register_rates: bool = False  # tell the daemon the prefill rate (its recompute gate then applies)
+
+    @property
+    def gate_prefill_tokens_per_s(self) -> float:
+        """The prefill rate to register, per token of the real (scaled) KV: the same break-even in bytes/s."""
+        return self.prefill_tokens_per_s * self.byte_scale if self.register_rates else 0.0
 
     @property
     def byte_scale(self) -> float:

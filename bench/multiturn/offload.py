@@ -45,6 +45,7 @@ class Offload:
         max_chunks: int,
         seed: int,
         transfer: Transfer = Transfer.REGION,
+        prefill_tokens_per_s: float = 0.0,
     ) -> None:
         from kvstored_client import Client, NamespaceSpec
 
@@ -56,6 +57,7 @@ class Offload:
                 chunk_bytes=chunk_bytes,
                 layout="sim",
                 block_tokens=chunk_tokens,
+                prefill_tokens_per_s=prefill_tokens_per_s,  # 0: not registered, no recompute gate
             )
         )
         self.chunk_bytes = chunk_bytes
@@ -138,7 +140,8 @@ class Offload:
     def stats(self) -> dict[str, dict[str, int]]:
         fields = (
             "read_bytes written_bytes loaded_chunks stored_chunks hits lookups evictions promotions writedowns "
-            "dropped_dirty dropped_backpressure errors checksum_failures rejected_full used_bytes chunks"
+            "dropped_dirty dropped_backpressure errors checksum_failures rejected_full used_bytes chunks "
+            "skipped_slow_hits"
         ).split()
         out = {}
         for tier in self.client.stats().tiers:

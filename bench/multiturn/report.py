@@ -469,3 +469,39 @@ def bound_lines(results: list[RunResult], m: Model, limits: Limits) -> list[str]
 def load_summary(results: Sequence[Any], start: float, end: float) -> dict[str, float]:
     samples = [start, end] + [x for r in results if not r.skipped for x in r.load_average]
     return {"start": start, "end": end, "min": min(samples), "max": max(samples), "mean": float(np.mean(samples))}
+
+
+GATE_TOLERANCE = 0.02  # the measured load costs vary this much between runs of one configuration
+
+
+def slow_disk_lines(results: Sequence[RunResult], m: Model) -> list[str]:
+    """--slow-disk: each count's RAM + fs (gate on, gate off) throughput over RAM alone's; the
+    target is that with the gate on RAM + fs never does worse than RAM alone."""
+    runs = {(r.config, r.conversations): r for r in results if not r.skipped}
+    breakeven = m.model_kv_bytes_per_token * m.prefill_tokens_per_s / GIB
+    lines = [
+        f"break-even {breakeven:.2f} GiB/s ({m.prefill_tokens_per_s:,.0f} prefill tokens/s x "
+        f"{m.model_kv_bytes_per_token:,} KV bytes/token; registered as {m.gate_prefill_tokens_per_s:,.0f} "
+        f"tokens/s of {m.kv_bytes_per_token} real bytes); target: gate on >= {1 - GATE_TOLERANCE:.2f}x RAM alone"
+    ]
+    for n in sorted({r.conversations for r in results}):
+        ram = runs.get(("ram", n))
+        if ram is None:
+            continue
+        parts = []
+        for key, label in (("ram+fs", "gate on"), ("ram+fs-nogate", "gate off")):
+            r = runs.get((key, n))
+            if r is None:
+                continue
+            ratio = r.throughput_tokens_s / ram.throughput_tokens_s
+            fs_rate = r.marginal_gib_s.get("fs")
+            part = (
+                f"{label} {ratio:.2f}x (fs hits {100 * r.hit_rate.get('fs', 0):.1f}%, fs "
+                f"{f'{fs_rate:.2f} GiB/s' if fs_rate else '-'}, "
+                f"{r.daemon.get('fs', {}).get('skipped_slow_hits', 0)} hits skipped as slower than recompute)"
+            )
+            if key == "ram+fs":
+                part += " " + ("PASS" if ratio >= 1 - GATE_TOLERANCE else "MISS")
+            parts.append(part)
+        lines.append(f"{n} conversations: RAM alone {ram.throughput_tokens_s:,.0f} tokens/s; " + "; ".join(parts))
+    return lines

@@ -238,7 +238,7 @@ def run_one(
         return summarize(config.key, sim, None, None, None)
     res = TierResources(workdir, f"{config.key.replace('+', '-')}-{conversations}", s3)
     try:
-        extra = ["--metrics-addr", "off", *tier_args(config, sizes, res)]
+        extra = ["--metrics-addr", "off", *tier_args(config, sizes, res), *config.daemon_args]
     except Exception as exc:  # noqa: BLE001 - a tier whose resources cannot be made: say so, go on
         res.close()
         return RunResult(config.key, conversations, skipped=f"tier set-up failed: {exc}")
@@ -252,7 +252,13 @@ def run_one(
     offload = None
     try:
         offload = Offload(
-            daemon.socket, chunk_bytes, w.chunk_tokens, w.final_tokens // w.chunk_tokens, w.seed, m.transfer
+            daemon.socket,
+            chunk_bytes,
+            w.chunk_tokens,
+            w.final_tokens // w.chunk_tokens,
+            w.seed,
+            m.transfer,
+            m.gate_prefill_tokens_per_s,
         )
         before = offload.stats()
         sim = Simulation(w, m, conversations, offload)

@@ -53,6 +53,7 @@ COMPARED = {
         "budget",
     ],
     "populate.py": ["1 thread (the baseline)", "page mode", "same run"],
+    "restart.py": ["hand-over", "cold restart", "byte-exact", "ratio cold / hand-over", "16 GiB pool", "runs 8 GiB"],
     "tiers.py": ["raw O_DIRECT", "raw aiobotocore", "fs tier", "S3 tier"],
     "vllm_tier.py": ["vLLM's built-in fs tier", "TieringOffloadingManager"],
 }
@@ -225,6 +226,50 @@ def test_multiturn_small_run_reports_rows_with_their_limits(tmp_path, transfer):
     assert doc["load_average"]["max"] >= doc["load_average"]["min"] > 0
     assert doc["model"]["transfer"] == transfer
     assert "targets and ratios" in proc.stdout and "bounded by" in proc.stdout
+
+
+def test_multiturn_slow_disk_preset_plans_its_three_configs(tmp_path):
+    """--slow-disk: RAM alone, RAM + fs with the recompute gate, RAM + fs without it (the daemon told
+    recompute_gate=false); the prefill rate registered (x4 the model's, in real bytes per token)."""
+    plan = dry_run(tmp_path, "--slow-disk")
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    assert [c["key"] for c in doc["configs"]] == ["ram", "ram+fs", "ram+fs-nogate"]
+    assert doc["slow_disk"] is True
+    assert plan["prefill_tokens_per_s"] == 4 * 50_000
+    assert doc["registered_prefill_tokens_per_s"] == 4 * 50_000 * plan["byte_scale"]
+    assert "--slow-disk" in bench_help("multiturn.py")
+    assert dry_run(tmp_path)["prefill_tokens_per_s"] == 50_000  # (without it: nothing registered)
+    assert json.loads((tmp_path / "plan.json").read_text())["registered_prefill_tokens_per_s"] == 0
+
+
+def test_restart_small_run_keeps_every_chunk_a_byte_exact_ram_hit_only_with_the_hand_over(tmp_path):
+    """bench.restart on a 64 MiB RAM tier: after the hand-over every chunk is a RAM hit and loads
+    byte-exact, without a second pool, three times over; after the cold restart (RAM only) none is."""
+    out = tmp_path / "restart.json"
+    proc = subprocess.run(
+        [*bench("restart"), "--cpu-bytes", "64MiB", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean_env(),
+        cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    *handovers, cold = doc["results"]
+    assert [r["kind"] for r in handovers] == ["hand-over"] * 3 and cold["kind"] == "cold"  # (--rounds 3)
+    assert doc["chunks"] == 32 and cold["chunks"] == 32
+    for ho in handovers:  # (each adopts what the one before adopted)
+        assert ho["ram_hits"] == 32 and ho["wrong_chunks"] == 0 and ho["bytes_verified"] == 64 << 20
+        assert ho["all_ram_hits_s"] is not None and ho["same_pool"]  # the pool adopted, not a second one
+        assert {"requested", "sent", "received", "adopted", "serving"} <= set(ho["steps_s"])
+    assert (
+        cold["ram_hits"] == 0
+        and cold["bytes_verified"] == 0
+        and cold["all_ram_hits_s"] is None
+        and not cold["same_pool"]
+    )
+    assert doc["target"]["unserved"] in ("PASS", "MISS") and "cold / hand-over" in proc.stdout
 
 
 SCALE_DESIGNS = ["mesh", "coalesced", "directory", "router"]

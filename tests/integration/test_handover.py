@@ -106,6 +106,14 @@ def test_restart_keeps_every_ram_chunk_a_byte_exact_ram_hit(daemons, workdir, ns
     assert public == [Tier.RAM] * len(data["keys"])
     assert tenant == [Tier.RAM] * len(data["tkeys"])
     assert f"RAM tier adopted: {len(data['keys']) + len(data['tkeys'])} chunks" in new.log
+    # The adopted pool is not populated again (its pages exist); its free pages still take new chunks.
+    assert "populating the RAM tier" not in new.log
+    more = make_keys("after-adoption", 32)
+    with new.client() as kv:
+        ns = kv.register_namespace(model=data["model"], dtype="u8", chunk_bytes=CHUNK)
+        assert kv.store(ns, more, payloads(more, CHUNK)).stored == len(more)
+        got = np.zeros((len(more), CHUNK), dtype=np.uint8)
+        assert kv.load(ns, more, got) == len(more) and np.array_equal(got, payloads(more, CHUNK))
     # ... and the next restart does it again (the adopted tier is handed over as it was).
     newer = make(daemons, workdir)
     hand_over(new, newer)
