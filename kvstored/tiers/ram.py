@@ -308,11 +308,11 @@ class RamTier:
 
     def contains_many(self, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
         """`contains` for a batch in one pass (lookups of hundreds of keys per engine step): the
-        index lookups run in C (map over zip), only the hits' recency is Python."""
+        index lookups and, in the usual batch, the hits' recency run in C."""
         entries = list(map(self._index.get, zip(itertools.repeat(namespace_id), keys)))
         ready = EntryState.READY
         out = [entry is not None and entry.state is ready for entry in entries]
-        hits = list(itertools.compress(entries, out))
+        hits: list[RamEntry] = list(itertools.compress(entries, out))  # type: ignore[arg-type]  # (no None: out is False for those)
         try:  # the usual batch: every hit in the LRU, none in a quota scope; all in C
             deque(map(self._lru.move_to_end, map(_CHUNK, hits)), maxlen=0)
             scoped = any(map(_SCOPES, hits))
