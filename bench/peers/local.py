@@ -47,6 +47,10 @@ def start_kvstored(workdir: Path, capacity: int) -> Server:
     )
 
 
+def _blake2b_key(tag: str, i: int) -> bytes:
+    return hashlib.blake2b(f"{tag}/{i}".encode(), digest_size=32).digest()
+
+
 class KvstoredDriver(Driver):
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__(cfg)
@@ -59,7 +63,7 @@ class KvstoredDriver(Driver):
         )
 
     def _keys(self, tag: str, n: int, first: int = 0) -> list[bytes]:
-        return [hashlib.blake2b(f"{tag}/{i}".encode(), digest_size=32).digest() for i in range(first, first + n)]
+        return self.key_list(tag, n, first, _blake2b_key)
 
     def chunk_views(self, slot: int) -> list[np.ndarray]:
         return [self.buf[slot * self.chunk : (slot + 1) * self.chunk]]

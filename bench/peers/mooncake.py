@@ -124,6 +124,10 @@ def start(workdir: Path, capacity: int, standalone: bool) -> Server:
     )
 
 
+def _key(tag: str, i: int) -> str:
+    return f"{tag}/{i}"
+
+
 class _MooncakeDriver(Driver):
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__(cfg)
@@ -142,7 +146,7 @@ class _MooncakeDriver(Driver):
         raise NotImplementedError
 
     def _keys(self, tag: str, n: int, first: int = 0) -> list[str]:
-        return [f"{tag}/{i}" for i in range(first, first + n)]
+        return self.key_list(tag, n, first, _key)
 
     def chunk_views(self, slot: int) -> list[np.ndarray]:
         return [self.buf[slot * self.chunk : (slot + 1) * self.chunk]]

@@ -460,6 +460,8 @@ class Client(ClientBase):
         link = session.fast
         request, timeout = _bounded(effect, deadline)
         try:
+            if effect.postable and link.post(effect.method, request, timeout):
+                return ops.POSTED
             return link.call(effect.method, request, timeout, to_the_end=bool(effect.copy_grace_s))
         except KvstoredError as exc:
             raise self._fast_failed(effect, exc, link) from None
@@ -467,7 +469,20 @@ class Client(ClientBase):
             if link.broken:  # an answer may still come: never use this session again
                 self._drop_session()
 
+    def _settle(self, deadline: float) -> None:
+        """Before a gRPC call: read the answers of the posted fast calls, so that the daemon has
+        done them before it sees this one (a Delete after a store must find it committed)."""
+        session = self._session
+        if session is None or session.fast is None or not session.fast.owed:
+            return
+        try:
+            session.fast.settle(_remaining(deadline))
+        finally:
+            if session.fast.broken:
+                self._drop_session()
+
     def _call(self, method: Any, effect: ops.Call, deadline: float) -> Any:
+        self._settle(deadline)
         request, timeout = _bounded(effect, deadline)
         try:
             if effect.copy_grace_s:

@@ -6,17 +6,26 @@ LoadToRegion as one packet each way over the session socket instead of a gRPC ca
 answers with the handler and the status gRPC would give, so callers see the same results and
 the same errors.
 
-One request is outstanding at a time (the client's lock). A call that fails without its answer
+One request is awaited at a time (the client's lock). A call that fails without its answer
 (a timeout, an interrupt, a broken connection) leaves the link `broken`: an answer may still
 come, so the session must not be used again (the client drops it, which also frees whatever
 the daemon granted it). `sent` then says whether the request had left (a region copy that was
 sent and not answered may have copied part of its batch).
+
+Commit and Release can also be *posted* (post()): sent with a call id, their answers read
+with the next call's (or by settle()), which saves a store or a load one round trip. That is
+safe because the daemon answers them at once, in order, before it reads the next packet: the
+session's next call finds them done, and a connection that closes (the client died) still has
+them read first, before the session ends. A Commit is posted only after its bytes are copied,
+so a lost one leaves a reservation, which the session's end aborts: never unwritten bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import logging
 import os
 import socket
 import time
@@ -29,7 +38,10 @@ from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client.errors import DeadlineExceeded, Unavailable, UnknownSession, from_code
 from kvstored_client.protocol import FAST_METHODS, FAST_REPLY_MAX, MAX_PACKET, REPLY_TOO_LARGE
 
+log = logging.getLogger(__name__)
+
 ENV = "KVSTORED_FAST_PATH"
+POSTABLE = frozenset({"Commit", "Release"})  # answered at once and in order by the daemon
 _ON = frozenset({"", "1", "true", "on", "yes"})
 _OFF = frozenset({"0", "false", "off", "no"})
 
@@ -105,6 +117,13 @@ class FastLink:
         self._aio: socket.socket | None = None  # the same connection for an event loop (timeout 0)
         self.broken = False
         self.sent = False  # the last call's request was sent
+        self._ids = itertools.count(1)
+        self._owed: dict[int, str] = {}  # call id -> method of each posted request not yet answered
+
+    @property
+    def owed(self) -> int:
+        """Posted requests whose answers have not been read yet."""
+        return len(self._owed)
 
     def close(self) -> None:
         if self._aio is not None:
@@ -126,8 +145,12 @@ class FastLink:
                 self.sent = False
                 await loop.sock_sendall(self._aio, data)
                 self.sent = True
-                size = await loop.sock_recv_into(self._aio, self._buffer)
-        return self._answer(method, size)
+                while True:
+                    size = await loop.sock_recv_into(self._aio, self._buffer)
+                    reply = self._reply(method, size)
+                    if not self._settled(reply):
+                        break
+        return self._answer(method, reply)
 
     def call(self, method: str, request: Message, timeout: float, to_the_end: bool = False) -> Any | None:
         """`method`'s answer to `request`, within `timeout` seconds; None when this call must go
@@ -149,7 +172,9 @@ class FastLink:
             while True:
                 try:
                     size = self._sock.recv_into(self._buffer, len(self._buffer), socket.MSG_TRUNC)
-                    break
+                    reply = self._reply(method, size)
+                    if not self._settled(reply):
+                        break
                 except Exception:
                     if interrupted is not None:
                         raise interrupted from None
@@ -159,10 +184,40 @@ class FastLink:
                         raise
                     interrupted = exc
                     self._sock.settimeout(max(end - time.monotonic(), 1e-6))
-        answer = self._answer(method, size)
+        answer = self._answer(method, reply)
         if interrupted is not None:
             raise interrupted
         return answer
+
+    def post(self, method: str, request: Message, timeout: float) -> bool:
+        """Send a Commit or Release without waiting for its answer (read with the next call's,
+        or by settle()). False: it does not fit a packet; call() it (over gRPC) instead."""
+        if method not in POSTABLE:
+            raise ValueError(f"{method} cannot be posted: only {sorted(POSTABLE)} are answered at once")
+        call_id = next(self._ids)
+        data = _packet(method, request, call_id)
+        if data is None:
+            return False
+        with self._exchange(method, timeout):
+            self.sent = False
+            self._sock.settimeout(timeout)
+            self._sock.send(data)
+            self.sent = True
+        self._owed[call_id] = method
+        return True
+
+    def settle(self, timeout: float) -> None:
+        """Read the answers of the posted requests (before anything else is said on the session
+        socket, or over gRPC: what follows must find them done)."""
+        if not self._owed:
+            return
+        with self._exchange("a posted call", timeout):
+            self._sock.settimeout(timeout)
+            while self._owed:
+                size = self._sock.recv_into(self._buffer, len(self._buffer), socket.MSG_TRUNC)
+                if not self._settled(self._reply("a posted call", size)):
+                    self.broken = True
+                    raise Unavailable("unexpected answer on the session socket: no call was waiting for it")
 
     @contextlib.contextmanager
     def _exchange(self, method: str, timeout: float) -> Iterator[None]:
@@ -183,7 +238,18 @@ class FastLink:
             self.broken = True
             raise
 
-    def _answer(self, method: str, size: int) -> Any | None:
+    def _settled(self, reply: pb.SessionReply) -> bool:
+        """Whether `reply` answers a posted request (read and done with here). A posted call's
+        error is only logged: its caller has moved on. (A Commit fails only for handles the
+        session does not hold; whatever it does hold is given back when it ends.)"""
+        method = self._owed.pop(reply.call_id, None) if reply.call_id else None
+        if method is None:
+            return False
+        if reply.WhichOneof("kind") == "error":
+            log.warning("posted %s failed: %s: %s", method, reply.error.code, reply.error.message)
+        return True
+
+    def _reply(self, method: str, size: int) -> pb.SessionReply:
         if size == 0:
             self.broken = True
             raise UnknownSession(f"{method}: kvstored closed the session (restarted or stopped)")
@@ -191,10 +257,12 @@ class FastLink:
             self.broken = True  # (the stream is in step, but the daemon broke its own limit)
             raise Unavailable(f"{method}: the answer ({size} bytes) exceeds {FAST_REPLY_MAX} bytes")
         try:
-            reply = pb.SessionReply.FromString(memoryview(self._buffer)[:size])
+            return pb.SessionReply.FromString(memoryview(self._buffer)[:size])
         except DecodeError as exc:
             self.broken = True
             raise Unavailable(f"{method}: undecodable answer on the session socket: {exc}") from None
+
+    def _answer(self, method: str, reply: pb.SessionReply) -> Any | None:
         kind = reply.WhichOneof("kind")
         if kind == FAST_METHODS[method]:
             return getattr(reply, kind)

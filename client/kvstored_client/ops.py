@@ -189,6 +189,17 @@ class Call:
     method: str
     request: Any
     copy_grace_s: float = 0.0  # > 0: a region transfer (the driver sets start_within_ms)
+    # A Commit or Release whose answer the plan can do without: a driver may send it and read the
+    # answer later (fast.FastLink.post); the plan then receives POSTED instead of the response.
+    postable: bool = False
+
+
+class _Posted:
+    def __repr__(self) -> str:
+        return "POSTED"
+
+
+POSTED: Any = _Posted()  # a postable Call's result when it was sent and its answer not awaited
 
 
 @dataclass(frozen=True)
@@ -283,7 +294,10 @@ def store(
         raise
     committed = 0
     if handles:
-        committed = (yield Call("Commit", pb.CommitRequest(session_id=session.session_id, handles=handles))).committed
+        # Posted, its answer unread: the daemon commits every handle this live session holds
+        # (the session's next call finds them committed), so all of them count as stored.
+        answer = yield Call("Commit", pb.CommitRequest(session_id=session.session_id, handles=handles), postable=True)
+        committed = len(handles) if answer is POSTED else answer.committed
     all_in = committed == len(handles)
     stored = StoreOutcome.STORED if all_in else StoreOutcome.UNKNOWN
     outcomes = tuple(
@@ -307,7 +321,9 @@ def load(session: PoolSession, ns: Namespace, keys: Sequence[bytes], out: Any) -
     if not resp.leases:
         return 0
     release = Call(
-        "Release", pb.ReleaseRequest(session_id=session.session_id, handles=[lease.handle for lease in resp.leases])
+        "Release",
+        pb.ReleaseRequest(session_id=session.session_id, handles=[lease.handle for lease in resp.leases]),
+        postable=True,
     )
     try:
         arena = _arena_of([lease.extents for lease in resp.leases])

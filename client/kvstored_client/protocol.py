@@ -43,10 +43,14 @@ FAST_METHODS = {
     "Release": "release",
     "StoreFromRegion": "store_from_region",
     "LoadToRegion": "load_to_region",
+    "Delete": "delete",
 }
 # Region copies joined the fast path later: a daemon serves them there only if its Welcome says
 # fast_regions (an older one would refuse them), else they go over gRPC.
 FAST_REGION_METHODS = frozenset({"StoreFromRegion", "LoadToRegion"})
+# Delete joined later still (so that a delete after a posted Commit is ordered behind it on the
+# same connection, and costs no gRPC call): only where Welcome says fast_delete.
+FAST_DELETE_METHODS = frozenset({"Delete"})
 REPLY_TOO_LARGE = "ReplyTooLarge"  # SessionError.kind: the answer did not fit a packet; ask over gRPC
 FAST_REPLY_MAX = 1 << 20  # the largest fast-path answer a daemon sends (clients receive into this much)
 
@@ -82,12 +86,15 @@ class Welcome:
     pool_fd: int
     fast_path: bool = False  # the daemon serves FAST_METHODS on the session socket
     fast_regions: bool = False  # ... FAST_REGION_METHODS included
+    fast_delete: bool = False  # ... FAST_DELETE_METHODS included
 
     def serves_fast(self, method: str) -> bool:
         """Whether `method` may go over this session's fast path."""
         if not self.fast_path or method not in FAST_METHODS:
             return False
-        return self.fast_regions or method not in FAST_REGION_METHODS
+        if method in FAST_REGION_METHODS:
+            return self.fast_regions
+        return self.fast_delete or method not in FAST_DELETE_METHODS
 
 
 @dataclass(frozen=True)
@@ -159,6 +166,7 @@ class Handshake:
             fds[0],
             welcome.fast_path,
             welcome.fast_regions,
+            welcome.fast_delete,
         )
         return self.welcome
 

@@ -27,6 +27,8 @@ from kvstored_client.fast import FastLink
 from kvstored_client.paths import session_socket_path
 from kvstored_client.protocol import MAX_FDS, MAX_PACKET, Condition, Handshake, Packet, Reason
 
+SETTLE_S = 5.0  # a blocking session socket's bound on reading the posted calls' answers
+
 
 class PoolSession:
     """A session opened and used with blocking calls (each bounded by the socket's timeout)."""
@@ -67,7 +69,7 @@ class PoolSession:
         """Map a tenant arena (this session registered one of its namespaces) unless mapped."""
         if arena_id == 0 or arena_id in self._arenas:
             return
-        opened = self._handshake.arena_from(*_exchange(self._sock, self._handshake.open_arena(arena_id)))
+        opened = self._handshake.arena_from(*self._exchange(self._handshake.open_arena(arena_id)))
         try:
             mapped = mmap.mmap(opened.fd, opened.size, flags=mmap.MAP_SHARED)
         finally:
@@ -83,8 +85,14 @@ class PoolSession:
 
     def attach_region(self, fd: int, name: str) -> tuple[int, int]:
         """Hand the daemon an open region file; returns (region id, size)."""
-        attached = self._handshake.attached_from(*_exchange(self._sock, self._handshake.attach_region(name, fd)))
+        attached = self._handshake.attached_from(*self._exchange(self._handshake.attach_region(name, fd)))
         return attached.region_id, attached.size
+
+    def _exchange(self, packet: Packet) -> tuple[bytes, list[int]]:
+        """One set-up exchange; the posted fast calls' answers come first (they are read here)."""
+        if self.fast is not None:
+            self.fast.settle(self._sock.gettimeout() or SETTLE_S)
+        return _exchange(self._sock, packet)
 
     @property
     def pool(self) -> np.ndarray | None:

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""The fast path: the data path's hot calls (Lookup, Reserve, Commit, Acquire, Release, and the
-region copies StoreFromRegion and LoadToRegion) carried over the session socket, one packet each
-way, instead of a gRPC call each.
+"""The fast path: the data path's hot calls (Lookup, Reserve, Commit, Acquire, Release, Delete,
+and the region copies StoreFromRegion and LoadToRegion) carried over the session socket, one
+packet each way, instead of a gRPC call each.
 
 A gRPC unary call over the unix socket costs ~0.4 ms of machinery on both sides, more than the
 handler itself and as much as copying a 2 MiB chunk. Here the request is answered by the very
@@ -35,9 +35,12 @@ log = logging.getLogger(__name__)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 KINDS = frozenset(FAST_METHODS.values())  # the SessionRequest fields served here
-NEVER_WAIT = frozenset({"commit", "release"})  # answered at once: no task of their own needed
-# (Every other kind, the region copies included, is answered by a task of the connection, so a
-# copy waiting on a lower tier never holds up the session's other calls.)
+# Answered at once, in order, before the connection's next packet is read: no task of their own
+# needed, and clients may post them without waiting (kvstored_client.fast.FastLink.post).
+NEVER_WAIT = frozenset({"commit", "release"})
+# (Every other kind, the region copies included, is run at once and, if it has to wait, carried
+# on by a task of the connection (eager.py), so a copy waiting on a lower tier never holds up
+# the session's other calls.)
 
 
 Observe = Callable[[str, str, str, float], None]  # (service, method, status code name, seconds)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from kvstored.errors import KvstoredError
 from kvstored.server.broker import SessionBroker
+from kvstored.server.eager import eager_task
 from kvstored.server.errors import status_for
 from kvstored.server.fast_path import KINDS as FAST_KINDS
 from kvstored.server.fast_path import NEVER_WAIT, FastPath
@@ -179,9 +180,10 @@ class SessionSocketServer:
                         if kind in NEVER_WAIT:
                             await _reply(conn, session, answer)
                         else:  # may wait (room, a promotion): the connection keeps being read meanwhile
-                            task = asyncio.create_task(_reply(conn, session, answer), name=kind)
-                            in_flight.add(task)
-                            task.add_done_callback(in_flight.discard)
+                            task = eager_task(_reply(conn, session, answer), kind)
+                            if task is not None:
+                                in_flight.add(task)
+                                task.add_done_callback(in_flight.discard)
                     elif kind == "hello" and session is None:
                         hello = request.hello
                         session = self._broker.open(hello.client_name, hello.arenas, hello.pins_pool)
@@ -192,6 +194,7 @@ class SessionSocketServer:
                             page_bytes=self._page_bytes,
                             fast_path=self._fast is not None,
                             fast_regions=self._fast is not None,
+                            fast_delete=self._fast is not None,
                         )
                         _send(conn, pb.SessionReply(welcome=welcome), [self._pool.fd])
                     elif kind == "attach_region" and session is not None:

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections import OrderedDict
+import operator
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -156,6 +157,10 @@ class Reservation:
     entry: RamEntry | None = None
     evicted: list[ChunkId] = field(default_factory=list)
     over_quota: bool = False  # NO_SPACE within one of the chunk's quota scopes (not the tier)
+
+
+_CHUNK = operator.attrgetter("chunk")
+_SCOPES = operator.attrgetter("scopes")
 
 
 class RamTier:
@@ -303,23 +308,21 @@ class RamTier:
 
     def contains_many(self, namespace_id: str, keys: Sequence[bytes]) -> list[bool]:
         """`contains` for a batch in one pass (lookups of hundreds of keys per engine step): the
-        index lookups run in C (map over zip), only the hits' recency is Python."""
+        index lookups and, in the usual batch, the hits' recency run in C."""
         entries = list(map(self._index.get, zip(itertools.repeat(namespace_id), keys)))
         ready = EntryState.READY
         out = [entry is not None and entry.state is ready for entry in entries]
-        move_to_end = self._lru.move_to_end
-        for entry, hit in zip(entries, out):
-            if hit and entry is not None:
-                try:
-                    move_to_end(entry.chunk)
-                except KeyError:  # leased or being written down: not in the LRU
-                    if entry.writing:
-                        entry.touched = True
-                else:
-                    for scope in entry.scopes:  # in the tier's LRU, so in its scopes' too
-                        scope.lru.move_to_end(entry.chunk)
+        hits: list[RamEntry] = list(itertools.compress(entries, out))  # type: ignore[arg-type]  # (no None: out is False for those)
+        try:  # the usual batch: every hit in the LRU, none in a quota scope; all in C
+            deque(map(self._lru.move_to_end, map(_CHUNK, hits)), maxlen=0)
+            scoped = any(map(_SCOPES, hits))
+        except KeyError:  # one is leased or being written down (not in the LRU)
+            scoped = True
+        if scoped:  # once more, entry by entry (moving the same chunks again in order changes nothing)
+            for entry in hits:
+                self._touch(entry)
         self.counters.lookups += len(out)
-        self.counters.hits += sum(out)
+        self.counters.hits += len(hits)
         return out
 
     def _touch(self, entry: RamEntry) -> None:

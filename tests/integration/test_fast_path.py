@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""The fast path (Lookup, Reserve, Commit, Acquire, Release, StoreFromRegion and LoadToRegion
-over the session socket) on a real daemon: it carries the clients' data path, answers and fails
-exactly as gRPC does, serves only the connection's own session, holds deadlines, survives
-restarts, frees what a killed client held (mid-copy too), and hands what does not fit a packet
-to gRPC."""
+"""The fast path (Lookup, Reserve, Commit, Acquire, Release, Delete, StoreFromRegion and
+LoadToRegion over the session socket) on a real daemon: it carries the clients' data path,
+answers and fails exactly as gRPC does, serves only the connection's own session, holds
+deadlines, survives restarts, frees what a killed client held (mid-copy too, and around a
+posted Commit), and hands what does not fit a packet to gRPC."""
 
 from __future__ import annotations
 
@@ -426,3 +426,75 @@ async def test_the_async_client_takes_the_fast_path_too(daemon_factory, ns_name,
         assert await c.load(ns, keys, out) == 3  # a new session
         np.testing.assert_array_equal(out, data)
     assert wait_for(lambda: d.stats().sessions == 0 and d.stats().leases == 0), d.stats()
+
+
+def test_posted_commits_and_releases_are_done_before_the_clients_next_call(daemon_factory, ns_name):
+    """A store's Commit and a load's Release are posted (their answers read with the next call's):
+    whatever the client does next, over either transport, finds them done."""
+    d = daemon_factory(METRICS_PORT_0)
+    keys = make_keys(ns_name, 2)
+    data = payloads(keys, CHUNK)
+    with d.client(fast_path=True) as c:
+        ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
+        for _ in range(3):
+            assert c.store(ns, keys, data) == StoreResult(stored=2)
+            assert c.lookup(ns, keys).tiers == [Tier.RAM] * 2  # the fast path, behind the Commit
+            assert c.delete(ns, keys) == 2  # the fast path too (fast_delete)
+        assert c.store(ns, keys, data) == StoreResult(stored=2)
+        assert c.stats().reservations == 0  # gRPC: the posted answers are read first
+        out = np.zeros_like(data)
+        assert c.load(ns, keys, out) == 2
+        np.testing.assert_array_equal(out, data)
+        assert c.stats().leases == 0
+        handled, fast = calls(d)
+    assert (fast["Commit"], fast["Release"], fast["Delete"]) == (4, 1, 3)
+    assert handled["Delete"] == 3  # counted in the gRPC series, as every fast call is
+
+
+KILLED_AROUND_COMMIT = textwrap.dedent(
+    """
+    import os, signal, sys
+    from kvstored_client import Client
+    from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+    from kvstored_client.session import PoolSession
+    from tests.support.data import make_keys, payloads
+    how, socket_path, ns_name, chunk = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    keys = make_keys(ns_name, 2)
+    data = payloads(keys, chunk)
+    c = Client(socket_path, deadline_s=30.0, fast_path=True)
+    ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=chunk)
+    if how == "posted":  # its Commit sent, its answer never read
+        assert c.store(ns, keys, data).stored == 2
+    else:  # reserved, half of one chunk written, the Commit never sent
+        session = PoolSession.open(socket_path, "lost", 30.0)
+        request = pb.ReserveRequest(namespace_id=ns.namespace_id, keys=keys)
+        slots = session.fast.call("Reserve", request, 30.0).slots
+        extent = slots[0].extents[0]
+        half = extent.length // 2
+        session.pool[extent.offset : extent.offset + half] = data[0][:half]
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["posted", "lost"])
+def test_a_client_killed_around_its_commit_leaks_nothing_and_exposes_no_unwritten_bytes(daemon, ns_name, how):
+    """Killed right after a store posted its Commit: the daemon reads the Commit before the
+    connection's end, so the chunks are stored, whole. Killed before the Commit left: the
+    reservations are aborted and the half-written chunk is never a hit."""
+    argv = [sys.executable, "-c", KILLED_AROUND_COMMIT, how, str(daemon.socket), ns_name, str(CHUNK)]
+    assert subprocess.run(argv, timeout=60).returncode == -signal.SIGKILL
+    assert wait_for(lambda: (daemon.stats().sessions, daemon.stats().reservations, daemon.stats().leases) == (0, 0, 0))
+    keys = make_keys(ns_name, 2)
+    data = payloads(keys, CHUNK)
+    with daemon.client() as c:
+        ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
+        out = np.zeros_like(data)
+        if how == "posted":
+            assert c.lookup(ns, keys).tiers == [Tier.RAM] * 2
+            assert c.load(ns, keys, out) == 2
+            np.testing.assert_array_equal(out, data)
+        else:
+            assert c.lookup(ns, keys) == LookupResult.miss(2)
+            assert c.load(ns, keys, out) == 0
+            assert c.store(ns, keys, data) == StoreResult(stored=2)  # the keys are free to store

@@ -162,3 +162,36 @@ def test_health_responses_decode_as_grpc_health_encodes_them():
     assert encode_health_request() == health_pb2.HealthCheckRequest(service="").SerializeToString()
     for name, value in health_pb2.HealthCheckResponse.ServingStatus.items():
         assert decode_health_response(health_pb2.HealthCheckResponse(status=value).SerializeToString()) == name
+
+
+@pytest.mark.parametrize(
+    "flags, served",
+    [
+        ({}, set()),
+        ({"fast_path": True}, {"Lookup", "Reserve", "Commit", "Acquire", "Release"}),
+        (
+            {"fast_path": True, "fast_regions": True},
+            {"Lookup", "Reserve", "Commit", "Acquire", "Release", "StoreFromRegion", "LoadToRegion"},
+        ),
+        ({"fast_path": True, "fast_delete": True}, {"Lookup", "Reserve", "Commit", "Acquire", "Release", "Delete"}),
+    ],
+)
+def test_the_welcome_says_which_calls_the_fast_path_carries(fds, flags, served):
+    """An older daemon (no fast_regions, no fast_delete) is sent only what it answers there."""
+    hs = Handshake("me")
+    hs.hello()
+    reply = pb.SessionReply(welcome=pb.Welcome(session_id="s", pool_bytes=1 << 20, page_bytes=4096, **flags))
+    got = hs.welcome_from(reply.SerializeToString(), fds(1))
+    methods = {
+        "Lookup",
+        "Reserve",
+        "Commit",
+        "Acquire",
+        "Release",
+        "StoreFromRegion",
+        "LoadToRegion",
+        "Delete",
+        "Stats",
+        "RegisterNamespace",
+    }
+    assert {m for m in methods if got.serves_fast(m)} == served

@@ -101,6 +101,24 @@ def test_reading_a_chunk_refreshes_recency(tier):
     assert present(tier, "a") == ["a"]
 
 
+def test_a_batch_lookup_refreshes_its_hits_in_order_leased_ones_too(tier):
+    """contains_many: the hits become the most recent, in the batch's order; a leased hit in the
+    batch (out of the LRU while leased) changes none of that."""
+    for name in "abcd":
+        put(tier, name)
+    assert tier.contains_many(NS, [b"b", b"zz", b"a"]) == [True, False, True]
+    assert (tier.counters.lookups, tier.counters.hits) == (3, 2)
+    assert put(tier, "e").evicted == [cid("c")]  # c, d, b, a, e from the cold end
+    lease = tier.acquire(cid("d"))
+    assert lease is not None
+    assert tier.contains_many(NS, [b"e", b"d", b"b"]) == [True, True, True]
+    tier.release(lease)  # back in the LRU as the most recent
+    assert put(tier, "f").evicted == [cid("a")]
+    assert put(tier, "g").evicted == [cid("e")]
+    assert put(tier, "h").evicted == [cid("b")]
+    assert put(tier, "i").evicted == [cid("d")]
+
+
 def test_lookup_counters(tier):
     put(tier, "a")
     tier.contains(cid("a"))
