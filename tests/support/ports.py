@@ -6,8 +6,15 @@ from __future__ import annotations
 
 import socket
 
+_given: set[int] = set()  # the kernel may hand the same free port out twice in a row
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and not given out before by this process."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _given:
+            _given.add(port)
+            return port
