@@ -82,9 +82,14 @@ class DynamoIndexer:
 
     def stop(self) -> None:
         self._proc.terminate()
-        try:
-            self._proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait(10)
+        reap(self._proc)
         self._log.close()
+
+
+def reap(proc: subprocess.Popen) -> None:
+    """Wait for a process asked to end; killed if it has not within 10 s."""
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)

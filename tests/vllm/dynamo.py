@@ -78,9 +78,5 @@ class DynamoKvRouter:
     def stop(self) -> None:
         if self._proc.stdin is not None:
             self._proc.stdin.close()
-        try:
-            self._proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait(10)
+        support.reap(self._proc)
         self._log.close()
