@@ -62,6 +62,7 @@ RAISE = object()  # fallback marker: the error is the caller's to see
 RESTART_ERRORS = (UnknownSession, UnknownRegion, UnknownNamespace)
 OPEN_SESSION = object()  # plan effect: "give me a session" -> (session, newly opened)
 HANDLE_METHODS = frozenset({"Reserve", "Commit", "Acquire", "Release"})  # calls that grant or end handles
+_INHERITED_AT_FORK: list[tuple[Any, ...]] = []  # see _check_fork
 Plan = Generator[Any, Any, Any]
 
 
@@ -200,6 +201,9 @@ class ClientBase:
         have held it at fork time): it starts afresh. Call before taking the lock."""
         if not self._fork.forked():
             return
+        # The parent's channel and session are kept alive, never freed: gRPC skips its fork
+        # handlers when another thread was inside it, and freeing its objects here then crashes.
+        _INHERITED_AT_FORK.append((self._session, getattr(self, "_channel", None), getattr(self, "_stub", None)))
         self._session = None  # the parent's: not ours to close
         for region in self._regions:
             region.region_id = 0
