@@ -215,10 +215,44 @@ class PeerFleet:
         follower = Follower(
             channel, record, self.index, self.local.incarnation, self._sweep_wanted.set, self.settings.coalesce_events
         )
+        if not record.follows:
+            self._set(record, PeerState.UP, f"over {kind.value}, found in the directory")
+            await self._keep_checking(record, channel)
+            return
         if record.slot is None:
             await follower.resync()
         self._set(record, PeerState.UP, f"over {kind.value}, {self.index.count(record.slot or 0)} chunks indexed")
         await follower.run()
+
+    async def _keep_checking(self, record: PeerRecord, channel: ControlChannel) -> None:
+        """A holder found in the directory is not followed: a handshake every reconnect_s tells
+        that it is still there (an error ends the session: DOWN, retried) and still the same."""
+        assert self.local is not None
+        while True:
+            await asyncio.sleep(self.settings.reconnect_s)
+            remote = await channel.hello(self.local.to_proto(), self.settings.connect_timeout_s)
+            if record.hello is not None and remote.incarnation != record.hello.incarnation:
+                raise PeerRestarted(f"{record.address} restarted")
+
+    # -- holders found in the directory -------------------------------------------------------
+
+    def add_found(self, address: PeerAddress) -> None:
+        """Reach a holder the directory named (handshake and data link, in the background)."""
+        if self._closed:
+            return
+        record = self.membership.add_found(address)
+        if record is not None:
+            log.info("peer %s found in the directory", address)
+            self._supervise(record)
+
+    def drop_found_soon(self, address: PeerAddress) -> None:
+        if not self._closed:
+            self._keep(self.drop_found(address), f"peer-drop-{address}")
+
+    async def drop_found(self, address: PeerAddress) -> None:
+        record = self.membership.drop_found(address)
+        if record is not None:
+            await self._forget(record)
 
     async def _ensure_link(self, record: PeerRecord, kind: TransportKind, data: PeerAddress) -> None:
         link = self.links.get(record.address)
@@ -274,7 +308,8 @@ class PeerFleet:
             await asyncio.sleep(self.settings.dns_interval_s)
 
     async def _forget(self, record: PeerRecord) -> None:
-        log.info("peer %s left %s", record.address, self.settings.peers_dns)
+        where = self.settings.peers_dns if record.follows else "the directory"
+        log.info("peer %s left %s", record.address, where)
         task = self._tasks.pop(record.address, None)
         if task is not None:
             task.cancel()

@@ -7,10 +7,38 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvstored.observability.snapshot import PeerRow, PeersSnapshot
+from kvstored.observability.snapshot import DirectoryRow, PeerRow, PeersSnapshot
 from kvstored.server.peer_serving import PeerServing
 from kvstored.tiers.peer import PeerTier
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+
+
+def directory_row(tier: PeerTier) -> DirectoryRow | None:
+    node = tier.directory
+    if node is None:
+        return None
+    c = node.counters
+    return DirectoryRow(
+        url=node.settings.url.redacted(),
+        breaker=node.breaker.state.value,
+        lag_s=node.lag_s(),
+        pending_changes=len(node.changes),
+        lookups=c.lookups,
+        lookup_chunks=c.lookup_chunks,
+        hit_chunks=c.hits,
+        errors=c.errors,
+        timeouts=c.timeouts,
+        refused=c.refused,
+        write_batches=c.write_batches,
+        write_commands=c.write_commands,
+        write_errors=c.write_errors,
+        refreshed=c.refreshed,
+        dropped_changes=c.dropped_changes,
+        stale_deleted=c.stale_deleted,
+        connects=c.connects,
+        found_peers=sum(1 for r in tier.membership.records() if not r.follows),
+        last_error=node.last_error,
+    )
 
 
 def peers_snapshot(serving: PeerServing, tier: PeerTier) -> PeersSnapshot:
@@ -60,6 +88,7 @@ def peers_snapshot(serving: PeerServing, tier: PeerTier) -> PeersSnapshot:
         transports=tuple(sorted(t.value for t in hello.transports)) if hello else (),
         tcp_port=hello.tcp_port if hello else 0,
         ucx_port=hello.ucx_port if hello else 0,
+        directory=directory_row(tier),
     )
 
 
