@@ -176,6 +176,23 @@ def test_a_killed_holder_stops_being_offered_once_its_heartbeat_expires(pair, re
     assert load_checked(b, f, keys) == 0
 
 
+def test_a_holder_restarted_under_load_offers_only_what_its_new_incarnation_holds(pair, request):
+    a, b = pair.daemons
+    f = fields(request)
+    old = make_keys(f["model"], 4)
+    store(a, f, old)
+    wait_hits(pair, f, old)
+    a.kill()
+    for _ in range(3):
+        load_checked(b, f, old)  # (A down: misses, never an error or wrong bytes)
+    a.start(a.args)  # a new incarnation at the same address, its RAM empty
+    new = make_keys(f["model"] + "/new", 4)
+    store(a, f, new)
+    wait_hits(pair, f, new)  # B reaches the new incarnation by itself
+    assert load_checked(b, f, new) == len(new)
+    assert tiers_on(b, f, old) == [Tier.NONE] * len(old)  # the old incarnation's fields count no more
+
+
 def serve_throughout(pair: Pair, f: dict, theirs: list[bytes], mine: list[bytes]) -> None:
     """B's own chunks load byte-exact; A's chunks load (hits) or not (misses), never wrongly."""
     b = pair.daemons[1]
