@@ -316,6 +316,11 @@ class DirectoryNode:
                 )
             await self._drop_client()  # the probe connects afresh (and learns the topology anew)
 
+    def shards(self) -> list[str]:
+        """HOST:PORT of the masters the client knows now ([] while not connected)."""
+        client = self._client
+        return sorted(node.name for node in client.get_primaries()) if client is not None else []
+
     def lag_s(self) -> float:
         return self.changes.lag(self._clock())
 

@@ -78,7 +78,7 @@ class DirectoryRow:
     """The fleet directory as this node sees it (kvstored/directory/node.py's counters)."""
 
     url: str  # password redacted
-    breaker: str  # closed, open, half-open
+    breaker: str  # closed, open, half_open
     lag_s: float  # age of the oldest change not yet written
     pending_changes: int
     lookups: int
@@ -96,6 +96,7 @@ class DirectoryRow:
     connects: int
     found_peers: int  # holders reached because the directory named them
     last_error: str = ""
+    shards: tuple[str, ...] = ()  # HOST:PORT of the masters the client knows
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ def directory_row(tier: PeerTier) -> DirectoryRow | None:
     c = node.counters
     return DirectoryRow(
         url=node.settings.url.redacted(),
-        breaker=node.breaker.state.value,
+        breaker=node.breaker.state.name.lower(),
         lag_s=node.lag_s(),
         pending_changes=len(node.changes),
         lookups=c.lookups,
@@ -38,6 +38,7 @@ def directory_row(tier: PeerTier) -> DirectoryRow | None:
         connects=c.connects,
         found_peers=sum(1 for r in tier.membership.records() if not r.follows),
         last_error=node.last_error,
+        shards=tuple(node.shards()),
     )
 
 
@@ -117,4 +118,14 @@ def status(serving: PeerServing, tier: PeerTier) -> pb.PeerStatusResponse:
         ucx_port=snap.ucx_port,
         served_bytes=snap.served_bytes,
         index_evictions=snap.index_evictions,
+        directory=_directory_status(snap.directory),
     )
+
+
+def _directory_status(row: DirectoryRow | None) -> pb.DirectoryStatus | None:
+    if row is None:
+        return None
+    fields = dataclasses.asdict(row)
+    fields["breaker"] = pb.BreakerState.Value("BREAKER_STATE_" + row.breaker.upper())
+    fields["shards"] = list(row.shards)
+    return pb.DirectoryStatus(**fields)

@@ -14,7 +14,10 @@
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 import urllib.request
 
 import numpy as np
@@ -159,6 +162,21 @@ def test_a_chunk_stored_on_a_is_a_hit_on_b(pair, request):
     hits = re.search(r"^kvstored_directory_hit_chunks_total (\S+)$", text, re.M)
     assert hits and float(hits.group(1)) >= len(keys), text[-3000:]
     assert re.search(r"^kvstored_directory_breaker_open 0\.0$", text, re.M)
+    promtool = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert promtool.returncode == 0, promtool.stdout + promtool.stderr
+    # kvstoredctl directory: the same counters, its shards, and A found through it
+    shown = json.loads(ctl_directory(b))
+    assert shown["enabled"] and shown["breaker"] == "closed" and len(shown["shards"]) == 3
+    assert shown["hit_chunks"] >= len(keys) and shown["found_peers"] == 1 and shown["write_errors"] == 0
+    assert "***" not in shown["url"] and shown["url"].startswith("redis://127.0.0.1:")
+    assert "breaker closed, 3 shard(s)" in ctl_directory(b, as_json=False)
+
+
+def ctl_directory(d: PeerDaemon, as_json: bool = True) -> str:
+    argv = [sys.executable, "-m", "kvstored.ctl", "--socket", str(d.socket), "directory"]
+    out = subprocess.run(argv + (["--json"] if as_json else []), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
 
 
 def test_a_killed_holder_stops_being_offered_once_its_heartbeat_expires(pair, request):
