@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import subprocess
@@ -33,6 +34,7 @@ from tests.support.redis_cluster import RedisCluster
 pytestmark = [pytest.mark.slow, pytest.mark.system_deps]
 
 CHUNK = 256 << 10
+PROBES = itertools.count()
 HEARTBEAT_TTL_S = 1.5
 DIRECTORY_OPTIONS = {
     **TEST_PEER_OPTIONS,
@@ -217,6 +219,9 @@ def serve_throughout(pair: Pair, f: dict, theirs: list[bytes], mine: list[bytes]
     assert load_checked(b, f, mine) == len(mine)
     tiers_on(b, f, theirs)  # (returns: a hit or a miss, whatever the directory does)
     load_checked(b, f, theirs)
+    # chunks nobody holds: asked of the directory every time (16 keys: every shard), all misses
+    nobody = make_keys(f["model"] + f"/nobody{next(PROBES)}", 16)
+    assert tiers_on(b, f, nobody) == [Tier.NONE] * len(nobody)
 
 
 @pytest.mark.parametrize("fault", ["master_killed", "master_frozen", "cluster_stopped"])
@@ -238,6 +243,10 @@ def test_directory_faults(pair, redis_cluster, request, fault):
         redis_cluster.stop_all()
     for _ in range(5):
         serve_throughout(pair, f, before, mine)
+    if fault != "master_killed":  # (a kill is over, failover included, before B looks again)
+        shown = json.loads(ctl_directory(b))
+        felt = shown["errors"] + shown["timeouts"] + shown["refused"] + shown["write_errors"]
+        assert felt > 0, f"B never noticed the fault: {shown}"
     if frozen is not None:
         # the cluster promotes the frozen master's replica; then the old master comes back
         wait_for("a replica promoted in place of the frozen master", lambda: frozen not in redis_cluster.master_ports())
