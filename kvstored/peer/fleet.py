@@ -162,7 +162,9 @@ class PeerFleet:
 
     async def _supervisor(self, record: PeerRecord) -> None:
         wait = FIRST_RETRY_S
+        failures = 0  # in a row, of a holder found in the directory
         while not self._closed:
+            was_up = False
             try:
                 await self._session(record)
                 self._set(record, PeerState.DOWN, "it ended the event stream (stopping)")
@@ -177,11 +179,20 @@ class PeerFleet:
                 await asyncio.sleep(INCOMPATIBLE_RETRIES * self.settings.reconnect_s)
                 continue
             except (grpc.aio.AioRpcError, PeerError, PeerRestarted, OSError, TimeoutError) as exc:
+                was_up = record.state is PeerState.UP
                 self._set(record, PeerState.DOWN, _describe(exc))
             except Exception as exc:  # a bug: say so loudly (once per reason), and keep trying
                 if record.detail != _describe(exc):
                     log.error("peer %s: unexpected error, retrying", record.address, exc_info=exc)
+                was_up = record.state is PeerState.UP
                 self._set(record, PeerState.DOWN, _describe(exc))
+            if not record.follows:
+                # A holder found in the directory that stays unreachable is let go (the directory
+                # names it again if it comes back): a churning fleet leaves no retry loops behind.
+                failures = 0 if was_up else failures + 1
+                if failures >= INCOMPATIBLE_RETRIES:
+                    await self._let_go(record)
+                    return
             await asyncio.sleep(wait)
             wait = min(wait * 2, self.settings.reconnect_s)
 
@@ -244,6 +255,19 @@ class PeerFleet:
         if record is not None:
             log.info("peer %s found in the directory", address)
             self._supervise(record)
+
+    async def _let_go(self, record: PeerRecord) -> None:
+        """(From its own supervisor, which then ends.)"""
+        if self.membership.drop_found(record.address) is None:
+            return
+        log.info("peer %s found in the directory is unreachable: let go until it is named again", record.address)
+        self._retire(record)
+        link = self.links.pop(record.address, None)
+        if link is not None:
+            await self._close_links([link])
+        channel = self._channels.pop(record.address, None)
+        if channel is not None:
+            await channel.close()
 
     def drop_found_soon(self, address: PeerAddress) -> None:
         if not self._closed:
