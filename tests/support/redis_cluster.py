@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.support.daemon import short_tmpdir
+from tests.support.needs import Needs, require
 from tests.support.ports import free_port
 
 WAIT_S = 60.0  # a bound for every wait on the cluster's state, never a measurement
@@ -72,6 +73,7 @@ def _cli(port: int, *args: str, timeout: float = 10.0) -> str:
 
 class RedisCluster:
     def __init__(self, masters: int = 3, replicas: int = 1) -> None:
+        require(Needs.SYSTEM_DEPS)  # (redis-server comes with deploy/install-system-deps.sh)
         if shutil.which("redis-server") is None:
             raise RedisClusterError("redis-server is not installed (deploy/install-system-deps.sh redis-server)")
         self.workdir = short_tmpdir("kvrc")
