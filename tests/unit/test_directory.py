@@ -14,11 +14,14 @@ import pytest
 from kvstored.chunks.ids import TierKind
 from kvstored.config import ConfigError, load_config
 from kvstored.directory.changes import Change, ChangeLog, RefreshPass
-from kvstored.directory.config import parse_url
+from kvstored.directory.config import DirectorySettings, parse_url
 from kvstored.directory.keys import Holder, KeyLayout, field, parse_field, parse_heartbeat
 from kvstored.directory.lookups import HeartbeatCache, judge, named_addresses
+from kvstored.directory.node import DirectoryNode
 from kvstored.events.bus import Cause, EventType, KvEvent
+from kvstored.io.breaker import BreakerState
 from tests.support.data import make_keys
+from tests.support.ports import free_port
 
 # -- the URL -----------------------------------------------------------------------------------
 
@@ -183,3 +186,20 @@ def test_redis_py_loads_only_when_a_directory_connects():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+async def test_an_unreachable_directory_costs_misses_and_a_breaker_never_a_hang():
+    url = parse_url(f"redis://127.0.0.1:{free_port()}")  # nothing listens there
+    node = DirectoryNode(
+        DirectorySettings(url, "127.0.0.1:7070", 5, breaker_failures=2, breaker_reset_s=60), lambda ns: True
+    )
+    node.on_event(_event(EventType.STORED, TierKind.RAM, make_keys("down", 3)))
+    chunks = [("ns1", k) for k in make_keys("asked", 4)]
+    assert await node.write_once() is False
+    assert len(node.changes) == 3  # kept for when it is back
+    assert await node.lookup(chunks) == [[]] * 4
+    assert node.breaker.state is BreakerState.OPEN
+    assert await node.lookup(chunks) == [[]] * 4  # refused at once: no connection tried
+    assert node.counters.refused == 1 and node.counters.errors == 1 and node.counters.write_errors == 1
+    assert await node.write_once() is False and len(node.changes) == 3
+    await node.close()
