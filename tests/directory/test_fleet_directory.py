@@ -20,6 +20,7 @@ import re
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -54,10 +55,11 @@ def redis_cluster():
 class Pair:
     """Daemons A and B (index 0 and 1), each with only a peer tier pointed at the directory."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, ca: Path | None = None) -> None:
         self.workdir = short_tmpdir("kvdir")
         spec = ",".join(
             ["kind=peer", "transport=tcp", "tcp_port=0", "ucx_port=0", f"directory={url}"]
+            + ([f"directory_tls_ca_file={ca}"] if ca else [])
             + [f"{k}={v}" for k, v in DIRECTORY_OPTIONS.items()]
         )
         self.daemons: list[PeerDaemon] = []
@@ -179,6 +181,25 @@ def ctl_directory(d: PeerDaemon, as_json: bool = True) -> str:
     out = subprocess.run(argv + (["--json"] if as_json else []), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
+
+
+def test_over_tls_with_an_acl_user_and_the_password_never_shown(request):
+    """rediss:// with the cluster's CA, an ACL user allowed only kvd:* keys (the default user
+    off): the same hit; neither the log nor kvstoredctl shows the password."""
+    with RedisCluster(tls=True, password="Pw-9f3k") as rc:
+        pair = Pair(rc.url, ca=rc.ca).start()
+        try:
+            a, b = pair.daemons
+            f = fields(request)
+            keys = make_keys(f["model"], 4)
+            store(a, f, keys)
+            wait_hits(pair, f, keys)
+            assert load_checked(b, f, keys) == len(keys)
+            shown = ctl_directory(b)
+            assert json.loads(shown)["url"].startswith("rediss://kvstored:***@127.0.0.1:")
+            assert "Pw-9f3k" not in shown and "Pw-9f3k" not in a.log + b.log
+        finally:
+            pair.close()
 
 
 def test_a_killed_holder_stops_being_offered_once_its_heartbeat_expires(pair, request):

@@ -14,6 +14,7 @@ cluster-node-timeout is short (1 s) so a failover takes a few seconds, not fifte
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -25,6 +26,7 @@ from pathlib import Path
 from tests.support.daemon import short_tmpdir
 from tests.support.needs import Needs, require
 from tests.support.ports import free_port
+from tests.support.tls import make_certs
 
 WAIT_S = 60.0  # a bound for every wait on the cluster's state, never a measurement
 NODE_TIMEOUT_MS = 1000
@@ -60,9 +62,9 @@ def _cluster_port() -> int:
     raise RedisClusterError("no free port pair (PORT, PORT + 10000) for a cluster node")
 
 
-def _cli(port: int, *args: str, timeout: float = 10.0) -> str:
+def _cli(port: int, *args: str, timeout: float = 10.0, client: tuple[str, ...] = ()) -> str:
     done = subprocess.run(
-        ["redis-cli", "-h", "127.0.0.1", "-p", str(port), *args],
+        ["redis-cli", *client, "-h", "127.0.0.1", "-p", str(port), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -72,7 +74,10 @@ def _cli(port: int, *args: str, timeout: float = 10.0) -> str:
 
 
 class RedisCluster:
-    def __init__(self, masters: int = 3, replicas: int = 1) -> None:
+    def __init__(self, masters: int = 3, replicas: int = 1, tls: bool = False, password: str = "") -> None:
+        """tls: TLS only (clients, the cluster bus, replication), certificates for 127.0.0.1 from
+        tests/support/tls.py (`ca`: their CA); password: a user `kvstored` with it, allowed the
+        directory's keys only (`kvd:*`), and the default user off."""
         require(Needs.SYSTEM_DEPS)  # (redis-server comes with deploy/install-system-deps.sh)
         if shutil.which("redis-server") is None:
             raise RedisClusterError("redis-server is not installed (deploy/install-system-deps.sh redis-server)")
@@ -80,6 +85,28 @@ class RedisCluster:
         self.masters = masters
         self.nodes = [RedisNode(_cluster_port(), self.workdir / f"r{i}") for i in range(masters * (1 + replicas))]
         self.replicas = replicas
+        self.tls = tls
+        self.password = password
+        self.ca: Path | None = None
+        self._server_args: list[str] = []
+        client: list[str] = []
+        if tls:
+            certs = make_certs(self.workdir)
+            self.ca = certs.ca
+            self._server_args += [
+                "--tls-cluster", "yes", "--tls-replication", "yes", "--tls-auth-clients", "no",
+                "--tls-cert-file", str(certs.server_cert), "--tls-key-file", str(certs.server_key),
+                "--tls-ca-cert-file", str(certs.ca),
+            ]  # fmt: skip
+            client += ["--tls", "--cacert", str(certs.ca)]
+        if password:
+            self._server_args += [
+                "--user", "default", "off",
+                "--user", "kvstored", "on", f">{password}", "~kvd:*", "+@all",
+                "--masteruser", "kvstored", "--masterauth", password,
+            ]  # fmt: skip
+            client += ["--user", "kvstored", "--pass", password, "--no-auth-warning"]
+        self._client = tuple(client)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -103,6 +130,7 @@ class RedisCluster:
         out = subprocess.run(
             [
                 "redis-cli",
+                *self._client,
                 "--cluster",
                 "create",
                 *(f"127.0.0.1:{n.port}" for n in self.nodes),
@@ -124,8 +152,8 @@ class RedisCluster:
         node.proc = subprocess.Popen(
             [
                 "redis-server",
-                "--port",
-                str(node.port),
+                *(["--port", "0", "--tls-port", str(node.port)] if self.tls else ["--port", str(node.port)]),
+                *self._server_args,
                 "--bind",
                 "127.0.0.1",
                 "--cluster-enabled",
@@ -157,7 +185,7 @@ class RedisCluster:
         def answers() -> bool:
             if not node.running:
                 raise RedisClusterError(f"redis {node.port} exited: see {node.workdir / 'redis.log'}")
-            return _cli(node.port, "ping").strip() == "PONG"
+            return self._cli(node.port, "ping").strip() == "PONG"
 
         self._wait(f"redis {node.port} answers PING", answers)
 
@@ -167,19 +195,24 @@ class RedisCluster:
                 node.proc.send_signal(signal.SIGCONT)
                 node.proc.kill()
                 node.proc.wait(timeout=10)
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        if not os.environ.get("KEEP_REDIS"):
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     # -- what the daemons are told ------------------------------------------------------------
 
     @property
     def url(self) -> str:
-        return "redis://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        auth = f"kvstored:{self.password}@" if self.password else ""
+        return ("rediss://" if self.tls else "redis://") + auth + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def _cli(self, port: int, *args: str, timeout: float = 10.0) -> str:
+        return _cli(port, *args, timeout=timeout, client=self._client)
 
     # -- its state ----------------------------------------------------------------------------
 
     def info(self, port: int) -> dict[str, str]:
         out = {}
-        for line in _cli(port, "cluster", "info", timeout=2).splitlines():
+        for line in self._cli(port, "cluster", "info", timeout=2).splitlines():
             key, sep, value = line.strip().partition(":")
             if sep:
                 out[key] = value
@@ -191,7 +224,7 @@ class RedisCluster:
             if not node.running:
                 continue
             try:
-                text = _cli(node.port, "cluster", "nodes", timeout=2)
+                text = self._cli(node.port, "cluster", "nodes", timeout=2)
             except subprocess.TimeoutExpired:
                 continue  # (frozen)
             ports = []
@@ -206,7 +239,7 @@ class RedisCluster:
     def replica_of(self, master_port: int) -> int:
         for node in self.nodes:
             if node.running and node.port != master_port:
-                role = _cli(node.port, "role", timeout=2).split()
+                role = self._cli(node.port, "role", timeout=2).split()
                 if role and role[0] == "slave" and int(role[2]) == master_port:
                     return node.port
         raise RedisClusterError(f"no replica of {master_port}")
@@ -231,7 +264,7 @@ class RedisCluster:
             for n in running:
                 fields = dict(
                     line.strip().partition(":")[::2]
-                    for line in _cli(n.port, "info", "replication", timeout=2).splitlines()
+                    for line in self._cli(n.port, "info", "replication", timeout=2).splitlines()
                 )
                 if fields.get("role") == "slave" and fields.get("master_link_status") != "up":
                     return False
@@ -252,7 +285,7 @@ class RedisCluster:
         proc.wait(timeout=10)
         self._wait(
             f"replica {replica} promoted in place of {master}",
-            lambda: _cli(replica, "role", timeout=2).split()[:1] == ["master"],
+            lambda: self._cli(replica, "role", timeout=2).split()[:1] == ["master"],
         )
         self.wait_ok()
         return master, replica
