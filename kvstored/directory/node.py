@@ -306,7 +306,9 @@ class DirectoryNode:
         was_closed = self.breaker.state is BreakerState.CLOSED
         self.breaker.record(permit, False)
         self.last_error = why
-        if self.breaker.state is not BreakerState.CLOSED:
+        # (only the verdict that opened the breaker, or a failed probe, drops the client: a late
+        # failure of a call admitted earlier must not close the client a probe is using)
+        if self.breaker.state is not BreakerState.CLOSED and (was_closed or permit.probe):
             if was_closed:
                 log.warning(
                     "directory %s unreachable (%s): lookups are misses, writes wait, probing every %.1f s",
