@@ -289,3 +289,24 @@ def test_directory_faults(pair, redis_cluster, request, fault):
     )
     assert load_checked(b, f, before + after) == len(before) + len(after)
     assert a.running and b.running
+
+
+def test_a_daemon_starts_and_serves_while_its_directory_is_down(request):
+    """Nothing listens at the directory's address: the daemon starts anyway, serves its own
+    chunks byte-exact, its lookups of others' chunks are misses, and kvstoredctl says why."""
+    pair = Pair(f"redis://127.0.0.1:{free_port()}")
+    b = pair.daemons[1]
+    try:
+        b.start(b.args)
+        f = fields(request)
+        mine = make_keys(f["model"], 3)
+        store(b, f, mine)
+        assert load_checked(b, f, mine) == len(mine)
+        for i in range(5):
+            nobody = make_keys(f["model"] + f"/nobody{i}", 8)
+            assert tiers_on(b, f, nobody) == [Tier.NONE] * len(nobody)
+        shown = json.loads(ctl_directory(b))
+        assert shown["breaker"] in ("open", "half_open") and shown["last_error"], shown
+        assert shown["pending_changes"] == len(mine)  # kept until the directory is there
+    finally:
+        pair.close()
