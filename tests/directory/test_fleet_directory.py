@@ -233,7 +233,8 @@ def test_a_holder_restarted_under_load_offers_only_what_its_new_incarnation_hold
     store(a, f, new)
     wait_hits(pair, f, new)  # B reaches the new incarnation by itself
     assert load_checked(b, f, new) == len(new)
-    assert tiers_on(b, f, old) == [Tier.NONE] * len(old)  # the old incarnation's fields count no more
+    # the old incarnation's fields count no more (B's own RAM may hold some its Lookup readied)
+    assert Tier.PEER not in tiers_on(b, f, old)
 
 
 def serve_throughout(pair: Pair, f: dict, theirs: list[bytes], mine: list[bytes]) -> None:
