@@ -84,7 +84,7 @@ BENCH_MULTITURN_ARGS ?=
 # The multi-node sweep (3 daemons, turns routed round-robin): BENCH_NODES_ARGS adds to its flags.
 BENCH_NODES_ARGS ?= --conversations 64,128,256
 bench: setup system-deps
-	./deploy/install-system-deps.sh redis-server libibverbs1
+	./deploy/install-system-deps.sh libibverbs1
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev,bench]'
 	mkdir -p results
 	$(BIN)/python -m bench.local_path --json results/local_path.json

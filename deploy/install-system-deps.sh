@@ -7,8 +7,9 @@
 #   systemd: systemd-analyze, to verify the unit file
 #   openssl: throwaway certificates for the TLS listener tests; curl: the radosgw start script
 #   tmux: a real terminal for the test that drives `kvstoredctl top`
+#   redis-server (redis-cli with it): a real Redis Cluster for the fleet directory's tests
 set -euo pipefail
-packages=(ceph-mon ceph-osd radosgw prometheus systemd openssl curl tmux "$@")
+packages=(ceph-mon ceph-osd radosgw prometheus systemd openssl curl tmux redis-server "$@")
 need=()
 for pkg in "${packages[@]}"; do dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg"); done
 [ ${#need[@]} -eq 0 ] && exit 0

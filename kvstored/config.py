@@ -184,7 +184,12 @@ def _tier_table(spec: Mapping[str, Any] | str) -> dict[str, Any]:
     """A TOML table, or a "kind=fs,root=/mnt/kv,bytes=100GiB" string, as a dict."""
     if not isinstance(spec, str):
         return dict(spec)
-    pairs = [p.split("=", 1) for p in spec.split(",") if p.strip()]
+    pairs: list[list[str]] = []
+    for part in (p for p in spec.split(",") if p.strip()):
+        if "=" not in part and pairs and "://" in pairs[-1][1]:
+            pairs[-1][1] += "," + part  # a URL's list of hosts (directory=redis://a:1,b:2)
+            continue
+        pairs.append(part.split("=", 1))
     if any(len(p) != 2 for p in pairs):
         raise ValueError(f"tier {spec!r}: expected comma-separated key=value pairs")
     return {k.strip(): v.strip() for k, v in pairs}

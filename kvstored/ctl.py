@@ -485,6 +485,57 @@ def cmd_peers(conn: Conn, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_directory(conn: Conn, args: argparse.Namespace) -> int:
+    status = conn.call_peer("Status", pb.PeerStatusRequest())
+    on = status.enabled and status.HasField("directory")
+    d = status.directory
+    data: dict[str, Any] = {"enabled": on}
+    if on:
+        data.update(
+            {
+                "url": d.url,
+                "breaker": _peer_name(pb.BreakerState, d.breaker, "BREAKER_STATE_"),
+                "shards": list(d.shards),
+                "lag_s": d.lag_s,
+                "pending_changes": d.pending_changes,
+                "found_peers": d.found_peers,
+                "lookups": d.lookups,
+                "lookup_chunks": d.lookup_chunks,
+                "hit_chunks": d.hit_chunks,
+                "errors": d.errors,
+                "timeouts": d.timeouts,
+                "refused": d.refused,
+                "write_batches": d.write_batches,
+                "write_commands": d.write_commands,
+                "write_errors": d.write_errors,
+                "refreshed": d.refreshed,
+                "dropped_changes": d.dropped_changes,
+                "stale_deleted": d.stale_deleted,
+                "connects": d.connects,
+                "last_error": d.last_error,
+            }
+        )
+
+    def text() -> str:
+        if not on:
+            return f'no fleet directory on {conn.socket} (set directory = "redis://..." in the peer tier)'
+        shards = ", ".join(d.shards) or "(not connected)"
+        lines = [
+            f"directory {d.url}: breaker {data['breaker']}, {len(d.shards)} shard(s): {shards}",
+            f"writes: {d.write_batches} batches, {d.write_commands} commands, {d.write_errors} failed; "
+            f"lag {d.lag_s:.2f} s, {d.pending_changes} changes pending, {d.refreshed} chunks refreshed, "
+            f"{d.dropped_changes} dropped",
+            f"lookups: {d.lookups} ({d.lookup_chunks} chunks, {d.hit_chunks} hits), {d.errors} errors, "
+            f"{d.timeouts} timeouts, {d.refused} refused by the breaker; {d.found_peers} holder(s) found",
+        ]
+        if d.last_error:
+            lines.append(f"last error: {d.last_error}")
+        return "\n".join(lines)
+
+    emit(args, data, text)
+    return 0
+
+
 def event_dict(e: pb.KvEvent) -> dict[str, Any]:
     return {
         "seq": e.seq,
@@ -751,6 +802,11 @@ def build_parser() -> argparse.ArgumentParser:
         "the peer tier: each peer's address, state, data transport, chunks indexed, bytes "
         "fetched from it (IN) and served to it (OUT), breaker, fetches, stale index entries (MISSING) and failed "
         "fetches; what this daemon serves and leases to peers",
+    )
+    add(
+        "directory",
+        cmd_directory,
+        "the fleet directory (Redis Cluster): its shards, breaker, write lag and batches, lookups and hits",
     )
 
     view = add(

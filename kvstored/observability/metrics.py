@@ -36,6 +36,7 @@ from kvstored.namespaces import NamespaceRegistry
 from kvstored.observability.snapshot import (
     STORE_DROP_REASONS,
     ChainSource,
+    DirectoryRow,
     PeerRow,
     PeersSnapshot,
     PeersSource,
@@ -281,6 +282,37 @@ def peer_families(snap: PeersSnapshot) -> Iterator:
         "chunks peers asked for that were not here (or not theirs to have: tenant namespaces)",
         value=snap.refused_chunks,
     )
+    if snap.directory is not None:
+        yield from directory_families(snap.directory)
+
+
+DIRECTORY_COUNTERS = {  # metric (without kvstored_directory_ and _total) -> (DirectoryRow field, help)
+    "lookups": ("lookups", "lookups asked of the fleet directory (one round trip, two when heartbeats are due)"),
+    "lookup_chunks": ("lookup_chunks", "chunks asked of the directory (those local tiers and the mesh missed)"),
+    "hit_chunks": ("hit_chunks", "chunks the directory named a live holder of"),
+    "errors": ("errors", "directory lookups that failed (unreachable, an error reply): misses"),
+    "timeouts": ("timeouts", "directory lookups past directory_timeout_s: misses"),
+    "refused": ("refused", "directory lookups not tried, its breaker open: misses"),
+    "write_batches": ("write_batches", "pipelined write batches (one per interval while reachable)"),
+    "write_commands": ("write_commands", "commands written to the directory (heartbeat, HSET/PEXPIRE, HDEL)"),
+    "write_errors": ("write_errors", "write batches that failed (kept for the next interval)"),
+    "refreshed_chunks": ("refreshed", "chunks re-written by the refresh pass (TTL renewal, after an outage)"),
+    "dropped_changes": ("dropped_changes", "changes not kept while the directory was away (a refresh covers them)"),
+    "stale_deleted": ("stale_deleted", "fields of dead, restarted or mistaken holders deleted"),
+    "connects": ("connects", "connections made to the cluster (a fresh one after each outage)"),
+}
+
+
+def directory_families(row: DirectoryRow) -> Iterator:
+    """The fleet directory (kvstored/directory/): lookups, writes, lag, its breaker."""
+    yield _gauge(
+        "directory_breaker_open", "1 while the directory's breaker is open or probing", row.breaker != "closed"
+    )
+    yield _gauge("directory_lag_seconds", "age of the oldest change not yet in the directory", row.lag_s)
+    yield _gauge("directory_pending_changes", "net changes waiting for the next write", row.pending_changes)
+    yield _gauge("directory_found_peers", "holders reached because the directory named them", row.found_peers)
+    for name, (field, doc) in DIRECTORY_COUNTERS.items():
+        yield CounterMetricFamily(f"{PREFIX}_directory_{name}", doc, value=getattr(row, field))
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -74,6 +74,32 @@ class PeerRow:
 
 
 @dataclass(frozen=True)
+class DirectoryRow:
+    """The fleet directory as this node sees it (kvstored/directory/node.py's counters)."""
+
+    url: str  # password redacted
+    breaker: str  # closed, open, half_open
+    lag_s: float  # age of the oldest change not yet written
+    pending_changes: int
+    lookups: int
+    lookup_chunks: int
+    hit_chunks: int
+    errors: int
+    timeouts: int
+    refused: int
+    write_batches: int
+    write_commands: int
+    write_errors: int
+    refreshed: int
+    dropped_changes: int
+    stale_deleted: int
+    connects: int
+    found_peers: int  # holders reached because the directory named them
+    last_error: str = ""
+    shards: tuple[str, ...] = ()  # HOST:PORT of the masters the client knows
+
+
+@dataclass(frozen=True)
 class PeersSnapshot:
     incarnation: int
     peers: list[PeerRow]
@@ -89,6 +115,7 @@ class PeersSnapshot:
     transports: tuple[str, ...]
     tcp_port: int
     ucx_port: int
+    directory: DirectoryRow | None = None
 
 
 PeersSource = Callable[[], "PeersSnapshot | None"]  # None: no peer tier

@@ -162,7 +162,9 @@ class PeerFleet:
 
     async def _supervisor(self, record: PeerRecord) -> None:
         wait = FIRST_RETRY_S
+        failures = 0  # in a row, of a holder found in the directory
         while not self._closed:
+            was_up = False
             try:
                 await self._session(record)
                 self._set(record, PeerState.DOWN, "it ended the event stream (stopping)")
@@ -177,11 +179,20 @@ class PeerFleet:
                 await asyncio.sleep(INCOMPATIBLE_RETRIES * self.settings.reconnect_s)
                 continue
             except (grpc.aio.AioRpcError, PeerError, PeerRestarted, OSError, TimeoutError) as exc:
+                was_up = record.state is PeerState.UP
                 self._set(record, PeerState.DOWN, _describe(exc))
             except Exception as exc:  # a bug: say so loudly (once per reason), and keep trying
                 if record.detail != _describe(exc):
                     log.error("peer %s: unexpected error, retrying", record.address, exc_info=exc)
+                was_up = record.state is PeerState.UP
                 self._set(record, PeerState.DOWN, _describe(exc))
+            if not record.follows:
+                # A holder found in the directory that stays unreachable is let go (the directory
+                # names it again if it comes back): a churning fleet leaves no retry loops behind.
+                failures = 0 if was_up else failures + 1
+                if failures >= INCOMPATIBLE_RETRIES:
+                    await self._let_go(record)
+                    return
             await asyncio.sleep(wait)
             wait = min(wait * 2, self.settings.reconnect_s)
 
@@ -215,10 +226,57 @@ class PeerFleet:
         follower = Follower(
             channel, record, self.index, self.local.incarnation, self._sweep_wanted.set, self.settings.coalesce_events
         )
+        if not record.follows:
+            self._set(record, PeerState.UP, f"over {kind.value}, found in the directory")
+            await self._keep_checking(record, channel)
+            return
         if record.slot is None:
             await follower.resync()
         self._set(record, PeerState.UP, f"over {kind.value}, {self.index.count(record.slot or 0)} chunks indexed")
         await follower.run()
+
+    async def _keep_checking(self, record: PeerRecord, channel: ControlChannel) -> None:
+        """A holder found in the directory is not followed: a handshake every reconnect_s tells
+        that it is still there (an error ends the session: DOWN, retried) and still the same."""
+        assert self.local is not None
+        while True:
+            await asyncio.sleep(self.settings.reconnect_s)
+            remote = await channel.hello(self.local.to_proto(), self.settings.connect_timeout_s)
+            if record.hello is not None and remote.incarnation != record.hello.incarnation:
+                raise PeerRestarted(f"{record.address} restarted")
+
+    # -- holders found in the directory -------------------------------------------------------
+
+    def add_found(self, address: PeerAddress) -> None:
+        """Reach a holder the directory named (handshake and data link, in the background)."""
+        if self._closed:
+            return
+        record = self.membership.add_found(address)
+        if record is not None:
+            log.info("peer %s found in the directory", address)
+            self._supervise(record)
+
+    async def _let_go(self, record: PeerRecord) -> None:
+        """(From its own supervisor, which then ends.)"""
+        if self.membership.drop_found(record.address) is None:
+            return
+        log.info("peer %s found in the directory is unreachable: let go until it is named again", record.address)
+        self._retire(record)
+        link = self.links.pop(record.address, None)
+        if link is not None:
+            await self._close_links([link])
+        channel = self._channels.pop(record.address, None)
+        if channel is not None:
+            await channel.close()
+
+    def drop_found_soon(self, address: PeerAddress) -> None:
+        if not self._closed:
+            self._keep(self.drop_found(address), f"peer-drop-{address}")
+
+    async def drop_found(self, address: PeerAddress) -> None:
+        record = self.membership.drop_found(address)
+        if record is not None:
+            await self._forget(record)
 
     async def _ensure_link(self, record: PeerRecord, kind: TransportKind, data: PeerAddress) -> None:
         link = self.links.get(record.address)
@@ -274,7 +332,8 @@ class PeerFleet:
             await asyncio.sleep(self.settings.dns_interval_s)
 
     async def _forget(self, record: PeerRecord) -> None:
-        log.info("peer %s left %s", record.address, self.settings.peers_dns)
+        where = self.settings.peers_dns if record.follows else "the directory"
+        log.info("peer %s left %s", record.address, where)
         task = self._tasks.pop(record.address, None)
         if task is not None:
             task.cancel()

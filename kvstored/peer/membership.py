@@ -2,8 +2,10 @@
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Who the peers are and how each one is doing: bookkeeping only (no I/O).
 
-Peers come from a static list and from a DNS name (a Kubernetes headless Service: every address
-it resolves to is a peer), resolved again every few seconds by the peer tier; this daemon's own
+Peers come from a static list, from a DNS name (a Kubernetes headless Service: every address
+it resolves to is a peer), resolved again every few seconds by the peer tier, and from the fleet
+directory (holders it names: fetched from, never followed, forgotten when their heartbeat goes);
+this daemon's own
 address is skipped (by address when it is listed as such, by incarnation at the handshake when
 it is reached through another address, e.g. its pod IP).
 
@@ -77,7 +79,8 @@ class PeerRecord:
     address: PeerAddress  # its control address (tcp_listen)
     label: str  # its metrics label
     breaker: CircuitBreaker
-    static: bool = True  # from the static list (else from DNS)
+    static: bool = True  # from the static list (else from DNS or the directory)
+    follows: bool = True  # its events are followed into the index (not for holders found in the directory)
     state: PeerState = PeerState.CONNECTING
     detail: str = ""  # why it is down or incompatible
     hello: Hello | None = None
@@ -129,10 +132,27 @@ class Membership:
         whatever DNS says."""
         now = {a for a in resolved if a != self._own}
         added = [self._add(a, static=False) for a in sorted(now, key=str) if a not in self.peers]
-        gone = [r for a, r in self.peers.items() if not r.static and a not in now]
+        gone = [r for a, r in self.peers.items() if not r.static and r.follows and a not in now]
         for record in gone:
             del self.peers[record.address]
         return added, gone
+
+    def add_found(self, address: PeerAddress) -> PeerRecord | None:
+        """A holder the directory named: a new record (fetched from, not followed), or None when
+        it is this daemon or already a peer."""
+        if address == self._own or address in self.peers:
+            return None
+        record = self._add(address, static=False)
+        record.follows = False
+        return record
+
+    def drop_found(self, address: PeerAddress) -> PeerRecord | None:
+        """A holder the directory no longer vouches for (its heartbeat expired)."""
+        record = self.peers.get(address)
+        if record is None or record.follows:
+            return None
+        del self.peers[address]
+        return record
 
     def by_slot(self, slot: int) -> PeerRecord | None:
         for record in self.peers.values():

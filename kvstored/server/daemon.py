@@ -376,6 +376,9 @@ class Daemon:
             self.chain, self.namespaces, tier.config, self.config.tcp_listen, self.incarnation
         )
         tier.serve_as(await self.peer_serving.start())
+        if tier.directory is not None:  # this daemon's holdings, told to the fleet directory
+            tier.directory.holdings = self.peer_serving.holdings
+            self.chain.events.add_listener(tier.directory.on_event)
 
     async def _close_peers(self) -> None:
         """Stop following the peers and close the data links, then stop serving them."""

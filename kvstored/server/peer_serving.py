@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from kvstored.chain.chain import TierChain
 from kvstored.chain.leases import LeaseRequest, Reach
+from kvstored.chunks.ids import ChunkId, TierKind
 from kvstored.errors import BatchTooLarge, InvalidRequest, PeerIncompatible, TierStartError
 from kvstored.events.bus import EventBus
 from kvstored.events.identity import IdentityBook
@@ -279,6 +280,17 @@ class PeerServing:
             c.other_sent_bytes += old
 
     # -- snapshot -------------------------------------------------------------------------
+
+    def holdings(self) -> list[tuple[TierKind, ChunkId]]:
+        """Every chunk of a public namespace this daemon holds in RAM or a local tier, with the
+        tier's kind (what the fleet directory's refresh pass re-writes)."""
+        public = {ns.namespace_id for ns in self._namespaces.all() if not ns.private}
+        out: list[tuple[TierKind, ChunkId]] = [(TierKind.RAM, c) for c in self._chain.ready_chunks() if c[0] in public]
+        for lower in self._chain.lower:
+            if lower.capabilities.local:
+                for ns_id in public:
+                    out += [(lower.tier.kind, c) for c in lower.tier.known_chunks(ns_id)]
+        return out
 
     def snapshot(self, events: EventBus) -> Iterator[pb.SnapshotBatch]:
         """Every chunk this daemon serves peers from, of public namespaces, listed at once (one

@@ -7,10 +7,39 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvstored.observability.snapshot import PeerRow, PeersSnapshot
+from kvstored.observability.snapshot import DirectoryRow, PeerRow, PeersSnapshot
 from kvstored.server.peer_serving import PeerServing
 from kvstored.tiers.peer import PeerTier
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+
+
+def directory_row(tier: PeerTier) -> DirectoryRow | None:
+    node = tier.directory
+    if node is None:
+        return None
+    c = node.counters
+    return DirectoryRow(
+        url=node.settings.url.redacted(),
+        breaker=node.breaker.state.name.lower(),
+        lag_s=node.lag_s(),
+        pending_changes=len(node.changes),
+        lookups=c.lookups,
+        lookup_chunks=c.lookup_chunks,
+        hit_chunks=c.hits,
+        errors=c.errors,
+        timeouts=c.timeouts,
+        refused=c.refused,
+        write_batches=c.write_batches,
+        write_commands=c.write_commands,
+        write_errors=c.write_errors,
+        refreshed=c.refreshed,
+        dropped_changes=c.dropped_changes,
+        stale_deleted=c.stale_deleted,
+        connects=c.connects,
+        found_peers=sum(1 for r in tier.membership.records() if not r.follows),
+        last_error=node.last_error,
+        shards=tuple(node.shards()),
+    )
 
 
 def peers_snapshot(serving: PeerServing, tier: PeerTier) -> PeersSnapshot:
@@ -60,6 +89,7 @@ def peers_snapshot(serving: PeerServing, tier: PeerTier) -> PeersSnapshot:
         transports=tuple(sorted(t.value for t in hello.transports)) if hello else (),
         tcp_port=hello.tcp_port if hello else 0,
         ucx_port=hello.ucx_port if hello else 0,
+        directory=directory_row(tier),
     )
 
 
@@ -88,4 +118,14 @@ def status(serving: PeerServing, tier: PeerTier) -> pb.PeerStatusResponse:
         ucx_port=snap.ucx_port,
         served_bytes=snap.served_bytes,
         index_evictions=snap.index_evictions,
+        directory=_directory_status(snap.directory),
     )
+
+
+def _directory_status(row: DirectoryRow | None) -> pb.DirectoryStatus | None:
+    if row is None:
+        return None
+    fields = dataclasses.asdict(row)
+    fields["breaker"] = pb.BreakerState.Value("BREAKER_STATE_" + row.breaker.upper())
+    fields["shards"] = list(row.shards)
+    return pb.DirectoryStatus(**fields)

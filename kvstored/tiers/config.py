@@ -143,6 +143,17 @@ class PeerTierConfig:
     coalesce_events: bool = True
     tls_ca_file: Path | None = None  # CA of the peers' certificates (default: tls_client_ca_file)
     tls_server_name: str = ""  # name in the peers' certificates, when they are reached by IP address
+    # The fleet directory (kvstored/directory/): redis[s]://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]
+    # of a Redis Cluster; "" for none. Its holders are fetched from like peers, found through it.
+    directory: str = ""
+    directory_address: str = ""  # this daemon's HOST:PORT as the others reach it (default: tcp_listen)
+    directory_interval_s: float = 0.5  # writes and the heartbeat, once per interval
+    directory_heartbeat_ttl_s: float = 3.0  # a holder silent this long holds nothing
+    directory_entry_ttl_s: float = 1800.0  # a chunk's key expires unless re-written (every TTL / 2)
+    directory_timeout_s: float = 0.1  # a lookup's round trips to the directory, at most
+    directory_buckets: int = 16  # hash-tag buckets per namespace (slots a lookup touches, at most)
+    directory_prefix: str = "kvd"  # of every key: fleets sharing a cluster use different prefixes
+    directory_tls_ca_file: Path | None = None  # CA of the directory's certificates (rediss://)
     concurrency: int = 64  # reads in flight (they are batched per peer)
     max_backlog: int = 1  # (no write-downs or deletes reach a peer tier)
 

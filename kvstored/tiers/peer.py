@@ -15,6 +15,13 @@
 - Nothing is ever written down to a peer or deleted from it (the registry's capabilities say so,
   the chain honours them): a Delete on this daemon leaves the peers' copies alone.
 
+- With a fleet directory (`directory = "redis://..."`, kvstored/directory/): the chunks that
+  `contains` finds in neither the index nor RAM's neighbours are asked of the directory, once per
+  call, within directory_timeout_s (slow or down: a miss); a holder it names is reached like a
+  peer (handshake, data link; not followed) and fetched from by `read`, verified the same way. A
+  holder's MISSING deletes its directory entry. This daemon's own holdings go to the directory
+  from the event bus (the daemon adds the listener and the holdings source).
+
 The connections to the peers (handshake, events, data links) are kvstored/peer/fleet.py; the
 serving side (what this daemon gives its peers) is kvstored/server/peer_serving.py.
 """
@@ -24,7 +31,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -40,7 +49,7 @@ from kvstored.peer.fetcher import REFUSED, PeerFetcher
 from kvstored.peer.fleet import FleetSettings, PeerFleet
 from kvstored.peer.handshake import LocalHello
 from kvstored.peer.index import SLOT_MASK, TIER_BITS, PeerIndex
-from kvstored.peer.membership import Membership, PeerRecord
+from kvstored.peer.membership import Membership, PeerRecord, parse_address
 from kvstored.peer.messages import fetch_request, identities_of, receipts_of
 from kvstored.peer.quarantine import span_of
 from kvstored.peer.transport import (
@@ -57,7 +66,13 @@ from kvstored.peer.transport import (
 from kvstored.tiers.base import SecondaryTier, TierUsage, WriteOutcome
 from kvstored.tiers.config import PeerTierConfig, TierContext, data_ports
 
+if TYPE_CHECKING:
+    from kvstored.directory.keys import Holder
+    from kvstored.directory.node import DirectoryNode
+
 log = logging.getLogger(__name__)
+
+DIRECTORY_HITS = 65_536  # chunks the directory named a holder of, remembered for the reads that follow
 
 FAILURES = (ReceiveOutcome.FAILED, ReceiveOutcome.TIMED_OUT)
 
@@ -91,6 +106,11 @@ class PeerTier(SecondaryTier):
             cfg.coalesce_events,
         )
         self.fleet = PeerFleet(settings, self.membership, self.index, _client_tls(cfg, options))
+        self.directory: DirectoryNode | None = None
+        self._found: OrderedDict[ChunkId, Holder] = OrderedDict()  # the directory's answers, for read()
+        if cfg.directory:
+            self.directory = _directory(cfg, cfg.directory_address or own, ctx.incarnation, self._shareable)
+            self.directory.on_dead = self._holder_gone
         self._fetchers: dict[PeerRecord, PeerFetcher] = {}
         self._replaced: list[PeerFetcher] = []  # of links since replaced: closed with the tier
         self._refused: set[tuple] = set()  # (peer, incarnation, namespace) refusals logged
@@ -132,12 +152,16 @@ class PeerTier(SecondaryTier):
 
     async def start(self) -> None:
         await self.fleet.start()
+        if self.directory is not None:
+            await self.directory.start()
 
     async def close(self) -> None:
         """Stop following the peers, end the reads (each within its timeout), close the links."""
         if self._closed:
             return
         self._closed = True
+        if self.directory is not None:
+            await self.directory.close()  # (its heartbeat deleted: its entries stop counting now)
         fetchers, self._fetchers = [*self._fetchers.values(), *self._replaced], {}
         for fetcher in fetchers:
             await fetcher.close()
@@ -157,6 +181,8 @@ class PeerTier(SecondaryTier):
             masks = self.index.contains(namespace_id, [chunks[i][1] for i in positions])
             for i, mask in zip(positions, masks):
                 out[i] = bool(mask & usable)
+        if self.directory is not None and not self._closed:
+            await self._ask_directory(chunks, out)
         self.counters.lookups += len(out)
         self.counters.hits += sum(out)
         return out
@@ -208,12 +234,52 @@ class PeerTier(SecondaryTier):
         return mask
 
     def _holder(self, chunk: ChunkId) -> PeerRecord | None:
-        """The best peer to fetch from: holding it in RAM rather than on disk, UP, breaker shut."""
+        """The best peer to fetch from: holding it in RAM rather than on disk, UP, breaker shut
+        (a peer the index names first, else the holder the directory named)."""
         for holder in self.index.holders(chunk):
             record = self.membership.by_slot(holder.slot)
             if record is not None and record.usable() and record.address in self.fleet.links:
                 return record
+        found = self._found.get(chunk)
+        if found is not None:
+            record = self.membership.peers.get(parse_address(found.address))
+            if record is not None and self._reachable(record):
+                return record
         return None
+
+    def _reachable(self, record: PeerRecord) -> bool:
+        return record.usable() and record.address in self.fleet.links
+
+    # -- the fleet directory ------------------------------------------------------------------
+
+    async def _ask_directory(self, chunks: Sequence[ChunkId], out: list[bool]) -> None:
+        """The shareable chunks still missed, asked of the directory (one call, its deadline)."""
+        assert self.directory is not None
+        missed = [i for i, hit in enumerate(out) if not hit and self._shareable(chunks[i][0])]
+        if not missed:
+            return
+        answers = await self.directory.lookup([chunks[i] for i in missed])
+        for i, holders in zip(missed, answers):
+            for holder in holders:
+                address = parse_address(holder.address)
+                record = self.membership.peers.get(address)
+                if record is None:
+                    self.fleet.add_found(address)  # (reached in the background: a hit next time)
+                    continue
+                if self._reachable(record) and record.incarnation == holder.incarnation:
+                    out[i] = True
+                    self._found[chunks[i]] = holder
+                    self._found.move_to_end(chunks[i])
+                    break
+        while len(self._found) > DIRECTORY_HITS:
+            self._found.popitem(last=False)
+
+    def _holder_gone(self, address: str) -> None:
+        """The directory has no heartbeat of this holder any more: stop reaching it (if it was
+        found there; a configured peer stays)."""
+        record = self.membership.peers.get(parse_address(address))
+        if record is not None and not record.follows:
+            self.fleet.drop_found_soon(record.address)
 
     def _fetcher(self, record: PeerRecord) -> PeerFetcher | None:
         link = self.fleet.links.get(record.address)
@@ -304,6 +370,9 @@ class PeerTier(SecondaryTier):
             c.missing_chunks += 1
             if record.slot is not None:
                 self.index.drop(record.slot, chunk[0], chunk[1])  # stale: a miss, and forgotten
+            found = self._found.pop(chunk, None)
+            if found is not None and self.directory is not None:
+                self.directory.forget(chunk, found)  # its directory entry is deleted too
         elif outcome is ReceiveOutcome.CORRUPT:
             c.corrupt_chunks += 1
             tc.checksum_failures += 1
@@ -316,6 +385,27 @@ class PeerTier(SecondaryTier):
             tc.errors += 1
             log.debug("peer %s: fetch failed: %s", record.address, result.detail)
         return False
+
+
+def _directory(cfg: PeerTierConfig, address: str, incarnation: int, shareable) -> DirectoryNode:
+    from kvstored.directory.config import DirectorySettings, parse_url
+    from kvstored.directory.node import DirectoryNode
+
+    settings = DirectorySettings(
+        url=parse_url(cfg.directory),
+        address=address,
+        incarnation=incarnation,
+        interval_s=cfg.directory_interval_s,
+        heartbeat_ttl_s=cfg.directory_heartbeat_ttl_s,
+        entry_ttl_s=cfg.directory_entry_ttl_s,
+        timeout_s=cfg.directory_timeout_s,
+        buckets=cfg.directory_buckets,
+        prefix=cfg.directory_prefix,
+        breaker_failures=cfg.breaker_failures,
+        breaker_reset_s=cfg.breaker_reset_s,
+        tls_ca_file=cfg.directory_tls_ca_file,
+    )
+    return DirectoryNode(settings, shareable)
 
 
 def _client_tls(cfg: PeerTierConfig, options) -> ClientTls | None:

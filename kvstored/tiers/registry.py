@@ -255,6 +255,16 @@ def _parse_dns(value: Any) -> str:
     return _parse_addresses([text])[0]
 
 
+def _parse_directory(value: Any) -> str:
+    """A redis:// or rediss:// URL of seed nodes, checked now (the password is never echoed)."""
+    text = str(value).strip()
+    if text:
+        from kvstored.directory.config import parse_url  # (no redis-py: the URL's syntax only)
+
+        parse_url(text)
+    return text
+
+
 def _parse_port(value: Any) -> int:
     port = int(value)
     if not 0 <= port <= 65535:
@@ -267,8 +277,12 @@ def _check_peer(cfg: PeerTierConfig) -> None:
         value = getattr(cfg, option)
         if not 0 < value < math.inf:
             raise ValueError(f"{option} must be a finite number > 0, got {value}")
-    if not cfg.peers and not cfg.peers_dns:
-        raise ValueError("set peers (a list of HOST:PORT) or peers_dns (NAME:PORT), or both")
+    if not cfg.peers and not cfg.peers_dns and not cfg.directory:
+        raise ValueError("set peers (a list of HOST:PORT), peers_dns (NAME:PORT) or directory (redis://...)")
+    if not 0 < cfg.directory_heartbeat_ttl_s < math.inf or cfg.directory_heartbeat_ttl_s <= cfg.directory_interval_s:
+        raise ValueError("directory_heartbeat_ttl_s must be finite and longer than directory_interval_s")
+    if cfg.directory_entry_ttl_s < 2 * cfg.directory_interval_s:
+        raise ValueError("directory_entry_ttl_s must be at least 2 x directory_interval_s")
 
 
 def _check_peer_in(cfg: PeerTierConfig, daemon: DaemonOptions) -> None:
@@ -311,10 +325,21 @@ PEER = TierKindSpec(
         "reconnect_s": parse_seconds,
         "coalesce_events": parse_bool,
         "tls_ca_file": Path,
+        "directory": _parse_directory,
+        "directory_address": _parse_dns,
+        "directory_interval_s": parse_seconds,
+        "directory_heartbeat_ttl_s": parse_seconds,
+        "directory_entry_ttl_s": parse_seconds,
+        "directory_timeout_s": parse_seconds,
+        "directory_buckets": int,
+        "directory_tls_ca_file": Path,
         "concurrency": int,
         "max_backlog": int,
     },
     minimums={
+        "directory_interval_s": 0.05,
+        "directory_timeout_s": 0.001,
+        "directory_buckets": 1,
         "dns_interval_s": 0.1,
         "tcp_connections": 1,
         "max_batch": 1,

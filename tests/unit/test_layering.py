@@ -20,7 +20,22 @@ FORBIDDEN = {
     "kvstored/chain": ABOVE_CHAIN,
     # tiers/peer.py (the peer tier kind) and tiers/config.py may use kvstored.peer: it is below them
     "kvstored/tiers": (*ABOVE_CHAIN, "kvstored.chain", "kvstored.observability"),
-    "kvstored/peer": (*ABOVE_CHAIN, "kvstored.chain", "kvstored.tiers", "kvstored.observability"),
+    "kvstored/peer": (
+        *ABOVE_CHAIN,
+        "kvstored.chain",
+        "kvstored.tiers",
+        "kvstored.observability",
+        "kvstored.directory",
+    ),
+    # the fleet directory sits beside the peer mesh: the peer tier uses both, neither the other
+    "kvstored/directory": (
+        *ABOVE_CHAIN,
+        "kvstored.chain",
+        "kvstored.tiers",
+        "kvstored.peer",
+        "kvstored.observability",
+        "kvstored.shm",
+    ),
     "kvstored/events": (*ABOVE_CHAIN, "kvstored.chain", "kvstored.tiers", "kvstored.peer", "kvstored.observability"),
     # metrics and Stats read what the chain fills in (observability/snapshot.py), never the chain
     "kvstored/observability": (*ABOVE_CHAIN, "kvstored.chain", "kvstored.tiers", "kvstored.peer"),

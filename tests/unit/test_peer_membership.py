@@ -83,3 +83,17 @@ def test_metrics_labels_are_bounded():
     labels = [r.label for r in m.records()]
     assert len({label for label in labels if label != OTHER_LABEL}) == MAX_PEER_LABELS
     assert labels.count(OTHER_LABEL) == 10
+
+
+def test_holders_found_in_the_directory_are_fetched_from_not_followed_and_dns_leaves_them_alone():
+    m = Membership(["10.0.0.2:7070"], "10.0.0.1:7070", 3, 5.0)
+    found = m.add_found(PeerAddress("10.0.0.9", 7070))
+    assert found is not None and not found.follows and not found.static
+    assert m.add_found(PeerAddress("10.0.0.9", 7070)) is None  # already there
+    assert m.add_found(PeerAddress("10.0.0.2", 7070)) is None  # a configured peer stays followed
+    assert m.add_found(PeerAddress("10.0.0.1", 7070)) is None  # this daemon
+    added, gone = m.update_dns([PeerAddress("10.0.0.5", 7070)])
+    assert [r.address for r in added] == [PeerAddress("10.0.0.5", 7070)] and gone == []  # DNS keeps found ones
+    assert m.drop_found(PeerAddress("10.0.0.2", 7070)) is None  # only found ones are dropped
+    assert m.drop_found(PeerAddress("10.0.0.9", 7070)) is found
+    assert PeerAddress("10.0.0.9", 7070) not in m.peers

@@ -1,0 +1,338 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
+"""A real Redis Cluster on loopback for the fleet directory's tests: 3 masters and 3 replicas
+(Debian's redis-server 7 in cluster mode, `redis-cli --cluster create`), each on a free port.
+
+    with RedisCluster() as rc:
+        rc.url                      # redis://127.0.0.1:P1,127.0.0.1:P2,... for `directory =`
+        rc.kill_master(0)           # SIGKILL a master, until its replica is promoted
+        rc.freeze(port); rc.thaw(port)
+        rc.stop_all(); rc.start_all()   # the cluster unreachable, then back (same ports, same data dirs)
+
+cluster-node-timeout is short (1 s) so a failover takes a few seconds, not fifteen.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.support.daemon import short_tmpdir
+from tests.support.needs import Needs, require
+from tests.support.ports import free_port
+from tests.support.tls import make_certs
+
+WAIT_S = 60.0  # a bound for every wait on the cluster's state, never a measurement
+NODE_TIMEOUT_MS = 1000
+
+
+class RedisClusterError(AssertionError):
+    pass
+
+
+@dataclass
+class RedisNode:
+    port: int
+    workdir: Path
+    proc: subprocess.Popen | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free too (so at most 55535)."""
+    for _ in range(1000):
+        port = free_port()
+        if port > 55535:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RedisClusterError("no free port pair (PORT, PORT + 10000) for a cluster node")
+
+
+def _cli(port: int, *args: str, timeout: float = 10.0, client: tuple[str, ...] = ()) -> str:
+    done = subprocess.run(
+        ["redis-cli", *client, "-h", "127.0.0.1", "-p", str(port), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    return done.stdout
+
+
+class RedisCluster:
+    def __init__(self, masters: int = 3, replicas: int = 1, tls: bool = False, password: str = "") -> None:
+        """tls: TLS only (clients, the cluster bus, replication), certificates for 127.0.0.1 from
+        tests/support/tls.py (`ca`: their CA); password: a user `kvstored` with it, allowed the
+        directory's keys only (`kvd:*`), and the default user off."""
+        require(Needs.SYSTEM_DEPS)  # (redis-server comes with deploy/install-system-deps.sh)
+        if shutil.which("redis-server") is None:
+            raise RedisClusterError("redis-server is not installed (deploy/install-system-deps.sh redis-server)")
+        self.workdir = short_tmpdir("kvrc")
+        self.masters = masters
+        self.nodes = [RedisNode(_cluster_port(), self.workdir / f"r{i}") for i in range(masters * (1 + replicas))]
+        self.replicas = replicas
+        self.tls = tls
+        self.password = password
+        self.ca: Path | None = None
+        self._server_args: list[str] = []
+        client: list[str] = []
+        if tls:
+            certs = make_certs(self.workdir)
+            self.ca = certs.ca
+            self._server_args += [
+                "--tls-cluster", "yes", "--tls-replication", "yes", "--tls-auth-clients", "no",
+                "--tls-cert-file", str(certs.server_cert), "--tls-key-file", str(certs.server_key),
+                "--tls-ca-cert-file", str(certs.ca),
+            ]  # fmt: skip
+            client += ["--tls", "--cacert", str(certs.ca)]
+        if password:
+            self._server_args += [
+                "--user", "default", "off",
+                "--user", "kvstored", "on", f">{password}", "~kvd:*", "+@all",
+                "--masteruser", "kvstored", "--masterauth", password,
+            ]  # fmt: skip
+            client += ["--user", "kvstored", "--pass", password, "--no-auth-warning"]
+        self._client = tuple(client)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def __enter__(self) -> RedisCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> RedisCluster:
+        for node in self.nodes:
+            node.workdir.mkdir()
+            self._run(node)
+        for node in self.nodes:
+            self._wait_answers(node)
+        out = subprocess.run(
+            [
+                "redis-cli",
+                *self._client,
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                "--cluster-replicas",
+                str(self.replicas),
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=WAIT_S,
+            check=False,
+        )
+        if out.returncode != 0:
+            raise RedisClusterError(f"redis-cli --cluster create failed:\n{out.stdout}\n{out.stderr}")
+        self.wait_ok()
+        return self
+
+    def _run(self, node: RedisNode) -> None:
+        node.proc = subprocess.Popen(
+            [
+                "redis-server",
+                *(["--port", "0", "--tls-port", str(node.port)] if self.tls else ["--port", str(node.port)]),
+                *self._server_args,
+                "--bind",
+                "127.0.0.1",
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                str(NODE_TIMEOUT_MS),
+                "--repl-diskless-sync-delay",
+                "0",
+                "--cluster-replica-validity-factor",
+                "0",  # a replica takes over however long it was cut off
+                "--appendonly",
+                "no",
+                "--save",
+                "",
+                "--dir",
+                str(node.workdir),
+                "--logfile",
+                "redis.log",
+                "--daemonize",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def _wait_answers(self, node: RedisNode) -> None:
+        def answers() -> bool:
+            if not node.running:
+                raise RedisClusterError(f"redis {node.port} exited: see {node.workdir / 'redis.log'}")
+            return self._cli(node.port, "ping").strip() == "PONG"
+
+        self._wait(f"redis {node.port} answers PING", answers)
+
+    def close(self) -> None:
+        for node in self.nodes:
+            if node.proc is not None and node.proc.poll() is None:
+                node.proc.send_signal(signal.SIGCONT)
+                node.proc.kill()
+                node.proc.wait(timeout=10)
+        if not os.environ.get("KEEP_REDIS"):
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    # -- what the daemons are told ------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        auth = f"kvstored:{self.password}@" if self.password else ""
+        return ("rediss://" if self.tls else "redis://") + auth + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def _cli(self, port: int, *args: str, timeout: float = 10.0) -> str:
+        return _cli(port, *args, timeout=timeout, client=self._client)
+
+    # -- its state ----------------------------------------------------------------------------
+
+    def info(self, port: int) -> dict[str, str]:
+        out = {}
+        for line in self._cli(port, "cluster", "info", timeout=2).splitlines():
+            key, sep, value = line.strip().partition(":")
+            if sep:
+                out[key] = value
+        return out
+
+    def master_ports(self) -> list[int]:
+        """The ports of the masters serving slots now, as a running node sees them."""
+        for node in self.nodes:
+            if not node.running:
+                continue
+            try:
+                text = self._cli(node.port, "cluster", "nodes", timeout=2)
+            except subprocess.TimeoutExpired:
+                continue  # (frozen)
+            ports = []
+            for line in text.splitlines():
+                parts = line.split()
+                if len(parts) >= 9 and "master" in parts[2] and "fail" not in parts[2]:
+                    ports.append(int(parts[1].split("@")[0].rpartition(":")[2]))
+            if ports:
+                return sorted(ports)
+        return []
+
+    def replica_of(self, master_port: int) -> int:
+        for node in self.nodes:
+            if node.running and node.port != master_port:
+                role = self._cli(node.port, "role", timeout=2).split()
+                if role and role[0] == "slave" and int(role[2]) == master_port:
+                    return node.port
+        raise RedisClusterError(f"no replica of {master_port}")
+
+    def node(self, port: int) -> RedisNode:
+        return next(n for n in self.nodes if n.port == port)
+
+    def wait_ok(self) -> None:
+        """Until every running, unfrozen node says cluster_state:ok and every slot is served."""
+
+        def ok() -> bool:
+            running = [n for n in self.nodes if n.running]
+            try:
+                infos = [self.info(n.port) for n in running]
+            except subprocess.TimeoutExpired:
+                return False
+            if not infos or not all(
+                i.get("cluster_state") == "ok" and i.get("cluster_slots_ok") == "16384" for i in infos
+            ):
+                return False
+            # replicas in sync with their masters: only a synced replica can take over
+            for n in running:
+                fields = dict(
+                    line.strip().partition(":")[::2]
+                    for line in self._cli(n.port, "info", "replication", timeout=2).splitlines()
+                )
+                if fields.get("role") == "slave" and fields.get("master_link_status") != "up":
+                    return False
+            return True
+
+        self._wait("cluster_state:ok on every node", ok)
+
+    # -- faults -------------------------------------------------------------------------------
+
+    def kill_master(self, index: int = 0) -> tuple[int, int]:
+        """SIGKILL the index-th master; returns (its port, the replica promoted in its place),
+        once the replica is a master and the cluster is ok again."""
+        master = self.master_ports()[index]
+        replica = self.replica_of(master)
+        proc = self.node(master).proc
+        assert proc is not None
+        proc.kill()
+        proc.wait(timeout=10)
+        self._wait(
+            f"replica {replica} promoted in place of {master}",
+            lambda: self._cli(replica, "role", timeout=2).split()[:1] == ["master"],
+        )
+        self.wait_ok()
+        return master, replica
+
+    def freeze(self, port: int) -> None:
+        proc = self.node(port).proc
+        assert proc is not None
+        proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self, port: int) -> None:
+        proc = self.node(port).proc
+        assert proc is not None
+        proc.send_signal(signal.SIGCONT)
+
+    def stop_all(self) -> None:
+        """Every node down (SIGTERM, then waited for): the directory unreachable."""
+        for node in self.nodes:
+            if node.running:
+                assert node.proc is not None
+                node.proc.send_signal(signal.SIGCONT)
+                node.proc.terminate()
+        for node in self.nodes:
+            if node.proc is not None:
+                node.proc.wait(timeout=30)
+
+    def start_all(self) -> None:
+        """Every node up again on its port, from its nodes.conf: the same cluster (empty)."""
+        for node in self.nodes:
+            if not node.running:
+                self._run(node)
+        for node in self.nodes:
+            self._wait_answers(node)
+        self.wait_ok()
+
+    def _wait(self, what: str, check, timeout: float = WAIT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if check():
+                    return
+            except (subprocess.TimeoutExpired, ValueError, IndexError):
+                pass
+            if time.monotonic() > deadline:
+                logs = "\n".join(
+                    f"--- {n.port}: {(n.workdir / 'redis.log').read_text()[-1500:]}"
+                    for n in self.nodes
+                    if (n.workdir / "redis.log").exists()
+                )
+                raise RedisClusterError(f"never {what} within {timeout:.0f} s\n{logs}")
+            time.sleep(0.1)
