@@ -97,6 +97,7 @@ _DROP_WHY = {
     "unavailable": "the daemon is unreachable, or the session or namespace was not ready within the queue timeout",
     "error": "the daemon's StoreFromRegion call failed (rpc_errors counts its code)",
     "daemon_full": "the daemon dropped them without saying why (a daemon older than its drop reasons)",
+    "drained before it started": "vLLM drained the tier's jobs (a cache reset, a shutdown) before the store was sent",
 }
 _DAEMONS_REASON = "the daemon's reason (its log says more: stores dropped ...)"
 
