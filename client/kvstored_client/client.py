@@ -23,6 +23,7 @@ from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.blocks import BlockIdentity
 from kvstored_client.copy_policy import client_copy_threads
+from kvstored_client.droplog import DropLog
 from kvstored_client.errors import (
     DeadlineExceeded,
     KvstoredError,
@@ -38,7 +39,7 @@ from kvstored_client.errors import (
     never_sent,
 )
 from kvstored_client.fast import FastLink, fast_path_default
-from kvstored_client.kinds import LoadInto
+from kvstored_client.kinds import DropReason, LoadInto
 from kvstored_client.ops import Health, LookupResult, Namespace, NamespaceSpec, Region, StoreResult
 from kvstored_client.paths import default_socket_path
 from kvstored_client.protocol import (
@@ -87,6 +88,7 @@ class ClientBase:
         self._session: PoolSession | None = None
         self._fork = ForkGuard()
         self.link_health = LinkHealth(self.socket)  # why calls degrade: logged once per change
+        self.drop_log = DropLog(f"kvstored at {self.socket}")  # stores dropped while it serves
 
     def _namespace_local(self, spec: NamespaceSpec) -> Namespace:
         ns_id = spec.namespace_id()
@@ -251,20 +253,38 @@ class ClientBase:
                             yield from ops.register(spec, opened)
                 result = yield from build(opened)
                 self.link_health.reachable()
+                if isinstance(result, StoreResult):
+                    self._log_drops(result, "the daemon committed fewer chunks than it had reserved for them")
                 return result
             except Unavailable as exc:
-                if not isinstance(exc, (DeadlineExceeded, TransferNotStarted, TierUnavailable)):
+                busy = isinstance(exc, (DeadlineExceeded, TransferNotStarted, TierUnavailable))
+                if not busy:
                     self._drop_session()  # the daemon is gone (a slow answer leaves the session be)
-                    self._unreachable()
+                    self._unreachable()  # (logged: "... stores are dropped until it is back")
                 if fallback is RAISE:
                     raise
                 log.debug("kvstored unavailable, degrading: %s", exc)
+                if busy and isinstance(fallback, StoreResult):
+                    self._log_drops(fallback, self._busy(exc))
                 return fallback
             except RESTART_ERRORS as exc:
                 if attempt == 2:
                     raise
                 log.info("kvstored restarted? (%s); setting the session up again", exc)
                 restarted = True
+
+    def _log_drops(self, result: StoreResult, why: str) -> None:
+        """Chunks this client dropped itself (the daemon logs its own reasons): one rate-limited
+        WARNING, as a store degrades without raising."""
+        self.drop_log.record(DropReason.UNAVAILABLE.label, result.dropped_by_reason.get(DropReason.UNAVAILABLE, 0), why)
+
+    def _busy(self, exc: Unavailable) -> str:
+        if isinstance(exc, DeadlineExceeded):
+            return (
+                f"kvstored serves but did not answer within the {self.deadline_s:g} s deadline ({exc}): it is "
+                "busy, or a tier below is slow (a larger deadline_s waits longer)"
+            )
+        return f"kvstored serves but could not carry the store out ({type(exc).__name__}: {exc})"
 
     def _session_step(self, timeout: float) -> tuple[PoolSession, bool]:
         """Blocking: the current session (opened if needed, regions attached) and whether it is new."""

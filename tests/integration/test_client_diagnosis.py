@@ -7,9 +7,11 @@ never raises. Real sockets, real daemons, and a client process running as anothe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import stat
 import subprocess
@@ -19,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from kvstored_client import Client
+from kvstored_client import Client, DropReason, StoreResult
 from kvstored_client.vllm.driver import DaemonLink, LinkOptions
 from tests.support.daemon import REPO_ROOT, clean_env, short_tmpdir
-from tests.support.data import make_keys
+from tests.support.data import make_keys, payloads
 from tests.support.wait import wait_for
 
 CHUNK = 64 << 10
@@ -85,6 +87,58 @@ async def test_the_async_client_says_the_same(daemon, ns_name, caplog):
         assert (await kv.lookup(ns, make_keys("diag-async", 1))).prefix_hits == 0
         assert (await kv.health()).reason.startswith("refused:")
         assert len(said(caplog, logging.WARNING)) == 1
+
+
+# -- stores a busy daemon misses ----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def paused(daemon):
+    """The daemon serving but answering nothing (as one far behind under load): SIGSTOP."""
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+
+
+def dropped_lines(caplog) -> list[str]:
+    return [line for line in said(caplog, logging.WARNING) if "stores dropped" in line]
+
+
+def test_a_store_a_busy_daemon_misses_says_why_in_the_reply_and_one_warning(daemon, ns_name, caplog):
+    """The issue's quickstart under load: `dropped=16` and nothing logged. Now the reply says
+    unavailable per key and the client logs one WARNING naming the deadline, however many
+    stores miss it within 10 s; the link itself stays healthy (no unreachable line)."""
+    caplog.set_level(logging.INFO, logger="kvstored_client")
+    first, keys = make_keys("busy-first", 1), make_keys("busy", 4)
+    with daemon.client(deadline_s=0.5) as kv:
+        ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
+        assert kv.store(ns, first, payloads(first, CHUNK)) == StoreResult(stored=1)  # session open
+        with paused(daemon):
+            result = kv.store(ns, keys, payloads(keys, CHUNK))
+        assert result == StoreResult(dropped=4) and result.drop_reasons == (DropReason.UNAVAILABLE,) * 4
+        assert str(result) == "StoreResult(stored=0, already_present=0, dropped=4 (unavailable=4))"
+        [line] = dropped_lines(caplog)
+        assert line.startswith(f"kvstored at {daemon.socket}: stores dropped 4 chunk(s) (unavailable): ")
+        assert "did not answer within the 0.5 s deadline" in line and "a larger deadline_s" in line
+        assert kv.store(ns, keys, payloads(keys, CHUNK)) == StoreResult(stored=4)  # back: stored, no line
+    assert len(dropped_lines(caplog)) == 1 and not any("unreachable" in w for w in said(caplog, logging.WARNING))
+
+
+async def test_the_async_client_logs_a_busy_daemons_dropped_store_the_same(daemon, ns_name, caplog):
+    caplog.set_level(logging.INFO, logger="kvstored_client")
+    first, keys = make_keys("busy-async-first", 1), make_keys("busy-async", 3)
+    async with daemon.async_client(deadline_s=0.5) as kv:
+        ns = await kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
+        assert await kv.store(ns, first, payloads(first, CHUNK)) == StoreResult(stored=1)
+        with paused(daemon):
+            result = await kv.store(ns, keys, payloads(keys, CHUNK))
+        assert result.dropped_by_reason == {DropReason.UNAVAILABLE: 3}
+        [line] = dropped_lines(caplog)
+        assert f"kvstored at {daemon.socket}: stores dropped 3 chunk(s) (unavailable)" in line
+        assert "0.5 s deadline" in line
+        assert await kv.store(ns, keys, payloads(keys, CHUNK)) == StoreResult(stored=3)
 
 
 # -- the vLLM driver ---------------------------------------------------------------------------------

@@ -66,6 +66,8 @@ def test_status_stats_and_health_report_what_stats_says(daemon):
         rows = {line.split()[0]: line.split()[1:] for line in table.splitlines()[1:]}
         for field in ("lookups", "hits", "chunks", "evictions", "dropped_dirty", "checksum_failures", "queued"):
             assert rows[field][0] == str(getattr(daemon.stats().tiers[0], field)), field
+        # the word metrics and docs use (kvstored_tier_writedowns_total): never "writebacks"
+        assert "writedowns" in rows and "writeback" not in table
 
     assert ok("health", socket_path=daemon.socket).startswith("SERVING")
     assert json.loads(ok("--json", "health", socket_path=daemon.socket))["status"] == "SERVING"

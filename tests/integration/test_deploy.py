@@ -458,6 +458,76 @@ def test_kubernetes_steps_name_every_prerequisite_in_order():
         assert f"uid {uid}" in section and f"gid {uid}" in section
 
 
+def test_kubernetes_steps_make_the_certificate_the_config_uses_and_it_serves_mutual_tls(daemon_factory):
+    """Step 3 made by hand, as a newcomer would: its openssl commands, run as written, give the
+    files the ConfigMap's tls_* options name (under the DaemonSet's mount of the Secret
+    kvstored-tls), and a real daemon serves mutual TLS with them to a client presenting the same
+    certificate, dialled by IP with the config's tls_server_name (what peers do)."""
+    import socket
+
+    import grpc
+
+    from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+    from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
+
+    section, commands = kubernetes_steps()
+    docs = manifests()
+    spec = docs["DaemonSet/kvstored"]["spec"]["template"]["spec"]
+    daemon = next(c for c in spec["containers"] if c["name"] == "kvstored")
+    tls_volume = next(v for v in spec["volumes"] if v.get("secret", {}).get("secretName") == "kvstored-tls")
+    (mount,) = [m["mountPath"] for m in daemon["volumeMounts"] if m["name"] == tls_volume["name"]]
+    work = short_tmpdir("kvk8stls")
+    try:
+        (work / "kvstored.toml").write_text(docs["ConfigMap/kvstored-config"]["data"]["kvstored.toml"])
+        config = parsed_config(["--config", str(work / "kvstored.toml"), *daemon["args"][2:]])
+        (peer,) = [t for t in config.tiers if isinstance(t, PeerTierConfig)]
+        named = {Path(f) for f in (config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)}
+        assert {f.parent for f in named} == {Path(mount)}, "the config's TLS files are the Secret's"
+        create = next(c for c in commands if c.startswith("kubectl -n kvstored create secret generic kvstored-tls"))
+        assert {f"--from-file={f.name}" for f in named} <= set(create.split())
+        making = commands[: commands.index(create)]
+        made = [c for c in making if c.startswith(("openssl ", "printf "))]
+        assert len(made) >= 3, "step 3 says how to make the certificate"
+        for command in made:
+            run = subprocess.run(command, shell=True, cwd=work, capture_output=True, text=True, timeout=60)
+            assert run.returncode == 0, (command, run.stderr)
+        files = {name: work / name for name in ("tls.crt", "tls.key", "ca.crt")}
+        assert {f.name for f in named} == set(files) and all(f.is_file() for f in files.values())
+        text = subprocess.run(
+            ["openssl", "x509", "-in", str(files["tls.crt"]), "-noout", "-text"], capture_output=True, text=True
+        ).stdout
+        assert f"DNS:{peer.tls_server_name}" in text
+        assert "TLS Web Server Authentication" in text and "TLS Web Client Authentication" in text
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        daemon_factory(
+            [
+                "--tcp-listen",
+                f"127.0.0.1:{port}",
+                "--tls-cert-file",
+                str(files["tls.crt"]),
+                "--tls-key-file",
+                str(files["tls.key"]),
+                "--tls-client-ca-file",
+                str(files["ca.crt"]),
+                "--metrics-addr",
+                "off",
+            ]
+        )
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=files["ca.crt"].read_bytes(),
+            private_key=files["tls.key"].read_bytes(),
+            certificate_chain=files["tls.crt"].read_bytes(),
+        )
+        options = [("grpc.ssl_target_name_override", peer.tls_server_name)]
+        with grpc.secure_channel(f"127.0.0.1:{port}", creds, options=options) as channel:
+            assert pb_grpc.KVStoreStub(channel).Stats(pb.StatsRequest(), timeout=10).version
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def test_kubernetes_secret_volumes_are_optional_only_where_the_steps_say_so():
     ds = manifests()["DaemonSet/kvstored"]["spec"]["template"]["spec"]
     tls = next(v for v in ds["volumes"] if v["name"] == "tls")

@@ -92,6 +92,9 @@ def test_register_namespace_and_lookup_with_json(grpcurl_run, shared_daemon, ns_
     )
     assert found["prefix_hits"] == 1
     assert found["tiers"] == ["TIER_KIND_RAM", "TIER_KIND_UNSPECIFIED"]
+    # what a newcomer sees for the miss is explained where the docs show this call
+    grpcurl_doc = (REPO_ROOT / "docs" / "operations.md").read_text().split("## Inspecting with grpcurl", 1)[1]
+    assert "`TIER_KIND_UNSPECIFIED` (0, the enum's default) for a **miss**" in grpcurl_doc.split("\n## ", 1)[0]
 
     deleted = json.loads(
         grpcurl_run("kvstored.v1.KVStore/Delete", data={"namespace_id": ns_id, "keys": [b64(keys[0])]}).stdout

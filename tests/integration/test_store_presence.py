@@ -113,6 +113,24 @@ def test_after_a_restart_a_store_of_chunks_on_the_fs_tier_copies_none_into_ram(
         assert again.already_present == 8 and again.present_by_tier == {TierKind.RAM: 8}
 
 
+async def test_the_async_client_sees_chunks_on_the_fs_tier_as_present(daemon_factory, fs_root, region_file, ns_name):
+    """AsyncClient runs the same store plans: both store paths report the fs tier as where the
+    chunks already are, per key, and copy none of them into RAM."""
+    keys = make_keys("async-on-disk", 4)
+    d = store_on_disk_and_restart(daemon_factory, fs_root, ns_name, keys)
+    data = payloads(keys, CHUNK)
+    region_file.write_bytes(data.tobytes() + bytes((16 - len(keys)) * CHUNK))
+    async with d.async_client() as kv:
+        ns = await kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
+        pool = await kv.store(ns, keys, data)
+        region = await kv.register_region(str(region_file))
+        from_region = await kv.store_from_region(ns, region, keys, [i * CHUNK for i in range(len(keys))])
+    for result in (pool, from_region):
+        assert result == StoreResult(already_present=4) and result.present_in == (TierKind.FS,) * 4
+        assert str(result) == "StoreResult(stored=0, already_present=4 (fs=4), dropped=0)"
+    assert ram(d).chunks == 0 and ram(d).stored_chunks == 0
+
+
 def test_a_tenants_chunks_on_disk_are_present_for_that_tenant_only(daemon_factory, fs_root, ns_name):
     """The tenant salt is part of the namespace id: the same model and keys of another tenant, or
     of the public namespace, are not present; the tenant itself, registered again, finds its own."""

@@ -183,6 +183,10 @@ def test_example_config_documents_and_accepts_every_option(tmp_path):
 
     as_shipped = load_config(env={}, config_file=EXAMPLE)
     assert as_shipped.cpu_bytes == 16 << 30 and as_shipped.tiers == ()
+    # ... which the docs say, and none speaks of a default root the example does not enable
+    assert "The example config enables no tier below RAM" in (REPO_ROOT / "docs" / "operations.md").read_text()
+    for doc in [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]:
+        assert "default root" not in doc.read_text(), doc
 
     full = tmp_path / "full.toml"
     full.write_text(uncommented_example())

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
@@ -244,7 +245,7 @@ def test_cache_salted_chunks_round_trip_through_the_tenants_arena(vllm_daemon):
             reader.settle()
 
 
-def test_daemon_down_gives_misses_and_dropped_stores(own_daemon):
+def test_daemon_down_gives_misses_and_dropped_stores(own_daemon, caplog):
     daemon = own_daemon().start()
     keys = offload_keys("direct-down", 2)
     with DirectEngine(daemon, seed=10) as engine:
@@ -252,6 +253,10 @@ def test_daemon_down_gives_misses_and_dropped_stores(own_daemon):
         ctx = engine.request()
         assert engine.lookup(ctx, keys) == [MISS, MISS]
         engine.store(ctx, keys, list(range(8)))  # reported done, nothing stored
+        said = [r.getMessage() for r in caplog.records if "stores dropped" in r.getMessage()]
+        assert said and all(r.levelno == logging.WARNING for r in caplog.records if "stores dropped" in r.getMessage())
+        assert said[0].startswith(f"kvstored direct spec at {daemon.socket}: stores dropped ")
+        assert "(unavailable): the daemon was unreachable" in said[0]
         daemon.start()
         deadline = time.monotonic() + SETTLE_LIMIT_S
         while not engine.manager.connected:

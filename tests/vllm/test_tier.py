@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -267,7 +268,13 @@ def test_daemon_killed_during_a_load_fails_it_and_vllm_recomputes(own_daemon):
         engine.finish(ctx)
 
 
-def test_stopped_daemon_answers_miss_and_drops_stores(own_daemon):
+def drop_lines(caplog) -> list[str]:
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    return [line for line in warnings if "stores dropped" in line]
+
+
+def test_stopped_daemon_answers_miss_and_drops_stores(own_daemon, caplog):
+    caplog.set_level(logging.INFO, logger="kvstored_client")
     daemon = own_daemon().start()
     keys = offload_keys("stopped", 3)
     with Engine([kvstored_tier(daemon, lookup_timeout_s=0.1)]) as engine:
@@ -279,6 +286,10 @@ def test_stopped_daemon_answers_miss_and_drops_stores(own_daemon):
             engine.step()
             dropped = engine.stats().data["data"].get(KvstoredMetrics.DROPPED_CHUNKS, {})
             assert sum(dropped.values()) == 2  # dropped at once while the daemon is slow
+            # ... and said once in vLLM's log, with the metric's reason
+            [line] = drop_lines(caplog)
+            assert line.startswith(f"kvstored tier at {daemon.socket}: stores dropped 2 chunk(s) (slow): ")
+            assert "a lookup missed its deadline" in line
             engine.finish(ctx)
         finally:
             os.kill(daemon.pid, signal.SIGCONT)
@@ -297,7 +308,7 @@ def test_unregistered_key_length_is_registered_on_first_use(vllm_daemon, salt):
         engine.finish(ctx)
 
 
-def test_a_partly_dropped_store_reports_exactly_the_chunks_the_daemon_holds(own_daemon):
+def test_a_partly_dropped_store_reports_exactly_the_chunks_the_daemon_holds(own_daemon, caplog):
     """RAM with room for one more chunk, the rest leased by another client: of a 4-chunk cascade,
     one is present already, one is stored, two are dropped. The job fails (vLLM keeps its own
     copy); the KV event names exactly the two chunks the daemon holds."""
@@ -328,6 +339,7 @@ def test_a_partly_dropped_store_reports_exactly_the_chunks_the_daemon_holds(own_
         assert [e.keys for e in events] == [[held[0], new[0]]]
         assert daemon_chunks(daemon) == 4
         assert dropped == {("kvstored", "ram_full"): 2}
+        assert any(": stores dropped 2 chunk(s) (ram_full): the daemon's reason" in line for line in drop_lines(caplog))
     finally:
         link.close()
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,10 +37,18 @@ import numpy as np
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client.blocks import BlockIdentity
 from kvstored_client.blocks import to_pb as blocks_pb
+from kvstored_client.droplog import DropLog
+from kvstored_client.kinds import DropReason
 from kvstored_client.vllm.blockcopy import ChunkExtents, Copies, CudaRuntime, KVLayout, MappedPool, run_copies_cpu
 from kvstored_client.vllm.driver import DaemonLink, LinkOptions, LinkState, arena_key, outcome
 
 log = logging.getLogger(__name__)
+
+_DROP_LABELS = {int(r): r.label for r in DropReason if r is not DropReason.NONE}
+_DROP_WHY = {
+    "unavailable": "the daemon was unreachable, or did not grant pool slots within kvstored_store_timeout_s",
+    "error": "the daemon's Reserve call failed",
+}
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,8 @@ class _Store:
     num_bytes: int = 0
     copied: bool = False
     reported: bool = False
+    dropped: str = ""  # why nothing was stored (a dropped_chunks reason); "" while it may be
+    slot_drops: list[str] = field(default_factory=list)  # the daemon's reasons for slots it refused
 
 
 @dataclass
@@ -118,6 +129,7 @@ class PoolTransferEngine:
         self._rpcs: list[Any] = []  # Commit / Release futures: collected for errors only
         self._finished: list[Finished] = []
         self.dropped_stores = 0
+        self.drop_log = DropLog(f"kvstored direct spec at {socket_path}")
         # Start-up: wait for the session so the first transfers find the pool mapped.
         self.link.settle(connect_timeout_s)
         self._map_current_pool()
@@ -171,21 +183,25 @@ class PoolTransferEngine:
                 job.reserve = self.link.call("Reserve", request)
                 job.pool_id, job.epoch = self.link.pool_id, self.link.epoch
             elif self.link.state is LinkState.DOWN or time.monotonic() > job.deadline:
-                self._report_store(job, dropped=True)
+                job.dropped = "unavailable"
+                self._report_store(job)
                 self._stores.pop(job.job_id)
                 return
         if job.reserve is not None and not job.copied and job.reserve.done():
             self._reserved(job)
         if job.copied and not job.reported and (job.end_event is None or job.end_event.query()):
             committable = bool(job.handles) and self._same_session(job.epoch)
-            self._report_store(job, dropped=not committable)
+            if job.handles and not committable:
+                job.dropped = "unavailable"  # the session that reserved them ended
+            self._report_store(job)
             if committable:
                 self._rpcs.append(
                     self.link.call("Commit", pb.CommitRequest(session_id=self.link.session_id, handles=job.handles))
                 )
         if not job.reported and not job.copied and time.monotonic() > job.deadline:
             # Only before copies are issued: once they are, the job ends when they do.
-            self._report_store(job, dropped=True)  # the reservation, when it answers, is released
+            job.dropped = "unavailable"
+            self._report_store(job)  # the reservation, when it answers, is released
         if job.reported and (job.copied or job.reserve is None or job.reserve.done()):
             if not job.copied and job.reserve is not None:
                 self._release_reserved(job)
@@ -195,16 +211,21 @@ class PoolTransferEngine:
         if not self._same_session(job.epoch):
             # The session that was granted these slots has ended: the daemon freed them and may
             # have handed them to another writer. Copy nothing.
-            job.copied = True
+            job.copied, job.dropped = True, "unavailable"
             return
         result = outcome(job.reserve)
         if not result.ok:
             self.link.on_rpc_error(result)
-            job.copied = True  # nothing to copy
+            job.copied, job.dropped = True, "error"  # nothing to copy
             return
         if job.reported:
             return  # gave up already: _advance_store releases the slots
         slots = result.response.slots
+        job.slot_drops = [
+            _DROP_LABELS.get(s.drop_reason, "daemon_full")
+            for s in slots
+            if s.state in (pb.SLOT_STATE_NO_SPACE, pb.SLOT_STATE_IN_PROGRESS)
+        ]
         per_chunk = [
             [(e.offset, e.length) for e in s.extents] if s.state == pb.SLOT_STATE_RESERVED else [] for s in slots
         ]
@@ -212,8 +233,10 @@ class PoolTransferEngine:
         arena = next((s.extents[0].arena for s in slots if s.state == pb.SLOT_STATE_RESERVED and s.extents), 0)
         self._map_current_pool()  # a tenant arena opened since the Reserve was sent
         pool = self.pools.get(arena_key(job.pool_id, arena))
+        if pool is None and job.handles:
+            job.dropped = "unavailable"  # the arena its slots are in is not mapped
         if pool is None or not job.handles:
-            job.copied = True
+            job.copied = True  # (no handles: every chunk present already, or refused by the daemon)
             return
         copies = self.layout.copies(
             job.gpu_blocks,
@@ -236,11 +259,18 @@ class PoolTransferEngine:
                     self.link.call("Release", pb.ReleaseRequest(session_id=self.link.session_id, handles=handles))
                 )
 
-    def _report_store(self, job: _Store, dropped: bool) -> None:
+    def _report_store(self, job: _Store) -> None:
+        """Done for vLLM (a store is best effort); what was dropped, and why, is counted and logged."""
         if job.reported:
             return
         job.reported = True
+        dropped = bool(job.dropped)
         if dropped:
+            self.drop_log.record(job.dropped, len(job.keys), _DROP_WHY[job.dropped])
+        else:  # (chunks present already are no drop)
+            for reason, n in Counter(job.slot_drops).items():
+                self.drop_log.record(reason, n, "the daemon's reason (its log says more: stores dropped ...)")
+        if dropped or job.slot_drops:
             self.dropped_stores += 1
         self._finished.append(
             Finished(job.job_id, True, 0 if dropped else job.num_bytes, time.monotonic() - job.submitted)

@@ -61,6 +61,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client.blocks import to_pb as blocks_pb
+from kvstored_client.droplog import DropLog
 from kvstored_client.kinds import DropReason
 from kvstored_client.paths import default_socket_path
 from kvstored_client.vllm.driver import Call, DaemonLink, LinkOptions, LinkState, Outcome, outcome
@@ -89,6 +90,16 @@ _DRAIN_WARN_S = 5.0
 _SHUTDOWN_DRAIN_S = 10.0
 _HELD = frozenset((pb.STORE_OUTCOME_STORED, pb.STORE_OUTCOME_ALREADY_PRESENT))  # in the daemon after a store
 _DROP_LABELS = {int(r): r.label for r in DropReason if r is not DropReason.NONE}
+# What each dropped_chunks reason means, for the tier's rate-limited log line.
+_DROP_WHY = {
+    "backpressure": "more than max_inflight_store_chunks chunks were in flight to the daemon",
+    "slow": "a lookup missed its deadline just before: stores are dropped at once until the daemon answers in time",
+    "unavailable": "the daemon is unreachable, or the session or namespace was not ready within the queue timeout",
+    "error": "the daemon's StoreFromRegion call failed (rpc_errors counts its code)",
+    "daemon_full": "the daemon dropped them without saying why (a daemon older than its drop reasons)",
+    "drained before it started": "vLLM drained the tier's jobs (a cache reset, a shutdown) before the store was sent",
+}
+_DAEMONS_REASON = "the daemon's reason (its log says more: stores dropped ...)"
 
 
 class KvstoredMetrics:
@@ -221,6 +232,8 @@ class KvstoredTierManager(SecondaryTierManager):
         self._inflight_store_chunks = 0
         self._slow_until = 0.0  # lookups timed out: answer MISS without asking until then
         self._stats = OffloadingConnectorStats()
+        # dropped_chunks, also as one log line per reason per 10 s
+        self._drop_log = DropLog(f"kvstored tier at {self._link.socket_path}")
         self._label = (tier_type,)
         self._sessions_reported = 0
         self._stored_namespaces: set[str] = set()
@@ -668,6 +681,8 @@ class KvstoredTierManager(SecondaryTierManager):
 
     def _count_dropped(self, reason: str, n: int) -> None:
         self._stats.increase_counter(KvstoredMetrics.DROPPED_CHUNKS, n, (self.tier_type, reason))
+        why = _DAEMONS_REASON if reason in _DROP_LABELS.values() else _DROP_WHY.get(reason, reason)
+        self._drop_log.record(reason, n, why)
 
     def _rpc_error(self, result: Outcome) -> None:
         code = result.code.name if result.code is not None else "UNKNOWN"
