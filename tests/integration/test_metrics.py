@@ -249,7 +249,7 @@ def test_metrics_port_taken_refuses_the_start_and_off_serves_without(daemon_fact
 
 @pytest.fixture(scope="module")
 def fs_run():
-    """One daemon with 4 MiB of RAM over a 256 MiB fs tier (and a peer tier), driven through
+    """One daemon with 4 MiB of RAM over a 256 MiB fs tier (and a peer tier with a directory), driven through
     write-back and promotion; yields its scrape and the quiet Stats around it."""
     from tests.support.daemon import Daemon
     from tests.support.ports import free_port
@@ -257,8 +257,11 @@ def fs_run():
     root = short_tmpdir("kvfs")
     d = Daemon(cpu_bytes="4MiB")
     try:
-        # ... and a peer tier whose one peer is down: its per-peer series are in the scrape
-        peer = f"kind=peer,peers=127.0.0.1:{free_port()},transport=tcp,tcp_port=0"
+        # ... and a peer tier whose one peer is down, its fleet directory unreachable: their series are in the scrape
+        peer = (
+            f"kind=peer,peers=127.0.0.1:{free_port()},transport=tcp,tcp_port=0,"
+            f"directory=redis://127.0.0.1:{free_port()}"
+        )
         d.start(
             METRICS_PORT_0
             + [
@@ -391,6 +394,9 @@ def test_dashboard_and_rules_only_use_scraped_names_and_labels(fs_run):
                         problems.append(f"{source}: {name} has no label {label!r} ({expr!r})")
     assert not problems, "\n".join(problems)
     assert any("kvstored_tier_operation_seconds_bucket" in e for e in sources["dashboard"])
+    # the Directory row: every family of the fleet directory is on it
+    directory = {name for e in sources["dashboard"] for name, _ in METRIC_NAME.findall(e) if "_directory_" in name}
+    assert directory == {n for n in scraped.samples if n.startswith("kvstored_directory_")}, directory
 
 
 def test_dashboard_is_importable_grafana_json():
