@@ -469,3 +469,61 @@ def test_ram_thrash_alert_fires_only_when_full_and_missing(tmp_path):
     test_file = tmp_path / "thrash_test.yml"
     test_file.write_text(json.dumps(tests))  # JSON is YAML
     run_promtool("test", "rules", str(test_file))
+
+
+@pytest.mark.system_deps
+def test_directory_alerts_fire_on_an_open_breaker_and_a_long_lag(tmp_path):
+    """promtool unit test: a breaker open for 10 minutes fires KvstoredDirectoryUnreachable, one
+    open for 2 does not; a lag of 120 s for 10 minutes fires KvstoredDirectoryLagging, 1 s does not."""
+
+    def series(instance: str, name: str, values: str) -> dict:
+        return {"series": f'kvstored_directory_{name}{{job="kvstored",instance="{instance}"}}', "values": values}
+
+    import yaml
+
+    rules = {r.get("alert"): r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]}
+
+    def fired(alert: str, instance: str, summary: str) -> list[dict]:
+        labels = {"severity": "warning", "instance": instance, "job": "kvstored"}
+        annotations = {"summary": summary, "description": rules[alert]["annotations"]["description"]}
+        return [{"exp_labels": labels, "exp_annotations": annotations}]
+
+    tests = {
+        "rule_files": [str(RULES)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [
+                    series("down:9464", "breaker_open", "1x20"),
+                    series("blip:9464", "breaker_open", "0x8 1 1 0x10"),
+                    series("behind:9464", "lag_seconds", "120x20"),
+                    series("fine:9464", "lag_seconds", "1x20"),
+                ],
+                "alert_rule_test": [
+                    {
+                        "eval_time": "12m",
+                        "alertname": "KvstoredDirectoryUnreachable",
+                        "exp_alerts": fired(
+                            "KvstoredDirectoryUnreachable",
+                            "down:9464",
+                            "kvstored on down:9464 cannot reach its fleet directory",
+                        ),
+                    },
+                    {
+                        "eval_time": "12m",
+                        "alertname": "KvstoredDirectoryLagging",
+                        "exp_alerts": fired(
+                            "KvstoredDirectoryLagging",
+                            "behind:9464",
+                            "kvstored on behind:9464 is 2m 0s behind in the fleet directory",
+                        ),
+                    },
+                    {"eval_time": "3m", "alertname": "KvstoredDirectoryUnreachable", "exp_alerts": []},
+                ],
+            }
+        ],
+    }
+    test_file = tmp_path / "directory_test.yml"
+    test_file.write_text(json.dumps(tests))
+    run_promtool("test", "rules", str(test_file))
