@@ -272,7 +272,7 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
     keys = [c.strip() for c in (args.configs or ",".join(default)).split(",") if c.strip()]
     bad = [c for c in keys if c not in CONFIG_BY_KEY]
     if bad:
-        ap.error(f"unknown set-up(s) {bad} with --nodes; choose among {', '.join(CONFIG_KEYS)}")
+        ap.error(f"unknown set-up(s) {bad} with --nodes; choose among {', '.join(CONFIG_BY_KEY)}")
     if args.settle_s < 0:
         ap.error("--settle-s must not be negative")
     configs = [CONFIG_BY_KEY[c] for c in keys]
