@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--configs",
         default=None,
         help=f"among {', '.join(CONFIG_BY_KEY)} (default: {', '.join(c.key for c in CONFIGS)}; with --nodes: "
-        f"{', '.join(nodes.CONFIG_KEYS)}; with --slow-disk: {', '.join(c.key for c in SLOW_DISK)})",
+        f"{', '.join(nodes.CONFIG_KEYS)}; with --nodes --directory: {', '.join(nodes.DIRECTORY_KEYS)}; "
+        f"with --slow-disk: {', '.join(c.key for c in SLOW_DISK)})",
     )
     g.add_argument(
         "--slow-disk",
