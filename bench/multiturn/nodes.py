@@ -227,7 +227,8 @@ class NodeSim(Simulation):
     A lookup starts reading the hits below RAM at once (the daemon's prefetch), so part of their
     transfer happens while the lookup is measured, which the model would charge once instead of
     x the byte scale. For the fs and peer tiers, whose lookup itself is an index look-up, a
-    lookup's time beyond `lookup_floor_s` (a lookup of RAM-resident keys, measured at the start)
+    lookup's time beyond `lookup_floor_s` (a lookup of RAM-resident keys, measured at the start;
+    with the directory, of keys nobody holds: its round trip is per lookup, not per byte)
     is therefore moved to those tiers' load calls (by chunks) before they are charged. Not with an
     S3 tier under them: there a lookup's own time is mostly its HEAD requests, charged as measured
     (so the shared-bucket set-up keeps that bias, in its favour)."""
