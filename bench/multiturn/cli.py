@@ -200,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     apply_nt_threshold(args.nt_threshold)
     if args.ram_conversations is None:
         args.ram_conversations = nodes.RAM_CONVERSATIONS if args.nodes > 1 else 128.0
+    if args.directory and args.nodes < 2:
+        ap.error("--directory needs --nodes N (N >= 2)")
     if args.nodes > 1:
         return nodes_report.main(ap, args, argv)
     if args.slow_disk and args.prefill_tokens_per_s is None:
