@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--configs",
         default=None,
         help=f"among {', '.join(CONFIG_BY_KEY)} (default: {', '.join(c.key for c in CONFIGS)}; with --nodes: "
-        f"{', '.join(nodes.CONFIG_KEYS)}; with --slow-disk: {', '.join(c.key for c in SLOW_DISK)})",
+        f"{', '.join(nodes.CONFIG_KEYS)}; with --nodes --directory: {', '.join(nodes.DIRECTORY_KEYS)}; "
+        f"with --slow-disk: {', '.join(c.key for c in SLOW_DISK)})",
     )
     g.add_argument(
         "--slow-disk",
@@ -199,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     apply_nt_threshold(args.nt_threshold)
     if args.ram_conversations is None:
         args.ram_conversations = nodes.RAM_CONVERSATIONS if args.nodes > 1 else 128.0
+    if args.directory and args.nodes < 2:
+        ap.error("--directory needs --nodes N (N >= 2)")
     if args.nodes > 1:
         return nodes_report.main(ap, args, argv)
     if args.slow_disk and args.prefill_tokens_per_s is None:

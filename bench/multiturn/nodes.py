@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 import time
+import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ from bench.multiturn.sim import Lane, Simulation, TurnRecord, run_clock
 
 NODE_TIERS = ("gpu", "ram", "fs", "peer", "s3")  # where a reusable chunk was found
 LOADED_TIERS = NODE_TIERS[1:]
+TARGET_HIT_POINTS = 5.0  # the directory's hit rate at most this far below one node with the fleet's RAM + fs
 TARGET_VS_ISLANDS = 1.3  # peers vs the same nodes without peers, at the largest count
 RAM_CONVERSATIONS = 64.0  # per node by default: three nodes' pools and radosgw's memstore fit a 24 GiB machine
 S3_SETTLE_BOUND_S = 3.0  # the longest wait for a node's S3 write-throughs before a lookup elsewhere
@@ -38,6 +40,8 @@ class NodesConfig(Config):
     Sizes field that bounds each ("" for the peer tier, which holds nothing itself)."""
 
     write_through: bool = False  # copy every stored chunk down at once (a shared bucket sees it)
+    directory: bool = False  # the peer tier finds holders in the fleet directory (Redis Cluster), no static peers
+    pooled: bool = False  # one daemon with the fleet's RAM and lower tiers, every node's loader on it
 
 
 CONFIGS = (
@@ -46,9 +50,17 @@ CONFIGS = (
     NodesConfig("ram+fs+peer", "RAM + fs + peers", (("fs", "fs_bytes"), ("peer", ""))),
     NodesConfig("ram+fs+s3", "RAM + fs + shared S3", (("fs", "s3_fs_bytes"), ("s3", "s3_bytes")), write_through=True),
 )
-CONFIG_BY_KEY = {c.key: c for c in CONFIGS}
-CONFIG_KEYS = tuple(CONFIG_BY_KEY)
-LABELS = {c.key: c.label for c in CONFIGS}
+# --directory: the directory's fleet against islands and against one store as large as the fleet's
+DIRECTORY_CONFIGS = (
+    NodesConfig("ram+fs+dir", "RAM + fs + directory", (("fs", "fs_bytes"), ("peer", "")), directory=True),
+    NodesConfig("pooled", "one node, fleet's RAM + fs", (("fs", "fs_bytes"),), pooled=True),
+)
+CONFIG_BY_KEY = {c.key: c for c in (*CONFIGS, *DIRECTORY_CONFIGS)}
+CONFIG_KEYS = tuple(c.key for c in CONFIGS)
+DIRECTORY_KEYS = ("none", "ram+fs", "ram+fs+dir", "pooled")
+LABELS = {c.key: c.label for c in CONFIG_BY_KEY.values()}
+# the directory's writes once per 0.1 s (within --settle-s); a lookup's round trip bounded as in tests/directory/
+DIRECTORY_OPTIONS = "directory_interval_s=0.1,directory_timeout_s=0.5"
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -57,6 +69,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--nodes N runs N real daemons, one per modelled GPU node; each turn of a conversation goes to the next node "
         "round-robin (no KV awareness). Compared: no offload, islands (each node RAM + fs, no peers), RAM + fs + "
         "peers (the other nodes' daemons), RAM + fs + one shared S3 bucket; hit rates per tier, PEER included",
+    )
+    g.add_argument(
+        "--directory",
+        action="store_true",
+        help="the fleet directory instead: a real Redis Cluster (3 masters, 3 replicas on loopback, "
+        "tests/support/redis_cluster.py), daemons with no static peers; compared: no offload, islands, "
+        f"RAM + fs + directory, and one node with the fleet's total RAM + fs (set-ups {', '.join(DIRECTORY_KEYS)})",
     )
     g.add_argument("--nodes", type=int, default=1, help="modelled GPU nodes, each with its own daemon (1: one node)")
     g.add_argument(
@@ -95,10 +114,17 @@ class Nodes:
         res: TierResources,
         peer_transport: str,
         events: Sequence[str] = (),
+        directory: str = "",
     ) -> None:
-        """events: each node's ZMQ events endpoint (it binds), for a KV-aware router; none by default."""
+        """events: each node's ZMQ events endpoint (it binds), for a KV-aware router; none by default.
+        directory: the fleet directory's URL (set-ups with `directory`)."""
         self.config = config
+        self.n = n
+        if config.pooled:  # one daemon holding what n nodes' RAM and fs hold
+            n = 1
+            sizes = replace(sizes, ram_bytes=sizes.ram_bytes * self.n, fs_bytes=sizes.fs_bytes * self.n)
         self.addresses = [f"127.0.0.1:{free_port()}" for _ in range(n)] if config.uses("peer") else []
+        prefix = f"kvmt{uuid.uuid4().hex[:8]}"  # this run's keys only: runs share one cluster
         shared_s3 = TIER_SPECS["s3"](res, sizes.s3_bytes) if config.uses("s3") else ""  # one bucket for all
         self.daemons: list[Daemon] = []
         for i in range(n):
@@ -112,6 +138,12 @@ class Nodes:
             for kind, size_field in config.lower:
                 if kind == "s3":
                     args += ["--tiers", shared_s3]
+                elif kind == "peer" and config.directory:
+                    args += [
+                        "--tiers",
+                        f"kind=peer,transport={peer_transport},tcp_port=0,ucx_port=0,ucx_net_devices=lo,"
+                        f"reconnect_s=1,directory={directory},directory_prefix={prefix}," + DIRECTORY_OPTIONS,
+                    ]
                 elif kind == "peer":
                     # reconnect_s: the nodes start one after another and find each other sooner
                     args += [
@@ -127,7 +159,7 @@ class Nodes:
         try:
             for d in self.daemons:
                 d.start()
-            if self.addresses:
+            if self.addresses and not self.config.directory:  # (the directory's holders are found by lookups)
                 self._wait_peers_up()
         except BaseException:
             self.close()
@@ -150,6 +182,9 @@ class Nodes:
 
         others = set(self.addresses) - {self.addresses[i]}
         return others <= {p.address for p in self.peer_status(i).peers if p.state == pb.PEER_STATE_UP}
+
+    def daemon_of(self, node: int) -> Daemon:
+        return self.daemons[node % len(self.daemons)]
 
     def peer_status(self, i: int) -> Any:
         return self.daemons[i].peer_status()
@@ -192,7 +227,8 @@ class NodeSim(Simulation):
     A lookup starts reading the hits below RAM at once (the daemon's prefetch), so part of their
     transfer happens while the lookup is measured, which the model would charge once instead of
     x the byte scale. For the fs and peer tiers, whose lookup itself is an index look-up, a
-    lookup's time beyond `lookup_floor_s` (a lookup of RAM-resident keys, measured at the start)
+    lookup's time beyond `lookup_floor_s` (a lookup of RAM-resident keys, measured at the start;
+    with the directory, of keys nobody holds: its round trip is per lookup, not per byte)
     is therefore moved to those tiers' load calls (by chunks) before they are charged. Not with an
     S3 tier under them: there a lookup's own time is mostly its HEAD requests, charged as measured
     (so the shared-bucket set-up keeps that bias, in its favour)."""

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -15,16 +16,20 @@ import numpy as np
 from bench.lib.report import GIB, fmt_bytes, load_average, machine_info, write_json
 from bench.multiturn.kvroute import ROUTING as KV_ROUTING
 from bench.multiturn.limits import Limits, measure_limits
-from bench.multiturn.model import MODELS, TARGET_HIT, Model
+from bench.multiturn.model import MODELS, TARGET_HIT, Model, Sizes, Workload
 from bench.multiturn.nodes import (
     CONFIG_BY_KEY,
     CONFIG_KEYS,
     CONFIGS,
+    DIRECTORY_KEYS,
+    DIRECTORY_OPTIONS,
     LABELS,
     LOADED_TIERS,
     NODE_TIERS,
     ROUTING,
+    TARGET_HIT_POINTS,
     TARGET_VS_ISLANDS,
+    NodesConfig,
 )
 from bench.multiturn.nodes_run import NodesRunResult, measure_raw_tcp, run_one
 from bench.multiturn.plan import (
@@ -50,6 +55,9 @@ from bench.multiturn.report import (
     raw_limit,
     scaling_lines,
 )
+from tests.support.redis_cluster import RedisCluster
+
+DIRECTORY_CLUSTER = "a real Redis Cluster, 3 masters and 3 replicas on loopback (tests/support/redis_cluster.py)"
 
 # -- reporting --------------------------------------------------------------------------------------
 
@@ -191,6 +199,26 @@ def target_rows(
             rows.vs(f"peers vs islands (no peers), {where}", peers, "islands", islands, TARGET_VS_ISLANDS, limit)
         if none is not None:
             rows.vs(f"peers vs no offload, {where}", peers, "no offload", none, None, peer_limit)
+    fleet, pooled = runs.get(("ram+fs+dir", top)), runs.get(("pooled", top))
+    if fleet is not None and pooled is not None:
+        gap = 100 * (pooled.hit_rate_overall - fleet.hit_rate_overall)
+        rows.add(
+            f"directory: hit rate vs one node with the fleet's RAM + fs, {where}",
+            fleet.hit_rate_overall,
+            "share",
+            f"that node's, less {TARGET_HIT_POINTS:g} points",
+            pooled.hit_rate_overall - TARGET_HIT_POINTS / 100,
+            1.0,
+            f"{gap:.1f} points below it (directory {100 * fleet.hit_rate_overall:.1f}%, one node "
+            f"{100 * pooled.hit_rate_overall:.1f}%); peer {100 * fleet.hit_rate['peer']:.0f}% of reusable tokens",
+        )
+    if fleet is not None and islands is not None:
+        cap = islands.makespan_s / fleet.think_floor_s
+        limit = _limit(fleet, "peer", limits, raw_tcp, breakeven) + f"; think time caps it at {cap:.2f}x"
+        rows.vs(f"directory vs islands (no peers), {where}", fleet, "islands", islands, TARGET_VS_ISLANDS, limit)
+    if fleet is not None and pooled is not None:
+        limit = "the same hits from one store: what reaching them on other nodes costs"
+        rows.vs(f"directory vs one node with the fleet's RAM + fs, {where}", fleet, "one node", pooled, None, limit)
     if islands is not None and none is not None:
         limit = f"hit rate {100 * islands.hit_rate_overall:.0f}%; " + _limit(islands, "fs", limits, raw_tcp, breakeven)
         rows.vs(f"islands vs no offload, {where}", islands, "no offload", none, None, limit)
@@ -240,10 +268,11 @@ MODELLED = [
 
 
 def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None) -> int:
-    keys = [c.strip() for c in (args.configs or ",".join(CONFIG_KEYS)).split(",") if c.strip()]
+    default = DIRECTORY_KEYS if args.directory else CONFIG_KEYS
+    keys = [c.strip() for c in (args.configs or ",".join(default)).split(",") if c.strip()]
     bad = [c for c in keys if c not in CONFIG_BY_KEY]
     if bad:
-        ap.error(f"unknown set-up(s) {bad} with --nodes; choose among {', '.join(CONFIG_KEYS)}")
+        ap.error(f"unknown set-up(s) {bad} with --nodes; choose among {', '.join(CONFIG_BY_KEY)}")
     if args.settle_s < 0:
         ap.error("--settle-s must not be negative")
     configs = [CONFIG_BY_KEY[c] for c in keys]
@@ -259,6 +288,8 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
         f"{info['mem_total_gib']} GiB, kernel {info['kernel']}, git {info['git']}, load average {load_start:.2f}"
     )
     print(f"  routing: {ROUTING}; each node: its own modelled GPU and loader, its own daemon")
+    if any(c.directory for c in configs):
+        print(f"  directory: {DIRECTORY_CLUSTER}; daemons with no static peers; {DIRECTORY_OPTIONS}")
     scale = scaling_lines(w, m, sizes, args.ram_conversations, args.fs_conversations, args.s3_fs_conversations)
     scale[-1] = "per node: " + scale[-1]
     scale.append(
@@ -279,7 +310,15 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
         "workload": asdict(w),
         "model": model_doc(m, MODELS[args.model], derivation, basis),
         "configs": [
-            {"key": c.key, "label": c.label, "tiers": list(c.tiers), "write_through": c.write_through} for c in configs
+            {
+                "key": c.key,
+                "label": c.label,
+                "tiers": list(c.tiers),
+                "write_through": c.write_through,
+                "directory": c.directory,
+                "pooled": c.pooled,
+            }
+            for c in configs
         ],
         "sizes_per_node": asdict(sizes),
         "sizes_in_conversations": sizes_conv,
@@ -288,6 +327,7 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
         "modelled": MODELLED,
         "peer_transport": args.peer_transport,
         "settle_s": args.settle_s,
+        "directory": DIRECTORY_CLUSTER if any(c.directory for c in configs) else "",
     }
     if args.dry_run:
         if args.json:
@@ -296,6 +336,25 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
         return 0
 
     workdir.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        directory = stack.enter_context(RedisCluster()).url if any(c.directory for c in configs) else ""
+        return _run(args, doc, configs, n, w, m, sizes, counts, workdir, directory, load_start, info)
+
+
+def _run(
+    args: argparse.Namespace,
+    doc: dict[str, Any],
+    configs: Sequence[NodesConfig],
+    n: int,
+    w: Workload,
+    m: Model,
+    sizes: Sizes,
+    counts: Sequence[int],
+    workdir: Path,
+    directory: str,
+    load_start: float,
+    info: dict[str, Any],
+) -> int:
     # write-through puts every chunk of the largest run in radosgw's memstore (RAM)
     s3, s3_note = start_sweep_s3(args.s3, configs, counts, w, m, "moto_server", "shared S3 skipped")
     limits = Limits()
@@ -315,14 +374,16 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
         configs,
         s3,
         s3_note,
-        lambda c, count: run_one(c, count, n, w, m, sizes, workdir, s3, args.peer_transport, args.settle_s),
+        lambda c, count: run_one(
+            c, count, n, w, m, sizes, workdir, s3, args.peer_transport, args.settle_s, directory=directory
+        ),
         lambda c, count, note: NodesRunResult(c.key, count, nodes=n, skipped=note),
         lambda r: (
             f"hit {100 * r.hit_rate_overall:.1f}% (peer {100 * r.hit_rate['peer']:.1f}%)  "
             f"{r.throughput_tokens_s:,.0f} tokens/s  wall {r.wall_s:.1f} s  load {r.load_average[1]:.1f}"
         ),
         None if args.no_limits else measure,
-        max(len(c.label) for c in CONFIGS),
+        max(len(c.label) for c in CONFIG_BY_KEY.values()),
     )
     kv_results: list[NodesRunResult] = []
     if args.route == "kv":
@@ -335,7 +396,7 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
             lambda c, count, note: NodesRunResult(c.key, count, nodes=n, skipped=note, route="kv"),
             lambda r: f"KV-routed: hit {100 * r.hit_rate_overall:.1f}%  {r.throughput_tokens_s:,.0f} tokens/s",
             None,
-            max(len(c.label) for c in CONFIGS),
+            max(len(c.label) for c in CONFIG_BY_KEY.values()),
         )
         total_s += kv_s
     load = load_summary(results + kv_results, load_start, load_average())

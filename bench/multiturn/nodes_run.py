@@ -91,22 +91,25 @@ def summarize(
     return r
 
 
-def calibrate_lookup_floor(offload: Offload, keys: int = 10, calls: int = 40) -> float:
+def calibrate_lookup_floor(offload: Offload, keys: int = 10, calls: int = 40, held: bool = True) -> float:
     """A lookup of `keys` keys all in RAM (4 KiB chunks in a namespace of their own): what a
-    lookup costs when it starts no reads."""
+    lookup costs when it starts no reads. held=False: keys nobody holds, so that the floor has
+    the fleet directory's round trip, a cost per lookup (charged as measured), not per byte."""
     from kvstored_client import NamespaceSpec
 
     client = offload.client
     ns = client.register_namespace(NamespaceSpec(model="bench/multiturn-lookup-floor", dtype="u8", chunk_bytes=4096))
     names = [bytes([2, i]) * 16 for i in range(keys)]
-    client.store(ns, names, np.ones(keys * 4096, dtype=np.uint8))
+    if held:
+        client.store(ns, names, np.ones(keys * 4096, dtype=np.uint8))
     times = []
     for _ in range(calls):
         t0 = time.perf_counter()
-        if client.lookup(ns, names).prefix_hits != keys:
-            raise RuntimeError("lookup-floor calibration: the chunks are not all in RAM")
+        if client.lookup(ns, names).prefix_hits != (keys if held else 0):
+            raise RuntimeError("lookup-floor calibration: the chunks are not where they were put")
         times.append(time.perf_counter() - t0)
-    client.delete(ns, names)
+    if held:
+        client.delete(ns, names)
     return float(np.median(times[calls // 4 :]))
 
 
@@ -129,12 +132,15 @@ def run_one(
     peer_transport: str,
     settle_s: float,
     route: str = "rr",
+    directory: str = "",
 ) -> NodesRunResult:
+    """directory: the fleet directory's URL, for set-ups that use it."""
+    args = (config, conversations, n, w, m, sizes, workdir, s3, peer_transport, settle_s)
     if not config.offload or route == "rr":
-        return _run_one(config, conversations, n, w, m, sizes, workdir, s3, peer_transport, settle_s, None)
+        return _run_one(*args, None, directory)
     events = Path(tempfile.mkdtemp(prefix="kvmt-", dir="/tmp"))  # ipc paths must be short
     try:
-        return _run_one(config, conversations, n, w, m, sizes, workdir, s3, peer_transport, settle_s, events)
+        return _run_one(*args, events, directory)
     finally:
         shutil.rmtree(events, ignore_errors=True)
 
@@ -151,6 +157,7 @@ def _run_one(
     peer_transport: str,
     settle_s: float,
     events: Path | None,
+    directory: str,
 ) -> NodesRunResult:
     """events: a folder for the nodes' ZMQ endpoints, which Dynamo's index routes by; None: round robin."""
     if not config.offload:
@@ -160,7 +167,7 @@ def _run_one(
     res = TierResources(workdir, f"{config.key.replace('+', '-')}-{conversations}", s3)
     try:
         endpoints = [f"ipc://{events}/node-{i}.sock" for i in range(n)] if events else []
-        nodes = Nodes(config, n, sizes, res, peer_transport, endpoints)
+        nodes = Nodes(config, n, sizes, res, peer_transport, endpoints, directory)
     except Exception as exc:  # noqa: BLE001 - a tier whose resources cannot be made: say so, go on
         res.close()
         return NodesRunResult(config.key, conversations, nodes=n, skipped=f"tier set-up failed: {exc}")
@@ -176,22 +183,23 @@ def _run_one(
         if events is not None:
             kv = KvIndex([f"ipc://{events}/node-{i}.sock" for i in range(n)], workdir / f"dynamo-{config.key}.log")
         chunk_bytes = w.chunk_tokens * m.kv_bytes_per_token
-        for d in nodes.daemons:
+        for d in map(nodes.daemon_of, range(n)):
             offloads.append(
                 Offload(d.socket, chunk_bytes, w.chunk_tokens, w.final_tokens // w.chunk_tokens, w.seed, m.transfer)
             )
             if kv is not None:
                 offloads[-1].identity = identity_for(w.chunk_tokens, w.seed)
-        before = [o.stats() for o in offloads]
+        daemons = len(nodes.daemons)  # (pooled: one, whose Stats count once)
+        before = [o.stats() for o in offloads[:daemons]]
         written = (lambda i: s3_written(offloads[i].stats())) if config.uses("s3") else None
         sim = ClusterSim(w, m, conversations, offloads, settle_s, written, [s3_written(b) for b in before], kv)
         for node in sim.nodes:
             assert node.offload is not None
-            node.lookup_floor_s = calibrate_lookup_floor(node.offload)
+            node.lookup_floor_s = calibrate_lookup_floor(node.offload, held=not config.directory)
             node.move_lookup_excess = not config.uses("s3")
         sim.run()
-        after = [o.stats() for o in offloads]
-        peers = [peer_counters(nodes.peer_status(i)) for i in range(n)] if config.uses("peer") else []
+        after = [o.stats() for o in offloads[:daemons]]
+        peers = [peer_counters(nodes.peer_status(i)) for i in range(daemons)] if config.uses("peer") else []
         r = summarize(config.key, sim, before, after, peers)
         if kv is not None:
             r.route, r.kv_routed = "kv", sim.kv_routed

@@ -202,6 +202,56 @@ def test_over_tls_with_an_acl_user_and_the_password_never_shown(request):
             pair.close()
 
 
+SHIPPED_ACL = Path(__file__).resolve().parents[2] / "deploy" / "redis" / "kvstored.acl"
+
+
+def shipped_acl_rules() -> str:
+    """deploy/redis/kvstored.acl's rules for the user kvstored, without its on/password placeholder."""
+    line = next(x for x in SHIPPED_ACL.read_text().splitlines() if x.startswith("user kvstored "))
+    return " ".join(r for r in line.split()[2:] if r not in ("on", ">CHANGE-ME"))
+
+
+def test_the_shipped_acl_is_all_kvstored_needs_and_no_more(request):
+    """The ACL user of deploy/redis/kvstored.acl, over TLS: A's chunks are hits on B and load
+    byte-exact, stopping deletes the heartbeats, and no node logged a denied command; that user
+    cannot touch keys outside kvd:* nor run anything else (FLUSHALL, CONFIG, KEYS, EVAL)."""
+    from tests.support.redis_cluster import _cli
+
+    with RedisCluster(tls=True, password="Pw-acl7", acl=shipped_acl_rules()) as rc:
+        pair = Pair(rc.url, ca=rc.ca).start()
+        try:
+            a, b = pair.daemons
+            f = fields(request)
+            keys = make_keys(f["model"], 4)
+            store(a, f, keys)
+            wait_hits(pair, f, keys)
+            assert load_checked(b, f, keys) == len(keys)
+        finally:
+            pair.close()
+        assert all(rc._cli(n.port, "acl", "log").strip() == "" for n in rc.nodes), "a command was denied"
+        as_kvstored = (
+            "-c",
+            "--tls",
+            "--cacert",
+            str(rc.ca),
+            "--user",
+            "kvstored",
+            "--pass",
+            "Pw-acl7",
+            "--no-auth-warning",
+        )
+        port = rc.master_ports()[0]
+        assert _cli(port, "get", "kvd:probe", client=as_kvstored).strip() == ""  # its own keys: allowed
+        for denied in (
+            ("set", "other:x", "1"),
+            ("flushall",),
+            ("config", "set", "maxmemory", "1"),
+            ("keys", "kvd:*"),
+            ("eval", "return 1", "0"),
+        ):
+            assert "NOPERM" in _cli(port, *denied, client=as_kvstored), denied
+
+
 def test_a_killed_holder_stops_being_offered_once_its_heartbeat_expires(pair, request):
     a, b = pair.daemons
     f = fields(request)

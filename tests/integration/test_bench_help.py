@@ -396,6 +396,29 @@ def test_multiturn_nodes_dry_run_plans_the_nodes(tmp_path):
     assert "routing" in proc.stdout and "MFU" in proc.stdout
 
 
+def test_multiturn_directory_dry_run_plans_its_set_ups(tmp_path):
+    """--directory: islands, the directory's fleet and one node with the fleet's RAM + fs, named in
+    the plan (no cluster started for a dry run)."""
+    assert "--directory" in bench_help("multiturn.py")
+    out = tmp_path / "plan.json"
+    proc = subprocess.run(
+        [*bench("multiturn"), "--nodes", "4", "--directory", "--dry-run", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean_env(),
+        cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["nodes"] == 4 and "Redis Cluster" in doc["directory"] and "results" not in doc
+    configs = {c["key"]: c for c in doc["configs"]}
+    assert list(configs) == ["none", "ram+fs", "ram+fs+dir", "pooled"]
+    assert configs["ram+fs+dir"]["directory"] and configs["ram+fs+dir"]["tiers"] == ["gpu", "ram", "fs", "peer"]
+    assert configs["pooled"]["pooled"] and "peer" not in configs["pooled"]["tiers"]
+    assert "no static peers" in proc.stdout and "one node, fleet's RAM + fs" in proc.stdout
+
+
 def test_multiturn_nodes_small_run_reports_peer_hits_and_rows(tmp_path):
     """A tiny real cluster: 2 daemons, 4 conversations of 3 turns, every set-up (the shared bucket on
     radosgw, or moto_server where Ceph is missing). A turn always lands on the other node, so only

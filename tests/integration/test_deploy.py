@@ -368,6 +368,61 @@ def test_manifests_fit_together():
     assert tiers[0]["type"] == "kvstored" and os.path.dirname(tiers[0]["socket"]) == socket_dir
 
 
+def test_redis_directory_example_fits_together():
+    """examples/redis-directory.yaml: a 6-pod Redis Cluster the DaemonSet's pods (and only they,
+    the Job and the cluster itself) may reach, its ACL file from the Secret the header makes, and
+    a `directory =` URL on its pods' names that the daemon parses; the shipped ACL's keys are the
+    daemon's default prefix."""
+    from kvstored.directory.config import parse_url
+
+    docs = manifests()
+    sts, service = docs["StatefulSet/kvstored-directory"], docs["Service/kvstored-directory"]
+    pod = sts["spec"]["template"]
+    assert service["spec"]["clusterIP"] == "None" and sts["spec"]["serviceName"] == service["metadata"]["name"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    replicas = sts["spec"]["replicas"]
+    assert replicas == 6  # 3 masters, a replica each: a master lost is a failover, not a loss
+    (redis,) = pod["spec"]["containers"]
+    conf = dict(
+        line.split(None, 1) for line in docs["ConfigMap/kvstored-directory-redis"]["data"]["redis.conf"].splitlines()
+        if line.strip() and not line.startswith("#")
+    )  # fmt: skip
+    assert conf["cluster-enabled"] == "yes" and conf["masteruser"] == "admin"
+    mounts = {m["name"]: m["mountPath"] for m in redis["volumeMounts"]}
+    acl_volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "acl")["secret"]
+    assert conf["aclfile"] == f"{mounts['acl']}/{acl_volume['items'][0]['path']}"
+    header = (KUBE / "examples" / "redis-directory.yaml").read_text()
+    secret = acl_volume["secretName"]
+    env_keys = {
+        e["valueFrom"]["secretKeyRef"]["key"]
+        for e in redis["env"]
+        if "valueFrom" in e and "secretKeyRef" in e["valueFrom"]
+    }
+    for key in {acl_volume["items"][0]["key"], *env_keys}:
+        assert f"create secret generic {secret}" in header and f"{key}=" in header, key
+    # the Job waits for and joins exactly the StatefulSet's pods
+    job = docs["Job/kvstored-directory-create"]["spec"]["template"]
+    script = job["spec"]["containers"][0]["command"][-1]
+    assert f"for i in {' '.join(map(str, range(replicas)))};" in script and "--cluster-replicas 1" in script
+    host = f"{sts['metadata']['name']}-$i.{service['metadata']['name']}.{sts['metadata']['namespace']}.svc"
+    assert host in script
+    # who may connect: the kvstored pods, the Job, the directory's own pods, on ports they have
+    policy = docs["NetworkPolicy/kvstored-directory"]["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    allowed = [peer["podSelector"]["matchLabels"] for rule in policy["ingress"] for peer in rule["from"]]
+    daemon_labels = docs["DaemonSet/kvstored"]["spec"]["template"]["metadata"]["labels"]
+    for labels in (daemon_labels, job["metadata"]["labels"], pod["metadata"]["labels"]):
+        assert any(a.items() <= labels.items() for a in allowed), labels
+    port_names = {p["name"] for p in redis["ports"]}
+    assert {p["port"] for rule in policy["ingress"] for p in rule["ports"]} <= port_names
+    # the daemon's side: seeds on the pods' names; the ACL covers its default key prefix
+    seeds = ",".join(f"{sts['metadata']['name']}-{i}.{service['metadata']['name']}.kvstored.svc:6379" for i in range(3))
+    url = parse_url(f"redis://kvstored:SECRET@{seeds}")
+    assert len(url.nodes) == 3 and url.username == "kvstored"
+    acl = (REPO_ROOT / "deploy" / "redis" / "kvstored.acl").read_text()
+    assert f"~{PeerTierConfig.__dataclass_fields__['directory_prefix'].default}:*" in acl.split()
+
+
 def kubernetes_steps() -> tuple[str, list[str]]:
     """docs/operations.md's "Kubernetes, step by step": its whole text, and its commands (the sh
     block, one per line, continuations joined, comments dropped)."""

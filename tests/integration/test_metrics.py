@@ -249,7 +249,7 @@ def test_metrics_port_taken_refuses_the_start_and_off_serves_without(daemon_fact
 
 @pytest.fixture(scope="module")
 def fs_run():
-    """One daemon with 4 MiB of RAM over a 256 MiB fs tier (and a peer tier), driven through
+    """One daemon with 4 MiB of RAM over a 256 MiB fs tier (and a peer tier with a directory), driven through
     write-back and promotion; yields its scrape and the quiet Stats around it."""
     from tests.support.daemon import Daemon
     from tests.support.ports import free_port
@@ -257,8 +257,11 @@ def fs_run():
     root = short_tmpdir("kvfs")
     d = Daemon(cpu_bytes="4MiB")
     try:
-        # ... and a peer tier whose one peer is down: its per-peer series are in the scrape
-        peer = f"kind=peer,peers=127.0.0.1:{free_port()},transport=tcp,tcp_port=0"
+        # ... and a peer tier whose one peer is down, its fleet directory unreachable: their series are in the scrape
+        peer = (
+            f"kind=peer,peers=127.0.0.1:{free_port()},transport=tcp,tcp_port=0,"
+            f"directory=redis://127.0.0.1:{free_port()}"
+        )
         d.start(
             METRICS_PORT_0
             + [
@@ -391,6 +394,9 @@ def test_dashboard_and_rules_only_use_scraped_names_and_labels(fs_run):
                         problems.append(f"{source}: {name} has no label {label!r} ({expr!r})")
     assert not problems, "\n".join(problems)
     assert any("kvstored_tier_operation_seconds_bucket" in e for e in sources["dashboard"])
+    # the Directory row: every family of the fleet directory is on it
+    directory = {name for e in sources["dashboard"] for name, _ in METRIC_NAME.findall(e) if "_directory_" in name}
+    assert directory == {n for n in scraped.samples if n.startswith("kvstored_directory_")}, directory
 
 
 def test_dashboard_is_importable_grafana_json():
@@ -462,4 +468,62 @@ def test_ram_thrash_alert_fires_only_when_full_and_missing(tmp_path):
     }
     test_file = tmp_path / "thrash_test.yml"
     test_file.write_text(json.dumps(tests))  # JSON is YAML
+    run_promtool("test", "rules", str(test_file))
+
+
+@pytest.mark.system_deps
+def test_directory_alerts_fire_on_an_open_breaker_and_a_long_lag(tmp_path):
+    """promtool unit test: a breaker open for 10 minutes fires KvstoredDirectoryUnreachable, one
+    open for 2 does not; a lag of 120 s for 10 minutes fires KvstoredDirectoryLagging, 1 s does not."""
+
+    def series(instance: str, name: str, values: str) -> dict:
+        return {"series": f'kvstored_directory_{name}{{job="kvstored",instance="{instance}"}}', "values": values}
+
+    import yaml
+
+    rules = {r.get("alert"): r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]}
+
+    def fired(alert: str, instance: str, summary: str) -> list[dict]:
+        labels = {"severity": "warning", "instance": instance, "job": "kvstored"}
+        annotations = {"summary": summary, "description": rules[alert]["annotations"]["description"]}
+        return [{"exp_labels": labels, "exp_annotations": annotations}]
+
+    tests = {
+        "rule_files": [str(RULES)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [
+                    series("down:9464", "breaker_open", "1x20"),
+                    series("blip:9464", "breaker_open", "0x8 1 1 0x10"),
+                    series("behind:9464", "lag_seconds", "120x20"),
+                    series("fine:9464", "lag_seconds", "1x20"),
+                ],
+                "alert_rule_test": [
+                    {
+                        "eval_time": "12m",
+                        "alertname": "KvstoredDirectoryUnreachable",
+                        "exp_alerts": fired(
+                            "KvstoredDirectoryUnreachable",
+                            "down:9464",
+                            "kvstored on down:9464 cannot reach its fleet directory",
+                        ),
+                    },
+                    {
+                        "eval_time": "12m",
+                        "alertname": "KvstoredDirectoryLagging",
+                        "exp_alerts": fired(
+                            "KvstoredDirectoryLagging",
+                            "behind:9464",
+                            "kvstored on behind:9464 is 2m 0s behind in the fleet directory",
+                        ),
+                    },
+                    {"eval_time": "3m", "alertname": "KvstoredDirectoryUnreachable", "exp_alerts": []},
+                ],
+            }
+        ],
+    }
+    test_file = tmp_path / "directory_test.yml"
+    test_file.write_text(json.dumps(tests))
     run_promtool("test", "rules", str(test_file))

@@ -74,10 +74,13 @@ def _cli(port: int, *args: str, timeout: float = 10.0, client: tuple[str, ...] =
 
 
 class RedisCluster:
-    def __init__(self, masters: int = 3, replicas: int = 1, tls: bool = False, password: str = "") -> None:
+    def __init__(
+        self, masters: int = 3, replicas: int = 1, tls: bool = False, password: str = "", acl: str = "~kvd:* +@all"
+    ) -> None:
         """tls: TLS only (clients, the cluster bus, replication), certificates for 127.0.0.1 from
-        tests/support/tls.py (`ca`: their CA); password: a user `kvstored` with it, allowed the
-        directory's keys only (`kvd:*`), and the default user off."""
+        tests/support/tls.py (`ca`: their CA); password: a user `kvstored` with it and the ACL rules
+        `acl` (by default: the directory's keys only, `kvd:*`), a user `admin` with it and every
+        right (replication, cluster set-up, this harness's own commands), the default user off."""
         require(Needs.SYSTEM_DEPS)  # (redis-server comes with deploy/install-system-deps.sh)
         if shutil.which("redis-server") is None:
             raise RedisClusterError("redis-server is not installed (deploy/install-system-deps.sh redis-server)")
@@ -102,10 +105,11 @@ class RedisCluster:
         if password:
             self._server_args += [
                 "--user", "default", "off",
-                "--user", "kvstored", "on", f">{password}", "~kvd:*", "+@all",
-                "--masteruser", "kvstored", "--masterauth", password,
+                "--user", "admin", "on", f">{password}", "~*", "&*", "+@all",
+                "--user", "kvstored", "on", f">{password}", *acl.split(),
+                "--masteruser", "admin", "--masterauth", password,
             ]  # fmt: skip
-            client += ["--user", "kvstored", "--pass", password, "--no-auth-warning"]
+            client += ["--user", "admin", "--pass", password, "--no-auth-warning"]
         self._client = tuple(client)
 
     # -- lifecycle ----------------------------------------------------------------------------
