@@ -298,7 +298,6 @@ def check_fault(cluster: Cluster, model: str, fault: str) -> None:
     incarnation_before = a.status().incarnation
     with PeerLoader(b, fields, keys, CHUNK) as loader:
         cluster.wait_for("B loading A's chunks", lambda: loader.snapshot().full >= 4)
-        fetches_at_fault = b.peer(a).fetches
         missed_before = loader.snapshot().missed
         if fault == "sigkill" or fault == "restart":
             cluster.kill(0)
@@ -309,6 +308,9 @@ def check_fault(cluster: Cluster, model: str, fault: str) -> None:
         else:
             assert cluster.net is not None
             cluster.net.cut(a.node)
+        # Counted once the fault is in place: B loads from A every few ms until then, and the cut
+        # is an `ip` process that a loaded machine may take a few hundred ms to run.
+        fetches_at_fault = b.peer(a).fetches
         # Loads keep returning, as misses: at least 10 times the breaker's threshold of them.
         cluster.wait_for(
             "B's loads missing A's chunks", lambda: loader.snapshot().missed >= missed_before + 10 * BREAKER_FAILURES
