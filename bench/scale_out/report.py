@@ -42,6 +42,7 @@ def run(model: Model, nodes: Sequence[int], max_nodes: int) -> dict[str, Any]:
     return {
         "designs": out_designs,
         "router_tier": [model.router_tier(n) for n in nodes],
+        "redis_tier": [model.redis_tier(n) for n in sorted({*nodes, 100, 1000})],
     }
 
 
@@ -238,6 +239,17 @@ def print_report(doc: dict[str, Any], model: Model) -> None:
             f"({fmt_rate(t['inbound_bytes_per_s'])}), {t['cores']:.2f} cores at our per-key cost, "
             f"{t['index_entries']:,.0f} entries ({fmt_bytes(t['index_bytes'])})"
         )
+    print(
+        f"\nthe Redis Cluster the directory takes (masters within {model.fleet.redis_shard_cpu:.0%} of a core and "
+        f"{model.fleet.redis_shard_gib:g} GiB, {model.fleet.redis_replicas} replica(s) each):"
+    )
+    for t in doc["redis_tier"]:
+        print(
+            f"  {t['nodes']:,} nodes: {t['masters']:,} masters ({t['processes']:,} processes), "
+            f"{t['ops_per_s']:,.0f} ops/s ({t['commands_per_s']:,.0f} writes, {t['lookup_keys_per_s']:,.0f} keys "
+            f"asked), {t['cores']:.2f} cores, {t['entries']:,.0f} entries, {fmt_bytes(t['memory_bytes'])} "
+            f"with replicas ({fmt_bytes(t['master_memory_bytes'])} and {t['master_cores']:.0%} of a core per master)"
+        )
     s3 = doc["s3"]
     print(
         f"\nS3: {s3['puts_per_s_per_node']:,.0f} PUT/s per node ({s3['in_flight_puts']:.1f} in flight at "
@@ -259,6 +271,7 @@ STYLE = {
     "mesh": ("#d62728", "o"),
     "coalesced": ("#ff7f0e", "s"),
     "directory": ("#2ca02c", "^"),
+    "redis": ("#9467bd", "v"),
     "router": ("#1f77b4", "D"),
 }
 WIDTH = {"mesh": 5.0}  # drawn wide underneath: where the coalesced mesh has the same figure, both show
