@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bench.fleet.plot import plot
 from bench.fleet.run import SETUPS, Load, RunResult, sweep
 from bench.lib.report import MIB, machine_info, print_aligned, write_json
 from bench.scale_out.cli import parse_nodes
@@ -48,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--calibration", default=str(DEFAULT_CALIBRATION), help="scale_calibrate's JSON: the mesh's modelled costs"
     )
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--plot", help="write the plot here (PNG)")
+    p.add_argument("--plot", help="write the plot here (PNG; needs matplotlib)")
+    p.add_argument("--from-json", help="draw --plot from this earlier run's --json instead of running")
     return p
 
 
@@ -185,55 +187,14 @@ def verdict(table: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def plot(doc: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [
-        ("Daemon CPU per node (s/s)", lambda r: r["cpu_s_per_s"]),
-        ("Heap per node (RssAnon, MiB)", lambda r: r["rss_anon_bytes"] / MIB),
-        ("Control bytes in per node (KiB/s; data plane left out)", lambda r: r["upkeep_rx_bytes_per_s"] / 1024),
-        ("Redis Cluster CPU (s/s, all 6 processes)", lambda r: r["redis_cpu_s_per_s"]),
-    ]
-    fig, axes = plt.subplots(1, 4, figsize=(17, 4.2), dpi=110)
-    style = {"mesh": ("#d62728", "o"), "directory": ("#2ca02c", "^")}
-    for ax, (title, value) in zip(axes, panels):
-        for setup, (colour, marker) in style.items():
-            rs = [r for r in doc["rows"] if r["setup"] == setup]
-            if not rs or (setup == "mesh" and "Redis" in title):
-                continue
-            ax.plot([r["nodes"] for r in rs], [value(r) for r in rs], color=colour, marker=marker, label=setup)
-            if setup == "mesh" and title.startswith("Daemon CPU"):
-                m = [r for r in rs if "model_cpu_s_per_s" in r]
-                ax.plot(
-                    [r["nodes"] for r in m],
-                    [r["model_cpu_s_per_s"] for r in m],
-                    color=colour,
-                    linestyle="--",
-                    label="mesh, bench.scale_out's model",
-                )
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("nodes")
-        ax.set_ylim(bottom=0)
-        ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize=8)
-    ld = doc["load"]
-    fig.suptitle(
-        f"kvstored fleet measured: {ld['turns_per_s']:g} turns/s per node of {ld['chunks']} x "
-        f"{ld['chunk_bytes'] >> 10} KiB chunks, daemons in network namespaces on one "
-        f"{doc['machine'].get('cpus', '?')}-CPU VM",
-        fontsize=10,
-    )
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.from_json:
+        if not args.plot:
+            raise SystemExit("--from-json needs --plot")
+        plot(json.loads(Path(args.from_json).read_text()), args.plot)
+        print(f"wrote {args.plot}")
+        return 0
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
     if bad := [s for s in setups if s not in SETUPS]:
         raise SystemExit(f"--setups: unknown {bad}; choose from {', '.join(SETUPS)}")
