@@ -15,7 +15,7 @@ from typing import Any
 from bench.lib.report import GIB, MIB, REPO, write_json
 from bench.scale_out.designs import Model
 from bench.scale_out.fleet import DEFAULT_CALIBRATION, S3_PREFIX_PUTS_PER_S, SECONDS_PER_MONTH, Budget, Costs, Fleet
-from bench.scale_out.report import basis, plot, print_report, run, sensitivity
+from bench.scale_out.report import basis, plot, print_report, redis_fit, run, sensitivity
 
 
 def parse_nodes(text: str) -> list[int]:
@@ -137,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "usd_per_month_at_1000": 1000 * puts * fleet.put_usd_per_1k / 1000 * SECONDS_PER_MONTH,
         },
         "sensitivity": sensitivity(fleet, budget, costs, args.max_nodes),
+        "redis_fit": redis_fit(fleet, budget, costs),
     }
     print_report(doc, model)
     if args.json:

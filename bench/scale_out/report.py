@@ -54,12 +54,33 @@ def sensitivity(fleet: Fleet, budget: Budget, costs: Costs, max_nodes: int) -> l
         ("peers fetch from RAM only (disks not indexed)", replace(fleet, fs_bytes=0)),
         ("1 s batching interval", replace(fleet, interval_s=1.0)),
         ("no S3 tier", replace(fleet, s3_tier=False)),
+        ("directory entries live 4 h (the refresh pass 8x rarer)", replace(fleet, directory_entry_ttl_s=4 * 3600.0)),
     ]
     rows = []
     for label, f in variants:
         model = Model(f, budget, costs)
         rows.append({"variant": label, "breaks": {d.key: break_point(d, budget, max_nodes) for d in designs(model)}})
     return rows
+
+
+def redis_fit(fleet: Fleet, budget: Budget, costs: Costs, nodes: int = 1000) -> dict[str, Any]:
+    """Where the Redis Cluster directory's per-node CPU (flat in N) fits the budget: the turn rate
+    it allows, and the CPU per chunk written it would need at the stated rate."""
+    p = Model(fleet, budget, costs).redis_directory(nodes)
+    lo, hi = 0.0, 1000.0  # turns/s per node: the CPU grows with them
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        fits = Model(replace(fleet, turns_per_s=mid), budget, costs).redis_directory(nodes).cpu_fraction
+        lo, hi = (mid, hi) if fits <= budget.cpu_fraction else (lo, mid)
+    r = Model(fleet, budget, costs).rates
+    room = budget.cpu_fraction - p.cpu_parts["heartbeat"] - p.cpu_parts["lookups"]
+    return {
+        "nodes": nodes,
+        "cpu_fraction": p.cpu_fraction,
+        "cpu_parts": p.cpu_parts,
+        "max_turns_per_s": lo,
+        "write_s_per_key_to_fit": max(0.0, room) / (r.net_keys_per_s + r.refresh_keys_per_s),
+    }
 
 
 def basis(f: Fleet, r: Rates, c: Costs) -> list[tuple[str, str, str]]:
@@ -250,6 +271,14 @@ def print_report(doc: dict[str, Any], model: Model) -> None:
             f"asked), {t['cores']:.2f} cores, {t['entries']:,.0f} entries, {fmt_bytes(t['memory_bytes'])} "
             f"with replicas ({fmt_bytes(t['master_memory_bytes'])} and {t['master_cores']:.0%} of a core per master)"
         )
+    fit = doc["redis_fit"]
+    shares = ", ".join(f"{k} {v:.1%}" for k, v in fit["cpu_parts"].items())
+    print(
+        f"the directory per node at {fit['nodes']:,} nodes: {fit['cpu_fraction']:.1%} of a core ({shares}), the same "
+        f"at any N; within the budget up to {fit['max_turns_per_s']:.1f} turns/s per node, or at "
+        f"{model.fleet.turns_per_s:g} turns/s with <= {fit['write_s_per_key_to_fit'] * 1e6:.1f} us per chunk written "
+        f"(measured {c.dir_write_s_per_key * 1e6:.1f} us)"
+    )
     s3 = doc["s3"]
     print(
         f"\nS3: {s3['puts_per_s_per_node']:,.0f} PUT/s per node ({s3['in_flight_puts']:.1f} in flight at "
