@@ -95,9 +95,12 @@ def measure_directory(reps: int) -> dict[str, Any]:
         rig = Rig(rc)
         try:
             rig.start()
-            return _measure(rig, reps)
+            out = _measure(rig, reps)
         finally:
             rig.close()
+        out["client_floor"] = measure_client_floor(rc)
+        print(f"  client floor: {out['client_floor']}", flush=True)
+        return out
 
 
 def _measure(rig: Rig, reps: int) -> dict[str, Any]:
@@ -215,3 +218,76 @@ def _timed(call: Callable[[], object], reps: int) -> float:
         call()
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
+
+
+CLIENT_KEYS = 10_000
+
+
+def measure_client_floor(rc: RedisCluster) -> dict[str, Any]:
+    """What the write batch's commands cost a client alone (this process's CPU, per chunk: HSET +
+    PEXPIRE): through redis-py's asyncio cluster pipeline, as the daemon sends them, and as raw
+    RESP packed by hiredis on one socket per master (a lean client's floor)."""
+    import asyncio
+    import socket
+
+    import hiredis
+    from redis.asyncio.cluster import ClusterNode
+    from redis.asyncio.cluster import RedisCluster as Client
+
+    from kvstored.directory.keys import KeyLayout
+
+    layout = KeyLayout()
+    keys = [layout.chunk_key(("ns", k)) for k in new_keys(CLIENT_KEYS, "")]
+    field = b"10.0.0.1:7070|1f|ram"
+
+    async def through_redis_py() -> float:
+        host, port = rc.url.removeprefix("redis://").split(",")[0].split(":")
+        client = Client(startup_nodes=[ClusterNode(host, int(port))])
+        await client.initialize()
+        try:
+            c0 = time.process_time()
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.hset(key, field, b"1")
+                pipe.pexpire(key, 600_000)
+            await pipe.execute(raise_on_error=True)
+            return (time.process_time() - c0) / CLIENT_KEYS
+        finally:
+            await client.aclose()
+
+    async def slots() -> dict[int, int]:
+        """slot -> its master's port."""
+        host, port = rc.url.removeprefix("redis://").split(",")[0].split(":")
+        client = Client(startup_nodes=[ClusterNode(host, int(port))])
+        await client.initialize()
+        try:
+            return {s: int(client.nodes_manager.get_node_from_slot(s).port) for s in range(16384)}
+        finally:
+            await client.aclose()
+
+    per_key_redis_py = asyncio.run(through_redis_py())
+    owner = asyncio.run(slots())
+    from redis.crc import key_slot
+
+    c0 = time.process_time()
+    out: dict[int, list[bytes]] = {}
+    for key in keys:
+        buf = out.setdefault(owner[key_slot(key)], [])
+        buf.append(hiredis.pack_command(("HSET", key, field, b"1")))  # type: ignore[arg-type]
+        buf.append(hiredis.pack_command(("PEXPIRE", key, 600_000)))  # type: ignore[arg-type]
+    for port, commands in out.items():
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"".join(commands))
+            reader, got = hiredis.Reader(), 0
+            while got < len(commands):
+                reader.feed(sock.recv(1 << 16))
+                while reader.gets() is not False:
+                    got += 1
+    per_key_raw = (time.process_time() - c0) / CLIENT_KEYS
+    return {
+        "basis": f"{CLIENT_KEYS:,} chunks' HSET + PEXPIRE from this process to the cluster, its CPU per chunk: "
+        "redis-py's asyncio cluster pipeline (the daemon's client), and raw RESP packed by hiredis, one "
+        "socket per master, replies parsed by hiredis (a lean client's floor)",
+        "redis_py_cpu_s_per_key": per_key_redis_py,
+        "raw_resp_cpu_s_per_key": per_key_raw,
+    }

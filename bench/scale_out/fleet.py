@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from bench.lib.report import GIB, MIB, REPO
@@ -122,6 +122,8 @@ class Costs:
     redis_s_per_lookup_key: float = 0.0  # ... per key asked (HGETALL)
     redis_bytes_per_entry: float = 0.0  # a master's memory per chunk entry
     dir_measured_shards: float = 3  # masters of the calibration's cluster
+    dir_redis_py_s_per_key: float = 0.0  # a chunk's HSET + PEXPIRE through redis-py's cluster pipeline alone ...
+    dir_raw_resp_s_per_key: float = 0.0  # ... and as raw RESP packed by hiredis (a lean client's floor)
 
     @classmethod
     def from_calibration(cls, doc: dict[str, Any]) -> Costs:
@@ -175,7 +177,20 @@ def directory_costs(d: dict[str, Any] | None) -> dict[str, float]:
         "redis_s_per_command": w["redis_cpu_s_per_command"],
         "redis_s_per_lookup_key": look["redis_cpu_s_per_key"],
         "redis_bytes_per_entry": w["redis_bytes_per_entry"],
+        "dir_redis_py_s_per_key": d.get("client_floor", {}).get("redis_py_cpu_s_per_key", 0.0),
+        "dir_raw_resp_s_per_key": d.get("client_floor", {}).get("raw_resp_cpu_s_per_key", 0.0),
     }
+
+
+def lean_client(c: Costs) -> Costs:
+    """The directory's costs with redis-py's cluster pipeline replaced by a lean client (derived: the
+    measured per-chunk cost less what redis-py costs over raw RESP; a lookup's HGETALL is one command)."""
+    saved = max(0.0, c.dir_redis_py_s_per_key - c.dir_raw_resp_s_per_key)
+    return replace(
+        c,
+        dir_write_s_per_key=max(0.0, c.dir_write_s_per_key - saved),
+        dir_lookup_s_per_key=max(0.0, c.dir_lookup_s_per_key - saved / 2),
+    )
 
 
 @dataclass(frozen=True)
