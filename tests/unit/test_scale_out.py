@@ -14,6 +14,7 @@ import pytest
 from bench.lib.report import GIB
 from bench.scale_out.designs import Model, break_point, designs
 from bench.scale_out.fleet import DEFAULT_CALIBRATION, Budget, Costs, Fleet
+from bench.scale_out.report import redis_fit
 
 COMMITTED = json.loads(DEFAULT_CALIBRATION.read_text())
 
@@ -22,7 +23,7 @@ def committed() -> Model:
     return Model(Fleet(), Budget(), Costs.from_calibration(COMMITTED))
 
 
-def stated(**redis: float) -> Model:
+def stated() -> Model:
     """The committed costs with the directory's replaced by round figures."""
     costs = replace(
         Costs.from_calibration(COMMITTED),
@@ -38,7 +39,6 @@ def stated(**redis: float) -> Model:
         redis_s_per_command=2e-6,
         redis_s_per_lookup_key=1e-6,
         redis_bytes_per_entry=100.0,
-        **redis,
     )
     return Model(Fleet(), Budget(), costs)
 
@@ -90,19 +90,29 @@ def test_the_committed_calibration_measured_the_directory():
         assert getattr(c, name) > 0, name
 
 
-def test_with_the_committed_calibration_the_redis_directory_fits_the_budget_at_1000_nodes():
+def test_with_the_committed_calibration_the_redis_directory_is_flat_per_node_to_1000_nodes():
+    """What docs/scale-out.md says: per node the same CPU at 10 and at 1,000 nodes (within 10%, as
+    bench.fleet measured it from 2 to 16), memory far within 1 GiB; whether the CPU fits the budget
+    is the workload's question (redis_fit), not the fleet's size."""
     m = committed()
-    p = m.redis_directory(1000)
-    assert p.cpu_fraction <= m.budget.cpu_fraction and p.memory_bytes <= m.budget.memory_bytes
+    small, big = m.redis_directory(10), m.redis_directory(1000)
+    assert big.cpu_fraction <= 1.1 * small.cpu_fraction
+    assert big.memory_bytes <= m.budget.memory_bytes and big.memory_bytes == small.memory_bytes
     redis = next(d for d in designs(m) if d.key == "redis")
-    assert break_point(redis, m.budget, 10_000) is None
-    # ... and per node it is as flat as the fleet bench measured it: within 10% from 10 to 1,000
-    assert m.redis_directory(1000).cpu_fraction <= 1.1 * m.redis_directory(10).cpu_fraction
+    b = break_point(redis, m.budget, 10_000)
+    assert b is None or b["nodes"] == 2  # (over the budget at any N, or within it at every N)
+    fit = redis_fit(m.fleet, m.budget, m.costs)
+    assert fit["lean_client_cpu_fraction"] < big.cpu_fraction
+    assert fit["lean_client_4h_ttl_cpu_fraction"] < fit["lean_client_cpu_fraction"]
+    slower = Model(replace(m.fleet, turns_per_s=fit["max_turns_per_s"]), m.budget, m.costs)
+    assert slower.redis_directory(1000).cpu_fraction == pytest.approx(m.budget.cpu_fraction, rel=1e-3)
+    tier = m.redis_tier(1000)
+    assert tier["master_cores"] <= m.fleet.redis_shard_cpu and tier["master_memory_bytes"] <= 25 * GIB
 
 
 def test_the_mesh_stops_where_the_docs_say():
     m = committed()
     by_key = {d.key: d for d in designs(m)}
-    assert break_point(by_key["mesh"], m.budget, 10_000)["nodes"] == 2  # type: ignore[index]
-    assert break_point(by_key["coalesced"], m.budget, 10_000)["nodes"] == 6  # type: ignore[index]
+    assert break_point(by_key["mesh"], m.budget, 10_000)["nodes"] == 2
+    assert break_point(by_key["coalesced"], m.budget, 10_000)["nodes"] == 6
     assert m.coalesced(10).cpu_fraction > m.coalesced(2).cpu_fraction  # O(N) per node
