@@ -252,3 +252,25 @@ def serialize_cost_per_key(keys: int = 1000, reps: int = 300) -> float:
 
 def pair_ram_bytes(pair: Pair) -> int:
     return int(pair.a.stats().tiers[0].capacity_bytes)
+
+
+def measure_quiet_streams(pair: Pair, streams: int) -> dict[str, Any]:
+    """The quiet streams' CPU alone (the calibration's method: medians of whole keepalive periods
+    before and after `streams` WatchEvents streams open on A), for checking its spread."""
+    small = ns_fields("quiet", SMALL)
+    with pair.a.client() as kv_a:
+        ns = kv_a.register_namespace(**small)
+        zeros = np.zeros((1, SMALL), np.uint8)
+        nudge_iter = iter(new_keys(200, "quiet"))
+        without = quiet_rates(pair.a.pid)
+        subs = Subscribers(pair.a.address, streams)
+        try:
+            subs.wait_ready(lambda: kv_a.store(ns, [next(nudge_iter)], zeros))
+            with_streams = quiet_rates(pair.a.pid)
+        finally:
+            subs.stop()
+    return {
+        "server_idle_cpu_s_per_s_per_stream": max(0.0, median(with_streams) - median(without)) / streams,
+        "quiet_cpu_s_per_s_without": without,
+        "quiet_cpu_s_per_s_with": with_streams,
+    }

@@ -378,7 +378,7 @@ def plot(doc: dict[str, Any], path: str | Path) -> None:
     axes.flat[0].legend(fontsize=8, loc="lower right")
     w = doc["fleet"]
     breaks = ", ".join(
-        f"{d['label']}: {d['break']['nodes']:,}" if d["break"] else f"{d['label']}: none" for d in doc["designs"]
+        f"{d['key']}: {d['break']['nodes']:,}" if d["break"] else f"{d['key']}: none" for d in doc["designs"]
     )
     fig.suptitle(
         f"kvstored peer index, per node, {w['turns_per_s']:g} turns/s per node "
