@@ -36,7 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--nodes", type=parse_nodes, default=[2, 4, 8, 16], help="node counts")
-    p.add_argument("--setups", default=",".join(SETUPS), help="mesh, directory or both")
+    p.add_argument(
+        "--setups",
+        default="mesh,directory",
+        help="of mesh, directory, islands (no peer tier: how much the machine alone drifts with N)",
+    )
     p.add_argument("--turns-per-s", type=float, default=d.turns_per_s, help="turns per node per second")
     p.add_argument("--chunks", type=int, default=d.chunks, help="chunks stored per turn")
     p.add_argument("--chunk-kib", type=int, default=d.chunk_bytes >> 10, help="chunk size")
@@ -107,7 +111,7 @@ def mesh_model(table: list[dict[str, Any]], costs: Costs, load: Load) -> None:
 
 
 def rows(results: list[RunResult], costs: Costs, load: Load) -> list[dict[str, Any]]:
-    table = sorted(medians(results), key=lambda r: (r["setup"] != "mesh", r["nodes"]))
+    table = sorted(medians(results), key=lambda r: (SETUPS.index(r["setup"]), r["nodes"]))
     mesh_model(table, costs, load)
     first = {
         s: min((r for r in table if r["setup"] == s), key=lambda r: r["nodes"]) for s in {r["setup"] for r in table}

@@ -23,11 +23,11 @@ def plot(doc: dict[str, Any], path: str) -> None:
         ("Redis Cluster CPU (s/s, all 6 processes)", lambda r: r["redis_cpu_s_per_s"]),
     ]
     fig, axes = plt.subplots(1, 4, figsize=(17, 4.2), dpi=110)
-    style = {"mesh": ("#d62728", "o"), "directory": ("#2ca02c", "^")}
+    style = {"mesh": ("#d62728", "o"), "directory": ("#2ca02c", "^"), "islands": ("#7f7f7f", "s")}
     for ax, (title, value) in zip(axes, panels):
         for setup, (colour, marker) in style.items():
             rs = [r for r in doc["rows"] if r["setup"] == setup]
-            if not rs or (setup == "mesh" and "Redis" in title):
+            if not rs or (setup != "directory" and "Redis" in title):
                 continue
             ax.plot([r["nodes"] for r in rs], [value(r) for r in rs], color=colour, marker=marker, label=setup)
             if setup == "mesh" and title.startswith("Daemon CPU"):

@@ -34,7 +34,7 @@ from tests.support.cluster import Cluster, PeerDaemon
 from tests.support.netns import IFACE, Node, Topology
 from tests.support.redis_cluster import RedisCluster
 
-SETUPS = ("mesh", "directory")
+SETUPS = ("mesh", "directory", "islands")  # islands: no peer tier, the machine's own drift with N
 WAIT_S = 120.0  # a bound on every wait for the fleet's state, never a measurement
 FILL_BATCH = 64
 
@@ -193,6 +193,11 @@ class Fleet:
             directory=directory,
         )
 
+        if setup == "islands":
+            for d in self.cluster:
+                at = next(i for i, a in enumerate(d.args) if a.startswith("kind=peer"))
+                del d.args[at - 1 : at + 1]  # (its --tiers and the peer tier's spec)
+
     def keys(self, i: int, turn: int, count: int) -> list[bytes]:
         return [
             i.to_bytes(4, "big") + turn.to_bytes(8, "big") + c.to_bytes(4, "big") + self.salt * 2 for c in range(count)
@@ -223,6 +228,8 @@ class Fleet:
                 self.redis.close()
 
     def _wait_ready(self) -> None:
+        if self.setup == "islands":
+            return
         if self.setup == "mesh":
             for i in range(self.n):
                 self.cluster.wait_up(i)
