@@ -203,7 +203,7 @@ class Model:
     def redis_directory(self, nodes: int) -> Point:
         c, r, f = self.costs, self.rates, self.fleet
         if nodes < 2:
-            return self.point(nodes, {}, {}, 0.0, 0.0, 0.0, self.local_lookup_s(), 0.0, 1.0)
+            return self.point(nodes, {}, {"index": 0.0}, 0.0, 0.0, 0.0, self.local_lookup_s(), 0.0, 1.0)
         touched = min(f.directory_buckets, int(self.redis_tier(nodes)["masters"]))
         # a lookup's pipeline goes to each master its keys' buckets live on: the fixed cost measured
         # with the calibration's masters, scaled by those touched (an upper bound: part of it is not per master)
@@ -214,7 +214,7 @@ class Model:
             "writes": (r.net_keys_per_s + r.refresh_keys_per_s) * c.dir_write_s_per_key,
             "lookups": f.turns_per_s * (per_lookup + keys * c.dir_lookup_s_per_key),
         }
-        memory = {"client": c.dir_client_bytes}
+        memory = {"index": 0.0, "client": c.dir_client_bytes}  # (no index of the others)
         # replies: a few bytes per command and per key asked (no holder: empty), a segment per master
         # per interval and per lookup
         commands = 1 / c.dir_interval_s + (r.net_keys_per_s + r.refresh_keys_per_s) * c.dir_commands_per_key

@@ -284,7 +284,7 @@ def test_restart_small_run_keeps_every_chunk_a_byte_exact_ram_hit_only_with_the_
     assert doc["target"]["unserved"] in ("PASS", "MISS") and "cold / hand-over" in proc.stdout
 
 
-SCALE_DESIGNS = ["mesh", "coalesced", "directory", "router"]
+SCALE_DESIGNS = ["mesh", "coalesced", "directory", "redis", "router"]
 
 
 def scale_out(tmp_path, *args: str) -> dict:
