@@ -6,18 +6,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import shutil
 import sys
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from bench.lib.report import machine_info, write_json
 from bench.scale_calibrate.coalescing import coalescing_lines, fill_for_coalescing, measure_coalescing
 from bench.scale_calibrate.common import DEFAULT_OUT, README_BYTES_PER_ENTRY, SINGLE_EVENTS, SMALL, loadavg
 from bench.scale_calibrate.daemons import Pair
-from bench.scale_calibrate.events import events_report, run_event_phases
+from bench.scale_calibrate.directory import measure_directory
+from bench.scale_calibrate.events import events_report, measure_quiet_streams, run_event_phases
 from bench.scale_calibrate.grpc_floor import floor_client, measure_grpc_floor
 from bench.scale_calibrate.in_process import measure_in_process
 from bench.scale_calibrate.lookups import measure_lookups_and_fetch
@@ -34,7 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench/scale_out.py models a fleet with: index memory per remote entry (RSS growth, and "
         "tracemalloc beside the README's 171 B/entry), event bytes and follower CPU per event and per key "
         "on the WatchEvents stream, publisher CPU per subscriber, local Lookup cost per key, a remote "
-        "Lookup over TCP, the peer fetch round trip, and S3 PUT/GET latency per chunk (radosgw, else "
+        "Lookup over TCP, the peer fetch round trip, the fleet directory's heartbeat, writes and lookups "
+        "against a real Redis Cluster, and S3 PUT/GET latency per chunk (radosgw, else "
         "moto). Writes a calibration JSON with the machine and the load average.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -77,6 +81,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="run the coalescing phase alone (A filled first) and print its figures; writes no JSON",
     )
+    parser.add_argument(
+        "--only-directory",
+        action="store_true",
+        help="measure the fleet directory's costs alone (a real Redis Cluster) and write them into --out's "
+        "existing JSON",
+    )
+    parser.add_argument(
+        "--only-quiet-streams",
+        action="store_true",
+        help="measure the quiet streams' CPU alone (--subscribers streams) and print it with the break points it "
+        "gives the model with --out's calibration; writes nothing",
+    )
     parser.add_argument("--serve-subscribers", nargs=2, metavar=("ADDRESS", "STREAMS"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-coalesced", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--floor-client", type=int, metavar="PORT", help=argparse.SUPPRESS)
@@ -96,6 +112,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.only_coalescing:
         return only_coalescing(args)
+    if args.only_quiet_streams:
+        return only_quiet_streams(args)
+    if args.only_directory:
+        merged = json.loads(Path(args.out).read_text())
+        merged["directory"] = measure_directory(args.reps)
+        merged["directory"]["load_average"] = loadavg()
+        write_json(args.out, merged)
+        print(f"wrote the directory's costs into {args.out}")
+        return 0
     started = time.monotonic()
     load = {"start": loadavg()}
     doc: dict[str, Any] = {
@@ -125,6 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         load["after_lookups"] = loadavg()
     finally:
         pair.close()
+    doc["directory"] = measure_directory(args.reps)
+    load["after_directory"] = loadavg()
     doc["in_process"] = measure_in_process()
     doc["s3"] = measure_s3(args.s3, args.s3_chunk_mib << 20, max(8, args.reps // 4))
     load["end"] = loadavg()
@@ -151,6 +178,30 @@ def only_coalescing(args: argparse.Namespace) -> int:
         pair.close()
     for k, v in coalescing_lines(doc):
         print(f"  {k}  {v}")
+    return 0
+
+
+def only_quiet_streams(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from bench.scale_out.designs import Model, break_point, designs
+    from bench.scale_out.fleet import Budget, Costs, Fleet
+
+    pair = Pair("64MiB")
+    try:
+        pair.start()
+        quiet = measure_quiet_streams(pair, args.subscribers)
+    finally:
+        pair.close()
+    per_stream = quiet["server_idle_cpu_s_per_s_per_stream"]
+    costs = replace(Costs.from_calibration(json.loads(Path(args.out).read_text())), stream_idle_s_per_s=2 * per_stream)
+    model = Model(Fleet(), Budget(), costs)
+    breaks = {d.key: break_point(d, model.budget, 10_000) for d in designs(model)}
+    print(
+        f"  a quiet stream: {per_stream * 1e6:.1f} us/s (windows without {quiet['quiet_cpu_s_per_s_without']}, with "
+        f"{quiet['quiet_cpu_s_per_s_with']}, load average {loadavg()[0]})"
+    )
+    print("  break points: " + ", ".join(f"{k} {b['nodes'] if b else '> 10,000'}" for k, b in breaks.items()))
     return 0
 
 

@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from statistics import median
 from typing import Any
 
 import grpc
@@ -29,8 +30,22 @@ from bench.scale_calibrate.common import (
 )
 from bench.scale_calibrate.daemons import Pair, Phase
 from bench.scale_calibrate.subscribers import Subscribers
+from kvstored.peer.control import KEEPALIVE_MS
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
+
+QUIET_WINDOWS = 4
+QUIET_WINDOW_S = KEEPALIVE_MS / 1000  # one keepalive ping per stream per window
+
+
+def quiet_rates(pid: int) -> list[float]:
+    """CPU rates of `pid` over QUIET_WINDOWS back-to-back windows of QUIET_WINDOW_S."""
+    out = []
+    for _ in range(QUIET_WINDOWS):
+        c0, t0 = process_cpu_seconds(pid), time.monotonic()
+        time.sleep(QUIET_WINDOW_S)
+        out.append((process_cpu_seconds(pid) - c0) / (time.monotonic() - t0))
+    return out
 
 
 def fit_two(p1: Phase, p2: Phase, value: Callable[[Phase], float]) -> tuple[float, float]:
@@ -57,7 +72,7 @@ class EventRun:
     removed: Phase
     steady: Phase
     rss: list[tuple[int, int]]  # (B's index entries, B's RssAnon)
-    streams: dict[str, float]
+    streams: dict[str, Any]
     ram_bytes: int  # A's RAM tier
 
 
@@ -98,14 +113,13 @@ def run_event_phases(pair: Pair, entries: int, subscribers: int, batch: int) -> 
 
         # More followers of A: what publishing costs per subscriber, and a stream's memory.
         a_rss0 = rss_anon(a.pid)
+        quiet_without = quiet_rates(a.pid)
         subs = Subscribers(a.address, subscribers)
         nudges = new_keys(200, "nudge")
         nudge_iter = iter(nudges)
         subs.wait_ready(lambda: kv_a.store(ns, [next(nudge_iter)], zeros[:1]))
         a_rss1 = rss_anon(a.pid)
-        a_idle0 = process_cpu_seconds(a.pid)
-        time.sleep(2.0)
-        a_idle_with_streams = (process_cpu_seconds(a.pid) - a_idle0) / 2.0
+        quiet_with = quiet_rates(a.pid)
         received0 = subs.received
         singles2 = new_keys(SINGLE_EVENTS, "single2")
         single_subs = pair.phase(f"single-key stores, {subscribers} more subscribers", store_singles(singles2))
@@ -145,7 +159,9 @@ def run_event_phases(pair: Pair, entries: int, subscribers: int, batch: int) -> 
     streams = {
         "server_bytes_per_stream": (a_rss1 - a_rss0) / subscribers,
         "client_bytes_per_stream": (subs.rss_ready - subs.rss_before) / subscribers,
-        "server_idle_cpu_s_per_s_per_stream": max(0.0, a_idle_with_streams - pair.a_idle_cpu_per_s) / subscribers,
+        "server_idle_cpu_s_per_s_per_stream": max(0.0, median(quiet_with) - median(quiet_without)) / subscribers,
+        "quiet_cpu_s_per_s_without": quiet_without,
+        "quiet_cpu_s_per_s_with": quiet_with,
     }
     return EventRun(
         single, batched, batched2, single_subs, batched_subs, removed, steady, rss, streams, pair_ram_bytes(pair)
@@ -208,8 +224,9 @@ def events_report(run: EventRun, subscribers: int, batch: int) -> dict[str, Any]
         "in a child process: RssAnon growth of A (server) and of the child (client) per stream",
         "subscribers": subscribers,
         **run.streams,
-        "idle_basis": "A's CPU rate over 2 s with the streams open and quiet (keepalive pings every 5 s) minus "
-        "without, per stream",
+        "idle_basis": f"A's CPU rate with the streams open and quiet minus without, per stream: medians of "
+        f"{QUIET_WINDOWS} windows of {QUIET_WINDOW_S:g} s each way (a window is one keepalive period: each sees "
+        "every stream's ping once), taken just before and just after the streams open",
     }
     return out
 
@@ -235,3 +252,25 @@ def serialize_cost_per_key(keys: int = 1000, reps: int = 300) -> float:
 
 def pair_ram_bytes(pair: Pair) -> int:
     return int(pair.a.stats().tiers[0].capacity_bytes)
+
+
+def measure_quiet_streams(pair: Pair, streams: int) -> dict[str, Any]:
+    """The quiet streams' CPU alone (the calibration's method: medians of whole keepalive periods
+    before and after `streams` WatchEvents streams open on A), for checking its spread."""
+    small = ns_fields("quiet", SMALL)
+    with pair.a.client() as kv_a:
+        ns = kv_a.register_namespace(**small)
+        zeros = np.zeros((1, SMALL), np.uint8)
+        nudge_iter = iter(new_keys(200, "quiet"))
+        without = quiet_rates(pair.a.pid)
+        subs = Subscribers(pair.a.address, streams)
+        try:
+            subs.wait_ready(lambda: kv_a.store(ns, [next(nudge_iter)], zeros))
+            with_streams = quiet_rates(pair.a.pid)
+        finally:
+            subs.stop()
+    return {
+        "server_idle_cpu_s_per_s_per_stream": max(0.0, median(with_streams) - median(without)) / streams,
+        "quiet_cpu_s_per_s_without": without,
+        "quiet_cpu_s_per_s_with": with_streams,
+    }

@@ -15,7 +15,7 @@ from typing import Any
 from bench.lib.report import GIB, MIB, REPO, write_json
 from bench.scale_out.designs import Model
 from bench.scale_out.fleet import DEFAULT_CALIBRATION, S3_PREFIX_PUTS_PER_S, SECONDS_PER_MONTH, Budget, Costs, Fleet
-from bench.scale_out.report import basis, plot, print_report, run, sensitivity
+from bench.scale_out.report import basis, plot, print_report, redis_fit, run, sensitivity
 
 
 def parse_nodes(text: str) -> list[int]:
@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
         "per-operation costs (bench/scale_calibrate.py; default the committed calibration): per node "
         "index memory, inbound event traffic and the CPU to apply it, lookup cost, S3 request rate and "
         "cost, for the mesh as built (every node follows every other), a node-level coalesced mesh, "
-        "directory shards placed by rendezvous hashing and router-based (llm-d consuming KV events); "
+        "directory shards placed by rendezvous hashing, the fleet directory on a Redis Cluster as built (and the "
+        "cluster it takes: masters, memory, ops/s) and router-based (llm-d consuming KV events); "
         "prints where "
         "each design exceeds the budget, writes the table as JSON (--json) and a plot (--plot).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -72,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
         ("--group-chunks", "directory: consecutive chunks of a chain owned together"),
         ("--replicas", "directory: owners per chunk group"),
         ("--routers", "router: instances each node publishes to"),
+        ("--redis-replicas", "Redis Cluster directory: replicas per master"),
+        ("--redis-shard-cpu", "Redis Cluster directory: a master's CPU budget, share of one core"),
+        ("--redis-shard-gib", "Redis Cluster directory: a master's memory budget"),
+        ("--directory-entry-ttl-s", "Redis Cluster directory: entry TTL (every chunk re-written once per TTL / 2)"),
+        ("--directory-buckets", "Redis Cluster directory: hash-tag buckets (the masters a lookup touches, at most)"),
         ("--put-usd-per-1k", "S3 price per 1,000 PUTs"),
         ("--get-usd-per-1k", "S3 price per 1,000 GETs"),
     ]
@@ -131,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "usd_per_month_at_1000": 1000 * puts * fleet.put_usd_per_1k / 1000 * SECONDS_PER_MONTH,
         },
         "sensitivity": sensitivity(fleet, budget, costs, args.max_nodes),
+        "redis_fit": redis_fit(fleet, budget, costs),
     }
     print_report(doc, model)
     if args.json:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.lib.report import GIB
 from bench.scale_out.fleet import HEADER_BYTES_PER_SEGMENT, MSS, SECONDS_PER_MONTH, Budget, Costs, Fleet, Rates
 
 
@@ -172,6 +173,56 @@ class Model:
             nodes, cpu, memory, self.wire_bytes(messages, keys_in), messages, keys_in, lookup, entries, coverage
         )
 
+    def redis_tier(self, nodes: int) -> dict[str, float]:
+        """The Redis Cluster a fleet's directory takes: its load, memory and the masters it needs
+        (each within --redis-shard-cpu of a core and --redis-shard-gib)."""
+        c, r, f = self.costs, self.rates, self.fleet
+        # per node: the heartbeat; a net change stored is HSET + PEXPIRE, one dropped an HDEL (about
+        # half each); the refresh pass re-writes every chunk held once per TTL / 2
+        writes = 1 / c.dir_interval_s + r.net_keys_per_s * (c.dir_commands_per_key + 1) / 2
+        writes += r.refresh_keys_per_s * c.dir_commands_per_key
+        asked = f.turns_per_s * r.directory_keys_per_turn
+        cores = nodes * (writes * c.redis_s_per_command + asked * c.redis_s_per_lookup_key)
+        entries = nodes * r.chunks_held
+        master_bytes = entries * c.redis_bytes_per_entry
+        shards = max(1, math.ceil(cores / f.redis_shard_cpu), math.ceil(master_bytes / (f.redis_shard_gib * GIB)))
+        return {
+            "nodes": nodes,
+            "commands_per_s": nodes * writes,
+            "lookup_keys_per_s": nodes * asked,
+            "ops_per_s": nodes * (writes + asked),
+            "cores": cores,
+            "entries": entries,
+            "memory_bytes": master_bytes * (1 + f.redis_replicas),
+            "masters": shards,
+            "processes": shards * (1 + f.redis_replicas),
+            "master_memory_bytes": master_bytes / shards,
+            "master_cores": cores / shards,
+        }
+
+    def redis_directory(self, nodes: int) -> Point:
+        c, r, f = self.costs, self.rates, self.fleet
+        if nodes < 2:
+            return self.point(nodes, {}, {"index": 0.0}, 0.0, 0.0, 0.0, self.local_lookup_s(), 0.0, 1.0)
+        touched = min(f.directory_buckets, int(self.redis_tier(nodes)["masters"]))
+        # a lookup's pipeline goes to each master its keys' buckets live on: the fixed cost measured
+        # with the calibration's masters, scaled by those touched (an upper bound: part of it is not per master)
+        per_lookup = c.dir_lookup_s * touched / min(f.directory_buckets, int(c.dir_measured_shards))
+        keys = r.directory_keys_per_turn
+        cpu = {
+            "heartbeat": c.dir_heartbeat_s_per_interval / c.dir_interval_s,
+            "writes": (r.net_keys_per_s + r.refresh_keys_per_s) * c.dir_write_s_per_key,
+            "lookups": f.turns_per_s * (per_lookup + keys * c.dir_lookup_s_per_key),
+        }
+        memory = {"index": 0.0, "client": c.dir_client_bytes}  # (no index of the others)
+        # replies: a few bytes per command and per key asked (no holder: empty), a segment per master
+        # per interval and per lookup
+        commands = 1 / c.dir_interval_s + (r.net_keys_per_s + r.refresh_keys_per_s) * c.dir_commands_per_key
+        segments = (1 / c.dir_interval_s + f.turns_per_s) * touched
+        inbound = 4 * (commands + f.turns_per_s * keys) + segments * HEADER_BYTES_PER_SEGMENT
+        lookup = self.local_lookup_s() + c.dir_lookup_added_s + keys * c.dir_lookup_added_s_per_key
+        return self.point(nodes, cpu, memory, inbound, segments, 0.0, lookup, 0.0, 1.0)
+
     def router(self, nodes: int) -> Point:
         c, r, f = self.costs, self.rates, self.fleet
         messages = 1 / f.interval_s
@@ -230,6 +281,14 @@ def designs(model: Model) -> list[Design]:
             "chunk groups owned by rendezvous hashing; changes sent to "
             "owners once per interval; a turn asks its groups' owners",
             model.directory,
+        ),
+        Design(
+            "redis",
+            "Redis Cluster directory (as built)",
+            "each node writes its net changes and a heartbeat to a Redis Cluster once per "
+            "directory interval and re-writes its holdings once per TTL / 2; a turn's local misses ask it once; "
+            "nodes keep no index of each other",
+            model.redis_directory,
         ),
         Design(
             "router",

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from bench.lib.report import GIB, MIB, REPO
@@ -45,6 +45,11 @@ class Fleet:
     group_chunks: int = 32  # directory: consecutive chunks of a chain owned together
     replicas: int = 1  # directory: owners per group
     routers: int = 1  # router: router instances each node publishes to
+    redis_replicas: int = 1  # Redis Cluster directory: replicas per master
+    redis_shard_cpu: float = 0.5  # ... a master's CPU budget, share of one core (Redis runs commands on one)
+    redis_shard_gib: float = 25.0  # ... a master's memory budget
+    directory_entry_ttl_s: float = 1800.0  # ... every chunk re-written once per TTL / 2 (the refresh pass)
+    directory_buckets: int = 16  # ... hash-tag buckets: the shards one lookup touches, at most
     put_usd_per_1k: float = 0.005  # S3 Standard, us-east-1 list price (PUT, COPY, POST, LIST)
     get_usd_per_1k: float = 0.0004  # S3 Standard, us-east-1 list price (GET, SELECT)
 
@@ -103,6 +108,22 @@ class Costs:
     # A coalesced stream's messages per interval (one per kind of change: stored, written down,
     # evicted, ...), measured; 1 where the calibration predates it.
     messages_per_interval: float = 1.0
+    # The Redis Cluster directory (bench/scale_calibrate/directory.py; zeros where not measured).
+    dir_interval_s: float = 0.5  # the calibration's directory_interval_s
+    dir_heartbeat_s_per_interval: float = 0.0  # the node's CPU: heartbeat and an empty batch
+    dir_write_s_per_key: float = 0.0  # the node's CPU per chunk written
+    dir_commands_per_key: float = 2.0  # HSET + PEXPIRE per chunk stored (HDEL: 1 per chunk dropped)
+    dir_lookup_s: float = 0.0  # the node's CPU per lookup asked of the directory ...
+    dir_lookup_s_per_key: float = 0.0  # ... and per key in it
+    dir_lookup_added_s: float = 0.0  # what asking adds to a Lookup's latency ...
+    dir_lookup_added_s_per_key: float = 0.0
+    dir_client_bytes: float = 0.0  # the node's memory for the directory client (redis-py, its connections)
+    redis_s_per_command: float = 0.0  # Redis's CPU per write command (its replicas' included)
+    redis_s_per_lookup_key: float = 0.0  # ... per key asked (HGETALL)
+    redis_bytes_per_entry: float = 0.0  # a master's memory per chunk entry
+    dir_measured_shards: float = 3  # masters of the calibration's cluster
+    dir_redis_py_s_per_key: float = 0.0  # a chunk's HSET + PEXPIRE through redis-py's cluster pipeline alone ...
+    dir_raw_resp_s_per_key: float = 0.0  # ... and as raw RESP packed by hiredis (a lean client's floor)
 
     @classmethod
     def from_calibration(cls, doc: dict[str, Any]) -> Costs:
@@ -135,7 +156,41 @@ class Costs:
             s3_get_s=s3.get("get_chunk_ms", 0.0) * 1e-3,
             s3_server=s3.get("server") or "not measured",
             messages_per_interval=doc.get("coalescing", {}).get("coalesced_messages_per_interval", 1.0),
+            **directory_costs(doc.get("directory")),
         )
+
+
+def directory_costs(d: dict[str, Any] | None) -> dict[str, float]:
+    if not d:
+        return {}
+    idle, w, look = d["idle"], d["writes"], d["lookups"]
+    return {
+        "dir_interval_s": d["interval_s"],
+        "dir_heartbeat_s_per_interval": idle["heartbeat_cpu_s_per_interval"],
+        "dir_write_s_per_key": w["daemon_cpu_s_per_key"],
+        "dir_commands_per_key": w["commands_per_key"],
+        "dir_lookup_s": look["daemon_cpu_s_per_lookup"],
+        "dir_lookup_s_per_key": look["daemon_cpu_s_per_key"],
+        "dir_lookup_added_s": look["added_ms_per_lookup"] * 1e-3,
+        "dir_lookup_added_s_per_key": look["added_ms_per_key"] * 1e-3,
+        "dir_client_bytes": max(0.0, idle["client_rss_bytes"]),
+        "redis_s_per_command": w["redis_cpu_s_per_command"],
+        "redis_s_per_lookup_key": look["redis_cpu_s_per_key"],
+        "redis_bytes_per_entry": w["redis_bytes_per_entry"],
+        "dir_redis_py_s_per_key": d.get("client_floor", {}).get("redis_py_cpu_s_per_key", 0.0),
+        "dir_raw_resp_s_per_key": d.get("client_floor", {}).get("raw_resp_cpu_s_per_key", 0.0),
+    }
+
+
+def lean_client(c: Costs) -> Costs:
+    """The directory's costs with redis-py's cluster pipeline replaced by a lean client (derived: the
+    measured per-chunk cost less what redis-py costs over raw RESP; a lookup's HGETALL is one command)."""
+    saved = max(0.0, c.dir_redis_py_s_per_key - c.dir_raw_resp_s_per_key)
+    return replace(
+        c,
+        dir_write_s_per_key=max(0.0, c.dir_write_s_per_key - saved),
+        dir_lookup_s_per_key=max(0.0, c.dir_lookup_s_per_key - saved / 2),
+    )
 
 
 @dataclass(frozen=True)
@@ -155,6 +210,8 @@ class Rates:
     groups_changed_per_s: float  # directory: chunk groups whose holders changed
     lookup_groups_per_turn: int
     chunks_held: float  # what one node's peers may fetch from it
+    directory_keys_per_turn: float  # Redis directory: a turn's local misses, asked once
+    refresh_keys_per_s: float  # ... every chunk held re-written once per entry TTL / 2
     s3_puts_per_s: float
     s3_base_gets_per_s: float  # reads only S3 can serve, with every peer's chunks found
 
@@ -191,6 +248,9 @@ class Rates:
             groups_changed_per_s=net / run,
             lookup_groups_per_turn=math.ceil(looked_up / f.group_chunks),
             chunks_held=(f.ram_bytes + f.fs_bytes) / f.chunk_bytes,
+            # the new tail misses everywhere; a turn on another node than its conversation's misses all
+            directory_keys_per_turn=stored + f.cross_node_share * looked_up,
+            refresh_keys_per_s=(f.ram_bytes + f.fs_bytes) / f.chunk_bytes / (f.directory_entry_ttl_s / 2),
             s3_puts_per_s=lives / f.chunks_per_put if f.s3_tier else 0.0,  # every write-down goes to fs and S3
             s3_base_gets_per_s=reads * f.s3_read_share if f.s3_tier else 0.0,
         )

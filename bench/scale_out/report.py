@@ -22,6 +22,7 @@ from bench.scale_out.fleet import (
     Costs,
     Fleet,
     Rates,
+    lean_client,
 )
 from kvstored.tiers.config import S3TierConfig
 
@@ -42,6 +43,7 @@ def run(model: Model, nodes: Sequence[int], max_nodes: int) -> dict[str, Any]:
     return {
         "designs": out_designs,
         "router_tier": [model.router_tier(n) for n in nodes],
+        "redis_tier": [model.redis_tier(n) for n in sorted({*nodes, 100, 1000})],
     }
 
 
@@ -53,12 +55,38 @@ def sensitivity(fleet: Fleet, budget: Budget, costs: Costs, max_nodes: int) -> l
         ("peers fetch from RAM only (disks not indexed)", replace(fleet, fs_bytes=0)),
         ("1 s batching interval", replace(fleet, interval_s=1.0)),
         ("no S3 tier", replace(fleet, s3_tier=False)),
+        ("directory entries live 4 h (the refresh pass 8x rarer)", replace(fleet, directory_entry_ttl_s=4 * 3600.0)),
     ]
     rows = []
     for label, f in variants:
         model = Model(f, budget, costs)
         rows.append({"variant": label, "breaks": {d.key: break_point(d, budget, max_nodes) for d in designs(model)}})
     return rows
+
+
+def redis_fit(fleet: Fleet, budget: Budget, costs: Costs, nodes: int = 1000) -> dict[str, Any]:
+    """Where the Redis Cluster directory's per-node CPU (flat in N) fits the budget: the turn rate
+    it allows, and the CPU per chunk written it would need at the stated rate."""
+    p = Model(fleet, budget, costs).redis_directory(nodes)
+    lo, hi = 0.0, 1000.0  # turns/s per node: the CPU grows with them
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        fits = Model(replace(fleet, turns_per_s=mid), budget, costs).redis_directory(nodes).cpu_fraction
+        lo, hi = (mid, hi) if fits <= budget.cpu_fraction else (lo, mid)
+    r = Model(fleet, budget, costs).rates
+    room = budget.cpu_fraction - p.cpu_parts["heartbeat"] - p.cpu_parts["lookups"]
+    lean = Model(fleet, budget, lean_client(costs)).redis_directory(nodes)
+    long_ttl = replace(fleet, directory_entry_ttl_s=4 * 3600.0)
+    lean_long = Model(long_ttl, budget, lean_client(costs)).redis_directory(nodes)
+    return {
+        "nodes": nodes,
+        "cpu_fraction": p.cpu_fraction,
+        "cpu_parts": p.cpu_parts,
+        "max_turns_per_s": lo,
+        "write_s_per_key_to_fit": max(0.0, room) / (r.net_keys_per_s + r.refresh_keys_per_s),
+        "lean_client_cpu_fraction": lean.cpu_fraction,
+        "lean_client_4h_ttl_cpu_fraction": lean_long.cpu_fraction,
+    }
 
 
 def basis(f: Fleet, r: Rates, c: Costs) -> list[tuple[str, str, str]]:
@@ -238,6 +266,28 @@ def print_report(doc: dict[str, Any], model: Model) -> None:
             f"({fmt_rate(t['inbound_bytes_per_s'])}), {t['cores']:.2f} cores at our per-key cost, "
             f"{t['index_entries']:,.0f} entries ({fmt_bytes(t['index_bytes'])})"
         )
+    print(
+        f"\nthe Redis Cluster the directory takes (masters within {model.fleet.redis_shard_cpu:.0%} of a core and "
+        f"{model.fleet.redis_shard_gib:g} GiB, {model.fleet.redis_replicas} replica(s) each):"
+    )
+    for t in doc["redis_tier"]:
+        print(
+            f"  {t['nodes']:,} nodes: {t['masters']:,} masters ({t['processes']:,} processes), "
+            f"{t['ops_per_s']:,.0f} ops/s ({t['commands_per_s']:,.0f} writes, {t['lookup_keys_per_s']:,.0f} keys "
+            f"asked), {t['cores']:.2f} cores, {t['entries']:,.0f} entries, {fmt_bytes(t['memory_bytes'])} "
+            f"with replicas ({fmt_bytes(t['master_memory_bytes'])} and {t['master_cores']:.0%} of a core per master)"
+        )
+    fit = doc["redis_fit"]
+    shares = ", ".join(f"{k} {v:.1%}" for k, v in fit["cpu_parts"].items())
+    print(
+        f"the directory per node at {fit['nodes']:,} nodes: {fit['cpu_fraction']:.1%} of a core ({shares}), the same "
+        f"at any N; within the budget up to {fit['max_turns_per_s']:.1f} turns/s per node, or at "
+        f"{model.fleet.turns_per_s:g} turns/s with <= {fit['write_s_per_key_to_fit'] * 1e6:.1f} us per chunk written "
+        f"(measured {c.dir_write_s_per_key * 1e6:.1f} us, {c.dir_redis_py_s_per_key * 1e6:.1f} of them redis-py's "
+        f"cluster pipeline, {c.dir_raw_resp_s_per_key * 1e6:.1f} as raw RESP); with a lean client "
+        f"{fit['lean_client_cpu_fraction']:.1%}, and entries living 4 h {fit['lean_client_4h_ttl_cpu_fraction']:.1%} "
+        "(derived)"
+    )
     s3 = doc["s3"]
     print(
         f"\nS3: {s3['puts_per_s_per_node']:,.0f} PUT/s per node ({s3['in_flight_puts']:.1f} in flight at "
@@ -259,6 +309,7 @@ STYLE = {
     "mesh": ("#d62728", "o"),
     "coalesced": ("#ff7f0e", "s"),
     "directory": ("#2ca02c", "^"),
+    "redis": ("#9467bd", "v"),
     "router": ("#1f77b4", "D"),
 }
 WIDTH = {"mesh": 5.0}  # drawn wide underneath: where the coalesced mesh has the same figure, both show
@@ -327,7 +378,7 @@ def plot(doc: dict[str, Any], path: str | Path) -> None:
     axes.flat[0].legend(fontsize=8, loc="lower right")
     w = doc["fleet"]
     breaks = ", ".join(
-        f"{d['label']}: {d['break']['nodes']:,}" if d["break"] else f"{d['label']}: none" for d in doc["designs"]
+        f"{d['key']}: {d['break']['nodes']:,}" if d["break"] else f"{d['key']}: none" for d in doc["designs"]
     )
     fig.suptitle(
         f"kvstored peer index, per node, {w['turns_per_s']:g} turns/s per node "

@@ -35,6 +35,7 @@ COMPARED = {
         "publisher CPU per subscriber",
         "local Lookup",
         "peer fetch round trip",
+        "fleet directory's heartbeat, writes and lookups",
         "S3 PUT/GET latency",
         "radosgw",
         "load average",
@@ -49,8 +50,19 @@ COMPARED = {
         "mesh as built",
         "node-level coalesced mesh",
         "directory shards placed by rendezvous hashing",
+        "fleet directory on a Redis Cluster",
         "llm-d consuming KV events",
         "budget",
+    ],
+    "fleet.py": [
+        "N real kvstored daemons, each in a network namespace",
+        "same bounded load per node",
+        "the mesh",
+        "real Redis Cluster",
+        "upkeep CPU (s/s), RSS and bytes in per second",
+        "Redis's own CPU and memory",
+        "target <= 1.10x",
+        "bench.scale_out's model",
     ],
     "populate.py": ["1 thread (the baseline)", "page mode", "same run"],
     "restart.py": ["hand-over", "cold restart", "byte-exact", "ratio cold / hand-over", "16 GiB pool", "runs 8 GiB"],
@@ -272,7 +284,7 @@ def test_restart_small_run_keeps_every_chunk_a_byte_exact_ram_hit_only_with_the_
     assert doc["target"]["unserved"] in ("PASS", "MISS") and "cold / hand-over" in proc.stdout
 
 
-SCALE_DESIGNS = ["mesh", "coalesced", "directory", "router"]
+SCALE_DESIGNS = ["mesh", "coalesced", "directory", "redis", "router"]
 
 
 def scale_out(tmp_path, *args: str) -> dict:

@@ -72,10 +72,12 @@ class Cluster:
         peers_dns: str = "",
         fs_bytes: str = "",
         listen_any: bool = False,
+        directory: str = "",
     ) -> None:
         """fs_bytes: each node also gets an fs tier of that size, above its peer tier (RAM -> fs ->
         peer); listen_any: (namespaces) each listens on 0.0.0.0, so only its incarnation tells a
-        node that an address is its own."""
+        node that an address is its own; directory: a fleet directory's URL instead of peers (the
+        nodes find each other there)."""
         self.transport = transport
         self.net = net
         self.workdir = short_tmpdir("kvcl")
@@ -105,7 +107,13 @@ class Cluster:
             [
                 "kind=peer",
                 f"transport={transport}",
-                *([f"peers={' '.join(addresses)}"] if not peers_dns else [f"peers_dns={peers_dns}"]),
+                *(
+                    [f"directory={directory}"]
+                    if directory
+                    else [f"peers={' '.join(addresses)}"]
+                    if not peers_dns
+                    else [f"peers_dns={peers_dns}"]
+                ),
                 *(f"{k}={v}" for k, v in options.items()),
             ]
         )

@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,9 +63,12 @@ def _cluster_port() -> int:
     raise RedisClusterError("no free port pair (PORT, PORT + 10000) for a cluster node")
 
 
-def _cli(port: int, *args: str, timeout: float = 10.0, client: tuple[str, ...] = ()) -> str:
+Wrap = Callable[[Sequence[str]], list[str]]
+
+
+def _cli(port: int, *args: str, timeout: float = 10.0, client: tuple[str, ...] = (), wrap: Wrap = list) -> str:
     done = subprocess.run(
-        ["redis-cli", *client, "-h", "127.0.0.1", "-p", str(port), *args],
+        wrap(["redis-cli", *client, "-h", "127.0.0.1", "-p", str(port), *args]),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -75,12 +79,21 @@ def _cli(port: int, *args: str, timeout: float = 10.0, client: tuple[str, ...] =
 
 class RedisCluster:
     def __init__(
-        self, masters: int = 3, replicas: int = 1, tls: bool = False, password: str = "", acl: str = "~kvd:* +@all"
+        self,
+        masters: int = 3,
+        replicas: int = 1,
+        tls: bool = False,
+        password: str = "",
+        acl: str = "~kvd:* +@all",
+        host: str = "127.0.0.1",
+        wrap: Wrap = list,
     ) -> None:
         """tls: TLS only (clients, the cluster bus, replication), certificates for 127.0.0.1 from
         tests/support/tls.py (`ca`: their CA); password: a user `kvstored` with it and the ACL rules
         `acl` (by default: the directory's keys only, `kvd:*`), a user `admin` with it and every
-        right (replication, cluster set-up, this harness's own commands), the default user off."""
+        right (replication, cluster set-up, this harness's own commands), the default user off.
+        host and wrap: the nodes listen on `host` too and run as `wrap(argv)` (a network
+        namespace's Node.exec: reached at its IP)."""
         require(Needs.SYSTEM_DEPS)  # (redis-server comes with deploy/install-system-deps.sh)
         if shutil.which("redis-server") is None:
             raise RedisClusterError("redis-server is not installed (deploy/install-system-deps.sh redis-server)")
@@ -90,6 +103,8 @@ class RedisCluster:
         self.replicas = replicas
         self.tls = tls
         self.password = password
+        self.host = host
+        self._wrap = wrap
         self.ca: Path | None = None
         self._server_args: list[str] = []
         client: list[str] = []
@@ -132,16 +147,18 @@ class RedisCluster:
         for node in self.nodes:
             self._wait_answers(node)
         out = subprocess.run(
-            [
-                "redis-cli",
-                *self._client,
-                "--cluster",
-                "create",
-                *(f"127.0.0.1:{n.port}" for n in self.nodes),
-                "--cluster-replicas",
-                str(self.replicas),
-                "--cluster-yes",
-            ],
+            self._wrap(
+                [
+                    "redis-cli",
+                    *self._client,
+                    "--cluster",
+                    "create",
+                    *(f"{self.host}:{n.port}" for n in self.nodes),
+                    "--cluster-replicas",
+                    str(self.replicas),
+                    "--cluster-yes",
+                ]
+            ),
             capture_output=True,
             text=True,
             timeout=2 * WAIT_S,  # redis-cli waits for every node to agree: slow on a loaded box
@@ -154,33 +171,36 @@ class RedisCluster:
 
     def _run(self, node: RedisNode) -> None:
         node.proc = subprocess.Popen(
-            [
-                "redis-server",
-                *(["--port", "0", "--tls-port", str(node.port)] if self.tls else ["--port", str(node.port)]),
-                *self._server_args,
-                "--bind",
-                "127.0.0.1",
-                "--cluster-enabled",
-                "yes",
-                "--cluster-config-file",
-                "nodes.conf",
-                "--cluster-node-timeout",
-                str(NODE_TIMEOUT_MS),
-                "--repl-diskless-sync-delay",
-                "0",
-                "--cluster-replica-validity-factor",
-                "0",  # a replica takes over however long it was cut off
-                "--appendonly",
-                "no",
-                "--save",
-                "",
-                "--dir",
-                str(node.workdir),
-                "--logfile",
-                "redis.log",
-                "--daemonize",
-                "no",
-            ],
+            self._wrap(
+                [
+                    "redis-server",
+                    *(["--port", "0", "--tls-port", str(node.port)] if self.tls else ["--port", str(node.port)]),
+                    *self._server_args,
+                    "--bind",
+                    " ".join(dict.fromkeys([self.host, "127.0.0.1"])),
+                    *(["--protected-mode", "no"] if self.host != "127.0.0.1" else []),  # (a private namespace)
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    str(NODE_TIMEOUT_MS),
+                    "--repl-diskless-sync-delay",
+                    "0",
+                    "--cluster-replica-validity-factor",
+                    "0",  # a replica takes over however long it was cut off
+                    "--appendonly",
+                    "no",
+                    "--save",
+                    "",
+                    "--dir",
+                    str(node.workdir),
+                    "--logfile",
+                    "redis.log",
+                    "--daemonize",
+                    "no",
+                ]
+            ),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -207,10 +227,14 @@ class RedisCluster:
     @property
     def url(self) -> str:
         auth = f"kvstored:{self.password}@" if self.password else ""
-        return ("rediss://" if self.tls else "redis://") + auth + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        return ("rediss://" if self.tls else "redis://") + auth + ",".join(f"{self.host}:{n.port}" for n in self.nodes)
+
+    def cli(self, port: int, *args: str, timeout: float = 10.0) -> str:
+        """redis-cli's output of one command to the node on `port`."""
+        return self._cli(port, *args, timeout=timeout)
 
     def _cli(self, port: int, *args: str, timeout: float = 10.0) -> str:
-        return _cli(port, *args, timeout=timeout, client=self._client)
+        return _cli(port, *args, timeout=timeout, client=self._client, wrap=self._wrap)
 
     # -- its state ----------------------------------------------------------------------------
 

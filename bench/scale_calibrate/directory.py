@@ -1,0 +1,293 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
+"""The fleet directory's costs per operation, against a real Redis Cluster (3 masters, 3 replicas on
+loopback, tests/support/redis_cluster.py): daemon D has a peer tier with `directory =` it and no
+peers; daemon P has no peer tier and does the same work, so D - P is what the directory costs.
+
+- idle: the heartbeat and the empty write batch, once per interval (CPU of D - P, and Redis's);
+- writes: chunks stored on D reach the directory in the next interval's pipelined batch: CPU per
+  chunk written (D - P for the same stores), Redis CPU per command, Redis memory per entry;
+- lookups: keys nobody holds (a turn's new tail), 1 and 64 per Lookup: what D's Lookup adds to
+  P's in latency and in CPU, and Redis's CPU per key asked.
+Each figure is the median of several windows or repetitions: one window on a 2-core machine
+shared with other work is noise (see docs/scale-out.md, the quiet streams).
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from bench.lib.daemons import process_cpu_seconds
+from bench.scale_calibrate.common import SMALL, WAIT_S, batches, new_keys, ns_fields, rss_anon
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from tests.support.cluster import PeerDaemon
+from tests.support.daemon import short_tmpdir, stop_all
+from tests.support.ports import free_port
+from tests.support.redis_cluster import RedisCluster
+
+INTERVAL_S = 0.5  # the daemon's default directory_interval_s
+WINDOWS = 5  # idle windows of WINDOW_S each
+WINDOW_S = 4.0
+WRITE_REPS = 3
+WRITE_KEYS = 10_000
+WRITE_BATCH = 500
+
+
+class Rig:
+    def __init__(self, rc: RedisCluster) -> None:
+        self.rc = rc
+        self.workdir = short_tmpdir("kvcald")
+        ram = f"{(WRITE_REPS * WRITE_KEYS * SMALL * 3 // 2) >> 20}MiB"
+        common = ["--page-bytes", "4096"]
+        address = f"127.0.0.1:{free_port()}"
+        spec = ",".join(
+            ["kind=peer", "transport=tcp", "tcp_port=0", "ucx_port=0", f"directory={rc.url}"]
+            + [f"directory_interval_s={INTERVAL_S}", "directory_timeout_s=0.5"]
+        )
+        self.d = PeerDaemon(0, address, None, cpu_bytes=ram, workdir=self.workdir / "d")
+        self.p = PeerDaemon(1, "", None, cpu_bytes=ram, workdir=self.workdir / "p")
+        for x in (self.d, self.p):
+            x.workdir.mkdir()
+        self.d.args = ["--tcp-listen", address, "--tiers", spec, *common]
+        self.p.args = common
+
+    def start(self) -> None:
+        self.d.start(self.d.args)
+        self.p.start(self.p.args)
+        deadline = time.monotonic() + WAIT_S
+        while self.status().breaker != pb.BREAKER_STATE_CLOSED or not self.status().shards:
+            if time.monotonic() > deadline:
+                raise TimeoutError("D never connected to the directory:\n" + self.d.log[-3000:])
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        stop_all([self.d, self.p])
+
+    def status(self) -> pb.DirectoryStatus:
+        return self.d.status().directory
+
+    def cpu(self) -> tuple[float, float, float, float]:
+        redis = sum(process_cpu_seconds(n.proc.pid) for n in self.rc.nodes if n.proc is not None)
+        return time.monotonic(), process_cpu_seconds(self.d.pid), process_cpu_seconds(self.p.pid), redis
+
+    def used_memory(self) -> int:
+        total = 0
+        for port in self.rc.master_ports():
+            info = dict(line.partition(":")[::2] for line in self.rc.cli(port, "info", "memory").split())
+            total += int(info.get("used_memory", 0))
+        return total
+
+
+def rates(before: tuple[float, ...], after: tuple[float, ...]) -> tuple[float, float, float]:
+    dt = after[0] - before[0]
+    return tuple((after[i] - before[i]) / dt for i in (1, 2, 3))  # type: ignore[return-value]
+
+
+def measure_directory(reps: int) -> dict[str, Any]:
+    print("the fleet directory (a Redis Cluster on loopback)", flush=True)
+    with RedisCluster() as rc:
+        rig = Rig(rc)
+        try:
+            rig.start()
+            out = _measure(rig, reps)
+        finally:
+            rig.close()
+        out["client_floor"] = measure_client_floor(rc)
+        print(f"  client floor: {out['client_floor']}", flush=True)
+        return out
+
+
+def _measure(rig: Rig, reps: int) -> dict[str, Any]:
+    d, p = rig.d, rig.p
+    out: dict[str, Any] = {"interval_s": INTERVAL_S}
+    time.sleep(2 * INTERVAL_S)  # (the first, urgent refresh pass is done)
+    idle = []
+    for _ in range(WINDOWS):
+        a = rig.cpu()
+        time.sleep(WINDOW_S)
+        idle.append(rates(a, rig.cpu()))
+    d_idle, p_idle, redis_idle = (statistics.median(x[i] for x in idle) for i in range(3))
+    out["idle"] = {
+        "basis": f"CPU rates of D (directory: heartbeat and an empty batch every {INTERVAL_S} s), P and the 6 Redis "
+        f"processes, {WINDOWS} windows of {WINDOW_S:g} s, medians",
+        "d_cpu_s_per_s": d_idle,
+        "p_cpu_s_per_s": p_idle,
+        "redis_cpu_s_per_s": redis_idle,
+        "samples_d_minus_p": [x[0] - x[1] for x in idle],
+        "heartbeat_cpu_s_per_interval": max(0.0, d_idle - p_idle) * INTERVAL_S,
+        "client_rss_bytes": rss_anon(d.pid) - rss_anon(p.pid),
+    }
+    print(f"  idle: D {d_idle * 1e3:.2f}, P {p_idle * 1e3:.2f}, Redis {redis_idle * 1e3:.2f} ms/s", flush=True)
+
+    small = ns_fields("directory", SMALL)
+    zeros = np.zeros((WRITE_BATCH, SMALL), np.uint8)
+    writes = []
+    with d.client() as kv_d, p.client() as kv_p:
+        ns_d, ns_p = kv_d.register_namespace(**small), kv_p.register_namespace(**small)
+        for rep in range(WRITE_REPS):
+            keys = new_keys(WRITE_KEYS, f"w{rep}")
+            s0 = rig.status()
+            t0, d0, _, r0 = rig.cpu()
+            for part in batches(keys, WRITE_BATCH):
+                kv_d.store(ns_d, part, zeros[: len(part)])
+            _wait(lambda: rig.status().pending_changes == 0 and rig.status().lag_s == 0.0)
+            time.sleep(INTERVAL_S)  # (the batch in flight when pending reached 0)
+            t1, d1, _, r1 = rig.cpu()
+            s1, m1 = rig.status(), rig.used_memory()
+            p0, tp0 = process_cpu_seconds(p.pid), time.monotonic()
+            for part in batches(keys, WRITE_BATCH):
+                kv_p.store(ns_p, part, zeros[: len(part)])
+            p1, tp1 = process_cpu_seconds(p.pid), time.monotonic()
+            commands = s1.write_commands - s0.write_commands
+            d_work = d1 - d0 - d_idle * (t1 - t0)
+            p_work = p1 - p0 - p_idle * (tp1 - tp0)
+            writes.append(
+                {
+                    "daemon_cpu_s_per_key": max(0.0, d_work - p_work) / WRITE_KEYS,
+                    "redis_cpu_s_per_command": max(0.0, r1 - r0 - redis_idle * (t1 - t0)) / commands,
+                    "commands_per_key": commands / WRITE_KEYS,
+                    "used_memory_after": m1,
+                }
+            )
+            print(f"  writes {rep + 1}: {writes[-1]}", flush=True)
+        out["writes"] = {
+            "basis": f"{WRITE_KEYS:,} chunks of 4 KiB stored on D in batches of {WRITE_BATCH}, until the directory "
+            f"has them all (D's pending changes 0), minus the same stores on P, idle rates subtracted; Redis: its 6 "
+            f"processes' CPU per command written (replication included), the masters' used_memory per entry "
+            f"(its growth from the first pass's end to the last's); "
+            f"medians of {WRITE_REPS}",
+            **{k: statistics.median(w[k] for w in writes) for k in writes[0] if k != "used_memory_after"},
+            # the slope after the first pass (which also allocates the replication backlog and such)
+            "redis_bytes_per_entry": (writes[-1]["used_memory_after"] - writes[0]["used_memory_after"])
+            / ((WRITE_REPS - 1) * WRITE_KEYS),
+            "samples": writes,
+        }
+
+        misses = new_keys(64, "")
+        lookups: dict[str, Any] = {}
+        for label, keys in (("one_key", misses[:1]), ("keys_64", misses)):
+            s0 = rig.status()
+            t0, d0, p0, r0 = rig.cpu()
+            on_d = _timed(functools.partial(kv_d.lookup, ns_d, keys), reps)
+            t1, d1, p1, r1 = rig.cpu()
+            on_p = _timed(functools.partial(kv_p.lookup, ns_p, keys), reps)
+            t2, _, p2, _ = rig.cpu()
+            asked = rig.status().lookup_chunks - s0.lookup_chunks
+            d_work = d1 - d0 - d_idle * (t1 - t0)
+            p_work = p2 - p1 - p_idle * (t2 - t1)
+            lookups[label] = {
+                "d_ms": on_d * 1e3,
+                "p_ms": on_p * 1e3,
+                "added_ms": (on_d - on_p) * 1e3,
+                "daemon_cpu_s_per_call": max(0.0, d_work - p_work) / reps,
+                "redis_cpu_s_per_key": max(0.0, r1 - r0 - redis_idle * (t1 - t0)) / max(1, asked),
+            }
+        one, many = lookups["one_key"], lookups["keys_64"]
+        out["lookups"] = {
+            "basis": f"Lookups of keys nobody holds (a turn's new tail: the directory asked, no holder named), "
+            f"D minus P (latency medians of {reps}; CPU per call, idle subtracted); Redis CPU per key asked",
+            **lookups,
+            "daemon_cpu_s_per_lookup": one["daemon_cpu_s_per_call"],
+            "daemon_cpu_s_per_key": max(0.0, many["daemon_cpu_s_per_call"] - one["daemon_cpu_s_per_call"]) / 63,
+            "added_ms_per_lookup": one["added_ms"],
+            "added_ms_per_key": max(0.0, many["added_ms"] - one["added_ms"]) / 63,
+            "redis_cpu_s_per_key": many["redis_cpu_s_per_key"],
+        }
+        print(f"  lookups: {lookups}", flush=True)
+    return out
+
+
+def _wait(check: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the directory never caught up with D's changes")
+        time.sleep(0.05)
+
+
+def _timed(call: Callable[[], object], reps: int) -> float:
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+CLIENT_KEYS = 10_000
+
+
+def measure_client_floor(rc: RedisCluster) -> dict[str, Any]:
+    """What the write batch's commands cost a client alone (this process's CPU, per chunk: HSET +
+    PEXPIRE): through redis-py's asyncio cluster pipeline, as the daemon sends them, and as raw
+    RESP packed by hiredis on one socket per master (a lean client's floor)."""
+    import asyncio
+    import socket
+
+    import hiredis
+    from redis.asyncio.cluster import ClusterNode
+    from redis.asyncio.cluster import RedisCluster as Client
+
+    from kvstored.directory.keys import KeyLayout
+
+    layout = KeyLayout()
+    keys = [layout.chunk_key(("ns", k)) for k in new_keys(CLIENT_KEYS, "")]
+    field = b"10.0.0.1:7070|1f|ram"
+
+    async def through_redis_py() -> float:
+        host, port = rc.url.removeprefix("redis://").split(",")[0].split(":")
+        client = Client(startup_nodes=[ClusterNode(host, int(port))])
+        await client.initialize()
+        try:
+            c0 = time.process_time()
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.hset(key, field, b"1")
+                pipe.pexpire(key, 600_000)
+            await pipe.execute(raise_on_error=True)
+            return (time.process_time() - c0) / CLIENT_KEYS
+        finally:
+            await client.aclose()
+
+    async def slots() -> dict[int, int]:
+        """slot -> its master's port."""
+        host, port = rc.url.removeprefix("redis://").split(",")[0].split(":")
+        client = Client(startup_nodes=[ClusterNode(host, int(port))])
+        await client.initialize()
+        try:
+            return {s: int(client.nodes_manager.get_node_from_slot(s).port) for s in range(16384)}
+        finally:
+            await client.aclose()
+
+    per_key_redis_py = asyncio.run(through_redis_py())
+    owner = asyncio.run(slots())
+    from redis.crc import key_slot
+
+    c0 = time.process_time()
+    out: dict[int, list[bytes]] = {}
+    for key in keys:
+        buf = out.setdefault(owner[key_slot(key)], [])
+        buf.append(hiredis.pack_command(("HSET", key, field, b"1")))  # type: ignore[arg-type]
+        buf.append(hiredis.pack_command(("PEXPIRE", key, 600_000)))  # type: ignore[arg-type]
+    for port, commands in out.items():
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"".join(commands))
+            reader, got = hiredis.Reader(), 0
+            while got < len(commands):
+                reader.feed(sock.recv(1 << 16))
+                while reader.gets() is not False:
+                    got += 1
+    per_key_raw = (time.process_time() - c0) / CLIENT_KEYS
+    return {
+        "basis": f"{CLIENT_KEYS:,} chunks' HSET + PEXPIRE from this process to the cluster, its CPU per chunk: "
+        "redis-py's asyncio cluster pipeline (the daemon's client), and raw RESP packed by hiredis, one "
+        "socket per master, replies parsed by hiredis (a lean client's floor)",
+        "redis_py_cpu_s_per_key": per_key_redis_py,
+        "raw_resp_cpu_s_per_key": per_key_raw,
+    }
