@@ -101,6 +101,15 @@ class PackIndex:
         self.used_bytes -= pack.size
         return pack
 
+    def live_summary(self, bands: int = 4) -> tuple[int, list[int]]:
+        """Bytes of records still served, and the packs by live fraction in `bands` equal bands
+        from [0, 1/bands) up to [1 - 1/bands, 1]: how much capacity dead records take."""
+        live, counts = 0, [0] * bands
+        for pack in self._packs.values():
+            live += pack.live_bytes
+            counts[min(int(pack.live_fraction * bands), bands - 1)] += 1
+        return live, counts
+
     def oldest(self) -> Pack | None:
         while self._order:
             _created, key = self._order[0]

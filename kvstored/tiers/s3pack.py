@@ -50,7 +50,7 @@ from kvstored.chunks.ids import ChunkId, RemovalCause
 from kvstored.chunks.packfile import PACKS_DIR, TAIL_BYTES, CorruptPack, NeedTail, PackEntry, UnsupportedPack
 from kvstored.chunks.views import trim
 from kvstored.sizes import format_size
-from kvstored.tiers.base import TierUsage, WriteOutcome
+from kvstored.tiers.base import PackUsage, TierUsage, WriteOutcome
 from kvstored.tiers.packindex import Pack, PackIndex
 from kvstored.tiers.s3 import Fault, S3Failure, S3Tier, _Body, _deliver, _encode, _Skipped
 
@@ -357,6 +357,18 @@ class PackedS3Tier(S3Tier):
     def usage(self) -> TierUsage:
         used = self._packs.used_bytes + self._index.used_bytes + self._buffered_bytes
         return TierUsage(self.capacity_bytes, used, len(self._packs) + len(self._buffered) + len(self._index))
+
+    def pack_usage(self) -> PackUsage:
+        live, quarters = self._packs.live_summary(4)
+        return PackUsage(
+            self._packs.packs,
+            self._packs.used_bytes,
+            live,
+            (quarters[0], quarters[1], quarters[2], quarters[3]),
+            self.packs_written,
+            self.packs_expired,
+            self.packs_dropped,
+        )
 
     def live_fraction(self, pack_key: str) -> float | None:
         """The share of a pack's bytes this daemon still serves (None: not indexed)."""
