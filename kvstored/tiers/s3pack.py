@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import io
 import logging
 import secrets
 import time
@@ -391,19 +392,21 @@ class PackedS3Tier(S3Tier):
         self._seq += 1
         key = self._packs_prefix + packfile.pack_name(created_ms, self._writer, self._seq)
         self._uploading.add(key)
-        body = b""
+        size = 0
+        index = b""
         entries: list[PackEntry] = []
         stored = False
         deleted: list[ChunkId] = []  # while the PUT ran: their records are in the object
         try:
-            body, entries, records_end = await self._off_loop(_assemble, list(pack.records.items()))
-            self._reserved += len(body)
+            body, entries, index = await self._off_loop(_assemble, list(pack.records.items()))
+            size = len(body.getbuffer())
+            self._reserved += size
             try:
                 await self._expire(0)
-                await self._call(lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=body))
+                await self._call(_PackBody(body).put(self._client, self.bucket, key))
                 stored = True
             finally:
-                self._reserved -= len(body)
+                self._reserved -= size
         except _Skipped:
             pass
         except S3Failure as exc:
@@ -420,11 +423,11 @@ class PackedS3Tier(S3Tier):
                 self.packs_written += 1
                 if self._poll_s > 0:
                     name = key[len(self._packs_prefix) :]
-                    self._unannounced.append((name, len(body), created_ms, body[records_end:]))
+                    self._unannounced.append((name, size, created_ms, index))
                     del self._unannounced[:-MAX_UNANNOUNCED]
                 alive = set(live)
                 deleted = [e.chunk for e in entries if e.chunk not in alive]
-                self._packs.add(key, len(body), created_ms, [e for e in entries if e.chunk in alive])
+                self._packs.add(key, size, created_ms, [e for e in entries if e.chunk in alive])
                 indexed = self._packs.pack(key)
                 if indexed is not None and not indexed.live:  # every chunk was deleted meanwhile
                     self._forget(indexed, "emptied", delete=True)
@@ -779,12 +782,41 @@ class PackedS3Tier(S3Tier):
             self._forget(emptied, "emptied", delete=True)
 
 
-def _assemble(records: list[tuple[ChunkId, bytes]]) -> tuple[bytes, list[PackEntry], int]:
-    """The pack object: the records back to back, then their index (one copy of the payloads)."""
+class _PackBody:
+    """A pack's PUT body for each attempt. A bytes Body would be copied whole on the loop
+    (botocore wraps it in a BytesIO sharing the bytes, aiohttp's getbuffer() unshares it): the
+    first attempt streams the BytesIO the pack was assembled in; a retry gets a copy of its own,
+    so an attempt given up on can never read from the stream of the next one."""
+
+    def __init__(self, body: io.BytesIO) -> None:
+        self._body = body
+        self._attempts = 0
+
+    def put(self, client: Any, bucket: str, key: str) -> Callable[[], Awaitable[Any]]:
+        async def attempt() -> Any:
+            self._attempts += 1
+            stream = self._body
+            if self._attempts > 1:
+                stream = io.BytesIO()
+                with self._body.getbuffer() as whole:
+                    stream.write(whole)
+            stream.seek(0)
+            return await client.put_object(Bucket=bucket, Key=key, Body=stream)
+
+        return attempt
+
+
+def _assemble(records: list[tuple[ChunkId, bytes]]) -> tuple[io.BytesIO, list[PackEntry], bytes]:
+    """The pack object: the records back to back, then their index (one copy of the payloads),
+    in a buffer of its own; and the index."""
     entries: list[PackEntry] = []
     offset = 0
+    out = io.BytesIO()
     for chunk, record in records:
         header = chunkfile.decode_header(memoryview(record)[:HEADER_BYTES])
         entries.append(PackEntry(chunk, offset, header.payload_len, header.checksum))
+        out.write(record)
         offset += len(record)
-    return b"".join([*(r for _c, r in records), packfile.encode_index(entries, offset)]), entries, offset
+    index = packfile.encode_index(entries, offset)
+    out.write(index)
+    return out, entries, index
