@@ -444,6 +444,10 @@ class PackedS3Tier(S3Tier):
                 log.warning(
                     "s3 tier %s: tombstone of %d chunks of %s not stored: %s", self.name, len(deleted), key, exc
                 )
+        if stored:
+            # packs PUT at once are indexed only as they land: the capacity is kept here too,
+            # not only at the next upload's start (which may never come)
+            await self._expire(0)
 
     async def _expire(self, incoming: int) -> None:
         """Make room within the capacity for `incoming` more bytes: one-object chunks first (LRU),
