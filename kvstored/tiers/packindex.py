@@ -119,10 +119,13 @@ class PackIndex:
             heapq.heappop(self._order)  # dropped since
         return None
 
-    def expire(self, budget: int) -> list[Pack]:
-        """Drop the oldest packs until `used_bytes` <= `budget`; returns them (delete their objects)."""
+    def expire(self, budget: int, before_ms: int | None = None) -> list[Pack]:
+        """Drop the oldest packs until `used_bytes` <= `budget`, none created at or after
+        `before_ms` (when given); returns them (delete their objects)."""
         victims = []
         while self.used_bytes > budget and (pack := self.oldest()) is not None:
+            if before_ms is not None and pack.created_ms >= before_ms:
+                break
             self.drop_pack(pack.key)
             victims.append(pack)
         return victims

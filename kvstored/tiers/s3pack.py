@@ -115,7 +115,7 @@ class PackedS3Tier(S3Tier):
         self._buffered: dict[ChunkId, _OpenPack] = {}  # chunks written, not yet in an uploaded pack
         self._buffered_bytes = 0
         self._uploads: set[asyncio.Task] = set()
-        self._uploading: set[str] = set()  # names of packs being PUT by this daemon
+        self._uploading: dict[str, int] = {}  # keys of packs being PUT by this daemon -> created_ms
         self._reserved = 0  # bytes of packs being PUT (capacity)
         self._gone: OrderedDict[str, None] = OrderedDict()
         self._undeleted_packs: set[str] = set()  # DELETE failed: retried at each poll
@@ -391,7 +391,7 @@ class PackedS3Tier(S3Tier):
         created_ms = int(time.time() * 1000)
         self._seq += 1
         key = self._packs_prefix + packfile.pack_name(created_ms, self._writer, self._seq)
-        self._uploading.add(key)
+        self._uploading[key] = created_ms
         size = 0
         index = b""
         entries: list[PackEntry] = []
@@ -412,7 +412,7 @@ class PackedS3Tier(S3Tier):
         except S3Failure as exc:
             self._failed("write", key, exc)
         finally:
-            self._uploading.discard(key)
+            self._uploading.pop(key, None)
             live = []
             for chunk, record in pack.records.items():
                 if self._buffered.get(chunk) is pack:
@@ -444,10 +444,9 @@ class PackedS3Tier(S3Tier):
                 log.warning(
                     "s3 tier %s: tombstone of %d chunks of %s not stored: %s", self.name, len(deleted), key, exc
                 )
-        if stored:
-            # packs PUT at once are indexed only as they land: the capacity is kept here too,
-            # not only at the next upload's start (which may never come)
-            await self._expire(0)
+        # packs PUT at once are indexed as they land, in any order: the capacity is kept here too
+        # (an expiry waiting for an older pack in flight happens once that one lands or fails)
+        await self._expire(0)
 
     async def _expire(self, incoming: int) -> None:
         """Make room within the capacity for `incoming` more bytes: one-object chunks first (LRU),
@@ -456,7 +455,9 @@ class PackedS3Tier(S3Tier):
             return
         budget = self.capacity_bytes - self._reserved - incoming
         legacy = self._index.shrink_to(max(0, budget - self._packs.used_bytes))
-        victims = self._packs.expire(max(0, budget - self._index.used_bytes))
+        # never a pack newer than one still in flight: oldest first, whichever lands first
+        before_ms = min(self._uploading.values(), default=None)
+        victims = self._packs.expire(max(0, budget - self._index.used_bytes), before_ms)
         for pack in victims:
             self.packs_expired += 1
             self.counters.evictions += len(pack.live)

@@ -116,6 +116,19 @@ def test_pack_index_live_fraction_expiry_and_first_copy_wins():
     assert [p.key for p in index.expire(0)] == ["p1", "p2"] and len(index) == 0 and index.used_bytes == 0
 
 
+def test_expiry_passes_no_pack_still_in_flight_and_the_live_summary_counts_each_pack():
+    index = PackIndex()
+    index.add("p2", 100, 2, [entry(0, 0, 50), entry(1, 60, 40)])  # landed before p1 (in flight)
+    assert index.expire(0, before_ms=1) == []  # p1 is older: it goes first, once it lands
+    index.add("p1", 100, 1, [entry(2, 0, 90)])
+    assert [p.key for p in index.expire(150, before_ms=3)] == ["p1"]
+    index.drop_chunk(entry(0, 0).chunk)
+    live, bands = index.live_summary(4)
+    assert live == HEADER_BYTES + 40 and bands == [0, 0, 0, 1]  # (records of HEADER_BYTES + size: > 100)
+    index.add("p3", 4 * (HEADER_BYTES + 40), 3, [entry(5, 0, 40)])
+    assert index.live_summary(4) == (2 * (HEADER_BYTES + 40), [0, 1, 0, 1])
+
+
 # -- the tier against moto ------------------------------------------------------------------
 
 
