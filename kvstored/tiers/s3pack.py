@@ -14,7 +14,9 @@ the daemons running on the bucket stop serving them within a poll (the tombstone
 at each delete are for the rebuild). Manifests older than MANIFEST_TTL_MS are deleted by their
 writer.
 
-A write returns once the chunk's record is in the open pack in memory (WRITTEN: the tier serves
+A chunk's payload is copied once, into its record (with its checksum); a pack's PUT streams its
+records from where they are (no copy of the whole pack). A write returns once the chunk's record
+is in the open pack in memory (WRITTEN: the tier serves
 it from there until the PUT lands). At most `pack_uploads` packs are in flight and one is open, so
 the buffers take at most (pack_uploads + 1) x pack_bytes; a write past that waits for an upload to
 end (each is bounded by timeout_s). A pack whose PUT fails is lost as a whole: its chunks are
@@ -35,6 +37,7 @@ served, deleted and expired (first, being older than any pack); new chunks go to
 from __future__ import annotations
 
 import asyncio
+import bisect
 import functools
 import io
 import logging
@@ -398,12 +401,12 @@ class PackedS3Tier(S3Tier):
         stored = False
         deleted: list[ChunkId] = []  # while the PUT ran: their records are in the object
         try:
-            body, entries, index = await self._off_loop(_assemble, list(pack.records.items()))
-            size = len(body.getbuffer())
+            parts, entries, index = await self._off_loop(_assemble, list(pack.records.items()))
+            size = sum(len(p) for p in parts)
             self._reserved += size
             try:
                 await self._expire(0)
-                await self._call(_PackBody(body).put(self._client, self.bucket, key))
+                await self._call(lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=_PackStream(parts)))
                 stored = True
             finally:
                 self._reserved -= size
@@ -787,41 +790,62 @@ class PackedS3Tier(S3Tier):
             self._forget(emptied, "emptied", delete=True)
 
 
-class _PackBody:
-    """A pack's PUT body for each attempt. A bytes Body would be copied whole on the loop
-    (botocore wraps it in a BytesIO sharing the bytes, aiohttp's getbuffer() unshares it): the
-    first attempt streams the BytesIO the pack was assembled in; a retry gets a copy of its own,
-    so an attempt given up on can never read from the stream of the next one."""
+class _PackStream(io.RawIOBase):
+    """A pack's PUT body, read from its records where they are (the pack is never copied whole:
+    a bytes Body would be, twice, once on the loop). A new one per attempt, so an attempt given
+    up on never moves the position of the next. aiohttp reads it in its executor threads."""
 
-    def __init__(self, body: io.BytesIO) -> None:
-        self._body = body
-        self._attempts = 0
+    def __init__(self, parts: Sequence[bytes]) -> None:
+        super().__init__()
+        self._parts = [memoryview(p) for p in parts]
+        self._starts: list[int] = []
+        offset = 0
+        for part in self._parts:
+            self._starts.append(offset)
+            offset += len(part)
+        self._size = offset
+        self._pos = 0
 
-    def put(self, client: Any, bucket: str, key: str) -> Callable[[], Awaitable[Any]]:
-        async def attempt() -> Any:
-            self._attempts += 1
-            stream = self._body
-            if self._attempts > 1:
-                stream = io.BytesIO()
-                with self._body.getbuffer() as whole:
-                    stream.write(whole)
-            stream.seek(0)
-            return await client.put_object(Bucket=bucket, Key=key, Body=stream)
+    def readable(self) -> bool:
+        return True
 
-        return attempt
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = min(max(0, base + offset), self._size)
+        return self._pos
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = self._size if size is None or size < 0 else min(self._size, self._pos + size)
+        pieces = []
+        i = bisect.bisect_right(self._starts, self._pos) - 1
+        while self._pos < end:
+            part, start = self._parts[i], self._starts[i]
+            take = min(end, start + len(part)) - self._pos
+            pieces.append(part[self._pos - start : self._pos - start + take])
+            self._pos += take
+            i += 1
+        return bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
 
 
-def _assemble(records: list[tuple[ChunkId, bytes]]) -> tuple[io.BytesIO, list[PackEntry], bytes]:
-    """The pack object: the records back to back, then their index (one copy of the payloads),
-    in a buffer of its own; and the index."""
+def _assemble(records: list[tuple[ChunkId, bytes]]) -> tuple[list[bytes], list[PackEntry], bytes]:
+    """The pack object's parts (the records back to back, then their index; not copied) and its
+    entries and index."""
     entries: list[PackEntry] = []
     offset = 0
-    out = io.BytesIO()
     for chunk, record in records:
         header = chunkfile.decode_header(memoryview(record)[:HEADER_BYTES])
         entries.append(PackEntry(chunk, offset, header.payload_len, header.checksum))
-        out.write(record)
         offset += len(record)
     index = packfile.encode_index(entries, offset)
-    out.write(index)
-    return out, entries, index
+    return [*(r for _c, r in records), index], entries, index

@@ -129,6 +129,23 @@ def test_expiry_passes_no_pack_still_in_flight_and_the_live_summary_counts_each_
     assert index.live_summary(4) == (2 * (HEADER_BYTES + 40), [0, 1, 0, 1])
 
 
+def test_a_pack_stream_reads_its_parts_back_to_back_from_any_position():
+    parts = [b"a" * 5, b"", b"bc" * 3, b"xyz"]
+    whole = b"".join(parts)
+    stream = s3pack._PackStream(parts)
+    assert stream.seek(0, os.SEEK_END) == len(whole) and stream.tell() == len(whole) and stream.read(4) == b""
+    stream.seek(0)
+    got = []
+    while chunk := stream.read(4):  # pieces across part boundaries
+        got.append(chunk)
+    assert b"".join(got) == whole and max(map(len, got)) == 4
+    stream.seek(3)
+    assert stream.read() == whole[3:]
+    buffer = bytearray(6)
+    stream.seek(len(whole) - 4)
+    assert stream.readinto(buffer) == 4 and buffer[:4] == whole[-4:]
+
+
 # -- the tier against moto ------------------------------------------------------------------
 
 
