@@ -135,11 +135,23 @@ def percent(value: float | None) -> str:
 
 def tier_dict(t: pb.TierStats) -> dict[str, Any]:
     d = {f.name: getattr(t, f.name) for f in pb.TierStats.DESCRIPTOR.fields}
+    d["packs_by_live_quarter"] = list(t.packs_by_live_quarter)
+    d["packed_live_ratio"] = ratio(t.packed_live_bytes, t.packed_bytes)
     d["kind"] = kind_name(t.kind)
     d["misses"] = t.lookups - t.hits
     d["hit_ratio"] = ratio(t.hits, t.lookups)
     d["utilization"] = ratio(t.used_bytes, t.capacity_bytes)
     return d
+
+
+def pack_line(t: pb.TierStats) -> str:
+    """A packed tier's objects: how much of their bytes is still live (the rest waits for expiry)."""
+    quarters = " / ".join(str(n) for n in t.packs_by_live_quarter)
+    return (
+        f"{t.name} packs: {t.packs} ({format_size(t.packed_bytes)}), "
+        f"{percent(ratio(t.packed_live_bytes, t.packed_bytes))} live; by live share 0-25/25-50/50-75/75-100%: "
+        f"{quarters}; written {t.packs_written}, expired {t.packs_expired}, dropped {t.packs_dropped}"
+    )
 
 
 def store_drops(stats: pb.StatsResponse) -> dict[str, int]:
@@ -240,6 +252,7 @@ def cmd_status(conn: Conn, args: argparse.Namespace) -> int:
             )
             for t in stats.tiers
         ]
+        packed = "".join(f"\n{pack_line(t)}" for t in stats.tiers if t.packs_by_live_quarter)
         return (
             head
             + "\n"
@@ -260,6 +273,7 @@ def cmd_status(conn: Conn, args: argparse.Namespace) -> int:
                     "QUEUED",
                 ),
             )
+            + packed
         )
 
     emit(args, data, text)
@@ -277,8 +291,10 @@ def cmd_stats(conn: Conn, args: argparse.Namespace) -> int:
             row = [field]
             for t in tiers:
                 value = t[field]
-                if field in ("hit_ratio", "utilization"):
+                if field in ("hit_ratio", "utilization", "packed_live_ratio"):
                     row.append(percent(value))
+                elif field == "packs_by_live_quarter":
+                    row.append(" / ".join(map(str, value)) or "-")
                 elif field.endswith("_bytes") and value:
                     row.append(f"{value} ({format_size(value)})")
                 else:

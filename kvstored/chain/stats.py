@@ -8,6 +8,9 @@ from kvstored.chain.chain import TierChain
 from kvstored.chunks.ids import TierKind
 from kvstored.io.scheduler import Priority
 from kvstored.observability.snapshot import ChainSnapshot, StagingSnapshot, TierSnapshot
+from kvstored.tiers.base import PackUsage
+
+NO_PACKS = PackUsage(0, 0, 0, (0, 0, 0, 0), 0, 0, 0)  # a tier that does not pack
 
 
 def chain_snapshot(chain: TierChain) -> ChainSnapshot:
@@ -46,6 +49,7 @@ def tier_snapshots(chain: TierChain) -> list[TierSnapshot]:
     ]
     for lower, skipped in zip(chain.lower, chain.gate.skipped):
         tier, tc, usage = lower.tier, lower.tier.counters, lower.tier.usage()
+        packed = tier.pack_usage() or NO_PACKS
         snaps.append(
             TierSnapshot(
                 name=tier.name,
@@ -72,6 +76,13 @@ def tier_snapshots(chain: TierChain) -> list[TierSnapshot]:
                 skipped_slow_writedowns=skipped.admissions,
                 rate_probes=skipped.probes,
                 load_bytes_per_s=lower.load_rate.estimate().bytes_per_s,
+                packs=packed.packs,
+                packed_bytes=packed.bytes,
+                packed_live_bytes=packed.live_bytes,
+                packs_by_live_quarter=() if packed is NO_PACKS else packed.by_live_quarter,
+                packs_written=packed.written,
+                packs_expired=packed.expired,
+                packs_dropped=packed.dropped,
             )
         )
     return snaps

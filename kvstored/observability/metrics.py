@@ -58,6 +58,9 @@ DROP_REASONS: dict[str, str] = {
     "dirty_eviction": "dropped_dirty",  # RAM evicted a chunk with no copy below
 }
 
+# The `band` label of kvstored_tier_packs_by_live_fraction: TierStats.packs_by_live_quarter's order.
+LIVE_BANDS = ("0-25%", "25-50%", "50-75%", "75-100%")
+
 # Secondary-tier operations whose latency the tier chain reports (`op` label).
 TIER_OPS = ("lookup", "read", "write", "remove")
 
@@ -323,8 +326,8 @@ def tier_families(snaps: Iterable[TierSnapshot]) -> list:
     """The per-tier metric families of one snapshot (labels: tier, kind)."""
     labels = ["tier", "kind"]
 
-    def gauge(name: str, doc: str) -> GaugeMetricFamily:
-        return GaugeMetricFamily(f"{PREFIX}_tier_{name}", doc, labels=labels)
+    def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> GaugeMetricFamily:
+        return GaugeMetricFamily(f"{PREFIX}_tier_{name}", doc, labels=labels + list(extra))
 
     def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> CounterMetricFamily:
         return CounterMetricFamily(f"{PREFIX}_tier_{name}", doc, labels=labels + list(extra))
@@ -365,6 +368,19 @@ def tier_families(snaps: Iterable[TierSnapshot]) -> list:
         "entries under a chunk's name that are not chunk files (FIFO, socket, "
         "directory, symlink): never read, removed where possible, served as misses",
     )
+    packs = gauge("packs", "packed s3: pack objects indexed")
+    packed = gauge("packed_bytes", "packed s3: bytes of the pack objects indexed, live records or not")
+    packed_live = gauge(
+        "packed_live_bytes", "packed s3: bytes of the records still served from packs (the rest waits for expiry)"
+    )
+    by_live = gauge(
+        "packs_by_live_fraction",
+        "packed s3: packs by the share of their bytes still served, in quarters (band: 0-25%, ..., 75-100%)",
+        ("band",),
+    )
+    packs_written = counter("packs_written", "packed s3: pack objects this daemon PUT")
+    packs_expired = counter("packs_expired", "packed s3: packs deleted whole for capacity, oldest first")
+    packs_dropped = counter("packs_dropped", "packed s3: packs found vanished, truncated or unreadable (misses)")
 
     for s in snaps:
         lv = [s.name, s.kind.name.lower()]
@@ -392,6 +408,14 @@ def tier_families(snaps: Iterable[TierSnapshot]) -> list:
         written_bytes.add_metric(lv, s.written_bytes)
         checksum.add_metric(lv, s.checksum_failures)
         bad_entries.add_metric(lv, s.bad_entries)
+        packs.add_metric(lv, s.packs)
+        packed.add_metric(lv, s.packed_bytes)
+        packed_live.add_metric(lv, s.packed_live_bytes)
+        for band, count in zip(LIVE_BANDS, s.packs_by_live_quarter):
+            by_live.add_metric(lv + [band], count)
+        packs_written.add_metric(lv, s.packs_written)
+        packs_expired.add_metric(lv, s.packs_expired)
+        packs_dropped.add_metric(lv, s.packs_dropped)
     return [
         capacity,
         used,
@@ -415,6 +439,13 @@ def tier_families(snaps: Iterable[TierSnapshot]) -> list:
         written_bytes,
         checksum,
         bad_entries,
+        packs,
+        packed,
+        packed_live,
+        by_live,
+        packs_written,
+        packs_expired,
+        packs_dropped,
     ]
 
 

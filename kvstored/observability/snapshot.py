@@ -149,6 +149,14 @@ class TierSnapshot:
     skipped_slow_writedowns: int = 0  # write-downs not done: the tier cannot beat recomputing
     rate_probes: int = 0  # skipped hits promoted (write-downs let through) to measure the tier again
     load_bytes_per_s: float = 0.0  # measured load throughput (0: not yet)
+    # packed s3 (kvstored/tiers/base.py PackUsage); 0 and () for the other tiers
+    packs: int = 0
+    packed_bytes: int = 0
+    packed_live_bytes: int = 0
+    packs_by_live_quarter: tuple[int, ...] = ()
+    packs_written: int = 0
+    packs_expired: int = 0
+    packs_dropped: int = 0
 
 
 @dataclass(frozen=True)

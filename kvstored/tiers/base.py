@@ -48,6 +48,19 @@ class TierUsage:
     chunks: int
 
 
+@dataclass(frozen=True)
+class PackUsage:
+    """Packed objects (the packed s3 tier): how much of their bytes are still live."""
+
+    packs: int  # objects indexed
+    bytes: int  # their sizes
+    live_bytes: int  # records still served from them (the rest waits for the pack to expire)
+    by_live_quarter: tuple[int, int, int, int]  # packs live [0, 25%), [25, 50%), [50, 75%), [75, 100%]
+    written: int  # packs this daemon PUT
+    expired: int  # packs deleted for capacity
+    dropped: int  # packs found vanished, truncated or unreadable
+
+
 RemovalListener = Callable[["SecondaryTier", ChunkId, RemovalCause], None]
 
 
@@ -138,6 +151,10 @@ class SecondaryTier(abc.ABC):
     @abc.abstractmethod
     def usage(self) -> TierUsage:
         """Capacity, bytes used and chunks held, now (cheap: read at every Stats call and scrape)."""
+
+    def pack_usage(self) -> PackUsage | None:
+        """Packed objects' live fractions (None: the tier does not pack; cheap, read at every Stats)."""
+        return None
 
     def known_chunks(self, namespace_id: str) -> list[ChunkId]:
         """The chunks of a namespace this tier knows of (for clearing a namespace)."""

@@ -101,6 +101,15 @@ class PackIndex:
         self.used_bytes -= pack.size
         return pack
 
+    def live_summary(self, bands: int = 4) -> tuple[int, list[int]]:
+        """Bytes of records still served, and the packs by live fraction in `bands` equal bands
+        from [0, 1/bands) up to [1 - 1/bands, 1]: how much capacity dead records take."""
+        live, counts = 0, [0] * bands
+        for pack in self._packs.values():
+            live += pack.live_bytes
+            counts[min(int(pack.live_fraction * bands), bands - 1)] += 1
+        return live, counts
+
     def oldest(self) -> Pack | None:
         while self._order:
             _created, key = self._order[0]
@@ -110,10 +119,13 @@ class PackIndex:
             heapq.heappop(self._order)  # dropped since
         return None
 
-    def expire(self, budget: int) -> list[Pack]:
-        """Drop the oldest packs until `used_bytes` <= `budget`; returns them (delete their objects)."""
+    def expire(self, budget: int, before_ms: int | None = None) -> list[Pack]:
+        """Drop the oldest packs until `used_bytes` <= `budget`, none created at or after
+        `before_ms` (when given); returns them (delete their objects)."""
         victims = []
         while self.used_bytes > budget and (pack := self.oldest()) is not None:
+            if before_ms is not None and pack.created_ms >= before_ms:
+                break
             self.drop_pack(pack.key)
             victims.append(pack)
         return victims

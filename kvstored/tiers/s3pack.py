@@ -14,7 +14,9 @@ the daemons running on the bucket stop serving them within a poll (the tombstone
 at each delete are for the rebuild). Manifests older than MANIFEST_TTL_MS are deleted by their
 writer.
 
-A write returns once the chunk's record is in the open pack in memory (WRITTEN: the tier serves
+A chunk's payload is copied once, into its record (with its checksum); a pack's PUT streams its
+records from where they are (no copy of the whole pack). A write returns once the chunk's record
+is in the open pack in memory (WRITTEN: the tier serves
 it from there until the PUT lands). At most `pack_uploads` packs are in flight and one is open, so
 the buffers take at most (pack_uploads + 1) x pack_bytes; a write past that waits for an upload to
 end (each is bounded by timeout_s). A pack whose PUT fails is lost as a whole: its chunks are
@@ -35,7 +37,9 @@ served, deleted and expired (first, being older than any pack); new chunks go to
 from __future__ import annotations
 
 import asyncio
+import bisect
 import functools
+import io
 import logging
 import secrets
 import time
@@ -50,7 +54,7 @@ from kvstored.chunks.ids import ChunkId, RemovalCause
 from kvstored.chunks.packfile import PACKS_DIR, TAIL_BYTES, CorruptPack, NeedTail, PackEntry, UnsupportedPack
 from kvstored.chunks.views import trim
 from kvstored.sizes import format_size
-from kvstored.tiers.base import TierUsage, WriteOutcome
+from kvstored.tiers.base import PackUsage, TierUsage, WriteOutcome
 from kvstored.tiers.packindex import Pack, PackIndex
 from kvstored.tiers.s3 import Fault, S3Failure, S3Tier, _Body, _deliver, _encode, _Skipped
 
@@ -114,7 +118,7 @@ class PackedS3Tier(S3Tier):
         self._buffered: dict[ChunkId, _OpenPack] = {}  # chunks written, not yet in an uploaded pack
         self._buffered_bytes = 0
         self._uploads: set[asyncio.Task] = set()
-        self._uploading: set[str] = set()  # names of packs being PUT by this daemon
+        self._uploading: dict[str, int] = {}  # keys of packs being PUT by this daemon -> created_ms
         self._reserved = 0  # bytes of packs being PUT (capacity)
         self._gone: OrderedDict[str, None] = OrderedDict()
         self._undeleted_packs: set[str] = set()  # DELETE failed: retried at each poll
@@ -358,6 +362,18 @@ class PackedS3Tier(S3Tier):
         used = self._packs.used_bytes + self._index.used_bytes + self._buffered_bytes
         return TierUsage(self.capacity_bytes, used, len(self._packs) + len(self._buffered) + len(self._index))
 
+    def pack_usage(self) -> PackUsage:
+        live, quarters = self._packs.live_summary(4)
+        return PackUsage(
+            self._packs.packs,
+            self._packs.used_bytes,
+            live,
+            (quarters[0], quarters[1], quarters[2], quarters[3]),
+            self.packs_written,
+            self.packs_expired,
+            self.packs_dropped,
+        )
+
     def live_fraction(self, pack_key: str) -> float | None:
         """The share of a pack's bytes this daemon still serves (None: not indexed)."""
         pack = self._packs.pack(pack_key)
@@ -378,26 +394,28 @@ class PackedS3Tier(S3Tier):
         created_ms = int(time.time() * 1000)
         self._seq += 1
         key = self._packs_prefix + packfile.pack_name(created_ms, self._writer, self._seq)
-        self._uploading.add(key)
-        body = b""
+        self._uploading[key] = created_ms
+        size = 0
+        index = b""
         entries: list[PackEntry] = []
         stored = False
         deleted: list[ChunkId] = []  # while the PUT ran: their records are in the object
         try:
-            body, entries, records_end = await self._off_loop(_assemble, list(pack.records.items()))
-            self._reserved += len(body)
+            parts, entries, index = await self._off_loop(_assemble, list(pack.records.items()))
+            size = sum(len(p) for p in parts)
+            self._reserved += size
             try:
                 await self._expire(0)
-                await self._call(lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=body))
+                await self._call(lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=_PackStream(parts)))
                 stored = True
             finally:
-                self._reserved -= len(body)
+                self._reserved -= size
         except _Skipped:
             pass
         except S3Failure as exc:
             self._failed("write", key, exc)
         finally:
-            self._uploading.discard(key)
+            self._uploading.pop(key, None)
             live = []
             for chunk, record in pack.records.items():
                 if self._buffered.get(chunk) is pack:
@@ -408,11 +426,11 @@ class PackedS3Tier(S3Tier):
                 self.packs_written += 1
                 if self._poll_s > 0:
                     name = key[len(self._packs_prefix) :]
-                    self._unannounced.append((name, len(body), created_ms, body[records_end:]))
+                    self._unannounced.append((name, size, created_ms, index))
                     del self._unannounced[:-MAX_UNANNOUNCED]
                 alive = set(live)
                 deleted = [e.chunk for e in entries if e.chunk not in alive]
-                self._packs.add(key, len(body), created_ms, [e for e in entries if e.chunk in alive])
+                self._packs.add(key, size, created_ms, [e for e in entries if e.chunk in alive])
                 indexed = self._packs.pack(key)
                 if indexed is not None and not indexed.live:  # every chunk was deleted meanwhile
                     self._forget(indexed, "emptied", delete=True)
@@ -429,6 +447,9 @@ class PackedS3Tier(S3Tier):
                 log.warning(
                     "s3 tier %s: tombstone of %d chunks of %s not stored: %s", self.name, len(deleted), key, exc
                 )
+        # packs PUT at once are indexed as they land, in any order: the capacity is kept here too
+        # (an expiry waiting for an older pack in flight happens once that one lands or fails)
+        await self._expire(0)
 
     async def _expire(self, incoming: int) -> None:
         """Make room within the capacity for `incoming` more bytes: one-object chunks first (LRU),
@@ -437,7 +458,9 @@ class PackedS3Tier(S3Tier):
             return
         budget = self.capacity_bytes - self._reserved - incoming
         legacy = self._index.shrink_to(max(0, budget - self._packs.used_bytes))
-        victims = self._packs.expire(max(0, budget - self._index.used_bytes))
+        # never a pack newer than one still in flight: oldest first, whichever lands first
+        before_ms = min(self._uploading.values(), default=None)
+        victims = self._packs.expire(max(0, budget - self._index.used_bytes), before_ms)
         for pack in victims:
             self.packs_expired += 1
             self.counters.evictions += len(pack.live)
@@ -767,12 +790,62 @@ class PackedS3Tier(S3Tier):
             self._forget(emptied, "emptied", delete=True)
 
 
-def _assemble(records: list[tuple[ChunkId, bytes]]) -> tuple[bytes, list[PackEntry], int]:
-    """The pack object: the records back to back, then their index (one copy of the payloads)."""
+class _PackStream(io.RawIOBase):
+    """A pack's PUT body, read from its records where they are (the pack is never copied whole:
+    a bytes Body would be, twice, once on the loop). A new one per attempt, so an attempt given
+    up on never moves the position of the next. aiohttp reads it in its executor threads."""
+
+    def __init__(self, parts: Sequence[bytes]) -> None:
+        super().__init__()
+        self._parts = [memoryview(p) for p in parts]
+        self._starts: list[int] = []
+        offset = 0
+        for part in self._parts:
+            self._starts.append(offset)
+            offset += len(part)
+        self._size = offset
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = min(max(0, base + offset), self._size)
+        return self._pos
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = self._size if size is None or size < 0 else min(self._size, self._pos + size)
+        pieces = []
+        i = bisect.bisect_right(self._starts, self._pos) - 1
+        while self._pos < end:
+            part, start = self._parts[i], self._starts[i]
+            take = min(end, start + len(part)) - self._pos
+            pieces.append(part[self._pos - start : self._pos - start + take])
+            self._pos += take
+            i += 1
+        return bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+
+def _assemble(records: list[tuple[ChunkId, bytes]]) -> tuple[list[bytes], list[PackEntry], bytes]:
+    """The pack object's parts (the records back to back, then their index; not copied) and its
+    entries and index."""
     entries: list[PackEntry] = []
     offset = 0
     for chunk, record in records:
         header = chunkfile.decode_header(memoryview(record)[:HEADER_BYTES])
         entries.append(PackEntry(chunk, offset, header.payload_len, header.checksum))
         offset += len(record)
-    return b"".join([*(r for _c, r in records), packfile.encode_index(entries, offset)]), entries, offset
+    index = packfile.encode_index(entries, offset)
+    return [*(r for _c, r in records), index], entries, index

@@ -2,6 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Packed S3 objects on a real radosgw (one Ceph cluster for the module).
 
+- Capacity: whole packs expire oldest first; each pack's live fraction falls as its chunks are
+  deleted, and a restart on the bucket sees the same.
 - Packs damaged under a reader: a record corrupted, a pack truncated, a pack deleted. Each is a
   miss, never wrong bytes; the index drops what it can no longer serve; the rest still serves.
 - A full bucket quota: the pack's PUT is refused, its chunks are reported dropped, the breaker
@@ -160,6 +162,32 @@ async def test_damaged_packs_are_misses_never_wrong_bytes_and_the_index_heals(ma
     await tier.flush()
     await reader.flush()
     assert truncated not in dict(await packs_in(raw, bucket))  # damaged: deleted
+
+
+async def test_capacity_expires_whole_packs_oldest_first_and_shows_each_packs_live_fraction(make_tier, raw, bucket):
+    pack_object = 3 * RECORD + 4096  # three records and their index (well under a page)
+    tier = await make_tier(capacity_bytes=2 * pack_object + RECORD)
+    chunks = [new_chunk(i) for i in range(9)]  # three packs of three; room for two
+    data = {}
+    for c in chunks:
+        data[c] = await write(tier, c)
+        await asyncio.sleep(0.002)  # (pack names carry milliseconds: keep them ordered)
+    await tier.flush()  # the three PUTs may all be in flight at once: the last to land expires
+    assert tier.packs_expired == 1 and len(await packs_in(raw, bucket)) == 2
+    assert await tier.contains(chunks) == [False] * 3 + [True] * 6
+    assert tier.usage().used_bytes <= tier.capacity_bytes
+    usage = tier.pack_usage()
+    assert (usage.packs, usage.live_bytes, usage.by_live_quarter) == (2, 6 * RECORD, (0, 0, 0, 2))
+    await tier.remove(chunks[3])  # one record of the older pack dead: 2/3 of it live
+    usage = tier.pack_usage()
+    assert (usage.live_bytes, usage.by_live_quarter) == (5 * RECORD, (0, 0, 1, 1))
+    (older, size), _newer = await packs_in(raw, bucket)
+    assert tier.live_fraction(older) == pytest.approx(2 * RECORD / size)
+    for c in chunks[4:]:
+        assert await read(tier, c) == data[c]
+    restarted = await make_tier(capacity_bytes=2 * pack_object + RECORD)  # the tombstone holds
+    assert restarted.pack_usage().by_live_quarter == (0, 0, 1, 1)
+    assert await restarted.contains(chunks) == [False] * 4 + [True] * 5
 
 
 def radosgw_admin(gateway, *args: str) -> None:

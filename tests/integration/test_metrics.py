@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import time
 import urllib.request
 from collections import defaultdict
@@ -18,10 +19,12 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvstored.chunks import chunkfile
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
-from tests.support.daemon import REPO_ROOT, short_tmpdir
+from tests.support.daemon import REPO_ROOT, clean_env, short_tmpdir
 from tests.support.data import make_keys, payloads
 from tests.support.rpc import raw, rpc_error
+from tests.support.s3 import MotoServer
 from tests.support.wait import wait_for
 
 MIB = 1 << 20
@@ -39,6 +42,9 @@ TIER_GAUGES = {
     "chunks": "kvstored_tier_chunks",
     "queued": "kvstored_tier_queued_operations",
     "load_bytes_per_s": "kvstored_tier_load_rate_bytes_per_second",
+    "packs": "kvstored_tier_packs",
+    "packed_bytes": "kvstored_tier_packed_bytes",
+    "packed_live_bytes": "kvstored_tier_packed_live_bytes",
 }
 TIER_COUNTERS = {
     "lookups": "kvstored_tier_lookups_total",
@@ -55,7 +61,11 @@ TIER_COUNTERS = {
     "skipped_slow_hits": "kvstored_tier_skipped_slow_hits_total",
     "skipped_slow_writedowns": "kvstored_tier_skipped_slow_writedowns_total",
     "rate_probes": "kvstored_tier_rate_probes_total",
+    "packs_written": "kvstored_tier_packs_written_total",
+    "packs_expired": "kvstored_tier_packs_expired_total",
+    "packs_dropped": "kvstored_tier_packs_dropped_total",
 }
+LIVE_BANDS = ("0-25%", "25-50%", "50-75%", "75-100%")  # packs_by_live_quarter, as the band label
 TIER_DROPS = {
     "dropped_backpressure": "backpressure",
     "rejected_admission": "admission",
@@ -132,7 +142,7 @@ def quiet_stats(daemon, deadline_s: float = 30.0) -> pb.StatsResponse:
 
 
 def assert_tiers_match(scraped: Scrape, stats: pb.StatsResponse) -> None:
-    mapped = set(TIER_GAUGES) | set(TIER_COUNTERS) | set(TIER_DROPS) | {"name", "kind"}
+    mapped = set(TIER_GAUGES) | set(TIER_COUNTERS) | set(TIER_DROPS) | {"name", "kind", "packs_by_live_quarter"}
     unexported = {f.name for f in pb.TierStats.DESCRIPTOR.fields} - mapped
     assert not unexported, f"TierStats fields with no metric: {unexported} (export them in metrics.py)"
     names = set()
@@ -144,6 +154,12 @@ def assert_tiers_match(scraped: Scrape, stats: pb.StatsResponse) -> None:
         for field, reason in TIER_DROPS.items():
             assert scraped.value("kvstored_tier_drops_total", **labels, reason=reason) == getattr(t, field)
         assert scraped.value("kvstored_tier_misses_total", **labels) == t.lookups - t.hits
+        bands = {
+            dict(k)["band"]: v
+            for k, v in scraped.series("kvstored_tier_packs_by_live_fraction").items()
+            if dict(k)["tier"] == t.name
+        }
+        assert bands == dict(zip(LIVE_BANDS, t.packs_by_live_quarter)), (t.name, bands)
         if t.capacity_bytes:
             assert scraped.value("kvstored_tier_utilization_ratio", **labels) == pytest.approx(
                 t.used_bytes / t.capacity_bytes
@@ -321,6 +337,52 @@ def test_fs_tier_metrics_match_stats_and_pass_promtool(fs_run):
         assert scraped.value("kvstored_tier_operation_seconds_count", **fs, op=op) >= 0
     assert_histograms_consistent(scraped, "kvstored_tier_operation_seconds")
     run_promtool("check", "metrics", stdin=scraped.text)
+
+
+@pytest.mark.system_deps
+def test_packed_s3_live_fractions_in_stats_metrics_and_ctl(daemon_factory):
+    """An operator sees how much of the packs is still live: Stats, /metrics and kvstoredctl agree."""
+    chunk = 256 << 10
+    record = chunkfile.HEADER_BYTES + chunk
+    with MotoServer() as endpoint:
+        tier = (
+            f"kind=s3,bucket=kv-metrics,endpoint_url={endpoint.url},access_key={endpoint.access_key},"
+            f"secret_key={endpoint.secret_key},region=us-east-1,pack_bytes=1MiB,pack_age_s=0.5,pack_poll_s=0"
+        )
+        d = daemon_factory([*METRICS_PORT_0, "--write-policy", "write-through", "--tiers", tier], cpu_bytes="8MiB")
+        keys = make_keys("metrics-packs", 12)
+        with d.client() as kv:
+            ns = kv.register_namespace(model="metrics-packs", dtype="uint8", chunk_bytes=chunk)
+            assert kv.store(ns, keys, payloads(keys, chunk)).stored == 12
+
+            def s3() -> pb.TierStats:
+                return next(t for t in d.stats().tiers if t.name == "s3")
+
+            # 1 MiB packs hold three records: four packs, all live
+            assert wait_for(lambda: s3().packs_written == 4, 30), s3()
+            full = s3()
+            assert full.packs == 4 and list(full.packs_by_live_quarter) == [0, 0, 0, 4]
+            assert full.packed_live_bytes == 12 * record and full.packed_bytes > 12 * record
+            assert kv.delete(ns, keys[:5]) == 5
+        # five records dead: a pack that lost all of its is deleted, the others are part live
+        after = s3()
+        assert after.packed_live_bytes == 7 * record
+        assert sum(after.packs_by_live_quarter) == after.packs <= 4 and after.packs_by_live_quarter[3] < 4
+        scraped = Scrape(scrape(d))
+        stats = quiet_stats(d)
+        assert_tiers_match(scraped, stats)
+        run_promtool("check", "metrics", stdin=scraped.text)
+        status = subprocess.run(
+            [sys.executable, "-m", "kvstored.ctl", "--socket", str(d.socket), "status"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=clean_env(),
+        )
+        live = 100 * after.packed_live_bytes / after.packed_bytes
+        line = next(ln for ln in status.stdout.splitlines() if ln.startswith("s3 packs:"))
+        assert f"s3 packs: {after.packs} (" in line and f"{live:.1f}% live" in line, status.stdout
+        assert " / ".join(map(str, after.packs_by_live_quarter)) in line
 
 
 def test_refused_deletes_are_not_backpressure_drops(daemon_factory, tmp_path):

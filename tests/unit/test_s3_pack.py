@@ -116,6 +116,36 @@ def test_pack_index_live_fraction_expiry_and_first_copy_wins():
     assert [p.key for p in index.expire(0)] == ["p1", "p2"] and len(index) == 0 and index.used_bytes == 0
 
 
+def test_expiry_passes_no_pack_still_in_flight_and_the_live_summary_counts_each_pack():
+    index = PackIndex()
+    index.add("p2", 100, 2, [entry(0, 0, 50), entry(1, 60, 40)])  # landed before p1 (in flight)
+    assert index.expire(0, before_ms=1) == []  # p1 is older: it goes first, once it lands
+    index.add("p1", 100, 1, [entry(2, 0, 90)])
+    assert [p.key for p in index.expire(150, before_ms=3)] == ["p1"]
+    index.drop_chunk(entry(0, 0).chunk)
+    live, bands = index.live_summary(4)
+    assert live == HEADER_BYTES + 40 and bands == [0, 0, 0, 1]  # (records of HEADER_BYTES + size: > 100)
+    index.add("p3", 4 * (HEADER_BYTES + 40), 3, [entry(5, 0, 40)])
+    assert index.live_summary(4) == (2 * (HEADER_BYTES + 40), [0, 1, 0, 1])
+
+
+def test_a_pack_stream_reads_its_parts_back_to_back_from_any_position():
+    parts = [b"a" * 5, b"", b"bc" * 3, b"xyz"]
+    whole = b"".join(parts)
+    stream = s3pack._PackStream(parts)
+    assert stream.seek(0, os.SEEK_END) == len(whole) and stream.tell() == len(whole) and stream.read(4) == b""
+    stream.seek(0)
+    got = []
+    while chunk := stream.read(4):  # pieces across part boundaries
+        got.append(chunk)
+    assert b"".join(got) == whole and max(map(len, got)) == 4
+    stream.seek(3)
+    assert stream.read() == whole[3:]
+    buffer = bytearray(6)
+    stream.seek(len(whole) - 4)
+    assert stream.readinto(buffer) == 4 and buffer[:4] == whole[-4:]
+
+
 # -- the tier against moto ------------------------------------------------------------------
 
 
