@@ -68,7 +68,7 @@ from kvstored.shm.mapping import SharedPool
 from kvstored.shm.memory import PoolMemoryError, PoolPages, PopulateProgress
 from kvstored.sizes import format_size
 from kvstored.tiers.config import TierConfig, TierContext
-from kvstored.tiers.ram import AdoptionError, ChunkRecord, RamTier
+from kvstored.tiers.ram import AdoptionError, RamTier
 from kvstored.tiers.registry import admission_changes
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
@@ -192,7 +192,7 @@ class Daemon:
             await self._unless_stopped(preflight(cfg, lower), "stop requested while checking the tiers")
             self.pool = self._adopt_pool(pool_bytes)
             # An adopted pool's pages exist: mapping them all first cost 2.1 s of an 8 GiB hand-over
-            # here; the chunk checksums touch the chunks' pages, the rest fault in as they are used.
+            # here; they fault in as they are used (the verify sweep touches the chunks' pages).
             if cfg.populate and self._state is None:
                 await self._populate_pool()
         except BaseException:
@@ -346,6 +346,7 @@ class Daemon:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving on %s (sessions on %s)", cfg.socket, cfg.session_socket)
         notify("READY=1\nSTATUS=serving")
+        self.chain.verifier.start_sweep()  # adopted chunks' bytes (a read checks its own first meanwhile)
 
     def _carry_identities(self, publisher: ZmqEventPublisher, book: IdentityBook, lower: list) -> None:
         """Identities beyond the client's store: kept in fs chunk files and published again after
@@ -679,35 +680,21 @@ class Daemon:
                     os.close(fd)
                     raise
                 self.tenancy.adopt_tenant(tenant, arena)
-            keep = await self._verified(state)
-            adopted = ram.adopt(state.ram, keep)
+            verify = self.config.handover_checksums
+            if verify and any(r.checksum is None for r in state.ram.chunks):
+                log.info("RAM tier handed over without chunk checksums: chunks without one adopted as is")
+            # Serving starts now: each chunk's bytes are checked before its first read and by the
+            # sweep (chain/verify.py); hashing them all first took 0.81 s of an 8 GiB hand-over.
+            adopted = ram.adopt(state.ram, verify=verify)
         except (AdoptionError, ValueError, OSError, handover.HandoverRefused) as exc:
             log.warning("RAM index refused (%s): RAM starts empty", exc)
             self.tenancy.sweep()
         else:
-            dropped = len(state.ram.chunks) - adopted
-            log.info(
-                "RAM tier adopted: %d chunks%s",
-                adopted,
-                f", {dropped} dropped (altered since the hand-over)" if dropped else "",
-            )
+            log.info("RAM tier adopted: %d chunks, %d to verify before their first read", adopted, ram.unverified_count)
         finally:
             self._drop_handover()
         forget_fds(self._handed_names)  # (systemd's copies: the state describes this RAM no more)
         handover.pause_at(handover.HandoverStep.ADOPTED)
-
-    async def _verified(self, state: handover.PoolState) -> Callable[[ChunkRecord], bool]:
-        """Which chunk records to keep: those whose bytes hash as they did at the hand-over."""
-        if state.checksums is None or not self.config.handover_checksums:
-            if state.checksums is None and self.config.handover_checksums:
-                log.info("RAM tier handed over without chunk checksums: adopted as is")
-            return lambda _record: True
-        page_bytes = self.config.page_bytes
-        now = await asyncio.to_thread(
-            handover.chunk_checksums, state.ram.chunks, self.arenas.view, page_bytes, self.config.copy_threads
-        )
-        good = {id(r) for r, a, b in zip(state.ram.chunks, now, state.checksums, strict=True) if a == b}
-        return lambda record: id(record) in good
 
     async def _hand_over(self, send: Callable[[dict[str, int]], None]) -> None:
         """Snapshot the quiesced RAM tier into a state memfd and send it with the pool's and the
@@ -716,11 +703,16 @@ class Daemon:
         cfg = self.config
         ram = self.ram
         snapshot = ram.snapshot()
-        checksums = None
         if cfg.handover_checksums:
-            checksums = await asyncio.to_thread(
-                handover.chunk_checksums, snapshot.chunks, self.arenas.view, ram.page_bytes, cfg.copy_threads
+            known = sum(r.checksum is not None for r in snapshot.chunks)
+            chunks = await asyncio.to_thread(
+                handover.with_checksums, snapshot.chunks, self.arenas.view, ram.page_bytes, cfg.copy_threads
             )
+            snapshot = dataclasses.replace(snapshot, chunks=chunks)
+            log.info("chunk checksums: %d computed, %d known", len(chunks) - known, known)
+        else:  # (none at all: the next daemon adopts them as they are)
+            chunks = [dataclasses.replace(r, checksum=None) for r in snapshot.chunks]
+            snapshot = dataclasses.replace(snapshot, chunks=chunks)
         recovered = self.namespaces.recovered()
         state = handover.PoolState(
             __version__,
@@ -728,7 +720,6 @@ class Daemon:
             [(ns, recovered.get(ns.namespace_id, ())) for ns in self.namespaces.all()],
             {arena: key for key, arena in self.tenancy.arenas_by_tenant().items()},
             snapshot,
-            checksums,
         )
         fd = handover.write_state_memfd(handover.encode_state(state))
         try:
