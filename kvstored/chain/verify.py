@@ -22,7 +22,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvstored.chunks import chunkfile
 from kvstored.chunks.ids import ChunkId, TierKind
 from kvstored.events.bus import Cause, EventBus, EventType
 from kvstored.sizes import format_size
@@ -145,6 +144,8 @@ class ChunkVerifier:
             view = self._arena_view(entry.arena)
         except KeyError:  # its arena is gone: so is the entry
             return None
+        from kvstored.chunks import chunkfile  # (here: the GPU machine's lean installs have no xxhash)
+
         pb = self._ram.page_bytes
         return chunkfile.checksum([view[r.start * pb : (r.start + r.count) * pb] for r in runs], entry.size)
 
