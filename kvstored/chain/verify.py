@@ -96,6 +96,12 @@ class ChunkVerifier:
             self._pool = None
 
     async def _run_sweep(self) -> None:
+        try:
+            await self._sweep_all()
+        except Exception:  # (not fatal: what it did not check, a first read checks)
+            log.exception("the verify sweep stopped; chunks it did not check are checked at their first read")
+
+    async def _sweep_all(self) -> None:
         ram, c = self._ram, self._ram.counters
         todo = ram.unverified()
         log.info(
