@@ -44,6 +44,7 @@ BATCH = 64  # chunks per store/load call (128 MiB of 2 MiB chunks)
 # Log lines that mark the hand-over's steps: (step, daemon, message prefix).
 MARKS = [
     ("requested", "old", "hand-over requested by a new daemon"),
+    ("quiesced", "old", "hand-over: stopping to hand the RAM tier over"),
     ("sent", "old", "RAM tier handed over:"),
     ("exited", "old", "stopped"),
     ("asked", "new", "hand-over: asked the running daemon"),
@@ -60,7 +61,7 @@ _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+\s+\S+: (.*)$")
 class Restart:
     kind: str
     serving_s: float  # from the new process's start
-    unserved_s: float  # from the old daemon's last answer (the hand-over request, or SIGTERM)
+    unserved_s: float  # from the old daemon's last answer (its stop for the hand-over, or SIGTERM)
     all_ram_hits_s: float | None  # None: never (a cold RAM tier)
     ram_hits: int
     other_hits: int  # hits below RAM (an fs tier)
@@ -175,7 +176,8 @@ def restart(
         while MARKS[-1][2] not in new.log and time.monotonic() < deadline:
             time.sleep(0.05)
         steps = log_steps(old.log, new.log, wall0)
-        unserved_from = wall0 + steps.get("requested", 0.0)  # the old daemon serves until it hears the request
+        # The old daemon serves until it stops for the hand-over (it hashes while serving first).
+        unserved_from = wall0 + steps.get("quiesced", steps.get("requested", 0.0))
     unserved_s = wall0 + serving_s - unserved_from
     return Restart(
         kind,
@@ -214,7 +216,8 @@ def phases(steps: dict[str, float]) -> list[tuple[str, float]]:
     spans = [
         ("new daemon starts (interpreter, imports, config)", "asked", ()),
         ("old daemon hears the request", "requested", ("asked",)),
-        ("old daemon stops: quiesce, snapshot, checksums, send", "sent", ("requested",)),
+        ("old daemon takes the chunk checksums it lacks, still serving", "quiesced", ("requested",)),
+        ("old daemon stops: quiesce, snapshot, checksums, send", "sent", ("quiesced", "requested")),
         ("fds and state received, state checked", "received", ("sent",)),
         ("adopted pool mapped and populated", "populated", ("received",)),
         ("RAM index adopted", "adopted", ("populated", "received")),
@@ -335,8 +338,8 @@ def report(results: list[Restart], cpu_bytes: int, held_bytes: int) -> None:
                 f"{r.load_average:.1f}",
             ]
         )
-    print("to serving: from the new process's start; unserved: from the old daemon's last answer (it hears the")
-    print("hand-over request / gets SIGTERM) to the new one's SERVING; verified: bytes the client loaded and")
+    print("to serving: from the new process's start; unserved: from the old daemon's last answer (it stops for")
+    print("the hand-over / gets SIGTERM) to the new one's SERVING; verified: bytes the client loaded and")
     print("found byte-exact; swept: from the process's start to the daemon's own check of every adopted chunk")
     print_aligned(table, right={1, 2, 3, 4, 5, 6, 7, 8})
     ho, cold = median_handover(results), results[-1]

@@ -71,6 +71,22 @@ class ChunkVerifier:
             return entry.indexed
         return self._settle([entry], [self._digest(entry)])
 
+    # -- before a hand-over ------------------------------------------------------------------------
+
+    async def hash_unknown(self) -> int:
+        """Take the checksum of every READY chunk that has none, while the daemon still serves
+        (a READY chunk's bytes never change): its stop then hashes only what is stored meanwhile.
+        Returns the checksums taken."""
+        entries = self._ram.unhashed()
+        taken = 0
+        for start in range(0, len(entries), 64):  # (batches: a store's commit waits for no long pass)
+            batch = entries[start : start + 64]
+            for entry, digest in zip(batch, await self._hash(batch), strict=True):
+                if digest is not None and entry.indexed and entry.checksum is None:
+                    entry.checksum = digest
+                    taken += 1
+        return taken
+
     # -- the sweep ----------------------------------------------------------------------------
 
     def start_sweep(self) -> None:
@@ -131,13 +147,21 @@ class ChunkVerifier:
     # -- internals ------------------------------------------------------------------------------
 
     async def _check(self, entries: list[RamEntry]) -> None:
+        self._settle(entries, await self._hash(entries))
+
+    async def _hash(self, entries: list[RamEntry]) -> list[int | None]:
+        """Each entry's digest (None: freed meanwhile), in the threads."""
         loop = asyncio.get_running_loop()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="kvstored-verify")
-        parts = [entries[i :: self._threads] for i in range(min(self._threads, len(entries)))]
-        results = await asyncio.gather(*(loop.run_in_executor(self._pool, self._digests, p) for p in parts))
-        for part, digests in zip(parts, results, strict=True):
-            self._settle(part, digests)
+        n = min(self._threads, len(entries))
+        parts = await asyncio.gather(
+            *(loop.run_in_executor(self._pool, self._digests, entries[i::n]) for i in range(n))
+        )
+        out: list[int | None] = [None] * len(entries)
+        for i, part in enumerate(parts):
+            out[i::n] = part
+        return out
 
     def _digests(self, entries: list[RamEntry]) -> list[int | None]:
         return [self._digest(e) for e in entries]

@@ -26,6 +26,7 @@ import signal
 import socket
 import stat
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar, cast
@@ -151,6 +152,7 @@ class Daemon:
         self._handed: handover.HandedOver | None = None  # fds of the previous daemon's RAM tier
         self._state: handover.PoolState | None = None  # what they hold, checked
         self._handed_names: list[str] = []
+        self._prehash: asyncio.Task | None = None  # checksums taken while serving, before a hand-over's stop
 
     async def start(self) -> None:
         cfg = self.config
@@ -340,7 +342,9 @@ class Daemon:
         )
         await self.session_server.start()
         if cfg.handover:
-            self.handover_listener = handover.HandoverListener(handover.handover_path(cfg.socket), self.request_stop)
+            self.handover_listener = handover.HandoverListener(
+                handover.handover_path(cfg.socket), self._handover_requested
+            )
             await self.handover_listener.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -498,6 +502,30 @@ class Daemon:
     def request_stop(self) -> None:
         self._stopping.set()
 
+    def _handover_requested(self) -> None:
+        """Checksum what RAM holds while still serving, then stop to hand it over."""
+        if self.config.handover_checksums and self._prehash is None:
+            self._prehash = asyncio.create_task(self._hash_then_stop(), name="kvstored-handover-checksums")
+        else:
+            self._stop_for_handover(0, 0.0)
+
+    async def _hash_then_stop(self) -> None:
+        t = time.perf_counter()
+        try:
+            taken = await self.chain.verifier.hash_unknown()
+        except Exception:  # (the stop takes them then)
+            log.exception("hand-over: chunk checksums not taken while serving")
+            taken = 0
+        self._stop_for_handover(taken, time.perf_counter() - t)
+
+    def _stop_for_handover(self, taken: int, seconds: float) -> None:
+        log.info(
+            "hand-over: stopping to hand the RAM tier over (%d chunk checksums taken while serving, in %.2f s)",
+            taken,
+            seconds,
+        )
+        self.request_stop()
+
     def reload(self) -> None:
         """SIGHUP: read the configuration again; apply the log settings and the tiers' admission
         policies, and name every other change, which needs a restart."""
@@ -557,6 +585,10 @@ class Daemon:
         listener = self.handover_listener
         if listener is not None:
             await listener.stop_listening()
+        if self._prehash is not None:  # (a SIGTERM during it: the stop hashes what it did not)
+            self._prehash.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._prehash
         await self.health.enter_graceful_shutdown()
         await self._close_feeds()  # (their last interval sent first)
         self.chain.events.close()  # event streams end now instead of holding the grace period

@@ -356,7 +356,7 @@ class HandoverListener:
                 log.warning("hand-over: ignored a request that is not %r", REQUEST.decode())
                 conn.close()
                 continue
-            log.info("hand-over requested by a new daemon: stopping to hand the RAM tier over")
+            log.info("hand-over requested by a new daemon")
             self._conn = conn
             pause_at(HandoverStep.REQUESTED)
             self._on_request()

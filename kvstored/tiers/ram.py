@@ -310,6 +310,11 @@ class RamTier:
             return [e for e in self._index.values() if not e.verified]
         return [e for c in chunks if (e := self._index.get(c)) is not None and not e.verified]
 
+    def unhashed(self) -> list[RamEntry]:
+        """READY chunks whose checksum is not known (a hand-over takes them)."""
+        ready = EntryState.READY
+        return [e for e in self._index.values() if e.state is ready and e.checksum is None]
+
     def verified(self, entry: RamEntry, matches: bool) -> bool:
         """A check's result: the entry is verified, or (its bytes differ) dropped and counted.
         A result for an entry this tier no longer holds, or already checked, changes nothing.

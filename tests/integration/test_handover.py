@@ -271,7 +271,8 @@ def test_the_sweep_verifies_every_adopted_chunk_and_the_next_stop_reuses_the_che
     n = len(data["keys"]) + len(data["tkeys"])
     new = make(daemons, workdir)
     hand_over(old, new, METRICS)
-    assert f"chunk checksums: {n} computed, 0 known" in old.log
+    # The old daemon took the checksums while still serving: its stop had none left to take.
+    assert f"({n} chunk checksums taken while serving" in old.log and "chunk checksums: 0 computed" in old.log
     assert wait_for(lambda: SWEPT in new.log), new.log
     assert f"{n} chunks ({n * CHUNK // 1024 // 1024}.0 MiB) matched, 0 dropped" in new.log, new.log
     m = scrape(new)
@@ -286,7 +287,8 @@ def test_the_sweep_verifies_every_adopted_chunk_and_the_next_stop_reuses_the_che
         assert kv.store(ns, more, payloads(more, CHUNK)).stored == len(more)
     newer = make(daemons, workdir)
     hand_over(new, newer)
-    assert f"chunk checksums: {len(more)} computed, {n} known" in new.log
+    assert f"({len(more)} chunk checksums taken while serving" in new.log, new.log
+    assert f"chunk checksums: 0 computed, {n + len(more)} known" in new.log
     assert where(newer, data) == ([Tier.RAM] * len(data["keys"]), [Tier.RAM] * len(data["tkeys"]))
     newer.stop()
 

@@ -121,3 +121,23 @@ async def test_close_stops_a_sweep_under_way(adopted):
     chain.verifier.start_sweep()
     await chain.verifier.close()
     assert not chain.verifier.status().running
+
+
+async def test_checksums_taken_while_serving_are_those_a_stop_would_take():
+    """Before a hand-over's stop the old daemon hashes what RAM holds while it still serves; the
+    stop then takes only the rest, and gets the same values."""
+    chain = make_chain([], pool=1 << 20, page=PAGE)
+    await chain.start()
+    try:
+        for i in range(N):
+            await store(chain, NS, key(i), i + 1)
+        assert await chain.verifier.hash_unknown() == N
+        await store(chain, NS, key(N), 99)  # stored after: the stop takes its checksum
+        records = chain.ram.snapshot().chunks
+        assert [r.checksum is None for r in records] == [False] * N + [True]
+        expected = handover.chunk_checksums(records, chain.arenas.view, PAGE, 1)
+        taken = handover.with_checksums(records, chain.arenas.view, PAGE, 2)
+        assert [r.checksum for r in taken] == expected
+        assert await chain.verifier.hash_unknown() == 1 and await chain.verifier.hash_unknown() == 0
+    finally:
+        await chain.close()
