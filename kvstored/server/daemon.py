@@ -163,8 +163,10 @@ class Daemon:
             self._release_stored_fds()
         claim_socket_path(cfg.socket)
         claim_socket_path(cfg.session_socket)
-        for warning in memory.check_request(pool_bytes, cfg.pool_pages, cfg.numa_node, cfg.populate):
-            log.warning("%s", warning)  # (what the machine cannot give at all raised PoolMemoryError)
+        # An adopted pool's memory is held already: checked against what is left, a 16 GiB pool on
+        # this 24 GiB machine was refused and the hand-over lost it (a new pool is checked then).
+        if self._state is None:
+            self._check_memory(pool_bytes)
         log.info(
             "kvstored %s: RAM tier %s (%s pages, NUMA %s, populate=%s)",
             __version__,
@@ -684,6 +686,11 @@ class Daemon:
             self._handed.close()
         self._handed, self._state = None, None
 
+    def _check_memory(self, pool_bytes: int) -> None:
+        cfg = self.config
+        for warning in memory.check_request(pool_bytes, cfg.pool_pages, cfg.numa_node, cfg.populate):
+            log.warning("%s", warning)  # (what the machine cannot give at all raised PoolMemoryError)
+
     def _adopt_pool(self, pool_bytes: int) -> SharedPool:
         """The handed-over pool if there is one that maps as it should, else a new one."""
         cfg = self.config
@@ -695,6 +702,7 @@ class Daemon:
                 os.close(fd)
                 log.warning("RAM tier refused (%s): starting cold", exc)
                 self._drop_handover()
+                self._check_memory(pool_bytes)
         return SharedPool(pool_bytes, populate=False, pages=cfg.pool_pages, numa=cfg.numa_node)
 
     async def _adopt_ram(self, ram: RamTier, state: handover.PoolState) -> None:
