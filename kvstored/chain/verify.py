@@ -46,6 +46,9 @@ class ChunkVerifier:
         self._arena_view = arena_view
         self._events = events
         self._threads = max(1, threads)
+        # One core left to serving: with every core hashing, health checks right after a
+        # hand-over waited 0.5-2 s here (2 vCPUs); a read's own check uses them all.
+        self._sweep_threads = max(1, self._threads - 1)
         self._pool: ThreadPoolExecutor | None = None
         self._sweep: asyncio.Task | None = None
         self._started = 0.0
@@ -59,10 +62,10 @@ class ChunkVerifier:
         if entries:
             await self._check(entries)
 
-    async def check_entries(self, entries: Sequence[RamEntry]) -> None:
+    async def check_entries(self, entries: Sequence[RamEntry], threads: int | None = None) -> None:
         entries = [e for e in entries if not e.verified and e.indexed]
         if entries:
-            await self._check(entries)
+            await self._check(entries, threads)
 
     def check_now(self, entry: RamEntry) -> bool:
         """Check one leased entry here, blocking (a read that could not wait for check()); returns
@@ -132,9 +135,9 @@ class ChunkVerifier:
             batch.append(entry)
             size += entry.size
             if size >= SWEEP_BATCH_BYTES:
-                await self.check_entries(batch)
+                await self.check_entries(batch, self._sweep_threads)
                 batch, size = [], 0
-        await self.check_entries(batch)
+        await self.check_entries(batch, self._sweep_threads)
         self._finished_s = time.perf_counter() - self._started
         log.info(
             "every adopted chunk verified in %.2f s: %d chunks (%s) matched, %d dropped (altered since the hand-over)",
@@ -146,15 +149,15 @@ class ChunkVerifier:
 
     # -- internals ------------------------------------------------------------------------------
 
-    async def _check(self, entries: list[RamEntry]) -> None:
-        self._settle(entries, await self._hash(entries))
+    async def _check(self, entries: list[RamEntry], threads: int | None = None) -> None:
+        self._settle(entries, await self._hash(entries, threads))
 
-    async def _hash(self, entries: list[RamEntry]) -> list[int | None]:
-        """Each entry's digest (None: freed meanwhile), in the threads."""
+    async def _hash(self, entries: list[RamEntry], threads: int | None = None) -> list[int | None]:
+        """Each entry's digest (None: freed meanwhile), in `threads` threads (default: all)."""
         loop = asyncio.get_running_loop()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="kvstored-verify")
-        n = min(self._threads, len(entries))
+        n = min(threads or self._threads, len(entries))
         parts = await asyncio.gather(
             *(loop.run_in_executor(self._pool, self._digests, entries[i::n]) for i in range(n))
         )
