@@ -44,6 +44,7 @@ BATCH = 64  # chunks per store/load call (128 MiB of 2 MiB chunks)
 # Log lines that mark the hand-over's steps: (step, daemon, message prefix).
 MARKS = [
     ("requested", "old", "hand-over requested by a new daemon"),
+    ("quiesced", "old", "hand-over: stopping to hand the RAM tier over"),
     ("sent", "old", "RAM tier handed over:"),
     ("exited", "old", "stopped"),
     ("asked", "new", "hand-over: asked the running daemon"),
@@ -51,6 +52,7 @@ MARKS = [
     ("populated", "new", "RAM tier populated"),
     ("adopted", "new", "RAM tier adopted"),
     ("serving", "new", "serving on"),
+    ("swept", "new", "every adopted chunk verified"),
 ]
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+\s+\S+: (.*)$")
 
@@ -59,7 +61,7 @@ _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+\s+\S+: (.*)$")
 class Restart:
     kind: str
     serving_s: float  # from the new process's start
-    unserved_s: float  # from the old daemon's last answer (the hand-over request, or SIGTERM)
+    unserved_s: float  # from the old daemon's last answer (its stop for the hand-over, or SIGTERM)
     all_ram_hits_s: float | None  # None: never (a cold RAM tier)
     ram_hits: int
     other_hits: int  # hits below RAM (an fs tier)
@@ -161,10 +163,6 @@ def restart(
         new.wait_ready()
         serving_s = time.perf_counter() - t0
     same_pool = pool_inodes(new.pid) == old_pool
-    steps = log_steps(old.log, new.log, wall0) if kind == "hand-over" else {}
-    if kind == "hand-over":  # the old daemon serves until it hears the request
-        unserved_from = wall0 + steps.get("requested", 0.0)
-    unserved_s = wall0 + serving_s - unserved_from
     with Client(new.socket, deadline_s=60.0) as kv:
         ns = kv.register_namespace(ns_spec)
         tiers = tiers_of(kv, ns, keys)
@@ -172,6 +170,15 @@ def restart(
         ram = sum(t is Tier.RAM for t in tiers)
         other = sum(t not in (Tier.RAM, Tier.NONE) for t in tiers)
         good, wrong = verify(kv, ns, keys, digests, chunk_bytes)
+    steps: dict[str, float] = {}
+    if kind == "hand-over":
+        deadline = time.monotonic() + 60  # (the daemon's sweep may still be checking chunks)
+        while MARKS[-1][2] not in new.log and time.monotonic() < deadline:
+            time.sleep(0.05)
+        steps = log_steps(old.log, new.log, wall0)
+        # The old daemon serves until it stops for the hand-over (it hashes while serving first).
+        unserved_from = wall0 + steps.get("quiesced", steps.get("requested", 0.0))
+    unserved_s = wall0 + serving_s - unserved_from
     return Restart(
         kind,
         serving_s,
@@ -209,11 +216,13 @@ def phases(steps: dict[str, float]) -> list[tuple[str, float]]:
     spans = [
         ("new daemon starts (interpreter, imports, config)", "asked", ()),
         ("old daemon hears the request", "requested", ("asked",)),
-        ("old daemon stops: quiesce, snapshot, checksums, send", "sent", ("requested",)),
+        ("old daemon takes the chunk checksums it lacks, still serving", "quiesced", ("requested",)),
+        ("old daemon stops: quiesce, snapshot, checksums, send", "sent", ("quiesced", "requested")),
         ("fds and state received, state checked", "received", ("sent",)),
         ("adopted pool mapped and populated", "populated", ("received",)),
-        ("RAM index adopted, chunk checksums verified", "adopted", ("populated", "received")),
+        ("RAM index adopted", "adopted", ("populated", "received")),
         ("tiers, gRPC and session sockets up", "serving", ("adopted",)),
+        ("(serving) every adopted chunk verified: first reads and the sweep", "swept", ("serving",)),
     ]
     out = []
     for name, end, starts in spans:
@@ -314,7 +323,7 @@ def status(r: Restart, seconds: float) -> str:
 
 def report(results: list[Restart], cpu_bytes: int, held_bytes: int) -> None:
     table = [["restart", "to serving", "unserved", "to all RAM hits", "RAM hits / chunks", "lower hits", "verified"]]
-    table[0].append("load")
+    table[0] += ["swept", "load"]
     for i, r in enumerate(results, 1):
         table.append(
             [
@@ -325,12 +334,14 @@ def report(results: list[Restart], cpu_bytes: int, held_bytes: int) -> None:
                 f"{r.ram_hits} / {r.chunks}",
                 str(r.other_hits),
                 f"{fmt_bytes(r.bytes_verified)}{f', {r.wrong_chunks} WRONG' if r.wrong_chunks else ''}",
+                f"{r.steps_s['swept']:.2f} s" if "swept" in r.steps_s else "-",
                 f"{r.load_average:.1f}",
             ]
         )
-    print("to serving: from the new process's start; unserved: from the old daemon's last answer (it hears the")
-    print("hand-over request / gets SIGTERM) to the new one's SERVING")
-    print_aligned(table, right={1, 2, 3, 4, 5, 6, 7})
+    print("to serving: from the new process's start; unserved: from the old daemon's last answer (it stops for")
+    print("the hand-over / gets SIGTERM) to the new one's SERVING; verified: bytes the client loaded and")
+    print("found byte-exact; swept: from the process's start to the daemon's own check of every adopted chunk")
+    print_aligned(table, right={1, 2, 3, 4, 5, 6, 7, 8})
     ho, cold = median_handover(results), results[-1]
     print(
         f"cold / hand-over (the hand-over of median unserved time): to serving {cold.serving_s / ho.serving_s:.1f}x, "

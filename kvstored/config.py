@@ -371,8 +371,9 @@ class Config:
     handover_checksums: bool = field(
         default=True,
         metadata=_opt(
-            "checksum every RAM chunk's bytes (xxh3-64) when handing over and check them on adoption "
-            "(a chunk that differs is dropped); ~1 s a side for 16 GiB here",
+            "checksum every RAM chunk's bytes (xxh3-64) when handing over (those known are reused) and "
+            "check each after adoption, before its first read and in a background sweep (a chunk that "
+            "differs is dropped, never served)",
             parse_bool,
             "BOOL",
         ),

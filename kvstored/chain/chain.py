@@ -33,6 +33,7 @@ from kvstored.chain.room import RamRoom
 from kvstored.chain.staged import StagedReads
 from kvstored.chain.start_by import StartWaits, check_started
 from kvstored.chain.store_plan import StorePlan, StorePlanner
+from kvstored.chain.verify import ChunkVerifier
 from kvstored.chain.writeback import WriteBack, WritePolicy
 from kvstored.chunks.ids import ChunkId, RemovalCause, TierKind
 from kvstored.errors import (
@@ -146,6 +147,7 @@ class TierChain:
         self.gate = RecomputeGate(self.lower, namespaces, policy.recompute_gate, policy.rate_probe_s, clock)
         self._copies = RegionCopies(policy.copy_threads)
         self._waits = StartWaits()  # waits a transfer gave up at its start deadline
+        self.verifier = ChunkVerifier(ram, arenas.view, self.events, policy.copy_threads)
         self.writeback = WriteBack(
             ram,
             arenas.view,
@@ -155,6 +157,7 @@ class TierChain:
             policy.writeback_wait_s,
             self.events,
             self.gate.admits,
+            self.verifier,
         )
         self._deletable = [t for t in self.lower if t.capabilities.accepts_deletes]
         self._deleting = DeletionGuard()
@@ -164,7 +167,7 @@ class TierChain:
         self._room = RamRoom(ram, self.writeback)
         self._planner = StorePlanner(ram, self.lower, self._deleting)
         self.drops = StoreDrops()
-        self.leases = Leases(ram, arenas, self.promoter, self._room, self._waits, bool(self.lower))
+        self.leases = Leases(ram, arenas, self.promoter, self._room, self._waits, bool(self.lower), self.verifier)
         self.staged: StagedReads | None = None
         self._region_loader: RegionLoader | None = None
         if policy.staging_bytes and self.lower:
@@ -487,6 +490,7 @@ class TierChain:
     async def close(self) -> None:
         """Let deletes finish, stop the I/O queues (abandoning queued write-downs: this is a
         cache), then the tiers."""
+        await self.verifier.close()  # (what it did not check yet is handed over unverified, as it came)
         if self._deletes:
             await asyncio.wait(self._deletes)
         for task in self._prefetches:

@@ -20,6 +20,7 @@ import enum
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -30,6 +31,9 @@ from kvstored.chunks.ids import ChunkId, TierKind
 from kvstored.namespaces import Namespace
 from kvstored.shm.arenas import ArenaSet, Extent
 from kvstored.tiers.ram import RamEntry, RamTier
+
+if TYPE_CHECKING:
+    from kvstored.chain.verify import ChunkVerifier
 
 ROUNDS = 4  # lease-then-promote rounds for a leading run (see the module docstring)
 
@@ -64,8 +68,16 @@ class Leased:
 
 class Leases:
     def __init__(
-        self, ram: RamTier, arenas: ArenaSet, promoter: Promoter, room: RamRoom, waits: StartWaits, has_lower: bool
+        self,
+        ram: RamTier,
+        arenas: ArenaSet,
+        promoter: Promoter,
+        room: RamRoom,
+        waits: StartWaits,
+        has_lower: bool,
+        verifier: ChunkVerifier | None = None,
     ) -> None:
+        self._verifier = verifier  # adopted chunks are checked before their first lease
         self._ram = ram
         self._arenas = arenas
         self._promoter = promoter
@@ -78,6 +90,7 @@ class Leases:
         down for the room first, as a store would) and lease what lands."""
         chunks = [(ns.namespace_id, k) for k in keys]
         entries: list[RamEntry | None] = [None] * len(chunks)
+        await self.check(chunks)
         try:
             for _round in range(ROUNDS if request.reach is Reach.LEADING else 1):
                 todo = self._pin_wanted(chunks, entries, request.reach)
@@ -157,9 +170,21 @@ class Leases:
 
     # -- building blocks (region loads use these too) ---------------------------------------
 
+    async def check(self, chunks: Sequence[ChunkId]) -> None:
+        """Verify those of `chunks` adopted and not yet verified (chain/verify.py), so that pin()
+        finds them checked; one whose bytes changed is dropped (a miss)."""
+        if self._verifier is not None:
+            await self._verifier.check(chunks)
+
     def pin(self, chunk: ChunkId) -> RamEntry | None:
-        """Lease `chunk` if RAM holds it (READY): its pages stay put until release()."""
-        return self._ram.acquire(chunk)
+        """Lease `chunk` if RAM holds it (READY): its pages stay put until release(). An adopted
+        chunk not yet verified is verified first (here, blocking, if check() did not)."""
+        entry = self._ram.acquire(chunk)
+        if entry is not None and not entry.verified:
+            if self._verifier is None or not self._verifier.check_now(entry):
+                self._ram.release(entry)
+                return None
+        return entry
 
     def release(self, entries: Sequence[RamEntry]) -> None:
         for entry in entries:

@@ -100,6 +100,7 @@ class RegionLoader:
         """A step per leading chunk that is somewhere: leased, promoting, or to be staged."""
         wanted = [((ns.namespace_id, k), offset) for k, offset in zip(keys, offsets)]
         steps: list[_Step] = []
+        await self._leases.check([c for c, _ in wanted])  # (adopted chunks: verified before their lease)
         # RAM hits pinned before the lookup below awaits: a full RAM would evict them meanwhile.
         leases = {c: entry for c, _ in wanted if (entry := self._leases.pin(c)) is not None}
         ahead = {c: claimed for c, _ in wanted if c not in leases and (claimed := self._staged.claim(c)) is not None}

@@ -7,15 +7,20 @@ from __future__ import annotations
 from kvstored.chain.chain import TierChain
 from kvstored.chunks.ids import TierKind
 from kvstored.io.scheduler import Priority
-from kvstored.observability.snapshot import ChainSnapshot, StagingSnapshot, TierSnapshot
+from kvstored.observability.snapshot import ChainSnapshot, StagingSnapshot, TierSnapshot, VerifySnapshot
 from kvstored.tiers.base import PackUsage
 
 NO_PACKS = PackUsage(0, 0, 0, (0, 0, 0, 0), 0, 0, 0)  # a tier that does not pack
 
 
 def chain_snapshot(chain: TierChain) -> ChainSnapshot:
+    c = chain.ram.counters
     return ChainSnapshot(
-        tier_snapshots(chain), staging_snapshot(chain), chain.ram.resident_bytes, dict(chain.drops.totals)
+        tier_snapshots(chain),
+        staging_snapshot(chain),
+        chain.ram.resident_bytes,
+        dict(chain.drops.totals),
+        VerifySnapshot(chain.ram.unverified_count, c.verified_chunks, c.verified_bytes),
     )
 
 
@@ -43,6 +48,7 @@ def tier_snapshots(chain: TierChain) -> list[TierSnapshot]:
             promotions=c.promotions,
             writedowns=c.writedowns,
             dropped_dirty=c.dropped_dirty,
+            checksum_failures=c.verify_failures,  # (adopted chunks whose bytes changed)
             read_bytes=c.read_bytes,
             written_bytes=c.written_bytes,
         )

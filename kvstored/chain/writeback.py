@@ -17,6 +17,7 @@ import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvstored.chain.lower import ArenaView, LowerTier
 from kvstored.choices import Choice
@@ -25,6 +26,9 @@ from kvstored.events.bus import Cause, EventBus, EventType
 from kvstored.io.scheduler import Priority, TierQueue
 from kvstored.tiers.base import WriteOutcome
 from kvstored.tiers.ram import QuotaScope, RamEntry, RamTier
+
+if TYPE_CHECKING:
+    from kvstored.chain.verify import ChunkVerifier
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +104,9 @@ class WriteBack:
         wait_s: float,
         events: EventBus,
         admits: Admits = _admit_all,
+        verifier: ChunkVerifier | None = None,
     ) -> None:
+        self._verifier = verifier  # an adopted chunk is checked before it is written down
         self._events = events
         self._admits = admits  # a tier that cannot beat recomputing a chunk is not written to
         self._ram = ram
@@ -243,7 +249,7 @@ class WriteBack:
         for lower in self._lower:
             if not self._admits(lower, entry.chunk):
                 continue
-            job = _write_job(lower, entry, views, self._events)
+            job = _write_job(lower, entry, views, self._events, self._verifier)
             future = lower.queue.submit(Priority.WRITEDOWN, job)
             if future is not None:
                 futures.append((lower.queue, future))
@@ -283,10 +289,14 @@ class _WriteDown:
     outcomes: list[WriteOutcome] = field(default_factory=list)
 
 
-def _write_job(lower: LowerTier, entry: RamEntry, views: list[memoryview], events: EventBus):
+def _write_job(
+    lower: LowerTier, entry: RamEntry, views: list[memoryview], events: EventBus, verifier: ChunkVerifier | None
+):
     chunk = entry.chunk
 
     async def job() -> WriteOutcome:
+        if not entry.verified and verifier is not None:
+            await verifier.check_entries([entry])  # (altered: dropped, so unindexed below)
         if not entry.indexed:  # deleted while queued: writing it now would bring it back
             return WriteOutcome.FAILED
         outcome = await lower.timed("write", lower.tier.write(chunk, views, entry.size))

@@ -119,6 +119,21 @@ class KvstoredCollector(Collector):
             "reuse); free pages beyond a small slack go back to the kernel",
             chain.ram_resident_bytes,
         )
+        yield _gauge(
+            "ram_unverified_chunks",
+            "chunks adopted from a hand-over whose bytes are not yet checked against their checksum "
+            "(a background sweep and each chunk's first read check them; 0 once done)",
+            chain.verify.unverified_chunks,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_ram_verified_chunks",
+            "adopted chunks whose bytes matched their hand-over checksum (those that did not are "
+            "the RAM tier's checksum failures: dropped, never served)",
+            value=chain.verify.verified_chunks,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_ram_verified_bytes", "bytes of the verified adopted chunks", value=chain.verify.verified_bytes
+        )
         staging = chain.staging
         yield _gauge(
             "staging_capacity_bytes",

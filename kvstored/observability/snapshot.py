@@ -169,6 +169,15 @@ class StagingSnapshot:
 
 
 @dataclass(frozen=True)
+class VerifySnapshot:
+    """Adopted chunks' bytes checked after a hand-over (kvstored/chain/verify.py)."""
+
+    unverified_chunks: int = 0  # not yet checked (the sweep or its first read will)
+    verified_chunks: int = 0  # checked and matching (the others count as RAM checksum failures)
+    verified_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class ChainSnapshot:
     """One read of the tier chain, filled by the chain (kvstored/chain/stats.py)."""
 
@@ -176,6 +185,7 @@ class ChainSnapshot:
     staging: StagingSnapshot
     ram_resident_bytes: int  # memory the RAM tier's arenas hold
     store_drops: dict[DropReason, int] = field(default_factory=dict)  # chunks stores dropped, by reason
+    verify: VerifySnapshot = field(default_factory=VerifySnapshot)
 
 
 ChainSource = Callable[[], ChainSnapshot]

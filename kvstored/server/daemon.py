@@ -26,6 +26,7 @@ import signal
 import socket
 import stat
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar, cast
@@ -68,7 +69,7 @@ from kvstored.shm.mapping import SharedPool
 from kvstored.shm.memory import PoolMemoryError, PoolPages, PopulateProgress
 from kvstored.sizes import format_size
 from kvstored.tiers.config import TierConfig, TierContext
-from kvstored.tiers.ram import AdoptionError, ChunkRecord, RamTier
+from kvstored.tiers.ram import AdoptionError, RamTier
 from kvstored.tiers.registry import admission_changes
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
@@ -151,6 +152,7 @@ class Daemon:
         self._handed: handover.HandedOver | None = None  # fds of the previous daemon's RAM tier
         self._state: handover.PoolState | None = None  # what they hold, checked
         self._handed_names: list[str] = []
+        self._prehash: asyncio.Task | None = None  # checksums taken while serving, before a hand-over's stop
 
     async def start(self) -> None:
         cfg = self.config
@@ -161,8 +163,10 @@ class Daemon:
             self._release_stored_fds()
         claim_socket_path(cfg.socket)
         claim_socket_path(cfg.session_socket)
-        for warning in memory.check_request(pool_bytes, cfg.pool_pages, cfg.numa_node, cfg.populate):
-            log.warning("%s", warning)  # (what the machine cannot give at all raised PoolMemoryError)
+        # An adopted pool's memory is held already: checked against what is left, a 16 GiB pool on
+        # this 24 GiB machine was refused and the hand-over lost it (a new pool is checked then).
+        if self._state is None:
+            self._check_memory(pool_bytes)
         log.info(
             "kvstored %s: RAM tier %s (%s pages, NUMA %s, populate=%s)",
             __version__,
@@ -192,7 +196,7 @@ class Daemon:
             await self._unless_stopped(preflight(cfg, lower), "stop requested while checking the tiers")
             self.pool = self._adopt_pool(pool_bytes)
             # An adopted pool's pages exist: mapping them all first cost 2.1 s of an 8 GiB hand-over
-            # here; the chunk checksums touch the chunks' pages, the rest fault in as they are used.
+            # here; they fault in as they are used (the verify sweep touches the chunks' pages).
             if cfg.populate and self._state is None:
                 await self._populate_pool()
         except BaseException:
@@ -340,12 +344,15 @@ class Daemon:
         )
         await self.session_server.start()
         if cfg.handover:
-            self.handover_listener = handover.HandoverListener(handover.handover_path(cfg.socket), self.request_stop)
+            self.handover_listener = handover.HandoverListener(
+                handover.handover_path(cfg.socket), self._handover_requested
+            )
             await self.handover_listener.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving on %s (sessions on %s)", cfg.socket, cfg.session_socket)
         notify("READY=1\nSTATUS=serving")
+        self.chain.verifier.start_sweep()  # adopted chunks' bytes (a read checks its own first meanwhile)
 
     def _carry_identities(self, publisher: ZmqEventPublisher, book: IdentityBook, lower: list) -> None:
         """Identities beyond the client's store: kept in fs chunk files and published again after
@@ -497,6 +504,30 @@ class Daemon:
     def request_stop(self) -> None:
         self._stopping.set()
 
+    def _handover_requested(self) -> None:
+        """Checksum what RAM holds while still serving, then stop to hand it over."""
+        if self.config.handover_checksums and self._prehash is None:
+            self._prehash = asyncio.create_task(self._hash_then_stop(), name="kvstored-handover-checksums")
+        else:
+            self._stop_for_handover(0, 0.0)
+
+    async def _hash_then_stop(self) -> None:
+        t = time.perf_counter()
+        try:
+            taken = await self.chain.verifier.hash_unknown()
+        except Exception:  # (the stop takes them then)
+            log.exception("hand-over: chunk checksums not taken while serving")
+            taken = 0
+        self._stop_for_handover(taken, time.perf_counter() - t)
+
+    def _stop_for_handover(self, taken: int, seconds: float) -> None:
+        log.info(
+            "hand-over: stopping to hand the RAM tier over (%d chunk checksums taken while serving, in %.2f s)",
+            taken,
+            seconds,
+        )
+        self.request_stop()
+
     def reload(self) -> None:
         """SIGHUP: read the configuration again; apply the log settings and the tiers' admission
         policies, and name every other change, which needs a restart."""
@@ -556,6 +587,10 @@ class Daemon:
         listener = self.handover_listener
         if listener is not None:
             await listener.stop_listening()
+        if self._prehash is not None:  # (a SIGTERM during it: the stop hashes what it did not)
+            self._prehash.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._prehash
         await self.health.enter_graceful_shutdown()
         await self._close_feeds()  # (their last interval sent first)
         self.chain.events.close()  # event streams end now instead of holding the grace period
@@ -651,6 +686,11 @@ class Daemon:
             self._handed.close()
         self._handed, self._state = None, None
 
+    def _check_memory(self, pool_bytes: int) -> None:
+        cfg = self.config
+        for warning in memory.check_request(pool_bytes, cfg.pool_pages, cfg.numa_node, cfg.populate):
+            log.warning("%s", warning)  # (what the machine cannot give at all raised PoolMemoryError)
+
     def _adopt_pool(self, pool_bytes: int) -> SharedPool:
         """The handed-over pool if there is one that maps as it should, else a new one."""
         cfg = self.config
@@ -662,6 +702,7 @@ class Daemon:
                 os.close(fd)
                 log.warning("RAM tier refused (%s): starting cold", exc)
                 self._drop_handover()
+                self._check_memory(pool_bytes)
         return SharedPool(pool_bytes, populate=False, pages=cfg.pool_pages, numa=cfg.numa_node)
 
     async def _adopt_ram(self, ram: RamTier, state: handover.PoolState) -> None:
@@ -679,35 +720,21 @@ class Daemon:
                     os.close(fd)
                     raise
                 self.tenancy.adopt_tenant(tenant, arena)
-            keep = await self._verified(state)
-            adopted = ram.adopt(state.ram, keep)
+            verify = self.config.handover_checksums
+            if verify and any(r.checksum is None for r in state.ram.chunks):
+                log.info("RAM tier handed over without chunk checksums: chunks without one adopted as is")
+            # Serving starts now: each chunk's bytes are checked before its first read and by the
+            # sweep (chain/verify.py); hashing them all first took 0.81 s of an 8 GiB hand-over.
+            adopted = ram.adopt(state.ram, verify=verify)
         except (AdoptionError, ValueError, OSError, handover.HandoverRefused) as exc:
             log.warning("RAM index refused (%s): RAM starts empty", exc)
             self.tenancy.sweep()
         else:
-            dropped = len(state.ram.chunks) - adopted
-            log.info(
-                "RAM tier adopted: %d chunks%s",
-                adopted,
-                f", {dropped} dropped (altered since the hand-over)" if dropped else "",
-            )
+            log.info("RAM tier adopted: %d chunks, %d to verify before their first read", adopted, ram.unverified_count)
         finally:
             self._drop_handover()
         forget_fds(self._handed_names)  # (systemd's copies: the state describes this RAM no more)
         handover.pause_at(handover.HandoverStep.ADOPTED)
-
-    async def _verified(self, state: handover.PoolState) -> Callable[[ChunkRecord], bool]:
-        """Which chunk records to keep: those whose bytes hash as they did at the hand-over."""
-        if state.checksums is None or not self.config.handover_checksums:
-            if state.checksums is None and self.config.handover_checksums:
-                log.info("RAM tier handed over without chunk checksums: adopted as is")
-            return lambda _record: True
-        page_bytes = self.config.page_bytes
-        now = await asyncio.to_thread(
-            handover.chunk_checksums, state.ram.chunks, self.arenas.view, page_bytes, self.config.copy_threads
-        )
-        good = {id(r) for r, a, b in zip(state.ram.chunks, now, state.checksums, strict=True) if a == b}
-        return lambda record: id(record) in good
 
     async def _hand_over(self, send: Callable[[dict[str, int]], None]) -> None:
         """Snapshot the quiesced RAM tier into a state memfd and send it with the pool's and the
@@ -716,11 +743,16 @@ class Daemon:
         cfg = self.config
         ram = self.ram
         snapshot = ram.snapshot()
-        checksums = None
         if cfg.handover_checksums:
-            checksums = await asyncio.to_thread(
-                handover.chunk_checksums, snapshot.chunks, self.arenas.view, ram.page_bytes, cfg.copy_threads
+            known = sum(r.checksum is not None for r in snapshot.chunks)
+            chunks = await asyncio.to_thread(
+                handover.with_checksums, snapshot.chunks, self.arenas.view, ram.page_bytes, cfg.copy_threads
             )
+            snapshot = dataclasses.replace(snapshot, chunks=chunks)
+            log.info("chunk checksums: %d computed, %d known", len(chunks) - known, known)
+        else:  # (none at all: the next daemon adopts them as they are)
+            chunks = [dataclasses.replace(r, checksum=None) for r in snapshot.chunks]
+            snapshot = dataclasses.replace(snapshot, chunks=chunks)
         recovered = self.namespaces.recovered()
         state = handover.PoolState(
             __version__,
@@ -728,7 +760,6 @@ class Daemon:
             [(ns, recovered.get(ns.namespace_id, ())) for ns in self.namespaces.all()],
             {arena: key for key, arena in self.tenancy.arenas_by_tenant().items()},
             snapshot,
-            checksums,
         )
         fd = handover.write_state_memfd(handover.encode_state(state))
         try:

@@ -4,8 +4,9 @@
 
 What is handed over: the pool memfd, each tenant arena's memfd and a memfd holding the state
 (format, layout, the namespaces, the tenants, every arena's page map, the RAM index in LRU
-order with each chunk's dirty/clean state, and an xxh3-64 of each chunk's bytes), framed with
-an xxh3-128 of itself. The state is written only at hand-over time, complete, after the daemon
+order with each chunk's dirty/clean state, and an xxh3-64 of each chunk's bytes: known since
+it was last checked or sent to a peer, else computed at the stop), framed with an xxh3-128 of
+itself. The state is written only at hand-over time, complete, after the daemon
 has quiesced, so a crashed daemon leaves nothing that could be adopted.
 
 Two ways, the same payload (fds by name):
@@ -16,8 +17,10 @@ Two ways, the same payload (fds by name):
   connection: that end of file tells the new daemon the sockets are free;
 - systemd's fd store (kvstored/server/systemd.py): stored at stop, passed back as LISTEN_FDS.
 
-The new daemon checks what it gets (state checksum, format, layout, then each chunk's bytes);
-anything doubtful is dropped, never served, and a refused state means a cold start.
+The new daemon checks what it gets (state checksum, format, layout) and serves as soon as the
+index and page map check out; each chunk's bytes are checked against its xxh3-64 before its first
+read and by a background sweep (kvstored/chain/verify.py). Anything doubtful is dropped, never
+served, and a refused state means a cold start.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import asyncio
 import contextlib
 import enum
 import fcntl
+import itertools
 import json
 import logging
 import os
@@ -34,7 +38,7 @@ import socket
 import struct
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvstored.namespaces import Namespace
@@ -96,8 +100,7 @@ class PoolState:
     layout: Layout
     namespaces: list[tuple[Namespace, tuple[str, ...]]]  # and the tiers it was recovered from
     tenants: dict[int, str]  # arena id -> tenant key
-    ram: RamSnapshot
-    checksums: list[int] | None  # xxh3-64 of each chunk's bytes, in ram.chunks order (None: not taken)
+    ram: RamSnapshot  # its ChunkRecords carry their xxh3-64 (None: not taken)
 
 
 @dataclass
@@ -166,7 +169,7 @@ def encode_state(state: PoolState) -> bytes:
             for arena, pages in state.ram.arenas.items()
         ],
         "chunks": chunks,
-        "checksums": state.checksums,
+        "checksums": [r.checksum for r in state.ram.chunks],  # (a None: that chunk has none)
     }
     import msgpack
     import xxhash
@@ -197,21 +200,29 @@ def decode_state(frame: bytes) -> PoolState:
             for i, m, d, c, lay, k, b, t, tiers in body["namespaces"]
         ]
         ids = [ns.namespace_id for ns, _ in namespaces]
+        checksums = body["checksums"]
+        if checksums is not None and len(checksums) != len(body["chunks"]):
+            raise HandoverRefused("the state has a checksum count that does not match its chunks")
+        sums = checksums if checksums is not None else itertools.repeat(None)
         chunks = [
-            ChunkRecord((ids[n], bytes(key)), int(size), int(arena), _runs(runs), bool(flags & 1), bool(flags & 2))
-            for n, key, size, arena, runs, flags in body["chunks"]
+            ChunkRecord(
+                (ids[n], bytes(key)),
+                int(size),
+                int(arena),
+                _runs(runs),
+                bool(flags & 1),
+                bool(flags & 2),
+                None if digest is None else int(digest),
+            )
+            for (n, key, size, arena, runs, flags), digest in zip(body["chunks"], sums)
         ]
         arenas = {int(a): ArenaPages(int(total), _runs(holes)) for a, total, holes in body["arenas"]}
-        checksums = body["checksums"]
-        if checksums is not None and len(checksums) != len(chunks):
-            raise HandoverRefused("the state has a checksum count that does not match its chunks")
         return PoolState(
             str(body["version"]),
             Layout(*body["layout"]),
             namespaces,
             {int(a): str(key) for a, key in body["tenants"]},
             RamSnapshot(int(body["ram"][0]), int(body["ram"][1]), arenas, chunks),
-            checksums,
         )
     except HandoverRefused:
         raise
@@ -263,6 +274,16 @@ def read_state_memfd(fd: int) -> PoolState:
 
 
 # -- the chunks' bytes ---------------------------------------------------------------------------
+
+
+def with_checksums(
+    chunks: Sequence[ChunkRecord], view_of: Callable[[int], memoryview], page_bytes: int, threads: int
+) -> list[ChunkRecord]:
+    """The records, each with its xxh3-64: those not known yet computed (chunk_checksums).
+    Blocking: run it in a thread."""
+    missing = [r for r in chunks if r.checksum is None]
+    sums = iter(chunk_checksums(missing, view_of, page_bytes, threads))
+    return [r if r.checksum is not None else replace(r, checksum=next(sums)) for r in chunks]
 
 
 def chunk_checksums(
@@ -335,7 +356,7 @@ class HandoverListener:
                 log.warning("hand-over: ignored a request that is not %r", REQUEST.decode())
                 conn.close()
                 continue
-            log.info("hand-over requested by a new daemon: stopping to hand the RAM tier over")
+            log.info("hand-over requested by a new daemon")
             self._conn = conn
             pause_at(HandoverStep.REQUESTED)
             self._on_request()

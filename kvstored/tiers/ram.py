@@ -97,7 +97,10 @@ class RamEntry:
     writing: bool = False  # a write-down is reading its pages
     touched: bool = False  # used while being written down: keep it afterwards
     probation: bool = False  # promoted and not yet read: its first release puts it at the cold end
-    checksum: int | None = None  # the payload's xxh3-64 once a send to a peer computed it (the bytes never change)
+    checksum: int | None = None  # the payload's xxh3-64 once known (a peer send, a hand-over; the bytes never change)
+    # False: adopted from a hand-over, its bytes not yet checked against `checksum`; no reader
+    # gets it until they are (chain/verify.py), and one that differs is dropped
+    verified: bool = True
 
     @property
     def pinned(self) -> bool:
@@ -116,6 +119,9 @@ class RamCounters:
     dropped_dirty: int = 0  # evicted before a lower tier had a copy (only counted with lower tiers)
     writedowns: int = 0
     promotions: int = 0
+    verified_chunks: int = 0  # adopted chunks whose bytes were checked and matched their hand-over checksum
+    verified_bytes: int = 0
+    verify_failures: int = 0  # adopted chunks whose bytes differed: dropped, never served
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +134,7 @@ class ChunkRecord:
     runs: tuple[PageRun, ...]
     persisted: bool
     probation: bool
+    checksum: int | None = None  # the payload's xxh3-64, if known
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +197,7 @@ class RamTier:
         self._slack_pages = max(1, min(slack_bytes, self.capacity_bytes // SLACK_FRACTION) // page_bytes)
         self._public_releasable = False
         self._releasing_pages = 0  # handed to the releaser, not back yet
+        self._unverified = 0  # indexed entries not yet verified (adopted, see RamEntry.verified)
 
     # -- arenas and memory ----------------------------------------------------------------
 
@@ -287,6 +295,43 @@ class RamTier:
     @property
     def chunk_count(self) -> int:
         return self._ready
+
+    # -- adopted chunks not yet verified (the checking is chain/verify.py) ---------------------
+
+    @property
+    def unverified_count(self) -> int:
+        return self._unverified
+
+    def unverified(self, chunks: Sequence[ChunkId] | None = None) -> list[RamEntry]:
+        """The entries (of `chunks`, or all) still to be verified."""
+        if not self._unverified:
+            return []
+        if chunks is None:
+            return [e for e in self._index.values() if not e.verified]
+        return [e for c in chunks if (e := self._index.get(c)) is not None and not e.verified]
+
+    def unhashed(self) -> list[RamEntry]:
+        """READY chunks whose checksum is not known (a hand-over takes them)."""
+        ready = EntryState.READY
+        return [e for e in self._index.values() if e.state is ready and e.checksum is None]
+
+    def verified(self, entry: RamEntry, matches: bool) -> bool:
+        """A check's result: the entry is verified, or (its bytes differ) dropped and counted.
+        A result for an entry this tier no longer holds, or already checked, changes nothing.
+        Returns whether the entry is (still) readable."""
+        if not entry.indexed:
+            return False
+        if entry.verified:
+            return True
+        if matches:
+            self._unverified -= 1
+            entry.verified = True
+            self.counters.verified_chunks += 1
+            self.counters.verified_bytes += entry.size
+            return True
+        self.counters.verify_failures += 1
+        self.delete(entry.chunk)  # (counted off the unverified by _unindex; a leased one is freed at its release)
+        return False
 
     # -- lookups --------------------------------------------------------------------------
 
@@ -516,18 +561,21 @@ class RamTier:
             e for e in self._index.values() if e.state is ready and e.chunk not in self._lru
         ]
         chunks = [
-            ChunkRecord(e.chunk, e.size, e.arena, tuple(e.runs), e.persisted, e.probation)
+            ChunkRecord(e.chunk, e.size, e.arena, tuple(e.runs), e.persisted, e.probation, e.checksum)
             for e in order
             if e.state is ready and e.indexed
         ]
         arenas = {a: ArenaPages(alloc.total_pages, tuple(alloc.hole_runs())) for a, alloc in self._arenas.items()}
         return RamSnapshot(self.page_bytes, self.capacity_bytes, arenas, chunks)
 
-    def adopt(self, snapshot: RamSnapshot, keep: Callable[[ChunkRecord], bool] = lambda _r: True) -> int:
+    def adopt(
+        self, snapshot: RamSnapshot, keep: Callable[[ChunkRecord], bool] = lambda _r: True, verify: bool = False
+    ) -> int:
         """Take over a snapshot's chunks into an empty tier whose arenas are already added (the
         adopted arenas' memory): the chunks `keep` accepts become READY in their LRU order,
-        the pages of the others free. AdoptionError if anything in it does not add up (this
-        tier is left empty then). Returns the chunks adopted."""
+        the pages of the others free. `verify`: chunks with a checksum are adopted unverified
+        (RamEntry.verified). AdoptionError if anything in it does not add up (this tier is left
+        empty then). Returns the chunks adopted."""
         if self._index:
             raise AdoptionError("adoption into a RAM tier that holds chunks")
         if snapshot.page_bytes != self.page_bytes or snapshot.capacity_bytes != self.capacity_bytes:
@@ -571,6 +619,10 @@ class RamTier:
             entry = RamEntry(record.chunk, record.size, list(record.runs), record.arena, placement.scopes, pages)
             entry.state = EntryState.READY
             entry.persisted, entry.probation = record.persisted, record.probation
+            entry.checksum = record.checksum
+            if verify and record.checksum is not None:
+                entry.verified = False
+                self._unverified += 1
             self._index[record.chunk] = entry
             self._used_pages += pages
             for scope in placement.scopes:
@@ -665,6 +717,7 @@ class RamTier:
         if entry.indexed:
             entry.indexed = False
             self._ready -= entry.state is EntryState.READY
+            self._unverified -= not entry.verified
             del self._index[entry.chunk]
             self._lru_remove(entry)
 

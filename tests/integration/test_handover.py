@@ -46,7 +46,9 @@ def daemons():
 
 
 def make(daemons: list[Daemon], workdir: Path, cpu_bytes: str = "16MiB") -> Daemon:
-    d = Daemon(workdir / "kv.sock", workdir=workdir, cpu_bytes=cpu_bytes)
+    logs = workdir / f"daemon{len(daemons)}"  # (its own log: a second one in workdir would overwrite the first's)
+    logs.mkdir()
+    d = Daemon(workdir / "kv.sock", workdir=logs, cpu_bytes=cpu_bytes)
     daemons.append(d)
     return d
 
@@ -220,8 +222,75 @@ def test_chunk_changed_after_the_snapshot_is_dropped_not_served(daemons, workdir
     public, tenant = where(new, data)
     assert public == [Tier.NONE] * len(public), new.log
     assert tenant == [Tier.RAM], new.log  # (in its own arena, untouched)
-    assert f"{len(public)} dropped" in new.log
+    assert wait_for(lambda: SWEPT in new.log), new.log
+    assert f"1 chunks ({CHUNK // 1024}.0 KiB) matched, {len(public)} dropped" in new.log
     new.stop()
+
+
+SWEPT = "every adopted chunk verified"
+METRICS = ["--metrics-addr", "127.0.0.1:0"]
+
+
+def scrape(d: Daemon):
+    from tests.integration.test_metrics import Scrape
+    from tests.integration.test_metrics import scrape as get
+
+    return Scrape(get(d))
+
+
+def test_chunks_altered_after_adoption_before_their_first_load_are_misses_and_counted(daemons, workdir, ns_name):
+    """The new daemon serves before it has checked the chunks' bytes: one altered after the
+    hand-over (here: while the new daemon is stopped right after adopting the index, before
+    serving) is a miss at its first load or at the sweep, whichever comes first, never wrong bytes."""
+    old = make(daemons, workdir).start()
+    data = fill(old, ns_name, tenant_n=1)
+    new = make(daemons, workdir)
+    new.spawn(METRICS, env={PAUSE: "adopted"})
+    assert old.wait() == 0, old.log
+    assert wait_for(lambda: stopped(new)), new.log
+    assert "48 to verify before their first read" in new.log or "49 to verify" in new.log, new.log
+    pool = memfd_of(new, "kvstored-pool")
+    for offset in range(0, 16 << 20, CHUNK):  # every public chunk's first byte
+        flip_byte(pool, offset)
+    os.kill(new.pid, signal.SIGCONT)
+    new.wait_ready()
+    public, tenant = where(new, data)
+    assert public == [Tier.NONE] * len(public), new.log
+    assert tenant == [Tier.RAM], new.log
+    assert wait_for(lambda: SWEPT in new.log), new.log
+    m = scrape(new)
+    assert m.value("kvstored_tier_checksum_failures_total", tier="ram", kind="ram") == len(public)
+    assert m.value("kvstored_ram_verified_chunks_total") == 1
+    assert m.value("kvstored_ram_unverified_chunks") == 0
+    new.stop()
+
+
+def test_the_sweep_verifies_every_adopted_chunk_and_the_next_stop_reuses_the_checksums(daemons, workdir, ns_name):
+    old = make(daemons, workdir).start()
+    data = fill(old, ns_name)
+    n = len(data["keys"]) + len(data["tkeys"])
+    new = make(daemons, workdir)
+    hand_over(old, new, METRICS)
+    # The old daemon took the checksums while still serving: its stop had none left to take.
+    assert f"({n} chunk checksums taken while serving" in old.log and "chunk checksums: 0 computed" in old.log
+    assert wait_for(lambda: SWEPT in new.log), new.log
+    assert f"{n} chunks ({n * CHUNK // 1024 // 1024}.0 MiB) matched, 0 dropped" in new.log, new.log
+    m = scrape(new)
+    assert m.value("kvstored_ram_unverified_chunks") == 0
+    assert m.value("kvstored_ram_verified_chunks_total") == n
+    assert m.value("kvstored_ram_verified_bytes_total") == n * CHUNK
+    assert m.value("kvstored_tier_checksum_failures_total", tier="ram", kind="ram") == 0
+    # Verified (and now known), the next hand-over hashes only what was stored since.
+    more = make_keys("after-adoption", 8)
+    with new.client() as kv:
+        ns = kv.register_namespace(model=data["model"], dtype="u8", chunk_bytes=CHUNK)
+        assert kv.store(ns, more, payloads(more, CHUNK)).stored == len(more)
+    newer = make(daemons, workdir)
+    hand_over(new, newer)
+    assert f"({len(more)} chunk checksums taken while serving" in new.log, new.log
+    assert f"chunk checksums: 0 computed, {n + len(more)} known" in new.log
+    assert where(newer, data) == ([Tier.RAM] * len(data["keys"]), [Tier.RAM] * len(data["tkeys"]))
+    newer.stop()
 
 
 def test_layout_mismatch_is_refused(daemons, workdir, ns_name):
