@@ -76,10 +76,14 @@ def bench(script: str) -> list[str]:
     return [sys.executable, "-m", f"bench.{script.removesuffix('.py')}"]
 
 
-def bench_help(script: str) -> str:
-    proc = subprocess.run(
-        [*bench(script), "--help"], capture_output=True, text=True, timeout=300, env=clean_env(), cwd=REPO_ROOT
+def run_bench(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*bench(script), *args], capture_output=True, text=True, timeout=timeout, env=clean_env(), cwd=REPO_ROOT
     )
+
+
+def bench_help(script: str) -> str:
+    proc = run_bench(script, "--help")
     assert proc.returncode == 0, proc.stderr
     return " ".join(proc.stdout.split())  # argparse wraps lines
 
@@ -123,14 +127,7 @@ def test_multiturn_model_flag_names_both_models_and_defaults_to_the_seeds():
 
 def dry_run(tmp_path, *args: str) -> dict:
     out = tmp_path / "plan.json"
-    proc = subprocess.run(
-        [*bench("multiturn"), "--dry-run", "--json", str(out), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=clean_env(),
-        cwd=REPO_ROOT,
-    )
+    proc = run_bench("multiturn", "--dry-run", "--json", str(out), *args)
     assert proc.returncode == 0, proc.stderr
     assert "results" not in json.loads(out.read_text())  # nothing ran
     return json.loads(out.read_text())["model"] | {"stdout": proc.stdout}
@@ -182,40 +179,34 @@ def test_multiturn_small_run_reports_rows_with_their_limits(tmp_path, transfer):
     moving chunks as vLLM's tier does (region) or as the direct spec does (pool): the JSON has the
     target rows (name, value, baseline, ratio, target, status) and what bounds each."""
     out = tmp_path / "run.json"
-    proc = subprocess.run(
-        [
-            *bench("multiturn"),
-            "--conversations",
-            "4",
-            "--configs",
-            "none,ram,ram+fs",
-            "--initial-tokens",
-            "8192",
-            "--turn-tokens",
-            "4096",
-            "--turns",
-            "3",
-            "--think-s",
-            "0.5",
-            "--gpu-tokens",
-            "16384",
-            "--ram-conversations",
-            "1",
-            "--fs-conversations",
-            "8",
-            "--no-limits",
-            "--transfer",
-            transfer,
-            "--workdir",
-            str(tmp_path / "work"),
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
+    proc = run_bench(
+        "multiturn",
+        "--conversations",
+        "4",
+        "--configs",
+        "none,ram,ram+fs",
+        "--initial-tokens",
+        "8192",
+        "--turn-tokens",
+        "4096",
+        "--turns",
+        "3",
+        "--think-s",
+        "0.5",
+        "--gpu-tokens",
+        "16384",
+        "--ram-conversations",
+        "1",
+        "--fs-conversations",
+        "8",
+        "--no-limits",
+        "--transfer",
+        transfer,
+        "--workdir",
+        str(tmp_path / "work"),
+        "--json",
+        str(out),
         timeout=600,
-        env=clean_env(),
-        cwd=REPO_ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
@@ -258,14 +249,7 @@ def test_restart_small_run_keeps_every_chunk_a_byte_exact_ram_hit_only_with_the_
     """bench.restart on a 64 MiB RAM tier: after the hand-over every chunk is a RAM hit and loads
     byte-exact, without a second pool, three times over; after the cold restart (RAM only) none is."""
     out = tmp_path / "restart.json"
-    proc = subprocess.run(
-        [*bench("restart"), "--cpu-bytes", "64MiB", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=clean_env(),
-        cwd=REPO_ROOT,
-    )
+    proc = run_bench("restart", "--cpu-bytes", "64MiB", "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     *handovers, cold = doc["results"]
@@ -289,14 +273,7 @@ SCALE_DESIGNS = ["mesh", "coalesced", "directory", "redis", "router"]
 
 def scale_out(tmp_path, *args: str) -> dict:
     out = tmp_path / "scale.json"
-    proc = subprocess.run(
-        [*bench("scale_out"), "--json", str(out), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=clean_env(),
-        cwd=REPO_ROOT,
-    )
+    proc = run_bench("scale_out", "--json", str(out), *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(out.read_text()) | {"stdout": proc.stdout}
 
@@ -389,14 +366,7 @@ def test_multiturn_help_names_the_multi_node_mode_and_its_set_ups():
 
 def test_multiturn_nodes_dry_run_plans_the_nodes(tmp_path):
     out = tmp_path / "plan.json"
-    proc = subprocess.run(
-        [*bench("multiturn"), "--nodes", "3", "--dry-run", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=clean_env(),
-        cwd=REPO_ROOT,
-    )
+    proc = run_bench("multiturn", "--nodes", "3", "--dry-run", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())
     assert "results" not in doc and doc["benchmark"] == "multiturn-nodes" and doc["nodes"] == 3
@@ -413,14 +383,7 @@ def test_multiturn_directory_dry_run_plans_its_set_ups(tmp_path):
     the plan (no cluster started for a dry run)."""
     assert "--directory" in bench_help("multiturn.py")
     out = tmp_path / "plan.json"
-    proc = subprocess.run(
-        [*bench("multiturn"), "--nodes", "4", "--directory", "--dry-run", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=clean_env(),
-        cwd=REPO_ROOT,
-    )
+    proc = run_bench("multiturn", "--nodes", "4", "--directory", "--dry-run", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())
     assert doc["nodes"] == 4 and "Redis Cluster" in doc["directory"] and "results" not in doc
@@ -436,42 +399,36 @@ def test_multiturn_nodes_small_run_reports_peer_hits_and_rows(tmp_path):
     radosgw, or moto_server where Ceph is missing). A turn always lands on the other node, so only
     the peer tier and the shared bucket find the previous turn's chunks."""
     out = tmp_path / "run.json"
-    proc = subprocess.run(
-        [
-            *bench("multiturn"),
-            "--nodes",
-            "2",
-            "--conversations",
-            "4",
-            "--initial-tokens",
-            "8192",
-            "--turn-tokens",
-            "4096",
-            "--turns",
-            "3",
-            "--think-s",
-            "0.5",
-            "--gpu-tokens",
-            "16384",
-            "--ram-conversations",
-            "2",
-            "--fs-conversations",
-            "8",
-            "--s3-fs-conversations",
-            "2",
-            "--settle-s",
-            "0.5",
-            "--no-limits",
-            "--workdir",
-            str(tmp_path / "work"),
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
+    proc = run_bench(
+        "multiturn",
+        "--nodes",
+        "2",
+        "--conversations",
+        "4",
+        "--initial-tokens",
+        "8192",
+        "--turn-tokens",
+        "4096",
+        "--turns",
+        "3",
+        "--think-s",
+        "0.5",
+        "--gpu-tokens",
+        "16384",
+        "--ram-conversations",
+        "2",
+        "--fs-conversations",
+        "8",
+        "--s3-fs-conversations",
+        "2",
+        "--settle-s",
+        "0.5",
+        "--no-limits",
+        "--workdir",
+        str(tmp_path / "work"),
+        "--json",
+        str(out),
         timeout=600,
-        env=clean_env(),
-        cwd=REPO_ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
@@ -508,19 +465,13 @@ def test_multiturn_nodes_kv_route_follows_dynamos_index(tmp_path):
     beside round robin. Each conversation stays on the node that holds its chunks, so it finds
     them there: no peer fetches, where round robin fetches every later turn from the other node."""
     out = tmp_path / "run.json"
-    proc = subprocess.run(
-        [
-            *bench("multiturn"),
-            *("--nodes", "2", "--route", "kv", "--configs", "ram+fs+peer", "--conversations", "4"),
-            *("--initial-tokens", "8192", "--turn-tokens", "4096", "--turns", "3", "--think-s", "0.5"),
-            *("--gpu-tokens", "16384", "--ram-conversations", "2", "--fs-conversations", "8", "--settle-s", "0.5"),
-            *("--no-limits", "--workdir", str(tmp_path / "work"), "--json", str(out)),
-        ],
-        capture_output=True,
-        text=True,
+    proc = run_bench(
+        "multiturn",
+        *("--nodes", "2", "--route", "kv", "--configs", "ram+fs+peer", "--conversations", "4"),
+        *("--initial-tokens", "8192", "--turn-tokens", "4096", "--turns", "3", "--think-s", "0.5"),
+        *("--gpu-tokens", "16384", "--ram-conversations", "2", "--fs-conversations", "8", "--settle-s", "0.5"),
+        *("--no-limits", "--workdir", str(tmp_path / "work"), "--json", str(out)),
         timeout=600,
-        env=clean_env(),
-        cwd=REPO_ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
@@ -537,14 +488,7 @@ def test_multiturn_nodes_kv_route_follows_dynamos_index(tmp_path):
 @pytest.mark.parametrize("flag", ["--load-batch", "--store-batch"])
 def test_vllm_tier_refuses_a_batch_larger_than_vllms_cpu_tier(flag):
     # 200 x 2 MiB is more than the 256 MiB CPU tier: the run would wait for room that never frees.
-    proc = subprocess.run(
-        [*bench("vllm_tier"), flag, "200", "--primary", "256MiB"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=clean_env(),
-        cwd=REPO_ROOT,
-    )
+    proc = run_bench("vllm_tier", flag, "200", "--primary", "256MiB")
     assert proc.returncode == 2, proc.stderr
     assert f"{flag} 200 x 2 MiB chunks does not fit vLLM's CPU tier" in proc.stderr
     assert "use at most 128" in proc.stderr
