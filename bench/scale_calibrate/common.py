@@ -7,8 +7,10 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import statistics
 import subprocess
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,3 +82,13 @@ def new_keys(n: int, tag: str) -> list[bytes]:
 def batches(keys: Sequence[bytes], n: int) -> Iterator[Sequence[bytes]]:
     for i in range(0, len(keys), n):
         yield keys[i : i + n]
+
+
+def timed(call: Callable[[], object], reps: int) -> float:
+    """The median wall time of `reps` calls."""
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from bench.lib.daemons import process_cpu_seconds
-from bench.scale_calibrate.common import SMALL, WAIT_S, batches, new_keys, ns_fields, rss_anon
+from bench.scale_calibrate.common import SMALL, WAIT_S, batches, new_keys, ns_fields, rss_anon, timed
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from tests.support.cluster import PeerDaemon
 from tests.support.daemon import short_tmpdir, stop_all
@@ -174,9 +174,9 @@ def _measure(rig: Rig, reps: int) -> dict[str, Any]:
         for label, keys in (("one_key", misses[:1]), ("keys_64", misses)):
             s0 = rig.status()
             t0, d0, p0, r0 = rig.cpu()
-            on_d = _timed(functools.partial(kv_d.lookup, ns_d, keys), reps)
+            on_d = timed(functools.partial(kv_d.lookup, ns_d, keys), reps)
             t1, d1, p1, r1 = rig.cpu()
-            on_p = _timed(functools.partial(kv_p.lookup, ns_p, keys), reps)
+            on_p = timed(functools.partial(kv_p.lookup, ns_p, keys), reps)
             t2, _, p2, _ = rig.cpu()
             asked = rig.status().lookup_chunks - s0.lookup_chunks
             d_work = d1 - d0 - d_idle * (t1 - t0)
@@ -209,15 +209,6 @@ def _wait(check: Callable[[], bool]) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("the directory never caught up with D's changes")
         time.sleep(0.05)
-
-
-def _timed(call: Callable[[], object], reps: int) -> float:
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
 
 
 CLIENT_KEYS = 10_000

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 import grpc
 import numpy as np
 
 from bench.lib.daemons import process_cpu_seconds
-from bench.scale_calibrate.common import SMALL, new_keys, ns_fields
+from bench.scale_calibrate.common import SMALL, new_keys, ns_fields, timed
 from bench.scale_calibrate.daemons import Pair
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
@@ -91,12 +90,3 @@ def measure_lookups_and_fetch(pair: Pair, reps: int) -> dict[str, Any]:
             "round_trip_ms": (peer - local) * 1e3,
         }
     return out
-
-
-def timed(call: Callable[[], object], reps: int) -> float:
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
