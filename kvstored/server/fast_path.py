@@ -38,9 +38,8 @@ KINDS = frozenset(FAST_METHODS.values())  # the SessionRequest fields served her
 # Answered at once, in order, before the connection's next packet is read: no task of their own
 # needed, and clients may post them without waiting (kvstored_client.fast.FastLink.post).
 NEVER_WAIT = frozenset({"commit", "release"})
-# (Every other kind, the region copies included, is run at once and, if it has to wait, carried
-# on by a task of the connection (eager.py), so a copy waiting on a lower tier never holds up
-# the session's other calls.)
+# (Every other kind, the region copies included, runs in a task of its own, so a copy waiting
+# on a lower tier never holds up the session's other calls.)
 
 
 Observe = Callable[[str, str, str, float], None]  # (service, method, status code name, seconds)

@@ -25,7 +25,6 @@ from pathlib import Path
 
 from kvstored.errors import KvstoredError
 from kvstored.server.broker import SessionBroker
-from kvstored.server.eager import eager_task
 from kvstored.server.errors import status_for
 from kvstored.server.fast_path import KINDS as FAST_KINDS
 from kvstored.server.fast_path import NEVER_WAIT, FastPath
@@ -180,10 +179,11 @@ class SessionSocketServer:
                         if kind in NEVER_WAIT:
                             await _reply(conn, session, answer)
                         else:  # may wait (room, a promotion): the connection keeps being read meanwhile
-                            task = eager_task(_reply(conn, session, answer), kind)
-                            if task is not None:
-                                in_flight.add(task)
-                                task.add_done_callback(in_flight.discard)
+                            # A task of its own from the first step: a deadline it enters (the
+                            # directory's, a peer fetch's) must cancel it, never this connection's.
+                            task = asyncio.get_running_loop().create_task(_reply(conn, session, answer), name=kind)
+                            in_flight.add(task)
+                            task.add_done_callback(in_flight.discard)
                     elif kind == "hello" and session is None:
                         hello = request.hello
                         session = self._broker.open(hello.client_name, hello.arenas, hello.pins_pool)
