@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import xxhash
@@ -84,11 +85,16 @@ def decode_header(raw: bytes | memoryview) -> ChunkHeader:
 
 def verify(header: ChunkHeader, chunk: ChunkId, size: int, views) -> None:
     """Raise CorruptChunk unless the header names `chunk`, the length matches and the checksum holds."""
+    verify_digest(header, chunk, size, lambda: checksum(views, size))
+
+
+def verify_digest(header: ChunkHeader, chunk: ChunkId, size: int, digest: Callable[[], int]) -> None:
+    """verify(), with the payload's xxh3-64 from `digest` (called once the header checks out)."""
     if (header.namespace_id, header.key) != chunk:
         raise CorruptChunk("header names another chunk")
     if header.payload_len != size:
         raise CorruptChunk(f"payload is {header.payload_len} bytes, expected {size}")
-    if checksum(views, size) != header.checksum:
+    if digest() != header.checksum:
         raise CorruptChunk("payload checksum mismatch")
 
 

@@ -50,8 +50,9 @@ from botocore.exceptions import (
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from kvstored.chunks import chunkfile
-from kvstored.chunks.chunkfile import HEADER_BYTES, CorruptChunk
+from kvstored.chunks.chunkfile import HEADER_BYTES
 from kvstored.chunks.ids import ChunkId, RemovalCause, TierKind
+from kvstored.chunks.receiver import RecordReceiver
 from kvstored.chunks.views import trim
 from kvstored.errors import TierUnavailable
 from kvstored.io.breaker import CircuitBreaker, Permit
@@ -145,9 +146,12 @@ class _DeleteClaim:
 
 
 @dataclass(frozen=True)
-class _Body:
-    length: int  # the object's length
-    data: bytes | None  # its bytes, unless the length was wrong (then it is not read)
+class _Received:
+    """A GET of a chunk's record into the caller's views."""
+
+    length: int  # the object's (or the range's) length, as the server answered
+    read: bool  # False: that length was wrong and the body was not read
+    problem: str | None  # None: the views hold the chunk's verified payload
 
 
 PREFLIGHT_S = 5.0  # the most the check before populating waits for an endpoint (timeout_s if less)
@@ -454,7 +458,7 @@ class S3Tier(SecondaryTier):
             return False
         key = self._key(chunk)
         try:
-            body = await self._call(lambda: self._get(key, HEADER_BYTES + size))
+            got = await self._call(lambda: self._receive(key, RecordReceiver(chunk, size, targets)))
         except _Skipped:
             return False
         except S3Failure as exc:
@@ -464,11 +468,7 @@ class S3Tier(SecondaryTier):
             else:
                 self._failed("read", key, exc)
             return False
-        try:
-            problem = await self._off_loop(_deliver, body, chunk, size, targets)
-        except _Skipped:
-            return False
-        if problem is not None:
+        if (problem := got.problem) is not None:
             self.counters.checksum_failures += 1
             log.warning("s3 tier %s: corrupt object %s deleted: %s", self.name, key, problem)
             self._index.discard(chunk)
@@ -478,7 +478,7 @@ class S3Tier(SecondaryTier):
         self.counters.reads += 1
         self.counters.read_bytes += size
         if self._index.touch(chunk) is None and chunk not in self._pending:
-            self._index.insert(chunk, body.length, time.time())
+            self._index.insert(chunk, got.length, time.time())
         return True
 
     async def remove(self, chunk: ChunkId) -> bool:
@@ -589,11 +589,19 @@ class S3Tier(SecondaryTier):
             self._index.insert(chunk, int(head.get("ContentLength", 0)), time.time())
         return True
 
-    async def _get(self, key: str, expected: int) -> _Body:
-        response = await self._client.get_object(Bucket=self.bucket, Key=key)
-        async with response["Body"] as stream:  # closes the connection if the body is left unread
+    async def _receive(self, key: str, receiver: RecordReceiver, start: int | None = None) -> _Received:
+        """GET the object `key` (or its record at `start`) into the receiver's views, verified:
+        the body is never held whole (one copy of each byte, on the loop, as it arrives). A new
+        receiver per attempt: a retry starts over."""
+        expected = receiver.expected
+        ranged = {} if start is None else {"Range": f"bytes={start}-{start + expected - 1}"}
+        response = await self._client.get_object(Bucket=self.bucket, Key=key, **ranged)
+        async with response["Body"] as body:  # closes the connection if the body is left unread
             length = int(response["ContentLength"])
-            return _Body(length, await stream.read() if length == expected else None)
+            if length != expected:
+                return _Received(length, False, f"object is {length} bytes, expected {expected}")
+            await _stream_into(body, receiver)
+            return _Received(length, True, receiver.problem())
 
     async def _put(
         self, chunk: ChunkId, views: Sequence[memoryview], size: int, victims: list[_DeleteClaim]
@@ -766,7 +774,7 @@ class S3Tier(SecondaryTier):
             await asyncio.sleep(delay)
 
 
-# -- CPU work on a chunk (the tier's threads) -----------------------------------------------
+# -- a chunk's bytes: encoded in the tier's threads, received on the loop ---------------------
 
 
 def _encode(chunk: ChunkId, views: Sequence[memoryview], size: int) -> bytes:
@@ -776,27 +784,21 @@ def _encode(chunk: ChunkId, views: Sequence[memoryview], size: int) -> bytes:
     return b"".join([header, *parts])
 
 
-def _deliver(body: _Body, chunk: ChunkId, size: int, targets: Sequence[memoryview]) -> str | None:
-    """Verify the object and copy its payload into `targets`; or say why it is not `chunk`'s
-    verified payload (then nothing is copied)."""
-    problem = _check(body, chunk, size)
-    if problem is not None or body.data is None:
-        return problem
-    payload = memoryview(body.data)[HEADER_BYTES:]
-    offset = 0
-    for target in targets:
-        target[:] = payload[offset : offset + len(target)]
-        offset += len(target)
-    return None
-
-
-def _check(body: _Body, chunk: ChunkId, size: int) -> str | None:
-    """Why the object is not `chunk`'s verified payload of `size` bytes (None: it is)."""
-    if body.data is None or len(body.data) != HEADER_BYTES + size:
-        return f"object is {body.length} bytes, expected {HEADER_BYTES + size}"
-    data = memoryview(body.data)
-    try:
-        chunkfile.verify(chunkfile.decode_header(data[:HEADER_BYTES]), chunk, size, [data[HEADER_BYTES:]])
-    except CorruptChunk as exc:
-        return str(exc)
-    return None
+async def _stream_into(body: Any, receiver: RecordReceiver) -> None:
+    """Feed a response body to the receiver piece by piece as the connection delivers them:
+    aiohttp's buffers as they are (no join), or 1 MiB reads from another HTTP backend."""
+    content = getattr(getattr(body, "raw_stream", None), "content", None)
+    if isinstance(content, aiohttp.StreamReader):
+        while True:
+            piece, _ = await content.readchunk()
+            if not piece:
+                if content.at_eof():
+                    return
+                continue  # an HTTP chunk boundary: no data
+            receiver.feed(piece)
+            if receiver.received > receiver.expected:
+                return  # more than its length: problem() says so
+    while piece := await body.read(1 << 20):
+        receiver.feed(piece)
+        if receiver.received > receiver.expected:
+            return

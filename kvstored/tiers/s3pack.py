@@ -52,11 +52,12 @@ from kvstored.chunks import chunkfile, packfile
 from kvstored.chunks.chunkfile import HEADER_BYTES
 from kvstored.chunks.ids import ChunkId, RemovalCause
 from kvstored.chunks.packfile import PACKS_DIR, TAIL_BYTES, CorruptPack, NeedTail, PackEntry, UnsupportedPack
+from kvstored.chunks.receiver import RecordReceiver
 from kvstored.chunks.views import trim
 from kvstored.sizes import format_size
 from kvstored.tiers.base import PackUsage, TierUsage, WriteOutcome
 from kvstored.tiers.packindex import Pack, PackIndex
-from kvstored.tiers.s3 import Fault, S3Failure, S3Tier, _Body, _deliver, _encode, _Skipped
+from kvstored.tiers.s3 import Fault, S3Failure, S3Tier, _encode, _Skipped
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -276,8 +277,9 @@ class PackedS3Tier(S3Tier):
         targets = trim(views, size)
         buffered = self._buffered.get(chunk)
         if buffered is not None:  # still in memory (open, or its pack on its way)
-            record = buffered.records[chunk]
-            return await self._serve(_Body(len(record), record), chunk, size, targets)
+            receiver = RecordReceiver(chunk, size, targets)
+            receiver.feed(buffered.records[chunk])
+            return self._served(chunk, size, receiver.problem())
         found = self._packs.find(chunk)
         if found is None:
             return chunk in self._index and await super().read(chunk, views, size)
@@ -289,7 +291,7 @@ class PackedS3Tier(S3Tier):
             self.skipped += 1
             return False
         try:
-            body = await self._call(lambda: self._get_range(pack.key, entry.offset, entry.record_bytes))
+            got = await self._call(lambda: self._receive(pack.key, RecordReceiver(chunk, size, targets), entry.offset))
         except _Skipped:
             return False
         except S3Failure as exc:
@@ -300,13 +302,13 @@ class PackedS3Tier(S3Tier):
             else:
                 self._failed("read", pack.key, exc)
             return False
-        if body.data is None:  # shorter than its index says: the object was truncated or replaced
+        if not got.read:  # shorter than its index says: the object was truncated or replaced
             self.counters.checksum_failures += 1
             self._forget(pack, "truncated", delete=True)
             return False
         if self._packs.find(chunk) is None:  # dropped while the GET ran (deleted, expired)
             return False
-        return await self._serve(body, chunk, size, targets, pack)
+        return self._served(chunk, size, got.problem, pack)
 
     async def remove(self, chunk: ChunkId) -> bool:
         """Stop serving the chunk. A packed record stays in its object until the pack expires or
@@ -729,10 +731,10 @@ class PackedS3Tier(S3Tier):
         want = min(size, TAIL_BYTES)
         for _ in range(2):
             tail = await send(functools.partial(self._get_range, key, size - want, want))
-            if tail.data is None:  # not the size it was listed with: replaced or truncated meanwhile
+            if tail is None:  # not the size it was listed with: replaced or truncated meanwhile
                 raise S3Failure(Fault.NOT_FOUND, "changed since listed")
             try:
-                got = packfile.decode_index(tail.data, size)
+                got = packfile.decode_index(tail, size)
             except UnsupportedPack as exc:
                 log.warning("s3 tier %s: pack %s left alone: %s", self.name, key, exc)
                 self._remember_gone(key)
@@ -750,21 +752,16 @@ class PackedS3Tier(S3Tier):
 
     # -- reads ------------------------------------------------------------------------------
 
-    async def _get_range(self, key: str, start: int, length: int) -> _Body:
+    async def _get_range(self, key: str, start: int, length: int) -> bytes | None:
+        """Bytes [start, start + length) of the object (None: it is shorter than that). For the
+        small reads (a pack's index); a chunk's record streams into its views (_receive)."""
         response = await self._client.get_object(
             Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}"
         )
         async with response["Body"] as stream:  # closes the connection if the body is left unread
-            got = int(response["ContentLength"])
-            return _Body(got, await stream.read() if got == length else None)
+            return await stream.read() if int(response["ContentLength"]) == length else None
 
-    async def _serve(
-        self, body: _Body, chunk: ChunkId, size: int, targets: Sequence[memoryview], pack: Pack | None = None
-    ) -> bool:
-        try:
-            problem = await self._off_loop(_deliver, body, chunk, size, targets)
-        except _Skipped:
-            return False
+    def _served(self, chunk: ChunkId, size: int, problem: str | None, pack: Pack | None = None) -> bool:
         if problem is not None:
             self._corrupt(chunk, pack, problem)
             return False

@@ -20,6 +20,7 @@ from kvstored.chunks import chunkfile
 from kvstored.chunks.chunkfile import HEADER_BYTES
 from kvstored.chunks.chunkfile import parse_relpath as _parse_key
 from kvstored.chunks.ids import RemovalCause
+from kvstored.chunks.receiver import RecordReceiver
 from kvstored.errors import TierUnavailable
 from kvstored.io.breaker import BreakerState, CircuitBreaker
 from kvstored.tiers.base import AdmissionPolicy, TierUsage, WriteOutcome
@@ -211,9 +212,11 @@ async def test_concurrent_writes_of_one_chunk_send_one_put(make_tier):
     assert tier.requests - before == 1
 
 
-async def test_chunks_are_encoded_verified_and_copied_off_the_event_loop(make_tier, monkeypatch):
-    """The checksum of a PUT body and of a GET body (and the copies around them) run in the
-    tier's threads, as the fs tier's do: a 2 MiB chunk on the loop stalls every other request."""
+async def test_a_put_body_is_encoded_off_the_loop_and_a_get_body_lands_in_pieces(make_tier, monkeypatch):
+    """A PUT's checksum and copy run in the tier's threads, as the fs tier's do (a 2 MiB chunk on
+    the loop stalls every other request). A GET's body is never held whole: each piece the
+    connection delivers goes straight into the views and the running checksum (one copy, a few
+    microseconds of the loop per piece), verified once the last piece is in."""
     tier = await make_tier()
     loop_thread = threading.current_thread()
     threads: list[threading.Thread] = []
@@ -224,11 +227,21 @@ async def test_chunks_are_encoded_verified_and_copied_off_the_event_loop(make_ti
         return real_checksum(views, size)
 
     monkeypatch.setattr(chunkfile, "checksum", checksum)
+    pieces: list[int] = []
+    real_feed = RecordReceiver.feed
+
+    def feed(self, piece) -> None:
+        pieces.append(len(piece))
+        real_feed(self, piece)
+
+    monkeypatch.setattr(RecordReceiver, "feed", feed)
     chunk = new_chunk()
-    data = await stored(tier, chunk)
-    dst = Pages([3])
-    assert await tier.read(chunk, dst.views, len(data)) and dst.bytes(len(data)) == data
-    assert len(threads) == 2 and loop_thread not in threads
+    size = 512 * PAGE  # 2 MiB
+    data = await stored(tier, chunk, size, split=(256, 256))
+    assert len(threads) == 1 and loop_thread not in threads
+    dst = Pages([300, 212])
+    assert await tier.read(chunk, dst.views, size) and dst.bytes(size) == data
+    assert sum(pieces) == HEADER_BYTES + size and max(pieces) < size
 
 
 async def test_a_closed_tier_refuses_writes_and_reads_without_raising(make_tier):
