@@ -212,6 +212,8 @@ def _wait(check: Callable[[], bool]) -> None:
 
 
 CLIENT_KEYS = 10_000
+LOOKUP_KEYS = 16  # (the directory's buckets: one lookup's keys span at most that many slots)
+LOOKUP_REPS = 2_000
 
 
 def measure_clients(rc: RedisCluster) -> dict[str, Any]:
@@ -243,7 +245,7 @@ def measure_clients(rc: RedisCluster) -> dict[str, Any]:
     url = parse_url(rc.url)
     seed = url.nodes[0]
 
-    async def through_the_daemons_client() -> tuple[float, dict[int, tuple[str, int]]]:
+    async def through_the_daemons_client() -> tuple[float, float, dict[int, tuple[str, int]]]:
         commands = Commands(layout, "10.0.0.1:7070", 0x1F, entry_ttl_s=600, heartbeat_ttl_s=3)
         client = ClusterClient(url.nodes, url.username, url.password)
         await client.refresh()
@@ -254,11 +256,22 @@ def measure_clients(rc: RedisCluster) -> dict[str, Any]:
                 commands.gained(batch, TierKind.RAM, chunk)
             await client.execute(batch)
             per_key = (time.process_time() - c0) / CLIENT_KEYS
-            owner = {}
-            for slot in range(16384):
-                if client.map is not None and (address := client.map.owner(slot)) is not None:
-                    owner[slot] = address
-            return per_key, owner
+            assert client.map is not None
+            owner = {slot: a for slot in range(16384) if (a := client.map.owner(slot)) is not None}
+            # a lookup's cost per master it asks: LOOKUP_KEYS keys in one bucket (one slot: one
+            # master) against as many keys spread over every bucket (every master)
+            one = [c for c in chunks if layout.bucket(c[1]) == 0][:LOOKUP_KEYS]
+            spread = [next(c for c in chunks if layout.bucket(c[1]) == b) for b in range(layout.buckets)]
+            masters = len({owner[commands.chunk_key(c)[1]] for c in spread})
+            cost = {}
+            for label, asked in (("one", one), ("spread", spread[:LOOKUP_KEYS])):
+                _, lookup = commands.holders(asked)
+                c0 = time.process_time()
+                for _ in range(LOOKUP_REPS):
+                    await client.execute(lookup)
+                cost[label] = (time.process_time() - c0) / LOOKUP_REPS
+            per_master = max(0.0, cost["spread"] - cost["one"]) / max(1, masters - 1)
+            return per_key, per_master, owner
         finally:
             client.close()
 
@@ -277,7 +290,7 @@ def measure_clients(rc: RedisCluster) -> dict[str, Any]:
             await client.aclose()
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:  # (the daemon's loop)
-        per_key_lean, owner = runner.run(through_the_daemons_client())
+        per_key_lean, per_master, owner = runner.run(through_the_daemons_client())
         per_key_redis_py = runner.run(through_redis_py())
     c0 = time.process_time()
     out: dict[tuple[str, int], list[bytes]] = {}
@@ -303,4 +316,7 @@ def measure_clients(rc: RedisCluster) -> dict[str, Any]:
         "redis_py_cpu_s_per_key": per_key_redis_py,
         "raw_resp_cpu_s_per_key": per_key_raw,
         "redis_py_over_client": per_key_redis_py / per_key_lean if per_key_lean else None,
+        "lookup_cpu_s_per_master": per_master,
+        "lookup_basis": f"the daemon's client: {LOOKUP_KEYS} HGETALLs in one slot (one master) against "
+        f"{LOOKUP_KEYS} in as many buckets (every master), {LOOKUP_REPS} each; the difference per further master",
     }

@@ -114,7 +114,8 @@ class Costs:
     dir_write_s_per_key: float = 0.0  # the node's CPU per chunk written
     dir_commands_per_key: float = 2.0  # HSET + PEXPIRE per chunk stored (HDEL: 1 per chunk dropped)
     dir_lookup_s: float = 0.0  # the node's CPU per lookup asked of the directory ...
-    dir_lookup_s_per_key: float = 0.0  # ... and per key in it
+    dir_lookup_s_per_key: float = 0.0  # ... and per key in it ...
+    dir_lookup_s_per_master: float = 0.0  # ... and per master its keys live on beyond the calibration's
     dir_lookup_added_s: float = 0.0  # what asking adds to a Lookup's latency ...
     dir_lookup_added_s_per_key: float = 0.0
     dir_client_bytes: float = 0.0  # the node's memory for the directory client (its code, its connections)
@@ -178,6 +179,7 @@ def directory_costs(d: dict[str, Any] | None) -> dict[str, float]:
         "redis_s_per_command": w["redis_cpu_s_per_command"],
         "redis_s_per_lookup_key": look["redis_cpu_s_per_key"],
         "redis_bytes_per_entry": w["redis_bytes_per_entry"],
+        "dir_lookup_s_per_master": d.get("clients", {}).get("lookup_cpu_s_per_master", 0.0),
         "dir_client_s_per_key": d.get("clients", {}).get("client_cpu_s_per_key", 0.0),
         "dir_redis_py_s_per_key": d.get("clients", {}).get("redis_py_cpu_s_per_key", 0.0),
         "dir_raw_resp_s_per_key": d.get("clients", {}).get("raw_resp_cpu_s_per_key", 0.0),
