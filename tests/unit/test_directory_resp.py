@@ -181,3 +181,26 @@ async def test_a_node_that_answers_nothing_costs_the_callers_deadline_and_leaves
         assert got.is_set() and client._conns == {}  # (dropped)
         with pytest.raises(RedisError, match="no node of the cluster gave its slots"):
             await ClusterClient([("127.0.0.1", 1)]).refresh()  # (nothing listens on port 1)
+
+
+async def test_a_node_that_stops_reading_fails_requests_at_a_bound_not_our_memory(monkeypatch):
+    """Nothing reads what the client sends (a node frozen, its socket buffers full): past
+    MAX_BUFFERED bytes waiting to leave, a request fails at once and the connection is dropped."""
+    from kvstored.directory import connection
+
+    monkeypatch.setattr(connection, "MAX_BUFFERED", 1 << 20)
+    stalled = asyncio.Event()
+
+    async def script(reader, writer):
+        await stalled.wait()  # (never reads)
+
+    server, address = await _server(script)
+    async with server:
+        conn = await connect(address, None, None, None)
+        frame = encode(b"SET", b"k", b"x" * (256 << 10))
+        with pytest.raises(ConnectionLost, match="backlog full"):
+            for _ in range(10_000):  # (the kernel's buffers take some first: a few MiB at most)
+                conn.send(frame, 1)
+                await asyncio.sleep(0)
+        assert not conn.usable
+        stalled.set()
