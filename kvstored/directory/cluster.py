@@ -95,14 +95,14 @@ class ClusterClient:
             pause = False
             sent = await self._send(owners, batch, asking)
             try:
-                for address, indices, request in sent:
+                for address, indices, conn, request in sent:
                     try:
                         replies = await request if request is not None else None
                     except ConnectionLost as exc:
                         replies = None
                         log.debug("directory: %s", exc)
                     if replies is None:  # (lost, or never connected)
-                        self._lost(address)
+                        self._lost(address, conn)
                         retry += indices
                         pause = True
                         continue
@@ -110,9 +110,9 @@ class ClusterClient:
             except BaseException:
                 # the deadline (or an error) with replies outstanding: those connections are in
                 # an unknown state, and a frozen node must not keep our bytes
-                for address, _, request in sent:
+                for address, _, conn, request in sent:
                     if request is not None and not request.done():
-                        self._lost(address)
+                        self._lost(address, conn)
                 raise
             if not retry:
                 return out
@@ -139,7 +139,7 @@ class ClusterClient:
 
     async def _send(
         self, owners: dict[Address, list[int]], batch: Batch, asking: dict[int, Address]
-    ) -> list[tuple[Address, list[int], asyncio.Future[list[Any]] | None]]:
+    ) -> list[tuple[Address, list[int], Connection | None, asyncio.Future[list[Any]] | None]]:
         """Every master's share written at once; a master not reachable gets None (retried)."""
         frames, counts = batch.frames, batch.replies
         missing = [a for a in owners if a not in self._conns or not self._conns[a].usable]
@@ -148,11 +148,11 @@ class ClusterClient:
             for result in connected:
                 if isinstance(result, AuthFailed):
                     raise result  # (refused credentials do not get better by retrying)
-        sent: list[tuple[Address, list[int], asyncio.Future[list[Any]] | None]] = []
+        sent: list[tuple[Address, list[int], Connection | None, asyncio.Future[list[Any]] | None]] = []
         for address, indices in owners.items():
             conn = self._conns.get(address)
             if conn is None or not conn.usable:
-                sent.append((address, indices, None))
+                sent.append((address, indices, conn, None))
                 continue
             if asking:
                 parts = [with_asking(frames[i]) if i in asking else frames[i] for i in indices]
@@ -161,9 +161,9 @@ class ClusterClient:
                 parts = [frames[i] for i in indices]
                 count = sum(counts[i] for i in indices)
             try:
-                sent.append((address, indices, conn.send(b"".join(parts), count)))
+                sent.append((address, indices, conn, conn.send(b"".join(parts), count)))
             except ConnectionLost:
-                sent.append((address, indices, None))
+                sent.append((address, indices, conn, None))
         return sent
 
     def _collect(
@@ -232,18 +232,20 @@ class ClusterClient:
             candidates.sort(key=lambda a: self._suspect.get(a, 0.0) > now - SUSPECT_S)  # (stable)
             why = "no seed nodes"
             for address in candidates:
+                conn = None
                 try:
                     conn = await self._connection(address)
-                    (reply,) = await conn.send(CLUSTER_SLOTS, 1)
+                    async with asyncio.timeout(self.connect_timeout_s):  # (a frozen node: the next one)
+                        (reply,) = await conn.send(CLUSTER_SLOTS, 1)
                     if isinstance(reply, hiredis.ReplyError):
                         raise RedisError(f"{conn.name}: CLUSTER SLOTS: {reply}")
                     slot_map = SlotMap.from_cluster_slots(reply, address)
                 except (RedisError, OSError, ValueError, TimeoutError) as exc:
-                    why = f"{address[0]}:{address[1]}: {exc}"
-                    self._lost(address)
+                    why = f"{address[0]}:{address[1]}: {exc or type(exc).__name__}"
+                    self._lost(address, conn)
                     continue
                 except BaseException:
-                    self._lost(address)  # (the deadline passed while this node was asked)
+                    self._lost(address, conn)  # (the deadline passed while this node was asked)
                     raise
                 if not slot_map.covered():
                     why = f"{address[0]}:{address[1]}: no slot served (not a cluster yet?)"
@@ -283,9 +285,13 @@ class ClusterClient:
         self._conns[address] = conn
         return conn
 
-    def _lost(self, address: Address) -> None:
-        conn = self._conns.pop(address, None)
+    def _lost(self, address: Address, conn: Connection | None) -> None:
+        """The node failed a call: the connection the call used dropped (None: it never got one;
+        a concurrent call may have made a new one since, which stays), the node asked for the
+        slot map last for a while, the map read again before the next send."""
         if conn is not None:
+            if self._conns.get(address) is conn:
+                del self._conns[address]
             conn.abort()
         self._suspect[address] = time.monotonic()
         self._stale = True
