@@ -94,14 +94,14 @@ def test_every_key_lands_on_the_master_serving_its_slot(redis_cluster):
         client = client_for(rc)
         try:
             replies = await client.execute(writes(chunks))
-            return replies, client.counters
+            return replies, client.counters, sorted(client._conns), client.masters()
         finally:
             client.close()
 
-    replies, counters = run(write())
+    replies, counters, connected, masters = run(write())
     assert replies[0] == b"OK" and all(r == [1, 1] for r in replies[1:])  # HSET: 1 new field; PEXPIRE: 1
     assert (counters.moved, counters.asked, counters.retried) == (0, 0, 0)  # routed right the first time
-    assert counters.connects == 3  # one connection per master
+    assert connected == masters and len(masters) == 3  # one connection per master, to masters only
     ram = field(ADDRESS, 1, TierKind.RAM)
     assert held_fields(rc, chunks) == [{ram}] * len(chunks)
     with rc.cluster_client() as r:
