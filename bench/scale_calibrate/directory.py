@@ -98,8 +98,8 @@ def measure_directory(reps: int) -> dict[str, Any]:
             out = _measure(rig, reps)
         finally:
             rig.close()
-        out["client_floor"] = measure_client_floor(rc)
-        print(f"  client floor: {out['client_floor']}", flush=True)
+        out["clients"] = measure_clients(rc)
+        print(f"  clients: {out['clients']}", flush=True)
         return out
 
 
@@ -212,62 +212,94 @@ def _wait(check: Callable[[], bool]) -> None:
 
 
 CLIENT_KEYS = 10_000
+LOOKUP_KEYS = 16  # (the directory's buckets: one lookup's keys span at most that many slots)
+LOOKUP_REPS = 2_000
 
 
-def measure_client_floor(rc: RedisCluster) -> dict[str, Any]:
+def measure_clients(rc: RedisCluster) -> dict[str, Any]:
     """What the write batch's commands cost a client alone (this process's CPU, per chunk: HSET +
-    PEXPIRE): through redis-py's asyncio cluster pipeline, as the daemon sends them, and as raw
-    RESP packed by hiredis on one socket per master (a lean client's floor)."""
+    PEXPIRE), the same chunks three ways in one run: through the daemon's own client (its
+    commands encoded by kvstored.directory.commands, sent by kvstored.directory.cluster), through
+    redis-py's asyncio cluster pipeline (the baseline: a general client), and as raw RESP packed
+    by hiredis on one blocking socket per master (the floor: no event loop, no routing)."""
     import asyncio
     import socket
 
     import hiredis
+    import uvloop
     from redis.asyncio.cluster import ClusterNode
     from redis.asyncio.cluster import RedisCluster as Client
 
-    from kvstored.directory.keys import KeyLayout
+    from kvstored.chunks.ids import TierKind
+    from kvstored.directory.cluster import ClusterClient
+    from kvstored.directory.commands import Commands
+    from kvstored.directory.config import parse_url
+    from kvstored.directory.keys import KeyLayout, field
+    from kvstored.directory.resp import Batch
+    from kvstored.directory.slots import key_slot
 
     layout = KeyLayout()
-    keys = [layout.chunk_key(("ns", k)) for k in new_keys(CLIENT_KEYS, "")]
-    field = b"10.0.0.1:7070|1f|ram"
+    chunks = [("ns", k) for k in new_keys(CLIENT_KEYS, "")]
+    keys = [layout.chunk_key(c) for c in chunks]
+    holder = field("10.0.0.1:7070", 0x1F, TierKind.RAM)
+    url = parse_url(rc.url)
+    seed = url.nodes[0]
+
+    async def through_the_daemons_client() -> tuple[float, float, dict[int, tuple[str, int]]]:
+        commands = Commands(layout, "10.0.0.1:7070", 0x1F, entry_ttl_s=600, heartbeat_ttl_s=3)
+        client = ClusterClient(url.nodes, url.username, url.password)
+        await client.refresh()
+        try:
+            c0 = time.process_time()
+            batch = Batch()
+            for chunk in chunks:
+                commands.gained(batch, TierKind.RAM, chunk)
+            await client.execute(batch)
+            per_key = (time.process_time() - c0) / CLIENT_KEYS
+            assert client.map is not None
+            owner = {slot: a for slot in range(16384) if (a := client.map.owner(slot)) is not None}
+            # a lookup's cost per master it asks: LOOKUP_KEYS keys in one bucket (one slot: one
+            # master) against as many keys spread over every bucket (every master)
+            one = [c for c in chunks if layout.bucket(c[1]) == 0][:LOOKUP_KEYS]
+            spread = [next(c for c in chunks if layout.bucket(c[1]) == b) for b in range(layout.buckets)]
+            masters = len({owner[commands.chunk_key(c)[1]] for c in spread})
+            cost = {}
+            for label, asked in (("one", one), ("spread", spread[:LOOKUP_KEYS])):
+                _, lookup = commands.holders(asked)
+                c0 = time.process_time()
+                for _ in range(LOOKUP_REPS):
+                    await client.execute(lookup)
+                cost[label] = (time.process_time() - c0) / LOOKUP_REPS
+            per_master = max(0.0, cost["spread"] - cost["one"]) / max(1, masters - 1)
+            return per_key, per_master, owner
+        finally:
+            client.close()
 
     async def through_redis_py() -> float:
-        host, port = rc.url.removeprefix("redis://").split(",")[0].split(":")
-        client = Client(startup_nodes=[ClusterNode(host, int(port))])
+        client = Client(startup_nodes=[ClusterNode(*seed)])
         await client.initialize()
         try:
             c0 = time.process_time()
             pipe = client.pipeline(transaction=False)
             for key in keys:
-                pipe.hset(key, field, b"1")
+                pipe.hset(key, holder, b"1")
                 pipe.pexpire(key, 600_000)
             await pipe.execute(raise_on_error=True)
             return (time.process_time() - c0) / CLIENT_KEYS
         finally:
             await client.aclose()
 
-    async def slots() -> dict[int, int]:
-        """slot -> its master's port."""
-        host, port = rc.url.removeprefix("redis://").split(",")[0].split(":")
-        client = Client(startup_nodes=[ClusterNode(host, int(port))])
-        await client.initialize()
-        try:
-            return {s: int(client.nodes_manager.get_node_from_slot(s).port) for s in range(16384)}
-        finally:
-            await client.aclose()
-
-    per_key_redis_py = asyncio.run(through_redis_py())
-    owner = asyncio.run(slots())
-    from redis.crc import key_slot
-
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:  # (the daemon's loop)
+        per_key_lean, per_master, owner = runner.run(through_the_daemons_client())
+        per_key_redis_py = runner.run(through_redis_py())
     c0 = time.process_time()
-    out: dict[int, list[bytes]] = {}
+    out: dict[tuple[str, int], list[bytes]] = {}
     for key in keys:
         buf = out.setdefault(owner[key_slot(key)], [])
-        buf.append(hiredis.pack_command(("HSET", key, field, b"1")))  # type: ignore[arg-type]
+        buf.append(hiredis.pack_command(("HSET", key, holder, b"1")))  # type: ignore[arg-type]
         buf.append(hiredis.pack_command(("PEXPIRE", key, 600_000)))  # type: ignore[arg-type]
-    for port, commands in out.items():
-        with socket.create_connection(("127.0.0.1", port)) as sock:
+    for address, commands in out.items():
+        with socket.create_connection(address) as sock:
             sock.sendall(b"".join(commands))
             reader, got = hiredis.Reader(), 0
             while got < len(commands):
@@ -276,9 +308,15 @@ def measure_client_floor(rc: RedisCluster) -> dict[str, Any]:
                     got += 1
     per_key_raw = (time.process_time() - c0) / CLIENT_KEYS
     return {
-        "basis": f"{CLIENT_KEYS:,} chunks' HSET + PEXPIRE from this process to the cluster, its CPU per chunk: "
-        "redis-py's asyncio cluster pipeline (the daemon's client), and raw RESP packed by hiredis, one "
-        "socket per master, replies parsed by hiredis (a lean client's floor)",
+        "basis": f"{CLIENT_KEYS:,} chunks' HSET + PEXPIRE from this process to the cluster, its CPU per chunk, on "
+        "uvloop: the daemon's client (kvstored.directory: encoded once, one write per master), redis-py's asyncio "
+        "cluster pipeline (the baseline), and raw RESP packed by hiredis on one blocking socket per master, "
+        "replies parsed by hiredis (the floor)",
+        "client_cpu_s_per_key": per_key_lean,
         "redis_py_cpu_s_per_key": per_key_redis_py,
         "raw_resp_cpu_s_per_key": per_key_raw,
+        "redis_py_over_client": per_key_redis_py / per_key_lean if per_key_lean else None,
+        "lookup_cpu_s_per_master": per_master,
+        "lookup_basis": f"the daemon's client: {LOOKUP_KEYS} HGETALLs in one slot (one master) against "
+        f"{LOOKUP_KEYS} in as many buckets (every master), {LOOKUP_REPS} each; the difference per further master",
     }

@@ -206,8 +206,13 @@ class Model:
             return self.point(nodes, {}, {"index": 0.0}, 0.0, 0.0, 0.0, self.local_lookup_s(), 0.0, 1.0)
         touched = min(f.directory_buckets, int(self.redis_tier(nodes)["masters"]))
         # a lookup's pipeline goes to each master its keys' buckets live on: the fixed cost measured
-        # with the calibration's masters, scaled by those touched (an upper bound: part of it is not per master)
-        per_lookup = c.dir_lookup_s * touched / min(f.directory_buckets, int(c.dir_measured_shards))
+        # with the calibration's masters, plus the measured cost per further master (without that
+        # figure, the fixed cost scaled by the masters: an upper bound)
+        measured = min(f.directory_buckets, int(c.dir_measured_shards))
+        if c.dir_lookup_s_per_master:
+            per_lookup = c.dir_lookup_s + (touched - measured) * c.dir_lookup_s_per_master
+        else:
+            per_lookup = c.dir_lookup_s * touched / measured
         keys = r.directory_keys_per_turn
         cpu = {
             "heartbeat": c.dir_heartbeat_s_per_interval / c.dir_interval_s,

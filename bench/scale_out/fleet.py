@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from bench.lib.report import GIB, MIB, REPO
@@ -114,16 +114,18 @@ class Costs:
     dir_write_s_per_key: float = 0.0  # the node's CPU per chunk written
     dir_commands_per_key: float = 2.0  # HSET + PEXPIRE per chunk stored (HDEL: 1 per chunk dropped)
     dir_lookup_s: float = 0.0  # the node's CPU per lookup asked of the directory ...
-    dir_lookup_s_per_key: float = 0.0  # ... and per key in it
+    dir_lookup_s_per_key: float = 0.0  # ... and per key in it ...
+    dir_lookup_s_per_master: float = 0.0  # ... and per master its keys live on beyond the calibration's
     dir_lookup_added_s: float = 0.0  # what asking adds to a Lookup's latency ...
     dir_lookup_added_s_per_key: float = 0.0
-    dir_client_bytes: float = 0.0  # the node's memory for the directory client (redis-py, its connections)
+    dir_client_bytes: float = 0.0  # the node's memory for the directory client (its code, its connections)
     redis_s_per_command: float = 0.0  # Redis's CPU per write command (its replicas' included)
     redis_s_per_lookup_key: float = 0.0  # ... per key asked (HGETALL)
     redis_bytes_per_entry: float = 0.0  # a master's memory per chunk entry
     dir_measured_shards: float = 3  # masters of the calibration's cluster
-    dir_redis_py_s_per_key: float = 0.0  # a chunk's HSET + PEXPIRE through redis-py's cluster pipeline alone ...
-    dir_raw_resp_s_per_key: float = 0.0  # ... and as raw RESP packed by hiredis (a lean client's floor)
+    dir_client_s_per_key: float = 0.0  # a chunk's HSET + PEXPIRE through the daemon's client alone ...
+    dir_redis_py_s_per_key: float = 0.0  # ... through redis-py's cluster pipeline (the baseline) ...
+    dir_raw_resp_s_per_key: float = 0.0  # ... and as raw RESP packed by hiredis (the floor)
 
     @classmethod
     def from_calibration(cls, doc: dict[str, Any]) -> Costs:
@@ -177,20 +179,11 @@ def directory_costs(d: dict[str, Any] | None) -> dict[str, float]:
         "redis_s_per_command": w["redis_cpu_s_per_command"],
         "redis_s_per_lookup_key": look["redis_cpu_s_per_key"],
         "redis_bytes_per_entry": w["redis_bytes_per_entry"],
-        "dir_redis_py_s_per_key": d.get("client_floor", {}).get("redis_py_cpu_s_per_key", 0.0),
-        "dir_raw_resp_s_per_key": d.get("client_floor", {}).get("raw_resp_cpu_s_per_key", 0.0),
+        "dir_lookup_s_per_master": d.get("clients", {}).get("lookup_cpu_s_per_master", 0.0),
+        "dir_client_s_per_key": d.get("clients", {}).get("client_cpu_s_per_key", 0.0),
+        "dir_redis_py_s_per_key": d.get("clients", {}).get("redis_py_cpu_s_per_key", 0.0),
+        "dir_raw_resp_s_per_key": d.get("clients", {}).get("raw_resp_cpu_s_per_key", 0.0),
     }
-
-
-def lean_client(c: Costs) -> Costs:
-    """The directory's costs with redis-py's cluster pipeline replaced by a lean client (derived: the
-    measured per-chunk cost less what redis-py costs over raw RESP; a lookup's HGETALL is one command)."""
-    saved = max(0.0, c.dir_redis_py_s_per_key - c.dir_raw_resp_s_per_key)
-    return replace(
-        c,
-        dir_write_s_per_key=max(0.0, c.dir_write_s_per_key - saved),
-        dir_lookup_s_per_key=max(0.0, c.dir_lookup_s_per_key - saved / 2),
-    )
 
 
 @dataclass(frozen=True)

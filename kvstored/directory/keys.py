@@ -51,7 +51,11 @@ class KeyLayout:
 
     def chunk_key(self, chunk: ChunkId) -> bytes:
         namespace_id, key = chunk
-        return f"{self.prefix}:c{{{self.tag(namespace_id, key)}}}:".encode() + key
+        return self.chunk_prefix(namespace_id, self.bucket(key)) + key
+
+    def chunk_prefix(self, namespace_id: str, bucket: int) -> bytes:
+        """What a chunk key starts with, hash tag included: the same for a bucket's chunks."""
+        return f"{self.prefix}:c{{{namespace_id}/{bucket}}}:".encode()
 
     def heartbeat_key(self, address: str) -> str:
         return f"{self.prefix}:hb{{{address}}}"

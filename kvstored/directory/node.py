@@ -1,17 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""This node's side of the fleet directory: the I/O (one Redis Cluster client).
+"""This node's side of the fleet directory: the I/O, through two lean cluster clients
+(cluster.py: raw RESP, one connection per master each), one for the writes and one for the
+lookups, so that a lookup never waits behind a write batch on a connection.
 
-- The write loop, once per interval: one pipelined batch (redis-py's cluster pipeline sends each
-  shard its commands at once) with the heartbeat, the net changes (HSET + PEXPIRE for a chunk
+- The write loop, once per interval: one batch (commands.py encodes it once; each master gets
+  its share in one write) with the heartbeat, the net changes (HSET + PEXPIRE for a chunk
   gained, HDEL for one dropped), a slice of the refresh pass and the stale fields readers found.
-- lookup(): one pipelined HGETALL per chunk (at most `buckets` slots), then, only for holders
-  not checked within an interval, one GET of their heartbeats; all within timeout_s.
+- lookup(): one HGETALL per chunk (at most `buckets` slots), then, only for holders not checked
+  within an interval, one GET of their heartbeats; all within timeout_s.
 
 Every call goes through one circuit breaker (kvstored.io.breaker): the directory slow or down
 makes lookups misses at once after breaker_failures failures, and writes wait; the probe after
-breaker_reset_s connects afresh (a new client learns the cluster's topology again, e.g. after a
-failover), and its success starts an urgent refresh pass (the directory may have lost entries).
+breaker_reset_s starts from the seed nodes again (the clients learn the cluster's slots anew,
+e.g. after a failover), and its success starts an urgent refresh pass (the directory may have
+lost entries). Within a call, the clients follow MOVED and ASK and retry a lost master after
+refreshing their slot map, as long as the call's deadline allows.
 """
 
 from __future__ import annotations
@@ -26,9 +30,13 @@ from typing import Any
 
 from kvstored.chunks.ids import ChunkId
 from kvstored.directory.changes import ChangeLog, Holding, RefreshPass
+from kvstored.directory.cluster import ClusterClient
+from kvstored.directory.commands import Commands
 from kvstored.directory.config import DirectorySettings
-from kvstored.directory.keys import PUBLISHED_KINDS, Holder, KeyLayout, field, heartbeat_value, parse_heartbeat
+from kvstored.directory.connection import RedisError
+from kvstored.directory.keys import Holder, KeyLayout, field, parse_heartbeat
 from kvstored.directory.lookups import HeartbeatCache, judge, named_addresses
+from kvstored.directory.resp import Batch
 from kvstored.events.bus import KvEvent
 from kvstored.io.breaker import BreakerState, CircuitBreaker, Permit
 
@@ -52,7 +60,7 @@ class DirectoryCounters:
     refreshed: int = 0  # chunks re-written by the refresh pass
     dropped_changes: int = 0  # past max_pending while the directory was away (a refresh covers them)
     stale_deleted: int = 0  # fields of dead or restarted holders, or found missing at fetch
-    connects: int = 0
+    connects: int = 0  # connections opened to the cluster's nodes
 
 
 class DirectoryNode:
@@ -72,12 +80,14 @@ class DirectoryNode:
         self.holdings: Callable[[], list[Holding]] = list  # what this node holds now (set by the daemon)
         self.on_dead: Callable[[str], None] | None = None  # a holder whose heartbeat is gone
         self._clock = clock
-        self._client: Any = None  # redis.asyncio.cluster.RedisCluster, once connected
-        self._connect_lock = asyncio.Lock()
-        self._errors: tuple[type[BaseException], ...] = (OSError, TimeoutError)
+        self.commands = Commands(
+            self.layout, settings.address, settings.incarnation, settings.entry_ttl_s, settings.heartbeat_ttl_s
+        )
+        self._writer = self._client()
+        self._reader = self._client()
+        self._errors: tuple[type[BaseException], ...] = (RedisError, OSError)
         self._stale: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()
         self._task: asyncio.Task | None = None
-        self._field_of = {kind: field(settings.address, settings.incarnation, kind) for kind in PUBLISHED_KINDS}
         self.last_error = ""
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -99,9 +109,10 @@ class DirectoryNode:
             self._task = None
         permit = self.breaker.allow()
         if permit is not None:
-            hb = self.layout.heartbeat_key(self.settings.address)
-            await self._call(permit, lambda p: p.delete(hb), self.settings.timeout_s * 5)
-        await self._drop_client()
+            batch = Batch()
+            self.commands.delete_heartbeat(batch)
+            await self._call(self._writer, permit, batch, self.settings.timeout_s * 5)
+        self._drop_clients()
 
     # -- events ---------------------------------------------------------------------------
 
@@ -124,16 +135,15 @@ class DirectoryNode:
             return out
         c.lookups += 1
         c.lookup_chunks += len(chunks)
-        keys = [self.layout.chunk_key(chunk) for chunk in chunks]
+        keys, batch = self.commands.holders(chunks)
         own = self.settings.address
         try:
             async with asyncio.timeout(self.settings.timeout_s):
-                replies = await self._pipeline(lambda p: [p.hgetall(key) for key in keys])
+                replies = [_as_fields(r) for r in await self._reader.execute(batch)]
                 now = self._clock()
                 due = self.heartbeats.due(named_addresses(replies, own), now)
                 if due:
-                    hb_keys = [self.layout.heartbeat_key(a) for a in due]
-                    values = await self._pipeline(lambda p: [p.get(key) for key in hb_keys])
+                    values = await self._reader.execute(self.commands.heartbeats(due))
                     for address, value in zip(due, values):
                         incarnation = parse_heartbeat(value)
                         self.heartbeats.update(address, incarnation, now)
@@ -190,35 +200,26 @@ class DirectoryNode:
         changes = self.changes.take(s.batch_commands // 2)
         refreshed = self.refresh.next_slice(self.holdings)
         stale = list(self._stale)[: s.batch_commands]
-        hb_key, hb = self.layout.heartbeat_key(s.address), heartbeat_value(s.incarnation)
-        ttl_ms, hb_ms = int(s.entry_ttl_s * 1000), int(s.heartbeat_ttl_s * 1000)
-        fields = self._field_of
-        layout = self.layout
-
-        def fill(p) -> None:
-            p.set(hb_key, hb, px=hb_ms)
-            for change in changes:
-                key = layout.chunk_key(change.chunk)
-                if change.present:
-                    p.hset(key, fields[change.kind], b"1")
-                    p.pexpire(key, ttl_ms)
-                else:
-                    p.hdel(key, fields[change.kind])
-            for kind, chunk in refreshed:
-                key = layout.chunk_key(chunk)
-                p.hset(key, fields[kind], b"1")
-                p.pexpire(key, ttl_ms)
-            for key, raw in stale:
-                p.hdel(key, raw)
-
-        ok = await self._call(permit, fill, s.write_timeout_s)
+        # encoded once: a retry within the call (MOVED, ASK, a failover) sends these frames again
+        cmd, batch = self.commands, Batch()
+        cmd.heartbeat(batch)
+        for change in changes:
+            if change.present:
+                cmd.gained(batch, change.kind, change.chunk)
+            else:
+                cmd.dropped(batch, change.kind, change.chunk)
+        for kind, chunk in refreshed:
+            cmd.gained(batch, kind, chunk)
+        for key, raw in stale:
+            cmd.delete_field(batch, key, raw)
+        ok = await self._call(self._writer, permit, batch, s.write_timeout_s)
         c.write_batches += 1
         if not ok:
             c.write_errors += 1
             self.changes.give_back(changes, since)
             self.refresh.restart_urgently()  # (what this slice held is written again)
             return False
-        c.write_commands += 1 + sum(2 if ch.present else 1 for ch in changes) + 2 * len(refreshed) + len(stale)
+        c.write_commands += batch.commands()
         c.refreshed += len(refreshed)
         c.stale_deleted += len(stale)
         c.dropped_changes = self.changes.dropped
@@ -227,12 +228,23 @@ class DirectoryNode:
         self.changes.written(self._clock())
         return True
 
-    # -- the client -----------------------------------------------------------------------
+    # -- the clients ----------------------------------------------------------------------
 
-    async def _call(self, permit: Permit, fill: Callable[[Any], Any], timeout_s: float) -> bool:
+    def _client(self) -> ClusterClient:
+        s, url = self.settings, self.settings.url
+        return ClusterClient(
+            url.nodes,
+            url.username,
+            url.password,
+            tls=url.tls,
+            tls_ca_file=str(s.tls_ca_file) if s.tls_ca_file else None,
+            connect_timeout_s=s.timeout_s * 5,
+        )
+
+    async def _call(self, client: ClusterClient, permit: Permit, batch: Batch, timeout_s: float) -> bool:
         try:
             async with asyncio.timeout(timeout_s):
-                await self._pipeline(fill)
+                await client.execute(batch)
         except TimeoutError:
             await self._failed(permit, f"a write took over {timeout_s} s")
             return False
@@ -245,56 +257,14 @@ class DirectoryNode:
         self._succeeded(permit)
         return True
 
-    async def _pipeline(self, fill: Callable[[Any], Any]) -> list:
-        client = await self._connected()
-        pipe = client.pipeline(transaction=False)
-        fill(pipe)
-        return await pipe.execute(raise_on_error=True)
-
-    async def _connected(self) -> Any:
-        async with self._connect_lock:
-            if self._client is None:
-                self._client = await self._connect()
-            return self._client
-
-    async def _connect(self) -> Any:
-        # redis-py loads only here: a daemon without a directory never imports it
-        from redis.asyncio.cluster import ClusterNode, RedisCluster
-        from redis.exceptions import RedisClusterException, RedisError
-
-        self._errors = (RedisError, RedisClusterException, OSError, TimeoutError)
-        s = self.settings
-        url = s.url
-        tls: dict[str, Any] = {}
-        if url.tls:
-            tls = {"ssl": True, "ssl_ca_certs": str(s.tls_ca_file) if s.tls_ca_file else None}
-        client = RedisCluster(
-            startup_nodes=[ClusterNode(host, port) for host, port in url.nodes],
-            username=url.username,
-            password=url.password,
-            socket_timeout=max(s.timeout_s, s.write_timeout_s),
-            socket_connect_timeout=s.timeout_s * 5,
-            require_full_coverage=False,  # a shard without a master fails its own keys only
-            **tls,
-        )
-        try:
-            await client.initialize()
-        except BaseException:
-            await client.aclose()
-            raise
-        self.counters.connects += 1
-        return client
-
-    async def _drop_client(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            try:
-                async with asyncio.timeout(1.0):  # (a frozen node must not hold the caller)
-                    await client.aclose()
-            except Exception as exc:  # closing must not fail the caller
-                log.debug("directory: closing the client: %r", exc)
+    def _drop_clients(self) -> None:
+        """Both clients' connections dropped at once (abort: a frozen node cannot hold us) and
+        their slot maps forgotten: the next call starts from the seed nodes."""
+        for client in (self._writer, self._reader):
+            client.close()
 
     def _succeeded(self, permit: Permit) -> None:
+        self.counters.connects = self._writer.counters.connects + self._reader.counters.connects
         was_open = self.breaker.state is not BreakerState.CLOSED
         self.breaker.record(permit, True)
         if was_open and self.breaker.state is BreakerState.CLOSED:
@@ -303,6 +273,7 @@ class DirectoryNode:
             self.refresh.restart_urgently()
 
     async def _failed(self, permit: Permit, why: str) -> None:
+        self.counters.connects = self._writer.counters.connects + self._reader.counters.connects
         was_closed = self.breaker.state is BreakerState.CLOSED
         self.breaker.record(permit, False)
         self.last_error = why
@@ -316,15 +287,20 @@ class DirectoryNode:
                     why,
                     self.settings.breaker_reset_s,
                 )
-            await self._drop_client()  # the probe connects afresh (and learns the topology anew)
+            self._drop_clients()  # the probe connects afresh (and learns the topology anew)
 
     def shards(self) -> list[str]:
-        """HOST:PORT of the masters the client knows now ([] while not connected)."""
-        client = self._client
-        return sorted(node.name for node in client.get_primaries()) if client is not None else []
+        """HOST:PORT of the masters the clients know now ([] while not connected)."""
+        masters = self._writer.masters() or self._reader.masters()
+        return [f"{host}:{port}" for host, port in masters]
 
     def lag_s(self) -> float:
         return self.changes.lag(self._clock())
+
+
+def _as_fields(reply: Any) -> dict[bytes, bytes]:
+    """HGETALL's flat [field, value, ...] as a mapping."""
+    return dict(zip(reply[::2], reply[1::2])) if reply else {}
 
 
 def _describe(exc: BaseException) -> str:

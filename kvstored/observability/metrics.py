@@ -317,7 +317,7 @@ DIRECTORY_COUNTERS = {  # metric (without kvstored_directory_ and _total) -> (Di
     "refreshed_chunks": ("refreshed", "chunks re-written by the refresh pass (TTL renewal, after an outage)"),
     "dropped_changes": ("dropped_changes", "changes not kept while the directory was away (a refresh covers them)"),
     "stale_deleted": ("stale_deleted", "fields of dead, restarted or mistaken holders deleted"),
-    "connects": ("connects", "connections made to the cluster (a fresh one after each outage)"),
+    "connects": ("connects", "connections opened to the cluster's nodes (two per master; again after an outage)"),
 }
 
 

@@ -8,6 +8,8 @@
         rc.kill_master(0)           # SIGKILL a master, until its replica is promoted
         rc.freeze(port); rc.thaw(port)
         rc.stop_all(); rc.start_all()   # the cluster unreachable, then back (same ports, same data dirs)
+        rc.admin(port)              # redis-py on one node as the admin user (binary keys, resharding)
+        rc.begin_migration(slot, src, dst); rc.migrate(slot, src, dst, keys); rc.end_migration(slot, dst)
 
 cluster-node-timeout is short (1 s) so a failover takes a few seconds, not fifteen.
 """
@@ -23,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tests.support.daemon import short_tmpdir
 from tests.support.needs import Needs, require
@@ -299,6 +302,65 @@ class RedisCluster:
             return True
 
         self._wait("cluster_state:ok on every node", ok)
+
+    # -- resharding (through redis-py: keys are binary, and redis-py is another client than the
+    # daemon's own, so it checks that client rather than mirroring it) ---------------------------
+
+    def admin(self, port: int):
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=10, **self._redis_py_options())
+
+    def _redis_py_options(self) -> dict[str, Any]:
+        auth = {"username": "admin", "password": self.password} if self.password else {}
+        return auth | ({"ssl": True, "ssl_ca_certs": str(self.ca)} if self.tls else {})
+
+    def cluster_client(self):
+        """redis-py's cluster client as the admin user: to check what another client wrote."""
+        from redis.cluster import ClusterNode
+        from redis.cluster import RedisCluster as Client
+
+        node = next(n for n in self.nodes if n.running)
+        return Client(
+            startup_nodes=[ClusterNode("127.0.0.1", node.port)], socket_timeout=10, **self._redis_py_options()
+        )
+
+    def node_id(self, port: int) -> str:
+        with self.admin(port) as r:
+            return r.execute_command("CLUSTER", "MYID").decode()
+
+    def slot_owner(self, slot: int) -> int:
+        """The port of the master serving slot, as the first running node sees it."""
+        node = next(n for n in self.nodes if n.running)
+        with self.admin(node.port) as r:
+            for start, end, master, *_ in r.execute_command("CLUSTER", "SLOTS"):
+                if start <= slot <= end:
+                    return int(master[1])
+        raise RedisClusterError(f"no master serves slot {slot}")
+
+    def begin_migration(self, slot: int, src: int, dst: int) -> None:
+        """Slot `slot` importing on dst, migrating on src (keys moved by migrate())."""
+        with self.admin(dst) as r:
+            r.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", self.node_id(src))
+        with self.admin(src) as r:
+            r.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", self.node_id(dst))
+
+    def migrate(self, slot: int, src: int, dst: int, keys: Sequence[bytes] | None = None) -> int:
+        """MIGRATE keys (default: every key left in the slot on src) from src to dst; how many."""
+        with self.admin(src) as r:
+            if keys is None:
+                keys = r.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100_000)
+            if keys:
+                auth = ["AUTH2", "admin", self.password] if self.password else []
+                r.execute_command("MIGRATE", "127.0.0.1", dst, "", 0, 10_000, *auth, "KEYS", *keys)
+        return len(keys or ())
+
+    def end_migration(self, slot: int, dst: int) -> None:
+        """The slot is dst's, told to dst first, then to every other master (as redis-cli does)."""
+        dst_id = self.node_id(dst)
+        for port in [dst] + [p for p in self.master_ports() if p != dst]:
+            with self.admin(port) as r:
+                r.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
 
     # -- faults -------------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The fleet directory's bookkeeping, without Redis: its URL, the key layout (one lookup's chunks
 in at most `buckets` slots), the writer's net changes and refresh pass, the reader's verdicts and
-heartbeat cache; and that redis-py loads only once a directory connects."""
+heartbeat cache; and that the directory's client loads only with a directory, without redis-py."""
 
 from __future__ import annotations
 
@@ -172,20 +172,21 @@ def test_a_field_counts_only_while_its_holders_heartbeat_names_its_incarnation()
     assert judge(None, "me:1", hb).live == []
 
 
-def test_redis_py_loads_only_when_a_directory_connects():
+@pytest.mark.parametrize("directory", [False, True])
+def test_the_directory_client_loads_only_with_a_directory_and_never_redis_py(directory):
+    tiers = "kind=peer,directory=redis://h:1" if directory else "kind=peer,peers=127.0.0.1:7071"
     code = (
         "import sys\n"
         "from kvstored.config import load_config\n"
         "from kvstored.tiers.registry import spec_of\n"
         "from kvstored.tiers.config import TierContext\n"
         "import kvstored.server.daemon\n"
-        "cfg = load_config({'tcp_listen': '127.0.0.1:7070', 'tiers': ['kind=peer,directory=redis://h:1']}, {})\n"
+        f"cfg = load_config({{'tcp_listen': '127.0.0.1:7070', 'tiers': [{tiers!r}]}}, {{}})\n"
         "tier = spec_of(cfg.tiers[0]).build(cfg.tiers[0], TierContext())\n"
-        "assert tier.directory is not None\n"
         "print([m for m in ('redis', 'hiredis') if m in sys.modules])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert out.stdout.strip() == ("['hiredis']" if directory else "[]"), out.stdout + out.stderr
 
 
 async def test_an_unreachable_directory_costs_misses_and_a_breaker_never_a_hang():
