@@ -26,8 +26,10 @@ pool) runs in a small thread pool of the tier's own, as the fs tier's does: neve
 from __future__ import annotations
 
 import asyncio
+import bisect
 import enum
 import functools
+import io
 import logging
 import sys
 import time
@@ -607,8 +609,9 @@ class S3Tier(SecondaryTier):
         self, chunk: ChunkId, views: Sequence[memoryview], size: int, victims: list[_DeleteClaim]
     ) -> WriteOutcome:
         key = self._key(chunk)
+        parts = trim(views, size)
         try:
-            body = await self._off_loop(_encode, chunk, views, size)
+            header = await self._off_loop(_header, chunk, parts, size)
             while (prior := self._deleting.get(chunk)) is not None:  # an eviction/removal of the old copy
                 await asyncio.wait((prior,))
         except _Skipped:  # closed meanwhile
@@ -617,13 +620,16 @@ class S3Tier(SecondaryTier):
             if victims:  # out of the index already: their objects go whatever happens here
                 await self._evict(victims)
         try:
-            await self._call(lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=body))
+            # (from the chunk's pages: they do not change while it is written down)
+            await self._call(
+                lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=PartsStream([header, *parts]))
+            )
         except _Skipped:
             return WriteOutcome.FAILED
         except S3Failure as exc:
             self._failed("write", key, exc)
             return WriteOutcome.FAILED
-        self._index.insert(chunk, len(body), time.time())
+        self._index.insert(chunk, HEADER_BYTES + size, time.time())
         self._missing.discard(chunk)
         self._undeleted.discard(chunk)
         self.counters.writes += 1
@@ -780,8 +786,61 @@ class S3Tier(SecondaryTier):
 def _encode(chunk: ChunkId, views: Sequence[memoryview], size: int) -> bytes:
     """The object: header + payload, in one buffer (one copy of the payload)."""
     parts = trim(views, size)
-    header = chunkfile.encode_header(chunk, size, chunkfile.checksum(parts, size))
-    return b"".join([header, *parts])
+    return b"".join([_header(chunk, parts, size), *parts])
+
+
+def _header(chunk: ChunkId, parts: Sequence[memoryview], size: int) -> bytes:
+    """The object's header, with the payload's checksum (a pass over its bytes)."""
+    return chunkfile.encode_header(chunk, size, chunkfile.checksum(parts, size))
+
+
+class PartsStream(io.RawIOBase):
+    """A PUT body read from its parts where they are (a chunk's header and pages, a pack's
+    records): never joined into one buffer, as a bytes Body would be, then copied again on the
+    loop. A new one per attempt, so an attempt given up on never moves the position of the next.
+    aiohttp reads it in its executor threads."""
+
+    def __init__(self, parts: Sequence[bytes | memoryview]) -> None:
+        super().__init__()
+        self._parts = [memoryview(p) for p in parts]
+        self._starts: list[int] = []
+        offset = 0
+        for part in self._parts:
+            self._starts.append(offset)
+            offset += len(part)
+        self._size = offset
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = min(max(0, base + offset), self._size)
+        return self._pos
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = self._size if size is None or size < 0 else min(self._size, self._pos + size)
+        pieces = []
+        i = bisect.bisect_right(self._starts, self._pos) - 1
+        while self._pos < end:
+            part, start = self._parts[i], self._starts[i]
+            take = min(end, start + len(part)) - self._pos
+            pieces.append(part[self._pos - start : self._pos - start + take])
+            self._pos += take
+            i += 1
+        return bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
 
 
 async def _stream_into(body: Any, receiver: RecordReceiver) -> None:

@@ -37,9 +37,7 @@ served, deleted and expired (first, being older than any pack); new chunks go to
 from __future__ import annotations
 
 import asyncio
-import bisect
 import functools
-import io
 import logging
 import secrets
 import time
@@ -57,7 +55,7 @@ from kvstored.chunks.views import trim
 from kvstored.sizes import format_size
 from kvstored.tiers.base import PackUsage, TierUsage, WriteOutcome
 from kvstored.tiers.packindex import Pack, PackIndex
-from kvstored.tiers.s3 import Fault, S3Failure, S3Tier, _encode, _Skipped
+from kvstored.tiers.s3 import Fault, PartsStream, S3Failure, S3Tier, _encode, _Skipped
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -408,7 +406,7 @@ class PackedS3Tier(S3Tier):
             self._reserved += size
             try:
                 await self._expire(0)
-                await self._call(lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=_PackStream(parts)))
+                await self._call(lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=PartsStream(parts)))
                 stored = True
             finally:
                 self._reserved -= size
@@ -785,54 +783,6 @@ class PackedS3Tier(S3Tier):
         emptied = self._packs.drop_chunk(chunk)
         if emptied is not None:
             self._forget(emptied, "emptied", delete=True)
-
-
-class _PackStream(io.RawIOBase):
-    """A pack's PUT body, read from its records where they are (the pack is never copied whole:
-    a bytes Body would be, twice, once on the loop). A new one per attempt, so an attempt given
-    up on never moves the position of the next. aiohttp reads it in its executor threads."""
-
-    def __init__(self, parts: Sequence[bytes]) -> None:
-        super().__init__()
-        self._parts = [memoryview(p) for p in parts]
-        self._starts: list[int] = []
-        offset = 0
-        for part in self._parts:
-            self._starts.append(offset)
-            offset += len(part)
-        self._size = offset
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = min(max(0, base + offset), self._size)
-        return self._pos
-
-    def read(self, size: int | None = -1) -> bytes:
-        end = self._size if size is None or size < 0 else min(self._size, self._pos + size)
-        pieces = []
-        i = bisect.bisect_right(self._starts, self._pos) - 1
-        while self._pos < end:
-            part, start = self._parts[i], self._starts[i]
-            take = min(end, start + len(part)) - self._pos
-            pieces.append(part[self._pos - start : self._pos - start + take])
-            self._pos += take
-            i += 1
-        return bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
 
 
 def _assemble(records: list[tuple[ChunkId, bytes]]) -> tuple[list[bytes], list[PackEntry], bytes]:

@@ -18,7 +18,7 @@ from kvstored.chunks import chunkfile, packfile
 from kvstored.chunks.chunkfile import HEADER_BYTES
 from kvstored.chunks.ids import RemovalCause
 from kvstored.chunks.packfile import PACKS_DIR, CorruptPack, NeedTail, PackEntry, UnsupportedPack
-from kvstored.tiers import s3pack
+from kvstored.tiers import s3, s3pack
 from kvstored.tiers.base import WriteOutcome
 from kvstored.tiers.packindex import PackIndex
 from kvstored.tiers.resilience import Backoff
@@ -132,7 +132,7 @@ def test_expiry_passes_no_pack_still_in_flight_and_the_live_summary_counts_each_
 def test_a_pack_stream_reads_its_parts_back_to_back_from_any_position():
     parts = [b"a" * 5, b"", b"bc" * 3, b"xyz"]
     whole = b"".join(parts)
-    stream = s3pack._PackStream(parts)
+    stream = s3.PartsStream(parts)
     assert stream.seek(0, os.SEEK_END) == len(whole) and stream.tell() == len(whole) and stream.read(4) == b""
     stream.seek(0)
     got = []
