@@ -41,7 +41,7 @@ from kvstored_client.protocol import FAST_METHODS, FAST_REPLY_MAX, MAX_PACKET, R
 log = logging.getLogger(__name__)
 
 ENV = "KVSTORED_FAST_PATH"
-POSTABLE = frozenset({"Commit", "Release"})  # answered at once and in order by the daemon
+POSTABLE = frozenset({"Commit", "Release", "Touch"})  # answered at once and in order by the daemon
 _ON = frozenset({"", "1", "true", "on", "yes"})
 _OFF = frozenset({"0", "false", "off", "no"})
 
@@ -118,7 +118,8 @@ class FastLink:
         self.broken = False
         self.sent = False  # the last call's request was sent
         self._ids = itertools.count(1)
-        self._owed: dict[int, str] = {}  # call id -> method of each posted request not yet answered
+        # call id -> (method, what its answer is handed to) of each posted request not yet answered
+        self._owed: dict[int, tuple[str, Callable[[Any], None] | None]] = {}
 
     @property
     def owed(self) -> int:
@@ -189,9 +190,12 @@ class FastLink:
             raise interrupted
         return answer
 
-    def post(self, method: str, request: Message, timeout: float) -> bool:
+    def post(
+        self, method: str, request: Message, timeout: float, on_answer: Callable[[Any], None] | None = None
+    ) -> bool:
         """Send a Commit or Release without waiting for its answer (read with the next call's,
-        or by settle()). False: it does not fit a packet; call() it (over gRPC) instead."""
+        or by settle() or drain(), and handed to `on_answer` unless it is an error). False: it
+        does not fit a packet; call() it (over gRPC) instead."""
         if method not in POSTABLE:
             raise ValueError(f"{method} cannot be posted: only {sorted(POSTABLE)} are answered at once")
         call_id = next(self._ids)
@@ -203,7 +207,7 @@ class FastLink:
             self._sock.settimeout(timeout)
             self._sock.send(data)
             self.sent = True
-        self._owed[call_id] = method
+        self._owed[call_id] = (method, on_answer)
         return True
 
     def settle(self, timeout: float) -> None:
@@ -218,6 +222,26 @@ class FastLink:
                 if not self._settled(self._reply("a posted call", size)):
                     self.broken = True
                     raise Unavailable("unexpected answer on the session socket: no call was waiting for it")
+
+    def drain(self) -> None:
+        """Without blocking: read the posted requests' answers that have come already (a store
+        finds the slots its last Commit reserved ahead)."""
+        if not self._owed:
+            return
+        timeout = self._sock.gettimeout()
+        self._sock.settimeout(0.0)  # (a socket with a timeout would wait for readability first)
+        try:
+            with self._exchange("a posted call", 0.0):
+                while self._owed:
+                    try:
+                        size = self._sock.recv_into(self._buffer, len(self._buffer), socket.MSG_TRUNC)
+                    except BlockingIOError:
+                        return
+                    if not self._settled(self._reply("a posted call", size)):
+                        self.broken = True
+                        raise Unavailable("unexpected answer on the session socket: no call was waiting for it")
+        finally:
+            self._sock.settimeout(timeout)
 
     @contextlib.contextmanager
     def _exchange(self, method: str, timeout: float) -> Iterator[None]:
@@ -242,11 +266,15 @@ class FastLink:
         """Whether `reply` answers a posted request (read and done with here). A posted call's
         error is only logged: its caller has moved on. (A Commit fails only for handles the
         session does not hold; whatever it does hold is given back when it ends.)"""
-        method = self._owed.pop(reply.call_id, None) if reply.call_id else None
-        if method is None:
+        owed = self._owed.pop(reply.call_id, None) if reply.call_id else None
+        if owed is None:
             return False
-        if reply.WhichOneof("kind") == "error":
+        method, on_answer = owed
+        kind = reply.WhichOneof("kind")
+        if kind == "error":
             log.warning("posted %s failed: %s: %s", method, reply.error.code, reply.error.message)
+        elif on_answer is not None and kind == FAST_METHODS[method]:
+            on_answer(getattr(reply, kind))
         return True
 
     def _reply(self, method: str, size: int) -> pb.SessionReply:

@@ -78,13 +78,14 @@ def test_the_data_path_goes_over_the_session_socket_and_is_counted(daemon_factor
     with d.client(fast_path=True) as c:
         ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
         assert c.store(ns, keys, data) == StoreResult(stored=4)
-        assert c.lookup(ns, keys).tiers == [Tier.RAM] * 4
+        assert c.lookup(ns, keys).tiers == [Tier.RAM] * 4  # RAM holds all: the key index answers
+        assert c.lookup(ns, keys + [b"?" * 32]).tiers == [Tier.RAM] * 4 + [Tier.NONE]  # the daemon answers
         out = np.zeros_like(data)
         assert c.load(ns, keys, out) == 4
         np.testing.assert_array_equal(out, data)
         handled, fast = calls(d)
-        assert {m: fast[m] for m in FAST} == dict.fromkeys(FAST, 1)
-        assert {m: handled[m] for m in FAST} == dict.fromkeys(FAST, 1)  # the gRPC series count them too
+        assert {m: fast[m] for m in (*FAST, "Touch")} == dict.fromkeys((*FAST, "Touch"), 1)
+        assert {m: handled[m] for m in (*FAST, "Touch")} == dict.fromkeys((*FAST, "Touch"), 1)  # the gRPC series too
 
         # A lookup too large for one packet goes over gRPC, with the same answer.
         many = keys + make_keys(f"{ns_name}/absent", 3000)
