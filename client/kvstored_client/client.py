@@ -525,7 +525,7 @@ class Client(ClientBase):
             return None
         try:
             link.drain()  # (the answers of earlier Touches, so they never pile up)
-            session.map_index(ns.namespace_id)
+            session.map_index(ns.namespace_id, self.deadline_s)
             index = session.index(ns.namespace_id)
             if index is None or index.leading(keys) != len(keys):
                 return None

@@ -89,12 +89,13 @@ class PoolSession:
     def index_tried(self, namespace_id: str) -> bool:
         return not self.serves_index or namespace_id in self._indexes
 
-    def map_index(self, namespace_id: str) -> None:
-        """Map the namespace's key index, once per session: one exchange on the session socket.
-        One the daemon refuses (a namespace this session may not see, not registered yet) is
-        not asked for again in this session: its lookups ask the daemon."""
+    def map_index(self, namespace_id: str, timeout: float = SETTLE_S) -> None:
+        """Map the namespace's key index, once per session: one exchange on the session socket
+        (within `timeout`). One the daemon refuses (a namespace this session may not see, not
+        registered yet) is not asked for again in this session: its lookups ask the daemon."""
         if self.index_tried(namespace_id):
             return
+        self._sock.settimeout(timeout)  # (not what the last call left: its time may have been short)
         try:
             opened = self._handshake.index_from(*self._exchange(self._handshake.open_index(namespace_id)))
         except Unavailable:

@@ -224,9 +224,12 @@ def test_a_stopped_daemon_costs_a_deadline_then_a_new_session(daemon, ns_name):
     with daemon.client(deadline_s=0.5) as c:
         ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
         assert c.store(ns, keys, data).stored == 2
+        c.stats()  # (reads the posted Commit's answer: the daemon has published the chunks)
         os.kill(daemon.pid, signal.SIGSTOP)
         try:
-            assert c.lookup(ns, keys) == LookupResult.miss(2)  # no answer within the deadline: a miss
+            assert c.lookup(ns, keys).prefix_hits == 2  # RAM holds them: the key index answers, asking nothing
+            absent = make_keys(f"{ns_name}/absent", 1)
+            assert c.lookup(ns, keys + absent) == LookupResult.miss(3)  # the daemon's to answer: no answer, a miss
             assert c.load(ns, keys, np.zeros_like(data)) == 0
         finally:
             os.kill(daemon.pid, signal.SIGCONT)
