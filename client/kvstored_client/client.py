@@ -8,6 +8,7 @@ regions are set up again."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -348,6 +349,9 @@ class Client(ClientBase):
     def close(self) -> None:
         self._check_fork()
         with self._lock:  # not under a call's copy into the pool
+            if self._session is not None and self._session.touches:
+                with contextlib.suppress(KvstoredError):  # (read before the connection's end)
+                    self._send_touches(self._session)
             self._drop_session()
             self._close_regions()
             if self._channel is not None:
@@ -450,6 +454,12 @@ class Client(ClientBase):
         deadline = time.monotonic() + self.deadline_s
         self._check_fork()
         with self._lock:
+            if self._session is not None and self._session.touches:
+                try:
+                    self._send_touches(self._session)
+                except KvstoredError as exc:  # the link broke: the call finds no session and opens one
+                    log.debug("posting touches: %s", exc)
+                    self._drop_session()
             return self._drive(self._plan(build, fallback, session), deadline)
 
     def _new_transport(self) -> None:
@@ -525,13 +535,17 @@ class Client(ClientBase):
             return None
         try:
             link.drain()  # (the answers of earlier Touches, so they never pile up)
+            if link.closed():  # a stopped daemon's index may say anything: its next daemon's answers
+                self._drop_session()
+                return None
             session.map_index(ns.namespace_id, self.deadline_s)
             index = session.index(ns.namespace_id)
             if index is None or index.leading(keys) != len(keys):
                 return None
-            request = pb.TouchRequest(session_id=session.session_id, namespace_id=ns.namespace_id, keys=keys)
-            if not link.post("Touch", request, self.deadline_s):
-                return None  # too many keys for one packet: the daemon's Lookup counts them
+            now = time.monotonic()
+            session.touches.add(ns.namespace_id, keys, now)
+            if session.touches.due(now):
+                self._send_touches(session)
         except KvstoredError as exc:  # the session broke: the daemon answers (or the plan degrades)
             log.debug("local lookup: %s", exc)
             self._drop_session()
@@ -541,6 +555,18 @@ class Client(ClientBase):
                 self._drop_session()
         self.link_health.reachable()
         return LookupResult(len(keys), [ops.Tier.RAM] * len(keys))
+
+    def _send_touches(self, session: PoolSession) -> None:
+        """Post the hits the key indexes answered, batched (Touch: recency and the daemon's
+        lookup counters); before any other call, so that it finds them counted."""
+        link = session.fast
+        if link is None:
+            return
+        for namespace_id, keys, lookups in session.touches.take():
+            request = pb.TouchRequest(
+                session_id=session.session_id, namespace_id=namespace_id, keys=keys, lookups=lookups
+            )
+            link.post("Touch", request, self.deadline_s)  # (False: too large for a packet; a hint, dropped)
 
     def _ready_ahead(self, session: PoolSession) -> None:
         """Slots reserved ahead are used only where Commits are posted (the fast path); the

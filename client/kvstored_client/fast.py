@@ -223,6 +223,19 @@ class FastLink:
                     self.broken = True
                     raise Unavailable("unexpected answer on the session socket: no call was waiting for it")
 
+    def closed(self) -> bool:
+        """Without blocking: whether the daemon has closed the session (stopped, restarted)."""
+        timeout = self._sock.gettimeout()
+        self._sock.settimeout(0.0)  # (a socket with a timeout would wait for readability first)
+        try:
+            return not self._sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+        finally:
+            self._sock.settimeout(timeout)
+
     def drain(self) -> None:
         """Without blocking: read the posted requests' answers that have come already (a store
         finds the slots its last Commit reserved ahead)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 try:
     from kvstored_client import _keyindex
@@ -23,6 +23,12 @@ except ImportError:  # built without a C compiler
     _keyindex = None  # type: ignore[assignment]
 
 available = _keyindex is not None
+
+# Hits found in key indexes are told to the daemon in batches: when this many keys wait, when
+# the oldest has waited this long (checked at the next lookup), and before any other call.
+TOUCH_KEYS = 4096
+TOUCH_DELAY_S = 0.05
+TOUCH_PER_PACKET = 1024  # distinct keys per Touch (1024 keys of 32 bytes: 34 KiB of a 64 KiB packet)
 
 
 class KeyIndexView:
@@ -54,3 +60,35 @@ class KeyIndexView:
         if self._map is not None:
             self._map.close()
             self._map = None
+
+
+class Touches:
+    """The hits a session found in its key indexes and has not told the daemon of yet."""
+
+    def __init__(self) -> None:
+        self._hits: dict[str, list[Sequence[bytes]]] = {}  # namespace id -> the keys of each lookup
+        self._keys = 0
+        self._since = 0.0
+
+    def add(self, namespace_id: str, keys: Sequence[bytes], now: float) -> None:
+        if not self._keys:
+            self._since = now
+        self._hits.setdefault(namespace_id, []).append(list(keys))
+        self._keys += len(keys)
+
+    def due(self, now: float) -> bool:
+        return self._keys >= TOUCH_KEYS or (self._keys > 0 and now - self._since >= TOUCH_DELAY_S)
+
+    def __bool__(self) -> bool:
+        return self._keys > 0
+
+    def take(self) -> Iterator[tuple[str, list[bytes], int]]:
+        """(namespace id, its distinct keys, the key lookups they stand for), in packets' worth."""
+        hits, self._hits, self._keys = self._hits, {}, 0
+        for namespace_id, lookups in hits.items():
+            distinct = list(dict.fromkeys(key for keys in lookups for key in keys))
+            total = sum(map(len, lookups))
+            for start in range(0, len(distinct), TOUCH_PER_PACKET):
+                part = distinct[start : start + TOUCH_PER_PACKET]
+                # (the first part carries the repeats: every key stands for one lookup at least)
+                yield namespace_id, part, total - (len(distinct) - len(part)) if start == 0 else len(part)

@@ -26,7 +26,7 @@ from kvstored_client.ahead import AheadSlots
 from kvstored_client.buffers import ChunkCopier, PoolArrays
 from kvstored_client.errors import InvalidArgument, KvstoredError, RegionFileMissing, Unavailable
 from kvstored_client.fast import FastLink
-from kvstored_client.keyindex import KeyIndexView
+from kvstored_client.keyindex import KeyIndexView, Touches
 from kvstored_client.paths import session_socket_path
 from kvstored_client.protocol import MAX_FDS, MAX_PACKET, Condition, Handshake, Packet, Reason
 
@@ -57,6 +57,7 @@ class PoolSession:
         self._arenas: dict[int, tuple[mmap.mmap, PoolArrays]] = {}  # tenant arenas mapped
         self.serves_index = welcome.key_index and keyindex.available  # key indexes can be mapped
         self._indexes: dict[str, KeyIndexView | None] = {}  # namespace id -> its key index (None: refused)
+        self.touches = Touches()  # hits found in the key indexes, not yet told to the daemon
 
     @classmethod
     def open(

@@ -251,10 +251,13 @@ class TierChain:
         keys of those it holds (READY) now."""
         return self.pool_bytes // self._room.slot_bytes(ns), self.ram.ready_keys(ns.namespace_id)
 
-    def touch(self, ns: Namespace, keys: Sequence[bytes]) -> int:
-        """Keys a client found in RAM by itself (its key index): counted as RAM lookups and hits
-        and made most recently used, as lookup() would; returns how many RAM still holds."""
-        return sum(self.ram.contains_many(ns.namespace_id, keys))
+    def touch(self, ns: Namespace, keys: Sequence[bytes], lookups: int = 0) -> int:
+        """Keys a client found in RAM by itself (its key index), each once for `lookups` key
+        lookups that all hit (0: one per key): counted as RAM lookups and hits and made most
+        recently used, as lookup() would; returns how many RAM still holds."""
+        held = sum(self.ram.contains_many(ns.namespace_id, keys))
+        self.ram.count_hits(max(0, lookups - len(keys)))
+        return held
 
     def _cut_slow_hits(
         self, ns: Namespace, tiers: list[TierKind], below: list[tuple[int, ChunkId, int]], first_miss: int

@@ -213,7 +213,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         ns = self._ns_keys(request.namespace_id, keys)
         if not self._visible(ns, self._broker.optional(request.session_id)):
             return pb.TouchResponse(hits=0)
-        return pb.TouchResponse(hits=self._chain.touch(ns, keys))
+        return pb.TouchResponse(hits=self._chain.touch(ns, keys, request.lookups))
 
     def open_index(self, session: Session, namespace_id: str) -> KeyIndex:
         """The key index of a namespace the session may see (NotFound for any other, as if it

@@ -391,6 +391,11 @@ class RamTier:
         self.counters.hits += len(hits)
         return out
 
+    def count_hits(self, n: int) -> None:
+        """Lookups that hit, answered elsewhere (a client's key index)."""
+        self.counters.lookups += n
+        self.counters.hits += n
+
     def _touch(self, entry: RamEntry) -> None:
         if entry.chunk in self._lru:
             self._lru.move_to_end(entry.chunk)

@@ -78,6 +78,7 @@ def test_the_data_path_goes_over_the_session_socket_and_is_counted(daemon_factor
     with d.client(fast_path=True) as c:
         ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
         assert c.store(ns, keys, data) == StoreResult(stored=4)
+        c.stats()  # (reads the posted Commit's answer: the daemon has published the chunks)
         assert c.lookup(ns, keys).tiers == [Tier.RAM] * 4  # RAM holds all: the key index answers
         assert c.lookup(ns, keys + [b"?" * 32]).tiers == [Tier.RAM] * 4 + [Tier.NONE]  # the daemon answers
         out = np.zeros_like(data)

@@ -52,8 +52,8 @@ def test_a_lookup_of_ram_hits_asks_nothing_yet_counts_and_moves_the_lru(daemon_f
         for _ in range(3):
             found = kv.lookup(ns, keys[:8])
             assert (found.prefix_hits, found.tiers) == (8, [Tier.RAM] * 8)
-        assert "Lookup" not in calls and calls.count("Touch") == 3, calls
-        # The hits counted as a Lookup's would (the Touches are read before this gRPC call).
+        assert "Lookup" not in calls and calls.count("Touch") <= 1, calls  # (hits are posted in batches)
+        # The hits counted as a Lookup's would (posted before, and read before, this gRPC call).
         after = kv.stats().tiers[0]
         assert (after.lookups - before.lookups, after.hits - before.hits) == (24, 24)
         # They are the most recently used now: 48 new chunks evict the 32 - 8 others first.

@@ -228,6 +228,7 @@ class KvstoredTierManager(SecondaryTierManager):
         self._batcher: LookupBatcher[OffloadKey, ReqContext] = LookupBatcher()  # one lookup batch per namespace
         self._lookups: list[_LookupCall] = []
         self._touches: dict[str, list[OffloadKey]] = {}  # per namespace: keys found in its key index this step
+        self.local_hits = 0  # lookups answered HIT from a key index (benches read it)
         self._waiting: deque[_Transfer] = deque()  # waiting for the session / namespace
         self._running: dict[int, _Transfer] = {}
         self._finished: list[JobResult] = []
@@ -492,6 +493,7 @@ class KvstoredTierManager(SecondaryTierManager):
             return False
         self._touches.setdefault(namespace_id, []).append(key)
         self._stats.increase_counter(KvstoredMetrics.LOCAL_HITS, 1, self._label)
+        self.local_hits += 1
         return True
 
     def _send_touches(self) -> None:
