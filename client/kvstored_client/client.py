@@ -454,13 +454,19 @@ class Client(ClientBase):
         deadline = time.monotonic() + self.deadline_s
         self._check_fork()
         with self._lock:
-            if self._session is not None and self._session.touches:
-                try:
-                    self._send_touches(self._session)
-                except KvstoredError as exc:  # the link broke: the call finds no session and opens one
-                    log.debug("posting touches: %s", exc)
-                    self._drop_session()
+            if self._session is not None and self._session.touches.due(time.monotonic()):
+                self._flush_touches()
             return self._drive(self._plan(build, fallback, session), deadline)
+
+    def _flush_touches(self) -> None:
+        session = self._session
+        if session is None or not session.touches:
+            return
+        try:
+            self._send_touches(session)
+        except KvstoredError as exc:  # the link broke: the call finds no session and opens one
+            log.debug("posting touches: %s", exc)
+            self._drop_session()
 
     def _new_transport(self) -> None:
         self._lock = threading.Lock()
@@ -558,7 +564,9 @@ class Client(ClientBase):
 
     def _send_touches(self, session: PoolSession) -> None:
         """Post the hits the key indexes answered, batched (Touch: recency and the daemon's
-        lookup counters); before any other call, so that it finds them counted."""
+        lookup counters): once due (keyindex.TOUCH_KEYS, TOUCH_DELAY_S, checked at each call),
+        before a gRPC call and at close. (Not before every call: a load right after lookups
+        would wait for the daemon to count them first.)"""
         link = session.fast
         if link is None:
             return
@@ -581,8 +589,10 @@ class Client(ClientBase):
                     self._drop_session()
 
     def _settle(self, deadline: float) -> None:
-        """Before a gRPC call: read the answers of the posted fast calls, so that the daemon has
-        done them before it sees this one (a Delete after a store must find it committed)."""
+        """Before a gRPC call: post the hits the key indexes answered, and read the answers of
+        the posted fast calls, so that the daemon has done them before it sees this one (a
+        Delete after a store must find it committed, Stats the lookups counted)."""
+        self._flush_touches()
         session = self._session
         if session is None or session.fast is None or not session.fast.owed:
             return

@@ -24,8 +24,8 @@ except ImportError:  # built without a C compiler
 
 available = _keyindex is not None
 
-# Hits found in key indexes are told to the daemon in batches: when this many keys wait, when
-# the oldest has waited this long (checked at the next lookup), and before any other call.
+# Hits found in key indexes are told to the daemon in batches: when this many keys wait, or the
+# oldest has waited this long (checked at each call), and before a gRPC call.
 TOUCH_KEYS = 4096
 TOUCH_DELAY_S = 0.05
 TOUCH_PER_PACKET = 1024  # distinct keys per Touch (1024 keys of 32 bytes: 34 KiB of a 64 KiB packet)

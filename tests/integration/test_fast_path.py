@@ -84,6 +84,7 @@ def test_the_data_path_goes_over_the_session_socket_and_is_counted(daemon_factor
         out = np.zeros_like(data)
         assert c.load(ns, keys, out) == 4
         np.testing.assert_array_equal(out, data)
+        c.stats()  # (a gRPC call: the key index's hits are posted, and counted, first)
         handled, fast = calls(d)
         assert {m: fast[m] for m in (*FAST, "Touch")} == dict.fromkeys((*FAST, "Touch"), 1)
         assert {m: handled[m] for m in (*FAST, "Touch")} == dict.fromkeys((*FAST, "Touch"), 1)  # the gRPC series too
