@@ -53,9 +53,10 @@ class AheadSlots:
 
         self.coming += 1
 
-        def add(response: Any) -> None:
+        def add(response: Any) -> None:  # (None: the Commit failed; its slots went with it)
             self.coming -= 1
-            self.add(namespace_id, response.ahead)
+            if response is not None:
+                self.add(namespace_id, response.ahead)
 
         return add
 

@@ -194,8 +194,8 @@ class FastLink:
         self, method: str, request: Message, timeout: float, on_answer: Callable[[Any], None] | None = None
     ) -> bool:
         """Send a Commit or Release without waiting for its answer (read with the next call's,
-        or by settle() or drain(), and handed to `on_answer` unless it is an error). False: it
-        does not fit a packet; call() it (over gRPC) instead."""
+        or by settle() or drain(), and handed to `on_answer`: the response, or None for an
+        error). False: it does not fit a packet; call() it (over gRPC) instead."""
         if method not in POSTABLE:
             raise ValueError(f"{method} cannot be posted: only {sorted(POSTABLE)} are answered at once")
         call_id = next(self._ids)
@@ -286,8 +286,8 @@ class FastLink:
         kind = reply.WhichOneof("kind")
         if kind == "error":
             log.warning("posted %s failed: %s: %s", method, reply.error.code, reply.error.message)
-        elif on_answer is not None and kind == FAST_METHODS[method]:
-            on_answer(getattr(reply, kind))
+        if on_answer is not None:
+            on_answer(getattr(reply, kind) if kind == FAST_METHODS[method] else None)
         return True
 
     def _reply(self, method: str, size: int) -> pb.SessionReply:

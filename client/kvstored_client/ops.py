@@ -191,7 +191,7 @@ class Call:
     copy_grace_s: float = 0.0  # > 0: a region transfer (the driver sets start_within_ms)
     # A Commit or Release whose answer the plan can do without: a driver may send it and read the
     # answer later (fast.FastLink.post); the plan then receives POSTED instead of the response,
-    # and the answer, once read, is handed to on_answer (if any).
+    # and the answer, once read, is handed to on_answer (if any; None for an error).
     postable: bool = False
     on_answer: Callable[[Any], None] | None = None
 
