@@ -577,16 +577,11 @@ class Client(ClientBase):
             link.post("Touch", request, self.deadline_s)  # (False: too large for a packet; a hint, dropped)
 
     def _ready_ahead(self, session: PoolSession) -> None:
-        """Slots reserved ahead are used only where Commits are posted (the fast path); the
-        answers that came meanwhile are read first (their slots join the session's)."""
+        """Slots reserved ahead are used only where Commits are posted (the fast path); those
+        the posted Commits reserved join the session's when their answers are read (with the
+        next call's, or by the store that runs short: ops.Settle)."""
         link = session.fast
         session.ahead.enabled = self.store_ahead and self.fast_path and link is not None and link.serves("Commit")
-        if link is not None and link.owed:
-            try:
-                link.drain()
-            finally:
-                if link.broken:
-                    self._drop_session()
 
     def _settle(self, deadline: float) -> None:
         """Before a gRPC call: post the hits the key indexes answered, and read the answers of

@@ -137,17 +137,15 @@ class FastLink:
         data = _packet(method, request)
         if data is None:
             return None
-        if self._aio is None:  # a second socket object on a dup of the fd, non-blocking for the loop
-            self._aio = socket.socket(fileno=os.dup(self._sock.fileno()))
-            self._aio.setblocking(False)
+        aio = self._nonblocking()
         loop = asyncio.get_running_loop()
         with self._exchange(method, timeout):
             async with asyncio.timeout(timeout):
                 self.sent = False
-                await loop.sock_sendall(self._aio, data)
+                await loop.sock_sendall(aio, data)
                 self.sent = True
                 while True:
-                    size = await loop.sock_recv_into(self._aio, self._buffer)
+                    size = await loop.sock_recv_into(aio, self._buffer)
                     reply = self._reply(method, size)
                     if not self._settled(reply):
                         break
@@ -223,38 +221,38 @@ class FastLink:
                     self.broken = True
                     raise Unavailable("unexpected answer on the session socket: no call was waiting for it")
 
+    def _nonblocking(self) -> socket.socket:
+        """A second socket object on a dup of the fd, non-blocking (a socket with a timeout
+        polls for readability before it reads): for an event loop, and to look without waiting."""
+        if self._aio is None:
+            self._aio = socket.socket(fileno=os.dup(self._sock.fileno()))
+            self._aio.setblocking(False)
+        return self._aio
+
     def closed(self) -> bool:
         """Without blocking: whether the daemon has closed the session (stopped, restarted)."""
-        timeout = self._sock.gettimeout()
-        self._sock.settimeout(0.0)  # (a socket with a timeout would wait for readability first)
         try:
-            return not self._sock.recv(1, socket.MSG_PEEK)
+            return not self._nonblocking().recv(1, socket.MSG_PEEK)
         except BlockingIOError:
             return False
         except OSError:
             return True
-        finally:
-            self._sock.settimeout(timeout)
 
     def drain(self) -> None:
         """Without blocking: read the posted requests' answers that have come already (a store
         finds the slots its last Commit reserved ahead)."""
         if not self._owed:
             return
-        timeout = self._sock.gettimeout()
-        self._sock.settimeout(0.0)  # (a socket with a timeout would wait for readability first)
-        try:
-            with self._exchange("a posted call", 0.0):
-                while self._owed:
-                    try:
-                        size = self._sock.recv_into(self._buffer, len(self._buffer), socket.MSG_TRUNC)
-                    except BlockingIOError:
-                        return
-                    if not self._settled(self._reply("a posted call", size)):
-                        self.broken = True
-                        raise Unavailable("unexpected answer on the session socket: no call was waiting for it")
-        finally:
-            self._sock.settimeout(timeout)
+        sock = self._nonblocking()
+        with self._exchange("a posted call", 0.0):
+            while self._owed:
+                try:
+                    size = sock.recv_into(self._buffer, len(self._buffer), socket.MSG_TRUNC)
+                except BlockingIOError:
+                    return
+                if not self._settled(self._reply("a posted call", size)):
+                    self.broken = True
+                    raise Unavailable("unexpected answer on the session socket: no call was waiting for it")
 
     @contextlib.contextmanager
     def _exchange(self, method: str, timeout: float) -> Iterator[None]:

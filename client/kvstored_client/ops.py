@@ -307,7 +307,8 @@ def store(
             todo = [i for i, h in enumerate(held) if not h]
             slots = ahead.take(ns.namespace_id, len(todo)) if todo else []
             if slots is None and ahead.coming:
-                # Slots are on their way in posted answers: reading them costs less than a Reserve.
+                # Slots are on their way in posted answers: those come, or are there already;
+                # reading them costs less than a Reserve.
                 yield Settle(session)
                 slots = ahead.take(ns.namespace_id, len(todo))
             if slots is not None:
