@@ -64,6 +64,8 @@ RAISE = object()  # fallback marker: the error is the caller's to see
 RESTART_ERRORS = (UnknownSession, UnknownRegion, UnknownNamespace)
 OPEN_SESSION = object()  # plan effect: "give me a session" -> (session, newly opened)
 HANDLE_METHODS = frozenset({"Reserve", "Commit", "Acquire", "Release"})  # calls that grant or end handles
+# Calls that reserve RAM, which may evict: the key index's hits are posted before them.
+MAKES_ROOM = frozenset({"Reserve", "Commit", "StoreFromRegion"})
 _INHERITED_AT_FORK: list[tuple[Any, ...]] = []  # see _check_fork
 Plan = Generator[Any, Any, Any]
 
@@ -518,6 +520,10 @@ class Client(ClientBase):
         if not self.fast_path or session is None or session.fast is None or not session.fast.serves(effect.method):
             return None
         link = session.fast
+        if effect.method in MAKES_ROOM and session.touches:
+            self._flush_touches()  # (their recency first: the room this call makes may evict)
+            if self._session is not session:  # the link broke (and the session went with it)
+                raise Unavailable(f"{effect.method}: the session socket failed")
         request, timeout = _bounded(effect, deadline)
         try:
             if effect.postable and link.post(effect.method, request, timeout, effect.on_answer):
@@ -565,8 +571,9 @@ class Client(ClientBase):
     def _send_touches(self, session: PoolSession) -> None:
         """Post the hits the key indexes answered, batched (Touch: recency and the daemon's
         lookup counters): once due (keyindex.TOUCH_KEYS, TOUCH_DELAY_S, checked at each call),
-        before a gRPC call and at close. (Not before every call: a load right after lookups
-        would wait for the daemon to count them first.)"""
+        before a call that reserves RAM (its room may evict: MAKES_ROOM), before a gRPC call and
+        at close. (Not before every call: a load right after lookups would wait for the daemon
+        to count them first.)"""
         link = session.fast
         if link is None:
             return
