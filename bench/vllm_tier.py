@@ -78,7 +78,8 @@ class Engine:
         )
         self.manager: Any = cast(Any, TieringOffloadingSpec(config).get_manager())  # a TieringOffloadingManager
         # The kvstored tiers' links to the daemon: their calls are timed (issue to answer).
-        self.links = [t.link for t in self.manager.secondary_tiers if hasattr(t, "link")]
+        self.tiers = [t for t in self.manager.secondary_tiers if hasattr(t, "link")]
+        self.links = [t.link for t in self.tiers]
         if latency is not None:
             for link in self.links:
                 latency.watch(link)
@@ -183,6 +184,7 @@ def run_case(name: str, tier: dict, args, keys: list[bytes], daemon: Daemon | No
     reader = Engine(tier, args.primary, args.chunk, latency)  # a vLLM restart: empty primary tier
     load_s, loaded, missed = reader.load(keys, args.load_batch)
     transports = [a + b for a, b in zip(transports, _transports(reader))]
+    local = sum(t.local_hits for t in (*writer.tiers, *reader.tiers))
     reader.close()
     total = len(keys) * args.chunk
     result = {
@@ -198,6 +200,7 @@ def run_case(name: str, tier: dict, args, keys: list[bytes], daemon: Daemon | No
         "load_average": load_average(),
         "call_latency_ms": latency.summary(),
         "calls_fast_grpc": transports,
+        "lookups_from_key_index": local,
     }
     extra = ""
     if below is not None and daemon is not None:
@@ -220,7 +223,7 @@ def run_case(name: str, tier: dict, args, keys: list[bytes], daemon: Daemon | No
         flush=True,
     )
     if writer.links:
-        over = f"{transports[0]} fast path, {transports[1]} gRPC calls"
+        over = f"{transports[0]} fast path, {transports[1]} gRPC calls, {local} lookups answered from the key index"
         latency.print(f"  {name}: per-call latency at the tier", over)
     return result
 

@@ -53,8 +53,13 @@ class SdistWithProtos(sdist):
         super().run()
 
 
-# The non-temporal copy helper is optional: without a C compiler the client copies with numpy.
+# The C helpers are optional: without a C compiler the client copies with numpy.
 setup(
     cmdclass={"build_py": BuildWithProtos, "sdist": SdistWithProtos},
-    ext_modules=[Extension("kvstored_client._ntcopy", ["kvstored_client/_ntcopy.c"], optional=True)],
+    ext_modules=[
+        Extension("kvstored_client._ntcopy", ["kvstored_client/_ntcopy.c"], optional=True),
+        # The shared-memory key index (lookups of RAM hits without a round trip): optional too,
+        # without it lookups ask the daemon.
+        Extension("kvstored_client._keyindex", ["kvstored_client/_keyindex.c"], optional=True),
+    ],
 )

@@ -16,6 +16,7 @@ from bench.lib.report import percentile, print_aligned
 # The kind each data-path RPC belongs to (the direct spec's two calls per transfer count apart).
 KIND_OF = {
     "Lookup": "lookup",
+    "Touch": "lookup (Touch: hits found in the key index, posted)",
     "StoreFromRegion": "store",
     "Reserve": "store (Reserve)",
     "Commit": "store (Commit)",

@@ -34,7 +34,7 @@ class WorkerProcess:
             stdout=subprocess.PIPE,
             stderr=open(self.log_path, "wb"),
             text=True,
-            env={**os.environ, **server.env, "PYTHONPATH": str(REPO)},
+            env={**os.environ, **server.env, "PYTHONPATH": _pythonpath()},
         )
         self._read()  # the driver is up
         self.pid = self.proc.pid
@@ -124,3 +124,9 @@ class System:
             with contextlib.suppress(Exception):
                 self.server.stop()
             self.server = None
+
+
+def _pythonpath() -> str:
+    """The repository first (bench.peers.worker), then what the caller had: a worktree's client
+    on it must win over an editable install of another checkout's."""
+    return os.pathsep.join([str(REPO), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)])

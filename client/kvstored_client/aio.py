@@ -181,7 +181,9 @@ class AsyncClient(ClientBase):
                         # caller still waits for it, or the next call would open a second one.
                         timeout = _remaining(deadline)
                         result = await _to_the_end(asyncio.to_thread(self._session_step, timeout))
-                    elif isinstance(effect, ops.MapArena):  # socket work, off the loop (as OPEN_SESSION)
+                    elif isinstance(effect, ops.Settle):
+                        pass  # (this client posts nothing: every answer is awaited)
+                    elif isinstance(effect, (ops.MapArena, ops.MapIndex)):  # socket work, off the loop
                         await _to_the_end(asyncio.to_thread(effect.run))
                     elif isinstance(effect, ops.Copy):
                         if effect.nbytes < OFF_LOOP_COPY_BYTES:

@@ -8,6 +8,7 @@ regions are set up again."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -18,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from kvstored_client import ops
+from kvstored_client import keyindex, ops
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.blocks import BlockIdentity
@@ -63,6 +64,8 @@ RAISE = object()  # fallback marker: the error is the caller's to see
 RESTART_ERRORS = (UnknownSession, UnknownRegion, UnknownNamespace)
 OPEN_SESSION = object()  # plan effect: "give me a session" -> (session, newly opened)
 HANDLE_METHODS = frozenset({"Reserve", "Commit", "Acquire", "Release"})  # calls that grant or end handles
+# Calls that reserve RAM, which may evict: the key index's hits are posted before them.
+MAKES_ROOM = frozenset({"Reserve", "Commit", "StoreFromRegion"})
 _INHERITED_AT_FORK: list[tuple[Any, ...]] = []  # see _check_fork
 Plan = Generator[Any, Any, Any]
 
@@ -223,7 +226,8 @@ class ClientBase:
         """Interrupted mid-call (task cancelled, KeyboardInterrupt): the daemon may have granted
         reservations or leases we will never hear of. Closing the session is what frees them."""
         plan.close()
-        if effect is OPEN_SESSION or isinstance(effect, (ops.Copy, ops.MapArena)) or effect.method in HANDLE_METHODS:
+        local = isinstance(effect, (ops.Copy, ops.MapArena, ops.MapIndex, ops.Settle))
+        if effect is OPEN_SESSION or local or effect.method in HANDLE_METHODS:
             self._drop_session()
 
     def _close_regions(self) -> None:
@@ -319,13 +323,21 @@ class Client(ClientBase):
         populate: bool = True,
         copy_threads: int | None = None,
         fast_path: bool | None = None,
+        store_ahead: bool = True,
+        key_index: bool = True,
     ) -> None:
         """copy_threads: threads splitting a large store/load between your buffers and the pool
         (default: up to 4, one per core). fast_path: send lookups, stores' and loads' calls over
         the session socket rather than gRPC once a session is open (default: KVSTORED_FAST_PATH,
-        on unless set to 0)."""
+        on unless set to 0). store_ahead (with the fast path, where the daemon grants them):
+        hold a few pool slots per namespace reserved ahead, so that a store copies at once and
+        posts its Commit. key_index (with the fast path): answer lookups of keys the daemon's
+        RAM holds from the namespace's key index, with no round trip; slots ahead need it (see
+        docs/client.md)."""
         super().__init__(socket, deadline_s, client_name, populate, copy_threads)
         self.fast_path = fast_path_default() if fast_path is None else fast_path
+        self.key_index = key_index and keyindex.available
+        self.store_ahead = store_ahead and self.key_index
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.KVStoreStub | None = None
         self._lock = threading.Lock()  # one operation at a time per client
@@ -339,6 +351,9 @@ class Client(ClientBase):
     def close(self) -> None:
         self._check_fork()
         with self._lock:  # not under a call's copy into the pool
+            if self._session is not None and self._session.touches:
+                with contextlib.suppress(KvstoredError):  # (read before the connection's end)
+                    self._send_touches(self._session)
             self._drop_session()
             self._close_regions()
             if self._channel is not None:
@@ -358,7 +373,15 @@ class Client(ClientBase):
 
     def lookup(self, ns: Namespace, keys: Sequence[bytes], load_into: LoadInto = LoadInto.POOL) -> LookupResult:
         """Where each key is. `load_into`: what the load that follows uses, load (POOL) or
-        load_to_region (REGION); it decides how the daemon readies the hits below RAM."""
+        load_to_region (REGION); it decides how the daemon readies the hits below RAM. With a
+        session open, a lookup whose keys RAM holds all is answered from the namespace's key
+        index, without asking the daemon (see docs/client.md)."""
+        self._check_fork()
+        started = time.monotonic()
+        with self._lock:
+            local = self._local_lookup(ns, keys)
+        if local is not None and time.monotonic() - started <= self.deadline_s:  # (deadlines hold here too)
+            return local
         return self._run(lambda s: ops.lookup(ns, keys, s, load_into), LookupResult.miss(len(keys)), session=ns.private)
 
     def store(
@@ -433,7 +456,19 @@ class Client(ClientBase):
         deadline = time.monotonic() + self.deadline_s
         self._check_fork()
         with self._lock:
+            if self._session is not None and self._session.touches.due(time.monotonic()):
+                self._flush_touches()
             return self._drive(self._plan(build, fallback, session), deadline)
+
+    def _flush_touches(self) -> None:
+        session = self._session
+        if session is None or not session.touches:
+            return
+        try:
+            self._send_touches(session)
+        except KvstoredError as exc:  # the link broke: the call finds no session and opens one
+            log.debug("posting touches: %s", exc)
+            self._drop_session()
 
     def _new_transport(self) -> None:
         self._lock = threading.Lock()
@@ -458,8 +493,11 @@ class Client(ClientBase):
                 try:
                     if effect is OPEN_SESSION:
                         result = self._session_step(_remaining(deadline))
-                    elif isinstance(effect, (ops.Copy, ops.MapArena)):
+                        self._ready_ahead(result[0])
+                    elif isinstance(effect, (ops.Copy, ops.MapArena, ops.MapIndex)):
                         effect.run()
+                    elif isinstance(effect, ops.Settle):
+                        self._settle(deadline)
                     else:
                         result = self._fast_call(effect, deadline)
                         if result is None:
@@ -482,9 +520,13 @@ class Client(ClientBase):
         if not self.fast_path or session is None or session.fast is None or not session.fast.serves(effect.method):
             return None
         link = session.fast
+        if effect.method in MAKES_ROOM and session.touches:
+            self._flush_touches()  # (their recency first: the room this call makes may evict)
+            if self._session is not session:  # the link broke (and the session went with it)
+                raise Unavailable(f"{effect.method}: the session socket failed")
         request, timeout = _bounded(effect, deadline)
         try:
-            if effect.postable and link.post(effect.method, request, timeout):
+            if effect.postable and link.post(effect.method, request, timeout, effect.on_answer):
                 return ops.POSTED
             return link.call(effect.method, request, timeout, to_the_end=bool(effect.copy_grace_s))
         except KvstoredError as exc:
@@ -493,9 +535,66 @@ class Client(ClientBase):
             if link.broken:  # an answer may still come: never use this session again
                 self._drop_session()
 
+    def _local_lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult | None:
+        """The lookup answered from the key index when RAM holds every key (its hits then
+        posted to the daemon as a Touch); None: ask the daemon. Needs an open session with the
+        fast path (the index is mapped on the first lookup of the namespace)."""
+        session = self._session
+        link = session.fast if session is not None else None
+        if not (self.fast_path and self.key_index) or session is None or link is None or not keys:
+            return None
+        if not link.serves("Touch"):
+            return None
+        try:
+            link.drain()  # (the answers of earlier Touches, so they never pile up)
+            if link.closed():  # a stopped daemon's index may say anything: its next daemon's answers
+                self._drop_session()
+                return None
+            session.map_index(ns.namespace_id, self.deadline_s)
+            index = session.index(ns.namespace_id)
+            if index is None or index.leading(keys) != len(keys):
+                return None
+            now = time.monotonic()
+            session.touches.add(ns.namespace_id, keys, now)
+            if session.touches.due(now):
+                self._send_touches(session)
+        except KvstoredError as exc:  # the session broke: the daemon answers (or the plan degrades)
+            log.debug("local lookup: %s", exc)
+            self._drop_session()
+            return None
+        finally:
+            if link.broken:
+                self._drop_session()
+        self.link_health.reachable()
+        return LookupResult(len(keys), [ops.Tier.RAM] * len(keys))
+
+    def _send_touches(self, session: PoolSession) -> None:
+        """Post the hits the key indexes answered, batched (Touch: recency and the daemon's
+        lookup counters): once due (keyindex.TOUCH_KEYS, TOUCH_DELAY_S, checked at each call),
+        before a call that reserves RAM (its room may evict: MAKES_ROOM), before a gRPC call and
+        at close. (Not before every call: a load right after lookups would wait for the daemon
+        to count them first.)"""
+        link = session.fast
+        if link is None:
+            return
+        for namespace_id, keys, lookups in session.touches.take():
+            request = pb.TouchRequest(
+                session_id=session.session_id, namespace_id=namespace_id, keys=keys, lookups=lookups
+            )
+            link.post("Touch", request, self.deadline_s)  # (False: too large for a packet; a hint, dropped)
+
+    def _ready_ahead(self, session: PoolSession) -> None:
+        """Slots reserved ahead are used only where Commits are posted (the fast path); those
+        the posted Commits reserved join the session's when their answers are read (with the
+        next call's, or by the store that runs short: ops.Settle)."""
+        link = session.fast
+        session.ahead.enabled = self.store_ahead and self.fast_path and link is not None and link.serves("Commit")
+
     def _settle(self, deadline: float) -> None:
-        """Before a gRPC call: read the answers of the posted fast calls, so that the daemon has
-        done them before it sees this one (a Delete after a store must find it committed)."""
+        """Before a gRPC call: post the hits the key indexes answered, and read the answers of
+        the posted fast calls, so that the daemon has done them before it sees this one (a
+        Delete after a store must find it committed, Stats the lookups counted)."""
+        self._flush_touches()
         session = self._session
         if session is None or session.fast is None or not session.fast.owed:
             return

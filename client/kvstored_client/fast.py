@@ -41,7 +41,7 @@ from kvstored_client.protocol import FAST_METHODS, FAST_REPLY_MAX, MAX_PACKET, R
 log = logging.getLogger(__name__)
 
 ENV = "KVSTORED_FAST_PATH"
-POSTABLE = frozenset({"Commit", "Release"})  # answered at once and in order by the daemon
+POSTABLE = frozenset({"Commit", "Release", "Touch"})  # answered at once and in order by the daemon
 _ON = frozenset({"", "1", "true", "on", "yes"})
 _OFF = frozenset({"0", "false", "off", "no"})
 
@@ -118,7 +118,8 @@ class FastLink:
         self.broken = False
         self.sent = False  # the last call's request was sent
         self._ids = itertools.count(1)
-        self._owed: dict[int, str] = {}  # call id -> method of each posted request not yet answered
+        # call id -> (method, what its answer is handed to) of each posted request not yet answered
+        self._owed: dict[int, tuple[str, Callable[[Any], None] | None]] = {}
 
     @property
     def owed(self) -> int:
@@ -136,17 +137,15 @@ class FastLink:
         data = _packet(method, request)
         if data is None:
             return None
-        if self._aio is None:  # a second socket object on a dup of the fd, non-blocking for the loop
-            self._aio = socket.socket(fileno=os.dup(self._sock.fileno()))
-            self._aio.setblocking(False)
+        aio = self._nonblocking()
         loop = asyncio.get_running_loop()
         with self._exchange(method, timeout):
             async with asyncio.timeout(timeout):
                 self.sent = False
-                await loop.sock_sendall(self._aio, data)
+                await loop.sock_sendall(aio, data)
                 self.sent = True
                 while True:
-                    size = await loop.sock_recv_into(self._aio, self._buffer)
+                    size = await loop.sock_recv_into(aio, self._buffer)
                     reply = self._reply(method, size)
                     if not self._settled(reply):
                         break
@@ -189,9 +188,12 @@ class FastLink:
             raise interrupted
         return answer
 
-    def post(self, method: str, request: Message, timeout: float) -> bool:
+    def post(
+        self, method: str, request: Message, timeout: float, on_answer: Callable[[Any], None] | None = None
+    ) -> bool:
         """Send a Commit or Release without waiting for its answer (read with the next call's,
-        or by settle()). False: it does not fit a packet; call() it (over gRPC) instead."""
+        or by settle() or drain(), and handed to `on_answer`: the response, or None for an
+        error). False: it does not fit a packet; call() it (over gRPC) instead."""
         if method not in POSTABLE:
             raise ValueError(f"{method} cannot be posted: only {sorted(POSTABLE)} are answered at once")
         call_id = next(self._ids)
@@ -203,7 +205,7 @@ class FastLink:
             self._sock.settimeout(timeout)
             self._sock.send(data)
             self.sent = True
-        self._owed[call_id] = method
+        self._owed[call_id] = (method, on_answer)
         return True
 
     def settle(self, timeout: float) -> None:
@@ -215,6 +217,39 @@ class FastLink:
             self._sock.settimeout(timeout)
             while self._owed:
                 size = self._sock.recv_into(self._buffer, len(self._buffer), socket.MSG_TRUNC)
+                if not self._settled(self._reply("a posted call", size)):
+                    self.broken = True
+                    raise Unavailable("unexpected answer on the session socket: no call was waiting for it")
+
+    def _nonblocking(self) -> socket.socket:
+        """A second socket object on a dup of the fd, non-blocking (a socket with a timeout
+        polls for readability before it reads): for an event loop, and to look without waiting."""
+        if self._aio is None:
+            self._aio = socket.socket(fileno=os.dup(self._sock.fileno()))
+            self._aio.setblocking(False)
+        return self._aio
+
+    def closed(self) -> bool:
+        """Without blocking: whether the daemon has closed the session (stopped, restarted)."""
+        try:
+            return not self._nonblocking().recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
+    def drain(self) -> None:
+        """Without blocking: read the posted requests' answers that have come already (a store
+        finds the slots its last Commit reserved ahead)."""
+        if not self._owed:
+            return
+        sock = self._nonblocking()
+        with self._exchange("a posted call", 0.0):
+            while self._owed:
+                try:
+                    size = sock.recv_into(self._buffer, len(self._buffer), socket.MSG_TRUNC)
+                except BlockingIOError:
+                    return
                 if not self._settled(self._reply("a posted call", size)):
                     self.broken = True
                     raise Unavailable("unexpected answer on the session socket: no call was waiting for it")
@@ -242,11 +277,15 @@ class FastLink:
         """Whether `reply` answers a posted request (read and done with here). A posted call's
         error is only logged: its caller has moved on. (A Commit fails only for handles the
         session does not hold; whatever it does hold is given back when it ends.)"""
-        method = self._owed.pop(reply.call_id, None) if reply.call_id else None
-        if method is None:
+        owed = self._owed.pop(reply.call_id, None) if reply.call_id else None
+        if owed is None:
             return False
-        if reply.WhichOneof("kind") == "error":
+        method, on_answer = owed
+        kind = reply.WhichOneof("kind")
+        if kind == "error":
             log.warning("posted %s failed: %s: %s", method, reply.error.code, reply.error.message)
+        if on_answer is not None:
+            on_answer(getattr(reply, kind) if kind == FAST_METHODS[method] else None)
         return True
 
     def _reply(self, method: str, size: int) -> pb.SessionReply:

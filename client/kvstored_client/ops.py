@@ -7,7 +7,7 @@ commit; acquire -> copy -> release) and its cleanup on failure exist in one plac
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,8 +190,10 @@ class Call:
     request: Any
     copy_grace_s: float = 0.0  # > 0: a region transfer (the driver sets start_within_ms)
     # A Commit or Release whose answer the plan can do without: a driver may send it and read the
-    # answer later (fast.FastLink.post); the plan then receives POSTED instead of the response.
+    # answer later (fast.FastLink.post); the plan then receives POSTED instead of the response,
+    # and the answer, once read, is handed to on_answer (if any; None for an error).
     postable: bool = False
+    on_answer: Callable[[Any], None] | None = None
 
 
 class _Posted:
@@ -231,7 +233,29 @@ class MapArena:
         self.session.map_arena(self.arena)
 
 
-Op = Generator[Call | Copy | MapArena, Any, Any]
+@dataclass(frozen=True)
+class MapIndex:
+    """Map a namespace's key index (a blocking exchange on the session socket; once a session)."""
+
+    session: PoolSession
+    namespace_id: str
+
+    def run(self) -> None:
+        self.session.map_index(self.namespace_id)
+
+
+@dataclass(frozen=True)
+class Settle:
+    """Read the answers of the session's posted calls (blocking, within the call's deadline)."""
+
+    session: PoolSession
+
+    def run(self, timeout: float) -> None:
+        if self.session.fast is not None:
+            self.session.fast.settle(timeout)
+
+
+Op = Generator[Call | Copy | MapArena | MapIndex | Settle, Any, Any]
 
 
 def _arena_of(extent_lists: Sequence[Sequence[Any]]) -> int:
@@ -271,15 +295,38 @@ def store(
 ) -> Op:
     views = chunk_views(data, len(keys), ns.chunk_bytes, writable=False)
     identities = blocks_pb(blocks, len(keys))
+    ahead = session.ahead
+    if ahead.enabled and keys:
+        if not session.index_tried(ns.namespace_id):
+            yield MapIndex(session, ns.namespace_id)
+        # Which keys RAM holds says the key index (a Reserve would say the same): with it, a
+        # store through slots reserved ahead answers as a Reserve would have.
+        index = session.index(ns.namespace_id)
+        if index is not None:
+            held = index.holds(keys)
+            todo = [i for i, h in enumerate(held) if not h]
+            slots = ahead.take(ns.namespace_id, len(todo)) if todo else []
+            if slots is None and ahead.coming:
+                # Slots are on their way in posted answers: those come, or are there already;
+                # reading them costs less than a Reserve.
+                yield Settle(session)
+                slots = ahead.take(ns.namespace_id, len(todo))
+            if slots is not None:
+                return (yield from _store_ahead(session, ns, keys, views, identities, todo, slots))
     try:
         resp = yield Call(
             "Reserve",
             pb.ReserveRequest(
-                session_id=session.session_id, namespace_id=ns.namespace_id, keys=keys, blocks=identities
+                session_id=session.session_id,
+                namespace_id=ns.namespace_id,
+                keys=keys,
+                blocks=identities,
+                ahead=ahead.wanted(ns.namespace_id),
             ),
         )
     except PoolExhausted:  # (an older daemon's answer to a RAM with no room at all)
         return StoreResult.all_dropped(len(keys), DropReason.RAM_FULL)
+    ahead.add(ns.namespace_id, resp.ahead)
     reserved = [(slot, view) for slot, view in zip(resp.slots, views) if slot.state == pb.SLOT_STATE_RESERVED]
     present = sum(1 for slot in resp.slots if slot.state == pb.SLOT_STATE_ALREADY_PRESENT)
     handles = [slot.handle for slot, _ in reserved]
@@ -311,6 +358,56 @@ def store(
         for slot in resp.slots
     )
     return StoreResult(committed, present, len(keys) - committed - present, outcomes, present_in, drops)
+
+
+def _store_ahead(
+    session: PoolSession,
+    ns: Namespace,
+    keys: Sequence[bytes],
+    views: Sequence[Any],
+    identities: Sequence[pb.BlockIdentity],
+    todo: list[int],
+    slots: list[Any],
+) -> Op:
+    """A store into slots reserved ahead: the keys at `todo` (those RAM does not hold, by the key
+    index) are copied, then the Commit naming them is posted (asking for as many slots ahead
+    again). Its answer is not awaited: they count as stored (the daemon frees the slot of one
+    that another writer stored meanwhile); the others are already present in RAM."""
+    n = len(keys)
+    outcomes = [StoreOutcome.ALREADY_PRESENT] * n
+    if todo:
+        handles = [slot.handle for slot in slots]
+        try:
+            arena = _arena_of([slot.extents for slot in slots])
+            pairs = [(slot.extents, views[i]) for slot, i in zip(slots, todo)]
+            yield Copy(session, pairs, to_pool=True, arena=arena)
+        except GeneratorExit:  # abandoned: the driver drops the session, which frees the slots
+            raise
+        except BaseException:
+            yield Call("Release", pb.ReleaseRequest(session_id=session.session_id, handles=handles))
+            raise
+        request = pb.CommitRequest(
+            session_id=session.session_id,
+            handles=handles,
+            keys=[keys[i] for i in todo],
+            namespace_id=ns.namespace_id,
+            blocks=[identities[i] for i in todo] if identities else [],
+            ahead=len(slots),
+        )
+        answer = yield Call("Commit", request, postable=True, on_answer=session.ahead.adder(ns.namespace_id))
+        if answer is POSTED:
+            states = [pb.SLOT_STATE_RESERVED] * len(todo)
+        else:
+            session.ahead.coming -= 1  # (not posted: answered here)
+            session.ahead.add(ns.namespace_id, answer.ahead)
+            states = list(answer.states)
+        for i, state in zip(todo, states):
+            outcomes[i] = StoreOutcome.STORED if state == pb.SLOT_STATE_RESERVED else _SLOT_OUTCOMES[state]
+    stored = outcomes.count(StoreOutcome.STORED)
+    present = outcomes.count(StoreOutcome.ALREADY_PRESENT)
+    present_in = tuple(TierKind.RAM if o is StoreOutcome.ALREADY_PRESENT else TierKind.NONE for o in outcomes)
+    drops = tuple(DropReason.IN_PROGRESS if o is StoreOutcome.IN_PROGRESS else DropReason.NONE for o in outcomes)
+    return StoreResult(stored, present, n - stored - present, tuple(outcomes), present_in, drops)
 
 
 def load(session: PoolSession, ns: Namespace, keys: Sequence[bytes], out: Any) -> Op:

@@ -44,6 +44,7 @@ FAST_METHODS = {
     "StoreFromRegion": "store_from_region",
     "LoadToRegion": "load_to_region",
     "Delete": "delete",
+    "Touch": "touch",
 }
 # Region copies joined the fast path later: a daemon serves them there only if its Welcome says
 # fast_regions (an older one would refuse them), else they go over gRPC.
@@ -51,6 +52,8 @@ FAST_REGION_METHODS = frozenset({"StoreFromRegion", "LoadToRegion"})
 # Delete joined later still (so that a delete after a posted Commit is ordered behind it on the
 # same connection, and costs no gRPC call): only where Welcome says fast_delete.
 FAST_DELETE_METHODS = frozenset({"Delete"})
+# Touch came with the key indexes (OpenIndex): only where Welcome says key_index.
+FAST_INDEX_METHODS = frozenset({"Touch"})
 REPLY_TOO_LARGE = "ReplyTooLarge"  # SessionError.kind: the answer did not fit a packet; ask over gRPC
 FAST_REPLY_MAX = 1 << 20  # the largest fast-path answer a daemon sends (clients receive into this much)
 
@@ -87,6 +90,7 @@ class Welcome:
     fast_path: bool = False  # the daemon serves FAST_METHODS on the session socket
     fast_regions: bool = False  # ... FAST_REGION_METHODS included
     fast_delete: bool = False  # ... FAST_DELETE_METHODS included
+    key_index: bool = False  # ... FAST_INDEX_METHODS included, and OpenIndex answered
 
     def serves_fast(self, method: str) -> bool:
         """Whether `method` may go over this session's fast path."""
@@ -94,6 +98,8 @@ class Welcome:
             return False
         if method in FAST_REGION_METHODS:
             return self.fast_regions
+        if method in FAST_INDEX_METHODS:
+            return self.key_index
         return self.fast_delete or method not in FAST_DELETE_METHODS
 
 
@@ -112,11 +118,22 @@ class ArenaOpened:
     fd: int
 
 
+@dataclass(frozen=True)
+class IndexOpened:
+    """A namespace's key index: `fd` (read-only) belongs to the receiver."""
+
+    namespace_id: str
+    size: int
+    key_bytes: int
+    fd: int
+
+
 class Awaiting(enum.Enum):
     NOTHING = "nothing"
     WELCOME = "welcome"  # Hello sent
     REGION_ATTACHED = "region_attached"  # AttachRegion sent
     ARENA_OPENED = "arena_opened"  # OpenArena sent
+    INDEX_OPENED = "index_opened"  # OpenIndex sent
 
 
 class Handshake:
@@ -153,6 +170,20 @@ class Handshake:
         self.awaiting = Awaiting.ARENA_OPENED
         return Packet(pb.SessionRequest(open_arena=pb.OpenArena(arena_id=arena_id)).SerializeToString())
 
+    def open_index(self, namespace_id: str) -> Packet:
+        """Ask for a namespace's key index (a daemon whose Welcome says key_index)."""
+        self._expect(Awaiting.NOTHING, welcomed=True)
+        self.awaiting = Awaiting.INDEX_OPENED
+        return Packet(pb.SessionRequest(open_index=pb.OpenIndex(namespace_id=namespace_id)).SerializeToString())
+
+    def index_from(self, data: bytes, fds: list[int]) -> IndexOpened:
+        reply = self._reply(Awaiting.INDEX_OPENED, data, fds)
+        if reply.WhichOneof("kind") != "index_opened" or len(fds) != 1:
+            _close_all(fds)
+            raise Unavailable(f"unexpected session reply to OpenIndex: {reply}")
+        opened = reply.index_opened
+        return IndexOpened(opened.namespace_id, opened.size, opened.key_bytes, fds[0])
+
     def welcome_from(self, data: bytes, fds: list[int]) -> Welcome:
         reply = self._reply(Awaiting.WELCOME, data, fds)
         if reply.WhichOneof("kind") != "welcome" or len(fds) != 1:
@@ -167,6 +198,7 @@ class Handshake:
             welcome.fast_path,
             welcome.fast_regions,
             welcome.fast_delete,
+            welcome.key_index,
         )
         return self.welcome
 

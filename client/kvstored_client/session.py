@@ -21,9 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
+from kvstored_client import keyindex
+from kvstored_client.ahead import AheadSlots
 from kvstored_client.buffers import ChunkCopier, PoolArrays
-from kvstored_client.errors import InvalidArgument, RegionFileMissing, Unavailable
+from kvstored_client.errors import InvalidArgument, KvstoredError, RegionFileMissing, Unavailable
 from kvstored_client.fast import FastLink
+from kvstored_client.keyindex import KeyIndexView, Touches
 from kvstored_client.paths import session_socket_path
 from kvstored_client.protocol import MAX_FDS, MAX_PACKET, Condition, Handshake, Packet, Reason
 
@@ -44,6 +47,7 @@ class PoolSession:
         self.pool_bytes = welcome.pool_bytes
         self.page_bytes = welcome.page_bytes
         self.fast = FastLink(sock, welcome.serves_fast) if welcome.fast_path else None  # None: no fast path
+        self.ahead = AheadSlots()  # slots reserved ahead for stores (off unless its client turns it on)
         try:
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
             self._map = mmap.mmap(welcome.pool_fd, self.pool_bytes, flags=flags)
@@ -51,6 +55,9 @@ class PoolSession:
             os.close(welcome.pool_fd)
         self.arrays = PoolArrays(self._map)
         self._arenas: dict[int, tuple[mmap.mmap, PoolArrays]] = {}  # tenant arenas mapped
+        self.serves_index = welcome.key_index and keyindex.available  # key indexes can be mapped
+        self._indexes: dict[str, KeyIndexView | None] = {}  # namespace id -> its key index (None: refused)
+        self.touches = Touches()  # hits found in the key indexes, not yet told to the daemon
 
     @classmethod
     def open(
@@ -75,6 +82,29 @@ class PoolSession:
         finally:
             os.close(opened.fd)
         self._arenas[arena_id] = (mapped, PoolArrays(mapped))
+
+    def index(self, namespace_id: str) -> KeyIndexView | None:
+        """The namespace's key index if mapped (no I/O; see map_index)."""
+        return self._indexes.get(namespace_id)
+
+    def index_tried(self, namespace_id: str) -> bool:
+        return not self.serves_index or namespace_id in self._indexes
+
+    def map_index(self, namespace_id: str, timeout: float = SETTLE_S) -> None:
+        """Map the namespace's key index, once per session: one exchange on the session socket
+        (within `timeout`). One the daemon refuses (a namespace this session may not see, not
+        registered yet) is not asked for again in this session: its lookups ask the daemon."""
+        if self.index_tried(namespace_id):
+            return
+        self._sock.settimeout(timeout)  # (not what the last call left: its time may have been short)
+        try:
+            opened = self._handshake.index_from(*self._exchange(self._handshake.open_index(namespace_id)))
+        except Unavailable:
+            raise
+        except KvstoredError:
+            self._indexes[namespace_id] = None
+            return
+        self._indexes[namespace_id] = KeyIndexView(opened.fd, opened.size, opened.key_bytes)
 
     def arena_arrays(self, arena_id: int) -> PoolArrays:
         """The arrays of an arena's mapping (0: the pool); a tenant arena is mapped on first use."""
@@ -112,6 +142,10 @@ class PoolSession:
             except BufferError:  # a caller still holds a view into the pool; freed with it
                 pass
         self._arenas.clear()
+        for index in self._indexes.values():
+            if index is not None:
+                index.close()
+        self._indexes.clear()
 
 
 # -- session socket I/O, for both kinds of caller --------------------------------------------------

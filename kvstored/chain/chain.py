@@ -57,6 +57,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+# Slots reserved ahead (reserve_ahead) one session may hold per namespace, and the share of RAM
+# (and of a quota) they may take at most.
+AHEAD_PER_SESSION = 32
+AHEAD_SHARE = 32
+
 Proceed = Callable[[], None]
 """The caller's last word: called once the chain has done its waiting (for room, promotions),
 right before it grants or copies anything, with no await in between. It raises to get nothing
@@ -82,6 +87,14 @@ class SlotGrant:
     extents: tuple[Extent, ...] = ()
     present_in: TierKind = TierKind.NONE  # ALREADY_PRESENT: the tier holding it
     drop: DropReason = DropReason.NONE  # IN_PROGRESS, NO_SPACE: why it is not stored
+
+
+@dataclass(frozen=True, slots=True)
+class AheadGrant:
+    """A slot reserved ahead: RAM for a chunk whose key its commit_ahead() names (or abort())."""
+
+    entry: RamEntry
+    extents: tuple[Extent, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +245,19 @@ class TierChain:
             for _, chunk, tier_index in below[len(leading) :]:  # the others: into free RAM only
                 self.promoter.start(chunk, ns.chunk_bytes, tier_index, evict=False)
         return tiers
+
+    def resident(self, ns: Namespace) -> tuple[int, list[bytes]]:
+        """For a key index of `ns`: the most chunks of it RAM could hold (all of RAM), and the
+        keys of those it holds (READY) now."""
+        return self.pool_bytes // self._room.slot_bytes(ns), self.ram.ready_keys(ns.namespace_id)
+
+    def touch(self, ns: Namespace, keys: Sequence[bytes], lookups: int = 0) -> int:
+        """Keys a client found in RAM by itself (its key index), each once for `lookups` key
+        lookups that all hit (0: one per key): counted as RAM lookups and hits and made most
+        recently used, as lookup() would; returns how many RAM still holds."""
+        held = sum(self.ram.contains_many(ns.namespace_id, keys))
+        self.ram.count_hits(max(0, lookups - len(keys)))
+        return held
 
     def _cut_slow_hits(
         self, ns: Namespace, tiers: list[TierKind], below: list[tuple[int, ChunkId, int]], first_miss: int
@@ -389,6 +415,49 @@ class TierChain:
             self.ram.commit(entry)
         self._publish_ram(EventType.STORED, Cause.STORED, [entry.chunk for entry in entries])
         self.writeback.after_commit(entries)
+
+    @property
+    def reserves_ahead(self) -> bool:
+        """Whether slots may be reserved ahead of their keys: only where RAM is the only tier,
+        so that whether a chunk is present already is RAM's to say (a store through a slot
+        reserved ahead learns it only at its commit, after its copy)."""
+        return not self.lower
+
+    def ahead_limit(self, ns: Namespace) -> int:
+        """Slots one session may hold reserved ahead in `ns`: enough for one-chunk stores that
+        follow each other, at most 1/AHEAD_SHARE of RAM and of each quota the namespace counts
+        against (a small one grants fewer, or none), so idle writers keep little of either."""
+        if not self.reserves_ahead:
+            return 0
+        smallest = min(self.ram.limit_bytes(scope) for scope in (None, *self._room.scopes(ns)))
+        return min(AHEAD_PER_SESSION, smallest // AHEAD_SHARE // self._room.slot_bytes(ns))
+
+    def reserve_ahead(self, ns: Namespace, count: int) -> list[AheadGrant]:
+        """Up to `count` RAM slots for chunks of `ns` whose keys come with their commit
+        (commit_ahead): reserved at once, evicting the least recently used chunks as a store's
+        reservation would (with RAM the only tier there is nothing to wait for); fewer, or
+        none, where RAM or a quota has no room."""
+        if not self.reserves_ahead:
+            return []
+        grants: list[AheadGrant] = []
+        evicted: list[ChunkId] = []
+        for _ in range(count):
+            result = self.ram.reserve_unkeyed(ns.namespace_id, ns.chunk_bytes)
+            evicted += result.evicted
+            if result.entry is None:
+                break
+            grants.append(AheadGrant(result.entry, tuple(self.ram.extents(result.entry))))
+        self._publish_ram(EventType.REMOVED, Cause.EVICTED, evicted)
+        return grants
+
+    def commit_ahead(self, ns: Namespace, entries: Sequence[RamEntry], keys: Sequence[bytes]) -> list[ReserveOutcome]:
+        """Publish slots reserved ahead under their keys, whose bytes are in place: RESERVED for
+        those committed; a key RAM holds already (ALREADY_PRESENT) or another writer is storing
+        (IN_PROGRESS) only frees its slot."""
+        outcomes = [self.ram.bind(entry, (ns.namespace_id, key)) for entry, key in zip(entries, keys)]
+        self.abort([e for e, o in zip(entries, outcomes) if o is not ReserveOutcome.RESERVED])
+        self.commit([e for e, o in zip(entries, outcomes) if o is ReserveOutcome.RESERVED])
+        return outcomes
 
     def abort(self, entries: Sequence[RamEntry]) -> None:
         """Give back reservations that will not be committed."""

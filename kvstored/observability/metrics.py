@@ -170,6 +170,9 @@ class KvstoredCollector(Collector):
         yield _gauge("sessions", "open client sessions", counts.sessions)
         yield _gauge("leases", "outstanding read leases (chunks pinned in RAM for a reader)", counts.leases)
         yield _gauge("reservations", "outstanding uncommitted reservations (chunks being written)", counts.reservations)
+        yield _gauge(
+            "ahead_slots", "slots reserved ahead of their keys, held by sessions (RAM in use)", counts.ahead_slots
+        )
         yield _gauge("regions", "client shared-memory regions attached", counts.regions)
         yield _gauge("namespaces", "registered namespaces", len(self._namespaces))
         ns_info = InfoMetricFamily(

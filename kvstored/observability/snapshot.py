@@ -23,6 +23,7 @@ class SessionCounts:
     leases: int = 0  # read leases held by sessions
     reservations: int = 0  # uncommitted reservations held by sessions
     regions: int = 0  # client regions attached
+    ahead_slots: int = 0  # slots reserved ahead of their keys, held by sessions (counted in RAM)
 
 
 SessionCountsSource = Callable[[], SessionCounts]

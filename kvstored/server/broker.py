@@ -96,6 +96,7 @@ class SessionBroker:
             sessions=len(self.sessions),
             leases=self.sessions.count(HandleKind.LEASE),
             reservations=self.sessions.count(HandleKind.RESERVATION),
+            ahead_slots=self.sessions.count(HandleKind.AHEAD),
             regions=sum(len(s.regions) for s in self.sessions),
         )
 
@@ -122,14 +123,44 @@ class SessionBroker:
         self._chain.commit([h.entry for h in taken])
         return len(taken)
 
+    def reserve_ahead(self, session: Session, ns: Namespace, count: int) -> list[Slot]:
+        """Slots reserved ahead for the session's later stores in `ns`, up to what a session may
+        hold (TierChain.ahead_limit); they count against RAM and the namespace's quotas like any
+        reservation and are freed when the session ends."""
+        session.check_open()
+        held = session.ahead.get(ns.namespace_id, 0)
+        grants = self._chain.reserve_ahead(ns, max(0, min(count, self._chain.ahead_limit(ns) - held)))
+        if grants:
+            session.ahead[ns.namespace_id] = held + len(grants)
+        return [
+            Slot(ReserveOutcome.RESERVED, self._grant(session, HandleKind.AHEAD, g.entry), g.extents) for g in grants
+        ]
+
+    def commit_ahead(
+        self, session: Session, ns: Namespace, handles: Sequence[int], keys: Sequence[bytes]
+    ) -> list[ReserveOutcome]:
+        """Publish slots reserved ahead in `ns` under `keys` (one per handle, all or nothing)."""
+        if len(keys) != len(handles):
+            raise InvalidRequest(f"{len(keys)} keys for {len(handles)} handles: name one key per handle")
+        for handle_id in handles:
+            handle = session.handles.get(handle_id)
+            if handle is not None and handle.kind is HandleKind.AHEAD and handle.entry.chunk[0] != ns.namespace_id:
+                raise InvalidRequest(f"handle {handle_id} was reserved ahead in another namespace")
+        taken = session.take_all(handles, (HandleKind.AHEAD,))
+        self._count_ahead(session, ns.namespace_id, -len(taken))
+        return self._chain.commit_ahead(ns, [h.entry for h in taken], keys)
+
     async def acquire(self, session: Session, ns: Namespace, keys: Sequence[bytes]) -> list[Lease]:
         grants = await self._chain.acquire(ns, keys, session.check_open)
         return [Lease(self._grant(session, HandleKind.LEASE, g.entry), g.extents) for g in grants]
 
     def release(self, session: Session, handles: Sequence[int]) -> int:
-        """Give back leases and reservations (a released reservation is never committed)."""
-        taken = session.take_all(handles, (HandleKind.LEASE, HandleKind.RESERVATION))
+        """Give back leases and reservations, those made ahead included (a released reservation
+        is never committed)."""
+        taken = session.take_all(handles, (HandleKind.LEASE, HandleKind.RESERVATION, HandleKind.AHEAD))
         for handle in taken:
+            if handle.kind is HandleKind.AHEAD:
+                self._count_ahead(session, handle.entry.chunk[0], -1)
             self._drop(handle)
         return len(taken)
 
@@ -179,6 +210,14 @@ class SessionBroker:
         handle_id = self.sessions.new_id()
         session.handles[handle_id] = Handle(kind, entry)
         return handle_id
+
+    @staticmethod
+    def _count_ahead(session: Session, namespace_id: str, change: int) -> None:
+        left = session.ahead.get(namespace_id, 0) + change
+        if left > 0:
+            session.ahead[namespace_id] = left
+        else:
+            session.ahead.pop(namespace_id, None)
 
     def _drop(self, handle: Handle) -> None:
         if handle.kind is HandleKind.LEASE:

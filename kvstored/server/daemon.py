@@ -62,9 +62,10 @@ from kvstored.server.session_socket import SessionSocketServer
 from kvstored.server.systemd import fd_store_enabled, forget_fds, listened_fds, notify, store_fds
 from kvstored.server.tenants import Tenancy, TenantPolicy, events_for
 from kvstored.server.watch import encode_interval
-from kvstored.shm import memory
+from kvstored.shm import keyindex, memory
 from kvstored.shm.arenas import ArenaSet, PageReleaser
 from kvstored.shm.copy import GUARDED as copy_guarded
+from kvstored.shm.keyindex import KeyIndexes
 from kvstored.shm.mapping import SharedPool
 from kvstored.shm.memory import PoolMemoryError, PoolPages, PopulateProgress
 from kvstored.sizes import format_size
@@ -210,6 +211,8 @@ class Daemon:
         self.ram = ram  # (what a hand-over snapshots, after the chain has closed)
         self.releaser = PageReleaser(self.arenas, cfg.page_bytes, ram.released)
         ram.set_releaser(self.releaser.release)
+        self.key_indexes = KeyIndexes() if keyindex.available() else None  # (None: built without the C helper)
+        ram.set_listener(self.key_indexes)
         self.tenancy = Tenancy(ram, self.arenas, self.namespaces, TenantPolicy(cfg.tenant_quota_bytes, cfg.max_tenants))
         if self._state is not None:
             await self._adopt_ram(ram, self._state)
@@ -308,6 +311,7 @@ class Daemon:
             self._peer_counts,
             self.identities,
             self.feeds,
+            self.key_indexes,
         )
         add_to_server(service, self.server)
         pb_grpc.add_PeerServicer_to_server(
@@ -341,6 +345,7 @@ class Daemon:
             self.chain.page_bytes,
             self.tenancy,
             FastPath(service, self.broker, self.metrics.observe_session_call),
+            service.open_index if self.key_indexes is not None else None,
         )
         await self.session_server.start()
         if cfg.handover:
@@ -604,6 +609,9 @@ class Daemon:
             await self.metrics_server.stop()
         await self.session_server.close()
         await self.broker.close()
+        if self.key_indexes is not None:  # (clients keep their mappings: the memory goes with the last)
+            self.ram.set_listener(None)
+            self.key_indexes.close()
         if cfg.flush_on_stop_seconds > 0 and self.chain.lower:
             flushed = await self.chain.writeback.flush(cfg.flush_on_stop_seconds)
             log.info("wrote %d chunk(s) down before stopping", flushed)

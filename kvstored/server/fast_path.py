@@ -37,7 +37,7 @@ SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 KINDS = frozenset(FAST_METHODS.values())  # the SessionRequest fields served here
 # Answered at once, in order, before the connection's next packet is read: no task of their own
 # needed, and clients may post them without waiting (kvstored_client.fast.FastLink.post).
-NEVER_WAIT = frozenset({"commit", "release"})
+NEVER_WAIT = frozenset({"commit", "release", "touch"})
 # (Every other kind, the region copies included, runs in a task of its own, so a copy waiting
 # on a lower tier never holds up the session's other calls.)
 
@@ -98,6 +98,9 @@ class FastPath:
         """Release what an answer that cannot be sent granted (Reserve's slots, Acquire's leases)."""
         if isinstance(response, pb.ReserveResponse):
             handles = [slot.handle for slot in response.slots if slot.state == pb.SLOT_STATE_RESERVED]
+            handles += [slot.handle for slot in response.ahead]
+        elif isinstance(response, pb.CommitResponse):
+            handles = [slot.handle for slot in response.ahead]
         elif isinstance(response, pb.AcquireResponse):
             handles = [lease.handle for lease in response.leases]
         else:

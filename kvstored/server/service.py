@@ -17,15 +17,16 @@ from kvstored import __version__
 from kvstored.chain.chain import TierChain
 from kvstored.chain.stats import chain_snapshot
 from kvstored.chunks.ids import TierKind
-from kvstored.errors import BatchTooLarge, InvalidRequest, SessionRequired, shown
+from kvstored.errors import BatchTooLarge, InvalidRequest, SessionRequired, UnknownNamespace, shown
 from kvstored.events.feed import IntervalFeeds
 from kvstored.events.identity import BlockIdentity, IdentityBook
 from kvstored.namespaces import Namespace, NamespaceRegistry, check_keys
 from kvstored.observability.snapshot import STORE_DROP_REASONS
-from kvstored.server.broker import SessionBroker
+from kvstored.server.broker import SessionBroker, Slot
 from kvstored.server.sessions import Session
 from kvstored.server.tenants import ArenasUnsupported, Tenancy, events_for, visible
 from kvstored.server.watch import each_event, net_changes
+from kvstored.shm.keyindex import KeyIndex, KeyIndexes
 from kvstored.shm.mapping import open_region_file
 from kvstored.tiers.ram import Extent, ReserveOutcome
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
@@ -120,7 +121,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         peer_counts: Callable[[], tuple[int, int]] = lambda: (0, 0),
         identities: IdentityBook | None = None,
         feeds: IntervalFeeds | None = None,
+        indexes: KeyIndexes | None = None,
     ) -> None:
+        self._indexes = indexes  # the key indexes sessions may map (None: none are kept)
         self._feeds = feeds  # coalesced watch streams' (None: not served)
         self._identities = identities  # None: no ZMQ publisher, identities are checked, not kept
         self._peer_counts = peer_counts  # (chunks leased to peers, RAM slots peer fetches hold)
@@ -205,6 +208,25 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             return pb.LookupResponse(prefix_hits=prefix, tiers=[_RAM] * len(tiers))
         return pb.LookupResponse(prefix_hits=prefix, tiers=tiers)
 
+    async def Touch(self, request: pb.TouchRequest, context) -> pb.TouchResponse:
+        keys = request.keys[:]
+        ns = self._ns_keys(request.namespace_id, keys)
+        if not self._visible(ns, self._broker.optional(request.session_id)):
+            return pb.TouchResponse(hits=0)
+        return pb.TouchResponse(hits=self._chain.touch(ns, keys, request.lookups))
+
+    def open_index(self, session: Session, namespace_id: str) -> KeyIndex:
+        """The key index of a namespace the session may see (NotFound for any other, as if it
+        did not exist); made the first time it is asked for."""
+        if self._indexes is None:
+            raise InvalidRequest("this daemon keeps no key indexes (built without kvstored_client._keyindex)")
+        ns = self._namespaces.get(namespace_id)
+        if not self._visible(ns, session):
+            # (the answer for a namespace never registered: a tenant's is not there for others)
+            raise UnknownNamespace(f"unknown namespace {shown(namespace_id)}: register it first (RegisterNamespace)")
+        max_chunks, keys = self._chain.resident(ns)
+        return self._indexes.open(ns.namespace_id, ns.key_bytes, max_chunks, keys)
+
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
         session = self._broker.get(request.session_id)
         ns = self._ns_keys(request.namespace_id, request.keys)
@@ -216,6 +238,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self._check_arenas(ns, session)
         self._offer_identities(ns, request.keys, request.blocks)
         slots = await self._broker.reserve(session, ns, request.keys)
+        ahead = self._broker.reserve_ahead(session, ns, request.ahead) if request.ahead else []
         return pb.ReserveResponse(
             slots=[
                 pb.Slot(
@@ -226,13 +249,30 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     drop_reason=s.drop,
                 )
                 for s in slots
-            ]
+            ],
+            ahead=_ahead_slots(ahead),
         )
 
     async def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
         session = self._broker.get(request.session_id)
         self._check_handles(request.handles)
-        return pb.CommitResponse(committed=self._broker.commit(session, request.handles))
+        if not request.keys and not request.namespace_id:
+            if request.ahead:
+                raise InvalidRequest("Commit's ahead needs the namespace_id to reserve the slots in")
+            return pb.CommitResponse(committed=self._broker.commit(session, request.handles))
+        # Slots reserved ahead, named now (answered at once: this may be a posted call).
+        keys = request.keys[:]
+        ns = self._ns_keys(request.namespace_id, keys)
+        if not self._visible(ns, session):  # (no slot was ever granted for it: nothing to free)
+            raise InvalidRequest(f"namespace {ns.namespace_id} has no slots reserved ahead in this session")
+        self._offer_identities(ns, keys, request.blocks)
+        outcomes = self._broker.commit_ahead(session, ns, request.handles, keys) if keys else []
+        ahead = self._broker.reserve_ahead(session, ns, request.ahead) if request.ahead else []
+        return pb.CommitResponse(
+            committed=outcomes.count(ReserveOutcome.RESERVED),
+            ahead=_ahead_slots(ahead),
+            states=[_SLOT_STATE[o] for o in outcomes],
+        )
 
     async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
         session = self._broker.get(request.session_id)
@@ -384,6 +424,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         # Streams that see the same events share a feed: those of one session, or of none.
         async for payload in net_changes(self._feeds, request.session_id, accepts, request.from_seq):
             yield payload  # (encoded once for the whole audience: see add_to_server)
+
+
+def _ahead_slots(slots: Sequence[Slot]) -> list[pb.Slot]:
+    return [pb.Slot(state=pb.SLOT_STATE_RESERVED, handle=s.handle, extents=_extents(s.extents)) for s in slots]
 
 
 def _load_into(value: int) -> LoadInto:

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from kvstored.errors import KvstoredError
@@ -30,6 +30,7 @@ from kvstored.server.fast_path import KINDS as FAST_KINDS
 from kvstored.server.fast_path import NEVER_WAIT, FastPath
 from kvstored.server.sessions import Session
 from kvstored.server.tenants import Tenancy
+from kvstored.shm.keyindex import KeyIndex
 from kvstored.shm.mapping import SharedPool
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client.protocol import FAST_REPLY_MAX
@@ -41,6 +42,8 @@ ACCEPT_RETRY_S = 0.1
 SEND_BUFFER = 1 << 20  # asked for, so that large fast-path answers fit a packet (the kernel caps it)
 MAX_IN_FLIGHT = 64  # fast-path requests answered at once per connection; more wait to be read
 
+
+IndexOpener = Callable[[Session, str], KeyIndex]  # (session, namespace id) -> its key index
 
 _MSG_TRUNC = int(socket.MSG_TRUNC)  # (an IntFlag: `&` on it costs microseconds a packet)
 
@@ -100,8 +103,10 @@ class SessionSocketServer:
         page_bytes: int,
         tenancy: Tenancy,
         fast: FastPath | None = None,
+        open_index: IndexOpener | None = None,
     ) -> None:
         self._fast = fast  # None: the fast path is refused (clients fall back to gRPC)
+        self._open_index = open_index if fast is not None else None  # None: no key indexes
         self._path = path
         self._mode = mode
         self._broker = broker
@@ -195,6 +200,7 @@ class SessionSocketServer:
                             fast_path=self._fast is not None,
                             fast_regions=self._fast is not None,
                             fast_delete=self._fast is not None,
+                            key_index=self._open_index is not None,
                         )
                         _send(conn, pb.SessionReply(welcome=welcome), [self._pool.fd])
                     elif kind == "attach_region" and session is not None:
@@ -204,6 +210,17 @@ class SessionSocketServer:
                         region = self._broker.attach_region(session, request.attach_region.name, fds[0])
                         attached = pb.RegionAttached(region_id=region.region_id, size=region.size)
                         _send(conn, pb.SessionReply(region_attached=attached))
+                    elif kind == "open_index" and session is not None and self._open_index is not None:
+                        index = self._open_index(session, request.open_index.namespace_id)
+                        info = index.info
+                        opened = pb.IndexOpened(
+                            namespace_id=info.namespace_id, size=info.size, key_bytes=info.key_bytes
+                        )
+                        fd = index.read_only_fd()
+                        try:
+                            _send(conn, pb.SessionReply(index_opened=opened), [fd])
+                        finally:
+                            os.close(fd)
                     elif kind == "open_arena" and session is not None:
                         arena = self._tenancy.open_arena(session, request.open_arena.arena_id)
                         opened = pb.ArenaOpened(arena_id=arena.arena_id, size=arena.size)

@@ -22,6 +22,7 @@ from kvstored.tiers.ram import RamEntry
 class HandleKind(enum.Enum):
     LEASE = "lease"
     RESERVATION = "reservation"
+    AHEAD = "ahead"  # a reservation whose key its Commit names (a slot reserved ahead)
 
 
 @dataclass(slots=True)
@@ -41,6 +42,7 @@ class Session:
     arenas: bool = False  # its client maps tenant arenas (Hello.arenas)
     pins_pool: bool = False  # its client pins the public pool for DMA (Hello.pins_pool)
     closed: bool = False  # its connection ended: a request still in flight must not grant it anything
+    ahead: dict[str, int] = field(default_factory=dict)  # namespace id -> slots reserved ahead it holds
 
     def check_open(self) -> None:
         if self.closed:

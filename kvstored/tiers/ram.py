@@ -31,6 +31,7 @@ import operator
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvstored.chunks.ids import ChunkId
 from kvstored.shm.allocator import PageAllocator, PageRun
@@ -77,6 +78,17 @@ class Placement:
 
 
 PUBLIC = Placement()
+
+
+class ResidentListener(Protocol):
+    """Told of each chunk that becomes readable in RAM (READY) and of each that stops being so
+    (the key indexes clients probe: kvstored/shm/keyindex.py)."""
+
+    def added(self, chunk: ChunkId) -> None: ...
+
+    def removed(self, chunk: ChunkId) -> None: ...
+
+
 # namespace id -> placement (None: nowhere, e.g. a tenant namespace whose arena is gone)
 PlacementOf = Callable[[str], "Placement | None"]
 Releaser = Callable[[int, list[PageRun]], None]  # (arena, runs) to return to the kernel
@@ -198,11 +210,20 @@ class RamTier:
         self._public_releasable = False
         self._releasing_pages = 0  # handed to the releaser, not back yet
         self._unverified = 0  # indexed entries not yet verified (adopted, see RamEntry.verified)
+        self._listener: ResidentListener | None = None
 
     # -- arenas and memory ----------------------------------------------------------------
 
     def set_placement(self, placement: PlacementOf) -> None:
         self._placement = placement
+
+    def set_listener(self, listener: ResidentListener | None) -> None:
+        self._listener = listener
+
+    def ready_keys(self, namespace_id: str) -> list[bytes]:
+        """The keys of the namespace's READY chunks (a scan: once per key index made)."""
+        ready = EntryState.READY
+        return [c[1] for c, e in self._index.items() if c[0] == namespace_id and e.state is ready]
 
     def set_releaser(self, release: Releaser | None) -> None:
         """`release(arena, runs)` returns pages to the kernel, then calls `released()`."""
@@ -370,6 +391,11 @@ class RamTier:
         self.counters.hits += len(hits)
         return out
 
+    def count_hits(self, n: int) -> None:
+        """Lookups that hit, answered elsewhere (a client's key index)."""
+        self.counters.lookups += n
+        self.counters.hits += n
+
     def _touch(self, entry: RamEntry) -> None:
         if entry.chunk in self._lru:
             self._lru.move_to_end(entry.chunk)
@@ -386,6 +412,36 @@ class RamTier:
             if existing.state is EntryState.READY:
                 return Reservation(ReserveOutcome.ALREADY_PRESENT)
             return Reservation(ReserveOutcome.IN_PROGRESS)
+        reservation = self._allocate(chunk, size)
+        if reservation.entry is not None:
+            self._index[chunk] = reservation.entry
+        return reservation
+
+    def reserve_unkeyed(self, namespace_id: str, size: int) -> Reservation:
+        """Pages for a chunk of the namespace whose key is named later (bind()): counted in the
+        tier and the namespace's quotas like any reservation, but in no index (nobody can find
+        it, nobody else can reserve its key through it) until bound."""
+        reservation = self._allocate((namespace_id, b""), size)
+        if reservation.entry is not None:
+            reservation.entry.indexed = False
+        return reservation
+
+    def bind(self, entry: RamEntry, chunk: ChunkId) -> ReserveOutcome:
+        """Name an unkeyed reservation's chunk: RESERVED (now indexed, to be committed) unless
+        RAM holds the key already (ALREADY_PRESENT) or another writer reserved it (IN_PROGRESS);
+        then the entry is left as it was, for the caller to abort."""
+        if entry.indexed or entry.state is not EntryState.RESERVED or not entry.runs or chunk[0] != entry.chunk[0]:
+            raise ValueError("bind of an entry that is not an unkeyed reservation of the chunk's namespace")
+        existing = self._index.get(chunk)
+        if existing is not None:
+            return ReserveOutcome.ALREADY_PRESENT if existing.state is EntryState.READY else ReserveOutcome.IN_PROGRESS
+        entry.chunk = chunk
+        entry.indexed = True
+        self._index[chunk] = entry
+        return ReserveOutcome.RESERVED
+
+    def _allocate(self, chunk: ChunkId, size: int) -> Reservation:
+        """Pages for `chunk` in its namespace's arena, evicting what must go (not indexed yet)."""
         placement = self._placement(chunk[0])
         alloc = self._arenas.get(placement.arena) if placement is not None else None
         if placement is None or alloc is None:
@@ -407,7 +463,6 @@ class RamTier:
         self._used_pages += pages
         for scope in placement.scopes:
             scope.used_pages += pages
-        self._index[chunk] = entry
         return Reservation(ReserveOutcome.RESERVED, entry, evicted)
 
     def commit(self, entry: RamEntry, persisted: bool = False) -> None:
@@ -424,6 +479,8 @@ class RamTier:
         if entry.indexed:
             self._ready += 1
             self._lru_add(entry)
+            if self._listener is not None:
+                self._listener.added(entry.chunk)
         else:  # deleted while being written
             self._free(entry)
 
@@ -629,6 +686,8 @@ class RamTier:
                 scope.used_pages += pages
             self._ready += 1
             self._lru_add(entry)
+            if self._listener is not None:
+                self._listener.added(entry.chunk)
         return len(kept)
 
     # -- internals ------------------------------------------------------------------------
@@ -716,7 +775,10 @@ class RamTier:
     def _unindex(self, entry: RamEntry) -> None:
         if entry.indexed:
             entry.indexed = False
-            self._ready -= entry.state is EntryState.READY
+            if entry.state is EntryState.READY:
+                self._ready -= 1
+                if self._listener is not None:
+                    self._listener.removed(entry.chunk)
             self._unverified -= not entry.verified
             del self._index[entry.chunk]
             self._lru_remove(entry)

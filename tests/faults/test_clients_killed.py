@@ -23,12 +23,14 @@ CHUNK = 64 << 10  # one page
 POOL_CHUNKS = 128  # an 8 MiB pool
 VICTIMS, HELD, RESERVED = 2, 24, 24
 BYSTANDER = 32  # 32 + 2 x (24 + 24) = the whole pool pinned or in use
+# (Its clients hold no slots reserved ahead, which would take pool pages of their own:
+# test_store_ahead.py shows those freed with a killed client.)
 
 
 def test_clients_killed_holding_leases_and_reservations_give_everything_back(daemon_factory, ns_name):
     d = daemon_factory(cpu_bytes="8MiB")
     bystander = make_keys(f"{ns_name}/bystander", BYSTANDER)
-    with d.client() as c:
+    with d.client(store_ahead=False) as c:
         ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
         assert c.store(ns, bystander, payloads(bystander, CHUNK)).stored == BYSTANDER
     loader = VerifyingLoader(d, ns_name, CHUNK, bystander)
@@ -36,7 +38,16 @@ def test_clients_killed_holding_leases_and_reservations_give_everything_back(dae
     try:
         for i in range(VICTIMS):
             proc = worker.spawn(
-                "hold", d.socket, ns_name, CHUNK, f"{ns_name}/victim{i}", HELD, "--reserve", str(RESERVED), "--scribble"
+                "hold",
+                d.socket,
+                ns_name,
+                CHUNK,
+                f"{ns_name}/victim{i}",
+                HELD,
+                "--reserve",
+                str(RESERVED),
+                "--scribble",
+                "--no-store-ahead",
             )
             procs.append(proc)
             info = worker.read_result(proc)
@@ -62,7 +73,7 @@ def test_clients_killed_holding_leases_and_reservations_give_everything_back(dae
     assert (after.leases, after.reservations) == (0, 0), after
     assert after.tiers[0].used_bytes == (BYSTANDER + VICTIMS * HELD) * CHUNK  # the reservations' pages are free
 
-    with d.client() as c:
+    with d.client(store_ahead=False) as c:  # (a whole pool of chunks below: no slot of its own ahead)
         ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
         for i in range(VICTIMS):
             # Committed chunks of the killed clients stay, intact; their scribbled reservations were never published.

@@ -197,17 +197,32 @@ def requests(target: Target, method: str) -> st.SearchStrategy:
             block_tokens=u32(),
         )
         return st.builds(pb.RegisterNamespaceRequest, spec=spec, session_id=st.one_of(st.just(""), sessions(target)))
-    if method in ("Lookup", "Delete"):
-        cls = pb.LookupRequest if method == "Lookup" else pb.DeleteRequest
+    if method in ("Lookup", "Delete", "Touch"):
+        cls = {"Lookup": pb.LookupRequest, "Delete": pb.DeleteRequest, "Touch": pb.TouchRequest}[method]
         return st.builds(
             cls, namespace_id=ids(target), keys=keys(target), session_id=st.one_of(st.just(""), sessions(target))
         )
-    if method in ("Reserve", "Acquire"):
-        cls = pb.ReserveRequest if method == "Reserve" else pb.AcquireRequest
-        return st.builds(cls, session_id=sessions(target), namespace_id=ids(target), keys=keys(target))
-    if method in ("Commit", "Release"):
-        cls = pb.CommitRequest if method == "Commit" else pb.ReleaseRequest
-        return st.builds(cls, session_id=sessions(target), handles=handles())
+    if method == "Reserve":  # (with slots reserved ahead: `ahead`)
+        return st.builds(
+            pb.ReserveRequest,
+            session_id=sessions(target),
+            namespace_id=ids(target),
+            keys=keys(target),
+            ahead=mostly(st.sampled_from([0, 4]), u32()),
+        )
+    if method == "Acquire":
+        return st.builds(pb.AcquireRequest, session_id=sessions(target), namespace_id=ids(target), keys=keys(target))
+    if method == "Commit":  # of reserved slots, or of slots reserved ahead naming their keys
+        return st.builds(
+            pb.CommitRequest,
+            session_id=sessions(target),
+            handles=handles(),
+            keys=st.one_of(st.just([]), keys(target)),
+            namespace_id=st.one_of(st.just(""), ids(target)),
+            ahead=mostly(st.sampled_from([0, 4]), u32()),
+        )
+    if method == "Release":
+        return st.builds(pb.ReleaseRequest, session_id=sessions(target), handles=handles())
     if method == "RegisterRegion":
         paths = st.one_of(
             text(),

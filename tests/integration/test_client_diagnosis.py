@@ -112,7 +112,8 @@ def test_a_store_a_busy_daemon_misses_says_why_in_the_reply_and_one_warning(daem
     stores miss it within 10 s; the link itself stays healthy (no unreachable line)."""
     caplog.set_level(logging.INFO, logger="kvstored_client")
     first, keys = make_keys("busy-first", 1), make_keys("busy", 4)
-    with daemon.client(deadline_s=0.5) as kv:
+    # (Slots reserved ahead would let the store copy and post its Commit without an answer.)
+    with daemon.client(deadline_s=0.5, store_ahead=False) as kv:
         ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
         assert kv.store(ns, first, payloads(first, CHUNK)) == StoreResult(stored=1)  # session open
         with paused(daemon):

@@ -78,13 +78,16 @@ def test_the_data_path_goes_over_the_session_socket_and_is_counted(daemon_factor
     with d.client(fast_path=True) as c:
         ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
         assert c.store(ns, keys, data) == StoreResult(stored=4)
-        assert c.lookup(ns, keys).tiers == [Tier.RAM] * 4
+        c.stats()  # (reads the posted Commit's answer: the daemon has published the chunks)
+        assert c.lookup(ns, keys).tiers == [Tier.RAM] * 4  # RAM holds all: the key index answers
+        assert c.lookup(ns, keys + [b"?" * 32]).tiers == [Tier.RAM] * 4 + [Tier.NONE]  # the daemon answers
         out = np.zeros_like(data)
         assert c.load(ns, keys, out) == 4
         np.testing.assert_array_equal(out, data)
+        c.stats()  # (a gRPC call: the key index's hits are posted, and counted, first)
         handled, fast = calls(d)
-        assert {m: fast[m] for m in FAST} == dict.fromkeys(FAST, 1)
-        assert {m: handled[m] for m in FAST} == dict.fromkeys(FAST, 1)  # the gRPC series count them too
+        assert {m: fast[m] for m in (*FAST, "Touch")} == dict.fromkeys((*FAST, "Touch"), 1)
+        assert {m: handled[m] for m in (*FAST, "Touch")} == dict.fromkeys((*FAST, "Touch"), 1)  # the gRPC series too
 
         # A lookup too large for one packet goes over gRPC, with the same answer.
         many = keys + make_keys(f"{ns_name}/absent", 3000)
@@ -223,9 +226,12 @@ def test_a_stopped_daemon_costs_a_deadline_then_a_new_session(daemon, ns_name):
     with daemon.client(deadline_s=0.5) as c:
         ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
         assert c.store(ns, keys, data).stored == 2
+        c.stats()  # (reads the posted Commit's answer: the daemon has published the chunks)
         os.kill(daemon.pid, signal.SIGSTOP)
         try:
-            assert c.lookup(ns, keys) == LookupResult.miss(2)  # no answer within the deadline: a miss
+            assert c.lookup(ns, keys).prefix_hits == 2  # RAM holds them: the key index answers, asking nothing
+            absent = make_keys(f"{ns_name}/absent", 1)
+            assert c.lookup(ns, keys + absent) == LookupResult.miss(3)  # the daemon's to answer: no answer, a miss
             assert c.load(ns, keys, np.zeros_like(data)) == 0
         finally:
             os.kill(daemon.pid, signal.SIGCONT)

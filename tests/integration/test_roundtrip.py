@@ -388,11 +388,12 @@ def test_stats_count_namespaces_sessions_and_chunks(daemon, ns_name):
         assert s.namespaces == 1
         assert s.sessions == 1
         assert s.leases == 0 and s.reservations == 0
+        assert s.ahead_slots == 4  # the client's slots reserved ahead for its next stores
         ram = s.tiers[0]
         assert ram.name == "ram" and ram.kind == pb.TIER_KIND_RAM
         assert ram.capacity_bytes == 16 << 20
         assert ram.chunks == 3
-        assert ram.used_bytes == 3 * 2 * (64 << 10)  # 1.5 pages -> 2 pages each
+        assert ram.used_bytes == (3 + 4) * 2 * (64 << 10)  # 1.5 pages -> 2 pages each; the slots ahead count
         assert ram.stored_chunks == 3
         assert s.version
     assert wait_for(lambda: daemon.stats().sessions == 0)

@@ -293,7 +293,8 @@ def test_a_noisy_tenant_cannot_push_a_quiet_tenant_below_its_share(daemon_factor
     d = daemon_factory(["--tenant-quota", "50%"], cpu_bytes="16MiB")
     quiet_keys, noisy_keys = make_keys("quiet", 64), make_keys("noisy", 1536)  # 4 MiB, 96 MiB
     quiet_data = payloads(quiet_keys, CHUNK)
-    with d.client() as quiet, d.client() as noisy:
+    # (No slots reserved ahead: they would count in the quotas beside the chunks counted here.)
+    with d.client(store_ahead=False) as quiet, d.client(store_ahead=False) as noisy:
         q = quiet.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK, tenant_salt=b"quiet")
         n = noisy.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK, tenant_salt=b"noisy")
         assert quiet.store(q, quiet_keys, quiet_data).stored == 64
@@ -335,14 +336,14 @@ def test_a_namespace_quota_evicts_only_its_own_chunks(daemon_factory, ns_name):
 
 
 def _memfd_bytes(pid: int) -> dict[str, int]:
-    """Memory each of a process's kvstored memfds holds (allocated blocks), by name."""
+    """Memory each of a process's kvstored pool and arena memfds holds (allocated blocks), by name."""
     import os
 
     out = {}
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if "memfd:kvstored" in target:
+            if "memfd:kvstored-pool" in target or "memfd:kvstored-arena" in target:  # (not key indexes)
                 out[target] = os.stat(f"/proc/{pid}/fd/{fd}").st_blocks * 512
         except OSError:
             continue
@@ -379,7 +380,7 @@ def test_quotas_are_counted_in_metrics_and_shown_by_kvstoredctl(daemon_factory, 
 
     d = daemon_factory(["--tenant-quota", "4MiB", *METRICS_PORT_0], cpu_bytes="16MiB")
     tenant_keys, capped_keys = make_keys("metrics-tenant", 96), make_keys("metrics-capped", 32)
-    with d.client() as kv:
+    with d.client(store_ahead=False) as kv:  # (slots reserved ahead would count in the quotas too)
         ns = kv.register_namespace(
             model=ns_name, dtype="u8", chunk_bytes=CHUNK, tenant_salt=SALT_A, quota_bytes=8 << 20
         )  # capped by the tenant's quota

@@ -110,9 +110,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wait", action="store_true")
     p.add_argument("--deadline", type=float, default=20.0, help="the client's deadline_s")
     p.add_argument("--scribble", action="store_true")
+    p.add_argument("--no-store-ahead", action="store_true", help="hold no slots reserved ahead")
     args = p.parse_args(argv)
 
-    client = Client(args.socket, deadline_s=args.deadline, client_name=f"worker-{args.command}-{args.label}")
+    client = Client(
+        args.socket,
+        deadline_s=args.deadline,
+        client_name=f"worker-{args.command}-{args.label}",
+        store_ahead=not args.no_store_ahead,
+    )
     ns = client.register_namespace(model=args.model, dtype="uint8", chunk_bytes=args.chunk)
     if args.command == "mix":
         _emit(_mix(client, ns, args))

@@ -196,3 +196,47 @@ def test_a_store_with_block_identities_reaches_routers(own_daemon):
     assert [e["block_hashes"] for e in events] == [[1000, 1001, 1002, 1003], [1004, 1005, 1006, 1007]]
     assert [e["parent_block_hash"] for e in events] == [None, 1003]
     assert [t for e in events for t in e["token_ids"]] == tokens
+
+
+def test_stores_after_the_first_copy_into_slots_reserved_ahead_with_no_reserve(own_daemon):
+    """The first store reserves (and asks for slots ahead); the next ones copy at once into
+    those slots and name their keys in the Commit, which reserves their slots ahead again. A
+    chunk the daemon's RAM holds (its key index says so) is neither copied nor committed."""
+    from kvstored_client import Client
+
+    daemon = own_daemon(cpu_bytes="16MiB").start()
+    engine, ns = make_engine(daemon)
+    sent: list[str] = []
+    call = engine.link.call
+    engine.link.call = lambda method, request, timeout=None: (  # (counts the calls)
+        sent.append(method),
+        call(method, request, timeout),
+    )[1]
+    stored = keys("ahead", 6)
+    try:
+        for i, t in enumerate(engine.layout.tensors):
+            t.copy_(torch.randint(-128, 127, t.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(i)))
+        engine.submit_store(1, np.arange(BPC), [BPC], [0], ns, stored[:1])
+        until(lambda: not engine.has_pending_work(), engine)
+        assert sent.count("Reserve") == 1
+        sent.clear()
+        for job_id, key in enumerate(stored[1:], start=2):
+            engine.submit_store(job_id, np.arange(BPC), [BPC], [0], ns, [key])
+            until(lambda: not engine.has_pending_work(), engine)
+        assert "Reserve" not in sent and sent.count("Commit") == 5, sent  # no fallback to Reserve
+        assert engine.stores_ahead == 5
+        finished = engine.get_finished()
+        assert sorted(f.job_id for f in finished) == list(range(1, 7)) and all(f.num_bytes > 0 for f in finished)
+        sent.clear()
+        engine.submit_store(9, np.arange(BPC), [BPC], [0], ns, stored[:1])  # in RAM already
+        until(lambda: not engine.has_pending_work(), engine)
+        assert sent == [] and [f.num_bytes for f in engine.get_finished()] == [0]
+        spec = namespace_spec(LayoutInfo("m", "bf16", "{}", 64), engine.layout.part_bytes, 36)
+        with Client(daemon.socket, deadline_s=10.0) as reader:
+            out = np.zeros((6, engine.layout.part_bytes), np.uint8)
+            assert reader.load(reader.register_namespace(spec), stored, out) == 6
+        assert out[0].any() and all((row == out[0]).all() for row in out)  # the same blocks, the same bytes
+        assert daemon.stats().reservations == 0
+    finally:
+        engine.close()
+    assert daemon.stats().ahead_slots == 0  # the worker's session ended: its slots are free

@@ -391,3 +391,33 @@ def test_empty_store_and_load_jobs_succeed(own_daemon, daemon_up):
         dropped = engine.stats().data["data"].get(KvstoredMetrics.DROPPED_CHUNKS, {})
         assert sum(dropped.values()) == 0
         engine.finish(ctx)
+
+
+def test_chunks_in_the_daemons_ram_are_found_in_its_key_index_without_a_lookup_rpc(vllm_daemon):
+    """A key the daemon's RAM holds is a HIT on the first ask, from the namespace's key index
+    (mapped in the tier's process once the namespace is registered): no Lookup RPC, no RETRY
+    step; its hits are posted to the daemon as one Touch per step."""
+    keys = offload_keys("key-index", 6)
+    with Engine([kvstored_tier(vllm_daemon)]) as writer:
+        store_and_cascade(writer, keys)
+    with Engine([kvstored_tier(vllm_daemon)]) as reader:
+        tier = reader.tier
+        probe = reader.request()
+        assert reader.lookup(probe, offload_keys("key-index-absent", 1)) == [MISS]  # maps the index meanwhile
+        reader.finish(probe)
+        assert any(index is not None for index in tier.link.indexes.values()), tier.link.indexes
+        ram = next(t for t in vllm_daemon.stats().tiers if t.name == "ram")
+        reader.stats()  # reset counters
+        ctx = reader.request()
+        with reader.manager.lock:
+            first = [reader.manager.lookup(key, ctx) for key in keys]
+        assert LookupResult.RETRY not in first, first
+        assert reader.lookup(ctx, keys) == [HIT] * len(keys)
+        assert exact(reader.load(ctx, keys), keys)
+        reader.finish(ctx)
+        data = reader.stats().data["data"]
+        assert sum(data.get(KvstoredMetrics.LOOKUP_RPCS, {}).values()) == 0  # nothing fell back to the daemon
+        assert sum(data[KvstoredMetrics.LOCAL_HITS].values()) >= len(keys)
+        reader.settle()
+        after = next(t for t in vllm_daemon.stats().tiers if t.name == "ram")
+        assert after.hits - ram.hits >= len(keys)  # the Touches counted them as the daemon's lookups

@@ -40,7 +40,7 @@ from typing import Any, TypeAlias
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvstored_client import fast, session
+from kvstored_client import fast, keyindex, session
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.errors import (
@@ -53,6 +53,7 @@ from kvstored_client.errors import (
     UnknownSession,
     from_rpc_error,
 )
+from kvstored_client.keyindex import KeyIndexView
 from kvstored_client.ops import NamespaceSpec
 from kvstored_client.paths import session_socket_path
 from kvstored_client.protocol import (
@@ -249,6 +250,10 @@ class DaemonLink:
         self.arena_fds: dict[int, tuple[int, int]] = {}  # tenant arena -> (memfd, size); only with keep_pool_fd
         self._arenas_wanted: list[int] = []
         self._arena_asked: int | None = None  # OpenArena sent, reply not read yet
+        self.indexes: dict[str, KeyIndexView | None] = {}  # namespace -> its key index (None: refused)
+        self._indexes_wanted: list[str] = []
+        self._index_asked: str | None = None  # OpenIndex sent, reply not read yet
+        self._serves_index = False  # this session's daemon hands out key indexes
         self.counters = LinkCounters()
         # Called with (method, seconds from issue to answer) for each answered call (benches
         # time calls with it); None: nothing is timed.
@@ -280,11 +285,11 @@ class DaemonLink:
         try:
             if self.state is LinkState.READY:
                 self.collect()
-                if self._control and self._arena_asked is None:
+                if self._control and self._arena_asked is None and self._index_asked is None:
                     raise Unavailable("kvstored sent an unexpected session message")
                 if self.state is not LinkState.READY:
                     return self._start_if_due(time.monotonic())
-                if self._arena_asked is not None or self._arenas_wanted:
+                if self._control_wanted:
                     self._open_arenas(now)
                     if self.state is not LinkState.READY:
                         return self._start_if_due(time.monotonic())
@@ -402,7 +407,7 @@ class DaemonLink:
                 code=grpc.StatusCode.DEADLINE_EXCEEDED,
                 stale=True,
             )
-        granting = [c.method for c in late if c.method != "Lookup"]
+        granting = [c.method for c in late if c.method not in ("Lookup", "Touch")]
         if granting:
             self.fail(DeadlineExceeded(f"{granting[0]}: no answer on the session socket in time"), backoff=False)
 
@@ -535,27 +540,69 @@ class DaemonLink:
             self._open_arenas(time.monotonic())
         return arena_id in self.arena_fds
 
+    def key_index(self, namespace_id: str) -> KeyIndexView | None:
+        """The namespace's key index, once mapped; until then (and where the daemon hands out
+        none) None, and its OpenIndex is sent, without blocking. Call namespace_ready() first:
+        a namespace is asked for once registered in the session."""
+        if namespace_id in self.indexes:
+            return self.indexes[namespace_id]
+        if not (self.serves_index and self.ready):
+            return None
+        if namespace_id not in self._indexes_wanted and namespace_id != self._index_asked:
+            self._indexes_wanted.append(namespace_id)
+            self._open_arenas(time.monotonic())
+        return self.indexes.get(namespace_id)
+
+    @property
+    def serves_index(self) -> bool:
+        """Whether this session can map key indexes (the daemon hands them out, the fast path is on)."""
+        return self._serves_index and self.fast_path and keyindex.available
+
+    @property
+    def _control_wanted(self) -> bool:
+        return bool(self._arena_asked is not None or self._arenas_wanted or self._index_asked or self._indexes_wanted)
+
     def _open_arenas(self, now: float) -> None:
-        """One OpenArena at a time on the session socket, without blocking."""
+        """One OpenArena or OpenIndex at a time on the session socket, without blocking."""
         sock, handshake = self._sock, self._handshake
         try:
             if sock is None or handshake is None:
                 raise Unavailable("no session socket")
-            if self._arena_asked is not None:
+            if self._arena_asked is not None or self._index_asked is not None:
+                what = "OpenArena" if self._arena_asked is not None else "OpenIndex"
                 if now > self._step_deadline:
-                    raise Unavailable(f"kvstored did not answer OpenArena within {self.options.connect_timeout_s}s")
+                    raise Unavailable(f"kvstored did not answer {what} within {self.options.connect_timeout_s}s")
                 self._read()
                 if not self._control:
                     return
-                opened = handshake.arena_from(*self._control.popleft())
-                self.arena_fds[opened.arena_id] = (opened.fd, opened.size)
-                self._arena_asked = None
+                if self._arena_asked is not None:
+                    opened = handshake.arena_from(*self._control.popleft())
+                    self.arena_fds[opened.arena_id] = (opened.fd, opened.size)
+                    self._arena_asked = None
+                else:
+                    self._index_opened(handshake)
             if self._arenas_wanted:
                 self._arena_asked = self._arenas_wanted.pop(0)
                 session.send(sock, handshake.open_arena(self._arena_asked))
                 self._step_deadline = now + self.options.connect_timeout_s
+            elif self._indexes_wanted:
+                self._index_asked = self._indexes_wanted.pop(0)
+                session.send(sock, handshake.open_index(self._index_asked))
+                self._step_deadline = now + self.options.connect_timeout_s
         except KvstoredError as exc:
             self.fail(exc)
+
+    def _index_opened(self, handshake: Handshake) -> None:
+        namespace_id, self._index_asked = self._index_asked or "", None
+        try:
+            opened = handshake.index_from(*self._control.popleft())
+        except Unavailable:
+            raise
+        except KvstoredError as exc:  # refused (not a namespace this session may see): lookups ask
+            log.debug("kvstored refused the key index of %s: %s", namespace_id, exc)
+            self.indexes[namespace_id] = None
+            return
+        self.indexes[namespace_id] = KeyIndexView(opened.fd, opened.size, opened.key_bytes)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -567,6 +614,8 @@ class DaemonLink:
             self.pool_fd = None
             self.arena_fds = {}  # the parent's fds: not ours to close
             self._arenas_wanted, self._arena_asked = [], None
+            self.indexes = {}  # (the parent's mappings stay, unused)
+            self._indexes_wanted, self._index_asked = [], None
             self._pending = {}  # the parent's calls
             self._control.clear()
             self.state = LinkState.DOWN
@@ -612,6 +661,7 @@ class DaemonLink:
             welcome = handshake.welcome_from(*reply)
             self.session_id = welcome.session_id
             self._serves_fast = welcome.serves_fast
+            self._serves_index = welcome.key_index
             self.pool_bytes, self.page_bytes = welcome.pool_bytes, welcome.page_bytes
             pool = os.fstat(welcome.pool_fd)
             self.pool_id = f"{pool.st_dev}:{pool.st_ino}"  # the same memfd in every process: one daemon run
@@ -652,6 +702,12 @@ class DaemonLink:
             os.close(fd)
         self.arena_fds.clear()
         self._arenas_wanted, self._arena_asked = [], None
+        for index in self.indexes.values():
+            if index is not None:
+                index.close()
+        self.indexes.clear()
+        self._indexes_wanted, self._index_asked = [], None
+        self._serves_index = False
         for _data, fds in self._control:
             for fd in fds:
                 os.close(fd)

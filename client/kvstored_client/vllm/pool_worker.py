@@ -35,6 +35,7 @@ import grpc
 import numpy as np
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from kvstored_client.ahead import AheadSlots
 from kvstored_client.blocks import BlockIdentity
 from kvstored_client.blocks import to_pb as blocks_pb
 from kvstored_client.droplog import DropLog
@@ -81,6 +82,9 @@ class _Store:
     reported: bool = False
     dropped: str = ""  # why nothing was stored (a dropped_chunks reason); "" while it may be
     slot_drops: list[str] = field(default_factory=list)  # the daemon's reasons for slots it refused
+    # Copied into slots reserved ahead: the keys (and their block identities) its Commit names.
+    commit_keys: list[bytes] | None = None
+    commit_blocks: list[BlockIdentity | None] = field(default_factory=list)
 
 
 @dataclass
@@ -127,6 +131,12 @@ class PoolTransferEngine:
         self._stores: dict[int, _Store] = {}
         self._loads: dict[int, _Load] = {}
         self._rpcs: list[Any] = []  # Commit / Release futures: collected for errors only
+        # Slots reserved ahead (per namespace, for the session of epoch _ahead_epoch): a store
+        # copies into them at once, with no Reserve round trip, and its Commit names the keys.
+        self._ahead = AheadSlots(enabled=True)
+        self._ahead_epoch = -1
+        self._refills: list[tuple[Any, str, int]] = []  # (Commit future, namespace, epoch): new slots ahead
+        self.stores_ahead = 0  # store jobs that took slots reserved ahead (no Reserve)
         self._finished: list[Finished] = []
         self.dropped_stores = 0
         self.drop_log = DropLog(f"kvstored direct spec at {socket_path}")
@@ -172,16 +182,20 @@ class PoolTransferEngine:
         self._advance_store(job)
 
     def _advance_store(self, job: _Store) -> None:
-        if job.reserve is None:
+        if job.reserve is None and not job.copied:
             if self.link.ready and self.link.pool_id in self.pools and self.link.namespace_ready(job.namespace_id):
-                request = pb.ReserveRequest(
-                    session_id=self.link.session_id,
-                    namespace_id=job.namespace_id,
-                    keys=job.keys,
-                    blocks=blocks_pb(job.blocks, len(job.keys)),
-                )
-                job.reserve = self.link.call("Reserve", request)
-                job.pool_id, job.epoch = self.link.pool_id, self.link.epoch
+                if not self._store_ahead(job):
+                    # (slots ahead are used once the key index is mapped: asked for at once)
+                    ahead = self._ahead.wanted(job.namespace_id, len(job.keys)) if self.link.serves_index else 0
+                    request = pb.ReserveRequest(
+                        session_id=self.link.session_id,
+                        namespace_id=job.namespace_id,
+                        keys=job.keys,
+                        blocks=blocks_pb(job.blocks, len(job.keys)),
+                        ahead=ahead,
+                    )
+                    job.reserve = self.link.call("Reserve", request)
+                    job.pool_id, job.epoch = self.link.pool_id, self.link.epoch
             elif self.link.state is LinkState.DOWN or time.monotonic() > job.deadline:
                 job.dropped = "unavailable"
                 self._report_store(job)
@@ -194,7 +208,17 @@ class PoolTransferEngine:
             if job.handles and not committable:
                 job.dropped = "unavailable"  # the session that reserved them ended
             self._report_store(job)
-            if committable:
+            if committable and job.commit_keys is not None:
+                request = pb.CommitRequest(
+                    session_id=self.link.session_id,
+                    handles=job.handles,
+                    keys=job.commit_keys,
+                    namespace_id=job.namespace_id,
+                    blocks=blocks_pb(job.commit_blocks, len(job.commit_keys)) if job.blocks else [],
+                    ahead=len(job.handles),
+                )
+                self._refills.append((self.link.call("Commit", request), job.namespace_id, job.epoch))
+            elif committable:
                 self._rpcs.append(
                     self.link.call("Commit", pb.CommitRequest(session_id=self.link.session_id, handles=job.handles))
                 )
@@ -207,6 +231,55 @@ class PoolTransferEngine:
                 self._release_reserved(job)
             self._stores.pop(job.job_id, None)
 
+    def _store_ahead(self, job: _Store) -> bool:
+        """Copy the job's chunks the daemon's RAM does not hold (its key index says which) into
+        slots reserved ahead, at once; False (nothing done) without the index or enough slots."""
+        self._sync_ahead()
+        index = self.link.key_index(job.namespace_id)
+        if index is None:
+            return False
+        todo = [i for i, held in enumerate(index.holds(job.keys)) if not held]
+        slots = self._ahead.take(job.namespace_id, len(todo)) if todo else []
+        if slots is None:
+            return False
+        self.stores_ahead += 1
+        job.pool_id, job.epoch = self.link.pool_id, self.link.epoch
+        job.handles = [slot.handle for slot in slots]
+        job.commit_keys = [job.keys[i] for i in todo]
+        job.commit_blocks = [job.blocks[i] for i in todo] if job.blocks else []
+        per_chunk: list[list[tuple[int, int]]] = [[] for _ in job.keys]
+        for slot, i in zip(slots, todo):
+            per_chunk[i] = [(e.offset, e.length) for e in slot.extents]
+        arena = slots[0].extents[0].arena if slots and slots[0].extents else 0
+        self._copy_in(job, per_chunk, arena)
+        if job.handles and job.dropped:  # (its arena is not mapped: nothing was copied)
+            self._rpcs.append(
+                self.link.call("Release", pb.ReleaseRequest(session_id=self.link.session_id, handles=job.handles))
+            )
+            job.handles = []
+        return True
+
+    def _sync_ahead(self) -> None:
+        """Slots reserved ahead belong to one session: a new one starts with none."""
+        if self._ahead_epoch != self.link.epoch:
+            self._ahead.clear()
+            self._ahead_epoch = self.link.epoch
+
+    def _refilled(self) -> None:
+        """Collect the Commits of stores into slots reserved ahead: their new slots join the rest."""
+        still = []
+        for future, namespace_id, epoch in self._refills:
+            if not future.done():
+                still.append((future, namespace_id, epoch))
+                continue
+            result = outcome(future)
+            if not result.ok:
+                self.link.on_rpc_error(result)
+            elif self._same_session(epoch):
+                self._sync_ahead()
+                self._ahead.add(namespace_id, result.response.ahead)
+        self._refills = still
+
     def _reserved(self, job: _Store) -> None:
         if not self._same_session(job.epoch):
             # The session that was granted these slots has ended: the daemon freed them and may
@@ -218,6 +291,8 @@ class PoolTransferEngine:
             self.link.on_rpc_error(result)
             job.copied, job.dropped = True, "error"  # nothing to copy
             return
+        self._sync_ahead()
+        self._ahead.add(job.namespace_id, result.response.ahead)
         if job.reported:
             return  # gave up already: _advance_store releases the slots
         slots = result.response.slots
@@ -231,6 +306,10 @@ class PoolTransferEngine:
         ]
         job.handles = [s.handle for s in slots if s.state == pb.SLOT_STATE_RESERVED]
         arena = next((s.extents[0].arena for s in slots if s.state == pb.SLOT_STATE_RESERVED and s.extents), 0)
+        self._copy_in(job, per_chunk, arena)
+
+    def _copy_in(self, job: _Store, per_chunk: list[list[tuple[int, int]]], arena: int) -> None:
+        """Issue the job's copies into its slots (per chunk: its extents; none: not copied)."""
         self._map_current_pool()  # a tenant arena opened since the Reserve was sent
         pool = self.pools.get(arena_key(job.pool_id, arena))
         if pool is None and job.handles:
@@ -364,11 +443,12 @@ class PoolTransferEngine:
             else:
                 still.append(future)
         self._rpcs = still
+        self._refilled()
         self._drop_old_pools()
 
     def has_pending_work(self) -> bool:
         """Jobs or Commit / Release calls still in flight (a reported store may still be committing)."""
-        return bool(self._stores or self._loads or self._rpcs)
+        return bool(self._stores or self._loads or self._rpcs or self._refills)
 
     def wait(self, job_ids: set[int]) -> None:
         """Block until those jobs no longer read or write their GPU blocks."""
@@ -389,7 +469,8 @@ class PoolTransferEngine:
 
     def close(self) -> None:
         self.wait(set(self._stores) | set(self._loads))
-        for future in self._rpcs:  # last Commits / Releases: a stopped daemon must not stall shutdown
+        for future in [*self._rpcs, *(f for f, _ns, _epoch in self._refills)]:  # last Commits / Releases: a
+            # stopped daemon must not stall shutdown
             try:
                 future.exception(timeout=self._connect_timeout_s)
             except (grpc.FutureTimeoutError, grpc.FutureCancelledError):

@@ -106,6 +106,7 @@ class KvstoredMetrics:
     """Metric names this tier emits (all declared by build_metric_definitions)."""
 
     LOOKUP_RPCS = "vllm:kv_offload_kvstored_lookup_rpcs"
+    LOCAL_HITS = "vllm:kv_offload_kvstored_local_hits"
     LOOKUP_RPC_SECONDS = "vllm:kv_offload_kvstored_lookup_rpc_seconds"
     DROPPED_CHUNKS = "vllm:kv_offload_kvstored_dropped_chunks"
     FAILED_LOAD_CHUNKS = "vllm:kv_offload_kvstored_failed_load_chunks"
@@ -226,6 +227,8 @@ class KvstoredTierManager(SecondaryTierManager):
         )
         self._batcher: LookupBatcher[OffloadKey, ReqContext] = LookupBatcher()  # one lookup batch per namespace
         self._lookups: list[_LookupCall] = []
+        self._touches: dict[str, list[OffloadKey]] = {}  # per namespace: keys found in its key index this step
+        self.local_hits = 0  # lookups answered HIT from a key index (benches read it)
         self._waiting: deque[_Transfer] = deque()  # waiting for the session / namespace
         self._running: dict[int, _Transfer] = {}
         self._finished: list[JobResult] = []
@@ -283,6 +286,8 @@ class KvstoredTierManager(SecondaryTierManager):
         namespace_id = self._namespace_of(key, req_context)
         if namespace_id is None:
             return LookupResult.MISS
+        if self._in_ram(namespace_id, key):
+            return LookupResult.HIT
         found = self._batcher.ask(namespace_id, key, req_context)
         if found is None:
             return LookupResult.RETRY
@@ -299,6 +304,7 @@ class KvstoredTierManager(SecondaryTierManager):
         self._start_removals()
         self._collect_lookups()
         self._flush_lookups()
+        self._send_touches()
         self._pump()
 
     # -- vLLM API: transfers ------------------------------------------------------------------
@@ -403,6 +409,11 @@ class KvstoredTierManager(SecondaryTierManager):
             KvstoredMetrics.LOOKUP_RPCS: OffloadingCounterMetadata(
                 documentation="Lookup RPCs sent to kvstored (one per namespace per engine step).", labelnames=tier
             ),
+            KvstoredMetrics.LOCAL_HITS: OffloadingCounterMetadata(
+                documentation="Lookups answered HIT at once from the daemon's key index (chunks in its RAM), "
+                "with no Lookup RPC.",
+                labelnames=tier,
+            ),
             KvstoredMetrics.LOOKUP_RPC_SECONDS: OffloadingHistogramMetadata(
                 documentation="Time from sending a lookup batch to kvstored to collecting its answer, in seconds.",
                 labelnames=tier,
@@ -470,6 +481,33 @@ class KvstoredTierManager(SecondaryTierManager):
         return None if self._link.namespace_broken(namespace_id) else namespace_id
 
     # -- internals: lookups ---------------------------------------------------------------------
+
+    def _in_ram(self, namespace_id: str, key: OffloadKey) -> bool:
+        """Whether the namespace's key index (mapped once the namespace is registered in the
+        session) says the daemon's RAM holds the key: a HIT with no round trip. Its hits are
+        told to the daemon once per step (_send_touches: recency, metrics)."""
+        if not (self._link.ready and self._link.namespace_ready(namespace_id)):
+            return False
+        index = self._link.key_index(namespace_id)
+        if index is None or not index.leading([key]):
+            return False
+        self._touches.setdefault(namespace_id, []).append(key)
+        self._stats.increase_counter(KvstoredMetrics.LOCAL_HITS, 1, self._label)
+        self.local_hits += 1
+        return True
+
+    def _send_touches(self) -> None:
+        touches, self._touches = self._touches, {}
+        if not self._link.ready:
+            return  # (a hint only: a session coming up has none to give)
+        for namespace_id, keys in touches.items():
+            for start in range(0, len(keys), self._max_batch_keys):
+                request = pb.TouchRequest(
+                    session_id=self._link.session_id,
+                    namespace_id=namespace_id,
+                    keys=keys[start : start + self._max_batch_keys],
+                )
+                self._link.call("Touch", request, timeout=self._lookup_timeout_s)  # (its answer: nothing to act on)
 
     def _flush_lookups(self) -> None:
         # Not sendable (session coming up, namespace registering, daemon slow or down): keys
