@@ -214,9 +214,10 @@ async def test_concurrent_writes_of_one_chunk_send_one_put(make_tier):
 
 async def test_a_put_body_is_encoded_off_the_loop_and_a_get_body_lands_in_pieces(make_tier, monkeypatch):
     """A PUT's checksum runs in the tier's threads, as the fs tier's does (a 2 MiB chunk on the
-    loop stalls every other request), and its body is read from the chunk's pages. A GET's body is never held whole: each piece the
-    connection delivers goes straight into the views and the running checksum (one copy, a few
-    microseconds of the loop per piece), verified once the last piece is in."""
+    loop stalls every other request), and its body is read from the chunk's pages. A GET's body
+    is never held whole: each piece the connection delivers goes straight into the views and the
+    running checksum (one copy, a few microseconds of the loop per piece), verified once the last
+    piece is in."""
     tier = await make_tier()
     loop_thread = threading.current_thread()
     threads: list[threading.Thread] = []
