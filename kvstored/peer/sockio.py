@@ -1,12 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""Non-blocking socket I/O on the event loop straight into and out of pool views (no buffering
-layer in between: asyncio streams would copy every byte once more)."""
+"""Socket I/O straight into and out of pool views (no buffering layer in between: asyncio
+streams would copy every byte once more): non-blocking on the event loop for handshakes, blocking
+in the data plane's threads for chunk bytes (kvstored/peer/tcp.py says why)."""
 
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
+import struct
+import time
 from collections.abc import Callable, Sequence
 
 from kvstored.chunks.views import advance, as_bytes
@@ -93,6 +97,75 @@ async def _ready(loop: asyncio.AbstractEventLoop, sock: socket.socket, reading: 
 def _wake(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+def recv_exactly(
+    sock: socket.socket, views: Sequence[memoryview], end: float, moved: Callable[[int], None] | None = None
+) -> None:
+    """Blocking (a data-plane thread): fill every view in order. MSG_WAITALL lets one call fill
+    them all, the kernel copying each segment as it arrives: one system call per frame instead
+    of one per wake-up. `moved(n)` after each call. PeerUnreachable if the peer closes the
+    connection first or `stop()` shut it down; TimeoutError past `end` (time.monotonic());
+    OSError for a socket error."""
+    pending = [as_bytes(v) for v in views if len(v)]
+    while pending:
+        try:
+            n = sock.recvmsg_into(pending[:_IOV_MAX], 0, socket.MSG_WAITALL)[0]
+        except BlockingIOError:  # (non-blocking after all, or SO_RCVTIMEO passed)
+            _poll(sock, select.POLLIN, end)
+            continue
+        if n == 0:
+            raise PeerUnreachable("the peer closed the connection mid-transfer")
+        if moved is not None:
+            moved(n)
+        pending = advance(pending, n)
+
+
+def send_exactly(
+    sock: socket.socket, bufs: Sequence[memoryview], end: float, moved: Callable[[int], None] | None = None
+) -> None:
+    """Blocking (a data-plane thread): write every buffer in order, gathered (a blocking sendmsg
+    returns once all of it is queued). `moved(n)` after each call; TimeoutError past `end`."""
+    pending = [as_bytes(b) for b in bufs if len(b)]
+    while pending:
+        try:
+            n = sock.sendmsg(pending[:_IOV_MAX])
+        except BlockingIOError:
+            _poll(sock, select.POLLOUT, end)
+            continue
+        if moved is not None:
+            moved(n)
+        pending = advance(pending, n)
+
+
+def _poll(sock: socket.socket, events: int, end: float) -> None:
+    remaining = end - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError("the data plane's deadline passed")
+    poller = select.poll()
+    poller.register(sock.fileno(), events)
+    poller.poll(remaining * 1000)
+
+
+def prepare(sock: socket.socket, end: float) -> None:
+    """Make `sock` ready for a data-plane thread until `end` (time.monotonic()): blocking (the
+    event loop's reader on it, uvloop's, turns it non-blocking), and its sends and receives
+    bounded by `end` in the kernel too (SO_SNDTIMEO, SO_RCVTIMEO): a backstop for a thread
+    nobody stops; the caller stops it at its deadline with stop()."""
+    sock.setblocking(True)
+    seconds = max(end - time.monotonic(), 0.001)
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1_000_000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def stop(sock: socket.socket) -> None:
+    """End a blocking send or receive in another thread at once (it sees the end of the stream
+    or EPIPE); the connection is unusable afterwards."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def peer_gone(sock: socket.socket) -> bool:

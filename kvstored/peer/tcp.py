@@ -19,17 +19,22 @@ A connection the fetcher closed is noticed by a reader callback and dropped.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvstored.chunks.chunkfile import checksum as payload_checksum
 from kvstored.chunks.views import trim
 from kvstored.errors import ListenError
+from kvstored.io.threads import PriorityThreadPool
 from kvstored.peer import flow, sockio, wire
 from kvstored.peer.digest import StreamDigest
 from kvstored.peer.errors import PeerError, PeerUnreachable, ProtocolError
+from kvstored.peer.quarantine import Quarantine
 from kvstored.peer.transport import (
     Ask,
     PeerAddress,
@@ -52,6 +57,8 @@ from kvstored.peer.transport import (
 
 log = logging.getLogger(__name__)
 
+_RECEIVED = ReceiveResult(ReceiveOutcome.RECEIVED)  # (one object for every chunk received)
+
 
 # -- fetching side ---------------------------------------------------------------------------
 
@@ -72,6 +79,8 @@ class TcpLink(PeerLink):
         self._open = 0  # connections made and not closed (idle or in use)
         self._waiters: list[asyncio.Future] = []
         self._closed = False
+        # one thread per connection in use: each batch's bytes move in its own thread
+        self._threads = PriorityThreadPool(config.tcp_connections, f"kvstored-peer-rx-{address.port}")
 
     @property
     def connections(self) -> int:
@@ -92,8 +101,13 @@ class TcpLink(PeerLink):
         )
         order = SendOrder(TransportKind.TCP, conn.link_id, transfers)
         results: list[ReceiveResult | None] = [None] * len(slots)
-        reading = loop.create_task(self._read_frames(loop, conn, transfers, pieces, results))
+        # the backstop: the thread ends by itself soon after the deadline if nothing stops it
+        end = time.monotonic() + timeout_s + self.config.settle_timeout_s
+        sockio.prepare(conn.sock, end)
+        reading = self._threads.submit_async(loop, 0, _read_frames, conn.sock, end, transfers, pieces, results)
         asking = loop.create_task(flow.call(ask, order))
+        failure: ReceiveResult | None = None
+        quarantine: Quarantine | None = None
         reusable = False
         try:
             verdict = await flow.wait_transfer([reading], asking, deadline)
@@ -102,48 +116,29 @@ class TcpLink(PeerLink):
                 await flow.finish_ask(asking, deadline, self.config.settle_timeout_s)
             else:
                 failure = _failure(verdict, self.address)
-                results = [r if r is not None else failure for r in results]
         finally:
-            reading.cancel()  # a no-op once done; otherwise no byte is read into the views after this
+            if not reading.done():  # a failure, a timeout or a cancellation: stop the thread's reads
+                sockio.stop(conn.sock)
             asking.cancel()
             try:
                 await flow.wait_quietly([reading, asking], self.config.settle_timeout_s)
             finally:
-                self._checkin(conn, reusable)
-        return [r if r is not None else ReceiveResult(ReceiveOutcome.FAILED, "no frame") for r in results]
-
-    @staticmethod
-    async def _read_frames(
-        loop: asyncio.AbstractEventLoop,
-        conn: _Conn,
-        transfers: Sequence[Transfer],
-        pieces: Sequence[list[memoryview]],
-        results: list[ReceiveResult | None],
-    ) -> bool:
-        """Read the order's frames, in order, each straight into its slot; fill in `results` as
-        they come (a connection lost on the 5th leaves the first 4 received). True if the stream
-        is in step afterwards (the connection can serve another order)."""
-        head = bytearray(wire.HEAD_BYTES)
-        trailer = bytearray(wire.SUM_BYTES)
-        for i, (transfer, slot_pieces) in enumerate(zip(transfers, pieces)):
-            await sockio.recv_into_all(loop, conn.sock, [memoryview(head)])
-            try:
-                frame = wire.decode_head(head)
-                wire.check_frame(frame, transfer.transfer_id, transfer.size)
-            except ProtocolError as exc:
-                for j in range(i, len(results)):
-                    results[j] = ReceiveResult(ReceiveOutcome.CORRUPT, str(exc))
-                return False
-            if frame.status is wire.FrameStatus.MISSING:
-                results[i] = ReceiveResult(ReceiveOutcome.MISSING, "the peer does not hold the chunk")
-                continue
-            digest = StreamDigest(slot_pieces)  # each read is hashed while it is still in the cache
-            await sockio.recv_into_all(loop, conn.sock, [*slot_pieces, memoryview(trailer)], digest.moved)
-            if digest.intdigest() != wire.decode_sum(trailer):
-                results[i] = ReceiveResult(ReceiveOutcome.CORRUPT, "payload checksum mismatch")
-            else:
-                results[i] = ReceiveResult(ReceiveOutcome.RECEIVED)
-        return True
+                if reading.done():
+                    self._checkin(conn, reusable)
+                else:  # (it never should) the views stay the thread's until it ends, and so does the socket
+                    views = [v for p in pieces for v in p]
+                    quarantine = self.quarantines.add(views, [reading])
+                    log.warning(
+                        "reads from %s did not stop within %.1f s: %d bytes quarantined",
+                        self.address,
+                        self.config.settle_timeout_s,
+                        quarantine.nbytes,
+                    )
+                    reading.add_done_callback(lambda _: self._checkin(conn, False))
+        failure = failure or ReceiveResult(ReceiveOutcome.FAILED, "no frame")
+        if quarantine is not None:
+            failure = dataclasses.replace(failure, quarantine=quarantine)
+        return [r if r is not None else failure for r in list(results)]
 
     # -- the connection pool
 
@@ -201,6 +196,10 @@ class TcpLink(PeerLink):
                     hello = bytearray(wire.HELLO_BYTES)
                     await sockio.recv_into_all(loop, sock, [memoryview(hello)])
                     link_id = wire.decode_hello(hello)
+                    # the greeting's read set SO_RCVLOWAT; a MSG_WAITALL read (the data plane's)
+                    # on a socket whose SO_RCVLOWAT is above 1 stalled until the peer closed
+                    # (Linux 6.x, checked here)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
                 except BaseException:
                     sock.close()
                     raise
@@ -242,10 +241,31 @@ class TcpLink(PeerLink):
             if not waiter.done():
                 waiter.set_result(None)
         for conn in self._busy:  # transfers in flight fail at once (their reads see the end)
-            try:
-                conn.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            sockio.stop(conn.sock)
+        self._threads.shutdown(wait=False)  # (each ends with its batch, stopped just now)
+
+
+def _write_frames(
+    sock: socket.socket, end: float, order: SendOrder, sources: Sequence[Source | None], receipts: list[Receipt]
+) -> None:
+    """(In a data-plane thread.) One blocking gathered write per chunk: the previous frame's SUM
+    and this frame's HEAD (with the HEADs of any MISSING frames between), then the payload
+    straight from the pool's pages. A payload whose checksum is not known yet is hashed right
+    after the kernel copied it (it is in the CPU cache then)."""
+    prefix = b""
+    for transfer, source in zip(order.transfers, sources):
+        if source is None:
+            prefix += wire.encode_head(wire.Frame(wire.FrameStatus.MISSING, transfer.transfer_id, 0))
+            receipts.append(Receipt(transfer.transfer_id, False, 0, 0))
+            continue
+        pieces = trim(source.views, source.size)
+        prefix += wire.encode_head(wire.Frame(wire.FrameStatus.OK, transfer.transfer_id, source.size))
+        sockio.send_exactly(sock, [memoryview(prefix), *pieces], end)
+        checksum = source.checksum if source.checksum is not None else payload_checksum(pieces, source.size)
+        prefix = wire.encode_sum(checksum)
+        receipts.append(Receipt(transfer.transfer_id, True, source.size, checksum))
+    if prefix:
+        sockio.send_exactly(sock, [memoryview(prefix)], end)
 
 
 def _failure(verdict: flow.Verdict, address: PeerAddress) -> ReceiveResult:
@@ -253,6 +273,45 @@ def _failure(verdict: flow.Verdict, address: PeerAddress) -> ReceiveResult:
         return ReceiveResult(ReceiveOutcome.TIMED_OUT, f"no answer from {address} in time")
     where = "control" if verdict.stop is flow.Stop.ASK_FAILED else "data"
     return ReceiveResult(ReceiveOutcome.FAILED, f"{where} path to {address}: {verdict.describe()}")
+
+
+def _read_frames(
+    sock: socket.socket,
+    end: float,
+    transfers: Sequence[Transfer],
+    pieces: Sequence[list[memoryview]],
+    results: list[ReceiveResult | None],
+) -> bool:
+    """(In a data-plane thread.) Read the order's frames, in order, each straight into its slot;
+    fill in `results` as they come (a connection lost on the 5th leaves the first 4 received).
+    One system call per frame: the payload, its SUM and the next frame's HEAD (sent together)
+    in one MSG_WAITALL read; the payload is hashed right after (from the CPU cache). True if the
+    stream is in step afterwards (the connection can serve another order)."""
+    head = memoryview(bytearray(wire.HEAD_BYTES))
+    trailer = memoryview(bytearray(wire.SUM_BYTES))
+    sockio.recv_exactly(sock, [head], end)
+    last = len(transfers) - 1
+    for i, (transfer, slot_pieces) in enumerate(zip(transfers, pieces)):
+        try:
+            frame = wire.decode_head(head)
+            wire.check_frame(frame, transfer.transfer_id, transfer.size)
+        except ProtocolError as exc:
+            for j in range(i, len(results)):
+                results[j] = ReceiveResult(ReceiveOutcome.CORRUPT, str(exc))
+            return False
+        next_head = [head] if i < last else []
+        if frame.status is wire.FrameStatus.MISSING:
+            results[i] = ReceiveResult(ReceiveOutcome.MISSING, "the peer does not hold the chunk")
+            if next_head:
+                sockio.recv_exactly(sock, next_head, end)
+            continue
+        digest = StreamDigest(slot_pieces)
+        sockio.recv_exactly(sock, [*slot_pieces, trailer, *next_head], end, digest.moved)
+        if digest.intdigest() != wire.decode_sum(trailer):
+            results[i] = ReceiveResult(ReceiveOutcome.CORRUPT, "payload checksum mismatch")
+        else:
+            results[i] = _RECEIVED
+    return True
 
 
 # -- serving side ----------------------------------------------------------------------------
@@ -274,6 +333,9 @@ class TcpServer(PeerServer):
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self._links: dict[int, _Link] = {}
+        # sends move their bytes in these threads (so do the fetchers' reads, on their side): the
+        # kernel's copies and the TCP stack's work of several connections run on several CPUs
+        self._threads = PriorityThreadPool(config.tcp_connections, "kvstored-peer-tx")
 
     @property
     def links(self) -> int:
@@ -353,53 +415,52 @@ class TcpServer(PeerServer):
         if link is None or link.closed:
             return SendResult(SendOutcome.NO_LINK, f"no link {order.link_id:#x} (closed, or another incarnation's)")
         loop = asyncio.get_running_loop()
-        receipts: list[Receipt] = []
+        deadline = loop.time() + timeout_s
         try:
             async with asyncio.timeout(timeout_s):
-                async with link.busy:  # one order's frames at a time per connection
-                    if link.closed:
-                        return SendResult(SendOutcome.NO_LINK, "the fetcher closed the link")
-                    try:
-                        await self._write_frames(loop, link, order, sources, receipts)
-                    except BaseException:
-                        self._drop(link)  # a partial frame: the stream is broken
-                        raise
-                    finally:
-                        if link.closed:
-                            link.sock.close()
+                await link.busy.acquire()  # one order's frames at a time per connection
         except TimeoutError:
-            return SendResult(SendOutcome.TIMED_OUT, "the fetcher did not take the bytes in time")
-        except OSError as exc:
-            return SendResult(SendOutcome.FAILED, f"the fetcher's connection failed: {exc}")
+            return SendResult(SendOutcome.TIMED_OUT, "the link was busy with another order until the deadline")
+        receipts: list[Receipt] = []
+        job: asyncio.Future | None = None
+        quarantine: Quarantine | None = None
+        stopped = False
+        try:
+            if link.closed:
+                return SendResult(SendOutcome.NO_LINK, "the fetcher closed the link")
+            end = time.monotonic() + timeout_s + self.config.settle_timeout_s  # (the backstop)
+            sockio.prepare(link.sock, end)
+            job = self._threads.submit_async(loop, 0, _write_frames, link.sock, end, order, sources, receipts)
+            try:
+                await asyncio.wait([job], timeout=max(0.0, deadline - loop.time()))
+            finally:
+                if not job.done():  # the deadline, or our caller gave up: a partial frame, a broken stream
+                    stopped = True
+                    sockio.stop(link.sock)
+                    self._drop(link)
+                    try:
+                        await flow.wait_quietly([job], self.config.settle_timeout_s)
+                    finally:
+                        if not job.done():  # (it never should) the pages stay the thread's until it ends
+                            views = [v for source in sources if source is not None for v in source.views]
+                            quarantine = self.quarantines.add(views, [job])
+                            log.warning("sends to a fetcher did not stop within %.1f s", self.config.settle_timeout_s)
+            if not stopped and job.exception() is not None:
+                self._drop(link)  # a partial frame: the stream is broken
+        finally:
+            link.busy.release()
+            if link.closed:  # (closed by us or by the fetcher meanwhile) the socket goes once nobody uses it
+                if job is None or job.done():
+                    link.sock.close()
+                else:
+                    job.add_done_callback(lambda _: link.sock.close())
+        if stopped:
+            why = "the fetcher did not take the bytes in time"
+            return SendResult(SendOutcome.TIMED_OUT, why, quarantine=quarantine)
+        error = job.exception()
+        if error is not None:
+            return SendResult(SendOutcome.FAILED, f"the fetcher's connection failed: {error}")
         return SendResult(SendOutcome.SENT, receipts=tuple(receipts))
-
-    @staticmethod
-    async def _write_frames(
-        loop: asyncio.AbstractEventLoop,
-        link: _Link,
-        order: SendOrder,
-        sources: Sequence[Source | None],
-        receipts: list[Receipt],
-    ) -> None:
-        """Each frame's SUM goes out with the next frame's HEAD (one write fewer per chunk)."""
-        pending_sum = b""
-        for transfer, source in zip(order.transfers, sources):
-            if source is None:
-                head = wire.encode_head(wire.Frame(wire.FrameStatus.MISSING, transfer.transfer_id, 0))
-                await sockio.send_all(loop, link.sock, [memoryview(pending_sum + head)])
-                pending_sum = b""
-                receipts.append(Receipt(transfer.transfer_id, False, 0, 0))
-                continue
-            pieces = trim(source.views, source.size)
-            prefix = pending_sum + wire.encode_head(wire.Frame(wire.FrameStatus.OK, transfer.transfer_id, source.size))
-            # hashed as the kernel copies each piece out (it is in the cache then), unless given
-            digest = None if source.checksum is not None else StreamDigest(pieces, skip=len(prefix))
-            await sockio.send_all(loop, link.sock, [memoryview(prefix), *pieces], digest.moved if digest else None)
-            checksum = digest.intdigest() if digest is not None else source.checksum or 0
-            pending_sum = wire.encode_sum(checksum)
-            receipts.append(Receipt(transfer.transfer_id, True, source.size, checksum))
-        if pending_sum:
-            await sockio.send_all(loop, link.sock, [memoryview(pending_sum)])
 
     async def close(self) -> None:
         if self._accepting is not None:
@@ -410,4 +471,7 @@ class TcpServer(PeerServer):
             self._sock.close()
             self._sock = None
         for link in list(self._links.values()):
+            if link.busy.locked():
+                sockio.stop(link.sock)  # its send fails at once, and closes it
             self._drop(link)
+        self._threads.shutdown(wait=False)

@@ -115,11 +115,15 @@ class Node:
 
 
 class Topology:
-    def __init__(self, nodes: int = 2, subnet: str = SUBNET) -> None:
+    def __init__(self, nodes: int = 2, subnet: str = SUBNET, mtu: int | None = None) -> None:
+        """`mtu`: of every link (the nodes' eth0, the bridge and its ports); None: the kernel's 1500."""
         if not 1 <= nodes <= 250:
             raise ValueError("1 to 250 nodes")
+        if mtu is not None and not 68 <= mtu <= 65535:
+            raise ValueError(f"an MTU of {mtu}: 68 to 65535")
         self._count = nodes
         self._subnet = subnet
+        self.mtu = mtu
         owner = os.getpid()
         self.switch = f"{PREFIX}{owner}-sw"
         self.nodes = [Node(f"{PREFIX}{owner}-n{i}", f"{subnet}.{i + 1}", i) for i in range(nodes)]
@@ -138,11 +142,17 @@ class Topology:
         try:
             self._add(self.switch)
             _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            mtu = ["mtu", str(self.mtu)] if self.mtu is not None else []
+            if mtu:
+                _ip("-n", self.switch, "link", "set", "br0", *mtu)
             _ip("-n", self.switch, "link", "set", "br0", "up")
             for node in self.nodes:
                 self._add(node.ns)
                 port = f"p{node.index}"
                 _ip("-n", node.ns, "link", "add", IFACE, "type", "veth", "peer", "name", port, "netns", self.switch)
+                if mtu:  # (both ends; a bridge takes the smallest MTU of its ports)
+                    _ip("-n", node.ns, "link", "set", IFACE, *mtu)
+                    _ip("-n", self.switch, "link", "set", port, *mtu)
                 _ip("-n", self.switch, "link", "set", port, "master", "br0")
                 _ip("-n", self.switch, "link", "set", port, "up")
                 _ip("-n", node.ns, "addr", "add", f"{node.ip}/24", "dev", IFACE)
