@@ -134,6 +134,9 @@ class PeerTierConfig:
     settle_timeout_s: float = 5.0  # how long a failed transfer may take to stop touching its slots
     tcp_connections: int = 8  # data connections per peer (batches in flight to it over TCP)
     max_batch: int = 16  # chunks per fetch: concurrent reads from one peer share one order
+    # A bulk fetch (at least STREAM_BYTES per stream) is split into up to this many orders, each on
+    # a data connection (and a thread) of its own on both sides: the copies run on several CPUs.
+    streams: int = 4
     index_entries: int = 1_000_000  # chunks the remote-location index holds at most (~170 B each)
     breaker_failures: int = 3  # consecutive failed fetches from a peer that open its breaker
     breaker_reset_s: float = 5.0  # how long an open breaker makes its chunks misses, then one probe

@@ -296,6 +296,7 @@ class PeerTier(SecondaryTier):
                 link,
                 self._asker(record),
                 self.config.max_batch,
+                self.config.streams,
                 self.config.fetch_timeout_s,
                 functools.partial(self._gate, record),
                 functools.partial(self._verdict, record),

@@ -421,6 +421,31 @@ async def test_tcp_connection_lost_mid_batch_keeps_the_chunks_already_in(fake):
     assert link.connections == 0
 
 
+async def test_tcp_connection_lost_right_after_a_frame_keeps_that_chunk(fake):
+    """The fetcher reads a payload, its SUM and the next frame's HEAD in one call: a connection
+    lost between the SUM and that HEAD still leaves the chunk received."""
+    server, link = fake
+    pool = Pool(chunks=2)
+    accepting = asyncio.get_running_loop().create_task(server.accept())
+
+    async def ask(order: SendOrder) -> None:
+        await accepting
+        payload = bytes(SIZE)
+        server.conn.setblocking(True)
+        server.conn.sendall(
+            wire.encode_head(wire.Frame(wire.FrameStatus.OK, order.transfers[0].transfer_id, SIZE))
+            + payload
+            + wire.encode_sum(xxhash.xxh3_64_intdigest(payload))
+        )
+        server.conn.close()
+        server.conn = None
+
+    results = await link.receive_batch([Slot(pool.slot(s), SIZE) for s in range(2)], ask, 2.0)
+    assert [r.outcome for r in results] == [ReceiveOutcome.RECEIVED, ReceiveOutcome.FAILED]
+    assert pool.received(0) == bytes(SIZE)
+    assert link.connections == 0
+
+
 async def test_tcp_not_a_peer_port_fails_to_connect():
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))

@@ -74,12 +74,15 @@ class Cluster:
         listen_any: bool = False,
         directory: str = "",
         peer_lists: Sequence[Sequence[int]] | None = None,
+        placement: Sequence[int] | None = None,
     ) -> None:
         """transport: every node's, or one per node; fs_bytes: each node also gets an fs tier of
         that size, above its peer tier (RAM -> fs -> peer); listen_any: (namespaces) each listens
         on 0.0.0.0, so only its incarnation tells a node that an address is its own; directory: a
         fleet directory's URL instead of peers (the nodes find each other there); peer_lists: the
-        nodes each node lists as peers (default: every node)."""
+        nodes each node lists as peers (default: every node); placement: (namespaces) the
+        topology node each daemon runs in (default: daemon i in node i; daemons sharing a node
+        listen on ports PEER_PORT, PEER_PORT + 10, ...)."""
         transports = [transport] * n if isinstance(transport, str) else list(transport)
         assert len(transports) == n, f"{len(transports)} transports for {n} nodes"
         self.transport = transports[0]
@@ -88,10 +91,11 @@ class Cluster:
         options = {**TEST_PEER_OPTIONS, **(peer_options or {})}
         tls: list[str] = []
         if net is not None:
-            nodes = net.nodes[:n]
-            assert len(nodes) == n, f"the topology has {len(net.nodes)} nodes, the cluster wants {n}"
-            addresses = [f"{node.ip}:{PEER_PORT}" for node in nodes]
-            certs = make_certs(self.workdir, ips=tuple(node.ip for node in nodes) + ("127.0.0.1",))
+            where = list(placement) if placement is not None else list(range(n))
+            assert len(where) == n and max(where) < len(net.nodes), f"no room for {n} daemons in {len(net.nodes)} nodes"
+            nodes = [net.nodes[i] for i in where]
+            addresses = [f"{node.ip}:{PEER_PORT + 10 * where[:k].count(where[k])}" for k, node in enumerate(nodes)]
+            certs = make_certs(self.workdir, ips=tuple(node.ip for node in net.nodes) + ("127.0.0.1",))
             tls = [
                 "--tls-cert-file",
                 str(certs.server_cert),
