@@ -1,19 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""The TCP fallback of the peer data plane: plain sockets on the event loop, no copies in user space.
+"""The TCP fallback of the peer data plane: plain sockets, no copies in user space, the bytes moved
+in threads.
 
 Fetching side (`TcpLink`): a pool of connections per peer; a batch holds one connection for
-itself, so its frames never interleave with another's. The bytes are read with recvmsg_into straight
-into the slot's views, on the event loop (measured here: loop.sock_recv_into, a BufferedProtocol
-and a blocking recv_into in a thread all reach the raw socket's rate within the noise; asyncio
-streams would add a copy). A connection goes back to the pool
-only after every frame of the batch was read; a transfer that failed, timed out or was cancelled
-closes it (the stream may be mid-frame), which is also how a transfer is cancelled on the wire.
+itself, so its frames never interleave with another's. The connection is made and greeted on the
+event loop; each batch's frames are then read in a thread of the link's pool (one per connection
+in use), straight into the slot's views: a frame's payload, its SUM and the next frame's HEAD in
+reads of up to 512 KiB, each hashed at once, from the CPU cache (xxhash lets go of the GIL), and
+woken once that much is there (poll with SO_RCVLOWAT). A batch's result reaches the loop with
+one call_soon_threadsafe. Several batches to one peer (the fetcher's streams, concurrent reads)
+therefore copy on several CPUs at once; on the event loop, every batch shared one CPU. A
+connection goes back to the pool only after every frame of the batch was read; a transfer that
+failed, timed out or was cancelled shuts the connection down, which ends the thread's read at
+once and is also how a transfer is cancelled on the wire (a thread that has not ended within
+settle_timeout_s leaves its views quarantined).
 
-Serving side (`TcpServer`): accepts connections, greets each with a HELLO naming its link id, and
-writes each chunk's frame: HEAD + payload (gathered sendmsg, straight from the pool's views) +
-SUM, frames back to back; both sides hash each piece as it moves (kvstored.peer.digest).
-A connection the fetcher closed is noticed by a reader callback and dropped.
+Serving side (`TcpServer`): accepts connections on the loop, greets each with a HELLO naming its
+link id, and writes each order's frames in a thread of the server's pool: per chunk one blocking
+gathered sendmsg of the previous frame's SUM, this frame's HEAD and the payload straight from the
+pool's pages. A connection the fetcher closed is noticed by a reader callback and dropped; a send
+past its deadline is stopped by shutting its connection down.
 """
 
 from __future__ import annotations
@@ -103,7 +110,7 @@ class TcpLink(PeerLink):
         results: list[ReceiveResult | None] = [None] * len(slots)
         # the backstop: the thread ends by itself soon after the deadline if nothing stops it
         end = time.monotonic() + timeout_s + self.config.settle_timeout_s
-        sockio.prepare(conn.sock, end)
+        sockio.prepare(conn.sock, end, blocking=False)
         reading = self._threads.submit_async(loop, 0, _read_frames, conn.sock, end, transfers, pieces, results)
         asking = loop.create_task(flow.call(ask, order))
         failure: ReceiveResult | None = None
@@ -196,10 +203,6 @@ class TcpLink(PeerLink):
                     hello = bytearray(wire.HELLO_BYTES)
                     await sockio.recv_into_all(loop, sock, [memoryview(hello)])
                     link_id = wire.decode_hello(hello)
-                    # the greeting's read set SO_RCVLOWAT; a MSG_WAITALL read (the data plane's)
-                    # on a socket whose SO_RCVLOWAT is above 1 stalled until the peer closed
-                    # (Linux 6.x, checked here)
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
                 except BaseException:
                     sock.close()
                     raise
@@ -284,9 +287,9 @@ def _read_frames(
 ) -> bool:
     """(In a data-plane thread.) Read the order's frames, in order, each straight into its slot;
     fill in `results` as they come (a connection lost on the 5th leaves the first 4 received).
-    One system call per frame: the payload, its SUM and the next frame's HEAD (sent together)
-    in one MSG_WAITALL read; the payload is hashed right after (from the CPU cache). True if the
-    stream is in step afterwards (the connection can serve another order)."""
+    The payload, its SUM and the next frame's HEAD (sent together) are one read of a few steps,
+    each hashed as it lands (sockio.recv_exactly). True if the stream is in step afterwards
+    (the connection can serve another order)."""
     head = memoryview(bytearray(wire.HEAD_BYTES))
     trailer = memoryview(bytearray(wire.SUM_BYTES))
     sockio.recv_exactly(sock, [head], end)
@@ -437,7 +440,7 @@ class TcpServer(PeerServer):
             if link.closed:
                 return SendResult(SendOutcome.NO_LINK, "the fetcher closed the link")
             end = time.monotonic() + timeout_s + self.config.settle_timeout_s  # (the backstop)
-            sockio.prepare(link.sock, end)
+            sockio.prepare(link.sock, end, blocking=True)
             job = self._threads.submit_async(loop, 0, _write_frames, link.sock, end, order, sources, receipts)
             try:
                 await asyncio.wait([job], timeout=max(0.0, deadline - loop.time()))
