@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""The raw transports beneath the peer tier: a TCP socket and ucxx moving chunks from a populated
-mapping into a few receive slots, sender and receiver in processes of their own (on loopback or each
-in a network namespace). `measure_raw` drives both; the roles run as `python -m bench.lib.raw_net ROLE`."""
+"""The raw transports beneath the peer tier: TCP (one connection, or several, a thread each) and
+ucxx moving chunks from a populated mapping into a few receive slots, sender and receiver in
+processes of their own (on loopback or each in a network namespace). `measure_raw` drives both;
+the roles run as `python -m bench.lib.raw_net ROLE`."""
 
 from __future__ import annotations
 

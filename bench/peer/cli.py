@@ -118,6 +118,8 @@ def run(args: argparse.Namespace, notes: list[str], failures: list[str]) -> dict
 
     def link(mtu: int) -> None:
         options = {"streams": str(args.streams)} if args.streams else {}
+        if args.data_threads:
+            options["data_threads"] = args.data_threads
         link = Link(args.transports.split(","), chunks, mtu, options)
         try:
             link.start()
@@ -267,7 +269,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "no fs and S3 rows",
     )
     p.add_argument("--mtu", default="1500,9000", help="--netns: the link's MTUs, one set of rows each")
-    p.add_argument("--streams", type=int, default=0, help="the peer tier's streams (default: the daemon's)")
+    p.add_argument("--streams", type=int, default=0, help="--netns: the peer tier's streams (default: the daemon's)")
+    p.add_argument(
+        "--data-threads",
+        choices=("auto", "on", "off"),
+        help="--netns: the peer tier's data_threads on both nodes (default: the daemon's, auto)",
+    )
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     args.mtu = [int(m) for m in args.mtu.split(",")]

@@ -45,7 +45,7 @@ Gate = Callable[[], Permit | None]  # may a batch go to the peer now (its breake
 # What a read gets when the peer's breaker kept its batch from going out (no network, no verdict).
 REFUSED = ReceiveResult(ReceiveOutcome.FAILED, "the peer's breaker is open")
 # A stream carries at least this much of a batch: below it, a Fetch call per stream would cost
-# more CPU than a second CPU's copies save (2 MiB chunks: 16 per batch go as up to 4 streams).
+# more CPU than a second CPU's copies save (2 MiB chunks: a batch of 16 goes as up to 4 streams).
 STREAM_BYTES = 8 << 20
 
 

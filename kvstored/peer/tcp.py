@@ -86,8 +86,10 @@ class TcpLink(PeerLink):
         self._open = 0  # connections made and not closed (idle or in use)
         self._waiters: list[asyncio.Future] = []
         self._closed = False
-        # one thread per connection in use: each batch's bytes move in its own thread
-        self._threads = PriorityThreadPool(config.tcp_connections, f"kvstored-peer-rx-{address.port}")
+        # data threads: one per connection in use, each batch's bytes move in its own thread
+        self._threads = (
+            PriorityThreadPool(config.tcp_connections, f"kvstored-peer-rx-{address.port}") if config.threads else None
+        )
 
     @property
     def connections(self) -> int:
@@ -108,10 +110,14 @@ class TcpLink(PeerLink):
         )
         order = SendOrder(TransportKind.TCP, conn.link_id, transfers)
         results: list[ReceiveResult | None] = [None] * len(slots)
-        # the backstop: the thread ends by itself soon after the deadline if nothing stops it
-        end = time.monotonic() + timeout_s + self.config.settle_timeout_s
-        sockio.prepare(conn.sock, end, blocking=False)
-        reading = self._threads.submit_async(loop, 0, _read_frames, conn.sock, end, transfers, pieces, results)
+        reading: asyncio.Future
+        if self._threads is not None:
+            # the backstop: the thread ends by itself soon after the deadline if nothing stops it
+            end = time.monotonic() + timeout_s + self.config.settle_timeout_s
+            sockio.prepare(conn.sock, end, blocking=False)
+            reading = self._threads.submit_async(loop, 0, _read_frames, conn.sock, end, transfers, pieces, results)
+        else:
+            reading = loop.create_task(_read_frames_on_loop(loop, conn.sock, transfers, pieces, results))
         asking = loop.create_task(flow.call(ask, order))
         failure: ReceiveResult | None = None
         quarantine: Quarantine | None = None
@@ -124,8 +130,9 @@ class TcpLink(PeerLink):
             else:
                 failure = _failure(verdict, self.address)
         finally:
-            if not reading.done():  # a failure, a timeout or a cancellation: stop the thread's reads
-                sockio.stop(conn.sock)
+            if not reading.done():  # a failure, a timeout or a cancellation: stop the reads
+                reading.cancel()  # (on the loop: no byte is read into the views after this)
+                sockio.stop(conn.sock)  # (in a thread: its read ends at once)
             asking.cancel()
             try:
                 await flow.wait_quietly([reading, asking], self.config.settle_timeout_s)
@@ -245,7 +252,36 @@ class TcpLink(PeerLink):
                 waiter.set_result(None)
         for conn in self._busy:  # transfers in flight fail at once (their reads see the end)
             sockio.stop(conn.sock)
-        self._threads.shutdown(wait=False)  # (each ends with its batch, stopped just now)
+        if self._threads is not None:
+            self._threads.shutdown(wait=False)  # (each ends with its batch, stopped just now)
+
+
+async def _write_frames_on_loop(
+    loop: asyncio.AbstractEventLoop,
+    sock: socket.socket,
+    order: SendOrder,
+    sources: Sequence[Source | None],
+    receipts: list[Receipt],
+) -> None:
+    """(Without data threads.) Each frame's SUM goes out with the next frame's HEAD."""
+    pending_sum = b""
+    for transfer, source in zip(order.transfers, sources):
+        if source is None:
+            head = wire.encode_head(wire.Frame(wire.FrameStatus.MISSING, transfer.transfer_id, 0))
+            await sockio.send_all(loop, sock, [memoryview(pending_sum + head)])
+            pending_sum = b""
+            receipts.append(Receipt(transfer.transfer_id, False, 0, 0))
+            continue
+        pieces = trim(source.views, source.size)
+        prefix = pending_sum + wire.encode_head(wire.Frame(wire.FrameStatus.OK, transfer.transfer_id, source.size))
+        # hashed as the kernel copies each piece out (it is in the cache then), unless given
+        digest = None if source.checksum is not None else StreamDigest(pieces, skip=len(prefix))
+        await sockio.send_all(loop, sock, [memoryview(prefix), *pieces], digest.moved if digest else None)
+        checksum = digest.intdigest() if digest is not None else source.checksum or 0
+        pending_sum = wire.encode_sum(checksum)
+        receipts.append(Receipt(transfer.transfer_id, True, source.size, checksum))
+    if pending_sum:
+        await sockio.send_all(loop, sock, [memoryview(pending_sum)])
 
 
 def _write_frames(
@@ -276,6 +312,36 @@ def _failure(verdict: flow.Verdict, address: PeerAddress) -> ReceiveResult:
         return ReceiveResult(ReceiveOutcome.TIMED_OUT, f"no answer from {address} in time")
     where = "control" if verdict.stop is flow.Stop.ASK_FAILED else "data"
     return ReceiveResult(ReceiveOutcome.FAILED, f"{where} path to {address}: {verdict.describe()}")
+
+
+async def _read_frames_on_loop(
+    loop: asyncio.AbstractEventLoop,
+    sock: socket.socket,
+    transfers: Sequence[Transfer],
+    pieces: Sequence[list[memoryview]],
+    results: list[ReceiveResult | None],
+) -> bool:
+    """(Without data threads.) Read the order's frames on the event loop, each straight into its
+    slot, woken once a whole frame is there (SO_RCVLOWAT up to 4 MiB); fill in `results` as they
+    come. True if the stream is in step afterwards."""
+    head = bytearray(wire.HEAD_BYTES)
+    trailer = memoryview(bytearray(wire.SUM_BYTES))
+    for i, (transfer, slot_pieces) in enumerate(zip(transfers, pieces)):
+        await sockio.recv_into_all(loop, sock, [memoryview(head)])
+        try:
+            frame = wire.decode_head(head)
+            wire.check_frame(frame, transfer.transfer_id, transfer.size)
+        except ProtocolError as exc:
+            for j in range(i, len(results)):
+                results[j] = ReceiveResult(ReceiveOutcome.CORRUPT, str(exc))
+            return False
+        if frame.status is wire.FrameStatus.MISSING:
+            results[i] = ReceiveResult(ReceiveOutcome.MISSING, "the peer does not hold the chunk")
+            continue
+        digest = StreamDigest(slot_pieces)  # each read is hashed while it is still in the cache
+        await sockio.recv_into_all(loop, sock, [*slot_pieces, trailer], digest.moved)
+        results[i] = _judge(digest, trailer)
+    return True
 
 
 def _read_frames(
@@ -344,9 +410,9 @@ class TcpServer(PeerServer):
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self._links: dict[int, _Link] = {}
-        # sends move their bytes in these threads (so do the fetchers' reads, on their side): the
-        # kernel's copies and the TCP stack's work of several connections run on several CPUs
-        self._threads = PriorityThreadPool(config.tcp_connections, "kvstored-peer-tx")
+        # data threads: sends move their bytes in these (so do the fetchers' reads, on their side):
+        # the kernel's copies and the TCP stack's work of several connections run on several CPUs
+        self._threads = PriorityThreadPool(config.tcp_connections, "kvstored-peer-tx") if config.threads else None
 
     @property
     def links(self) -> int:
@@ -425,6 +491,8 @@ class TcpServer(PeerServer):
         link = self._links.get(order.link_id)
         if link is None or link.closed:
             return SendResult(SendOutcome.NO_LINK, f"no link {order.link_id:#x} (closed, or another incarnation's)")
+        if self._threads is None:
+            return await self._send_on_loop(link, order, sources, timeout_s)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         try:
@@ -473,6 +541,31 @@ class TcpServer(PeerServer):
             return SendResult(SendOutcome.FAILED, f"the fetcher's connection failed: {error}")
         return SendResult(SendOutcome.SENT, receipts=tuple(receipts))
 
+    async def _send_on_loop(
+        self, link: _Link, order: SendOrder, sources: Sequence[Source | None], timeout_s: float
+    ) -> SendResult:
+        """(Without data threads.) The order's frames written on the event loop."""
+        loop = asyncio.get_running_loop()
+        receipts: list[Receipt] = []
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with link.busy:  # one order's frames at a time per connection
+                    if link.closed:
+                        return SendResult(SendOutcome.NO_LINK, "the fetcher closed the link")
+                    try:
+                        await _write_frames_on_loop(loop, link.sock, order, sources, receipts)
+                    except BaseException:
+                        self._drop(link)  # a partial frame: the stream is broken
+                        raise
+                    finally:
+                        if link.closed:
+                            link.sock.close()
+        except TimeoutError:
+            return SendResult(SendOutcome.TIMED_OUT, "the fetcher did not take the bytes in time")
+        except OSError as exc:
+            return SendResult(SendOutcome.FAILED, f"the fetcher's connection failed: {exc}")
+        return SendResult(SendOutcome.SENT, receipts=tuple(receipts))
+
     async def close(self) -> None:
         if self._accepting is not None:
             self._accepting.cancel()
@@ -485,4 +578,5 @@ class TcpServer(PeerServer):
             if link.busy.locked():
                 sockio.stop(link.sock)  # its send fails at once, and closes it
             self._drop(link)
-        self._threads.shutdown(wait=False)
+        if self._threads is not None:
+            self._threads.shutdown(wait=False)

@@ -22,7 +22,7 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from kvstored.chunks.ids import TierKind
 from kvstored.parsing import parse_bool, parse_seconds
-from kvstored.peer.transport import TransportPreference
+from kvstored.peer.transport import DataThreads, TransportPreference
 from kvstored.sizes import parse_size
 from kvstored.tiers.base import AdmissionPolicy, SecondaryTier, TierCapabilities
 from kvstored.tiers.config import (
@@ -322,6 +322,7 @@ PEER = TierKindSpec(
         "tcp_connections": int,
         "max_batch": int,
         "streams": int,
+        "data_threads": DataThreads,
         "index_entries": int,
         "breaker_failures": int,
         "breaker_reset_s": parse_seconds,

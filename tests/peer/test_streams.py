@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""Several streams per peer (kvstored/peer/fetcher.py over kvstored/peer/tcp.py, in-process on
-loopback): a bulk batch of reads goes to the peer as one order per stream, each on a TCP
+"""Several streams per peer (kvstored/peer/fetcher.py over kvstored/peer/tcp.py with data threads,
+in-process on loopback): a bulk batch of reads goes to the peer as one order per stream, each on a TCP
 connection (and a thread on both sides) of its own. One stream cut mid-fetch costs misses for the
 chunks that had not arrived on it, never wrong bytes; the other streams' chunks arrive; every slot
 is handed back; the next fetch of the missed chunks (a retry) gets them."""
@@ -31,7 +31,7 @@ from kvstored.peer.transport import (
 CHUNK = 1 << 20
 CHUNKS = 8
 STREAMS = 4
-CONFIG = TransportConfig(connect_timeout_s=5.0, settle_timeout_s=5.0, tcp_connections=STREAMS)
+CONFIG = TransportConfig(connect_timeout_s=5.0, settle_timeout_s=5.0, tcp_connections=STREAMS, threads=True)
 NS = Namespace("ns-streams", "streams", "u8", CHUNK, "", 16)
 
 

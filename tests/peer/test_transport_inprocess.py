@@ -86,12 +86,14 @@ async def ucx_context():
     ucx_runtime.release()
 
 
-@pytest_asyncio.fixture(params=TRANSPORTS, loop_scope="module")
+@pytest_asyncio.fixture(params=[*TRANSPORTS, "tcp-threads"], loop_scope="module")
 async def pair(request, ucx_context):
-    kind = TransportKind(request.param)
-    server = make_server(kind, "127.0.0.1", 0, CONFIG)
+    """A server and a link to it: over UCX, over TCP on the event loop, over TCP in data threads."""
+    kind = TransportKind(request.param.removesuffix("-threads"))
+    config = replace(CONFIG, threads=request.param.endswith("-threads"))
+    server = make_server(kind, "127.0.0.1", 0, config)
     address = await server.start()
-    link = make_link(kind, address, CONFIG)
+    link = make_link(kind, address, config)
     await link.start()
     yield server, link
     await link.close()
@@ -336,10 +338,10 @@ class FakeServer:
         self.sock.close()
 
 
-@pytest_asyncio.fixture(loop_scope="module")
-async def fake():
+@pytest_asyncio.fixture(params=["loop", "threads"], loop_scope="module")
+async def fake(request):
     server = FakeServer()
-    link = make_link(TransportKind.TCP, server.address, CONFIG)
+    link = make_link(TransportKind.TCP, server.address, replace(CONFIG, threads=request.param == "threads"))
     yield server, link
     await link.close()
     server.close()
