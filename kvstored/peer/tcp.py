@@ -1,26 +1,30 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""The TCP fallback of the peer data plane: plain sockets, no copies in user space, the bytes moved
-in threads.
+"""The TCP fallback of the peer data plane: plain sockets, no copies in user space. The bytes move
+on the event loop, or, with data threads (TransportConfig.threads), in threads.
 
 Fetching side (`TcpLink`): a pool of connections per peer; a batch holds one connection for
 itself, so its frames never interleave with another's. The connection is made and greeted on the
-event loop; each batch's frames are then read in a thread of the link's pool (one per connection
-in use), straight into the slot's views: a frame's payload, its SUM and the next frame's HEAD in
-reads of up to 512 KiB, each hashed at once, from the CPU cache (xxhash lets go of the GIL), and
-woken once that much is there (poll with SO_RCVLOWAT). A batch's result reaches the loop with
-one call_soon_threadsafe. Several batches to one peer (the fetcher's streams, concurrent reads)
-therefore copy on several CPUs at once; on the event loop, every batch shared one CPU. A
-connection goes back to the pool only after every frame of the batch was read; a transfer that
-failed, timed out or was cancelled shuts the connection down, which ends the thread's read at
-once and is also how a transfer is cancelled on the wire (a thread that has not ended within
-settle_timeout_s leaves its views quarantined).
+event loop. Its frames are read straight into the slot's views, each payload hashed as it lands
+(from the CPU cache), the reader woken once a good part of a frame is there (SO_RCVLOWAT):
+- on the event loop (measured here: loop.sock_recv_into, a BufferedProtocol and a blocking
+  recv_into in a thread all reach the raw socket's rate within the noise; asyncio streams would
+  add a copy); every batch to every peer shares the loop's one CPU;
+- with data threads, in a thread of the link's pool (one per connection in use), in reads of up
+  to 512 KiB polled on a non-blocking socket (xxhash lets go of the GIL), the batch's result
+  handed to the loop with one call_soon_threadsafe: several batches (the fetcher's streams)
+  copy on several CPUs, at the price of the hand-offs (measured in docs/cluster.md).
+A connection goes back to the pool only after every frame of the batch was read; a transfer that
+failed, timed out or was cancelled shuts the connection down (a task is cancelled; a thread's read
+ends at once), which is also how a transfer is cancelled on the wire (a thread that has not ended
+within settle_timeout_s leaves its views quarantined).
 
 Serving side (`TcpServer`): accepts connections on the loop, greets each with a HELLO naming its
-link id, and writes each order's frames in a thread of the server's pool: per chunk one blocking
-gathered sendmsg of the previous frame's SUM, this frame's HEAD and the payload straight from the
-pool's pages. A connection the fetcher closed is noticed by a reader callback and dropped; a send
-past its deadline is stopped by shutting its connection down.
+link id, and writes each order's frames: HEAD + payload (gathered, straight from the pool's views)
++ SUM, each SUM going out with the next HEAD; on the loop, or with data threads one blocking
+gathered sendmsg per chunk in a thread of the server's pool. A connection the fetcher closed is
+noticed by a reader callback and dropped; a threaded send past its deadline is stopped by shutting
+its connection down.
 """
 
 from __future__ import annotations
