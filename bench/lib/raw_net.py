@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""The raw transports beneath the peer tier: a TCP socket and ucxx moving chunks from a populated
-mapping into a few receive slots, sender and receiver in processes of their own (on loopback or each
-in a network namespace). `measure_raw` drives both; the roles run as `python -m bench.lib.raw_net ROLE`."""
+"""The raw transports beneath the peer tier: TCP (one connection, or several, a thread each) and
+ucxx moving chunks from a populated mapping into a few receive slots, sender and receiver in
+processes of their own (on loopback or each in a network namespace). `measure_raw` drives both;
+the roles run as `python -m bench.lib.raw_net ROLE`."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import resource
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -102,39 +104,79 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _shares(count: int, conns: int) -> list[range]:
+    """Chunk indexes per connection: every `conns`-th chunk, starting at the connection's number."""
+    return [range(k, count, conns) for k in range(conns)]
+
+
+def _threads(fn, conns: int) -> None:
+    """fn(k) for each connection k, each in a thread of its own (socket calls release the GIL, so
+    the kernel's copies of several connections run on several CPUs); the first error is raised."""
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            fn(k)
+        except BaseException as exc:  # noqa: BLE001 - raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(conns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 def raw_tcp_recv(args: argparse.Namespace) -> None:
+    """Accepts `conns` connections; each lands its share of the chunks in its own slots. Timed from
+    the end of the first chunk (connection 0's) to the end of the last, on any connection."""
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((args.host, 0))
-    listener.listen(1)
+    listener.listen(args.conns)
     _emit("ready", port=listener.getsockname()[1])
-    conn, _ = listener.accept()
+    conns = [listener.accept()[0] for _ in range(args.conns)]
     ring = _ring(args.chunk, args.slots)
     first_end = cpu0 = 0.0
-    for i in range(args.count):
-        view, got = ring[i % args.slots], 0
-        while got < args.chunk:
-            n = conn.recv_into(view[got:])
-            if not n:
-                raise EOFError("sender closed early")
-            got += n
-        if i == 0:
-            first_end, cpu0 = time.perf_counter(), _cpu()
+
+    def receive(k: int) -> None:
+        nonlocal first_end, cpu0
+        conn = conns[k]
+        for i in _shares(args.count, args.conns)[k]:
+            view, got = ring[i % args.slots], 0
+            while got < args.chunk:
+                n = conn.recv_into(view[got:])
+                if not n:
+                    raise EOFError("sender closed early")
+                got += n
+            if i == 0:
+                first_end, cpu0 = time.perf_counter(), _cpu()
+
+    _threads(receive, args.conns)
     end = time.perf_counter()
     gib = (args.count - 1) * args.chunk / GIB
     _emit("done", gib_s=gib / (end - first_end), cpu_s_per_gib=(_cpu() - cpu0) / gib)
 
 
 def raw_tcp_send(args: argparse.Namespace) -> None:
-    conn = socket.create_connection((args.host, args.port))
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conns = [socket.create_connection((args.host, args.port)) for _ in range(args.conns)]
+    for conn in conns:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     ring = _ring(args.chunk, args.count)
     cpu0 = _cpu()
-    for i in range(args.count):
-        conn.sendall(ring[i])
+
+    def send(k: int) -> None:
+        for i in _shares(args.count, args.conns)[k]:
+            conns[k].sendall(ring[i])
+
+    _threads(send, args.conns)
     _emit("done", cpu_s_per_gib=(_cpu() - cpu0) / (args.count * args.chunk / GIB))
-    conn.shutdown(socket.SHUT_WR)
-    conn.recv(1)  # until the receiver closes
+    for conn in conns:
+        conn.shutdown(socket.SHUT_WR)
+    for conn in conns:
+        conn.recv(1)  # until the receiver closes
 
 
 def _ucxx(devices: str):
@@ -216,11 +258,15 @@ class Sample:
     cpu_s_per_gib: tuple[float, float]  # (fetching side, serving side), all threads
 
 
-def measure_raw(transport: str, place: Place, nbytes: int, chunk: int, slots: int, ucx_window: int = 1) -> Sample:
-    """One raw transfer of `nbytes` from place.server to place.fetcher, landing in `slots` buffers."""
+def measure_raw(
+    transport: str, place: Place, nbytes: int, chunk: int, slots: int, ucx_window: int = 1, conns: int = 1
+) -> Sample:
+    """One raw transfer of `nbytes` from place.server to place.fetcher, landing in `slots` buffers
+    (TCP: over `conns` connections at once, a thread each on both sides)."""
     count = nbytes // chunk
     me = [sys.executable, "-m", "bench.lib.raw_net"]
     common = f"--chunk {chunk} --count {count} --slots {slots} --devices {place.devices} --window {ucx_window}".split()
+    common += ["--conns", str(conns)]
     host = place.fetcher.ip if place.fetcher else "127.0.0.1"
     recv = _spawn(place.argv(place.fetcher, [*me, f"raw-{transport}-recv", "--host", host, *common]))
     send = None
@@ -249,6 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--devices", default="lo")
     p.add_argument("--window", type=int, default=1)
     p.add_argument("--slots", type=int, default=64)
+    p.add_argument("--conns", type=int, default=1, help="TCP connections, a thread each (default 1)")
     args = p.parse_args(argv)
     ROLES[args.role](args)
     return 0

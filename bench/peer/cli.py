@@ -23,6 +23,7 @@ from bench.lib.report import GIB, MIB, Row, load_average, machine_info, print_ta
 from bench.lib.s3 import start_s3
 from bench.peer import __doc__ as _doc
 from bench.peer.cluster import Cluster, ColdTier, odirect, raw, raw_s3
+from bench.peer.link import RAW, Link
 from bench.peer.loads import COPIED, FS_THREADS, S3_INFLIGHT, TARGET, Chunks, Measured
 
 DOC = _doc or ""
@@ -115,6 +116,26 @@ def run(args: argparse.Namespace, notes: list[str], failures: list[str]) -> dict
         finally:
             server.stop()
 
+    def link(mtu: int) -> None:
+        options = {"streams": str(args.streams)} if args.streams else {}
+        if args.data_threads:
+            options["data_threads"] = args.data_threads
+        link = Link(args.transports.split(","), chunks, mtu, options)
+        try:
+            link.start()
+            arms: dict[str, Callable[[], Measured]] = {}
+            for t in link.transports:
+                arms[f"peer tier over {t}, MTU {mtu}"] = partial(link.measure, t, out, args.batch, args.clients)
+            for arm in RAW:
+                arms[f"{arm}, MTU {mtu}"] = partial(link.raw, arm, args.batch * args.clients)
+            rounds(arms, args.rounds, samples, failures)
+        finally:
+            link.stop()
+
+    if args.netns:
+        for mtu in args.mtu:
+            part(f"link, MTU {mtu}", failures, partial(link, mtu))
+        return samples
     try:
         part("peer", failures, peers)
         if args.fs == "on":
@@ -169,6 +190,37 @@ def rows(samples: dict[str, list[Measured]]) -> list[Row]:
     return out
 
 
+def link_rows(samples: dict[str, list[Measured]], mtus: Sequence[int]) -> list[Row]:
+    """Per MTU: the peer tier's rows and the raw transports', each against the best raw transport
+    of that MTU (the highest median) in the same run."""
+
+    def median(name: str) -> float:
+        return statistics.median(m.gib_s for m in samples[name])
+
+    out: list[Row] = []
+    for mtu in mtus:
+        suffix = f", MTU {mtu}"
+        raws = [f"{arm}{suffix}" for arm in RAW if f"{arm}{suffix}" in samples]
+        best = max(raws, key=median) if raws else ""
+        peers = [n for n in samples if n.startswith("peer tier") and n.endswith(suffix)]
+        for name in peers + raws:
+            peer = name in peers
+            out.append(
+                Row(
+                    name=name,
+                    value=median(name),
+                    unit="GiB/s",
+                    baseline_name=best,
+                    baseline=median(best) if best else None,
+                    target=TARGET if peer else None,
+                    median=median(name),
+                    limit=f"the best raw transport on that link: {best}" if peer else "",
+                    note=_note(samples, name, best) if best and name != best else _note(samples, name, name),
+                )
+            )
+    return out
+
+
 def _note(samples: dict[str, list[Measured]], name: str, base: str) -> str:
     def per_round(k: str) -> str:
         return ", ".join(f"{m.gib_s:.2f}" for m in samples.get(k, []))
@@ -209,8 +261,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the S3 row: radosgw (moto_server if it cannot start), moto_server, or none",
     )
     p.add_argument("--dir", default=None, help="where the fs tier and raw O_DIRECT files go (default: temp dir)")
+    p.add_argument(
+        "--netns",
+        action="store_true",
+        help="across a real link (root): A and B in two network namespaces joined by a veth pair, one set of "
+        "rows per --mtu, the peer tier beside raw TCP (1 and 2 connections) and raw ucxx on that link; "
+        "no fs and S3 rows",
+    )
+    p.add_argument("--mtu", default="1500,9000", help="--netns: the link's MTUs, one set of rows each")
+    p.add_argument("--streams", type=int, default=0, help="--netns: the peer tier's streams (default: the daemon's)")
+    p.add_argument(
+        "--data-threads",
+        choices=("auto", "on", "off"),
+        help="--netns: the peer tier's data_threads on both nodes (default: the daemon's, auto)",
+    )
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
+    args.mtu = [int(m) for m in args.mtu.split(",")]
     load0 = load_average()
     print(
         f"peer tier benchmark: {args.gib:g} GiB of {args.chunk_mib} MiB chunks, {args.rounds} rounds (median); "
@@ -221,13 +288,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     failures: list[str] = []
     t0 = time.perf_counter()
     samples = run(args, notes, failures)
-    table = rows(samples)
+    table = link_rows(samples, args.mtu) if args.netns else rows(samples)
     load1 = load_average()
-    print_table(
-        table,
-        title=f"\nB loading what only A holds ({args.clients} clients, {args.batch} chunks per call) "
-        "beside the raw transports; fs and S3: ratio = the row / the peer tier over tcp",
-    )
+    title = f"\nB loading what only A holds ({args.clients} clients, {args.batch} chunks per call)"
+    title += " beside the raw transports"
+    if args.netns:
+        title += " on the same veth link; ratio = the row / the best raw transport at that MTU"
+    else:
+        title += "; fs and S3: ratio = the row / the peer tier over tcp"
+    print_table(table, title=title)
     for line in notes + failures:
         print(f"  * {line}")
     print(f"\nload average {load0:.2f} at start, {load1:.2f} at end; total {time.perf_counter() - t0:.0f} s")

@@ -8,10 +8,12 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
-from bench.lib.daemons import Daemon, cpu_of, process_cpu_seconds
+from bench.lib.daemons import cpu_of, process_cpu_seconds
 from bench.lib.report import GIB, MIB
 
 TARGET = 0.8
@@ -50,6 +52,16 @@ class Chunks:
     def wrong(self, out: np.ndarray) -> int:
         """How many chunks of `out` are not their own bytes."""
         return sum(not np.array_equal(out[i], self.content(i, 1)[0]) for i in range(self.n))
+
+
+class Daemon(Protocol):
+    """A running daemon (bench.lib.daemons', or the tests' cluster's): its socket and process."""
+
+    @property
+    def socket(self) -> Path: ...
+
+    @property
+    def pid(self) -> int: ...
 
 
 @dataclass

@@ -24,8 +24,10 @@ class StreamDigest:
         self._i = 0
         self._offset = 0
         self._hash = xxhash.xxh3_64()
+        self.moved_bytes = 0  # of the stream (skipped bytes and what follows the pieces included)
 
     def moved(self, n: int) -> None:
+        self.moved_bytes += n
         if self._skip:
             step = min(n, self._skip)
             self._skip -= step

@@ -1,9 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Reads from one peer, coalesced: the reads of one namespace that are waiting when a batch
-starts go to the peer in one order (one Fetch call, one data-plane batch), up to `max_batch`
-chunks; reads arriving meanwhile start the next batch (several may be in flight: TCP keeps a
-pool of connections per peer).
+starts go to the peer together, up to `max_batch` chunks; reads arriving meanwhile start the
+next batch (several may be in flight: TCP keeps a pool of connections per peer). A batch goes
+as one order (one Fetch call, one data-plane batch), or, when it is bulk (STREAM_BYTES or more
+per stream), as up to `streams` orders of consecutive chunks at once, each on a connection of its
+own: over TCP each connection's bytes move in a thread of their own on both sides, so one bulk
+fetch uses several CPUs. The batch's verdict for the peer's breaker covers all of them.
 
 A read hands over its slot (the RAM pages it will land in) and waits for its chunk's result.
 The slot stays the transfer's until the batch has ended, and, if the transport could not stop
@@ -41,6 +44,9 @@ Gate = Callable[[], Permit | None]  # may a batch go to the peer now (its breake
 
 # What a read gets when the peer's breaker kept its batch from going out (no network, no verdict).
 REFUSED = ReceiveResult(ReceiveOutcome.FAILED, "the peer's breaker is open")
+# A stream carries at least this much of a batch: below it, a Fetch call per stream would cost
+# more CPU than a second CPU's copies save (2 MiB chunks: a batch of 16 goes as up to 4 streams).
+STREAM_BYTES = 8 << 20
 
 
 @dataclass(eq=False)
@@ -63,6 +69,7 @@ class PeerFetcher:
         link: PeerLink,
         ask_for: AskFor,
         max_batch: int,
+        streams: int,
         timeout_s: float,
         gate: Gate,
         on_batch: BatchObserver,
@@ -72,6 +79,7 @@ class PeerFetcher:
         self._ask_for = ask_for
         self._gate = gate
         self._max_batch = max_batch
+        self._streams = streams
         self._timeout_s = timeout_s
         self._on_batch = on_batch  # the caller's verdict on the peer (breaker, counters)
         self._busy = busy  # shared by the tier's fetchers: slot span -> released
@@ -129,9 +137,7 @@ class PeerFetcher:
             self._settle(wants, [REFUSED] * len(wants))
             return
         try:
-            results = await self.link.receive_batch(
-                [w.slot for w in wants], self._ask_for(pending.ns, [w.key for w in wants]), self._timeout_s
-            )
+            results = await self._receive(pending.ns, wants)
         except asyncio.CancelledError:  # (the loop is going away) the slots go once the link lets go
             self._on_batch(permit, [])  # no verdict: a probe's turn goes back
             self._settle(wants, failed_all(wants, ReceiveOutcome.FAILED, "cancelled"))
@@ -141,6 +147,25 @@ class PeerFetcher:
             results = failed_all(wants, ReceiveOutcome.FAILED, f"receive raised {exc!r}")
         self._on_batch(permit, results)
         self._settle(wants, results)
+
+    async def _receive(self, ns: Namespace, wants: list[_Want]) -> list[ReceiveResult]:
+        """The batch's results, in order: one order, or one per stream, all at once (a stream that
+        fails fails its chunks only; the others' stay received)."""
+        groups = split(wants, self._streams, sum(w.slot.size for w in wants))
+        if len(groups) == 1:
+            return await self.link.receive_batch(
+                [w.slot for w in wants], self._ask_for(ns, [w.key for w in wants]), self._timeout_s
+            )
+        async with asyncio.TaskGroup() as tg:  # (a cancellation stops every stream's transfer)
+            parts = [
+                tg.create_task(
+                    self.link.receive_batch(
+                        [w.slot for w in group], self._ask_for(ns, [w.key for w in group]), self._timeout_s
+                    )
+                )
+                for group in groups
+            ]
+        return [result for part in parts for result in part.result()]
 
     def _settle(self, wants: list[_Want], results: list[ReceiveResult]) -> None:
         for want, result in zip(wants, results):
@@ -161,6 +186,19 @@ class PeerFetcher:
         self._pending.clear()
         if self._batches:
             await asyncio.wait(list(self._batches))
+
+
+def split(items: list, streams: int, nbytes: int) -> list[list]:
+    """`items` in consecutive groups of near-equal length: as many as `streams` allows with at
+    least STREAM_BYTES of `nbytes` each (one group for a small batch)."""
+    count = max(1, min(streams, len(items), nbytes // STREAM_BYTES))
+    size, extra = divmod(len(items), count)
+    groups, start = [], 0
+    for g in range(count):
+        end = start + size + (g < extra)
+        groups.append(items[start:end])
+        start = end
+    return groups
 
 
 def _released(want: Any, _settled: asyncio.Future) -> None:

@@ -1,35 +1,51 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""The TCP fallback of the peer data plane: plain sockets on the event loop, no copies in user space.
+"""The TCP fallback of the peer data plane: plain sockets, no copies in user space. The bytes move
+on the event loop, or, with data threads (TransportConfig.threads), in threads.
 
 Fetching side (`TcpLink`): a pool of connections per peer; a batch holds one connection for
-itself, so its frames never interleave with another's. The bytes are read with recvmsg_into straight
-into the slot's views, on the event loop (measured here: loop.sock_recv_into, a BufferedProtocol
-and a blocking recv_into in a thread all reach the raw socket's rate within the noise; asyncio
-streams would add a copy). A connection goes back to the pool
-only after every frame of the batch was read; a transfer that failed, timed out or was cancelled
-closes it (the stream may be mid-frame), which is also how a transfer is cancelled on the wire.
+itself, so its frames never interleave with another's. The connection is made and greeted on the
+event loop. Its frames are read straight into the slot's views, each payload hashed as it lands
+(from the CPU cache), the reader woken once a good part of a frame is there (SO_RCVLOWAT):
+- on the event loop (measured here: loop.sock_recv_into, a BufferedProtocol and a blocking
+  recv_into in a thread all reach the raw socket's rate within the noise; asyncio streams would
+  add a copy); every batch to every peer shares the loop's one CPU;
+- with data threads, in a thread of the link's pool (one per connection in use), in reads of up
+  to 512 KiB polled on a non-blocking socket (xxhash lets go of the GIL), the batch's result
+  handed to the loop with one call_soon_threadsafe: several batches (the fetcher's streams)
+  copy on several CPUs, at the price of the hand-offs (measured in docs/cluster.md).
+A connection goes back to the pool only after every frame of the batch was read; a transfer that
+failed, timed out or was cancelled shuts the connection down (a task is cancelled; a thread's read
+ends at once), which is also how a transfer is cancelled on the wire (a thread that has not ended
+within settle_timeout_s leaves its views quarantined).
 
-Serving side (`TcpServer`): accepts connections, greets each with a HELLO naming its link id, and
-writes each chunk's frame: HEAD + payload (gathered sendmsg, straight from the pool's views) +
-SUM, frames back to back; both sides hash each piece as it moves (kvstored.peer.digest).
-A connection the fetcher closed is noticed by a reader callback and dropped.
+Serving side (`TcpServer`): accepts connections on the loop, greets each with a HELLO naming its
+link id, and writes each order's frames: HEAD + payload (gathered, straight from the pool's views)
++ SUM, each SUM going out with the next HEAD; on the loop, or with data threads one blocking
+gathered sendmsg per chunk in a thread of the server's pool. A connection the fetcher closed is
+noticed by a reader callback and dropped; a threaded send past its deadline is stopped by shutting
+its connection down.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvstored.chunks.chunkfile import checksum as payload_checksum
 from kvstored.chunks.views import trim
 from kvstored.errors import ListenError
+from kvstored.io.threads import PriorityThreadPool
 from kvstored.peer import flow, sockio, wire
 from kvstored.peer.digest import StreamDigest
 from kvstored.peer.errors import PeerError, PeerUnreachable, ProtocolError
+from kvstored.peer.quarantine import Quarantine
 from kvstored.peer.transport import (
     Ask,
     PeerAddress,
@@ -52,6 +68,8 @@ from kvstored.peer.transport import (
 
 log = logging.getLogger(__name__)
 
+_RECEIVED = ReceiveResult(ReceiveOutcome.RECEIVED)  # (one object for every chunk received)
+
 
 # -- fetching side ---------------------------------------------------------------------------
 
@@ -72,6 +90,10 @@ class TcpLink(PeerLink):
         self._open = 0  # connections made and not closed (idle or in use)
         self._waiters: list[asyncio.Future] = []
         self._closed = False
+        # data threads: one per connection in use, each batch's bytes move in its own thread
+        self._threads = (
+            PriorityThreadPool(config.tcp_connections, f"kvstored-peer-rx-{address.port}") if config.threads else None
+        )
 
     @property
     def connections(self) -> int:
@@ -92,8 +114,17 @@ class TcpLink(PeerLink):
         )
         order = SendOrder(TransportKind.TCP, conn.link_id, transfers)
         results: list[ReceiveResult | None] = [None] * len(slots)
-        reading = loop.create_task(self._read_frames(loop, conn, transfers, pieces, results))
+        reading: asyncio.Future
+        if self._threads is not None:
+            # the backstop: the thread ends by itself soon after the deadline if nothing stops it
+            end = time.monotonic() + timeout_s + self.config.settle_timeout_s
+            sockio.prepare(conn.sock, end, blocking=False)
+            reading = self._threads.submit_async(loop, 0, _read_frames, conn.sock, end, transfers, pieces, results)
+        else:
+            reading = loop.create_task(_read_frames_on_loop(loop, conn.sock, transfers, pieces, results))
         asking = loop.create_task(flow.call(ask, order))
+        failure: ReceiveResult | None = None
+        quarantine: Quarantine | None = None
         reusable = False
         try:
             verdict = await flow.wait_transfer([reading], asking, deadline)
@@ -102,48 +133,30 @@ class TcpLink(PeerLink):
                 await flow.finish_ask(asking, deadline, self.config.settle_timeout_s)
             else:
                 failure = _failure(verdict, self.address)
-                results = [r if r is not None else failure for r in results]
         finally:
-            reading.cancel()  # a no-op once done; otherwise no byte is read into the views after this
+            if not reading.done():  # a failure, a timeout or a cancellation: stop the reads
+                reading.cancel()  # (on the loop: no byte is read into the views after this)
+                sockio.stop(conn.sock)  # (in a thread: its read ends at once)
             asking.cancel()
             try:
                 await flow.wait_quietly([reading, asking], self.config.settle_timeout_s)
             finally:
-                self._checkin(conn, reusable)
-        return [r if r is not None else ReceiveResult(ReceiveOutcome.FAILED, "no frame") for r in results]
-
-    @staticmethod
-    async def _read_frames(
-        loop: asyncio.AbstractEventLoop,
-        conn: _Conn,
-        transfers: Sequence[Transfer],
-        pieces: Sequence[list[memoryview]],
-        results: list[ReceiveResult | None],
-    ) -> bool:
-        """Read the order's frames, in order, each straight into its slot; fill in `results` as
-        they come (a connection lost on the 5th leaves the first 4 received). True if the stream
-        is in step afterwards (the connection can serve another order)."""
-        head = bytearray(wire.HEAD_BYTES)
-        trailer = bytearray(wire.SUM_BYTES)
-        for i, (transfer, slot_pieces) in enumerate(zip(transfers, pieces)):
-            await sockio.recv_into_all(loop, conn.sock, [memoryview(head)])
-            try:
-                frame = wire.decode_head(head)
-                wire.check_frame(frame, transfer.transfer_id, transfer.size)
-            except ProtocolError as exc:
-                for j in range(i, len(results)):
-                    results[j] = ReceiveResult(ReceiveOutcome.CORRUPT, str(exc))
-                return False
-            if frame.status is wire.FrameStatus.MISSING:
-                results[i] = ReceiveResult(ReceiveOutcome.MISSING, "the peer does not hold the chunk")
-                continue
-            digest = StreamDigest(slot_pieces)  # each read is hashed while it is still in the cache
-            await sockio.recv_into_all(loop, conn.sock, [*slot_pieces, memoryview(trailer)], digest.moved)
-            if digest.intdigest() != wire.decode_sum(trailer):
-                results[i] = ReceiveResult(ReceiveOutcome.CORRUPT, "payload checksum mismatch")
-            else:
-                results[i] = ReceiveResult(ReceiveOutcome.RECEIVED)
-        return True
+                if reading.done():
+                    self._checkin(conn, reusable)
+                else:  # (it never should) the views stay the thread's until it ends, and so does the socket
+                    views = [v for p in pieces for v in p]
+                    quarantine = self.quarantines.add(views, [reading])
+                    log.warning(
+                        "reads from %s did not stop within %.1f s: %d bytes quarantined",
+                        self.address,
+                        self.config.settle_timeout_s,
+                        quarantine.nbytes,
+                    )
+                    reading.add_done_callback(lambda _: self._checkin(conn, False))
+        failure = failure or ReceiveResult(ReceiveOutcome.FAILED, "no frame")
+        if quarantine is not None:
+            failure = dataclasses.replace(failure, quarantine=quarantine)
+        return [r if r is not None else failure for r in list(results)]
 
     # -- the connection pool
 
@@ -242,10 +255,60 @@ class TcpLink(PeerLink):
             if not waiter.done():
                 waiter.set_result(None)
         for conn in self._busy:  # transfers in flight fail at once (their reads see the end)
-            try:
-                conn.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            sockio.stop(conn.sock)
+        if self._threads is not None:
+            self._threads.shutdown(wait=False)  # (each ends with its batch, stopped just now)
+
+
+async def _write_frames_on_loop(
+    loop: asyncio.AbstractEventLoop,
+    sock: socket.socket,
+    order: SendOrder,
+    sources: Sequence[Source | None],
+    receipts: list[Receipt],
+) -> None:
+    """(Without data threads.) Each frame's SUM goes out with the next frame's HEAD."""
+    pending_sum = b""
+    for transfer, source in zip(order.transfers, sources):
+        if source is None:
+            head = wire.encode_head(wire.Frame(wire.FrameStatus.MISSING, transfer.transfer_id, 0))
+            await sockio.send_all(loop, sock, [memoryview(pending_sum + head)])
+            pending_sum = b""
+            receipts.append(Receipt(transfer.transfer_id, False, 0, 0))
+            continue
+        pieces = trim(source.views, source.size)
+        prefix = pending_sum + wire.encode_head(wire.Frame(wire.FrameStatus.OK, transfer.transfer_id, source.size))
+        # hashed as the kernel copies each piece out (it is in the cache then), unless given
+        digest = None if source.checksum is not None else StreamDigest(pieces, skip=len(prefix))
+        await sockio.send_all(loop, sock, [memoryview(prefix), *pieces], digest.moved if digest else None)
+        checksum = digest.intdigest() if digest is not None else source.checksum or 0
+        pending_sum = wire.encode_sum(checksum)
+        receipts.append(Receipt(transfer.transfer_id, True, source.size, checksum))
+    if pending_sum:
+        await sockio.send_all(loop, sock, [memoryview(pending_sum)])
+
+
+def _write_frames(
+    sock: socket.socket, end: float, order: SendOrder, sources: Sequence[Source | None], receipts: list[Receipt]
+) -> None:
+    """(In a data-plane thread.) One blocking gathered write per chunk: the previous frame's SUM
+    and this frame's HEAD (with the HEADs of any MISSING frames between), then the payload
+    straight from the pool's pages. A payload whose checksum is not known yet is hashed right
+    after the kernel copied it (it is in the CPU cache then)."""
+    prefix = b""
+    for transfer, source in zip(order.transfers, sources):
+        if source is None:
+            prefix += wire.encode_head(wire.Frame(wire.FrameStatus.MISSING, transfer.transfer_id, 0))
+            receipts.append(Receipt(transfer.transfer_id, False, 0, 0))
+            continue
+        pieces = trim(source.views, source.size)
+        prefix += wire.encode_head(wire.Frame(wire.FrameStatus.OK, transfer.transfer_id, source.size))
+        sockio.send_exactly(sock, [memoryview(prefix), *pieces], end)
+        checksum = source.checksum if source.checksum is not None else payload_checksum(pieces, source.size)
+        prefix = wire.encode_sum(checksum)
+        receipts.append(Receipt(transfer.transfer_id, True, source.size, checksum))
+    if prefix:
+        sockio.send_exactly(sock, [memoryview(prefix)], end)
 
 
 def _failure(verdict: flow.Verdict, address: PeerAddress) -> ReceiveResult:
@@ -253,6 +316,83 @@ def _failure(verdict: flow.Verdict, address: PeerAddress) -> ReceiveResult:
         return ReceiveResult(ReceiveOutcome.TIMED_OUT, f"no answer from {address} in time")
     where = "control" if verdict.stop is flow.Stop.ASK_FAILED else "data"
     return ReceiveResult(ReceiveOutcome.FAILED, f"{where} path to {address}: {verdict.describe()}")
+
+
+async def _read_frames_on_loop(
+    loop: asyncio.AbstractEventLoop,
+    sock: socket.socket,
+    transfers: Sequence[Transfer],
+    pieces: Sequence[list[memoryview]],
+    results: list[ReceiveResult | None],
+) -> bool:
+    """(Without data threads.) Read the order's frames on the event loop, each straight into its
+    slot, woken once a whole frame is there (SO_RCVLOWAT up to 4 MiB); fill in `results` as they
+    come. True if the stream is in step afterwards."""
+    head = bytearray(wire.HEAD_BYTES)
+    trailer = memoryview(bytearray(wire.SUM_BYTES))
+    for i, (transfer, slot_pieces) in enumerate(zip(transfers, pieces)):
+        await sockio.recv_into_all(loop, sock, [memoryview(head)])
+        try:
+            frame = wire.decode_head(head)
+            wire.check_frame(frame, transfer.transfer_id, transfer.size)
+        except ProtocolError as exc:
+            for j in range(i, len(results)):
+                results[j] = ReceiveResult(ReceiveOutcome.CORRUPT, str(exc))
+            return False
+        if frame.status is wire.FrameStatus.MISSING:
+            results[i] = ReceiveResult(ReceiveOutcome.MISSING, "the peer does not hold the chunk")
+            continue
+        digest = StreamDigest(slot_pieces)  # each read is hashed while it is still in the cache
+        await sockio.recv_into_all(loop, sock, [*slot_pieces, trailer], digest.moved)
+        results[i] = _judge(digest, trailer)
+    return True
+
+
+def _read_frames(
+    sock: socket.socket,
+    end: float,
+    transfers: Sequence[Transfer],
+    pieces: Sequence[list[memoryview]],
+    results: list[ReceiveResult | None],
+) -> bool:
+    """(In a data-plane thread.) Read the order's frames, in order, each straight into its slot;
+    fill in `results` as they come (a connection lost on the 5th leaves the first 4 received).
+    The payload, its SUM and the next frame's HEAD (sent together) are one read of a few steps,
+    each hashed as it lands (sockio.recv_exactly). True if the stream is in step afterwards
+    (the connection can serve another order)."""
+    head = memoryview(bytearray(wire.HEAD_BYTES))
+    trailer = memoryview(bytearray(wire.SUM_BYTES))
+    sockio.recv_exactly(sock, [head], end)
+    last = len(transfers) - 1
+    for i, (transfer, slot_pieces) in enumerate(zip(transfers, pieces)):
+        try:
+            frame = wire.decode_head(head)
+            wire.check_frame(frame, transfer.transfer_id, transfer.size)
+        except ProtocolError as exc:
+            for j in range(i, len(results)):
+                results[j] = ReceiveResult(ReceiveOutcome.CORRUPT, str(exc))
+            return False
+        next_head = [head] if i < last else []
+        if frame.status is wire.FrameStatus.MISSING:
+            results[i] = ReceiveResult(ReceiveOutcome.MISSING, "the peer does not hold the chunk")
+            if next_head:
+                sockio.recv_exactly(sock, next_head, end)
+            continue
+        digest = StreamDigest(slot_pieces)
+        try:
+            sockio.recv_exactly(sock, [*slot_pieces, trailer, *next_head], end, digest.moved)
+        except (PeerError, OSError):
+            if digest.moved_bytes >= transfer.size + wire.SUM_BYTES:  # only the next HEAD is missing
+                results[i] = _judge(digest, trailer)
+            raise
+        results[i] = _judge(digest, trailer)
+    return True
+
+
+def _judge(digest: StreamDigest, trailer: memoryview) -> ReceiveResult:
+    if digest.intdigest() != wire.decode_sum(trailer):
+        return ReceiveResult(ReceiveOutcome.CORRUPT, "payload checksum mismatch")
+    return _RECEIVED
 
 
 # -- serving side ----------------------------------------------------------------------------
@@ -274,6 +414,9 @@ class TcpServer(PeerServer):
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self._links: dict[int, _Link] = {}
+        # data threads: sends move their bytes in these (so do the fetchers' reads, on their side):
+        # the kernel's copies and the TCP stack's work of several connections run on several CPUs
+        self._threads = PriorityThreadPool(config.tcp_connections, "kvstored-peer-tx") if config.threads else None
 
     @property
     def links(self) -> int:
@@ -352,6 +495,60 @@ class TcpServer(PeerServer):
         link = self._links.get(order.link_id)
         if link is None or link.closed:
             return SendResult(SendOutcome.NO_LINK, f"no link {order.link_id:#x} (closed, or another incarnation's)")
+        if self._threads is None:
+            return await self._send_on_loop(link, order, sources, timeout_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                await link.busy.acquire()  # one order's frames at a time per connection
+        except TimeoutError:
+            return SendResult(SendOutcome.TIMED_OUT, "the link was busy with another order until the deadline")
+        receipts: list[Receipt] = []
+        job: asyncio.Future | None = None
+        quarantine: Quarantine | None = None
+        stopped = False
+        try:
+            if link.closed:
+                return SendResult(SendOutcome.NO_LINK, "the fetcher closed the link")
+            end = time.monotonic() + timeout_s + self.config.settle_timeout_s  # (the backstop)
+            sockio.prepare(link.sock, end, blocking=True)
+            job = self._threads.submit_async(loop, 0, _write_frames, link.sock, end, order, sources, receipts)
+            try:
+                await asyncio.wait([job], timeout=max(0.0, deadline - loop.time()))
+            finally:
+                if not job.done():  # the deadline, or our caller gave up: a partial frame, a broken stream
+                    stopped = True
+                    sockio.stop(link.sock)
+                    self._drop(link)
+                    try:
+                        await flow.wait_quietly([job], self.config.settle_timeout_s)
+                    finally:
+                        if not job.done():  # (it never should) the pages stay the thread's until it ends
+                            views = [v for source in sources if source is not None for v in source.views]
+                            quarantine = self.quarantines.add(views, [job])
+                            log.warning("sends to a fetcher did not stop within %.1f s", self.config.settle_timeout_s)
+            if not stopped and job.exception() is not None:
+                self._drop(link)  # a partial frame: the stream is broken
+        finally:
+            link.busy.release()
+            if link.closed:  # (closed by us or by the fetcher meanwhile) the socket goes once nobody uses it
+                if job is None or job.done():
+                    link.sock.close()
+                else:
+                    job.add_done_callback(lambda _: link.sock.close())
+        if stopped:
+            why = "the fetcher did not take the bytes in time"
+            return SendResult(SendOutcome.TIMED_OUT, why, quarantine=quarantine)
+        error = job.exception()
+        if error is not None:
+            return SendResult(SendOutcome.FAILED, f"the fetcher's connection failed: {error}")
+        return SendResult(SendOutcome.SENT, receipts=tuple(receipts))
+
+    async def _send_on_loop(
+        self, link: _Link, order: SendOrder, sources: Sequence[Source | None], timeout_s: float
+    ) -> SendResult:
+        """(Without data threads.) The order's frames written on the event loop."""
         loop = asyncio.get_running_loop()
         receipts: list[Receipt] = []
         try:
@@ -360,7 +557,7 @@ class TcpServer(PeerServer):
                     if link.closed:
                         return SendResult(SendOutcome.NO_LINK, "the fetcher closed the link")
                     try:
-                        await self._write_frames(loop, link, order, sources, receipts)
+                        await _write_frames_on_loop(loop, link.sock, order, sources, receipts)
                     except BaseException:
                         self._drop(link)  # a partial frame: the stream is broken
                         raise
@@ -373,34 +570,6 @@ class TcpServer(PeerServer):
             return SendResult(SendOutcome.FAILED, f"the fetcher's connection failed: {exc}")
         return SendResult(SendOutcome.SENT, receipts=tuple(receipts))
 
-    @staticmethod
-    async def _write_frames(
-        loop: asyncio.AbstractEventLoop,
-        link: _Link,
-        order: SendOrder,
-        sources: Sequence[Source | None],
-        receipts: list[Receipt],
-    ) -> None:
-        """Each frame's SUM goes out with the next frame's HEAD (one write fewer per chunk)."""
-        pending_sum = b""
-        for transfer, source in zip(order.transfers, sources):
-            if source is None:
-                head = wire.encode_head(wire.Frame(wire.FrameStatus.MISSING, transfer.transfer_id, 0))
-                await sockio.send_all(loop, link.sock, [memoryview(pending_sum + head)])
-                pending_sum = b""
-                receipts.append(Receipt(transfer.transfer_id, False, 0, 0))
-                continue
-            pieces = trim(source.views, source.size)
-            prefix = pending_sum + wire.encode_head(wire.Frame(wire.FrameStatus.OK, transfer.transfer_id, source.size))
-            # hashed as the kernel copies each piece out (it is in the cache then), unless given
-            digest = None if source.checksum is not None else StreamDigest(pieces, skip=len(prefix))
-            await sockio.send_all(loop, link.sock, [memoryview(prefix), *pieces], digest.moved if digest else None)
-            checksum = digest.intdigest() if digest is not None else source.checksum or 0
-            pending_sum = wire.encode_sum(checksum)
-            receipts.append(Receipt(transfer.transfer_id, True, source.size, checksum))
-        if pending_sum:
-            await sockio.send_all(loop, link.sock, [memoryview(pending_sum)])
-
     async def close(self) -> None:
         if self._accepting is not None:
             self._accepting.cancel()
@@ -410,4 +579,8 @@ class TcpServer(PeerServer):
             self._sock.close()
             self._sock = None
         for link in list(self._links.values()):
+            if link.busy.locked():
+                sockio.stop(link.sock)  # its send fails at once, and closes it
             self._drop(link)
+        if self._threads is not None:
+            self._threads.shutdown(wait=False)

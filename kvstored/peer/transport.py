@@ -18,10 +18,9 @@ A transfer of one or more chunks (a batch) is driven by the fetcher:
    receipts `ask` returned (the server hashes its pages after UCX read them, while cached).
 
 A batch costs one control round trip and, over TCP, streams its frames back to back on one
-connection. Measured here (bench/lib/raw_net.py's raw TCP beside bench.peer, loopback, 2 MiB
-chunks): orders of one chunk cost 0.32+0.32 CPU s/GiB (fetcher+server) against a raw socket's
-0.17+0.16, orders of 8 about 0.22+0.25, most of the rest being the two xxh3 passes; on a busy 2-core machine throughput
-follows CPU per byte.
+connection, moved by a thread on each side (a bulk batch goes as several orders, one per stream:
+kvstored/peer/fetcher.py). What a GiB costs each side in CPU, and where it goes, is measured in
+docs/cluster.md (across a real link); on a busy machine throughput follows CPU per byte.
 
 Neither side raises for a failed transfer: `receive_batch` and `send` return results whose
 outcomes say what happened, within the caller's timeout. The views handed to them belong to the
@@ -46,6 +45,24 @@ from kvstored.peer.quarantine import Quarantine, Quarantines
 class TransportKind(enum.Enum):
     TCP = "tcp"
     UCX = "ucx"
+
+
+class DataThreads(Choice):
+    """A peer tier's `data_threads` setting: whether TCP chunk bytes move in threads."""
+
+    AUTO = "auto"  # on when the node has DATA_THREADS_CPUS CPUs or more
+    ON = "on"
+    OFF = "off"
+
+    def enabled(self, cpus: int | None) -> bool:
+        if self is DataThreads.AUTO:
+            return (cpus or 1) >= DATA_THREADS_CPUS
+        return self is DataThreads.ON
+
+
+# Below this many CPUs a second stream's copies find no idle CPU: the threads' hand-offs and
+# wake-ups then only cost CPU (2 vCPUs running both nodes: +0.1 CPU s/GiB, -20% GiB/s on loopback).
+DATA_THREADS_CPUS = 8
 
 
 class TransportPreference(Choice):
@@ -184,6 +201,9 @@ class TransportConfig:
     connect_timeout_s: float = 5.0  # connect + handshake, also bounded by each transfer's timeout
     settle_timeout_s: float = 5.0  # how long a failed transfer waits for its operations to stop
     tcp_connections: int = 8  # per peer: at most this many batches in flight to it over TCP
+    # TCP: move chunk bytes in threads (a pool of tcp_connections threads per link and per
+    # server), not on the event loop: several connections' copies on several CPUs
+    threads: bool = False
     ucx: UcxConfig = field(default_factory=UcxConfig)
 
     def __post_init__(self) -> None:

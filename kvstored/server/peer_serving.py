@@ -42,7 +42,7 @@ from kvstored.peer.transport import (
     TransportPreference,
     UcxConfig,
 )
-from kvstored.tiers.config import PeerTierConfig, data_ports
+from kvstored.tiers.config import PeerTierConfig, data_ports, data_threads
 from kvstored.tiers.ram import RamEntry
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 
@@ -78,6 +78,7 @@ class PeerServing:
             connect_timeout_s=cfg.connect_timeout_s,
             settle_timeout_s=cfg.settle_timeout_s,
             tcp_connections=cfg.tcp_connections,
+            threads=data_threads(cfg),
             ucx=UcxConfig(tls=cfg.ucx_tls, net_devices=cfg.ucx_net_devices),
         )
         self.servers: dict[TransportKind, PeerServer] = {}

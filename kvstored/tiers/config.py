@@ -6,11 +6,12 @@ and the registry both import it, not each other."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from kvstored.peer.transport import TransportPreference
+from kvstored.peer.transport import DataThreads, TransportPreference
 from kvstored.tiers.base import AdmissionPolicy
 
 if TYPE_CHECKING:
@@ -134,6 +135,11 @@ class PeerTierConfig:
     settle_timeout_s: float = 5.0  # how long a failed transfer may take to stop touching its slots
     tcp_connections: int = 8  # data connections per peer (batches in flight to it over TCP)
     max_batch: int = 16  # chunks per fetch: concurrent reads from one peer share one order
+    # TCP chunk bytes move in threads (auto: on nodes with 8 CPUs or more), not on the event loop
+    data_threads: DataThreads = DataThreads.AUTO
+    # With data threads, a bulk fetch (at least STREAM_BYTES per stream) is split into up to this
+    # many orders, each on a data connection and a thread of its own on both sides.
+    streams: int = 2
     index_entries: int = 1_000_000  # chunks the remote-location index holds at most (~170 B each)
     breaker_failures: int = 3  # consecutive failed fetches from a peer that open its breaker
     breaker_reset_s: float = 5.0  # how long an open breaker makes its chunks misses, then one probe
@@ -156,6 +162,11 @@ class PeerTierConfig:
     directory_tls_ca_file: Path | None = None  # CA of the directory's certificates (rediss://)
     concurrency: int = 64  # reads in flight (they are batched per peer)
     max_backlog: int = 1  # (no write-downs or deletes reach a peer tier)
+
+
+def data_threads(cfg: PeerTierConfig) -> bool:
+    """Whether this node's TCP data plane moves bytes in threads (`data_threads`, auto resolved)."""
+    return cfg.data_threads.enabled(os.cpu_count())
 
 
 def data_ports(cfg: PeerTierConfig, tcp_listen: str) -> tuple[int, int]:

@@ -64,7 +64,7 @@ from kvstored.peer.transport import (
     UcxConfig,
 )
 from kvstored.tiers.base import SecondaryTier, TierUsage, WriteOutcome
-from kvstored.tiers.config import PeerTierConfig, TierContext, data_ports
+from kvstored.tiers.config import PeerTierConfig, TierContext, data_ports, data_threads
 
 if TYPE_CHECKING:
     from kvstored.directory.keys import Holder
@@ -94,8 +94,10 @@ class PeerTier(SecondaryTier):
             connect_timeout_s=cfg.connect_timeout_s,
             settle_timeout_s=cfg.settle_timeout_s,
             tcp_connections=cfg.tcp_connections,
+            threads=data_threads(cfg),
             ucx=UcxConfig(tls=cfg.ucx_tls, net_devices=cfg.ucx_net_devices),
         )
+        self._streams = cfg.streams if transport.threads else 1  # (one event loop: one stream is as fast)
         settings = FleetSettings(
             cfg.transport,
             transport,
@@ -296,6 +298,7 @@ class PeerTier(SecondaryTier):
                 link,
                 self._asker(record),
                 self.config.max_batch,
+                self._streams,
                 self.config.fetch_timeout_s,
                 functools.partial(self._gate, record),
                 functools.partial(self._verdict, record),

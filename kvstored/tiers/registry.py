@@ -22,7 +22,7 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from kvstored.chunks.ids import TierKind
 from kvstored.parsing import parse_bool, parse_seconds
-from kvstored.peer.transport import TransportPreference
+from kvstored.peer.transport import DataThreads, TransportPreference
 from kvstored.sizes import parse_size
 from kvstored.tiers.base import AdmissionPolicy, SecondaryTier, TierCapabilities
 from kvstored.tiers.config import (
@@ -277,6 +277,8 @@ def _check_peer(cfg: PeerTierConfig) -> None:
         value = getattr(cfg, option)
         if not 0 < value < math.inf:
             raise ValueError(f"{option} must be a finite number > 0, got {value}")
+    if cfg.streams > cfg.tcp_connections:
+        raise ValueError(f"streams ({cfg.streams}) must be at most tcp_connections ({cfg.tcp_connections})")
     if not cfg.peers and not cfg.peers_dns and not cfg.directory:
         raise ValueError("set peers (a list of HOST:PORT), peers_dns (NAME:PORT) or directory (redis://...)")
     if not 0 < cfg.directory_heartbeat_ttl_s < math.inf or cfg.directory_heartbeat_ttl_s <= cfg.directory_interval_s:
@@ -319,6 +321,8 @@ PEER = TierKindSpec(
         "settle_timeout_s": parse_seconds,
         "tcp_connections": int,
         "max_batch": int,
+        "streams": int,
+        "data_threads": DataThreads,
         "index_entries": int,
         "breaker_failures": int,
         "breaker_reset_s": parse_seconds,
@@ -343,6 +347,7 @@ PEER = TierKindSpec(
         "dns_interval_s": 0.1,
         "tcp_connections": 1,
         "max_batch": 1,
+        "streams": 1,
         "index_entries": 1,
         "breaker_failures": 1,
         "breaker_reset_s": 0,

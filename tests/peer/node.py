@@ -119,6 +119,7 @@ def transport_config(args: argparse.Namespace) -> TransportConfig:
         connect_timeout_s=args.connect_timeout_s,
         settle_timeout_s=args.settle_timeout_s,
         tcp_connections=args.concurrency,
+        threads=args.transport.endswith("-threads"),
         ucx=UcxConfig(net_devices=args.ucx_net_devices),
     )
 
@@ -153,7 +154,9 @@ async def serve(args: argparse.Namespace) -> None:
         for off, length in server_runs(i, size):
             arr[i * size + off : i * size + off + length] = scratch[pos : pos + length]
             pos += length
-    server = make_server(TransportKind(args.transport), args.host, args.data_port, transport_config(args))
+    server = make_server(
+        TransportKind(args.transport.removesuffix("-threads")), args.host, args.data_port, transport_config(args)
+    )
     bound = await server.start()
     leased = 0
 
@@ -262,7 +265,11 @@ async def fetch(args: argparse.Namespace) -> None:
     size = args.chunk_bytes
     data_host, data_port = args.data.rsplit(":", 1)
     ctl_host, ctl_port = args.control.rsplit(":", 1)
-    link = make_link(TransportKind(args.transport), PeerAddress(data_host, int(data_port)), transport_config(args))
+    link = make_link(
+        TransportKind(args.transport.removesuffix("-threads")),
+        PeerAddress(data_host, int(data_port)),
+        transport_config(args),
+    )
     nslots = args.slots or 2 * args.concurrency * args.batch
     pool = make_pool(nslots * size)
     mv = memoryview(pool)
@@ -427,7 +434,7 @@ def _matches(views: Sequence[memoryview], expected: np.ndarray) -> bool:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tests.peer.node")
     p.add_argument("role", choices=["serve", "fetch"])
-    p.add_argument("--transport", choices=["tcp", "ucx"], required=True)
+    p.add_argument("--transport", choices=["tcp", "tcp-threads", "ucx"], required=True)
     p.add_argument("--chunks", type=int, default=64)
     p.add_argument("--chunk-bytes", type=int, default=2 << 20)
     p.add_argument("--seed", type=int, default=11)

@@ -12,6 +12,8 @@ pairs (mutual TLS on the control plane there), over each transport.
 - A tenant's chunk is never fetched: B's client with the same salt misses, and A was never asked.
 - A chunk whose bytes changed in A's RAM after A sent it once (A hashes a chunk once) is refused
   by the next fetcher: a miss, never wrong bytes.
+- Across namespaces the TCP data plane runs both ways: on the event loop and in data threads
+  (with two streams per bulk fetch).
 """
 
 from __future__ import annotations
@@ -65,9 +67,11 @@ def topology():
         yield net
 
 
-@pytest.fixture(scope="module", params=TRANSPORTS)
+@pytest.fixture(scope="module", params=[*TRANSPORTS, "tcp-threads"])
 def namespaced(request, topology):
-    with Cluster(3, request.param, net=topology) as cluster:
+    """Over UCX, over TCP on the event loop, and over TCP in data threads with two streams."""
+    threads = {"data_threads": "on", "streams": "2"} if request.param == "tcp-threads" else {}
+    with Cluster(3, request.param.removesuffix("-threads"), net=topology, peer_options=threads) as cluster:
         cluster.start()
         for i in range(3):
             cluster.wait_up(i)

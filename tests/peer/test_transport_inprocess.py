@@ -86,12 +86,14 @@ async def ucx_context():
     ucx_runtime.release()
 
 
-@pytest_asyncio.fixture(params=TRANSPORTS, loop_scope="module")
+@pytest_asyncio.fixture(params=[*TRANSPORTS, "tcp-threads"], loop_scope="module")
 async def pair(request, ucx_context):
-    kind = TransportKind(request.param)
-    server = make_server(kind, "127.0.0.1", 0, CONFIG)
+    """A server and a link to it: over UCX, over TCP on the event loop, over TCP in data threads."""
+    kind = TransportKind(request.param.removesuffix("-threads"))
+    config = replace(CONFIG, threads=request.param.endswith("-threads"))
+    server = make_server(kind, "127.0.0.1", 0, config)
     address = await server.start()
-    link = make_link(kind, address, CONFIG)
+    link = make_link(kind, address, config)
     await link.start()
     yield server, link
     await link.close()
@@ -336,10 +338,10 @@ class FakeServer:
         self.sock.close()
 
 
-@pytest_asyncio.fixture(loop_scope="module")
-async def fake():
+@pytest_asyncio.fixture(params=["loop", "threads"], loop_scope="module")
+async def fake(request):
     server = FakeServer()
-    link = make_link(TransportKind.TCP, server.address, CONFIG)
+    link = make_link(TransportKind.TCP, server.address, replace(CONFIG, threads=request.param == "threads"))
     yield server, link
     await link.close()
     server.close()
@@ -417,6 +419,31 @@ async def test_tcp_connection_lost_mid_batch_keeps_the_chunks_already_in(fake):
 
     results = await link.receive_batch([Slot(pool.slot(s), SIZE) for s in range(3)], ask, 2.0)
     assert [r.outcome for r in results] == [ReceiveOutcome.RECEIVED, ReceiveOutcome.FAILED, ReceiveOutcome.FAILED]
+    assert pool.received(0) == bytes(SIZE)
+    assert link.connections == 0
+
+
+async def test_tcp_connection_lost_right_after_a_frame_keeps_that_chunk(fake):
+    """The fetcher reads a payload, its SUM and the next frame's HEAD in one call: a connection
+    lost between the SUM and that HEAD still leaves the chunk received."""
+    server, link = fake
+    pool = Pool(chunks=2)
+    accepting = asyncio.get_running_loop().create_task(server.accept())
+
+    async def ask(order: SendOrder) -> None:
+        await accepting
+        payload = bytes(SIZE)
+        server.conn.setblocking(True)
+        server.conn.sendall(
+            wire.encode_head(wire.Frame(wire.FrameStatus.OK, order.transfers[0].transfer_id, SIZE))
+            + payload
+            + wire.encode_sum(xxhash.xxh3_64_intdigest(payload))
+        )
+        server.conn.close()
+        server.conn = None
+
+    results = await link.receive_batch([Slot(pool.slot(s), SIZE) for s in range(2)], ask, 2.0)
+    assert [r.outcome for r in results] == [ReceiveOutcome.RECEIVED, ReceiveOutcome.FAILED]
     assert pool.received(0) == bytes(SIZE)
     assert link.connections == 0
 

@@ -16,6 +16,7 @@ import signal
 
 import pytest
 
+from tests.peer.conftest import TRANSPORTS
 from tests.peer.harness import FetchNode, ServerNode, failures
 
 pytestmark = pytest.mark.slow
@@ -24,6 +25,12 @@ GIB_OF_CHUNKS = 512  # 2 MiB chunks
 FAULT_CHUNKS = 64
 FETCH_ARGS = ["--quiet", "--progress-every", "4", "--timeout-s", "1.0", "--connect-timeout-s", "0.5", "--batch", "2"]
 CLEAN_FAILURES = {"failed", "timed_out"}
+
+
+@pytest.fixture(params=[*TRANSPORTS, "tcp-threads"])
+def transport(request) -> str:
+    """UCX, TCP on the event loop, TCP in data threads (node.py --transport tcp-threads)."""
+    return request.param
 
 
 def check_clean(summary: dict) -> None:

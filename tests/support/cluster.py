@@ -64,7 +64,7 @@ class Cluster:
     def __init__(
         self,
         n: int,
-        transport: str,
+        transport: str | Sequence[str],
         net: Topology | None = None,
         peer_options: Mapping[str, str] | None = None,
         extra_args: Sequence[str] = (),
@@ -73,21 +73,29 @@ class Cluster:
         fs_bytes: str = "",
         listen_any: bool = False,
         directory: str = "",
+        peer_lists: Sequence[Sequence[int]] | None = None,
+        placement: Sequence[int] | None = None,
     ) -> None:
-        """fs_bytes: each node also gets an fs tier of that size, above its peer tier (RAM -> fs ->
-        peer); listen_any: (namespaces) each listens on 0.0.0.0, so only its incarnation tells a
-        node that an address is its own; directory: a fleet directory's URL instead of peers (the
-        nodes find each other there)."""
-        self.transport = transport
+        """transport: every node's, or one per node; fs_bytes: each node also gets an fs tier of
+        that size, above its peer tier (RAM -> fs -> peer); listen_any: (namespaces) each listens
+        on 0.0.0.0, so only its incarnation tells a node that an address is its own; directory: a
+        fleet directory's URL instead of peers (the nodes find each other there); peer_lists: the
+        nodes each node lists as peers (default: every node); placement: (namespaces) the
+        topology node each daemon runs in (default: daemon i in node i; daemons sharing a node
+        listen on ports PEER_PORT, PEER_PORT + 10, ...)."""
+        transports = [transport] * n if isinstance(transport, str) else list(transport)
+        assert len(transports) == n, f"{len(transports)} transports for {n} nodes"
+        self.transport = transports[0]
         self.net = net
         self.workdir = short_tmpdir("kvcl")
         options = {**TEST_PEER_OPTIONS, **(peer_options or {})}
         tls: list[str] = []
         if net is not None:
-            nodes = net.nodes[:n]
-            assert len(nodes) == n, f"the topology has {len(net.nodes)} nodes, the cluster wants {n}"
-            addresses = [f"{node.ip}:{PEER_PORT}" for node in nodes]
-            certs = make_certs(self.workdir, ips=tuple(node.ip for node in nodes) + ("127.0.0.1",))
+            where = list(placement) if placement is not None else list(range(n))
+            assert len(where) == n and max(where) < len(net.nodes), f"no room for {n} daemons in {len(net.nodes)} nodes"
+            nodes = [net.nodes[i] for i in where]
+            addresses = [f"{node.ip}:{PEER_PORT + 10 * where[:k].count(where[k])}" for k, node in enumerate(nodes)]
+            certs = make_certs(self.workdir, ips=tuple(node.ip for node in net.nodes) + ("127.0.0.1",))
             tls = [
                 "--tls-cert-file",
                 str(certs.server_cert),
@@ -103,22 +111,17 @@ class Cluster:
             options.setdefault("ucx_net_devices", "lo")
             options.setdefault("tcp_port", "0")
             options.setdefault("ucx_port", "0")
-        spec = ",".join(
-            [
-                "kind=peer",
-                f"transport={transport}",
-                *(
-                    [f"directory={directory}"]
-                    if directory
-                    else [f"peers={' '.join(addresses)}"]
-                    if not peers_dns
-                    else [f"peers_dns={peers_dns}"]
-                ),
-                *(f"{k}={v}" for k, v in options.items()),
-            ]
-        )
+        lists = peer_lists if peer_lists is not None else [range(n)] * n
+        common = ",".join(f"{k}={v}" for k, v in options.items())
         self.daemons = []
         for i, (node, address) in enumerate(zip(nodes, addresses)):
+            if directory:
+                found = f"directory={directory}"
+            elif peers_dns:
+                found = f"peers_dns={peers_dns}"
+            else:
+                found = f"peers={' '.join(addresses[j] for j in lists[i])}"
+            spec = f"kind=peer,transport={transports[i]},{found},{common}"
             d = PeerDaemon(i, address, node, cpu_bytes=cpu_bytes, workdir=self.workdir / f"n{i}")
             d.workdir.mkdir()
             fs = ["--tiers", f"kind=fs,root={d.workdir / 'fs'},bytes={fs_bytes}"] if fs_bytes else []

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""Several "nodes" on one machine: network namespaces joined by veth pairs to a bridge.
+"""Several "nodes" on one machine: network namespaces joined by veth pairs to a bridge (or two
+joined by one veth pair, nothing between them).
 
     with Topology(nodes=2) as net:        # needs root and iproute2 (CI runs as root)
         net.nodes[0].ip                   # "10.213.7.1"
@@ -10,7 +11,9 @@
 Layout: one namespace holds the bridge (the "switch"), each node namespace one end of a veth
 pair ("eth0", on a private /24) whose other end is a bridge port in the switch namespace. No
 interface or address appears in the host's own namespace, so the subnet cannot clash with the
-host's networks or with another run's topology. `tc netem` is not available on these kernels;
+host's networks or with another run's topology. `Topology(2, bridge=False)`: the two nodes' eth0
+are the two ends of one veth pair (a link with nothing on it but the two stacks: what a benchmark
+of the data plane wants). `mtu=`: every link's MTU. `tc netem` is not available on these kernels;
 cutting a node off is `ip link set eth0 down` inside it.
 
 Cleanup: every namespace is named <prefix><owner pid>-<role>; closing the topology kills the
@@ -115,11 +118,19 @@ class Node:
 
 
 class Topology:
-    def __init__(self, nodes: int = 2, subnet: str = SUBNET) -> None:
+    def __init__(self, nodes: int = 2, subnet: str = SUBNET, mtu: int | None = None, bridge: bool = True) -> None:
+        """`mtu`: of every link (the nodes' eth0, the bridge and its ports); None: the kernel's 1500.
+        `bridge` False: two nodes joined by one veth pair."""
         if not 1 <= nodes <= 250:
             raise ValueError("1 to 250 nodes")
+        if not bridge and nodes != 2:
+            raise ValueError("without a bridge, two nodes (the ends of one veth pair)")
+        if mtu is not None and not 68 <= mtu <= 65535:
+            raise ValueError(f"an MTU of {mtu}: 68 to 65535")
         self._count = nodes
         self._subnet = subnet
+        self.mtu = mtu
+        self.bridge = bridge
         owner = os.getpid()
         self.switch = f"{PREFIX}{owner}-sw"
         self.nodes = [Node(f"{PREFIX}{owner}-n{i}", f"{subnet}.{i + 1}", i) for i in range(nodes)]
@@ -136,13 +147,22 @@ class Topology:
         require(Needs.NETNS, Needs.ROOT)
         cleanup_stale()
         try:
+            if not self.bridge:
+                self._pair()
+                return
             self._add(self.switch)
             _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            mtu = ["mtu", str(self.mtu)] if self.mtu is not None else []
+            if mtu:
+                _ip("-n", self.switch, "link", "set", "br0", *mtu)
             _ip("-n", self.switch, "link", "set", "br0", "up")
             for node in self.nodes:
                 self._add(node.ns)
                 port = f"p{node.index}"
                 _ip("-n", node.ns, "link", "add", IFACE, "type", "veth", "peer", "name", port, "netns", self.switch)
+                if mtu:  # (both ends; a bridge takes the smallest MTU of its ports)
+                    _ip("-n", node.ns, "link", "set", IFACE, *mtu)
+                    _ip("-n", self.switch, "link", "set", port, *mtu)
                 _ip("-n", self.switch, "link", "set", port, "master", "br0")
                 _ip("-n", self.switch, "link", "set", port, "up")
                 _ip("-n", node.ns, "addr", "add", f"{node.ip}/24", "dev", IFACE)
@@ -151,6 +171,18 @@ class Topology:
         except BaseException:
             self.close()
             raise
+
+    def _pair(self) -> None:
+        a, b = self.nodes
+        self._add(a.ns)
+        self._add(b.ns)
+        _ip("-n", a.ns, "link", "add", IFACE, "type", "veth", "peer", "name", IFACE, "netns", b.ns)
+        for node in self.nodes:
+            if self.mtu is not None:
+                _ip("-n", node.ns, "link", "set", IFACE, "mtu", str(self.mtu))
+            _ip("-n", node.ns, "addr", "add", f"{node.ip}/24", "dev", IFACE)
+            _ip("-n", node.ns, "link", "set", IFACE, "up")
+            _ip("-n", node.ns, "link", "set", "lo", "up")
 
     def _add(self, ns: str) -> None:
         if ns in list_namespaces():  # left by this very pid (a crashed fixture in this run)

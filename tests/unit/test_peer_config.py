@@ -67,6 +67,8 @@ def test_a_peer_tier_without_tcp_listen_names_both():
         ("kind=peer,peers=10.0.0.2:7070,tcp_port=70000", "127.0.0.1:7070", ["port"]),
         ("kind=peer,peers=10.0.0.2:7070", "127.0.0.1:64000", ["ucx_port", "above 65535"]),
         ("kind=peer,peers=10.0.0.2:7070,tcp_port=7070", "127.0.0.1:7070", ["tcp_port", "tcp_listen"]),
+        ("kind=peer,peers=10.0.0.2:7070,streams=0", "127.0.0.1:7070", ["streams"]),
+        ("kind=peer,peers=10.0.0.2:7070,streams=3,tcp_connections=2", "127.0.0.1:7070", ["streams", "tcp_connections"]),
     ],
 )
 def test_bad_peer_options_are_named(spec, listen, words):
