@@ -42,7 +42,8 @@ def stored(daemon, label: str, n: int):
 def test_status_stats_and_health_report_what_stats_says(daemon):
     kv, ns, keys = stored(daemon, "status", 4)
     with kv:
-        kv.lookup(ns, keys)
+        kv.lookup(ns, keys)  # RAM hits, answered from the key index: counted once the client tells
+        kv.stats()  # the daemon (its next call does, a gRPC call at once)
         data = json.loads(ok("status", "--json", socket_path=daemon.socket))
         stats = daemon.stats()
         assert data["health"] == "SERVING" and data["version"] == stats.version
