@@ -47,31 +47,57 @@ def test_a_rate_is_bytes_per_busy_second_and_follows_a_changed_tier():
     clock = FakeClock()
     rate = LoadRate(weight=0.5, clock=clock)
     assert not rate.estimate().known and rate.estimate().bytes_per_s == 0
-    rate.begin()
+    began = rate.begin()
     clock.now = 1.0
-    rate.end(MIB, ok=True)
+    rate.end(began, MIB, ok=True)
     assert rate.estimate().bytes_per_s == MIB and rate.estimate().age_s == 0
     # Two reads side by side, 2 MiB in 2 s of busy time: the tier's throughput, not each read's
-    rate.begin()
-    rate.begin()
-    clock.now = 2.0
-    rate.end(MIB, ok=True)
+    a, b = rate.begin(), rate.begin()
     clock.now = 3.0
-    rate.end(MIB, ok=True)
+    rate.end(a, MIB, ok=True)
+    rate.end(b, MIB, ok=True)
     assert rate.estimate().bytes_per_s == MIB and rate.estimate().samples == 3
     # Idle time between reads is not busy time; a failed read is no sample
     clock.now = 100.0
-    rate.begin()
+    began = rate.begin()
     clock.now = 100.25
-    rate.end(MIB, ok=True)  # 4 MiB/s: half way there with weight 0.5
+    rate.end(began, MIB, ok=True)  # 4 MiB/s: half way there with weight 0.5
     assert rate.estimate().bytes_per_s == 2.5 * MIB
-    rate.begin()
+    began = rate.begin()
     clock.now = 200.0
-    rate.end(MIB, ok=False)
+    rate.end(began, MIB, ok=False)
     assert rate.estimate().samples == 4 and rate.estimate().age_s == 99.75
     for _ in range(20):
         rate.record(FAST)
     assert rate.estimate().bytes_per_s == pytest.approx(FAST, rel=1e-3)
+
+
+def test_reads_served_as_one_batch_are_each_the_batch_s_throughput():
+    """A peer fetches a turn's chunks as one batch: 8 reads start together and end within
+    microseconds of each other after 80 ms. Each is 8 MiB / 80 ms, however their ends fall (not
+    one 1 MiB / 80 ms sample and seven near-instant ones); reads that overlap in part are each
+    charged their share of the time they overlap."""
+    clock = FakeClock()
+    rate = LoadRate(weight=1.0, clock=clock)  # (the estimate is the last sample)
+    began = [rate.begin() for _ in range(8)]
+    clock.now = 0.08
+    samples = []
+    for i, b in enumerate(began):
+        clock.now += 1e-6 * i
+        rate.end(b, MIB, ok=True)
+        samples.append(rate.estimate().bytes_per_s)
+    assert samples == pytest.approx([100 * MIB] * 8, rel=0.01)
+    # Overlapping in part: A alone for 1 s, then A and B for 1 s, then B alone for 1 s
+    clock.now = 10.0
+    a = rate.begin()
+    clock.now = 11.0
+    b = rate.begin()
+    clock.now = 12.0
+    rate.end(a, 3 * MIB, ok=True)  # 1 s + 1/2 s
+    assert rate.estimate().bytes_per_s == pytest.approx(2 * MIB)
+    clock.now = 13.0
+    rate.end(b, 3 * MIB, ok=True)  # 1/2 s + 1 s
+    assert rate.estimate().bytes_per_s == pytest.approx(2 * MIB)
 
 
 # -- the decision ---------------------------------------------------------------------------------
