@@ -192,18 +192,20 @@ async def test_a_slow_tier_s_hits_are_not_reported_until_a_probe_finds_it_fast(r
     assert await chain.lookup(PLAIN, plain) == [TierKind.FS] * 2
     await settle(lambda: all(chain.ram.contains_many(PLAIN.namespace_id, plain)), "plain's chunks promoted")
     reads = tier.calls["read"]
-    # Once the last measurement is probe_s old, one skipped hit is promoted to measure the tier
+    # Once the last measurement is probe_s old, the hits one lookup skipped are promoted, side by
+    # side as a load would read them, to measure the tier; the next lookup's are not
     clock.now += PROBE_S
     tier.close_gate("read")
     assert await chain.lookup(NS, keys[1:3]) == [TierKind.NONE] * 2
-    assert chain.gate.skipped[0].probes == 1
-    await tier.until_waiting("read")
-    assert tier.calls["read"] == reads + 1
-    clock.now += CHUNK / (500 * MIB)  # the tier is fast again
+    assert await chain.lookup(NS, keys[3:4]) == [TierKind.NONE]
+    assert chain.gate.skipped[0].probes == 2
+    await tier.until_waiting("read", 2)
+    assert tier.calls["read"] == reads + 2
+    clock.now += 2 * CHUNK / (500 * MIB)  # the tier is fast again
     tier.open_gate("read")
-    await settle(lambda: chain.ram.contains_many(NS.namespace_id, [keys[1]]) == [True], "the probe landed")
+    await settle(lambda: chain.ram.contains_many(NS.namespace_id, keys[1:3]) == [True] * 2, "the probe landed")
     assert chain.lower[0].load_rate.estimate().bytes_per_s > NS.recompute_bytes_per_s
-    assert await chain.lookup(NS, keys[1:4]) == [TierKind.RAM, TierKind.FS, TierKind.FS]
+    assert await chain.lookup(NS, keys[1:5]) == [TierKind.RAM, TierKind.RAM, TierKind.FS, TierKind.FS]
 
 
 async def test_a_fast_tier_that_turns_slow_loses_its_hits(rig):
