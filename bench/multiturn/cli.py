@@ -148,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
         "its disk instead of the disk throttled below the break-even",
     )
     g.add_argument(
+        "--register-rates",
+        action="store_true",
+        help="register the modelled prefill rate with every namespace (the model's break-even, in the real "
+        "bytes per token), as an engine with prefill_tokens_per_s configured does: the daemon's recompute gate "
+        "then reports hits below RAM, peers included, only where loading them beats recomputing (--slow-disk "
+        "implies it; without it nothing is registered and every hit counts)",
+    )
+    g.add_argument(
         "--ram-conversations",
         type=float,
         default=None,
@@ -213,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown configuration(s) {bad}; choose among {', '.join(CONFIG_BY_KEY)}")
     configs = [CONFIG_BY_KEY[c] for c in keys]
     w, m, basis, derivation, sizes, sizes_conv = setup(ap, args)
-    m = replace(m, register_rates=args.slow_disk)
+    m = replace(m, register_rates=args.slow_disk or args.register_rates)
     counts = parse_counts(args.conversations)
     workdir = Path(args.workdir)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,32 @@ NODES = Layout(
 )
 
 
+def progress(r: NodesRunResult) -> str:
+    """One run's line as the sweep goes."""
+    skipped = sum(r.gate_skipped.values())
+    return (
+        f"hit {100 * r.hit_rate_overall:.1f}% (peer {100 * r.hit_rate['peer']:.1f}%"
+        + (f"; {100 * skipped:.1f}% skipped as slower than recomputing" if skipped else "")
+        + f")  {r.throughput_tokens_s:,.0f} tokens/s  wall {r.wall_s:.1f} s  load {r.load_average[1]:.1f}"
+    )
+
+
+def gate_line(m: Model) -> str:
+    """What the daemons are told about recomputing (--register-rates)."""
+    breakeven = m.model_kv_bytes_per_token * m.prefill_tokens_per_s / GIB
+    if not m.register_rates:
+        return (
+            "recompute gate: no prefill rate registered (every hit counts, whatever it costs to load; "
+            f"--register-rates registers it: break-even {breakeven:.2f} GiB/s)"
+        )
+    return (
+        f"recompute gate: every node's namespace registers {m.gate_prefill_tokens_per_s:,.0f} prefill tokens/s of "
+        f"{m.kv_bytes_per_token} real bytes (the model's {m.prefill_tokens_per_s:,.0f} x "
+        f"{m.model_kv_bytes_per_token:,} bytes: break-even {breakeven:.2f} GiB/s), so a daemon reports a hit "
+        "below RAM (fs, peer) only where its measured load rate and queue beat recomputing"
+    )
+
+
 def route_lines(rr: Sequence[NodesRunResult], kv: Sequence[NodesRunResult]) -> list[str]:
     """Each set-up at each count, both routings: hit rates per tier, peer fetches, throughput."""
     by_key = {(r.config, r.conversations): r for r in rr}
@@ -106,7 +132,16 @@ def daemon_lines(results: Sequence[NodesRunResult]) -> list[str]:
         for name, d in r.daemon.items():
             extra = [
                 f"{k} {d[k]}"
-                for k in ("dropped_dirty", "dropped_backpressure", "errors", "checksum_failures", "rejected_full")
+                for k in (
+                    "dropped_dirty",
+                    "dropped_backpressure",
+                    "errors",
+                    "checksum_failures",
+                    "rejected_full",
+                    "skipped_slow_hits",
+                    "skipped_slow_writedowns",
+                    "rate_probes",
+                )
                 if d.get(k)
             ]
             if name == "ram":
@@ -115,13 +150,11 @@ def daemon_lines(results: Sequence[NodesRunResult]) -> list[str]:
                     f"{d['promotions']}, write-downs {d['writedowns']}, evictions {d['evictions']}"
                     + "".join(f", {e}" for e in extra)
                 )
-            elif name == "peer":
-                parts.append(f"peer: read {fmt_bytes(d['read_bytes'])}" + "".join(f", {e}" for e in extra))
-            else:
-                parts.append(
-                    f"{name}: read {fmt_bytes(d['read_bytes'])} written {fmt_bytes(d['written_bytes'])}"
-                    + "".join(f", {e}" for e in extra)
-                )
+            else:  # (the load rate each daemon measured, which its recompute gate goes by: their mean)
+                rate = d.get("load_bytes_per_s", 0)
+                extra += [f"load rate measured by the daemons {rate / GIB:.2f} GiB/s"] if rate else []
+                written = f" written {fmt_bytes(d['written_bytes'])}" if name != "peer" else ""
+                parts.append(f"{name}: read {fmt_bytes(d['read_bytes'])}{written}" + "".join(f", {e}" for e in extra))
         if r.peers:
             p = r.peers
             parts.append(
@@ -162,9 +195,13 @@ def _limit(r: NodesRunResult, tier: str, limits: Limits, raw_tcp: Sequence[float
         if tier in r.load_gib_s
         else f"no {tier} loads"
     )
+    daemons = r.daemon_gib_s.get(tier)
     return (
-        got + (f" vs {name} {rate:.2f}" if rate else "") + f"; break-even {breakeven:.2f}; loader busy "
-        f"{100 * r.loader_busy:.0f}%, GPU {100 * r.gpu_busy:.0f}%"
+        got
+        + (f" vs {name} {rate:.2f}" if rate else "")
+        + (f"; the daemons measured {daemons:.2f}" if daemons else "")
+        + (f", {100 * r.gate_skipped[tier]:.1f}% of reusable tokens skipped" if tier in r.gate_skipped else "")
+        + f"; break-even {breakeven:.2f}; loader busy {100 * r.loader_busy:.0f}%, GPU {100 * r.gpu_busy:.0f}%"
     )
 
 
@@ -201,16 +238,23 @@ def target_rows(
             rows.vs(f"peers vs no offload, {where}", peers, "no offload", none, None, peer_limit)
     fleet, pooled = runs.get(("ram+fs+dir", top)), runs.get(("pooled", top))
     if fleet is not None and pooled is not None:
-        gap = 100 * (pooled.hit_rate_overall - fleet.hit_rate_overall)
+        # found: the hits, and those the recompute gate answered as misses (none without --register-rates)
+        gap = 100 * (pooled.found_rate - fleet.found_rate)
+        gated = "".join(
+            f"; {name} served {100 * r.hit_rate_overall:.1f}%, {100 * sum(r.gate_skipped.values()):.1f}% skipped "
+            "as slower than recomputing"
+            for name, r in (("directory", fleet), ("one node", pooled))
+            if r.gate_skipped
+        )
         rows.add(
             f"directory: hit rate vs one node with the fleet's RAM + fs, {where}",
-            fleet.hit_rate_overall,
+            fleet.found_rate,
             "share",
             f"that node's, less {TARGET_HIT_POINTS:g} points",
-            pooled.hit_rate_overall - TARGET_HIT_POINTS / 100,
+            pooled.found_rate - TARGET_HIT_POINTS / 100,
             1.0,
-            f"{gap:.1f} points below it (directory {100 * fleet.hit_rate_overall:.1f}%, one node "
-            f"{100 * pooled.hit_rate_overall:.1f}%); peer {100 * fleet.hit_rate['peer']:.0f}% of reusable tokens",
+            f"{gap:.1f} points below it (directory {100 * fleet.found_rate:.1f}%, one node "
+            f"{100 * pooled.found_rate:.1f}%); peer {100 * fleet.hit_rate['peer']:.0f}% of reusable tokens" + gated,
         )
     if fleet is not None and islands is not None:
         cap = islands.makespan_s / fleet.think_floor_s
@@ -228,7 +272,7 @@ def target_rows(
     if peers is not None and s3 is not None:
         limit = "the faster of the two ways to reach another node's chunks"
         rows.vs(f"peers vs shared S3, {where}", peers, "shared S3", s3, None, limit)
-    for tier, r in (("peer", peers), ("fs", islands), ("s3", s3)):
+    for tier, r in (("peer", peers or fleet), ("fs", islands), ("s3", s3)):
         label = f"{LABELS[r.config]}, {top}" if r is not None else ""
         rows.loads(tier, r, label, raw_limit(limits, tier, raw_tcp), "what the model charges", breakeven)
     return rows
@@ -278,6 +322,7 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
     configs = [CONFIG_BY_KEY[c] for c in keys]
     n = args.nodes
     w, m, basis, derivation, sizes, sizes_conv = setup(ap, args)
+    m = replace(m, register_rates=args.register_rates)
     counts = parse_counts(args.conversations)
     workdir = Path(args.workdir)
 
@@ -297,6 +342,7 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
         f"peers over {args.peer_transport} on loopback; shared S3 with write-through; stores settle "
         f">= {args.settle_s:g} s of wall time before a conversation's next turn looks them up"
     )
+    scale.append(gate_line(m))
     for line in model_lines(m, basis) + scale:
         print("  " + line)
     print(f"  measured: {'; '.join(MEASURED)}\n  modelled: {'; '.join(MODELLED)}", flush=True)
@@ -328,6 +374,7 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
         "peer_transport": args.peer_transport,
         "settle_s": args.settle_s,
         "directory": DIRECTORY_CLUSTER if any(c.directory for c in configs) else "",
+        "registered_prefill_tokens_per_s": m.gate_prefill_tokens_per_s,
     }
     if args.dry_run:
         if args.json:
@@ -378,10 +425,7 @@ def _run(
             c, count, n, w, m, sizes, workdir, s3, args.peer_transport, args.settle_s, directory=directory
         ),
         lambda c, count, note: NodesRunResult(c.key, count, nodes=n, skipped=note),
-        lambda r: (
-            f"hit {100 * r.hit_rate_overall:.1f}% (peer {100 * r.hit_rate['peer']:.1f}%)  "
-            f"{r.throughput_tokens_s:,.0f} tokens/s  wall {r.wall_s:.1f} s  load {r.load_average[1]:.1f}"
-        ),
+        progress,
         None if args.no_limits else measure,
         max(len(c.label) for c in CONFIG_BY_KEY.values()),
     )

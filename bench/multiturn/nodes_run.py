@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.lib.report import GIB
 from bench.lib.s3 import S3
 from bench.multiturn.kvroute import KvIndex, identity_for
 from bench.multiturn.model import Model, Sizes, Workload
@@ -35,6 +36,12 @@ class NodesRunResult(TurnsResult):
     settle: dict[str, float] = field(default_factory=dict)
     route: str = "rr"  # rr: round robin; kv: by Dynamo's index of the daemons' events (kvroute.py)
     kv_routed: int = 0  # turns the index sent elsewhere than round robin would
+    # with the prefill rate registered (--register-rates): the hits the daemons' recompute gate
+    # answered as misses (slower to load than to recompute), as a share of the reusable tokens per
+    # tier, and the share found (hits + those): what the nodes could have loaded
+    gate_skipped: dict[str, float] = field(default_factory=dict)
+    found_rate: float = 0.0
+    daemon_gib_s: dict[str, float] = field(default_factory=dict)  # the daemons' own load rate at the end (mean)
 
 
 def summarize(
@@ -84,6 +91,14 @@ def summarize(
             total = r.daemon.setdefault(name, {})
             for k, v in vals.items():
                 total[k] = total.get(k, 0) + v
+    for tier, d in r.daemon.items():
+        if d.get("skipped_slow_hits") and r.reusable_tokens:
+            r.gate_skipped[tier] = d["skipped_slow_hits"] * sim.w.chunk_tokens / r.reusable_tokens
+        rates = [a[tier]["load_bytes_per_s"] for a in after or () if a.get(tier, {}).get("load_bytes_per_s")]
+        if rates:  # (a rate is a state: the nodes' mean, not their sum)
+            d["load_bytes_per_s"] = int(np.mean(rates))
+            r.daemon_gib_s[tier] = float(np.mean(rates)) / GIB
+    r.found_rate = r.hit_rate_overall + sum(r.gate_skipped.values())
     for p in peers:
         for k, v in p.items():
             r.peers[k] = r.peers.get(k, 0) + v
@@ -185,7 +200,15 @@ def _run_one(
         chunk_bytes = w.chunk_tokens * m.kv_bytes_per_token
         for d in map(nodes.daemon_of, range(n)):
             offloads.append(
-                Offload(d.socket, chunk_bytes, w.chunk_tokens, w.final_tokens // w.chunk_tokens, w.seed, m.transfer)
+                Offload(
+                    d.socket,
+                    chunk_bytes,
+                    w.chunk_tokens,
+                    w.final_tokens // w.chunk_tokens,
+                    w.seed,
+                    m.transfer,
+                    m.gate_prefill_tokens_per_s,  # 0 unless --register-rates: no recompute gate
+                )
             )
             if kv is not None:
                 offloads[-1].identity = identity_for(w.chunk_tokens, w.seed)

@@ -141,7 +141,7 @@ class Offload:
         fields = (
             "read_bytes written_bytes loaded_chunks stored_chunks hits lookups evictions promotions writedowns "
             "dropped_dirty dropped_backpressure errors checksum_failures rejected_full used_bytes chunks "
-            "skipped_slow_hits"
+            "skipped_slow_hits skipped_slow_writedowns rate_probes load_bytes_per_s"
         ).split()
         out = {}
         for tier in self.client.stats().tiers:

@@ -116,12 +116,13 @@ def store_summary(counts: dict[str, int], seconds: float, chunk_bytes: int) -> d
     return {**counts, "seconds": seconds, "gib_s": gib / seconds if seconds else 0.0}
 
 
+AS_AT_END = ("used_bytes", "chunks", "load_bytes_per_s")  # Stats fields that are a state, not a count
+
+
 def stats_delta(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    """A daemon's Stats per tier over a run (used_bytes and chunks: as at the end)."""
+    """A daemon's Stats per tier over a run (AS_AT_END: as at the end)."""
     return {
-        name: {
-            k: v - before.get(name, {}).get(k, 0) if k not in ("used_bytes", "chunks") else v for k, v in vals.items()
-        }
+        name: {k: v - before.get(name, {}).get(k, 0) if k not in AS_AT_END else v for k, v in vals.items()}
         for name, vals in after.items()
     }
 

@@ -264,15 +264,19 @@ class TierChain:
     ) -> int:
         """Report the hit prefix only as far as loading it beats recomputing it (recompute.py):
         the hits below RAM past that become misses (counted per tier). A tier due a measurement
-        gets one of them promoted anyway, into free RAM, with nobody waiting on it. Returns the
-        new first miss."""
+        gets those on it promoted anyway, side by side as a load would read them, into free RAM,
+        with nobody waiting on them. Returns the new first miss."""
         lower_of: dict[int, int] = {i: tier_index for i, _, tier_index in below if i < first_miss}
         prefix = self.gate.prefix(ns, [lower_of.get(i) for i in range(first_miss)])
+        skipped: dict[int, list[ChunkId]] = {}
         for i, chunk, tier_index in below:
             if prefix <= i < first_miss:
                 tiers[i] = TierKind.NONE
                 self.gate.skip_hit(tier_index)
-                if self.gate.take_probe(tier_index):
+                skipped.setdefault(tier_index, []).append(chunk)
+        for tier_index, chunks in skipped.items():
+            if self.gate.take_probe(tier_index, len(chunks)):
+                for chunk in chunks:
                     self.promoter.start(chunk, ns.chunk_bytes, tier_index, evict=False)
         return prefix
 

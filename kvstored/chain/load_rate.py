@@ -3,11 +3,14 @@
 """A tier's measured load rate: bytes per second of busy time, from the reads it does.
 
 Bookkeeping only (no I/O, no event loop): LowerTier.timed_read calls begin() as a read starts
-and end() as it ends. A sample is the bytes one read delivered over the busy time since the
-previous read ended (or since the tier became busy), so reads that overlap share the time they
-overlap: with `concurrency` reads in flight the samples are the tier's throughput, not a single
-read's speed. The estimate is an exponentially weighted moving average of those samples, so a
-tier that slows down or speeds up is followed within a few reads."""
+and end() with what begin() returned as it ends. A sample is the bytes one read delivered over
+its share of the tier's busy time: while k reads are in flight, each is charged 1/k of the time
+that passes. So reads that overlap share the time they overlap, and with `concurrency` reads in
+flight the samples are the tier's throughput, not a single read's speed, however their ends fall:
+k reads served as one batch (a peer's fetch) that end together are k samples of k chunks over the
+batch's time, not one slow sample followed by k - 1 near-instant ones. The estimate is an
+exponentially weighted moving average of those samples, so a tier that slows down or speeds up
+is followed within a few reads."""
 
 from __future__ import annotations
 
@@ -44,23 +47,31 @@ class LoadRate:
         self._samples = 0
         self._last_sample = -math.inf
         self._active = 0  # reads in flight
-        self._mark = 0.0  # where the busy time of the next sample starts
+        self._shared = 0.0  # busy seconds each read in flight has been charged since the start
+        self._advanced = 0.0  # when _shared was last brought up to date
 
-    def begin(self) -> None:
-        """A read starts."""
-        if self._active == 0:
-            self._mark = self._clock()
+    def _advance(self, now: float) -> None:
+        if self._active:
+            self._shared += (now - self._advanced) / self._active
+        self._advanced = now
+
+    def begin(self) -> float:
+        """A read starts; returns what end() needs to know of it."""
+        self._advance(self._clock())
         self._active += 1
+        return self._shared
 
-    def end(self, nbytes: int, ok: bool) -> None:
-        """A read that begin() announced ended; `ok`: it delivered `nbytes` (a failed read's
-        time is not a rate)."""
+    def end(self, began: float, nbytes: int, ok: bool) -> None:
+        """A read ended; `began`: what begin() returned for it; `ok`: it delivered `nbytes` (a
+        failed read's time is not a rate)."""
         now = self._clock()
-        busy = now - self._mark
-        self._mark = now
+        self._advance(now)
         self._active = max(0, self._active - 1)
-        if ok and nbytes > 0 and busy > 0:
-            self.record(nbytes / busy, now)
+        share = self._shared - began
+        if not self._active:
+            self._shared = 0.0  # (no read holds an older value: keeps the sums small and exact)
+        if ok and nbytes > 0 and share > 0:
+            self.record(nbytes / share, now)
 
     def record(self, bytes_per_s: float, now: float | None = None) -> None:
         """Fold one throughput sample in."""

@@ -52,13 +52,13 @@ class LowerTier:
     async def timed_read(self, read: Awaitable[bool], nbytes: int) -> bool:
         """Await one read of `nbytes` (a tier's read: True once delivered and verified), timed as
         timed() does and measured into load_rate."""
-        self.load_rate.begin()
+        began = self.load_rate.begin()
         ok = False
         try:
             ok = bool(await self.timed("read", read))
             return ok
         finally:
-            self.load_rate.end(nbytes, ok)
+            self.load_rate.end(began, nbytes, ok)
 
     async def remove_all(self, chunks: Sequence[ChunkId]) -> Removal:
         """Remove chunks at deletion priority (behind loads and write-downs already queued),

@@ -11,8 +11,11 @@ recomputing at all gets none of the namespace's write-downs.
 - reported_prefix(): the pure decision for one lookup's hit prefix.
 - RecomputeGate: the chain's side: the tiers' rates and queues, the skip counters, and probes.
   A tier skipped for slowness does no loads, so its rate would never be measured again: once
-  its last sample is `probe_s` old, one skipped hit is promoted anyway (into free RAM, nobody
-  waiting on it) and one write-down is let through, and their reads measure it again.
+  its last sample is `probe_s` old, the hits one lookup skipped on it are promoted anyway (into
+  free RAM, nobody waiting on them) and one write-down is let through, and their reads measure
+  it again. All of that lookup's skipped hits, not one: they are read side by side, as a load
+  would read them, and a tier that serves a lookup's chunks as one batch (a peer) is measured at
+  its throughput, where one chunk alone would measure its round trip.
 Where a tier's rate is not known yet (no sample), its hits count and it is written to:
 optimistic, as without this gate. Bookkeeping only; the chain does the I/O.
 """
@@ -117,14 +120,14 @@ class RecomputeGate:
     def skip_hit(self, index: int) -> None:
         self.skipped[index].hits += 1
 
-    def take_probe(self, index: int) -> bool:
+    def take_probe(self, index: int, chunks: int = 1) -> bool:
         """Whether tier `index` is due a measurement (no sample, nor probe, for probe_s); taking
-        it starts the next interval."""
+        it starts the next interval and counts `chunks` probes (the reads or writes it lets through)."""
         now = self._clock()
         if self._lower[index].load_rate.estimate().age_s < self._probe_s or now - self._probed[index] < self._probe_s:
             return False
         self._probed[index] = now
-        self.skipped[index].probes += 1
+        self.skipped[index].probes += chunks
         return True
 
     def admits(self, lower: LowerTier, chunk: ChunkId) -> bool:

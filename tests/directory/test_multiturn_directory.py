@@ -38,6 +38,11 @@ def test_multiturn_directory_small_run_finds_the_other_nodes_chunks(tmp_path):
     assert fleet["peers"]["received_chunks"] >= peer_chunks > 0
     assert fleet["peers"]["served_chunks"] == fleet["peers"]["received_chunks"]
     assert len(pooled["per_node"]) == 2 and all(node["turns"] > 0 for node in pooled["per_node"])
+    # no prefill rate registered (no --register-rates): the recompute gate skipped nothing; the
+    # daemons measured the peer tier's load rate from the fetches
+    assert doc["registered_prefill_tokens_per_s"] == 0
+    assert all(not r["gate_skipped"] and r["found_rate"] == r["hit_rate_overall"] for r in runs.values())
+    assert fleet["daemon_gib_s"]["peer"] > 0
     targeted = {r["name"] for r in doc["rows"] if r["target"] is not None}
     assert targeted == {
         "directory: hit rate vs one node with the fleet's RAM + fs, 2 nodes, 4 conversations",

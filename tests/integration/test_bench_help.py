@@ -245,6 +245,22 @@ def test_multiturn_slow_disk_preset_plans_its_three_configs(tmp_path):
     assert json.loads((tmp_path / "plan.json").read_text())["registered_prefill_tokens_per_s"] == 0
 
 
+def test_multiturn_register_rates_registers_the_modelled_prefill_rate(tmp_path):
+    """--register-rates: every namespace registers the modelled prefill rate per real KV byte (x the
+    byte scale, so the daemon's break-even is the model's), on one node and with --nodes; the
+    multi-node plan says so. Without it nothing is registered."""
+    one = dry_run(tmp_path, "--register-rates")
+    assert one["register_rates"] is True
+    assert json.loads((tmp_path / "plan.json").read_text())["registered_prefill_tokens_per_s"] == 50_000 * 40
+    fleet = dry_run(tmp_path, "--nodes", "2", "--directory", "--register-rates", "--prefill-tokens-per-s", "20000")
+    assert json.loads((tmp_path / "plan.json").read_text())["registered_prefill_tokens_per_s"] == 20_000 * 40
+    assert "registers 800,000 prefill tokens/s of 512 real bytes" in fleet["stdout"]
+    assert "break-even 0.38 GiB/s" in fleet["stdout"]
+    plain = dry_run(tmp_path, "--nodes", "2", "--directory")
+    assert json.loads((tmp_path / "plan.json").read_text())["registered_prefill_tokens_per_s"] == 0
+    assert "no prefill rate registered" in plain["stdout"] and "--register-rates" in bench_help("multiturn.py")
+
+
 def test_restart_small_run_keeps_every_chunk_a_byte_exact_ram_hit_only_with_the_hand_over(tmp_path):
     """bench.restart on a 64 MiB RAM tier: after the hand-over every chunk is a RAM hit and loads
     byte-exact, without a second pool, three times over; after the cold restart (RAM only) none is."""

@@ -47,31 +47,57 @@ def test_a_rate_is_bytes_per_busy_second_and_follows_a_changed_tier():
     clock = FakeClock()
     rate = LoadRate(weight=0.5, clock=clock)
     assert not rate.estimate().known and rate.estimate().bytes_per_s == 0
-    rate.begin()
+    began = rate.begin()
     clock.now = 1.0
-    rate.end(MIB, ok=True)
+    rate.end(began, MIB, ok=True)
     assert rate.estimate().bytes_per_s == MIB and rate.estimate().age_s == 0
     # Two reads side by side, 2 MiB in 2 s of busy time: the tier's throughput, not each read's
-    rate.begin()
-    rate.begin()
-    clock.now = 2.0
-    rate.end(MIB, ok=True)
+    a, b = rate.begin(), rate.begin()
     clock.now = 3.0
-    rate.end(MIB, ok=True)
+    rate.end(a, MIB, ok=True)
+    rate.end(b, MIB, ok=True)
     assert rate.estimate().bytes_per_s == MIB and rate.estimate().samples == 3
     # Idle time between reads is not busy time; a failed read is no sample
     clock.now = 100.0
-    rate.begin()
+    began = rate.begin()
     clock.now = 100.25
-    rate.end(MIB, ok=True)  # 4 MiB/s: half way there with weight 0.5
+    rate.end(began, MIB, ok=True)  # 4 MiB/s: half way there with weight 0.5
     assert rate.estimate().bytes_per_s == 2.5 * MIB
-    rate.begin()
+    began = rate.begin()
     clock.now = 200.0
-    rate.end(MIB, ok=False)
+    rate.end(began, MIB, ok=False)
     assert rate.estimate().samples == 4 and rate.estimate().age_s == 99.75
     for _ in range(20):
         rate.record(FAST)
     assert rate.estimate().bytes_per_s == pytest.approx(FAST, rel=1e-3)
+
+
+def test_reads_served_as_one_batch_are_each_the_batch_s_throughput():
+    """A peer fetches a turn's chunks as one batch: 8 reads start together and end within
+    microseconds of each other after 80 ms. Each is 8 MiB / 80 ms, however their ends fall (not
+    one 1 MiB / 80 ms sample and seven near-instant ones); reads that overlap in part are each
+    charged their share of the time they overlap."""
+    clock = FakeClock()
+    rate = LoadRate(weight=1.0, clock=clock)  # (the estimate is the last sample)
+    began = [rate.begin() for _ in range(8)]
+    clock.now = 0.08
+    samples = []
+    for i, b in enumerate(began):
+        clock.now += 1e-6 * i
+        rate.end(b, MIB, ok=True)
+        samples.append(rate.estimate().bytes_per_s)
+    assert samples == pytest.approx([100 * MIB] * 8, rel=0.01)
+    # Overlapping in part: A alone for 1 s, then A and B for 1 s, then B alone for 1 s
+    clock.now = 10.0
+    a = rate.begin()
+    clock.now = 11.0
+    b = rate.begin()
+    clock.now = 12.0
+    rate.end(a, 3 * MIB, ok=True)  # 1 s + 1/2 s
+    assert rate.estimate().bytes_per_s == pytest.approx(2 * MIB)
+    clock.now = 13.0
+    rate.end(b, 3 * MIB, ok=True)  # 1/2 s + 1 s
+    assert rate.estimate().bytes_per_s == pytest.approx(2 * MIB)
 
 
 # -- the decision ---------------------------------------------------------------------------------
@@ -166,18 +192,20 @@ async def test_a_slow_tier_s_hits_are_not_reported_until_a_probe_finds_it_fast(r
     assert await chain.lookup(PLAIN, plain) == [TierKind.FS] * 2
     await settle(lambda: all(chain.ram.contains_many(PLAIN.namespace_id, plain)), "plain's chunks promoted")
     reads = tier.calls["read"]
-    # Once the last measurement is probe_s old, one skipped hit is promoted to measure the tier
+    # Once the last measurement is probe_s old, the hits one lookup skipped are promoted, side by
+    # side as a load would read them, to measure the tier; the next lookup's are not
     clock.now += PROBE_S
     tier.close_gate("read")
     assert await chain.lookup(NS, keys[1:3]) == [TierKind.NONE] * 2
-    assert chain.gate.skipped[0].probes == 1
-    await tier.until_waiting("read")
-    assert tier.calls["read"] == reads + 1
-    clock.now += CHUNK / (500 * MIB)  # the tier is fast again
+    assert await chain.lookup(NS, keys[3:4]) == [TierKind.NONE]
+    assert chain.gate.skipped[0].probes == 2
+    await tier.until_waiting("read", 2)
+    assert tier.calls["read"] == reads + 2
+    clock.now += 2 * CHUNK / (500 * MIB)  # the tier is fast again
     tier.open_gate("read")
-    await settle(lambda: chain.ram.contains_many(NS.namespace_id, [keys[1]]) == [True], "the probe landed")
+    await settle(lambda: chain.ram.contains_many(NS.namespace_id, keys[1:3]) == [True] * 2, "the probe landed")
     assert chain.lower[0].load_rate.estimate().bytes_per_s > NS.recompute_bytes_per_s
-    assert await chain.lookup(NS, keys[1:4]) == [TierKind.RAM, TierKind.FS, TierKind.FS]
+    assert await chain.lookup(NS, keys[1:5]) == [TierKind.RAM, TierKind.RAM, TierKind.FS, TierKind.FS]
 
 
 async def test_a_fast_tier_that_turns_slow_loses_its_hits(rig):
