@@ -13,7 +13,8 @@ from typing import Any
 import bench.multiturn
 from bench.lib.limits import apply_nt_threshold, nt_threshold_arg
 from bench.lib.report import REPO, fmt_bytes, load_average, machine_info, write_json
-from bench.multiturn import nodes, nodes_report
+from bench.multiturn import nodes, nodes_main
+from bench.multiturn.bounds import bound_lines, slow_disk_lines
 from bench.multiturn.limits import Limits, measure_limits
 from bench.multiturn.model import CONFIG_BY_KEY, CONFIGS, DEFAULT_MODEL, MODELS, SLOW_DISK, Transfer
 from bench.multiturn.plan import (
@@ -28,7 +29,6 @@ from bench.multiturn.plan import (
     write_outputs,
 )
 from bench.multiturn.report import (
-    bound_lines,
     cost_lines,
     daemon_lines,
     limit_lines,
@@ -37,7 +37,6 @@ from bench.multiturn.report import (
     print_results,
     print_rows,
     scaling_lines,
-    slow_disk_lines,
     target_rows,
 )
 from bench.multiturn.runs import RunResult, run_one
@@ -211,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.directory and args.nodes < 2:
         ap.error("--directory needs --nodes N (N >= 2)")
     if args.nodes > 1:
-        return nodes_report.main(ap, args, argv)
+        return nodes_main.main(ap, args, argv)
     if args.slow_disk and args.prefill_tokens_per_s is None:
         args.prefill_tokens_per_s = SLOW_DISK_PREFILL * MODELS[args.model].prefill_tokens_per_s
     default = SLOW_DISK if args.slow_disk else CONFIGS
