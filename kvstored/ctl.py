@@ -528,6 +528,9 @@ def cmd_directory(conn: Conn, args: argparse.Namespace) -> int:
                 "dropped_changes": d.dropped_changes,
                 "stale_deleted": d.stale_deleted,
                 "connects": d.connects,
+                "moved": d.moved,
+                "asked": d.asked,
+                "slot_map_reads": d.slot_map_reads,
                 "last_error": d.last_error,
             }
         )
@@ -543,6 +546,8 @@ def cmd_directory(conn: Conn, args: argparse.Namespace) -> int:
             f"{d.dropped_changes} dropped",
             f"lookups: {d.lookups} ({d.lookup_chunks} chunks, {d.hit_chunks} hits), {d.errors} errors, "
             f"{d.timeouts} timeouts, {d.refused} refused by the breaker; {d.found_peers} holder(s) found",
+            f"cluster: {d.connects} connections opened, {d.slot_map_reads} slot maps read, "
+            f"{d.moved} MOVED and {d.asked} ASK followed",
         ]
         if d.last_error:
             lines.append(f"last error: {d.last_error}")

@@ -30,7 +30,7 @@ from typing import Any
 
 from kvstored.chunks.ids import ChunkId
 from kvstored.directory.changes import ChangeLog, Holding, RefreshPass
-from kvstored.directory.cluster import ClusterClient
+from kvstored.directory.cluster import ClientCounters, ClusterClient
 from kvstored.directory.commands import Commands
 from kvstored.directory.config import DirectorySettings
 from kvstored.directory.connection import RedisError
@@ -256,6 +256,12 @@ class DirectoryNode:
             return False
         self._succeeded(permit)
         return True
+
+    def cluster_counters(self) -> ClientCounters:
+        """The writer's and the reader's cluster clients together: connections, slot map reads,
+        MOVED and ASK followed."""
+        w, r = vars(self._writer.counters), vars(self._reader.counters)
+        return ClientCounters(**{name: w[name] + r[name] for name in w})
 
     def _drop_clients(self) -> None:
         """Both clients' connections dropped at once (abort: a frozen node cannot hold us) and

@@ -320,6 +320,9 @@ DIRECTORY_COUNTERS = {  # metric (without kvstored_directory_ and _total) -> (Di
     "refreshed_chunks": ("refreshed", "chunks re-written by the refresh pass (TTL renewal, after an outage)"),
     "dropped_changes": ("dropped_changes", "changes not kept while the directory was away (a refresh covers them)"),
     "stale_deleted": ("stale_deleted", "fields of dead, restarted or mistaken holders deleted"),
+    "moved": ("moved", "MOVED replies followed: a slot's owner changed (failover, resharding)"),
+    "asked": ("asked", "ASK replies followed: a slot being migrated"),
+    "slot_map_reads": ("slot_map_reads", "cluster slot maps read (at start, after a MOVED or a lost node)"),
     "connects": ("connects", "connections opened to the cluster's nodes (two per master; again after an outage)"),
 }
 

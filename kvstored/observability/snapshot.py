@@ -96,6 +96,9 @@ class DirectoryRow:
     stale_deleted: int
     connects: int
     found_peers: int  # holders reached because the directory named them
+    moved: int  # MOVED replies followed (a slot's owner changed: failover, resharding)
+    asked: int  # ASK replies followed (a slot being migrated)
+    slot_map_reads: int  # CLUSTER SLOTS reads (at start, after a MOVED or a lost node)
     last_error: str = ""
     shards: tuple[str, ...] = ()  # HOST:PORT of the masters the client knows
 

@@ -17,7 +17,7 @@ def directory_row(tier: PeerTier) -> DirectoryRow | None:
     node = tier.directory
     if node is None:
         return None
-    c = node.counters
+    c, followed = node.counters, node.cluster_counters()
     return DirectoryRow(
         url=node.settings.url.redacted(),
         breaker=node.breaker.state.name.lower(),
@@ -37,6 +37,9 @@ def directory_row(tier: PeerTier) -> DirectoryRow | None:
         stale_deleted=c.stale_deleted,
         connects=c.connects,
         found_peers=sum(1 for r in tier.membership.records() if not r.follows),
+        moved=followed.moved,
+        asked=followed.asked,
+        slot_map_reads=followed.refreshes,
         last_error=node.last_error,
         shards=tuple(node.shards()),
     )

@@ -179,6 +179,10 @@ def test_a_chunk_stored_on_a_is_a_hit_on_b(pair, request):
     assert shown["enabled"] and shown["breaker"] == "closed" and len(shown["shards"]) == 3
     assert shown["hit_chunks"] >= len(keys) and shown["found_peers"] == 1 and shown["write_errors"] == 0
     assert "***" not in shown["url"] and shown["url"].startswith("redis://127.0.0.1:")
+    # a steady cluster: the slot map read at start (once per client at least), nothing redirected
+    assert shown["slot_map_reads"] >= 1 and shown["moved"] == 0 and shown["asked"] == 0
+    assert re.search(r"^kvstored_directory_slot_map_reads_total [1-9]", text, re.M), text[-3000:]
+    assert re.search(r"^kvstored_directory_moved_total 0\.0$", text, re.M), text[-3000:]
     assert "breaker closed, 3 shard(s)" in ctl_directory(b, as_json=False)
 
 
@@ -304,6 +308,7 @@ def test_directory_faults(pair, redis_cluster, request, fault):
     store(a, f, before)
     store(b, f, mine)
     wait_hits(pair, f, before[:1])  # the directory works, B knows A
+    maps_read = sum(json.loads(ctl_directory(d))["slot_map_reads"] for d in (a, b))
     frozen = None
     if fault == "master_killed":
         redis_cluster.kill_master(0)  # (the killed node comes back as a replica below)
@@ -339,6 +344,8 @@ def test_directory_faults(pair, redis_cluster, request, fault):
     )
     assert load_checked(b, f, before + after) == len(before) + len(after)
     assert a.running and b.running
+    if fault != "cluster_stopped":  # (a new master for a slot range: the clients read the map again)
+        assert sum(json.loads(ctl_directory(d))["slot_map_reads"] for d in (a, b)) > maps_read
 
 
 def test_a_daemon_starts_and_serves_while_its_directory_is_down(request):
