@@ -351,9 +351,12 @@ class Client(ClientBase):
     def close(self) -> None:
         self._check_fork()
         with self._lock:  # not under a call's copy into the pool
-            if self._session is not None and self._session.touches:
-                with contextlib.suppress(KvstoredError):  # (read before the connection's end)
-                    self._send_touches(self._session)
+            if self._session is not None:
+                # the hits told and the posted Commits answered before the connection ends: once
+                # close() returns, every store it reported is committed for any other connection
+                # (a watcher, another process) to see
+                with contextlib.suppress(KvstoredError):
+                    self._settle(time.monotonic() + self.deadline_s)
             self._drop_session()
             self._close_regions()
             if self._channel is not None:

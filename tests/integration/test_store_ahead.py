@@ -191,3 +191,17 @@ def test_a_daemon_with_a_tier_below_ram_grants_no_slots_ahead(daemon_factory, ns
             ),
         )
         assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error
+
+
+def test_a_store_a_closed_client_reported_is_there_for_the_next_connection(daemon, ns_name):
+    """A store into a slot reserved ahead posts its Commit; the client's close reads its answer,
+    so once close() returns, another connection (here gRPC only) finds the chunk, every time."""
+    keys = make_keys(ns_name, 60)
+    for first, posted in zip(keys[::2], keys[1::2], strict=True):
+        with daemon.client(store_ahead=True) as kv:
+            ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
+            assert kv.store(ns, [first], payloads([first], CHUNK)).stored == 1
+            assert kv.store(ns, [posted], payloads([posted], CHUNK)).stored == 1  # into a slot ahead
+        with daemon.client(fast_path=False, key_index=False) as other:
+            ns = other.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
+            assert other.lookup(ns, [first, posted]).prefix_hits == 2
