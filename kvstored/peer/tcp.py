@@ -69,6 +69,7 @@ from kvstored.peer.transport import (
 log = logging.getLogger(__name__)
 
 _RECEIVED = ReceiveResult(ReceiveOutcome.RECEIVED)  # (one object for every chunk received)
+_MISSING = ReceiveResult(ReceiveOutcome.MISSING, "the peer does not hold the chunk")
 
 
 # -- fetching side ---------------------------------------------------------------------------
@@ -332,15 +333,11 @@ async def _read_frames_on_loop(
     trailer = memoryview(bytearray(wire.SUM_BYTES))
     for i, (transfer, slot_pieces) in enumerate(zip(transfers, pieces)):
         await sockio.recv_into_all(loop, sock, [memoryview(head)])
-        try:
-            frame = wire.decode_head(head)
-            wire.check_frame(frame, transfer.transfer_id, transfer.size)
-        except ProtocolError as exc:
-            for j in range(i, len(results)):
-                results[j] = ReceiveResult(ReceiveOutcome.CORRUPT, str(exc))
+        frame = _checked_head(head, transfer, results, i)
+        if frame is None:
             return False
         if frame.status is wire.FrameStatus.MISSING:
-            results[i] = ReceiveResult(ReceiveOutcome.MISSING, "the peer does not hold the chunk")
+            results[i] = _MISSING
             continue
         digest = StreamDigest(slot_pieces)  # each read is hashed while it is still in the cache
         await sockio.recv_into_all(loop, sock, [*slot_pieces, trailer], digest.moved)
@@ -365,16 +362,12 @@ def _read_frames(
     sockio.recv_exactly(sock, [head], end)
     last = len(transfers) - 1
     for i, (transfer, slot_pieces) in enumerate(zip(transfers, pieces)):
-        try:
-            frame = wire.decode_head(head)
-            wire.check_frame(frame, transfer.transfer_id, transfer.size)
-        except ProtocolError as exc:
-            for j in range(i, len(results)):
-                results[j] = ReceiveResult(ReceiveOutcome.CORRUPT, str(exc))
+        frame = _checked_head(head, transfer, results, i)
+        if frame is None:
             return False
         next_head = [head] if i < last else []
         if frame.status is wire.FrameStatus.MISSING:
-            results[i] = ReceiveResult(ReceiveOutcome.MISSING, "the peer does not hold the chunk")
+            results[i] = _MISSING
             if next_head:
                 sockio.recv_exactly(sock, next_head, end)
             continue
@@ -387,6 +380,20 @@ def _read_frames(
             raise
         results[i] = _judge(digest, trailer)
     return True
+
+
+def _checked_head(
+    head: bytes | bytearray | memoryview, transfer: Transfer, results: list[ReceiveResult | None], i: int
+) -> wire.Frame | None:
+    """Frame i's HEAD, checked against its transfer; None if it is not the one expected (the
+    stream is out of step: frame i and every later one are CORRUPT)."""
+    try:
+        frame = wire.decode_head(head)
+        wire.check_frame(frame, transfer.transfer_id, transfer.size)
+    except ProtocolError as exc:
+        results[i:] = [ReceiveResult(ReceiveOutcome.CORRUPT, str(exc))] * (len(results) - i)
+        return None
+    return frame
 
 
 def _judge(digest: StreamDigest, trailer: memoryview) -> ReceiveResult:
