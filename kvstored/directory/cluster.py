@@ -103,15 +103,18 @@ class ClusterClient:
                         log.debug("directory: %s", exc)
                     if replies is None:  # (lost, or never connected)
                         self._lost(address, conn)
+                        for i in indices:  # (an ASK target lost: the slot's owner is asked again)
+                            asking.pop(i, None)
                         retry += indices
                         pause = True
                         continue
                     pause |= self._collect(address, indices, replies, batch, asking, out, retry)
             except BaseException:
                 # the deadline (or an error) with replies outstanding: those connections are in
-                # an unknown state, and a frozen node must not keep our bytes
+                # an unknown state, and a frozen node must not keep our bytes (the request awaited
+                # when the deadline came is done too: cancelled)
                 for address, _, conn, request in sent:
-                    if request is not None and not request.done():
+                    if request is not None and (not request.done() or request.cancelled()):
                         self._lost(address, conn)
                 raise
             if not retry:

@@ -204,3 +204,32 @@ async def test_a_node_that_stops_reading_fails_requests_at_a_bound_not_our_memor
                 await asyncio.sleep(0)
         assert not conn.usable
         stalled.set()
+
+
+async def test_a_master_that_stops_answering_a_batch_loses_its_connection_at_the_deadline():
+    """The slot map read, the batch's GET sent, no reply (the master frozen): the call ends at its
+    deadline and the connection it waited on is dropped, so the next call connects afresh
+    instead of queueing behind the frozen one."""
+    connections = 0
+
+    async def script(reader, writer):
+        nonlocal connections
+        connections += 1
+        host, port = writer.get_extra_info("sockname")[:2]
+        await reader.readuntil(b"SLOTS\r\n")
+        me = f"*3\r\n:0\r\n:16383\r\n*2\r\n${len(host)}\r\n{host}\r\n:{port}\r\n"
+        writer.write(f"*1\r\n{me}".encode())
+        await writer.drain()
+        await asyncio.sleep(3600)  # (the GET that follows is never answered)
+
+    server, address = await _server(script)
+    async with server:
+        client = ClusterClient([address])
+        batch = Batch()
+        batch.add(0, encode(b"GET", b"x"))
+        for call in range(2):
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.3):
+                    await client.execute(batch)
+            assert client._conns == {}, f"call {call}: the frozen master's connection was kept"
+        assert connections >= 2
