@@ -48,7 +48,8 @@ class Commands:
         if cached is None:
             prefix = self.layout.chunk_prefix(namespace_id, bucket)
             # (a prefix whose own '{' would make Redis hash more than the tag: slot per key)
-            cached = (prefix, key_slot(prefix) if tag_of(prefix) == f"{namespace_id}/{bucket}".encode() else None)
+            tag = self.layout.tag(namespace_id, bucket).encode()
+            cached = (prefix, key_slot(prefix) if tag_of(prefix) == tag else None)
             if len(self._prefixes) >= MAX_PREFIXES:
                 self._prefixes.clear()
             self._prefixes[(namespace_id, bucket)] = cached

@@ -45,9 +45,9 @@ class KeyLayout:
     def bucket(self, key: bytes) -> int:
         return zlib.crc32(key) % self.buckets
 
-    def tag(self, namespace_id: str, key: bytes) -> str:
+    def tag(self, namespace_id: str, bucket: int) -> str:
         """The hash tag: chunks with one tag share a slot (and a shard)."""
-        return f"{namespace_id}/{self.bucket(key)}"
+        return f"{namespace_id}/{bucket}"
 
     def chunk_key(self, chunk: ChunkId) -> bytes:
         namespace_id, key = chunk
@@ -55,7 +55,7 @@ class KeyLayout:
 
     def chunk_prefix(self, namespace_id: str, bucket: int) -> bytes:
         """What a chunk key starts with, hash tag included: the same for a bucket's chunks."""
-        return f"{self.prefix}:c{{{namespace_id}/{bucket}}}:".encode()
+        return f"{self.prefix}:c{{{self.tag(namespace_id, bucket)}}}:".encode()
 
     def heartbeat_key(self, address: str) -> str:
         return f"{self.prefix}:hb{{{address}}}"

@@ -60,7 +60,6 @@ class DirectoryCounters:
     refreshed: int = 0  # chunks re-written by the refresh pass
     dropped_changes: int = 0  # past max_pending while the directory was away (a refresh covers them)
     stale_deleted: int = 0  # fields of dead or restarted holders, or found missing at fetch
-    connects: int = 0  # connections opened to the cluster's nodes
 
 
 class DirectoryNode:
@@ -270,7 +269,6 @@ class DirectoryNode:
             client.close()
 
     def _succeeded(self, permit: Permit) -> None:
-        self.counters.connects = self._writer.counters.connects + self._reader.counters.connects
         was_open = self.breaker.state is not BreakerState.CLOSED
         self.breaker.record(permit, True)
         if was_open and self.breaker.state is BreakerState.CLOSED:
@@ -279,7 +277,6 @@ class DirectoryNode:
             self.refresh.restart_urgently()
 
     async def _failed(self, permit: Permit, why: str) -> None:
-        self.counters.connects = self._writer.counters.connects + self._reader.counters.connects
         was_closed = self.breaker.state is BreakerState.CLOSED
         self.breaker.record(permit, False)
         self.last_error = why

@@ -19,12 +19,7 @@ Address = tuple[str, int]
 
 
 def key_slot(key: bytes) -> int:
-    start = key.find(b"{")
-    if start >= 0:
-        end = key.find(b"}", start + 1)
-        if end > start + 1:
-            key = key[start + 1 : end]
-    return crc_hqx(key, 0) % SLOTS
+    return crc_hqx(tag_of(key) or key, 0) % SLOTS
 
 
 def tag_of(key: bytes) -> bytes | None:

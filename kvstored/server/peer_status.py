@@ -35,7 +35,7 @@ def directory_row(tier: PeerTier) -> DirectoryRow | None:
         refreshed=c.refreshed,
         dropped_changes=c.dropped_changes,
         stale_deleted=c.stale_deleted,
-        connects=c.connects,
+        connects=followed.connects,
         found_peers=sum(1 for r in tier.membership.records() if not r.follows),
         moved=followed.moved,
         asked=followed.asked,
