@@ -166,7 +166,7 @@ class PeerTierConfig:
 
 def data_threads(cfg: PeerTierConfig) -> bool:
     """Whether this node's TCP data plane moves bytes in threads (`data_threads`, auto resolved)."""
-    return cfg.data_threads.enabled(os.cpu_count())
+    return cfg.data_threads.enabled(len(os.sched_getaffinity(0)))  # (the CPUs it may run on)
 
 
 def data_ports(cfg: PeerTierConfig, tcp_listen: str) -> tuple[int, int]:
