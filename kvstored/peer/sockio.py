@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """Socket I/O straight into and out of pool views (no buffering layer in between: asyncio
-streams would copy every byte once more): non-blocking on the event loop for handshakes, blocking
-in the data plane's threads for chunk bytes (kvstored/peer/tcp.py says why)."""
+streams would copy every byte once more): on the event loop for handshakes and chunk bytes, and
+in the data plane's threads on non-blocking sockets, each wait a poll() (kvstored/peer/tcp.py
+says why)."""
 
 from __future__ import annotations
 

@@ -268,25 +268,24 @@ async def _write_frames_on_loop(
     sources: Sequence[Source | None],
     receipts: list[Receipt],
 ) -> None:
-    """(Without data threads.) Each frame's SUM goes out with the next frame's HEAD."""
-    pending_sum = b""
+    """(Without data threads.) As _write_frames: each frame's SUM goes out with the next frame's
+    HEAD (and the HEADs of any MISSING frames between), hashed as the kernel copies each piece out
+    (it is in the cache then) unless its checksum is given."""
+    prefix = b""
     for transfer, source in zip(order.transfers, sources):
         if source is None:
-            head = wire.encode_head(wire.Frame(wire.FrameStatus.MISSING, transfer.transfer_id, 0))
-            await sockio.send_all(loop, sock, [memoryview(pending_sum + head)])
-            pending_sum = b""
+            prefix += wire.encode_head(wire.Frame(wire.FrameStatus.MISSING, transfer.transfer_id, 0))
             receipts.append(Receipt(transfer.transfer_id, False, 0, 0))
             continue
         pieces = trim(source.views, source.size)
-        prefix = pending_sum + wire.encode_head(wire.Frame(wire.FrameStatus.OK, transfer.transfer_id, source.size))
-        # hashed as the kernel copies each piece out (it is in the cache then), unless given
+        prefix += wire.encode_head(wire.Frame(wire.FrameStatus.OK, transfer.transfer_id, source.size))
         digest = None if source.checksum is not None else StreamDigest(pieces, skip=len(prefix))
         await sockio.send_all(loop, sock, [memoryview(prefix), *pieces], digest.moved if digest else None)
         checksum = digest.intdigest() if digest is not None else source.checksum or 0
-        pending_sum = wire.encode_sum(checksum)
+        prefix = wire.encode_sum(checksum)
         receipts.append(Receipt(transfer.transfer_id, True, source.size, checksum))
-    if pending_sum:
-        await sockio.send_all(loop, sock, [memoryview(pending_sum)])
+    if prefix:
+        await sockio.send_all(loop, sock, [memoryview(prefix)])
 
 
 def _write_frames(

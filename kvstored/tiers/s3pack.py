@@ -276,7 +276,10 @@ class PackedS3Tier(S3Tier):
         buffered = self._buffered.get(chunk)
         if buffered is not None:  # still in memory (open, or its pack on its way)
             receiver = RecordReceiver(chunk, size, targets)
-            receiver.feed(buffered.records[chunk])
+            try:  # (a 2 MiB copy and hash: off the event loop)
+                await self._off_loop(receiver.feed, buffered.records[chunk])
+            except _Skipped:
+                return False
             return self._served(chunk, size, receiver.problem())
         found = self._packs.find(chunk)
         if found is None:
