@@ -13,6 +13,7 @@ lookup asks the daemon.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 from collections.abc import Iterator, Sequence
@@ -21,6 +22,8 @@ try:
     from kvstored_client import _keyindex
 except ImportError:  # built without a C compiler
     _keyindex = None  # type: ignore[assignment]
+
+log = logging.getLogger(__name__)
 
 available = _keyindex is not None
 
@@ -42,7 +45,11 @@ class KeyIndexView:
             os.close(fd)
         self.key_bytes = key_bytes
         if _keyindex is not None:
-            _keyindex.entries(self._map)  # checks the header: ValueError for anything else
+            try:
+                _keyindex.entries(self._map)  # checks the header: ValueError for anything else
+            except ValueError:
+                self.close()
+                raise
 
     def leading(self, keys: Sequence[bytes]) -> int:
         """How many keys, from the first, RAM holds (stops at the first it does not)."""
@@ -60,6 +67,17 @@ class KeyIndexView:
         if self._map is not None:
             self._map.close()
             self._map = None
+
+
+def open_view(namespace_id: str, fd: int, size: int, key_bytes: int) -> KeyIndexView | None:
+    """The index the daemon handed over (takes `fd`), or None where it cannot be mapped or read
+    (a daemon of another version, no memory for the mapping): that namespace's lookups ask the
+    daemon, as for an index it refused."""
+    try:
+        return KeyIndexView(fd, size, key_bytes)
+    except (ValueError, OSError) as exc:
+        log.warning("key index of namespace %s not usable (%s): its lookups ask the daemon", namespace_id, exc)
+        return None
 
 
 class Touches:

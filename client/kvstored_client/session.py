@@ -26,7 +26,7 @@ from kvstored_client.ahead import AheadSlots
 from kvstored_client.buffers import ChunkCopier, PoolArrays
 from kvstored_client.errors import InvalidArgument, KvstoredError, RegionFileMissing, Unavailable
 from kvstored_client.fast import FastLink
-from kvstored_client.keyindex import KeyIndexView, Touches
+from kvstored_client.keyindex import KeyIndexView, Touches, open_view
 from kvstored_client.paths import session_socket_path
 from kvstored_client.protocol import MAX_FDS, MAX_PACKET, Condition, Handshake, Packet, Reason
 
@@ -104,7 +104,7 @@ class PoolSession:
         except KvstoredError:
             self._indexes[namespace_id] = None
             return
-        self._indexes[namespace_id] = KeyIndexView(opened.fd, opened.size, opened.key_bytes)
+        self._indexes[namespace_id] = open_view(namespace_id, opened.fd, opened.size, opened.key_bytes)
 
     def arena_arrays(self, arena_id: int) -> PoolArrays:
         """The arrays of an arena's mapping (0: the pool); a tenant arena is mapped on first use."""

@@ -14,7 +14,7 @@ import pytest
 
 from kvstored.shm.keyindex import KeyIndex
 from kvstored_client import _keyindex
-from kvstored_client.keyindex import KeyIndexView
+from kvstored_client.keyindex import KeyIndexView, open_view
 
 
 def test_adds_and_removes_in_any_order_leave_exactly_the_keys_held():
@@ -77,3 +77,15 @@ def test_what_is_not_a_table_is_refused():
         _keyindex.probe(bytearray(4096), [b"k" * 32])
     with pytest.raises(ValueError, match="power of two"):
         _keyindex.init(bytearray(4096), 32, 100)
+
+
+def test_an_index_the_client_cannot_read_is_none_and_its_lookups_ask_the_daemon(tmp_path, caplog):
+    """A mapping whose header is not a key index (a daemon of another version): no error for the
+    caller, a warning, and the descriptor closed."""
+    path = tmp_path / "not-an-index"
+    path.write_bytes(bytes(4096))
+    fd = os.open(path, os.O_RDONLY)
+    assert open_view("ns", fd, 4096, 32) is None
+    with pytest.raises(OSError):
+        os.fstat(fd)  # (taken and closed)
+    assert "key index of namespace ns not usable" in caplog.text

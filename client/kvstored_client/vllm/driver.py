@@ -53,7 +53,7 @@ from kvstored_client.errors import (
     UnknownSession,
     from_rpc_error,
 )
-from kvstored_client.keyindex import KeyIndexView
+from kvstored_client.keyindex import KeyIndexView, open_view
 from kvstored_client.ops import NamespaceSpec
 from kvstored_client.paths import session_socket_path
 from kvstored_client.protocol import (
@@ -602,7 +602,7 @@ class DaemonLink:
             log.debug("kvstored refused the key index of %s: %s", namespace_id, exc)
             self.indexes[namespace_id] = None
             return
-        self.indexes[namespace_id] = KeyIndexView(opened.fd, opened.size, opened.key_bytes)
+        self.indexes[namespace_id] = open_view(namespace_id, opened.fd, opened.size, opened.key_bytes)
 
     # -- internals --------------------------------------------------------------------------
 
