@@ -60,8 +60,5 @@ class AheadSlots:
 
         return add
 
-    def handles(self) -> list[int]:
-        return [slot.handle for slots in self._slots.values() for slot in slots]
-
     def clear(self) -> None:
         self._slots.clear()

@@ -246,13 +246,10 @@ class MapIndex:
 
 @dataclass(frozen=True)
 class Settle:
-    """Read the answers of the session's posted calls (blocking, within the call's deadline)."""
+    """Read the answers of the session's posted calls (blocking, within the call's deadline: the
+    driver's _settle)."""
 
     session: PoolSession
-
-    def run(self, timeout: float) -> None:
-        if self.session.fast is not None:
-            self.session.fast.settle(timeout)
 
 
 Op = Generator[Call | Copy | MapArena | MapIndex | Settle, Any, Any]

@@ -249,7 +249,8 @@ class TierChain:
     def resident(self, ns: Namespace) -> tuple[int, list[bytes]]:
         """For a key index of `ns`: the most chunks of it RAM could hold (all of RAM), and the
         keys of those it holds (READY) now."""
-        return self.pool_bytes // self._room.slot_bytes(ns), self.ram.ready_keys(ns.namespace_id)
+        held = [key for namespace_id, key in self.ram.ready_chunks() if namespace_id == ns.namespace_id]
+        return self.pool_bytes // self._room.slot_bytes(ns), held
 
     def touch(self, ns: Namespace, keys: Sequence[bytes], lookups: int = 0) -> int:
         """Keys a client found in RAM by itself (its key index), each once for `lookups` key

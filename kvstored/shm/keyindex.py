@@ -81,10 +81,6 @@ class KeyIndex:
     def holds(self, keys: list[bytes]) -> list[bool]:
         return [bool(b) for b in _keyindex.probe(self._map, keys)]
 
-    @property
-    def entries(self) -> int:
-        return _keyindex.entries(self._map)
-
     def close(self) -> None:
         self._map.close()
         os.close(self.fd)
@@ -104,9 +100,6 @@ class KeyIndexes:
             for key in keys:
                 table.add(key)
         return table
-
-    def get(self, namespace_id: str) -> KeyIndex | None:
-        return self._tables.get(namespace_id)
 
     # -- RamTier's resident listener --------------------------------------------------------
 

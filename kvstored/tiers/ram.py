@@ -220,11 +220,6 @@ class RamTier:
     def set_listener(self, listener: ResidentListener | None) -> None:
         self._listener = listener
 
-    def ready_keys(self, namespace_id: str) -> list[bytes]:
-        """The keys of the namespace's READY chunks (a scan: once per key index made)."""
-        ready = EntryState.READY
-        return [c[1] for c, e in self._index.items() if c[0] == namespace_id and e.state is ready]
-
     def set_releaser(self, release: Releaser | None) -> None:
         """`release(arena, runs)` returns pages to the kernel, then calls `released()`."""
         self._release = release
