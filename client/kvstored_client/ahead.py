@@ -24,7 +24,6 @@ class AheadSlots:
     def __init__(self, enabled: bool = False) -> None:
         self.enabled = enabled
         self._slots: dict[str, list[Any]] = {}
-        self.coming = 0  # posted Commits whose answers (with new slots) are not read yet
 
     def held(self, namespace_id: str) -> int:
         return len(self._slots.get(namespace_id, ()))
@@ -51,10 +50,7 @@ class AheadSlots:
     def adder(self, namespace_id: str):  # -> Callable[[response with .ahead], None]
         """What a posted Commit's answer is handed to: its new slots join the namespace's."""
 
-        self.coming += 1
-
         def add(response: Any) -> None:  # (None: the Commit failed; its slots went with it)
-            self.coming -= 1
             if response is not None:
                 self.add(namespace_id, response.ahead)
 

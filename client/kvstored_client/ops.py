@@ -303,9 +303,9 @@ def store(
             held = index.holds(keys)
             todo = [i for i, h in enumerate(held) if not h]
             slots = ahead.take(ns.namespace_id, len(todo)) if todo else []
-            if slots is None and ahead.coming:
-                # Slots are on their way in posted answers: those come, or are there already;
-                # reading them costs less than a Reserve.
+            if slots is None and session.fast is not None and session.fast.owed:
+                # Slots may be on their way in posted Commits' answers: those come, or are there
+                # already; reading them costs less than a Reserve.
                 yield Settle(session)
                 slots = ahead.take(ns.namespace_id, len(todo))
             if slots is not None:
@@ -395,7 +395,6 @@ def _store_ahead(
         if answer is POSTED:
             states = [pb.SLOT_STATE_RESERVED] * len(todo)
         else:
-            session.ahead.coming -= 1  # (not posted: answered here)
             session.ahead.add(ns.namespace_id, answer.ahead)
             states = list(answer.states)
         for i, state in zip(todo, states):
