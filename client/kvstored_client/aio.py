@@ -184,7 +184,7 @@ class AsyncClient(ClientBase):
                     elif isinstance(effect, ops.Settle):
                         pass  # (this client posts nothing: every answer is awaited)
                     elif isinstance(effect, (ops.MapArena, ops.MapIndex)):  # socket work, off the loop
-                        await _to_the_end(asyncio.to_thread(effect.run))
+                        await _to_the_end(asyncio.to_thread(effect.run, _remaining(deadline)))
                     elif isinstance(effect, ops.Copy):
                         if effect.nbytes < OFF_LOOP_COPY_BYTES:
                             effect.run()

@@ -497,7 +497,9 @@ class Client(ClientBase):
                     if effect is OPEN_SESSION:
                         result = self._session_step(_remaining(deadline))
                         self._ready_ahead(result[0])
-                    elif isinstance(effect, (ops.Copy, ops.MapArena, ops.MapIndex)):
+                    elif isinstance(effect, (ops.MapArena, ops.MapIndex)):
+                        effect.run(_remaining(deadline))
+                    elif isinstance(effect, ops.Copy):
                         effect.run()
                     elif isinstance(effect, ops.Settle):
                         self._settle(deadline)

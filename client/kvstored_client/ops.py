@@ -224,24 +224,26 @@ class Copy:
 
 @dataclass(frozen=True)
 class MapArena:
-    """Map a tenant's arena (a blocking exchange on the session socket)."""
+    """Map a tenant's arena (a blocking exchange on the session socket, within the call's
+    remaining time)."""
 
     session: PoolSession
     arena: int
 
-    def run(self) -> None:
-        self.session.map_arena(self.arena)
+    def run(self, timeout: float) -> None:
+        self.session.map_arena(self.arena, timeout)
 
 
 @dataclass(frozen=True)
 class MapIndex:
-    """Map a namespace's key index (a blocking exchange on the session socket; once a session)."""
+    """Map a namespace's key index (a blocking exchange on the session socket, within the call's
+    remaining time; once a session)."""
 
     session: PoolSession
     namespace_id: str
 
-    def run(self) -> None:
-        self.session.map_index(self.namespace_id)
+    def run(self, timeout: float) -> None:
+        self.session.map_index(self.namespace_id, timeout)
 
 
 @dataclass(frozen=True)

@@ -72,10 +72,13 @@ class PoolSession:
             sock.close()
             raise
 
-    def map_arena(self, arena_id: int) -> None:
-        """Map a tenant arena (this session registered one of its namespaces) unless mapped."""
+    def map_arena(self, arena_id: int, timeout: float | None = None) -> None:
+        """Map a tenant arena (this session registered one of its namespaces) unless mapped; the
+        exchange within `timeout` (None: the socket's own)."""
         if arena_id == 0 or arena_id in self._arenas:
             return
+        if timeout is not None:
+            self._sock.settimeout(timeout)
         opened = self._handshake.arena_from(*self._exchange(self._handshake.open_arena(arena_id)))
         try:
             mapped = mmap.mmap(opened.fd, opened.size, flags=mmap.MAP_SHARED)

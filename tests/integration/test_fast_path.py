@@ -17,6 +17,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client.errors import KvstoredError, from_rpc_error
 from kvstored_client.fast import ENV, fast_path_default
 from kvstored_client.protocol import MAX_PACKET
+from kvstored_client.session import SETTLE_S
 from tests.support.data import make_keys, payloads
 from tests.support.rpc import raw
 from tests.support.wait import wait_for
@@ -240,6 +242,32 @@ def test_a_stopped_daemon_costs_a_deadline_then_a_new_session(daemon, ns_name):
         assert c.load(ns, keys, out) == 2  # late answers went with the old session
         np.testing.assert_array_equal(out, data)
         assert wait_for(lambda: daemon.stats().sessions == 1 and daemon.stats().leases == 0), daemon.stats()
+
+
+def test_mapping_a_namespaces_key_index_keeps_the_calls_deadline(daemon, ns_name):
+    """A store of a namespace whose key index the session has not mapped yet asks the daemon for
+    it first; with the daemon not answering, that exchange ends at the call's deadline (not the
+    session socket's 5 s bound on settling) and the store is dropped."""
+    keys = make_keys(ns_name, 2)
+    later = make_keys(f"{ns_name}/later", 2)
+    data = payloads(keys, CHUNK)
+    with daemon.client(deadline_s=0.5) as c:
+        ns = c.register_namespace(model=ns_name, dtype="uint8", chunk_bytes=CHUNK)
+        assert c.store(ns, keys, data) == StoreResult(stored=2)
+        other = c.register_namespace(model=f"{ns_name}/later", dtype="uint8", chunk_bytes=CHUNK)
+        session = c._session
+        assert session is not None and not session.index_tried(other.namespace_id)
+        c.stats()  # (the posted Commit's answer read: nothing is owed when the daemon stops)
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert c.store(other, later, payloads(later, CHUNK)).stored == 0
+            took = time.monotonic() - started
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        assert took < SETTLE_S / 2, f"the store took {took:.1f} s with a 0.5 s deadline"
+        c.deadline_s = 10.0
+        assert c.store(other, later, payloads(later, CHUNK)) == StoreResult(stored=2)  # a new session
 
 
 HOLDER = textwrap.dedent(
