@@ -93,6 +93,7 @@ class ClusterClient:
             owners = self._route(pending, batch.slots, asking)
             retry: list[int] = []
             pause = False
+            refused: RedisError | None = None
             sent = await self._send(owners, batch, asking)
             try:
                 for address, indices, conn, request in sent:
@@ -108,7 +109,10 @@ class ClusterClient:
                         retry += indices
                         pause = True
                         continue
-                    pause |= self._collect(address, indices, replies, batch, asking, out, retry)
+                    try:
+                        pause |= self._collect(address, indices, replies, batch, asking, out, retry)
+                    except RedisError as exc:  # (raised once every master's replies are read:
+                        refused = refused or exc  # their connections stay in step)
             except BaseException:
                 # the deadline (or an error) with replies outstanding: those connections are in
                 # an unknown state, and a frozen node must not keep our bytes (the request awaited
@@ -117,6 +121,8 @@ class ClusterClient:
                     if request is not None and (not request.done() or request.cancelled()):
                         self._lost(address, conn)
                 raise
+            if refused is not None:
+                raise refused
             if not retry:
                 return out
             pending = sorted(retry)

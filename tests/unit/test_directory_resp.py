@@ -233,3 +233,55 @@ async def test_a_master_that_stops_answering_a_batch_loses_its_connection_at_the
                     await client.execute(batch)
             assert client._conns == {}, f"call {call}: the frozen master's connection was kept"
         assert connections >= 2
+
+
+async def test_an_error_reply_from_one_master_leaves_the_others_connections_in_step():
+    """A batch over two masters, one answering with an error the cluster does not redirect
+    (WRONGTYPE) at once and the other a moment later: the call fails with that error, and the
+    other master's connection stays, its reply read (it is still in step, not dropped)."""
+    slow_answered = asyncio.Event()
+    servers: list[asyncio.Server] = []
+    addresses: list[tuple[str, int]] = []
+
+    def slot_map() -> bytes:
+        entries = [(0, 8191, addresses[0]), (8192, 16383, addresses[1])]
+        out = f"*{len(entries)}\r\n"
+        for first, last, (host, port) in entries:
+            out += f"*3\r\n:{first}\r\n:{last}\r\n*2\r\n${len(host)}\r\n{host}\r\n:{port}\r\n"
+        return out.encode()
+
+    def serving(index: int):
+        async def script(reader, writer):
+            while data := await reader.read(65536):
+                if b"SLOTS" in data:
+                    writer.write(slot_map())
+                elif index == 0:
+                    writer.write(b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n")
+                else:
+                    await asyncio.sleep(0.1)
+                    writer.write(b"$-1\r\n")
+                    slow_answered.set()
+                await writer.drain()
+
+        return script
+
+    for index in range(2):
+        server, address = await _server(serving(index))
+        servers.append(server)
+        addresses.append(address)
+    try:
+        client = ClusterClient([addresses[0]])
+        batch = Batch()
+        batch.add(0, encode(b"GET", b"a"))
+        batch.add(10000, encode(b"GET", b"b"))
+        with pytest.raises(RedisError, match="WRONGTYPE"):
+            async with asyncio.timeout(5):
+                await client.execute(batch)
+        assert slow_answered.is_set()
+        assert set(client._conns) == set(addresses), "a master that answered in step lost its connection"
+        assert all(conn.usable for conn in client._conns.values())
+        client.close()
+    finally:
+        for server in servers:
+            server.close()
+            await server.wait_closed()
