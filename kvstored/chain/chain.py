@@ -57,10 +57,12 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-# Slots reserved ahead (reserve_ahead) one session may hold per namespace, and the share of RAM
-# (and of a quota) they may take at most.
+# Slots reserved ahead (reserve_ahead) one session may hold per namespace, the share of RAM (and
+# of a quota) they may take at most, and the share of RAM all sessions' together may take (many
+# idle writers must not push the cache out of RAM).
 AHEAD_PER_SESSION = 32
 AHEAD_SHARE = 32
+AHEAD_TOTAL_SHARE = 8
 
 Proceed = Callable[[], None]
 """The caller's last word: called once the chain has done its waiting (for room, promotions),
@@ -436,6 +438,12 @@ class TierChain:
             return 0
         smallest = min(self.ram.limit_bytes(scope) for scope in (None, *self._room.scopes(ns)))
         return min(AHEAD_PER_SESSION, smallest // AHEAD_SHARE // self._room.slot_bytes(ns))
+
+    def ahead_room(self, ns: Namespace) -> int:
+        """Slots of `ns` that may still be reserved ahead by any session: every session's
+        together stay within 1/AHEAD_TOTAL_SHARE of RAM."""
+        unclaimed = self.ram.limit_bytes() // AHEAD_TOTAL_SHARE - self.ram.unkeyed_bytes
+        return max(0, unclaimed // self._room.slot_bytes(ns))
 
     def reserve_ahead(self, ns: Namespace, count: int) -> list[AheadGrant]:
         """Up to `count` RAM slots for chunks of `ns` whose keys come with their commit

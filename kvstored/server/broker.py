@@ -125,11 +125,13 @@ class SessionBroker:
 
     def reserve_ahead(self, session: Session, ns: Namespace, count: int) -> list[Slot]:
         """Slots reserved ahead for the session's later stores in `ns`, up to what a session may
-        hold (TierChain.ahead_limit); they count against RAM and the namespace's quotas like any
-        reservation and are freed when the session ends."""
+        hold (TierChain.ahead_limit) and what all sessions may (TierChain.ahead_room); they count
+        against RAM and the namespace's quotas like any reservation and are freed when the
+        session ends."""
         session.check_open()
         held = session.ahead.get(ns.namespace_id, 0)
-        grants = self._chain.reserve_ahead(ns, max(0, min(count, self._chain.ahead_limit(ns) - held)))
+        allowed = min(count, self._chain.ahead_limit(ns) - held, self._chain.ahead_room(ns))
+        grants = self._chain.reserve_ahead(ns, max(0, allowed))
         if grants:
             session.ahead[ns.namespace_id] = held + len(grants)
         return [

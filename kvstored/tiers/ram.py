@@ -199,6 +199,7 @@ class RamTier:
         self.capacity_bytes = self._capacity_pages * page_bytes
         self._arenas: dict[int, PageAllocator] = {PUBLIC_ARENA: PageAllocator(self._capacity_pages, populated)}
         self._used_pages = 0  # pages held by chunks, all arenas together
+        self._unkeyed_pages = 0  # of those, reservations whose key is not named yet (reserve_unkeyed)
         self._resident_pages = self._arenas[PUBLIC_ARENA].resident_pages  # all arenas together
         self._index: dict[ChunkId, RamEntry] = {}
         self._lru: OrderedDict[ChunkId, RamEntry] = OrderedDict()  # oldest first
@@ -269,6 +270,11 @@ class RamTier:
     @property
     def used_bytes(self) -> int:
         return self._used_pages * self.page_bytes
+
+    @property
+    def unkeyed_bytes(self) -> int:
+        """RAM held by reservations whose key is not named yet (reserve_unkeyed)."""
+        return self._unkeyed_pages * self.page_bytes
 
     def room_bytes(self, scope: QuotaScope | None = None) -> int:
         """What may still be reserved: in the tier (scope None), or within a quota scope."""
@@ -419,6 +425,7 @@ class RamTier:
         reservation = self._allocate((namespace_id, b""), size)
         if reservation.entry is not None:
             reservation.entry.indexed = False
+            self._unkeyed_pages += reservation.entry.pages
         return reservation
 
     def bind(self, entry: RamEntry, chunk: ChunkId) -> ReserveOutcome:
@@ -433,6 +440,7 @@ class RamTier:
         entry.chunk = chunk
         entry.indexed = True
         self._index[chunk] = entry
+        self._unkeyed_pages -= entry.pages
         return ReserveOutcome.RESERVED
 
     def _allocate(self, chunk: ChunkId, size: int) -> Reservation:
@@ -482,6 +490,8 @@ class RamTier:
     def abort(self, entry: RamEntry) -> None:
         if entry.state is not EntryState.RESERVED:
             raise ValueError("abort of a chunk that is not reserved")
+        if not entry.chunk[1]:  # (never bound: an unkeyed reservation)
+            self._unkeyed_pages -= entry.pages
         self._unindex(entry)
         self._free(entry)
 

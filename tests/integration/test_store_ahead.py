@@ -8,6 +8,7 @@ grants none."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -205,3 +206,48 @@ def test_a_store_a_closed_client_reported_is_there_for_the_next_connection(daemo
         with daemon.client(fast_path=False, key_index=False) as other:
             ns = other.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
             assert other.lookup(ns, [first, posted]).prefix_hits == 2
+
+
+def test_all_sessions_together_hold_at_most_an_eighth_of_ram_ahead(daemon_factory, ns_name):
+    # 32 MiB RAM of 64 KiB chunks: a session may hold 16 ahead (1/32 of RAM), all sessions 64 (1/8).
+    d = daemon_factory(cpu_bytes="32MiB")
+    keys = make_keys(ns_name, 8)
+    with contextlib.ExitStack() as stack:
+        conns = [stack.enter_context(raw(d.socket)) for _ in range(5)]
+        nsid = conns[0].register(ns_name, CHUNK)
+
+        def reserve(conn, key: bytes, ahead: int):
+            request = pb.ReserveRequest(session_id=conn.session_id, namespace_id=nsid, keys=[key], ahead=ahead)
+            return conn.call("Reserve", request)
+
+        granted = [reserve(conn, keys[i], 16) for i, conn in enumerate(conns)]
+        assert [len(g.ahead) for g in granted] == [16, 16, 16, 16, 0]
+        assert d.stats().ahead_slots == 64
+        # Slots committed under their keys are no longer held ahead: room for others again.
+        first = granted[0]
+        pool = conns[0].session.pool
+        assert pool is not None
+        for slot, key in zip(first.ahead[:4], keys[5:]):
+            (extent,) = slot.extents
+            pool[extent.offset : extent.offset + CHUNK] = payloads([key], CHUNK)[0]
+        done = conns[0].call(
+            "Commit",
+            pb.CommitRequest(
+                session_id=conns[0].session_id,
+                handles=[s.handle for s in first.ahead[:3]],
+                keys=keys[5:8],
+                namespace_id=nsid,
+            ),
+        )
+        assert done.committed == 3
+        assert len(reserve(conns[4], keys[4], 16).ahead) == 3
+        # A session that ends gives its slots back to the others.
+        conns[1].close()
+        assert wait_for(lambda: d.stats().ahead_slots == 48)
+        assert len(reserve(conns[4], keys[4], 16).ahead) == 13  # up to its own 16
+        leases = conns[0].acquire(nsid, keys[5:8])
+        assert [conns[0].read_extents(lease.extents) for lease in leases] == [
+            p.tobytes() for p in payloads(keys[5:8], CHUNK)
+        ]
+        conns[0].release([lease.handle for lease in leases])
+    assert wait_for(lambda: d.stats().ahead_slots == 0)
