@@ -266,7 +266,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if not self._visible(ns, session):  # (no slot was ever granted for it: nothing to free)
             raise InvalidRequest(f"namespace {ns.namespace_id} has no slots reserved ahead in this session")
         self._offer_identities(ns, keys, request.blocks)
-        outcomes = self._broker.commit_ahead(session, ns, request.handles, keys) if keys else []
+        outcomes = self._broker.commit_ahead(session, ns, request.handles, keys) if keys or request.handles else []
         ahead = self._broker.reserve_ahead(session, ns, request.ahead) if request.ahead else []
         return pb.CommitResponse(
             committed=outcomes.count(ReserveOutcome.RESERVED),
