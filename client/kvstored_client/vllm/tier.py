@@ -62,6 +62,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client.blocks import to_pb as blocks_pb
 from kvstored_client.droplog import DropLog
+from kvstored_client.keyindex import Touches
 from kvstored_client.kinds import DropReason
 from kvstored_client.paths import default_socket_path
 from kvstored_client.vllm.driver import Call, DaemonLink, LinkOptions, LinkState, Outcome, outcome
@@ -227,7 +228,7 @@ class KvstoredTierManager(SecondaryTierManager):
         )
         self._batcher: LookupBatcher[OffloadKey, ReqContext] = LookupBatcher()  # one lookup batch per namespace
         self._lookups: list[_LookupCall] = []
-        self._touches: dict[str, list[OffloadKey]] = {}  # per namespace: keys found in its key index this step
+        self._touches = Touches()  # keys found in the namespaces' key indexes this step
         self.local_hits = 0  # lookups answered HIT from a key index (benches read it)
         self._waiting: deque[_Transfer] = deque()  # waiting for the session / namespace
         self._running: dict[int, _Transfer] = {}
@@ -491,23 +492,20 @@ class KvstoredTierManager(SecondaryTierManager):
         index = self._link.key_index(namespace_id)
         if index is None or not index.leading([key]):
             return False
-        self._touches.setdefault(namespace_id, []).append(key)
+        self._touches.add(namespace_id, [key], 0.0)  # (sent once per step: no clock needed)
         self._stats.increase_counter(KvstoredMetrics.LOCAL_HITS, 1, self._label)
         self.local_hits += 1
         return True
 
     def _send_touches(self) -> None:
-        touches, self._touches = self._touches, {}
+        touches, self._touches = self._touches, Touches()
         if not self._link.ready:
             return  # (a hint only: a session coming up has none to give)
-        for namespace_id, keys in touches.items():
-            for start in range(0, len(keys), self._max_batch_keys):
-                request = pb.TouchRequest(
-                    session_id=self._link.session_id,
-                    namespace_id=namespace_id,
-                    keys=keys[start : start + self._max_batch_keys],
-                )
-                self._link.call("Touch", request, timeout=self._lookup_timeout_s)  # (its answer: nothing to act on)
+        for namespace_id, keys, lookups in touches.take():  # (each key once, with the lookups it answered)
+            request = pb.TouchRequest(
+                session_id=self._link.session_id, namespace_id=namespace_id, keys=keys, lookups=lookups
+            )
+            self._link.call("Touch", request, timeout=self._lookup_timeout_s)  # (its answer: nothing to act on)
 
     def _flush_lookups(self) -> None:
         # Not sendable (session coming up, namespace registering, daemon slow or down): keys
