@@ -20,7 +20,7 @@ setup: $(STAMP) $(GEN)/kvstored_pb2.py
 
 # The daemon alone (what `make run` needs) and the tools to look at it (kvstoredctl, grpcurl): no
 # torch, no test tools; building the client generates the protobuf modules.
-$(RUN_STAMP): pyproject.toml client/pyproject.toml client/setup.py setup.py kvstored/shm/_safecopy.c client/kvstored_client/_ntcopy.c client/kvstored_client/_keyindex.c $(PROTOS)
+$(RUN_STAMP): pyproject.toml client/pyproject.toml client/setup.py setup.py kvstored/shm/_safecopy.c kvstored/peer/_rxframe.c client/kvstored_client/_ntcopy.c client/kvstored_client/_keyindex.c $(PROTOS)
 	@test -x $(BIN)/python || $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
 		echo "kvstored needs Python >= 3.11; $(PYTHON) is $$($(PYTHON) -V 2>&1). On Ubuntu 22.04:" \
 			"sudo add-apt-repository ppa:deadsnakes/ppa && sudo apt-get install python3.11 python3.11-venv" \

@@ -70,6 +70,7 @@ log = logging.getLogger(__name__)
 
 _RECEIVED = ReceiveResult(ReceiveOutcome.RECEIVED)  # (one object for every chunk received)
 _MISSING = ReceiveResult(ReceiveOutcome.MISSING, "the peer does not hold the chunk")
+_MISMATCH = ReceiveResult(ReceiveOutcome.CORRUPT, "payload checksum mismatch")
 
 
 # -- fetching side ---------------------------------------------------------------------------
@@ -370,6 +371,13 @@ def _read_frames(
             if next_head:
                 sockio.recv_exactly(sock, next_head, end)
             continue
+        if sockio.HASHED_RECV:  # (the same, in C: no GIL taken per step)
+            moved, checksum, error = sockio.recv_hashed(sock, [*slot_pieces, trailer, *next_head], transfer.size, end)
+            if moved >= transfer.size + wire.SUM_BYTES:  # (only the next HEAD may be missing)
+                results[i] = _RECEIVED if checksum == wire.decode_sum(trailer) else _MISMATCH
+            if error is not None:
+                raise error
+            continue
         digest = StreamDigest(slot_pieces)
         try:
             sockio.recv_exactly(sock, [*slot_pieces, trailer, *next_head], end, digest.moved)
@@ -396,9 +404,7 @@ def _checked_head(
 
 
 def _judge(digest: StreamDigest, trailer: memoryview) -> ReceiveResult:
-    if digest.intdigest() != wire.decode_sum(trailer):
-        return ReceiveResult(ReceiveOutcome.CORRUPT, "payload checksum mismatch")
-    return _RECEIVED
+    return _RECEIVED if digest.intdigest() == wire.decode_sum(trailer) else _MISMATCH
 
 
 # -- serving side ----------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from kvstored.peer import (
     UcxConfig,
     make_link,
     make_server,
+    sockio,
     ucx_runtime,
     wire,
 )
@@ -86,11 +87,14 @@ async def ucx_context():
     ucx_runtime.release()
 
 
-@pytest_asyncio.fixture(params=[*TRANSPORTS, "tcp-threads"], loop_scope="module")
-async def pair(request, ucx_context):
-    """A server and a link to it: over UCX, over TCP on the event loop, over TCP in data threads."""
-    kind = TransportKind(request.param.removesuffix("-threads"))
-    config = replace(CONFIG, threads=request.param.endswith("-threads"))
+@pytest_asyncio.fixture(params=[*TRANSPORTS, "tcp-threads", "tcp-threads-python"], loop_scope="module")
+async def pair(request, ucx_context, monkeypatch):
+    """A server and a link to it: over UCX, over TCP on the event loop, over TCP in data threads
+    (frames read in C where it is built, and in Python)."""
+    kind = TransportKind(request.param.split("-")[0])
+    config = replace(CONFIG, threads="-threads" in request.param)
+    if request.param.endswith("-python"):
+        monkeypatch.setattr(sockio, "HASHED_RECV", False)
     server = make_server(kind, "127.0.0.1", 0, config)
     address = await server.start()
     link = make_link(kind, address, config)
@@ -338,10 +342,12 @@ class FakeServer:
         self.sock.close()
 
 
-@pytest_asyncio.fixture(params=["loop", "threads"], loop_scope="module")
-async def fake(request):
+@pytest_asyncio.fixture(params=["loop", "threads", "threads-python"], loop_scope="module")
+async def fake(request, monkeypatch):
     server = FakeServer()
-    link = make_link(TransportKind.TCP, server.address, replace(CONFIG, threads=request.param == "threads"))
+    if request.param == "threads-python":
+        monkeypatch.setattr(sockio, "HASHED_RECV", False)
+    link = make_link(TransportKind.TCP, server.address, replace(CONFIG, threads=request.param != "loop"))
     yield server, link
     await link.close()
     server.close()
