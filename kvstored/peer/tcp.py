@@ -11,9 +11,10 @@ event loop. Its frames are read straight into the slot's views, each payload has
   recv_into in a thread all reach the raw socket's rate within the noise; asyncio streams would
   add a copy); every batch to every peer shares the loop's one CPU;
 - with data threads, in a thread of the link's pool (one per connection in use), in reads of up
-  to 512 KiB polled on a non-blocking socket (xxhash lets go of the GIL), the batch's result
-  handed to the loop with one call_soon_threadsafe: several batches (the fetcher's streams)
-  copy on several CPUs, at the price of the hand-offs (measured in docs/cluster.md).
+  to 512 KiB polled on a non-blocking socket, a whole frame per C call that holds no GIL
+  (_rxframe.c; in Python where it is not built), the batch's result handed to the loop with one
+  call_soon_threadsafe: several batches (the fetcher's streams) copy on several CPUs, at the
+  price of the hand-offs (measured in docs/cluster.md).
 A connection goes back to the pool only after every frame of the batch was read; a transfer that
 failed, timed out or was cancelled shuts the connection down (a task is cancelled; a thread's read
 ends at once), which is also how a transfer is cancelled on the wire (a thread that has not ended
