@@ -21,13 +21,20 @@ from kvstored.peer import sockio
 from kvstored.peer.errors import PeerUnreachable
 
 
-def test_it_is_built_wherever_libxxhash_is_there():
-    ctypes.CDLL("libxxhash.so.0")  # (Debian's libxxhash0: apt itself needs it)
-    assert sockio.HASHED_RECV, "kvstored.peer._rxframe was not built: `make setup` builds it"
+def test_it_is_used_wherever_libxxhash_is_there():
+    try:
+        ctypes.CDLL("libxxhash.so.0")  # (Debian's libxxhash0: apt itself needs it)
+    except OSError:  # elsewhere frames are read in Python
+        assert not sockio.HASHED_RECV
+    else:
+        assert sockio.HASHED_RECV, "kvstored.peer._rxframe was not built: `make setup` builds it"
 
 
 @pytest.fixture
 def pair():
+    """Two ends of a stream; the tests that take it need the C reader (built by `make setup`
+    where libxxhash0 is installed, as on every Debian and Ubuntu system)."""
+    assert sockio.HASHED_RECV, "kvstored.peer._rxframe is not built here"
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     b.setblocking(False)
     yield a, b
