@@ -136,7 +136,8 @@ static int receive(int fd, const Bufs *bufs, size_t payload, size_t step, double
         if (left <= 0)
             return TIMED_OUT;
         struct pollfd pfd = {fd, POLLIN, 0};
-        if (poll(&pfd, 1, (int)(left * 1000.0) + 1) < 0 && errno != EINTR) {
+        int ms = left > 60.0 ? 60000 : (int)(left * 1000.0) + 1; /* (a far deadline: poll again) */
+        if (poll(&pfd, 1, ms) < 0 && errno != EINTR) {
             *error = errno;
             return FAILED;
         }
