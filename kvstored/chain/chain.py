@@ -58,7 +58,7 @@ T = TypeVar("T")
 
 
 # Slots reserved ahead (reserve_ahead) one session may hold per namespace, the share of RAM (and
-# of a quota) they may take at most, and the share of RAM all sessions' together may take (many
+# of a quota) they may take at most, and the share of RAM all sessions together may take (many
 # idle writers must not push the cache out of RAM).
 AHEAD_PER_SESSION = 32
 AHEAD_SHARE = 32
