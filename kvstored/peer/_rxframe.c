@@ -56,7 +56,7 @@ typedef struct {
 } Cursor;
 
 static void advance(const Bufs *bufs, Cursor *at, size_t n) {
-    while (n && at->i < bufs->count) {
+    while (n && at->i < bufs->count) { /* (no buffer is empty: recv_frame leaves those out) */
         size_t room = bufs->len[at->i] - at->offset;
         size_t step = n < room ? n : room;
         at->offset += step;
@@ -170,6 +170,7 @@ static PyObject *recv_frame(PyObject *self, PyObject *args) {
     };
     PyObject *result = NULL;
     XXH3_state_t *state = NULL;
+    Py_ssize_t n_views = 0;
     if (views == NULL || bufs.base == NULL || bufs.len == NULL || bufs.iov == NULL) {
         PyErr_NoMemory();
         goto out;
@@ -177,8 +178,11 @@ static PyObject *recv_frame(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < count; i++) {
         if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(items, i), &views[i], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
             goto out;
-        bufs.base[i] = views[i].buf;
-        bufs.len[i] = (size_t)views[i].len;
+        n_views++;
+        if (views[i].len == 0)
+            continue; /* (an empty buffer takes no byte; the cursors must never stop on one) */
+        bufs.base[bufs.count] = views[i].buf;
+        bufs.len[bufs.count] = (size_t)views[i].len;
         bufs.total += (size_t)views[i].len;
         bufs.count++;
     }
@@ -201,7 +205,7 @@ static PyObject *recv_frame(PyObject *self, PyObject *args) {
 out:
     if (state != NULL)
         xxh3_free(state);
-    for (Py_ssize_t i = 0; i < bufs.count; i++)
+    for (Py_ssize_t i = 0; i < n_views; i++)
         PyBuffer_Release(&views[i]);
     PyMem_Free(views);
     PyMem_Free(bufs.base);
@@ -211,7 +215,27 @@ out:
     return result;
 }
 
+static PyObject *xxh3(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    if (!PyArg_ParseTuple(args, "y*", &data))
+        return NULL;
+    XXH3_state_t *state = xxh3_create();
+    if (state == NULL) {
+        PyBuffer_Release(&data);
+        return PyErr_NoMemory();
+    }
+    xxh3_reset(state);
+    xxh3_update(state, data.buf, (size_t)data.len);
+    unsigned long long digest = (unsigned long long)xxh3_digest(state);
+    xxh3_free(state);
+    PyBuffer_Release(&data);
+    return PyLong_FromUnsignedLongLong(digest);
+}
+
 static PyMethodDef methods[] = {
+    {"xxh3", xxh3, METH_VARARGS,
+     "xxh3(data) -> the xxh3-64 of data as this module computes it (so an importer can check the system's "
+     "libxxhash agrees with the chunk format's checksum)."},
     {"recv_frame", recv_frame, METH_VARARGS,
      "recv_frame(fd, buffers, payload, step, end) -> (outcome, moved, xxh3 of the payload, errno): fill every "
      "buffer from the non-blocking socket fd, `step` bytes per read at most, hashing its first `payload` bytes as "

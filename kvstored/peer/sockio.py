@@ -8,6 +8,7 @@ says why)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import select
 import socket
@@ -15,12 +16,20 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 
+import xxhash
+
 from kvstored.chunks.views import advance, as_bytes
 from kvstored.peer.errors import PeerUnreachable
 
 try:
     import kvstored.peer._rxframe as _rxframe
 except ImportError:  # (built without it, or no libxxhash on this system: frames are read in Python)
+    _rxframe = None  # type: ignore[assignment]
+
+_PROBE = b"kvstored: the system's xxh3 must be the chunk format's"
+if _rxframe is not None and _rxframe.xxh3(_PROBE) != xxhash.xxh3_64_intdigest(_PROBE):
+    # (a libxxhash older than 0.8 computes another XXH3: every frame would look corrupt)
+    logging.getLogger(__name__).warning("the system's libxxhash disagrees with xxhash: peer frames are read in Python")
     _rxframe = None  # type: ignore[assignment]
 
 HASHED_RECV = _rxframe is not None  # recv_hashed is there

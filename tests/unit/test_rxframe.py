@@ -111,3 +111,24 @@ def test_bad_arguments_are_refused(pair):
         _rxframe.recv_frame(b.fileno(), [memoryview(bytearray(8))], 9, 4096, time.monotonic() + 1)
     with pytest.raises(BufferError):  # a read-only buffer
         _rxframe.recv_frame(b.fileno(), [b"12345678"], 8, 4096, time.monotonic() + 1)
+
+
+def test_empty_buffers_anywhere_take_no_byte(pair):
+    from kvstored.peer import _rxframe
+
+    a, b = pair
+    a.sendall(b"abcdefgh")
+    bufs = [bytearray(0), bytearray(3), bytearray(0), bytearray(5), bytearray(0)]
+    outcome, moved, digest, _ = _rxframe.recv_frame(
+        b.fileno(), [memoryview(x) for x in bufs], 4, 1, time.monotonic() + 5
+    )
+    assert (outcome, moved) == (0, 8)
+    assert b"".join(bufs) == b"abcdefgh" and digest == xxhash.xxh3_64_intdigest(b"abcd")
+
+
+def test_its_xxh3_is_the_chunk_formats():
+    from kvstored.peer import _rxframe
+
+    assert sockio.HASHED_RECV
+    for data in (b"", b"x", os.urandom(240), os.urandom(1 << 20)):
+        assert _rxframe.xxh3(data) == xxhash.xxh3_64_intdigest(data)
