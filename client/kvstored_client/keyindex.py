@@ -100,13 +100,15 @@ class Touches:
     def __bool__(self) -> bool:
         return self._keys > 0
 
-    def take(self) -> Iterator[tuple[str, list[bytes], int]]:
-        """(namespace id, its distinct keys, the key lookups they stand for), in packets' worth."""
+    def take(self, per_request: int = TOUCH_PER_PACKET) -> Iterator[tuple[str, list[bytes], int]]:
+        """(namespace id, its distinct keys, the key lookups they stand for), at most
+        `per_request` keys at a time (a packet's worth, or fewer)."""
+        per_request = max(1, min(per_request, TOUCH_PER_PACKET))
         hits, self._hits, self._keys = self._hits, {}, 0
         for namespace_id, lookups in hits.items():
             distinct = list(dict.fromkeys(key for keys in lookups for key in keys))
             total = sum(map(len, lookups))
-            for start in range(0, len(distinct), TOUCH_PER_PACKET):
-                part = distinct[start : start + TOUCH_PER_PACKET]
+            for start in range(0, len(distinct), per_request):
+                part = distinct[start : start + per_request]
                 # (the first part carries the repeats: every key stands for one lookup at least)
                 yield namespace_id, part, total - (len(distinct) - len(part)) if start == 0 else len(part)

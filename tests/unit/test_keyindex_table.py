@@ -14,7 +14,7 @@ import pytest
 
 from kvstored.shm.keyindex import KeyIndex
 from kvstored_client import _keyindex
-from kvstored_client.keyindex import KeyIndexView, open_view
+from kvstored_client.keyindex import TOUCH_DELAY_S, KeyIndexView, Touches, open_view
 
 
 def test_adds_and_removes_in_any_order_leave_exactly_the_keys_held():
@@ -89,3 +89,25 @@ def test_an_index_the_client_cannot_read_is_none_and_its_lookups_ask_the_daemon(
     with pytest.raises(OSError):
         os.fstat(fd)  # (taken and closed)
     assert "key index of namespace ns not usable" in caplog.text
+
+
+def test_touches_name_each_key_once_and_carry_every_lookup_within_a_request_size():
+    touches = Touches()
+    keys = [bytes([i]) * 32 for i in range(5)]
+    touches.add("ns-a", keys[:3], 0.0)
+    touches.add("ns-a", keys[1:5], 0.0)  # keys 1 and 2 asked again
+    touches.add("ns-b", keys[:1], 0.0)
+    assert touches and not touches.due(0.0)  # (neither enough keys nor old enough yet)
+    assert touches.due(TOUCH_DELAY_S)
+    parts = list(touches.take(per_request=2))
+    assert not touches
+    assert (
+        parts
+        == [
+            ("ns-a", keys[0:2], 4),  # the first part carries the 2 repeats: 7 lookups in all
+            ("ns-a", keys[2:4], 2),
+            ("ns-a", keys[4:5], 1),
+            ("ns-b", keys[:1], 1),
+        ]
+    )
+    assert sum(n for ns, _, n in parts if ns == "ns-a") == 7

@@ -501,7 +501,8 @@ class KvstoredTierManager(SecondaryTierManager):
         touches, self._touches = self._touches, Touches()
         if not self._link.ready:
             return  # (a hint only: a session coming up has none to give)
-        for namespace_id, keys, lookups in touches.take():  # (each key once, with the lookups it answered)
+        # (each key once, with the lookups it answered; no more keys per request than the tier's batches)
+        for namespace_id, keys, lookups in touches.take(self._max_batch_keys):
             request = pb.TouchRequest(
                 session_id=self._link.session_id, namespace_id=namespace_id, keys=keys, lookups=lookups
             )
