@@ -28,7 +28,7 @@ from kvstored_client.client import (
     in_session,
 )
 from kvstored_client.copy_policy import MIN_PART_BYTES as OFF_LOOP_COPY_BYTES  # smaller: a thread hop costs more
-from kvstored_client.errors import KvstoredError
+from kvstored_client.errors import KvstoredError, Unavailable
 from kvstored_client.fast import fast_path_default
 from kvstored_client.kinds import LoadInto
 from kvstored_client.ops import Health, LookupResult, Namespace, NamespaceSpec, Region, StoreResult
@@ -184,7 +184,10 @@ class AsyncClient(ClientBase):
                     elif isinstance(effect, ops.Settle):
                         pass  # (this client posts nothing: every answer is awaited)
                     elif isinstance(effect, (ops.MapArena, ops.MapIndex)):  # socket work, off the loop
-                        await _to_the_end(asyncio.to_thread(effect.run, _remaining(deadline)))
+                        try:
+                            await _to_the_end(asyncio.to_thread(effect.run, _remaining(deadline)))
+                        except Unavailable as exc:
+                            raise self._set_up_failed(exc, deadline) from None
                     elif isinstance(effect, ops.Copy):
                         if effect.nbytes < OFF_LOOP_COPY_BYTES:
                             effect.run()

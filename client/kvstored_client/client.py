@@ -165,6 +165,15 @@ class ClientBase:
         self._abandon(plan, effect)
         raise exc
 
+    def _set_up_failed(self, exc: Unavailable, deadline: float) -> KvstoredError:
+        """A set-up exchange on the session socket (mapping an arena or a key index) that failed:
+        its answer may still come, so the session goes (a new one next call, which frees what
+        this one held); the call's time running out is its deadline, not the daemon gone."""
+        self._drop_session()
+        if time.monotonic() >= deadline:
+            return DeadlineExceeded(f"deadline exceeded while mapping ({exc})")
+        return exc
+
     def _rpc_failed(self, effect: Any, exc: grpc.RpcError) -> KvstoredError:
         """The error a failed call raises into its plan. A handle call that timed out may have
         been granted: the session goes, which frees whatever it was. A region transfer that was
@@ -380,12 +389,13 @@ class Client(ClientBase):
         session open, a lookup whose keys RAM holds all is answered from the namespace's key
         index, without asking the daemon (see docs/client.md)."""
         self._check_fork()
-        started = time.monotonic()
+        deadline = time.monotonic() + self.deadline_s  # (one deadline for the index and the daemon)
         with self._lock:
-            local = self._local_lookup(ns, keys)
-        if local is not None and time.monotonic() - started <= self.deadline_s:  # (deadlines hold here too)
+            local = self._local_lookup(ns, keys, deadline)
+        if local is not None and time.monotonic() <= deadline:
             return local
-        return self._run(lambda s: ops.lookup(ns, keys, s, load_into), LookupResult.miss(len(keys)), session=ns.private)
+        miss = LookupResult.miss(len(keys))
+        return self._run(lambda s: ops.lookup(ns, keys, s, load_into), miss, session=ns.private, deadline=deadline)
 
     def store(
         self, ns: Namespace, keys: Sequence[bytes], data: Any, blocks: Sequence[BlockIdentity | None] | None = None
@@ -455,8 +465,14 @@ class Client(ClientBase):
 
     # -- machinery --------------------------------------------------------------------------
 
-    def _run(self, build: Callable[[PoolSession | None], ops.Op], fallback: Any, session: bool = False) -> Any:
-        deadline = time.monotonic() + self.deadline_s
+    def _run(
+        self,
+        build: Callable[[PoolSession | None], ops.Op],
+        fallback: Any,
+        session: bool = False,
+        deadline: float | None = None,
+    ) -> Any:
+        deadline = time.monotonic() + self.deadline_s if deadline is None else deadline
         self._check_fork()
         with self._lock:
             if self._session is not None and self._session.touches.due(time.monotonic()):
@@ -498,7 +514,10 @@ class Client(ClientBase):
                         result = self._session_step(_remaining(deadline))
                         self._ready_ahead(result[0])
                     elif isinstance(effect, (ops.MapArena, ops.MapIndex)):
-                        effect.run(_remaining(deadline))
+                        try:
+                            effect.run(_remaining(deadline))
+                        except Unavailable as exc:
+                            raise self._set_up_failed(exc, deadline) from None
                     elif isinstance(effect, ops.Copy):
                         effect.run()
                     elif isinstance(effect, ops.Settle):
@@ -540,7 +559,7 @@ class Client(ClientBase):
             if link.broken:  # an answer may still come: never use this session again
                 self._drop_session()
 
-    def _local_lookup(self, ns: Namespace, keys: Sequence[bytes]) -> LookupResult | None:
+    def _local_lookup(self, ns: Namespace, keys: Sequence[bytes], deadline: float) -> LookupResult | None:
         """The lookup answered from the key index when RAM holds every key (its hits then
         posted to the daemon as a Touch); None: ask the daemon. Needs an open session with the
         fast path (the index is mapped on the first lookup of the namespace)."""
@@ -555,7 +574,7 @@ class Client(ClientBase):
             if link.closed():  # a stopped daemon's index may say anything: its next daemon's answers
                 self._drop_session()
                 return None
-            session.map_index(ns.namespace_id, self.deadline_s)
+            session.map_index(ns.namespace_id, max(deadline - time.monotonic(), 0.001))
             index = session.index(ns.namespace_id)
             if index is None or index.leading(keys) != len(keys):
                 return None
