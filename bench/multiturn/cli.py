@@ -12,7 +12,7 @@ from typing import Any
 
 import bench.multiturn
 from bench.lib.limits import apply_nt_threshold, nt_threshold_arg
-from bench.lib.report import REPO, fmt_bytes, load_average, machine_info, write_json
+from bench.lib.report import REPO, fmt_bytes, load_average, machine_info
 from bench.multiturn import nodes, nodes_main
 from bench.multiturn.bounds import bound_lines, slow_disk_lines
 from bench.multiturn.limits import Limits, measure_limits
@@ -21,7 +21,9 @@ from bench.multiturn.plan import (
     command_line,
     model_doc,
     parse_counts,
+    print_targets,
     section,
+    select_configs,
     setup,
     start_sweep_s3,
     sweep,
@@ -35,7 +37,6 @@ from bench.multiturn.report import (
     load_summary,
     model_lines,
     print_results,
-    print_rows,
     scaling_lines,
     target_rows,
 )
@@ -213,12 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         return nodes_main.main(ap, args, argv)
     if args.slow_disk and args.prefill_tokens_per_s is None:
         args.prefill_tokens_per_s = SLOW_DISK_PREFILL * MODELS[args.model].prefill_tokens_per_s
-    default = SLOW_DISK if args.slow_disk else CONFIGS
-    keys = [c.strip() for c in (args.configs or ",".join(c.key for c in default)).split(",") if c.strip()]
-    bad = [c for c in keys if c not in CONFIG_BY_KEY]
-    if bad:
-        ap.error(f"unknown configuration(s) {bad}; choose among {', '.join(CONFIG_BY_KEY)}")
-    configs = [CONFIG_BY_KEY[c] for c in keys]
+    default = [c.key for c in (SLOW_DISK if args.slow_disk else CONFIGS)]
+    configs = select_configs(ap, args.configs, default, CONFIG_BY_KEY, "configuration(s) {bad}")
     w, m, basis, derivation, sizes, sizes_conv = setup(ap, args)
     m = replace(m, register_rates=args.slow_disk or args.register_rates)
     counts = parse_counts(args.conversations)
@@ -255,9 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         "registered_prefill_tokens_per_s": m.gate_prefill_tokens_per_s,
     }
     if args.dry_run:
-        if args.json:
-            write_json(args.json, doc)
-            print(f"JSON written to {args.json}")
+        write_outputs(doc, args.json, None)
         return 0
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -296,12 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     section("what bounds RAM + fs at the largest count:", bounds)
     print()
     rows = target_rows(results, m, limits, sizes_conv)
-    print(
-        f"targets and ratios ({m.model_name}; load average over the sweep {load['min']:.1f}-{load['max']:.1f}, "
-        f"mean {load['mean']:.1f}, on {info['cpus']} CPUs):"
-    )
-    print_rows(rows)
-    print(f"sweep took {total_s:.0f} s; load average {load['start']:.2f} at start, {load['end']:.2f} at end")
+    print_targets(rows, m.model_name, load, info["cpus"], total_s)
 
     doc.update(
         {

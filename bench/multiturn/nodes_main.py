@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.lib.report import fmt_bytes, load_average, machine_info, write_json
+from bench.lib.report import fmt_bytes, load_average, machine_info
 from bench.multiturn.kvroute import ROUTING as KV_ROUTING
 from bench.multiturn.limits import Limits, measure_limits
 from bench.multiturn.model import MODELS, Model, Sizes, Workload
@@ -33,7 +33,9 @@ from bench.multiturn.plan import (
     command_line,
     model_doc,
     parse_counts,
+    print_targets,
     section,
+    select_configs,
     setup,
     start_sweep_s3,
     sweep,
@@ -46,7 +48,6 @@ from bench.multiturn.report import (
     load_summary,
     model_lines,
     print_results,
-    print_rows,
     scaling_lines,
 )
 from tests.support.redis_cluster import RedisCluster
@@ -67,13 +68,9 @@ MODELLED = [
 
 def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     default = DIRECTORY_KEYS if args.directory else CONFIG_KEYS
-    keys = [c.strip() for c in (args.configs or ",".join(default)).split(",") if c.strip()]
-    bad = [c for c in keys if c not in CONFIG_BY_KEY]
-    if bad:
-        ap.error(f"unknown set-up(s) {bad} with --nodes; choose among {', '.join(CONFIG_BY_KEY)}")
+    configs = select_configs(ap, args.configs, default, CONFIG_BY_KEY, "set-up(s) {bad} with --nodes")
     if args.settle_s < 0:
         ap.error("--settle-s must not be negative")
-    configs = [CONFIG_BY_KEY[c] for c in keys]
     n = args.nodes
     w, m, basis, derivation, sizes, sizes_conv = setup(ap, args)
     m = replace(m, register_rates=args.register_rates)
@@ -131,9 +128,7 @@ def main(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[s
         "registered_prefill_tokens_per_s": m.gate_prefill_tokens_per_s,
     }
     if args.dry_run:
-        if args.json:
-            write_json(args.json, doc)
-            print(f"JSON written to {args.json}")
+        write_outputs(doc, args.json, None)
         return 0
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -223,12 +218,7 @@ def _run(
         section(f"routing: round robin vs {KV_ROUTING}:", route_lines(results, kv_results))
     print()
     rows = target_rows(results, m, limits, raw_tcp, n)
-    print(
-        f"targets and ratios ({m.model_name}, {n} nodes; load average over the sweep {load['min']:.1f}-"
-        f"{load['max']:.1f}, mean {load['mean']:.1f}, on {info['cpus']} CPUs):"
-    )
-    print_rows(rows)
-    print(f"sweep took {total_s:.0f} s; load average {load['start']:.2f} at start, {load['end']:.2f} at end")
+    print_targets(rows, f"{m.model_name}, {n} nodes", load, info["cpus"], total_s)
 
     doc.update(
         {

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -16,6 +16,7 @@ from typing import Any, Protocol, TypeVar
 from bench.lib.report import GIB, write_json
 from bench.lib.s3 import S3, start_s3
 from bench.multiturn.model import MODELS, Basis, Config, Model, ModelSpec, Sizes, Workload, derive_model
+from bench.multiturn.report import print_rows
 
 
 class _Run(Protocol):
@@ -28,6 +29,30 @@ C = TypeVar("C", bound=Config)
 
 def parse_counts(text: str) -> list[int]:
     return sorted({int(x) for x in text.split(",") if x.strip()})
+
+
+def select_configs(
+    ap: argparse.ArgumentParser, text: str | None, default: Sequence[str], by_key: Mapping[str, C], unknown: str
+) -> list[C]:
+    """The set-ups --configs names (`default` without it); an unknown key is a usage error
+    ("unknown {unknown} [keys]; choose among ...")."""
+    keys = [c.strip() for c in (text or ",".join(default)).split(",") if c.strip()]
+    bad = [c for c in keys if c not in by_key]
+    if bad:
+        ap.error(f"unknown {unknown.format(bad=bad)}; choose among {', '.join(by_key)}")
+    return [by_key[c] for c in keys]
+
+
+def print_targets(
+    rows: Sequence[dict[str, Any]], heading: str, load: dict[str, float], cpus: int, sweep_s: float
+) -> None:
+    """The target rows under their heading, then what the sweep took (one node and several alike)."""
+    print(
+        f"targets and ratios ({heading}; load average over the sweep {load['min']:.1f}-{load['max']:.1f}, "
+        f"mean {load['mean']:.1f}, on {cpus} CPUs):"
+    )
+    print_rows(rows)
+    print(f"sweep took {sweep_s:.0f} s; load average {load['start']:.2f} at start, {load['end']:.2f} at end")
 
 
 def setup(
