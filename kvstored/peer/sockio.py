@@ -18,8 +18,9 @@ from collections.abc import Callable, Sequence
 
 import xxhash
 
-from kvstored.chunks.views import advance, as_bytes
-from kvstored.peer.errors import PeerUnreachable
+from kvstored.chunks.views import advance, as_bytes, trim
+from kvstored.peer.digest import StreamDigest
+from kvstored.peer.errors import PeerError, PeerUnreachable
 
 try:
     import kvstored.peer._rxframe as _rxframe
@@ -32,7 +33,7 @@ if _rxframe is not None and _rxframe.xxh3(_PROBE) != xxhash.xxh3_64_intdigest(_P
     logging.getLogger(__name__).warning("the system's libxxhash disagrees with xxhash: peer frames are read in Python")
     _rxframe = None  # type: ignore[assignment]
 
-HASHED_RECV = _rxframe is not None  # recv_hashed is there
+HASHED_RECV = _rxframe is not None  # recv_hashed reads in C
 _CLOSED, _TIMED_OUT, _FAILED = 1, 2, 3  # _rxframe.recv_frame's outcomes
 
 _IOV_MAX = 1024
@@ -156,11 +157,19 @@ def recv_exactly(
 def recv_hashed(
     sock: socket.socket, views: Sequence[memoryview], payload: int, end: float
 ) -> tuple[int, int, BaseException | None]:
-    """(A data-plane thread, `sock` non-blocking; needs HASHED_RECV.) As recv_exactly with the
-    first `payload` bytes hashed as they land (xxh3-64), in one C call that holds no GIL
-    throughout (_rxframe.c says why): (bytes moved, the payload's hash, None), or with the
-    error that ended it early (PeerUnreachable, TimeoutError, OSError) in place of None."""
+    """(A data-plane thread, `sock` non-blocking.) As recv_exactly with the first `payload`
+    bytes hashed as they land (xxh3-64): (bytes moved, the hash of what landed of the payload,
+    None), or with the error that ended it early (PeerUnreachable, TimeoutError, OSError) in
+    place of None. In one C call that holds no GIL throughout where it is built (HASHED_RECV;
+    _rxframe.c says why), else in Python."""
     bufs = [as_bytes(v) for v in views if len(v)]
+    if _rxframe is None:
+        digest = StreamDigest(trim(bufs, payload))
+        try:
+            recv_exactly(sock, bufs, end, digest.moved)
+        except (PeerError, OSError) as exc:
+            return digest.moved_bytes, digest.intdigest(), exc
+        return digest.moved_bytes, digest.intdigest(), None
     outcome, moved, checksum, errno = _rxframe.recv_frame(sock.fileno(), bufs, payload, RECV_STEP, end)
     error: BaseException | None = None
     if outcome == _CLOSED:

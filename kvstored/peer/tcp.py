@@ -356,7 +356,7 @@ def _read_frames(
     """(In a data-plane thread.) Read the order's frames, in order, each straight into its slot;
     fill in `results` as they come (a connection lost on the 5th leaves the first 4 received).
     The payload, its SUM and the next frame's HEAD (sent together) are one read of a few steps,
-    each hashed as it lands (sockio.recv_exactly). True if the stream is in step afterwards
+    each hashed as it lands (sockio.recv_hashed). True if the stream is in step afterwards
     (the connection can serve another order)."""
     head = memoryview(bytearray(wire.HEAD_BYTES))
     trailer = memoryview(bytearray(wire.SUM_BYTES))
@@ -372,21 +372,11 @@ def _read_frames(
             if next_head:
                 sockio.recv_exactly(sock, next_head, end)
             continue
-        if sockio.HASHED_RECV:  # (the same, in C: no GIL taken per step)
-            moved, checksum, error = sockio.recv_hashed(sock, [*slot_pieces, trailer, *next_head], transfer.size, end)
-            if moved >= transfer.size + wire.SUM_BYTES:  # (only the next HEAD may be missing)
-                results[i] = _RECEIVED if checksum == wire.decode_sum(trailer) else _MISMATCH
-            if error is not None:
-                raise error
-            continue
-        digest = StreamDigest(slot_pieces)
-        try:
-            sockio.recv_exactly(sock, [*slot_pieces, trailer, *next_head], end, digest.moved)
-        except (PeerError, OSError):
-            if digest.moved_bytes >= transfer.size + wire.SUM_BYTES:  # only the next HEAD is missing
-                results[i] = _judge(digest, trailer)
-            raise
-        results[i] = _judge(digest, trailer)
+        moved, checksum, error = sockio.recv_hashed(sock, [*slot_pieces, trailer, *next_head], transfer.size, end)
+        if moved >= transfer.size + wire.SUM_BYTES:  # (only the next HEAD may be missing)
+            results[i] = _RECEIVED if checksum == wire.decode_sum(trailer) else _MISMATCH
+        if error is not None:
+            raise error
     return True
 
 

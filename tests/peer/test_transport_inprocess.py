@@ -94,7 +94,7 @@ async def pair(request, ucx_context, monkeypatch):
     kind = TransportKind(request.param.split("-")[0])
     config = replace(CONFIG, threads="-threads" in request.param)
     if request.param.endswith("-python"):
-        monkeypatch.setattr(sockio, "HASHED_RECV", False)
+        monkeypatch.setattr(sockio, "_rxframe", None)
     server = make_server(kind, "127.0.0.1", 0, config)
     address = await server.start()
     link = make_link(kind, address, config)
@@ -346,7 +346,7 @@ class FakeServer:
 async def fake(request, monkeypatch):
     server = FakeServer()
     if request.param == "threads-python":
-        monkeypatch.setattr(sockio, "HASHED_RECV", False)
+        monkeypatch.setattr(sockio, "_rxframe", None)
     link = make_link(TransportKind.TCP, server.address, replace(CONFIG, threads=request.param != "loop"))
     yield server, link
     await link.close()

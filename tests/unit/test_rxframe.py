@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""The data threads' frame reader in C (kvstored/peer/_rxframe.c): a frame's bytes land in the
-given buffers whatever way the kernel splits them, the payload's xxh3-64 is the chunk format's
-checksum, and a peer that closes, a deadline that passes and a socket error each end the read
-with the bytes moved so far."""
+"""The data threads' frame reader (sockio.recv_hashed: in C, kvstored/peer/_rxframe.c, and in
+Python where that is not built): a frame's bytes land in the given buffers whatever way the
+kernel splits them, the payload's xxh3-64 is the chunk format's checksum, and a peer that
+closes, a deadline that passes and a socket error each end the read with the bytes moved so
+far."""
 
 from __future__ import annotations
 
@@ -31,15 +32,23 @@ def test_it_is_used_wherever_libxxhash_is_there():
 
 
 @pytest.fixture
-def pair():
-    """Two ends of a stream; the tests that take it need the C reader (built by `make setup`
-    where libxxhash0 is installed, as on every Debian and Ubuntu system)."""
+def c_pair():
+    """Two ends of a stream, for the C reader itself (built by `make setup` where libxxhash0 is
+    installed, as on every Debian and Ubuntu system)."""
     assert sockio.HASHED_RECV, "kvstored.peer._rxframe is not built here"
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     b.setblocking(False)
     yield a, b
     a.close()
     b.close()
+
+
+@pytest.fixture(params=["c", "python"])
+def pair(request, c_pair, monkeypatch):
+    """The same, read by recv_hashed in C and in Python (where the C reader is not built)."""
+    if request.param == "python":
+        monkeypatch.setattr(sockio, "_rxframe", None)
+    return c_pair
 
 
 def _send_slowly(sock: socket.socket, data: bytes, pieces: int) -> threading.Thread:
@@ -103,8 +112,8 @@ def test_a_socket_error_is_an_os_error(pair):
     assert moved == 0 and isinstance(error, OSError) and "Bad file descriptor" in str(error)
 
 
-def test_bad_arguments_are_refused(pair):
-    _, b = pair
+def test_bad_arguments_are_refused(c_pair):
+    _, b = c_pair
     from kvstored.peer import _rxframe
 
     with pytest.raises(ValueError, match="longer than the buffers"):
@@ -113,10 +122,10 @@ def test_bad_arguments_are_refused(pair):
         _rxframe.recv_frame(b.fileno(), [b"12345678"], 8, 4096, time.monotonic() + 1)
 
 
-def test_empty_buffers_anywhere_take_no_byte(pair):
+def test_empty_buffers_anywhere_take_no_byte(c_pair):
     from kvstored.peer import _rxframe
 
-    a, b = pair
+    a, b = c_pair
     a.sendall(b"abcdefgh")
     bufs = [bytearray(0), bytearray(3), bytearray(0), bytearray(5), bytearray(0)]
     outcome, moved, digest, _ = _rxframe.recv_frame(
