@@ -68,23 +68,12 @@ static void advance(const Bufs *bufs, Cursor *at, size_t n) {
     }
 }
 
-/* Hash the next `n` bytes from `at` (and move it past them). */
-static void hash_next(XXH3_state_t *state, const Bufs *bufs, Cursor *at, size_t n) {
-    while (n && at->i < bufs->count) {
-        size_t room = bufs->len[at->i] - at->offset;
-        size_t step = n < room ? n : room;
-        xxh3_update(state, bufs->base[at->i] + at->offset, step);
-        advance(bufs, at, step);
-        n -= step;
-    }
-}
-
 /* Fill `bufs` from `fd` (non-blocking); hash the first `payload` bytes as they land. Sets
  * *moved; returns DONE, CLOSED (the peer closed or the socket was shut down), TIMED_OUT or
  * FAILED (errno in *error). */
 static int receive(int fd, const Bufs *bufs, size_t payload, size_t step, double end, XXH3_state_t *state,
                    size_t *moved, int *error) {
-    Cursor read_at = {0, 0}, hash_at = {0, 0};
+    Cursor read_at = {0, 0};
     size_t pos = 0;
     int lowat = 0;
     while (pos < bufs->total) {
@@ -95,11 +84,9 @@ static int receive(int fd, const Bufs *bufs, size_t payload, size_t step, double
             size_t take = bufs->len[c.i] - c.offset;
             if (take > want)
                 take = want;
-            if (take) {
-                bufs->iov[n_iov].iov_base = bufs->base[c.i] + c.offset;
-                bufs->iov[n_iov].iov_len = take;
-                n_iov++;
-            }
+            bufs->iov[n_iov].iov_base = bufs->base[c.i] + c.offset;
+            bufs->iov[n_iov].iov_len = take;
+            n_iov++;
             want -= take;
             c.i++;
             c.offset = 0;
@@ -109,9 +96,12 @@ static int receive(int fd, const Bufs *bufs, size_t payload, size_t step, double
         msg.msg_iovlen = (size_t)n_iov;
         ssize_t n = recvmsg(fd, &msg, MSG_DONTWAIT);
         if (n > 0) {
-            if (pos < payload) {
-                size_t upto = pos + (size_t)n < payload ? pos + (size_t)n : payload;
-                hash_next(state, bufs, &hash_at, upto - pos);
+            /* what this read landed is the start of its iovecs: hash its payload part */
+            size_t unhashed = pos < payload ? (payload - pos < (size_t)n ? payload - pos : (size_t)n) : 0;
+            for (int k = 0; unhashed; k++) {
+                size_t part = bufs->iov[k].iov_len < unhashed ? bufs->iov[k].iov_len : unhashed;
+                xxh3_update(state, bufs->iov[k].iov_base, part);
+                unhashed -= part;
             }
             pos += (size_t)n;
             advance(bufs, &read_at, (size_t)n);
