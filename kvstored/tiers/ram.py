@@ -105,6 +105,7 @@ class RamEntry:
     state: EntryState = EntryState.RESERVED
     leases: int = 0
     indexed: bool = True
+    unkeyed: bool = False  # reserved ahead of its key (reserve_unkeyed), not bound yet
     persisted: bool = False  # a lower tier holds a copy: dropping it loses nothing
     writing: bool = False  # a write-down is reading its pages
     touched: bool = False  # used while being written down: keep it afterwards
@@ -425,6 +426,7 @@ class RamTier:
         reservation = self._allocate((namespace_id, b""), size)
         if reservation.entry is not None:
             reservation.entry.indexed = False
+            reservation.entry.unkeyed = True
             self._unkeyed_pages += reservation.entry.pages
         return reservation
 
@@ -432,13 +434,14 @@ class RamTier:
         """Name an unkeyed reservation's chunk: RESERVED (now indexed, to be committed) unless
         RAM holds the key already (ALREADY_PRESENT) or another writer reserved it (IN_PROGRESS);
         then the entry is left as it was, for the caller to abort."""
-        if entry.indexed or entry.state is not EntryState.RESERVED or not entry.runs or chunk[0] != entry.chunk[0]:
+        if not entry.unkeyed or entry.state is not EntryState.RESERVED or not entry.runs or chunk[0] != entry.chunk[0]:
             raise ValueError("bind of an entry that is not an unkeyed reservation of the chunk's namespace")
         existing = self._index.get(chunk)
         if existing is not None:
             return ReserveOutcome.ALREADY_PRESENT if existing.state is EntryState.READY else ReserveOutcome.IN_PROGRESS
         entry.chunk = chunk
         entry.indexed = True
+        entry.unkeyed = False
         self._index[chunk] = entry
         self._unkeyed_pages -= entry.pages
         return ReserveOutcome.RESERVED
@@ -490,7 +493,8 @@ class RamTier:
     def abort(self, entry: RamEntry) -> None:
         if entry.state is not EntryState.RESERVED:
             raise ValueError("abort of a chunk that is not reserved")
-        if not entry.chunk[1]:  # (never bound: an unkeyed reservation)
+        if entry.unkeyed:
+            entry.unkeyed = False
             self._unkeyed_pages -= entry.pages
         self._unindex(entry)
         self._free(entry)

@@ -436,3 +436,46 @@ def test_write_back_victims_of_a_scope_are_its_own_and_count_as_writing():
     assert states.finish(to_write[0], persisted=True)
     assert tier.writing_bytes(scope) == 2 * PAGE and tier.room_bytes(scope) == PAGE
     assert all(tier.contains(c, touch=False) for c in public)
+
+
+def test_unkeyed_reservations_are_counted_until_bound_or_aborted(tier):
+    ahead = tier.reserve_unkeyed(NS, PAGE)
+    assert ahead.outcome is ReserveOutcome.RESERVED and ahead.entry is not None
+    assert tier.unkeyed_bytes == PAGE and tier.used_bytes == PAGE
+    assert not tier.contains(cid("a"), touch=False)  # in no index until bound
+    assert tier.bind(ahead.entry, cid("a")) is ReserveOutcome.RESERVED
+    assert tier.unkeyed_bytes == 0
+    tier.commit(ahead.entry)
+    assert present(tier, "a") == ["a"]
+
+    aborted = tier.reserve_unkeyed(NS, PAGE)
+    assert aborted.entry is not None
+    tier.abort(aborted.entry)
+    assert tier.unkeyed_bytes == 0 and tier.used_bytes == PAGE
+
+
+def test_a_bind_onto_a_key_ram_holds_leaves_the_reservation_to_abort(tier):
+    put(tier, "a")
+    ahead = tier.reserve_unkeyed(NS, PAGE)
+    assert ahead.entry is not None
+    assert tier.bind(ahead.entry, cid("a")) is ReserveOutcome.ALREADY_PRESENT
+    assert tier.unkeyed_bytes == PAGE
+    tier.abort(ahead.entry)
+    assert tier.unkeyed_bytes == 0 and tier.used_bytes == PAGE
+    assert present(tier, "a") == ["a"]
+
+
+def test_only_an_unkeyed_reservation_can_be_bound(tier):
+    """A keyed reservation deleted while being written is out of the index too; binding it
+    would file one chunk's pages under another key."""
+    res = tier.reserve(cid("a"), PAGE)
+    assert res.entry is not None
+    tier.delete(cid("a"))
+    with pytest.raises(ValueError, match="unkeyed"):
+        tier.bind(res.entry, cid("b"))
+    tier.abort(res.entry)
+    assert tier.unkeyed_bytes == 0 and tier.used_bytes == 0
+    ahead = tier.reserve_unkeyed(NS, PAGE)
+    assert ahead.entry is not None
+    with pytest.raises(ValueError, match="unkeyed"):
+        tier.bind(ahead.entry, ("other-namespace", b"a"))
