@@ -17,12 +17,12 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
 from collections.abc import Callable
 
 import numpy as np
 
 from bench.lib.buffers import populate
+from bench.lib.call_latency import interleaved, timed_call
 from bench.lib.daemons import Daemon
 from bench.lib.report import percentile, print_aligned, write_json
 
@@ -60,89 +60,64 @@ def measure(socket: str, chunk: int, iters: int, warmup: int) -> dict[str, dict[
         check = health_pb2.HealthCheckRequest()
         counter = iter(range(1 << 62))
 
-        # Each kind runs one call and returns the seconds it took (set-up around it untimed).
-        def store(kv: Client) -> Callable[[], float]:
-            def run() -> float:
-                key = b"S%031d" % (next(counter) % STORE_KEYS)
-                kv.delete(ns, [key])  # so that every store copies
-                t0 = time.perf_counter()
-                r = kv.store(ns, [key], src)
-                elapsed = time.perf_counter() - t0
-                if r.stored != 1:
-                    raise RuntimeError(f"a 1-chunk store did not store: {r}")
-                return elapsed
+        def calls(kv: Client) -> dict[str, Callable[[], float]]:
+            """kv's calls of each kind, timed alone (the set-up around each untimed)."""
+            region = regions[id(kv)]
 
-            return run
+            def fresh(name: bytes) -> Callable[[], bytes]:
+                def key() -> bytes:
+                    k = name % (next(counter) % STORE_KEYS)
+                    kv.delete(ns, [k])  # so that every store copies
+                    return k
 
-        def load(kv: Client) -> Callable[[], float]:
-            def run() -> float:
+                return key
+
+            def clear_out() -> None:
                 out[:8] = 0
-                t0 = time.perf_counter()
-                loaded = kv.load(ns, lookup_keys[:1], out)
-                elapsed = time.perf_counter() - t0
-                if loaded != 1 or not (out == 7).all():
-                    raise RuntimeError("a 1-chunk load did not load the stored bytes")
-                return elapsed
 
-            return run
-
-        def store_region(kv: Client) -> Callable[[], float]:
-            def run() -> float:
-                key = b"R%031d" % (next(counter) % STORE_KEYS)
-                kv.delete(ns, [key])
-                t0 = time.perf_counter()
-                r = kv.store_from_region(ns, regions[id(kv)], [key], [0])
-                elapsed = time.perf_counter() - t0
-                if r.stored != 1:
-                    raise RuntimeError(f"a 1-chunk region store did not store: {r}")
-                return elapsed
-
-            return run
-
-        def load_region(kv: Client) -> Callable[[], float]:
-            def run() -> float:
+            def clear_region() -> None:
                 region_map[chunk : chunk + 8] = 0
-                t0 = time.perf_counter()
-                loaded = kv.load_to_region(ns, regions[id(kv)], lookup_keys[:1], [chunk])
-                elapsed = time.perf_counter() - t0
-                if loaded != 1 or not (region_map[chunk:] == 7).all():
-                    raise RuntimeError("a 1-chunk region load did not load the stored bytes")
-                return elapsed
 
-            return run
+            def hits(n: int) -> Callable[[], float]:
+                return timed_call(
+                    lambda _: kv.lookup(ns, lookup_keys[:n]).prefix_hits,
+                    lambda h: h == n,
+                    f"a lookup of {n} cached keys missed",
+                )
 
-        def lookup(kv: Client, n: int) -> Callable[[], float]:
-            def run() -> float:
-                t0 = time.perf_counter()
-                hits = kv.lookup(ns, lookup_keys[:n]).prefix_hits
-                elapsed = time.perf_counter() - t0
-                if hits != n:
-                    raise RuntimeError(f"a lookup of {n} cached keys missed")
-                return elapsed
+            return {
+                "store 1 chunk": timed_call(
+                    lambda key: kv.store(ns, [key], src),
+                    lambda r: r.stored == 1,
+                    "a 1-chunk store did not store",
+                    fresh(b"S%031d"),
+                ),
+                "load 1 chunk": timed_call(
+                    lambda _: kv.load(ns, lookup_keys[:1], out),
+                    lambda n: n == 1 and (out == 7).all(),
+                    "a 1-chunk load did not load the stored bytes",
+                    clear_out,
+                ),
+                "region store 1 chunk": timed_call(
+                    lambda key: kv.store_from_region(ns, region, [key], [0]),
+                    lambda r: r.stored == 1,
+                    "a 1-chunk region store did not store",
+                    fresh(b"R%031d"),
+                ),
+                "region load 1 chunk": timed_call(
+                    lambda _: kv.load_to_region(ns, region, lookup_keys[:1], [chunk]),
+                    lambda n: n == 1 and (region_map[chunk:] == 7).all(),
+                    "a 1-chunk region load did not load the stored bytes",
+                    clear_region,
+                ),
+                "lookup 1 key": hits(1),
+                f"lookup {LOOKUP_KEYS} keys": hits(LOOKUP_KEYS),
+            }
 
-            return run
-
-        def empty() -> float:
-            t0 = time.perf_counter()
-            health.Check(check, timeout=5.0)
-            return time.perf_counter() - t0
-
-        kinds: dict[str, Callable[[], float]] = {"empty gRPC round trip": empty}
+        kinds = {"empty gRPC round trip": timed_call(lambda _: health.Check(check, timeout=5.0))}
         for label, kv in (("fast", fast), ("round trip", trip), ("gRPC", grpc_)):
-            kinds[f"store 1 chunk ({label})"] = store(kv)
-            kinds[f"load 1 chunk ({label})"] = load(kv)
-            kinds[f"region store 1 chunk ({label})"] = store_region(kv)
-            kinds[f"region load 1 chunk ({label})"] = load_region(kv)
-            kinds[f"lookup 1 key ({label})"] = lookup(kv, 1)
-            kinds[f"lookup {LOOKUP_KEYS} keys ({label})"] = lookup(kv, LOOKUP_KEYS)
-        names = list(kinds)
-        samples: dict[str, list[float]] = {k: [] for k in names}
-        for i in range(warmup + iters):
-            for j in range(len(names)):  # rotated, so no kind always follows the same one
-                name = names[(i + j) % len(names)]
-                elapsed = kinds[name]()
-                if i >= warmup:
-                    samples[name].append(elapsed * 1e3)
+            kinds.update({f"{name} ({label})": run for name, run in calls(kv).items()})
+        samples = interleaved(kinds, iters, warmup)
         fast.delete(ns, lookup_keys)
     os.unlink(path)  # (the mapping goes with the process)
     return {k: {"p50_ms": percentile(v, 50), "p99_ms": percentile(v, 99), "n": len(v)} for k, v in samples.items()}

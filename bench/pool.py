@@ -51,26 +51,20 @@ def vm_pte() -> int:
     return 0
 
 
+# each figure's best over the rounds, and which figures keep their samples
+BEST = {"populate_gib_s": max, "attach_s": min, "pte_bytes_per_gib": min, "copy_chunk_gib_s": max}
+BEST |= {"copy_piece_gib_s": max, "huge_bytes": max}
+SAMPLED = ("populate_gib_s", "attach_s", "copy_chunk_gib_s", "copy_piece_gib_s")
+
+
 def best(rounds: list[Result]) -> Result:
     """The best of each figure over the rounds of one configuration (samples kept)."""
     ok = [r for r in rounds if not r.error]
     if not ok:
         return rounds[0]
-    return Result(
-        ok[0].mode,
-        ok[0].numa,
-        "",
-        max(r.populate_gib_s for r in ok),
-        min(r.attach_s for r in ok),
-        min(r.pte_bytes_per_gib for r in ok),
-        max(r.copy_chunk_gib_s for r in ok),
-        max(r.copy_piece_gib_s for r in ok),
-        max(r.huge_bytes for r in ok),
-        {
-            f: [getattr(r, f) for r in ok]
-            for f in ("populate_gib_s", "attach_s", "copy_chunk_gib_s", "copy_piece_gib_s")
-        },
-    )
+    figures = {f: pick(getattr(r, f) for r in ok) for f, pick in BEST.items()}
+    samples = {f: [getattr(r, f) for r in ok] for f in SAMPLED}
+    return Result(ok[0].mode, ok[0].numa, **figures, samples=samples)
 
 
 def measure(size: int, pages: PoolPages, numa: NumaPlacement | None, src: np.ndarray) -> Result:

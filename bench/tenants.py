@@ -14,14 +14,19 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import numpy as np
 
-from bench.lib.buffers import ShmFile, fill_pattern, populate
+from bench.lib.buffers import ShmFile, each_batch, fill_pattern, populate
 from bench.lib.daemons import Daemon, process_cpu_seconds
 from bench.lib.report import GIB, MIB, Row, Stats, load_average, machine_info, print_table, write_json
 
 WARM_TARGET = 0.9  # a tenant's steady state should cost next to nothing
+# a tenant's phases: (its name in the throughput rows, in the CPU rows, the phase)
+TENANT_PHASES = [("pool mapping store", "pool store", "store"), ("pool mapping load", "pool load", "load")]
+TENANT_PHASES += [("region store", "region store", "region_store"), ("region load", "region load", "region_load")]
 
 
 def punch_gib_s(nbytes: int, chunk: int) -> tuple[float, float]:
@@ -110,43 +115,27 @@ def main(argv: list[str] | None = None) -> int:
                 samples.setdefault(name, []).append(nbytes / (t1 - t0) / GIB)
                 cpu.setdefault(name, []).append((c1 - c0 + d1 - d0) * 1e3 * GIB / nbytes)
 
+        def one_tenant(who: str, ns: Any, rep: int) -> None:
+            keys = [f"{who}/{rep}/{i}".encode().ljust(32, b".") for i in range(n)]
+            rkeys = [f"{who}/r{rep}/{i}".encode().ljust(32, b".") for i in range(n)]
+            calls: dict[str, Callable[[int, int], int]] = {
+                "store": lambda b0, b1: kv.store(ns, keys[b0:b1], src[b0 * chunk : b1 * chunk]).stored,
+                "load": lambda b0, b1: kv.load(ns, keys[b0:b1], dst[b0 * chunk : b1 * chunk]),
+                "region_store": lambda b0, b1: kv.store_from_region(ns, region, rkeys[b0:b1], offsets_in[b0:b1]).stored,
+                "region_load": lambda b0, b1: kv.load_to_region(ns, region, rkeys[b0:b1], offsets_out[b0:b1]),
+            }
+            dst[:] = 0
+            for op, call in calls.items():
+                timed(f"{who}_{op}", rep, ws, partial(each_batch, batches, call, errors, f"{who} rep {rep}: {op}"))
+                if op == "load" and rep == 0 and not np.array_equal(dst, src):
+                    errors.append(f"{who}: loaded bytes differ")
+            if rep == 0 and not np.array_equal(region_file.array[ws:], src):
+                errors.append(f"{who}: region loaded bytes differ")
+
         for rep in range(args.warmup + args.repeat):
             order = list(namespaces.items())
             for who, ns in order if rep % 2 else order[::-1]:
-                keys = [f"{who}/{rep}/{i}".encode().ljust(32, b".") for i in range(n)]
-                rkeys = [f"{who}/r{rep}/{i}".encode().ljust(32, b".") for i in range(n)]
-
-                what = f"{who} rep {rep}"
-
-                def store(keys=keys, ns=ns, what=what) -> None:
-                    for b0, b1 in batches:
-                        if kv.store(ns, keys[b0:b1], src[b0 * chunk : b1 * chunk]).stored != b1 - b0:
-                            errors.append(f"{what}: store")
-
-                def load(keys=keys, ns=ns, what=what) -> None:
-                    for b0, b1 in batches:
-                        if kv.load(ns, keys[b0:b1], dst[b0 * chunk : b1 * chunk]) != b1 - b0:
-                            errors.append(f"{what}: load")
-
-                def region_store(rkeys=rkeys, ns=ns, what=what) -> None:
-                    for b0, b1 in batches:
-                        if kv.store_from_region(ns, region, rkeys[b0:b1], offsets_in[b0:b1]).stored != b1 - b0:
-                            errors.append(f"{what}: region store")
-
-                def region_load(rkeys=rkeys, ns=ns, what=what) -> None:
-                    for b0, b1 in batches:
-                        if kv.load_to_region(ns, region, rkeys[b0:b1], offsets_out[b0:b1]) != b1 - b0:
-                            errors.append(f"{what}: region load")
-
-                dst[:] = 0
-                timed(f"{who}_store", rep, ws, store)
-                timed(f"{who}_load", rep, ws, load)
-                if rep == 0 and not np.array_equal(dst, src):
-                    errors.append(f"{who}: loaded bytes differ")
-                timed(f"{who}_region_store", rep, ws, region_store)
-                timed(f"{who}_region_load", rep, ws, region_load)
-                if rep == 0 and not np.array_equal(region_file.array[ws:], src):
-                    errors.append(f"{who}: region loaded bytes differ")
+                one_tenant(who, ns, rep)
 
             # A tenant seen for the first time: a fresh arena, every page a hole.
             first = kv.register_namespace(
@@ -172,34 +161,24 @@ def main(argv: list[str] | None = None) -> int:
     region_file.close()
     best = {k: Stats.of(v) for k, v in samples.items()}
 
-    def row(label: str, phase: str, base: str, target: float | None) -> Row:
+    def row(label: str, phase: str, base: str, target: float | None = None) -> Row:
         return Row(
             label, best[phase].best, "GiB/s", base.replace("_", " "), best[base].best, target, median=best[phase].median
         )
 
     def cpu_row(label: str, phase: str, base: str) -> Row:
-        return Row(
-            label,
-            statistics.median(cpu[phase]),
-            "ms",
-            base.replace("_", " "),
-            statistics.median(cpu[base]),
-            higher_is_better=False,
-        )
+        median = statistics.median
+        return Row(label, median(cpu[phase]), "ms", base.replace("_", " "), median(cpu[base]), higher_is_better=False)
 
+    warm = [(f"tenant {what} (warm)", f"tenant_{op}", f"public_{op}") for what, _, op in TENANT_PHASES]
     rows = [
         Row("public pool mapping store", best["public_store"].best, "GiB/s", median=best["public_store"].median),
-        row("tenant pool mapping store (warm)", "tenant_store", "public_store", WARM_TARGET),
+        row(*warm[0], WARM_TARGET),
         Row("public pool mapping load", best["public_load"].best, "GiB/s", median=best["public_load"].median),
-        row("tenant pool mapping load (warm)", "tenant_load", "public_load", WARM_TARGET),
-        row("tenant region store (warm)", "tenant_region_store", "public_region_store", WARM_TARGET),
-        row("tenant region load (warm)", "tenant_region_load", "public_region_load", WARM_TARGET),
-        row("first tenant store, fresh arena (first touch)", "first_store", "public_store", None),
+        *(row(*w, WARM_TARGET) for w in warm[1:]),
+        row("first tenant store, fresh arena (first touch)", "first_store", "public_store"),
         Row("returning pages to the kernel (punch)", punch, "GiB/s", "memcpy of the same bytes", copy),
-        cpu_row("CPU per GiB: tenant pool store", "tenant_store", "public_store"),
-        cpu_row("CPU per GiB: tenant pool load", "tenant_load", "public_load"),
-        cpu_row("CPU per GiB: tenant region store", "tenant_region_store", "public_region_store"),
-        cpu_row("CPU per GiB: tenant region load", "tenant_region_load", "public_region_load"),
+        *(cpu_row(f"CPU per GiB: tenant {what}", f"tenant_{op}", f"public_{op}") for _, what, op in TENANT_PHASES),
         cpu_row("CPU per GiB: first tenant store", "first_store", "public_store"),
     ]
     print()

@@ -9,6 +9,7 @@ import contextlib
 import mmap
 import os
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,13 @@ def fill_pattern(arr: np.ndarray, chunk_bytes: int, seed: int) -> None:
     for c in range(flat.shape[0] // chunk_bytes):
         tag = np.uint64(((seed & 0xFFFF) << 48) | (c << 24))
         np.bitwise_xor(base, tag, out=flat[c * chunk_bytes : (c + 1) * chunk_bytes].view(np.uint64))
+
+
+def each_batch(spans: Sequence[tuple[int, int]], call: Callable[[int, int], int], errors: list[str], what: str) -> None:
+    """call(b0, b1) for each span of chunks b0..b1-1 (a request): it returns how many it moved; fewer is an error."""
+    for b0, b1 in spans:
+        if (got := call(b0, b1)) != b1 - b0:
+            errors.append(f"{what} batch {b0}: {got} of {b1 - b0} chunks")
 
 
 class ShmFile:

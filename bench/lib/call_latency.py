@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from bench.lib.report import percentile, print_aligned
@@ -24,6 +24,41 @@ KIND_OF = {
     "Acquire": "load (Acquire)",
     "Release": "load (Release)",
 }
+
+
+def timed_call(
+    call: Callable[[Any], Any],
+    ok: Callable[[Any], bool] = lambda _: True,
+    what: str = "",
+    prepare: Callable[[], Any] = lambda: None,
+) -> Callable[[], float]:
+    """One call, timed alone: call(prepare()) (set-up untimed), then its answer checked (untimed;
+    RuntimeError `what` when ok(answer) is false). Returns the seconds the call took."""
+
+    def run() -> float:
+        arg = prepare()
+        t0 = time.perf_counter()
+        answer = call(arg)
+        elapsed = time.perf_counter() - t0
+        if not ok(answer):
+            raise RuntimeError(f"{what} ({answer})")
+        return elapsed
+
+    return run
+
+
+def interleaved(kinds: dict[str, Callable[[], float]], iters: int, warmup: int) -> dict[str, list[float]]:
+    """Each kind's call `warmup` + `iters` times, kind after kind in a rotated order (so that no
+    kind always follows the same one); milliseconds of the timed calls, by kind."""
+    names = list(kinds)
+    samples: dict[str, list[float]] = {k: [] for k in names}
+    for i in range(warmup + iters):
+        for j in range(len(names)):
+            name = names[(i + j) % len(names)]
+            elapsed = kinds[name]()
+            if i >= warmup:
+                samples[name].append(elapsed * 1e3)
+    return samples
 
 
 class CallLatency:

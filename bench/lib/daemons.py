@@ -8,15 +8,18 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
+import subprocess
 import time
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from tests.support.daemon import REPO_ROOT as REPO
 from tests.support.daemon import Daemon as _Daemon
 from tests.support.ports import free_port
 
-__all__ = ["REPO", "Daemon", "cpu_of", "free_port", "process_cpu_seconds"]
+__all__ = ["REPO", "Daemon", "cpu_of", "free_port", "process_cpu_seconds", "stop_process"]
 
 
 def _die_with_parent(argv: list[str]) -> list[str]:
@@ -145,3 +148,16 @@ def stat_cpu_seconds(pids: Sequence[int]) -> float:
 
 def cpu_of(pids: Sequence[int]) -> float:
     return sum(process_cpu_seconds(p) for p in pids)
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float, group: bool = False) -> None:
+    """SIGTERM a child of ours (`group`: its whole process group), SIGKILL after `timeout_s`; reaped."""
+    if proc.poll() is not None:
+        return
+    send = partial(os.killpg, proc.pid) if group else proc.send_signal
+    send(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        send(signal.SIGKILL)
+        proc.wait()

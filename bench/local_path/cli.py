@@ -10,15 +10,7 @@ import time
 from typing import Any
 
 from bench.lib.daemons import Daemon
-from bench.lib.report import (
-    GIB,
-    MIB,
-    Row,
-    load_average,
-    machine_info,
-    print_table,
-    write_json,
-)
+from bench.lib.report import GIB, MIB, Row, load_average, machine_info, print_table, write_json
 from bench.local_path import __doc__ as DOC
 from bench.local_path.clients import LOOKUP_KEYS, LOOKUP_TARGET, POOL_TARGET, REGION_TARGET, run_clients
 from bench.local_path.lookups import run_lookups

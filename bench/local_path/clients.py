@@ -8,16 +8,14 @@ import multiprocessing as mp
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
 
-from bench.lib.buffers import ShmFile, fill_pattern, populate
+from bench.lib.buffers import ShmFile, each_batch, fill_pattern, populate
 from bench.lib.daemons import Daemon, process_cpu_seconds
-from bench.lib.report import (
-    Stats,
-    aggregate_gib_s,
-)
+from bench.lib.report import Stats, aggregate_gib_s
 
 POOL_TARGET = 0.9
 REGION_TARGET = 0.8
@@ -93,54 +91,41 @@ def _worker(idx: int, nprocs: int, cfg: dict[str, Any], daemon_pid: int, barrier
         for i in range(n):
             dst[i * chunk : (i + 1) * chunk] = src[i * chunk : (i + 1) * chunk]
 
-    setup_s = time.perf_counter() - t_setup
-    for rep in range(cfg["warmup"] + cfg["repeat"]):
+    def one_repeat(rep: int) -> None:
         keys = [make_key(idx, rep, i) for i in range(n)]
+        calls: dict[str, Callable[[int, int], int]] = {
+            "pool_store": lambda b0, b1: client.store(ns, keys[b0:b1], src[b0 * chunk : b1 * chunk]).stored,
+            "pool_load": lambda b0, b1: client.load(ns, keys[b0:b1], dst[b0 * chunk : b1 * chunk]),
+            "region_store": lambda b0, b1: (
+                client.store_from_region(ns, region, keys[b0:b1], store_offsets[b0:b1]).stored
+            ),
+            "region_load": lambda b0, b1: client.load_to_region(ns, region, keys[b0:b1], load_offsets[b0:b1]),
+        }
 
-        def pool_store() -> None:
-            for b0, b1 in batches:
-                r = client.store(ns, keys[b0:b1], src[b0 * chunk : b1 * chunk])  # noqa: B023 - called this iteration
-                if r.stored != b1 - b0:
-                    errors.append(f"rep {rep} pool store batch {b0}: {r}")  # noqa: B023 - called this iteration
-
-        def pool_load() -> None:
-            for b0, b1 in batches:
-                got = client.load(ns, keys[b0:b1], dst[b0 * chunk : b1 * chunk])  # noqa: B023 - called this iteration
-                if got != b1 - b0:
-                    errors.append(f"rep {rep} pool load batch {b0}: loaded {got} of {b1 - b0}")  # noqa: B023 - called this iteration
-
-        def region_store() -> None:
-            for b0, b1 in batches:
-                r = client.store_from_region(ns, region, keys[b0:b1], store_offsets[b0:b1])  # noqa: B023 - called this iteration
-                if r.stored != b1 - b0:
-                    errors.append(f"rep {rep} region store batch {b0}: {r}")  # noqa: B023 - called this iteration
-
-        def region_load() -> None:
-            for b0, b1 in batches:
-                got = client.load_to_region(ns, region, keys[b0:b1], load_offsets[b0:b1])  # noqa: B023 - called this iteration
-                if got != b1 - b0:
-                    errors.append(f"rep {rep} region load batch {b0}: loaded {got} of {b1 - b0}")  # noqa: B023 - called this iteration
+        def phase(name: str) -> None:
+            timed(name, partial(each_batch, batches, calls[name], errors, f"rep {rep} {name}"))
 
         def delete() -> None:
             for b0 in range(0, n, 4096):
-                client.delete(ns, keys[b0 : b0 + 4096])  # noqa: B023 - called this iteration
+                client.delete(ns, keys[b0 : b0 + 4096])
 
         timed("memcpy", memcpy)
         timed("memcpy_chunked", memcpy_chunked)
-
         dst[:] = 0
-        timed("pool_store", pool_store)
-        timed("pool_load", pool_load)
+        phase("pool_store")
+        phase("pool_load")
         if rep == 0 and not np.array_equal(dst, src):
             errors.append("pool mapping: loaded bytes differ from the stored bytes")
         delete()
-
-        timed("region_store", region_store)
-        timed("region_load", region_load)
+        phase("region_store")
+        phase("region_load")
         if rep == 0 and not np.array_equal(region_file.array[share:], src):
             errors.append("region registration: loaded bytes differ from the stored bytes")
         delete()
 
+    setup_s = time.perf_counter() - t_setup
+    for rep in range(cfg["warmup"] + cfg["repeat"]):
+        one_repeat(rep)
     client.close()
     region_file.close()
     for name in phases:  # drop the warm-up repeats

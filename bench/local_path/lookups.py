@@ -4,16 +4,13 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from bench.lib.buffers import populate
-from bench.lib.report import (
-    percentile,
-)
+from bench.lib.call_latency import interleaved, timed_call
+from bench.lib.report import percentile
 from bench.local_path.clients import LOOKUP_KEYS, MODEL, make_key
 
 
@@ -38,39 +35,19 @@ def run_lookups(cfg: dict[str, Any], iters: int, warmup: int) -> dict[str, Any]:
         health_req = health_pb2.HealthCheckRequest()
         raw_req = pb.LookupRequest(namespace_id=ns.namespace_id, keys=keys)
 
-        def check() -> None:
-            health.Check(health_req, timeout=5.0)
-
-        def lookup1() -> None:
-            if client.lookup(ns, keys[:1]).prefix_hits != 1:
-                raise RuntimeError("lookup of a cached key missed")
-
-        def lookup256() -> None:
-            if client.lookup(ns, keys).prefix_hits != LOOKUP_KEYS:
-                raise RuntimeError("lookup of cached keys missed")
-
-        def raw256() -> None:
-            kv.Lookup(raw_req, timeout=5.0)
-
-        kinds: dict[str, Callable[[], None]] = {
-            "empty_rtt": check,
-            "lookup_1": lookup1,
-            "lookup_256": lookup256,
-            "raw_lookup_256": raw256,
+        kinds = {
+            "empty_rtt": timed_call(lambda _: health.Check(health_req, timeout=5.0)),
+            "lookup_1": timed_call(
+                lambda _: client.lookup(ns, keys[:1]).prefix_hits, lambda h: h == 1, "lookup of a cached key missed"
+            ),
+            "lookup_256": timed_call(
+                lambda _: client.lookup(ns, keys).prefix_hits,
+                lambda h: h == LOOKUP_KEYS,
+                "lookup of cached keys missed",
+            ),
+            "raw_lookup_256": timed_call(lambda _: kv.Lookup(raw_req, timeout=5.0)),
         }
-        names = list(kinds)
-        samples: dict[str, list[float]] = {k: [] for k in names}
-        perf = time.perf_counter
-        for i in range(warmup + iters):
-            # rotate the order so no kind always follows the same one
-            for j in range(len(names)):
-                name = names[(i + j) % len(names)]
-                fn = kinds[name]
-                t0 = perf()
-                fn()
-                t1 = perf()
-                if i >= warmup:
-                    samples[name].append((t1 - t0) * 1e3)
+        samples = interleaved(kinds, iters, warmup)
         client.delete(ns, keys)
     return {
         k: {"p50_ms": percentile(v, 50), "p99_ms": percentile(v, 99), "mean_ms": float(np.mean(v)), "n": len(v)}

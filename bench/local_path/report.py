@@ -7,9 +7,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from bench.lib.report import (
-    Row,
-)
+from bench.lib.report import Row
 from bench.local_path.clients import LOOKUP_KEYS, LOOKUP_TARGET, PHASES, POOL_TARGET, REGION_TARGET
 
 
@@ -19,17 +17,9 @@ def data_rows(nprocs: int, s: dict[str, Any], chunk_mib: float) -> list[Row]:
     base_name = f"memcpy {tag}"
     base = ph["memcpy"]["best_gib_s"]
 
-    def row(phase: str, label: str, target: float | None, note: str = "") -> Row:
-        return Row(
-            f"{label}, {tag}",
-            ph[phase]["best_gib_s"],
-            "GiB/s",
-            base_name,
-            base,
-            target,
-            median=ph[phase]["median_gib_s"],
-            note=note,
-        )
+    def row(phase: str, label: str, target: float | None) -> Row:
+        median = ph[phase]["median_gib_s"]
+        return Row(f"{label}, {tag}", ph[phase]["best_gib_s"], "GiB/s", base_name, base, target, median=median)
 
     return [
         Row(f"memcpy (np.copyto, one copy), {tag}", base, "GiB/s", median=ph["memcpy"]["median_gib_s"]),
@@ -42,39 +32,19 @@ def data_rows(nprocs: int, s: dict[str, Any], chunk_mib: float) -> list[Row]:
 
 
 def lookup_rows(lk: dict[str, Any]) -> list[Row]:
-    e50, e99 = lk["empty_rtt"]["p50_ms"], lk["empty_rtt"]["p99_ms"]
-    h = "Health/Check"
-    return [
-        Row("empty gRPC round trip p50 (Health/Check)", e50, "ms"),
-        Row("empty gRPC round trip p99 (Health/Check)", e99, "ms"),
-        Row("Client.lookup 1 key p50", lk["lookup_1"]["p50_ms"], "ms", f"{h} p50", e50, higher_is_better=False),
-        Row("Client.lookup 1 key p99", lk["lookup_1"]["p99_ms"], "ms", f"{h} p99", e99, higher_is_better=False),
-        Row(
-            f"Client.lookup {LOOKUP_KEYS} keys p50",
-            lk["lookup_256"]["p50_ms"],
-            "ms",
-            f"{h} p50",
-            e50,
-            LOOKUP_TARGET,
-            higher_is_better=False,
-        ),
-        Row(
-            f"Client.lookup {LOOKUP_KEYS} keys p99",
-            lk["lookup_256"]["p99_ms"],
-            "ms",
-            f"{h} p99",
-            e99,
-            higher_is_better=False,
-        ),
-        Row(
-            f"raw stub Lookup {LOOKUP_KEYS} keys p50 [diag]",
-            lk["raw_lookup_256"]["p50_ms"],
-            "ms",
-            f"{h} p50",
-            e50,
-            higher_is_better=False,
-        ),
-    ]
+    """The lookups' percentiles, each against the empty gRPC round trip's same percentile."""
+    rows = [Row(f"empty gRPC round trip {p} (Health/Check)", lk["empty_rtt"][f"{p}_ms"], "ms") for p in ("p50", "p99")]
+    for kind, label, percentiles in (
+        ("lookup_1", "Client.lookup 1 key", ("p50", "p99")),
+        ("lookup_256", f"Client.lookup {LOOKUP_KEYS} keys", ("p50", "p99")),
+        ("raw_lookup_256", f"raw stub Lookup {LOOKUP_KEYS} keys", ("p50",)),
+    ):
+        for p in percentiles:
+            target = LOOKUP_TARGET if kind == "lookup_256" and p == "p50" else None
+            name = f"{label} {p}" + (" [diag]" if kind.startswith("raw") else "")
+            base = lk["empty_rtt"][f"{p}_ms"]
+            rows.append(Row(name, lk[kind][f"{p}_ms"], "ms", f"Health/Check {p}", base, target, higher_is_better=False))
+    return rows
 
 
 def print_breakdown(results: dict[int, Any]) -> None:

@@ -22,8 +22,8 @@ from bench.peer.loads import (
     WAIT_S,
     Chunks,
     Measured,
+    fetch_from_a,
     load_all,
-    namespace,
     ram_chunks,
     ram_for,
     store,
@@ -81,25 +81,18 @@ class Cluster:
             time.sleep(0.1)
 
     def measure(self, transport: str, out: np.ndarray, batch: int, clients: int, copy: bool) -> Measured:
-        from kvstored_client import Client
-
-        b = self.b[transport]
-        if ram_chunks(b):
-            raise RuntimeError(f"before the load, B ({transport}) holds chunks in its RAM")
-        try:
-            m = load_all(b, self.chunks, self.MODEL, out, batch, clients, copy, serving=[self.a.pid])
-        except RuntimeError as exc:
-            a = self._a_seen_by(transport)
-            raise RuntimeError(
-                f"{exc}; B's counters for A: "
-                + ", ".join(
-                    f"{k} {getattr(a, k, '?')}"
-                    for k in "missing_chunks corrupt_chunks failed_chunks timed_out_chunks refused_by_breaker".split()
-                )
-            ) from None
-        with Client(str(b.socket), deadline_s=60.0) as kv:  # B's copies only: A keeps its own
-            kv.delete(namespace(kv, self.chunks, self.MODEL), self.chunks.keys)
-        return m
+        return fetch_from_a(
+            self.b[transport],
+            self.a.pid,
+            lambda: self._a_seen_by(transport),
+            transport,
+            self.chunks,
+            self.MODEL,
+            out,
+            batch=batch,
+            clients=clients,
+            copy=copy,
+        )
 
     def stop(self) -> None:
         for d in [*self.b.values(), self.a]:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from bench.lib.raw_net import Place, measure_raw
-from bench.peer.loads import FETCH_TIMEOUT_S, WAIT_S, Chunks, Measured, load_all, namespace, ram_chunks, ram_for, store
+from bench.peer.loads import FETCH_TIMEOUT_S, WAIT_S, Chunks, Measured, fetch_from_a, ram_chunks, ram_for, store
 from tests.support.cluster import Cluster
 from tests.support.netns import Topology
 
@@ -60,24 +60,14 @@ class Link:
 
     def measure(self, transport: str, out: np.ndarray, batch: int, clients: int) -> Measured:
         """B over `transport` loads every chunk (leases, as vLLM's direct mode), then forgets them."""
-        from kvstored_client import Client
-
         assert self.cluster is not None
         a, b = self.cluster[0], self.b(transport)
-        if ram_chunks(b):
-            raise RuntimeError(f"before the load, B ({transport}) holds chunks in its RAM")
         seen = b.peer(a)
         if seen.transport != transport:
             raise RuntimeError(f"B reaches A over {seen.transport}, not {transport}")
-        try:
-            m = load_all(b, self.chunks, MODEL, out, batch, clients, False, serving=[a.pid])
-        except RuntimeError as exc:
-            seen = b.peer(a)
-            counters = "missing_chunks corrupt_chunks failed_chunks timed_out_chunks refused_by_breaker".split()
-            detail = ", ".join(f"{k} {getattr(seen, k)}" for k in counters)
-            raise RuntimeError(f"{exc}; B's counters for A: {detail}") from None
-        with Client(str(b.socket), deadline_s=60.0) as kv:  # B's copies only: A keeps its own
-            kv.delete(namespace(kv, self.chunks, MODEL), self.chunks.keys)
+        m = fetch_from_a(
+            b, a.pid, lambda: b.peer(a), transport, self.chunks, MODEL, out, batch=batch, clients=clients, copy=False
+        )
         deadline = time.monotonic() + WAIT_S
         while ram_chunks(b):
             if time.monotonic() > deadline:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -24,6 +24,8 @@ STORE_BATCH = 64
 # Not the default 1 s: a stall of this shared machine must not turn into misses (they end the run).
 FETCH_TIMEOUT_S = 5.0
 COPIED = "client load + copy out"
+# B's counters for A (kvstored.v1.Peer/Status) that a failed load is reported with
+PEER_COUNTERS = "missing_chunks corrupt_chunks failed_chunks timed_out_chunks refused_by_breaker".split()
 
 
 @dataclass(frozen=True)
@@ -210,6 +212,26 @@ def load_all(
         raise RuntimeError(f"{daemon.socket}: {wrong} chunks came back with other bytes")
     gib = chunks.nbytes / GIB
     return Measured(gib / wall, ((fetching + me) / gib, served / gib if serving else float("nan")), me / gib)
+
+
+def fetch_from_a(
+    b: Daemon, a_pid: int, a_seen: Callable[[], Any], via: str, chunks: Chunks, model: str, out: np.ndarray, **load: Any
+) -> Measured:
+    """B (over `via`) loads every chunk that only A holds (load_all's `load` options), then forgets
+    its copies (A keeps its own); a failure is reported with B's counters for A (`a_seen()`)."""
+    from kvstored_client import Client
+
+    if ram_chunks(b):
+        raise RuntimeError(f"before the load, B ({via}) holds chunks in its RAM")
+    try:
+        m = load_all(b, chunks, model, out, serving=[a_pid], **load)
+    except RuntimeError as exc:
+        seen = a_seen()
+        detail = ", ".join(f"{k} {getattr(seen, k, '?')}" for k in PEER_COUNTERS)
+        raise RuntimeError(f"{exc}; B's counters for A: {detail}") from None
+    with Client(str(b.socket), deadline_s=60.0) as kv:
+        kv.delete(namespace(kv, chunks, model), chunks.keys)
+    return m
 
 
 def ram_for(chunks: Chunks) -> str:

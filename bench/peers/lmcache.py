@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
-import signal
 import subprocess
 import tempfile
 import time
@@ -51,7 +50,7 @@ CHECK = (
 
 
 def start(workdir: Path, capacity: int) -> Server:
-    from bench.lib.daemons import free_port
+    from bench.lib.daemons import free_port, stop_process
     from bench.peers import venv
 
     python = venv.ensure("lmcache", STEPS, CHECK)
@@ -70,13 +69,7 @@ def start(workdir: Path, capacity: int) -> Server:
     )
 
     def stop() -> None:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process(proc, 15, group=True)
         log_path.unlink(missing_ok=True)
         Path("/dev/shm", shm).unlink(missing_ok=True)
 

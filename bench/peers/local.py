@@ -65,9 +65,6 @@ class KvstoredDriver(Driver):
     def _keys(self, tag: str, n: int, first: int = 0) -> list[bytes]:
         return self.key_list(tag, n, first, _blake2b_key)
 
-    def chunk_views(self, slot: int) -> list[np.ndarray]:
-        return [self.buf[slot * self.chunk : (slot + 1) * self.chunk]]
-
     def store(self, tag: str, n: int, first: int = 0) -> None:
         r = self.client.store(self.ns, self._keys(tag, n, first), self.buf[: n * self.chunk])
         if r.stored != n:
@@ -95,7 +92,7 @@ def start_redis(workdir: Path, capacity: int) -> Server:
     exe = shutil.which("redis-server")
     if exe is None:
         raise RuntimeError("redis-server not installed (apt-get install -y --no-install-recommends redis-server)")
-    from bench.lib.daemons import free_port
+    from bench.lib.daemons import free_port, stop_process
 
     port = free_port()
     rdir = Path(tempfile.mkdtemp(prefix="redis-", dir=workdir))
@@ -110,13 +107,7 @@ def start_redis(workdir: Path, capacity: int) -> Server:
     version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip()
 
     def stop() -> None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, 10)
         log.close()
         shutil.rmtree(rdir, ignore_errors=True)
 
@@ -157,9 +148,6 @@ class RedisDriver(Driver):
 
     def _key(self, tag: str, i: int) -> bytes:
         return f"{tag}/{i}".encode()
-
-    def chunk_views(self, slot: int) -> list[np.ndarray]:
-        return [self.buf[slot * self.chunk : (slot + 1) * self.chunk]]
 
     def store(self, tag: str, n: int, first: int = 0) -> None:
         c = self.chunk
@@ -204,9 +192,6 @@ class MemcpyDriver(Driver):
         super().__init__(cfg)
         self._map, self.buf = _flat_slots(self.chunk, self.slots)
         self._amap, self.area = _flat_slots(self.chunk, self.slots)
-
-    def chunk_views(self, slot: int) -> list[np.ndarray]:
-        return [self.buf[slot * self.chunk : (slot + 1) * self.chunk]]
 
     def store(self, tag: str, n: int, first: int = 0) -> None:
         c = self.chunk

@@ -60,7 +60,7 @@ def _wait_port(port: int, proc: subprocess.Popen, log: Path, what: str) -> None:
 
 
 def start(workdir: Path, capacity: int, standalone: bool) -> Server:
-    from bench.lib.daemons import free_port
+    from bench.lib.daemons import free_port, stop_process
 
     python = _venv()
     bindir = python.parent
@@ -71,13 +71,7 @@ def start(workdir: Path, capacity: int, standalone: bool) -> Server:
 
     def stop() -> None:
         for p in reversed(procs):
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            stop_process(p, 10)
         shutil.rmtree(rundir, ignore_errors=True)
 
     try:
@@ -147,9 +141,6 @@ class _MooncakeDriver(Driver):
 
     def _keys(self, tag: str, n: int, first: int = 0) -> list[str]:
         return self.key_list(tag, n, first, _key)
-
-    def chunk_views(self, slot: int) -> list[np.ndarray]:
-        return [self.buf[slot * self.chunk : (slot + 1) * self.chunk]]
 
     def store(self, tag: str, n: int, first: int = 0) -> None:
         c = self.chunk

@@ -51,9 +51,11 @@ class Driver(ABC):
             keys = self._key_lists[tag, n, first] = [derive(tag, i) for i in range(first, first + n)]
         return keys
 
-    @abstractmethod
+    buf: np.ndarray  # a flat buffer of `slots` chunks, where the driver has one
+
     def chunk_views(self, slot: int) -> list[np.ndarray]:
-        """The uint8 arrays slot `slot` is made of (one for a flat buffer)."""
+        """The uint8 arrays slot `slot` is made of (by default one, of the flat `buf`)."""
+        return [self.buf[slot * self.chunk : (slot + 1) * self.chunk]]
 
     @abstractmethod
     def store(self, tag: str, n: int, first: int = 0) -> None:

@@ -18,14 +18,7 @@ from typing import Any
 from bench.lib.buffers import fill_pattern
 from bench.lib.report import GIB, MIB, load_average, machine_info, write_json
 from bench.tiers import __doc__ as DOC
-from bench.tiers.common import (
-    PAGE,
-    Pair,
-    Pool,
-    describe,
-    print_pairs,
-    say,
-)
+from bench.tiers.common import PAGE, Pair, Pool, describe, print_pairs, say
 from bench.tiers.fs import bench_fs
 from bench.tiers.profile import print_profile, profile_cpu, profile_fs
 from bench.tiers.s3 import bench_s3

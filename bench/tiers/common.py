@@ -13,7 +13,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,10 +62,6 @@ def header_pages(chunks: Sequence[tuple[str, bytes]], views: Sequence[memoryview
     return out
 
 
-def gib_s(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / GIB
-
-
 async def drive(n: int, inflight: int, op: Callable[[int], Awaitable[None]]) -> float:
     """Run op(0..n-1) with `inflight` worker tasks (the daemon's queue concurrency); wall seconds."""
     counter = iter(range(n))
@@ -79,6 +75,11 @@ async def drive(n: int, inflight: int, op: Callable[[int], Awaitable[None]]) -> 
         for _ in range(min(inflight, n)):
             group.create_task(worker())
     return time.perf_counter() - t0
+
+
+def on_loop(runner: asyncio.Runner, phase: Callable[..., Coroutine[Any, Any, float]], *args) -> Callable[[], float]:
+    """A phase that runs phase(*args) on the runner's event loop; it returns its wall seconds."""
+    return lambda: runner.run(phase(*args))
 
 
 def run_threads(n: int, threads: int, op: Callable[[int], None]) -> float:

@@ -24,6 +24,7 @@ from bench.tiers.common import (
     chunk_ids,
     header_pages,
     measure,
+    on_loop,
     rotated,
     run_threads,
     say,
@@ -138,8 +139,8 @@ def bench_fs(
             def raw_load(raw: RawFs, k: int) -> Callable[[], float]:
                 return lambda: run_threads(n, k, lambda i: raw.read(i, dst.views[i]))
 
-            stores = [(baselines[0][0].tier, lambda: runner.run(tier_store(tier, chunks, src.views, size, inflight)))]  # noqa: B023 - called this round
-            loads = [(baselines[0][1].tier, lambda: runner.run(tier_load(tier, chunks, dst.views, size, inflight)))]  # noqa: B023 - called this round
+            stores = [(baselines[0][0].tier, on_loop(runner, tier_store, tier, chunks, src.views, size, inflight))]
+            loads = [(baselines[0][1].tier, on_loop(runner, tier_load, tier, chunks, dst.views, size, inflight))]
             for (st, ld, _, k), raw in zip(baselines, raws):
                 stores.append((st.raw, raw_store(raw, k)))
                 loads.append((ld.raw, raw_load(raw, k)))

@@ -21,6 +21,7 @@ from bench.tiers.common import (
     chunk_ids,
     drive,
     measure,
+    on_loop,
     rotated,
     say,
     tier_load,
@@ -108,28 +109,12 @@ def bench_s3(runner: asyncio.Runner, args, src: Pool, dst: Pool, notes: list[str
         ep = server.endpoint
         pids = server.pids()
         server.new_bucket(bucket)
+        settings = dict(max_concurrency=inflight, timeout_s=args.s3_timeout, create_bucket=False, **ep.tier_kwargs())
         for rnd in range(args.rounds + (1 if args.profile else 0)):
             profiling = rnd == args.rounds  # the extra round of --profile: cProfile on the loop thread
             # both clients are opened before timing (creating one costs ~0.1-0.3 s of CPU)
-            tier = S3Tier(
-                "bench",
-                bucket,
-                prefix="tier/",
-                max_concurrency=inflight,
-                timeout_s=args.s3_timeout,
-                create_bucket=False,
-                **ep.tier_kwargs(),
-            )
-            packed = PackedS3Tier(
-                "bench-packed",
-                bucket,
-                prefix="packed/",
-                max_concurrency=inflight,
-                timeout_s=args.s3_timeout,
-                create_bucket=False,
-                pack_poll_s=0,
-                **ep.tier_kwargs(),
-            )
+            tier = S3Tier("bench", bucket, prefix="tier/", **settings)
+            packed = PackedS3Tier("bench-packed", bucket, prefix="packed/", pack_poll_s=0, **settings)
             stack = contextlib.AsyncExitStack()
             runner.run(tier.start())
             runner.run(packed.start())
@@ -144,30 +129,22 @@ def bench_s3(runner: asyncio.Runner, args, src: Pool, dst: Pool, notes: list[str
                         )
                 client = runner.run(stack.enter_async_context(raw_client(ep, config)))
                 stores = [
-                    ("tier store", store.tier, lambda: runner.run(tier_store(tier, chunks, src.views, size, inflight))),  # noqa: B023 - called this round
+                    ("tier store", store.tier, on_loop(runner, tier_store, tier, chunks, src.views, size, inflight)),
                     (
                         "packed store",
                         pstore.tier,
-                        lambda: runner.run(packed_store(packed, chunks, src.views, size, inflight)),  # noqa: B023
+                        on_loop(runner, packed_store, packed, chunks, src.views, size, inflight),
                     ),
-                    (
-                        "raw store",
-                        store.raw,
-                        lambda: runner.run(raw_s3_store(client, bucket, raw_keys, bodies, inflight)),  # noqa: B023
-                    ),  # the lambdas are called this round (B023)
+                    ("raw store", store.raw, on_loop(runner, raw_s3_store, client, bucket, raw_keys, bodies, inflight)),
                 ]
                 loads = [
-                    ("tier load", load.tier, lambda: runner.run(tier_load(tier, chunks, dst.views, size, inflight))),  # noqa: B023 - called this round
-                    (
-                        "packed load",
-                        pload.tier,
-                        lambda: runner.run(tier_load(packed, chunks, dst.views, size, inflight)),  # noqa: B023
-                    ),
+                    ("tier load", load.tier, on_loop(runner, tier_load, tier, chunks, dst.views, size, inflight)),
+                    ("packed load", pload.tier, on_loop(runner, tier_load, packed, chunks, dst.views, size, inflight)),
                     (
                         "raw load",
                         load.raw,
-                        lambda: runner.run(raw_s3_load(client, bucket, raw_keys, HEADER_BYTES + size, inflight)),  # noqa: B023
-                    ),  # the lambdas are called this round (B023)
+                        on_loop(runner, raw_s3_load, client, bucket, raw_keys, HEADER_BYTES + size, inflight),
+                    ),
                 ]
                 if profiling:
                     for name, _, fn in stores + loads:

@@ -16,12 +16,7 @@ import numpy as np
 from bench.lib.buffers import ShmFile
 from bench.lib.daemons import Daemon
 from bench.lib.report import GIB, MIB
-from bench.tiers.common import (
-    WB_REGION_SLOTS,
-    WB_VERIFY_CHUNKS,
-    Pool,
-    tier_dirs,
-)
+from bench.tiers.common import WB_REGION_SLOTS, WB_VERIFY_CHUNKS, Pool, tier_dirs
 
 
 class WriteBackStream:
