@@ -8,7 +8,7 @@ import argparse
 import json
 import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
@@ -128,48 +128,32 @@ def rows(results: list[RunResult], costs: Costs, load: Load) -> list[dict[str, A
     return table
 
 
+def _directory_only(cell: Callable[[dict[str, Any]], str]) -> Callable[[dict[str, Any]], str]:
+    return lambda r: cell(r) if r["setup"] == "directory" else ""
+
+
+COLUMNS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [  # (header, a row's cell)
+    ("set-up", lambda r: r["setup"]),
+    ("N", lambda r: str(r["nodes"])),
+    ("CPU s/s per node", lambda r: f"{r['cpu_s_per_s']:.4f} (max {r['cpu_s_per_s_max']:.4f})"),
+    ("x N=min", lambda r: f"{r['growth']['cpu_s_per_s']:.2f}"),
+    ("model", lambda r: f"{r['model_cpu_s_per_s']:.4f}" if "model_cpu_s_per_s" in r else ""),
+    ("RSS MiB", lambda r: f"{r['rss_anon_bytes'] / MIB:.1f}"),
+    ("x", lambda r: f"{r['growth']['rss_anon_bytes']:.2f}"),
+    ("in KiB/s (upkeep)", lambda r: f"{r['rx_bytes_per_s'] / 1024:.1f} ({r['upkeep_rx_bytes_per_s'] / 1024:.1f})"),
+    ("x", lambda r: f"{g:.2f}" if (g := r["growth"]["upkeep_rx_bytes_per_s"]) else ""),
+    ("msgs/s", lambda r: f"{r['messages_per_s']:.1f}"),
+    ("dir lookups/s", lambda r: f"{r['directory_lookups_per_s']:.2f}"),
+    ("dir cmds/s", lambda r: f"{r['directory_commands_per_s']:.1f}"),
+    ("Redis CPU s/s", _directory_only(lambda r: f"{r['redis_cpu_s_per_s']:.4f}")),
+    ("Redis mem MiB", _directory_only(lambda r: f"{r['redis_used_memory_bytes'] / MIB:.1f}")),
+    ("turns/s", lambda r: f"{r['turns_per_s']:.2f}"),
+]
+
+
 def print_table(table: list[dict[str, Any]]) -> None:
-    lines = [
-        [
-            "set-up",
-            "N",
-            "CPU s/s per node",
-            "x N=min",
-            "model",
-            "RSS MiB",
-            "x",
-            "in KiB/s (upkeep)",
-            "x",
-            "msgs/s",
-            "dir lookups/s",
-            "dir cmds/s",
-            "Redis CPU s/s",
-            "Redis mem MiB",
-            "turns/s",
-        ]
-    ]
-    for row in table:
-        g = row["growth"]
-        lines.append(
-            [
-                row["setup"],
-                str(row["nodes"]),
-                f"{row['cpu_s_per_s']:.4f} (max {row['cpu_s_per_s_max']:.4f})",
-                f"{g['cpu_s_per_s']:.2f}",
-                f"{row['model_cpu_s_per_s']:.4f}" if "model_cpu_s_per_s" in row else "",
-                f"{row['rss_anon_bytes'] / MIB:.1f}",
-                f"{g['rss_anon_bytes']:.2f}",
-                f"{row['rx_bytes_per_s'] / 1024:.1f} ({row['upkeep_rx_bytes_per_s'] / 1024:.1f})",
-                f"{g['upkeep_rx_bytes_per_s']:.2f}" if g["upkeep_rx_bytes_per_s"] else "",
-                f"{row['messages_per_s']:.1f}",
-                f"{row['directory_lookups_per_s']:.2f}",
-                f"{row['directory_commands_per_s']:.1f}",
-                f"{row['redis_cpu_s_per_s']:.4f}" if row["setup"] == "directory" else "",
-                f"{row['redis_used_memory_bytes'] / MIB:.1f}" if row["setup"] == "directory" else "",
-                f"{row['turns_per_s']:.2f}",
-            ]
-        )
-    print_aligned(lines, right=set(range(1, len(lines[0]))))
+    lines = [[header for header, _ in COLUMNS], *[[cell(row) for _, cell in COLUMNS] for row in table]]
+    print_aligned(lines, right=set(range(1, len(COLUMNS))))
 
 
 def verdict(table: list[dict[str, Any]]) -> list[str]:
@@ -205,13 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.geteuid() != 0:
         raise SystemExit("bench.fleet needs root (network namespaces)")
     load = Load(
-        turns_per_s=args.turns_per_s,
-        chunks=args.chunks,
+        **{k: getattr(args, k) for k in ("turns_per_s", "chunks", "ram", "warm_s", "window_s")},
         chunk_bytes=args.chunk_kib << 10,
-        ram=args.ram,
         fs_bytes=args.fs_mib << 20,
-        warm_s=args.warm_s,
-        window_s=args.window_s,
     )
     started = datetime.now(UTC).isoformat(timespec="seconds")
     results = sweep(setups, args.nodes, load, args.repeats)

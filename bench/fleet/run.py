@@ -85,43 +85,26 @@ class RunResult:
         return max(getattr(n, attr) for n in self.per_node)
 
 
+def output(*command: str) -> str:
+    return subprocess.run(command, capture_output=True, text=True, timeout=10, check=True).stdout
+
+
 def rx_bytes(node: Node) -> int:
-    out = subprocess.run(
-        ["ip", "-n", node.ns, "-j", "-s", "link", "show", "dev", IFACE],
-        capture_output=True,
-        text=True,
-        timeout=10,
-        check=True,
-    ).stdout
+    out = output("ip", "-n", node.ns, "-j", "-s", "link", "show", "dev", IFACE)
     return int(json.loads(out)[0]["stats64"]["rx"]["bytes"])
 
 
 def control_rx(node: Node, data_port: int) -> int:
     """Bytes its TCP sockets received (tcp_info, payload only), less those of the peer data plane:
     the control streams (events, Lookups) and Redis's replies."""
-    out = subprocess.run(
-        ["ip", "netns", "exec", node.ns, "ss", "-tinH", "state", "established"],
-        capture_output=True,
-        text=True,
-        timeout=10,
-        check=True,
-    ).stdout
     total, data = 0, False
-    for line in out.splitlines():
+    for line in output("ip", "netns", "exec", node.ns, "ss", "-tinH", "state", "established").splitlines():
         if not line.startswith((" ", "\t")):  # a socket's line: its addresses; tcp_info follows
             ports = {int(a.rpartition(":")[2]) for a in line.split()[2:4] if a.rpartition(":")[2].isdigit()}
             data = data_port in ports
         elif not data and (got := re.search(r"\bbytes_received:(\d+)", line)):
             total += int(got[1])
     return total
-
-
-def vm_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 class Driver(threading.Thread):
@@ -321,7 +304,7 @@ class Fleet:
         if self.redis is not None:
             rc = self.redis
             result.redis_cpu_s_per_s = (b["redis_cpu"] - a["redis_cpu"]) / dt
-            result.redis_rss_bytes = sum(vm_rss(r.proc.pid) for r in rc.nodes if r.proc is not None)
+            result.redis_rss_bytes = sum(rss_anon(r.proc.pid, "VmRSS") for r in rc.nodes if r.proc is not None)
             for port in rc.master_ports():
                 info = dict(line.partition(":")[::2] for line in rc.cli(port, "info").split())
                 result.redis_used_memory_bytes += int(info.get("used_memory", 0))

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.lib.report import machine_info, write_json
-from bench.scale_calibrate.coalescing import coalescing_lines, fill_for_coalescing, measure_coalescing
+from bench.scale_calibrate.coalescing import coalescing_lines, measure_coalescing
 from bench.scale_calibrate.common import DEFAULT_OUT, README_BYTES_PER_ENTRY, SINGLE_EVENTS, SMALL, loadavg
 from bench.scale_calibrate.daemons import Pair
 from bench.scale_calibrate.directory import measure_directory
-from bench.scale_calibrate.events import events_report, measure_quiet_streams, run_event_phases
+from bench.scale_calibrate.events import events_report, fill_lifecycle, measure_quiet_streams, run_event_phases
 from bench.scale_calibrate.grpc_floor import floor_client, measure_grpc_floor
 from bench.scale_calibrate.in_process import measure_in_process
 from bench.scale_calibrate.lookups import measure_lookups_and_fetch
@@ -28,6 +28,38 @@ from bench.scale_calibrate.s3 import measure_s3
 from bench.scale_calibrate.subscribers import serve_subscribers
 
 HIDDEN = ("serve_subscribers", "serve_coalesced", "floor_client")  # the child processes' flags
+OPTIONS: list[tuple[str, object, str]] = [  # (flag, default: of the flag's type, False: a switch, help)
+    ("--out", str(DEFAULT_OUT), "the calibration JSON to write"),
+    ("--entries", 100_000, "remote entries B's index grows by for the memory measurement (4 KiB chunks on A)"),
+    ("--subscribers", 16, "extra WatchEvents streams on A (publisher cost)"),
+    (
+        "--coalesced-subscribers",
+        64,
+        "extra coalesced WatchEvents streams on A in the coalescing phase (publisher cost)",
+    ),
+    ("--batch", 50, "chunks per store in the lifecycle phase (a turn's new chunks, as scale_out.py assumes)"),
+    ("--reps", 60, "samples per latency"),
+    ("--s3", "auto", "the S3 server for PUT/GET latency (auto: radosgw if Ceph starts here, else moto)"),
+    ("--s3-chunk-mib", 2, "object size for S3 PUT/GET latency"),
+    ("--turns", 60, "stores of --batch chunks per follower mode in the coalescing phase"),
+    ("--turn-rate", 10.0, "stores per second in the coalescing phase (the model's turns)"),
+    (
+        "--only-coalescing",
+        False,
+        "run the coalescing phase alone (A filled first) and print its figures; writes no JSON",
+    ),
+    (
+        "--only-directory",
+        False,
+        "measure the fleet directory's costs alone (a real Redis Cluster) and write them into --out's existing JSON",
+    ),
+    (
+        "--only-quiet-streams",
+        False,
+        "measure the quiet streams' CPU alone (--subscribers streams) and print it with the break points it gives "
+        "the model with --out's calibration; writes nothing",
+    ),
+]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -42,57 +74,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "moto). Writes a calibration JSON with the machine and the load average.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--out", default=str(DEFAULT_OUT), help="the calibration JSON to write")
-    parser.add_argument(
-        "--entries",
-        type=int,
-        default=100_000,
-        help="remote entries B's index grows by for the memory measurement (4 KiB chunks on A)",
-    )
-    parser.add_argument("--subscribers", type=int, default=16, help="extra WatchEvents streams on A (publisher cost)")
-    parser.add_argument(
-        "--coalesced-subscribers",
-        type=int,
-        default=64,
-        help="extra coalesced WatchEvents streams on A in the coalescing phase (publisher cost)",
-    )
-    parser.add_argument(
-        "--batch",
-        type=int,
-        default=50,
-        help="chunks per store in the lifecycle phase (a turn's new chunks, as scale_out.py assumes)",
-    )
-    parser.add_argument("--reps", type=int, default=60, help="samples per latency")
-    parser.add_argument(
-        "--s3",
-        choices=("auto", "radosgw", "moto", "none"),
-        default="auto",
-        help="the S3 server for PUT/GET latency (auto: radosgw if Ceph starts here, else moto)",
-    )
-    parser.add_argument("--s3-chunk-mib", type=int, default=2, help="object size for S3 PUT/GET latency")
-    parser.add_argument(
-        "--turns", type=int, default=60, help="stores of --batch chunks per follower mode in the coalescing phase"
-    )
-    parser.add_argument(
-        "--turn-rate", type=float, default=10.0, help="stores per second in the coalescing phase (the model's turns)"
-    )
-    parser.add_argument(
-        "--only-coalescing",
-        action="store_true",
-        help="run the coalescing phase alone (A filled first) and print its figures; writes no JSON",
-    )
-    parser.add_argument(
-        "--only-directory",
-        action="store_true",
-        help="measure the fleet directory's costs alone (a real Redis Cluster) and write them into --out's "
-        "existing JSON",
-    )
-    parser.add_argument(
-        "--only-quiet-streams",
-        action="store_true",
-        help="measure the quiet streams' CPU alone (--subscribers streams) and print it with the break points it "
-        "gives the model with --out's calibration; writes nothing",
-    )
+    for flag, default, text in OPTIONS:
+        if flag == "--s3":
+            parser.add_argument(flag, choices=("auto", "radosgw", "moto", "none"), default=default, help=text)
+        elif isinstance(default, bool):
+            parser.add_argument(flag, action="store_true", help=text)
+        else:
+            parser.add_argument(flag, type=type(default), default=default, help=text)
     parser.add_argument("--serve-subscribers", nargs=2, metavar=("ADDRESS", "STREAMS"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-coalesced", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--floor-client", type=int, metavar="PORT", help=argparse.SUPPRESS)
@@ -127,9 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "schema": 1,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine_info(),
-        "parameters": {
-            k: v for k, v in vars(args).items() if k not in ("serve_subscribers", "serve_coalesced", "floor_client")
-        },
+        "parameters": {k: v for k, v in vars(args).items() if k not in HIDDEN},
     }
     # Every 4 KiB chunk of the event phases stays in A's RAM, below its write-back headroom (5%).
     small_chunks = 2 * SINGLE_EVENTS + args.entries + args.entries // 4 + 200
@@ -170,7 +156,8 @@ def only_coalescing(args: argparse.Namespace) -> int:
     pair = Pair("64MiB")
     try:
         pair.start()
-        fill_for_coalescing(pair, args.batch)
+        with pair.a.client() as kv:
+            fill_lifecycle(pair, kv, args.batch, "filling A's RAM and fs")
         doc = measure_coalescing(
             pair, args.batch, args.turns, args.turn_rate, args.subscribers, args.coalesced_subscribers
         )

@@ -8,16 +8,14 @@ follower costs A (its CPU with `subscribers` more streams minus without, per str
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
-from bench.scale_calibrate.common import FS_BYTES, LIFE_CHUNK, batches, new_keys, ns_fields
+from bench.scale_calibrate.common import LIFE_CHUNK, new_keys, ns_fields, storing
 from bench.scale_calibrate.daemons import Pair, Phase
-from bench.scale_calibrate.events import pair_ram_bytes
 from bench.scale_calibrate.subscribers import Subscribers
 
 EVENTS_INTERVAL_S = 0.1  # A's events_interval (the daemon's default)
@@ -44,19 +42,6 @@ class FollowMode:
         return self.publisher_cpu_s_per_subscriber / self.turns
 
 
-def fill_for_coalescing(pair: Pair, batch: int) -> None:
-    """A's RAM and fs full of the lifecycle namespace's chunks, as the event phases leave them
-    (for a run of the coalescing phase alone)."""
-    data = np.zeros((batch, LIFE_CHUNK), np.uint8)
-    with pair.a.client() as kv:
-        ns = kv.register_namespace(**ns_fields("life", LIFE_CHUNK))
-        fill = new_keys(pair_ram_bytes(pair) // LIFE_CHUNK + FS_BYTES // LIFE_CHUNK + 2 * batch, "fill")
-        pair.phase(
-            "filling A's RAM and fs",
-            lambda: sum(kv.store(ns, part, data[: len(part)]).stored for part in batches(fill, batch)),
-        )
-
-
 def measure_coalescing(
     pair: Pair, batch: int, turns: int, turn_rate: float, subscribers: int, coalesced_subscribers: int
 ) -> dict[str, Any]:
@@ -68,17 +53,8 @@ def measure_coalescing(
     with pair.a.client() as kv:
         ns = kv.register_namespace(**ns_fields("life", LIFE_CHUNK))  # the lifecycle phase's: full
 
-        def paced(tag: str) -> Callable[[], int]:
-            keys = new_keys(turns * batch, tag)
-
-            def work() -> int:
-                t0 = time.monotonic()
-                for i, part in enumerate(batches(keys, batch)):
-                    kv.store(ns, part, data[: len(part)])
-                    time.sleep(max(0.0, t0 + (i + 1) / turn_rate - time.monotonic()))
-                return len(keys)
-
-            return work
+        def paced(tag: str) -> Callable[[], int]:  # a mode's turns
+            return storing(kv, ns, new_keys(turns * batch, tag), batch, data, turn_rate)
 
         def nudger(keys: Iterator[bytes]) -> Callable[[], None]:
             def nudge() -> None:

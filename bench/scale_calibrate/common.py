@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.lib.daemons import REPO
+import numpy as np
+
+from bench.lib.daemons import REPO, process_cpu_seconds
 
 DEFAULT_OUT = REPO / "docs" / "scale-out-calibration.json"
 README_BYTES_PER_ENTRY = 171  # README "A cluster of nodes": tracemalloc over 1,000,000 entries, 5 peers
@@ -30,12 +32,13 @@ WAIT_S = 60.0  # a bound on every wait for the daemons' state, never a measureme
 # -- the machine's own counters -----------------------------------------------------------------
 
 
-def rss_anon(pid: int) -> int:
-    """Anonymous resident memory of `pid` (bytes): the heap, not the shared-memory pool."""
+def rss_anon(pid: int, field: str = "RssAnon") -> int:
+    """Anonymous resident memory of `pid` (bytes): the heap, not the shared-memory pool (or another
+    of /proc/PID/status's sizes: `field`)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no RssAnon in /proc/{pid}/status")
+    raise RuntimeError(f"no {field} in /proc/{pid}/status")
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,14 @@ def tcp_received(pid: int, dport: int) -> TcpCount:
     return TcpCount(total, segs)
 
 
+def cpu_rates(pids: Sequence[int], seconds: float) -> list[float]:
+    """The CPU seconds per second each of `pids` spent while this process slept `seconds`."""
+    c0, t0 = [process_cpu_seconds(p) for p in pids], time.monotonic()
+    time.sleep(seconds)
+    c1, t1 = [process_cpu_seconds(p) for p in pids], time.monotonic()
+    return [(b - a) / (t1 - t0) for a, b in zip(c0, c1)]
+
+
 def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -82,6 +93,23 @@ def new_keys(n: int, tag: str) -> list[bytes]:
 def batches(keys: Sequence[bytes], n: int) -> Iterator[Sequence[bytes]]:
     for i in range(0, len(keys), n):
         yield keys[i : i + n]
+
+
+def storing(
+    kv: Any, ns: Any, keys: Sequence[bytes], batch: int, data: np.ndarray, rate: float = 0.0
+) -> Callable[[], int]:
+    """A phase's work: store `keys` in batches of `batch` (each from `data`'s first rows), `rate`
+    batches a second if given; returns how many keys it stored."""
+
+    def work() -> int:
+        t0 = time.monotonic()
+        for i, part in enumerate(batches(keys, batch)):
+            kv.store(ns, part, data[: len(part)])
+            if rate:
+                time.sleep(max(0.0, t0 + (i + 1) / rate - time.monotonic()))
+        return len(keys)
+
+    return work
 
 
 def timed(call: Callable[[], object], reps: int) -> float:

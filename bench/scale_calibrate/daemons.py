@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 
 from bench.lib.daemons import process_cpu_seconds
-from bench.scale_calibrate.common import FS_BYTES, WAIT_S, TcpCount, tcp_received
+from bench.scale_calibrate.common import FS_BYTES, WAIT_S, TcpCount, cpu_rates, tcp_received
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 
@@ -29,7 +29,6 @@ class EventWatcher:
         self._channel = grpc.insecure_channel(f"unix:{socket}", options=[("grpc.max_receive_message_length", 64 << 20)])
         self.failure: grpc.RpcError | None = None
         self._stream = pb_grpc.KVStoreStub(self._channel).WatchEvents(pb.WatchEventsRequest(from_seq=0))
-        self.events = 0
         self.keys = 0
         self.last_seq = 0
         self.payload_bytes = 0
@@ -46,7 +45,6 @@ class EventWatcher:
                 self.by_kind[kind + " keys"] += len(event.keys)
                 self.keys += len(event.keys)
                 self.payload_bytes += event.ByteSize()
-                self.events += 1
                 self.last_seq = event.seq
                 self.last_at = time.monotonic()
         except grpc.RpcError as exc:
@@ -75,9 +73,7 @@ class Snapshot:
     b_cpu: float
     a_cpu: float
     b_events: int
-    b_indexed: int
     tcp: TcpCount
-    w_events: int
     w_keys: int
     w_bytes: int
     by_kind: Counter[str]
@@ -169,11 +165,8 @@ class Pair:
 
     def measure_idle(self, seconds: float = 1.0, polls: int = 20) -> None:
         """B's and A's CPU rate doing nothing, and what one PeerStatus poll costs B."""
-        a0, b0, t0 = process_cpu_seconds(self.a.pid), process_cpu_seconds(self.b.pid), time.monotonic()
-        time.sleep(seconds)
-        a1, b1, t1 = process_cpu_seconds(self.a.pid), process_cpu_seconds(self.b.pid), time.monotonic()
-        self.a_idle_cpu_per_s = max(0.0, (a1 - a0) / (t1 - t0))
-        self.b_idle_cpu_per_s = max(0.0, (b1 - b0) / (t1 - t0))
+        a, b = cpu_rates([self.a.pid, self.b.pid], seconds)
+        self.a_idle_cpu_per_s, self.b_idle_cpu_per_s = max(0.0, a), max(0.0, b)
         b0, t0 = process_cpu_seconds(self.b.pid), time.monotonic()
         for _ in range(polls):
             self.b.peer(self.a)
@@ -182,15 +175,13 @@ class Pair:
 
     def snapshot(self) -> Snapshot:
         assert self.watcher is not None
-        info = self.b_view_of_a()
+        info = self.b_view_of_a()  # (before the CPU readings: phase() counts its cost)
         return Snapshot(
             time.monotonic(),
             process_cpu_seconds(self.b.pid),
             process_cpu_seconds(self.a.pid),
             info.events,
-            info.indexed_chunks,
             tcp_received(self.b.pid, self.a_port),
-            self.watcher.events,
             self.watcher.keys,
             self.watcher.payload_bytes,
             Counter(self.watcher.by_kind),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from statistics import median
 from typing import Any
@@ -14,7 +14,6 @@ from typing import Any
 import grpc
 import numpy as np
 
-from bench.lib.daemons import process_cpu_seconds
 from bench.scale_calibrate.common import (
     BIG_BATCH,
     FS_BYTES,
@@ -23,10 +22,11 @@ from bench.scale_calibrate.common import (
     SINGLE_EVENTS,
     SMALL,
     WAIT_S,
-    batches,
+    cpu_rates,
     new_keys,
     ns_fields,
     rss_anon,
+    storing,
 )
 from bench.scale_calibrate.daemons import Pair, Phase
 from bench.scale_calibrate.subscribers import Subscribers
@@ -40,12 +40,7 @@ QUIET_WINDOW_S = KEEPALIVE_MS / 1000  # one keepalive ping per stream per window
 
 def quiet_rates(pid: int) -> list[float]:
     """CPU rates of `pid` over QUIET_WINDOWS back-to-back windows of QUIET_WINDOW_S."""
-    out = []
-    for _ in range(QUIET_WINDOWS):
-        c0, t0 = process_cpu_seconds(pid), time.monotonic()
-        time.sleep(QUIET_WINDOW_S)
-        out.append((process_cpu_seconds(pid) - c0) / (time.monotonic() - t0))
-    return out
+    return [cpu_rates([pid], QUIET_WINDOW_S)[0] for _ in range(QUIET_WINDOWS)]
 
 
 def fit_two(p1: Phase, p2: Phase, value: Callable[[Phase], float]) -> tuple[float, float]:
@@ -83,50 +78,31 @@ def run_event_phases(pair: Pair, entries: int, subscribers: int, batch: int) -> 
     with a.client() as kv_a:
         ns = kv_a.register_namespace(**small)
         singles = new_keys(SINGLE_EVENTS, "single")
-
-        def store_singles(keys: Sequence[bytes]) -> Callable[[], int]:
-            def work() -> int:
-                for key in keys:
-                    kv_a.store(ns, [key], zeros[:1])
-                return len(keys)
-
-            return work
-
-        def store_batches(keys: Sequence[bytes]) -> Callable[[], int]:
-            def work() -> int:
-                for part in batches(keys, BIG_BATCH):
-                    kv_a.store(ns, part, zeros[: len(part)])
-                return len(keys)
-
-            return work
-
         print("events and the index's memory (B follows A)", flush=True)
         pair.measure_idle()
-        single = pair.phase("single-key stores", store_singles(singles))
+        single = pair.phase("single-key stores", storing(kv_a, ns, singles, 1, zeros))
         half = entries // 2
         bulk = new_keys(2 * half, "bulk")
         rss = [(pair.b_view_of_a().indexed_chunks, rss_anon(b.pid))]
-        batched = pair.phase(f"{BIG_BATCH}-key stores (1)", store_batches(bulk[:half]))
+        batched = pair.phase(f"{BIG_BATCH}-key stores (1)", storing(kv_a, ns, bulk[:half], BIG_BATCH, zeros))
         rss.append((pair.b_view_of_a().indexed_chunks, rss_anon(b.pid)))
-        batched2 = pair.phase(f"{BIG_BATCH}-key stores (2)", store_batches(bulk[half:]))
+        batched2 = pair.phase(f"{BIG_BATCH}-key stores (2)", storing(kv_a, ns, bulk[half:], BIG_BATCH, zeros))
         rss.append((pair.b_view_of_a().indexed_chunks, rss_anon(b.pid)))
 
         # More followers of A: what publishing costs per subscriber, and a stream's memory.
-        a_rss0 = rss_anon(a.pid)
-        quiet_without = quiet_rates(a.pid)
-        subs = Subscribers(a.address, subscribers)
-        nudges = new_keys(200, "nudge")
-        nudge_iter = iter(nudges)
-        subs.wait_ready(lambda: kv_a.store(ns, [next(nudge_iter)], zeros[:1]))
-        a_rss1 = rss_anon(a.pid)
-        quiet_with = quiet_rates(a.pid)
+        nudges = iter(new_keys(200, "nudge"))
+        subs, streams = open_streams(pair, subscribers, lambda: kv_a.store(ns, [next(nudges)], zeros[:1]))
         received0 = subs.received
         singles2 = new_keys(SINGLE_EVENTS, "single2")
-        single_subs = pair.phase(f"single-key stores, {subscribers} more subscribers", store_singles(singles2))
+        single_subs = pair.phase(
+            f"single-key stores, {subscribers} more subscribers", storing(kv_a, ns, singles2, 1, zeros)
+        )
         subs.wait_received(received0 + subscribers * single_subs.events)
         received1 = subs.received
         bulk2 = new_keys(half // 2 // BIG_BATCH * BIG_BATCH or BIG_BATCH, "bulk2")
-        batched_subs = pair.phase(f"{BIG_BATCH}-key stores, {subscribers} more subscribers", store_batches(bulk2))
+        batched_subs = pair.phase(
+            f"{BIG_BATCH}-key stores, {subscribers} more subscribers", storing(kv_a, ns, bulk2, BIG_BATCH, zeros)
+        )
         subs.wait_received(received1 + subscribers * batched_subs.events)
         subs.stop()
 
@@ -140,29 +116,10 @@ def run_event_phases(pair: Pair, entries: int, subscribers: int, batch: int) -> 
         removed = pair.phase("namespace cleared (one event of every key)", clear_all)
 
         # A chunk's whole life at steady state: RAM and fs full, every store evicts.
-        life = ns_fields("life", LIFE_CHUNK)
-        life_ns = kv_a.register_namespace(**life)
-        ram_chunks = pair_ram_bytes(pair) // LIFE_CHUNK
-        fill = new_keys(ram_chunks + FS_BYTES // LIFE_CHUNK + 2 * batch, "fill")
+        life_ns = fill_lifecycle(pair, kv_a, batch, "lifecycle: filling RAM and fs")
         data = np.zeros((batch, LIFE_CHUNK), np.uint8)
-
-        def store_life(keys: Sequence[bytes]) -> Callable[[], int]:
-            def work() -> int:
-                for part in batches(keys, batch):
-                    kv_a.store(life_ns, part, data[: len(part)])
-                return len(keys)
-
-            return work
-
-        pair.phase("lifecycle: filling RAM and fs", store_life(fill))
-        steady = pair.phase("lifecycle: steady state", store_life(new_keys(max(batch, min(ram_chunks, 2000)), "life")))
-    streams = {
-        "server_bytes_per_stream": (a_rss1 - a_rss0) / subscribers,
-        "client_bytes_per_stream": (subs.rss_ready - subs.rss_before) / subscribers,
-        "server_idle_cpu_s_per_s_per_stream": max(0.0, median(quiet_with) - median(quiet_without)) / subscribers,
-        "quiet_cpu_s_per_s_without": quiet_without,
-        "quiet_cpu_s_per_s_with": quiet_with,
-    }
+        steady_keys = new_keys(max(batch, min(pair_ram_bytes(pair) // LIFE_CHUNK, 2000)), "life")
+        steady = pair.phase("lifecycle: steady state", storing(kv_a, life_ns, steady_keys, batch, data))
     return EventRun(
         single, batched, batched2, single_subs, batched_subs, removed, steady, rss, streams, pair_ram_bytes(pair)
     )
@@ -254,23 +211,43 @@ def pair_ram_bytes(pair: Pair) -> int:
     return int(pair.a.stats().tiers[0].capacity_bytes)
 
 
-def measure_quiet_streams(pair: Pair, streams: int) -> dict[str, Any]:
-    """The quiet streams' CPU alone (the calibration's method: medians of whole keepalive periods
-    before and after `streams` WatchEvents streams open on A), for checking its spread."""
-    small = ns_fields("quiet", SMALL)
-    with pair.a.client() as kv_a:
-        ns = kv_a.register_namespace(**small)
-        zeros = np.zeros((1, SMALL), np.uint8)
-        nudge_iter = iter(new_keys(200, "quiet"))
-        without = quiet_rates(pair.a.pid)
-        subs = Subscribers(pair.a.address, streams)
-        try:
-            subs.wait_ready(lambda: kv_a.store(ns, [next(nudge_iter)], zeros))
-            with_streams = quiet_rates(pair.a.pid)
-        finally:
-            subs.stop()
-    return {
+def fill_lifecycle(pair: Pair, kv: Any, batch: int, name: str) -> Any:
+    """A's RAM and fs full of the lifecycle namespace's chunks (so that every later store writes
+    down and evicts); returns that namespace."""
+    ns = kv.register_namespace(**ns_fields("life", LIFE_CHUNK))
+    fill = new_keys(pair_ram_bytes(pair) // LIFE_CHUNK + FS_BYTES // LIFE_CHUNK + 2 * batch, "fill")
+    pair.phase(name, storing(kv, ns, fill, batch, np.zeros((batch, LIFE_CHUNK), np.uint8)))
+    return ns
+
+
+def open_streams(pair: Pair, streams: int, nudge: Callable[[], object]) -> tuple[Subscribers, dict[str, Any]]:
+    """`streams` more WatchEvents streams on A (a child process; `nudge` publishes an event), and
+    what they cost A and the child: heap per stream, and the quiet streams' CPU (medians of whole
+    keepalive periods just before and just after they open)."""
+    a = pair.a
+    rss0, without = rss_anon(a.pid), quiet_rates(a.pid)
+    subs = Subscribers(a.address, streams)
+    try:
+        subs.wait_ready(nudge)
+        rss1, with_streams = rss_anon(a.pid), quiet_rates(a.pid)
+    except BaseException:
+        subs.stop()
+        raise
+    return subs, {
+        "server_bytes_per_stream": (rss1 - rss0) / streams,
+        "client_bytes_per_stream": (subs.rss_ready - subs.rss_before) / streams,
         "server_idle_cpu_s_per_s_per_stream": max(0.0, median(with_streams) - median(without)) / streams,
         "quiet_cpu_s_per_s_without": without,
         "quiet_cpu_s_per_s_with": with_streams,
     }
+
+
+def measure_quiet_streams(pair: Pair, streams: int) -> dict[str, Any]:
+    """The quiet streams' CPU alone (the calibration's method), for checking its spread."""
+    with pair.a.client() as kv_a:
+        ns = kv_a.register_namespace(**ns_fields("quiet", SMALL))
+        zeros = np.zeros((1, SMALL), np.uint8)
+        nudges = iter(new_keys(200, "quiet"))
+        subs, figures = open_streams(pair, streams, lambda: kv_a.store(ns, [next(nudges)], zeros))
+        subs.stop()
+    return figures

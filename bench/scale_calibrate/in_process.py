@@ -5,11 +5,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import statistics
 import time
 import tracemalloc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,14 +28,19 @@ def index_bytes_by_slot(slots: Sequence[int], n: int = 20_000) -> list[dict[str,
         for _ in range(slot + 1):
             index.add_peer()
         keys = [os.urandom(32) for _ in range(n)]
-        tracemalloc.start()
-        try:
-            index.add(slot, 0, "n" * 32, keys)
-            used, _ = tracemalloc.get_traced_memory()
-        finally:
-            tracemalloc.stop()
+        used = traced_bytes(functools.partial(index.add, slot, 0, "n" * 32, keys))
         rows.append({"slot": slot, "bytes_per_entry": used / n})
     return rows
+
+
+def traced_bytes(work: Callable[[], object]) -> int:
+    """What `work` leaves allocated (tracemalloc)."""
+    tracemalloc.start()
+    try:
+        work()
+        return tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
 
 
 def index_bytes_readme_way(n: int) -> float:
@@ -44,14 +50,12 @@ def index_bytes_readme_way(n: int) -> float:
     raw = [os.urandom(32) for _ in range(n)]
     index = PeerIndex(n)
     slots = [index.add_peer() for _ in range(5)]
-    tracemalloc.start()
-    try:
+
+    def add_all() -> None:
         for i, slot in enumerate(slots):
             index.add(slot, i % 2, "n" * 32, raw[i::5])
-        used, _ = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    return used / n
+
+    return traced_bytes(add_all) / n
 
 
 def index_updates_by_slot(slots: Sequence[int], n: int = 20_000, rounds: int = 3) -> list[dict[str, float]]:

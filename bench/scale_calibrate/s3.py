@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import statistics
-import time
 from typing import Any
 
-from bench.scale_calibrate.common import SMALL
+from bench.scale_calibrate.common import SMALL, timed
 
 
 def measure_s3(kind: str, chunk_bytes: int, reps: int) -> dict[str, Any]:
@@ -47,18 +45,7 @@ def measure_s3(kind: str, chunk_bytes: int, reps: int) -> dict[str, Any]:
         s3.put_object(Bucket=bucket, Key="warm", Body=b"x")  # the first PUT creates radosgw's pools (~2 s)
         out: dict[str, Any] = {"server": which, "chunk_bytes": chunk_bytes, "reps": reps}
         for label, size in (("chunk", chunk_bytes), ("small", SMALL)):
-            body = os.urandom(size)
-            puts, gets = [], []
-            for i in range(reps):
-                t0 = time.perf_counter()
-                s3.put_object(Bucket=bucket, Key=f"{label}/{i}", Body=body)
-                puts.append(time.perf_counter() - t0)
-            for i in range(reps):
-                t0 = time.perf_counter()
-                s3.get_object(Bucket=bucket, Key=f"{label}/{i}")["Body"].read()
-                gets.append(time.perf_counter() - t0)
-            out[f"put_{label}_ms"] = statistics.median(puts) * 1e3
-            out[f"get_{label}_ms"] = statistics.median(gets) * 1e3
+            out[f"put_{label}_ms"], out[f"get_{label}_ms"] = put_get_ms(s3, bucket, label, os.urandom(size), reps)
         out["basis"] = (
             f"boto3 PUT then GET of {reps} objects of {chunk_bytes >> 20} MiB and of 4 KiB, one at a time, "
             f"medians, against {which} on loopback"
@@ -73,3 +60,11 @@ def measure_s3(kind: str, chunk_bytes: int, reps: int) -> dict[str, Any]:
         return out
     finally:
         server.stop()
+
+
+def put_get_ms(s3: Any, bucket: str, prefix: str, body: bytes, reps: int) -> tuple[float, float]:
+    """Median latencies (ms) of PUTting `reps` objects of `body` one at a time, then GETting each."""
+    puts, gets = iter(range(reps)), iter(range(reps))
+    put = timed(lambda: s3.put_object(Bucket=bucket, Key=f"{prefix}/{next(puts)}", Body=body), reps)
+    get = timed(lambda: s3.get_object(Bucket=bucket, Key=f"{prefix}/{next(gets)}")["Body"].read(), reps)
+    return put * 1e3, get * 1e3

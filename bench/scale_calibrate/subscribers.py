@@ -76,7 +76,7 @@ class Subscribers:
             elif word == "count":
                 self.received = int(value)
 
-    def wait_ready(self, nudge: Callable[[], None]) -> None:
+    def wait_ready(self, nudge: Callable[[], object]) -> None:
         """Until every stream has received an event (`nudge` publishes one)."""
         deadline = time.monotonic() + WAIT_S
         while not self._ready.wait(0.2):

@@ -17,6 +17,9 @@ from bench.scale_out.designs import Model
 from bench.scale_out.fleet import DEFAULT_CALIBRATION, S3_PREFIX_PUTS_PER_S, SECONDS_PER_MONTH, Budget, Costs, Fleet
 from bench.scale_out.report import basis, plot, print_report, redis_fit, run, sensitivity
 
+# Flags in handier units than their Fleet field: (the field, its unit).
+SCALED = {"--chunk-mib": ("chunk_bytes", MIB), "--ram-gib": ("ram_bytes", GIB), "--fs-tib": ("fs_bytes", 1 << 40)}
+
 
 def parse_nodes(text: str) -> list[int]:
     nodes = sorted({int(x) for x in text.split(",") if x.strip()})
@@ -81,12 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
         ("--put-usd-per-1k", "S3 price per 1,000 PUTs"),
         ("--get-usd-per-1k", "S3 price per 1,000 GETs"),
     ]
-    scaled = {"--chunk-mib": d.chunk_bytes / MIB, "--ram-gib": d.ram_bytes / GIB, "--fs-tib": d.fs_bytes / (1 << 40)}
     for flag, text in flags:
         if flag == "--no-s3":
             p.add_argument(flag, action="store_true", help=text)
-        elif flag in scaled:
-            p.add_argument(flag, type=float, default=scaled[flag], help=text)
+        elif flag in SCALED:
+            field, unit = SCALED[flag]
+            p.add_argument(flag, type=float, default=getattr(d, field) / unit, help=text)
         else:
             default = getattr(d, flag[2:].replace("-", "_"))
             p.add_argument(flag, type=type(default), default=default, help=text)
@@ -99,12 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not cal_path.is_absolute() and not cal_path.exists():
         cal_path = REPO / cal_path
     calibration = json.loads(cal_path.read_text())
-    direct = {f.name for f in fields(Fleet)} - {"chunk_bytes", "ram_bytes", "fs_bytes", "s3_tier"}
     fleet = Fleet(
-        **{k: v for k, v in vars(args).items() if k in direct},
-        chunk_bytes=int(args.chunk_mib * MIB),
-        ram_bytes=int(args.ram_gib * GIB),
-        fs_bytes=int(args.fs_tib * (1 << 40)),
+        **{k: v for k, v in vars(args).items() if k in {f.name for f in fields(Fleet)}},
+        **{field: int(getattr(args, flag[2:].replace("-", "_")) * unit) for flag, (field, unit) in SCALED.items()},
         s3_tier=not args.no_s3,
     )
     budget = Budget(args.cpu_budget, args.memory_budget_gib * GIB)

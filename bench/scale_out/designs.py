@@ -63,13 +63,11 @@ class Model:
     def local_lookup_s(self) -> float:
         return self.costs.lookup_fixed_s + self.rates.looked_up_chunks_per_turn * self.costs.lookup_s_per_key
 
-    def full_view(self, nodes: int, bytes_per_entry: float) -> tuple[float, float, float]:
-        """Entries, bytes and coverage within the budget of an index of every peer's chunks."""
-        entries = (nodes - 1) * self.rates.chunks_held
-        index = entries * bytes_per_entry
-        streams = 2 * (nodes - 1) * self.costs.stream_bytes
-        room = max(0.0, self.budget.memory_bytes - streams) / bytes_per_entry
-        return entries, index, min(1.0, room / entries) if entries else 1.0
+    def index(self, nodes: int, entries: float, bytes_per_entry: float) -> tuple[float, float]:
+        """The bytes of an index of `entries`, and the share of them the memory budget holds beside
+        the node's streams (to each of its peers)."""
+        room = max(0.0, self.budget.memory_bytes - 2 * (nodes - 1) * self.costs.stream_bytes) / bytes_per_entry
+        return entries * bytes_per_entry, min(1.0, room / entries) if entries else 1.0
 
     def point(
         self,
@@ -104,43 +102,33 @@ class Model:
     # the four designs --------------------------------------------------------------------------------
 
     def mesh(self, nodes: int) -> Point:
-        c, r = self.costs, self.rates
+        r = self.rates
+        return self._full_mesh(nodes, r.events_per_s, r.keys_per_s, r.events_per_s * self.costs.segments_per_event)
+
+    def coalesced(self, nodes: int) -> Point:
+        return self._full_mesh(
+            nodes, self.costs.messages_per_interval / self.fleet.interval_s, self.rates.net_keys_per_s
+        )
+
+    def _full_mesh(self, nodes: int, messages: float, keys: float, segments: float | None = None) -> Point:
+        """Every node follows every other: `messages` and `keys` a second from each peer (the mesh as
+        built: every event; coalesced: the net changes once per interval)."""
+        c = self.costs
         peers = nodes - 1
         mean_slot = max(0.0, (nodes - 2) / 2)  # holders' slots spread over the peers
         per_key = c.follow_s_per_key + c.follow_s_per_key_per_slot * mean_slot
         m = c.index_bytes_per_entry + c.index_bytes_per_slot * mean_slot
-        entries, index, coverage = self.full_view(nodes, m)
+        entries = peers * self.rates.chunks_held  # a full view: every peer's chunks
+        index, coverage = self.index(nodes, entries, m)
         cpu = {
-            "follow": peers * (r.events_per_s * c.follow_s_per_event + r.keys_per_s * per_key),
-            "publish": peers * (r.events_per_s * c.publish_s_per_event + r.keys_per_s * c.publish_s_per_key),
+            "follow": peers * (messages * c.follow_s_per_event + keys * per_key),
+            "publish": peers * (messages * c.publish_s_per_event + keys * c.publish_s_per_key),
             "streams": 2 * peers * c.stream_idle_s_per_s,
         }
         memory = {"index": index, "streams": 2 * peers * c.stream_bytes}
-        inbound = peers * self.wire_bytes(r.events_per_s, r.keys_per_s, r.events_per_s * c.segments_per_event)
+        inbound = peers * self.wire_bytes(messages, keys, segments)
         lookup = self.local_lookup_s() + peers * c.contains_s_per_peer
-        return self.point(
-            nodes, cpu, memory, inbound, peers * r.events_per_s, peers * r.keys_per_s, lookup, entries, coverage
-        )
-
-    def coalesced(self, nodes: int) -> Point:
-        c, r, f = self.costs, self.rates, self.fleet
-        peers = nodes - 1
-        mean_slot = max(0.0, (nodes - 2) / 2)
-        per_key = c.follow_s_per_key + c.follow_s_per_key_per_slot * mean_slot
-        m = c.index_bytes_per_entry + c.index_bytes_per_slot * mean_slot
-        entries, index, coverage = self.full_view(nodes, m)
-        messages = c.messages_per_interval / f.interval_s
-        cpu = {
-            "follow": peers * (messages * c.follow_s_per_event + r.net_keys_per_s * per_key),
-            "publish": peers * (messages * c.publish_s_per_event + r.net_keys_per_s * c.publish_s_per_key),
-            "streams": 2 * peers * c.stream_idle_s_per_s,
-        }
-        memory = {"index": index, "streams": 2 * peers * c.stream_bytes}
-        inbound = peers * self.wire_bytes(messages, r.net_keys_per_s)
-        lookup = self.local_lookup_s() + peers * c.contains_s_per_peer
-        return self.point(
-            nodes, cpu, memory, inbound, peers * messages, peers * r.net_keys_per_s, lookup, entries, coverage
-        )
+        return self.point(nodes, cpu, memory, inbound, peers * messages, peers * keys, lookup, entries, coverage)
 
     def directory(self, nodes: int) -> Point:
         c, r, f = self.costs, self.rates, self.fleet
@@ -162,10 +150,8 @@ class Model:
             "streams": 2 * peers * c.stream_idle_s_per_s,
         }
         entries = r.chunks_held * f.replicas if peers else 0.0
-        streams = 2 * peers * c.stream_bytes
-        memory = {"index": entries * c.index_bytes_per_entry, "streams": streams}
-        room = max(0.0, self.budget.memory_bytes - streams) / c.index_bytes_per_entry
-        coverage = min(1.0, room / entries) if entries else 1.0
+        index, coverage = self.index(nodes, entries, c.index_bytes_per_entry)
+        memory = {"index": index, "streams": 2 * peers * c.stream_bytes}
         lookup = self.local_lookup_s() + (
             c.remote_lookup_s + r.lookup_groups_per_turn * nodes * c.rendezvous_s_per_node if peers else 0.0
         )

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -27,18 +27,17 @@ from kvstored.tiers.config import S3TierConfig
 
 
 def run(model: Model, nodes: Sequence[int], max_nodes: int) -> dict[str, Any]:
-    out_designs = []
-    for d in designs(model):
-        out_designs.append(
-            {
-                "key": d.key,
-                "label": d.label,
-                "how": d.how,
-                "break": break_point(d, model.budget, max_nodes),
-                "rows": [asdict(d.point(n)) for n in nodes],
-                "curve": [asdict(d.point(n)) for n in plot_nodes(max_nodes)],
-            }
-        )
+    out_designs = [
+        {
+            "key": d.key,
+            "label": d.label,
+            "how": d.how,
+            "break": break_point(d, model.budget, max_nodes),
+            "rows": [asdict(d.point(n)) for n in nodes],
+            "curve": [asdict(d.point(n)) for n in plot_nodes(max_nodes)],
+        }
+        for d in designs(model)
+    ]
     return {
         "designs": out_designs,
         "router_tier": [model.router_tier(n) for n in nodes],
@@ -56,11 +55,13 @@ def sensitivity(fleet: Fleet, budget: Budget, costs: Costs, max_nodes: int) -> l
         ("no S3 tier", replace(fleet, s3_tier=False)),
         ("directory entries live 4 h (the refresh pass 8x rarer)", replace(fleet, directory_entry_ttl_s=4 * 3600.0)),
     ]
-    rows = []
-    for label, f in variants:
-        model = Model(f, budget, costs)
-        rows.append({"variant": label, "breaks": {d.key: break_point(d, budget, max_nodes) for d in designs(model)}})
-    return rows
+    return [
+        {
+            "variant": label,
+            "breaks": {d.key: break_point(d, budget, max_nodes) for d in designs(Model(f, budget, costs))},
+        }
+        for label, f in variants
+    ]
 
 
 def redis_fit(fleet: Fleet, budget: Budget, costs: Costs, nodes: int = 1000) -> dict[str, Any]:
@@ -172,6 +173,53 @@ def fmt_rate(n: float) -> str:
     return fmt_bytes(n) + "/s"
 
 
+def measured(model: Model) -> list[tuple[str, str]]:
+    """The calibration's costs the model uses, as printed."""
+    c = model.costs
+    return [
+        (
+            "follower CPU",
+            f"{c.follow_s_per_event * 1e6:.1f} us/event + {c.follow_s_per_key * 1e6:.2f} us/key "
+            f"(+{c.follow_s_per_key_per_slot * 1e9:.2f} ns per slot of the holder)",
+        ),
+        (
+            "publisher CPU per follower",
+            f"{c.publish_s_per_event * 1e6:.1f} us/event + {c.publish_s_per_key * 1e6:.3f} us/key",
+        ),
+        (
+            "event bytes",
+            f"{c.bytes_per_event:.0f} B/event + {c.bytes_per_key:.1f} B/key (+{HEADER_BYTES_PER_SEGMENT} "
+            "B per segment on a network)",
+        ),
+        (
+            "index memory",
+            f"{c.index_bytes_per_entry:.0f} B/entry (+{c.index_bytes_per_slot:.3f} B per slot of the holder)",
+        ),
+        ("one stream", f"{fmt_bytes(c.stream_bytes)} (both ends)"),
+        (
+            "a turn's Lookup",
+            f"{model.local_lookup_s() * 1e3:.2f} ms local, +{c.contains_s_per_peer * 1e6:.2f} us per peer (mesh)",
+        ),
+        (
+            "remote Lookup",
+            f"{c.remote_lookup_s * 1e3:.2f} ms, {c.remote_lookup_server_s * 1e3:.2f} ms of the server's CPU",
+        ),
+        ("owner choice", f"{c.rendezvous_s_per_node * 1e6:.3f} us per node per group"),
+        ("S3 per chunk", f"PUT {c.s3_put_s * 1e3:.1f} ms, GET {c.s3_get_s * 1e3:.1f} ms ({c.s3_server})"),
+    ]
+
+
+POINT_COLUMNS: dict[str, Callable[[dict[str, Any]], str]] = {  # the design table's, after the design's label
+    "nodes": lambda p: f"{p['nodes']:,}",
+    "CPU": lambda p: f"{p['cpu_fraction']:.1%}",
+    "memory": lambda p: fmt_bytes(p["memory_bytes"]),
+    "event traffic in": lambda p: fmt_rate(p["inbound_bytes_per_s"]),
+    "lookup/turn": lambda p: f"{p['lookup_ms']:.2f} ms",
+    "coverage": lambda p: f"{p['coverage']:.1%}",
+    "S3 $/month": lambda p: f"{p['s3_usd_per_month']:,.0f}",
+}
+
+
 def print_report(doc: dict[str, Any], model: Model) -> None:
     cal = doc["calibration"]
     print(
@@ -184,67 +232,14 @@ def print_report(doc: dict[str, Any], model: Model) -> None:
     )
     c, f = model.costs, model.fleet
     print("\nmeasured costs used:")
-    print_aligned(
-        [
-            ["cost", "value"],
-            *[
-                [k, v]
-                for k, v in [
-                    (
-                        "follower CPU",
-                        f"{c.follow_s_per_event * 1e6:.1f} us/event + {c.follow_s_per_key * 1e6:.2f} us/key "
-                        f"(+{c.follow_s_per_key_per_slot * 1e9:.2f} ns per slot of the holder)",
-                    ),
-                    (
-                        "publisher CPU per follower",
-                        f"{c.publish_s_per_event * 1e6:.1f} us/event + {c.publish_s_per_key * 1e6:.3f} us/key",
-                    ),
-                    (
-                        "event bytes",
-                        f"{c.bytes_per_event:.0f} B/event + {c.bytes_per_key:.1f} B/key (+{HEADER_BYTES_PER_SEGMENT} "
-                        "B per segment on a network)",
-                    ),
-                    (
-                        "index memory",
-                        f"{c.index_bytes_per_entry:.0f} B/entry (+{c.index_bytes_per_slot:.3f} B per slot "
-                        "of the holder)",
-                    ),
-                    ("one stream", f"{fmt_bytes(c.stream_bytes)} (both ends)"),
-                    (
-                        "a turn's Lookup",
-                        f"{model.local_lookup_s() * 1e3:.2f} ms local, +{c.contains_s_per_peer * 1e6:.2f} us "
-                        "per peer (mesh)",
-                    ),
-                    (
-                        "remote Lookup",
-                        f"{c.remote_lookup_s * 1e3:.2f} ms, {c.remote_lookup_server_s * 1e3:.2f} ms of the "
-                        "server's CPU",
-                    ),
-                    ("owner choice", f"{c.rendezvous_s_per_node * 1e6:.3f} us per node per group"),
-                    ("S3 per chunk", f"PUT {c.s3_put_s * 1e3:.1f} ms, GET {c.s3_get_s * 1e3:.1f} ms ({c.s3_server})"),
-                ]
-            ],
-        ],
-        right=set(),
-    )
+    print_aligned([["cost", "value"], *[list(m) for m in measured(model)]], right=set())
     budget = model.budget
     print(f"\nper node, budget {budget.cpu_fraction:.0%} of a core and {fmt_bytes(budget.memory_bytes)}:")
-    table = [["design", "nodes", "CPU", "memory", "event traffic in", "lookup/turn", "coverage", "S3 $/month"]]
-    for d in doc["designs"]:
-        for row in d["rows"]:
-            table.append(
-                [
-                    d["label"],
-                    f"{row['nodes']:,}",
-                    f"{row['cpu_fraction']:.1%}",
-                    fmt_bytes(row["memory_bytes"]),
-                    fmt_rate(row["inbound_bytes_per_s"]),
-                    f"{row['lookup_ms']:.2f} ms",
-                    f"{row['coverage']:.1%}",
-                    f"{row['s3_usd_per_month']:,.0f}",
-                ]
-            )
-    print_aligned(table, right={1, 2, 3, 4, 5, 6, 7})
+    table = [["design", *POINT_COLUMNS]]
+    table += [
+        [d["label"], *(cell(row) for cell in POINT_COLUMNS.values())] for d in doc["designs"] for row in d["rows"]
+    ]
+    print_aligned(table, right=set(range(1, len(table[0]))))
     print("\nwhere each design stops scaling:")
     for d in doc["designs"]:
         b = d["break"]
