@@ -8,5 +8,6 @@ Modelled: Qwen3.6-35B-A3B on 2x H100 (TP=2) by default, Llama-3.1-8B on one H100
 
 Run as `python -m bench.multiturn`; --nodes N: bench/multiturn/nodes.py. Modules: model (presets, workload,
 derived figures), sim (the model clock), offload (a real daemon as the offload target), runs (one run),
-limits, report, cli. Method and results: docs/benchmarks.md.
+limits, report, plan (the sweep, and what one node does where several differ: nodes_main), cli.
+Method and results: docs/benchmarks.md.
 """

@@ -13,7 +13,7 @@ from bench.multiturn.model import TARGET_VS_NONE, TARGET_VS_RAM, Model
 from bench.multiturn.runs import RunResult
 
 
-def bound_lines(results: list[RunResult], m: Model, limits: Limits) -> list[str]:
+def bound_lines(results: Sequence[RunResult], m: Model, limits: Limits) -> list[str]:
     """What bounds RAM + fs at the largest count, with numbers: where the loader's modelled time went,
     the fs load rate the targets would need, and whether this machine's disk could deliver it. The
     needed rate assumes the loader stays busy for the same share of the (shorter) makespan as in

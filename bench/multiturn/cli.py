@@ -1,49 +1,37 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""The multi-turn benchmark's command line: `python -m bench.multiturn` (one node) and
-`--nodes N` (bench/multiturn/nodes.py)."""
+"""The multi-turn benchmark's command line and its main: `python -m bench.multiturn` (one node:
+plan.OneNode) and `--nodes N` (several: nodes_main.SeveralNodes), planned, swept and reported alike."""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, replace
-from pathlib import Path
+import contextlib
+from dataclasses import asdict
 from typing import Any
 
 import bench.multiturn
 from bench.lib.limits import apply_nt_threshold, nt_threshold_arg
-from bench.lib.report import REPO, fmt_bytes, load_average, machine_info
-from bench.multiturn import nodes, nodes_main
-from bench.multiturn.bounds import bound_lines, slow_disk_lines
+from bench.lib.report import REPO, load_average, machine_info
+from bench.multiturn import nodes
 from bench.multiturn.limits import Limits, measure_limits
 from bench.multiturn.model import CONFIG_BY_KEY, CONFIGS, DEFAULT_MODEL, MODELS, SLOW_DISK, Transfer
+from bench.multiturn.nodes_main import SeveralNodes
 from bench.multiturn.plan import (
+    SLOW_DISK_PREFILL,
+    OneNode,
     command_line,
     model_doc,
-    parse_counts,
     print_targets,
     section,
-    select_configs,
     setup,
     start_sweep_s3,
-    sweep,
     targets,
     write_outputs,
 )
-from bench.multiturn.report import (
-    cost_lines,
-    daemon_lines,
-    limit_lines,
-    load_summary,
-    model_lines,
-    print_results,
-    scaling_lines,
-    target_rows,
-)
-from bench.multiturn.runs import RunResult, run_one
+from bench.multiturn.report import cost_lines, limit_lines, load_summary, model_lines, print_results, scaling_lines
 
 DESCRIPTION = (bench.multiturn.__doc__ or "").split("\n\n")[0]
-SLOW_DISK_PREFILL = 4.0  # x the model's prefill rate: the seed's break-even 0.95 -> 3.8 GiB/s, above the fs tier here
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -56,25 +44,23 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
+def _add(g: argparse._ArgumentGroup, flag: str, default: Any, text: str | None, kind: type | None = None) -> None:
+    """A flag whose value has its default's type (`kind` where the default is None: derived)."""
+    g.add_argument(flag, type=kind or type(default), default=default, help=text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m bench.multiturn", description=DESCRIPTION, formatter_class=_HelpFormatter
     )
     g = ap.add_argument_group("workload")
-    g.add_argument("--initial-tokens", type=int, default=12 * 1024, help="first prompt of every conversation")
-    g.add_argument("--turn-tokens", type=int, default=4 * 1024, help="tokens each turn appends to the history")
-    g.add_argument("--turns", type=int, default=8, help="turns per conversation")
-    g.add_argument(
-        "--think-s", type=float, default=20.0, help="mean think time between turns, modelled seconds (uniform 0.5-1.5x)"
-    )
-    g.add_argument("--conversations", default="16,32,64,128,192,256", help="simultaneous conversations to sweep")
-    g.add_argument(
-        "--chunk-tokens",
-        type=int,
-        default=4096,
-        help="tokens per kvstored chunk (x --kv-bytes-per-token: 2 MiB, as in bench/compare.py)",
-    )
-    g.add_argument("--seed", type=int, default=0)
+    _add(g, "--initial-tokens", 12 * 1024, "first prompt of every conversation")
+    _add(g, "--turn-tokens", 4 * 1024, "tokens each turn appends to the history")
+    _add(g, "--turns", 8, "turns per conversation")
+    _add(g, "--think-s", 20.0, "mean think time between turns, modelled seconds (uniform 0.5-1.5x)")
+    _add(g, "--conversations", "16,32,64,128,192,256", "simultaneous conversations to sweep")
+    _add(g, "--chunk-tokens", 4096, "tokens per kvstored chunk (x --kv-bytes-per-token: 2 MiB, as in bench/compare.py)")
+    _add(g, "--seed", 0, None)
     g = ap.add_argument_group("modelled GPU and model")
     g.add_argument(
         "--model",
@@ -84,42 +70,20 @@ def build_parser() -> argparse.ArgumentParser:
         "token, 50,000 prefill tokens/s) or llama-3.1-8b (one H100, 128 KiB per token, 16,000 "
         "tokens/s); every figure derived from it is printed with its basis",
     )
-    g.add_argument(
-        "--model-kv-bytes-per-token",
-        type=int,
-        default=None,
-        help="KV bytes per token of the modelled model (default: the model's, from its attention layers)",
+    kv_text = "KV bytes per token of the modelled model (default: the model's, from its attention layers)"
+    _add(g, "--model-kv-bytes-per-token", None, kv_text, int)
+    _add(g, "--kv-bytes-per-token", 512, "KV bytes per token that really move through kvstored (the scale)")
+    prefill_text = (
+        "modelled prefill rate (default: the model's, from FLOPs per token, the GPUs' bf16 peak and an assumed MFU)"
     )
-    g.add_argument(
-        "--kv-bytes-per-token",
-        type=int,
-        default=512,
-        help="KV bytes per token that really move through kvstored (the scale)",
+    _add(g, "--prefill-tokens-per-s", None, prefill_text, float)
+    gpu_text = (
+        "GPU prefix cache capacity, in conversations at their last turn (default: derived from HBM minus weights)"
     )
-    g.add_argument(
-        "--prefill-tokens-per-s",
-        type=float,
-        default=None,
-        help="modelled prefill rate (default: the model's, from FLOPs per token, the GPUs' bf16 peak and "
-        "an assumed MFU)",
-    )
-    g.add_argument(
-        "--gpu-conversations",
-        type=float,
-        default=None,
-        help="GPU prefix cache capacity, in conversations at their last turn (default: derived from HBM minus weights)",
-    )
-    g.add_argument(
-        "--gpu-tokens",
-        type=int,
-        default=None,
-        help="GPU prefix cache capacity in tokens (overrides --gpu-conversations)",
-    )
-    g.add_argument(
-        "--serial-loads",
-        action="store_true",
-        help="loads on the GPU's timeline instead of beside it (a pessimistic engine)",
-    )
+    _add(g, "--gpu-conversations", None, gpu_text, float)
+    _add(g, "--gpu-tokens", None, "GPU prefix cache capacity in tokens (overrides --gpu-conversations)", int)
+    serial_text = "loads on the GPU's timeline instead of beside it (a pessimistic engine)"
+    g.add_argument("--serial-loads", action="store_true", help=serial_text)
     g.add_argument(
         "--transfer",
         type=Transfer,
@@ -132,7 +96,6 @@ def build_parser() -> argparse.ArgumentParser:
     g = ap.add_argument_group("kvstored tiers")
     g.add_argument(
         "--configs",
-        default=None,
         help=f"among {', '.join(CONFIG_BY_KEY)} (default: {', '.join(c.key for c in CONFIGS)}; with --nodes: "
         f"{', '.join(nodes.CONFIG_KEYS)}; with --nodes --directory: {', '.join(nodes.DIRECTORY_KEYS)}; "
         f"with --slow-disk: {', '.join(c.key for c in SLOW_DISK)})",
@@ -155,48 +118,27 @@ def build_parser() -> argparse.ArgumentParser:
         "then reports hits below RAM, peers included, only where loading them beats recomputing (--slow-disk "
         "implies it; without it nothing is registered and every hit counts)",
     )
-    g.add_argument(
-        "--ram-conversations",
-        type=float,
-        default=None,
-        help=f"RAM tier size, in conversations (default: 128; with --nodes: {nodes.RAM_CONVERSATIONS:g} per node)",
-    )
-    g.add_argument(
-        "--fs-conversations",
-        type=float,
-        default=512,
-        help="fs tier size in RAM + fs, in conversations (with --nodes: per node, also with peers)",
-    )
-    g.add_argument(
-        "--s3-fs-conversations",
-        type=float,
-        default=128,
-        help="fs tier size in RAM + fs + S3, in conversations (smaller: S3 takes the overflow)",
-    )
+    ram_text = f"RAM tier size, in conversations (default: 128; with --nodes: {nodes.RAM_CONVERSATIONS:g} per node)"
+    _add(g, "--ram-conversations", None, ram_text, float)
+    fs_text = "fs tier size in RAM + fs, in conversations (with --nodes: per node, also with peers)"
+    _add(g, "--fs-conversations", 512, fs_text, float)
+    s3_fs_text = "fs tier size in RAM + fs + S3, in conversations (smaller: S3 takes the overflow)"
+    _add(g, "--s3-fs-conversations", 128, s3_fs_text, float)
     g.add_argument(
         "--s3",
         default="auto",
         choices=("auto", "radosgw", "moto"),
         help="S3 server: radosgw via tests/support/s3.py, moto_server, or auto (radosgw, else moto)",
     )
-    g.add_argument(
-        "--workdir",
-        default=str(REPO / "results" / "tmp"),
-        help="fs tier roots and the raw O_DIRECT files go under here (each removed after use)",
-    )
-    g.add_argument(
-        "--no-limits",
-        action="store_true",
-        help="skip measuring memcpy, raw O_DIRECT and raw S3 GET (the physical limits)",
-    )
+    workdir_text = "fs tier roots and the raw O_DIRECT files go under here (each removed after use)"
+    _add(g, "--workdir", str(REPO / "results" / "tmp"), workdir_text)
+    no_limits_text = "skip measuring memcpy, raw O_DIRECT and raw S3 GET (the physical limits)"
+    g.add_argument("--no-limits", action="store_true", help=no_limits_text)
     g = ap.add_argument_group("output")
     g.add_argument("--json", metavar="PATH", help="write the results as JSON")
     g.add_argument("--plot", metavar="PATH", help="write the chart (PNG) here")
-    g.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="print the model, the sizes and the scaling (and write them with --json), run nothing",
-    )
+    dry_text = "print the model, the sizes and the scaling (and write them with --json), run nothing"
+    g.add_argument("--dry-run", action="store_true", help=dry_text)
     nt_threshold_arg(g)
     nodes.add_arguments(ap)
     return ap
@@ -210,93 +152,72 @@ def main(argv: list[str] | None = None) -> int:
         args.ram_conversations = nodes.RAM_CONVERSATIONS if args.nodes > 1 else 128.0
     if args.directory and args.nodes < 2:
         ap.error("--directory needs --nodes N (N >= 2)")
-    if args.nodes > 1:
-        return nodes_main.main(ap, args, argv)
-    if args.slow_disk and args.prefill_tokens_per_s is None:
-        args.prefill_tokens_per_s = SLOW_DISK_PREFILL * MODELS[args.model].prefill_tokens_per_s
-    default = [c.key for c in (SLOW_DISK if args.slow_disk else CONFIGS)]
-    configs = select_configs(ap, args.configs, default, CONFIG_BY_KEY, "configuration(s) {bad}")
-    w, m, basis, derivation, sizes, sizes_conv = setup(ap, args)
-    m = replace(m, register_rates=args.slow_disk or args.register_rates)
-    counts = parse_counts(args.conversations)
-    workdir = Path(args.workdir)
+    mode = SeveralNodes(ap, args) if args.nodes > 1 else OneNode(ap, args)
+    p = setup(ap, args, mode.register_rates)
+    w, m = p.w, p.m
 
     info = machine_info()
     load_start = load_average()
     print(
-        f"kvstored multi-turn benchmark -- {info['cpu_model']}, {info['cpus']} CPUs, {info['mem_total_gib']} GiB, "
-        f"kernel {info['kernel']}, git {info['git']}, load average {load_start:.2f}, "
-        f"GLIBC_TUNABLES={info['glibc_tunables'] or '(none)'}"
+        f"kvstored multi-turn benchmark{mode.title} -- {info['cpu_model']}, {info['cpus']} CPUs, "
+        f"{info['mem_total_gib']} GiB, kernel {info['kernel']}, git {info['git']}, load average {load_start:.2f}"
+        + mode.header_tail(info)
     )
-    scale = scaling_lines(w, m, sizes, args.ram_conversations, args.fs_conversations, args.s3_fs_conversations)
-    for line in model_lines(m, basis) + scale:
-        print("  " + line)
-    max_bytes = max(counts) * w.reusable_per_conversation * m.kv_bytes_per_token
-    print(
-        f"  at {max(counts)} conversations: {fmt_bytes(max_bytes)} of reusable KV loaded at most (scaled), "
-        f"{max(counts) * w.tokens_per_conversation:,} prompt tokens",
-        flush=True,
-    )
+    scale = scaling_lines(w, m, p.sizes, args.ram_conversations, args.fs_conversations, args.s3_fs_conversations)
+    scale = mode.scaling(scale, p)
+    for line in mode.intro() + model_lines(m, p.basis) + scale + mode.outro(p):
+        print("  " + line, flush=True)
 
     doc: dict[str, Any] = {
-        "benchmark": "multiturn",
+        "benchmark": mode.benchmark,
         "command": command_line(argv),
         "machine": info,
         "workload": asdict(w),
-        "model": model_doc(m, MODELS[args.model], derivation, basis),
-        "configs": [{"key": c.key, "label": c.label, "tiers": list(c.tiers)} for c in configs],
-        "sizes": asdict(sizes),
-        "sizes_in_conversations": sizes_conv,
+        "model": model_doc(m, MODELS[args.model], p.derivation, p.basis),
+        "configs": [mode.config_doc(c) for c in mode.configs],
+        mode.sizes_key: asdict(p.sizes),
+        "sizes_in_conversations": p.sizes_conv,
         "scaling": scale,
-        "slow_disk": args.slow_disk,
+        **mode.plan_doc(),
         "registered_prefill_tokens_per_s": m.gate_prefill_tokens_per_s,
     }
     if args.dry_run:
         write_outputs(doc, args.json, None)
         return 0
 
-    workdir.mkdir(parents=True, exist_ok=True)
-    s3, s3_note = start_sweep_s3(args.s3, configs, counts, w, m, "moto_server (in RAM)", "S3 configuration skipped")
-    limits = Limits()
-    chunk_bytes = w.chunk_tokens * m.kv_bytes_per_token
-    batch = w.final_tokens // w.chunk_tokens  # one load call carries at most a turn's reusable chunks
-    results, total_s = sweep(
-        counts,
-        configs,
-        s3,
-        s3_note,
-        lambda config, n: run_one(config, n, w, m, sizes, workdir, s3),
-        lambda config, n, note: RunResult(config.key, n, skipped=note),
-        lambda r: (
-            f"hit {100 * r.hit_rate_overall:.1f}%  {r.throughput_tokens_s:,.0f} tokens/s  "
-            f"TTFT p50 {r.ttft_p50_s:.2f} s p99 {r.ttft_p99_s:.2f} s  wall {r.wall_s:.1f} s  "
-            f"load {r.load_average[1]:.1f}"
-        ),
-        None if args.no_limits else lambda: measure_limits(limits, workdir, chunk_bytes, batch, s3),
-        max(len(c.label) for c in CONFIG_BY_KEY.values()),
-    )
-    load = load_summary(results, load_start, load_average())
+    p.workdir.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        mode.enter(stack)
+        s3, s3_note = start_sweep_s3(args.s3, mode.configs, p.counts, w, m, mode.moto, mode.s3_skipped)
+        if s3 is not None:
+            stack.callback(s3.stop)
+        limits = Limits(raw_tcp=[] if args.nodes > 1 else None)
+        batch = w.final_tokens // w.chunk_tokens  # one load call carries at most a turn's reusable chunks
+        measure = None if args.no_limits else lambda: measure_limits(limits, p.workdir, p.chunk_bytes, batch, s3)
+        results, more, total_s = mode.sweep(p, s3, s3_note, measure)
+    load = load_summary(results + more, load_start, load_average())
 
     print()
-    print_results(results)
-    section("daemon counters per run (Stats deltas; bytes are the scaled bytes):", daemon_lines(results))
-    if args.slow_disk:
-        section(
-            "slow disk: RAM + fs with the recompute gate on and off, against RAM alone:", slow_disk_lines(results, m)
-        )
-    section("physical limits of this machine (measured at the start and at the end of the sweep):", limit_lines(limits))
-    costs = cost_lines(results, m, limits)
+    print_results(results, mode.layout)
+    section(mode.daemon_title, mode.daemon_lines(results))
+    for title, lines in mode.after_daemons(results, m):
+        section(title, lines)
+    limits_title = "physical limits of this machine (measured at the start and at the end of the sweep):"
+    section(limits_title, limit_lines(limits, p.chunk_bytes))
+    costs = cost_lines(results, m, limits, mode.cost_configs)
     section("cost of a token loaded from each tier (marginal rate, at the largest count measured):", costs)
-    bounds = bound_lines(results, m, limits)
-    section("what bounds RAM + fs at the largest count:", bounds)
+    bounds = mode.bound_lines(results, m, limits)
+    section(mode.bounds_title, bounds)
+    for title, lines in mode.after_bounds(results, more):
+        section(title, lines)
     print()
-    rows = target_rows(results, m, limits, sizes_conv)
-    print_targets(rows, m.model_name, load, info["cpus"], total_s)
+    rows = mode.target_rows(p, results, limits)
+    print_targets(rows, m.model_name + mode.title, load, info["cpus"], total_s)
 
     doc.update(
         {
             "s3_server": s3_note,
-            "s3_endpoint": s3.endpoint.url if s3 is not None else "",
+            **mode.run_doc(s3, more),
             "results": [asdict(r) for r in results],
             "rows": rows,
             "targets": targets(rows),

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """The physical limits under each tier, measured at the start and at the end of a sweep: memcpy of
 2 MiB pieces, raw O_DIRECT reads with the fs tier's threads (streaming, and one load call's chunks
-at a time), raw GETs against the sweep's S3 server."""
+at a time), raw GETs against the sweep's S3 server; with --nodes, a raw TCP socket on loopback beside the peer tier."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from bench.lib.s3 import S3, raw_s3_get
 from bench.multiturn.model import FS_IO_THREADS, S3_INFLIGHT
 
 LIMIT_KEYS = ("memcpy", "odirect_stream", "odirect_batched", "s3_get")
+RAW_TCP_BYTES = 256 * MIB
 
 
 @dataclass
@@ -32,13 +33,15 @@ class Limits:
     s3_get: list[float] = field(default_factory=list)  # aiobotocore GETs, S3_INFLIGHT in flight
     batch_chunks: int = 0
     notes: list[str] = field(default_factory=list)
+    raw_tcp: list[float] | None = None  # with --nodes: a raw TCP socket on loopback (None: not measured at all)
 
     def median(self, name: str) -> float | None:
         samples = getattr(self, name)
         return float(np.median(samples)) if samples else None
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "medians": {k: self.median(k) for k in LIMIT_KEYS}}
+        fields = {k: v for k, v in asdict(self).items() if v is not None}
+        return {**fields, "medians": {k: self.median(k) for k in LIMIT_KEYS}}
 
 
 def odirect_reads(
@@ -93,3 +96,10 @@ def measure_limits(
             limits.s3_get += s3_gets(s3, chunk_bytes, 48, rounds)
         except Exception as exc:  # noqa: BLE001 - the tiers' figures stand without it
             limits.notes.append(f"raw S3 GET: {type(exc).__name__}: {exc}")
+    if limits.raw_tcp is not None:
+        try:  # bench/lib/raw_net.py: sendall from a populated mmap, recv_into 16 slots
+            from bench.lib.raw_net import Place, measure_raw
+
+            limits.raw_tcp.append(measure_raw("tcp", Place("loopback"), RAW_TCP_BYTES, chunk_bytes, 16).gib_s)
+        except Exception as exc:  # noqa: BLE001 - the tiers' figures stand without it
+            limits.notes.append(f"raw TCP: {type(exc).__name__}: {exc}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from bench.lib.report import GIB, MIB, fmt_bytes
 
@@ -26,15 +27,18 @@ S3_INFLIGHT = 16  # the S3 tier's default max_concurrency: the raw GET baseline 
 
 @dataclass(frozen=True)
 class Config:
-    """One configuration of the comparison. `lower` lists the kvstored tiers under the RAM tier,
-    in chain order, each with the Sizes field that bounds it; a new tier kind (a peer) is a new
-    row here plus an entry in TIER_SPECS."""
+    """One configuration of the comparison (with --nodes: a set-up of every node). `lower` lists the
+    kvstored tiers under the RAM tier, in chain order, each with the Sizes field that bounds it ("" for
+    the peer tier, which holds nothing itself); a new tier kind is a new row here plus an entry in TIER_SPECS."""
 
     key: str
     label: str
     lower: tuple[tuple[str, str], ...] = ()
     offload: bool = True  # False: no daemon, the GPU's own prefix cache only
     daemon_args: tuple[str, ...] = ()  # more `kvstored serve` flags
+    write_through: bool = False  # copy every stored chunk down at once (a shared bucket sees it)
+    directory: bool = False  # the peer tier finds holders in the fleet directory (Redis Cluster), no static peers
+    pooled: bool = False  # one daemon with the fleet's RAM and lower tiers, every node's loader on it
 
     @property
     def tiers(self) -> tuple[str, ...]:
@@ -377,3 +381,21 @@ class Sizes:
     fs_bytes: int
     s3_fs_bytes: int
     s3_bytes: int = 0  # 0: unbounded
+
+
+@dataclass
+class Plan:
+    """A sweep's workload, modelled model (with its basis and derivation), tier sizes and counts."""
+
+    w: Workload
+    m: Model
+    basis: list[Basis]
+    derivation: dict[str, float]
+    sizes: Sizes
+    sizes_conv: dict[str, float]  # the sizes in conversations at their last turn
+    counts: list[int]
+    workdir: Path
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.w.chunk_tokens * self.m.kv_bytes_per_token

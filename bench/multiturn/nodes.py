@@ -8,19 +8,15 @@ from __future__ import annotations
 
 import argparse
 import time
-import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from bench.lib.daemons import Daemon, free_port
-from bench.lib.report import MIB
 from bench.multiturn.kvroute import KvIndex, choose, token_ids
-from bench.multiturn.model import Config, Model, Sizes, Workload
+from bench.multiturn.model import Config, Model, Workload
 from bench.multiturn.offload import Offload
-from bench.multiturn.runs import TIER_SPECS, TierResources
 from bench.multiturn.sim import Lane, Simulation, TurnRecord, run_clock
 
 NODE_TIERS = ("gpu", "ram", "fs", "peer", "s3")  # where a reusable chunk was found
@@ -29,38 +25,24 @@ TARGET_HIT_POINTS = 5.0  # the directory's hit rate at most this far below one n
 TARGET_VS_ISLANDS = 1.3  # peers vs the same nodes without peers, at the largest count
 RAM_CONVERSATIONS = 64.0  # per node by default: three nodes' pools and radosgw's memstore fit a 24 GiB machine
 S3_SETTLE_BOUND_S = 3.0  # the longest wait for a node's S3 write-throughs before a lookup elsewhere
-PEERS_UP_S = 60.0  # a bound for the nodes to see each other, never a measurement
-RAW_TCP_BYTES = 256 * MIB
 ROUTING = "round robin: turn t of conversation c on node (c + t - 1) mod N (no KV awareness)"
 
 
-@dataclass(frozen=True)
-class NodesConfig(Config):
-    """A set-up of every node. `lower`: the tiers under each node's RAM, in chain order, with the
-    Sizes field that bounds each ("" for the peer tier, which holds nothing itself)."""
-
-    write_through: bool = False  # copy every stored chunk down at once (a shared bucket sees it)
-    directory: bool = False  # the peer tier finds holders in the fleet directory (Redis Cluster), no static peers
-    pooled: bool = False  # one daemon with the fleet's RAM and lower tiers, every node's loader on it
-
-
 CONFIGS = (
-    NodesConfig("none", "no offload", offload=False),
-    NodesConfig("ram+fs", "islands: RAM + fs", (("fs", "fs_bytes"),)),
-    NodesConfig("ram+fs+peer", "RAM + fs + peers", (("fs", "fs_bytes"), ("peer", ""))),
-    NodesConfig("ram+fs+s3", "RAM + fs + shared S3", (("fs", "s3_fs_bytes"), ("s3", "s3_bytes")), write_through=True),
+    Config("none", "no offload", offload=False),
+    Config("ram+fs", "islands: RAM + fs", (("fs", "fs_bytes"),)),
+    Config("ram+fs+peer", "RAM + fs + peers", (("fs", "fs_bytes"), ("peer", ""))),
+    Config("ram+fs+s3", "RAM + fs + shared S3", (("fs", "s3_fs_bytes"), ("s3", "s3_bytes")), write_through=True),
 )
 # --directory: the directory's fleet against islands and against one store as large as the fleet's
 DIRECTORY_CONFIGS = (
-    NodesConfig("ram+fs+dir", "RAM + fs + directory", (("fs", "fs_bytes"), ("peer", "")), directory=True),
-    NodesConfig("pooled", "one node, fleet's RAM + fs", (("fs", "fs_bytes"),), pooled=True),
+    Config("ram+fs+dir", "RAM + fs + directory", (("fs", "fs_bytes"), ("peer", "")), directory=True),
+    Config("pooled", "one node, fleet's RAM + fs", (("fs", "fs_bytes"),), pooled=True),
 )
 CONFIG_BY_KEY = {c.key: c for c in (*CONFIGS, *DIRECTORY_CONFIGS)}
 CONFIG_KEYS = tuple(c.key for c in CONFIGS)
 DIRECTORY_KEYS = ("none", "ram+fs", "ram+fs+dir", "pooled")
 LABELS = {c.key: c.label for c in CONFIG_BY_KEY.values()}
-# the directory's writes once per 0.1 s (within --settle-s); a lookup's round trip bounded as in tests/directory/
-DIRECTORY_OPTIONS = "directory_interval_s=0.1,directory_timeout_s=0.5"
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -78,12 +60,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         f"RAM + fs + directory, and one node with the fleet's total RAM + fs (set-ups {', '.join(DIRECTORY_KEYS)})",
     )
     g.add_argument("--nodes", type=int, default=1, help="modelled GPU nodes, each with its own daemon (1: one node)")
-    g.add_argument(
-        "--peer-transport",
-        default="tcp",
-        choices=("tcp", "ucx", "auto"),
-        help="the peer tier's data plane on loopback (tcp: the faster one on these machines)",
-    )
+    transport_text = "the peer tier's data plane on loopback (tcp: the faster one on these machines)"
+    g.add_argument("--peer-transport", default="tcp", choices=("tcp", "ucx", "auto"), help=transport_text)
     g.add_argument(
         "--route",
         default="rr",
@@ -91,110 +69,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="kv: also run every set-up with each turn routed by Dynamo's KV indexer (fed by the daemons' ZMQ "
         "events; its venv: tests/vllm/install_dynamo.sh) and compare it with round robin",
     )
-    g.add_argument(
-        "--settle-s",
-        type=float,
-        default=0.2,
-        help="wall seconds a turn's stores get to reach the other nodes (peer index, shared bucket) "
-        "before the conversation's next turn looks them up: the model clock's think time",
+    settle_text = (
+        "wall seconds a turn's stores get to reach the other nodes (peer index, shared bucket) "
+        "before the conversation's next turn looks them up: the model clock's think time"
     )
-
-
-# -- the nodes: real daemons, each with its tiers -------------------------------------------------
-
-
-class Nodes:
-    """N daemons of one set-up: their tiers, listeners and a client each. close() stops them all."""
-
-    def __init__(
-        self,
-        config: NodesConfig,
-        n: int,
-        sizes: Sizes,
-        res: TierResources,
-        peer_transport: str,
-        events: Sequence[str] = (),
-        directory: str = "",
-    ) -> None:
-        """events: each node's ZMQ events endpoint (it binds), for a KV-aware router; none by default.
-        directory: the fleet directory's URL (set-ups with `directory`)."""
-        self.config = config
-        self.n = n
-        if config.pooled:  # one daemon holding what n nodes' RAM and fs hold
-            n = 1
-            sizes = replace(sizes, ram_bytes=sizes.ram_bytes * self.n, fs_bytes=sizes.fs_bytes * self.n)
-        self.addresses = [f"127.0.0.1:{free_port()}" for _ in range(n)] if config.uses("peer") else []
-        prefix = f"kvmt{uuid.uuid4().hex[:8]}"  # this run's keys only: runs share one cluster
-        shared_s3 = TIER_SPECS["s3"](res, sizes.s3_bytes) if config.uses("s3") else ""  # one bucket for all
-        self.daemons: list[Daemon] = []
-        for i in range(n):
-            args = ["--metrics-addr", "off"]
-            if events:
-                args += ["--events-zmq-endpoint", events[i]]
-            if config.write_through:
-                args += ["--write-policy", "write-through"]
-            if self.addresses:
-                args += ["--tcp-listen", self.addresses[i]]
-            for kind, size_field in config.lower:
-                if kind == "s3":
-                    args += ["--tiers", shared_s3]
-                elif kind == "peer" and config.directory:
-                    args += [
-                        "--tiers",
-                        f"kind=peer,transport={peer_transport},tcp_port=0,ucx_port=0,ucx_net_devices=lo,"
-                        f"reconnect_s=1,directory={directory},directory_prefix={prefix}," + DIRECTORY_OPTIONS,
-                    ]
-                elif kind == "peer":
-                    # reconnect_s: the nodes start one after another and find each other sooner
-                    args += [
-                        "--tiers",
-                        f"kind=peer,transport={peer_transport},peers={' '.join(self.addresses)},"
-                        "tcp_port=0,ucx_port=0,ucx_net_devices=lo,reconnect_s=1",
-                    ]
-                else:
-                    args += ["--tiers", TIER_SPECS[kind](res, getattr(sizes, size_field))]
-            self.daemons.append(Daemon(sizes.ram_bytes, extra_args=args))
-
-    def start(self) -> None:
-        try:
-            for d in self.daemons:
-                d.start()
-            if self.addresses and not self.config.directory:  # (the directory's holders are found by lookups)
-                self._wait_peers_up()
-        except BaseException:
-            self.close()
-            raise
-
-    def _wait_peers_up(self) -> None:
-        deadline = time.monotonic() + PEERS_UP_S
-        pending = list(range(len(self.daemons)))
-        while pending:
-            pending = [i for i in pending if not self._sees_all_up(i)]
-            if pending and time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"nodes {pending} did not see every peer up within {PEERS_UP_S:.0f} s: "
-                    + "; ".join(str(self.peer_status(i)).replace("\n", " ") for i in pending)
-                )
-            time.sleep(0.05)
-
-    def _sees_all_up(self, i: int) -> bool:
-        from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
-
-        others = set(self.addresses) - {self.addresses[i]}
-        return others <= {p.address for p in self.peer_status(i).peers if p.state == pb.PEER_STATE_UP}
-
-    def daemon_of(self, node: int) -> Daemon:
-        return self.daemons[node % len(self.daemons)]
-
-    def peer_status(self, i: int) -> Any:
-        return self.daemons[i].peer_status()
-
-    def failure_log(self) -> str:
-        return " | ".join(f"node {i}: {d.log_tail(4)}" for i, d in enumerate(self.daemons))
-
-    def close(self) -> None:
-        for d in self.daemons:
-            d.stop()
+    g.add_argument("--settle-s", type=float, default=0.2, help=settle_text)
 
 
 PEER_COUNTERS = (

@@ -19,11 +19,7 @@ from bench.multiturn.nodes import (
     TARGET_VS_ISLANDS,
 )
 from bench.multiturn.nodes_run import NodesRunResult
-from bench.multiturn.report import (
-    Layout,
-    TargetRows,
-    raw_limit,
-)
+from bench.multiturn.report import TROUBLE, Layout, TargetRows, raw_limit
 
 # -- reporting --------------------------------------------------------------------------------------
 
@@ -89,6 +85,9 @@ def route_lines(rr: Sequence[NodesRunResult], kv: Sequence[NodesRunResult]) -> l
     return lines
 
 
+GATE = ("skipped_slow_hits", "skipped_slow_writedowns", "rate_probes")  # the recompute gate's Stats, when not 0
+
+
 def daemon_lines(results: Sequence[NodesRunResult]) -> list[str]:
     lines = []
     for r in results:
@@ -96,20 +95,7 @@ def daemon_lines(results: Sequence[NodesRunResult]) -> list[str]:
             continue
         parts = []
         for name, d in r.daemon.items():
-            extra = [
-                f"{k} {d[k]}"
-                for k in (
-                    "dropped_dirty",
-                    "dropped_backpressure",
-                    "errors",
-                    "checksum_failures",
-                    "rejected_full",
-                    "skipped_slow_hits",
-                    "skipped_slow_writedowns",
-                    "rate_probes",
-                )
-                if d.get(k)
-            ]
+            extra = [f"{k} {d[k]}" for k in TROUBLE + GATE if d.get(k)]
             if name == "ram":
                 parts.append(
                     f"ram: {d['loaded_chunks']} leased, {d['stored_chunks']} stored, promotions "
@@ -153,8 +139,8 @@ def daemon_lines(results: Sequence[NodesRunResult]) -> list[str]:
     return lines
 
 
-def _limit(r: NodesRunResult, tier: str, limits: Limits, raw_tcp: Sequence[float], breakeven: float) -> str:
-    name, rate = raw_limit(limits, tier, raw_tcp)
+def _limit(r: NodesRunResult, tier: str, limits: Limits, breakeven: float) -> str:
+    name, rate = raw_limit(limits, tier)
     got = (
         f"{tier} loads {r.load_gib_s[tier]:.2f} GiB/s all-in, "
         + (f"{r.marginal_gib_s[tier]:.2f} marginal" if tier in r.marginal_gib_s else "fixed cost only")
@@ -171,9 +157,7 @@ def _limit(r: NodesRunResult, tier: str, limits: Limits, raw_tcp: Sequence[float
     )
 
 
-def target_rows(
-    results: Sequence[NodesRunResult], m: Model, limits: Limits, raw_tcp: Sequence[float], n: int
-) -> TargetRows:
+def target_rows(results: Sequence[NodesRunResult], m: Model, limits: Limits, n: int) -> TargetRows:
     """The targets at the largest count and the informational ratios."""
     rows = TargetRows()
     runs = {(r.config, r.conversations): r for r in results if not r.skipped}
@@ -192,7 +176,7 @@ def target_rows(
         rows.add(
             f"peers: hit rate, {where}", peers.hit_rate_overall, "share", "all reusable tokens", 1.0, TARGET_HIT, limit
         )
-        peer_limit = _limit(peers, "peer", limits, raw_tcp, breakeven)
+        peer_limit = _limit(peers, "peer", limits, breakeven)
         if islands is not None:
             cap = islands.makespan_s / peers.think_floor_s  # no makespan is shorter than the think floor
             limit = (
@@ -224,23 +208,23 @@ def target_rows(
         )
     if fleet is not None and islands is not None:
         cap = islands.makespan_s / fleet.think_floor_s
-        limit = _limit(fleet, "peer", limits, raw_tcp, breakeven) + f"; think time caps it at {cap:.2f}x"
+        limit = _limit(fleet, "peer", limits, breakeven) + f"; think time caps it at {cap:.2f}x"
         rows.vs(f"directory vs islands (no peers), {where}", fleet, "islands", islands, TARGET_VS_ISLANDS, limit)
     if fleet is not None and pooled is not None:
         limit = "the same hits from one store: what reaching them on other nodes costs"
         rows.vs(f"directory vs one node with the fleet's RAM + fs, {where}", fleet, "one node", pooled, None, limit)
     if islands is not None and none is not None:
-        limit = f"hit rate {100 * islands.hit_rate_overall:.0f}%; " + _limit(islands, "fs", limits, raw_tcp, breakeven)
+        limit = f"hit rate {100 * islands.hit_rate_overall:.0f}%; " + _limit(islands, "fs", limits, breakeven)
         rows.vs(f"islands vs no offload, {where}", islands, "no offload", none, None, limit)
     if s3 is not None and none is not None:
-        limit = f"hit rate {100 * s3.hit_rate_overall:.0f}%; " + _limit(s3, "s3", limits, raw_tcp, breakeven)
+        limit = f"hit rate {100 * s3.hit_rate_overall:.0f}%; " + _limit(s3, "s3", limits, breakeven)
         rows.vs(f"shared S3 vs no offload, {where}", s3, "no offload", none, None, limit)
     if peers is not None and s3 is not None:
         limit = "the faster of the two ways to reach another node's chunks"
         rows.vs(f"peers vs shared S3, {where}", peers, "shared S3", s3, None, limit)
     for tier, r in (("peer", peers or fleet), ("fs", islands), ("s3", s3)):
         label = f"{LABELS[r.config]}, {top}" if r is not None else ""
-        rows.loads(tier, r, label, raw_limit(limits, tier, raw_tcp), "what the model charges", breakeven)
+        rows.loads(tier, r, label, raw_limit(limits, tier), "what the model charges", breakeven)
     return rows
 
 

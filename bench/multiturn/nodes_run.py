@@ -1,26 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """One run of the nodes: a set-up at a number of conversations, on fresh daemons; its results, summed
-over the nodes; the raw TCP limit beside the peer tier."""
+over the nodes."""
 
 from __future__ import annotations
 
-import shutil
+import contextlib
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from bench.lib.report import GIB
 from bench.lib.s3 import S3
 from bench.multiturn.kvroute import KvIndex, identity_for
-from bench.multiturn.model import Model, Sizes, Workload
-from bench.multiturn.nodes import NODE_TIERS, RAW_TCP_BYTES, ClusterSim, Nodes, NodesConfig, peer_counters
+from bench.multiturn.model import Config, Plan
+from bench.multiturn.nodes import NODE_TIERS, ClusterSim, peer_counters
 from bench.multiturn.offload import Offload
-from bench.multiturn.runs import TierResources, TurnsResult, gib_s_of_costs, stats_delta, store_summary, timed
+from bench.multiturn.runs import TurnsResult, gib_s_of_costs, started
 
 # -- one run: a set-up of the nodes at a number of conversations -----------------------------------
 
@@ -69,28 +68,10 @@ def summarize(
     r.gpu_busy = float(np.mean([p["gpu_busy"] for p in r.per_node]))
     r.loader_busy = float(np.mean([p["loader_busy"] for p in r.per_node]))
     if offloads:
-        costs: dict[str, list[float]] = {}
-        for node in sim.nodes:
-            for t, c in node.all_costs.items():
-                costs.setdefault(t, []).extend(c)
-        r.marginal_gib_s = gib_s_of_costs(costs)
+        costs = r.summarize_offloads(sim.nodes, offloads, before or (), after or ())
         r.slow_gib_s = gib_s_of_costs(costs, lambda c: np.percentile(c, 90))
-        lookups = [s for node in sim.nodes for s in node.lookup_s]
-        r.lookups = len(lookups)
-        r.lookup_ms_p50 = float(np.percentile(lookups, 50) * 1e3) if lookups else 0.0
-        r.load_calls = sum(node.load_calls for node in sim.nodes)
-        r.load_shortfall_chunks = sum(node.shortfall for node in sim.nodes)
-        r.load_call_floor_ms = float(np.mean([o.call_floor_s for o in offloads]) * 1e3)
         r.lookup_floor_ms = float(np.mean([node.lookup_floor_s for node in sim.nodes]) * 1e3)
         r.lookup_moved_s = sum(node.moved_s for node in sim.nodes)
-        counts = {k: sum(o.store_counts[k] for o in offloads) for k in ("stored", "already_present", "dropped")}
-        r.store = store_summary(counts, sum(o.store_s for o in offloads), offloads[0].chunk_bytes)
-        r.corrupt_chunks = sum(o.corrupt for o in offloads)
-    for b, a in zip(before or (), after or ()):
-        for name, vals in stats_delta(b, a).items():
-            total = r.daemon.setdefault(name, {})
-            for k, v in vals.items():
-                total[k] = total.get(k, 0) + v
     for tier, d in r.daemon.items():
         if d.get("skipped_slow_hits") and r.reusable_tokens:
             r.gate_skipped[tier] = d["skipped_slow_hits"] * sim.w.chunk_tokens / r.reusable_tokens
@@ -134,84 +115,38 @@ def s3_written(stats: dict[str, dict[str, int]]) -> int:
     return sum(s3.get(k, 0) for k in ("stored_chunks", "dropped_backpressure", "errors", "rejected_full"))
 
 
-@timed
 def run_one(
-    config: NodesConfig,
+    config: Config,
     conversations: int,
-    n: int,
-    w: Workload,
-    m: Model,
-    sizes: Sizes,
-    workdir: Path,
+    p: Plan,
     s3: S3 | None,
+    n: int,
     peer_transport: str,
     settle_s: float,
     route: str = "rr",
     directory: str = "",
 ) -> NodesRunResult:
-    """directory: the fleet directory's URL, for set-ups that use it."""
-    args = (config, conversations, n, w, m, sizes, workdir, s3, peer_transport, settle_s)
-    if not config.offload or route == "rr":
-        return _run_one(*args, None, directory)
-    events = Path(tempfile.mkdtemp(prefix="kvmt-", dir="/tmp"))  # ipc paths must be short
-    try:
-        return _run_one(*args, events, directory)
-    finally:
-        shutil.rmtree(events, ignore_errors=True)
-
-
-def _run_one(
-    config: NodesConfig,
-    conversations: int,
-    n: int,
-    w: Workload,
-    m: Model,
-    sizes: Sizes,
-    workdir: Path,
-    s3: S3 | None,
-    peer_transport: str,
-    settle_s: float,
-    events: Path | None,
-    directory: str,
-) -> NodesRunResult:
-    """events: a folder for the nodes' ZMQ endpoints, which Dynamo's index routes by; None: round robin."""
+    """n nodes; route kv: each turn to the node Dynamo's index of the nodes' ZMQ events names (rr: round
+    robin); directory: the fleet directory's URL, for set-ups that use it."""
+    w, m = p.w, p.m
     if not config.offload:
         sim = ClusterSim(w, m, conversations, [None] * n, settle_s)
         sim.run()
         return summarize(config.key, sim, None, None, [])
-    res = TierResources(workdir, f"{config.key.replace('+', '-')}-{conversations}", s3)
-    try:
-        endpoints = [f"ipc://{events}/node-{i}.sock" for i in range(n)] if events else []
-        nodes = Nodes(config, n, sizes, res, peer_transport, endpoints, directory)
-    except Exception as exc:  # noqa: BLE001 - a tier whose resources cannot be made: say so, go on
-        res.close()
-        return NodesRunResult(config.key, conversations, nodes=n, skipped=f"tier set-up failed: {exc}")
-    try:
-        nodes.start()
-    except Exception as exc:  # noqa: BLE001 - nodes that did not come up: say so, go on
-        res.close()
-        why = f"nodes did not start: {exc}: {nodes.failure_log()}"
-        return NodesRunResult(config.key, conversations, nodes=n, skipped=why)
-    offloads: list[Offload] = []
-    kv: KvIndex | None = None
-    try:
-        if events is not None:
-            kv = KvIndex([f"ipc://{events}/node-{i}.sock" for i in range(n)], workdir / f"dynamo-{config.key}.log")
-        chunk_bytes = w.chunk_tokens * m.kv_bytes_per_token
-        for d in map(nodes.daemon_of, range(n)):
-            offloads.append(
-                Offload(
-                    d.socket,
-                    chunk_bytes,
-                    w.chunk_tokens,
-                    w.final_tokens // w.chunk_tokens,
-                    w.seed,
-                    m.transfer,
-                    m.gate_prefill_tokens_per_s,  # 0 unless --register-rates: no recompute gate
-                )
-            )
-            if kv is not None:
-                offloads[-1].identity = identity_for(w.chunk_tokens, w.seed)
+    with contextlib.ExitStack() as stack:
+        endpoints: list[str] = []
+        kv: KvIndex | None = None
+        if route == "kv":
+            events = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvmt-", dir="/tmp"))  # short ipc paths
+            endpoints = [f"ipc://{events}/node-{i}.sock" for i in range(n)]
+        nodes = stack.enter_context(started(config, conversations, n, p, s3, peer_transport, endpoints, directory))
+        if endpoints:
+            kv = KvIndex(endpoints, p.workdir / f"dynamo-{config.key}.log")
+            stack.callback(kv.close)
+        offloads = [stack.enter_context(contextlib.closing(Offload(nodes.daemon_of(i).socket, w, m))) for i in range(n)]
+        if kv is not None:  # the stores carry vLLM's block identity, which the router indexes
+            for o in offloads:
+                o.identity = identity_for(w.chunk_tokens, w.seed)
         daemons = len(nodes.daemons)  # (pooled: one, whose Stats count once)
         before = [o.stats() for o in offloads[:daemons]]
         written = (lambda i: s3_written(offloads[i].stats())) if config.uses("s3") else None
@@ -227,24 +162,3 @@ def _run_one(
         if kv is not None:
             r.route, r.kv_routed = "kv", sim.kv_routed
         return r
-    finally:
-        if kv is not None:
-            kv.close()
-        for o in offloads:
-            o.close()
-        nodes.close()
-        res.close()
-
-
-# -- physical limits: multiturn's, and a raw TCP socket on loopback --------------------------------
-
-
-def measure_raw_tcp(chunk_bytes: int) -> tuple[list[float], str]:
-    """One raw TCP transfer on loopback (bench/lib/raw_net.py: sendall from a populated mmap,
-    recv_into 16 slots), GiB/s; a failure is a note."""
-    try:
-        from bench.lib.raw_net import Place, measure_raw
-
-        return [measure_raw("tcp", Place("loopback"), RAW_TCP_BYTES, chunk_bytes, 16).gib_s], ""
-    except Exception as exc:  # noqa: BLE001 - the tiers' figures stand without it
-        return [], f"raw TCP: {type(exc).__name__}: {exc}"

@@ -17,7 +17,7 @@ import numpy as np
 
 from bench.lib.buffers import populate
 from bench.lib.call_latency import CallLatency
-from bench.multiturn.model import HEADER, TIERS, Transfer
+from bench.multiturn.model import HEADER, TIERS, Model, Transfer, Workload
 
 # -- kvstored as the modelled engine's offload target --------------------------------------------
 
@@ -37,18 +37,12 @@ class Offload:
 
     TIER_NAMES = {1: "ram", 2: "fs", 3: "s3", 4: "peer"}
 
-    def __init__(
-        self,
-        socket: Path,
-        chunk_bytes: int,
-        chunk_tokens: int,
-        max_chunks: int,
-        seed: int,
-        transfer: Transfer = Transfer.REGION,
-        prefill_tokens_per_s: float = 0.0,
-    ) -> None:
+    def __init__(self, socket: Path, w: Workload, m: Model) -> None:
+        """Chunks of the workload's size in the model's real bytes, at most a last prompt's per call;
+        the prefill rate registered with --register-rates (0: not registered, no recompute gate)."""
         from kvstored_client import Client, NamespaceSpec
 
+        chunk_bytes, max_chunks = w.chunk_tokens * m.kv_bytes_per_token, w.final_tokens // w.chunk_tokens
         self.client = Client(socket, deadline_s=120.0, client_name="bench-multiturn")
         self.ns = self.client.register_namespace(
             NamespaceSpec(
@@ -56,17 +50,16 @@ class Offload:
                 dtype="scaled-bf16",
                 chunk_bytes=chunk_bytes,
                 layout="sim",
-                block_tokens=chunk_tokens,
-                prefill_tokens_per_s=prefill_tokens_per_s,  # 0: not registered, no recompute gate
+                block_tokens=w.chunk_tokens,
+                prefill_tokens_per_s=m.gate_prefill_tokens_per_s,
             )
         )
         self.chunk_bytes = chunk_bytes
-        self.transfer = transfer
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(w.seed)
         self._noise = populate(rng.integers(0, 256, chunk_bytes, dtype=np.uint8))
         span = max_chunks * chunk_bytes
         self._region = self._region_path = None
-        if transfer is Transfer.REGION:  # one shared file: stores' chunks, then loads', then the call floor's
+        if m.transfer is Transfer.REGION:  # one shared file: stores' chunks, then loads', then the call floor's
             fd, path = tempfile.mkstemp(prefix="kvstored-bench-multiturn-", dir="/dev/shm")
             os.ftruncate(fd, 2 * span + 4096)
             os.close(fd)

@@ -17,7 +17,6 @@ from bench.lib.report import GIB, Row, fmt_bytes, print_aligned
 from bench.multiturn.limits import Limits
 from bench.multiturn.model import (
     CONFIG_LABELS,
-    CONFIGS,
     FS_IO_THREADS,
     S3_INFLIGHT,
     TARGET_HIT,
@@ -64,7 +63,7 @@ def model_lines(m: Model, basis: Sequence[Basis]) -> list[str]:
     ]
 
 
-def limit_lines(limits: Limits) -> list[str]:
+def limit_lines(limits: Limits, chunk_bytes: int) -> list[str]:
     def fmt(name: str) -> str:
         samples = getattr(limits, name)
         if not samples:
@@ -78,6 +77,9 @@ def limit_lines(limits: Limits) -> list[str]:
         f"{fmt('odirect_batched')}",
         f"raw aiobotocore GET, 2 MiB objects, {S3_INFLIGHT} in flight: {fmt('s3_get')}",
     ]
+    if limits.raw_tcp is not None:
+        tcp = f"raw TCP on loopback, {fmt_bytes(chunk_bytes)} chunks into 16 slots (bench/lib/raw_net.py)"
+        lines.append(f"{tcp}: {fmt('raw_tcp')}")
     return lines + [f"note: {n}" for n in limits.notes]
 
 
@@ -153,18 +155,17 @@ def print_results(results: Sequence[Any], layout: Layout = ONE_NODE, file=None) 
     print(layout.note, file=file)
 
 
-def daemon_lines(results: list[RunResult]) -> list[str]:
+TROUBLE = ("dropped_dirty", "dropped_backpressure", "errors", "checksum_failures", "rejected_full")  # Stats, when not 0
+
+
+def daemon_lines(results: Sequence[RunResult]) -> list[str]:
     lines = []
     for r in results:
         if r.skipped or not r.daemon or not (r.lookups or any(r.store.get(k) for k in ("stored", "already_present"))):
             continue
         parts = []
         for name, d in r.daemon.items():
-            extra = [
-                f"{k} {d[k]}"
-                for k in ("dropped_dirty", "dropped_backpressure", "errors", "checksum_failures", "rejected_full")
-                if d.get(k)
-            ]
+            extra = [f"{k} {d[k]}" for k in TROUBLE if d.get(k)]
             if name == "ram":  # the RAM tier counts chunks, not bytes
                 parts.append(
                     f"ram: {d['loaded_chunks']} chunks leased, {d['stored_chunks']} stored"
@@ -193,7 +194,7 @@ def daemon_lines(results: list[RunResult]) -> list[str]:
     return lines
 
 
-RAW = {  # a tier -> the raw rate beneath it: its name, its Limits field (raw_tcp: measured by the nodes)
+RAW = {  # a tier -> the raw rate beneath it: its name, its Limits field (raw_tcp: measured with --nodes)
     "ram": ("memcpy", "memcpy"),
     "fs": ("raw O_DIRECT, streaming", "odirect_stream"),
     "peer": ("raw TCP on loopback", "raw_tcp"),
@@ -201,23 +202,17 @@ RAW = {  # a tier -> the raw rate beneath it: its name, its Limits field (raw_tc
 }
 
 
-def raw_limit(limits: Limits, tier: str, raw_tcp: Sequence[float] = ()) -> tuple[str, float | None]:
+def raw_limit(limits: Limits, tier: str) -> tuple[str, float | None]:
     name, key = RAW[tier]
-    return name, (float(np.median(raw_tcp)) if raw_tcp else None) if key == "raw_tcp" else limits.median(key)
+    return name, limits.median(key)
 
 
-def cost_lines(
-    results: Sequence[Any],
-    m: Model,
-    limits: Limits,
-    configs: Sequence[Config] = CONFIGS,
-    raw_tcp: Sequence[float] | None = None,
-) -> list[str]:
+def cost_lines(results: Sequence[Any], m: Model, limits: Limits, configs: Sequence[Config]) -> list[str]:
     """What a token served from each tier costs, relative to recomputing it: the break-even
     bandwidth (KV bytes per token x prefill rate) over the tier's measured marginal rate, and the
-    raw device's rate beneath it (one node: what that would cost; raw_tcp given: the nodes')."""
+    raw device's rate beneath it (one node: what that would cost; with --nodes: the rate)."""
     breakeven = m.model_kv_bytes_per_token * m.prefill_tokens_per_s / GIB
-    one_node = raw_tcp is None
+    one_node = limits.raw_tcp is None
     lines = [
         f"break-even load bandwidth ({m.model_kv_bytes_per_token:,} KV bytes/token x "
         f"{m.prefill_tokens_per_s:,.0f} prefill tokens/s): {breakeven:.2f} GiB/s"
@@ -233,7 +228,7 @@ def cost_lines(
             if t not in r.marginal_gib_s:
                 continue
             part = f"{t} {r.marginal_gib_s[t]:.2f} GiB/s = {breakeven / r.marginal_gib_s[t]:.2f}x a recompute"
-            name, rate = raw_limit(limits, t, raw_tcp or ())
+            name, rate = raw_limit(limits, t)
             if rate:
                 part += (
                     f" ({name} {rate:.2f} GiB/s would be {breakeven / rate:.2f}x)"
@@ -318,7 +313,7 @@ class TargetRows(list[dict[str, Any]]):
         )
 
 
-def target_rows(results: list[RunResult], m: Model, limits: Limits, sizes_conv: dict[str, float]) -> TargetRows:
+def target_rows(results: Sequence[RunResult], m: Model, limits: Limits, sizes_conv: dict[str, float]) -> TargetRows:
     """The targets at the largest count, and the informational ratios."""
     rows = TargetRows()
     runs = {(r.config, r.conversations): r for r in results if not r.skipped}

@@ -1,30 +1,28 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""One run: a configuration at a number of conversations, on a fresh daemon with its tiers; its results."""
+"""One run: a configuration at a number of conversations, on fresh daemons with their tiers (one node's
+or, with --nodes, every node's: Nodes); its results."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ParamSpec, Protocol, TypeVar
+from typing import Any, Protocol
 
 import numpy as np
 
-from bench.lib.daemons import Daemon
-from bench.lib.report import GIB, load_average
+from bench.lib.daemons import Daemon, free_port
+from bench.lib.report import GIB
 from bench.lib.s3 import S3
-from bench.multiturn.model import TIERS, Config, Model, Sizes, Workload
+from bench.multiturn.model import TIERS, Config, Plan, Sizes, Workload
 from bench.multiturn.offload import Offload
 from bench.multiturn.sim import Simulation, TurnRecord
-
-T = TypeVar("T", bound="TurnsResult")
-P = ParamSpec("P")
 
 
 class Clock(Protocol):
@@ -105,6 +103,32 @@ class TurnsResult:
             if self.load_seconds[t] > 0 and self.loaded_bytes[t] > 0
         }
 
+    def summarize_offloads(
+        self, sims: Sequence[Simulation], offloads: Sequence[Offload], before: Sequence[dict], after: Sequence[dict]
+    ) -> dict[str, list[float]]:
+        """The load calls' rates and counts, the stores and the daemons' Stats deltas, summed over the
+        nodes (`before` and `after`: each daemon's Stats); returns the load calls' costs per byte, per tier."""
+        costs: dict[str, list[float]] = {}
+        for sim in sims:
+            for t, c in sim.all_costs.items():
+                costs.setdefault(t, []).extend(c)
+        self.marginal_gib_s = gib_s_of_costs(costs)
+        lookups = [s for sim in sims for s in sim.lookup_s]
+        self.lookups = len(lookups)
+        self.lookup_ms_p50 = float(np.percentile(lookups, 50) * 1e3) if lookups else 0.0
+        self.load_calls = sum(sim.load_calls for sim in sims)
+        self.load_shortfall_chunks = sum(sim.shortfall for sim in sims)
+        self.load_call_floor_ms = float(np.mean([o.call_floor_s for o in offloads]) * 1e3)
+        counts = {k: sum(o.store_counts[k] for o in offloads) for k in ("stored", "already_present", "dropped")}
+        self.store = store_summary(counts, sum(o.store_s for o in offloads), offloads[0].chunk_bytes)
+        self.corrupt_chunks = sum(o.corrupt for o in offloads)
+        for b, a in zip(before, after):
+            for name, vals in stats_delta(b, a).items():
+                total = self.daemon.setdefault(name, {})
+                for k, v in vals.items():
+                    total[k] = total.get(k, 0) + v
+        return costs
+
 
 def gib_s_of_costs(costs: dict[str, list[float]], stat: Callable[[list[float]], Any] = np.median) -> dict[str, float]:
     """GiB/s from per-byte costs (a `stat` of 0: calls no slower than the fixed cost measured at the start: no rate)."""
@@ -139,54 +163,125 @@ class RunResult(TurnsResult):
 
 
 def summarize(
-    config: str, sim: Simulation, offload: Offload | None, before: dict | None, after: dict | None
+    config: str, sim: Simulation, offload: Offload | None = None, before: dict | None = None, after: dict | None = None
 ) -> RunResult:
-    recs = sim.records
     r = RunResult(config, sim.n)
-    r.summarize_turns(sim.w, recs, sim, TIERS, offload.chunk_bytes if offload is not None else None)
+    r.summarize_turns(sim.w, sim.records, sim, TIERS, offload.chunk_bytes if offload is not None else None)
     r.cached_share_of_prompt = sum(r.hit_tokens.values()) / r.prompt_tokens
     r.gpu_busy = sim.busy["gpu"] / sim.makespan
     r.loader_busy = sim.busy["loader"] / sim.makespan
     r.gpu_busy_s, r.loader_busy_s = sim.busy["gpu"], sim.busy["loader"]
     r.charged_s, r.charged_fixed_s = dict(sim.charged), dict(sim.charged_fixed)
     r.lookup_s = float(sum(sim.lookup_s))
-    if offload is not None:
-        r.marginal_gib_s = gib_s_of_costs(sim.all_costs)
-        r.lookups = len(sim.lookup_s)
-        r.lookup_ms_p50 = float(np.percentile(sim.lookup_s, 50) * 1e3) if sim.lookup_s else 0.0
-        r.load_shortfall_chunks = sim.shortfall
-        r.load_calls = sim.load_calls
-        r.load_call_floor_ms = offload.call_floor_s * 1e3
-        r.store = store_summary(offload.store_counts, offload.store_s, offload.chunk_bytes)
-        r.corrupt_chunks = offload.corrupt
+    if offload is not None and before is not None and after is not None:
+        r.summarize_offloads([sim], [offload], [before], [after])
         r.call_latency_ms = offload.latency.summary()
-        if before is not None and after is not None:
-            r.daemon = stats_delta(before, after)
     return r
 
 
-class TierResources:
-    """What the tiers under RAM need for one run (an fs root, an S3 bucket): created when a spec
-    asks for them, removed by close()."""
+PEERS_UP_S = 60.0  # a bound for the nodes to see each other, never a measurement
+# the directory's writes once per 0.1 s (within --settle-s); a lookup's round trip bounded as in tests/directory/
+DIRECTORY_OPTIONS = "directory_interval_s=0.1,directory_timeout_s=0.5"
 
-    def __init__(self, workdir: Path, tag: str, s3: S3 | None) -> None:
-        self.workdir, self.tag, self.s3 = workdir, tag, s3
+
+class Nodes:
+    """N daemons of one set-up (one node: N = 1), with their tiers' resources (fs roots, S3 buckets)
+    and listeners. close() stops them all and removes the resources."""
+
+    def __init__(self, config: Config, n: int, workdir: Path, tag: str, s3: S3 | None) -> None:
+        self.config, self.n, self.workdir, self.tag, self.s3 = config, n, workdir, tag, s3
         self.fs_roots: list[Path] = []
         self.buckets: list[str] = []
+        self.daemons: list[Daemon] = []
+        self.addresses: list[str] = []
 
-    def fs_root(self) -> Path:
+    def make(self, sizes: Sizes, peer_transport: str = "tcp", events: Sequence[str] = (), directory: str = "") -> None:
+        """The daemons, not started. events: each node's ZMQ events endpoint (it binds), for a KV-aware
+        router; none by default. directory: the fleet directory's URL (set-ups with `directory`)."""
+        config, n = self.config, self.n
+        if config.pooled:  # one daemon holding what n nodes' RAM and fs hold
+            n = 1
+            sizes = replace(sizes, ram_bytes=sizes.ram_bytes * self.n, fs_bytes=sizes.fs_bytes * self.n)
+        self.addresses = [f"127.0.0.1:{free_port()}" for _ in range(n)] if config.uses("peer") else []
+        prefix = f"kvmt{uuid.uuid4().hex[:8]}"  # this run's keys only: runs share one cluster
+        shared_s3 = self._s3_spec(sizes.s3_bytes) if config.uses("s3") else ""  # one bucket for all
+        for i in range(n):
+            args = ["--metrics-addr", "off"]
+            if events:
+                args += ["--events-zmq-endpoint", events[i]]
+            if config.write_through:
+                args += ["--write-policy", "write-through"]
+            if self.addresses:
+                args += ["--tcp-listen", self.addresses[i]]
+            for kind, size_field in config.lower:
+                if kind == "s3":
+                    args += ["--tiers", shared_s3]
+                elif kind == "peer" and config.directory:
+                    args += [
+                        "--tiers",
+                        f"kind=peer,transport={peer_transport},tcp_port=0,ucx_port=0,ucx_net_devices=lo,"
+                        f"reconnect_s=1,directory={directory},directory_prefix={prefix}," + DIRECTORY_OPTIONS,
+                    ]
+                elif kind == "peer":
+                    # reconnect_s: the nodes start one after another and find each other sooner
+                    args += [
+                        "--tiers",
+                        f"kind=peer,transport={peer_transport},peers={' '.join(self.addresses)},"
+                        "tcp_port=0,ucx_port=0,ucx_net_devices=lo,reconnect_s=1",
+                    ]
+                else:
+                    args += ["--tiers", self._fs_spec(getattr(sizes, size_field))]
+            self.daemons.append(Daemon(sizes.ram_bytes, extra_args=args + list(config.daemon_args)))
+
+    def _fs_spec(self, nbytes: int) -> str:
         root = Path(tempfile.mkdtemp(prefix=f"fs-{self.tag}-", dir=self.workdir))
         self.fs_roots.append(root)
-        return root
+        return f"kind=fs,root={root},bytes={nbytes}"
 
-    def bucket(self) -> str:
+    def _s3_spec(self, nbytes: int) -> str:
         if self.s3 is None:
             raise RuntimeError("no S3 server")
-        name = self.s3.new_bucket()
-        self.buckets.append(name)
-        return name
+        self.buckets.append(self.s3.new_bucket())
+        return self.s3.tier_spec(self.buckets[-1], nbytes)
+
+    def start(self) -> None:
+        for d in self.daemons:
+            d.start()
+        if self.addresses and not self.config.directory:  # (the directory's holders are found by lookups)
+            self._wait_peers_up()
+
+    def _wait_peers_up(self) -> None:
+        deadline = time.monotonic() + PEERS_UP_S
+        pending = list(range(len(self.daemons)))
+        while pending:
+            pending = [i for i in pending if not self._sees_all_up(i)]
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"nodes {pending} did not see every peer up within {PEERS_UP_S:.0f} s: "
+                    + "; ".join(str(self.peer_status(i)).replace("\n", " ") for i in pending)
+                )
+            time.sleep(0.05)
+
+    def _sees_all_up(self, i: int) -> bool:
+        from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+
+        others = set(self.addresses) - {self.addresses[i]}
+        return others <= {p.address for p in self.peer_status(i).peers if p.state == pb.PEER_STATE_UP}
+
+    def daemon_of(self, node: int) -> Daemon:
+        return self.daemons[node % len(self.daemons)]
+
+    def peer_status(self, i: int) -> Any:
+        return self.daemons[i].peer_status()
+
+    def failure_log(self) -> str:
+        if len(self.daemons) == 1:
+            return self.daemons[0].log_tail(8)
+        return " | ".join(f"node {i}: {d.log_tail(4)}" for i, d in enumerate(self.daemons))
 
     def close(self) -> None:
+        for d in self.daemons:
+            d.stop()
         for root in self.fs_roots:
             shutil.rmtree(root, ignore_errors=True)
         for name in self.buckets:
@@ -195,80 +290,39 @@ class TierResources:
                     self.s3.empty_bucket(name)
 
 
-def _fs_spec(res: TierResources, nbytes: int) -> str:
-    return f"kind=fs,root={res.fs_root()},bytes={nbytes}"
+class Skipped(Exception):
+    """A run that could not be made (its tiers, its daemons): the sweep reports it skipped, with this why."""
 
 
-def _s3_spec(res: TierResources, nbytes: int) -> str:
-    bucket = res.bucket()
-    assert res.s3 is not None
-    return res.s3.tier_spec(bucket, nbytes)
-
-
-TIER_SPECS = {"fs": _fs_spec, "s3": _s3_spec}  # a tier kind under RAM -> its --tiers value for one run
-
-
-def tier_args(config: Config, sizes: Sizes, res: TierResources) -> list[str]:
-    args: list[str] = []
-    for kind, size_field in config.lower:
-        args += ["--tiers", TIER_SPECS[kind](res, getattr(sizes, size_field))]
-    return args
-
-
-def timed(run: Callable[P, T]) -> Callable[P, T]:
-    """A run with its wall seconds and the load average at its start and end."""
-
-    @functools.wraps(run)
-    def timed_run(*args: P.args, **kwargs: P.kwargs) -> T:
-        t0, load0 = time.perf_counter(), load_average()
-        r = run(*args, **kwargs)
-        r.wall_s = time.perf_counter() - t0
-        r.load_average = (load0, load_average())
-        return r
-
-    return timed_run
-
-
-@timed
-def run_one(
-    config: Config, conversations: int, w: Workload, m: Model, sizes: Sizes, workdir: Path, s3: S3 | None
-) -> RunResult:
-    if not config.offload:
-        sim = Simulation(w, m, conversations, None)
-        sim.run()
-        return summarize(config.key, sim, None, None, None)
-    res = TierResources(workdir, f"{config.key.replace('+', '-')}-{conversations}", s3)
+@contextlib.contextmanager
+def started(config: Config, conversations: int, n: int, p: Plan, s3: S3 | None, *make_args: Any) -> Iterator[Nodes]:
+    """The run's daemons (Nodes.make's further arguments: make_args), started; stopped and their tiers'
+    resources removed after. What could not be made or started raises Skipped."""
+    nodes = Nodes(config, n, p.workdir, f"{config.key.replace('+', '-')}-{conversations}", s3)
     try:
-        extra = ["--metrics-addr", "off", *tier_args(config, sizes, res), *config.daemon_args]
-    except Exception as exc:  # noqa: BLE001 - a tier whose resources cannot be made: say so, go on
-        res.close()
-        return RunResult(config.key, conversations, skipped=f"tier set-up failed: {exc}")
-    chunk_bytes = w.chunk_tokens * m.kv_bytes_per_token
-    daemon = Daemon(sizes.ram_bytes, extra_args=extra)
-    try:
-        daemon.start()
-    except Exception as exc:  # noqa: BLE001 - a tier that is not ready yet: say so, go on
-        res.close()
-        return RunResult(config.key, conversations, skipped=f"daemon did not start: {exc}: {daemon.log_tail(8)}")
-    offload = None
-    try:
-        offload = Offload(
-            daemon.socket,
-            chunk_bytes,
-            w.chunk_tokens,
-            w.final_tokens // w.chunk_tokens,
-            w.seed,
-            m.transfer,
-            m.gate_prefill_tokens_per_s,
-        )
-        before = offload.stats()
-        sim = Simulation(w, m, conversations, offload)
-        sim.run()
-        after = offload.stats()
-        offload.latency.print(f"{config.key}: per-call latency at the client ({m.transfer.value} transfers)")
-        return summarize(config.key, sim, offload, before, after)
+        try:
+            nodes.make(p.sizes, *make_args)
+        except Exception as exc:  # noqa: BLE001 - a tier whose resources cannot be made: say so, go on
+            raise Skipped(f"tier set-up failed: {exc}") from exc
+        try:
+            nodes.start()
+        except Exception as exc:  # noqa: BLE001 - daemons that did not come up: say so, go on
+            raise Skipped(f"{'nodes' if n > 1 else 'daemon'} did not start: {exc}: {nodes.failure_log()}") from exc
+        yield nodes
     finally:
-        if offload is not None:
-            offload.close()
-        daemon.stop()
-        res.close()
+        nodes.close()
+
+
+def run_one(config: Config, conversations: int, p: Plan, s3: S3 | None) -> RunResult:
+    if not config.offload:
+        sim = Simulation(p.w, p.m, conversations, None)
+        sim.run()
+        return summarize(config.key, sim)
+    with started(config, conversations, 1, p, s3) as nodes:
+        with contextlib.closing(Offload(nodes.daemons[0].socket, p.w, p.m)) as offload:
+            before = offload.stats()
+            sim = Simulation(p.w, p.m, conversations, offload)
+            sim.run()
+            after = offload.stats()
+            offload.latency.print(f"{config.key}: per-call latency at the client ({p.m.transfer.value} transfers)")
+            return summarize(config.key, sim, offload, before, after)
