@@ -124,7 +124,7 @@ def plot_multiturn(doc: dict[str, Any], path: str | Path) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print(__doc__.strip().splitlines()[2], file=sys.stderr)
+        print("usage: python -m bench.plot RESULTS.json CHART.png (the JSON of bench.multiturn)", file=sys.stderr)
         return 2
     doc = json.loads(Path(argv[0]).read_text())
     plot_multiturn(doc, argv[1])

@@ -187,10 +187,17 @@ class Pair:
             Counter(self.watcher.by_kind),
         )
 
-    def caught_up(self) -> None:
+    def caught_up(self, past_seq: int | None = None) -> None:
         """Until A has stopped publishing and B's index reflects every event A published (by seq:
-        a coalesced stream sends fewer messages than there were events)."""
+        a coalesced stream sends fewer messages than there were events). `past_seq`: the work
+        published events, so first wait for one beyond it (quiet before the first had arrived
+        would end the phase early)."""
         assert self.watcher is not None
+        deadline = time.monotonic() + WAIT_S
+        while past_seq is not None and self.watcher.last_seq <= past_seq:
+            if time.monotonic() > deadline:
+                raise TimeoutError("A published no event of the phase's work")
+            time.sleep(0.01)
         self.watcher.wait_quiet()
         deadline = time.monotonic() + WAIT_S
         while self.b_view_of_a().last_seq < self.watcher.last_seq:
@@ -202,8 +209,9 @@ class Pair:
         """Run `work` (returns the chunks it stored, if that matters) and what it cost B."""
         polls0 = self.polls
         s0 = self.snapshot()
+        seq0 = self.watcher.last_seq if self.watcher is not None else 0
         chunks = work() or 0
-        self.caught_up()
+        self.caught_up(seq0 if chunks else None)
         s1 = self.snapshot()
         dt = s1.at - s0.at
         polls = self.polls - polls0 - 1  # the first snapshot's poll came before s0's CPU reading
