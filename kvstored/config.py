@@ -255,7 +255,8 @@ class Config:
         default_factory=lambda: default_socket_path(for_daemon=True),
         metadata=_opt(
             "unix socket of the gRPC API; the session socket is <socket>.session (default: "
-            "/run/kvstored/kvstored.sock as root, else $XDG_RUNTIME_DIR/kvstored/kvstored.sock)",
+            "/run/kvstored/kvstored.sock as root, else $XDG_RUNTIME_DIR/kvstored/kvstored.sock, "
+            "/tmp/kvstored-UID/kvstored/kvstored.sock without XDG_RUNTIME_DIR)",
             _parse_socket,
             "PATH",
         ),
@@ -507,8 +508,8 @@ class Config:
         default=Share(fraction=0.5),
         metadata=_opt(
             "RAM each tenant (tenant_salt) may hold, as a fraction (50%%, 0.5) or bytes (8GiB); over it, "
-            "a tenant's new chunks evict its own oldest ones. Also the size of its arena (address "
-            "space, not memory)",
+            "a tenant's new chunks evict its own oldest ones. Its arena is twice that in address "
+            "space (not memory)",
             _parse_share,
             "SHARE",
         ),

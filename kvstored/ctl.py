@@ -38,8 +38,9 @@ BATCH_KEYS = 1024  # keys per request; well below the daemon's default max_batch
 DEFAULT_COUNT_WAIT_S = 5.0  # `events --count N`: give up after this long without an event
 
 EPILOG = """\
-The socket defaults to $KVSTORED_SOCKET, else /run/kvstored/kvstored.sock as root, else
-$XDG_RUNTIME_DIR/kvstored/kvstored.sock."""
+The socket defaults to $KVSTORED_SOCKET, else /run/kvstored/kvstored.sock as root or
+whenever it exists, else $XDG_RUNTIME_DIR/kvstored/kvstored.sock
+(/tmp/kvstored-UID/kvstored/kvstored.sock without XDG_RUNTIME_DIR)."""
 
 
 NEED_GROUP = "run as root or as a member of the socket's group"
@@ -233,7 +234,7 @@ def cmd_status(conn: Conn, args: argparse.Namespace) -> int:
             f"kvstored {stats.version} on {conn.socket}: {health}\n"
             f"sessions {stats.sessions}  leases {stats.leases}  reservations {stats.reservations}  "
             f"regions {stats.regions}  namespaces {stats.namespaces}  {staging}\n"
-            f"chunks stores dropped: {dropped or 'none'}\n"
+            f"chunks dropped by stores: {dropped or 'none'}\n"
         )
         rows = [
             (

@@ -63,7 +63,7 @@ def events_for(namespaces: NamespaceRegistry, session: Session | None) -> EventF
 
 @dataclass(frozen=True)
 class TenantPolicy:
-    quota_bytes: int  # each tenant's RAM quota, and the size of its arena
+    quota_bytes: int  # each tenant's RAM quota (its arena is twice that, in address space)
     max_tenants: int = 1024
 
 

@@ -183,7 +183,7 @@ def test_a_store_that_drops_chunks_says_why_and_the_daemon_logs_it(daemon_factor
         # Counted since start, by reason: kvstoredctl status and /metrics.
         status = json.loads(ok("status", "--json", socket_path=d.socket))
         assert status["store_drops"] == {"ram_full": 12, "quota_full": 0, "in_progress": 0, "not_visible": 0}
-        assert "chunks stores dropped: ram_full 12" in ok("status", socket_path=d.socket)
+        assert "chunks dropped by stores: ram_full 12" in ok("status", socket_path=d.socket)
         assert Scrape(scrape(d)).value("kvstored_store_drops_total", reason="ram_full") == 12
         stub.Release(pb.ReleaseRequest(session_id=sid, handles=[lease.handle for lease in leases.leases]), timeout=10)
         assert kv.store(ns, new, payloads(new, CHUNK)).stored == 4
