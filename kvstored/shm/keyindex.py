@@ -6,12 +6,17 @@ shared memory (a memfd) that clients map read-only and probe without a round tri
 
 A table is made the first time a session asks for its namespace's (its keys then are put in),
 and kept up to date from then on as RAM's chunks come and go (RamTier's resident listener).
-A client gets a read-only descriptor of it: it can read the keys, never change them. Tables are
-sized for twice the chunks RAM could hold of the namespace, so they never fill.
+A client gets a read-only descriptor of it: it can read the keys, never change them. The memfd is
+sealed once the daemon has mapped it (no resizing, no new writable mapping or write()), since a
+client can reopen a memfd read-write through /proc: a table shrunk under the daemon would kill it
+with SIGBUS, and one whose empty slots a client filled would hang its probes. Tables are sized
+for twice the chunks RAM could hold of the namespace, so they never fill.
 """
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import logging
 import mmap
 import os
@@ -28,10 +33,26 @@ except ImportError:  # built without a C compiler: lookups always ask the daemon
     _keyindex = None  # type: ignore[assignment]
 
 MAX_LOAD = 2  # slots per chunk RAM could hold: probes stay short (the table takes at most 3/4)
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1; not in Python 3.11's fcntl
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
 
 
 def available() -> bool:
-    return _keyindex is not None
+    """Built with the C helper, on a kernel that can seal a table against its readers."""
+    return _keyindex is not None and _can_seal()
+
+
+@functools.cache
+def _can_seal() -> bool:
+    fd = os.memfd_create("kvstored-seal-probe", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        return True
+    except OSError as e:
+        log.info("key indexes off: this kernel cannot seal a memfd against writes (%s); lookups ask the daemon", e)
+        return False
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -53,10 +74,11 @@ class KeyIndex:
         self.namespace_id = namespace_id
         self.key_bytes = key_bytes
         self.size = _keyindex.size(key_bytes, slots)
-        self.fd = os.memfd_create(f"kvstored-index-{namespace_id[:16]}", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create(f"kvstored-index-{namespace_id[:16]}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, self.size)
             self._map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)  # (the daemon's own mapping stays writable)
         except BaseException:
             os.close(self.fd)
             raise

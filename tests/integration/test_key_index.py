@@ -133,6 +133,42 @@ def test_a_tenant_maps_only_its_own_namespaces_indexes_read_only(daemon, ns_name
             session.close()
 
 
+def test_an_index_reopened_read_write_cannot_be_changed(daemon, ns_name):
+    """A memfd can be reopened read-write through /proc: the table is sealed against that (a
+    table truncated under the daemon killed it with SIGBUS; one whose empty slots a client
+    filled hung its probes)."""
+    keys = make_keys(ns_name, 8)
+    with daemon.client() as kv, connect(daemon.session_socket, 10.0) as sock:
+        ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
+        assert kv.store(ns, keys[:4], payloads(keys[:4], CHUNK)).stored == 4
+        handshake = Handshake("intruder")
+        session = PoolSession(sock, _welcomed(sock, handshake), populate=False)
+        try:
+            opened = handshake.index_from(*session._exchange(handshake.open_index(ns.namespace_id)))
+            rw = os.open(f"/proc/self/fd/{opened.fd}", os.O_RDWR)
+            try:
+                for change in (
+                    lambda: os.ftruncate(rw, 0),
+                    lambda: os.ftruncate(rw, 2 * opened.size),
+                    lambda: os.pwrite(rw, b"\xff" * 4096, 0),
+                    lambda: mmap.mmap(rw, opened.size, flags=mmap.MAP_SHARED),
+                ):
+                    with pytest.raises(PermissionError):
+                        change()
+                assert os.fstat(rw).st_size == opened.size
+            finally:
+                os.close(rw)
+                os.close(opened.fd)
+        finally:
+            session.close()
+        # The daemon kept its table and serves: stores, deletes and lookups through the index.
+        assert kv.store(ns, keys[4:], payloads(keys[4:], CHUNK)).stored == 4
+        kv.delete(ns, keys[:2])
+        assert kv.lookup(ns, keys[2:]).prefix_hits == 6
+        out = np.empty((6, CHUNK), np.uint8)
+        assert kv.load(ns, keys[2:], out) == 6 and (out == payloads(keys[2:], CHUNK)).all()
+
+
 def _welcomed(sock, handshake: Handshake) -> Handshake:
     handshake.welcome_from(*_exchange(sock, handshake.hello()))
     return handshake
