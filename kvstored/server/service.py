@@ -10,6 +10,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -72,6 +73,10 @@ def _region_path(path: str) -> str:
 
 # Tokens per chunk at most in a block identity (a 2 MiB chunk of a small model: a few thousand).
 MAX_IDENTITY_TOKENS = 1 << 16
+# The key lookups one Touch may stand for: a client posts its index hits every few thousand keys
+# (kvstored_client.keyindex), far below this; a bound keeps the counters from overflowing uint64.
+MAX_TOUCH_LOOKUPS = 1 << 20
+U64_MAX = (1 << 64) - 1
 
 
 def _identities(blocks: Sequence[pb.BlockIdentity], keys: int) -> list[BlockIdentity | None] | None:
@@ -211,6 +216,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Touch(self, request: pb.TouchRequest, context) -> pb.TouchResponse:
         keys = request.keys[:]
         ns = self._ns_keys(request.namespace_id, keys)
+        if request.lookups and not len(keys) <= request.lookups <= MAX_TOUCH_LOOKUPS:
+            raise InvalidRequest(
+                f"Touch lookups={request.lookups} must be 0 (one per key) or between its {len(keys)} keys "
+                f"(each stands for one lookup at least) and {MAX_TOUCH_LOOKUPS}"
+            )
         if not self._visible(ns, self._broker.optional(request.session_id)):
             return pb.TouchResponse(hits=0)
         return pb.TouchResponse(hits=self._chain.touch(ns, keys, request.lookups))
@@ -387,7 +397,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         snapshot = chain_snapshot(self._chain)
         staging = snapshot.staging
         return pb.StatsResponse(
-            tiers=[pb.TierStats(**{**dataclasses.asdict(t), "kind": int(t.kind)}) for t in snapshot.tiers],
+            tiers=[pb.TierStats(**{**_clamped(dataclasses.asdict(t)), "kind": int(t.kind)}) for t in snapshot.tiers],
             namespaces=len(self._namespaces),
             **dataclasses.asdict(self._broker.counts()),
             version=__version__,
@@ -467,3 +477,8 @@ def add_to_server(service: KVStoreService, server: grpc.aio.Server) -> None:
     """Register the KVStore service; a coalesced WatchEvents stream yields messages its feed
     encoded once for every stream of the audience (feed.py), sent as they are."""
     pb_grpc.add_KVStoreServicer_to_server(service, _PassEncoded(server))
+
+
+def _clamped(counters: dict[str, Any]) -> dict[str, Any]:
+    """Counters as uint64 fields take them: one past 2**64 - 1 saturates instead of failing Stats."""
+    return {k: min(v, U64_MAX) if isinstance(v, int) and not isinstance(v, bool) else v for k, v in counters.items()}

@@ -135,3 +135,24 @@ def test_health_watch_streams_through_the_interceptors(fresh):
         assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
         watch.cancel()
     assert tracebacks(fresh.log) == []
+
+
+def test_a_touch_standing_for_impossible_lookups_is_invalid_argument(fresh):
+    """A Touch names the lookups its keys answered; one naming 2**64 - 1 twice used to push the
+    RAM counters past uint64, and every Stats after it failed with INTERNAL."""
+    keys = make_keys("touch", 2)
+    with fresh.client() as kv, raw(fresh.socket) as conn:
+        ns = kv.register_namespace(model="test/touch", dtype="uint8", chunk_bytes=CHUNK)
+        assert kv.store(ns, keys, [bytes(CHUNK)] * 2).stored == 2
+        before = conn.stats().tiers[0]
+        for lookups in ((1 << 64) - 1, (1 << 20) + 1, 1):
+            request = pb.TouchRequest(namespace_id=ns.namespace_id, keys=keys, lookups=lookups)
+            err = rpc_error(conn.call, "Touch", request)
+            assert err.code() == S.INVALID_ARGUMENT, (lookups, err.code(), err.details())
+            assert f"lookups={lookups}" in bounded(err)
+        after = conn.stats().tiers[0]  # Stats still answers, and nothing was counted
+        assert (after.lookups, after.hits) == (before.lookups, before.hits)
+        assert conn.call("Touch", pb.TouchRequest(namespace_id=ns.namespace_id, keys=keys, lookups=5)).hits == 2
+        after = conn.stats().tiers[0]
+        assert (after.lookups - before.lookups, after.hits - before.hits) == (5, 5)
+    assert tracebacks(fresh.log) == []
