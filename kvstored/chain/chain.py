@@ -416,12 +416,15 @@ class TierChain:
         if needed:
             await self._room.make(ns, needed, self._room.deadline(start_by))
 
-    def commit(self, entries: Sequence[RamEntry]) -> None:
-        """Publish reserved chunks whose bytes are in place."""
+    def commit(self, entries: Sequence[RamEntry]) -> int:
+        """Publish reserved chunks whose bytes are in place; returns how many RAM now holds (one
+        deleted while it was being written is freed instead, and no event says it was stored)."""
         for entry in entries:
             self.ram.commit(entry)
-        self._publish_ram(EventType.STORED, Cause.STORED, [entry.chunk for entry in entries])
-        self.writeback.after_commit(entries)
+        stored = [entry for entry in entries if entry.indexed]
+        self._publish_ram(EventType.STORED, Cause.STORED, [entry.chunk for entry in stored])
+        self.writeback.after_commit(stored)
+        return len(stored)
 
     @property
     def reserves_ahead(self) -> bool:

@@ -120,8 +120,7 @@ class SessionBroker:
 
     def commit(self, session: Session, handles: Sequence[int]) -> int:
         taken = session.take_all(handles, (HandleKind.RESERVATION,))
-        self._chain.commit([h.entry for h in taken])
-        return len(taken)
+        return self._chain.commit([h.entry for h in taken])
 
     def reserve_ahead(self, session: Session, ns: Namespace, count: int) -> list[Slot]:
         """Slots reserved ahead for the session's later stores in `ns`, up to what a session may

@@ -61,6 +61,43 @@ def test_watch_events_replays_stores_and_evictions_in_order(daemon_factory, ns_n
     )
 
 
+@pytest.mark.parametrize("remove", ["Delete", "ClearNamespace"])
+def test_a_reservation_deleted_before_its_commit_is_not_reported_stored(daemon_factory, ns_name, remove):
+    """Reserve A and B, remove A (Delete) or both (ClearNamespace) while they are being written,
+    commit both: the answer counts only what RAM holds, and no event says a removed one was
+    stored (a router told so would route requests to a chunk that is not there)."""
+    d = daemon_factory()
+    a, b, marker = make_keys(ns_name, 3)
+    with raw(d.socket) as conn:
+        ns_id = conn.register(ns_name, CHUNK)
+
+        def reserve(key: bytes) -> int:
+            request = pb.ReserveRequest(session_id=conn.session_id, namespace_id=ns_id, keys=[key])
+            return conn.call("Reserve", request).slots[0].handle
+
+        def commit(handles: list[int]) -> int:
+            return conn.call("Commit", pb.CommitRequest(session_id=conn.session_id, handles=handles)).committed
+
+        handles = [reserve(a), reserve(b)]
+        if remove == "Delete":
+            assert conn.call("Delete", pb.DeleteRequest(namespace_id=ns_id, keys=[a])).deleted == 0  # not READY
+        else:
+            conn.call("ClearNamespace", pb.ClearNamespaceRequest(namespace_id=ns_id))
+        committed = commit(handles)
+        held = list(conn.call("Lookup", pb.LookupRequest(namespace_id=ns_id, keys=[b])).tiers)
+        assert commit([reserve(marker)]) == 1  # the last STORED event: read up to it
+        events = []
+        for event in conn.stub.WatchEvents(pb.WatchEventsRequest(from_seq=1), timeout=20):
+            events.append(event)
+            if marker in event.keys:
+                break
+    stored = [k for e in events if e.type == pb.EVENT_TYPE_STORED for k in e.keys]
+    if remove == "Delete":
+        assert (committed, held, stored) == (1, [pb.TIER_KIND_RAM], [b, marker])
+    else:
+        assert (committed, held, stored) == (0, [pb.TIER_KIND_UNSPECIFIED], [marker])
+
+
 def test_watch_events_live_stream_sees_new_events(daemon, ns_name):
     keys = make_keys("live", 4)
     with daemon.channel() as channel:
