@@ -18,7 +18,7 @@ from kvstored import __version__
 from kvstored.chain.chain import TierChain
 from kvstored.chain.stats import chain_snapshot
 from kvstored.chunks.ids import TierKind
-from kvstored.errors import BatchTooLarge, InvalidRequest, SessionRequired, UnknownNamespace, shown
+from kvstored.errors import BatchTooLarge, InvalidRequest, RegionNotAllowed, SessionRequired, UnknownNamespace, shown
 from kvstored.events.feed import IntervalFeeds
 from kvstored.events.identity import BlockIdentity, IdentityBook
 from kvstored.namespaces import Namespace, NamespaceRegistry, check_keys
@@ -302,6 +302,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         session = self._broker.get(request.session_id)
         fd = open_region_file(_region_path(request.path), self._region_dirs)
         try:
+            if session.client is not None and not session.client.may_read_write(os.fstat(fd)):
+                # (the daemon opened it with its own rights: the client must have them too)
+                raise RegionNotAllowed(
+                    f"region file {shown(request.path)} is not readable and writable by the session's user "
+                    f"(uid {session.client.uid}); open it yourself and pass the fd (AttachRegion)"
+                )
             region = self._broker.attach_region(session, request.path, fd)
         finally:
             os.close(fd)

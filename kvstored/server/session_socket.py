@@ -25,6 +25,7 @@ from pathlib import Path
 
 from kvstored.errors import KvstoredError
 from kvstored.server.broker import SessionBroker
+from kvstored.server.credentials import client_credentials
 from kvstored.server.errors import status_for
 from kvstored.server.fast_path import KINDS as FAST_KINDS
 from kvstored.server.fast_path import NEVER_WAIT, FastPath
@@ -192,6 +193,7 @@ class SessionSocketServer:
                     elif kind == "hello" and session is None:
                         hello = request.hello
                         session = self._broker.open(hello.client_name, hello.arenas, hello.pins_pool)
+                        session.client = client_credentials(conn)
                         log.info("session %s opened by %r", session.session_id[:8], session.client_name)
                         welcome = pb.Welcome(
                             session_id=session.session_id,

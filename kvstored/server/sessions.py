@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvstored.errors import HandleNotHeld, InvalidRequest, UnknownRegion, UnknownSession, shown
+from kvstored.server.credentials import ClientCredentials
 from kvstored.shm.mapping import Region
 from kvstored.tiers.ram import RamEntry
 
@@ -43,6 +44,7 @@ class Session:
     pins_pool: bool = False  # its client pins the public pool for DMA (Hello.pins_pool)
     closed: bool = False  # its connection ended: a request still in flight must not grant it anything
     ahead: dict[str, int] = field(default_factory=dict)  # namespace id -> slots reserved ahead it holds
+    client: ClientCredentials | None = None  # who connected (None: not known, e.g. a unit test's session)
 
     def check_open(self) -> None:
         if self.closed:

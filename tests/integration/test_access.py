@@ -4,8 +4,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
+import sys
 
 import grpc
 import numpy as np
@@ -14,7 +17,7 @@ import pytest
 from kvstored_client import ops
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
-from tests.support.daemon import Daemon
+from tests.support.daemon import REPO_ROOT, Daemon, clean_env, short_tmpdir
 from tests.support.data import make_keys, payloads
 from tests.support.tls import make_certs
 
@@ -172,3 +175,93 @@ def test_region_paths_outside_region_dirs_are_refused(daemon, tmp_path):
     finally:
         link.unlink()
         conn.session.close()
+
+
+# -- a region named by path, as another user ---------------------------------------------------------
+
+NOBODY = 65534
+OTHER_GROUP = 1  # "daemon" on Debian: a group the unprivileged client is put in for one case
+
+# Runs as root long enough to import everything, then becomes nobody with the given groups and
+# names each path in a RegisterRegion (the daemon, root, could open every one of them).
+REGISTER_AS_NOBODY = """
+import json, os, sys
+import grpc
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from tests.support.rpc import RawConn
+sock, groups, paths = sys.argv[1], [int(g) for g in sys.argv[2].split(",") if g], sys.argv[3:]
+os.setgroups(groups)
+os.setgid(65534)
+os.setuid(65534)
+conn = RawConn(sock)
+answers = []
+for path in paths:
+    try:
+        size = conn.call("RegisterRegion", pb.RegisterRegionRequest(session_id=conn.session_id, path=path)).size
+        answers.append(["OK", str(size)])
+    except grpc.RpcError as e:
+        answers.append([e.code().name, e.details()])
+conn.session.close()
+print(json.dumps(answers))
+"""
+
+
+@pytest.mark.root
+def test_a_region_path_is_registered_only_where_the_sessions_user_may_read_and_write_it(daemon_factory):
+    """The daemon opens a region named by path with its own rights; a client may name only a
+    file its own user could open read-write (owner, group or others, by the mode)."""
+    sock_dir = short_tmpdir("kvregion")
+    os.chown(sock_dir, 0, OTHER_GROUP)
+    os.chmod(sock_dir, 0o2750)  # the daemon's sockets get OTHER_GROUP: nobody reaches them through it
+    d = daemon_factory(socket=sock_dir / "kv.sock")
+    files = {
+        "root 0600": (0, 0, 0o600),
+        "root 0644": (0, 0, 0o644),
+        "root 0666": (0, 0, 0o666),
+        "nobody 0600": (NOBODY, NOBODY, 0o600),
+        "group rw": (0, OTHER_GROUP, 0o660),
+        "group r": (0, OTHER_GROUP, 0o640),
+    }
+    paths = {}
+    try:
+        for label, (uid, gid, mode) in files.items():
+            path = paths[label] = f"/dev/shm/kvregion-{os.getpid()}-{label.replace(' ', '-')}"
+            with open(path, "wb") as f:
+                f.write(b"secret" * 10923)
+            os.chown(path, uid, gid)
+            os.chmod(path, mode)
+
+        def register(groups: list[int]) -> dict[str, str]:
+            proc = subprocess.run(
+                [sys.executable, "-c", REGISTER_AS_NOBODY, str(d.socket), ",".join(map(str, groups)), *paths.values()],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env=clean_env(),
+                cwd=REPO_ROOT,
+            )
+            assert proc.returncode == 0, proc.stderr
+            answers = json.loads(proc.stdout.strip().splitlines()[-1])
+            return {label: code for label, (code, _details) in zip(paths, answers)} | {"details": answers[0][1]}
+
+        in_group = register([OTHER_GROUP])
+        assert in_group == {
+            "root 0600": "PERMISSION_DENIED",
+            "root 0644": "PERMISSION_DENIED",
+            "root 0666": "OK",
+            "nobody 0600": "OK",
+            "group rw": "OK",
+            "group r": "PERMISSION_DENIED",
+            "details": in_group["details"],
+        }
+        assert f"not readable and writable by the session's user (uid {NOBODY})" in in_group["details"]
+        assert "AttachRegion" in in_group["details"]
+        # Out of the group, its files are the others': only the file all may write is allowed.
+        os.chmod(sock_dir, 0o2755)  # (the socket itself is 0660: still reachable only by the group)
+        os.chmod(d.socket, 0o666)
+        os.chmod(f"{d.socket}.session", 0o666)
+        outside = register([])
+        assert [label for label, code in outside.items() if code == "OK"] == ["root 0666", "nobody 0600"]
+    finally:
+        for path in paths.values():
+            os.unlink(path)
