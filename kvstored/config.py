@@ -523,6 +523,15 @@ class Config:
             "N",
         ),
     )
+    max_namespaces: int = field(
+        default=16384,
+        metadata=_opt(
+            "namespaces that may be registered (each is kept, and listed, for good): a new one past "
+            "this is refused with RESOURCE_EXHAUSTED",
+            int,
+            "N",
+        ),
+    )
     log_level: LogLevel = field(default="info", metadata=_opt("log level", _choice(LogLevel), "LEVEL"))
     log_format: LogFormat = field(default="text", metadata=_opt("log line format", _choice(LogFormat), "FORMAT"))
 
@@ -545,6 +554,8 @@ class Config:
             )
         if self.max_tenants < 0:
             raise ConfigError(f"max_tenants must not be negative, got {self.max_tenants}")
+        if self.max_namespaces < 1:
+            raise ConfigError(f"max_namespaces must be at least 1, got {self.max_namespaces}")
         if self.grace_seconds < 0:
             raise ConfigError(f"grace_seconds must not be negative, got {self.grace_seconds}")
         for tier in self.tiers:

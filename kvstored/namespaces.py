@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from kvstored.errors import BatchTooLarge, InvalidRequest, UnknownNamespace, shown
+from kvstored.errors import BatchTooLarge, InvalidRequest, PoolExhausted, UnknownNamespace, shown
 from kvstored_client.keys import namespace_id_for
 
 MIN_KEY_BYTES, MAX_KEY_BYTES, DEFAULT_KEY_BYTES = 8, 64, 32
@@ -120,9 +120,16 @@ def _typed(fields: dict, name: str, kind: type):
     return value
 
 
+class TooManyNamespaces(PoolExhausted):
+    """max_namespaces are registered: a new one is refused (RESOURCE_EXHAUSTED)."""
+
+
 class NamespaceRegistry:
-    def __init__(self, pool_bytes: int) -> None:
+    def __init__(self, pool_bytes: int, max_namespaces: int = 1 << 62) -> None:
+        """max_namespaces bounds what clients register; those recovered from tiers' records
+        at start are always known."""
         self._pool_bytes = pool_bytes
+        self._max = max_namespaces
         self._by_id: dict[str, Namespace] = {}
         self._recovered: dict[str, tuple[str, ...]] = {}  # recovered and not registered since: tier names
 
@@ -167,6 +174,11 @@ class NamespaceRegistry:
             kv_bytes_per_token if prefill_tokens_per_s else 0,
         )
         known = self._by_id.get(ns_id)
+        if known is None and len(self._by_id) >= self._max:
+            raise TooManyNamespaces(
+                f"{len(self._by_id)} namespaces are registered (max_namespaces={self._max}); "
+                f"a new one cannot be, until a restart with a larger max_namespaces"
+            )
         # A registration replaces what a record said (a recovered tenant namespace learns its
         # tenant here); what it leaves out, an earlier one may have said.
         recovered = self._recovered.pop(ns_id, None) is not None

@@ -187,7 +187,7 @@ class Daemon:
                 "built without kvstored.shm._safecopy: a client truncating its region mid-copy "
                 "can crash the daemon (install a C compiler and reinstall)"
             )
-        self.namespaces = NamespaceRegistry(pool_bytes)
+        self.namespaces = NamespaceRegistry(pool_bytes, cfg.max_namespaces)
         if self._state is not None:
             for ns, tiers in self._state.namespaces:
                 self.namespaces.adopt(ns, tiers)

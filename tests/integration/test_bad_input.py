@@ -156,3 +156,17 @@ def test_a_touch_standing_for_impossible_lookups_is_invalid_argument(fresh):
         after = conn.stats().tiers[0]
         assert (after.lookups - before.lookups, after.hits - before.hits) == (5, 5)
     assert tracebacks(fresh.log) == []
+
+
+def test_namespaces_past_max_namespaces_are_resource_exhausted(daemon_factory):
+    d = daemon_factory(["--max-namespaces", "3"])
+    with raw(d.socket) as conn:
+        ids = [conn.register(f"test/many-{i}", CHUNK) for i in range(3)]
+        request = pb.RegisterNamespaceRequest(
+            spec=pb.NamespaceSpec(model="test/many-3", dtype="uint8", chunk_bytes=CHUNK)
+        )
+        err = rpc_error(conn.call, "RegisterNamespace", request)
+        assert err.code() == S.RESOURCE_EXHAUSTED and "max_namespaces=3" in bounded(err)
+        assert conn.register("test/many-0", CHUNK) == ids[0]  # registering a known one again is fine
+        assert conn.stats().namespaces == 3
+    assert tracebacks(d.log) == []

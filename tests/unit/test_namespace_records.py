@@ -11,7 +11,14 @@ import json
 import pytest
 
 from kvstored.errors import InvalidRequest
-from kvstored.namespaces import RECOVERED_TENANT, Namespace, NamespaceRegistry, decode_record, encode_record
+from kvstored.namespaces import (
+    RECOVERED_TENANT,
+    Namespace,
+    NamespaceRegistry,
+    TooManyNamespaces,
+    decode_record,
+    encode_record,
+)
 from kvstored.tiers.fs.tier import FsTier
 
 MIB = 1 << 20
@@ -117,3 +124,15 @@ async def test_fs_tier_keeps_records_beside_its_chunks_and_the_index_ignores_the
     assert again.usage().chunks == 0
     assert list(await again.namespace_records()) == [ns.namespace_id]
     await again.close()
+
+
+def test_registrations_past_max_namespaces_are_refused_but_records_still_recover():
+    reg = NamespaceRegistry(64 * MIB, max_namespaces=2)
+    first = reg.register("m1", "bf16", MIB, "", b"", 32)
+    reg.register("m2", "bf16", MIB, "", b"", 32)
+    with pytest.raises(TooManyNamespaces, match=r"2 namespaces are registered \(max_namespaces=2\)"):
+        reg.register("m3", "bf16", MIB, "", b"", 32)
+    assert reg.register("m1", "bf16", MIB, "", b"", 32, block_tokens=16).namespace_id == first.namespace_id
+    # What tiers' records bring back at start is known whatever the bound (the chunks are there).
+    reg.recover(NamespaceRegistry(64 * MIB).register("m4", "bf16", MIB, "", b"", 32), "fs")
+    assert len(reg) == 3
