@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import queue
 import shutil
@@ -168,9 +169,13 @@ def emit(args: argparse.Namespace, data: Any, text: Callable[[], str]) -> None:
 def hex_keys(args: argparse.Namespace) -> list[bytes]:
     raw = list(args.keys)
     if args.keys_file:
-        stream = sys.stdin if args.keys_file == "-" else open(args.keys_file)
-        with stream:
-            raw += [line.strip() for line in stream if line.strip() and not line.startswith("#")]
+        try:
+            with sys.stdin if args.keys_file == "-" else open(args.keys_file) as stream:
+                raw += [line.strip() for line in stream if line.strip() and not line.startswith("#")]
+        except OSError as exc:
+            raise UsageError(f"cannot read --keys-file {args.keys_file}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise UsageError(f"--keys-file {args.keys_file} is not text (hex keys, one per line)") from None
     if not raw:
         raise UsageError("no keys: give hex keys as arguments or with --keys-file")
     keys = []
@@ -196,6 +201,28 @@ def size_arg(value: str) -> int:
         return parse_size(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def seconds_arg(value: str) -> float:
+    """A finite, positive number of seconds."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {value!r}")
+    return seconds
+
+
+def uint64_arg(value: str) -> int:
+    """A count or a sequence number: 0 to 2**64 - 1."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {value!r}") from None
+    if not 0 <= number < 1 << 64:
+        raise argparse.ArgumentTypeError(f"must be 0 to 2**64 - 1, got {value}")
+    return number
 
 
 # -- commands -----------------------------------------------------------------------------------
@@ -741,7 +768,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
     common.add_argument(
-        "--timeout", type=float, default=argparse.SUPPRESS, metavar="SECONDS", help="per-request deadline (default 5)"
+        "--timeout",
+        type=seconds_arg,
+        default=argparse.SUPPRESS,
+        metavar="SECONDS",
+        help="per-request deadline (default 5)",
     )
 
     parser = argparse.ArgumentParser(
@@ -796,14 +827,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     events.add_argument(
         "--from-seq",
-        type=int,
+        type=uint64_arg,
         default=0,
         metavar="N",
         help="replay buffered events from seq N first (1: all still buffered; default: live only)",
     )
     events.add_argument(
         "--count",
-        type=int,
+        type=uint64_arg,
         default=0,
         metavar="N",
         help=f"stop after N events, or when none came for --wait seconds "

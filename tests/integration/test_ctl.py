@@ -184,6 +184,25 @@ def test_bad_input_and_daemon_refusals(shared_daemon):
     assert proc.stderr.startswith(f"kvstoredctl: Lookup failed on {daemon.socket}: NOT_FOUND: unknown namespace")
 
 
+def test_out_of_range_arguments_are_usage_errors_not_tracebacks(tmp_path):
+    """Each is exit 2 with one line naming the argument, before any daemon is asked."""
+    binary = tmp_path / "binary"
+    binary.write_bytes(bytes(range(256)))
+    cases = [
+        (["events", "--from-seq", "-1"], "argument --from-seq: must be 0 to 2**64 - 1, got -1"),
+        (["events", "--from-seq", str(1 << 64)], "argument --from-seq: must be 0 to 2**64 - 1"),
+        (["events", "--count", "-1"], "argument --count: must be 0 to 2**64 - 1, got -1"),
+        (["--timeout", "nan", "status"], "argument --timeout: must be a finite number of seconds > 0, got 'nan'"),
+        (["--timeout", "-1", "status"], "argument --timeout: must be a finite number of seconds > 0, got '-1'"),
+        (["lookup", "-n", "0" * 32, "--keys-file", str(tmp_path / "missing")], "No such file or directory"),
+        (["lookup", "-n", "0" * 32, "--keys-file", str(binary)], "is not text (hex keys, one per line)"),
+    ]
+    for args, said in cases:
+        proc = ctl(*args, socket_path=tmp_path / "absent.sock")
+        assert proc.returncode == 2 and said in proc.stderr, (args, proc.returncode, proc.stderr)
+        assert "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_namespace_id_is_the_daemons_id(shared_daemon):
     kv, ns, _ = stored(shared_daemon, "nsid", 1)
     kv.close()
