@@ -32,6 +32,15 @@ FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 
+# Why mmap refused a client's region fd, in the client's terms.
+_MAP_REFUSED = {
+    errno.EACCES: "its fd must be opened read-write (O_RDWR)",
+    errno.EBADF: "its fd is not open for reading and writing (an O_PATH fd?)",
+    errno.ENOMEM: "the file is larger than the daemon can map",
+    errno.ENODEV: "its filesystem does not support shared mappings",
+}
+
+
 def map_fd(fd: int, size: int, populate: bool) -> mmap.mmap:
     flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
     return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -193,7 +202,10 @@ class Region:
             raise ValueError(f"region {name!r} is empty")
         # Not populated here: a region of tens of GiB would stall the event loop for seconds.
         # populate() fills the page tables in steps instead (first copies fault pages in meanwhile).
-        mapped = map_fd(fd, info.st_size, populate=False)
+        try:
+            mapped = map_fd(fd, info.st_size, populate=False)
+        except OSError as exc:
+            raise ValueError(f"region {name!r} cannot be mapped: {_MAP_REFUSED.get(exc.errno, exc.strerror)}") from None
         own = os.dup(fd)
         return cls(region_id, name, info.st_size, np.frombuffer(mapped, dtype=np.uint8), mapped, own)
 

@@ -504,7 +504,20 @@ def test_session_socket_rejects_bad_messages_and_keeps_serving(shared_daemon, sh
         finally:
             os.close(fd)
         assert reply.error.code == "INVALID_ARGUMENT" and "empty" in reply.error.message
+        # An fd the daemon cannot map read-write: the message says what the fd must be.
         good = make_file(shm_dir, CHUNK, "good")
+        for flags, said in (
+            (os.O_RDONLY, "must be opened read-write (O_RDWR)"),
+            (os.O_WRONLY, "must be opened read-write (O_RDWR)"),
+            (os.O_PATH, "not open for reading and writing"),
+        ):
+            fd = os.open(good, flags)
+            try:
+                reply, _ = _session_exchange(sock, attach, [fd])
+            finally:
+                os.close(fd)
+            assert reply.error.code == "INVALID_ARGUMENT" and said in reply.error.message, reply.error.message
+            assert "malformed" not in reply.error.message
         fd = os.open(good, os.O_RDWR)
         try:
             reply, _ = _session_exchange(sock, attach, [fd])
