@@ -626,7 +626,7 @@ def watch(conn: Conn, from_seq: int, on_call: Callable[[Any], None] = lambda cal
             return  # the daemon is shutting down
         except grpc.RpcError as exc:
             oldest = _oldest_seq(exc)
-            if exc.code() is grpc.StatusCode.OUT_OF_RANGE and oldest is not None:
+            if exc.code() is grpc.StatusCode.OUT_OF_RANGE and oldest is not None and from_seq < oldest:
                 print(f"{PROG}: events {from_seq}-{oldest - 1} are no longer buffered; from {oldest}", file=sys.stderr)
                 from_seq = oldest
                 continue

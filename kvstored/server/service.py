@@ -431,6 +431,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 f"available is seq {bus.oldest_seq} (events_buffer={bus.buffer_events})"
             )
             return
+        if request.from_seq > bus.last_seq + 1:
+            # A seq this daemon never reached: the follower's is an earlier daemon's (a restart).
+            # Streaming on would skip what this one published before it; it must read anew.
+            context.set_code(grpc.StatusCode.OUT_OF_RANGE)
+            context.set_trailing_metadata(((OLDEST_SEQ_KEY, str(bus.oldest_seq)),))
+            context.set_details(
+                f"events from seq {request.from_seq} are ahead of this daemon's newest (seq {bus.last_seq}): "
+                f"the seq is an earlier daemon's (a restart); read the state anew"
+            )
+            return
         if not request.coalesce:
             async for event in each_event(bus, accepts, request.from_seq):
                 yield event

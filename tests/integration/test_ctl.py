@@ -157,6 +157,10 @@ def test_events_from_a_seq_no_longer_buffered_start_at_the_oldest_with_a_warning
         assert proc.returncode == 0, proc.stderr
         assert [json.loads(line)["seq"] for line in proc.stdout.splitlines()] == [4, 5]
         assert "events 1-3 are no longer buffered" in proc.stderr
+        # A seq past the newest (an earlier daemon's) is an error, not a replay from the oldest.
+        proc = ctl("events", "--json", "--from-seq", "100", "--count", "1", socket_path=daemon.socket)
+        assert proc.returncode == 1 and proc.stdout == ""
+        assert "OUT_OF_RANGE: events from seq 100 are ahead of this daemon's newest (seq 7)" in proc.stderr
 
 
 def test_daemon_down_is_one_line_naming_the_socket(tmp_path):

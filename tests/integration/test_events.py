@@ -200,14 +200,28 @@ def test_zmq_array_encoding_is_positional(daemon_factory, ns_name):
     assert events == [["BlockStored", list(identity.block_hashes), None, list(identity.token_ids), 8, None, "CPU"]]
 
 
-def test_watch_from_a_future_seq_waits_for_live_events(daemon):
-    with daemon.channel() as channel:
+def test_watch_from_a_seq_past_the_newest_is_out_of_range(daemon_factory, ns_name):
+    """A follower resuming from an earlier daemon's seq (before a restart) is told to read anew,
+    not streamed live events only: it would miss what this daemon published before."""
+    d = daemon_factory()
+    keys = make_keys(ns_name, 2)
+    with d.client() as kv:
+        ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
+        assert kv.store(ns, keys, payloads(keys, CHUNK)).stored == 2
+    with d.channel() as channel:
         stub = pb_grpc.KVStoreStub(channel)
-        call = stub.WatchEvents(pb.WatchEventsRequest(from_seq=10**9), timeout=1)
+        [stored] = _collect(stub, from_seq=1, count=1)
+        # The next seq is a resume point like any other: nothing to replay, then live.
+        call = stub.WatchEvents(pb.WatchEventsRequest(from_seq=stored.seq + 1), timeout=1)
         with pytest.raises(grpc.RpcError) as err:
             list(call)
-        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # nothing to replay, still live
-        assert stub.Stats(pb.StatsRequest(), timeout=5).version
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        for ahead in (stored.seq + 2, 10**9):
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.WatchEvents(pb.WatchEventsRequest(from_seq=ahead), timeout=5))
+            assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
+            assert f"ahead of this daemon's newest (seq {stored.seq})" in err.value.details()
+            assert dict(err.value.trailing_metadata())["kvstored-oldest-seq"] == "1"
 
 
 @pytest.mark.vllm
