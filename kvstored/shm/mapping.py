@@ -33,7 +33,7 @@ _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_
 
 
 # Why mmap refused a client's region fd, in the client's terms.
-_MAP_REFUSED = {
+_MAP_REFUSED: dict[int, str] = {
     errno.EACCES: "its fd must be opened read-write (O_RDWR)",
     errno.EBADF: "its fd is not open for reading and writing (an O_PATH fd?)",
     errno.ENOMEM: "the file is larger than the daemon can map",
@@ -205,7 +205,8 @@ class Region:
         try:
             mapped = map_fd(fd, info.st_size, populate=False)
         except OSError as exc:
-            raise ValueError(f"region {name!r} cannot be mapped: {_MAP_REFUSED.get(exc.errno, exc.strerror)}") from None
+            why = _MAP_REFUSED.get(exc.errno or 0) or exc.strerror
+            raise ValueError(f"region {name!r} cannot be mapped: {why}") from None
         own = os.dup(fd)
         return cls(region_id, name, info.st_size, np.frombuffer(mapped, dtype=np.uint8), mapped, own)
 
