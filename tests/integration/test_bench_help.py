@@ -88,6 +88,28 @@ def bench_help(script: str) -> str:
     return " ".join(proc.stdout.split())  # argparse wraps lines
 
 
+DOCS = [REPO_ROOT / "README.md", REPO_ROOT / "Makefile", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+BENCH_COMMAND = re.compile(r"-m bench\.(\w+)((?:[ \t]+(?:\\\n[ \t]*)?[^\s`|#;]+)*)")
+
+
+def documented_flags() -> dict[str, set[str]]:
+    """Every `python -m bench.X ... --flag` the docs and the Makefile give: module -> flags."""
+    flags: dict[str, set[str]] = {}
+    for path in DOCS:
+        for module, rest in BENCH_COMMAND.findall(path.read_text()):
+            flags.setdefault(module, set()).update(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", rest))
+    return flags
+
+
+@pytest.mark.vllm  # (bench.vllm_tier imports vllm before it parses --help)
+def test_every_flag_the_docs_give_a_bench_is_one_it_takes():
+    documented = documented_flags()
+    assert {"local_path", "multiturn", "scale_out", "fleet"} <= set(documented), sorted(documented)
+    for module, flags in sorted(documented.items()):
+        offered = set(re.findall(r"--[a-z][a-z0-9-]*", bench_help(f"{module}.py")))
+        assert flags <= offered, f"bench.{module}: the docs give {sorted(flags - offered)}, which --help does not list"
+
+
 # vllm_tier.py imports vllm before it parses --help
 @pytest.mark.parametrize(
     "script", [pytest.param(s, marks=pytest.mark.vllm) if s == "vllm_tier.py" else s for s in sorted(COMPARED)]

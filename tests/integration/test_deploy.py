@@ -365,7 +365,7 @@ def test_manifests_fit_together():
     assert client_volumes[mount["name"]]["hostPath"]["path"] == socket_dir
     transfer = json.loads(container["args"][0])
     tiers = transfer["kv_connector_extra_config"]["secondary_tiers"]
-    assert tiers[0]["type"] == "kvstored" and os.path.dirname(tiers[0]["socket"]) == socket_dir
+    assert tiers[0]["type"] == "kvstored" and os.path.dirname(tiers[0]["kvstored_socket"]) == socket_dir
 
 
 def test_redis_directory_example_fits_together():

@@ -98,7 +98,7 @@ _DROP_WHY = {
     "unavailable": "the daemon is unreachable, or the session or namespace was not ready within the queue timeout",
     "error": "the daemon's StoreFromRegion call failed (rpc_errors counts its code)",
     "daemon_full": "the daemon dropped them without saying why (a daemon older than its drop reasons)",
-    "drained before it started": "vLLM drained the tier's jobs (a cache reset, a shutdown) before the store was sent",
+    "drained": "vLLM drained the tier's jobs (a cache reset, a shutdown) before the store was sent",
 }
 _DAEMONS_REASON = "the daemon's reason (its log says more: stores dropped ...)"
 
@@ -355,7 +355,7 @@ class KvstoredTierManager(SecondaryTierManager):
 
     def _drain(self, limit_s: float | None) -> None:
         while self._waiting:
-            self._fail_transfer(self._waiting.popleft(), "drained before it started")
+            self._fail_transfer(self._waiting.popleft(), "drained")
         start = time.monotonic()
         for transfer in list(self._running.values()):
             for future, _ in transfer.futures:
@@ -569,7 +569,7 @@ class KvstoredTierManager(SecondaryTierManager):
             self._stored_namespaces.add(namespace_id)
         if namespace_id is None:
             if is_load:
-                self._fail_transfer(transfer, "tier disabled")
+                self._fail_transfer(transfer, "disabled")
             else:
                 self._drop_store(transfer, "unavailable")
             return None
