@@ -275,6 +275,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         ns = self._ns_keys(request.namespace_id, keys)
         if not self._visible(ns, session):  # (no slot was ever granted for it: nothing to free)
             raise InvalidRequest(f"namespace {ns.namespace_id} has no slots reserved ahead in this session")
+        if request.ahead:
+            self._check_arenas(ns, session)  # (as Reserve: slots in an arena its client does not map)
         self._offer_identities(ns, keys, request.blocks)
         outcomes = self._broker.commit_ahead(session, ns, request.handles, keys) if keys or request.handles else []
         ahead = self._broker.reserve_ahead(session, ns, request.ahead) if request.ahead else []

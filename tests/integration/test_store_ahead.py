@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
+import socket as sockets
 import subprocess
 import sys
 
@@ -251,3 +253,31 @@ def test_all_sessions_together_hold_at_most_an_eighth_of_ram_ahead(daemon_factor
         ]
         conns[0].release([lease.handle for lease in leases])
     assert wait_for(lambda: d.stats().ahead_slots == 0)
+
+
+def test_a_client_that_maps_no_arenas_gets_no_tenant_slots_ahead_from_a_commit(daemon, ns_name):
+    """Reserve refuses such a client a tenant's slots (it would copy into the public pool at the
+    arena's offsets); a Commit asking for slots ahead is refused the same way."""
+    with sockets.socket(sockets.AF_UNIX, sockets.SOCK_SEQPACKET) as sock, raw(daemon.socket, session=False) as conn:
+        sock.connect(str(daemon.session_socket))
+        hello = pb.SessionRequest(hello=pb.Hello(client_name="no-arenas", arenas=False)).SerializeToString()
+        sockets.send_fds(sock, [hello], [])
+        data, fds, _, _ = sockets.recv_fds(sock, 1 << 16, 4)
+        for fd in fds:
+            os.close(fd)
+        session_id = pb.SessionReply.FromString(data).welcome.session_id
+        spec = pb.NamespaceSpec(model=ns_name, dtype="uint8", chunk_bytes=CHUNK, tenant_salt=b"no-arenas")
+        nsid = conn.call(
+            "RegisterNamespace", pb.RegisterNamespaceRequest(spec=spec, session_id=session_id)
+        ).namespace_id
+        for method, request in (
+            (
+                "Reserve",
+                pb.ReserveRequest(session_id=session_id, namespace_id=nsid, keys=make_keys(ns_name, 1), ahead=2),
+            ),
+            ("Commit", pb.CommitRequest(session_id=session_id, namespace_id=nsid, ahead=2)),
+        ):
+            error = rpc_error(conn.call, method, request)
+            assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, (method, error.details())
+            assert "maps only the public pool" in error.details()
+        assert conn.stats().ahead_slots == 0
