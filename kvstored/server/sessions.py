@@ -26,6 +26,14 @@ class HandleKind(enum.Enum):
     AHEAD = "ahead"  # a reservation whose key its Commit names (a slot reserved ahead)
 
 
+# What a held handle of each kind is, and how it is given back, for a request that named it wrongly.
+_HANDLE_USE = {
+    HandleKind.LEASE: "a lease: give it back with Release",
+    HandleKind.RESERVATION: "a reservation of a named key: Commit it without keys (or Release it)",
+    HandleKind.AHEAD: "a slot reserved ahead: Commit it with its key and namespace_id (or Release it)",
+}
+
+
 @dataclass(slots=True)
 class Handle:
     kind: HandleKind
@@ -57,7 +65,9 @@ class Session:
             raise InvalidRequest("the same handle appears twice in one request")
         for handle_id in handle_ids:
             handle = self.handles.get(handle_id)
-            if handle is None or handle.kind not in kinds:
+            if handle is not None and handle.kind not in kinds:
+                raise HandleNotHeld(f"handle {handle_id} is {_HANDLE_USE[handle.kind]}; it is still held")
+            if handle is None:
                 raise HandleNotHeld(
                     f"handle {handle_id} is not held by session {self.session_id} "
                     f"(already released or committed, or never granted)"

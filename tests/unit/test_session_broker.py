@@ -308,3 +308,19 @@ async def test_region_stores_woken_by_the_same_write_down_do_not_both_take_its_r
     assert chain.ram.counters.dropped_dirty == 0
     for i in range(4):  # every chunk pushed out of RAM is below, byte-exact
         assert ("ns", key(10 + i)) in chain.ram.chunks_of("ns") or tier.data[("ns", key(10 + i))] == bytes([i]) * CHUNK
+
+
+def test_a_handle_named_in_the_wrong_request_says_what_it_is_and_stays_held():
+    from kvstored.errors import HandleNotHeld
+    from kvstored.server.sessions import Handle, HandleKind, SessionRegistry
+
+    session = SessionRegistry().open("c")
+    session.handles[7] = Handle(HandleKind.AHEAD, None)
+    session.handles[8] = Handle(HandleKind.RESERVATION, None)
+    with pytest.raises(HandleNotHeld, match=r"handle 7 is a slot reserved ahead: Commit it with its key"):
+        session.take_all([8, 7], (HandleKind.RESERVATION,))
+    with pytest.raises(HandleNotHeld, match=r"handle 8 is a reservation of a named key: Commit it without keys"):
+        session.take_all([8], (HandleKind.AHEAD,))
+    with pytest.raises(HandleNotHeld, match=r"handle 9 is not held by session"):
+        session.take_all([9], (HandleKind.AHEAD,))
+    assert sorted(session.handles) == [7, 8]
