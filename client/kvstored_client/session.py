@@ -15,6 +15,7 @@ import grp
 import mmap
 import os
 import pwd
+import select
 import socket
 import stat
 from pathlib import Path
@@ -33,6 +34,9 @@ from kvstored_client.protocol import MAX_FDS, MAX_PACKET, Condition, Handshake, 
 SETTLE_S = 5.0  # a blocking session socket's bound on reading the posted calls' answers
 
 
+_HUNG_UP = select.POLLHUP | select.POLLRDHUP | select.POLLERR | select.POLLNVAL
+
+
 class PoolSession:
     """A session opened and used with blocking calls (each bounded by the socket's timeout)."""
 
@@ -42,6 +46,8 @@ class PoolSession:
         welcome = handshake.welcome
         self._sock = sock
         self._handshake = handshake
+        self._hangup = select.poll()  # (poll, not a read: the fast link may be reading the socket)
+        self._hangup.register(sock, select.POLLRDHUP)
         self.copier = ChunkCopier(copy_threads)
         self.session_id = welcome.session_id
         self.pool_bytes = welcome.pool_bytes
@@ -58,6 +64,13 @@ class PoolSession:
         self.serves_index = welcome.key_index and keyindex.available  # key indexes can be mapped
         self._indexes: dict[str, KeyIndexView | None] = {}  # namespace id -> its key index (None: refused)
         self.touches = Touches()  # hits found in the key indexes, not yet told to the daemon
+
+    def check_alive(self) -> None:
+        """Unavailable if the daemon has ended this session (a restart, a hand-over): its slots
+        and leases are gone with it, and their pages may hold other chunks now. A copy into the
+        pool asks first, one out of it after, so it never writes, or keeps, another chunk's bytes."""
+        if any(events & _HUNG_UP for _fd, events in self._hangup.poll(0)):
+            raise Unavailable("the daemon ended this session (restarted or handed over): its slots and leases are gone")
 
     @classmethod
     def open(

@@ -123,6 +123,34 @@ def test_restart_keeps_every_ram_chunk_a_byte_exact_ram_hit(daemons, workdir, ns
     newer.stop()
 
 
+def test_a_client_of_the_old_daemon_writes_nothing_into_the_new_ones_chunks(daemons, workdir, ns_name):
+    """A client keeps its slots reserved ahead (RAM-only daemon) across a hand-over: the new
+    daemon adopted the same pool with those pages free and gave them to another client's chunks.
+    The old client's next store must not copy into them: it finds its session ended first."""
+    old = make(daemons, workdir).start()
+    before, theirs, mine = make_keys("before", 8), make_keys("theirs", 16), make_keys("mine", 4)
+    with old.client() as a:
+        ns = a.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
+        assert a.store(ns, before, payloads(before, CHUNK)).stored == 8
+        assert a.stats().ahead_slots > 0  # (the slots its next stores copy into with no round trip)
+        new = make(daemons, workdir)
+        hand_over(old, new)
+        with new.client() as b:
+            ns_b = b.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
+            assert b.store(ns_b, theirs, payloads(theirs, CHUNK)).stored == 16
+            a.store(ns, mine, np.full((4, CHUNK), 0xAB, np.uint8))  # (whatever it reports)
+            got = np.zeros((16, CHUNK), np.uint8)
+            assert b.load(ns_b, theirs, got) == 16
+            assert np.array_equal(got, payloads(theirs, CHUNK)), "the old client wrote into another chunk"
+            got = np.zeros((8, CHUNK), np.uint8)
+            assert b.load(ns_b, before, got) == 8 and np.array_equal(got, payloads(before, CHUNK))
+            # What the old client stored once it had a new session is exact too.
+            got = np.zeros((4, CHUNK), np.uint8)
+            n = b.load(ns_b, mine, got)
+            assert (got[:n] == 0xAB).all()
+    new.stop()
+
+
 def test_handover_off_starts_cold(daemons, workdir, ns_name):
     old = make(daemons, workdir).start()
     data = fill(old, ns_name)
