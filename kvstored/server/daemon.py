@@ -75,7 +75,7 @@ from kvstored.tiers.registry import admission_changes
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 
-if TYPE_CHECKING:  # optional features import their libraries (aiohttp, pyzmq, ucxx) only when enabled
+if TYPE_CHECKING:  # optional features import their libraries (pyzmq, ucxx) only when enabled
     from kvstored.events.zmq_publisher import ZmqEventPublisher
     from kvstored.observability.http import MetricsServer
     from kvstored.server.peer_serving import PeerServing

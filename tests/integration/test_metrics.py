@@ -5,12 +5,16 @@ dashboard, alerting rules and scrape config only use names a real scrape has."""
 
 from __future__ import annotations
 
+import gzip
 import json
+import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections import defaultdict
 from pathlib import Path
@@ -258,6 +262,40 @@ def test_metrics_port_taken_refuses_the_start_and_off_serves_without(daemon_fact
     assert not METRICS_LINE.search(off.log)
     assert off.stats().tiers[0].name == "ram"  # serving
     assert Scrape(scrape(first)).value("kvstored_sessions") == 0
+
+
+def test_idle_connections_to_the_metrics_port_hold_no_more_than_a_few_fds(daemon_factory):
+    """The metrics port may be reachable by anyone (a pod network): a flood of idle connections
+    must not take the file descriptors the daemon's clients need. It keeps at most
+    MAX_CONNECTIONS open, closes one whose request does not come in time, and answers one
+    request per connection; its unix sockets serve throughout."""
+    from kvstored.observability.http import MAX_CONNECTIONS
+
+    d = daemon_factory(METRICS_PORT_0)
+    port = int(METRICS_LINE.search(d.log)[1])
+    fds_before = len(os.listdir(f"/proc/{d.pid}/fd"))
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(10 * MAX_CONNECTIONS)]
+    try:
+        assert wait_for(lambda: len(os.listdir(f"/proc/{d.pid}/fd")) <= fds_before + MAX_CONNECTIONS, timeout=10)
+        assert d.stats().tiers[0].name == "ram"  # the unix socket serves
+        # Those past the limit are closed at once, the others once their request is late.
+        for sock in idle:
+            sock.settimeout(30)
+            assert sock.recv(1) == b""
+    finally:
+        for sock in idle:
+            sock.close()
+    assert Scrape(scrape(d)).value("kvstored_sessions") == 0
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(1 << 16).startswith(b"HTTP/1.1 405 ")
+    request = urllib.request.Request(metrics_url(d), headers={"Accept-Encoding": "gzip"})
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert resp.headers["Content-Encoding"] == "gzip"
+        assert b"kvstored_sessions" in gzip.decompress(resp.read())
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(metrics_url(d).replace("/metrics", "/other"), timeout=10)
+    assert err.value.code == 404
 
 
 # -- with an fs tier ----------------------------------------------------------------------------
