@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import hashlib
+import logging
 import mmap
 import os
 import shutil
@@ -1073,3 +1074,22 @@ async def test_chunk_files_and_directories_are_the_daemons(make_tier, tmp_path, 
     dst = Slot((4,))
     assert await tier.read(chunk(1), dst.views, 4 * PAGE)
     assert dst.payload(4 * PAGE) == data
+
+
+async def test_a_root_that_fails_every_write_logs_one_line_not_one_per_chunk(make_tier, tmp_path, caplog):
+    """The root replaced by a regular file: every write fails (ENOTDIR), each counted, and the log
+    says so once per 10 s instead of once per chunk."""
+    from kvstored.tiers.fs import tier as fs_tier
+
+    fs_tier.limited._windows.clear()  # (an earlier test's line must not hide this one's)
+    root = tmp_path / "fs"
+    tier = await make_tier(root)
+    shutil.rmtree(root)
+    root.write_bytes(b"not a directory")
+    caplog.set_level(logging.WARNING, logger=fs_tier.__name__)
+    src = Slot((4,))
+    for i in range(8):
+        assert await tier.write(chunk(i), src.views, PAGE) is WriteOutcome.FAILED
+    assert tier.counters.errors == 8
+    lines = [r.getMessage() for r in caplog.records if "cannot write" in r.getMessage()]
+    assert len(lines) == 1 and "Not a directory" in lines[0], lines

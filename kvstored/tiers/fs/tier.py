@@ -42,6 +42,7 @@ from kvstored.chunks.ids import ChunkId, RemovalCause, TierKind
 from kvstored.chunks.views import check_views
 from kvstored.io.scheduler import Priority
 from kvstored.io.threads import PriorityThreadPool
+from kvstored.logs import LogLimiter
 from kvstored.sizes import format_size
 from kvstored.tiers.base import AdmissionPolicy, SecondaryTier, TierUsage, WriteOutcome
 from kvstored.tiers.capacity import CapacityIndex
@@ -51,6 +52,7 @@ from kvstored.tiers.fs import records as fs_records
 from kvstored.tiers.fs.jobs import FsJobs, ReadStatus, WriteFailed
 
 log = logging.getLogger(__name__)
+limited = LogLimiter(log)  # a broken root fails every write: one line per 10 s, with the count
 
 STALE_TMP_S = 60.0  # where the filesystem has no file locks: older temporary files are abandoned
 FULL_BACKOFF_S = 1.0  # after ENOSPC, writes are refused for this long
@@ -274,7 +276,9 @@ class FsTier(SecondaryTier):
                 self.counters.rejected_full += 1
                 return WriteOutcome.REJECTED_FULL
             self.counters.errors += 1
-            log.warning("fs tier %s: cannot write %s: %s", self.name, path, error)
+            limited.log(
+                f"write {self.name}", logging.WARNING, "fs tier %s: cannot write %s: %s", self.name, path, error
+            )
             return WriteOutcome.FAILED
 
         try:
