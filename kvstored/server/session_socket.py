@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from kvstored.errors import KvstoredError
+from kvstored.logs import LogLimiter
 from kvstored.server.broker import SessionBroker
 from kvstored.server.credentials import client_credentials
 from kvstored.server.errors import status_for
@@ -37,6 +38,7 @@ from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client.protocol import FAST_REPLY_MAX
 
 log = logging.getLogger(__name__)
+limited = LogLimiter(log)  # (EMFILE repeats every ACCEPT_RETRY_S while it lasts)
 
 MAX_PACKET = 64 << 10
 ACCEPT_RETRY_S = 0.1
@@ -150,7 +152,7 @@ class SessionSocketServer:
             try:
                 conn, _ = await loop.sock_accept(listener)
             except OSError as exc:  # EMFILE, ENFILE, ECONNABORTED...: keep accepting once it passes
-                log.error("session socket: cannot accept a connection: %s", exc)
+                limited.log("accept", logging.ERROR, "session socket: cannot accept a connection: %s", exc)
                 await asyncio.sleep(ACCEPT_RETRY_S)
                 continue
             conn.setblocking(False)

@@ -8,6 +8,7 @@ import os
 import resource
 import socket
 import tempfile
+import time
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from tests.support.wait import wait_for
@@ -53,6 +54,8 @@ def test_running_out_of_fds_does_not_stop_accepting(daemon):
             s.connect(str(daemon.session_socket))
             held.append(s)
         assert wait_for(lambda: "cannot accept a connection" in daemon.log)
+        time.sleep(1.0)  # ten retries' worth: logged once, not once per retry
+        assert daemon.log.count("cannot accept a connection") == 1, daemon.log
     finally:
         for s in held:
             s.close()
