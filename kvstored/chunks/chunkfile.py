@@ -78,7 +78,10 @@ def decode_header(raw: bytes | memoryview) -> ChunkHeader:
     (crc,) = _CRC.unpack_from(raw, end)
     if zlib.crc32(bytes(raw[:end])) != crc:
         raise CorruptChunk("header checksum mismatch")
-    ns = bytes(raw[_FIXED.size : _FIXED.size + ns_len]).decode()
+    try:
+        ns = bytes(raw[_FIXED.size : _FIXED.size + ns_len]).decode()
+    except UnicodeDecodeError:  # (a header whose CRC another writer made to fit)
+        raise CorruptChunk("namespace in the header is not UTF-8") from None
     key = bytes(raw[_FIXED.size + ns_len : end])
     return ChunkHeader(ns, key, payload_len, payload_sum)
 

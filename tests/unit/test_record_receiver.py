@@ -6,6 +6,7 @@ split, and anything that is not the chunk's record is named, never taken for it.
 from __future__ import annotations
 
 import os
+import zlib
 
 import pytest
 
@@ -73,6 +74,22 @@ def test_anything_but_the_record_is_named(damage, named):
     feed(receiver, damage(body), 1000)
     problem = receiver.problem()
     assert problem is not None and named in problem
+
+
+def test_a_header_whose_crc_fits_a_namespace_that_is_not_utf8_is_named_corrupt():
+    """Another writer can make a header's CRC fit any bytes: a namespace that does not decode is a
+    corrupt record (deleted, counted), not an error that escapes the read."""
+    body, _ = record()
+    ns_at = chunkfile._FIXED.size
+    forged = bytearray(body[:HEADER_BYTES])
+    forged[ns_at : ns_at + 2] = b"\xff\xfe"  # CHUNK's namespace "ns", now not UTF-8
+    end = ns_at + 2 + 32
+    forged[end : end + 4] = chunkfile._CRC.pack(zlib.crc32(bytes(forged[:end])))
+    _, targets = views([SIZE])
+    receiver = RecordReceiver(CHUNK, SIZE, targets)
+    feed(receiver, bytes(forged) + body[HEADER_BYTES:], 4096)
+    problem = receiver.problem()
+    assert problem is not None and "not UTF-8" in problem
 
 
 def test_a_record_of_another_length_is_refused_by_its_header():
