@@ -205,12 +205,12 @@ class ClusterClient:
                 got = replies[pos] if count == 1 else replies[pos : pos + count]
                 pos += count
             error = _first_error(got, count)
-            if error is None:
-                out[i] = got
+            said = classify(str(error)) if error is not None else None
+            if said is None or said.verdict is Verdict.VALUE:
+                out[i] = got  # (a VALUE error stays in its place among the replies)
                 if failed and slots[i] in failed:
                     retry.append(i)
                 continue
-            said = classify(str(error))
             if said.verdict is Verdict.FAIL:
                 raise RedisError(f"{address[0]}:{address[1]}: {said.text}")
             retry.append(i)

@@ -78,8 +78,10 @@ def heartbeat_value(incarnation: int) -> str:
     return f"{incarnation:x}"
 
 
-def parse_heartbeat(raw: bytes | None) -> int | None:
-    if raw is None:
+def parse_heartbeat(raw: object) -> int | None:
+    """A heartbeat's incarnation; None for no heartbeat, or anything but one (the key holding
+    another type: a WRONGTYPE reply)."""
+    if not isinstance(raw, bytes):
         return None
     try:
         return int(raw, 16)

@@ -302,8 +302,9 @@ class DirectoryNode:
 
 
 def _as_fields(reply: Any) -> dict[bytes, bytes]:
-    """HGETALL's flat [field, value, ...] as a mapping."""
-    return dict(zip(reply[::2], reply[1::2])) if reply else {}
+    """HGETALL's flat [field, value, ...] as a mapping; none where the key holds another type
+    (WRONGTYPE: another client's value under our key is a miss for that chunk alone)."""
+    return dict(zip(reply[::2], reply[1::2])) if isinstance(reply, list) else {}
 
 
 def _describe(exc: BaseException) -> str:

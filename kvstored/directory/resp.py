@@ -68,6 +68,7 @@ class Verdict(enum.Enum):
     MOVED = "moved"  # the slot has a new owner: learn it, send there
     ASK = "ask"  # the key is being migrated: send this once to the named node, after ASKING
     RETRY = "retry"  # transient (failover, resharding, loading): again after a pause, map refreshed
+    VALUE = "value"  # one key holds another type (WRONGTYPE): that command's reply, for the caller to judge
     FAIL = "fail"  # anything else: the call fails
 
 
@@ -93,4 +94,6 @@ def classify(message: str) -> ErrorReply:
             return ErrorReply(verdict, message, int(slot), (host.strip("[]"), int(port)))
     if word in _TRANSIENT:
         return ErrorReply(Verdict.RETRY, message)
+    if word == "WRONGTYPE":  # (another client's value under our key: that key's problem, not the cluster's)
+        return ErrorReply(Verdict.VALUE, message)
     return ErrorReply(Verdict.FAIL, message)

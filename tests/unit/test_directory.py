@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import hiredis
 import pytest
 
 from kvstored.chunks.ids import TierKind
@@ -98,6 +99,7 @@ def test_a_field_names_holder_incarnation_and_tier():
     assert parse_field(raw) == Holder("10.0.0.1:7070", 0xABC, TierKind.FS)
     assert parse_field(b"garbage") is None and parse_field(b"a|zz|ram") is None and parse_field(b"\xff|1|ram") is None
     assert parse_heartbeat(b"abc") == 0xABC and parse_heartbeat(None) is None and parse_heartbeat(b"x!") is None
+    assert parse_heartbeat(hiredis.ReplyError("WRONGTYPE Operation against a key holding the wrong kind")) is None
 
 
 # -- the writer --------------------------------------------------------------------------------
