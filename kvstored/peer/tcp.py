@@ -233,7 +233,7 @@ class TcpLink(PeerLink):
 
     def _checkin(self, conn: _Conn, reusable: bool) -> None:
         self._busy.discard(conn)
-        if reusable and not self._closed:
+        if reusable and not self._closed and _quiet(conn.sock):
             self._idle.append(conn)
             self._wake_one()
         else:
@@ -378,6 +378,18 @@ def _read_frames(
         if error is not None:
             raise error
     return True
+
+
+def _quiet(sock: socket.socket) -> bool:
+    """Nothing waits to be read: a peer sends frames only for an order, so a byte left after an
+    order's last frame (or the connection's end) means the stream is out of step."""
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # a byte, or b"" at the end: either way out
+    except BlockingIOError:
+        return True
+    except OSError:
+        pass
+    return False
 
 
 def _checked_head(

@@ -42,6 +42,7 @@ from kvstored.errors import ListenError
 from kvstored.events.identity import BlockIdentity
 from kvstored.io.breaker import Permit
 from kvstored.io.ports import bind_problem
+from kvstored.logs import LogLimiter
 from kvstored.namespaces import Namespace, NamespaceRegistry
 from kvstored.peer.control import ClientTls
 from kvstored.peer.factory import local_transports
@@ -71,6 +72,7 @@ if TYPE_CHECKING:
     from kvstored.directory.node import DirectoryNode
 
 log = logging.getLogger(__name__)
+limited = LogLimiter(log)  # (a misbehaving peer's every chunk would be a line)
 
 DIRECTORY_HITS = 65_536  # chunks the directory named a holder of, remembered for the reads that follow
 
@@ -379,7 +381,15 @@ class PeerTier(SecondaryTier):
         elif outcome is ReceiveOutcome.CORRUPT:
             c.corrupt_chunks += 1
             tc.checksum_failures += 1
-            log.warning("peer %s sent a corrupt chunk (%s): served as a miss", record.address, result.detail)
+            if record.slot is not None:  # (not asked of this peer again until its events name it anew)
+                self.index.drop(record.slot, chunk[0], chunk[1])
+            limited.log(
+                f"corrupt {record.address}",
+                logging.WARNING,
+                "peer %s sent a corrupt chunk (%s): served as a miss",
+                record.address,
+                result.detail,
+            )
         elif outcome is ReceiveOutcome.TIMED_OUT:
             c.timed_out_chunks += 1
             tc.errors += 1

@@ -235,6 +235,11 @@ def test_a_chunk_changed_in_the_servers_ram_after_its_first_send_is_refused(loop
     with b.client() as kv:
         assert kv.load(kv.register_namespace(**fields), keys, out) == 0 and not out.any()
     assert b.peer(a).corrupt_chunks == corrupt_before + 1
+    # B forgets that A holds it (as for a MISSING answer): the next load does not ask A again.
+    assert b.peer(a).indexed_chunks == indexed_before
+    with b.client() as kv:
+        assert kv.load(kv.register_namespace(**fields), keys, out) == 0
+    assert b.peer(a).corrupt_chunks == corrupt_before + 1
     settled(loopback)
 
 
