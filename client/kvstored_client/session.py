@@ -46,8 +46,6 @@ class PoolSession:
         welcome = handshake.welcome
         self._sock = sock
         self._handshake = handshake
-        self._hangup = select.poll()  # (poll, not a read: the fast link may be reading the socket)
-        self._hangup.register(sock, select.POLLRDHUP)
         self.copier = ChunkCopier(copy_threads)
         self.session_id = welcome.session_id
         self.pool_bytes = welcome.pool_bytes
@@ -69,7 +67,11 @@ class PoolSession:
         """Unavailable if the daemon has ended this session (a restart, a hand-over): its slots
         and leases are gone with it, and their pages may hold other chunks now. A copy into the
         pool asks first, one out of it after, so it never writes, or keeps, another chunk's bytes."""
-        if any(events & _HUNG_UP for _fd, events in self._hangup.poll(0)):
+        # A poll, not a read (the fast link may be reading the socket), and a new one per call:
+        # copies run in threads, and a poll object refuses to be polled from two at once.
+        hangup = select.poll()
+        hangup.register(self._sock, select.POLLRDHUP)
+        if any(events & _HUNG_UP for _fd, events in hangup.poll(0)):
             raise Unavailable("the daemon ended this session (restarted or handed over): its slots and leases are gone")
 
     @classmethod

@@ -62,3 +62,39 @@ def test_running_out_of_fds_does_not_stop_accepting(daemon):
     assert wait_for(lambda: open_fds(daemon.pid) < limit - 2)
     assert hello(daemon.session_socket).WhichOneof("kind") == "welcome"
     daemon.stop()  # and it still shuts down cleanly (exit 0)
+
+
+def test_a_sessions_liveness_check_runs_from_many_threads_and_sees_the_daemon_end_it(daemon_factory):
+    """Copies check their session before (or after) touching the pool, in threads of their own
+    (the async client's large copies): the check must work from several at once, and say
+    Unavailable once the daemon has ended the session."""
+    import threading
+
+    import pytest
+
+    from kvstored_client.errors import Unavailable
+    from kvstored_client.session import PoolSession
+
+    d = daemon_factory()
+    session = PoolSession.open(d.socket, "liveness", timeout=10.0)
+    failures: list[BaseException] = []
+
+    def check() -> None:
+        try:
+            for _ in range(20_000):
+                session.check_alive()
+        except BaseException as exc:  # noqa: BLE001 (the test reports whatever it was)
+            failures.append(exc)
+
+    try:
+        threads = [threading.Thread(target=check) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert failures == []
+        d.stop()  # the daemon ends every session
+        with pytest.raises(Unavailable, match="ended this session"):
+            session.check_alive()
+    finally:
+        session.close()
