@@ -11,14 +11,17 @@ need."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gzip
 import logging
+import sys
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
+from kvstored.logs import LogLimiter
+
 log = logging.getLogger(__name__)
+limited = LogLimiter(log)  # (whoever reaches the port can send what it likes)
 
 MAX_CONNECTIONS = 32
 REQUEST_TIMEOUT_S = 5.0  # to read a request's head, and again to send the answer
@@ -61,23 +64,29 @@ class MetricsServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
+        if len(self._connections) >= MAX_CONNECTIONS:
+            writer.transport.abort()  # (a scrape retries; a flood holds nothing)
+            return
+        self._connections.add(task)
         try:
-            if len(self._connections) >= MAX_CONNECTIONS:
-                return  # (closed below at once: a scrape retries, a flood holds nothing)
-            self._connections.add(task)
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self._timeout_s)
-            status, headers, body = self._answer(head)
+            try:
+                status, headers, body = self._answer(head)
+            except Exception:  # (a collector's bug, a header the encoder chokes on: say so, keep serving)
+                line = head.split(b"\r\n", 1)[0][:200]
+                limited.log("answer", logging.ERROR, "metrics: cannot answer %r", line, exc_info=sys.exc_info()[1])
+                status, headers, body = "500 Internal Server Error", [("Content-Type", "text/plain")], b"error\n"
             lines = [f"HTTP/1.1 {status}", *(f"{k}: {v}" for k, v in headers)]
             lines += [f"Content-Length: {len(body)}", "Connection: close", "", ""]
             writer.write("\r\n".join(lines).encode("latin-1") + (b"" if head.startswith(b"HEAD ") else body))
-            await asyncio.wait_for(writer.drain(), self._timeout_s)
-        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, ValueError):
-            pass  # (a slow, cut or oversized request: nothing to answer)
-        finally:
-            self._connections.discard(task)
             writer.close()
-            with contextlib.suppress(ConnectionError, asyncio.CancelledError):
-                await writer.wait_closed()
+            # A client that never reads would keep the unsent answer, and the socket, forever.
+            await asyncio.wait_for(writer.wait_closed(), self._timeout_s)
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass  # (a slow, cut or oversized request, or a reader too slow: nothing more to do)
+        finally:
+            writer.transport.abort()  # (no-op once closed; else its buffer and fd go now)
+            self._connections.discard(task)
 
     def _answer(self, head: bytes) -> tuple[str, list[tuple[str, str]], bytes]:
         request_line, *header_lines = head.decode("latin-1").split("\r\n")
@@ -96,7 +105,11 @@ class MetricsServer:
             return "200 OK", [("Content-Type", "text/plain; charset=utf-8")], INDEX
         if path != "/metrics":
             return "404 Not Found", [("Content-Type", "text/plain")], b"not found: the metrics are at /metrics\n"
-        encoder, content_type = choose_encoder(headers.get("accept", ""))
+        try:
+            encoder, content_type = choose_encoder(headers.get("accept", ""))  # (Prometheus sends one)
+        except ValueError:
+            return "400 Bad Request", [("Content-Type", "text/plain")], b"bad Accept header\n"
+
         body = encoder(self._registry)
         out = [("Content-Type", content_type)]
         if "gzip" in headers.get("accept-encoding", ""):
