@@ -304,10 +304,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         session = self._broker.get(request.session_id)
         fd = open_region_file(_region_path(request.path), self._region_dirs)
         try:
-            if session.client is not None and not session.client.may_read_write(os.fstat(fd)):
-                # (the daemon opened it with its own rights: the client must have them too)
+            if session.client is not None and not session.client.may_map(os.fstat(fd)):
+                # (the daemon opened it with its own rights: only its owner may name it)
                 raise RegionNotAllowed(
-                    f"region file {shown(request.path)} is not readable and writable by the session's user "
+                    f"region file {shown(request.path)} is not owned by the session's user "
                     f"(uid {session.client.uid}); open it yourself and pass the fd (AttachRegion)"
                 )
             region = self._broker.attach_region(session, request.path, fd)
