@@ -80,6 +80,8 @@ class KeyIndex:
             self._map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED)
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)  # (the daemon's own mapping stays writable)
         except BaseException:
+            if hasattr(self, "_map"):
+                self._map.close()
             os.close(self.fd)
             raise
         _keyindex.init(self._map, key_bytes, slots)

@@ -373,16 +373,11 @@ class PeerTier(SecondaryTier):
             return True
         if outcome is ReceiveOutcome.MISSING:
             c.missing_chunks += 1
-            if record.slot is not None:
-                self.index.drop(record.slot, chunk[0], chunk[1])  # stale: a miss, and forgotten
-            found = self._found.pop(chunk, None)
-            if found is not None and self.directory is not None:
-                self.directory.forget(chunk, found)  # its directory entry is deleted too
+            self._forget(record, chunk)  # stale: a miss, and forgotten
         elif outcome is ReceiveOutcome.CORRUPT:
             c.corrupt_chunks += 1
             tc.checksum_failures += 1
-            if record.slot is not None:  # (not asked of this peer again until its events name it anew)
-                self.index.drop(record.slot, chunk[0], chunk[1])
+            self._forget(record, chunk)  # (not asked of this peer again until it is named anew)
             limited.log(
                 f"corrupt {record.address}",
                 logging.WARNING,
@@ -398,6 +393,15 @@ class PeerTier(SecondaryTier):
             tc.errors += 1
             log.debug("peer %s: fetch failed: %s", record.address, result.detail)
         return False
+
+    def _forget(self, record: PeerRecord, chunk: ChunkId) -> None:
+        """This peer is no holder of `chunk` for us: out of its index slot, and its directory
+        entry deleted where the directory named it."""
+        if record.slot is not None:
+            self.index.drop(record.slot, chunk[0], chunk[1])
+        found = self._found.pop(chunk, None)
+        if found is not None and self.directory is not None:
+            self.directory.forget(chunk, found)
 
 
 def _directory(cfg: PeerTierConfig, address: str, incarnation: int, shareable) -> DirectoryNode:

@@ -477,18 +477,18 @@ class RamTier:
             raise ValueError("commit of a chunk that is not reserved")
         entry.state = EntryState.READY
         entry.persisted = entry.probation = persisted
+        if not entry.indexed:  # deleted while being written: freed, and counted as nothing stored
+            self._free(entry)
+            return
         self.counters.written_bytes += entry.size
         if persisted:
             self.counters.promotions += 1
         else:
             self.counters.stored += 1
-        if entry.indexed:
-            self._ready += 1
-            self._lru_add(entry)
-            if self._listener is not None:
-                self._listener.added(entry.chunk)
-        else:  # deleted while being written
-            self._free(entry)
+        self._ready += 1
+        self._lru_add(entry)
+        if self._listener is not None:
+            self._listener.added(entry.chunk)
 
     def abort(self, entry: RamEntry) -> None:
         if entry.state is not EntryState.RESERVED:

@@ -231,38 +231,41 @@ def test_over_tls_as_the_shipped_acl_user_resharding_included():
 
 
 def test_a_key_holding_another_type_is_a_miss_for_that_chunk_alone(redis_cluster):
-    """Another client's value under one chunk's key (WRONGTYPE for HGETALL, and for a heartbeat's
-    GET) is a miss for that chunk: the others are found, the breaker stays closed."""
+    """Another client's value under one chunk's key (WRONGTYPE for HGETALL) is a miss for that
+    chunk, and one under a holder's heartbeat key (WRONGTYPE for GET) makes that holder dead: the
+    other chunks are found, no error is counted, the breaker stays closed."""
     from kvstored.directory.config import DirectorySettings
     from kvstored.directory.node import DirectoryNode
     from kvstored.io.breaker import BreakerState
 
     rc = redis_cluster
-    good, forged = [("wrongtype", k) for k in make_keys("wrongtype", 2)]
+    good, forged, listed = [("wrongtype", k) for k in make_keys("wrongtype", 3)]
     other_holder = "10.0.0.9:7070"
     with rc.cluster_client() as r:
         r.set(LAYOUT.chunk_key(forged), b"not a hash")
         r.rpush(f"kvd:hb{{{other_holder}}}".encode(), b"not a heartbeat")
+    dead: list[str] = []
 
     async def look() -> tuple[list, BreakerState, int]:
         writer = client_for(rc)
         try:
             await writer.execute(writes([good]))
             batch = Batch()
-            Commands(LAYOUT, other_holder, 1, entry_ttl_s=600, heartbeat_ttl_s=30).gained(batch, TierKind.RAM, forged)
-            await writer.execute(batch)  # (a holder whose heartbeat key holds a list)
+            Commands(LAYOUT, other_holder, 1, entry_ttl_s=600, heartbeat_ttl_s=30).gained(batch, TierKind.RAM, listed)
+            await writer.execute(batch)  # a holder of `listed` whose heartbeat key holds a list
         finally:
             writer.close()
-        reader = DirectoryNode(
-            DirectorySettings(parse_url(rc.url), "10.0.0.2:7070", 1, timeout_s=5.0, tls_ca_file=rc.ca), lambda ns: True
-        )
+        settings = DirectorySettings(parse_url(rc.url), "10.0.0.2:7070", 1, timeout_s=5.0, tls_ca_file=rc.ca)
+        reader = DirectoryNode(settings, lambda ns: True)
+        reader.on_dead = dead.append
         try:
-            found = [await reader.lookup([good, forged]) for _ in range(3)]
+            found = [await reader.lookup([good, forged, listed]) for _ in range(3)]
             return found, reader.breaker.state, reader.counters.errors
         finally:
             await reader.close()
 
     found, state, errors = run(look())
     for holders in found:
-        assert [h.address for h in holders[0]] == [ADDRESS] and holders[1] == []
+        assert [h.address for h in holders[0]] == [ADDRESS] and holders[1] == [] and holders[2] == []
+    assert dead and set(dead) == {other_holder}
     assert state is BreakerState.CLOSED and errors == 0

@@ -479,3 +479,14 @@ def test_only_an_unkeyed_reservation_can_be_bound(tier):
     assert ahead.entry is not None
     with pytest.raises(ValueError, match="unkeyed"):
         tier.bind(ahead.entry, ("other-namespace", b"a"))
+
+
+def test_a_reservation_deleted_before_its_commit_is_freed_and_not_counted_stored(tier):
+    res = tier.reserve(cid("a"), PAGE)
+    assert res.entry is not None
+    assert tier.delete(cid("a")) is False  # not READY yet: unindexed, its commit frees it
+    tier.commit(res.entry)
+    assert (tier.counters.stored, tier.counters.written_bytes) == (0, 0)
+    assert tier.used_bytes == 0 and present(tier, "a") == []
+    put(tier, "b")
+    assert (tier.counters.stored, tier.counters.written_bytes) == (1, PAGE)
