@@ -98,3 +98,5 @@ def test_a_sessions_liveness_check_runs_from_many_threads_and_sees_the_daemon_en
             session.check_alive()
     finally:
         session.close()
+    with pytest.raises(Unavailable, match="session is closed"):  # closed on this side too
+        session.check_alive()
