@@ -69,9 +69,9 @@ class PoolSession:
         pool asks first, one out of it after, so it never writes, or keeps, another chunk's bytes."""
         # A poll, not a read (the fast link may be reading the socket), and a new one per call:
         # copies run in threads, and a poll object refuses to be polled from two at once.
-        hangup = select.poll()
         if self._sock.fileno() < 0:  # (closed here: as ended as the daemon ending it)
             raise Unavailable("this session is closed: its slots and leases are gone")
+        hangup = select.poll()
         hangup.register(self._sock, select.POLLRDHUP)
         if any(events & _HUNG_UP for _fd, events in hangup.poll(0)):
             raise Unavailable("the daemon ended this session (restarted or handed over): its slots and leases are gone")

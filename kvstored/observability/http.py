@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import gzip
 import logging
-import sys
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
@@ -72,9 +71,9 @@ class MetricsServer:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self._timeout_s)
             try:
                 status, headers, body = self._answer(head)
-            except Exception:  # (a collector's bug, a header the encoder chokes on: say so, keep serving)
+            except Exception as exc:  # (a collector's bug: say so, keep serving)
                 line = head.split(b"\r\n", 1)[0][:200]
-                limited.log("answer", logging.ERROR, "metrics: cannot answer %r", line, exc_info=sys.exc_info()[1])
+                limited.log("answer", logging.ERROR, "metrics: cannot answer %r", line, exc_info=exc)
                 status, headers, body = "500 Internal Server Error", [("Content-Type", "text/plain")], b"error\n"
             lines = [f"HTTP/1.1 {status}", *(f"{k}: {v}" for k, v in headers)]
             lines += [f"Content-Length: {len(body)}", "Connection: close", "", ""]

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvstored.namespaces import Namespace
+from kvstored.server.credentials import client_credentials
 from kvstored.shm.allocator import PageRun
 from kvstored.tiers.ram import ArenaPages, ChunkRecord, RamSnapshot
 
@@ -394,8 +395,7 @@ class HandoverListener:
 
 
 def _same_user(conn: socket.socket) -> bool:
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
+    uid = client_credentials(conn).uid
     if uid not in (os.geteuid(), 0):
         log.warning("hand-over: refused a request from uid %d (this daemon runs as %d)", uid, os.geteuid())
         return False

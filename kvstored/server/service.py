@@ -423,24 +423,23 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def WatchEvents(self, request: pb.WatchEventsRequest, context):
         bus = self._chain.events
         accepts = events_for(self._namespaces, self._broker.optional(request.session_id))
+        # Events between are gone (or, past the newest, the seq is an earlier daemon's: a restart):
+        # streaming on would skip them without a word. Ended here, not raised, so the
+        # error-mapping interceptor leaves the status as is.
         if request.from_seq and request.from_seq < bus.oldest_seq:
-            # Events between are gone: replaying what is left would skip them without a word.
-            # Ended here, not raised, so the error-mapping interceptor leaves the status as is.
-            context.set_code(grpc.StatusCode.OUT_OF_RANGE)
-            context.set_trailing_metadata(((OLDEST_SEQ_KEY, str(bus.oldest_seq)),))
-            context.set_details(
+            _out_of_range(
+                context,
+                bus.oldest_seq,
                 f"events from seq {request.from_seq} are no longer buffered; the oldest "
-                f"available is seq {bus.oldest_seq} (events_buffer={bus.buffer_events})"
+                f"available is seq {bus.oldest_seq} (events_buffer={bus.buffer_events})",
             )
             return
         if request.from_seq > bus.last_seq + 1:
-            # A seq this daemon never reached: the follower's is an earlier daemon's (a restart).
-            # Streaming on would skip what this one published before it; it must read anew.
-            context.set_code(grpc.StatusCode.OUT_OF_RANGE)
-            context.set_trailing_metadata(((OLDEST_SEQ_KEY, str(bus.oldest_seq)),))
-            context.set_details(
+            _out_of_range(
+                context,
+                bus.oldest_seq,
                 f"events from seq {request.from_seq} are ahead of this daemon's newest (seq {bus.last_seq}): "
-                f"the seq is an earlier daemon's (a restart); read the state anew"
+                f"the seq is an earlier daemon's (a restart); read the state anew",
             )
             return
         if not request.coalesce:
@@ -452,6 +451,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         # Streams that see the same events share a feed: those of one session, or of none.
         async for payload in net_changes(self._feeds, request.session_id, accepts, request.from_seq):
             yield payload  # (encoded once for the whole audience: see add_to_server)
+
+
+def _out_of_range(context, oldest_seq: int, details: str) -> None:
+    """End a WatchEvents stream with OUT_OF_RANGE and the oldest seq it could start from."""
+    context.set_code(grpc.StatusCode.OUT_OF_RANGE)
+    context.set_trailing_metadata(((OLDEST_SEQ_KEY, str(oldest_seq)),))
+    context.set_details(details)
 
 
 def _ahead_slots(slots: Sequence[Slot]) -> list[pb.Slot]:
