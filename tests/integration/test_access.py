@@ -4,11 +4,8 @@
 
 from __future__ import annotations
 
-import json
 import os
 import socket
-import subprocess
-import sys
 
 import grpc
 import numpy as np
@@ -17,7 +14,8 @@ import pytest
 from kvstored_client import ops
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
-from tests.support.daemon import REPO_ROOT, Daemon, clean_env, short_tmpdir
+from tests.support.another_user import NOBODY, OTHER_GROUP, group_only_socket_dir, run_script
+from tests.support.daemon import Daemon
 from tests.support.data import make_keys, payloads
 from tests.support.tls import make_certs
 
@@ -179,8 +177,6 @@ def test_region_paths_outside_region_dirs_are_refused(daemon, tmp_path):
 
 # -- a region named by path, as another user ---------------------------------------------------------
 
-NOBODY = 65534
-OTHER_GROUP = 1  # "daemon" on Debian: a group the unprivileged client is put in for one case
 
 # Runs as root long enough to import everything, then becomes nobody with the given groups and
 # names each path in a RegisterRegion (the daemon, root, could open every one of them).
@@ -211,10 +207,7 @@ def test_a_region_path_is_registered_only_for_the_files_owner(daemon_factory):
     """The daemon opens a region named by path with its own rights: a client may name only a file
     it owns, whatever the mode grants its group or others (the file may sit in a directory the
     client could not enter, or carry an ACL); anything else it opens itself and passes as an fd."""
-    sock_dir = short_tmpdir("kvregion")
-    os.chown(sock_dir, 0, OTHER_GROUP)
-    os.chmod(sock_dir, 0o2750)  # the daemon's sockets get OTHER_GROUP: nobody reaches them through it
-    d = daemon_factory(socket=sock_dir / "kv.sock")
+    d = daemon_factory(socket=group_only_socket_dir("kvregion") / "kv.sock")  # nobody reaches it through the group
     files = {
         "root 0600": (0, 0, 0o600),
         "root 0666": (0, 0, 0o666),
@@ -229,16 +222,7 @@ def test_a_region_path_is_registered_only_for_the_files_owner(daemon_factory):
                 f.write(b"secret" * 10923)
             os.chown(path, uid, gid)
             os.chmod(path, mode)
-        proc = subprocess.run(
-            [sys.executable, "-c", REGISTER_AS_NOBODY, str(d.socket), str(OTHER_GROUP), *paths.values()],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=clean_env(),
-            cwd=REPO_ROOT,
-        )
-        assert proc.returncode == 0, proc.stderr
-        answers = dict(zip(paths, json.loads(proc.stdout.strip().splitlines()[-1])))
+        answers = dict(zip(paths, run_script(REGISTER_AS_NOBODY, str(d.socket), str(OTHER_GROUP), *paths.values())))
         assert {label: code for label, (code, _) in answers.items()} == {
             "root 0600": "PERMISSION_DENIED",
             "root 0666": "PERMISSION_DENIED",

@@ -8,14 +8,11 @@ never raises. Real sockets, real daemons, and a client process running as anothe
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
 import socket
 import stat
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -23,13 +20,12 @@ import pytest
 
 from kvstored_client import Client, DropReason, StoreResult
 from kvstored_client.vllm.driver import DaemonLink, LinkOptions
-from tests.support.daemon import REPO_ROOT, clean_env, short_tmpdir
+from tests.support.another_user import NOBODY, OTHER_GROUP, group_only_socket_dir, run_script
+from tests.support.daemon import short_tmpdir
 from tests.support.data import make_keys, payloads
 from tests.support.wait import wait_for
 
 CHUNK = 64 << 10
-NOBODY = 65534
-OTHER_GROUP = 1  # "daemon" on Debian: a group the test's unprivileged client is not in
 
 
 def said(caplog, level: int) -> list[str]:
@@ -234,16 +230,7 @@ print(json.dumps({"hits": hits, "health": [health.status, health.reason],
 
 
 def as_nobody(sock: Path, groups: list[int]) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-c", AS_ANOTHER_USER, str(sock), ",".join(map(str, groups)), str(NOBODY)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=clean_env(),
-        cwd=REPO_ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_script(AS_ANOTHER_USER, str(sock), ",".join(map(str, groups)), str(NOBODY))
 
 
 @pytest.fixture
@@ -252,10 +239,7 @@ def group_socket_dir():
     sockets get that group (as /run/kvstored gets the kvstored group under systemd)."""
     if os.geteuid() != 0:
         pytest.fail("this test runs a client as another uid: it needs root", pytrace=False)
-    sock_dir = short_tmpdir("kvgrp")
-    os.chown(sock_dir, 0, OTHER_GROUP)
-    os.chmod(sock_dir, 0o2750)
-    yield sock_dir
+    yield group_only_socket_dir("kvgrp")
 
 
 @pytest.mark.root
