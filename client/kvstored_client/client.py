@@ -63,6 +63,7 @@ RAISE = object()  # fallback marker: the error is the caller's to see
 
 RESTART_ERRORS = (UnknownSession, UnknownRegion, UnknownNamespace)
 OPEN_SESSION = object()  # plan effect: "give me a session" -> (session, newly opened)
+MAX_RELEASED = 8  # closed sessions named in the next Hello (one a hand-over ended is among the last)
 HANDLE_METHODS = frozenset({"Reserve", "Commit", "Acquire", "Release"})  # calls that grant or end handles
 # Calls that reserve RAM, which may evict: the key index's hits are posted before them.
 MAKES_ROOM = frozenset({"Reserve", "Commit", "StoreFromRegion"})
@@ -89,6 +90,7 @@ class ClientBase:
         self._namespaces: dict[str, NamespaceSpec] = {}
         self._regions: list[Region] = []
         self._session: PoolSession | None = None
+        self._released: list[str] = []  # sessions it closed, for the next one's Hello (a hand-over holds their slots)
         self._fork = ForkGuard()
         self.link_health = LinkHealth(self.socket)  # why calls degrade: logged once per change
         self.drop_log = DropLog(f"kvstored at {self.socket}")  # stores dropped while it serves
@@ -205,7 +207,8 @@ class ClientBase:
 
     def _drop_session(self) -> None:
         if self._session is not None:
-            self._session.close()
+            self._session.close()  # (after its copies: it is never written again, so say so)
+            self._released = [*self._released[-(MAX_RELEASED - 1) :], self._session.session_id]
             self._session = None
         for region in self._regions:
             region.region_id = 0
@@ -304,8 +307,9 @@ class ClientBase:
         session, fresh = self._session, self._session is None
         if session is None:
             session = self._session = PoolSession.open(
-                self.socket, self.client_name, timeout, self.populate, self.copy_threads
+                self.socket, self.client_name, timeout, self.populate, self.copy_threads, self._released
             )
+            self._released = []
         if self._unattached():
             try:
                 self._attach_regions(session)

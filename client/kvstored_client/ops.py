@@ -219,10 +219,11 @@ class Copy:
         return sum(int(ext.length) for extents, _ in self.pairs for ext in extents)
 
     def run(self) -> None:
-        self.session.check_alive()
-        self.session.copier.copy(self.session.arena_arrays(self.arena), self.pairs, self.to_pool)
-        if not self.to_pool:  # (the leases held while it copied only if the session still stands)
+        with self.session.copies.copying():  # (the session is closed, and reported released, only after)
             self.session.check_alive()
+            self.session.copier.copy(self.session.arena_arrays(self.arena), self.pairs, self.to_pool)
+            if not self.to_pool:  # (the leases held while it copied only if the session still stands)
+                self.session.check_alive()
 
 
 @dataclass(frozen=True)

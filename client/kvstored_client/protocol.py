@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from os import PathLike
 
@@ -145,17 +146,21 @@ class Handshake:
     refused region leaves the session usable); a closed socket, an unexpected or undecodable
     reply raises Unavailable (the session is unusable)."""
 
-    def __init__(self, client_name: str, pins_pool: bool = False) -> None:
-        """pins_pool: this client pins the pool for DMA (the daemon then keeps its memory)."""
+    def __init__(self, client_name: str, pins_pool: bool = False, released: Sequence[str] = ()) -> None:
+        """pins_pool: this client pins the pool for DMA (the daemon then keeps its memory);
+        released: its earlier sessions it will never copy into again (Hello.released_sessions)."""
         self.client_name = client_name
         self.pins_pool = pins_pool
+        self.released = tuple(released)
         self.awaiting = Awaiting.NOTHING
         self.welcome: Welcome | None = None
 
     def hello(self) -> Packet:
         self._expect(Awaiting.NOTHING, welcomed=False)
         self.awaiting = Awaiting.WELCOME
-        hello = pb.Hello(client_name=self.client_name, arenas=True, pins_pool=self.pins_pool)
+        hello = pb.Hello(
+            client_name=self.client_name, arenas=True, pins_pool=self.pins_pool, released_sessions=self.released
+        )
         return Packet(pb.SessionRequest(hello=hello).SerializeToString())
 
     def attach_region(self, name: str, fd: int) -> Packet:

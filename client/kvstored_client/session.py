@@ -11,6 +11,7 @@ populated: it is sparse, and populating it would allocate all of it.
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import mmap
 import os
@@ -18,6 +19,8 @@ import pwd
 import select
 import socket
 import stat
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +38,37 @@ SETTLE_S = 5.0  # a blocking session socket's bound on reading the posted calls'
 
 
 _HUNG_UP = select.POLLHUP | select.POLLRDHUP | select.POLLERR | select.POLLNVAL
+
+
+class CopyGate:
+    """The copies between caller buffers and a session's pool slots under way. The session closes
+    only once they have ended, so that a session its client names released (Hello.released_sessions)
+    is one it never writes again."""
+
+    def __init__(self) -> None:
+        self._copies = 0
+        self._done = threading.Condition()
+        self._closed = False
+
+    @contextlib.contextmanager
+    def copying(self) -> Iterator[None]:
+        """Around one copy: Unavailable once close() has begun."""
+        with self._done:
+            if self._closed:
+                raise Unavailable("this session is closed: its slots and leases are gone")
+            self._copies += 1
+        try:
+            yield
+        finally:
+            with self._done:
+                self._copies -= 1
+                self._done.notify_all()
+
+    def close(self) -> None:
+        """No copy starts from now on; returns once those under way have ended (memcpys)."""
+        with self._done:
+            self._closed = True
+            self._done.wait_for(lambda: self._copies == 0)
 
 
 class PoolSession:
@@ -62,6 +96,7 @@ class PoolSession:
         self.serves_index = welcome.key_index and keyindex.available  # key indexes can be mapped
         self._indexes: dict[str, KeyIndexView | None] = {}  # namespace id -> its key index (None: refused)
         self.touches = Touches()  # hits found in the key indexes, not yet told to the daemon
+        self.copies = CopyGate()
 
     def check_alive(self) -> None:
         """Unavailable if the daemon has ended this session (a restart, a hand-over): its slots
@@ -78,11 +113,18 @@ class PoolSession:
 
     @classmethod
     def open(
-        cls, socket: Path | str, client_name: str, timeout: float, populate: bool = True, copy_threads: int = 1
+        cls,
+        socket: Path | str,
+        client_name: str,
+        timeout: float,
+        populate: bool = True,
+        copy_threads: int = 1,
+        released: Sequence[str] = (),
     ) -> PoolSession:
+        """released: ids of this client's earlier sessions, closed (see Hello.released_sessions)."""
         sock = connect(session_socket_path(socket), timeout)
         try:
-            handshake = Handshake(client_name)
+            handshake = Handshake(client_name, released=released)
             handshake.welcome_from(*_exchange(sock, handshake.hello()))
             return cls(sock, handshake, populate, copy_threads)
         except BaseException:
@@ -150,6 +192,8 @@ class PoolSession:
         return self.arrays.numpy
 
     def close(self) -> None:
+        """Close the session once the copies under way have ended (memcpys: milliseconds)."""
+        self.copies.close()
         self.copier.close()
         if self.fast is not None:
             self.fast.close()

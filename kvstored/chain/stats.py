@@ -21,6 +21,7 @@ def chain_snapshot(chain: TierChain) -> ChainSnapshot:
         chain.ram.resident_bytes,
         dict(chain.drops.totals),
         VerifySnapshot(chain.ram.unverified_count, c.verified_chunks, c.verified_bytes),
+        chain.ram.held_bytes,
     )
 
 

@@ -120,6 +120,12 @@ class KvstoredCollector(Collector):
             chain.ram_resident_bytes,
         )
         yield _gauge(
+            "ram_held_bytes",
+            "RAM kept from use after a hand-over: the slots of ended sessions whose clients may still "
+            "be copying into them, until each client is done, exits, or 60 s pass",
+            chain.ram_held_bytes,
+        )
+        yield _gauge(
             "ram_unverified_chunks",
             "chunks adopted from a hand-over whose bytes are not yet checked against their checksum "
             "(a background sweep and each chunk's first read check them; 0 once done)",

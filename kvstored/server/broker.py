@@ -25,6 +25,7 @@ from kvstored.chunks.ids import TierKind
 from kvstored.errors import InvalidRequest, TransferNotStarted
 from kvstored.namespaces import Namespace
 from kvstored.observability.snapshot import SessionCounts
+from kvstored.server.held_writes import HeldWrites
 from kvstored.server.sessions import Handle, HandleKind, Session, SessionRegistry
 from kvstored.server.tenants import Tenancy
 from kvstored.shm.mapping import Region
@@ -53,11 +54,17 @@ class Lease:
 
 class SessionBroker:
     def __init__(
-        self, chain: TierChain, sessions: SessionRegistry | None = None, tenancy: Tenancy | None = None
+        self,
+        chain: TierChain,
+        sessions: SessionRegistry | None = None,
+        tenancy: Tenancy | None = None,
+        held: HeldWrites | None = None,
     ) -> None:
         self._chain = chain
         self.sessions = sessions or SessionRegistry()
         self._tenancy = tenancy
+        self.held = held  # where an ended session's slots go while its client may still write them
+        self._holding = False  # hold_writes(): sessions ended from now on keep their slots held
         # Regions are populated in the background, one at a time; close() waits for them.
         self._populator = ThreadPoolExecutor(1, thread_name_prefix="kvstored-populate")
         self._populating: set[asyncio.Future] = set()
@@ -81,15 +88,31 @@ class SessionBroker:
         """End a session: requests still in flight for it get nothing from now on, and everything
         it holds is given back."""
         session.closed = True
+        writes = []
         for handle in session.handles.values():
-            self._drop(handle)
+            if self._holding and handle.kind is not HandleKind.LEASE:
+                writes.append(handle.entry)
+            else:
+                self._drop(handle)
         session.handles.clear()
+        if writes and self.held is not None:
+            self.held.hold(session.session_id, session.client.pid if session.client else 0, writes)
         for region in session.regions.values():
             region.close()
         session.regions.clear()
         self.sessions.remove(session)
         if self._tenancy is not None:  # after its handles: its tenants' arenas may be idle now
             self._tenancy.session_closed(session)
+
+    def hold_writes(self) -> None:
+        """A hand-over ends the sessions from now on: their clients may be copying into their
+        slots, so those pages are held (held_writes.py), not freed."""
+        self._holding = self.held is not None
+
+    def released(self, session: Session, session_ids: Sequence[str]) -> None:
+        """The session's client is done with sessions a hand-over ended (Hello.released_sessions)."""
+        if self.held is not None and session_ids:
+            self.held.release(session.client.pid if session.client else 0, session_ids)
 
     def counts(self) -> SessionCounts:
         return SessionCounts(

@@ -53,6 +53,7 @@ from kvstored.server import handover
 from kvstored.server.broker import SessionBroker
 from kvstored.server.errors import ErrorMappingInterceptor
 from kvstored.server.fast_path import FastPath
+from kvstored.server.held_writes import HeldWrites
 from kvstored.server.namespace_records import NamespaceRecords
 from kvstored.server.peer_service import SERVICE_NAME as PEER_SERVICE_NAME
 from kvstored.server.peer_service import PeerService
@@ -214,6 +215,7 @@ class Daemon:
         self.key_indexes = KeyIndexes() if keyindex.available() else None  # (None: built without the C helper)
         ram.set_listener(self.key_indexes)
         self.tenancy = Tenancy(ram, self.arenas, self.namespaces, TenantPolicy(cfg.tenant_quota_bytes, cfg.max_tenants))
+        self.held_writes = HeldWrites(ram)
         if self._state is not None:
             await self._adopt_ram(ram, self._state)
         self.chain = TierChain(
@@ -248,7 +250,7 @@ class Daemon:
     async def _start_serving(self, cfg: Config, lower: list) -> None:
         self.chain.events.add_listener(self.records.on_event)
         self.records.start()
-        self.broker = SessionBroker(self.chain, tenancy=self.tenancy)
+        self.broker = SessionBroker(self.chain, tenancy=self.tenancy, held=self.held_writes)
         self.zmq_events: ZmqEventPublisher | None = None
         self.identities: IdentityBook | None = None  # only kept for a ZMQ publisher
         if cfg.events_zmq_endpoint:
@@ -602,6 +604,9 @@ class Daemon:
         if self.peer_tier is not None:
             await self.peer_tier.close()  # stop following the peers; their reads end as misses
         await self.session_server.stop_accepting()
+        handing_over = (listener is not None and listener.requested) or (cfg.handover and fd_store_enabled())
+        if handing_over:  # (else the pool goes with this daemon: nothing a client writes can land in a chunk)
+            self.broker.hold_writes()
         await self.server.stop(cfg.grace_seconds)
         if self.peer_serving is not None:
             await self.peer_serving.close()  # after the grace period: peers' fetches in flight finish
@@ -620,6 +625,7 @@ class Daemon:
             await self.zmq_events.close()
         await self.chain.close()
         await self.releaser.close()
+        self.held_writes.close()
         if listener is not None and listener.requested:
             await self._hand_over(listener.send)
         elif cfg.handover and fd_store_enabled():
@@ -733,12 +739,19 @@ class Daemon:
                 log.info("RAM tier handed over without chunk checksums: chunks without one adopted as is")
             # Serving starts now: each chunk's bytes are checked before its first read and by the
             # sweep (chain/verify.py); hashing them all first took 0.81 s of an 8 GiB hand-over.
-            adopted = ram.adopt(state.ram, verify=verify)
+            adopted = ram.adopt(state.ram, verify=verify, held=[p for h in state.held for p in h.pages])
         except (AdoptionError, ValueError, OSError, handover.HandoverRefused) as exc:
             log.warning("RAM index refused (%s): RAM starts empty", exc)
             self.tenancy.sweep()
         else:
-            log.info("RAM tier adopted: %d chunks, %d to verify before their first read", adopted, ram.unverified_count)
+            log.info(
+                "RAM tier adopted: %d chunks, %d to verify before their first read",
+                adopted.chunks,
+                ram.unverified_count,
+            )
+            entries = iter(adopted.held)
+            for h in state.held:
+                self.held_writes.hold(h.session_id, h.pid, [next(entries) for _ in h.pages], h.seconds_left)
         finally:
             self._drop_handover()
         forget_fds(self._handed_names)  # (systemd's copies: the state describes this RAM no more)
@@ -768,6 +781,7 @@ class Daemon:
             [(ns, recovered.get(ns.namespace_id, ())) for ns in self.namespaces.all()],
             {arena: key for key, arena in self.tenancy.arenas_by_tenant().items()},
             snapshot,
+            self.held_writes.records(),
         )
         fd = handover.write_state_memfd(handover.encode_state(state))
         try:

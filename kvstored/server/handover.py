@@ -43,8 +43,9 @@ from pathlib import Path
 
 from kvstored.namespaces import Namespace
 from kvstored.server.credentials import client_credentials
+from kvstored.server.held_writes import HeldRecord
 from kvstored.shm.allocator import PageRun
-from kvstored.tiers.ram import ArenaPages, ChunkRecord, RamSnapshot
+from kvstored.tiers.ram import ArenaPages, ChunkRecord, HeldPages, RamSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ class PoolState:
     namespaces: list[tuple[Namespace, tuple[str, ...]]]  # and the tiers it was recovered from
     tenants: dict[int, str]  # arena id -> tenant key
     ram: RamSnapshot  # its ChunkRecords carry their xxh3-64 (None: not taken)
+    held: list[HeldRecord] = field(default_factory=list)  # pages clients of ended sessions may still write
 
 
 @dataclass
@@ -135,7 +137,7 @@ def encode_state(state: PoolState) -> bytes:
             r.chunk[1],
             r.size,
             r.arena,
-            [n for run in r.runs for n in (run.start, run.count)],
+            _flat(r.runs),
             r.persisted | r.probation << 1,
         ]
         for r in state.ram.chunks
@@ -165,12 +167,13 @@ def encode_state(state: PoolState) -> bytes:
         ],
         "tenants": [[arena, key] for arena, key in state.tenants.items()],
         "ram": [state.ram.page_bytes, state.ram.capacity_bytes],
-        "arenas": [
-            [arena, pages.total_pages, [n for run in pages.holes for n in (run.start, run.count)]]
-            for arena, pages in state.ram.arenas.items()
-        ],
+        "arenas": [[arena, pages.total_pages, _flat(pages.holes)] for arena, pages in state.ram.arenas.items()],
         "chunks": chunks,
         "checksums": [r.checksum for r in state.ram.chunks],  # (a None: that chunk has none)
+        # (a daemon that predates it ignores the key: it takes those pages as free, as it did)
+        "held": [
+            [h.session_id, h.pid, h.seconds_left, [[p.arena, _flat(p.runs)] for p in h.pages]] for h in state.held
+        ],
     }
     import msgpack
     import xxhash
@@ -218,17 +221,26 @@ def decode_state(frame: bytes) -> PoolState:
             for (n, key, size, arena, runs, flags), digest in zip(body["chunks"], sums)
         ]
         arenas = {int(a): ArenaPages(int(total), _runs(holes)) for a, total, holes in body["arenas"]}
+        held = [
+            HeldRecord(str(session), int(pid), tuple(HeldPages(int(a), _runs(r)) for a, r in pages), float(left))
+            for session, pid, left, pages in body.get("held", ())
+        ]
         return PoolState(
             str(body["version"]),
             Layout(*body["layout"]),
             namespaces,
             {int(a): str(key) for a, key in body["tenants"]},
             RamSnapshot(int(body["ram"][0]), int(body["ram"][1]), arenas, chunks),
+            held,
         )
     except HandoverRefused:
         raise
     except (KeyError, IndexError, TypeError, ValueError, msgpack.UnpackException) as exc:
         raise HandoverRefused(f"the state does not decode: {exc!r}") from None
+
+
+def _flat(runs: Sequence[PageRun]) -> list[int]:
+    return [n for run in runs for n in (run.start, run.count)]
 
 
 def _runs(flat: Sequence[int]) -> tuple[PageRun, ...]:

@@ -196,6 +196,7 @@ class SessionSocketServer:
                         hello = request.hello
                         session = self._broker.open(hello.client_name, hello.arenas, hello.pins_pool)
                         session.client = client_credentials(conn)
+                        self._broker.released(session, hello.released_sessions)
                         log.info("session %s opened by %r", session.session_id[:8], session.client_name)
                         welcome = pb.Welcome(
                             session_id=session.session_id,

@@ -47,6 +47,7 @@ SLACK_FRACTION = 64
 class EntryState(enum.Enum):
     RESERVED = enum.auto()  # pages allocated, bytes being written, invisible to readers
     READY = enum.auto()
+    HELD = enum.auto()  # a reservation whose writer's session ended: its pages kept, in no index (hold())
 
 
 class ReserveOutcome(enum.Enum):
@@ -167,6 +168,24 @@ class RamSnapshot:
     chunks: list[ChunkRecord]  # least recently used first
 
 
+@dataclass(frozen=True, slots=True)
+class HeldPages:
+    """A held reservation's pages (RamTier.hold) as a hand-over carries them."""
+
+    arena: int
+    runs: tuple[PageRun, ...]
+
+    @staticmethod
+    def of(entry: RamEntry) -> HeldPages:
+        return HeldPages(entry.arena, tuple(entry.runs))
+
+
+@dataclass(frozen=True, slots=True)
+class Adopted:
+    chunks: int  # adopted READY
+    held: list[RamEntry]  # the held pages, as held entries (free them with free_held())
+
+
 class AdoptionError(ValueError):
     """A snapshot this tier cannot take as it is (its page map or index is inconsistent)."""
 
@@ -201,6 +220,7 @@ class RamTier:
         self._arenas: dict[int, PageAllocator] = {PUBLIC_ARENA: PageAllocator(self._capacity_pages, populated)}
         self._used_pages = 0  # pages held by chunks, all arenas together
         self._unkeyed_pages = 0  # of those, reservations whose key is not named yet (reserve_unkeyed)
+        self._held_pages = 0  # of those, reservations held for a writer that may still write (hold())
         self._resident_pages = self._arenas[PUBLIC_ARENA].resident_pages  # all arenas together
         self._index: dict[ChunkId, RamEntry] = {}
         self._lru: OrderedDict[ChunkId, RamEntry] = OrderedDict()  # oldest first
@@ -276,6 +296,11 @@ class RamTier:
     def unkeyed_bytes(self) -> int:
         """RAM held by reservations whose key is not named yet (reserve_unkeyed)."""
         return self._unkeyed_pages * self.page_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """RAM held for writers whose session ended (hold()), until they are done with it."""
+        return self._held_pages * self.page_bytes
 
     def room_bytes(self, scope: QuotaScope | None = None) -> int:
         """What may still be reserved: in the tier (scope None), or within a quota scope."""
@@ -499,6 +524,25 @@ class RamTier:
         self._unindex(entry)
         self._free(entry)
 
+    def hold(self, entry: RamEntry) -> None:
+        """Keep a reservation's pages from other chunks without its key: its writer may still be
+        copying into them (a session ended under it). The key is free to reserve again at once;
+        the pages stay counted as used until free_held()."""
+        if entry.state is not EntryState.RESERVED:
+            raise ValueError("hold of a chunk that is not reserved")
+        if entry.unkeyed:
+            entry.unkeyed = False
+            self._unkeyed_pages -= entry.pages
+        self._unindex(entry)
+        entry.state = EntryState.HELD
+        self._held_pages += entry.pages
+
+    def free_held(self, entry: RamEntry) -> None:
+        if entry.state is not EntryState.HELD or not entry.runs:
+            raise ValueError("free_held of a chunk that is not held (or freed already)")
+        self._held_pages -= entry.pages
+        self._free(entry)
+
     # -- leases ---------------------------------------------------------------------------
 
     def acquire(self, chunk: ChunkId) -> RamEntry | None:
@@ -635,13 +679,17 @@ class RamTier:
         return RamSnapshot(self.page_bytes, self.capacity_bytes, arenas, chunks)
 
     def adopt(
-        self, snapshot: RamSnapshot, keep: Callable[[ChunkRecord], bool] = lambda _r: True, verify: bool = False
-    ) -> int:
+        self,
+        snapshot: RamSnapshot,
+        keep: Callable[[ChunkRecord], bool] = lambda _r: True,
+        verify: bool = False,
+        held: Sequence[HeldPages] = (),
+    ) -> Adopted:
         """Take over a snapshot's chunks into an empty tier whose arenas are already added (the
         adopted arenas' memory): the chunks `keep` accepts become READY in their LRU order,
-        the pages of the others free. `verify`: chunks with a checksum are adopted unverified
-        (RamEntry.verified). AdoptionError if anything in it does not add up (this tier is left
-        empty then). Returns the chunks adopted."""
+        the pages of the others free; `held` pages become held entries (hold()). `verify`:
+        chunks with a checksum are adopted unverified (RamEntry.verified). AdoptionError if
+        anything in it does not add up (this tier is left empty then)."""
         if self._index:
             raise AdoptionError("adoption into a RAM tier that holds chunks")
         if snapshot.page_bytes != self.page_bytes or snapshot.capacity_bytes != self.capacity_bytes:
@@ -655,8 +703,8 @@ class RamTier:
         kept: list[tuple[ChunkRecord, Placement]] = []
         seen: set[ChunkId] = set()
         for record in snapshot.chunks:
-            held = sum(run.count for run in record.runs)
-            if record.chunk in seen or record.arena not in runs_of or held != self.pages_for(record.size):
+            counted = sum(run.count for run in record.runs)
+            if record.chunk in seen or record.arena not in runs_of or counted != self.pages_for(record.size):
                 raise AdoptionError(f"chunk record {record.chunk!r} is inconsistent")
             seen.add(record.chunk)
             if not keep(record):
@@ -666,6 +714,10 @@ class RamTier:
                 raise AdoptionError(f"chunk {record.chunk!r} is in arena {record.arena}, not its namespace's")
             runs_of[record.arena] += record.runs
             kept.append((record, placement))
+        for kept_pages in held:
+            if kept_pages.arena not in runs_of or not kept_pages.runs:
+                raise AdoptionError(f"held pages in arena {kept_pages.arena}, which is not handed over")
+            runs_of[kept_pages.arena] += kept_pages.runs
         allocators: dict[int, PageAllocator] = {}
         for arena, map_ in snapshot.arenas.items():
             expected = self._arenas[arena].total_pages
@@ -675,7 +727,8 @@ class RamTier:
                 allocators[arena] = PageAllocator.restore(map_.total_pages, runs_of[arena], list(map_.holes))
             except ValueError as exc:
                 raise AdoptionError(f"arena {arena}: {exc}") from None
-        used = sum(self.pages_for(record.size) for record, _ in kept)
+        held_pages = sum(run.count for kept_pages in held for run in kept_pages.runs)
+        used = sum(self.pages_for(record.size) for record, _ in kept) + held_pages
         if used > self._capacity_pages:
             raise AdoptionError(f"the chunks hold {used} pages, more than the capacity of {self._capacity_pages}")
         self._arenas = allocators
@@ -697,7 +750,15 @@ class RamTier:
             self._lru_add(entry)
             if self._listener is not None:
                 self._listener.added(entry.chunk)
-        return len(kept)
+        held_entries = []
+        for kept_pages in held:
+            count = sum(run.count for run in kept_pages.runs)
+            entry = RamEntry(("", b""), count * self.page_bytes, list(kept_pages.runs), kept_pages.arena, (), count)
+            entry.state, entry.indexed = EntryState.HELD, False
+            held_entries.append(entry)
+        self._used_pages += held_pages
+        self._held_pages += held_pages
+        return Adopted(len(kept), held_entries)
 
     # -- internals ------------------------------------------------------------------------
 

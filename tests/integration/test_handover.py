@@ -151,6 +151,47 @@ def test_a_client_of_the_old_daemon_writes_nothing_into_the_new_ones_chunks(daem
     new.stop()
 
 
+def test_a_copy_under_way_at_the_hand_over_lands_in_no_other_chunk(daemons, workdir, ns_name):
+    """A copy into a slot that passed its session check just before the old daemon ended the
+    session still lands, whenever its thread runs again. The new daemon holds those pages until
+    the client says it is done with that session: another client filling the whole pool meanwhile
+    gets none of them, so the late copy (played here by writing the slot's pages through the old
+    client's mapping) changes none of its chunks."""
+    old = make(daemons, workdir).start()
+    before, theirs = make_keys("before", 8), make_keys("theirs", 320)  # (256 chunks fill the 16 MiB pool)
+    with old.client() as a:
+        ns = a.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
+        assert a.store(ns, before, payloads(before, CHUNK)).stored == 8
+        slots = list(a._session.ahead._slots[ns.namespace_id])
+        assert slots, "the old client holds slots reserved ahead"
+        old_session = a._session.session_id
+        new = make(daemons, workdir)
+        hand_over(old, new, METRICS)
+        assert f"holding {len(slots)} page run(s) of ended session {old_session[:8]}" in new.log
+        assert scrape(new).value("kvstored_ram_held_bytes") == len(slots) * CHUNK
+        with new.client() as b:
+            ns_b = b.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
+            for i in range(0, len(theirs), 32):
+                b.store(ns_b, theirs[i : i + 32], payloads(theirs[i : i + 32], CHUNK))
+            pool = a._session.pool
+            for slot in slots:  # the late copy
+                for ext in slot.extents:
+                    pool[ext.offset : ext.offset + ext.length] = 0xAB
+            tiers = b.lookup(ns_b, theirs).tiers
+            held = [k for k, t in zip(theirs, tiers, strict=True) if t is Tier.RAM]
+            assert len(held) > 200  # (most of the pool holds their chunks)
+            got = np.zeros((len(held), CHUNK), np.uint8)
+            assert b.load(ns_b, held, got) == len(held)
+            assert np.array_equal(got, payloads(held, CHUNK)), "a late copy landed in another chunk"
+            # The old client's next call finds its session ended, waits for its own copies, and
+            # names the old session in its new one's Hello: the held pages are free again.
+            after = make_keys("after", 2)
+            a.store(ns, after, payloads(after, CHUNK))
+            assert wait_for(lambda: f"held pages of ended session {old_session[:8]}: its client is done" in new.log)
+            assert scrape(new).value("kvstored_ram_held_bytes") == 0
+    new.stop()
+
+
 def test_handover_off_starts_cold(daemons, workdir, ns_name):
     old = make(daemons, workdir).start()
     data = fill(old, ns_name)

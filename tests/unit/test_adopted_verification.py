@@ -42,7 +42,7 @@ async def adopted():
     records = handover.with_checksums(old.ram.snapshot().chunks, old.arenas.view, PAGE, 2)
     snapshot = old.ram.snapshot()  # (the old chain is not closed: the new one takes over its tier and queue)
     ram = RamTier(1 << 20, PAGE, has_lower_tiers=True)
-    assert ram.adopt(dataclasses.replace(snapshot, chunks=records), verify=True) == N
+    assert ram.adopt(dataclasses.replace(snapshot, chunks=records), verify=True).chunks == N
     chain = TierChain(ram, old.arenas, old.lower, ChainPolicy(writeback_wait_s=60.0))
     events: list[tuple[str, str, tuple[bytes, ...]]] = []
 

@@ -1,0 +1,140 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the kvstored project
+"""Held pages (kvstored/server/held_writes.py): the slots of a session a hand-over ended stay out
+of use until its client is done with them, exits, or HOLD_MAX_S passes; they travel in the
+hand-over state; and a client closes a session only once its copies into it have ended."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from kvstored.server import handover
+from kvstored.server.held_writes import HeldWrites
+from kvstored.tiers.ram import EntryState, HeldPages, RamTier, ReserveOutcome
+from kvstored_client.errors import Unavailable
+from kvstored_client.session import CopyGate
+
+PAGE = 4096
+
+
+def reserved(tier: RamTier, n: int, unkeyed: bool = False) -> list:
+    entries = []
+    for i in range(n):
+        r = tier.reserve_unkeyed("ns", PAGE) if unkeyed else tier.reserve(("ns", b"k%d" % i), PAGE)
+        assert r.outcome is ReserveOutcome.RESERVED
+        entries.append(r.entry)
+    return entries
+
+
+def test_held_pages_stay_used_and_their_keys_free():
+    tier = RamTier(4 * PAGE, PAGE)
+    keyed, ahead = reserved(tier, 1), reserved(tier, 1, unkeyed=True)
+    for entry in keyed + ahead:
+        tier.hold(entry)
+    assert tier.held_bytes == tier.used_bytes == 2 * PAGE and tier.unkeyed_bytes == 0
+    assert tier.reserve(("ns", b"k0"), PAGE).outcome is ReserveOutcome.RESERVED  # another writer may store it
+    assert tier.reserve(("ns", b"x"), PAGE).outcome is ReserveOutcome.RESERVED
+    assert tier.reserve(("ns", b"y"), PAGE).outcome is ReserveOutcome.NO_SPACE  # the held pages are not free
+    for entry in keyed + ahead:
+        tier.free_held(entry)
+    assert tier.held_bytes == 0 and tier.used_bytes == 2 * PAGE
+    with pytest.raises(ValueError):
+        tier.free_held(keyed[0])
+
+
+async def test_released_by_the_same_process_only():
+    tier = RamTier(4 * PAGE, PAGE)
+    held = HeldWrites(tier)
+    held.hold("s1", os.getpid(), reserved(tier, 2))
+    assert held.release(os.getpid() + 1, ["s1"]) == 0 and tier.held_bytes == 2 * PAGE
+    assert held.release(os.getpid(), ["unknown", "s1"]) == 1
+    assert tier.held_bytes == 0 and held.sessions == 0
+
+
+async def test_freed_when_the_client_exits():
+    tier = RamTier(4 * PAGE, PAGE)
+    held = HeldWrites(tier)
+    client = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        held.hold("s1", client.pid, reserved(tier, 1))
+        await asyncio.sleep(0.1)
+        assert tier.held_bytes == PAGE  # (alive: still held)
+    finally:
+        client.kill()
+        client.wait()
+    for _ in range(100):
+        if tier.held_bytes == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert tier.held_bytes == 0 and held.sessions == 0
+
+
+async def test_freed_after_the_longest_hold():
+    tier = RamTier(4 * PAGE, PAGE)
+    held = HeldWrites(tier, max_s=0.05)
+    held.hold("s1", 0, reserved(tier, 1))  # (a pid it cannot watch)
+    held.hold("s2", os.getpid(), reserved(tier, 1), seconds=10.0)  # (capped by max_s too)
+    await asyncio.sleep(0.2)
+    assert tier.held_bytes == 0 and held.sessions == 0
+
+
+async def test_the_hand_over_state_carries_them_to_the_next_tier():
+    old = RamTier(8 * PAGE, PAGE)
+    held = HeldWrites(old)
+    entries = reserved(old, 3)
+    held.hold("s1", os.getpid(), entries)
+    state = handover.PoolState("test", handover.Layout(8 * PAGE, PAGE, "4k", 0), [], {}, old.snapshot(), held.records())
+    decoded = handover.decode_state(handover.encode_state(state))
+    [record] = decoded.held
+    assert (record.session_id, record.pid) == ("s1", os.getpid()) and 0 < record.seconds_left <= 60
+    assert record.pages == tuple(HeldPages.of(e) for e in entries)
+    held.close()
+
+    new = RamTier(8 * PAGE, PAGE)
+    adopted = new.adopt(decoded.ram, held=list(record.pages))
+    assert adopted.chunks == 0 and new.held_bytes == 3 * PAGE
+    assert all(e.state is EntryState.HELD for e in adopted.held)
+    # Every other page is free; the held ones are not.
+    got = [new.reserve(("ns", b"n%d" % i), PAGE) for i in range(6)]
+    assert [g.outcome for g in got].count(ReserveOutcome.RESERVED) == 5
+    taken = {run.start for g in got if g.entry for run in g.entry.runs}
+    assert not taken & {run.start for e in entries for run in e.runs}
+    new_held = HeldWrites(new)
+    new_held.hold(record.session_id, record.pid, adopted.held, record.seconds_left)
+    assert new_held.release(os.getpid(), ["s1"]) == 1 and new.held_bytes == 0
+
+
+def test_a_session_closes_only_after_its_copies_end():
+    gate = CopyGate()
+    started, finish, closed = threading.Event(), threading.Event(), threading.Event()
+
+    def copy() -> None:
+        with gate.copying():
+            started.set()
+            finish.wait(5)
+
+    def close() -> None:
+        gate.close()
+        closed.set()
+
+    copier = threading.Thread(target=copy)
+    copier.start()
+    assert started.wait(5)
+    closer = threading.Thread(target=close)
+    closer.start()
+    time.sleep(0.1)
+    assert not closed.is_set()  # a copy is under way
+    finish.set()
+    assert closed.wait(5)
+    with pytest.raises(Unavailable):  # and no copy starts once it closes
+        with gate.copying():
+            pass
+    copier.join()
+    closer.join()
