@@ -74,7 +74,7 @@ class HeldWrites:
         held = _Held(session_id, pid, list(entries), loop.call_later(seconds, self._free, session_id, "expired"))
         self._held[session_id] = held
         log.info(
-            "hand-over: holding %d page run(s) of ended session %s (client pid %s) until it is done with them",
+            "hand-over: holding %d slot(s) of ended session %s (client pid %s) until it is done with them",
             len(entries),
             session_id[:8],
             pid or "unknown",

@@ -167,7 +167,7 @@ def test_a_copy_under_way_at_the_hand_over_lands_in_no_other_chunk(daemons, work
         old_session = a._session.session_id
         new = make(daemons, workdir)
         hand_over(old, new, METRICS)
-        assert f"holding {len(slots)} page run(s) of ended session {old_session[:8]}" in new.log
+        assert f"holding {len(slots)} slot(s) of ended session {old_session[:8]}" in new.log
         assert scrape(new).value("kvstored_ram_held_bytes") == len(slots) * CHUNK
         with new.client() as b:
             ns_b = b.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
