@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -36,6 +36,7 @@ from kvstored_client.paths import default_socket_path
 
 PROG = "kvstoredctl"
 BATCH_KEYS = 1024  # keys per request; well below the daemon's default max_batch_keys
+MAX_KEY_LINE = 1024  # characters in a --keys-file line (a key's hex and its newline fit many times)
 DEFAULT_COUNT_WAIT_S = 5.0  # `events --count N`: give up after this long without an event
 
 EPILOG = """\
@@ -171,7 +172,7 @@ def hex_keys(args: argparse.Namespace) -> list[bytes]:
     if args.keys_file:
         try:
             with sys.stdin if args.keys_file == "-" else open(args.keys_file) as stream:
-                raw += [line.strip() for line in stream if line.strip() and not line.startswith("#")]
+                raw += _key_lines(stream, args.keys_file)
         except OSError as exc:
             raise UsageError(f"cannot read --keys-file {args.keys_file}: {exc.strerror}") from None
         except UnicodeDecodeError:
@@ -185,6 +186,18 @@ def hex_keys(args: argparse.Namespace) -> list[bytes]:
         except ValueError:
             raise UsageError(f"not a hex key: {item!r}") from None
     return keys
+
+
+def _key_lines(stream: TextIO, name: str) -> list[str]:
+    """The non-empty, non-comment lines; a line longer than any key's hex is refused as it is read
+    (a device such as /dev/zero is one endless line)."""
+    lines = []
+    while line := stream.readline(MAX_KEY_LINE + 1):
+        if len(line) > MAX_KEY_LINE:
+            raise UsageError(f"--keys-file {name} has a line longer than {MAX_KEY_LINE} characters: not a hex key")
+        if line.strip() and not line.startswith("#"):
+            lines.append(line.strip())
+    return lines
 
 
 def batches(items: Sequence[bytes], n: int = BATCH_KEYS) -> Iterator[Sequence[bytes]]:

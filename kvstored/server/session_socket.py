@@ -49,6 +49,8 @@ MAX_IN_FLIGHT = 64  # fast-path requests answered at once per connection; more w
 IndexOpener = Callable[[Session, str], KeyIndex]  # (session, namespace id) -> its key index
 
 _MSG_TRUNC = int(socket.MSG_TRUNC)  # (an IntFlag: `&` on it costs microseconds a packet)
+_MSG_CTRUNC = int(socket.MSG_CTRUNC)
+MAX_FDS = 4  # fds read with one packet (a client sends at most one)
 
 
 class _Packets:
@@ -62,10 +64,13 @@ class _Packets:
         self._watching = False
 
     async def next(self) -> tuple[bytes, list[int], bool]:
-        """The next packet, its fds, and whether it was cut to MAX_PACKET (SEQPACKET truncates)."""
+        """The next packet, its fds, and whether it was cut to MAX_PACKET (SEQPACKET truncates)
+        or carried more than MAX_FDS fds (the kernel closed the rest: -1 stands for them)."""
         while True:
             try:
-                data, fds, flags, _addr = socket.recv_fds(self._sock, MAX_PACKET, 4)
+                data, fds, flags, _addr = socket.recv_fds(self._sock, MAX_PACKET, MAX_FDS)
+                if flags & _MSG_CTRUNC:
+                    fds.append(-1)
                 return data, fds, bool(flags & _MSG_TRUNC)
             except BlockingIOError:
                 pass
@@ -174,7 +179,8 @@ class SessionSocketServer:
                 data, fds, truncated = await packets.next()
                 if not data:  # the peer closed (clients never send an empty message): the session ends
                     for fd in fds:  # a zero-length packet may still carry fds
-                        os.close(fd)
+                        if fd >= 0:
+                            os.close(fd)
                     return
                 try:
                     if truncated:
@@ -210,7 +216,8 @@ class SessionSocketServer:
                         _send(conn, pb.SessionReply(welcome=welcome), [self._pool.fd])
                     elif kind == "attach_region" and session is not None:
                         if len(fds) != 1:
-                            _send_error(conn, "INVALID_ARGUMENT", f"AttachRegion needs exactly one fd, got {len(fds)}")
+                            got = f"more than {MAX_FDS}" if -1 in fds else str(len(fds))
+                            _send_error(conn, "INVALID_ARGUMENT", f"AttachRegion needs exactly one fd, got {got}")
                             continue
                         region = self._broker.attach_region(session, request.attach_region.name, fds[0])
                         attached = pb.RegionAttached(region_id=region.region_id, size=region.size)
@@ -239,7 +246,8 @@ class SessionSocketServer:
                     _send_error(conn, "INVALID_ARGUMENT", f"malformed session message: {exc}")
                 finally:
                     for fd in fds:
-                        os.close(fd)
+                        if fd >= 0:
+                            os.close(fd)
         except (ConnectionError, OSError) as exc:
             log.debug("session connection error: %s", exc)
         finally:

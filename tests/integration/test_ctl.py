@@ -200,6 +200,7 @@ def test_out_of_range_arguments_are_usage_errors_not_tracebacks(tmp_path):
         (["--timeout", "-1", "status"], "argument --timeout: must be a finite number of seconds > 0, got '-1'"),
         (["lookup", "-n", "0" * 32, "--keys-file", str(tmp_path / "missing")], "No such file or directory"),
         (["lookup", "-n", "0" * 32, "--keys-file", str(binary)], "is not text (hex keys, one per line)"),
+        (["lookup", "-n", "0" * 32, "--keys-file", "/dev/zero"], "has a line longer than 1024 characters"),
     ]
     for args, said in cases:
         proc = ctl(*args, socket_path=tmp_path / "absent.sock")

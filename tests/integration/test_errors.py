@@ -497,6 +497,11 @@ def test_session_socket_rejects_bad_messages_and_keeps_serving(shared_daemon, sh
         # AttachRegion without an fd, or with a file that is not usable.
         reply, _ = _session_exchange(sock, attach)
         assert reply.error.code == "INVALID_ARGUMENT" and "one fd" in reply.error.message
+        # ... or with more fds than a packet is read with (the kernel drops the rest).
+        with open(os.devnull) as null:
+            reply, _ = _session_exchange(sock, attach, [null.fileno()] * 6)
+        assert reply.error.code == "INVALID_ARGUMENT"
+        assert reply.error.message == "AttachRegion needs exactly one fd, got more than 4"
         empty = make_file(shm_dir, 0)
         fd = os.open(empty, os.O_RDWR)
         try:
