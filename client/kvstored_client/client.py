@@ -207,8 +207,8 @@ class ClientBase:
 
     def _drop_session(self) -> None:
         if self._session is not None:
-            self._session.close()  # (after its copies: it is never written again, so say so)
-            self._released = [*self._released[-(MAX_RELEASED - 1) :], self._session.session_id]
+            if self._session.close():  # (after its copies: it is never written again, so say so)
+                self._released = [*self._released[-(MAX_RELEASED - 1) :], self._session.session_id]
             self._session = None
         for region in self._regions:
             region.region_id = 0

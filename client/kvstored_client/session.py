@@ -35,6 +35,7 @@ from kvstored_client.paths import session_socket_path
 from kvstored_client.protocol import MAX_FDS, MAX_PACKET, Condition, Handshake, Packet, Reason
 
 SETTLE_S = 5.0  # a blocking session socket's bound on reading the posted calls' answers
+COPY_END_S = 10.0  # how long closing a session waits for its copies into the pool to end
 
 
 _HUNG_UP = select.POLLHUP | select.POLLRDHUP | select.POLLERR | select.POLLNVAL
@@ -53,22 +54,26 @@ class CopyGate:
     @contextlib.contextmanager
     def copying(self) -> Iterator[None]:
         """Around one copy: Unavailable once close() has begun."""
-        with self._done:
-            if self._closed:
-                raise Unavailable("this session is closed: its slots and leases are gone")
-            self._copies += 1
+        counted = False
         try:
+            with self._done:
+                if self._closed:
+                    raise Unavailable("this session is closed: its slots and leases are gone")
+                self._copies += 1
+                counted = True
             yield
         finally:
-            with self._done:
-                self._copies -= 1
-                self._done.notify_all()
+            if counted:
+                with self._done:
+                    self._copies -= 1
+                    self._done.notify_all()
 
-    def close(self) -> None:
-        """No copy starts from now on; returns once those under way have ended (memcpys)."""
+    def close(self, timeout: float = COPY_END_S) -> bool:
+        """No copy starts from now on; True once those under way have ended (memcpys), False if
+        one is still running after `timeout` (its session must not be named released then)."""
         with self._done:
             self._closed = True
-            self._done.wait_for(lambda: self._copies == 0)
+            return self._done.wait_for(lambda: self._copies == 0, timeout)
 
 
 class PoolSession:
@@ -191,9 +196,10 @@ class PoolSession:
         """The pool as a flat numpy uint8 array (None once closed)."""
         return self.arrays.numpy
 
-    def close(self) -> None:
-        """Close the session once the copies under way have ended (memcpys: milliseconds)."""
-        self.copies.close()
+    def close(self) -> bool:
+        """Close the session once the copies under way have ended (memcpys: milliseconds); False
+        if one had not ended within COPY_END_S."""
+        copies_ended = self.copies.close()
         self.copier.close()
         if self.fast is not None:
             self.fast.close()
@@ -210,6 +216,7 @@ class PoolSession:
             if index is not None:
                 index.close()
         self._indexes.clear()
+        return copies_ended
 
 
 # -- session socket I/O, for both kinds of caller --------------------------------------------------

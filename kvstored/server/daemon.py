@@ -53,7 +53,7 @@ from kvstored.server import handover
 from kvstored.server.broker import SessionBroker
 from kvstored.server.errors import ErrorMappingInterceptor
 from kvstored.server.fast_path import FastPath
-from kvstored.server.held_writes import HeldWrites
+from kvstored.server.held_writes import HeldRecord, HeldWrites
 from kvstored.server.namespace_records import NamespaceRecords
 from kvstored.server.peer_service import SERVICE_NAME as PEER_SERVICE_NAME
 from kvstored.server.peer_service import PeerService
@@ -71,7 +71,7 @@ from kvstored.shm.mapping import SharedPool
 from kvstored.shm.memory import PoolMemoryError, PoolPages, PopulateProgress
 from kvstored.sizes import format_size
 from kvstored.tiers.config import TierConfig, TierContext
-from kvstored.tiers.ram import AdoptionError, RamTier
+from kvstored.tiers.ram import AdoptionError, RamEntry, RamTier
 from kvstored.tiers.registry import admission_changes
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
@@ -742,6 +742,7 @@ class Daemon:
             adopted = ram.adopt(state.ram, verify=verify, held=[p for h in state.held for p in h.pages])
         except (AdoptionError, ValueError, OSError, handover.HandoverRefused) as exc:
             log.warning("RAM index refused (%s): RAM starts empty", exc)
+            self._hold_without_index(ram, state)
             self.tenancy.sweep()
         else:
             log.info(
@@ -749,13 +750,31 @@ class Daemon:
                 adopted.chunks,
                 ram.unverified_count,
             )
-            entries = iter(adopted.held)
-            for h in state.held:
-                self.held_writes.hold(h.session_id, h.pid, [next(entries) for _ in h.pages], h.seconds_left)
+            self._hold(adopted.held, state.held)
         finally:
             self._drop_handover()
         forget_fds(self._handed_names)  # (systemd's copies: the state describes this RAM no more)
         handover.pause_at(handover.HandoverStep.ADOPTED)
+
+    def _hold_without_index(self, ram: RamTier, state: handover.PoolState) -> None:
+        """The pool is still the one clients of the old daemon map: the pages they may still be
+        writing stay held even when the chunks' index was refused (every held page, or none)."""
+        if not state.held or ram.used_bytes:
+            return
+        try:
+            adopted = ram.adopt(
+                dataclasses.replace(state.ram, chunks=[]), held=[p for h in state.held for p in h.pages]
+            )
+        except (AdoptionError, ValueError) as exc:
+            log.warning("held pages refused too (%s): a client's late copy may land in a new chunk", exc)
+            return
+        self._hold(adopted.held, state.held)
+
+    def _hold(self, entries: list[RamEntry], records: list[HeldRecord]) -> None:
+        """Each handed-over session's held entries (in the order of its records) held again here."""
+        taken = iter(entries)
+        for h in records:
+            self.held_writes.hold(h.session_id, h.pid, [next(taken) for _ in h.pages], h.seconds_left)
 
     async def _hand_over(self, send: Callable[[dict[str, int]], None]) -> None:
         """Snapshot the quiesced RAM tier into a state memfd and send it with the pool's and the

@@ -172,7 +172,8 @@ def encode_state(state: PoolState) -> bytes:
         "checksums": [r.checksum for r in state.ram.chunks],  # (a None: that chunk has none)
         # (a daemon that predates it ignores the key: it takes those pages as free, as it did)
         "held": [
-            [h.session_id, h.pid, h.seconds_left, [[p.arena, _flat(p.runs)] for p in h.pages]] for h in state.held
+            [h.session_id, h.pid, h.seconds_left, [[p.arena, _flat(p.runs), p.namespace_id] for p in h.pages]]
+            for h in state.held
         ],
     }
     import msgpack
@@ -222,7 +223,9 @@ def decode_state(frame: bytes) -> PoolState:
         ]
         arenas = {int(a): ArenaPages(int(total), _runs(holes)) for a, total, holes in body["arenas"]}
         held = [
-            HeldRecord(str(session), int(pid), tuple(HeldPages(int(a), _runs(r)) for a, r in pages), float(left))
+            HeldRecord(
+                str(session), int(pid), tuple(HeldPages(int(a), _runs(r), str(ns)) for a, r, ns in pages), float(left)
+            )
             for session, pid, left, pages in body.get("held", ())
         ]
         return PoolState(

@@ -69,6 +69,10 @@ class HeldWrites:
                 self._ram.hold(entry)
         if not entries:
             return
+        known = self._held.get(session_id)
+        if known is not None:  # (named twice: one session, one hold)
+            known.entries.extend(entries)
+            return
         loop = asyncio.get_running_loop()
         seconds = self._max_s if seconds is None else max(0.0, min(seconds, self._max_s))
         held = _Held(session_id, pid, list(entries), loop.call_later(seconds, self._free, session_id, "expired"))
@@ -85,7 +89,7 @@ class HeldWrites:
             except ProcessLookupError:
                 self._free(session_id, "its client has exited")
                 return
-            except OSError as exc:  # (no pidfds here: the timer alone frees them)
+            except (OSError, OverflowError) as exc:  # (no pidfds here, or no such pid: the timer frees them)
                 log.debug("cannot watch pid %d: %s", pid, exc)
                 return
             loop.add_reader(held.pidfd, self._free, session_id, "its client has exited")

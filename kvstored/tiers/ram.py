@@ -174,10 +174,11 @@ class HeldPages:
 
     arena: int
     runs: tuple[PageRun, ...]
+    namespace_id: str = ""  # whose quotas they count in ("": none)
 
     @staticmethod
     def of(entry: RamEntry) -> HeldPages:
-        return HeldPages(entry.arena, tuple(entry.runs))
+        return HeldPages(entry.arena, tuple(entry.runs), entry.chunk[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -753,8 +754,13 @@ class RamTier:
         held_entries = []
         for kept_pages in held:
             count = sum(run.count for run in kept_pages.runs)
-            entry = RamEntry(("", b""), count * self.page_bytes, list(kept_pages.runs), kept_pages.arena, (), count)
+            placement = self._placement(kept_pages.namespace_id) if kept_pages.namespace_id else None
+            scopes = placement.scopes if placement is not None and placement.arena == kept_pages.arena else ()
+            chunk = (kept_pages.namespace_id, b"")
+            entry = RamEntry(chunk, count * self.page_bytes, list(kept_pages.runs), kept_pages.arena, scopes, count)
             entry.state, entry.indexed = EntryState.HELD, False
+            for scope in scopes:  # (as they counted in the daemon that held them first)
+                scope.used_pages += count
             held_entries.append(entry)
         self._used_pages += held_pages
         self._held_pages += held_pages

@@ -17,7 +17,7 @@ import pytest
 
 from kvstored.server import handover
 from kvstored.server.held_writes import HeldWrites
-from kvstored.tiers.ram import EntryState, HeldPages, RamTier, ReserveOutcome
+from kvstored.tiers.ram import EntryState, HeldPages, Placement, QuotaScope, RamTier, ReserveOutcome
 from kvstored_client.errors import Unavailable
 from kvstored_client.session import CopyGate
 
@@ -130,7 +130,7 @@ def test_a_session_closes_only_after_its_copies_end():
     closer = threading.Thread(target=close)
     closer.start()
     time.sleep(0.1)
-    assert not closed.is_set()  # a copy is under way
+    assert gate._closed and not closed.is_set()  # close() has begun, and waits: a copy is under way
     finish.set()
     assert closed.wait(5)
     with pytest.raises(Unavailable):  # and no copy starts once it closes
@@ -138,3 +138,44 @@ def test_a_session_closes_only_after_its_copies_end():
             pass
     copier.join()
     closer.join()
+
+
+def test_a_close_gives_up_on_a_copy_that_does_not_end():
+    gate = CopyGate()
+    finish = threading.Event()
+
+    def copy() -> None:
+        with gate.copying():
+            finish.wait(5)
+
+    copier = threading.Thread(target=copy)
+    copier.start()
+    time.sleep(0.05)
+    assert gate.close(timeout=0.1) is False  # (its session is then not named released)
+    finish.set()
+    copier.join()
+
+
+async def test_a_session_held_twice_is_one_hold_and_an_unwatchable_pid_is_timed():
+    tier = RamTier(4 * PAGE, PAGE)
+    held = HeldWrites(tier, max_s=0.05)
+    held.hold("s1", 1 << 40, reserved(tier, 1))  # (no such pid can be watched)
+    held.hold("s1", 1 << 40, [r.entry for r in [tier.reserve(("ns", b"again"), PAGE)]])
+    assert held.sessions == 1 and tier.held_bytes == 2 * PAGE
+    await asyncio.sleep(0.2)
+    assert tier.held_bytes == 0 and held.sessions == 0
+
+
+def test_adopted_held_pages_count_in_their_namespaces_quotas():
+    scope = QuotaScope("tenant", 8)
+    old, new = RamTier(8 * PAGE, PAGE), RamTier(8 * PAGE, PAGE)
+    for tier, sc in ((old, QuotaScope("tenant", 8)), (new, scope)):
+        tier.set_placement(lambda ns, sc=sc: Placement(0, (sc,)) if ns == "ns" else Placement())
+    entries = reserved(old, 3)
+    for entry in entries:
+        old.hold(entry)
+    adopted = new.adopt(old.snapshot(), held=[HeldPages.of(e) for e in entries])
+    assert scope.used_pages == 3  # (the tenant may reserve 5 more pages, not 8)
+    for entry in adopted.held:
+        new.free_held(entry)
+    assert scope.used_pages == 0 and new.used_bytes == 0
