@@ -53,7 +53,7 @@ from kvstored.server import handover
 from kvstored.server.broker import SessionBroker
 from kvstored.server.errors import ErrorMappingInterceptor
 from kvstored.server.fast_path import FastPath
-from kvstored.server.held_writes import HeldRecord, HeldWrites
+from kvstored.server.held_writes import HeldWrites, pid_namespace
 from kvstored.server.namespace_records import NamespaceRecords
 from kvstored.server.peer_service import SERVICE_NAME as PEER_SERVICE_NAME
 from kvstored.server.peer_service import PeerService
@@ -750,7 +750,7 @@ class Daemon:
                 adopted.chunks,
                 ram.unverified_count,
             )
-            self._hold(adopted.held, state.held)
+            self._hold(adopted.held, state)
         finally:
             self._drop_handover()
         forget_fds(self._handed_names)  # (systemd's copies: the state describes this RAM no more)
@@ -768,13 +768,16 @@ class Daemon:
         except (AdoptionError, ValueError) as exc:
             log.warning("held pages refused too (%s): a client's late copy may land in a new chunk", exc)
             return
-        self._hold(adopted.held, state.held)
+        self._hold(adopted.held, state)
 
-    def _hold(self, entries: list[RamEntry], records: list[HeldRecord]) -> None:
-        """Each handed-over session's held entries (in the order of its records) held again here."""
+    def _hold(self, entries: list[RamEntry], state: handover.PoolState) -> None:
+        """Each handed-over session's held entries (in the order of its records) held again here;
+        their clients' pids are watched only if they mean the same processes here."""
+        same_pids = state.pid_ns != 0 and state.pid_ns == pid_namespace()
         taken = iter(entries)
-        for h in records:
-            self.held_writes.hold(h.session_id, h.pid, [next(taken) for _ in h.pages], h.seconds_left)
+        for h in state.held:
+            pid = h.pid if same_pids else 0
+            self.held_writes.hold(h.session_id, pid, [next(taken) for _ in h.pages], h.seconds_left)
 
     async def _hand_over(self, send: Callable[[dict[str, int]], None]) -> None:
         """Snapshot the quiesced RAM tier into a state memfd and send it with the pool's and the
@@ -801,6 +804,7 @@ class Daemon:
             {arena: key for key, arena in self.tenancy.arenas_by_tenant().items()},
             snapshot,
             self.held_writes.records(),
+            pid_namespace(),
         )
         fd = handover.write_state_memfd(handover.encode_state(state))
         try:

@@ -29,6 +29,14 @@ log = logging.getLogger(__name__)
 HOLD_MAX_S = 60.0  # a copy into the pool takes milliseconds; a client stalled longer is not waited for
 
 
+def pid_namespace() -> int:
+    """This process's pid namespace (its inode; 0: unknown): pids mean the same only within one."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 @dataclass(frozen=True, slots=True)
 class HeldRecord:
     """One ended session's held pages, as a hand-over carries them."""

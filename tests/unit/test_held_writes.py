@@ -16,7 +16,7 @@ import time
 import pytest
 
 from kvstored.server import handover
-from kvstored.server.held_writes import HeldWrites
+from kvstored.server.held_writes import HeldWrites, pid_namespace
 from kvstored.tiers.ram import EntryState, HeldPages, Placement, QuotaScope, RamTier, ReserveOutcome
 from kvstored_client.errors import Unavailable
 from kvstored_client.session import CopyGate
@@ -90,8 +90,10 @@ async def test_the_hand_over_state_carries_them_to_the_next_tier():
     held = HeldWrites(old)
     entries = reserved(old, 3)
     held.hold("s1", os.getpid(), entries)
-    state = handover.PoolState("test", handover.Layout(8 * PAGE, PAGE, "4k", 0), [], {}, old.snapshot(), held.records())
+    layout = handover.Layout(8 * PAGE, PAGE, "4k", 0)
+    state = handover.PoolState("test", layout, [], {}, old.snapshot(), held.records(), pid_namespace())
     decoded = handover.decode_state(handover.encode_state(state))
+    assert decoded.pid_ns == pid_namespace() != 0  # (the pids mean the same processes where it matches)
     [record] = decoded.held
     assert (record.session_id, record.pid) == ("s1", os.getpid()) and 0 < record.seconds_left <= 60
     assert record.pages == tuple(HeldPages.of(e) for e in entries)
