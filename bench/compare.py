@@ -3,14 +3,8 @@
 """kvstored beside the real peers, interleaved in one run, on the same 2 MiB chunks (not a test):
 kvstored (a real daemon, the client's default path), Mooncake Store (standalone per-node client
 with zero-copy dummy clients, and embedded), LMCache's MP server, Redis 7 and a raw memcpy. Each
-peer runs from a venv of its own that the bench makes under .venv/peers/ (and says what it
-installs); one that fails to install or start is reported with why.
-
-Per system and number of client processes (1, 2, 4 for kvstored and memcpy; 1, 2 for the
-peers): 64-chunk store and load GiB/s (all processes at once), p50 of 1-chunk stores and loads
-and of 256-key lookups (every process at once), CPU seconds per GiB of client + server processes
-and the server's CPU per call. Every loaded byte is checked. Rounds go system by system, in a
-rotated order, so drift on this shared machine spreads over all of them.
+peer runs from a venv of its own that the bench makes under .venv/peers/; one that fails to
+install or start is reported with why.
 
 Method, baselines, targets and results: docs/benchmarks.md.
 """
@@ -31,8 +25,8 @@ from typing import Any
 from bench.lib.limits import apply_nt_threshold, nt_threshold_arg
 from bench.lib.report import GIB, MIB, REPO, Row, load_average, machine_info, print_aligned, print_table, write_json
 from bench.peers import lmcache, local, mooncake
-from bench.peers.server import Server
 from bench.peers.systems import System, WorkerProcess
+from bench.peers.worker import Server
 
 TARGET_VS_REDIS = 5.0
 LOOKUP_KEYS = 256
@@ -49,15 +43,11 @@ SYSTEMS: list[tuple[str, str, bool, Callable[[Path, int], Server]]] = [
 Results = dict[tuple[str, int, str], list[float]]  # (system, processes, metric) -> one value per round
 
 
-def _all(clients: list[WorkerProcess], op: str, per_client: Callable[[int], dict[str, Any]]) -> list[dict[str, Any]]:
-    """The same command to every client process at once; their answers."""
-    for i, w in enumerate(clients):
-        w.send(op, **per_client(i))
+def _all(clients: list[WorkerProcess], op: str, kwargs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The same command to every client process at once (kwargs[i] to the i-th); their answers."""
+    for w, kw in zip(clients, kwargs):
+        w.send(op, **kw)
     return [w._read() for w in clients]
-
-
-def _own_tag(prefix: str, iters: int, i: int) -> dict[str, Any]:
-    return {"tag": f"{prefix}{i}", "iters": iters}
 
 
 def measure(
@@ -71,36 +61,36 @@ def measure(
     def put(metric: str, value: float) -> None:
         res.setdefault((s.name, p, metric), []).append(value)
 
-    # 64-chunk batches, all processes at once
+    # 64-chunk batches, all processes at once, each under keys of its own
+    own: list[dict[str, Any]] = [{"tag": f"{tag}w{i}", "n": n} for i in range(p)]
     cpu, wall = [0.0, 0.0], 0.0
     for prep, op, metric in (("fill", "batch_store", "store_gib_s"), ("zero", "batch_load", "load_gib_s")):
-        _all(clients, prep, lambda i: {"n": n})
+        _all(clients, prep, [{"n": n}] * p)
         c0, s0, t0 = *s.cpu_seconds(clients), time.perf_counter()
-        replies = _all(clients, op, lambda i: {"tag": f"{tag}w{i}", "n": n})
+        replies = _all(clients, op, own)
         c1, s1 = s.cpu_seconds(clients)
         wall += time.perf_counter() - t0
         cpu[0], cpu[1] = cpu[0] + c1 - c0, cpu[1] + s1 - s0
         span = max(r["t1"] for r in replies) - min(r["t0"] for r in replies)
         put(metric, p * n * chunk / GIB / span)
-    _all(clients, "verify", lambda i: {"n": n})
+    _all(clients, "verify", [{"n": n}] * p)
     moved = 2 * p * n * chunk / GIB
     put("client_cpu_s_gib", cpu[0] / moved)
     put("server_cpu_s_gib", cpu[1] / moved)
     put("cpus_busy", (cpu[0] + cpu[1]) / wall)
-    _all(clients, "remove", lambda i: {"tag": f"{tag}w{i}", "n": n})
+    _all(clients, "remove", own)
 
     # one call at a time in each process, all processes at once
     for op, metric in (("lat_store", "store1_ms"), ("lat_load", "load1_ms"), ("lat_lookup", "lookup_ms")):
+        kwargs: list[dict[str, Any]] = [{"tag": f"{tag}{op}{i}", "iters": iters} for i in range(p)]
         if op == "lat_lookup":
             if s.name == "memcpy":
                 continue
             clients[0].call("clear")
             clients[0].call("prepare_lookup", tag=f"{tag}lk", keys=LOOKUP_KEYS)
+            kwargs = [{"tag": f"{tag}lk", "iters": iters, "keys": LOOKUP_KEYS}] * p
         _, sc0 = s.cpu_seconds(clients)
-        if op == "lat_lookup":
-            replies = _all(clients, op, lambda i: {"tag": f"{tag}lk", "iters": iters, "keys": LOOKUP_KEYS})
-        else:
-            replies = _all(clients, op, partial(_own_tag, f"{tag}{op}", iters))
+        replies = _all(clients, op, kwargs)
         _, sc1 = s.cpu_seconds(clients)
         lat = [x for r in replies for x in r["lat"]]
         put(metric, statistics.median(lat) * 1e3)
@@ -142,21 +132,14 @@ def report(systems: list[System], res: Results, procs: dict[str, list[int]], cpu
     for s in systems:
         if s.error and any(k[0] == s.name for k in res):
             print(f"  * {s.label}: {s.error}")
-    busy = [
-        f"{s.label} x{p} ({statistics.median(v):.2f})"
-        for s in systems
-        for p in procs[s.name]
-        if (v := res.get((s.name, p, "cpus_busy"))) and statistics.median(v) >= 0.85 * cpus
-    ]
-    if busy:
-        print(
-            f"  * CPU-bound on this {cpus}-CPU machine (client + server processes keep >= 85% of the CPUs busy "
-            f"during the 64-chunk phases): " + ", ".join(busy)
-        )
 
     def med(name: str, p: int, metric: str) -> float | None:
         v = res.get((name, p, metric))
         return statistics.median(v) if v else None
+
+    busy = {(s.label, p): med(s.name, p, "cpus_busy") or 0.0 for s in systems for p in procs[s.name]}
+    if over := [f"{label} x{p} ({b:.2f})" for (label, p), b in busy.items() if b >= 0.85 * cpus]:
+        print(f"  * CPU-bound (>= 85% of the {cpus} CPUs busy in the 64-chunk phases): " + ", ".join(over))
 
     rows: list[Row] = []
     for metric, what, p in (
@@ -178,10 +161,7 @@ def report(systems: list[System], res: Results, procs: dict[str, list[int]], cpu
             rows.append(Row(f"kvstored {what}", kv, unit, label, base, target=1.0, higher_is_better=higher))
     kv, redis = med("kvstored", 1, "load_gib_s"), med("redis", 1, "load_gib_s")
     if kv is not None and redis is not None:
-        note = "issue 5 target: >= 5x Redis GET"
-        rows.append(
-            Row("kvstored 64-chunk load", kv, "GiB/s", "Redis 7 GET pipelined 16", redis, TARGET_VS_REDIS, note=note)
-        )
+        rows.append(Row("kvstored 64-chunk load", kv, "GiB/s", "Redis 7 GET pipelined 16", redis, TARGET_VS_REDIS))
     print()
     print_table(rows, title="targets (issue 23): same-run medians over rounds, 1 process unless said")
     return rows
@@ -251,23 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = report(systems, res, procs, info["cpus"] or 1)
     print(f"\ntook {time.perf_counter() - t_all:.0f} s; load average now {load_average():.2f}")
     if args.json:
-        write_json(
-            args.json,
-            {
-                "benchmark": "compare",
-                "command": " ".join([Path(sys.executable).name, "-m", "bench.compare", *(argv or sys.argv[1:])]),
-                "machine": info,
-                "chunk_bytes": chunk,
-                "batch": args.batch,
-                "rounds": args.rounds,
-                "iters": args.iters,
-                "systems": {s.name: {"label": s.label, "error": s.error} for s in systems},
-                "results": [
-                    {"system": k[0], "procs": k[1], "metric": k[2], "per_round": v} for k, v in sorted(res.items())
-                ],
-                "targets": [r.to_json() for r in rows],
-            },
-        )
+        command = " ".join([Path(sys.executable).name, "-m", "bench.compare", *(argv or sys.argv[1:])])
+        doc = {"benchmark": "compare", "command": command, "machine": info, "chunk_bytes": chunk, "batch": args.batch}
+        doc |= {"rounds": args.rounds, "iters": args.iters}
+        doc["systems"] = {s.name: {"label": s.label, "error": s.error} for s in systems}
+        doc["results"] = [
+            {"system": k[0], "procs": k[1], "metric": k[2], "per_round": v} for k, v in sorted(res.items())
+        ]
+        write_json(args.json, doc | {"targets": [r.to_json() for r in rows]})
         print(f"JSON written to {args.json}")
     return 0
 

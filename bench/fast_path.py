@@ -3,13 +3,9 @@
 """Per-call latency with the fast path (calls over the session socket) against gRPC, in one run.
 
 Three sync Clients on one daemon, interleaved call by call: the default (the fast path, slots
-reserved ahead, the key index), the fast path with a round trip per call (store_ahead=False,
-key_index=False) and gRPC (fast_path=False): a 1-chunk store and load through the pool mapping,
-a 1-chunk store and load through a registered region (StoreFromRegion / LoadToRegion), a 1- and
-a 256-key lookup, and an empty gRPC round trip (the health check) as the floor gRPC sets. Every
-loaded chunk is checked. Prints p50/p99 per call and the ratios to the default.
-
-    python -m bench.fast_path [--iters 2000] [--chunk-mib 2] [--json PATH]
+reserved ahead, the key index), the fast path with a round trip per call and gRPC; 1-chunk stores
+and loads (pool mapping and region), 1- and 256-key lookups, and an empty gRPC round trip. Every
+loaded chunk is checked. Method and results: docs/benchmarks.md#per-call-latency.
 """
 
 from __future__ import annotations
@@ -41,7 +37,7 @@ def measure(socket: str, chunk: int, iters: int, warmup: int) -> dict[str, dict[
     grpc_ = Client(socket, deadline_s=30.0, client_name="bench-grpc", fast_path=False)
     src = np.full(chunk, 7, dtype=np.uint8)  # (written whole: no first-touch faults in the timed calls)
     out = populate(np.zeros(chunk, dtype=np.uint8))
-    # One region for both clients: chunk 0 is the stores' source, chunk 1 the loads' target.
+    # One region for the clients: chunk 0 is the stores' source, chunk 1 the loads' target.
     fd, path = tempfile.mkstemp(prefix="kvstored-bench-fast-path-", dir="/dev/shm")
     os.ftruncate(fd, 2 * chunk)
     os.close(fd)
@@ -72,19 +68,14 @@ def measure(socket: str, chunk: int, iters: int, warmup: int) -> dict[str, dict[
 
                 return key
 
-            def clear_out() -> None:
-                out[:8] = 0
-
-            def clear_region() -> None:
-                region_map[chunk : chunk + 8] = 0
+            def clear(buf: np.ndarray, at: int) -> Callable[[], None]:
+                return lambda: buf[at : at + 8].fill(0)
 
             def hits(n: int) -> Callable[[], float]:
-                return timed_call(
-                    lambda _: kv.lookup(ns, lookup_keys[:n]).prefix_hits,
-                    lambda h: h == n,
-                    f"a lookup of {n} cached keys missed",
-                )
+                what = f"a lookup of {n} cached keys missed"
+                return timed_call(lambda _: kv.lookup(ns, lookup_keys[:n]).prefix_hits, lambda h: h == n, what)
 
+            one = lookup_keys[:1]
             return {
                 "store 1 chunk": timed_call(
                     lambda key: kv.store(ns, [key], src),
@@ -93,10 +84,10 @@ def measure(socket: str, chunk: int, iters: int, warmup: int) -> dict[str, dict[
                     fresh(b"S%031d"),
                 ),
                 "load 1 chunk": timed_call(
-                    lambda _: kv.load(ns, lookup_keys[:1], out),
+                    lambda _: kv.load(ns, one, out),
                     lambda n: n == 1 and (out == 7).all(),
                     "a 1-chunk load did not load the stored bytes",
-                    clear_out,
+                    clear(out, 0),
                 ),
                 "region store 1 chunk": timed_call(
                     lambda key: kv.store_from_region(ns, region, [key], [0]),
@@ -105,10 +96,10 @@ def measure(socket: str, chunk: int, iters: int, warmup: int) -> dict[str, dict[
                     fresh(b"R%031d"),
                 ),
                 "region load 1 chunk": timed_call(
-                    lambda _: kv.load_to_region(ns, region, lookup_keys[:1], [chunk]),
+                    lambda _: kv.load_to_region(ns, region, one, [chunk]),
                     lambda n: n == 1 and (region_map[chunk:] == 7).all(),
                     "a 1-chunk region load did not load the stored bytes",
-                    clear_region,
+                    clear(region_map, chunk),
                 ),
                 "lookup 1 key": hits(1),
                 f"lookup {LOOKUP_KEYS} keys": hits(LOOKUP_KEYS),
@@ -124,14 +115,14 @@ def measure(socket: str, chunk: int, iters: int, warmup: int) -> dict[str, dict[
 
 
 def report(results: dict[str, dict[str, float]]) -> None:
-    print("fast: the default client (slots reserved ahead, key index); round trip: the fast path asking")
-    print("the daemon for each call (store_ahead=False, key_index=False); gRPC: fast_path=False")
+    print("fast: the default client; round trip: store_ahead=False, key_index=False; gRPC: fast_path=False")
     table = [["call", "p50 ms", "p99 ms", "round trip / fast (p50)", "gRPC / fast (p50)"]]
     for name, r in results.items():
         ratios = ["", ""]
         if name.endswith("(fast)"):
-            for i, other in enumerate(("(round trip)", "(gRPC)")):
-                ratios[i] = f"{results[name.replace('(fast)', other)]['p50_ms'] / r['p50_ms']:.2f}x"
+            ratios = [
+                f"{results[name.replace('(fast)', o)]['p50_ms'] / r['p50_ms']:.2f}x" for o in ("(round trip)", "(gRPC)")
+            ]
         table.append([name, f"{r['p50_ms']:.3f}", f"{r['p99_ms']:.3f}", *ratios])
     print_aligned(table, right={1, 2, 3, 4})
 

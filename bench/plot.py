@@ -14,12 +14,6 @@ from typing import Any
 
 # fallbacks for JSON written before the configurations were listed in it (doc["configs"])
 LABELS = {"none": "no offload", "ram": "RAM", "ram+fs": "RAM + fs", "ram+fs+s3": "RAM + fs + S3"}
-HAS_TIER = {
-    "none": ["gpu"],
-    "ram": ["gpu", "ram"],
-    "ram+fs": ["gpu", "ram", "fs"],
-    "ram+fs+s3": ["gpu", "ram", "fs", "s3"],
-}
 STYLE = {  # colour, marker
     "none": ("#7f7f7f", "o"),
     "ram": ("#1f77b4", "s"),
@@ -44,7 +38,10 @@ def plot_multiturn(doc: dict[str, Any], path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = [r for r in doc["results"] if not r.get("skipped")]
-    listed = doc.get("configs") or [{"key": k, "label": v, "tiers": HAS_TIER[k]} for k, v in LABELS.items()]
+    fallback: list[dict[str, Any]] = [
+        {"key": k, "label": v, "tiers": ["gpu", *k.split("+")] if k != "none" else ["gpu"]} for k, v in LABELS.items()
+    ]
+    listed = doc.get("configs") or fallback
     labels = {c["key"]: c["label"] for c in listed}
     has_tier = {c["key"]: set(c["tiers"]) for c in listed}
     extra = iter(EXTRA_STYLES)
@@ -96,25 +93,22 @@ def plot_multiturn(doc: dict[str, Any], path: str | Path) -> None:
     machine = doc.get("machine", {})
     nodes = doc.get("nodes", 1)
     routed = f", {nodes} nodes, turns routed round-robin (no KV awareness)" if nodes > 1 else ""
+    each, per_node = (" on each node", " per node") if nodes > 1 else ("", "")
     fig.suptitle(
         f"kvstored multi-turn benchmark: {w.get('initial_tokens')} + {w.get('turn_tokens')} tokens/turn, "
-        f"{w.get('turns')} turns{routed}"
-        + f"\nmodelled {model.get('model_name', 'GPU')}"
-        + (" on each node" if nodes > 1 else "")
-        + ": "
+        f"{w.get('turns')} turns{routed}\nmodelled {model.get('model_name', 'GPU')}{each}: "
         f"{model.get('model_kv_bytes_per_token', 0):,} KV bytes/token, "
         f"{model.get('prefill_tokens_per_s', 0):,.0f} prefill tokens/s",
         fontsize=12,
     )
     load = doc.get("load_average")
+    loads = f", load average {load['min']:.1f}-{load['max']:.1f}" if load else ""
     conv = doc.get("sizes_in_conversations", {})
     foot = (
         f"Real {'daemons' if nodes > 1 else 'daemon'}, real transfers of KV scaled 1/{scale:g} (load times "
         f"x{scale:g}); modelled GPU cache {conv.get('gpu', 0):.0f} conversations, RAM tier {conv.get('ram', 0):g}, "
-        f"fs {conv.get('fs', 0):g}" + (" per node" if nodes > 1 else "") + "; "
-        f"{machine.get('cpus')} CPUs, {machine.get('mem_total_gib')} GiB, git {machine.get('git')}"
-        + (f", load average {load['min']:.1f}-{load['max']:.1f}" if load else "")
-        + f"; {doc.get('s3_server', '')}"
+        f"fs {conv.get('fs', 0):g}{per_node}; {machine.get('cpus')} CPUs, {machine.get('mem_total_gib')} GiB, "
+        f"git {machine.get('git')}{loads}; {doc.get('s3_server', '')}"
     )
     fig.text(0.5, 0.01, foot, ha="center", fontsize=8, color="#555555")
     Path(path).parent.mkdir(parents=True, exist_ok=True)

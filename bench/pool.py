@@ -45,10 +45,8 @@ class Result:
 
 
 def vm_pte() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmPTE:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return int(fields["VmPTE"].split()[0]) * 1024
 
 
 # each figure's best over the rounds, and which figures keep their samples
@@ -91,16 +89,15 @@ def measure(size: int, pages: PoolPages, numa: NumaPlacement | None, src: np.nda
             rng = np.random.default_rng(1)
             chunk_slots = rng.permutation(size // CHUNK)[: COPY_BYTES // CHUNK]
             piece_slots = rng.integers(0, size // PIECE, COPY_BYTES // PIECE)
-            t = time.perf_counter()
-            for i, slot in enumerate(chunk_slots):
-                at = int(slot) * CHUNK
-                np.copyto(pool[at : at + CHUNK], src[(i * CHUNK) % len(src) :][:CHUNK])
-            result.copy_chunk_gib_s = len(chunk_slots) * CHUNK / (time.perf_counter() - t) / GIB
-            t = time.perf_counter()
-            for i, slot in enumerate(piece_slots):
-                at = int(slot) * PIECE
-                np.copyto(pool[at : at + PIECE], src[(i * PIECE) % len(src) :][:PIECE])
-            result.copy_piece_gib_s = len(piece_slots) * PIECE / (time.perf_counter() - t) / GIB
+            for figure, slots, size in (
+                ("copy_chunk_gib_s", chunk_slots, CHUNK),
+                ("copy_piece_gib_s", piece_slots, PIECE),
+            ):
+                t = time.perf_counter()
+                for i, slot in enumerate(slots):
+                    at = int(slot) * size
+                    np.copyto(pool[at : at + size], src[(i * size) % len(src) :][:size])
+                setattr(result, figure, len(slots) * size / (time.perf_counter() - t) / GIB)
             del pool
         finally:
             client.close()
@@ -126,18 +123,12 @@ def system_setting(path: Path, value: str | None) -> Iterator[None]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="2GiB", help="pool size (default 2GiB)")
     parser.add_argument("--rounds", type=int, default=5, help="round-robin rounds; the best one counts (default 5)")
     parser.add_argument("--modes", default="4k,thp,hugetlb", help="pool_pages modes to compare")
     parser.add_argument("--numa", default="unset,0,interleave", help="NUMA placements to compare")
-    parser.add_argument(
-        "--reserve-hugepages",
-        action="store_true",
-        help="(root) raise vm.nr_hugepages for the run so hugetlb can be measured",
-    )
+    parser.add_argument("--reserve-hugepages", action="store_true", help="(root) raise vm.nr_hugepages for the run")
     parser.add_argument("--thp-shmem", metavar="MODE", help="(root) set transparent_hugepage/shmem_enabled for the run")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
@@ -174,18 +165,8 @@ def main() -> int:
         text = fmt.format(value)
         return f"{text} ({value / ref:.2f}x)" if base is not None and ref else text
 
-    table = [
-        [
-            "pages",
-            "numa",
-            "populate GiB/s (best, median)",
-            "client attach s",
-            "page tables/GiB",
-            "copy 2 MiB GiB/s",
-            "copy 64 KiB GiB/s",
-            "in 2 MiB pages",
-        ]
-    ]
+    table = [["pages", "numa", "populate GiB/s (best, median)", "client attach s", "page tables/GiB"]]
+    table[0] += ["copy 2 MiB GiB/s", "copy 64 KiB GiB/s", "in 2 MiB pages"]
     for r in results:
         if r.error:
             table.append([r.mode, r.numa, "-", "-", "-", "-", "-", "-"])
@@ -193,38 +174,18 @@ def main() -> int:
         b = base or r
         populate = cell(r, r.populate_gib_s, b.populate_gib_s, "{:.2f}")
         populate += f" med {statistics.median(r.samples['populate_gib_s']):.2f}"
-        table.append(
-            [
-                r.mode,
-                r.numa,
-                populate,
-                cell(r, r.attach_s, b.attach_s, "{:.3f}"),
-                format_size(int(r.pte_bytes_per_gib)),
-                cell(r, r.copy_chunk_gib_s, b.copy_chunk_gib_s, "{:.2f}"),
-                cell(r, r.copy_piece_gib_s, b.copy_piece_gib_s, "{:.2f}"),
-                f"{100 * r.huge_bytes / size:.0f}%",
-            ]
-        )
+        attach, pte = cell(r, r.attach_s, b.attach_s, "{:.3f}"), format_size(int(r.pte_bytes_per_gib))
+        copies = [cell(r, getattr(r, f), getattr(b, f), "{:.2f}") for f in ("copy_chunk_gib_s", "copy_piece_gib_s")]
+        table.append([r.mode, r.numa, populate, attach, pte, *copies, f"{100 * r.huge_bytes / size:.0f}%"])
     print_aligned(table, right={2, 3, 4, 5, 6, 7})
     for r in results:
         if r.error:
             print(f"  * {r.mode} / numa {r.numa}: {r.error}")
     if args.json:
-        write_json(
-            args.json,
-            {
-                "machine": machine_info(),
-                "size": size,
-                "rounds": args.rounds,
-                "copy_bytes": COPY_BYTES,
-                "results": [vars(r) for r in results],
-                "medians": {
-                    f"{r.mode}/{r.numa}": {k: statistics.median(v) for k, v in r.samples.items()}
-                    for r in results
-                    if r.samples
-                },
-            },
-        )
+        sampled = [r for r in results if r.samples]
+        medians = {f"{r.mode}/{r.numa}": {k: statistics.median(v) for k, v in r.samples.items()} for r in sampled}
+        doc = {"machine": machine_info(), "size": size, "rounds": args.rounds, "copy_bytes": COPY_BYTES}
+        write_json(args.json, doc | {"results": [vars(r) for r in results], "medians": medians})
     return 0
 
 

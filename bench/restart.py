@@ -2,16 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
 """A daemon restart with a full RAM tier: the hand-over against a cold restart, in one run (not a test).
 
-`python -m bench.restart [--cpu-bytes 8GiB] [--fill 1.0] [--fs-bytes 0] [--json PATH]`: a real daemon's
-RAM tier is filled with 2 MiB chunks (an xxh3-64 of each kept), then restarted twice on the same
-socket: a hand-over (the new daemon started while the old one runs adopts its pool) and a cold
-restart (SIGTERM, then the same start: the pool is created and populated again). For each: the
-time from the new process's start to serving (health SERVING) and to every chunk a RAM hit, the
-RAM hits, every chunk loaded and checked byte-exact; the ratio cold / hand-over; where the
-hand-over's time goes (from the daemons' log timestamps); the peak shared memory during it (an
-adopted pool is not a second pool). Target (issue 25): serving again in <= 2 s with a full 16 GiB
-pool; this 24 GiB machine runs 8 GiB by default, and the time is compared with 2 s as it is.
-Results: docs/benchmarks.md#restarting-with-a-full-ram-tier.
+A real daemon's RAM tier is filled with 2 MiB chunks (an xxh3-64 of each kept), then restarted on the same socket:
+hand-overs (the new daemon adopts the running one's pool), then a cold restart (SIGTERM, then the same start).
+Method and results: docs/benchmarks.md#restarting-with-a-full-ram-tier.
 """
 
 from __future__ import annotations
@@ -86,10 +79,8 @@ def pool_inodes(pid: int) -> set[int]:
 
 
 def shmem_bytes() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("Shmem:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    return int(fields["Shmem"].split()[0]) * 1024
 
 
 class PeakShmem:
@@ -179,22 +170,10 @@ def restart(
         # The old daemon serves until it stops for the hand-over (it hashes while serving first).
         unserved_from = wall0 + steps.get("quiesced", steps.get("requested", 0.0))
     unserved_s = wall0 + serving_s - unserved_from
-    return Restart(
-        kind,
-        serving_s,
-        unserved_s,
-        all_hits_s,
-        ram,
-        other,
-        len(keys),
-        good,
-        wrong,
-        old_stop_s,
-        peak.peak - shmem_before,
-        steps,
-        load,
-        same_pool,
-    )
+    extra_shmem = peak.peak - shmem_before
+    r = Restart(kind, serving_s, unserved_s, all_hits_s, ram, other, len(keys), good, wrong, old_stop_s, extra_shmem)
+    r.steps_s, r.load_average, r.same_pool = steps, load, same_pool
+    return r
 
 
 def log_steps(old_log: str, new_log: str, wall0: float) -> dict[str, float]:
@@ -235,24 +214,15 @@ def phases(steps: dict[str, float]) -> list[tuple[str, float]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.restart",
-        description="A restart with a full RAM tier, two ways in one run: the hand-over (the new daemon "
-        "adopts the running one's pool) against a cold restart (SIGTERM, then start: the pool is "
-        "populated again); time to serving and to every chunk a RAM hit, RAM hits, bytes verified "
-        "byte-exact, the ratio cold / hand-over, where the hand-over's time goes. Target: serving in "
-        "<= 2 s with a full 16 GiB pool (this 24 GiB machine runs 8 GiB; the time is compared with 2 s "
-        "as it is).",
+        description="A restart with a full RAM tier: the hand-over against a cold restart in one run; time to "
+        "serving and to all RAM hits, bytes verified byte-exact, the ratio cold / hand-over, where the hand-over's "
+        "time goes. Target: serving in <= 2 s with a full 16 GiB pool (this machine runs 8 GiB).",
     )
     parser.add_argument("--cpu-bytes", default="8GiB", help="the RAM tier (default 8GiB; the target's is 16GiB)")
     parser.add_argument("--fill", type=float, default=1.0, help="fraction of the RAM tier to fill (default 1.0)")
     parser.add_argument("--chunk-bytes", default="2MiB", help="chunk size (default 2MiB)")
-    parser.add_argument(
-        "--fs-bytes",
-        default="0",
-        help="add an fs tier of this size (default 0: RAM only, so a cold restart has no hits)",
-    )
-    parser.add_argument(
-        "--rounds", type=int, default=3, help="hand-overs one after the other (their median is compared; default 3)"
-    )
+    parser.add_argument("--fs-bytes", default="0", help="an fs tier of this size (default 0: RAM only)")
+    parser.add_argument("--rounds", type=int, default=3, help="hand-overs, one after the other (default 3)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = parser.parse_args(argv)
     cpu_bytes, chunk_bytes, fs_bytes = (parse_size(v) for v in (args.cpu_bytes, args.chunk_bytes, args.fs_bytes))
@@ -289,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     report(results, cpu_bytes, len(keys) * chunk_bytes)
     if args.json:
+        ho = median_handover(results)
+        target: dict[str, Any] = {"seconds": TARGET_S, "gib": TARGET_GIB}
+        target |= {"from_start": status(ho, ho.serving_s), "unserved": status(ho, ho.unserved_s)}
         write_json(
             args.json,
             {
@@ -299,13 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                 "fs_bytes": fs_bytes,
                 "chunks": len(keys),
                 "results": [asdict(r) for r in results],
-                "phases": phases(median_handover(results).steps_s),
-                "target": {
-                    "seconds": TARGET_S,
-                    "gib": TARGET_GIB,
-                    "from_start": status(median_handover(results), median_handover(results).serving_s),
-                    "unserved": status(median_handover(results), median_handover(results).unserved_s),
-                },
+                "phases": phases(ho.steps_s),
+                "target": target,
             },
         )
     return 0 if all(r.wrong_chunks == 0 for r in results) else 1
@@ -322,8 +290,8 @@ def status(r: Restart, seconds: float) -> str:
 
 
 def report(results: list[Restart], cpu_bytes: int, held_bytes: int) -> None:
-    table = [["restart", "to serving", "unserved", "to all RAM hits", "RAM hits / chunks", "lower hits", "verified"]]
-    table[0] += ["swept", "load"]
+    table = [["restart", "to serving", "unserved", "to all RAM hits", "RAM hits / chunks", "lower hits"]]
+    table[0] += ["verified", "swept", "load"]
     for i, r in enumerate(results, 1):
         table.append(
             [
@@ -338,32 +306,28 @@ def report(results: list[Restart], cpu_bytes: int, held_bytes: int) -> None:
                 f"{r.load_average:.1f}",
             ]
         )
-    print("to serving: from the new process's start; unserved: from the old daemon's last answer (it stops for")
-    print("the hand-over / gets SIGTERM) to the new one's SERVING; verified: bytes the client loaded and")
-    print("found byte-exact; swept: from the process's start to the daemon's own check of every adopted chunk")
+    print("columns: docs/benchmarks.md#restarting-with-a-full-ram-tier")
     print_aligned(table, right={1, 2, 3, 4, 5, 6, 7, 8})
     ho, cold = median_handover(results), results[-1]
+    handovers = [r for r in results if r.kind == "hand-over"]
     print(
-        f"cold / hand-over (the hand-over of median unserved time): to serving {cold.serving_s / ho.serving_s:.1f}x, "
+        f"cold / hand-over (median hand-over): to serving {cold.serving_s / ho.serving_s:.1f}x, "
         f"unserved {cold.unserved_s / ho.unserved_s:.1f}x"
     )
     print(
-        f"target: serving again in <= {TARGET_S:.0f} s, every chunk a byte-exact RAM hit, with a "
-        f"{TARGET_GIB} GiB pool; measured with {cpu_bytes / GIB:.1f} GiB ({held_bytes / GIB:.2f} GiB held), "
-        f"compared with {TARGET_S:.0f} s as is: "
-        f"from the process's start {ho.serving_s:.2f} s {status(ho, ho.serving_s)}, "
-        f"unserved {ho.unserved_s:.2f} s {status(ho, ho.unserved_s)}"
+        f"target: serving in <= {TARGET_S:.0f} s, all byte-exact RAM hits, {TARGET_GIB} GiB pool; here "
+        f"{cpu_bytes / GIB:.1f} GiB ({held_bytes / GIB:.2f} GiB held) against {TARGET_S:.0f} s as is: "
+        f"from start {ho.serving_s:.2f} s {status(ho, ho.serving_s)}, unserved {ho.unserved_s:.2f} s "
+        f"{status(ho, ho.unserved_s)}"
     )
     print(
-        f"shared memory over what it was before, at its peak: hand-over "
-        f"{fmt_bytes(max(r.extra_shmem_bytes for r in results if r.kind == 'hand-over'))}, "
-        f"cold {fmt_bytes(cold.extra_shmem_bytes)} (a second pool would be {fmt_bytes(cpu_bytes)}; machine-wide); "
-        f"the new daemon's pool is the old one's memfd: "
-        f"{'yes' if all(r.same_pool for r in results if r.kind == 'hand-over') else 'NO'} (hand-over), "
+        f"peak extra shared memory: hand-over {fmt_bytes(max(r.extra_shmem_bytes for r in handovers))}, cold "
+        f"{fmt_bytes(cold.extra_shmem_bytes)} (a second pool: {fmt_bytes(cpu_bytes)}); pool is the old memfd: "
+        f"{'yes' if all(r.same_pool for r in handovers) else 'NO'} (hand-over), "
         f"{'yes' if cold.same_pool else 'no'} (cold)"
     )
     if ho.steps_s:
-        print("where the hand-over's time goes (daemons' log timestamps, ms resolution):")
+        print("where the hand-over's time goes (daemons' log timestamps):")
         print_aligned([["phase", "seconds"], *[[name, f"{s:.3f}"] for name, s in phases(ho.steps_s)]], right={1})
 
 

@@ -63,7 +63,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1, help="untimed repeats first (default 1)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     args = ap.parse_args(argv)
-
     from kvstored_client import Client, NamespaceSpec
 
     chunk = int(args.chunk_mib * MIB)
@@ -77,7 +76,6 @@ def main(argv: list[str] | None = None) -> int:
         f"{cpu_bytes / GIB:.2f} GiB; {info['cpus']} CPUs, kernel {info['kernel']}; git {info['git']}"
     )
     load_start = load_average()
-
     src = populate(np.empty(ws, dtype=np.uint8))
     fill_pattern(src, chunk, seed=7)
     dst = populate(np.empty(ws, dtype=np.uint8))
@@ -94,13 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         Daemon(cpu_bytes, extra_args=["--tenant-quota", str(ws)]) as daemon,
         Client(daemon.socket, deadline_s=60.0, client_name="bench-tenants") as kv,
     ):
+        spec = partial(NamespaceSpec, model="bench/tenants", dtype="uint8", chunk_bytes=chunk)
         namespaces = {
-            "public": kv.register_namespace(
-                NamespaceSpec(model="bench/tenants", dtype="uint8", chunk_bytes=chunk, quota_bytes=ws)
-            ),
-            "tenant": kv.register_namespace(
-                NamespaceSpec(model="bench/tenants", dtype="uint8", chunk_bytes=chunk, tenant_salt=b"bench-tenant")
-            ),
+            "public": kv.register_namespace(spec(quota_bytes=ws)),
+            "tenant": kv.register_namespace(spec(tenant_salt=b"bench-tenant")),
         }
         region = kv.register_region(region_file.path)
         region_file.unlink()
@@ -138,11 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                 one_tenant(who, ns, rep)
 
             # A tenant seen for the first time: a fresh arena, every page a hole.
-            first = kv.register_namespace(
-                NamespaceSpec(
-                    model="bench/tenants", dtype="uint8", chunk_bytes=chunk, tenant_salt=f"bench-first-{rep}".encode()
-                )
-            )
+            first = kv.register_namespace(spec(tenant_salt=f"bench-first-{rep}".encode()))
             quarter = batches[: max(1, len(batches) // 4)]
             fkeys = [f"first/{rep}/{i}".encode().ljust(32, b".") for i in range(n)]
             nbytes = sum(b1 - b0 for b0, b1 in quarter) * chunk
@@ -162,9 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     best = {k: Stats.of(v) for k, v in samples.items()}
 
     def row(label: str, phase: str, base: str, target: float | None = None) -> Row:
-        return Row(
-            label, best[phase].best, "GiB/s", base.replace("_", " "), best[base].best, target, median=best[phase].median
-        )
+        b = best[phase]
+        return Row(label, b.best, "GiB/s", base.replace("_", " "), best[base].best, target, median=b.median)
 
     def cpu_row(label: str, phase: str, base: str) -> Row:
         median = statistics.median
@@ -189,16 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     for e in errors:
         print(f"ERROR: {e}")
     if args.json:
-        write_json(
-            args.json,
-            {
-                "rows": [r.to_json() for r in rows],
-                "samples": samples,
-                "cpu_ms_per_gib": cpu,
-                "errors": errors,
-                "machine": info,
-            },
-        )
+        doc = {"rows": [r.to_json() for r in rows], "samples": samples, "cpu_ms_per_gib": cpu}
+        write_json(args.json, doc | {"errors": errors, "machine": info})
     return 1 if errors else 0
 
 

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -77,7 +78,7 @@ class Engine:
             parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True),
         )
         self.manager: Any = cast(Any, TieringOffloadingSpec(config).get_manager())  # a TieringOffloadingManager
-        # The kvstored tiers' links to the daemon: their calls are timed (issue to answer).
+        # the kvstored tiers' links to the daemon: their calls are timed (issue to answer)
         self.tiers = [t for t in self.manager.secondary_tiers if hasattr(t, "link")]
         self.links = [t.link for t in self.tiers]
         if latency is not None:
@@ -92,15 +93,19 @@ class Engine:
             self.manager.on_schedule_end(END)
         time.sleep(STEP_S)  # the model step: the tier's I/O threads and the daemon run meanwhile
 
+    def _requests(self, keys: list[bytes], batch: int) -> Iterator[tuple[ReqContext, list[bytes]]]:
+        """One new request per `batch` keys."""
+        for first in range(0, len(keys), batch):
+            ctx = ReqContext(req_id=uuid.uuid4().hex)
+            with self.manager.lock:
+                self.manager.on_new_request(ctx)
+            yield ctx, keys[first : first + batch]
+
     def store(self, keys: list[bytes], batch: int) -> tuple[float, float]:
         """Returns (wall seconds, seconds spent writing payloads into the primary region)."""
         fill = 0.0
         start = time.perf_counter()
-        for first in range(0, len(keys), batch):
-            ctx = ReqContext(req_id=uuid.uuid4().hex)
-            chunk = keys[first : first + batch]
-            with self.manager.lock:
-                self.manager.on_new_request(ctx)
+        for ctx, chunk in self._requests(keys, batch):
             while True:
                 with self.manager.lock:
                     out = self.manager.prepare_store(chunk, ctx)
@@ -108,8 +113,7 @@ class Engine:
                     break
                 self.step()  # the primary is full of chunks still cascading
                 self._guard(start)
-            # The GPU -> primary copy is DMA in vLLM (no CPU): here only each chunk's first and
-            # last words are written (its identity, checked on load), so the CPU stays with the tiers.
+            # vLLM's GPU -> primary copy is DMA: only each chunk's first and last words (its identity) are written
             t = time.perf_counter()
             for key, row in zip(out.keys_to_store, out.store_spec.chunk_ids):
                 self.rows[row, 0] = tag(key)
@@ -128,11 +132,7 @@ class Engine:
         """Returns (wall seconds, chunks loaded and verified, chunks missed)."""
         loaded = missed = 0
         start = time.perf_counter()
-        for first in range(0, len(keys), batch):
-            ctx = ReqContext(req_id=uuid.uuid4().hex)
-            chunk = keys[first : first + batch]
-            with self.manager.lock:
-                self.manager.on_new_request(ctx)
+        for ctx, chunk in self._requests(keys, batch):
             while True:
                 with self.manager.lock:
                     answers = [self.manager.lookup(k, ctx) for k in chunk]
@@ -170,6 +170,7 @@ def daemon_tiers(daemon: Daemon) -> dict:
 
 
 def run_case(name: str, tier: dict, args, keys: list[bytes], daemon: Daemon | None = None) -> dict:
+    """vLLM stores the working set through one engine, then a restarted engine (empty primary) loads it."""
     latency = CallLatency()
     writer = Engine(tier, args.primary, args.chunk, latency)
     store_s, fill_s = writer.store(keys, args.store_batch)
@@ -181,15 +182,14 @@ def run_case(name: str, tier: dict, args, keys: list[bytes], daemon: Daemon | No
     writer.close()
     below = daemon_tiers(daemon).get("fs") if daemon is not None else None
     cold = drop_page_cache()
-    reader = Engine(tier, args.primary, args.chunk, latency)  # a vLLM restart: empty primary tier
+    reader = Engine(tier, args.primary, args.chunk, latency)
     load_s, loaded, missed = reader.load(keys, args.load_batch)
     transports = [a + b for a, b in zip(transports, _transports(reader))]
     local = sum(t.local_hits for t in (*writer.tiers, *reader.tiers))
     reader.close()
-    total = len(keys) * args.chunk
     result = {
         "name": name,
-        "store_gib_s": total / (store_s - fill_s) / GIB,
+        "store_gib_s": len(keys) * args.chunk / (store_s - fill_s) / GIB,
         "store_s": store_s,
         "fill_s": fill_s,
         "load_gib_s": loaded * args.chunk / load_s / GIB,
@@ -204,22 +204,20 @@ def run_case(name: str, tier: dict, args, keys: list[bytes], daemon: Daemon | No
     }
     extra = ""
     if below is not None and daemon is not None:
-        ram = daemon_tiers(daemon)["ram"]
-        staged = daemon.stats().staged_chunks
-        read = daemon_tiers(daemon)["fs"].loaded_chunks - below.loaded_chunks
+        after = daemon_tiers(daemon)
+        staged, read = daemon.stats().staged_chunks, after["fs"].loaded_chunks - below.loaded_chunks
         result["daemon_after_store"] = {
             "fs_chunks": below.chunks,
             "fs_dropped_backpressure": below.dropped_backpressure,
         }
         result["daemon_after_load"] = {"staged_chunks": staged, "fs_chunks_read": read}
         extra = (
-            f"; after the store the daemon's fs tier held {below.chunks} chunks "
-            f"({below.dropped_backpressure} dropped by its queue), RAM {ram.chunks}; the load read {read} "
-            f"from disk, {staged} through staging"
+            f"; daemon after store: fs {below.chunks} chunks ({below.dropped_backpressure} dropped by its queue), "
+            f"RAM {after['ram'].chunks}; load: {read} from disk, {staged} staged"
         )
     print(
         f"  {name:14s} store {result['store_gib_s']:6.2f} GiB/s   load {result['load_gib_s']:6.2f} GiB/s"
-        f"   ({loaded} chunks loaded and verified, {missed} missed{extra}; load avg {result['load_average']:.2f})",
+        f"   ({loaded} loaded and verified, {missed} missed{extra}; load avg {result['load_average']:.2f})",
         flush=True,
     )
     if writer.links:
@@ -235,17 +233,15 @@ def _transports(engine: Engine) -> list[int]:
 
 
 def _cold_load_bound(r: dict, chunk: int, limits: dict, fs_load_gib_s: float) -> str:
-    """The fastest the cold load could be on this machine: the chunks it read from disk at the raw
-    O_DIRECT read rate, the rest at memcpy speed (the disk is the bound when that is below target)."""
+    """The fastest the cold load could be here: its chunks from disk at the raw O_DIRECT read rate, the rest at
+    memcpy speed."""
     from_disk = r["daemon_after_load"]["fs_chunks_read"] * chunk
     from_ram = max(0, r["loaded"] * chunk - from_disk)
     seconds = from_disk / (limits["odirect_read_gib_s"] * GIB) + from_ram / (limits["memcpy_gib_s"] * GIB)
-    bound = r["loaded"] * chunk / seconds / GIB
-    r["bound_gib_s"] = bound
+    bound = r["bound_gib_s"] = r["loaded"] * chunk / seconds / GIB
     return (
-        f"bound: {r['daemon_after_load']['fs_chunks_read']} chunks from disk at raw read speed + the rest at "
-        f"memcpy = {bound:.2f} GiB/s = {bound / fs_load_gib_s:.2f}x vLLM fs, "
-        f"reached {r['load_gib_s'] / bound:.2f}x"
+        f"bound ({r['daemon_after_load']['fs_chunks_read']} chunks at raw read, the rest at memcpy) "
+        f"{bound:.2f} GiB/s = {bound / fs_load_gib_s:.2f}x vLLM fs, reached {r['load_gib_s'] / bound:.2f}x"
     )
 
 
@@ -253,22 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--working-set", type=parse_size, default=1 << 30)
     parser.add_argument("--primary", type=parse_size, default=256 << 20, help="vLLM's CPU tier (cpu_bytes_to_use)")
-    parser.add_argument(
-        "--daemon-ram",
-        type=parse_size,
-        default=256 << 20,
-        help="the cold case's daemon RAM tier (smaller than the working set)",
-    )
+    parser.add_argument("--daemon-ram", type=parse_size, default=256 << 20, help="the cold case's daemon RAM tier")
     parser.add_argument("--chunk", type=parse_size, default=2 << 20)
     parser.add_argument("--store-batch", type=int, default=32, help="chunks per request when storing")
     parser.add_argument("--load-batch", type=int, default=64, help="chunks per request when loading")
     parser.add_argument("--step-ms", type=float, default=1.0, help="pause between scheduler steps")
-    parser.add_argument(
-        "--disk-depth",
-        type=int,
-        default=8,
-        help="queue depth of the raw O_DIRECT limit (the daemon's fs tier concurrency)",
-    )
+    parser.add_argument("--disk-depth", type=int, default=8, help="queue depth of the raw O_DIRECT limit")
     parser.add_argument("--cases", default="fs,ram,cold", help="which runs (fs is the baseline of the others)")
     parser.add_argument("--dir", type=Path, default=None, help="where both fs tiers write (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None)
@@ -285,7 +271,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     register()
     cases = set(args.cases.split(","))
-
     n = args.working_set // args.chunk
     keys = keys_for(n)
     root = Path(tempfile.mkdtemp(prefix="vllm-tier-bench-", dir=args.dir))
@@ -313,71 +298,47 @@ def main(argv: list[str] | None = None) -> int:
         }
         results["fs"] = run_case("fs", {"type": "fs", "root_dir": str(root / "vllm-fs")}, args, keys)
         shutil.rmtree(root / "vllm-fs", ignore_errors=True)
-
         if "ram" in cases:
             with Daemon(int(args.working_set * 1.25) + (64 << 20), log_level="warning") as daemon:
-                results["kvstored_ram"] = run_case(
-                    "kvstored RAM", {"type": "kvstored", "socket": str(daemon.socket)}, args, keys
-                )
-
-        if "cold" in cases:
-            # Cold: daemon RAM smaller than the working set, write-back to its fs tier (the default
-            # policy and queue settings); the load reads the daemon's disk.
+                tier = {"type": "kvstored", "socket": str(daemon.socket)}
+                results["kvstored_ram"] = run_case("kvstored RAM", tier, args, keys)
+        if "cold" in cases:  # daemon RAM below the working set, write-back to its fs tier; the load reads its disk
             fs_args = ["--tiers", f"kind=fs,root={root / 'kvstored-fs'},bytes={2 * args.working_set}"]
             with Daemon(args.daemon_ram, log_level="warning", extra_args=fs_args) as daemon:
-                results["kvstored_cold"] = run_case(
-                    "kvstored cold", {"type": "kvstored", "socket": str(daemon.socket)}, args, keys, daemon
-                )
+                tier = {"type": "kvstored", "socket": str(daemon.socket)}
+                results["kvstored_cold"] = run_case("kvstored cold", tier, args, keys, daemon)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    fs = results["fs"]
-    limits = results["limits"]
+    fs, limits = results["fs"], results["limits"]
     rows = []
     for key, label, targets in (
         ("kvstored_ram", "kvstored (RAM)", (3.0, 3.0)),
         ("kvstored_cold", "kvstored (cold: RAM < working set, fs write-back)", (1.0, 1.5)),
     ):
-        if key not in results:
+        if (r := results.get(key)) is None:
             continue
-        r = results[key]
         for op, target in zip(("store", "load"), targets):
-            limit = limits["odirect_write_gib_s" if op == "store" else "odirect_read_gib_s"]
-            note = (
-                f"raw O_DIRECT {op} {limit:.2f} GiB/s (depth {limits['queue_depth']}): {r[f'{op}_gib_s'] / limit:.2f}x"
-            )
+            value = r[f"{op}_gib_s"]
             if key == "kvstored_ram":
-                note = f"memcpy {limits['memcpy_gib_s']:.2f} GiB/s: {r[f'{op}_gib_s'] / limits['memcpy_gib_s']:.2f}x"
+                note = f"memcpy {limits['memcpy_gib_s']:.2f} GiB/s: {value / limits['memcpy_gib_s']:.2f}x"
+            else:
+                limit = limits["odirect_write_gib_s" if op == "store" else "odirect_read_gib_s"]
+                note = f"raw O_DIRECT {op} {limit:.2f} GiB/s (depth {limits['queue_depth']}): {value / limit:.2f}x"
             if key == "kvstored_cold" and op == "load" and "daemon_after_load" in r:
                 note += "; " + _cold_load_bound(r, args.chunk, limits, fs["load_gib_s"])
             if r["missed"] and op == "load":
                 note += f"; {r['missed']} chunks missed"
-            rows.append(
-                Row(
-                    f"{label} {op}",
-                    r[f"{op}_gib_s"],
-                    "GiB/s",
-                    f"vLLM fs {op}",
-                    fs[f"{op}_gib_s"],
-                    target=target,
-                    note=note,
-                )
-            )
+            rows.append(Row(f"{label} {op}", value, "GiB/s", f"vLLM fs {op}", fs[f"{op}_gib_s"], target, note=note))
     print()
     print_table(rows, title="vLLM TieringOffloadingManager, secondary tier throughput (same run, same disk)")
     if not all(r.get("page_cache_dropped", True) for r in results.values()):
         print("  note: could not drop the page cache (not root): loads may be served from it")
     print(f"load average {load0:.2f} at start, {load_average():.2f} at end")
     if args.json:
-        write_json(
-            args.json,
-            {
-                "machine": machine_info(),
-                "results": results,
-                "rows": [r.to_json() for r in rows],
-                "load_average": {"start": load0, "end": load_average()},
-            },
-        )
+        load = {"start": load0, "end": load_average()}
+        rows_json = [r.to_json() for r in rows]
+        write_json(args.json, {"machine": machine_info(), "results": results, "rows": rows_json, "load_average": load})
     return 0
 
 

@@ -21,6 +21,7 @@ from bench.scale_out.cli import parse_nodes
 from bench.scale_out.fleet import DEFAULT_CALIBRATION, Costs
 
 TARGET_GROWTH = 1.10  # the directory's per-node costs from N=2 to the largest N, at most
+GROWTH = ("cpu_s_per_s", "rss_anon_bytes", "upkeep_rx_bytes_per_s")  # the figures held to it
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,11 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--nodes", type=parse_nodes, default=[2, 4, 8, 16], help="node counts")
-    p.add_argument(
-        "--setups",
-        default="mesh,directory",
-        help="of mesh, directory, islands (no peer tier: how much the machine alone drifts with N)",
-    )
+    setups_help = "of mesh, directory, islands (no peer tier: how much the machine alone drifts with N)"
+    p.add_argument("--setups", default="mesh,directory", help=setups_help)
     p.add_argument("--turns-per-s", type=float, default=d.turns_per_s, help="turns per node per second")
     p.add_argument("--chunks", type=int, default=d.chunks, help="chunks stored per turn")
     p.add_argument("--chunk-kib", type=int, default=d.chunk_bytes >> 10, help="chunk size")
@@ -49,9 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warm-s", type=float, default=d.warm_s, help="load before the window")
     p.add_argument("--window-s", type=float, default=d.window_s, help="the measured window")
     p.add_argument("--repeats", type=int, default=1, help="passes over every (set-up, N); the table shows medians")
-    p.add_argument(
-        "--calibration", default=str(DEFAULT_CALIBRATION), help="scale_calibrate's JSON: the mesh's modelled costs"
-    )
+    p.add_argument("--calibration", default=str(DEFAULT_CALIBRATION), help="scale_calibrate's JSON (the mesh's model)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", help="write the plot here (PNG; needs matplotlib)")
     p.add_argument("--from-json", help="draw --plot from this earlier run's --json instead of running")
@@ -91,10 +87,9 @@ def medians(results: list[RunResult]) -> list[dict[str, Any]]:
 
 
 def mesh_model(table: list[dict[str, Any]], costs: Costs, load: Load) -> None:
-    """bench.scale_out's coalesced mesh at this run's rates, into the mesh's rows: the smallest N's
-    measured CPU plus, per further peer, the modelled cost of following and publishing to it
-    (messages per peer as measured at that N; per key at 3 net changes per chunk stored) and
-    its quiet streams."""
+    """bench.scale_out's coalesced mesh at this run's rates, into the mesh's rows: the smallest N's CPU
+    plus, per further peer, following and publishing to it (its messages as measured, 3 net changes per
+    chunk stored) and its quiet streams."""
     mesh = sorted((r for r in table if r["setup"] == "mesh"), key=lambda r: r["nodes"])
     if not mesh:
         return
@@ -113,14 +108,10 @@ def mesh_model(table: list[dict[str, Any]], costs: Costs, load: Load) -> None:
 def rows(results: list[RunResult], costs: Costs, load: Load) -> list[dict[str, Any]]:
     table = sorted(medians(results), key=lambda r: (SETUPS.index(r["setup"]), r["nodes"]))
     mesh_model(table, costs, load)
-    first = {
-        s: min((r for r in table if r["setup"] == s), key=lambda r: r["nodes"]) for s in {r["setup"] for r in table}
-    }
-    for row in table:
-        f = first[row["setup"]]
-        row["growth"] = {
-            k: row[k] / f[k] if f[k] else None for k in ("cpu_s_per_s", "rss_anon_bytes", "upkeep_rx_bytes_per_s")
-        }
+    first: dict[str, dict[str, Any]] = {}
+    for row in table:  # (sorted by N within a set-up)
+        f = first.setdefault(row["setup"], row)
+        row["growth"] = {k: row[k] / f[k] if f[k] else None for k in GROWTH}
         row["redis_cpu_s_per_s_per_node"] = row["redis_cpu_s_per_s"] / row["nodes"]
         if row["setup"] == "directory":
             commands = row["nodes"] * (row["directory_commands_per_s"] + row["directory_lookups_per_s"])
@@ -161,11 +152,7 @@ def verdict(table: list[dict[str, Any]]) -> list[str]:
     directory = sorted((r for r in table if r["setup"] == "directory"), key=lambda r: r["nodes"])
     if len(directory) > 1:
         first, last = directory[0], directory[-1]
-        for key, label in (
-            ("cpu_s_per_s", "CPU"),
-            ("rss_anon_bytes", "RSS"),
-            ("upkeep_rx_bytes_per_s", "control bytes in"),
-        ):
+        for key, label in zip(GROWTH, ("CPU", "RSS", "control bytes in")):
             ratio = last["growth"][key]
             ok = ratio is not None and ratio <= TARGET_GROWTH
             out.append(
@@ -197,15 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = sweep(setups, args.nodes, load, args.repeats)
     costs = Costs.from_calibration(json.loads(Path(args.calibration).read_text()))
     table = rows(results, costs, load)
-    doc: dict[str, Any] = {
-        "schema": 1,
-        "created": started,
-        "machine": machine_info(),
-        "load": asdict(load),
-        "rows": table,
-        "runs": [asdict(r) for r in results],
-        "verdict": verdict(table),
-    }
+    doc: dict[str, Any] = {"schema": 1, "created": started, "machine": machine_info(), "load": asdict(load)}
+    doc |= {"rows": table, "runs": [asdict(r) for r in results], "verdict": verdict(table)}
     print()
     print_table(table)
     for line in doc["verdict"]:

@@ -31,14 +31,8 @@ def plot(doc: dict[str, Any], path: str) -> None:
                 continue
             ax.plot([r["nodes"] for r in rs], [value(r) for r in rs], color=colour, marker=marker, label=setup)
             if setup == "mesh" and title.startswith("Daemon CPU"):
-                m = [r for r in rs if "model_cpu_s_per_s" in r]
-                ax.plot(
-                    [r["nodes"] for r in m],
-                    [r["model_cpu_s_per_s"] for r in m],
-                    color=colour,
-                    linestyle="--",
-                    label="mesh, bench.scale_out's model",
-                )
+                m = [(r["nodes"], r["model_cpu_s_per_s"]) for r in rs if "model_cpu_s_per_s" in r]
+                ax.plot(*zip(*m), color=colour, linestyle="--", label="mesh, bench.scale_out's model")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("nodes")
         ax.set_ylim(bottom=0)

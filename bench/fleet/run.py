@@ -1,14 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""One set-up at one N: N daemons in network namespaces (tests/support/netns.py, cluster.py), the
-same load on each, and what each daemon (and Redis) spent over a measured window.
-
-The load: one client per node (a thread of this process), `turns_per_s` turns each; a turn stores
-`chunks` new chunks and looks up its node's previous turn (local hits), a turn another node
-stored two turns ago (a hit in the peer tier: the mesh's index or the directory) and `chunks / 2`
-keys nobody stored (misses everywhere, as a prompt's new tail is). Before the window every node's
-RAM and fs are filled, so every store writes down and evicts (events, directory writes).
-"""
+"""One set-up at one N: N daemons in network namespaces (tests/support/netns.py, cluster.py), the same
+load on each (Driver; docs/benchmarks.md, "The fleet, measured"), and what each daemon (and Redis) spent
+over a measured window."""
 
 from __future__ import annotations
 
@@ -108,7 +102,9 @@ def control_rx(node: Node, data_port: int) -> int:
 
 
 class Driver(threading.Thread):
-    """One node's client: turns at a fixed rate until told to stop."""
+    """One node's client: turns at a fixed rate until told to stop. A turn stores `chunks` new chunks and
+    looks up its node's previous turn (local hits), another node's of two turns ago (peer tier hits) and
+    `chunks / 2` keys nobody stored (misses everywhere, as a prompt's new tail)."""
 
     def __init__(self, i: int, fleet: Fleet) -> None:
         super().__init__(name=f"fleet-load-{i}", daemon=True)
@@ -157,34 +153,25 @@ class Fleet:
         self.stop = threading.Event()
         self.drivers: list[Driver] = []
         options = {"breaker_reset_s": "1"}
-        directory = ""
         if setup == "directory":
-            host = net.nodes[-1]
-            self.redis = RedisCluster(host=host.ip, wrap=host.exec)
-            directory = self.redis.url
-            options |= {
-                "directory_interval_s": str(load.directory_interval_s),
-                "directory_timeout_s": str(load.directory_timeout_s),
-            }
+            self.redis = RedisCluster(host=net.nodes[-1].ip, wrap=net.nodes[-1].exec)
+            options |= {"directory_interval_s": str(load.directory_interval_s)}
+            options |= {"directory_timeout_s": str(load.directory_timeout_s)}
+        directory, fs = self.redis.url if self.redis is not None else "", f"{load.fs_bytes >> 20}MiB"
         self.cluster = Cluster(
-            n,
-            "tcp",
-            net=net,
-            peer_options=options,
-            cpu_bytes=load.ram,
-            fs_bytes=f"{load.fs_bytes >> 20}MiB",
-            directory=directory,
+            n, "tcp", net=net, peer_options=options, cpu_bytes=load.ram, fs_bytes=fs, directory=directory
         )
-
         if setup == "islands":
             for d in self.cluster:
                 at = next(i for i, a in enumerate(d.args) if a.startswith("kind=peer"))
                 del d.args[at - 1 : at + 1]  # (its --tiers and the peer tier's spec)
 
-    def keys(self, i: int, turn: int, count: int) -> list[bytes]:
-        return [
-            i.to_bytes(4, "big") + turn.to_bytes(8, "big") + c.to_bytes(4, "big") + self.salt * 2 for c in range(count)
-        ]
+    def keys(self, i: int, turn: int, count: int, prefix: bytes = b"") -> list[bytes]:
+        """Node i's keys of a turn (`prefix` b"fill": of its fill, `turn` the first's number)."""
+        head = prefix + i.to_bytes(4, "big")
+        if prefix:
+            return [head + (turn + c).to_bytes(8, "big") + self.salt * 2 for c in range(count)]
+        return [head + turn.to_bytes(8, "big") + c.to_bytes(4, "big") + self.salt * 2 for c in range(count)]
 
     def __enter__(self) -> Fleet:
         try:
@@ -235,12 +222,7 @@ class Fleet:
             with d.client() as kv:
                 ns = kv.register_namespace(**self.ns_fields)
                 for start in range(0, count, FILL_BATCH):
-                    kv.store(ns, self._fill_keys(d.index, start), data)
-
-    def _fill_keys(self, i: int, start: int) -> list[bytes]:
-        return [
-            b"fill" + i.to_bytes(4, "big") + (start + c).to_bytes(8, "big") + self.salt * 2 for c in range(FILL_BATCH)
-        ]
+                    kv.store(ns, self.keys(d.index, start, FILL_BATCH, b"fill"), data)
 
     # -- the measurement ----------------------------------------------------------------------
 

@@ -1,14 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""Per-call latency as a client saw it, by call kind (lookup, store, load): p50/p99 printed after
-a run. One helper for every bench that drives the daemon: wrap a Client call in `timed(kind)`,
-or `watch(link)` a vLLM DaemonLink to time each of its calls from issue to answer."""
+"""Per-call latency as a client saw it, by call kind (lookup, store, load): `record` each call, or
+`watch(link)` a vLLM DaemonLink to time each of its calls from issue to answer; p50/p99 printed."""
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from bench.lib.report import percentile, print_aligned
@@ -48,7 +46,7 @@ def timed_call(
 
 
 def interleaved(kinds: dict[str, Callable[[], float]], iters: int, warmup: int) -> dict[str, list[float]]:
-    """Each kind's call `warmup` + `iters` times, kind after kind in a rotated order (so that no
+    """Each kind's call `warmup` + `iters` times, kind after kind in an order rotated each time (no
     kind always follows the same one); milliseconds of the timed calls, by kind."""
     names = list(kinds)
     samples: dict[str, list[float]] = {k: [] for k in names}
@@ -68,21 +66,10 @@ class CallLatency:
     def record(self, kind: str, seconds: float) -> None:
         self.samples.setdefault(kind, []).append(seconds)  # (list.append: safe from gRPC's threads)
 
-    @contextlib.contextmanager
-    def timed(self, kind: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.record(kind, time.perf_counter() - t0)
-
     def watch(self, link: Any) -> None:
         """Time the calls of a kvstored_client.vllm.driver.DaemonLink (its `observe` hook)."""
 
-        def observe(method: str, seconds: float) -> None:
-            self.record(KIND_OF.get(method) or method, seconds)
-
-        link.observe = observe
+        link.observe = lambda method, seconds: self.record(KIND_OF.get(method) or method, seconds)
 
     def summary(self) -> dict[str, dict[str, float]]:
         return {
@@ -97,7 +84,7 @@ class CallLatency:
         if not summary:
             return
         print(f"{title}{f' ({transports})' if transports else ''}:")
-        table = [["call", "calls", "p50 ms", "p99 ms"]]
-        for kind, s in sorted(summary.items()):
-            table.append([kind, str(int(s["calls"])), f"{s['p50_ms']:.3f}", f"{s['p99_ms']:.3f}"])
-        print_aligned(table, right={1, 2, 3})
+        rows = [
+            [k, str(int(s["calls"])), f"{s['p50_ms']:.3f}", f"{s['p99_ms']:.3f}"] for k, s in sorted(summary.items())
+        ]
+        print_aligned([["call", "calls", "p50 ms", "p99 ms"], *rows], right={1, 2, 3})

@@ -42,9 +42,8 @@ class Daemon:
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         start_timeout_s: float = 60.0,
-        socket: os.PathLike | None = None,
+        socket: os.PathLike | None = None,  # several daemons on one socket, one after the other (a restart)
     ) -> None:
-        # `socket`: several daemons on one socket, one after the other (a restart; each has its own log)
         self._d = _Daemon(socket, cpu_bytes=str(cpu_bytes), wrap=_die_with_parent)
         self.args = ["--log-level", log_level, *extra_args]
         self.env = {**os.environ, **(env or {})}
@@ -70,8 +69,7 @@ class Daemon:
         self.wait_ready()
         self.start_s = time.perf_counter() - t0
 
-    def spawn(self) -> None:
-        """Start the process, not waiting for it to serve (wait_ready() does)."""
+    def spawn(self) -> None:  # not waiting for it to serve (wait_ready() does)
         self._d.spawn(self.args, self.env)
 
     def wait_ready(self) -> None:
@@ -81,17 +79,14 @@ class Daemon:
             self.stop()
             raise RuntimeError(str(exc).splitlines()[0]) from None
 
-    def wait(self, timeout_s: float = 60.0) -> int:
-        """Wait for the process to exit by itself; its exit code."""
+    def wait(self, timeout_s: float = 60.0) -> int:  # for the process to exit by itself: its exit code
         return self._d.wait(timeout_s)
 
     @property
-    def log(self) -> str:
-        """Everything the current (or last) process wrote."""
+    def log(self) -> str:  # everything the current (or last) process wrote
         return self._d.log
 
-    def stats(self) -> Any:
-        """kvstored.v1.KVStore/Stats."""
+    def stats(self) -> Any:  # kvstored.v1.KVStore/Stats
         return self._d.stats()
 
     def peer_status(self) -> Any:
@@ -117,8 +112,7 @@ class Daemon:
         return rc
 
     def log_tail(self, n: int = 40) -> str:
-        lines = self._d.log.splitlines() if self._d.proc is not None else self._tail.splitlines()
-        return "\n".join(lines[-n:])
+        return "\n".join((self._d.log if self._d.proc is not None else self._tail).splitlines()[-n:])
 
 
 def process_cpu_seconds(pid: int) -> float:

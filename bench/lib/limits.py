@@ -76,30 +76,20 @@ class ODirectFiles:
 
     def write(self, src: memoryview) -> float:
         """Chunk i from src[i * size:] (or all of src when it is one chunk); wall seconds."""
-
-        def one(i: int) -> None:
-            fd = os.open(self.paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o644)
-            try:
-                if os.pwritev(fd, [self._view(src, i)], 0) != self.size:
-                    raise RuntimeError("short O_DIRECT write")
-            finally:
-                os.close(fd)
-
-        return self._timed(one, 0)
+        return self._timed(lambda i: self._io(i, src, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, os.pwritev), 0)
 
     def read(self, dst: memoryview | None = None, batch: int = 0) -> float:
         """Every file into dst (None: per-thread buffers), all queued at once or `batch` at a time,
         one batch after another; wall seconds."""
+        return self._timed(lambda i: self._io(i, dst, os.O_RDONLY, os.preadv), batch)
 
-        def one(i: int) -> None:
-            fd = os.open(self.paths[i], os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-            try:
-                if os.preadv(fd, [self._view(dst, i)], 0) != self.size:
-                    raise RuntimeError("short O_DIRECT read")
-            finally:
-                os.close(fd)
-
-        return self._timed(one, batch)
+    def _io(self, i: int, buf: memoryview | None, flags: int, call) -> None:
+        fd = os.open(self.paths[i], flags | os.O_DIRECT | os.O_CLOEXEC, 0o644)
+        try:
+            if call(fd, [self._view(buf, i)], 0) != self.size:
+                raise RuntimeError(f"short O_DIRECT {call.__name__}")
+        finally:
+            os.close(fd)
 
     def _timed(self, op, batch: int) -> float:
         t0 = time.perf_counter()
@@ -141,13 +131,9 @@ def glibc_non_temporal_threshold() -> int | None:
     """glibc's memcpy size from which it uses non-temporal stores, as this process sees it
     (GLIBC_TUNABLES included; derived from the L3 size: copies below it run ~2x slower here);
     None if ld.so cannot list its tunables."""
-    for ld in ("/lib64/ld-linux-x86-64.so.2", "/lib/ld-linux-aarch64.so.1"):
-        if not os.path.exists(ld):
-            continue
+    for ld in filter(os.path.exists, ("/lib64/ld-linux-x86-64.so.2", "/lib/ld-linux-aarch64.so.1")):
         try:
-            out = subprocess.run(
-                [ld, "--list-tunables"], capture_output=True, text=True, timeout=5, env=os.environ.copy()
-            ).stdout
+            out = subprocess.run([ld, "--list-tunables"], capture_output=True, text=True, timeout=5).stdout
         except (OSError, subprocess.SubprocessError):
             return None
         for line in out.splitlines():

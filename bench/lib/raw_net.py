@@ -16,9 +16,9 @@ import resource
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from bench.lib.daemons import REPO
@@ -49,15 +49,11 @@ class Place:
         return node.exec(argv) if node is not None else argv
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "client"), env.get("PYTHONPATH", "")])
-    return env
-
-
 def _spawn(argv: list[str]) -> subprocess.Popen:
+    path = os.pathsep.join([str(REPO), str(REPO / "client"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
     return subprocess.Popen(
-        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=REPO, text=True
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO, text=True
     )
 
 
@@ -79,13 +75,6 @@ def _read_json(proc: subprocess.Popen, want: str) -> dict:
     raise RuntimeError(f"{cmd} gave no {want!r} (exit {proc.poll()}): {err[-2000:]}")
 
 
-def _finish(*procs: subprocess.Popen) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.kill()  # our own children, by pid
-        p.wait()
-
-
 def _ring(chunk: int, n: int) -> list[memoryview]:
     """`n` populated chunk buffers: the sender's are all the chunks it sends (as the serving node
     holds them: a small ring would be served from the CPU cache), the receiver's as many slots
@@ -104,29 +93,11 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _shares(count: int, conns: int) -> list[range]:
-    """Chunk indexes per connection: every `conns`-th chunk, starting at the connection's number."""
-    return [range(k, count, conns) for k in range(conns)]
-
-
 def _threads(fn, conns: int) -> None:
     """fn(k) for each connection k, each in a thread of its own (socket calls release the GIL, so
-    the kernel's copies of several connections run on several CPUs); the first error is raised."""
-    errors: list[BaseException] = []
-
-    def run(k: int) -> None:
-        try:
-            fn(k)
-        except BaseException as exc:  # noqa: BLE001 - raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(conns)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    the kernel's copies of several connections run on several CPUs); an error is raised."""
+    with ThreadPoolExecutor(conns) as pool:
+        list(pool.map(fn, range(conns)))
 
 
 def raw_tcp_recv(args: argparse.Namespace) -> None:
@@ -144,7 +115,7 @@ def raw_tcp_recv(args: argparse.Namespace) -> None:
     def receive(k: int) -> None:
         nonlocal first_end, cpu0
         conn = conns[k]
-        for i in _shares(args.count, args.conns)[k]:
+        for i in range(k, args.count, args.conns):  # every conns-th chunk, from the connection's number
             view, got = ring[i % args.slots], 0
             while got < args.chunk:
                 n = conn.recv_into(view[got:])
@@ -168,7 +139,7 @@ def raw_tcp_send(args: argparse.Namespace) -> None:
     cpu0 = _cpu()
 
     def send(k: int) -> None:
-        for i in _shares(args.count, args.conns)[k]:
+        for i in range(k, args.count, args.conns):
             conns[k].sendall(ring[i])
 
     _threads(send, args.conns)
@@ -279,7 +250,10 @@ def measure_raw(
         sent = _read_json(send, "done")
         return Sample(done["gib_s"], (done["cpu_s_per_gib"], sent["cpu_s_per_gib"]))
     finally:
-        _finish(recv, *([send] if send else []))
+        for p in (recv, send) if send else (recv,):
+            if p.poll() is None:
+                p.kill()  # our own children, by pid
+            p.wait()
 
 
 ROLES = {f.__name__.replace("_", "-"): f for f in (raw_tcp_recv, raw_tcp_send, raw_ucx_recv, raw_ucx_send)}

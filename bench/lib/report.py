@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""Reports: the rows with their baselines, ratios and PASS/MISS, one table printer, the machine, the
+"""Reports: rows with their baselines, ratios and PASS/MISS, one table printer, the machine, the
 load average, JSON output, timing arithmetic."""
 
 from __future__ import annotations
@@ -41,9 +41,7 @@ class Row:
 
     @property
     def ratio(self) -> float | None:
-        if self.baseline in (None, 0):
-            return None
-        return self.value / self.baseline
+        return None if self.baseline in (None, 0) else self.value / self.baseline
 
     @property
     def status(self) -> str:
@@ -57,46 +55,27 @@ class Row:
 
 
 def _fmt(v: float | None, unit: str) -> str:
-    if v is None:
-        return ""
-    return f"{v:.{3 if unit == 'ms' else 2}f} {unit}"
+    return "" if v is None else f"{v:.{3 if unit == 'ms' else 2}f} {unit}"
 
 
 def print_aligned(table: Sequence[Sequence[str]], right: set[int], file=None) -> None:
     """A header row, a rule, then the rows; columns in `right` are right-aligned."""
-    file = file or sys.stdout
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
 
     def line(row: Sequence[str]) -> str:
         return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
 
-    print(line(table[0]), file=file)
-    print("  ".join("-" * w for w in widths), file=file)
-    for row in table[1:]:
-        print(line(row), file=file)
+    print(line(table[0]), "  ".join("-" * w for w in widths), *map(line, table[1:]), sep="\n", file=file or sys.stdout)
 
 
 def print_table(rows: Sequence[Row], title: str = "", file=None) -> None:
-    file = file or sys.stdout
-    limits = any(r.limit for r in rows)
-    table = [
-        ["measurement", "value", "median", "baseline", "baseline value", "ratio", "target", "result"]
-        + (["bounded by"] if limits else [])
-    ]
+    extra = ["bounded by"] if any(r.limit for r in rows) else []
+    table = [["measurement", "value", "median", "baseline", "baseline value", "ratio", "target", "result", *extra]]
     for r in rows:
-        table.append(
-            [
-                r.name,
-                _fmt(r.value, r.unit),
-                _fmt(r.median, r.unit),
-                r.baseline_name,
-                _fmt(r.baseline, r.unit),
-                f"{r.ratio:.2f}x" if r.ratio is not None else "",
-                f"{'>=' if r.higher_is_better else '<='} {r.target:.2f}x" if r.target is not None else "",
-                r.status,
-            ]
-            + ([r.limit] if limits else [])
-        )
+        cells = [r.name, _fmt(r.value, r.unit), _fmt(r.median, r.unit), r.baseline_name, _fmt(r.baseline, r.unit)]
+        ratio = f"{r.ratio:.2f}x" if r.ratio is not None else ""
+        target = f"{'>=' if r.higher_is_better else '<='} {r.target:.2f}x" if r.target is not None else ""
+        table.append([*cells, ratio, target, r.status, *([r.limit] if extra else [])])
     if title:
         print(title, file=file)
     print_aligned(table, right={1, 2, 4, 5}, file=file)
@@ -114,16 +93,14 @@ def fmt_bytes(n: float, grouped: bool = False) -> str:
 
 
 def machine_info() -> dict[str, Any]:
-    model = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
     import grpc
 
+    cpuinfo = ""
+    with contextlib.suppress(OSError):
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    models = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")]
     return {
-        "cpu_model": model,
+        "cpu_model": models[0] if models else "",
         "cpus": os.cpu_count(),
         "kernel": platform.release(),
         "python": platform.python_version(),
@@ -139,18 +116,12 @@ def machine_info() -> dict[str, Any]:
 
 def git_revision() -> str:
     """HEAD of the checkout, with '+dirty' when tracked files differ from it."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=5).stdout.strip()
+
     try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=5
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout.strip()
-        return rev + ("+dirty" if dirty else "")
+        return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "-uno") else "")
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -161,9 +132,8 @@ def load_average() -> float:
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(obj, indent=2, default=str) + "\n")
 
 
 def percentile(values: Sequence[float], p: float) -> float:
@@ -185,6 +155,6 @@ class Stats:
 
 
 def aggregate_gib_s(total_bytes: int, windows: Sequence[tuple[float, float]]) -> float:
-    """Throughput of processes that ran concurrently: bytes / (last end - first start). perf_counter
-    is CLOCK_MONOTONIC, system-wide, so windows from several processes combine."""
+    """Throughput of processes that ran concurrently: bytes / (last end - first start) (perf_counter
+    is CLOCK_MONOTONIC, system-wide, so windows from several processes combine)."""
     return total_bytes / (max(w[1] for w in windows) - min(w[0] for w in windows)) / GIB

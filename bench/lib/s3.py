@@ -101,15 +101,8 @@ def start_s3(kind: str, memstore_bytes: int) -> S3:
             with contextlib.suppress(Exception):
                 server.stop()
             continue
-        note = (
-            (
-                "S3: radosgw did NOT start (" + "; ".join(errors) + "); the S3 figures are against moto_server "
-                "(Python, in RAM), not a real S3 server"
-            )
-            if errors
-            else ""
-        )
-        return S3(k, endpoint, note, server, time.perf_counter() - t0)
+        note = f"S3: radosgw did NOT start ({'; '.join(errors)}); S3 figures are against moto_server (Python, in RAM)"
+        return S3(k, endpoint, note if errors else "", server, time.perf_counter() - t0)
     raise RuntimeError("no S3 server: " + "; ".join(errors))
 
 
@@ -117,11 +110,9 @@ def raw_config(inflight: int, timeout_s: float | None = None) -> Any:
     """aiobotocore's settings as the S3 tier's: no retries, path addressing, no extra checksums."""
     from aiobotocore.config import AioConfig
 
-    timeouts = (
-        {}
-        if timeout_s is None
-        else {"connect_timeout": min(timeout_s, 2.0), "read_timeout": timeout_s, "tcp_keepalive": True}
-    )
+    timeouts: dict[str, Any] = {}
+    if timeout_s is not None:
+        timeouts = {"connect_timeout": min(timeout_s, 2.0), "read_timeout": timeout_s, "tcp_keepalive": True}
     return AioConfig(
         max_pool_connections=inflight,
         retries={"total_max_attempts": 1},

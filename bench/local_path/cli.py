@@ -1,20 +1,76 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""The local-path benchmark's command line: `python -m bench.local_path`."""
+"""The local-path benchmark's command line (`python -m bench.local_path`), its rows and breakdown."""
 
 from __future__ import annotations
 
 import argparse
-import os
+import statistics
 import time
 from typing import Any
 
 from bench.lib.daemons import Daemon
-from bench.lib.report import GIB, MIB, Row, load_average, machine_info, print_table, write_json
+from bench.lib.report import GIB, MIB, Row, load_average, machine_info, print_aligned, print_table, write_json
 from bench.local_path import __doc__ as DOC
-from bench.local_path.clients import LOOKUP_KEYS, LOOKUP_TARGET, POOL_TARGET, REGION_TARGET, run_clients
-from bench.local_path.lookups import run_lookups
-from bench.local_path.report import data_rows, lookup_rows, print_breakdown
+from bench.local_path.clients import LOOKUP_KEYS, PHASES, run_clients, run_lookups
+
+POOL_TARGET = 0.9
+REGION_TARGET = 0.8
+LOOKUP_TARGET = 1.3
+
+
+def data_rows(nprocs: int, s: dict[str, Any], chunk_mib: float) -> list[Row]:
+    ph = s["phases"]
+    tag = f"{nprocs} proc" + ("s" if nprocs > 1 else "")
+    base = ph["memcpy"]["best_gib_s"]
+
+    def row(phase: str, label: str, target: float | None) -> Row:
+        best, median = ph[phase]["best_gib_s"], ph[phase]["median_gib_s"]
+        return Row(f"{label}, {tag}", best, "GiB/s", f"memcpy {tag}", base, target, median=median)
+
+    return [
+        Row(f"memcpy (np.copyto, one copy), {tag}", base, "GiB/s", median=ph["memcpy"]["median_gib_s"]),
+        row("memcpy_chunked", f"memcpy in {chunk_mib:g} MiB pieces [diag]", None),
+        row("pool_store", "pool mapping store", POOL_TARGET),
+        row("pool_load", "pool mapping load", POOL_TARGET),
+        row("region_store", "region store_from_region", REGION_TARGET),
+        row("region_load", "region load_to_region", REGION_TARGET),
+    ]
+
+
+def lookup_rows(lk: dict[str, Any]) -> list[Row]:
+    """The lookups' percentiles, each against the empty gRPC round trip's same percentile."""
+    rows = [Row(f"empty gRPC round trip {p} (Health/Check)", lk["empty_rtt"][f"{p}_ms"], "ms") for p in ("p50", "p99")]
+    for kind, label, percentiles in (
+        ("lookup_1", "Client.lookup 1 key", ("p50", "p99")),
+        ("lookup_256", f"Client.lookup {LOOKUP_KEYS} keys", ("p50", "p99")),
+        ("raw_lookup_256", f"raw stub Lookup {LOOKUP_KEYS} keys", ("p50",)),
+    ):
+        for p in percentiles:
+            target = LOOKUP_TARGET if kind == "lookup_256" and p == "p50" else None
+            name = f"{label} {p}" + (" [diag]" if kind.startswith("raw") else "")
+            base = lk["empty_rtt"][f"{p}_ms"]
+            rows.append(Row(name, lk[kind][f"{p}_ms"], "ms", f"Health/Check {p}", base, target, higher_is_better=False))
+    return rows
+
+
+def print_breakdown(results: dict[int, Any]) -> None:
+    """Per phase: wall and CPU of the best repeat, RPCs, and cpu ratio = memcpy CPU / (client + daemon
+    CPU), medians over the repeats (steadier than GiB/s when other work competes for the CPUs)."""
+    print("\nbreakdown (best repeat; cpu ratio from the medians; see docs/benchmarks.md#local-data-path):")
+    table = [["phase", "wall ms", "client cpu ms", "daemon cpu ms", "RPCs", "wall/RPC ms", "cpu ratio"]]
+    for nprocs, s in results.items():
+        cpu = {
+            p: statistics.median(r["client_cpu_s"] + r["daemon_cpu_s"] for r in s["phases"][p]["repeats"])
+            for p in PHASES
+        }
+        for phase in PHASES:
+            b, rpcs = s["phases"][phase]["best_repeat"], s["rpcs"].get(phase, 0)
+            s["phases"][phase]["cpu_ratio_vs_memcpy"] = cpu_ratio = cpu["memcpy"] / cpu[phase]
+            ms = [f"{b[k] * 1e3:.1f}" for k in ("wall_s", "client_cpu_s", "daemon_cpu_s")]
+            per = f"{b['wall_s'] * 1e3 / rpcs:.2f}" if rpcs else ""
+            table.append([f"{phase} ({nprocs}p)", *ms, str(rpcs or ""), per, f"{cpu_ratio:.2f}x"])
+    print_aligned(table, right={1, 2, 3, 4, 5, 6})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,26 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lookup-iters", type=int, default=2000, help="timed calls of each lookup kind (default 2000)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     ap.add_argument(
-        "--nt-threshold",
-        metavar="BYTES",
-        type=int,
-        help="what-if: run the daemon and the client processes with GLIBC_TUNABLES="
-        "glibc.cpu.x86_non_temporal_threshold=BYTES (memcpy uses non-temporal stores from that size up)",
-    )
-    ap.add_argument(
         "--pool-pages",
         choices=("4k", "thp", "hugetlb"),
         default="4k",
-        help="the daemon's pool_pages (hugetlb needs vm.nr_hugepages; thp needs shmem_enabled=advise); "
-        "bench/pool.py compares the modes alone",
+        help="the daemon's pool_pages (hugetlb needs vm.nr_hugepages; thp needs shmem_enabled=advise)",
     )
     ap.add_argument("--numa-node", default="", help="the daemon's numa_node (a node or interleave; default unset)")
     args = ap.parse_args(argv)
-    if args.nt_threshold is not None:
-        # glibc reads tunables at process start: the daemon and the spawned clients inherit this
-        tunable = f"glibc.cpu.x86_non_temporal_threshold={args.nt_threshold:#x}"
-        old = os.environ.get("GLIBC_TUNABLES")
-        os.environ["GLIBC_TUNABLES"] = f"{old}:{tunable}" if old else tunable
 
     t_start = time.perf_counter()
     chunk = int(args.chunk_mib * MIB)
@@ -56,14 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     chunks = -(-chunks // max(procs)) * max(procs)  # every process gets the same share
     working_set = chunks * chunk
     page = 64 << 10
-    cpu_bytes = max(int(working_set * 1.5), (LOOKUP_KEYS + 16) * chunk)
-    cpu_bytes = -(-cpu_bytes // page) * page
-
+    cpu_bytes = -(-max(int(working_set * 1.5), (LOOKUP_KEYS + 16) * chunk) // page) * page
     print(
         f"kvstored local-path benchmark: working set {working_set / GIB:.3f} GiB = {chunks} chunks of "
         f"{args.chunk_mib:g} MiB, {args.batch} chunks per request, best of {args.repeat} repeats "
-        f"(+{args.warmup} warm-up); "
-        f"RAM tier {cpu_bytes / GIB:.2f} GiB"
+        f"(+{args.warmup} warm-up); RAM tier {cpu_bytes / GIB:.2f} GiB"
     )
     info = machine_info()
     if info["glibc_tunables"]:
@@ -72,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         f"machine: {info['cpus']} CPUs ({info['cpu_model']}), kernel {info['kernel']}, python {info['python']}, "
         f"{info['glibc']}, numpy {info['numpy']}, grpcio {info['grpcio']}; git {info['git']}"
     )
-    nt = info["glibc_non_temporal_threshold"]
-    if nt is not None:
+    if (nt := info["glibc_non_temporal_threshold"]) is not None:
         sizes = ", ".join(f"{working_set // n / MIB:.0f} MiB ({n}p)" for n in procs)
         print(
             f"glibc non-temporal memcpy threshold: {nt / MIB:.1f} MiB; chunk copies ({args.chunk_mib:g} MiB) are "
@@ -81,99 +120,56 @@ def main(argv: list[str] | None = None) -> int:
         )
     load_start = load_average()
     print(f"load average at start: {load_start:.2f}")
-
     results: dict[int, Any] = {}
     pool_args = ["--pool-pages", args.pool_pages] + (["--numa-node", args.numa_node] if args.numa_node else [])
     print(f"pool: {args.pool_pages} pages, NUMA {args.numa_node or 'unset'}")
     with Daemon(cpu_bytes, extra_args=pool_args) as daemon:
         print(f"daemon pid {daemon.pid} on {daemon.socket} (ready in {daemon.start_s:.2f}s)")
-        cfg = {
-            "socket": str(daemon.socket),
-            "chunk_bytes": chunk,
-            "chunks": chunks,
-            "batch": args.batch,
-            "repeat": args.repeat,
-            "warmup": args.warmup,
-        }
+        cfg = {"socket": str(daemon.socket), "chunk_bytes": chunk, "chunks": chunks, "batch": args.batch}
+        cfg |= {"repeat": args.repeat, "warmup": args.warmup}
         for nprocs in procs:
             t0 = time.perf_counter()
             results[nprocs] = run_clients(nprocs, cfg, daemon)
-            print(
-                f"  {nprocs} client process(es): done in {time.perf_counter() - t0:.1f}s "
-                f"(buffer set-up {results[nprocs]['setup_s']:.1f}s)",
-                flush=True,
-            )
+            took = f"done in {time.perf_counter() - t0:.1f}s (buffer set-up {results[nprocs]['setup_s']:.1f}s)"
+            print(f"  {nprocs} client process(es): {took}", flush=True)
         t0 = time.perf_counter()
         lookups = run_lookups(cfg, args.lookup_iters, warmup=max(50, args.lookup_iters // 10))
         print(f"  lookups: done in {time.perf_counter() - t0:.1f}s", flush=True)
         daemon_cpu = daemon.cpu_seconds()
         rc = daemon.stop()
 
-    rows: list[Row] = []
-    for nprocs, s in results.items():
-        rows += data_rows(nprocs, s, args.chunk_mib)
-    rows += lookup_rows(lookups)
+    rows = [r for nprocs, s in results.items() for r in data_rows(nprocs, s, args.chunk_mib)] + lookup_rows(lookups)
     errors = [f"{n} proc(s): {e}" for n, s in results.items() for e in s["errors"]]
-
     print()
-    print_table(
-        rows,
-        title="results (GiB/s rows: value = best repeat, median = median repeat; ms rows: percentiles over all calls)",
-    )
+    print_table(rows, title="results (GiB/s: best and median repeat; ms: percentiles over all calls)")
     print_breakdown(results)
     load_end = load_average()
-    limits = ", ".join(
-        f"one memcpy {s['phases']['memcpy']['best_gib_s']:.2f} GiB/s with {n} process{'es' if n > 1 else ''}"
-        for n, s in results.items()
-    )
+    memcpys = ", ".join(f"{s['phases']['memcpy']['best_gib_s']:.2f} GiB/s ({n}p)" for n, s in results.items())
     print(
-        f"\nphysical limits on this machine (the baselines above): {limits} (every data row copies the same "
-        f"bytes once); an empty gRPC round trip {lookups['empty_rtt']['p50_ms']:.3f} ms p50 (the raw transport "
-        f"under every lookup); load average {load_start:.2f} at start, {load_end:.2f} at end"
+        f"\nphysical limits (the baselines): one memcpy {memcpys}; an empty gRPC round trip "
+        f"{lookups['empty_rtt']['p50_ms']:.3f} ms p50; load average {load_start:.2f} at start, {load_end:.2f} at end"
     )
     if max(load_start, load_end) > 1.0:
-        print(
-            f"\nWARNING: load average {load_start:.2f} at start, {load_end:.2f} at end: other processes were "
-            f"competing for the {info['cpus']} CPUs; GiB/s and latencies are noisy (best-of helps, ratios less so)."
-        )
+        print(f"\nWARNING: load average above 1 on {info['cpus']} CPUs: GiB/s and latencies are noisy")
     misses = [r.name for r in rows if r.status == "MISS"]
     print(
         f"\n{sum(r.status == 'PASS' for r in rows)} PASS, {len(misses)} MISS; daemon exit code {rc}, "
         f"daemon CPU {daemon_cpu:.1f}s; total {time.perf_counter() - t_start:.1f}s"
     )
     if errors:
-        print("ERRORS (results above are not valid):")
-        for e in errors:
-            print("  " + e)
-
+        print("ERRORS (results above are not valid):", *errors, sep="\n  ")
     if args.json:
-        write_json(
-            args.json,
-            {
-                "benchmark": "local_path",
-                "config": {
-                    "working_set_bytes": working_set,
-                    "chunk_bytes": chunk,
-                    "chunks": chunks,
-                    "batch": args.batch,
-                    "repeat": args.repeat,
-                    "warmup": args.warmup,
-                    "procs": procs,
-                    "lookup_iters": args.lookup_iters,
-                    "cpu_bytes": cpu_bytes,
-                    "two_proc_split": "each process moves half the working set",
-                    "gib_s_value": "best repeat",
-                    "targets": {"pool": POOL_TARGET, "region": REGION_TARGET, "lookup_256_p50": LOOKUP_TARGET},
-                },
-                "machine": info,
-                "rows": [r.to_json() for r in rows],
-                "data_path": {str(k): v for k, v in results.items()},
-                "lookups": lookups,
-                "errors": errors,
-                "load_average": {"start": load_start, "end": load_end},
-                "daemon": {"exit_code": rc, "cpu_s": daemon_cpu},
-                "elapsed_s": time.perf_counter() - t_start,
-            },
-        )
+        config = {"working_set_bytes": working_set, "chunk_bytes": chunk, "chunks": chunks, "batch": args.batch}
+        config |= {"repeat": args.repeat, "warmup": args.warmup, "procs": procs, "lookup_iters": args.lookup_iters}
+        config |= {"cpu_bytes": cpu_bytes, "two_proc_split": "each process moves half the working set"}
+        config |= {"gib_s_value": "best repeat"}
+        config["targets"] = {"pool": POOL_TARGET, "region": REGION_TARGET, "lookup_256_p50": LOOKUP_TARGET}
+        doc = {"benchmark": "local_path", "config": config, "machine": info, "rows": [r.to_json() for r in rows]}
+        doc |= {"data_path": {str(k): v for k, v in results.items()}, "lookups": lookups, "errors": errors}
+        doc |= {
+            "load_average": {"start": load_start, "end": load_end},
+            "daemon": {"exit_code": rc, "cpu_s": daemon_cpu},
+        }
+        write_json(args.json, doc | {"elapsed_s": time.perf_counter() - t_start})
         print(f"JSON written to {args.json}")
     return 1 if errors or rc not in (0, None) else 0

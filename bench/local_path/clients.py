@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""The client processes: each stores and loads its share of the working set, timed."""
+"""The client processes, each storing and loading its share of the working set, timed; and the
+lookup latency of 1 and 256 keys beside an empty gRPC round trip."""
 
 from __future__ import annotations
 
@@ -14,15 +15,12 @@ from typing import Any
 import numpy as np
 
 from bench.lib.buffers import ShmFile, each_batch, fill_pattern, populate
+from bench.lib.call_latency import interleaved, timed_call
 from bench.lib.daemons import Daemon, process_cpu_seconds
-from bench.lib.report import Stats, aggregate_gib_s
+from bench.lib.report import Stats, aggregate_gib_s, percentile
 
-POOL_TARGET = 0.9
-REGION_TARGET = 0.8
-LOOKUP_TARGET = 1.3
 LOOKUP_KEYS = 256
 MODEL = "bench/local-path"
-
 PHASES = ("memcpy", "memcpy_chunked", "pool_store", "pool_load", "region_store", "region_load")
 RPCS_PER_BATCH = {"pool_store": 2, "pool_load": 2, "region_store": 1, "region_load": 1}
 
@@ -31,10 +29,8 @@ def make_key(proc: int, rep: int, i: int, salt: int = 0) -> bytes:
     return proc.to_bytes(4, "big") + rep.to_bytes(4, "big") + i.to_bytes(8, "big") + salt.to_bytes(16, "big")
 
 
-# -- worker (one client process) ----------------------------------------------------------------
-
-
 def worker(idx: int, nprocs: int, cfg: dict[str, Any], daemon_pid: int, barrier, results) -> None:
+    """One client process: its result, or its traceback, on `results`."""
     try:
         results.put(("ok", idx, _worker(idx, nprocs, cfg, daemon_pid, barrier)))
     except BaseException:
@@ -48,11 +44,9 @@ def _worker(idx: int, nprocs: int, cfg: dict[str, Any], daemon_pid: int, barrier
     chunk = cfg["chunk_bytes"]
     n = cfg["chunks"] // nprocs  # this process's share of the working set
     share = n * chunk
-    batch = cfg["batch"]
-
     t_setup = time.perf_counter()
-    # Buffers: source and destination (private memory, as an engine's host buffers would be),
-    # and one region file: first half the store source, second half the load destination.
+    # Source and destination in private memory (as an engine's host buffers), and one region file:
+    # first half the store source, second half the load destination.
     src = populate(np.empty(share, dtype=np.uint8))
     dst = populate(np.empty(share, dtype=np.uint8))
     fill_pattern(src, chunk, seed=idx + 1)
@@ -69,8 +63,7 @@ def _worker(idx: int, nprocs: int, cfg: dict[str, Any], daemon_pid: int, barrier
         raise RuntimeError("region registration failed (daemon unreachable?)")
     store_offsets = [i * chunk for i in range(n)]
     load_offsets = [share + i * chunk for i in range(n)]
-    batches = [(b, min(b + batch, n)) for b in range(0, n, batch)]
-
+    batches = [(b, min(b + cfg["batch"], n)) for b in range(0, n, cfg["batch"])]
     phases: dict[str, list[dict[str, float]]] = {p: [] for p in PHASES}
     errors: list[str] = []
 
@@ -83,9 +76,6 @@ def _worker(idx: int, nprocs: int, cfg: dict[str, Any], daemon_pid: int, barrier
         c1, d1 = time.process_time(), process_cpu_seconds(daemon_pid)
         barrier.wait()
         phases[name].append({"t0": t0, "t1": t1, "client_cpu_s": c1 - c0, "daemon_cpu_s": d1 - d0})
-
-    def memcpy() -> None:
-        np.copyto(dst, src)
 
     def memcpy_chunked() -> None:
         for i in range(n):
@@ -109,7 +99,7 @@ def _worker(idx: int, nprocs: int, cfg: dict[str, Any], daemon_pid: int, barrier
             for b0 in range(0, n, 4096):
                 client.delete(ns, keys[b0 : b0 + 4096])
 
-        timed("memcpy", memcpy)
+        timed("memcpy", partial(np.copyto, dst, src))
         timed("memcpy_chunked", memcpy_chunked)
         dst[:] = 0
         phase("pool_store")
@@ -128,8 +118,7 @@ def _worker(idx: int, nprocs: int, cfg: dict[str, Any], daemon_pid: int, barrier
         one_repeat(rep)
     client.close()
     region_file.close()
-    for name in phases:  # drop the warm-up repeats
-        phases[name] = phases[name][cfg["warmup"] :]
+    phases = {name: reps[cfg["warmup"] :] for name, reps in phases.items()}  # without the warm-up repeats
     return {
         "phases": phases,
         "errors": errors,
@@ -166,29 +155,30 @@ def run_clients(nprocs: int, cfg: dict[str, Any], daemon: Daemon) -> dict[str, A
                 p.terminate()  # our own child, by its handle
     if failures:
         raise RuntimeError("\n".join(failures) + "\n--- daemon log ---\n" + daemon.log_tail())
-    return summarize_clients(nprocs, out)
+    return summarize_clients(out)
 
 
-def summarize_clients(nprocs: int, out: dict[int, Any]) -> dict[str, Any]:
-    total = sum(w["bytes"] for w in out.values())
-    repeats = len(out[0]["phases"]["memcpy"])
+def summarize_clients(out: dict[int, Any]) -> dict[str, Any]:
+    """Per phase and repeat: the processes' bytes over their joint window, their CPU, the daemon's."""
+    workers = list(out.values())
+    total = sum(w["bytes"] for w in workers)
     summary: dict[str, Any] = {
         "bytes": total,
-        "setup_s": max(w["setup_s"] for w in out.values()),
-        "errors": [e for w in out.values() for e in w["errors"]],
+        "setup_s": max(w["setup_s"] for w in workers),
+        "errors": [e for w in workers for e in w["errors"]],
         "phases": {},
     }
     for phase in PHASES:
         per_rep = []
-        for r in range(repeats):
-            windows = [(w["phases"][phase][r]["t0"], w["phases"][phase][r]["t1"]) for w in out.values()]
+        for reps in zip(*(w["phases"][phase] for w in workers)):  # each process's sample of one repeat
+            windows = [(r["t0"], r["t1"]) for r in reps]
             per_rep.append(
                 {
                     "gib_s": aggregate_gib_s(total, windows),
                     "wall_s": max(w[1] for w in windows) - min(w[0] for w in windows),
-                    "client_cpu_s": sum(w["phases"][phase][r]["client_cpu_s"] for w in out.values()),
+                    "client_cpu_s": sum(r["client_cpu_s"] for r in reps),
                     # every worker samples the daemon over the same window: take the widest reading
-                    "daemon_cpu_s": max(w["phases"][phase][r]["daemon_cpu_s"] for w in out.values()),
+                    "daemon_cpu_s": max(r["daemon_cpu_s"] for r in reps),
                 }
             )
         stats = Stats.of([p["gib_s"] for p in per_rep])
@@ -199,5 +189,44 @@ def summarize_clients(nprocs: int, out: dict[int, Any]) -> dict[str, Any]:
             "repeats": per_rep,
             "best_repeat": best,
         }
-    summary["rpcs"] = {p: k * sum(w["batches"] for w in out.values()) for p, k in RPCS_PER_BATCH.items()}
+    summary["rpcs"] = {p: k * sum(w["batches"] for w in workers) for p, k in RPCS_PER_BATCH.items()}
     return summary
+
+
+def run_lookups(cfg: dict[str, Any], iters: int, warmup: int) -> dict[str, Any]:
+    """Lookups of 1 and 256 cached keys (Client and raw stub) interleaved with an empty gRPC call."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvstored_client import Client, NamespaceSpec
+    from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+
+    chunk = cfg["chunk_bytes"]
+    with Client(cfg["socket"], deadline_s=30.0, client_name="bench-lookup") as client:
+        ns = client.register_namespace(NamespaceSpec(model=MODEL, dtype="uint8", chunk_bytes=chunk))
+        keys = [make_key(99, 0, i, salt=7) for i in range(LOOKUP_KEYS)]
+        one = populate(np.empty(chunk, dtype=np.uint8))
+        r = client.store(ns, keys, [one] * LOOKUP_KEYS)  # same bytes for every key: content is irrelevant
+        if r.stored + r.already_present != LOOKUP_KEYS:
+            raise RuntimeError(f"could not store the lookup keys: {r}")
+        client.lookup(ns, keys[:1])  # creates the channel
+        health = health_pb2_grpc.HealthStub(client._channel)  # the very channel Client.lookup uses
+        health_req = health_pb2.HealthCheckRequest()
+        kv, raw_req = client._get_stub(), pb.LookupRequest(namespace_id=ns.namespace_id, keys=keys)
+        kinds = {
+            "empty_rtt": timed_call(lambda _: health.Check(health_req, timeout=5.0)),
+            "lookup_1": timed_call(
+                lambda _: client.lookup(ns, keys[:1]).prefix_hits, lambda h: h == 1, "lookup of a cached key missed"
+            ),
+            "lookup_256": timed_call(
+                lambda _: client.lookup(ns, keys).prefix_hits,
+                lambda h: h == LOOKUP_KEYS,
+                "lookup of cached keys missed",
+            ),
+            "raw_lookup_256": timed_call(lambda _: kv.Lookup(raw_req, timeout=5.0)),
+        }
+        samples = interleaved(kinds, iters, warmup)
+        client.delete(ns, keys)
+    return {
+        k: {"p50_ms": percentile(v, 50), "p99_ms": percentile(v, 99), "mean_ms": float(np.mean(v)), "n": len(v)}
+        for k, v in samples.items()
+    }

@@ -7,34 +7,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import bench.multiturn
 from bench.lib.limits import apply_nt_threshold, nt_threshold_arg
-from bench.lib.report import REPO, load_average, machine_info
-from bench.multiturn import nodes
+from bench.lib.report import REPO, load_average, machine_info, write_json
+from bench.multiturn import nodes, report
 from bench.multiturn.limits import Limits, measure_limits
 from bench.multiturn.model import CONFIG_BY_KEY, CONFIGS, DEFAULT_MODEL, MODELS, SLOW_DISK, Transfer
 from bench.multiturn.nodes_main import SeveralNodes
-from bench.multiturn.plan import (
-    SLOW_DISK_PREFILL,
-    OneNode,
-    command_line,
-    model_doc,
-    print_targets,
-    section,
-    setup,
-    start_sweep_s3,
-    targets,
-    write_outputs,
-)
-from bench.multiturn.report import cost_lines, limit_lines, load_summary, model_lines, print_results, scaling_lines
-
-DESCRIPTION = (bench.multiturn.__doc__ or "").split("\n\n")[0]
-
-
-# -- main -----------------------------------------------------------------------------------------
+from bench.multiturn.plan import SLOW_DISK_PREFILL, OneNode, setup, start_sweep_s3
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -50,98 +35,68 @@ def _add(g: argparse._ArgumentGroup, flag: str, default: Any, text: str | None, 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.multiturn", description=DESCRIPTION, formatter_class=_HelpFormatter
-    )
+    description = (bench.multiturn.__doc__ or "").split("\n\n")[0]
+    ap = argparse.ArgumentParser("python -m bench.multiturn", description=description, formatter_class=_HelpFormatter)
     g = ap.add_argument_group("workload")
     _add(g, "--initial-tokens", 12 * 1024, "first prompt of every conversation")
     _add(g, "--turn-tokens", 4 * 1024, "tokens each turn appends to the history")
     _add(g, "--turns", 8, "turns per conversation")
     _add(g, "--think-s", 20.0, "mean think time between turns, modelled seconds (uniform 0.5-1.5x)")
     _add(g, "--conversations", "16,32,64,128,192,256", "simultaneous conversations to sweep")
-    _add(g, "--chunk-tokens", 4096, "tokens per kvstored chunk (x --kv-bytes-per-token: 2 MiB, as in bench/compare.py)")
+    _add(g, "--chunk-tokens", 4096, "tokens per kvstored chunk (x --kv-bytes-per-token: 2 MiB, as bench/compare.py)")
     _add(g, "--seed", 0, None)
     g = ap.add_argument_group("modelled GPU and model")
-    g.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        choices=sorted(MODELS),
-        help="the modelled model and GPUs: qwen3.6-35b-a3b (the seed's: 2x H100, TP=2, 20 KiB of KV per "
-        "token, 50,000 prefill tokens/s) or llama-3.1-8b (one H100, 128 KiB per token, 16,000 "
-        "tokens/s); every figure derived from it is printed with its basis",
-    )
-    kv_text = "KV bytes per token of the modelled model (default: the model's, from its attention layers)"
-    _add(g, "--model-kv-bytes-per-token", None, kv_text, int)
+    models = "qwen3.6-35b-a3b (2x H100, TP=2) or llama-3.1-8b (one H100); derived figures are printed with their basis"
+    g.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS), help=models)
+    _add(g, "--model-kv-bytes-per-token", None, "KV bytes per token of the model (default: from its layers)", int)
     _add(g, "--kv-bytes-per-token", 512, "KV bytes per token that really move through kvstored (the scale)")
-    prefill_text = (
-        "modelled prefill rate (default: the model's, from FLOPs per token, the GPUs' bf16 peak and an assumed MFU)"
-    )
-    _add(g, "--prefill-tokens-per-s", None, prefill_text, float)
-    gpu_text = (
-        "GPU prefix cache capacity, in conversations at their last turn (default: derived from HBM minus weights)"
-    )
+    _add(g, "--prefill-tokens-per-s", None, "modelled prefill rate (default: from FLOPs/token, bf16 peak, MFU)", float)
+    gpu_text = "GPU prefix cache, in conversations at their last turn (default: from HBM minus weights)"
     _add(g, "--gpu-conversations", None, gpu_text, float)
-    _add(g, "--gpu-tokens", None, "GPU prefix cache capacity in tokens (overrides --gpu-conversations)", int)
-    serial_text = "loads on the GPU's timeline instead of beside it (a pessimistic engine)"
-    g.add_argument("--serial-loads", action="store_true", help=serial_text)
-    g.add_argument(
-        "--transfer",
-        type=Transfer,
-        choices=list(Transfer),
-        default=Transfer.REGION,
-        metavar="{region,pool}",
-        help="how the engine moves chunks: region (vLLM's kvstored tier, mode 1: StoreFromRegion, "
-        "LoadToRegion) or pool (the direct spec, mode 2: pool mapping)",
-    )
+    _add(g, "--gpu-tokens", None, "GPU prefix cache in tokens (overrides --gpu-conversations)", int)
+    g.add_argument("--serial-loads", action="store_true", help="loads on the GPU's timeline instead of beside it")
+    transfer = "how chunks move: region (vLLM's kvstored tier, mode 1) or pool (the direct spec, mode 2)"
+    g.add_argument("--transfer", type=Transfer, choices=list(Transfer), default="region", help=transfer)
     g = ap.add_argument_group("kvstored tiers")
-    g.add_argument(
-        "--configs",
-        help=f"among {', '.join(CONFIG_BY_KEY)} (default: {', '.join(c.key for c in CONFIGS)}; with --nodes: "
-        f"{', '.join(nodes.CONFIG_KEYS)}; with --nodes --directory: {', '.join(nodes.DIRECTORY_KEYS)}; "
-        f"with --slow-disk: {', '.join(c.key for c in SLOW_DISK)})",
-    )
-    g.add_argument(
-        "--slow-disk",
-        action="store_true",
-        help=f"preset: RAM alone vs RAM + a disk slower than recomputing with the recompute gate on vs "
-        f"off (recompute_gate=false): configs {', '.join(c.key for c in SLOW_DISK)}, the prefill rate "
-        f"registered with the namespace (the daemon's gate applies), and, unless --prefill-tokens-per-s "
-        f"is given, {SLOW_DISK_PREFILL:g}x the model's prefill rate: this machine has no cgroup io.max "
-        "(cgroup v2 without the io controller) and no device-mapper, so the break-even is raised above "
-        "its disk instead of the disk throttled below the break-even",
-    )
-    g.add_argument(
-        "--register-rates",
-        action="store_true",
-        help="register the modelled prefill rate with every namespace (the model's break-even, in the real "
-        "bytes per token), as an engine with prefill_tokens_per_s configured does: the daemon's recompute gate "
-        "then reports hits below RAM, peers included, only where loading them beats recomputing (--slow-disk "
-        "implies it; without it nothing is registered and every hit counts)",
-    )
+    keys = [", ".join(k) for k in (CONFIG_BY_KEY, [c.key for c in CONFIGS], nodes.CONFIG_KEYS, nodes.DIRECTORY_KEYS)]
+    configs = f"among {keys[0]} (default: {keys[1]}; with --nodes: {keys[2]}; with --nodes --directory: {keys[3]}"
+    g.add_argument("--configs", help=f"{configs}; with --slow-disk: {', '.join(c.key for c in SLOW_DISK)})")
+    slow = "preset: RAM alone vs RAM + a disk slower than recomputing, recompute gate on vs off; the prefill rate "
+    slow += f"registered, x{SLOW_DISK_PREFILL:g} the model's unless given (docs/benchmarks.md: a disk slower than ...)"
+    g.add_argument("--slow-disk", action="store_true", help=slow)
+    rates = "register the modelled prefill rate with every namespace: the daemon's recompute gate applies"
+    g.add_argument("--register-rates", action="store_true", help=rates)
     ram_text = f"RAM tier size, in conversations (default: 128; with --nodes: {nodes.RAM_CONVERSATIONS:g} per node)"
     _add(g, "--ram-conversations", None, ram_text, float)
-    fs_text = "fs tier size in RAM + fs, in conversations (with --nodes: per node, also with peers)"
-    _add(g, "--fs-conversations", 512, fs_text, float)
-    s3_fs_text = "fs tier size in RAM + fs + S3, in conversations (smaller: S3 takes the overflow)"
-    _add(g, "--s3-fs-conversations", 128, s3_fs_text, float)
-    g.add_argument(
-        "--s3",
-        default="auto",
-        choices=("auto", "radosgw", "moto"),
-        help="S3 server: radosgw via tests/support/s3.py, moto_server, or auto (radosgw, else moto)",
-    )
-    workdir_text = "fs tier roots and the raw O_DIRECT files go under here (each removed after use)"
-    _add(g, "--workdir", str(REPO / "results" / "tmp"), workdir_text)
-    no_limits_text = "skip measuring memcpy, raw O_DIRECT and raw S3 GET (the physical limits)"
-    g.add_argument("--no-limits", action="store_true", help=no_limits_text)
+    _add(g, "--fs-conversations", 512, "fs tier size in RAM + fs, in conversations (with --nodes: per node)", float)
+    _add(g, "--s3-fs-conversations", 128, "fs tier size in RAM + fs + S3, in conversations", float)
+    g.add_argument("--s3", default="auto", choices=("auto", "radosgw", "moto"), help="S3 server (auto: radosgw, moto)")
+    _add(g, "--workdir", str(REPO / "results" / "tmp"), "fs tier roots and raw O_DIRECT files go here (removed after)")
+    g.add_argument("--no-limits", action="store_true", help="skip measuring memcpy, raw O_DIRECT and raw S3 GET")
     g = ap.add_argument_group("output")
     g.add_argument("--json", metavar="PATH", help="write the results as JSON")
     g.add_argument("--plot", metavar="PATH", help="write the chart (PNG) here")
-    dry_text = "print the model, the sizes and the scaling (and write them with --json), run nothing"
-    g.add_argument("--dry-run", action="store_true", help=dry_text)
+    g.add_argument("--dry-run", action="store_true", help="print the model, sizes and scaling (and --json), no run")
     nt_threshold_arg(g)
     nodes.add_arguments(ap)
     return ap
+
+
+def section(title: str, lines: list[str]) -> None:
+    print(f"\n{title}")
+    for line in lines:
+        print("  " + line)
+
+
+def write_outputs(doc: dict[str, Any], json_path: str | None, plot_path: str | None) -> None:
+    if json_path:
+        write_json(json_path, doc)
+        print(f"JSON written to {json_path}")
+    if plot_path:
+        from bench.plot import plot_multiturn
+
+        plot_multiturn(doc, plot_path)
+        print(f"plot written to {plot_path}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,21 +115,30 @@ def main(argv: list[str] | None = None) -> int:
     load_start = load_average()
     print(
         f"kvstored multi-turn benchmark{mode.title} -- {info['cpu_model']}, {info['cpus']} CPUs, "
-        f"{info['mem_total_gib']} GiB, kernel {info['kernel']}, git {info['git']}, load average {load_start:.2f}"
-        + mode.header_tail(info)
+        f"{info['mem_total_gib']} GiB, kernel {info['kernel']}, git {info['git']}, load average {load_start:.2f}, "
+        f"GLIBC_TUNABLES={info['glibc_tunables'] or '(none)'}"
     )
-    scale = scaling_lines(w, m, p.sizes, args.ram_conversations, args.fs_conversations, args.s3_fs_conversations)
-    scale = mode.scaling(scale, p)
-    for line in mode.intro() + model_lines(m, p.basis) + scale + mode.outro(p):
+    scale = mode.scaling(report.scaling_lines(p), p)
+    for line in mode.intro() + report.model_lines(m, p.basis) + scale + mode.outro(p):
         print("  " + line, flush=True)
 
     doc: dict[str, Any] = {
         "benchmark": mode.benchmark,
-        "command": command_line(argv),
+        "command": " ".join([Path(sys.executable).name, *sys.argv] if argv is None else argv),
         "machine": info,
         "workload": asdict(w),
-        "model": model_doc(m, MODELS[args.model], p.derivation, p.basis),
-        "configs": [mode.config_doc(c) for c in mode.configs],
+        "model": {
+            **asdict(m),
+            "transfer": m.transfer.value,
+            "byte_scale": m.byte_scale,
+            "spec": asdict(MODELS[args.model]),
+            "derivation": p.derivation,
+            "basis": [asdict(b) for b in p.basis],
+        },
+        "configs": [
+            {"key": c.key, "label": c.label, "tiers": list(c.tiers), **{f: getattr(c, f) for f in mode.config_flags}}
+            for c in mode.configs
+        ],
         mode.sizes_key: asdict(p.sizes),
         "sizes_in_conversations": p.sizes_conv,
         "scaling": scale,
@@ -188,45 +152,51 @@ def main(argv: list[str] | None = None) -> int:
     p.workdir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         mode.enter(stack)
-        s3, s3_note = start_sweep_s3(args.s3, mode.configs, p.counts, w, m, mode.moto, mode.s3_skipped)
+        s3, s3_note = start_sweep_s3(args.s3, p, mode.configs, mode.moto, mode.s3_skipped)
         if s3 is not None:
             stack.callback(s3.stop)
         limits = Limits(raw_tcp=[] if args.nodes > 1 else None)
         batch = w.final_tokens // w.chunk_tokens  # one load call carries at most a turn's reusable chunks
         measure = None if args.no_limits else lambda: measure_limits(limits, p.workdir, p.chunk_bytes, batch, s3)
         results, more, total_s = mode.sweep(p, s3, s3_note, measure)
-    load = load_summary(results + more, load_start, load_average())
+    load = report.load_summary(results + more, load_start, load_average())
 
     print()
-    print_results(results, mode.layout)
+    report.print_results(results, mode)
     section(mode.daemon_title, mode.daemon_lines(results))
-    for title, lines in mode.after_daemons(results, m):
-        section(title, lines)
-    limits_title = "physical limits of this machine (measured at the start and at the end of the sweep):"
-    section(limits_title, limit_lines(limits, p.chunk_bytes))
-    costs = cost_lines(results, m, limits, mode.cost_configs)
+    section(
+        "physical limits of this machine (at the start and the end of the sweep):",
+        report.limit_lines(limits, p.chunk_bytes),
+    )
+    costs = report.cost_lines(results, m, limits, mode.cost_configs)
     section("cost of a token loaded from each tier (marginal rate, at the largest count measured):", costs)
     bounds = mode.bound_lines(results, m, limits)
     section(mode.bounds_title, bounds)
-    for title, lines in mode.after_bounds(results, more):
+    for title, lines in mode.sections(results, more, m):
         section(title, lines)
-    print()
     rows = mode.target_rows(p, results, limits)
-    print_targets(rows, m.model_name + mode.title, load, info["cpus"], total_s)
-
-    doc.update(
-        {
-            "s3_server": s3_note,
-            **mode.run_doc(s3, more),
-            "results": [asdict(r) for r in results],
-            "rows": rows,
-            "targets": targets(rows),
-            "limits": limits.to_json(),
-            "tier_costs": costs,
-            "bounds": bounds,
-            "load_average": load,
-            "sweep_s": total_s,
-        }
+    print(
+        f"\ntargets and ratios ({m.model_name}{mode.title}; load average over the sweep {load['min']:.1f}-"
+        f"{load['max']:.1f}, mean {load['mean']:.1f}, on {info['cpus']} CPUs):"
     )
+    report.print_rows(rows)
+    print(f"sweep took {total_s:.0f} s; load average {load['start']:.2f} at start, {load['end']:.2f} at end")
+    targets = [
+        {"text": f"{r['name']}: {r['ratio']:.2f}x (target >= {r['target']:g}x)", "met": r["status"] == "PASS"}
+        for r in rows
+        if r["target"] is not None and r["ratio"] is not None
+    ]
+    doc |= {
+        "s3_server": s3_note,
+        **mode.run_doc(s3, more),
+        "results": [asdict(r) for r in results],
+        "rows": rows,
+        "targets": targets,
+        "limits": limits.to_json(),
+        "tier_costs": costs,
+        "bounds": bounds,
+        "load_average": load,
+        "sweep_s": total_s,
+    }
     write_outputs(doc, args.json, args.plot)
     return 0

@@ -1,13 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""KV-aware routing for `--nodes N --route kv`: each turn goes to the node that Dynamo 1.6.1's own
-router index (its standalone indexer, in the venv tests/vllm/install_dynamo.sh makes), fed by the
-daemons' ZMQ events, says holds the longest prefix of the conversation; ties, and a prompt no node
-holds, fall back to round robin.
-
-For the daemons to publish what a router indexes, every stored chunk carries vLLM's block identity
-(kvstored_client.blocks): synthetic token ids unique to the conversation, one 64-bit id per engine
-block, chained to its parent."""
+"""KV-aware routing for `--nodes N --route kv`: each turn goes to the node that Dynamo 1.6.1's standalone
+indexer (tests/vllm/install_dynamo.sh), fed by the daemons' ZMQ events, says holds the longest prefix of
+the conversation; ties, and a prompt no node holds, fall back to round robin. Every stored chunk carries
+vLLM's block identity (kvstored_client.blocks), so that the daemons publish what a router indexes."""
 
 from __future__ import annotations
 
@@ -71,6 +67,6 @@ class KvIndex:
 def choose(matched: dict[int, int], fallback: int) -> int:
     """The node with the longest match; the round-robin node on a tie with it or when none holds any."""
     best = max(matched.values(), default=0)
-    if best == 0 or matched.get(fallback, 0) == best:
-        return fallback
-    return min(i for i, v in matched.items() if v == best)
+    return (
+        fallback if best == 0 or matched.get(fallback, 0) == best else min(i for i, v in matched.items() if v == best)
+    )

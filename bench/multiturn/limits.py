@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""The physical limits under each tier, measured at the start and at the end of a sweep: memcpy of
-2 MiB pieces, raw O_DIRECT reads with the fs tier's threads (streaming, and one load call's chunks
-at a time), raw GETs against the sweep's S3 server; with --nodes, a raw TCP socket on loopback beside the peer tier."""
+"""The physical limits under each tier, measured at the start and the end of a sweep: memcpy, raw O_DIRECT
+reads, raw S3 GETs; with --nodes, a raw TCP socket on loopback beside the peer tier."""
 
 from __future__ import annotations
 
@@ -44,9 +43,7 @@ class Limits:
         return {**fields, "medians": {k: self.median(k) for k in LIMIT_KEYS}}
 
 
-def odirect_reads(
-    workdir: Path, chunk_bytes: int, batch: int, total: int, rounds: int
-) -> tuple[list[float], list[float]]:
+def odirect_reads(workdir: Path, chunk_bytes: int, batch: int, total: int, rounds: int) -> tuple[list, list]:
     """GiB/s reading one file per chunk: all queued at once, and `batch` at a time (the loader's pattern)."""
     n = total // chunk_bytes
     files = ODirectFiles(workdir, n, chunk_bytes, FS_IO_THREADS)

@@ -1,35 +1,32 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""The multi-turn benchmark's workload, configurations and modelled model (its presets and every
-figure derived from them, each with its basis)."""
+"""The multi-turn benchmark's workload, configurations and modelled model (presets, derived figures)."""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench.lib.report import GIB, MIB, fmt_bytes
 
 TIERS = ("gpu", "ram", "fs", "s3")  # where a reusable chunk was found
 VOCAB = 128_256  # token ids are synthetic (only their hashes matter): any vocabulary size will do
 HEADER = 48  # bytes of each stored chunk that identify it: key (32) + conversation (8) + index (8)
-TARGET_HIT = 0.90  # RAM + fs at the largest count: overall hit rate of reusable tokens
-TARGET_VS_NONE = 2.0  # RAM + fs at the largest count: modelled throughput vs no offload
-TARGET_VS_RAM = 1.5  # RAM + fs at the largest count: modelled throughput vs the RAM tier alone
+# RAM + fs at the largest count: hit rate of reusable tokens, modelled throughput vs no offload and vs RAM alone
+TARGET_HIT = 0.90
+TARGET_VS_NONE = 2.0
+TARGET_VS_RAM = 1.5
 COST_WINDOW = 64  # load calls per tier over which the cost per byte is a running median
 FS_IO_THREADS = 8  # the fs tier's default io_threads: the raw O_DIRECT baseline uses as many
 S3_INFLIGHT = 16  # the S3 tier's default max_concurrency: the raw GET baseline keeps as many in flight
 
 
-# -- configurations: which kvstored tiers sit under the modelled GPU ------------------------------
-
-
 @dataclass(frozen=True)
 class Config:
-    """One configuration of the comparison (with --nodes: a set-up of every node). `lower` lists the
-    kvstored tiers under the RAM tier, in chain order, each with the Sizes field that bounds it ("" for
-    the peer tier, which holds nothing itself); a new tier kind is a new row here plus an entry in TIER_SPECS."""
+    """One configuration (with --nodes: a set-up of every node). `lower`: the tiers under RAM, in chain
+    order, each with the Sizes field that bounds it ("" for the peer tier, which holds nothing itself)."""
 
     key: str
     label: str
@@ -46,7 +43,7 @@ class Config:
         return ("gpu",) + (("ram", *(kind for kind, _ in self.lower)) if self.offload else ())
 
     def uses(self, kind: str) -> bool:
-        return any(k == kind for k, _ in self.lower)
+        return kind in (k for k, _ in self.lower)
 
 
 CONFIGS = (
@@ -62,9 +59,6 @@ NO_GATE = Config(
 SLOW_DISK = (CONFIGS[1], CONFIGS[2], NO_GATE)
 CONFIG_BY_KEY = {c.key: c for c in (*CONFIGS, NO_GATE)}
 CONFIG_LABELS = {c.key: c.label for c in CONFIG_BY_KEY.values()}
-
-
-# -- parameters ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -98,16 +92,10 @@ class Workload:
 
     @property
     def mean_new_token_context(self) -> float:
-        """Mean position of the tokens a turn computes when its history is cached (turn 1: all of
-        it; later turns: the appended tokens), weighted by tokens: the context their attention
-        spans (20,480 with the default shape)."""
-        total = weighted = 0.0
-        for turn in range(1, self.turns + 1):
-            start = self.prompt_tokens(turn - 1) if turn > 1 else 0
-            end = self.prompt_tokens(turn)
-            total += end - start
-            weighted += (end - start) * (start + end) / 2
-        return weighted / total
+        """Mean position of the tokens a turn computes with its history cached (turn 1: all of it), weighted
+        by tokens: the context their attention spans (20,480 with the default shape)."""
+        spans = [(self.prompt_tokens(t - 1) if t > 1 else 0, self.prompt_tokens(t)) for t in range(1, self.turns + 1)]
+        return sum((end - start) * (start + end) / 2 for start, end in spans) / sum(e - s for s, e in spans)
 
 
 @dataclass(frozen=True)
@@ -169,8 +157,7 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_gpu(self) -> float:
-        """What vLLM leaves for the KV cache on each GPU: HBM x gpu_memory_utilization, minus the
-        weights' share and the runtime reserve."""
+        """vLLM's KV cache per GPU: HBM x gpu_memory_utilization - the weights' share - the runtime reserve."""
         hbm = self.gpu.hbm_bytes
         return hbm * self.gpu_memory_utilization - self.weight_bytes_per_gpu - hbm * self.runtime_reserve
 
@@ -220,10 +207,9 @@ MODELS = {
 DEFAULT_MODEL = "qwen3.6-35b-a3b"
 
 
-class Transfer(enum.Enum):
-    """How the modelled engine moves chunks to and from kvstored: as vLLM's tier (mode 1) does,
-    through a registered region (StoreFromRegion, LoadToRegion after a REGION lookup), or as the
-    direct spec (mode 2) does, through the pool mapping (Reserve/Commit, Acquire/Release)."""
+class Transfer(enum.StrEnum):
+    """How the engine moves chunks: as vLLM's tier (mode 1), through a registered region, or as the
+    direct spec (mode 2), through the pool mapping."""
 
     REGION = "region"
     POOL = "pool"
@@ -240,7 +226,7 @@ class Model:
     gpu_tokens: int
     serial_loads: bool = False
     model_key: str = ""
-    transfer: Transfer = field(default_factory=lambda: Transfer.REGION)
+    transfer: Transfer = Transfer.REGION
     register_rates: bool = False  # tell the daemon the prefill rate (its recompute gate then applies)
 
     @property
@@ -252,6 +238,11 @@ class Model:
     def byte_scale(self) -> float:
         return self.model_kv_bytes_per_token / self.kv_bytes_per_token
 
+    @property
+    def breakeven_gib_s(self) -> float:
+        """KV bytes/token x prefill rate: a tier that loads slower costs more per token than recomputing."""
+        return self.model_kv_bytes_per_token * self.prefill_tokens_per_s / GIB
+
 
 @dataclass(frozen=True)
 class Basis:
@@ -262,79 +253,56 @@ class Basis:
     basis: str
 
 
-def derive_model(
-    spec: ModelSpec,
-    w: Workload,
-    kv_bytes_per_token: int,
-    serial_loads: bool,
-    model_kv_bytes_per_token: int | None = None,
-    prefill_tokens_per_s: float | None = None,
-    gpu_tokens: int | None = None,
-    gpu_conversations: float | None = None,
-) -> tuple[Model, list[Basis], dict[str, float]]:
-    """The simulation's figures from the preset, each with its basis; None: derive it. Returns the
-    model, the basis lines and the derivation's numbers (for the JSON)."""
-    ctx = w.mean_new_token_context
-    gpus = f"{spec.gpus}x {spec.gpu.name}" + (f" (TP={spec.gpus})" if spec.gpus > 1 else "")
-    kv = spec.kv_bytes_per_token
+def derive_model(spec: ModelSpec, w: Workload, args: Any) -> tuple[Model, list[Basis], dict[str, float]]:
+    """The simulation's figures from the preset, each with its basis, unless the flags in `args` give them.
+    Returns the model, the basis lines and the derivation's numbers (for the JSON)."""
+    ctx, hbm, gpus = w.mean_new_token_context, spec.gpu.hbm_bytes, spec.gpus
+    kv = args.model_kv_bytes_per_token or spec.kv_bytes_per_token
     kv_basis = (
         f"{spec.attention_layers} of {spec.layers} layers attend x (K, V) x {spec.kv_heads} KV heads x "
         f"{spec.head_dim} dims x {spec.kv_dtype_bytes} B" + (f"; {spec.not_per_token}" if spec.not_per_token else "")
     )
-    if model_kv_bytes_per_token:
-        kv_basis = f"--model-kv-bytes-per-token (the preset's: {kv:,} = {kv_basis})"
-        kv = model_kv_bytes_per_token
+    if args.model_kv_bytes_per_token:
+        kv_basis = f"--model-kv-bytes-per-token (the preset's: {spec.kv_bytes_per_token:,} = {kv_basis})"
     flops = spec.flops_per_token(ctx)
-    peak = spec.gpus * spec.gpu.bf16_dense_flops
+    peak = gpus * spec.gpu.bf16_dense_flops
     estimate = spec.estimated_prefill(ctx)
-    rate = prefill_tokens_per_s or spec.prefill_tokens_per_s
+    rate = args.prefill_tokens_per_s or spec.prefill_tokens_per_s
     arithmetic = (
         f"FLOPs/token = 2 x {spec.active_params / 1e9:g}B active params + {spec.attention_layers} attention "
         f"layers x 4 x {spec.q_heads} query heads x {spec.head_dim} dims x {ctx:,.0f} tokens of mean context "
         f"= {2 * spec.active_params / 1e9:.2f} + {spec.attention_flops_per_token(ctx) / 1e9:.2f} = "
-        f"{flops / 1e9:.2f} GFLOP; {spec.gpus} x {spec.gpu.bf16_dense_flops / 1e12:,.0f} TFLOP/s bf16 dense "
+        f"{flops / 1e9:.2f} GFLOP; {gpus} x {spec.gpu.bf16_dense_flops / 1e12:,.0f} TFLOP/s bf16 dense "
         f"x {100 * spec.mfu:.0f}% MFU ({spec.mfu_basis}) = {peak * spec.mfu / 1e12:,.0f} TFLOP/s -> "
         f"{estimate:,.0f} tokens/s"
     )
-    if prefill_tokens_per_s:
-        prefill_basis = f"--prefill-tokens-per-s (the preset's estimate: {arithmetic})"
-    else:
+    prefill_basis = f"--prefill-tokens-per-s (the preset's estimate: {arithmetic})"
+    if not args.prefill_tokens_per_s:
         prefill_basis = (
-            f"{arithmetic}; {spec.prefill_basis}: {100 * spec.implied_mfu(rate, ctx):.1f}% MFU; "
-            f"the mean context is the workload's (one rate for every turn: a recomputed history "
-            f"attends over less)"
+            f"{arithmetic}; {spec.prefill_basis}: {100 * spec.implied_mfu(rate, ctx):.1f}% MFU; the mean context "
+            "is the workload's (one rate for every turn: a recomputed history attends over less)"
         )
     per_gpu = spec.kv_bytes_per_gpu
-    budget = per_gpu * spec.gpus
-    hbm = spec.gpu.hbm_bytes
-    derived_tokens = int(budget // kv)
-    capacity_arithmetic = (
+    derived = int(per_gpu * gpus // kv)
+    capacity_basis = (
         f"per GPU: {spec.gpu_memory_utilization:g} (gpu_memory_utilization) x {hbm / GIB:.1f} GiB HBM - "
         f"{spec.weight_bytes_per_gpu / GIB:.1f} GiB weights ({spec.params / 1e9:g}B params x "
-        f"{spec.weight_bytes_per_param} B / {spec.gpus} GPU{'s' if spec.gpus > 1 else ''}) - "
+        f"{spec.weight_bytes_per_param} B / {gpus} GPU{'s' if gpus > 1 else ''}) - "
         f"{spec.runtime_reserve * hbm / GIB:.1f} GiB reserve ({100 * spec.runtime_reserve:.0f}% of HBM: activations, "
-        f"CUDA graphs, NCCL, context) = {per_gpu / GIB:.1f} GiB; x {spec.gpus} / {kv:,} B/token"
+        f"CUDA graphs, NCCL, context) = {per_gpu / GIB:.1f} GiB; x {gpus} / {kv:,} B/token"
     )
-    if gpu_tokens:
-        tokens, capacity_basis = gpu_tokens, f"--gpu-tokens (derived: {derived_tokens:,}: {capacity_arithmetic})"
-    elif gpu_conversations:
-        tokens = int(gpu_conversations * w.final_tokens)
-        capacity_basis = (
-            f"--gpu-conversations {gpu_conversations:g} (derived: {derived_tokens:,}: {capacity_arithmetic})"
-        )
-    else:
-        tokens, capacity_basis = derived_tokens, capacity_arithmetic
-    overridden = [
-        flag
-        for flag, v in (
-            ("KV bytes/token", model_kv_bytes_per_token),
-            ("prefill", prefill_tokens_per_s),
-            ("GPU cache", gpu_tokens or gpu_conversations),
-        )
-        if v
-    ]
-    name = f"{spec.name} on {gpus}" + (f" ({', '.join(overridden)} overridden)" if overridden else "")
-    m = Model(name, kv, kv_bytes_per_token, rate, tokens, serial_loads, spec.key)
+    tokens = derived
+    if args.gpu_tokens:
+        tokens, capacity_basis = args.gpu_tokens, f"--gpu-tokens (derived: {derived:,}: {capacity_basis})"
+    elif args.gpu_conversations:
+        tokens = int(args.gpu_conversations * w.final_tokens)
+        capacity_basis = f"--gpu-conversations {args.gpu_conversations:g} (derived: {derived:,}: {capacity_basis})"
+    overrides = (args.model_kv_bytes_per_token, args.prefill_tokens_per_s, args.gpu_tokens or args.gpu_conversations)
+    overridden = [name for name, v in zip(("KV bytes/token", "prefill", "GPU cache"), overrides) if v]
+    on = f"{gpus}x {spec.gpu.name}" + (f" (TP={gpus})" if gpus > 1 else "")
+    name = f"{spec.name} on {on}" + (f" ({', '.join(overridden)} overridden)" if overridden else "")
+    m = Model(name, kv, args.kv_bytes_per_token, rate, tokens, args.serial_loads, spec.key, args.transfer)
+    real = args.kv_bytes_per_token
     basis = [
         Basis("KV bytes/token", f"{kv:,} B", kv_basis),
         Basis("prefill", f"{rate:,.0f} tokens/s", prefill_basis),
@@ -343,17 +311,12 @@ def derive_model(
             f"{tokens:,} tokens = {tokens / w.final_tokens:.1f} conversations",
             f"{capacity_basis}; conversations at their last turn ({w.final_tokens:,} tokens)",
         ),
-        Basis(
-            "break-even load rate",
-            f"{kv * rate / GIB:.2f} GiB/s",
-            "KV bytes/token x prefill rate: a tier that loads slower costs more per token than recomputing",
-        ),
+        Basis("break-even load rate", f"{m.breakeven_gib_s:.2f} GiB/s", "KV bytes/token x prefill rate"),
         Basis(
             "byte scale",
             f"x{m.byte_scale:g}",
-            f"--kv-bytes-per-token {kv_bytes_per_token} really move (a {w.chunk_tokens}-token chunk is "
-            f"{fmt_bytes(w.chunk_tokens * kv_bytes_per_token)} instead of {fmt_bytes(w.chunk_tokens * kv)}); each "
-            f"tier's measured cost per byte is charged x{m.byte_scale:g}",
+            f"--kv-bytes-per-token {real} really move (a {w.chunk_tokens}-token chunk is "
+            f"{fmt_bytes(w.chunk_tokens * real)} instead of {fmt_bytes(w.chunk_tokens * kv)})",
         ),
     ]
     numbers = {
@@ -367,10 +330,10 @@ def derive_model(
         "weight_bytes_per_gpu": spec.weight_bytes_per_gpu,
         "reserve_bytes_per_gpu": spec.runtime_reserve * hbm,
         "kv_cache_bytes_per_gpu": per_gpu,
-        "kv_cache_bytes": budget,
-        "derived_gpu_tokens": derived_tokens,
-        "derived_gpu_conversations": derived_tokens / w.final_tokens,
-        "breakeven_gib_s": kv * rate / GIB,
+        "kv_cache_bytes": per_gpu * gpus,
+        "derived_gpu_tokens": derived,
+        "derived_gpu_conversations": derived / w.final_tokens,
+        "breakeven_gib_s": m.breakeven_gib_s,
     }
     return m, basis, numbers
 

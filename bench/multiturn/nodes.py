@@ -12,22 +12,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from bench.multiturn.kvroute import KvIndex, choose, token_ids
 from bench.multiturn.model import Config, Model, Workload
 from bench.multiturn.offload import Offload
-from bench.multiturn.sim import Lane, Simulation, TurnRecord, run_clock
+from bench.multiturn.sim import Lane, Segments, Simulation, TurnRecord, run_clock
 
 NODE_TIERS = ("gpu", "ram", "fs", "peer", "s3")  # where a reusable chunk was found
-LOADED_TIERS = NODE_TIERS[1:]
 TARGET_HIT_POINTS = 5.0  # the directory's hit rate at most this far below one node with the fleet's RAM + fs
 TARGET_VS_ISLANDS = 1.3  # peers vs the same nodes without peers, at the largest count
 RAM_CONVERSATIONS = 64.0  # per node by default: three nodes' pools and radosgw's memstore fit a 24 GiB machine
 S3_SETTLE_BOUND_S = 3.0  # the longest wait for a node's S3 write-throughs before a lookup elsewhere
 ROUTING = "round robin: turn t of conversation c on node (c + t - 1) mod N (no KV awareness)"
-
-
 CONFIGS = (
     Config("none", "no offload", offload=False),
     Config("ram+fs", "islands: RAM + fs", (("fs", "fs_bytes"),)),
@@ -48,32 +43,26 @@ LABELS = {c.key: c.label for c in CONFIG_BY_KEY.values()}
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group(
         "several nodes (bench/multiturn/nodes.py)",
-        "--nodes N runs N real daemons, one per modelled GPU node; each turn of a conversation goes to the next node "
-        "round-robin (no KV awareness). Compared: no offload, islands (each node RAM + fs, no peers), RAM + fs + "
-        "peers (the other nodes' daemons), RAM + fs + one shared S3 bucket; hit rates per tier, PEER included",
+        "--nodes N: N real daemons, one per modelled GPU node, each turn on the next node round-robin (no KV "
+        "awareness). Compared: no offload, islands (each node RAM + fs, no peers), RAM + fs + peers, RAM + fs + "
+        "one shared S3 bucket; hit rates per tier, PEER included",
     )
-    g.add_argument(
-        "--directory",
-        action="store_true",
-        help="the fleet directory instead: a real Redis Cluster (3 masters, 3 replicas on loopback, "
-        "tests/support/redis_cluster.py), daemons with no static peers; compared: no offload, islands, "
-        f"RAM + fs + directory, and one node with the fleet's total RAM + fs (set-ups {', '.join(DIRECTORY_KEYS)})",
+    directory = (
+        "the fleet directory instead: a real Redis Cluster on loopback, daemons with no static peers; compared: "
     )
+    directory += (
+        f"no offload, islands, RAM + fs + directory, one node with the fleet's RAM + fs ({', '.join(DIRECTORY_KEYS)})"
+    )
+    g.add_argument("--directory", action="store_true", help=directory)
     g.add_argument("--nodes", type=int, default=1, help="modelled GPU nodes, each with its own daemon (1: one node)")
-    transport_text = "the peer tier's data plane on loopback (tcp: the faster one on these machines)"
-    g.add_argument("--peer-transport", default="tcp", choices=("tcp", "ucx", "auto"), help=transport_text)
-    g.add_argument(
-        "--route",
-        default="rr",
-        choices=("rr", "kv"),
-        help="kv: also run every set-up with each turn routed by Dynamo's KV indexer (fed by the daemons' ZMQ "
-        "events; its venv: tests/vllm/install_dynamo.sh) and compare it with round robin",
+    transport = "the peer tier's data plane on loopback (tcp: the faster one here)"
+    g.add_argument("--peer-transport", default="tcp", choices=("tcp", "ucx", "auto"), help=transport)
+    route = (
+        "kv: also route each turn by Dynamo's KV indexer (tests/vllm/install_dynamo.sh) and compare with round robin"
     )
-    settle_text = (
-        "wall seconds a turn's stores get to reach the other nodes (peer index, shared bucket) "
-        "before the conversation's next turn looks them up: the model clock's think time"
-    )
-    g.add_argument("--settle-s", type=float, default=0.2, help=settle_text)
+    g.add_argument("--route", default="rr", choices=("rr", "kv"), help=route)
+    settle = "wall seconds a turn's stores get to reach the other nodes before the next turn looks them up"
+    g.add_argument("--settle-s", type=float, default=0.2, help=settle)
 
 
 PEER_COUNTERS = (
@@ -85,40 +74,24 @@ PEER_COUNTERS = (
 def peer_counters(status: Any) -> dict[str, int]:
     """One node's view of its peers, summed over them, and what it served them."""
     out = {k: sum(int(getattr(p, k)) for p in status.peers) for k in PEER_COUNTERS}
-    out.update(
-        served_chunks=int(status.served_chunks),
-        served_bytes=int(status.served_bytes),
-        refused_chunks=int(status.refused_chunks),
-    )
-    return out
-
-
-# -- the modelled cluster -------------------------------------------------------------------------
+    return out | {k: int(getattr(status, k)) for k in ("served_chunks", "served_bytes", "refused_chunks")}
 
 
 PREFETCHED_BY_LOOKUP = ("fs", "peer")  # tiers whose lookup asks only an in-memory index, then starts the reads
 
 
 class NodeSim(Simulation):
-    """One node: its GPU cache, its daemon, its loader's cost windows (multiturn's Simulation),
-    storing what it computes when it computes it instead of what its GPU evicts.
-
-    A lookup starts reading the hits below RAM at once (the daemon's prefetch), so part of their
-    transfer happens while the lookup is measured, which the model would charge once instead of
-    x the byte scale. For the fs and peer tiers, whose lookup itself is an index look-up, a
-    lookup's time beyond `lookup_floor_s` (a lookup of RAM-resident keys, measured at the start;
-    with the directory, of keys nobody holds: its round trip is per lookup, not per byte)
-    is therefore moved to those tiers' load calls (by chunks) before they are charged. Not with an
-    S3 tier under them: there a lookup's own time is mostly its HEAD requests, charged as measured
-    (so the shared-bucket set-up keeps that bias, in its favour)."""
+    """One node (multiturn's Simulation), storing what it computes when it computes it, not what its GPU
+    evicts. A lookup starts reading fs and peer hits at once, so its time beyond `lookup_floor_s` (measured
+    at the start) is moved to those tiers' load calls, charged x the byte scale; not with S3 under them
+    (there a lookup is mostly HEAD requests). See docs/benchmarks.md (several nodes)."""
 
     lookup_floor_s = 0.0
     move_lookup_excess = True
     moved_s = 0.0  # lookup time charged to fs/peer load calls instead
+    hit_tiers = NODE_TIERS
 
-    def _segments(
-        self, lookup_s: float, segments: Sequence[tuple[str, float, int]]
-    ) -> tuple[float, list[tuple[str, float, int]]]:
+    def _segments(self, lookup_s: float, segments: Segments) -> tuple[float, Segments]:
         lower = sum(n for tier, _, n in segments if tier in PREFETCHED_BY_LOOKUP)
         excess = lookup_s - self.lookup_floor_s
         if not self.move_lookup_excess or not lower or excess <= 0:
@@ -127,8 +100,6 @@ class NodeSim(Simulation):
         return self.lookup_floor_s, [
             (t, s + excess * n / lower if t in PREFETCHED_BY_LOOKUP else s, n) for t, s, n in segments
         ]
-
-    hit_tiers = NODE_TIERS
 
     def store_after(self, keys: Sequence[bytes], conv: int, cached: int) -> None:
         self.gpu.admit(keys, conv)  # what it evicts was stored when it was computed
@@ -145,49 +116,23 @@ class StoreMark:
     s3_written: int  # the node's S3 write-throughs (done or given up) that cover them
 
 
-@dataclass
-class Settling:
-    waits: int = 0
-    seconds: float = 0.0
-    s3_timeouts: int = 0
-
-
 class ClusterSim:
-    """N NodeSims on one model clock; arrivals routed round robin."""
+    """N NodeSims on one model clock; arrivals routed round robin, or with `kv` by that index (kvroute.py).
+    s3_written: node -> its S3 tier's writes done or given up (with a shared bucket), `s3_target` before."""
 
-    def __init__(
-        self,
-        w: Workload,
-        m: Model,
-        conversations: int,
-        offloads: Sequence[Offload | None],
-        settle_s: float,
-        s3_written: Callable[[int], int] | None = None,
-        s3_base: Sequence[int] = (),
-        kv: KvIndex | None = None,
-    ) -> None:
-        """s3_written: node -> its S3 tier's writes done or given up (with a shared bucket), which
-        were `s3_base` before the run. kv: route each turn by that index (kvroute.py), not round robin."""
-        self.kv = kv
-        self.kv_routed = 0  # turns the index sent elsewhere than round robin would
-        self.w, self.m, self.n = w, m, conversations
-        self.nodes = [NodeSim(w, m, conversations, o) for o in offloads]
+    def __init__(self, w: Workload, m: Model, n: int, offloads: Sequence[Offload | None], settle_s: float) -> None:
+        self.w, self.m, self.n, self.settle_s = w, m, n, settle_s
+        self.nodes = [NodeSim(w, m, n, o) for o in offloads]
         self.lanes = [Lane() for _ in self.nodes]
-        self.settle_s = settle_s
-        self.s3_written = s3_written
-        self.s3_target = dict(enumerate(s3_base))  # per node: writes its stores so far asked of S3
+        self.starts, self.thinks = self.nodes[0].starts, self.nodes[0].thinks
+        self.kv: KvIndex | None = None
+        self.kv_routed = 0  # turns the index sent elsewhere than round robin would
+        self.s3_written: Callable[[int], int] | None = None
+        self.s3_target: dict[int, int] = {}  # per node: writes its stores so far asked of S3
         self.marks: dict[int, StoreMark] = {}
-        self.settling = Settling()
+        self.settling = {"waits": 0, "seconds": 0.0, "s3_timeouts": 0}
         self.records: list[TurnRecord] = []
         self.makespan = 0.0
-
-    @property
-    def starts(self) -> np.ndarray:
-        return self.nodes[0].starts
-
-    @property
-    def thinks(self) -> np.ndarray:
-        return self.nodes[0].thinks
 
     def route(self, conv: int, turn: int) -> int:
         rr = (conv + turn - 1) % len(self.nodes)
@@ -207,25 +152,20 @@ class ClusterSim:
         if mark is None or mark.node == rec.node:
             return
         t0 = time.perf_counter()
-        if mark.wall + self.settle_s > t0:
-            time.sleep(mark.wall + self.settle_s - t0)
-        if self.s3_written is not None:
-            deadline = time.perf_counter() + S3_SETTLE_BOUND_S
-            while True:
-                if self.s3_written(mark.node) >= mark.s3_written:
-                    break
-                if time.perf_counter() > deadline:  # e.g. a write-down found the object there: not counted
-                    self.settling.s3_timeouts += 1
-                    break
-                time.sleep(0.005)
-        waited = time.perf_counter() - t0
-        if waited > 1e-4:
-            self.settling.waits += 1
-            self.settling.seconds += waited
+        time.sleep(max(0.0, mark.wall + self.settle_s - t0))
+        deadline = time.perf_counter() + S3_SETTLE_BOUND_S
+        while self.s3_written is not None and self.s3_written(mark.node) < mark.s3_written:
+            if time.perf_counter() > deadline:  # e.g. a write-down found the object there: not counted
+                self.settling["s3_timeouts"] += 1
+                break
+            time.sleep(0.005)
+        if (waited := time.perf_counter() - t0) > 1e-4:
+            self.settling["waits"] += 1
+            self.settling["seconds"] += waited
 
     def serve(self, rec: TurnRecord) -> float:
-        """The turn reaches its node's loader (NodeSim.serve_load), once the previous turn's
-        stores have settled; then this turn's stores are marked."""
+        """The turn reaches its node's loader (NodeSim.serve_load) once the previous turn's stores have
+        settled; then this turn's stores are marked."""
         node = self.nodes[rec.node]
         self.settle(rec)
         offload = node.offload

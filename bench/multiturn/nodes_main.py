@@ -11,37 +11,179 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from bench.lib.report import fmt_bytes
 from bench.lib.s3 import S3
 from bench.multiturn.kvroute import ROUTING as KV_ROUTING
 from bench.multiturn.limits import Limits
-from bench.multiturn.model import Config, Model
-from bench.multiturn.nodes import CONFIG_BY_KEY, CONFIG_KEYS, CONFIGS, DIRECTORY_KEYS, ROUTING
-from bench.multiturn.nodes_report import (
-    NODES,
-    bound_lines,
-    daemon_lines,
-    gate_line,
-    progress,
-    route_lines,
-    target_rows,
+from bench.multiturn.model import TARGET_HIT, Config, Model, Plan
+from bench.multiturn.nodes import (
+    CONFIG_BY_KEY,
+    CONFIG_KEYS,
+    CONFIGS,
+    DIRECTORY_KEYS,
+    LABELS,
+    NODE_TIERS,
+    ROUTING,
+    TARGET_HIT_POINTS,
+    TARGET_VS_ISLANDS,
 )
 from bench.multiturn.nodes_run import NodesRunResult, run_one
-from bench.multiturn.plan import OneNode, Plan, select_configs, sweep
+from bench.multiturn.plan import OneNode, select_configs, sweep
+from bench.multiturn.report import RAW, TargetRows, problems, tier_counters, tier_limit
 from bench.multiturn.runs import DIRECTORY_OPTIONS
 from tests.support.redis_cluster import RedisCluster
 
 DIRECTORY_CLUSTER = "a real Redis Cluster, 3 masters and 3 replicas on loopback (tests/support/redis_cluster.py)"
+MEASURED = ["hit rates per tier (checked bytes)", "load and store times", "Stats and Peer Status", "physical limits"]
+MODELLED = ["each node's GPU, prefill and loader (the model above)", "throughput, TTFT and busy shares"]
 
-MEASURED = [
-    "hit rates per tier: each node's Lookup, tier per key, and what its loads returned (checked bytes)",
-    "load and store times of the real daemons (client side), their Stats and Peer Status counters",
-    "physical limits: memcpy, raw O_DIRECT, raw GET, raw TCP on loopback; the load average",
-]
-MODELLED = [
-    "each node's GPU: prefix cache, prefill rate, loader beside it (multiturn's model, printed with its basis)",
-    "throughput, time to first token, busy shares: on the model clock, charged the measured load costs x the "
-    "byte scale",
-]
+
+def progress(r: NodesRunResult) -> str:
+    """One run's line as the sweep goes."""
+    skipped = sum(r.gate_skipped.values())
+    return (
+        f"hit {100 * r.hit_rate_overall:.1f}% (peer {100 * r.hit_rate['peer']:.1f}%"
+        + (f"; {100 * skipped:.1f}% skipped as slower than recomputing" if skipped else "")
+        + f")  {r.throughput_tokens_s:,.0f} tokens/s  wall {r.wall_s:.1f} s  load {r.load_average[1]:.1f}"
+    )
+
+
+def gate_line(m: Model) -> str:
+    """What the daemons are told about recomputing (--register-rates)."""
+    if not m.register_rates:
+        return (
+            f"recompute gate: no prefill rate registered (--register-rates: break-even {m.breakeven_gib_s:.2f} GiB/s)"
+        )
+    return (
+        f"recompute gate: every node's namespace registers {m.gate_prefill_tokens_per_s:,.0f} prefill tokens/s of "
+        f"{m.kv_bytes_per_token} real bytes (the model's {m.prefill_tokens_per_s:,.0f} x "
+        f"{m.model_kv_bytes_per_token:,} bytes: break-even {m.breakeven_gib_s:.2f} GiB/s)"
+    )
+
+
+def route_lines(rr: Sequence[NodesRunResult], kv: Sequence[NodesRunResult]) -> list[str]:
+    """Each set-up at each count, both routings: hit rates per tier, peer fetches, throughput."""
+    by_key = {(r.config, r.conversations): r for r in rr}
+    lines = []
+    for k in kv:
+        where = f"{LABELS[k.config]}, {k.conversations} conversations"
+        r = by_key.get((k.config, k.conversations))
+        if r is None or r.skipped or k.skipped:
+            lines.append(f"{where}: skipped ({k.skipped or r and r.skipped})")
+            continue
+        for name, x in (("round robin", r), ("KV-aware", k)):
+            tiers = "  ".join(f"{t} {100 * x.hit_rate.get(t, 0.0):.1f}%" for t in NODE_TIERS)
+            lines.append(
+                f"{where}, {name:<11}: hit {100 * x.hit_rate_overall:.1f}% ({tiers}); peer fetches "
+                f"{x.peers.get('fetches', 0)} ({x.peers.get('received_chunks', 0)} chunks); "
+                f"{x.throughput_tokens_s:,.0f} tokens/s"
+                + (f"; {x.kv_routed} turns routed off round robin" * (x.route == "kv"))
+            )
+    return lines
+
+
+def daemon_lines(results: Sequence[Any]) -> list[str]:
+    lines = []
+    for r in (r for r in results if not r.skipped and r.daemon):
+        parts = tier_counters(r)
+        if p := r.peers:
+            parts.append(
+                f"peers: {p['fetches']} fetches, {p['received_chunks']} chunks in ({fmt_bytes(p['received_bytes'])}), "
+                f"served {p['served_chunks']}, missing {p['missing_chunks']}, failed {p['failed_chunks']}, timed out "
+                f"{p['timed_out_chunks']}, breaker refusals {p['refused_by_breaker']}, resyncs {p['resyncs']}"
+            )
+        if r.slow_gib_s:
+            slow = (
+                f"{t} {r.marginal_gib_s.get(t, 0):.2f} / {r.slow_gib_s[t]:.2f}" for t in NODE_TIERS if t in r.slow_gib_s
+            )
+            parts.append("load calls' marginal GiB/s median / slowest decile: " + ", ".join(slow))
+        st, se = r.store, r.settle
+        lines.append(
+            f"{LABELS[r.config]:>20} {r.conversations:>4}: {'; '.join(parts)} | client stores {st['stored']} new, "
+            f"{st['already_present']} present, {st['dropped']} dropped | lookup p50 {r.lookup_ms_p50:.2f} ms (floor "
+            f"{r.lookup_floor_ms:.2f}; {r.lookup_moved_s:.1f} s moved to fs/peer loads), call floor "
+            f"{r.load_call_floor_ms:.2f} ms x {r.load_calls} | settled {se['waits']} turns, {se['seconds']:.1f} s"
+            + (f", {se['s3_timeouts']} S3 waits gave up" if se["s3_timeouts"] else "")
+            + problems(r)
+        )
+    return lines
+
+
+def target_rows(results: Sequence[NodesRunResult], m: Model, limits: Limits, n: int) -> TargetRows:
+    """The targets at the largest count and the informational ratios."""
+    rows = TargetRows()
+    runs = {(r.config, r.conversations): r for r in results if not r.skipped}
+    top = max((r.conversations for r in results), default=0)
+    none, islands, peers, s3, fleet, pooled = (runs.get((c, top)) for c in (*CONFIG_KEYS, "ram+fs+dir", "pooled"))
+    where = f"{n} nodes, {top} conversations"
+    if peers is not None:
+        p = peers.peers
+        lost = f"missing {p.get('missing_chunks', 0)}, failed {p.get('failed_chunks', 0)}, timed out "
+        limit = f"peer {100 * peers.hit_rate['peer']:.0f}% of reusable tokens; {lost}{p.get('timed_out_chunks', 0)}"
+        rows.add(
+            f"peers: hit rate, {where}",
+            peers.hit_rate_overall,
+            "share",
+            ("all reusable tokens", 1.0),
+            TARGET_HIT,
+            limit,
+        )
+        peer_limit = tier_limit(peers, "peer", limits, m)
+        if islands is not None:  # no makespan is shorter than the think floor
+            limit = (
+                f"{peer_limit}; makespan {peers.makespan_s:,.0f} s, the conversations' own start and think times "
+                f"{peers.think_floor_s:,.0f} s: at most {islands.makespan_s / peers.think_floor_s:.2f}x"
+            )
+            rows.vs(f"peers vs islands (no peers), {where}", peers, "islands", islands, TARGET_VS_ISLANDS, limit)
+        if none is not None:
+            rows.vs(f"peers vs no offload, {where}", peers, "no offload", none, None, peer_limit)
+    if fleet is not None and pooled is not None:
+        # found: the hits, and those the recompute gate answered as misses (none without --register-rates)
+        gated = "".join(
+            f"; {name} served {100 * r.hit_rate_overall:.1f}%, {100 * sum(r.gate_skipped.values()):.1f}% skipped "
+            "as slower than recomputing"
+            for name, r in (("directory", fleet), ("one node", pooled))
+            if r.gate_skipped
+        )
+        found, pooled_found = 100 * fleet.found_rate, 100 * pooled.found_rate
+        limit = (
+            f"{pooled_found - found:.1f} points below it (directory {found:.1f}%, one node {pooled_found:.1f}%); "
+            f"peer {100 * fleet.hit_rate['peer']:.0f}% of reusable tokens{gated}"
+        )
+        baseline = (f"that node's, less {TARGET_HIT_POINTS:g} points", pooled.found_rate - TARGET_HIT_POINTS / 100)
+        name = f"directory: hit rate vs one node with the fleet's RAM + fs, {where}"
+        rows.add(name, fleet.found_rate, "share", baseline, 1.0, limit)
+    if fleet is not None and islands is not None:
+        cap = f"; think time caps it at {islands.makespan_s / fleet.think_floor_s:.2f}x"
+        limit = tier_limit(fleet, "peer", limits, m) + cap
+        rows.vs(f"directory vs islands (no peers), {where}", fleet, "islands", islands, TARGET_VS_ISLANDS, limit)
+    if fleet is not None and pooled is not None:
+        limit = "the same hits from one store: what reaching them on other nodes costs"
+        rows.vs(f"directory vs one node with the fleet's RAM + fs, {where}", fleet, "one node", pooled, None, limit)
+    for label, r, tier in (("islands", islands, "fs"), ("shared S3", s3, "s3")):
+        if r is not None and none is not None:
+            limit = f"hit rate {100 * r.hit_rate_overall:.0f}%; " + tier_limit(r, tier, limits, m)
+            rows.vs(f"{label} vs no offload, {where}", r, "no offload", none, None, limit)
+    if peers is not None and s3 is not None:
+        limit = "the faster of the two ways to reach another node's chunks"
+        rows.vs(f"peers vs shared S3, {where}", peers, "shared S3", s3, None, limit)
+    for tier, r in (("peer", peers or fleet), ("fs", islands), ("s3", s3)):
+        rows.loads(tier, r, (RAW[tier][0], limits.median(RAW[tier][1])), top, LABELS, m)
+    return rows
+
+
+def bound_lines(results: Sequence[Any], m: Model, limits: Limits) -> list[str]:
+    """Where the modelled time went at the largest count, per set-up with offload."""
+    top = max((r.conversations for r in results), default=0)
+    lines = []
+    for r in (r for r in results if not r.skipped and r.conversations == top and r.config != "none"):
+        full = ", ".join(f"{t} {fmt_bytes(v * m.byte_scale)}" for t, v in r.loaded_bytes.items() if v)
+        lines.append(
+            f"{LABELS[r.config]}: makespan {r.makespan_s:,.0f} modelled s (think floor {r.think_floor_s:,.0f}); per "
+            f"node GPU busy {100 * r.gpu_busy:.0f}%, loader {100 * r.loader_busy:.0f}%; loaded at full size: {full}; "
+            f"recomputed {100 * (1 - r.hit_rate_overall):.0f}% of the reusable tokens"
+        )
+    return lines
 
 
 class SeveralNodes(OneNode):
@@ -49,14 +191,19 @@ class SeveralNodes(OneNode):
 
     benchmark = "multiturn-nodes"
     sizes_key = "sizes_per_node"
+    config_flags = ("write_through", "directory", "pooled")
     moto = "moto_server"
     s3_skipped = "shared S3 skipped"
-    layout = NODES
-    daemon_title = (
-        "daemon counters per run (Stats deltas and Peer Status, summed over the nodes; bytes are the scaled bytes):"
-    )
+    labels = LABELS
+    hit_tiers = NODE_TIERS
+    first_column = "set-up"
+    loaded_column = False
+    note = "hit rates, GiB/s: measured (marginal: what the model charges); tokens/s, TTFT, busy (node means): modelled"
+    daemon_title = "daemon counters per run (Stats deltas and Peer Status, summed over the nodes; scaled bytes):"
     bounds_title = "where the modelled time went at the largest count:"
     cost_configs = CONFIGS
+    daemon_lines = staticmethod(daemon_lines)
+    bound_lines = staticmethod(bound_lines)
 
     def __init__(self, ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         default = DIRECTORY_KEYS if args.directory else CONFIG_KEYS
@@ -67,9 +214,6 @@ class SeveralNodes(OneNode):
         self.title = f", {self.n} nodes"
         self.directory = any(c.directory for c in self.configs)
         self.directory_url = ""
-
-    def header_tail(self, info: dict[str, Any]) -> str:
-        return ""
 
     def intro(self) -> list[str]:
         lines = [f"routing: {ROUTING}; each node: its own modelled GPU and loader, its own daemon"]
@@ -90,10 +234,6 @@ class SeveralNodes(OneNode):
     def outro(self, p: Plan) -> list[str]:
         return [f"measured: {'; '.join(MEASURED)}", f"modelled: {'; '.join(MODELLED)}"]
 
-    def config_doc(self, c: Config) -> dict[str, Any]:
-        flags = {"write_through": c.write_through, "directory": c.directory, "pooled": c.pooled}
-        return {**super().config_doc(c), **flags}
-
     def plan_doc(self) -> dict[str, Any]:
         return {
             "nodes": self.n,
@@ -111,46 +251,28 @@ class SeveralNodes(OneNode):
 
     def sweep(
         self, p: Plan, s3: S3 | None, s3_note: str, measure: Callable[[], None] | None
-    ) -> tuple[list[Any], list[Any], float]:
+    ) -> tuple[list, list, float]:
         """Round robin, then with --route kv every set-up with offload routed by Dynamo's index."""
         a = self.args
-        width = max(len(c.label) for c in CONFIG_BY_KEY.values())
 
         def run(route: str) -> Callable[[Config, int], NodesRunResult]:
-            args = (self.n, a.peer_transport, a.settle_s, route, self.directory_url)
-            return lambda c, count: run_one(c, count, p, s3, *args)
+            return lambda c, count: run_one(c, count, p, s3, a, route, self.directory_url)
 
         def skipped(route: str) -> Callable[[Config, int, str], NodesRunResult]:
             return lambda c, count, note: NodesRunResult(c.key, count, nodes=self.n, skipped=note, route=route)
 
-        results, total_s = sweep(
-            p.counts, self.configs, s3, s3_note, run("rr"), skipped("rr"), progress, measure, width
-        )
+        results, total_s = sweep(p.counts, self.configs, s3, s3_note, run("rr"), skipped("rr"), progress, measure)
         if a.route != "kv":
             return results, [], total_s
-        kv, kv_s = sweep(
-            p.counts,
-            [c for c in self.configs if c.offload],
-            s3,
-            s3_note,
-            run("kv"),
-            skipped("kv"),
-            lambda r: f"KV-routed: hit {100 * r.hit_rate_overall:.1f}%  {r.throughput_tokens_s:,.0f} tokens/s",
-            None,
-            width,
-        )
+        offloaded = [c for c in self.configs if c.offload]
+
+        def status(r: NodesRunResult) -> str:
+            return f"KV-routed: hit {100 * r.hit_rate_overall:.1f}%  {r.throughput_tokens_s:,.0f} tokens/s"
+
+        kv, kv_s = sweep(p.counts, offloaded, s3, s3_note, run("kv"), skipped("kv"), status, None)
         return results, kv, total_s + kv_s
 
-    def daemon_lines(self, results: Sequence[Any]) -> list[str]:
-        return daemon_lines(results)
-
-    def after_daemons(self, results: Sequence[Any], m: Model) -> list[tuple[str, list[str]]]:
-        return []
-
-    def bound_lines(self, results: Sequence[Any], m: Model, limits: Limits) -> list[str]:
-        return bound_lines(results, m)
-
-    def after_bounds(self, results: Sequence[Any], more: Sequence[Any]) -> list[tuple[str, list[str]]]:
+    def sections(self, results: Sequence[Any], more: Sequence[Any], m: Model) -> list[tuple[str, list[str]]]:
         return [(f"routing: round robin vs {KV_ROUTING}:", route_lines(results, more))] if more else []
 
     def target_rows(self, p: Plan, results: Sequence[Any], limits: Limits) -> list[dict[str, Any]]:

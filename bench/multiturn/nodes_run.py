@@ -1,7 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""One run of the nodes: a set-up at a number of conversations, on fresh daemons; its results, summed
-over the nodes."""
+"""One run of the nodes: a set-up at a number of conversations, on fresh daemons; its results, summed over them."""
 
 from __future__ import annotations
 
@@ -9,7 +8,8 @@ import contextlib
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -20,8 +20,6 @@ from bench.multiturn.model import Config, Plan
 from bench.multiturn.nodes import NODE_TIERS, ClusterSim, peer_counters
 from bench.multiturn.offload import Offload
 from bench.multiturn.runs import TurnsResult, gib_s_of_costs, started
-
-# -- one run: a set-up of the nodes at a number of conversations -----------------------------------
 
 
 @dataclass
@@ -35,20 +33,15 @@ class NodesRunResult(TurnsResult):
     settle: dict[str, float] = field(default_factory=dict)
     route: str = "rr"  # rr: round robin; kv: by Dynamo's index of the daemons' events (kvroute.py)
     kv_routed: int = 0  # turns the index sent elsewhere than round robin would
-    # with the prefill rate registered (--register-rates): the hits the daemons' recompute gate
-    # answered as misses (slower to load than to recompute), as a share of the reusable tokens per
-    # tier, and the share found (hits + those): what the nodes could have loaded
+    # --register-rates: per tier, the hits the recompute gate answered as misses (share of reusable tokens),
+    # and the share found (hits + those)
     gate_skipped: dict[str, float] = field(default_factory=dict)
     found_rate: float = 0.0
     daemon_gib_s: dict[str, float] = field(default_factory=dict)  # the daemons' own load rate at the end (mean)
 
 
 def summarize(
-    config: str,
-    sim: ClusterSim,
-    before: Sequence[dict] | None,
-    after: Sequence[dict] | None,
-    peers: Sequence[dict[str, int]],
+    config: str, sim: ClusterSim, before: Sequence[dict], after: Sequence[dict], peers: list
 ) -> NodesRunResult:
     recs = sim.records
     r = NodesRunResult(config, sim.n, nodes=len(sim.nodes))
@@ -68,14 +61,14 @@ def summarize(
     r.gpu_busy = float(np.mean([p["gpu_busy"] for p in r.per_node]))
     r.loader_busy = float(np.mean([p["loader_busy"] for p in r.per_node]))
     if offloads:
-        costs = r.summarize_offloads(sim.nodes, offloads, before or (), after or ())
+        costs = r.summarize_offloads(sim.nodes, offloads, before, after)
         r.slow_gib_s = gib_s_of_costs(costs, lambda c: np.percentile(c, 90))
         r.lookup_floor_ms = float(np.mean([node.lookup_floor_s for node in sim.nodes]) * 1e3)
         r.lookup_moved_s = sum(node.moved_s for node in sim.nodes)
     for tier, d in r.daemon.items():
         if d.get("skipped_slow_hits") and r.reusable_tokens:
             r.gate_skipped[tier] = d["skipped_slow_hits"] * sim.w.chunk_tokens / r.reusable_tokens
-        rates = [a[tier]["load_bytes_per_s"] for a in after or () if a.get(tier, {}).get("load_bytes_per_s")]
+        rates = [a[tier]["load_bytes_per_s"] for a in after if a.get(tier, {}).get("load_bytes_per_s")]
         if rates:  # (a rate is a state: the nodes' mean, not their sum)
             d["load_bytes_per_s"] = int(np.mean(rates))
             r.daemon_gib_s[tier] = float(np.mean(rates)) / GIB
@@ -83,14 +76,13 @@ def summarize(
     for p in peers:
         for k, v in p.items():
             r.peers[k] = r.peers.get(k, 0) + v
-    r.settle = asdict(sim.settling)
+    r.settle = dict(sim.settling)
     return r
 
 
 def calibrate_lookup_floor(offload: Offload, keys: int = 10, calls: int = 40, held: bool = True) -> float:
-    """A lookup of `keys` keys all in RAM (4 KiB chunks in a namespace of their own): what a
-    lookup costs when it starts no reads. held=False: keys nobody holds, so that the floor has
-    the fleet directory's round trip, a cost per lookup (charged as measured), not per byte."""
+    """A lookup of `keys` keys all in RAM (4 KiB chunks, a namespace of their own): one that starts no reads.
+    held=False: keys nobody holds, so that the floor has the fleet directory's round trip (per lookup)."""
     from kvstored_client import NamespaceSpec
 
     client = offload.client
@@ -116,30 +108,23 @@ def s3_written(stats: dict[str, dict[str, int]]) -> int:
 
 
 def run_one(
-    config: Config,
-    conversations: int,
-    p: Plan,
-    s3: S3 | None,
-    n: int,
-    peer_transport: str,
-    settle_s: float,
-    route: str = "rr",
-    directory: str = "",
+    config: Config, count: int, p: Plan, s3: S3 | None, args: Any, route: str, directory: str
 ) -> NodesRunResult:
-    """n nodes; route kv: each turn to the node Dynamo's index of the nodes' ZMQ events names (rr: round
-    robin); directory: the fleet directory's URL, for set-ups that use it."""
+    """args.nodes nodes; route kv: each turn to the node Dynamo's index of the nodes' ZMQ events names (rr:
+    round robin); directory: the fleet directory's URL, for set-ups that use it."""
+    n, settle_s = args.nodes, args.settle_s
     w, m = p.w, p.m
     if not config.offload:
-        sim = ClusterSim(w, m, conversations, [None] * n, settle_s)
+        sim = ClusterSim(w, m, count, [None] * n, settle_s)
         sim.run()
-        return summarize(config.key, sim, None, None, [])
+        return summarize(config.key, sim, [], [], [])
     with contextlib.ExitStack() as stack:
         endpoints: list[str] = []
         kv: KvIndex | None = None
         if route == "kv":
             events = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvmt-", dir="/tmp"))  # short ipc paths
             endpoints = [f"ipc://{events}/node-{i}.sock" for i in range(n)]
-        nodes = stack.enter_context(started(config, conversations, n, p, s3, peer_transport, endpoints, directory))
+        nodes = stack.enter_context(started(config, count, n, p, s3, args.peer_transport, endpoints, directory))
         if endpoints:
             kv = KvIndex(endpoints, p.workdir / f"dynamo-{config.key}.log")
             stack.callback(kv.close)
@@ -149,15 +134,17 @@ def run_one(
                 o.identity = identity_for(w.chunk_tokens, w.seed)
         daemons = len(nodes.daemons)  # (pooled: one, whose Stats count once)
         before = [o.stats() for o in offloads[:daemons]]
-        written = (lambda i: s3_written(offloads[i].stats())) if config.uses("s3") else None
-        sim = ClusterSim(w, m, conversations, offloads, settle_s, written, [s3_written(b) for b in before], kv)
+        sim = ClusterSim(w, m, count, offloads, settle_s)
+        sim.kv, sim.s3_target = kv, dict(enumerate(s3_written(b) for b in before))
+        if config.uses("s3"):
+            sim.s3_written = lambda i: s3_written(offloads[i].stats())
         for node in sim.nodes:
             assert node.offload is not None
             node.lookup_floor_s = calibrate_lookup_floor(node.offload, held=not config.directory)
             node.move_lookup_excess = not config.uses("s3")
         sim.run()
         after = [o.stats() for o in offloads[:daemons]]
-        peers = [peer_counters(nodes.peer_status(i)) for i in range(daemons)] if config.uses("peer") else []
+        peers = [peer_counters(nodes.daemons[i].peer_status()) for i in range(daemons)] if config.uses("peer") else []
         r = summarize(config.key, sim, before, after, peers)
         if kv is not None:
             r.route, r.kv_routed = "kv", sim.kv_routed

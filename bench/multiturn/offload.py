@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""The modelled engine's connection to a real daemon: stores its GPU's evictions, looks up and loads
-(one timed call per run of the same tier), through a registered region or the pool mapping."""
+"""The modelled engine's connection to a real daemon: stores its GPU's evictions, looks up and loads (one
+timed call per run of the same tier), through a registered region or the pool mapping."""
 
 from __future__ import annotations
 
@@ -19,8 +19,6 @@ from bench.lib.buffers import populate
 from bench.lib.call_latency import CallLatency
 from bench.multiturn.model import HEADER, TIERS, Model, Transfer, Workload
 
-# -- kvstored as the modelled engine's offload target --------------------------------------------
-
 
 @dataclass
 class LoadResult:
@@ -33,13 +31,12 @@ class LoadResult:
 
 
 class Offload:
-    """The modelled engine's connection to kvstored: stores GPU evictions, looks up and loads."""
+    """The modelled engine's connection to kvstored: chunks of the workload's size in the model's real bytes,
+    at most a last prompt's per call; the prefill rate registered with --register-rates (0: no gate)."""
 
     TIER_NAMES = {1: "ram", 2: "fs", 3: "s3", 4: "peer"}
 
     def __init__(self, socket: Path, w: Workload, m: Model) -> None:
-        """Chunks of the workload's size in the model's real bytes, at most a last prompt's per call;
-        the prefill rate registered with --register-rates (0: not registered, no recompute gate)."""
         from kvstored_client import Client, NamespaceSpec
 
         chunk_bytes, max_chunks = w.chunk_tokens * m.kv_bytes_per_token, w.final_tokens // w.chunk_tokens
@@ -54,9 +51,8 @@ class Offload:
                 prefill_tokens_per_s=m.gate_prefill_tokens_per_s,
             )
         )
-        self.chunk_bytes = chunk_bytes
-        rng = np.random.default_rng(w.seed)
-        self._noise = populate(rng.integers(0, 256, chunk_bytes, dtype=np.uint8))
+        self.chunk_bytes, self.max_chunks = chunk_bytes, max_chunks
+        self._noise = populate(np.random.default_rng(w.seed).integers(0, 256, chunk_bytes, dtype=np.uint8))
         span = max_chunks * chunk_bytes
         self._region = self._region_path = None
         if m.transfer is Transfer.REGION:  # one shared file: stores' chunks, then loads', then the call floor's
@@ -71,7 +67,6 @@ class Offload:
             self._staging = populate(np.empty(span, dtype=np.uint8))
             self._out = populate(np.empty(span, dtype=np.uint8))
             self._floor_out = populate(np.empty(4096, dtype=np.uint8))
-        self.max_chunks = max_chunks
         self.call_floor_s = self._calibrate_call_floor()
         self.store_s = 0.0
         self.store_counts = {"stored": 0, "already_present": 0, "dropped": 0}
@@ -81,21 +76,20 @@ class Offload:
         self.identity: Callable[[int, int], Any] | None = None
 
     def _calibrate_call_floor(self, calls: int = 40) -> float:
-        """The fixed cost of one load call (Acquire + Release RPCs, or one LoadToRegion, and client
-        bookkeeping), measured with a 4 KiB chunk in a namespace of its own: charged once per
-        call, as measured, while the rest of a load's time is charged per byte."""
+        """The fixed cost of one load call (its RPCs and client bookkeeping), measured with a 4 KiB chunk in a
+        namespace of its own: charged once per call, the rest of a load's time per byte."""
         from kvstored_client import NamespaceSpec
 
         ns = self.client.register_namespace(
             NamespaceSpec(model="bench/multiturn-call-floor", dtype="u8", chunk_bytes=4096)
         )
-        key = b"\x01" * 32
+        key, offset = b"\x01" * 32, 2 * self.max_chunks * self.chunk_bytes
         self._floor_out[:] = 1
-        self._store(ns, [key], self._floor_out, 2 * self.max_chunks * self.chunk_bytes)
+        self._store(ns, [key], self._floor_out, offset)
         times = []
         for _ in range(calls):
             t0 = time.perf_counter()
-            if self._load(ns, [key], self._floor_out, 2 * self.max_chunks * self.chunk_bytes) != 1:
+            if self._load(ns, [key], self._floor_out, offset) != 1:
                 raise RuntimeError("call-floor calibration: the 4 KiB chunk did not load")
             times.append(time.perf_counter() - t0)
         self.client.delete(ns, [key])
@@ -105,15 +99,14 @@ class Offload:
         """Store len(keys) chunks held in `buf` (which, in region mode, is the region at `region_offset`)."""
         if self._region is None:
             return self.client.store(ns, keys, buf, blocks)
-        cb = ns.chunk_bytes
-        offsets = [region_offset + i * cb for i in range(len(keys))]
+        offsets = [region_offset + i * ns.chunk_bytes for i in range(len(keys))]
         return self.client.store_from_region(ns, self._region, keys, offsets, blocks=blocks)
 
     def _load(self, ns, keys: Sequence[bytes], out: np.ndarray, region_offset: int) -> int:
         if self._region is None:
             return self.client.load(ns, keys, out)
-        cb = ns.chunk_bytes
-        return self.client.load_to_region(ns, self._region, keys, [region_offset + i * cb for i in range(len(keys))])
+        offsets = [region_offset + i * ns.chunk_bytes for i in range(len(keys))]
+        return self.client.load_to_region(ns, self._region, keys, offsets)
 
     @property
     def _load_into(self):
@@ -136,14 +129,10 @@ class Offload:
             "dropped_dirty dropped_backpressure errors checksum_failures rejected_full used_bytes chunks "
             "skipped_slow_hits skipped_slow_writedowns rate_probes load_bytes_per_s"
         ).split()
-        out = {}
-        for tier in self.client.stats().tiers:
-            out[tier.name] = {f: int(getattr(tier, f)) for f in fields}
-        return out
+        return {tier.name: {f: int(getattr(tier, f)) for f in fields} for tier in self.client.stats().tiers}
 
     def store(self, evicted: Sequence[tuple[bytes, int, int]]) -> None:
-        """Store the chunks the GPU evicted, with real (scaled) bytes: a header naming the chunk,
-        then noise."""
+        """Store the chunks the GPU evicted, with real (scaled) bytes: a header naming the chunk, then noise."""
         cb = self.chunk_bytes
         for start in range(0, len(evicted), self.max_chunks):
             batch = evicted[start : start + self.max_chunks]
@@ -157,9 +146,8 @@ class Offload:
             result = self._store(self.ns, [k for k, _, _ in batch], buf, 0, blocks)
             self.latency.record("store", time.perf_counter() - t0)
             self.store_s += time.perf_counter() - t0
-            self.store_counts["stored"] += result.stored
-            self.store_counts["already_present"] += result.already_present
-            self.store_counts["dropped"] += result.dropped
+            for k in self.store_counts:
+                self.store_counts[k] += getattr(result, k)
 
     def lookup_load(self, keys: Sequence[bytes], conv: int, first_index: int) -> LoadResult:
         """Look the keys up; load the leading hits, one timed call per run of the same tier."""
@@ -167,22 +155,17 @@ class Offload:
         found = self.client.lookup(self.ns, keys, load_into=self._load_into)
         lookup_s = time.perf_counter() - t0
         self.latency.record("lookup", lookup_s)
-        hits = {name: 0 for name in TIERS}
-        seconds = {name: 0.0 for name in TIERS}
+        hits = dict.fromkeys(TIERS, 0)
+        seconds = dict.fromkeys(TIERS, 0.0)
         n = min(found.prefix_hits, self.max_chunks)
         tiers = [self.TIER_NAMES.get(int(t), "peer") for t in found.tiers[:n]]
-        loaded = 0
-        segments = []
+        loaded, segments = 0, []
         cb = self.chunk_bytes
         while loaded < n:
             start, tier = loaded, tiers[loaded]
-            end = start
-            while end < n and tiers[end] == tier:
-                end += 1
+            end = next((i for i in range(start, n) if tiers[i] != tier), n)
             t1 = time.perf_counter()
-            got = self._load(
-                self.ns, keys[start:end], self._out[start * cb : end * cb], self.max_chunks * cb + start * cb
-            )
+            got = self._load(self.ns, keys[start:end], self._out[start * cb : end * cb], (self.max_chunks + start) * cb)
             elapsed = time.perf_counter() - t1
             self.latency.record("load", elapsed)
             seconds[tier] = seconds.get(tier, 0.0) + elapsed

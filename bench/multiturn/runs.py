@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""One run: a configuration at a number of conversations, on fresh daemons with their tiers (one node's
-or, with --nodes, every node's: Nodes); its results."""
+"""One run: a configuration at a number of conversations, on fresh daemons (one node's or, with --nodes,
+every node's: Nodes); its results."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,16 +24,8 @@ from bench.multiturn.model import TIERS, Config, Plan, Sizes, Workload
 from bench.multiturn.offload import Offload
 from bench.multiturn.sim import Simulation, TurnRecord
 
-
-class Clock(Protocol):
-    """A simulation's model clock (Simulation, or the nodes' ClusterSim)."""
-
-    @property
-    def makespan(self) -> float: ...
-    @property
-    def starts(self) -> np.ndarray: ...
-    @property
-    def thinks(self) -> np.ndarray: ...
+if TYPE_CHECKING:
+    from bench.multiturn.nodes import ClusterSim
 
 
 @dataclass
@@ -72,16 +64,21 @@ class TurnsResult:
     skipped: str = ""
 
     def summarize_turns(
-        self, w: Workload, recs: Sequence[TurnRecord], sim: Clock, tiers: Sequence[str], chunk_bytes: int | None
+        self,
+        w: Workload,
+        recs: Sequence[TurnRecord],
+        sim: Simulation | ClusterSim,
+        tiers: Sequence[str],
+        chunk_bytes: int | None,
     ) -> None:
-        """The hit rates, modelled throughput and latency of the turns; with chunk_bytes (a run with
-        offload), the scaled bytes loaded from each tier below the GPU and their measured rates."""
+        """The turns' hit rates, modelled throughput and latency; with chunk_bytes (a run with offload), the
+        scaled bytes loaded from each tier below the GPU and their measured rates."""
         self.turns = len(recs)
         self.prompt_tokens = sum(x.prompt_tokens for x in recs)
         self.reusable_tokens = sum(x.reusable_chunks for x in recs) * w.chunk_tokens
         self.hit_tokens = {t: sum(x.hits.get(t, 0) for x in recs) * w.chunk_tokens for t in tiers}
         self.hit_rate = {
-            t: (v / self.reusable_tokens if self.reusable_tokens else 0.0) for t, v in self.hit_tokens.items()
+            t: v / self.reusable_tokens if self.reusable_tokens else 0.0 for t, v in self.hit_tokens.items()
         }
         self.hit_rate_overall = sum(self.hit_rate.values())
         self.makespan_s = sim.makespan
@@ -91,23 +88,19 @@ class TurnsResult:
         self.ttft_p50_s, self.ttft_p99_s = float(np.percentile(ttft, 50)), float(np.percentile(ttft, 99))
         if chunk_bytes is None:
             return
-        secs: dict[str, float] = {}
-        for x in recs:
-            for t, s in x.load_seconds.items():
-                secs[t] = secs.get(t, 0.0) + s
         self.loaded_bytes = {t: self.hit_tokens[t] // w.chunk_tokens * chunk_bytes for t in tiers if t != "gpu"}
-        self.load_seconds = {t: secs.get(t, 0.0) for t in self.loaded_bytes}
+        self.load_seconds = {t: sum(x.load_seconds.get(t, 0.0) for x in recs) for t in self.loaded_bytes}
         self.load_gib_s = {
-            t: (self.loaded_bytes[t] / GIB / self.load_seconds[t])
-            for t in self.loaded_bytes
-            if self.load_seconds[t] > 0 and self.loaded_bytes[t] > 0
+            t: b / GIB / self.load_seconds[t]
+            for t, b in self.loaded_bytes.items()
+            if self.load_seconds[t] > 0 and b > 0
         }
 
     def summarize_offloads(
         self, sims: Sequence[Simulation], offloads: Sequence[Offload], before: Sequence[dict], after: Sequence[dict]
     ) -> dict[str, list[float]]:
-        """The load calls' rates and counts, the stores and the daemons' Stats deltas, summed over the
-        nodes (`before` and `after`: each daemon's Stats); returns the load calls' costs per byte, per tier."""
+        """The load calls' rates and counts, the stores and the daemons' Stats deltas (`before`, `after`: each
+        daemon's Stats), summed over the nodes; returns the load calls' costs per byte, per tier."""
         costs: dict[str, list[float]] = {}
         for sim in sims:
             for t, c in sim.all_costs.items():
@@ -119,8 +112,9 @@ class TurnsResult:
         self.load_calls = sum(sim.load_calls for sim in sims)
         self.load_shortfall_chunks = sum(sim.shortfall for sim in sims)
         self.load_call_floor_ms = float(np.mean([o.call_floor_s for o in offloads]) * 1e3)
-        counts = {k: sum(o.store_counts[k] for o in offloads) for k in ("stored", "already_present", "dropped")}
-        self.store = store_summary(counts, sum(o.store_s for o in offloads), offloads[0].chunk_bytes)
+        self.store = {k: sum(o.store_counts[k] for o in offloads) for k in ("stored", "already_present", "dropped")}
+        self.store["seconds"] = seconds = sum(o.store_s for o in offloads)
+        self.store["gib_s"] = self.store["stored"] * offloads[0].chunk_bytes / GIB / seconds if seconds else 0.0
         self.corrupt_chunks = sum(o.corrupt for o in offloads)
         for b, a in zip(before, after):
             for name, vals in stats_delta(b, a).items():
@@ -133,11 +127,6 @@ class TurnsResult:
 def gib_s_of_costs(costs: dict[str, list[float]], stat: Callable[[list[float]], Any] = np.median) -> dict[str, float]:
     """GiB/s from per-byte costs (a `stat` of 0: calls no slower than the fixed cost measured at the start: no rate)."""
     return {t: 1 / float(stat(c)) / GIB for t, c in costs.items() if c and stat(c) > 0}
-
-
-def store_summary(counts: dict[str, int], seconds: float, chunk_bytes: int) -> dict[str, Any]:
-    gib = counts["stored"] * chunk_bytes / GIB
-    return {**counts, "seconds": seconds, "gib_s": gib / seconds if seconds else 0.0}
 
 
 AS_AT_END = ("used_bytes", "chunks", "load_bytes_per_s")  # Stats fields that are a state, not a count
@@ -185,8 +174,8 @@ DIRECTORY_OPTIONS = "directory_interval_s=0.1,directory_timeout_s=0.5"
 
 
 class Nodes:
-    """N daemons of one set-up (one node: N = 1), with their tiers' resources (fs roots, S3 buckets)
-    and listeners. close() stops them all and removes the resources."""
+    """N daemons of one set-up (one node: N = 1), with their tiers' resources (fs roots, S3 buckets) and
+    listeners; close() stops them all and removes the resources."""
 
     def __init__(self, config: Config, n: int, workdir: Path, tag: str, s3: S3 | None) -> None:
         self.config, self.n, self.workdir, self.tag, self.s3 = config, n, workdir, tag, s3
@@ -196,8 +185,8 @@ class Nodes:
         self.addresses: list[str] = []
 
     def make(self, sizes: Sizes, peer_transport: str = "tcp", events: Sequence[str] = (), directory: str = "") -> None:
-        """The daemons, not started. events: each node's ZMQ events endpoint (it binds), for a KV-aware
-        router; none by default. directory: the fleet directory's URL (set-ups with `directory`)."""
+        """The daemons, not started. events: each node's ZMQ events endpoint, for a KV-aware router;
+        directory: the fleet directory's URL (set-ups with `directory`)."""
         config, n = self.config, self.n
         if config.pooled:  # one daemon holding what n nodes' RAM and fs hold
             n = 1
@@ -205,6 +194,11 @@ class Nodes:
         self.addresses = [f"127.0.0.1:{free_port()}" for _ in range(n)] if config.uses("peer") else []
         prefix = f"kvmt{uuid.uuid4().hex[:8]}"  # this run's keys only: runs share one cluster
         shared_s3 = self._s3_spec(sizes.s3_bytes) if config.uses("s3") else ""  # one bucket for all
+        peer = f"kind=peer,transport={peer_transport},tcp_port=0,ucx_port=0,ucx_net_devices=lo,reconnect_s=1"
+        if config.directory:  # reconnect_s: the nodes start one after another and find each other sooner
+            peer += f",directory={directory},directory_prefix={prefix},{DIRECTORY_OPTIONS}"
+        else:
+            peer += f",peers={' '.join(self.addresses)}"
         for i in range(n):
             args = ["--metrics-addr", "off"]
             if events:
@@ -214,23 +208,10 @@ class Nodes:
             if self.addresses:
                 args += ["--tcp-listen", self.addresses[i]]
             for kind, size_field in config.lower:
-                if kind == "s3":
-                    args += ["--tiers", shared_s3]
-                elif kind == "peer" and config.directory:
-                    args += [
-                        "--tiers",
-                        f"kind=peer,transport={peer_transport},tcp_port=0,ucx_port=0,ucx_net_devices=lo,"
-                        f"reconnect_s=1,directory={directory},directory_prefix={prefix}," + DIRECTORY_OPTIONS,
-                    ]
-                elif kind == "peer":
-                    # reconnect_s: the nodes start one after another and find each other sooner
-                    args += [
-                        "--tiers",
-                        f"kind=peer,transport={peer_transport},peers={' '.join(self.addresses)},"
-                        "tcp_port=0,ucx_port=0,ucx_net_devices=lo,reconnect_s=1",
-                    ]
-                else:
-                    args += ["--tiers", self._fs_spec(getattr(sizes, size_field))]
+                spec = (
+                    shared_s3 if kind == "s3" else peer if kind == "peer" else self._fs_spec(getattr(sizes, size_field))
+                )
+                args += ["--tiers", spec]
             self.daemons.append(Daemon(sizes.ram_bytes, extra_args=args + list(config.daemon_args)))
 
     def _fs_spec(self, nbytes: int) -> str:
@@ -251,28 +232,22 @@ class Nodes:
             self._wait_peers_up()
 
     def _wait_peers_up(self) -> None:
-        deadline = time.monotonic() + PEERS_UP_S
-        pending = list(range(len(self.daemons)))
-        while pending:
-            pending = [i for i in pending if not self._sees_all_up(i)]
-            if pending and time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"nodes {pending} did not see every peer up within {PEERS_UP_S:.0f} s: "
-                    + "; ".join(str(self.peer_status(i)).replace("\n", " ") for i in pending)
-                )
-            time.sleep(0.05)
-
-    def _sees_all_up(self, i: int) -> bool:
         from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 
-        others = set(self.addresses) - {self.addresses[i]}
-        return others <= {p.address for p in self.peer_status(i).peers if p.state == pb.PEER_STATE_UP}
+        def sees_all_up(i: int) -> bool:
+            up = {p.address for p in self.daemons[i].peer_status().peers if p.state == pb.PEER_STATE_UP}
+            return set(self.addresses) - {self.addresses[i]} <= up
+
+        deadline = time.monotonic() + PEERS_UP_S
+        pending = list(range(len(self.daemons)))
+        while pending := [i for i in pending if not sees_all_up(i)]:
+            if time.monotonic() > deadline:
+                status = "; ".join(str(self.daemons[i].peer_status()).replace("\n", " ") for i in pending)
+                raise TimeoutError(f"nodes {pending} did not see every peer up within {PEERS_UP_S:.0f} s: {status}")
+            time.sleep(0.05)
 
     def daemon_of(self, node: int) -> Daemon:
         return self.daemons[node % len(self.daemons)]
-
-    def peer_status(self, i: int) -> Any:
-        return self.daemons[i].peer_status()
 
     def failure_log(self) -> str:
         if len(self.daemons) == 1:
@@ -284,8 +259,8 @@ class Nodes:
             d.stop()
         for root in self.fs_roots:
             shutil.rmtree(root, ignore_errors=True)
-        for name in self.buckets:
-            if self.s3 is not None:
+        if self.s3 is not None:
+            for name in self.buckets:
                 with contextlib.suppress(Exception):
                     self.s3.empty_bucket(name)
 
@@ -296,8 +271,8 @@ class Skipped(Exception):
 
 @contextlib.contextmanager
 def started(config: Config, conversations: int, n: int, p: Plan, s3: S3 | None, *make_args: Any) -> Iterator[Nodes]:
-    """The run's daemons (Nodes.make's further arguments: make_args), started; stopped and their tiers'
-    resources removed after. What could not be made or started raises Skipped."""
+    """The run's daemons (Nodes.make's further arguments: make_args), started, then stopped and their
+    resources removed; what could not be made or started raises Skipped."""
     nodes = Nodes(config, n, p.workdir, f"{config.key.replace('+', '-')}-{conversations}", s3)
     try:
         try:

@@ -6,6 +6,7 @@ first served; loads and stores go to real daemons (Offload) and are charged what
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -16,6 +17,8 @@ import numpy as np
 from bench.multiturn.model import COST_WINDOW, TIERS, VOCAB, Model, Workload
 from bench.multiturn.offload import Offload
 
+Segments = Sequence[tuple[str, float, int]]  # a turn's load calls: (tier, measured seconds, chunks loaded)
+
 
 class GpuCache:
     """Chunks resident on the modelled GPU, least recently used first."""
@@ -25,16 +28,11 @@ class GpuCache:
         self._lru: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
 
     def prefix_hits(self, keys: Sequence[bytes]) -> int:
-        n = 0
-        for key in keys:
-            if key not in self._lru:
-                break
-            n += 1
-        return n
+        return sum(1 for _ in itertools.takewhile(self._lru.__contains__, keys))
 
     def admit(self, keys: Sequence[bytes], conv: int) -> list[tuple[bytes, int, int]]:
-        """Make the prompt's chunks resident (tail first, so the prefix is most recent); returns
-        the evicted chunks as (key, conversation, index)."""
+        """Make the prompt's chunks resident (tail first, so the prefix is most recent); returns the evicted
+        chunks as (key, conversation, index)."""
         for index in range(len(keys) - 1, -1, -1):
             key = keys[index]
             if key in self._lru:
@@ -84,18 +82,16 @@ def run_clock(
     route: Callable[[int, int], int],
     serve: Callable[[TurnRecord], float],
 ) -> tuple[list[TurnRecord], float]:
-    """The discrete-event model clock: conversations arrive at `starts`, each turn goes to the lane
-    `route` names, through its loader (`serve` returns the load time to charge) beside its GPU
-    (--serial-loads: on the GPU's timeline), then thinks. Returns the finished turns and the makespan."""
+    """The discrete-event model clock: conversations arrive at `starts`, each turn goes to the lane `route`
+    names, through its loader (`serve` returns the load time to charge) beside its GPU (--serial-loads: on
+    the GPU's timeline), then thinks. Returns the finished turns and the makespan."""
     events: list[tuple[float, int, str, Any]] = []
     records: list[TurnRecord] = []
-    seq = 0
+    seq = itertools.count()
     now = 0.0
 
     def push(t: float, kind: str, payload: Any) -> None:
-        nonlocal seq
-        heapq.heappush(events, (t, seq, kind, payload))
-        seq += 1
+        heapq.heappush(events, (t, next(seq), kind, payload))
 
     def start_loader(lane: Lane) -> None:  # loads beside compute
         if lane.loader_busy or not lane.loader_q:
@@ -110,9 +106,7 @@ def run_clock(
         if lane.gpu_busy or not lane.gpu_q:
             return
         rec = lane.gpu_q.pop(0)
-        service = rec.prefill_s
-        if serial_loads:  # the GPU waits for its own loads
-            service = serve(rec) + rec.prefill_s
+        service = serve(rec) + rec.prefill_s if serial_loads else rec.prefill_s  # serial: the GPU waits for its loads
         lane.gpu_busy = True
         lane.gpu_s += service
         push(now + service, "computed", rec)
@@ -152,21 +146,17 @@ def run_clock(
 
 
 class Simulation:
-    def __init__(self, workload: Workload, model: Model, conversations: int, offload: Offload | None) -> None:
-        self.w = workload
-        self.m = model
-        self.n = conversations
-        self.offload = offload
-        self.gpu = GpuCache(model.gpu_tokens // workload.chunk_tokens)
+    """One node's modelled GPU and loader on the model clock, its offload target a real daemon (or none)."""
+
+    def __init__(self, w: Workload, m: Model, n: int, offload: Offload | None) -> None:
+        self.w, self.m, self.n, self.offload = w, m, n, offload
+        self.gpu = GpuCache(m.gpu_tokens // w.chunk_tokens)
         ns_id = offload.namespace_id if offload else "no-offload"
-        self.keys = [_conversation_keys(workload, c, ns_id) for c in range(conversations)]
-        # per conversation, fixed in advance: its start time and its think times (the order in
-        # which turns are served depends on measured load times; these do not)
-        rng = np.random.default_rng([workload.seed, 1])
-        self.starts = (
-            rng.uniform(0.0, workload.think_s, conversations) if workload.think_s > 0 else np.zeros(conversations)
-        )
-        self.thinks = rng.uniform(0.5, 1.5, (conversations, workload.turns)) * workload.think_s
+        self.keys = [_conversation_keys(w, c, ns_id) for c in range(n)]
+        # per conversation, fixed in advance: its start and think times (unlike the order turns are served in)
+        rng = np.random.default_rng([w.seed, 1])
+        self.starts = rng.uniform(0.0, w.think_s, n) if w.think_s > 0 else np.zeros(n)
+        self.thinks = rng.uniform(0.5, 1.5, (n, w.turns)) * w.think_s
         self.records: list[TurnRecord] = []
         self.lookup_s: list[float] = []
         self.load_calls = 0
@@ -185,10 +175,8 @@ class Simulation:
         return self.records
 
     def charge(self, tier: str, seconds: float, chunks: int) -> float:
-        """Modelled time of one load call: its fixed cost (measured at start) once, plus its bytes
-        times the tier's cost per byte x the byte scale. The cost per byte is the median over the
-        tier's last COST_WINDOW calls (this one included) of (measured time - fixed cost) / bytes:
-        the daemon's own transfers, with the noise of a shared machine filtered out."""
+        """Modelled time of one load call: its fixed cost (measured at start) once, plus its bytes x the byte
+        scale x the tier's cost per byte: the median over its last COST_WINDOW calls of (time - fixed) / bytes."""
         self.load_calls += 1
         assert self.offload is not None
         floor = self.offload.call_floor_s
@@ -208,8 +196,7 @@ class Simulation:
     hit_tiers: tuple[str, ...] = TIERS  # where a reusable chunk can be found
 
     def serve_load(self, rec: TurnRecord) -> float:
-        """The turn reaches the loader: GPU prefix, then kvstored for the rest; the prompt becomes
-        resident on the GPU and what that evicts is stored into kvstored (store_after). Returns
+        """The turn reaches the loader: GPU prefix, then kvstored for the rest; then store_after. Returns
         the load time to charge (0 when nothing comes from kvstored)."""
         w = self.w
         keys = self.keys[rec.conv][: rec.prompt_tokens // w.chunk_tokens]
@@ -222,8 +209,7 @@ class Simulation:
             res = self.offload.lookup_load(reusable[on_gpu:], rec.conv, on_gpu)
             self.lookup_s.append(res.lookup_s)
             self.shortfall += res.looked_up - res.loaded
-            for tier, count in res.hits.items():
-                hits[tier] = hits.get(tier, 0) + count
+            hits |= {tier: hits.get(tier, 0) + count for tier, count in res.hits.items()}
             lookup_s, segments = self._segments(res.lookup_s, res.segments)
             load_s = lookup_s + sum(self.charge(*seg) for seg in segments)
             rec.load_seconds = res.seconds
@@ -234,9 +220,7 @@ class Simulation:
         self.store_after(keys, rec.conv, cached)
         return load_s
 
-    def _segments(
-        self, lookup_s: float, segments: Sequence[tuple[str, float, int]]
-    ) -> tuple[float, Sequence[tuple[str, float, int]]]:
+    def _segments(self, lookup_s: float, segments: Segments) -> tuple[float, Segments]:
         """The measured lookup and load calls, as they are charged (here: as measured)."""
         return lookup_s, segments
 

@@ -22,8 +22,7 @@ from bench.lib.buffers import populate
 from bench.lib.report import GIB, MIB, Row, load_average, machine_info, print_table, write_json
 from bench.lib.s3 import start_s3
 from bench.peer import __doc__ as _doc
-from bench.peer.cluster import Cluster, ColdTier, odirect, raw, raw_s3
-from bench.peer.link import RAW, Link
+from bench.peer.cluster import RAW, Cluster, ColdTier, Link, odirect, raw, raw_s3
 from bench.peer.loads import COPIED, FS_THREADS, S3_INFLIGHT, TARGET, Chunks, Measured
 
 DOC = _doc or ""
@@ -47,13 +46,8 @@ def rounds(
                 continue
             samples.setdefault(name, []).append(m)
             cpu = " ".join(f"{side} {v:.2f}" for side, v in zip(("fetching", "serving"), m.cpu_s_per_gib) if v == v)
-            print(
-                f"round {r}: {name}: {m.gib_s:.2f} GiB/s"
-                + (f", CPU s/GiB {cpu}" if cpu else "")
-                + f"; load average {load_average():.2f}",
-                file=sys.stderr,
-                flush=True,
-            )
+            cpu = f", CPU s/GiB {cpu}" if cpu else ""
+            print(f"round {r}: {name}: {m.gib_s:.2f} GiB/s{cpu}; load average {load_average():.2f}", file=sys.stderr)
 
 
 def part(name: str, failures: list[str], body: Callable[[], None]) -> None:
@@ -153,40 +147,22 @@ def rows(samples: dict[str, list[Measured]]) -> list[Row]:
 
     out: list[Row] = []
     for prefix, target in (("peer tier", TARGET), (COPIED, None)):  # the targeted rows first
-        for name in samples:
-            if name.startswith(prefix):
-                raw = f"raw {name.rsplit(' ', 1)[1]}"
-                out.append(
-                    Row(
-                        name=name,
-                        value=median(name) or 0.0,
-                        unit="GiB/s",
-                        baseline_name=raw,
-                        baseline=median(raw),
-                        target=target,
-                        median=median(name),
-                        limit=f"{raw} on loopback (the kernel's copies; same run)",
-                        note=_note(samples, name, raw),
-                    )
-                )
+        for name in (n for n in samples if n.startswith(prefix)):
+            raw = f"raw {name.rsplit(' ', 1)[1]}"
+            limit = f"{raw} on loopback (the kernel's copies; same run)"
+            value = median(name)
+            note = _note(samples, name, raw)
+            out.append(Row(name, value or 0.0, "GiB/s", raw, median(raw), target, median=value, limit=limit, note=note))
     peer = next((r.name for r in out if r.name == "peer tier over tcp"), out[0].name if out else "")
-    for name in samples:
-        if name.startswith(("fs", "S3")):
-            limit = "raw O_DIRECT read" if name.startswith("fs") else "raw S3 GET"
-            depth = f"{FS_THREADS} threads" if name.startswith("fs") else f"the tier's objects, {S3_INFLIGHT} in flight"
-            lim = median(limit)
-            out.append(
-                Row(
-                    name=name,
-                    value=median(name) or 0.0,
-                    unit="GiB/s",
-                    baseline_name=peer,
-                    baseline=median(peer) if peer else None,
-                    median=median(name),
-                    limit=f"{limit}, {depth}: " + (f"{lim:.2f} GiB/s" if lim else "not measured"),
-                    note=_note(samples, name, limit),
-                )
-            )
+    for name in (n for n in samples if n.startswith(("fs", "S3"))):
+        fs = name.startswith("fs")
+        limit = "raw O_DIRECT read" if fs else "raw S3 GET"
+        depth = f"{FS_THREADS} threads" if fs else f"the tier's objects, {S3_INFLIGHT} in flight"
+        lim = median(limit)
+        bound = f"{limit}, {depth}: " + (f"{lim:.2f} GiB/s" if lim else "not measured")
+        value, base = median(name), median(peer) if peer else None
+        note = _note(samples, name, limit)
+        out.append(Row(name, value or 0.0, "GiB/s", peer, base, median=value, limit=bound, note=note))
     return out
 
 
@@ -205,18 +181,12 @@ def link_rows(samples: dict[str, list[Measured]], mtus: Sequence[int]) -> list[R
         peers = [n for n in samples if n.startswith("peer tier") and n.endswith(suffix)]
         for name in peers + raws:
             peer = name in peers
+            base = median(best) if best else None
+            limit = f"the best raw transport on that link: {best}" if peer else ""
+            note = _note(samples, name, best if best and name != best else name)
+            target = TARGET if peer else None
             out.append(
-                Row(
-                    name=name,
-                    value=median(name),
-                    unit="GiB/s",
-                    baseline_name=best,
-                    baseline=median(best) if best else None,
-                    target=TARGET if peer else None,
-                    median=median(name),
-                    limit=f"the best raw transport on that link: {best}" if peer else "",
-                    note=_note(samples, name, best) if best and name != best else _note(samples, name, name),
-                )
+                Row(name, median(name), "GiB/s", best, base, target, median=median(name), limit=limit, note=note)
             )
     return out
 
@@ -235,8 +205,8 @@ def _note(samples: dict[str, list[Measured]], name: str, base: str) -> str:
 
     paired = ", ".join(f"{a.gib_s / b.gib_s:.2f}" for a, b in zip(samples.get(name, []), samples.get(base, [])))
     return (
-        f"per round GiB/s: {name} {per_round(name)}; {base} {per_round(base)} (paired ratios {paired}); "
-        f"CPU s/GiB, fetching+serving (median): {name} {cpu(name)}, {base} {cpu(base)}"
+        f"GiB/s per round: {name} {per_round(name)}; {base} {per_round(base)} (paired ratios {paired}); "
+        f"CPU s/GiB fetching+serving: {name} {cpu(name)}, {base} {cpu(base)}"
     )
 
 
@@ -255,26 +225,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=2, help="clients loading at once (default 2)")
     p.add_argument("--fs", choices=("on", "off"), default="on", help="the cold fs tier row")
     p.add_argument(
-        "--s3",
-        choices=("rgw", "moto", "off"),
-        default="rgw",
-        help="the S3 row: radosgw (moto_server if it cannot start), moto_server, or none",
+        "--s3", choices=("rgw", "moto", "off"), default="rgw", help="the S3 row's server (rgw: moto if none)"
     )
     p.add_argument("--dir", default=None, help="where the fs tier and raw O_DIRECT files go (default: temp dir)")
-    p.add_argument(
-        "--netns",
-        action="store_true",
-        help="across a real link (root): A and B in two network namespaces joined by a veth pair, one set of "
-        "rows per --mtu, the peer tier beside raw TCP (1 and 2 connections) and raw ucxx on that link; "
-        "no fs and S3 rows",
-    )
+    p.add_argument("--netns", action="store_true", help="across a veth pair between two network namespaces (root)")
     p.add_argument("--mtu", default="1500,9000", help="--netns: the link's MTUs, one set of rows each")
     p.add_argument("--streams", type=int, default=0, help="--netns: the peer tier's streams (default: the daemon's)")
-    p.add_argument(
-        "--data-threads",
-        choices=("auto", "on", "off"),
-        help="--netns: the peer tier's data_threads on both nodes (default: the daemon's, auto)",
-    )
+    p.add_argument("--data-threads", choices=("auto", "on", "off"), help="--netns: the peer tier's data_threads")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     args.mtu = [int(m) for m in args.mtu.split(",")]
@@ -290,13 +247,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     samples = run(args, notes, failures)
     table = link_rows(samples, args.mtu) if args.netns else rows(samples)
     load1 = load_average()
-    title = f"\nB loading what only A holds ({args.clients} clients, {args.batch} chunks per call)"
-    title += " beside the raw transports"
-    if args.netns:
-        title += " on the same veth link; ratio = the row / the best raw transport at that MTU"
-    else:
-        title += "; fs and S3: ratio = the row / the peer tier over tcp"
-    print_table(table, title=title)
+    basis = (
+        "the best raw transport at that MTU" if args.netns else "the raw transport; fs and S3: the peer tier over tcp"
+    )
+    print_table(
+        table, title=f"\nB loading what only A holds ({args.clients} clients, {args.batch} chunks per call) vs {basis}"
+    )
     for line in notes + failures:
         print(f"  * {line}")
     print(f"\nload average {load0:.2f} at start, {load1:.2f} at end; total {time.perf_counter() - t0:.0f} s")

@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""The daemons: node A and the nodes B (peer tier), and a cold tier below RAM; the raw arms."""
+"""The set-ups: node A and the nodes B (peer tier), on loopback or across a veth link (`--netns`), a cold tier
+below RAM, and the raw arms beside them (bench/lib/raw_net.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -15,19 +17,10 @@ from bench.lib.daemons import Daemon, free_port
 from bench.lib.limits import drop_page_cache, raw_odirect
 from bench.lib.raw_net import Place, measure_raw
 from bench.lib.s3 import raw_s3_get
-from bench.peer.loads import (
-    FETCH_TIMEOUT_S,
-    FS_THREADS,
-    S3_INFLIGHT,
-    WAIT_S,
-    Chunks,
-    Measured,
-    fetch_from_a,
-    load_all,
-    ram_chunks,
-    ram_for,
-    store,
-)
+from bench.peer import loads
+from bench.peer.loads import FETCH_TIMEOUT_S, FS_THREADS, S3_INFLIGHT, WAIT_S, Chunks, Measured, ram_for
+from tests.support.cluster import Cluster as TestCluster
+from tests.support.netns import Topology
 
 
 class Cluster:
@@ -57,7 +50,7 @@ class Cluster:
         self.a.start()
         for b in self.b.values():
             b.start()
-        store(self.a, self.chunks, self.MODEL)
+        loads.store(self.a, self.chunks, self.MODEL)
         for transport in self.b:
             self._wait_indexed(transport)
 
@@ -81,23 +74,86 @@ class Cluster:
             time.sleep(0.1)
 
     def measure(self, transport: str, out: np.ndarray, batch: int, clients: int, copy: bool) -> Measured:
-        return fetch_from_a(
-            self.b[transport],
-            self.a.pid,
-            lambda: self._a_seen_by(transport),
-            transport,
-            self.chunks,
-            self.MODEL,
-            out,
-            batch=batch,
-            clients=clients,
-            copy=copy,
+        seen = partial(self._a_seen_by, transport)
+        return loads.fetch_from_a(
+            self.b[transport], self.a.pid, seen, transport, self.chunks, self.MODEL, out, batch, clients, copy
         )
 
     def stop(self) -> None:
         for d in [*self.b.values(), self.a]:
             with contextlib.suppress(Exception):
                 d.stop()
+
+
+RAW = {  # arm -> (raw_net transport, TCP connections)
+    "raw TCP, 1 connection": ("tcp", 1),
+    "raw TCP, 2 connections": ("tcp", 2),
+    "raw ucxx": ("ucx", 1),
+}
+
+
+class Link:
+    """`--netns`: two network namespaces joined by one veth pair of a given MTU (tests/support/netns.py); node A
+    (serving TCP and UCX) in namespace 0, one node B per transport in namespace 1, each listing only A as its peer
+    (the tests' cluster: TLS on the control plane); A holds the chunks in its RAM."""
+
+    MODEL = "bench/peer-link"
+
+    def __init__(self, transports: Sequence[str], chunks: Chunks, mtu: int, peer_options: dict[str, str]) -> None:
+        self.transports = list(transports)
+        self.chunks = chunks
+        self.net = Topology(2, mtu=mtu, bridge=False)
+        self.peer_options = {"fetch_timeout_s": str(FETCH_TIMEOUT_S), **peer_options}
+        self.cluster: TestCluster | None = None
+
+    def start(self) -> None:
+        self.net.create()
+        n = 1 + len(self.transports)
+        self.cluster = TestCluster(
+            n,
+            ["auto", *self.transports],
+            net=self.net,
+            peer_options=self.peer_options,
+            cpu_bytes=ram_for(self.chunks),
+            peer_lists=[list(range(n)), *([0, k] for k in range(1, n))],
+            placement=[0] + [1] * len(self.transports),
+        )
+        self.cluster.start()
+        loads.store(self.cluster[0], self.chunks, self.MODEL)
+        for k in range(1, len(self.cluster.daemons)):
+            self.cluster.wait_indexed(k, 0, self.chunks.n)
+
+    def b(self, transport: str):
+        assert self.cluster is not None
+        return self.cluster[1 + self.transports.index(transport)]
+
+    def measure(self, transport: str, out: np.ndarray, batch: int, clients: int) -> Measured:
+        """B over `transport` loads every chunk (leases, as vLLM's direct mode), then forgets them."""
+        assert self.cluster is not None
+        a, b = self.cluster[0], self.b(transport)
+        seen = b.peer(a)
+        if seen.transport != transport:
+            raise RuntimeError(f"B reaches A over {seen.transport}, not {transport}")
+        m = loads.fetch_from_a(b, a.pid, lambda: b.peer(a), transport, self.chunks, self.MODEL, out, batch, clients)
+        deadline = time.monotonic() + WAIT_S
+        while loads.ram_chunks(b):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"B ({transport}) still holds chunks after deleting them")
+            time.sleep(0.05)
+        return m
+
+    def raw(self, arm: str, slots: int) -> Measured:
+        """The same bytes from A's namespace to B's over a raw socket / raw ucxx (no daemon)."""
+        transport, conns = RAW[arm]
+        place = Place("veth", self.net.nodes[0], self.net.nodes[1])
+        s = measure_raw(transport, place, self.chunks.nbytes, self.chunks.size, slots, conns=conns)
+        return Measured(s.gib_s, s.cpu_s_per_gib)
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            if self.cluster is not None:
+                self.cluster.close()
+        self.net.close()
 
 
 # -- cold tiers: a daemon with one tier below RAM, started afresh each round ---------------------
@@ -121,7 +177,7 @@ class ColdTier:
         daemon = self._daemon(600.0)
         daemon.start()
         try:
-            store(daemon, self.chunks, self.model)
+            loads.store(daemon, self.chunks, self.model)
         finally:
             if daemon.stop(timeout_s=660.0) != 0:
                 raise RuntimeError(f"the daemon writing down to {self.spec} exited badly: {daemon.log_tail()}")
@@ -133,9 +189,9 @@ class ColdTier:
             drop_page_cache()
         daemon.start()
         try:
-            if ram_chunks(daemon):
+            if loads.ram_chunks(daemon):
                 raise RuntimeError(f"{self.spec}: the restarted daemon holds chunks in RAM")
-            return load_all(daemon, self.chunks, self.model, out, batch, clients, copy=False)
+            return loads.load_all(daemon, self.chunks, self.model, out, batch, clients, copy=False)
         finally:
             daemon.stop()
 

@@ -156,6 +156,7 @@ def load_all(
     batch: int,
     clients: int,
     copy: bool,
+    *,
     serving: Sequence[int] = (),
 ) -> Measured:
     """Load every chunk through `clients` clients of `daemon` (`batch` chunks per call, the calls
@@ -215,16 +216,16 @@ def load_all(
 
 
 def fetch_from_a(
-    b: Daemon, a_pid: int, a_seen: Callable[[], Any], via: str, chunks: Chunks, model: str, out: np.ndarray, **load: Any
+    b: Daemon, a_pid: int, a_seen: Callable[[], Any], via: str, chunks: Chunks, model: str, out: np.ndarray, *load: Any
 ) -> Measured:
-    """B (over `via`) loads every chunk that only A holds (load_all's `load` options), then forgets
+    """B (over `via`) loads every chunk that only A holds (`load`: load_all's batch, clients, copy), then forgets
     its copies (A keeps its own); a failure is reported with B's counters for A (`a_seen()`)."""
     from kvstored_client import Client
 
     if ram_chunks(b):
         raise RuntimeError(f"before the load, B ({via}) holds chunks in its RAM")
     try:
-        m = load_all(b, chunks, model, out, serving=[a_pid], **load)
+        m = load_all(b, chunks, model, out, *load, serving=[a_pid])
     except RuntimeError as exc:
         seen = a_seen()
         detail = ", ".join(f"{k} {getattr(seen, k, '?')}" for k in PEER_COUNTERS)

@@ -1,15 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""LMCache's multiprocess (MP) server (PyPI lmcache 0.5.x on torch's CPU build), driven the way
-`lmcache bench server --mode cpu` drives it: its ServerBenchClient registers a paged KV cache
-(engine-driven transfers: ZMQ on loopback, bytes through the
-server's L1 in shared memory, `--shm-name`), then per request LOOKUP + wait for the prefetch,
-RETRIEVE into the blocks, or STORE from them, and END_SESSION.
-
-A chunk is 256 tokens = 16 blocks of 16 tokens in 2 layers x (K, V) x 8 heads x 128 x fp16 =
-2 MiB, so slot i is blocks 16i..16i+15 (4 pieces of 512 KiB). Keys are prefix hashes of token
-ids: key (tag, i) is chunk i of one token sequence per tag. A LOOKUP read-locks its hits until
-the RETRIEVE (or free_lookup_locks); each request gets its own session, ended after it."""
+"""LMCache's multiprocess (MP) server (PyPI lmcache 0.5.x, torch's CPU build), driven as `lmcache bench server
+--mode cpu` drives it: its ServerBenchClient registers a paged KV cache (ZMQ on loopback, bytes through the
+server's L1 in shared memory), then per request LOOKUP + wait for the prefetch, RETRIEVE or STORE, END_SESSION.
+A chunk is 256 tokens = 16 blocks of 16 tokens x 2 layers x (K, V) x 8 heads x 128 x fp16 = 2 MiB: slot i is
+blocks 16i..16i+15. Key (tag, i) is chunk i of one token sequence per tag (prefix hashes). A LOOKUP read-locks
+its hits until the RETRIEVE (or free_lookup_locks)."""
 
 from __future__ import annotations
 
@@ -24,16 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from bench.peers.server import Server
-from bench.peers.worker import Driver
+from bench.peers.worker import Driver, Server
 
 VERSION = "0.5.6"
 TOKENS = 256  # per chunk (the server's --chunk-size)
 BLOCK = 16  # tokens per paged block
 HELLO = 9906  # the token lmcache's bench fills requests with
 ENV = {"LMCACHE_DISABLE_BANNER": "1"}
-# torch first (the project's pin, CPU build), lmcache without its CUDA dependencies, then what
-# its server and bench client import on CPU
+# torch (the project's pin, CPU build), lmcache without its CUDA dependencies, what it imports on CPU
 STEPS = [
     ["torch==2.13.0", "numpy<=2.2.6"],
     ["--no-deps", f"lmcache=={VERSION}"],
@@ -160,10 +154,10 @@ class LMCacheDriver(Driver):
         rid = self._rid()
         tc = self.worker.transfer_context
         key = self._key(self._tokens(tag, first + n), first, n, rid)
-        future = tc.submit_store(
-            rid, key, self.worker.kv_caches, self._blocks(n), tc.create_recorded_event(), self.per_chunk
+        event = tc.create_recorded_event()
+        ok = self._wait(
+            tc.submit_store(rid, key, self.worker.kv_caches, self._blocks(n), event, self.per_chunk), "STORE"
         )
-        ok = self._wait(future, "STORE")
         self.h._send_end_session(self.rc, rid)
         if not ok:
             raise RuntimeError(f"lmcache STORE of {n} chunks failed")
@@ -183,14 +177,9 @@ class LMCacheDriver(Driver):
             self._wait(self.rc.free_lookup_locks(key, 1), "FREE_LOOKUP_LOCKS")
             self.h._send_end_session(self.rc, rid)
             raise RuntimeError(f"lmcache LOOKUP found {hits} of {n} chunks")
+        blocks, event = self._blocks(n), tc.create_recorded_event()
         future = tc.submit_retrieve(
-            rid,
-            key,
-            self.worker.kv_caches,
-            self._blocks(n),
-            tc.create_recorded_event(),
-            self.per_chunk,
-            skip_first_n_tokens=0,
+            rid, key, self.worker.kv_caches, blocks, event, self.per_chunk, skip_first_n_tokens=0
         )
         ok = self._wait(future, "RETRIEVE")
         self.h._send_end_session(self.rc, rid)
@@ -206,9 +195,6 @@ class LMCacheDriver(Driver):
         return hits
 
     def release(self) -> None:
-        self._free()
-
-    def _free(self) -> None:
         if self._pending is not None:
             key, rid = self._pending
             self._pending = None
@@ -216,14 +202,13 @@ class LMCacheDriver(Driver):
             self.h._send_end_session(self.rc, rid)
 
     def remove(self, tag: str, n: int) -> None:
-        self._free()  # LMCache evicts by LRU; there is no remove in the MP protocol
+        self.release()  # LMCache evicts by LRU; there is no remove in the MP protocol
 
     def clear(self) -> None:
-        """Its LRU evicted chunks of a lookup set stored just before (found 128 of 256): start
-        each measurement from an empty L1."""
-        self._free()
+        """From an empty L1: its LRU evicted chunks of a lookup set stored just before (found 128 of 256)."""
+        self.release()
         self._wait(self.rc.clear(True), "CLEAR")
 
     def close(self) -> None:
-        self._free()
+        self.release()
         self.bench.close()

@@ -1,9 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""The systems that run from the project's own venv: kvstored (a real daemon; the client's default
-path, the fast path over the session socket with the pool mapped), Redis 7 (Debian's
-redis-server, redis-py + hiredis, LMCache's usual remote backend) and memcpy (the copy every
-system has to make at least once: slots to a private area of the same process and back)."""
+"""The systems that run from the project's own venv: kvstored (a real daemon, the client's default path: the
+fast path with the pool mapped), Redis 7 (redis-server, redis-py + hiredis, LMCache's usual remote backend) and
+memcpy (the copy every system makes at least once: slots to a private area of the same process and back)."""
 
 from __future__ import annotations
 
@@ -13,13 +12,13 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.peers.server import Server
-from bench.peers.worker import Driver
+from bench.peers.worker import Driver, Server
 
 PIPELINE = 16  # Redis commands per pipeline (2 MiB each; deeper pipelines measured slower here)
 
@@ -39,12 +38,8 @@ def start_kvstored(workdir: Path, capacity: int) -> Server:
 
     daemon = Daemon(capacity, extra_args=["--metrics-addr", "off"])
     daemon.start()
-    return Server(
-        pids=lambda: [daemon.pid],
-        config={"socket": str(daemon.socket)},
-        describe=f"kvstored daemon, {capacity >> 20} MiB RAM tier, client default path (fast path)",
-        stop=daemon.stop,
-    )
+    describe = f"kvstored daemon, {capacity >> 20} MiB RAM tier, client default path (fast path)"
+    return Server(lambda: [daemon.pid], {"socket": str(daemon.socket)}, describe, daemon.stop)
 
 
 def _blake2b_key(tag: str, i: int) -> bytes:
@@ -127,12 +122,8 @@ def start_redis(workdir: Path, capacity: int) -> Server:
     r.close()
     from redis.utils import HIREDIS_AVAILABLE
 
-    return Server(
-        pids=lambda: [proc.pid],
-        config={"port": port},
-        describe=f"{version}; redis-py hiredis parser: {HIREDIS_AVAILABLE}; pipelines of {PIPELINE}",
-        stop=stop,
-    )
+    describe = f"{version}; redis-py hiredis parser: {HIREDIS_AVAILABLE}; pipelines of {PIPELINE}"
+    return Server(lambda: [proc.pid], {"port": port}, describe, stop)
 
 
 class RedisDriver(Driver):
@@ -149,22 +140,25 @@ class RedisDriver(Driver):
     def _key(self, tag: str, i: int) -> bytes:
         return f"{tag}/{i}".encode()
 
+    def _pipelines(self, n: int) -> Iterator[tuple[Any, range]]:
+        """(a pipeline, its slots) per PIPELINE slots of 0..n-1."""
+        for b in range(0, n, PIPELINE):
+            yield self.r.pipeline(transaction=False), range(b, min(b + PIPELINE, n))
+
     def store(self, tag: str, n: int, first: int = 0) -> None:
         c = self.chunk
-        for b in range(0, n, PIPELINE):
-            pipe = self.r.pipeline(transaction=False)
-            for s in range(b, min(b + PIPELINE, n)):
+        for pipe, slots in self._pipelines(n):
+            for s in slots:
                 pipe.set(self._key(tag, first + s), self.buf[s * c : (s + 1) * c].data)
             if not all(pipe.execute()):
                 raise RuntimeError("redis SET failed")
 
     def load(self, tag: str, n: int) -> None:
         c = self.chunk
-        for b in range(0, n, PIPELINE):
-            pipe = self.r.pipeline(transaction=False)
-            for s in range(b, min(b + PIPELINE, n)):
+        for pipe, slots in self._pipelines(n):
+            for s in slots:
                 pipe.get(self._key(tag, s))
-            for s, value in zip(range(b, min(b + PIPELINE, n)), pipe.execute()):
+            for s, value in zip(slots, pipe.execute()):
                 if value is None or len(value) != c:
                     raise RuntimeError(f"redis GET of {tag}/{s}: missing")
                 self.buf[s * c : (s + 1) * c] = np.frombuffer(value, dtype=np.uint8)

@@ -1,16 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""Mooncake Store (PyPI mooncake-transfer-engine-non-cuda, TCP on loopback) in two set-ups:
-
-- standalone: `mooncake_master` (its HTTP metadata server on 127.0.0.1) + the per-node
-  `mooncake_client` that holds the segment; each client process is a dummy client whose chunk
-  slots come from `alloc_from_mem_pool` + `register_buffer` (zero copy; a plain put would ship
-  the value over RPC);
-- embedded: the master only; each client process mounts its own segment (`setup`) and registers
-  its slots.
-
-Its binaries link libibverbs.so.1 even for TCP (Debian's libibverbs1). MC_TCP_BIND_ADDRESS keeps
-its RPC on loopback. Every get/exists takes a lease (10 s by default), so removals are forced."""
+"""Mooncake Store (PyPI mooncake-transfer-engine-non-cuda, TCP on loopback) in two set-ups. Standalone:
+`mooncake_master` (with its HTTP metadata server) + the per-node `mooncake_client` holding the segment; each
+client process is a dummy client with slots from `alloc_from_mem_pool` + `register_buffer` (zero copy; a plain
+put would ship the value over RPC). Embedded: the master only; each client process mounts its own segment.
+Its binaries link libibverbs.so.1 even for TCP. Every get/exists takes a 10 s lease, so removals are forced."""
 
 from __future__ import annotations
 
@@ -25,8 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.peers.server import Server
-from bench.peers.worker import Driver
+from bench.peers.worker import Driver, Server
 
 PACKAGE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
@@ -77,12 +70,8 @@ def start(workdir: Path, capacity: int, standalone: bool) -> Server:
     try:
         master_argv = [
             str(bindir / "mooncake_master"),
-            f"-rpc_port={rpc}",
-            "-rpc_address=127.0.0.1",
-            "-enable_http_metadata_server=true",
-            "-http_metadata_server_host=127.0.0.1",
-            f"-http_metadata_server_port={http}",
-            f"-metrics_port={metrics}",
+            *f"-rpc_port={rpc} -rpc_address=127.0.0.1 -enable_http_metadata_server=true".split(),
+            *f"-http_metadata_server_host=127.0.0.1 -http_metadata_server_port={http} -metrics_port={metrics}".split(),
             "-enable_metric_reporting=false",
         ]
         procs.append(_spawn(master_argv, rundir / "master.log", env))
@@ -92,12 +81,8 @@ def start(workdir: Path, capacity: int, standalone: bool) -> Server:
         if standalone:
             client_argv = [
                 str(bindir / "mooncake_client"),
-                f"-master_server_address=127.0.0.1:{rpc}",
-                f"-metadata_server=http://127.0.0.1:{http}/metadata",
-                f"-global_segment_size={capacity}",
-                "-host=127.0.0.1",
-                f"-port={client_port}",
-                "-protocol=tcp",
+                *f"-master_server_address={config['master']} -metadata_server={config['metadata']}".split(),
+                *f"-global_segment_size={capacity} -host=127.0.0.1 -port={client_port} -protocol=tcp".split(),
             ]
             procs.append(_spawn(client_argv, rundir / "client.log", env))
             _wait_port(client_port, procs[1], rundir / "client.log", "mooncake_client")
@@ -118,10 +103,6 @@ def start(workdir: Path, capacity: int, standalone: bool) -> Server:
     )
 
 
-def _key(tag: str, i: int) -> str:
-    return f"{tag}/{i}"
-
-
 class _MooncakeDriver(Driver):
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__(cfg)
@@ -130,8 +111,7 @@ class _MooncakeDriver(Driver):
         self.store_ = MooncakeDistributedStore()
         self.size = self.chunk * self.slots
         self.ptr = self._setup(cfg)
-        rc = self.store_.register_buffer(self.ptr, self.size)
-        if rc:
+        if rc := self.store_.register_buffer(self.ptr, self.size):
             raise RuntimeError(f"register_buffer: {rc}")
         self.buf = np.ctypeslib.as_array((ctypes.c_uint8 * self.size).from_address(self.ptr))
         self.buf[:] = 0  # populate
@@ -140,7 +120,7 @@ class _MooncakeDriver(Driver):
         raise NotImplementedError
 
     def _keys(self, tag: str, n: int, first: int = 0) -> list[str]:
-        return self.key_list(tag, n, first, _key)
+        return self.key_list(tag, n, first, lambda tag, i: f"{tag}/{i}")
 
     def store(self, tag: str, n: int, first: int = 0) -> None:
         c = self.chunk
@@ -167,8 +147,7 @@ class _MooncakeDriver(Driver):
 
 class StandaloneDriver(_MooncakeDriver):
     def _setup(self, cfg: dict[str, Any]) -> int:
-        rc = self.store_.setup_dummy(self.size + (64 << 20), 64 << 20, cfg["client"])
-        if rc:
+        if rc := self.store_.setup_dummy(self.size + (64 << 20), 64 << 20, cfg["client"]):
             raise RuntimeError(f"setup_dummy: {rc}")
         ptr = int(self.store_.alloc_from_mem_pool(self.size))
         if not ptr:
@@ -180,8 +159,7 @@ class EmbeddedDriver(_MooncakeDriver):
     def _setup(self, cfg: dict[str, Any]) -> int:
         from bench.lib.buffers import aligned_pool
 
-        rc = self.store_.setup("127.0.0.1", cfg["metadata"], cfg["segment"], 64 << 20, "tcp", "", cfg["master"])
-        if rc:
+        if rc := self.store_.setup("127.0.0.1", cfg["metadata"], cfg["segment"], 64 << 20, "tcp", "", cfg["master"]):
             raise RuntimeError(f"setup: {rc}")
         self._map = aligned_pool(self.size)
         return ctypes.addressof(ctypes.c_char.from_buffer(self._map))

@@ -18,7 +18,7 @@ from typing import Any
 
 from bench.lib.daemons import cpu_of
 from bench.lib.report import REPO
-from bench.peers.server import Server
+from bench.peers.worker import Server
 
 
 class WorkerProcess:

@@ -1,12 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""One client process of bench.compare: `python -m bench.peers.worker SYSTEM CONFIG_JSON`, run by
-the coordinator in the system's own venv. It reads one JSON command a line on stdin and answers
-one JSON line on stdout; it does the timing (perf_counter, CLOCK_MONOTONIC: windows of several
-processes combine) and checks every loaded byte against a digest taken before the store.
-
-A driver owns `slots` chunk slots of client memory (where its library wants them: registered
-buffers, a pool, tensors) and moves chunks between slots and named keys (`tag` + index)."""
+"""One client process of bench.compare: `python -m bench.peers.worker SYSTEM CONFIG_JSON`, in the system's own
+venv. One JSON command a line on stdin, one JSON answer a line on stdout; it times the calls (perf_counter is
+CLOCK_MONOTONIC: windows of several processes combine) and checks every loaded byte against a digest.
+Also what a system's start function returns (Server): stdlib and numpy only, so it runs in any venv."""
 
 from __future__ import annotations
 
@@ -19,6 +16,8 @@ import time
 import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,8 +33,22 @@ DRIVERS = {
 }
 
 
+@dataclass
+class Server:
+    """The server side of one system: its processes (for CPU accounting), the config its client
+    processes get, the python that runs them (None: the project's), a line for the report."""
+
+    pids: Callable[[], list[int]]
+    config: dict[str, Any]
+    describe: str
+    stop: Callable[[], Any] = lambda: None
+    python: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
 class Driver(ABC):
-    """A system's client: slot i of client memory <-> key (tag, first + i)."""
+    """A system's client: `slots` chunk slots of client memory (where its library wants them), slot i <-> key
+    (tag, first + i)."""
 
     def __init__(self, cfg: dict[str, Any]) -> None:
         self.chunk: int = cfg["chunk"]
@@ -43,9 +56,8 @@ class Driver(ABC):
         self._key_lists: dict[tuple[str, int, int], list[Any]] = {}
 
     def key_list(self, tag: str, n: int, first: int, derive: Callable[[str, int], Any]) -> list[Any]:
-        """Keys tag/first..first+n-1 as the system names them, derived once and reused: an engine
-        has its block hashes before it calls, so deriving keys is no part of a timed call (256
-        blake2b digests take ~0.2 ms here, as long as a lookup)."""
+        """Keys tag/first..first+n-1 as the system names them, derived once: an engine has its block hashes
+        before it calls (256 blake2b digests take ~0.2 ms, as long as a lookup)."""
         keys = self._key_lists.get((tag, n, first))
         if keys is None:
             keys = self._key_lists[tag, n, first] = [derive(tag, i) for i in range(first, first + n)]
@@ -76,8 +88,7 @@ class Driver(ABC):
         """Drop keys tag/0..n-1 (untimed; a no-op where the system evicts by itself)."""
 
     def clear(self) -> None:
-        """Drop every key (the coordinator's, between measurements, where the system cannot be
-        trusted to evict what the next measurement needs)."""
+        """Drop every key, where the system cannot be trusted to evict what the next measurement needs."""
 
     def close(self) -> None:
         pass
@@ -119,10 +130,8 @@ class Worker:
         self.counter += 1
         return (os.getpid() * 1009 + self.counter) & 0xFFFFF
 
-    # -- commands ---------------------------------------------------------------------------------
-
-    # a batch is fill, store, zero, load, verify: five commands, so that every process's timed
-    # window runs while the others wait (their untimed work would count in the combined window)
+    # -- commands: a batch is fill, store, zero, load, verify, so that every process's timed window runs
+    # while the others wait (their untimed work would count in the combined window)
     def fill(self, n: int) -> dict[str, Any]:
         self._fill(n, self._seed())
         return {}

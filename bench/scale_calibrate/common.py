@@ -11,7 +11,6 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,29 +28,18 @@ BIG_BATCH = 1000  # keys per store in the batched phases
 WAIT_S = 60.0  # a bound on every wait for the daemons' state, never a measurement
 
 
-# -- the machine's own counters -----------------------------------------------------------------
-
-
 def rss_anon(pid: int, field: str = "RssAnon") -> int:
-    """Anonymous resident memory of `pid` (bytes): the heap, not the shared-memory pool (or another
-    of /proc/PID/status's sizes: `field`)."""
+    """Anonymous resident memory of `pid` in bytes (the heap, not the shared pool), or another `field`."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no {field} in /proc/{pid}/status")
 
 
-@dataclass(frozen=True)
-class TcpCount:
-    bytes_received: int = 0
-    segs_in: int = 0
-
-
-def tcp_received(pid: int, dport: int) -> TcpCount:
-    """What the TCP sockets of `pid` connected to port `dport` have received (tcp_info via ss)."""
-    out = subprocess.run(
-        ["ss", "-tinpH", "state", "established", f"( dport = :{dport} )"], capture_output=True, text=True, timeout=10
-    ).stdout
+def tcp_received(pid: int, dport: int) -> tuple[int, int]:
+    """Bytes and segments the TCP sockets of `pid` connected to port `dport` have received (tcp_info via ss)."""
+    command = ["ss", "-tinpH", "state", "established", f"( dport = :{dport} )"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=10).stdout
     total, segs, mine = 0, 0, False
     for line in out.splitlines():
         if "users:" in line:
@@ -63,7 +51,7 @@ def tcp_received(pid: int, dport: int) -> TcpCount:
             total += int(got[1]) if got else 0
             segs += int(seg[1]) if seg else 0
             mine = False
-    return TcpCount(total, segs)
+    return total, segs
 
 
 def cpu_rates(pids: Sequence[int], seconds: float) -> list[float]:
@@ -83,11 +71,10 @@ def ns_fields(model: str, chunk_bytes: int) -> dict[str, Any]:
 
 
 def new_keys(n: int, tag: str) -> list[bytes]:
-    return (
-        [secrets.token_bytes(32) for _ in range(n)]
-        if not tag
-        else [int.to_bytes(i, 24, "big") + tag.encode()[:8].ljust(8, b"-") for i in range(n)]
-    )
+    """`n` keys: numbered and tagged, or random without a tag."""
+    if not tag:
+        return [secrets.token_bytes(32) for _ in range(n)]
+    return [int.to_bytes(i, 24, "big") + tag.encode()[:8].ljust(8, b"-") for i in range(n)]
 
 
 def batches(keys: Sequence[bytes], n: int) -> Iterator[Sequence[bytes]]:

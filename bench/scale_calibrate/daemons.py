@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 
 from bench.lib.daemons import process_cpu_seconds
-from bench.scale_calibrate.common import FS_BYTES, WAIT_S, TcpCount, cpu_rates, tcp_received
+from bench.scale_calibrate.common import FS_BYTES, WAIT_S, cpu_rates, tcp_received
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 
@@ -29,9 +29,7 @@ class EventWatcher:
         self._channel = grpc.insecure_channel(f"unix:{socket}", options=[("grpc.max_receive_message_length", 64 << 20)])
         self.failure: grpc.RpcError | None = None
         self._stream = pb_grpc.KVStoreStub(self._channel).WatchEvents(pb.WatchEventsRequest(from_seq=0))
-        self.keys = 0
-        self.last_seq = 0
-        self.payload_bytes = 0
+        self.keys = self.last_seq = self.payload_bytes = 0
         self.last_at = time.monotonic()
         self.by_kind: Counter[str] = Counter()  # "stored ram" -> events; "stored ram keys" -> keys
         self._thread = threading.Thread(target=self._read, name="scale-calibrate-watch", daemon=True)
@@ -72,10 +70,7 @@ class Snapshot:
     at: float
     b_cpu: float
     a_cpu: float
-    b_events: int
-    tcp: TcpCount
-    w_keys: int
-    w_bytes: int
+    counts: tuple[int, ...]  # B's events, the watcher's keys, B's TCP bytes and segments in, the watcher's bytes
     by_kind: Counter[str]
 
 
@@ -98,15 +93,8 @@ class Phase:
 
     def per(self, what: str) -> dict[str, float]:
         n = {"event": self.events, "key": self.keys, "chunk": self.chunks}[what]
-        if not n:
-            return {}
-        return {
-            "bytes": self.payload_bytes / n,
-            "segments": self.segments / n,
-            "b_cpu_us": self.b_cpu_s / n * 1e6,
-            "events": self.events / n,
-            "keys": self.keys / n,
-        }
+        totals = {"bytes": self.payload_bytes, "segments": self.segments, "b_cpu_us": self.b_cpu_s * 1e6}
+        return {k: v / n for k, v in (totals | {"events": self.events, "keys": self.keys}).items()} if n else {}
 
 
 class Pair:
@@ -115,9 +103,8 @@ class Pair:
     def __init__(self, a_ram: str) -> None:
         from tests.support.cluster import Cluster
 
-        # Both list both (as a cluster's nodes do); A keeps enough events that B never resyncs.
-        # B follows every event as it happens: the per-event and per-key costs the model is
-        # built from (follow() switches it to the coalesced stream).
+        # Both list both; A keeps enough events that B never resyncs. B follows every event as it
+        # happens (the per-event and per-key costs; follow() switches it to the coalesced stream).
         self.cluster = Cluster(
             2,
             "tcp",
@@ -129,9 +116,7 @@ class Pair:
         self.a, self.b = self.cluster[0], self.cluster[1]
         self.a_port = int(self.a.address.rpartition(":")[2])
         self.watcher: EventWatcher | None = None
-        self.b_idle_cpu_per_s = 0.0
-        self.a_idle_cpu_per_s = 0.0
-        self.b_cpu_per_poll = 0.0
+        self.b_idle_cpu_per_s = self.a_idle_cpu_per_s = self.b_cpu_per_poll = 0.0
         self.polls = 0
 
     def start(self) -> None:
@@ -175,23 +160,14 @@ class Pair:
 
     def snapshot(self) -> Snapshot:
         assert self.watcher is not None
-        info = self.b_view_of_a()  # (before the CPU readings: phase() counts its cost)
-        return Snapshot(
-            time.monotonic(),
-            process_cpu_seconds(self.b.pid),
-            process_cpu_seconds(self.a.pid),
-            info.events,
-            tcp_received(self.b.pid, self.a_port),
-            self.watcher.keys,
-            self.watcher.payload_bytes,
-            Counter(self.watcher.by_kind),
-        )
+        info, w = self.b_view_of_a(), self.watcher  # (the poll before the CPU readings: phase() counts its cost)
+        b_cpu, a_cpu = process_cpu_seconds(self.b.pid), process_cpu_seconds(self.a.pid)
+        counts = (info.events, w.keys, *tcp_received(self.b.pid, self.a_port), w.payload_bytes)
+        return Snapshot(time.monotonic(), b_cpu, a_cpu, counts, Counter(w.by_kind))
 
     def caught_up(self, past_seq: int | None = None) -> None:
-        """Until A has stopped publishing and B's index reflects every event A published (by seq:
-        a coalesced stream sends fewer messages than there were events). `past_seq`: the work
-        published events, so first wait for one beyond it (quiet before the first had arrived
-        would end the phase early)."""
+        """Until A has stopped publishing and B's index reflects every event A published (by seq).
+        `past_seq`: first wait for an event beyond it (the work published some)."""
         assert self.watcher is not None
         deadline = time.monotonic() + WAIT_S
         while past_seq is not None and self.watcher.last_seq <= past_seq:
@@ -215,21 +191,12 @@ class Pair:
         s1 = self.snapshot()
         dt = s1.at - s0.at
         polls = self.polls - polls0 - 1  # the first snapshot's poll came before s0's CPU reading
+        events, keys, payload, segments, protobuf = (after - before for before, after in zip(s0.counts, s1.counts))
+        b_cpu = max(0.0, s1.b_cpu - s0.b_cpu - self.b_idle_cpu_per_s * dt - self.b_cpu_per_poll * polls)
+        a_cpu = max(0.0, s1.a_cpu - s0.a_cpu - self.a_idle_cpu_per_s * dt)
         kinds = {k: v for k, v in (s1.by_kind - s0.by_kind).items() if v}
-        phase = Phase(
-            name,
-            dt,
-            s1.b_events - s0.b_events,
-            s1.w_keys - s0.w_keys,
-            s1.tcp.bytes_received - s0.tcp.bytes_received,
-            s1.tcp.segs_in - s0.tcp.segs_in,
-            s1.w_bytes - s0.w_bytes,
-            max(0.0, s1.b_cpu - s0.b_cpu - self.b_idle_cpu_per_s * dt - self.b_cpu_per_poll * polls),
-            max(0.0, s1.a_cpu - s0.a_cpu - self.a_idle_cpu_per_s * dt),
-            kinds,
-            chunks,
-            round(os.getloadavg()[0], 2),
-        )
+        load = round(os.getloadavg()[0], 2)
+        phase = Phase(name, dt, events, keys, payload, segments, protobuf, b_cpu, a_cpu, kinds, chunks, load)
         print(
             f"  {name}: {phase.events} events, {phase.keys} keys, {phase.payload_bytes:,} B received, "
             f"B CPU {phase.b_cpu_s * 1e3:.1f} ms, A CPU {phase.a_cpu_s * 1e3:.1f} ms in {dt:.2f} s "

@@ -1,17 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""The fleet directory's costs per operation, against a real Redis Cluster (3 masters, 3 replicas on
-loopback, tests/support/redis_cluster.py): daemon D has a peer tier with `directory =` it and no
-peers; daemon P has no peer tier and does the same work, so D - P is what the directory costs.
-
-- idle: the heartbeat and the empty write batch, once per interval (CPU of D - P, and Redis's);
-- writes: chunks stored on D reach the directory in the next interval's pipelined batch: CPU per
-  chunk written (D - P for the same stores), Redis CPU per command, Redis memory per entry;
-- lookups: keys nobody holds (a turn's new tail), 1 and 64 per Lookup: what D's Lookup adds to
-  P's in latency and in CPU, and Redis's CPU per key asked.
-Each figure is the median of several windows or repetitions: one window on a 2-core machine
-shared with other work is noise (see docs/scale-out.md, the quiet streams).
-"""
+"""The fleet directory's costs per operation against a real Redis Cluster (tests/support/redis_cluster.py):
+daemon D has a peer tier with `directory =` it, daemon P none; D - P is what the directory costs (its
+heartbeat, writes and lookups; medians: docs/scale-out.md, "Its costs per operation")."""
 
 from __future__ import annotations
 
@@ -37,6 +28,9 @@ WINDOW_S = 4.0
 WRITE_REPS = 3
 WRITE_KEYS = 10_000
 WRITE_BATCH = 500
+CLIENT_KEYS = 10_000
+LOOKUP_KEYS = 16  # (the directory's buckets: one lookup's keys span at most that many slots)
+LOOKUP_REPS = 2_000
 
 
 class Rig:
@@ -44,18 +38,14 @@ class Rig:
         self.rc = rc
         self.workdir = short_tmpdir("kvcald")
         ram = f"{(WRITE_REPS * WRITE_KEYS * SMALL * 3 // 2) >> 20}MiB"
-        common = ["--page-bytes", "4096"]
         address = f"127.0.0.1:{free_port()}"
-        spec = ",".join(
-            ["kind=peer", "transport=tcp", "tcp_port=0", "ucx_port=0", f"directory={rc.url}"]
-            + [f"directory_interval_s={INTERVAL_S}", "directory_timeout_s=0.5"]
-        )
+        spec = f"kind=peer,transport=tcp,tcp_port=0,ucx_port=0,directory={rc.url},directory_interval_s={INTERVAL_S}"
         self.d = PeerDaemon(0, address, None, cpu_bytes=ram, workdir=self.workdir / "d")
         self.p = PeerDaemon(1, "", None, cpu_bytes=ram, workdir=self.workdir / "p")
         for x in (self.d, self.p):
             x.workdir.mkdir()
-        self.d.args = ["--tcp-listen", address, "--tiers", spec, *common]
-        self.p.args = common
+        self.p.args = ["--page-bytes", "4096"]
+        self.d.args = ["--tcp-listen", address, "--tiers", spec + ",directory_timeout_s=0.5", *self.p.args]
 
     def start(self) -> None:
         self.d.start(self.d.args)
@@ -105,7 +95,6 @@ def measure_directory(reps: int) -> dict[str, Any]:
 
 def _measure(rig: Rig, reps: int) -> dict[str, Any]:
     d, p = rig.d, rig.p
-    out: dict[str, Any] = {"interval_s": INTERVAL_S}
     time.sleep(2 * INTERVAL_S)  # (the first, urgent refresh pass is done)
     idle = []
     for _ in range(WINDOWS):
@@ -113,9 +102,9 @@ def _measure(rig: Rig, reps: int) -> dict[str, Any]:
         time.sleep(WINDOW_S)
         idle.append(rates(a, rig.cpu()))
     d_idle, p_idle, redis_idle = (statistics.median(x[i] for x in idle) for i in range(3))
+    out: dict[str, Any] = {"interval_s": INTERVAL_S}
     out["idle"] = {
-        "basis": f"CPU rates of D (directory: heartbeat and an empty batch every {INTERVAL_S} s), P and the 6 Redis "
-        f"processes, {WINDOWS} windows of {WINDOW_S:g} s, medians",
+        "basis": f"CPU rates of D, P and the 6 Redis processes, {WINDOWS} windows of {WINDOW_S:g} s, medians",
         "d_cpu_s_per_s": d_idle,
         "p_cpu_s_per_s": p_idle,
         "redis_cpu_s_per_s": redis_idle,
@@ -125,15 +114,14 @@ def _measure(rig: Rig, reps: int) -> dict[str, Any]:
     }
     print(f"  idle: D {d_idle * 1e3:.2f}, P {p_idle * 1e3:.2f}, Redis {redis_idle * 1e3:.2f} ms/s", flush=True)
 
-    small = ns_fields("directory", SMALL)
     zeros = np.zeros((WRITE_BATCH, SMALL), np.uint8)
     writes = []
     with d.client() as kv_d, p.client() as kv_p:
+        small = ns_fields("directory", SMALL)
         ns_d, ns_p = kv_d.register_namespace(**small), kv_p.register_namespace(**small)
         for rep in range(WRITE_REPS):
             keys = new_keys(WRITE_KEYS, f"w{rep}")
-            s0 = rig.status()
-            t0, d0, _, r0 = rig.cpu()
+            s0, (t0, d0, _, r0) = rig.status(), rig.cpu()
             for part in batches(keys, WRITE_BATCH):
                 kv_d.store(ns_d, part, zeros[: len(part)])
             _wait(lambda: rig.status().pending_changes == 0 and rig.status().lag_s == 0.0)
@@ -143,13 +131,11 @@ def _measure(rig: Rig, reps: int) -> dict[str, Any]:
             p0, tp0 = process_cpu_seconds(p.pid), time.monotonic()
             for part in batches(keys, WRITE_BATCH):
                 kv_p.store(ns_p, part, zeros[: len(part)])
-            p1, tp1 = process_cpu_seconds(p.pid), time.monotonic()
+            p_work = process_cpu_seconds(p.pid) - p0 - p_idle * (time.monotonic() - tp0)
             commands = s1.write_commands - s0.write_commands
-            d_work = d1 - d0 - d_idle * (t1 - t0)
-            p_work = p1 - p0 - p_idle * (tp1 - tp0)
             writes.append(
                 {
-                    "daemon_cpu_s_per_key": max(0.0, d_work - p_work) / WRITE_KEYS,
+                    "daemon_cpu_s_per_key": max(0.0, d1 - d0 - d_idle * (t1 - t0) - p_work) / WRITE_KEYS,
                     "redis_cpu_s_per_command": max(0.0, r1 - r0 - redis_idle * (t1 - t0)) / commands,
                     "commands_per_key": commands / WRITE_KEYS,
                     "used_memory_after": m1,
@@ -157,11 +143,8 @@ def _measure(rig: Rig, reps: int) -> dict[str, Any]:
             )
             print(f"  writes {rep + 1}: {writes[-1]}", flush=True)
         out["writes"] = {
-            "basis": f"{WRITE_KEYS:,} chunks of 4 KiB stored on D in batches of {WRITE_BATCH}, until the directory "
-            f"has them all (D's pending changes 0), minus the same stores on P, idle rates subtracted; Redis: its 6 "
-            f"processes' CPU per command written (replication included), the masters' used_memory per entry "
-            f"(its growth from the first pass's end to the last's); "
-            f"medians of {WRITE_REPS}",
+            "basis": f"{WRITE_KEYS:,} chunks of 4 KiB stored on D in batches of {WRITE_BATCH} until written, minus "
+            f"on P; Redis: CPU per command, masters' used_memory growth per entry; medians of {WRITE_REPS}",
             **{k: statistics.median(w[k] for w in writes) for k in writes[0] if k != "used_memory_after"},
             # the slope after the first pass (which also allocates the replication backlog and such)
             "redis_bytes_per_entry": (writes[-1]["used_memory_after"] - writes[0]["used_memory_after"])
@@ -172,15 +155,13 @@ def _measure(rig: Rig, reps: int) -> dict[str, Any]:
         misses = new_keys(64, "")
         lookups: dict[str, Any] = {}
         for label, keys in (("one_key", misses[:1]), ("keys_64", misses)):
-            s0 = rig.status()
-            t0, d0, p0, r0 = rig.cpu()
+            s0, (t0, d0, p0, r0) = rig.status(), rig.cpu()
             on_d = timed(functools.partial(kv_d.lookup, ns_d, keys), reps)
             t1, d1, p1, r1 = rig.cpu()
             on_p = timed(functools.partial(kv_p.lookup, ns_p, keys), reps)
             t2, _, p2, _ = rig.cpu()
             asked = rig.status().lookup_chunks - s0.lookup_chunks
-            d_work = d1 - d0 - d_idle * (t1 - t0)
-            p_work = p2 - p1 - p_idle * (t2 - t1)
+            d_work, p_work = d1 - d0 - d_idle * (t1 - t0), p2 - p1 - p_idle * (t2 - t1)
             lookups[label] = {
                 "d_ms": on_d * 1e3,
                 "p_ms": on_p * 1e3,
@@ -190,8 +171,8 @@ def _measure(rig: Rig, reps: int) -> dict[str, Any]:
             }
         one, many = lookups["one_key"], lookups["keys_64"]
         out["lookups"] = {
-            "basis": f"Lookups of keys nobody holds (a turn's new tail: the directory asked, no holder named), "
-            f"D minus P (latency medians of {reps}; CPU per call, idle subtracted); Redis CPU per key asked",
+            "basis": f"Lookups of keys nobody holds, D minus P (latency medians of {reps}; CPU per call, idle "
+            "subtracted); Redis CPU per key asked",
             **lookups,
             "daemon_cpu_s_per_lookup": one["daemon_cpu_s_per_call"],
             "daemon_cpu_s_per_key": max(0.0, many["daemon_cpu_s_per_call"] - one["daemon_cpu_s_per_call"]) / 63,
@@ -211,17 +192,9 @@ def _wait(check: Callable[[], bool]) -> None:
         time.sleep(0.05)
 
 
-CLIENT_KEYS = 10_000
-LOOKUP_KEYS = 16  # (the directory's buckets: one lookup's keys span at most that many slots)
-LOOKUP_REPS = 2_000
-
-
 def measure_clients(rc: RedisCluster) -> dict[str, Any]:
-    """What the write batch's commands cost a client alone (this process's CPU, per chunk: HSET +
-    PEXPIRE), the same chunks three ways in one run: through the daemon's own client (its
-    commands encoded by kvstored.directory.commands, sent by kvstored.directory.cluster), through
-    redis-py's asyncio cluster pipeline (the baseline: a general client), and as raw RESP packed
-    by hiredis on one blocking socket per master (the floor: no event loop, no routing)."""
+    """This process's CPU per chunk's HSET + PEXPIRE through the daemon's client, redis-py's asyncio
+    cluster pipeline (the baseline) and raw RESP packed by hiredis, one blocking socket per master (the floor)."""
     import asyncio
     import socket
 
@@ -243,7 +216,6 @@ def measure_clients(rc: RedisCluster) -> dict[str, Any]:
     keys = [layout.chunk_key(c) for c in chunks]
     holder = field("10.0.0.1:7070", 0x1F, TierKind.RAM)
     url = parse_url(rc.url)
-    seed = url.nodes[0]
 
     async def through_the_daemons_client() -> tuple[float, float, dict[int, tuple[str, int]]]:
         commands = Commands(layout, "10.0.0.1:7070", 0x1F, entry_ttl_s=600, heartbeat_ttl_s=3)
@@ -270,13 +242,12 @@ def measure_clients(rc: RedisCluster) -> dict[str, Any]:
                 for _ in range(LOOKUP_REPS):
                     await client.execute(lookup)
                 cost[label] = (time.process_time() - c0) / LOOKUP_REPS
-            per_master = max(0.0, cost["spread"] - cost["one"]) / max(1, masters - 1)
-            return per_key, per_master, owner
+            return per_key, max(0.0, cost["spread"] - cost["one"]) / max(1, masters - 1), owner
         finally:
             client.close()
 
     async def through_redis_py() -> float:
-        client = Client(startup_nodes=[ClusterNode(*seed)])
+        client = Client(startup_nodes=[ClusterNode(*url.nodes[0])])
         await client.initialize()
         try:
             c0 = time.process_time()
@@ -298,25 +269,23 @@ def measure_clients(rc: RedisCluster) -> dict[str, Any]:
         buf = out.setdefault(owner[key_slot(key)], [])
         buf.append(hiredis.pack_command(("HSET", key, holder, b"1")))  # type: ignore[arg-type]
         buf.append(hiredis.pack_command(("PEXPIRE", key, 600_000)))  # type: ignore[arg-type]
-    for address, commands in out.items():
+    for address, packed in out.items():
         with socket.create_connection(address) as sock:
-            sock.sendall(b"".join(commands))
+            sock.sendall(b"".join(packed))
             reader, got = hiredis.Reader(), 0
-            while got < len(commands):
+            while got < len(packed):
                 reader.feed(sock.recv(1 << 16))
                 while reader.gets() is not False:
                     got += 1
     per_key_raw = (time.process_time() - c0) / CLIENT_KEYS
     return {
-        "basis": f"{CLIENT_KEYS:,} chunks' HSET + PEXPIRE from this process to the cluster, its CPU per chunk, on "
-        "uvloop: the daemon's client (kvstored.directory: encoded once, one write per master), redis-py's asyncio "
-        "cluster pipeline (the baseline), and raw RESP packed by hiredis on one blocking socket per master, "
-        "replies parsed by hiredis (the floor)",
+        "basis": f"{CLIENT_KEYS:,} chunks' HSET + PEXPIRE from this process, its CPU per chunk, on uvloop: the "
+        "daemon's client, redis-py's asyncio cluster pipeline (the baseline), raw RESP by hiredis (the floor)",
         "client_cpu_s_per_key": per_key_lean,
         "redis_py_cpu_s_per_key": per_key_redis_py,
         "raw_resp_cpu_s_per_key": per_key_raw,
         "redis_py_over_client": per_key_redis_py / per_key_lean if per_key_lean else None,
         "lookup_cpu_s_per_master": per_master,
-        "lookup_basis": f"the daemon's client: {LOOKUP_KEYS} HGETALLs in one slot (one master) against "
-        f"{LOOKUP_KEYS} in as many buckets (every master), {LOOKUP_REPS} each; the difference per further master",
+        "lookup_basis": f"the daemon's client: {LOOKUP_KEYS} HGETALLs in one slot against {LOOKUP_KEYS} in as many "
+        f"buckets (every master), {LOOKUP_REPS} each; the difference per further master",
     }

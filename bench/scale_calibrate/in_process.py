@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""In this process: the daemon's classes with many peers."""
+"""In this process: the daemon's index and peer tier with many peers, and rendezvous hashing."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def traced_bytes(work: Callable[[], object]) -> int:
 
 
 def index_bytes_readme_way(n: int) -> float:
-    """The README's measurement (tests/unit/test_peer_index.py), at n entries: 5 peers."""
+    """The README's measurement (tests/unit/test_peer_index.py, 5 peers) at n entries."""
     from kvstored.peer.index import PeerIndex
 
     raw = [os.urandom(32) for _ in range(n)]
@@ -59,8 +59,7 @@ def index_bytes_readme_way(n: int) -> float:
 
 
 def index_updates_by_slot(slots: Sequence[int], n: int = 20_000, rounds: int = 3) -> list[dict[str, float]]:
-    """Time of one single-key add and remove at `slot` (what applying an event does to the index);
-    the best of `rounds` (the machine is shared)."""
+    """Time of one single-key add and remove at `slot` (applying an event), the best of `rounds`."""
     from kvstored.peer.index import PeerIndex
 
     rows = []
@@ -85,8 +84,7 @@ def index_updates_by_slot(slots: Sequence[int], n: int = 20_000, rounds: int = 3
 
 
 def rendezvous_cost(node_counts: Sequence[int], groups: int = 2000) -> list[dict[str, float]]:
-    """Choosing a chunk group's owner by rendezvous hashing among N nodes (the highest xxh3 of the
-    group's key seeded per node): what a directory design would pay per group changed or asked."""
+    """Choosing a chunk group's owner among N nodes: the highest xxh3 of its key seeded per node."""
     import xxhash
 
     rows = []
@@ -104,6 +102,7 @@ def rendezvous_cost(node_counts: Sequence[int], groups: int = 2000) -> list[dict
 
 async def _contains_cost(peers: int, keys_per_call: Sequence[int], reps: int) -> dict[str, float]:
     from kvstored.namespaces import NamespaceRegistry
+    from kvstored.peer.membership import PeerState
     from kvstored.peer.transport import TransportKind, TransportPreference
     from kvstored.tiers.config import PeerTierConfig, TierContext
     from kvstored.tiers.peer import PeerTier
@@ -111,11 +110,8 @@ async def _contains_cost(peers: int, keys_per_call: Sequence[int], reps: int) ->
     registry = NamespaceRegistry(1 << 30)
     ns = registry.register("scale-calibrate/contains", "u8", SMALL, "", b"", 32)
     addresses = tuple(f"10.0.{i // 250}.{i % 250 + 1}:7070" for i in range(peers))
-    tier = PeerTier(
-        PeerTierConfig(peers=addresses, transport=TransportPreference.TCP), TierContext(namespaces=registry)
-    )
-    from kvstored.peer.membership import PeerState
-
+    config = PeerTierConfig(peers=addresses, transport=TransportPreference.TCP)
+    tier = PeerTier(config, TierContext(namespaces=registry))
     for record in tier.membership.records():  # up, with a link: what a handshake leaves behind
         record.slot = tier.index.add_peer()
         record.state = PeerState.UP
@@ -173,8 +169,8 @@ def measure_in_process() -> dict[str, Any]:
     rendezvous = rendezvous_cost((10, 100, 1000))
     return {
         "index_tracemalloc": {
-            "basis": "tracemalloc of kvstored.peer.index.PeerIndex in this process, 32-byte keys: the README's "
-            "way (5 peers, 200,000 entries), and 20,000 entries all held by the peer in one slot",
+            "basis": "tracemalloc of PeerIndex, 32-byte keys: the README's way (5 peers, 200,000 entries), and "
+            "20,000 entries all held by the peer in one slot",
             "bytes_per_entry_5_peers": readme_way,
             "by_slot": by_slot,
             "fit_slot_ge_7": {"bytes_per_entry_at_slot_0": base, "bytes_per_slot": per_slot},
@@ -185,8 +181,8 @@ def measure_in_process() -> dict[str, Any]:
             "fit": {"add_us_at_slot_0": add0, "add_us_per_slot": add_slope},
         },
         "contains": {
-            "basis": "PeerTier.contains (the peer tier's part of a Lookup) in this process, N peers up, keys held "
-            "by random peers; per call and per key from 1- and 1024-key calls, best of 2",
+            "basis": "PeerTier.contains (the peer tier's part of a Lookup), N peers up, keys held by random peers; "
+            "per call and per key from 1- and 1024-key calls, best of 2",
             "by_peers": contains,
             "fit": {
                 "per_call_us": call0,
@@ -196,8 +192,7 @@ def measure_in_process() -> dict[str, Any]:
             },
         },
         "rendezvous": {
-            "basis": "choosing a chunk group's owner among N nodes by rendezvous hashing (max of xxh3_64 seeded per "
-            "node), in Python, in this process",
+            "basis": "a chunk group's owner among N nodes by rendezvous hashing (max of xxh3_64 seeded per node)",
             "by_nodes": rendezvous,
             "us_per_node": statistics.median(r["us_per_node"] for r in rendezvous),
         },

@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""Local and remote Lookup costs and the peer fetch round trip."""
+"""Local and remote Lookup costs, the peer fetch round trip, and S3 PUT/GET latency per chunk."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import time
 from typing import Any
 
@@ -20,21 +22,17 @@ from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 
 def measure_lookups_and_fetch(pair: Pair, reps: int) -> dict[str, Any]:
     a, b = pair.a, pair.b
-    small = ns_fields("4k", SMALL)
     out: dict[str, Any] = {}
     print("lookups and a peer fetch", flush=True)
     with b.client() as kv_b, a.client() as kv_a:
-        ns_b = kv_b.register_namespace(**small)
-        ns_a = kv_a.register_namespace(**small)
+        ns_b, ns_a = (kv.register_namespace(**ns_fields("4k", SMALL)) for kv in (kv_b, kv_a))
         misses = new_keys(256, "")
-        one = misses[:1]
         for _ in range(5):
             kv_b.lookup(ns_b, misses)
-        t1 = timed(lambda: kv_b.lookup(ns_b, one), reps)
+        t1 = timed(lambda: kv_b.lookup(ns_b, misses[:1]), reps)
         t256 = timed(lambda: kv_b.lookup(ns_b, misses), reps)
         out["local"] = {
-            "basis": f"B's Lookup (unix socket, client library) of keys nobody holds: RAM, fs and the peer index "
-            f"asked; median of {reps}",
+            "basis": f"B's Lookup (unix socket) of keys nobody holds (RAM, fs, peer index asked); median of {reps}",
             "one_key_ms": t1 * 1e3,
             "keys_256_ms": t256 * 1e3,
             "per_key_us": (t256 - t1) / 255 * 1e6,
@@ -44,21 +42,19 @@ def measure_lookups_and_fetch(pair: Pair, reps: int) -> dict[str, Any]:
         held = new_keys(64, "held")
         kv_a.store(ns_a, held, np.zeros((len(held), SMALL), np.uint8))
         with grpc.insecure_channel(a.address) as channel:
-            stub = pb_grpc.KVStoreStub(channel)
+            ask = functools.partial(pb_grpc.KVStoreStub(channel).Lookup, timeout=10)
             for _ in range(5):
-                stub.Lookup(pb.LookupRequest(namespace_id=ns_a.namespace_id, keys=held), timeout=10)
-            ask = functools.partial(stub.Lookup, timeout=10)
+                ask(pb.LookupRequest(namespace_id=ns_a.namespace_id, keys=held))
             r1 = timed(lambda: ask(pb.LookupRequest(namespace_id=ns_a.namespace_id, keys=held[:1])), reps)
             cpu0, w0 = process_cpu_seconds(a.pid), time.monotonic()
             r64 = timed(lambda: ask(pb.LookupRequest(namespace_id=ns_a.namespace_id, keys=held)), reps)
             cpu1, w1 = process_cpu_seconds(a.pid), time.monotonic()
-        server_cpu = max(0.0, cpu1 - cpu0 - pair.a_idle_cpu_per_s * (w1 - w0)) / reps
         out["remote"] = {
-            "basis": f"Lookup over A's TCP listener (plaintext gRPC on loopback; a directory would be asked so), "
-            f"keys in A's RAM; median of {reps}; A's CPU per 64-key call",
+            "basis": f"Lookup over A's TCP listener (plaintext gRPC, loopback), keys in A's RAM; median of {reps}; "
+            "A's CPU per 64-key call",
             "one_key_ms": r1 * 1e3,
             "keys_64_ms": r64 * 1e3,
-            "server_cpu_ms_per_call": server_cpu * 1e3,
+            "server_cpu_ms_per_call": max(0.0, cpu1 - cpu0 - pair.a_idle_cpu_per_s * (w1 - w0)) / reps * 1e3,
         }
 
         # A peer fetch: one 4 KiB chunk only B holds, loaded through A (lookup, order, bytes, promotion).
@@ -74,11 +70,65 @@ def measure_lookups_and_fetch(pair: Pair, reps: int) -> dict[str, Any]:
 
         peer, local = timed(load_next, len(remote)), timed(load_next, len(remote))
         out["fetch"] = {
-            "basis": f"A's client loads one 4 KiB chunk only B holds (A's peer index names B: fetch order over gRPC, "
-            f"bytes over the TCP data plane, checksum, promotion into A's RAM), minus loading it again "
-            f"from A's RAM; medians of {reps}",
+            "basis": f"A loads one 4 KiB chunk only B holds (fetch order, TCP data plane, promotion into A's RAM), "
+            f"minus loading it again from A's RAM; medians of {reps}",
             "peer_load_ms": peer * 1e3,
             "local_load_ms": local * 1e3,
             "round_trip_ms": (peer - local) * 1e3,
         }
     return out
+
+
+def measure_s3(kind: str, chunk_bytes: int, reps: int) -> dict[str, Any]:
+    if kind == "none":
+        return {"server": None, "note": "--s3 none: not measured"}
+    import boto3
+
+    from tests.support.s3 import MotoServer, RadosGW
+
+    print("S3 PUT/GET latency", flush=True)
+    errors, server, endpoint, which = [], None, None, ""
+    for which in ["radosgw", "moto"] if kind == "auto" else [kind]:
+        server = RadosGW(memstore_bytes=max(256 << 20, 4 * reps * chunk_bytes)) if which == "radosgw" else MotoServer()
+        try:
+            endpoint = server.start()
+            break
+        except Exception as exc:  # noqa: BLE001 - try the next kind, report every reason
+            errors.append(f"{which}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}")
+            with contextlib.suppress(Exception):
+                server.stop()
+            server = None
+    if server is None or endpoint is None:
+        return {"server": None, "note": "no S3 server started: " + "; ".join(errors)}
+    try:
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=endpoint.url,
+            aws_access_key_id=endpoint.access_key,
+            aws_secret_access_key=endpoint.secret_key,
+            region_name=endpoint.region,
+        )
+        bucket = f"scale-calibrate-{os.getpid()}"
+        s3.create_bucket(Bucket=bucket)
+        s3.put_object(Bucket=bucket, Key="warm", Body=b"x")  # the first PUT creates radosgw's pools (~2 s)
+        out: dict[str, Any] = {"server": which, "chunk_bytes": chunk_bytes, "reps": reps}
+        for label, size in (("chunk", chunk_bytes), ("small", SMALL)):
+            out[f"put_{label}_ms"], out[f"get_{label}_ms"] = put_get_ms(s3, bucket, label, os.urandom(size), reps)
+        floor = "moto_server keeps objects in RAM" if which == "moto" else "a memstore OSD: latencies are a floor"
+        out["basis"] = (
+            f"boto3 PUT then GET of {reps} objects of {chunk_bytes >> 20} MiB and of 4 KiB, one at a time, "
+            f"medians, against {which} on loopback ({floor})"
+        )
+        if errors:
+            out["note"] = "; ".join(errors)
+        return out
+    finally:
+        server.stop()
+
+
+def put_get_ms(s3: Any, bucket: str, prefix: str, body: bytes, reps: int) -> tuple[float, float]:
+    """Median latencies (ms) of PUTting `reps` objects of `body` one at a time, then GETting each."""
+    puts, gets = iter(range(reps)), iter(range(reps))
+    put = timed(lambda: s3.put_object(Bucket=bucket, Key=f"{prefix}/{next(puts)}", Body=body), reps)
+    get = timed(lambda: s3.get_object(Bucket=bucket, Key=f"{prefix}/{next(gets)}")["Body"].read(), reps)
+    return put * 1e3, get * 1e3

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""The subscribers' child process: extra WatchEvents streams on A."""
+"""Streams in child processes: the subscribers' (extra WatchEvents streams on A), and gRPC's own floor
+for a coalesced follower (one grpc.aio server stream, no daemon: what a message costs whatever it holds)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,19 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
-from bench.lib.daemons import REPO
+import grpc
+
+from bench.lib.daemons import REPO, process_cpu_seconds
 from bench.scale_calibrate.common import WAIT_S, rss_anon
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 
 
 async def serve_subscribers(address: str, streams: int, coalesce: bool = False) -> None:
-    """(The child process.) `streams` WatchEvents streams on `address`, each on its own gRPC
-    channel as a follower opens them; prints its RSS, "ready" once every stream has had an event,
-    then the events received, every 0.1 s, until killed."""
+    """(The child process.) `streams` WatchEvents streams on `address`, a gRPC channel each; prints its
+    RSS, "ready" once every stream has had an event, then the events received every 0.1 s, until killed."""
     from kvstored.peer.control import ControlChannel
     from kvstored.peer.membership import parse_address
 
@@ -50,16 +55,10 @@ class Subscribers:
 
     def __init__(self, address: str, streams: int, coalesce: bool = False) -> None:
         self.streams = streams
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.scale_calibrate", "--serve-subscribers", address, str(streams)]
-            + (["--serve-coalesced"] if coalesce else []),
-            stdout=subprocess.PIPE,
-            text=True,
-            env=child_env(),
-            cwd=REPO,
-        )
-        self.rss_before = self.rss_ready = 0
-        self.received = 0
+        command = [sys.executable, "-m", "bench.scale_calibrate", "--serve-subscribers", address, str(streams)]
+        command += ["--serve-coalesced"] if coalesce else []
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=child_env(), cwd=REPO)
+        self.rss_before = self.rss_ready = self.received = 0
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._read, name="scale-calibrate-subs", daemon=True)
         self._thread.start()
@@ -100,3 +99,80 @@ def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "client"), env.get("PYTHONPATH", "")])
     return env
+
+
+# -- gRPC's floor ---------------------------------------------------------------------------------
+
+
+def interval_payload(keys: int) -> bytes:
+    """A coalesced message of `keys` 32-byte keys in four changes (stored and removed, two tiers)."""
+    per = max(1, keys // 4)
+    changes = [
+        pb.KvEvent(type=t, tier=tier, namespace_id="0" * 32, keys=[os.urandom(32) for _ in range(per)])
+        for t in (pb.EVENT_TYPE_STORED, pb.EVENT_TYPE_REMOVED)
+        for tier in ("ram", "fs")
+    ]
+    return pb.KvEvent(seq=1, changes=changes).SerializeToString()
+
+
+async def _measure_floor(messages: int, interval_s: float, keys: int) -> dict[str, Any]:
+    payload = interval_payload(keys)
+    tick, opened = asyncio.Event(), asyncio.Event()
+
+    async def watch(request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext):
+        opened.set()
+        while True:
+            await tick.wait()
+            tick.clear()
+            yield payload
+
+    server = grpc.aio.server()
+    handler = grpc.unary_stream_rpc_method_handler(
+        watch, request_deserializer=pb.WatchEventsRequest.FromString, response_serializer=bytes
+    )
+    service = grpc.method_handlers_generic_handler("kvstored.v1.KVStore", {"WatchEvents": handler})
+    server.add_generic_rpc_handlers((service,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    command = [sys.executable, "-m", "bench.scale_calibrate", "--floor-client", str(port)]
+    child = subprocess.Popen(command, env=child_env(), cwd=REPO)
+
+    def cpu() -> tuple[float, float, float]:  # this process's, the child's, when
+        return process_cpu_seconds(os.getpid()), process_cpu_seconds(child.pid), time.monotonic()
+
+    try:
+        await asyncio.wait_for(opened.wait(), 30)
+        await asyncio.sleep(0.5)
+        s0, c0, t0 = cpu()
+        await asyncio.sleep(1.0)
+        s1, c1, t1 = cpu()
+        idle_s, idle_c = (s1 - s0) / (t1 - t0), (c1 - c0) / (t1 - t0)
+        for _ in range(messages):
+            tick.set()
+            await asyncio.sleep(interval_s)
+        s2, c2, t2 = cpu()
+        dt = t2 - t1
+    finally:
+        child.kill()
+        child.wait()
+        await server.stop(0)
+    return {
+        "basis": f"{messages} messages of {len(payload):,} B ({keys} keys), one every {interval_s:g} s, one "
+        "grpc.aio server stream over loopback TCP to a child process (uvloop both ends), idle subtracted",
+        "payload_bytes": len(payload),
+        "receiver_s_per_message": max(0.0, c2 - c1 - idle_c * dt) / messages,
+        "sender_s_per_message": max(0.0, s2 - s1 - idle_s * dt) / messages,
+    }
+
+
+def measure_grpc_floor(messages: int = 60, interval_s: float = 0.1, keys: int = 200) -> dict[str, Any]:
+    import uvloop
+
+    return uvloop.run(_measure_floor(messages, interval_s, keys))
+
+
+async def floor_client(port: int) -> None:
+    """(The child process.) Read the stream until killed."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async for _ in pb_grpc.KVStoreStub(channel).WatchEvents(pb.WatchEventsRequest(coalesce=True)):
+            pass

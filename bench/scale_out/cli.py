@@ -61,10 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("--turns", "turns per conversation"),
         ("--kv-bytes-per-token", "KV bytes per token (Qwen3.6-35B-A3B: 20,480; Llama-3.1-8B: 131,072)"),
         ("--chunk-mib", "chunk size"),
-        (
-            "--kvstored-read-share",
-            "share of a turn's reusable chunks loaded from kvstored (the GPU cache has the rest)",
-        ),
+        ("--kvstored-read-share", "share of a turn's reusable chunks loaded from kvstored (the GPU has the rest)"),
         ("--fs-read-share", "share of kvstored reads served by the node's own fs tier (each promotion is an event)"),
         ("--cross-node-share", "share of turns sent to a node other than the one holding the conversation"),
         ("--s3-read-share", "share of kvstored reads only S3 can serve"),
@@ -110,9 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     budget = Budget(args.cpu_budget, args.memory_budget_gib * GIB)
     costs = Costs.from_calibration(calibration)
     model = Model(fleet, budget, costs)
-    machine = calibration.get("machine", {})
-    load = calibration.get("load_average", {})
-    result = run(model, args.nodes, args.max_nodes)
+    machine, load = calibration.get("machine", {}), calibration.get("load_average", {})
     puts = model.rates.s3_puts_per_s
     doc: dict[str, Any] = {
         "calibration": {
@@ -129,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "basis": [{"figure": a, "value": b, "basis": c} for a, b, c in basis(fleet, model.rates, costs)],
         "nodes": args.nodes,
         "max_nodes": args.max_nodes,
-        **result,
+        **run(model, args.nodes, args.max_nodes),
         "s3": {
             "puts_per_s_per_node": puts,
             "in_flight_puts": puts * costs.s3_put_s * fleet.chunks_per_put,  # a pack's PUT: its chunks' bytes

@@ -12,6 +12,10 @@ from typing import Any
 from bench.lib.report import GIB
 from bench.scale_out.fleet import HEADER_BYTES_PER_SEGMENT, MSS, SECONDS_PER_MONTH, Budget, Costs, Fleet, Rates
 
+Parts = dict[str, float]
+Traffic = tuple[float, float, float]  # bytes, messages and keys a second
+NO_TRAFFIC = (0.0, 0.0, 0.0)
+
 
 @dataclass
 class Point:
@@ -19,9 +23,9 @@ class Point:
 
     nodes: int
     cpu_fraction: float  # of one core
-    cpu_parts: dict[str, float]
+    cpu_parts: Parts
     memory_bytes: float
-    memory_parts: dict[str, float]
+    memory_parts: Parts
     inbound_bytes_per_s: float  # event traffic (payload + segment headers)
     inbound_messages_per_s: float
     inbound_keys_per_s: float
@@ -52,13 +56,11 @@ class Model:
         return payload + segs * HEADER_BYTES_PER_SEGMENT
 
     def s3(self, coverage: float) -> tuple[float, float, float]:
-        """PUTs/s, GETs/s and $ per month of one node: the cross-node reads its index cannot place
-        go to S3 (which has every chunk)."""
+        """PUTs/s, GETs/s and $ per month of one node: cross-node reads its index cannot place go to S3."""
         r, f = self.rates, self.fleet
         puts = r.s3_puts_per_s
         gets = r.s3_base_gets_per_s + (r.peer_fetches_per_s * (1 - coverage) if f.s3_tier else 0.0)
-        usd = (puts * f.put_usd_per_1k + gets * f.get_usd_per_1k) / 1000 * SECONDS_PER_MONTH
-        return puts, gets, usd
+        return puts, gets, (puts * f.put_usd_per_1k + gets * f.get_usd_per_1k) / 1000 * SECONDS_PER_MONTH
 
     def local_lookup_s(self) -> float:
         return self.costs.lookup_fixed_s + self.rates.looked_up_chunks_per_turn * self.costs.lookup_s_per_key
@@ -70,33 +72,11 @@ class Model:
         return entries * bytes_per_entry, min(1.0, room / entries) if entries else 1.0
 
     def point(
-        self,
-        nodes: int,
-        cpu: dict[str, float],
-        memory: dict[str, float],
-        inbound_bytes: float,
-        inbound_messages: float,
-        inbound_keys: float,
-        lookup_s: float,
-        entries: float,
-        coverage: float,
+        self, nodes: int, cpu: Parts, memory: Parts, inbound: Traffic, lookup_s: float, entries: float, coverage: float
     ) -> Point:
-        puts, gets, usd = self.s3(coverage)
+        cpu_sum, memory_sum = sum(cpu.values()), sum(memory.values())
         return Point(
-            nodes,
-            sum(cpu.values()),
-            cpu,
-            sum(memory.values()),
-            memory,
-            inbound_bytes,
-            inbound_messages,
-            inbound_keys,
-            lookup_s * 1e3,
-            entries,
-            coverage,
-            puts,
-            gets,
-            usd,
+            nodes, cpu_sum, cpu, memory_sum, memory, *inbound, lookup_s * 1e3, entries, coverage, *self.s3(coverage)
         )
 
     # the four designs --------------------------------------------------------------------------------
@@ -126,9 +106,9 @@ class Model:
             "streams": 2 * peers * c.stream_idle_s_per_s,
         }
         memory = {"index": index, "streams": 2 * peers * c.stream_bytes}
-        inbound = peers * self.wire_bytes(messages, keys, segments)
+        inbound = (peers * self.wire_bytes(messages, keys, segments), peers * messages, peers * keys)
         lookup = self.local_lookup_s() + peers * c.contains_s_per_peer
-        return self.point(nodes, cpu, memory, inbound, peers * messages, peers * keys, lookup, entries, coverage)
+        return self.point(nodes, cpu, memory, inbound, lookup, entries, coverage)
 
     def directory(self, nodes: int) -> Point:
         c, r, f = self.costs, self.rates, self.fleet
@@ -155,9 +135,8 @@ class Model:
         lookup = self.local_lookup_s() + (
             c.remote_lookup_s + r.lookup_groups_per_turn * nodes * c.rendezvous_s_per_node if peers else 0.0
         )
-        return self.point(
-            nodes, cpu, memory, self.wire_bytes(messages, keys_in), messages, keys_in, lookup, entries, coverage
-        )
+        inbound = (self.wire_bytes(messages, keys_in), messages, keys_in)
+        return self.point(nodes, cpu, memory, inbound, lookup, entries, coverage)
 
     def redis_tier(self, nodes: int) -> dict[str, float]:
         """The Redis Cluster a fleet's directory takes: its load, memory and the masters it needs
@@ -189,7 +168,7 @@ class Model:
     def redis_directory(self, nodes: int) -> Point:
         c, r, f = self.costs, self.rates, self.fleet
         if nodes < 2:
-            return self.point(nodes, {}, {"index": 0.0}, 0.0, 0.0, 0.0, self.local_lookup_s(), 0.0, 1.0)
+            return self.point(nodes, {}, {"index": 0.0}, NO_TRAFFIC, self.local_lookup_s(), 0.0, 1.0)
         touched = min(f.directory_buckets, int(self.redis_tier(nodes)["masters"]))
         # a lookup's pipeline goes to each master its keys' buckets live on: the fixed cost measured
         # with the calibration's masters, plus the measured cost per further master (without that
@@ -210,9 +189,9 @@ class Model:
         # per interval and per lookup
         commands = 1 / c.dir_interval_s + (r.net_keys_per_s + r.refresh_keys_per_s) * c.dir_commands_per_key
         segments = (1 / c.dir_interval_s + f.turns_per_s) * touched
-        inbound = 4 * (commands + f.turns_per_s * keys) + segments * HEADER_BYTES_PER_SEGMENT
+        inbound = (4 * (commands + f.turns_per_s * keys) + segments * HEADER_BYTES_PER_SEGMENT, segments, 0.0)
         lookup = self.local_lookup_s() + c.dir_lookup_added_s + keys * c.dir_lookup_added_s_per_key
-        return self.point(nodes, cpu, memory, inbound, segments, 0.0, lookup, 0.0, 1.0)
+        return self.point(nodes, cpu, memory, inbound, lookup, 0.0, 1.0)
 
     def router(self, nodes: int) -> Point:
         c, r, f = self.costs, self.rates, self.fleet
@@ -222,7 +201,7 @@ class Model:
             "streams": f.routers * c.stream_idle_s_per_s,
         }
         memory = {"index": 0.0, "streams": f.routers * c.stream_bytes}
-        return self.point(nodes, cpu, memory, 0.0, 0.0, 0.0, self.local_lookup_s(), 0.0, 1.0)
+        return self.point(nodes, cpu, memory, NO_TRAFFIC, self.local_lookup_s(), 0.0, 1.0)
 
     def router_tier(self, nodes: int) -> dict[str, float]:
         """What the router tier takes in for the whole fleet (our per-event and per-key costs and
@@ -246,62 +225,30 @@ class Model:
 class Design:
     key: str
     label: str
-    how: str
     point: Callable[[int], Point]
+    how: str
 
 
-def designs(model: Model) -> list[Design]:
+def designs(m: Model) -> list[Design]:
+    """The designs (`how`: in a line; docs/scale-out.md has them in full)."""
     return [
-        Design(
-            "mesh",
-            "mesh (as built)",
-            "every node follows every other's WatchEvents; one message per event, "
-            "write-downs and evictions one key each; every tier's events",
-            model.mesh,
-        ),
-        Design(
-            "coalesced",
-            "coalesced mesh",
-            "every node still indexes every other, but gets one message per "
-            "interval per peer with the net changes of the tiers served to peers",
-            model.coalesced,
-        ),
-        Design(
-            "directory",
-            "rendezvous directory",
-            "chunk groups owned by rendezvous hashing; changes sent to "
-            "owners once per interval; a turn asks its groups' owners",
-            model.directory,
-        ),
-        Design(
-            "redis",
-            "Redis Cluster directory (as built)",
-            "each node writes its net changes and a heartbeat to a Redis Cluster once per "
-            "directory interval and re-writes its holdings once per TTL / 2; a turn's local misses ask it once; "
-            "nodes keep no index of each other",
-            model.redis_directory,
-        ),
-        Design(
-            "router",
-            "router (llm-d KV events)",
-            "nodes publish net changes to the router tier, which routes "
-            "turns or names the node to fetch from; no index on the nodes",
-            model.router,
-        ),
+        Design("mesh", "mesh (as built)", m.mesh, "every node follows every other's events, one message per event"),
+        Design("coalesced", "coalesced mesh", m.coalesced, "a full index; net changes once per interval per peer"),
+        Design("directory", "rendezvous directory", m.directory, "rendezvous-hashed owners of chunk groups"),
+        Design("redis", "Redis Cluster directory (as built)", m.redis_directory, "net changes to a Redis Cluster"),
+        Design("router", "router (llm-d KV events)", m.router, "net changes to a router that routes turns"),
     ]
 
 
 def exceeds(p: Point, budget: Budget) -> str:
     if p.cpu_fraction > budget.cpu_fraction:
         return "cpu"
-    if p.memory_bytes > budget.memory_bytes:
-        return "memory"
-    return ""
+    return "memory" if p.memory_bytes > budget.memory_bytes else ""
 
 
 def break_point(design: Design, budget: Budget, max_nodes: int) -> dict[str, Any] | None:
-    """The fewest nodes at which the design exceeds the budget (the costs grow with the node
-    count: a binary search), or None up to max_nodes."""
+    """The fewest nodes at which the design exceeds the budget (its costs grow with the node count:
+    a binary search), or None up to max_nodes."""
     if not exceeds(design.point(max_nodes), budget):
         return None
     lo, hi = 1, max_nodes  # lo within the budget (one node has no peers), hi over it
@@ -309,10 +256,7 @@ def break_point(design: Design, budget: Budget, max_nodes: int) -> dict[str, Any
         hi = lo
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if exceeds(design.point(mid), budget):
-            hi = mid
-        else:
-            lo = mid
+        lo, hi = (lo, mid) if exceeds(design.point(mid), budget) else (mid, hi)
     p = design.point(hi)
     return {"nodes": hi, "resource": exceeds(p, budget), "cpu_fraction": p.cpu_fraction, "memory_bytes": p.memory_bytes}
 

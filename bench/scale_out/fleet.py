@@ -105,8 +105,7 @@ class Costs:
     s3_put_s: float
     s3_get_s: float
     s3_server: str
-    # A coalesced stream's messages per interval (one per kind of change: stored, written down,
-    # evicted, ...), measured; 1 where the calibration predates it.
+    # a coalesced stream's messages per interval (one per kind of change), measured; 1 where not
     messages_per_interval: float = 1.0
     # The Redis Cluster directory (bench/scale_calibrate/directory.py; zeros where not measured).
     dir_interval_s: float = 0.5  # the calibration's directory_interval_s
@@ -165,7 +164,7 @@ class Costs:
 def directory_costs(d: dict[str, Any] | None) -> dict[str, float]:
     if not d:
         return {}
-    idle, w, look = d["idle"], d["writes"], d["lookups"]
+    idle, w, look, clients = d["idle"], d["writes"], d["lookups"], d.get("clients", {})
     return {
         "dir_interval_s": d["interval_s"],
         "dir_heartbeat_s_per_interval": idle["heartbeat_cpu_s_per_interval"],
@@ -179,10 +178,10 @@ def directory_costs(d: dict[str, Any] | None) -> dict[str, float]:
         "redis_s_per_command": w["redis_cpu_s_per_command"],
         "redis_s_per_lookup_key": look["redis_cpu_s_per_key"],
         "redis_bytes_per_entry": w["redis_bytes_per_entry"],
-        "dir_lookup_s_per_master": d.get("clients", {}).get("lookup_cpu_s_per_master", 0.0),
-        "dir_client_s_per_key": d.get("clients", {}).get("client_cpu_s_per_key", 0.0),
-        "dir_redis_py_s_per_key": d.get("clients", {}).get("redis_py_cpu_s_per_key", 0.0),
-        "dir_raw_resp_s_per_key": d.get("clients", {}).get("raw_resp_cpu_s_per_key", 0.0),
+        "dir_lookup_s_per_master": clients.get("lookup_cpu_s_per_master", 0.0),
+        "dir_client_s_per_key": clients.get("client_cpu_s_per_key", 0.0),
+        "dir_redis_py_s_per_key": clients.get("redis_py_cpu_s_per_key", 0.0),
+        "dir_raw_resp_s_per_key": clients.get("raw_resp_cpu_s_per_key", 0.0),
     }
 
 

@@ -88,78 +88,68 @@ def redis_fit(fleet: Fleet, budget: Budget, costs: Costs, nodes: int = 1000) -> 
 
 
 def basis(f: Fleet, r: Rates, c: Costs) -> list[tuple[str, str, str]]:
-    return [
-        (
-            "turns per node",
+    """The workload per node: (figure, value, its basis)."""
+    orders = math.ceil(r.looked_up_chunks_per_turn * f.kvstored_read_share / PEER_MAX_BATCH)
+    s3_event = " + 1 for the S3 write-down (modelled)" if f.s3_tier else ""
+    rows = {
+        "turns per node": (
             f"{f.turns_per_s:g}/s",
-            "--turns-per-s; ~ the GPU saturated: 50,000 prefill tokens/s "
-            f"(bench/multiturn.py's Qwen3.6-35B-A3B on 2x H100) / {f.new_tokens_per_turn:,.0f} new tokens per turn",
+            "--turns-per-s; ~ the GPU saturated: 50,000 prefill tokens/s (bench/multiturn.py's Qwen3.6-35B-A3B on 2x "
+            f"H100) / {f.new_tokens_per_turn:,.0f} new tokens per turn",
         ),
-        (
-            "tokens per turn",
+        "tokens per turn": (
             f"{f.new_tokens_per_turn:,.0f} new, {f.reusable_tokens_per_turn:,.0f} reusable",
             f"{f.first_tokens:,} first + {f.turn_tokens:,} per turn, {f.turns} turns (mean over the turns)",
         ),
-        (
-            "chunk",
+        "chunk": (
             f"{f.chunk_bytes / MIB:g} MiB = {f.chunk_tokens:.1f} tokens",
             f"--chunk-mib at {f.kv_bytes_per_token:,} KV bytes per token (--kv-bytes-per-token)",
         ),
-        (
-            "chunks per turn",
+        "chunks per turn": (
             f"{r.stored_chunks_per_turn:.0f} stored, {r.looked_up_chunks_per_turn:.0f} looked up",
             "the turn's new tokens, its reusable tokens",
         ),
-        (
-            "stores",
+        "stores": (
             f"{r.stores_per_s:,.0f} chunks/s ({r.stores_per_s * f.chunk_bytes / GIB:.2f} GiB/s)",
             "one store call per turn (the store event carries the turn's keys)",
         ),
-        (
-            "reads from kvstored",
+        "reads from kvstored": (
             f"{r.reads_per_s:,.0f} chunks/s",
             f"--kvstored-read-share {f.kvstored_read_share:g} of the reusable chunks",
         ),
-        ("promotions from own fs", f"{r.fs_promotions_per_s:,.0f}/s", f"--fs-read-share {f.fs_read_share:g} of reads"),
-        (
-            "fetched from peers",
+        "promotions from own fs": (f"{r.fs_promotions_per_s:,.0f}/s", f"--fs-read-share {f.fs_read_share:g} of reads"),
+        "fetched from peers": (
             f"{r.peer_fetches_per_s:,.0f}/s",
-            f"--cross-node-share {f.cross_node_share:g} of turns land on another node; "
-            f"{math.ceil(r.looked_up_chunks_per_turn * f.kvstored_read_share / PEER_MAX_BATCH)} fetch orders of "
+            f"--cross-node-share {f.cross_node_share:g} of turns land on another node; {orders} fetch orders of "
             f"<= {PEER_MAX_BATCH} chunks per such turn, {c.fetch_round_trip_s * 1e3:.2f} ms each (measured)",
         ),
-        (
-            "events published (as built)",
+        "events published (as built)": (
             f"{r.events_per_s:,.0f}/s, {r.keys_per_s:,.0f} keys/s",
             f"a chunk's life after its store: {c.single_events_per_chunk:.2f} single-key events (measured, RAM -> fs "
-            f"full){' + 1 for the S3 write-down (modelled)' if f.s3_tier else ''}; a promotion or fetch: 1",
+            f"full){s3_event}; a promotion or fetch: 1",
         ),
-        (
-            "net changes (coalesced designs)",
+        "net changes (coalesced designs)": (
             f"{r.net_keys_per_s:,.0f} keys/s",
             "per chunk: appears in RAM, moves to fs, leaves (3); promoted from fs: 2; S3 not sent",
         ),
-        (
-            "held for peers",
+        "held for peers": (
             f"{r.chunks_held:,.0f} chunks",
-            f"--ram-gib {f.ram_bytes / GIB:g} + --fs-tib "
-            f"{f.fs_bytes / (1 << 40):g} of {f.chunk_bytes / MIB:g} MiB chunks",
+            f"--ram-gib {f.ram_bytes / GIB:g} + --fs-tib {f.fs_bytes / (1 << 40):g} of {f.chunk_bytes / MIB:g} MiB "
+            "chunks",
         ),
-        (
-            "directory groups",
+        "directory groups": (
             f"{r.groups_changed_per_s:,.0f} changed/s, {r.lookup_groups_per_turn} asked per turn",
             f"--group-chunks {f.group_chunks}, --replicas {f.replicas}, --interval-s {f.interval_s:g}",
         ),
-        (
-            "S3",
+        "S3": (
             f"{r.s3_puts_per_s:,.0f} PUT/s, {r.s3_base_gets_per_s:,.1f} GET/s (+ cross-node reads the index "
             "cannot place)",
-            f"every chunk leaving RAM is written to fs and S3 (stored and fetched ones), {f.chunks_per_put} "
-            "per PUT (--pack-bytes; a shared bucket's polls not counted); "
+            f"every chunk leaving RAM goes to fs and S3, {f.chunks_per_put} per PUT (--pack-bytes); "
             f"${f.put_usd_per_1k:g} per 1k PUT, ${f.get_usd_per_1k:g} per 1k GET (S3 Standard, us-east-1 list prices; "
             "--put-usd-per-1k, --get-usd-per-1k)",
         ),
-    ]
+    }
+    return [(figure, value, why) for figure, (value, why) in rows.items()]
 
 
 # -- printing and plotting ---------------------------------------------------------------------------
@@ -173,40 +163,26 @@ def fmt_rate(n: float) -> str:
     return fmt_bytes(n) + "/s"
 
 
-def measured(model: Model) -> list[tuple[str, str]]:
+def measured(model: Model) -> dict[str, str]:
     """The calibration's costs the model uses, as printed."""
     c = model.costs
-    return [
-        (
-            "follower CPU",
-            f"{c.follow_s_per_event * 1e6:.1f} us/event + {c.follow_s_per_key * 1e6:.2f} us/key "
-            f"(+{c.follow_s_per_key_per_slot * 1e9:.2f} ns per slot of the holder)",
-        ),
-        (
-            "publisher CPU per follower",
-            f"{c.publish_s_per_event * 1e6:.1f} us/event + {c.publish_s_per_key * 1e6:.3f} us/key",
-        ),
-        (
-            "event bytes",
-            f"{c.bytes_per_event:.0f} B/event + {c.bytes_per_key:.1f} B/key (+{HEADER_BYTES_PER_SEGMENT} "
-            "B per segment on a network)",
-        ),
-        (
-            "index memory",
-            f"{c.index_bytes_per_entry:.0f} B/entry (+{c.index_bytes_per_slot:.3f} B per slot of the holder)",
-        ),
-        ("one stream", f"{fmt_bytes(c.stream_bytes)} (both ends)"),
-        (
-            "a turn's Lookup",
-            f"{model.local_lookup_s() * 1e3:.2f} ms local, +{c.contains_s_per_peer * 1e6:.2f} us per peer (mesh)",
-        ),
-        (
-            "remote Lookup",
-            f"{c.remote_lookup_s * 1e3:.2f} ms, {c.remote_lookup_server_s * 1e3:.2f} ms of the server's CPU",
-        ),
-        ("owner choice", f"{c.rendezvous_s_per_node * 1e6:.3f} us per node per group"),
-        ("S3 per chunk", f"PUT {c.s3_put_s * 1e3:.1f} ms, GET {c.s3_get_s * 1e3:.1f} ms ({c.s3_server})"),
-    ]
+    return {
+        "follower CPU": f"{c.follow_s_per_event * 1e6:.1f} us/event + {c.follow_s_per_key * 1e6:.2f} us/key "
+        f"(+{c.follow_s_per_key_per_slot * 1e9:.2f} ns per slot of the holder)",
+        "publisher CPU per follower": f"{c.publish_s_per_event * 1e6:.1f} us/event + "
+        f"{c.publish_s_per_key * 1e6:.3f} us/key",
+        "event bytes": f"{c.bytes_per_event:.0f} B/event + {c.bytes_per_key:.1f} B/key "
+        f"(+{HEADER_BYTES_PER_SEGMENT} B per segment on a network)",
+        "index memory": f"{c.index_bytes_per_entry:.0f} B/entry (+{c.index_bytes_per_slot:.3f} B per slot of the "
+        "holder)",
+        "one stream": f"{fmt_bytes(c.stream_bytes)} (both ends)",
+        "a turn's Lookup": f"{model.local_lookup_s() * 1e3:.2f} ms local, +{c.contains_s_per_peer * 1e6:.2f} us per "
+        "peer (mesh)",
+        "remote Lookup": f"{c.remote_lookup_s * 1e3:.2f} ms, {c.remote_lookup_server_s * 1e3:.2f} ms of the "
+        "server's CPU",
+        "owner choice": f"{c.rendezvous_s_per_node * 1e6:.3f} us per node per group",
+        "S3 per chunk": f"PUT {c.s3_put_s * 1e3:.1f} ms, GET {c.s3_get_s * 1e3:.1f} ms ({c.s3_server})",
+    }
 
 
 POINT_COLUMNS: dict[str, Callable[[dict[str, Any]], str]] = {  # the design table's, after the design's label
@@ -221,19 +197,15 @@ POINT_COLUMNS: dict[str, Callable[[dict[str, Any]], str]] = {  # the design tabl
 
 
 def print_report(doc: dict[str, Any], model: Model) -> None:
-    cal = doc["calibration"]
+    cal, c, f, budget = doc["calibration"], model.costs, model.fleet, model.budget
     print(
         f"calibration: {cal['path']} ({cal['created']}, {cal['cpu_model']}, {cal['cpus']} CPUs, "
-        f"load average {cal['load_average']}; S3: {model.costs.s3_server})"
+        f"load average {cal['load_average']}; S3: {c.s3_server})"
     )
     print("\nworkload per node (every figure a flag):")
-    print_aligned(
-        [["figure", "value", "basis"], *[list(b) for b in basis(model.fleet, model.rates, model.costs)]], right=set()
-    )
-    c, f = model.costs, model.fleet
+    print_aligned([["figure", "value", "basis"], *map(list, basis(f, model.rates, c))], right=set())
     print("\nmeasured costs used:")
-    print_aligned([["cost", "value"], *[list(m) for m in measured(model)]], right=set())
-    budget = model.budget
+    print_aligned([["cost", "value"], *map(list, measured(model).items())], right=set())
     print(f"\nper node, budget {budget.cpu_fraction:.0%} of a core and {fmt_bytes(budget.memory_bytes)}:")
     table = [["design", *POINT_COLUMNS]]
     table += [
@@ -242,8 +214,7 @@ def print_report(doc: dict[str, Any], model: Model) -> None:
     print_aligned(table, right=set(range(1, len(table[0]))))
     print("\nwhere each design stops scaling:")
     for d in doc["designs"]:
-        b = d["break"]
-        if b is None:
+        if (b := d["break"]) is None:
             print(f"  {d['label']}: within the budget up to {doc['max_nodes']:,} nodes")
         else:
             print(
@@ -252,15 +223,14 @@ def print_report(doc: dict[str, Any], model: Model) -> None:
             )
     print("\nthe router tier takes in, for the fleet:")
     for t in doc["router_tier"]:
-        nodes = f"{t['nodes']:,} node{'s' if t['nodes'] != 1 else ''}"
         print(
-            f"  {nodes}: {t['keys_per_s']:,.0f} keys/s in {t['messages_per_s']:,.0f} messages/s "
-            f"({fmt_rate(t['inbound_bytes_per_s'])}), {t['cores']:.2f} cores at our per-key cost, "
-            f"{t['index_entries']:,.0f} entries ({fmt_bytes(t['index_bytes'])})"
+            f"  {t['nodes']:,} node{'s' if t['nodes'] != 1 else ''}: {t['keys_per_s']:,.0f} keys/s in "
+            f"{t['messages_per_s']:,.0f} messages/s ({fmt_rate(t['inbound_bytes_per_s'])}), {t['cores']:.2f} cores at "
+            f"our per-key cost, {t['index_entries']:,.0f} entries ({fmt_bytes(t['index_bytes'])})"
         )
     print(
-        f"\nthe Redis Cluster the directory takes (masters within {model.fleet.redis_shard_cpu:.0%} of a core and "
-        f"{model.fleet.redis_shard_gib:g} GiB, {model.fleet.redis_replicas} replica(s) each):"
+        f"\nthe Redis Cluster the directory takes (masters within {f.redis_shard_cpu:.0%} of a core and "
+        f"{f.redis_shard_gib:g} GiB, {f.redis_replicas} replica(s) each):"
     )
     for t in doc["redis_tier"]:
         print(
@@ -271,20 +241,20 @@ def print_report(doc: dict[str, Any], model: Model) -> None:
         )
     fit = doc["redis_fit"]
     shares = ", ".join(f"{k} {v:.1%}" for k, v in fit["cpu_parts"].items())
-    versus = (
-        f"; redis-py's cluster pipeline in the same run {c.dir_redis_py_s_per_key * 1e6:.1f} us "
-        f"({c.dir_redis_py_s_per_key / c.dir_client_s_per_key:.1f}x)"
-        if c.dir_client_s_per_key and c.dir_redis_py_s_per_key
-        else ""
-    )
+    versus = ""
+    if c.dir_client_s_per_key and c.dir_redis_py_s_per_key:
+        versus = (
+            f"; redis-py's cluster pipeline in the same run {c.dir_redis_py_s_per_key * 1e6:.1f} us "
+            f"({c.dir_redis_py_s_per_key / c.dir_client_s_per_key:.1f}x)"
+        )
     print(
         f"the directory per node at {fit['nodes']:,} nodes: {fit['cpu_fraction']:.1%} of a core ({shares}) and "
-        f"{fmt_bytes(fit['memory_bytes'])}, the same at any N, against a budget of {model.budget.cpu_fraction:.0%} "
-        f"and {fmt_bytes(model.budget.memory_bytes)}; within the CPU budget up to {fit['max_turns_per_s']:.1f} "
-        f"turns/s per node, or at {model.fleet.turns_per_s:g} turns/s with <= "
-        f"{fit['write_s_per_key_to_fit'] * 1e6:.1f} us per chunk written (measured {c.dir_write_s_per_key * 1e6:.1f} "
-        f"us in the daemon; the client alone {c.dir_client_s_per_key * 1e6:.1f} us{versus}, raw RESP "
-        f"{c.dir_raw_resp_s_per_key * 1e6:.1f} us); entries living 4 h: {fit['ttl_4h_cpu_fraction']:.1%}"
+        f"{fmt_bytes(fit['memory_bytes'])}, the same at any N, against a budget of {budget.cpu_fraction:.0%} and "
+        f"{fmt_bytes(budget.memory_bytes)}; within the CPU budget up to {fit['max_turns_per_s']:.1f} turns/s per "
+        f"node, or at {f.turns_per_s:g} turns/s with <= {fit['write_s_per_key_to_fit'] * 1e6:.1f} us per chunk "
+        f"written (measured {c.dir_write_s_per_key * 1e6:.1f} us in the daemon; the client alone "
+        f"{c.dir_client_s_per_key * 1e6:.1f} us{versus}, raw RESP {c.dir_raw_resp_s_per_key * 1e6:.1f} us); "
+        f"entries living 4 h: {fit['ttl_4h_cpu_fraction']:.1%}"
     )
     s3 = doc["s3"]
     print(
@@ -303,7 +273,7 @@ def print_report(doc: dict[str, Any], model: Model) -> None:
         print(f"  {v['variant']}: " + ", ".join(parts))
 
 
-STYLE = {
+STYLE = {  # colour, marker
     "mesh": ("#d62728", "o"),
     "coalesced": ("#ff7f0e", "s"),
     "directory": ("#2ca02c", "^"),
@@ -319,20 +289,21 @@ def plot(doc: dict[str, Any], path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [
+    budget = doc["budget"]
+    panels = [  # title, value, unit, log scale, budget
         (
             "Index upkeep CPU (share of one core)",
             lambda p: 100 * p["cpu_fraction"],
             "%",
             True,
-            100 * doc["budget"]["cpu_fraction"],
+            100 * budget["cpu_fraction"],
         ),
         (
             "Index + streams memory for a full view",
             lambda p: p["memory_bytes"] / MIB,
             "MiB",
             True,
-            doc["budget"]["memory_bytes"] / MIB,
+            budget["memory_bytes"] / MIB,
         ),
         ("Inbound event traffic", lambda p: p["inbound_bytes_per_s"] / 1024, "KiB/s", True, None),
         ("A turn's Lookup", lambda p: p["lookup_ms"], "ms", False, None),
@@ -340,32 +311,21 @@ def plot(doc: dict[str, Any], path: str | Path) -> None:
         ("S3 GETs per node (misses the index cannot place)", lambda p: p["s3_gets_per_s"], "GET/s", False, None),
     ]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8.5), dpi=110)
-    for ax, (title, value, unit, log, budget) in zip(axes.flat, panels):
+    for ax, (title, value, unit, log, line) in zip(axes.flat, panels):
         for d in doc["designs"]:
-            pts = [p for p in d["curve"] if p["nodes"] >= 2]
             colour, marker = STYLE.get(d["key"], ("#000000", "o"))
-            xy = [(p["nodes"], value(p)) for p in pts]
+            xy = [(p["nodes"], value(p)) for p in d["curve"] if p["nodes"] >= 2]
             if log:
                 xy = [(x, y) for x, y in xy if y > 0]  # (the router receives no events: nothing to draw)
             if not xy:
                 continue
             wide = WIDTH.get(d["key"])
-            ax.plot(
-                [x for x, _ in xy],
-                [y for _, y in xy],
-                color=colour,
-                marker=marker,
-                markevery=10,
-                markersize=5,
-                linewidth=wide or 2,
-                alpha=0.45 if wide else 1.0,
-                label=d["label"],
-            )
-            b = d["break"]
-            if b is not None:
-                ax.axvline(b["nodes"], color=colour, linestyle=":", linewidth=1)
-        if budget is not None:
-            ax.axhline(budget, color="black", linestyle="--", linewidth=1, label="budget")
+            style = {"color": colour, "marker": marker, "markevery": 10, "markersize": 5, "label": d["label"]}
+            ax.plot(*zip(*xy), linewidth=wide or 2, alpha=0.45 if wide else 1.0, **style)
+            if d["break"] is not None:
+                ax.axvline(d["break"]["nodes"], color=colour, linestyle=":", linewidth=1)
+        if line is not None:
+            ax.axhline(line, color="black", linestyle="--", linewidth=1, label="budget")
         ax.set_xscale("log")
         if log:
             ax.set_yscale("log")

@@ -20,11 +20,10 @@ from bench.lib.report import GIB, MIB, load_average, machine_info, write_json
 from bench.tiers import __doc__ as DOC
 from bench.tiers.common import PAGE, Pair, Pool, describe, print_pairs, say
 from bench.tiers.fs import bench_fs
-from bench.tiers.profile import print_profile, profile_cpu, profile_fs
 from bench.tiers.s3 import bench_s3
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.tiers", description=(DOC or "").split("\n\n")[0])
     ap.add_argument("--fs-gib", type=float, default=1.0, help="bytes per fs phase (default 1 GiB)")
     ap.add_argument("--s3-mib", type=float, default=256, help="bytes per S3 phase (default 256 MiB)")
@@ -36,37 +35,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--fs-inflight", type=int, default=16, help="fs tier operations in flight (daemon: 16)")
     ap.add_argument("--s3-inflight", type=int, default=16, help="S3 requests in flight, tier and raw (daemon: 16)")
     ap.add_argument("--s3-timeout", type=float, default=5.0, help="S3 per-operation timeout (daemon: 5 s)")
-    ap.add_argument(
-        "--drop",
-        type=int,
-        choices=(1, 3),
-        default=3,
-        help="drop_caches level before fs loads: 3 = page cache + dentries/inodes, 1 = page cache",
-    )
-    ap.add_argument(
-        "--writeback",
-        choices=("on", "off"),
-        default="on",
-        help="the write-back stream row (a daemon with an fs tier and little RAM)",
-    )
+    ap.add_argument("--drop", type=int, choices=(1, 3), default=3, help="drop_caches level before fs loads")
+    ap.add_argument("--writeback", choices=("on", "off"), default="on", help="the write-back stream row")
     ap.add_argument("--wb-ram-mib", type=int, default=256, help="the write-back daemon's RAM (default 256 MiB)")
     ap.add_argument("--wb-streams", type=int, default=2, help="clients storing at once (default 2)")
     ap.add_argument("--wb-batch", type=int, default=16, help="chunks per store RPC (default 16, as the vLLM tier)")
     ap.add_argument("--fresh-root", action="store_true", help="fs roots without their fan-out directories")
     ap.add_argument("--memstore-bytes", type=int, default=2 * GIB, help="radosgw memstore OSD size")
     ap.add_argument("--dir", type=Path, default=None, help="parent of the fs roots (default: the temp dir)")
-    ap.add_argument("--profile", action="store_true", help="add diagnostics: where the tiers' time goes")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     args = ap.parse_args(argv)
-
-    import uvloop
-
     args.chunk_bytes = int(args.chunk_mib * MIB)
     if args.chunk_bytes % PAGE or args.chunk_bytes <= 0:
         ap.error("--chunk-mib must give a whole number of pages")
     args.fs_chunks = max(1, int(args.fs_gib * GIB) // args.chunk_bytes) if args.fs == "on" else 0
     args.s3_chunks = max(1, int(args.s3_mib * MIB) // args.chunk_bytes) if args.s3 != "off" else 0
-    pool_chunks = max(args.fs_chunks, args.s3_chunks, 1)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    import uvloop
 
     t_start = time.perf_counter()
     say(
@@ -76,53 +65,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"s3 {args.s3_chunks} chunks/phase ({args.s3_inflight} in flight, {args.s3})"
     )
     load0 = load_average()
-    say(
-        f"  load average {load0:.2f} on {os.cpu_count()} CPUs"
-        + (
-            "  (HIGH: other work competes for the CPUs and the disk; expect noise)"
-            if load0 > (os.cpu_count() or 1) * 0.5
-            else ""
-        )
-    )
-    src = Pool(pool_chunks, args.chunk_bytes)
+    high = "  (HIGH: expect noise)" if load0 > (os.cpu_count() or 1) * 0.5 else ""
+    say(f"  load average {load0:.2f} on {os.cpu_count()} CPUs{high}")
+    pool_chunks = max(args.fs_chunks, args.s3_chunks, 1)
+    src, dst = Pool(pool_chunks, args.chunk_bytes), Pool(pool_chunks, args.chunk_bytes)
     fill_pattern(src.array, args.chunk_bytes, seed=7)
-    dst = Pool(pool_chunks, args.chunk_bytes)
-
     pairs: list[Pair] = []
     notes: list[str] = []
     failures: list[str] = []
-    result: dict[str, Any] = {
-        "machine": machine_info(),
-        "load_average_start": load0,
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-    }
-    prof: dict[str, Any] = {}
+    args_json = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    result: dict[str, Any] = {"machine": machine_info(), "load_average_start": load0, "args": args_json}
     workdir = Path(tempfile.mkdtemp(prefix="kvstored-bench-tiers-", dir=args.dir))
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            if args.fs == "on":
+            parts = [("fs", lambda: bench_fs(runner, args, src, dst, workdir, notes))] if args.fs == "on" else []
+            parts += [("s3", lambda: bench_s3(runner, args, src, dst, notes))] if args.s3 != "off" else []
+            for name, part in parts:
                 try:
-                    fs_pairs, result["fs"] = bench_fs(runner, args, src, dst, workdir, notes)
-                    pairs += fs_pairs
-                except Exception as exc:  # noqa: BLE001 - reported; the S3 part still runs
-                    failures.append(f"fs: ABORTED: {describe(exc)}")
-                    say(f"  {failures[-1]}")
-            if args.s3 != "off":
-                try:
-                    s3_pairs, result["s3"] = bench_s3(runner, args, src, dst, notes)
-                    pairs += s3_pairs
-                    if args.profile:
-                        prof["s3"] = result["s3"].pop("profile")
-                except Exception as exc:  # noqa: BLE001 - reported with the fs results
-                    failures.append(f"s3: ABORTED: {describe(exc)}")
-                    say(f"  {failures[-1]}")
-            if args.profile:
-                try:
-                    prof["cpu_us"] = profile_cpu(args.chunk_bytes)
-                    if args.fs == "on":
-                        prof["fs"] = profile_fs(runner, args, src, dst, workdir)
-                except Exception as exc:  # noqa: BLE001 - the measurements above stand
-                    failures.append(f"profile: ABORTED: {describe(exc)}")
+                    part_pairs, result[name] = part()
+                    pairs += part_pairs
+                except Exception as exc:  # noqa: BLE001 - reported; the other part still runs
+                    failures.append(f"{name}: ABORTED: {describe(exc)}")
                     say(f"  {failures[-1]}")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -132,15 +95,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_pairs(targeted + [p for p in pairs if p.target is None])
     for note in notes + failures:
         say(f"  * {note}")
-    if prof:
-        print_profile(prof)
     elapsed = time.perf_counter() - t_start
     say(f"\nload average {load0:.2f} at start, {load_average():.2f} at end; total {elapsed:.0f} s")
-    result["rows"] = [p.to_json() for p in pairs]
-    result["notes"] = notes
-    result["failures"] = failures
-    result["profile"] = prof
-    result["elapsed_s"] = elapsed
+    result.update(rows=[p.to_json() for p in pairs], notes=notes, failures=failures, elapsed_s=elapsed)
     if args.json:
         write_json(args.json, result)
         say(f"results written to {args.json}")

@@ -10,7 +10,6 @@ import itertools
 import mmap
 import os
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -32,7 +31,6 @@ TARGET_S3 = 0.85
 TARGET_WRITEBACK = 0.90  # write-back stream through a daemon vs the fs tier alone (issue 13 part 1)
 WB_REGION_SLOTS = 64  # chunks in the write-back clients' region (the stream cycles through them)
 WB_VERIFY_CHUNKS = 32
-NAMESPACE = "bench"
 PAGE = mmap.PAGESIZE
 
 
@@ -40,7 +38,6 @@ class Pool:
     """A populated anonymous mapping (page-aligned, like the daemon's pool) cut into chunk views."""
 
     def __init__(self, chunks: int, chunk_bytes: int) -> None:
-        self.chunk_bytes = chunk_bytes
         self._map = aligned_pool(chunks * chunk_bytes)
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         whole = memoryview(self._map)
@@ -49,7 +46,7 @@ class Pool:
 
 def chunk_ids(n: int, seed: str) -> list[tuple[str, bytes]]:
     """Content-hash-like keys (32 bytes, spread uniformly over the fs tier's fan-out directories)."""
-    return [(NAMESPACE, hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=32).digest()) for i in range(n)]
+    return [("bench", hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=32).digest()) for i in range(n)]
 
 
 def header_pages(chunks: Sequence[tuple[str, bytes]], views: Sequence[memoryview], size: int) -> list[memoryview]:
@@ -60,6 +57,12 @@ def header_pages(chunks: Sequence[tuple[str, bytes]], views: Sequence[memoryview
         page[:] = chunkfile.encode_header(chunk, size, chunkfile.checksum([view], size))
         out.append(memoryview(page))
     return out
+
+
+def tier_dirs(root: Path, chunks: Sequence[tuple[str, bytes]]) -> None:
+    """The fan-out directories a tier root in use already has for these chunks."""
+    for d in sorted({os.path.dirname(os.path.join(root, chunkfile.chunk_relpath(c))) for c in chunks}):
+        os.makedirs(d, exist_ok=True)
 
 
 async def drive(n: int, inflight: int, op: Callable[[int], Awaitable[None]]) -> float:
@@ -82,8 +85,26 @@ def on_loop(runner: asyncio.Runner, phase: Callable[..., Coroutine[Any, Any, flo
     return lambda: runner.run(phase(*args))
 
 
+async def tier_store(tier, chunks, views, size: int, inflight: int) -> float:
+    async def op(i: int) -> None:
+        outcome = await tier.write(chunks[i], [views[i]], size)
+        if outcome is not WriteOutcome.WRITTEN:
+            raise RuntimeError(f"{tier.kind.name} tier write {i}: {outcome} (counters {tier.counters})")
+
+    return await drive(len(chunks), inflight, op)
+
+
+async def tier_load(tier, chunks, views, size: int, inflight: int) -> float:
+    async def op(i: int) -> None:
+        if not await tier.read(chunks[i], [views[i]], size):
+            raise RuntimeError(f"{tier.kind.name} tier read {i}: miss or corrupt (counters {tier.counters})")
+
+    return await drive(len(chunks), inflight, op)
+
+
 def run_threads(n: int, threads: int, op: Callable[[int], None]) -> float:
-    """Run op(0..n-1) on `threads` plain threads pulling chunk numbers back to back; wall seconds."""
+    """Run op(0..n-1) on `threads` plain threads pulling chunk numbers back to back; wall seconds
+    from their common start (after the threads are created) to the last one's end."""
     counter = itertools.count()  # next() is atomic under the GIL
     errors: list[BaseException] = []
     start = threading.Barrier(threads + 1)
@@ -93,7 +114,7 @@ def run_threads(n: int, threads: int, op: Callable[[int], None]) -> float:
         try:
             while (i := next(counter)) < n:
                 op(i)
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
             errors.append(exc)
 
     pool = [threading.Thread(target=worker, daemon=True) for _ in range(threads)]
@@ -116,24 +137,24 @@ class Sample:
     server_cpu_s_per_gib: float | None = None  # the S3 server's processes
 
 
-def measure(
-    nbytes: int, run: Callable[[], float], server_pids: Sequence[int] = (), prepare: Callable[[], object] | None = None
-) -> Sample:
+def measure(nbytes: int, run: Callable[[], float], server_pids: Sequence[int] = (), prepare=None) -> Sample:
     """Run `prepare` (untimed), then `run` (which returns its wall seconds), counting CPU seconds."""
     if prepare is not None:
         prepare()
-    cpu0 = time.process_time()
-    srv0 = stat_cpu_seconds(server_pids)
+    cpu0, srv0 = time.process_time(), stat_cpu_seconds(server_pids)
     wall = run()
-    cpu = time.process_time() - cpu0
-    srv = stat_cpu_seconds(server_pids) - srv0 if server_pids else None
+    cpu, srv = time.process_time() - cpu0, stat_cpu_seconds(server_pids) - srv0
     gib = nbytes / GIB
-    return Sample(nbytes / wall / GIB, cpu / gib, None if srv is None else srv / gib)
+    return Sample(gib / wall, cpu / gib, srv / gib if server_pids else None)
 
 
 def rotated(arms: list, rnd: int) -> list:
     k = rnd % len(arms)
     return arms[k:] + arms[:k]
+
+
+def _median(samples: Sequence[Sample], what: str = "gib_s") -> float:
+    return statistics.median(getattr(s, what) or 0.0 for s in samples)
 
 
 @dataclass
@@ -147,85 +168,49 @@ class Pair:
     limit: list[Sample] = field(default_factory=list)  # the physical limit (default: raw)
 
     @property
-    def limit_median(self) -> float:
-        return statistics.median(s.gib_s for s in (self.limit or self.raw))
-
-    @property
-    def tier_median(self) -> float:
-        return statistics.median(s.gib_s for s in self.tier)
-
-    @property
-    def raw_median(self) -> float:
-        return statistics.median(s.gib_s for s in self.raw)
-
-    @property
     def ratio(self) -> float:
-        return self.tier_median / self.raw_median
-
-    @property
-    def paired(self) -> list[float]:
-        return [t.gib_s / r.gib_s for t, r in zip(self.tier, self.raw)]
+        return _median(self.tier) / _median(self.raw)
 
     @property
     def status(self) -> str:
-        if self.target is None:
-            return "(info)"
-        return "PASS" if self.ratio >= self.target else "MISS"
+        return "(info)" if self.target is None else "PASS" if self.ratio >= self.target else "MISS"
 
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
-            "tier_gib_s": self.tier_median,
-            "raw_gib_s": self.raw_median,
-            "limit_gib_s": self.limit_median,
+            "tier_gib_s": _median(self.tier),
+            "raw_gib_s": _median(self.raw),
+            "limit_gib_s": _median(self.limit or self.raw),
             "ratio": self.ratio,
             "target": self.target,
             "status": self.status,
             "tier_samples": [vars(s) for s in self.tier],
             "raw_samples": [vars(s) for s in self.raw],
-            "paired_ratios": self.paired,
+            "paired_ratios": [t.gib_s / r.gib_s for t, r in zip(self.tier, self.raw)],
         }
 
 
-def print_pairs(pairs: Sequence[Pair], file=None) -> None:
-    file = file or sys.stdout
-    header = ["measurement", "tier GiB/s", "baseline GiB/s", "ratio", "target", "result", "limit GiB/s", "of limit"]
-    rows = [header] + [
-        [
-            p.name,
-            f"{p.tier_median:.2f}",
-            f"{p.raw_median:.2f}",
-            f"{p.ratio:.2f}x",
-            f">= {p.target:.2f}x" if p.target is not None else "-",
-            p.status,
-            f"{p.limit_median:.2f}",
-            f"{p.tier_median / p.limit_median:.2f}x",
-        ]
-        for p in pairs
-    ]
-    print_aligned(rows, right={1, 2, 3, 6, 7}, file=file)
-    print(
-        "baseline: raw O_DIRECT / raw aiobotocore of the same bytes (the write-back row: the fs tier alone); "
-        "limit: the physical limit of the row on this machine (fs: raw O_DIRECT at the tier's queue depth; "
-        "S3: the raw client's transport)",
-        file=file,
-    )
-    print(
-        "per round: tier/raw GiB/s = paired ratio; CPU s per GiB (this process, tier/raw[; S3 server tier/raw]):",
-        file=file,
-    )
+def print_pairs(pairs: Sequence[Pair]) -> None:
+    table = [["measurement", "tier GiB/s", "baseline GiB/s", "ratio", "target", "result", "limit GiB/s", "of limit"]]
+    for p in pairs:
+        tier, raw, limit = _median(p.tier), _median(p.raw), _median(p.limit or p.raw)
+        target = f">= {p.target:.2f}x" if p.target is not None else "-"
+        table.append([p.name, f"{tier:.2f}", f"{raw:.2f}", f"{p.ratio:.2f}x", target, p.status, f"{limit:.2f}"])
+        table[-1].append(f"{tier / limit:.2f}x")
+    print_aligned(table, right={1, 2, 3, 6, 7})
+    print("baseline and limit of each row: docs/benchmarks.md#tiers")
+    print("per round: tier/raw GiB/s = paired ratio; CPU s per GiB (this process, tier/raw[; S3 server tier/raw]):")
     for p in pairs:
         rounds = ", ".join(f"{t.gib_s:.2f}/{r.gib_s:.2f}={t.gib_s / r.gib_s:.2f}" for t, r in zip(p.tier, p.raw))
-        cpu = (
-            f"cpu {statistics.median(s.cpu_s_per_gib for s in p.tier):.2f}/"
-            f"{statistics.median(s.cpu_s_per_gib for s in p.raw):.2f}"
-        )
+        cpu = f"cpu {_median(p.tier, 'cpu_s_per_gib'):.2f}/{_median(p.raw, 'cpu_s_per_gib'):.2f}"
         if p.tier and p.tier[0].server_cpu_s_per_gib is not None:
-            cpu += (
-                f"; server {statistics.median(s.server_cpu_s_per_gib or 0.0 for s in p.tier):.2f}/"
-                f"{statistics.median(s.server_cpu_s_per_gib or 0.0 for s in p.raw):.2f}"
-            )
-        print(f"  {p.name}: {rounds}  ({cpu})", file=file)
+            srv = "server_cpu_s_per_gib"
+            cpu += f"; server {_median(p.tier, srv):.2f}/{_median(p.raw, srv):.2f}"
+        print(f"  {p.name}: {rounds}  ({cpu})")
+
+
+def say(*parts: Any) -> None:
+    print(*parts, flush=True)
 
 
 def describe(exc: BaseException) -> str:
@@ -233,30 +218,3 @@ def describe(exc: BaseException) -> str:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     return f"{type(exc).__name__}: {exc}"
-
-
-def say(*parts: Any) -> None:
-    print(*parts, flush=True)
-
-
-def tier_dirs(root: Path, chunks: Sequence[tuple[str, bytes]]) -> None:
-    """The fan-out directories a tier root in use already has for these chunks."""
-    for d in sorted({os.path.dirname(os.path.join(root, chunkfile.chunk_relpath(c))) for c in chunks}):
-        os.makedirs(d, exist_ok=True)
-
-
-async def tier_store(tier, chunks, views, size: int, inflight: int) -> float:
-    async def op(i: int) -> None:
-        outcome = await tier.write(chunks[i], [views[i]], size)
-        if outcome is not WriteOutcome.WRITTEN:
-            raise RuntimeError(f"{tier.kind.name} tier write {i}: {outcome} (counters {tier.counters})")
-
-    return await drive(len(chunks), inflight, op)
-
-
-async def tier_load(tier, chunks, views, size: int, inflight: int) -> float:
-    async def op(i: int) -> None:
-        if not await tier.read(chunks[i], [views[i]], size):
-            raise RuntimeError(f"{tier.kind.name} tier read {i}: miss or corrupt (counters {tier.counters})")
-
-    return await drive(len(chunks), inflight, op)
