@@ -29,7 +29,7 @@ from kvstored.sizes import format_size, parse_size
 from kvstored.top import drops, kind_name
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
-from kvstored_client.errors import OLDEST_SEQ_KEY
+from kvstored_client.errors import INCARNATION_KEY, OLDEST_SEQ_KEY
 from kvstored_client.keys import namespace_id_for
 from kvstored_client.kinds import DropReason
 from kvstored_client.paths import default_socket_path
@@ -623,23 +623,29 @@ def event_line(d: dict[str, Any]) -> str:
 EVENTS_HEADER = f"{'SEQ':>8} {'TIME':<12} {'TYPE':<8} {'CAUSE':<12} {'TIER':<6} {'NAMESPACE':<32} {'KEYS':>4}"
 
 
-def watch(conn: Conn, from_seq: int, on_call: Callable[[Any], None] = lambda call: None) -> Iterator[pb.KvEvent]:
-    """Events from `from_seq` on (0: live only); resumes by itself if the daemon cuts us off
-    for falling behind (events between are replayed while still buffered). Events no longer
-    buffered are skipped with a warning: this is a viewer, not a router. `on_call` gets each
-    stream call (so another thread can cancel it)."""
+def watch(
+    conn: Conn, from_seq: int, incarnation: int = 0, on_call: Callable[[Any], None] = lambda call: None
+) -> Iterator[tuple[int, pb.KvEvent]]:
+    """Events from `from_seq` of the daemon run `incarnation` on (0: live only; incarnation 0:
+    whichever run serves), each with the run it is of; resumes by itself, in the same run, if
+    the daemon cuts us off for falling behind (events between are replayed while still
+    buffered). Events no longer buffered are skipped with a warning: this is a viewer, not a
+    router. `on_call` gets each stream call (so another thread can cancel it)."""
     while True:
         last = from_seq - 1
         try:
-            call = conn.kv.WatchEvents(pb.WatchEventsRequest(from_seq=from_seq))
+            call = conn.kv.WatchEvents(pb.WatchEventsRequest(from_seq=from_seq, incarnation=incarnation))
             on_call(call)
+            served = _incarnation(call.initial_metadata())
+            incarnation = incarnation or served
             for event in call:
                 last = event.seq
-                yield event
+                yield incarnation, event
             return  # the daemon is shutting down
         except grpc.RpcError as exc:
             oldest = _oldest_seq(exc)
-            if exc.code() is grpc.StatusCode.OUT_OF_RANGE and oldest is not None and from_seq < oldest:
+            same_run = _incarnation(exc.initial_metadata()) in (0, incarnation)
+            if exc.code() is grpc.StatusCode.OUT_OF_RANGE and oldest is not None and from_seq < oldest and same_run:
                 print(f"{PROG}: events {from_seq}-{oldest - 1} are no longer buffered; from {oldest}", file=sys.stderr)
                 from_seq = oldest
                 continue
@@ -647,6 +653,13 @@ def watch(conn: Conn, from_seq: int, on_call: Callable[[Any], None] = lambda cal
                 raise conn.error("WatchEvents", exc) from None
             print(f"{PROG}: fell behind after event {last}; resuming", file=sys.stderr)
             from_seq = last + 1
+
+
+def _incarnation(metadata: Any) -> int:
+    for key, value in metadata or ():
+        if key == INCARNATION_KEY:
+            return int(value)
+    return 0
 
 
 def _oldest_seq(exc: grpc.RpcError) -> int | None:
@@ -662,9 +675,10 @@ class EventFeed:
 
     _END = object()
 
-    def __init__(self, conn: Conn, from_seq: int) -> None:
+    def __init__(self, conn: Conn, from_seq: int, incarnation: int = 0) -> None:
         self._conn = conn
         self._from_seq = from_seq
+        self._incarnation = incarnation
         self._queue: queue.Queue = queue.Queue()
         self._call: Any = None
         self._lock = threading.Lock()
@@ -684,8 +698,8 @@ class EventFeed:
             call.cancel()
         self._thread.join(timeout=self._conn.timeout)
 
-    def events(self, idle_s: float | None) -> Iterator[pb.KvEvent]:
-        """Events until the stream ends or, with `idle_s`, until none arrived for that long."""
+    def events(self, idle_s: float | None) -> Iterator[tuple[int, pb.KvEvent]]:
+        """(daemon run, event) until the stream ends or, with `idle_s`, until none arrived for that long."""
         while True:
             try:
                 item = self._queue.get(timeout=idle_s)
@@ -707,8 +721,8 @@ class EventFeed:
 
     def _read(self) -> None:
         try:
-            for event in watch(self._conn, self._from_seq, self._on_call):
-                self._queue.put(event)
+            for item in watch(self._conn, self._from_seq, self._incarnation, self._on_call):
+                self._queue.put(item)
         except CtlError as exc:
             if not self._closed:  # a cancelled stream is how we stop it
                 self._queue.put(exc)
@@ -724,11 +738,11 @@ def cmd_events(conn: Conn, args: argparse.Namespace) -> int:
     shown = 0
     if not args.json:
         print(EVENTS_HEADER, flush=True)
-    with EventFeed(conn, args.from_seq) as feed:
-        for event in feed.events(wait or None):
+    with EventFeed(conn, args.from_seq, args.incarnation) as feed:
+        for incarnation, event in feed.events(wait or None):
             if args.namespace and event.namespace_id != args.namespace:
                 continue
-            d = event_dict(event)
+            d = event_dict(event) | {"incarnation": incarnation}
             print(json.dumps(d) if args.json else event_line(d), flush=True)
             shown += 1
             if args.count and shown >= args.count:
@@ -844,6 +858,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="N",
         help="replay buffered events from seq N first (1: all still buffered; default: live only)",
+    )
+    events.add_argument(
+        "--incarnation",
+        type=uint64_arg,
+        default=0,
+        metavar="N",
+        help="the daemon run --from-seq is of (each --json event's 'incarnation'): another run's is an error",
     )
     events.add_argument(
         "--count",

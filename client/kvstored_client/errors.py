@@ -8,6 +8,7 @@ import grpc
 
 ERROR_KIND_KEY = "kvstored-error"
 OLDEST_SEQ_KEY = "kvstored-oldest-seq"  # trailing metadata of an OUT_OF_RANGE WatchEvents: resume here
+INCARNATION_KEY = "kvstored-incarnation"  # initial metadata of WatchEvents: the daemon run its seqs are of
 
 
 class KvstoredError(Exception):

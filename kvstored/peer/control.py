@@ -88,10 +88,12 @@ class ControlChannel:
     def snapshot(self, incarnation: int) -> AsyncIterator[pb.SnapshotBatch]:
         return self._peer.Snapshot(pb.SnapshotRequest(incarnation=incarnation))
 
-    def watch(self, from_seq: int, coalesce: bool = True) -> AsyncIterator[pb.KvEvent]:
-        """The peer's KV events of public namespaces (no session: tenants' never come); coalesced:
-        its net changes once per its events_interval (a peer that predates it sends each event)."""
-        return self._kv.WatchEvents(pb.WatchEventsRequest(from_seq=from_seq, coalesce=coalesce))
+    def watch(self, from_seq: int, incarnation: int, coalesce: bool = True) -> AsyncIterator[pb.KvEvent]:
+        """The peer's KV events of public namespaces (no session: tenants' never come) from
+        `from_seq` of its run `incarnation` (another run's: OUT_OF_RANGE); coalesced: its net
+        changes once per its events_interval (a peer that predates it sends each event)."""
+        request = pb.WatchEventsRequest(from_seq=from_seq, coalesce=coalesce, incarnation=incarnation)
+        return self._kv.WatchEvents(request)
 
     async def close(self) -> None:
         await self._channel.close(grace=None)

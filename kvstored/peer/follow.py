@@ -55,7 +55,7 @@ class Follower:
             await self.resync()
         while True:
             try:
-                async for event in self._channel.watch(record.last_seq + 1, self._coalesce):
+                async for event in self._channel.watch(record.last_seq + 1, record.incarnation, self._coalesce):
                     self._apply(event)
                 return
             except grpc.aio.AioRpcError as exc:

@@ -314,6 +314,7 @@ class Daemon:
             self.identities,
             self.feeds,
             self.key_indexes,
+            self.incarnation,
         )
         add_to_server(service, self.server)
         pb_grpc.add_PeerServicer_to_server(

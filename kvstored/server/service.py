@@ -32,7 +32,7 @@ from kvstored.shm.mapping import open_region_file
 from kvstored.tiers.ram import Extent, ReserveOutcome
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
-from kvstored_client.errors import OLDEST_SEQ_KEY
+from kvstored_client.errors import INCARNATION_KEY, OLDEST_SEQ_KEY
 from kvstored_client.kinds import DropReason, LoadInto
 
 _SLOT_STATE = {
@@ -127,7 +127,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         identities: IdentityBook | None = None,
         feeds: IntervalFeeds | None = None,
         indexes: KeyIndexes | None = None,
+        incarnation: int = 0,
     ) -> None:
+        self._incarnation = incarnation  # this daemon run (its event seqs mean nothing to another)
         self._indexes = indexes  # the key indexes sessions may map (None: none are kept)
         self._feeds = feeds  # coalesced watch streams' (None: not served)
         self._identities = identities  # None: no ZMQ publisher, identities are checked, not kept
@@ -423,6 +425,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def WatchEvents(self, request: pb.WatchEventsRequest, context):
         bus = self._chain.events
         accepts = events_for(self._namespaces, self._broker.optional(request.session_id))
+        await context.send_initial_metadata(((INCARNATION_KEY, str(self._incarnation)),))
+        if request.incarnation and request.incarnation != self._incarnation:
+            _out_of_range(
+                context,
+                bus.oldest_seq,
+                f"seq {request.from_seq} is of another daemon run (incarnation {request.incarnation}; this one is "
+                f"{self._incarnation}): it restarted; read the state anew",
+            )
+            return
         # Events between are gone (or, past the newest, the seq is an earlier daemon's: a restart):
         # streaming on would skip them without a word. Ended here, not raised, so the
         # error-mapping interceptor leaves the status as is.
