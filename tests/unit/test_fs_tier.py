@@ -23,6 +23,7 @@ import pytest
 from kvstored.chunks import chunkfile
 from kvstored.chunks.chunkfile import HEADER_BYTES
 from kvstored.chunks.ids import RemovalCause
+from kvstored.errors import TierUnavailable
 from kvstored.tiers.base import AdmissionPolicy, WriteOutcome
 from kvstored.tiers.fs.tier import FsTier
 
@@ -209,6 +210,88 @@ async def test_remove(make_tier, tmp_path):
     assert not await tier.remove(chunk(1))
     assert await tier.contains([chunk(1)]) == [False]
     assert await tier.write(chunk(1), src.views, PAGE * 2) is WriteOutcome.WRITTEN
+
+
+def refusing_unlink(real, code: int = errno.EACCES):
+    """os.unlink, except that chunk files (*.kv) cannot be unlinked: a read-only directory, an
+    immutable file, a filesystem remounted read-only."""
+
+    def unlink(path, *args, **kwargs):
+        if os.fspath(path).endswith(".kv"):
+            raise OSError(code, os.strerror(code), path)
+        return real(path, *args, **kwargs)
+
+    return unlink
+
+
+@pytest.mark.parametrize("code", [errno.EACCES, errno.EROFS, errno.EPERM], ids=errno.errorcode.get)
+async def test_a_failed_unlink_raises_and_the_old_file_is_never_served(make_tier, tmp_path, monkeypatch, code):
+    """remove() whose unlink fails: it raises (the Delete fails and can be retried), and the file
+    left behind is neither found again nor taken for the chunk by a new write, whose bytes are the
+    ones read back (not the old file's)."""
+    root = tmp_path / "fs"
+    tier = await make_tier(root)
+    await _write_one(tier, chunk(1), seed=1)
+    path = path_of(root, chunk(1))
+    monkeypatch.setattr(os, "unlink", refusing_unlink(os.unlink, code))
+    with pytest.raises(TierUnavailable, match=f"{path}.*{errno.errorcode[code]}"):
+        await tier.remove(chunk(1))
+    monkeypatch.undo()  # the permission is back; the old file is still there
+    assert path.exists() and tier.counters.errors == 1
+    assert tier.holds([chunk(1)]) == [False] and await tier.contains([chunk(1)]) == [False]
+    assert not await tier.read(chunk(1), Slot((4,)).views, PAGE * 4)
+    assert tier.usage().chunks == 0
+    src = Slot((4,))
+    new = src.fill(PAGE * 4, seed=2)
+    assert await tier.write(chunk(1), src.views, PAGE * 4) is WriteOutcome.WRITTEN
+    dst = Slot((4,))
+    assert await tier.read(chunk(1), dst.views, PAGE * 4) and dst.payload(PAGE * 4) == new
+    assert await tier.contains([chunk(1)]) == [True]
+
+
+async def test_a_failed_unlink_is_retried_by_the_next_remove(make_tier, tmp_path, monkeypatch):
+    root = tmp_path / "fs"
+    tier = await make_tier(root)
+    data = await _write_one(tier, chunk(1))
+    path = path_of(root, chunk(1))
+    monkeypatch.setattr(os, "unlink", refusing_unlink(os.unlink))
+    for _ in range(2):
+        with pytest.raises(TierUnavailable):
+            await tier.remove(chunk(1))
+    monkeypatch.undo()
+    assert await tier.remove(chunk(1)) and not path.exists()
+    assert not await tier.remove(chunk(1))
+    assert await tier.contains([chunk(1)]) == [False]
+    # gone for good: a file a daemon sharing the root writes under the name is adopted again
+    other = await make_tier(root)
+    await _write_one(other, chunk(1))
+    assert await tier.contains([chunk(1)]) == [True]
+    dst = Slot((4,))
+    assert await tier.read(chunk(1), dst.views, PAGE * 4) and dst.payload(PAGE * 4) == data
+
+
+async def test_an_evicted_file_that_cannot_be_unlinked_is_not_adopted_back(make_tier, tmp_path, monkeypatch, caplog):
+    """Evictions (a write's victims) whose unlink fails: counted, logged, and the files left behind
+    are not found again (the chunk was evicted: its removal was announced) until removed."""
+    from kvstored.tiers.fs import tier as fs_tier
+
+    fs_tier.limited._windows.clear()
+    root = tmp_path / "fs"
+    size = PAGE * 4
+    tier = await make_tier(root, capacity=2 * (HEADER_BYTES + size))
+    await _write_one(tier, chunk(1), size)
+    await _write_one(tier, chunk(2), size)
+    caplog.set_level(logging.WARNING, logger=fs_tier.__name__)
+    monkeypatch.setattr(os, "unlink", refusing_unlink(os.unlink))
+    await _write_one(tier, chunk(3), size)  # evicts chunk 1: its unlink fails
+    monkeypatch.undo()
+    assert path_of(root, chunk(1)).exists() and tier.counters.errors == 1
+    assert any(
+        "cannot unlink" in r.getMessage() and str(path_of(root, chunk(1))) in r.getMessage() for r in caplog.records
+    )
+    assert await tier.contains([chunk(1), chunk(2), chunk(3)]) == [False, True, True]
+    assert not await tier.read(chunk(1), Slot((4,)).views, size)
+    assert await tier.remove(chunk(1)) and not path_of(root, chunk(1)).exists()
 
 
 async def test_closed_tier_refuses_work(tmp_path):
@@ -425,6 +508,58 @@ async def test_header_naming_another_chunk(make_tier, tmp_path):
     assert not impostor.exists() and tier.counters.checksum_failures == 1
     dst = Slot((4,))
     assert await tier.read(chunk(1), dst.views, size) and dst.payload(size) == data
+
+
+def _foreign_files(root: Path, size: int) -> dict[str, bytes]:
+    """What may lie under a chunk's name, at least as long as its file, without being a copy of it."""
+    other = path_of(root, chunk(2)).read_bytes()  # a valid file of another chunk
+    zeros = bytes(HEADER_BYTES + size)  # renamed before its blocks reached the disk (power loss)
+    header = chunkfile.encode_header(chunk(1), size, 12345)  # the chunk, other bytes (an old version)
+    shorter = chunkfile.encode_header(chunk(1), size - 1, 0)  # the chunk at another length
+    return {
+        "zeros": zeros,
+        "other chunk": other,
+        "foreign": b"#!/bin/sh\n" * (HEADER_BYTES + size),
+        "other bytes": header + bytes(size),
+        "other length": shorter + bytes(size),
+        "bad header crc": header[:100] + bytes([header[100] ^ 1]) + header[101:] + bytes(size),
+    }
+
+
+@pytest.mark.parametrize("what", ["zeros", "other chunk", "foreign", "other bytes", "other length", "bad header crc"])
+async def test_a_write_over_a_file_that_is_no_copy_of_the_chunk_rewrites_it(make_tier, tmp_path, what):
+    """A file under the chunk's name, long enough, but whose header is not the chunk's (damaged,
+    foreign, another length or checksum): a write must not take it for the chunk (the chain would
+    drop RAM's copy and the next read find the file corrupt); it is replaced, atomically."""
+    root = tmp_path / "fs"
+    tier = await make_tier(root)
+    size = PAGE * 4
+    await _write_one(tier, chunk(2), size, seed=2)
+    path = path_of(root, chunk(1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(_foreign_files(root, size)[what])
+    src = Slot((4,))
+    data = src.fill(size, seed=1)
+    assert await tier.write(chunk(1), src.views, size) is WriteOutcome.WRITTEN
+    assert tier.counters.writes == 2 and tier.counters.checksum_failures == 1
+    dst = Slot((4,))
+    assert await tier.read(chunk(1), dst.views, size) and dst.payload(size) == data
+    assert tmp_files(root) == []
+
+
+async def test_a_write_over_a_valid_copy_keeps_it(make_tier, tmp_path):
+    """A file of the chunk that a daemon sharing the root wrote (same bytes): adopted, not rewritten,
+    even if the file is longer than needed (O_DIRECT rounding)."""
+    root = tmp_path / "fs"
+    a, b = await make_tier(root), await make_tier(root)
+    size = PAGE * 4 - 100
+    src = Slot((4,))
+    src.fill(size, seed=1)
+    assert await a.write(chunk(1), src.views, size) is WriteOutcome.WRITTEN
+    inode = path_of(root, chunk(1)).stat().st_ino
+    assert await b.write(chunk(1), src.views, size) is WriteOutcome.ALREADY_PRESENT
+    assert path_of(root, chunk(1)).stat().st_ino == inode
+    assert b.counters.writes == 0 and b.counters.checksum_failures == 0 and b.usage().chunks == 1
 
 
 async def test_wrong_expected_size_is_corrupt(make_tier, tmp_path):

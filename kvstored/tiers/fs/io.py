@@ -94,6 +94,7 @@ def preadv_all(fd: int, bufs: list[memoryview], direct: bool = False) -> int:
 
 
 def unlink_quiet(path: str) -> bool:
+    """Unlink a file of our own making (a temporary file, a probe) whose failure changes nothing."""
     try:
         os.unlink(path)
         return True
@@ -101,8 +102,23 @@ def unlink_quiet(path: str) -> bool:
         return False
 
 
-def unlink_files(paths: list[str]) -> int:
-    return sum(unlink_quiet(p) for p in paths)
+# unlink(2) errors that leave no file under the name: nothing there, a component that is not a
+# directory, or a directory (never taken for a chunk file: not adopted, not read)
+_NOTHING_THERE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR})
+
+
+def unlink_files(paths: list[str]) -> tuple[int, dict[str, OSError]]:
+    """Unlink each path: (how many files were removed, the error of each path whose file may still
+    be there: EACCES, EROFS, EPERM, EIO...). A path with nothing to remove is no failure."""
+    removed, failed = 0, {}
+    for path in paths:
+        try:
+            os.unlink(path)
+            removed += 1
+        except OSError as exc:
+            if exc.errno not in _NOTHING_THERE:
+                failed[path] = exc
+    return removed, failed
 
 
 def unlink_if_same(path: str, fd: int) -> bool:

@@ -17,6 +17,13 @@ same bytes), files appear only by rename of a complete temporary file, a miss in
 checked on disk and adopted, and a corrupt file is removed only if it is still the file we read.
 A temporary file is locked by its writer while it exists (fs_io.create_tmp), so a start removes
 the ones of killed writers and keeps those of live ones; a tier counts its own in used_bytes.
+A write finding a file under the chunk's name takes it for the chunk only if its header says so
+(name, length, payload checksum); anything else there is replaced.
+
+A chunk file that cannot be unlinked (EACCES, EROFS, EPERM...: remove() raises TierUnavailable,
+an eviction logs it) is hidden: not adopted, read, or taken for a new write's copy, until an
+unlink of it succeeds (the next remove()) or a write replaces it. This lasts until a restart,
+which indexes whatever files the root holds; the file's bytes are not counted in used_bytes.
 
 Anything but a regular file under a chunk's name (a FIFO, socket, device, directory, symlink) is
 never opened for I/O: every open is O_NONBLOCK | O_NOFOLLOW and checked with fstat, O_DIRECT is
@@ -40,6 +47,7 @@ from kvstored.chunks import chunkfile
 from kvstored.chunks.chunkfile import HEADER_BYTES
 from kvstored.chunks.ids import ChunkId, RemovalCause, TierKind
 from kvstored.chunks.views import check_views
+from kvstored.errors import TierUnavailable
 from kvstored.io.scheduler import Priority
 from kvstored.io.threads import PriorityThreadPool
 from kvstored.logs import LogLimiter
@@ -49,7 +57,7 @@ from kvstored.tiers.capacity import CapacityIndex
 from kvstored.tiers.fs import identity_area
 from kvstored.tiers.fs import io as fs_io
 from kvstored.tiers.fs import records as fs_records
-from kvstored.tiers.fs.jobs import FsJobs, ReadStatus, WriteFailed
+from kvstored.tiers.fs.jobs import FsJobs, ReadStatus, WriteFailed, WriteNotes
 
 log = logging.getLogger(__name__)
 limited = LogLimiter(log)  # a broken root fails every write: one line per 10 s, with the count
@@ -113,6 +121,10 @@ class FsTier(SecondaryTier):
         self._unlink_epoch = 0
         self._claimed_at: OrderedDict[ChunkId, int] = OrderedDict()
         self._forgotten_epoch = 0
+        # Chunks dropped from the index whose unlink failed (EACCES, EROFS, EPERM...): their files
+        # may still be there, but must not be found (adopted, read, or taken for a new write's
+        # copy) until an unlink of them succeeds (the next remove()) or a write replaces the file.
+        self._undeleted: set[ChunkId] = set()
         self._full_until = 0.0  # loop.time() until which writes are refused (disk full)
         self._closed = False
         # The identity record to keep in a chunk file's header (identity_area.py), asked when the
@@ -176,7 +188,7 @@ class FsTier(SecondaryTier):
         for i, chunk in enumerate(chunks):
             hit = self._index.touch(chunk) is not None
             out.append(hit)
-            if not hit and chunk not in self._unlinking:
+            if not hit and chunk not in self._unlinking and chunk not in self._undeleted:
                 misses.append(i)
         self.counters.lookups += len(out)
         self.counters.hits += sum(out)
@@ -247,17 +259,22 @@ class FsTier(SecondaryTier):
 
         def _finish(fut: asyncio.Future) -> WriteOutcome:
             self._index.release(reservation)
-            odd, error = None, None
+            error = None
             try:
-                file_size, existed, odd = fut.result()
-            except WriteFailed as failed:  # over an odd entry that could not be replaced
-                odd, error = failed.odd, failed.error
+                file_size, existed, notes = fut.result()
+            except WriteFailed as failed:  # after finding something to report
+                error, notes = failed.error, failed.notes
             except OSError as exc:
-                error = exc
-            if odd is not None:
-                self._bad_entry(odd)
+                error, notes = exc, WriteNotes()
+            self._note_unlinks(victims, notes.undeleted)
+            if notes.odd is not None:
+                self._bad_entry(notes.odd)
+            if notes.damaged is not None:
+                self.counters.checksum_failures += 1
+                log.warning("fs tier %s: %s", self.name, notes.damaged)
             if error is None:
                 self._index.insert(chunk, file_size, time.time())
+                self._undeleted.discard(chunk)  # (the file is this write's now)
                 if existed:  # written by a daemon sharing the root: adopted, not rewritten
                     return WriteOutcome.ALREADY_PRESENT
                 self.counters.writes += 1
@@ -284,8 +301,9 @@ class FsTier(SecondaryTier):
         try:
             while (prior := self._unlinking.get(chunk)) is not None:  # an eviction or remove of
                 await asyncio.wait((prior,))  # this chunk's old file must land first
+            reuse = chunk not in self._undeleted  # (a file left by a failed unlink is replaced)
             return await self._run(
-                Priority.WRITEDOWN, finish, self._jobs.write, chunk, path, views, size, victims, identity
+                Priority.WRITEDOWN, finish, self._jobs.write, chunk, path, views, size, victims, identity, reuse
             )
         finally:
             self._settle_unlinks(victims, gate)
@@ -296,7 +314,7 @@ class FsTier(SecondaryTier):
     async def read(self, chunk: ChunkId, views: Sequence[memoryview], size: int) -> bool:
         path = self._path(chunk)
         check_views(views, size)
-        if self._closed:
+        if self._closed or chunk in self._undeleted:  # (its file may be there: a failed unlink's)
             return False
         entry = self._index.get(chunk)
         epoch = self._unlink_epoch if entry is None and chunk not in self._unlinking else -1
@@ -345,6 +363,8 @@ class FsTier(SecondaryTier):
         return hit
 
     async def remove(self, chunk: ChunkId) -> bool:
+        """Unlink the chunk's file (again, after a failed unlink). Raises TierUnavailable, naming
+        the file and the error, when the unlink fails: the chunk is not found meanwhile."""
         path = self._path(chunk)
         pending = self._pending.get(chunk)
         removal = None
@@ -357,13 +377,13 @@ class FsTier(SecondaryTier):
             entry = self._index.discard(chunk)
             if self._closed:
                 return entry is not None
-            items = [(chunk, path)]
-            gate = self._claim_unlinks(items)
-            try:
-                unlinked = await self._run(Priority.DELETE, _result_or_nothing, fs_io.unlink_files, [path])
-            finally:
-                self._settle_unlinks(items, gate)
-            return entry is not None or bool(unlinked)
+            removed, failed = await self._unlink([(chunk, path)])
+            if failed:
+                raise TierUnavailable(
+                    f"fs tier {self.name}: cannot unlink {path}: {_describe(failed[path])}; "
+                    "the chunk is not served from it meanwhile; retry the delete"
+                )
+            return entry is not None or removed > 0
         finally:
             if removal is not None and not removal.done():
                 removal.set_result(None)
@@ -479,7 +499,7 @@ class FsTier(SecondaryTier):
     def _may_adopt(self, chunk: ChunkId, epoch: int) -> bool:
         """Whether a file seen on disk since `epoch` (taken when `chunk` was not being unlinked)
         may be indexed: no unlink of it was claimed since, so it is not one of ours about to go."""
-        if epoch < 0 or chunk in self._unlinking or self._forgotten_epoch > epoch:
+        if epoch < 0 or chunk in self._unlinking or chunk in self._undeleted or self._forgotten_epoch > epoch:
             return False
         return self._claimed_at.get(chunk, 0) <= epoch
 
@@ -508,6 +528,48 @@ class FsTier(SecondaryTier):
                 del self._unlinking[chunk]
         gate.set_result(None)
 
+    async def _unlink(self, items: list[tuple[ChunkId, str]]) -> tuple[int, dict[str, OSError]]:
+        """Unlink the files of chunks just dropped from the index (claimed meanwhile: a write of
+        one waits, lookups don't adopt it): (files removed, the error of each path whose file may
+        remain)."""
+        paths = [path for _, path in items]
+
+        def finish(fut: asyncio.Future) -> tuple[int, dict[str, OSError]]:
+            try:
+                removed, failed = fut.result()
+            except OSError as exc:  # the job never ran (the tier is closing): every file may remain
+                removed, failed = 0, dict.fromkeys(paths, exc)
+            self._note_unlinks(items, failed)
+            return removed, failed
+
+        gate = self._claim_unlinks(items)
+        try:
+            return await self._run(Priority.DELETE, finish, fs_io.unlink_files, paths)
+        finally:
+            self._settle_unlinks(items, gate)
+
+    def _note_unlinks(self, items: list[tuple[ChunkId, str]], failed: dict[str, OSError]) -> None:
+        """After unlinking the files of `items`: hide the chunks whose files may remain, unhide
+        those whose files are gone; count and log the failures."""
+        for chunk, path in items:
+            if path in failed:
+                self._undeleted.add(chunk)
+            else:
+                self._undeleted.discard(chunk)
+        if not failed:
+            return
+        self.counters.errors += len(failed)
+        path, exc = next(iter(failed.items()))
+        limited.log(
+            f"unlink {self.name}",
+            logging.WARNING,
+            "fs tier %s: cannot unlink %d chunk file(s), first %s: %s; not served until removed",
+            self.name,
+            len(failed),
+            path,
+            _describe(exc),
+        )
+
     def _evicted(self, victims: list[tuple[ChunkId, str]]) -> None:
         self.counters.evictions += len(victims)
         for chunk, _ in victims:
@@ -529,11 +591,7 @@ class FsTier(SecondaryTier):
         if victims:
             items = [(chunk, self._path(chunk)) for chunk, _ in victims]
             self._evicted(items)
-            gate = self._claim_unlinks(items)
-            try:
-                await self._run(Priority.DELETE, _result_or_nothing, fs_io.unlink_files, [p for _, p in items])
-            finally:
-                self._settle_unlinks(items, gate)
+            await self._unlink(items)
 
 
 # -- finishing jobs (event loop) -------------------------------------------------------------
@@ -541,6 +599,12 @@ class FsTier(SecondaryTier):
 
 def _result(fut: asyncio.Future):
     return fut.result()
+
+
+def _describe(exc: OSError) -> str:
+    """An unlink's error as an operator reads it: 'EACCES (Permission denied)'."""
+    code = errno.errorcode.get(exc.errno, str(exc.errno)) if exc.errno is not None else "error"
+    return f"{code} ({exc.strerror or exc})"
 
 
 def _result_or_nothing(fut: asyncio.Future):
