@@ -31,8 +31,10 @@ import enum
 import functools
 import io
 import logging
+import re
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
@@ -157,6 +159,8 @@ class _Received:
 
 
 PREFLIGHT_S = 5.0  # the most the check before populating waits for an endpoint (timeout_s if less)
+CLAIMS_REMEMBERED = 4096  # recent DELETE claims remembered per chunk (see S3Tier._may_index)
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 
 class S3Tier(SecondaryTier):
@@ -208,6 +212,12 @@ class S3Tier(SecondaryTier):
         self._slots = asyncio.Semaphore(max_concurrency)
         self._pending: dict[ChunkId, asyncio.Future] = {}  # writes in flight -> their WriteOutcome
         self._deleting: dict[ChunkId, asyncio.Future] = {}  # deletes in flight
+        # A GET or HEAD that answered before a DELETE claimed since it was sent must not index
+        # the chunk again: the epoch of each chunk's last claim (the oldest forgotten ones count
+        # as `_forgotten_epoch`).
+        self._delete_epoch = 0
+        self._claimed_at: OrderedDict[ChunkId, int] = OrderedDict()
+        self._forgotten_epoch = 0
         self._cpu = ThreadPoolExecutor(max_workers=CPU_THREADS, thread_name_prefix=f"kvstored-s3-{name}")
         self._cpu_jobs: set[asyncio.Future] = set()  # close() waits for them
         self._stack: AsyncExitStack | None = None
@@ -459,6 +469,7 @@ class S3Tier(SecondaryTier):
             self.skipped += 1
             return False
         key = self._key(chunk)
+        epoch = self._delete_epoch
         try:
             got = await self._call(lambda: self._receive(key, RecordReceiver(chunk, size, targets)))
         except _Skipped:
@@ -479,7 +490,7 @@ class S3Tier(SecondaryTier):
             return False
         self.counters.reads += 1
         self.counters.read_bytes += size
-        if self._index.touch(chunk) is None and chunk not in self._pending:
+        if self._index.touch(chunk) is None and self._may_index(chunk, epoch):
             self._index.insert(chunk, got.length, time.time())
         return True
 
@@ -576,6 +587,7 @@ class S3Tier(SecondaryTier):
 
     async def _head(self, chunk: ChunkId) -> bool:
         key = self._key(chunk)
+        epoch = self._delete_epoch
         try:
             head = await self._call(lambda: self._client.head_object(Bucket=self.bucket, Key=key))
         except _Skipped:
@@ -587,9 +599,17 @@ class S3Tier(SecondaryTier):
             else:
                 self._failed("look up", key, exc)
             return False
-        if chunk not in self._index and chunk not in self._pending:  # written by another daemon
+        if chunk not in self._index and self._may_index(chunk, epoch):  # written by another daemon
             self._index.insert(chunk, int(head.get("ContentLength", 0)), time.time())
         return True
+
+    def _may_index(self, chunk: ChunkId, epoch: int) -> bool:
+        """Whether an object seen by a request sent at `epoch` may be indexed: no write of it is
+        in flight (that one indexes it), and no DELETE of it (removal, eviction) was claimed since
+        or is under way: the object the request saw is gone or about to be."""
+        if chunk in self._pending or chunk in self._deleting or chunk in self._undeleted or chunk in self._missing:
+            return False
+        return self._forgotten_epoch <= epoch and self._claimed_at.get(chunk, 0) <= epoch
 
     async def _receive(self, key: str, receiver: RecordReceiver, start: int | None = None) -> _Received:
         """GET the object `key` (or its record at `start`) into the receiver's views, verified:
@@ -600,6 +620,8 @@ class S3Tier(SecondaryTier):
         response = await self._client.get_object(Bucket=self.bucket, Key=key, **ranged)
         async with response["Body"] as body:  # closes the connection if the body is left unread
             length = int(response["ContentLength"])
+            if start is not None:
+                check_range(response, start)
             if length != expected:
                 return _Received(length, False, f"object is {length} bytes, expected {expected}")
             await _stream_into(body, receiver)
@@ -644,6 +666,12 @@ class S3Tier(SecondaryTier):
         wait for it from this moment, not only once the DELETE is sent."""
         claim = _DeleteClaim(chunk, asyncio.get_running_loop().create_future(), self._deleting.get(chunk))
         self._deleting[chunk] = claim.done
+        self._delete_epoch += 1
+        self._claimed_at[chunk] = self._delete_epoch
+        self._claimed_at.move_to_end(chunk)
+        while len(self._claimed_at) > CLAIMS_REMEMBERED:
+            _chunk, forgotten = self._claimed_at.popitem(last=False)
+            self._forgotten_epoch = max(self._forgotten_epoch, forgotten)
         return claim
 
     async def _delete(self, chunk: ChunkId, claim: _DeleteClaim | None = None) -> bool:
@@ -778,6 +806,29 @@ class S3Tier(SecondaryTier):
             if loop.time() + delay >= deadline:
                 raise failure
             await asyncio.sleep(delay)
+
+
+def content_range(response: dict[str, Any]) -> tuple[int, int, int | None] | None:
+    """(first, last, object size or None) of a ranged GET's answer; None unless it is a 206 with
+    a Content-Range (a server or proxy may ignore Range and answer 200 with the whole object)."""
+    if int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0) != 206:
+        return None
+    match = _CONTENT_RANGE.fullmatch(str(response.get("ContentRange", "")).strip())
+    if match is None:
+        return None
+    total = match.group(3)
+    return int(match.group(1)), int(match.group(2)), None if total == "*" else int(total)
+
+
+def check_range(response: dict[str, Any], start: int) -> None:
+    """Raise (a failed read, not damage) unless the answer is the range asked for, from `start`;
+    a shorter one (the object is shorter) is for the caller to judge."""
+    got = content_range(response)
+    if got is None or got[0] != start:
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        raise S3Failure(
+            Fault.REJECTED, f"Range not honoured (HTTP {status}, Content-Range {response.get('ContentRange')})"
+        )
 
 
 # -- a chunk's bytes: encoded in the tier's threads, received on the loop ---------------------

@@ -52,10 +52,11 @@ from kvstored.chunks.ids import ChunkId, RemovalCause
 from kvstored.chunks.packfile import PACKS_DIR, TAIL_BYTES, CorruptPack, NeedTail, PackEntry, UnsupportedPack
 from kvstored.chunks.receiver import RecordReceiver
 from kvstored.chunks.views import trim
+from kvstored.errors import TierUnavailable
 from kvstored.sizes import format_size
 from kvstored.tiers.base import PackUsage, TierUsage, WriteOutcome
 from kvstored.tiers.packindex import Pack, PackIndex
-from kvstored.tiers.s3 import Fault, PartsStream, S3Failure, S3Tier, _encode, _Skipped
+from kvstored.tiers.s3 import Fault, PartsStream, S3Failure, S3Tier, _encode, _Skipped, check_range, content_range
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -77,6 +78,7 @@ class _OpenPack:
     records: dict[ChunkId, bytes] = field(default_factory=dict)  # in object order; frozen once sealed
     nbytes: int = 0
     sealed: bool = False
+    upload: asyncio.Task | None = None  # its PUT, once sealed
 
 
 Send = Callable[[Callable[[], Awaitable[Any]]], Awaitable[Any]]
@@ -126,6 +128,10 @@ class PackedS3Tier(S3Tier):
         self._manifests_prefix = f"{self.prefix}{packfile.MANIFESTS_DIR}/"
         self._tombs_prefix = f"{self.prefix}{packfile.TOMBSTONES_DIR}/"
         self._dead: dict[str, set[ChunkId]] = {}  # pack key -> chunks its tombstones name (rebuild)
+        # pack key -> chunks deleted from it (not served) whose tombstone has not landed yet: a
+        # rebuild would serve them again. Paid by a retried remove() (which raises until then),
+        # each poll and close(); forgotten once the pack itself is deleted.
+        self._owed: dict[str, set[ChunkId]] = {}
         self._unannounced: list[tuple[str, int, int, bytes]] = []  # packs this daemon wrote since
         self._unannounced_deletes: dict[str, list[ChunkId]] = {}  # pack name -> chunks deleted since
         self._deletes_pending = 0  # chunks in _unannounced_deletes
@@ -171,6 +177,8 @@ class PackedS3Tier(S3Tier):
             self._background.clear()
             if self._client is not None:
                 await self.flush()  # each PUT is bounded by timeout_s
+                if self._owed and self.available:
+                    await self._pay_tombstones()
                 if self._poll_s > 0 and self.available:
                     try:  # so that running daemons need not wait for the orphan reads
                         await self._announce()
@@ -299,13 +307,12 @@ class PackedS3Tier(S3Tier):
             if exc.fault is Fault.NOT_FOUND:  # expired by another daemon, or a lifecycle rule
                 self._forget(pack, "vanished")
             elif exc.detail == "InvalidRange":
-                self._forget(pack, "truncated", delete=True)
+                await self._check_length(pack, "a ranged read was refused (InvalidRange)")
             else:
                 self._failed("read", pack.key, exc)
             return False
-        if not got.read:  # shorter than its index says: the object was truncated or replaced
-            self.counters.checksum_failures += 1
-            self._forget(pack, "truncated", delete=True)
+        if not got.read:  # shorter than its index says: truncated or replaced, if a HEAD agrees
+            await self._check_length(pack, f"a ranged read answered {got.length} bytes, not {HEADER_BYTES + size}")
             return False
         if self._packs.find(chunk) is None:  # dropped while the GET ran (deleted, expired)
             return False
@@ -314,8 +321,9 @@ class PackedS3Tier(S3Tier):
     async def remove(self, chunk: ChunkId) -> bool:
         """Stop serving the chunk. A packed record stays in its object until the pack expires or
         has no live chunk left; a tombstone keeps a rebuild from serving it, and the next manifest
-        tells the daemons running on the bucket. Raises TierUnavailable when the tombstone could
-        not be stored."""
+        tells the daemons running on the bucket. Returns once the tombstone is stored; raises
+        TierUnavailable while it cannot be (the chunk is not served meanwhile; a retried remove,
+        the polls and close() store it)."""
         removed = False
         pack = self._buffered.pop(chunk, None)
         if pack is not None:
@@ -324,31 +332,68 @@ class PackedS3Tier(S3Tier):
                 record = pack.records.pop(chunk)
                 pack.nbytes -= len(record)
                 self._buffered_bytes -= len(record)
-        found = self._packs.find(chunk)
-        if found is not None:
+            elif pack.upload is not None:  # its record goes into the object: tombstoned once it lands
+                await asyncio.wait((pack.upload,))
+        copies = self._packs.copies(chunk)  # (two daemons may have packed it: every copy goes)
+        if copies:
             removed = True
-            emptied = self._packs.drop_chunk(chunk)
-            try:
-                await self._guarded("delete", found[0].key, self._tombstone(found[0].key, [chunk]))
-            finally:
-                if emptied is not None:
-                    self._forget(emptied, "emptied", delete=True)
+            self._packs.drop_chunk(chunk)
+            for held in copies:
+                self._owe_tombstone(held.key, [chunk])
+                if not held.live:  # nothing left in it to serve (a spare copy is served elsewhere)
+                    self._forget(held, "emptied", delete=True)
+        for pack_key in [key for key, chunks in self._owed.items() if chunk in chunks]:
+            removed = True  # (a tombstone that did not land before: this is the retry)
+            await self._store_tombstone(pack_key)
         if chunk in self._index or not removed:  # a one-object copy (S3Tier's DELETE by name)
             removed = await super().remove(chunk) or removed
         return removed
 
-    async def _tombstone(self, pack_key: str, chunks: list[ChunkId]) -> None:
-        """Record chunks deleted from a pack whose records stay in it: for the next manifest
-        (running daemons) and in a tombstone object (a rebuild)."""
+    def _owe_tombstone(self, pack_key: str, chunks: Sequence[ChunkId]) -> None:
+        """Chunks deleted from a pack whose records stay in it: for the next manifest (running
+        daemons), and owed a tombstone object (for a rebuild)."""
         name = pack_key[len(self._packs_prefix) :]
         if self._poll_s > 0 and self._deletes_pending < MAX_UNANNOUNCED_DELETES:
             self._unannounced_deletes.setdefault(name, []).extend(chunks)
             self._deletes_pending += len(chunks)
+        self._owed.setdefault(pack_key, set()).update(chunks)
+
+    async def _store_tombstone(self, pack_key: str) -> None:
+        """PUT one tombstone naming the chunks of the pack still owed one; raises TierUnavailable
+        naming it when it could not be stored (they stay owed)."""
+        chunks = list(self._owed.get(pack_key, ()))
+        if not chunks:
+            return
+        name = pack_key[len(self._packs_prefix) : -len(packfile.PACK_SUFFIX)]
         self._seq += 1
         tomb = packfile.pack_name(int(time.time() * 1000), self._writer, self._seq, packfile.TOMBSTONE_SUFFIX)
-        key = f"{self._tombs_prefix}{name[: -len(packfile.PACK_SUFFIX)]}/{tomb}"
+        key = f"{self._tombs_prefix}{name}/{tomb}"
         body = packfile.encode_tombstone(chunks)
-        await self._call(lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=body))
+        try:
+            await self._call(lambda: self._client.put_object(Bucket=self.bucket, Key=key, Body=body))
+        except (_Skipped, S3Failure) as exc:
+            if isinstance(exc, S3Failure):
+                self._failed("store tombstone", key, exc)
+            why = str(exc) if isinstance(exc, S3Failure) else f"{self.endpoint_url or 'S3'} is not answering"
+            raise TierUnavailable(
+                f"s3 tier {self.name}: cannot store tombstone {key} of {len(chunks)} chunks deleted from "
+                f"{pack_key}: {why}; they are not served, retry the delete"
+            ) from None
+        owed = self._owed.get(pack_key)
+        if owed is not None:  # (chunks deleted during the PUT stay owed)
+            owed.difference_update(chunks)
+            if not owed:
+                del self._owed[pack_key]
+
+    async def _pay_tombstones(self) -> None:
+        """Store the tombstones still owed (a remove() that raised and was not retried); stops at
+        the first failure."""
+        for pack_key in list(self._owed):
+            try:
+                await self._store_tombstone(pack_key)
+            except TierUnavailable as exc:
+                log.debug("%s", exc)
+                return
 
     def known_chunks(self, namespace_id: str) -> list[ChunkId]:
         found = dict.fromkeys(self._packs.chunks_of(namespace_id))
@@ -389,7 +434,7 @@ class PackedS3Tier(S3Tier):
         if pack is None or not pack.records or self._client is None:
             return
         pack.sealed = True
-        task = asyncio.get_running_loop().create_task(self._upload(pack))
+        task = pack.upload = asyncio.get_running_loop().create_task(self._upload(pack))
         self._uploads.add(task)
         task.add_done_callback(self._uploads.discard)
 
@@ -402,7 +447,6 @@ class PackedS3Tier(S3Tier):
         index = b""
         entries: list[PackEntry] = []
         stored = False
-        deleted: list[ChunkId] = []  # while the PUT ran: their records are in the object
         try:
             parts, entries, index = await self._off_loop(_assemble, list(pack.records.items()))
             size = sum(len(p) for p in parts)
@@ -432,7 +476,9 @@ class PackedS3Tier(S3Tier):
                     self._unannounced.append((name, size, created_ms, index))
                     del self._unannounced[:-MAX_UNANNOUNCED]
                 alive = set(live)
-                deleted = [e.chunk for e in entries if e.chunk not in alive]
+                deleted = [e.chunk for e in entries if e.chunk not in alive]  # while the PUT ran
+                if deleted:  # their records are in the object: their removers store the tombstone
+                    self._owe_tombstone(key, deleted)
                 self._packs.add(key, size, created_ms, [e for e in entries if e.chunk in alive])
                 indexed = self._packs.pack(key)
                 if indexed is not None and not indexed.live:  # every chunk was deleted meanwhile
@@ -443,13 +489,6 @@ class PackedS3Tier(S3Tier):
                 )
                 for chunk in live:
                     self.notify_removed(chunk, RemovalCause.EVICTED)
-        if deleted and key not in self._gone:
-            try:
-                await self._tombstone(key, deleted)
-            except (_Skipped, S3Failure) as exc:
-                log.warning(
-                    "s3 tier %s: tombstone of %d chunks of %s not stored: %s", self.name, len(deleted), key, exc
-                )
         # packs PUT at once are indexed as they land, in any order: the capacity is kept here too
         # (an expiry waiting for an older pack in flight happens once that one lands or fails)
         await self._expire(0)
@@ -499,13 +538,14 @@ class PackedS3Tier(S3Tier):
             await self._call(lambda: self._client.delete_object(Bucket=self.bucket, Key=key))
         except _Skipped:
             self._undeleted_packs.add(key)
+            return
         except S3Failure as exc:
             if exc.fault is not Fault.NOT_FOUND:
                 self._failed("delete", key, exc)
                 self._undeleted_packs.add(key)
                 return
-        else:
-            self._undeleted_packs.discard(key)
+        self._undeleted_packs.discard(key)
+        self._owed.pop(key, None)  # no record left to serve: its tombstone is moot
 
     # -- packs written by others: polling ------------------------------------------------------
 
@@ -542,6 +582,7 @@ class PackedS3Tier(S3Tier):
                 await self._prune_manifests()
                 for key in list(self._undeleted_packs):
                     await self._delete_pack(key)
+                await self._pay_tombstones()
             except (_Skipped, S3Failure) as exc:
                 log.debug("s3 tier %s: pack listing failed: %s", self.name, exc)
             except Exception:  # noqa: BLE001 - the next poll tries again; the loop must not end
@@ -628,8 +669,9 @@ class PackedS3Tier(S3Tier):
             return
         emptied = None
         for chunk in chunks:
-            if chunk in pack.live:  # (a copy served from another pack is not this deletion's)
-                emptied = self._packs.drop_chunk(chunk) or emptied
+            served = chunk in pack.live  # (a copy in another pack is not this deletion's)
+            emptied = self._packs.drop_copy(chunk, pack_key) or emptied
+            if served:
                 self.notify_removed(chunk, RemovalCause.DELETED)
         if emptied is not None:
             self._forget(emptied, "emptied", delete=True)
@@ -731,7 +773,7 @@ class PackedS3Tier(S3Tier):
         None for a pack that is not readable (damaged: deleted; newer format: left alone)."""
         want = min(size, TAIL_BYTES)
         for _ in range(2):
-            tail = await send(functools.partial(self._get_range, key, size - want, want))
+            tail = await send(functools.partial(self._get_range, key, size - want, want, size))
             if tail is None:  # not the size it was listed with: replaced or truncated meanwhile
                 raise S3Failure(Fault.NOT_FOUND, "changed since listed")
             try:
@@ -753,14 +795,40 @@ class PackedS3Tier(S3Tier):
 
     # -- reads ------------------------------------------------------------------------------
 
-    async def _get_range(self, key: str, start: int, length: int) -> bytes | None:
-        """Bytes [start, start + length) of the object (None: it is shorter than that). For the
-        small reads (a pack's index); a chunk's record streams into its views (_receive)."""
+    async def _get_range(self, key: str, start: int, length: int, size: int) -> bytes | None:
+        """Bytes [start, start + length) of the object of `size` bytes (None: it is not that size
+        now). For the small reads (a pack's index); a chunk's record streams into its views
+        (_receive). An answer that is not that range (Range ignored) raises: a failed read."""
         response = await self._client.get_object(
             Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}"
         )
         async with response["Body"] as stream:  # closes the connection if the body is left unread
-            return await stream.read() if int(response["ContentLength"]) == length else None
+            check_range(response, start)
+            got = content_range(response)
+            if int(response["ContentLength"]) != length or (got is not None and got[2] not in (None, size)):
+                return None
+            return await stream.read()
+
+    async def _check_length(self, pack: Pack, what: str) -> None:
+        """A ranged read of the pack came back short: drop (and delete) it only if a HEAD says the
+        object is not the size indexed (truncated or replaced); if it is, the read just failed."""
+        try:
+            head = await self._call(lambda: self._client.head_object(Bucket=self.bucket, Key=pack.key))
+        except _Skipped:
+            return
+        except S3Failure as exc:
+            if exc.fault is Fault.NOT_FOUND:
+                self._forget(pack, "vanished")
+            else:
+                self._failed("check the length of", pack.key, exc)
+            return
+        length = int(head.get("ContentLength", -1))
+        if length == pack.size:
+            self.counters.errors += 1
+            log.warning("s3 tier %s: pack %s: %s; it is %d bytes, as indexed: kept", self.name, pack.key, what, length)
+            return
+        self.counters.checksum_failures += 1
+        self._forget(pack, f"is {length} bytes, {pack.size} indexed (truncated or replaced)", delete=True)
 
     def _served(self, chunk: ChunkId, size: int, problem: str | None, pack: Pack | None = None) -> bool:
         if problem is not None:

@@ -13,11 +13,13 @@ import os
 import uuid
 
 import pytest
+from botocore.exceptions import ClientError
 
 from kvstored.chunks import chunkfile, packfile
 from kvstored.chunks.chunkfile import HEADER_BYTES
 from kvstored.chunks.ids import RemovalCause
 from kvstored.chunks.packfile import PACKS_DIR, CorruptPack, NeedTail, PackEntry, UnsupportedPack
+from kvstored.errors import TierUnavailable
 from kvstored.tiers import s3, s3pack
 from kvstored.tiers.base import WriteOutcome
 from kvstored.tiers.packindex import PackIndex
@@ -93,27 +95,43 @@ def _with_version(tail: bytes, version: int) -> bytes:
     return tail[:start] + trailer + struct.pack("<I", zlib.crc32(trailer))
 
 
-def test_pack_index_live_fraction_expiry_and_first_copy_wins():
+def test_pack_index_live_fraction_expiry_and_newest_copy_wins():
     index = PackIndex()
     a = [entry(i, i * (HEADER_BYTES + 100)) for i in range(4)]
     assert index.add("p1", 10 * HEADER_BYTES, 1, a) == [e.chunk for e in a]
-    b = [entry(3, 0), entry(9, HEADER_BYTES + 100)]  # chunk 3 again: p1 keeps serving it
-    assert index.add("p2", 5 * HEADER_BYTES, 2, b) == [b[1].chunk]
-    assert index.find(a[3].chunk)[0].key == "p1"
+    b = [entry(3, 0), entry(9, HEADER_BYTES + 100)]  # chunk 3 again: the newer p2 serves it now
+    assert index.add("p2", 5 * HEADER_BYTES, 2, b) == [b[0].chunk, b[1].chunk]
+    assert index.find(a[3].chunk)[0].key == "p2"
+    old = [entry(9, 0)]  # an older copy indexed later (a listing's order): p2 keeps serving it
+    assert index.add("p0", HEADER_BYTES, 0, old) == []
+    assert index.find(old[0].chunk)[0].key == "p2" and index.drop_pack("p0") is not None
     assert index.used_bytes == 15 * HEADER_BYTES
     p1 = index.pack("p1")
-    assert p1.live_fraction == pytest.approx(4 * (HEADER_BYTES + 100) / (10 * HEADER_BYTES))
-    assert index.drop_chunk(a[0].chunk) is None
     assert p1.live_fraction == pytest.approx(3 * (HEADER_BYTES + 100) / (10 * HEADER_BYTES))
-    for e in a[1:3]:
-        index.drop_chunk(e.chunk)
-    assert index.drop_chunk(a[3].chunk) is p1  # no live chunk left: the caller deletes it
+    assert index.drop_chunk(a[0].chunk) is None
+    assert p1.live_fraction == pytest.approx(2 * (HEADER_BYTES + 100) / (10 * HEADER_BYTES))
+    index.drop_chunk(a[1].chunk)
+    assert index.drop_chunk(a[2].chunk) is p1  # no live chunk left: the caller deletes it
     # expiry takes whole packs, oldest first, with their chunks
     index.add("p0", HEADER_BYTES, 0, [entry(7, 0)])
     victims = index.expire(index.used_bytes - 1)
     assert [p.key for p in victims] == ["p0"]
     assert entry(7, 0).chunk not in index
     assert [p.key for p in index.expire(0)] == ["p1", "p2"] and len(index) == 0 and index.used_bytes == 0
+
+
+def test_pack_index_keeps_every_copy_of_a_chunk_for_its_delete():
+    index = PackIndex()
+    x, y = entry(1, 0), entry(2, HEADER_BYTES + 100)
+    index.add("pb", 1000, 2, [x])  # two daemons packed x
+    index.add("pa", 1000, 1, [x, y])
+    assert [p.key for p in index.copies(x.chunk)] == ["pb", "pa"] and index.find(x.chunk)[0].key == "pb"
+    assert index.drop_copy(x.chunk, "pa") is None  # a deletion naming pa: pb still serves x
+    assert index.find(x.chunk)[0].key == "pb" and [p.key for p in index.copies(x.chunk)] == ["pb"]
+    index.add("pc", 1000, 0, [x])
+    assert index.drop_chunk(x.chunk) is index.pack("pb")  # a delete here: every copy goes
+    assert index.copies(x.chunk) == [] and x.chunk not in index
+    assert index.drop_pack("pc").spare == {} and index.copies(y.chunk) == [index.pack("pa")]
 
 
 def test_expiry_passes_no_pack_still_in_flight_and_the_live_summary_counts_each_pack():
@@ -491,6 +509,120 @@ async def test_a_deleted_packed_chunk_stays_deleted_across_a_restart(make_tier, 
     await make_tier(prefix="kv/")
     listing = await raw.list_objects_v2(Bucket=bucket, Prefix=f"kv/{packfile.TOMBSTONES_DIR}/")
     assert listing.get("KeyCount", 0) == 0
+
+
+async def test_a_delete_tombstones_every_copy_two_daemons_packed(make_tier, raw, bucket):
+    a = await make_tier(prefix="kv/", pack_poll_s=0.05)
+    b = await make_tier(prefix="kv/", pack_poll_s=0.05)
+    chunk = chunk_of(0)
+    await write(a, chunk)
+    await write(b, chunk)  # before either sees the other's pack
+    await a.flush()
+    await b.flush()
+
+    async def both_known():
+        return a.pack_usage().packs == 2 and b.pack_usage().packs == 2
+
+    await until(both_known)
+    assert await a.remove(chunk)
+
+    async def gone_on_b():
+        return (await b.contains([chunk])) == [False]
+
+    await until(gone_on_b)
+    restarted = await make_tier(prefix="kv/")
+    assert await restarted.contains([chunk]) == [False]
+
+
+def fail_tombstones(tier, times: int = 1) -> None:
+    """The next `times` tombstone PUTs of the tier are refused (403)."""
+    real, left = tier._client.put_object, [times]
+
+    async def put_object(**kwargs):
+        if kwargs["Key"].startswith(f"kv/{packfile.TOMBSTONES_DIR}/") and left[0] > 0:
+            left[0] -= 1
+            error = {"Error": {"Code": "AccessDenied", "Message": "no"}, "ResponseMetadata": {"HTTPStatusCode": 403}}
+            raise ClientError(error, "PutObject")
+        return await real(**kwargs)
+
+    tier._client.put_object = put_object
+
+
+async def tombstone_keys(raw, bucket) -> list[str]:
+    page = await raw.list_objects_v2(Bucket=bucket, Prefix=f"kv/{packfile.TOMBSTONES_DIR}/")
+    return [o["Key"] for o in page.get("Contents", ())]
+
+
+async def test_a_delete_whose_tombstone_failed_raises_until_it_is_stored(make_tier, raw, bucket):
+    tier = await make_tier(prefix="kv/")
+    kept, deleted = chunk_of(0), chunk_of(1)
+    await write(tier, kept)
+    await write(tier, deleted)
+    await tier.flush()
+    fail_tombstones(tier)
+    with pytest.raises(TierUnavailable, match=f"cannot store tombstone kv/{packfile.TOMBSTONES_DIR}/"):
+        await tier.remove(deleted)
+    assert await tier.contains([deleted]) == [False] and await tombstone_keys(raw, bucket) == []
+    assert await tier.remove(deleted)  # the client's retry stores it
+    assert len(await tombstone_keys(raw, bucket)) == 1
+    data = await write(tier, deleted)  # stored again, with other bytes
+    await tier.flush()
+    restarted = await make_tier(prefix="kv/")
+    assert await restarted.contains([kept, deleted]) == [True, True]
+    assert await read(restarted, deleted) == data
+
+
+async def test_a_rebuild_serves_the_newest_copy_of_a_chunk_whose_tombstone_is_lost(make_tier, raw, bucket):
+    tier = await make_tier(prefix="kv/")
+    chunk = chunk_of(0)
+    await write(tier, chunk)
+    await write(tier, chunk_of(1))  # (the pack is not emptied by the delete)
+    await tier.flush()
+    assert await tier.remove(chunk)
+    for key in await tombstone_keys(raw, bucket):
+        await raw.delete_object(Bucket=bucket, Key=key)
+    await asyncio.sleep(0.002)  # (pack names carry milliseconds: the new one sorts after)
+    data = await write(tier, chunk)
+    await tier.flush()
+    assert len(await pack_keys(raw, bucket)) == 2
+    restarted = await make_tier(prefix="kv/")
+    assert await read(restarted, chunk) == data
+
+
+async def test_a_delete_during_its_packs_upload_returns_once_the_tombstone_is_stored(make_tier, raw, bucket):
+    tier = await make_tier(prefix="kv/")
+    kept, deleted = chunk_of(0), chunk_of(1)
+    await write(tier, kept)
+    await write(tier, deleted)
+    fail_tombstones(tier)
+    tier._seal()  # the pack's PUT is under way (its records are in the object)
+    with pytest.raises(TierUnavailable, match="cannot store tombstone"):
+        await tier.remove(deleted)
+    assert await tier.remove(deleted)
+    assert len(await tombstone_keys(raw, bucket)) == 1  # before any flush: a crash now loses nothing
+    restarted = await make_tier(prefix="kv/")
+    assert await restarted.contains([kept, deleted]) == [True, False]
+
+
+async def test_a_server_ignoring_range_fails_the_read_and_keeps_the_pack(make_tier, raw, bucket, monkeypatch):
+    tier = await make_tier(prefix="kv/")
+    chunks = [chunk_of(i) for i in range(4)]
+    data = [await write(tier, c) for c in chunks]
+    await tier.flush()
+    real = tier._client.get_object
+
+    async def get_object(**kwargs):
+        kwargs.pop("Range", None)  # a proxy dropping the header: 200 and the whole object (HTTP allows it)
+        return await real(**kwargs)
+
+    monkeypatch.setattr(tier._client, "get_object", get_object)
+    assert await read(tier, chunks[0]) is None
+    await tier.flush()  # (a deletion would be a tracked task)
+    assert len(await pack_keys(raw, bucket)) == 1 and tier.packs_dropped == 0
+    assert tier.counters.errors == 1 and tier.counters.checksum_failures == 0
+    monkeypatch.setattr(tier._client, "get_object", real)
+    assert await tier.contains(chunks) == [True] * 4
+    assert await read(tier, chunks[0]) == data[0]
 
 
 def test_tombstones_round_trip_and_refuse_damage():

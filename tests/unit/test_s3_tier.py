@@ -201,6 +201,38 @@ async def test_a_failed_delete_is_reported_and_the_object_is_never_found_again(m
         assert await tier.read(chunk, dst.views, len(data)) and dst.bytes(len(data)) == data
 
 
+@pytest.mark.parametrize("lookup", ["read", "contains"])
+async def test_a_lookup_answered_before_a_remove_does_not_index_the_deleted_chunk(
+    make_tier, raw, bucket, monkeypatch, lookup
+):
+    tier = await make_tier(capacity_bytes=1 << 30)
+    chunk, size = new_chunk(), 3 * PAGE - 100
+    await stored(await make_tier(), chunk, size)  # written by another daemon: not indexed here
+    method = "get_object" if lookup == "read" else "head_object"
+    real = getattr(tier._client, method)
+    answered, go_on = asyncio.Event(), asyncio.Event()
+
+    async def late(**kwargs):  # the answer arrives, and is handled after the remove
+        response = await real(**kwargs)
+        answered.set()
+        await go_on.wait()
+        return response
+
+    monkeypatch.setattr(tier._client, method, late)
+    if lookup == "read":
+        looking = asyncio.ensure_future(tier.read(chunk, Pages([3]).views, size))
+    else:
+        looking = asyncio.ensure_future(tier.contains([chunk]))
+    await answered.wait()
+    assert await tier.remove(chunk)
+    go_on.set()
+    await looking
+    assert not await exists(raw, bucket, chunkfile.chunk_relpath(chunk))
+    assert tier.holds([chunk]) == [False] and tier.usage().chunks == 0
+    monkeypatch.setattr(tier._client, method, real)
+    assert await stored(tier, chunk, size)  # a Put of it is written, not answered ALREADY_PRESENT
+
+
 async def test_concurrent_writes_of_one_chunk_send_one_put(make_tier):
     tier = await make_tier()
     chunk = new_chunk()
