@@ -20,7 +20,7 @@ stream would hold every chunk the node has, once per follower.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -105,10 +105,11 @@ class Coalescer(Generic[Place]):
     def holds(self, namespace_id: str, key: bytes, places: tuple[Place, ...]) -> bool:
         return any((namespace_id, key, p) in self._holders for p in places)
 
-    def held(self) -> Iterator[tuple[str, bytes, Place]]:
-        """Everything held now (a snapshot for a follower that lost track; take() first so the
-        snapshot and the changes already sent agree)."""
-        return iter(list(self._holders))
+    def held(self) -> list[tuple[str, bytes, Place]]:
+        """Everything held now, in the order first held (a snapshot for a follower that lost
+        track; take() first so the snapshot and the changes already sent agree). A copy: the
+        follower may go through it while changes go on."""
+        return list(self._holders)
 
 
 def net_events(events: Sequence[KvEvent]) -> list[KvEvent]:

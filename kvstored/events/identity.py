@@ -8,8 +8,9 @@ chunks hands, with each store, the identity vLLM's engine would publish for the 
 the chunk's token ids and the engine's block size. The daemon never derives one: a chunk stored
 without it is not published to routers.
 
-The book keeps an identity while the node holds its chunk (the publisher forgets it when the
-chunk has left every tier), and a bounded number of offered identities whose store has not
+The book keeps an identity while the node holds its chunk (the publisher forgets it, at the end
+of each interval, for every chunk touched in it that has left every tier: a key stored again
+later may name other blocks), and a bounded number of offered identities whose store has not
 landed yet (a store that is dropped leaves one behind until newer offers push it out).
 
 An identity also travels as a record (`encode_record` / `decode_record`): the fs tier keeps it
@@ -25,7 +26,9 @@ import struct
 import sys
 from array import array
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 # Offered identities waiting for their chunk's STORED event. More than a few engine steps of
 # stores in flight at once (each RPC at most max_batch_keys) is not expected.
@@ -79,6 +82,7 @@ class BlockIdentity:
 
 
 ChunkRef = tuple[str, bytes]  # (namespace id, key)
+T = TypeVar("T")
 
 # version, flags, block_size, group_idx, blocks, tokens, parent hash; then the hashes ('Q') and
 # the tokens ('I' or 'Q', by the flag), little-endian
@@ -179,3 +183,56 @@ class IdentityBook:
 
     def __len__(self) -> int:
         return len(self._held)
+
+
+class ParentsFirst(Generic[T]):
+    """Items, each with a block identity, in an order a router can apply: an item whose parent
+    block is another item's last block comes after that item (Dynamo's indexer drops a stored
+    block whose parent it does not know; a parent evicted and stored again is otherwise met
+    after its child); else in the order added. Items may be added a slice at a time and are
+    ordered lazily, so that a node's whole snapshot never holds the event loop for long; the
+    bookkeeping is flat lists and an int dict, nothing the garbage collector has to walk (a
+    snapshot's worth of new containers set off full collections of a large node's heap)."""
+
+    def __init__(self) -> None:
+        self._items: list[T] = []
+        self._identities: list[BlockIdentity] = []
+        self._last: dict[int, int] = {}  # a last block hash -> the latest item added ending with it
+        self._same: list[int] = []  # per item: the one added before it with its last block (-1: none)
+
+    def add(self, item: T, identity: BlockIdentity) -> None:
+        last = identity.block_hashes[-1]
+        self._same.append(self._last.get(last, -1))
+        self._last[last] = len(self._items)
+        self._items.append(item)
+        self._identities.append(identity)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[tuple[T, BlockIdentity]]:
+        state = bytearray(len(self._items))  # 0: not reached, 1: waiting for its parents, 2: out
+        for i in range(len(self._items)):
+            if state[i]:
+                continue
+            state[i] = 1
+            stack = [i]
+            while stack:
+                j = stack[-1]
+                # A parent already waiting is an ancestor of its own (a client's cycle): not waited for.
+                parents = [k for k in self._ending_with(self._identities[j].parent_block_hash) if not state[k]]
+                if parents:
+                    for k in parents:
+                        state[k] = 1
+                    stack.extend(parents)  # (latest added first: the first added comes out first)
+                else:
+                    stack.pop()
+                    state[j] = 2
+                    yield self._items[j], self._identities[j]
+
+    def _ending_with(self, block_hash: int | None) -> Iterator[int]:
+        """The items whose last block is `block_hash`, the latest added first."""
+        k = self._last.get(block_hash, -1) if block_hash is not None else -1
+        while k >= 0:
+            yield k
+            k = self._same[k]

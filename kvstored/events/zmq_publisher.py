@@ -4,38 +4,45 @@
 
 Each message is multipart `[topic, seq (8 bytes big-endian), msgpack(batch)]`, the batch being
 vLLM's array-like `[ts, [event, ...], data_parallel_rank]`; seq counts from 0, one sequence for
-every topic of the publisher. Events are BlockStored / BlockRemoved per engine block, with the
-identity the client handed over with the store (identity.py): 64-bit block hashes, the parent
-hash, token ids, the engine's block size, group_idx, medium CPU (RAM) or STORAGE (fs, s3) and
-locality; never `ownership` (the publisher is the node itself). Encoded as vLLM 0.33's tagged
-maps or as the positional arrays older decoders read.
+every topic of the publisher, and seq 0 is AllBlocksCleared (below). Events are BlockStored /
+BlockRemoved per engine block, with the identity the client handed over with the store
+(identity.py): 64-bit block hashes, the parent hash, token ids, the engine's block size,
+group_idx, medium CPU (RAM) or STORAGE (fs, s3) and locality; never `ownership` (the publisher
+is the node itself). Encoded as vLLM 0.33's tagged maps or as the positional arrays older
+decoders read.
 
 The topic is a template (`kv@{node}@{model}` by default, llm-d's shape): one topic per model, so
 two models with equal block hashes never mix.
 
 Changes are coalesced per interval (coalesce.py): per interval, one batch per topic with each
-chunk's net change at each place. A chunk that appears and goes within an interval is never
-sent.
+chunk's net change at each place, the removals first, then the blocks stored, each after its
+parent when that is stored in the same batch (Dynamo drops a block whose parent it does not
+know). A chunk that appears and goes within an interval is never sent.
 
 Like vLLM's publisher the PUB socket binds a wildcard or ipc/inproc endpoint (`tcp://*:5557`)
 and connects to any other (`tcp://router:5557`, where the router binds its SUB); ZMQ reconnects
 by itself. While no subscriber is there at all (the router restarting, or not up yet), batches
-are held, the oldest dropped past `queue_batches`, and sent when one subscribes (the socket is
-an XPUB, which sees subscriptions).
+are held, the oldest dropped past `queue_batches`, and those of the topics subscribed are sent
+when one subscribes (the socket is an XPUB, which sees subscriptions).
 
 A ROUTER replay socket answers `[b"", start_seq (8 bytes)]` with every buffered batch from that
 seq, then an end marker (seq -1), as vLLM's publisher does. A start seq older than the buffer
 (a router that lost track, or restarted after the buffer rolled over) gets a resync instead:
-AllBlocksCleared, then BlockStored for every block the node holds, per topic, all at the last
-seq sent (the state as of that batch), then the end marker.
+AllBlocksCleared, then BlockStored for every block the node held as of the last seq sent, per
+topic, each after its parent, all at that seq, then the end marker. A resync is built and sent
+a batch at a time, one at a time, between the loop's other work.
 
-AllBlocksCleared means every block of the publisher (the whole node) and is sent only in a
-resync; a cleared namespace is sent as its blocks removed.
+AllBlocksCleared means every block of the publisher (the whole node); a cleared namespace is
+sent as its blocks removed. It is sent in a resync and as seq 0: a daemon starts with nothing
+in RAM, so a router that sees seq go back (a restart) and replays from 0 drops the blocks of
+the daemon before. Its topic is the template's without a model (`kv@{node}@`): a router
+subscribed to one model's topic only meets it on the replay socket.
 
 A restarted daemon publishes what its fs tier still holds: the fs tier keeps each chunk's
 identity record in the chunk file's header and reads them back in the background after the
 start (`restore_from`); each chunk whose record checks out is published as STORAGE from the
-next interval on, and a chunk without one (or with a doubtful one) is served but not published.
+next interval on, and a chunk without one (or with a doubtful one) is served but not published,
+nor is one of a namespace whose events are not published (a tenant's, or one not known again).
 S3 is not read back: its chunks are published with locality REMOTE, which Dynamo drops, and a
 restart would have to list the bucket and read every object's header. Chunks this node fetched
 from a peer and keeps are its own: the peer's fetch reply carries the identity the holder had
@@ -50,7 +57,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +70,7 @@ from kvstored.errors import ListenError
 from kvstored.events.bus import EventEncoding, EventType, KvEvent
 from kvstored.events.coalesce import Change, Coalescer
 from kvstored.events.endpoints import is_bind_endpoint
-from kvstored.events.identity import BlockIdentity, IdentityBook, decode_record
+from kvstored.events.identity import BlockIdentity, ChunkRef, IdentityBook, ParentsFirst, decode_record
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +86,9 @@ _PLACE: dict[TierKind, Place] = {
 }
 PLACES = tuple(dict.fromkeys(_PLACE.values()))
 Found = list[tuple[ChunkId, bytes | None]]  # a tier's chunks and their identity records (None: none kept)
+Held = list[tuple[str, bytes, Place]]  # chunk-places held: namespace id, key, place
 _EVENTS_PER_BATCH = 1024  # a resync of a large node is many batches, none too large for a consumer
+_SNAPSHOT_STEP = 4096  # chunk-places a resync goes through before letting the loop run
 
 
 def place_of(event: KvEvent) -> Place | None:
@@ -139,11 +148,21 @@ def encode_batch(ts: float, events: list[Any], data_parallel_rank: int) -> bytes
     return msgpack.packb([ts, events, data_parallel_rank], use_bin_type=True)
 
 
+def encode_packed_batch(ts: float, packed_events: list[bytes], data_parallel_rank: int) -> bytes:
+    """encode_batch's bytes, of events each packed already (msgpack's array is its header and
+    its elements): a resync packs each event as it is made, so that a batch's events never
+    live long enough to be the garbage collector's work."""
+    packer = msgpack.Packer(use_bin_type=True)
+    head = packer.pack_array_header(3) + packer.pack(ts) + packer.pack_array_header(len(packed_events))
+    return b"".join((head, *packed_events, packer.pack(data_parallel_rank)))
+
+
 @dataclass(slots=True)
 class PublisherCounts:
     batches: int = 0  # numbered (sent, held or both)
     held_dropped: int = 0  # held while no subscriber, then pushed out by newer ones
     unidentified: int = 0  # chunk changes not published: stored without an identity
+    withheld: int = 0  # chunks a tier held at the start, of a namespace not published (a tenant's)
     resyncs: int = 0
     restored: int = 0  # chunks a tier held at the start, published from their identity records
     unrecorded: int = 0  # ... held at the start without an identity record (not published)
@@ -151,11 +170,21 @@ class PublisherCounts:
 
 
 class ZmqEventPublisher:
-    def __init__(self, settings: ZmqSettings, identities: IdentityBook, model_of: Callable[[str], str]) -> None:
-        """model_of: a namespace id's model (for the topic)."""
+    def __init__(
+        self,
+        settings: ZmqSettings,
+        identities: IdentityBook,
+        model_of: Callable[[str], str],
+        publishes: Callable[[str], bool] | None = None,
+    ) -> None:
+        """model_of: a namespace id's model (for the topic). publishes: whether routers may see
+        a namespace's chunks (None: every namespace's); the same for the bus's events and for
+        what a tier held before the start."""
         self._s = settings
         self._identities = identities
         self._model_of = model_of
+        self._publishes = publishes
+        self._touched: set[ChunkRef] = set()  # chunks with a place touched this interval
         self._coalescer: Coalescer[Place] = Coalescer(place_of)
         self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=settings.buffer_batches)  # seq, topic, payload
         self._held: deque[tuple[bytes, bytes, bytes]] = deque()  # frames waiting for a subscriber
@@ -165,6 +194,7 @@ class ZmqEventPublisher:
         self._replay_hwm = 2 * (settings.buffer_batches + 1)
         self._seq = itertools.count(0)
         self.last_seq = -1
+        self._cleared = CLEARED_ARRAY if settings.encoding is EventEncoding.ARRAY else CLEARED_MAP
         self._topics: dict[str, bytes] = {}
         self._ctx = zmq.asyncio.Context()  # the replay socket is served on the event loop
         self._pub_ctx = zmq.Context()  # XPUB sends and subscription reads are plain non-blocking calls
@@ -186,6 +216,8 @@ class ZmqEventPublisher:
             _bind(self._replay, self._s.replay_endpoint, "events_zmq_replay_endpoint")
             self._tasks.append(asyncio.create_task(self._serve_replay(self._replay), name="zmq-replay"))
         self._tasks.append(asyncio.create_task(self._run(), name="zmq-events"))
+        # Seq 0: the node starts with none of its blocks in RAM, whatever a daemon before it said.
+        self._send(self._node_topic(), encode_batch(time.time(), [self._cleared], self._s.data_parallel_rank))
         log.info(
             "KV events: %s %s (replay %s, %s encoding, every %.0f ms)",
             "bound to" if is_bind_endpoint(self._s.endpoint) else "connecting to",
@@ -197,9 +229,13 @@ class ZmqEventPublisher:
 
     def __call__(self, event: KvEvent) -> None:
         """Bus listener: bookkeeping only; the timer publishes."""
+        if self._publishes is not None and not self._publishes(event.namespace_id):
+            return
         if event.type is EventType.STORED:
             for key in event.keys:
                 self._identities.on_stored(event.namespace_id, key)
+        if place_of(event) is not None:
+            self._touched.update((event.namespace_id, key) for key in event.keys)
         self._coalescer.add(event)
 
     def topic(self, namespace_id: str) -> bytes:
@@ -210,6 +246,10 @@ class ZmqEventPublisher:
             ).encode()
             self._topics[namespace_id] = topic
         return topic
+
+    def _node_topic(self) -> bytes:
+        """The topic of what concerns every model (AllBlocksCleared)."""
+        return self._s.topic.format(node=self._s.node, model="", namespace="").encode()
 
     # -- what the tiers held before the start ----------------------------------------------
 
@@ -241,11 +281,15 @@ class ZmqEventPublisher:
         """Chunks `tier` holds though no event said so (it held them before this daemon started),
         each with the identity record kept beside it (None: none was): published as held there
         from the next interval on. A chunk whose record is missing or does not decode is not
-        published (it is still served)."""
+        published (it is still served), nor is one of a namespace not published (a tenant's: the
+        live events of its chunks are not published either, so neither would their removal)."""
         place = _PLACE.get(tier_kind)
         if place is None:
             return
         for (ns, key), record in found:
+            if self._publishes is not None and not self._publishes(ns):
+                self.counts.withheld += 1
+                continue
             if not self._identities.holds(ns, key):
                 if record is None:
                     self.counts.unrecorded += 1
@@ -267,47 +311,50 @@ class ZmqEventPublisher:
             self.flush()
 
     def flush(self) -> None:
-        """Publish the interval's net changes (one batch per topic) and any batches held for a
-        subscriber that has now come."""
+        """Send any batches held for a subscriber that has now come, then publish the interval's
+        net changes (one batch per topic)."""
         self._read_subscriptions()
+        self._send_held()  # (before the interval's own batches: seq order)
         if self._coalescer.pending:
             self._publish(self._coalescer.take())
-        self._send_held()
 
     def _publish(self, changes: list[Change[Place]]) -> None:
         by_topic: dict[bytes, list[Any]] = {}
-        gone: list[tuple[str, bytes]] = []
         removals: dict[tuple[bytes, str, str, int], list[int]] = {}  # merged per topic/place/group
+        stored: ParentsFirst[tuple[bytes, Place]] = ParentsFirst()  # topic, place
         for change in changes:
             identity = self._identities.get(change.namespace_id, change.key)
             if identity is None:
                 self.counts.unidentified += 1
                 continue
             topic = self.topic(change.namespace_id)
-            medium, locality = change.place
             if change.present:
-                self._flush_removals(removals, by_topic)
-                by_topic.setdefault(topic, []).append(stored_event(identity, medium, locality, self._s.encoding))
+                stored.add((topic, change.place), identity)
             else:
+                medium, locality = change.place
                 removals.setdefault((topic, medium, locality, identity.group_idx), []).extend(identity.block_hashes)
-                if not self._coalescer.holds(change.namespace_id, change.key, PLACES):
-                    gone.append((change.namespace_id, change.key))
-        self._flush_removals(removals, by_topic)
+        # Removals first: a block one chunk took away and another (with the same blocks) brought
+        # to the same place is held there after the batch, as it is on the node.
+        for (topic, medium, locality, group_idx), hashes in removals.items():
+            by_topic.setdefault(topic, []).append(removed_event(hashes, medium, locality, group_idx, self._s.encoding))
+        for (topic, (medium, locality)), identity in stored:
+            by_topic.setdefault(topic, []).append(stored_event(identity, medium, locality, self._s.encoding))
         now = time.time()
         for topic, events in by_topic.items():
             for first in range(0, len(events), _EVENTS_PER_BATCH):
                 self._send(
                     topic, encode_batch(now, events[first : first + _EVENTS_PER_BATCH], self._s.data_parallel_rank)
                 )
-        for ns, key in gone:
-            self._identities.forget(ns, key)
+        self._forget_gone()
 
-    def _flush_removals(
-        self, removals: dict[tuple[bytes, str, str, int], list[int]], by_topic: dict[bytes, list[Any]]
-    ) -> None:
-        for (topic, medium, locality, group_idx), hashes in removals.items():
-            by_topic.setdefault(topic, []).append(removed_event(hashes, medium, locality, group_idx, self._s.encoding))
-        removals.clear()
+    def _forget_gone(self) -> None:
+        """Forget the identities of the chunks touched this interval that the node holds no more
+        (those stored and gone within it too, which made no change): the book stays as large as
+        the node's holdings, and a key stored again later may bring other blocks."""
+        for ns, key in self._touched:
+            if not self._coalescer.holds(ns, key, PLACES):
+                self._identities.forget(ns, key)
+        self._touched.clear()
 
     def _send(self, topic: bytes, payload: bytes) -> None:
         seq = next(self._seq)
@@ -315,9 +362,9 @@ class ZmqEventPublisher:
         self.counts.batches += 1
         self._buffer.append((seq, topic, payload))
         frames = (topic, seq.to_bytes(8, "big"), payload)
-        if self._held or not self._subscribed(topic):
+        if not self._subscriptions:
             self._hold(frames)
-        else:
+        elif self._subscribed(topic):
             self._pub_send(frames)
 
     def _hold(self, frames: tuple[bytes, bytes, bytes]) -> None:
@@ -327,11 +374,14 @@ class ZmqEventPublisher:
             self.counts.held_dropped += 1
 
     def _send_held(self) -> None:
-        while self._held and self._subscribed(self._held[0][0]):
-            self._pub_send(self._held.popleft())
-        if self._held and self._subscriptions:
-            # A subscriber is there but not for these topics: they were not held for it.
-            self._held.clear()
+        """Once someone subscribes: the held batches of the topics subscribed, in order; the
+        others were held for nobody (a subscriber's ZMQ filter would drop them anyway)."""
+        if not self._subscriptions:
+            return
+        while self._held:
+            frames = self._held.popleft()
+            if self._subscribed(frames[0]):
+                self._pub_send(frames)
 
     def _pub_send(self, frames: tuple[bytes, bytes, bytes]) -> None:
         assert self._pub is not None
@@ -357,6 +407,7 @@ class ZmqEventPublisher:
     # -- replay and resync ----------------------------------------------------------------------
 
     async def _serve_replay(self, sock: zmq.asyncio.Socket) -> None:
+        # One request at a time: a resync is never built twice at once, however often asked.
         while True:
             frames = await sock.recv_multipart()
             if len(frames) != 3:
@@ -373,28 +424,54 @@ class ZmqEventPublisher:
             await sock.send_multipart((client, b"", b"", END_SEQ, b""))
 
     async def _resync(self, sock: zmq.asyncio.Socket, client: bytes) -> None:
+        """The snapshot, a slice or a batch at a time between the loop's other work (a large
+        node's would hold it for a second): intervals go on meanwhile, and a router applies
+        their batches, of later seqs, after the snapshot."""
         self.flush()  # so that the snapshot is the state as of the last seq sent
         self.counts.resyncs += 1
         seq = max(self.last_seq, 0).to_bytes(8, "big")
-        for topic, payload in self.snapshot():
+        held = self._coalescer.held()
+        order: ParentsFirst[int] = ParentsFirst()  # indexes into `held`
+        for first in range(0, len(held), _SNAPSHOT_STEP):
+            self._add_to_snapshot(order, held, first, first + _SNAPSHOT_STEP)
+            await asyncio.sleep(0)
+        for topic, payload in self._snapshot_batches(order, held):
             await sock.send_multipart((client, b"", topic, seq, payload))
+            await asyncio.sleep(0)  # (a send that need not wait does not let the loop run)
 
-    def snapshot(self) -> Iterable[tuple[bytes, bytes]]:
-        """(topic, batch) for AllBlocksCleared, then every identified block held, per topic."""
-        cleared = CLEARED_ARRAY if self._s.encoding is EventEncoding.ARRAY else CLEARED_MAP
-        by_topic: dict[bytes, list[Any]] = {}
-        for ns, key, (medium, locality) in self._coalescer.held():
+    def snapshot(self) -> Iterator[tuple[bytes, bytes]]:
+        """(topic, batch) for AllBlocksCleared, then every identified block held, per topic, each
+        after its parent, all at once (a resync goes a slice at a time)."""
+        held = self._coalescer.held()
+        order: ParentsFirst[int] = ParentsFirst()
+        self._add_to_snapshot(order, held, 0, len(held))
+        return self._snapshot_batches(order, held)
+
+    def _add_to_snapshot(self, order: ParentsFirst[int], held: Held, first: int, end: int) -> None:
+        for i in range(first, min(end, len(held))):
+            ns, key, _ = held[i]
             identity = self._identities.get(ns, key)
-            if identity is not None:
-                by_topic.setdefault(self.topic(ns), []).append(
-                    stored_event(identity, medium, locality, self._s.encoding)
-                )
-        now = time.time()
-        first_topic = next(iter(by_topic), self._s.topic.format(node=self._s.node, model="", namespace="").encode())
-        yield first_topic, encode_batch(now, [cleared], self._s.data_parallel_rank)
+            if identity is not None:  # (else unidentified, or gone since the snapshot's seq)
+                order.add(i, identity)
+
+    def _snapshot_batches(self, order: ParentsFirst[int], held: Held) -> Iterator[tuple[bytes, bytes]]:
+        """AllBlocksCleared, then `order`'s blocks stored, per topic: each batch is made only
+        when it is asked for."""
+        now, rank = time.time(), self._s.data_parallel_rank
+        yield self._node_topic(), encode_batch(now, [self._cleared], rank)
+        pack = msgpack.Packer(use_bin_type=True).pack
+        by_topic: dict[bytes, list[bytes]] = {}
+        for i, identity in order:
+            ns, _, (medium, locality) = held[i]
+            topic = self.topic(ns)
+            events = by_topic.setdefault(topic, [])
+            events.append(pack(stored_event(identity, medium, locality, self._s.encoding)))
+            if len(events) == _EVENTS_PER_BATCH:
+                yield topic, encode_packed_batch(now, events, rank)
+                by_topic[topic] = []
         for topic, events in by_topic.items():
-            for first in range(0, len(events), _EVENTS_PER_BATCH):
-                yield topic, encode_batch(now, events[first : first + _EVENTS_PER_BATCH], self._s.data_parallel_rank)
+            if events:
+                yield topic, encode_packed_batch(now, events, rank)
 
     async def close(self) -> None:
         for task in self._tasks:

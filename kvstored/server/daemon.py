@@ -42,7 +42,7 @@ from kvstored.chain.stats import chain_snapshot
 from kvstored.chunks.ids import TierKind
 from kvstored.config import Config, ConfigError
 from kvstored.errors import ListenError
-from kvstored.events.bus import EventBus, KvEvent
+from kvstored.events.bus import EventBus
 from kvstored.events.feed import IntervalFeeds
 from kvstored.events.identity import IdentityBook
 from kvstored.logs import setup_logging
@@ -61,7 +61,7 @@ from kvstored.server.preflight import preflight
 from kvstored.server.service import KVStoreService, add_to_server
 from kvstored.server.session_socket import SessionSocketServer
 from kvstored.server.systemd import fd_store_enabled, forget_fds, listened_fds, notify, store_fds
-from kvstored.server.tenants import Tenancy, TenantPolicy, events_for
+from kvstored.server.tenants import Tenancy, TenantPolicy, visible
 from kvstored.server.watch import encode_interval
 from kvstored.shm import keyindex, memory
 from kvstored.shm.arenas import ArenaSet, PageReleaser
@@ -271,9 +271,10 @@ class Daemon:
                 ),
                 self.identities,
                 self.namespaces.model_of,
+                self._zmq_namespaces(cfg.events_zmq_tenants),
             )
             self.zmq_events.start()
-            self.chain.events.add_listener(self._zmq_listener(self.zmq_events, cfg.events_zmq_tenants))
+            self.chain.events.add_listener(self.zmq_events)
             self._carry_identities(self.zmq_events, self.identities, lower)
         for t in lower:
             usage = t.tier.usage()
@@ -460,17 +461,18 @@ class Daemon:
                 format_size(self.pool.size),
             )
 
-    def _zmq_listener(self, publisher: ZmqEventPublisher, tenants: bool) -> Callable[[KvEvent], None]:
-        """Routers get public namespaces' events; tenant namespaces' too only if configured."""
+    def _zmq_namespaces(self, tenants: bool) -> Callable[[str], bool] | None:
+        """The namespaces routers learn of: public ones; tenant ones too only if configured. One
+        not known since the start may be a tenant's (as for events_for): not published, neither
+        its events nor what a tier held of it before the start."""
         if tenants:
-            return publisher
-        public = events_for(self.namespaces, None)
+            return None
 
-        def listener(event: KvEvent) -> None:
-            if public(event):
-                publisher(event)
+        def public(namespace_id: str) -> bool:
+            ns = self.namespaces.find(namespace_id)
+            return ns is not None and visible(ns, None)
 
-        return listener
+        return public
 
     async def _start_tiers(self) -> None:
         """Start the tiers (an S3 listing or a large fs index can take a while), giving up at

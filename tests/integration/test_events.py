@@ -120,7 +120,7 @@ def test_watch_events_live_stream_sees_new_events(daemon, ns_name):
 @pytest.mark.vllm
 def test_zmq_events_decode_with_vllm_classes_and_replay(daemon_factory, ns_name):
     try:
-        from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
     except ImportError as exc:
         pytest.fail(f"vllm 0.33 is needed for this test: run tests/vllm/install_vllm.sh ({exc})")
     import msgspec as ms
@@ -165,7 +165,8 @@ def test_zmq_events_decode_with_vllm_classes_and_replay(daemon_factory, ns_name)
     decoded = [decoder.decode(p) for _, _, p in batches]
     assert all(b.data_parallel_rank == 0 for b in decoded)
     assert all(isinstance(msgpack.unpackb(p), list) and len(msgpack.unpackb(p)) == 3 for _, _, p in batches)
-    events = [e for b in decoded for e in b.events]
+    assert decoded[0].events == [AllBlocksCleared()]  # seq 0: a fresh daemon holds nothing in RAM
+    events = [e for b in decoded[1:] for e in b.events]
     stored = [e for e in events if isinstance(e, BlockStored)]
     assert [e.block_hashes for e in stored] == [list(i.block_hashes) for i in identities]
     assert [e.parent_block_hash for e in stored] == [i.parent_block_hash for i in identities]
@@ -193,8 +194,9 @@ def test_zmq_array_encoding_is_positional(daemon_factory, ns_name):
     with d.client() as kv:
         ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK, block_tokens=32)
         kv.store(ns, key, payloads(key, CHUNK), blocks=[identity])
-    assert wait_for(lambda: len(replay(replay_port)) == 1)
-    ((_, _, payload),) = replay(replay_port)
+    assert wait_for(lambda: len(replay(replay_port)) == 2)
+    (_, _, cleared), (_, _, payload) = replay(replay_port)
+    assert msgpack.unpackb(cleared)[1] == [["AllBlocksCleared"]]
     ts, events, dp_rank = msgpack.unpackb(payload)
     assert isinstance(ts, float) and dp_rank == 0
     assert events == [["BlockStored", list(identity.block_hashes), None, list(identity.token_ids), 8, None, "CPU"]]
@@ -284,7 +286,10 @@ def test_clear_namespace_reaches_zmq_routers_as_its_keys_removed_only(daemon_fac
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    assert not [e for e in events if isinstance(e, AllBlocksCleared)]
+    # AllBlocksCleared only as seq 0 (the daemon's start), on the node's topic (no model)
+    assert [i for i, e in enumerate(events) if isinstance(e, AllBlocksCleared)] == [0]
+    assert batches[0][:2] == (b"kv@node-1@", 0)
+    batches, events = batches[1:], events[1:]
     removed = {(e.medium, h) for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes}
     assert removed == {(medium, h) for medium in ("CPU", "STORAGE") for h in a_hashes}
     # One topic per model, in llm-d's shape.

@@ -7,6 +7,7 @@ events reach only its sessions (and ZMQ only when configured)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -23,10 +24,10 @@ from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.errors import NotFound
 from kvstored_client.protocol import Handshake
 from kvstored_client.session import PoolSession, connect
-from tests.support.daemon import REPO_ROOT, clean_env
+from tests.support.daemon import REPO_ROOT, clean_env, short_tmpdir
 from tests.support.data import make_keys, payloads
 from tests.support.wait import wait_for
-from tests.support.zmq_events import prompt_identities
+from tests.support.zmq_events import events_of, prompt_identities, replay
 
 CHUNK = 64 << 10
 SALT_A = b"tenant-a-secret"
@@ -273,10 +274,53 @@ def test_zmq_publishes_tenant_events_only_when_asked(daemon_factory, ns_name, te
                 assert sub.poll(20_000), "no ZMQ event"
                 _topic, _seq, payload = sub.recv_multipart()
                 for event in msgpack.unpackb(payload)[1]:
-                    hashes.update(event["block_hashes"])
+                    hashes.update(event.get("block_hashes", ()))  # (seq 0: AllBlocksCleared)
             assert bool({h for i in tenant_ids for h in i.block_hashes} & hashes) is tenants_on_zmq
     finally:
         sub.close(linger=0)
+
+
+def _replayed_hashes(replay_port: int) -> set[int]:
+    return {h for event in events_of(replay(replay_port)) for h in event.get("block_hashes", ())}
+
+
+def test_a_restart_does_not_publish_what_the_disk_holds_of_a_tenant(daemon_factory, ns_name):
+    """With events_zmq_tenants off, a restarted daemon re-announcing its fs tier's chunks left
+    the tenant's out only while it ran: its identity records were read back and published (and
+    their eviction, filtered, never took them back)."""
+    root = short_tmpdir("kvfs")
+    replay_port = _free_port()
+    args = [
+        "--events-zmq-endpoint",
+        f"tcp://127.0.0.1:{_free_port()}",
+        "--events-zmq-replay-endpoint",
+        f"tcp://127.0.0.1:{replay_port}",
+        "--tiers",
+        f"kind=fs,root={root},bytes=64MiB",
+        "--write-policy",
+        "write-through",
+    ]
+    d = daemon_factory(args)
+    keys, public_keys = make_keys("tenant-restore", 4), make_keys("public-restore", 1)
+    _, ids = prompt_identities("tenant-restore", 4)
+    _, public_ids = prompt_identities("public-restore", 1)
+    tenant_hashes = {h for i in ids for h in i.block_hashes}
+    marker = public_ids[0].block_hashes[0]
+    try:
+        with d.client() as kv:
+            ns = kv.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK, tenant_salt=SALT_A)
+            public = kv.register_namespace(model=ns_name + "/public", dtype="u8", chunk_bytes=CHUNK)
+            assert kv.store(ns, keys, payloads(keys, CHUNK), blocks=ids).stored == 4
+            assert kv.store(public, public_keys, payloads(public_keys, CHUNK), blocks=public_ids).stored == 1
+            assert wait_for(lambda: next(t.chunks for t in d.stats().tiers if t.name == "fs") == 5)
+            assert wait_for(lambda: marker in _replayed_hashes(replay_port))
+            assert not _replayed_hashes(replay_port) & tenant_hashes
+        d.stop()
+        d.start(args)
+        assert wait_for(lambda: marker in _replayed_hashes(replay_port), timeout=20)  # the disk read back
+        assert not _replayed_hashes(replay_port) & tenant_hashes
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 # -- quotas ---------------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ async def test_zmq_replay_of_a_full_buffer_reaches_a_reader_that_starts_late():
     bus.add_listener(publisher)
     identity = BlockIdentity.of([1, 2, 3, 4], None, list(range(64)), 16)
     try:
-        for i in range(BATCHES):  # one interval per event: one batch each
+        for i in range(BATCHES - 1):  # one interval per event: one batch each, after seq 0 (AllBlocksCleared)
             for j in range(KEYS_PER_BATCH):
                 identities.offer(NS, (i * KEYS_PER_BATCH + j).to_bytes(32, "big"), identity)
             _publish_stored(bus, 1, KEYS_PER_BATCH, first=i)

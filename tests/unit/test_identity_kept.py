@@ -217,6 +217,35 @@ async def test_a_restored_tier_is_published_and_doubtful_records_are_not():
         await publisher.close()
 
 
+def test_a_restored_tier_publishes_only_the_namespaces_routers_may_see():
+    """With events_zmq_tenants off a tenant's live events are not published; neither is what the
+    fs tier held of its namespaces before a restart (else routers learn its blocks, and its
+    evictions, filtered, never take them back), nor of a namespace not known again."""
+    public, tenant, unknown = NS_A, "t" * 32, "u" * 32
+    known = {public: True, tenant: False}
+    book = IdentityBook()
+    publisher = ZmqEventPublisher(
+        ZmqSettings("inproc://restored", topic="kv", interval_s=3600),
+        book,
+        lambda ns: "m",
+        publishes=lambda ns: known.get(ns, False),
+    )
+    bus = EventBus()
+    bus.add_listener(publisher)
+    publisher.restore("fs", TierKind.FS, [((ns, _key(i)), encode_record(_identity(i))) for i, ns in enumerate(known)])
+    publisher.restore("fs", TierKind.FS, [((unknown, _key(2)), encode_record(_identity(2)))])
+    _stored(bus, "ram", TierKind.RAM, tenant, 3)  # (the live events, filtered the same way)
+    assert (publisher.counts.restored, publisher.counts.withheld) == (1, 2)
+    held = [
+        e["block_hashes"][0]
+        for _, payload in publisher.snapshot()
+        for e in msgpack.unpackb(payload)[1]
+        if e["type"] == "BlockStored"
+    ]
+    assert held == [1]
+    assert not book.holds(tenant, _key(1)) and not book.holds(unknown, _key(2))
+
+
 # -- the peer fetch reply ---------------------------------------------------------------------
 
 

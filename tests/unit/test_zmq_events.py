@@ -6,6 +6,7 @@ connect or bind, batches held while no router is there, per-model topics, resync
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgpack
 import pytest
@@ -16,9 +17,10 @@ from kvstored.config import ConfigError, load_config
 from kvstored.events.bus import Cause, EventBus, EventType
 from kvstored.events.coalesce import Change, Coalescer
 from kvstored.events.endpoints import is_bind_endpoint
-from kvstored.events.identity import BlockIdentity, IdentityBook
+from kvstored.events.identity import BlockIdentity, IdentityBook, ParentsFirst, encode_record
 from kvstored.events.zmq_publisher import END_SEQ, ZmqEventPublisher, ZmqSettings, place_of
 from tests.support.ports import free_port
+from tests.support.zmq_events import replay
 
 NS_A, NS_B = "a" * 32, "b" * 32
 MODELS = {NS_A: "org/model-a", NS_B: "org/model-b"}
@@ -131,8 +133,8 @@ async def test_connects_to_a_router_that_binds_and_holds_batches_until_it_subscr
     try:
         async with _Node(settings) as node:
             _stored(node.bus, "ram", TierKind.RAM, NS_A, 0, 1)
-            node.publisher.flush()  # no router yet: held
-            assert node.publisher.last_seq == 0
+            node.publisher.flush()  # no router yet: held (after seq 0, AllBlocksCleared)
+            assert node.publisher.last_seq == 1
             sub = ctx.socket(zmq.SUB)  # the router binds, the node's PUB connects (llm-d's shape)
             sub.bind(f"tcp://127.0.0.1:{port}")
             sub.subscribe(b"kv@")
@@ -141,11 +143,12 @@ async def test_connects_to_a_router_that_binds_and_holds_batches_until_it_subscr
                 node.publisher.flush()
                 if sub.poll(50):
                     break
-            received = [_recv(sub), _recv(sub)]
+            received = [_recv(sub), _recv(sub), _recv(sub)]
     finally:
         ctx.destroy(linger=0)
-    (t0, s0, b0), (t1, s1, b1) = received
-    assert (t0, s0, t1, s1) == (b"kv@n1@org/model-a", 0, b"kv@n1@org/model-b", 1)
+    (tc, sc, bc), (t0, s0, b0), (t1, s1, b1) = received
+    assert (tc, sc, bc[1]) == (b"kv@n1@", 0, [{"type": "AllBlocksCleared"}])  # every model's: no model
+    assert (t0, s0, t1, s1) == (b"kv@n1@org/model-a", 1, b"kv@n1@org/model-b", 2)
     ts, events, dp_rank = b0
     assert isinstance(ts, float) and dp_rank == 0
     assert [e["block_hashes"] for e in events] == [[1, 2, 3, 4], [5, 6, 7, 8]]
@@ -164,7 +167,7 @@ async def test_held_batches_are_bounded_while_no_router_is_there():
             for i in range(5):
                 _stored(node.bus, "ram", TierKind.RAM, NS_A, i)
                 node.publisher.flush()
-            assert node.publisher.counts.held_dropped == 3
+            assert node.publisher.counts.held_dropped == 4  # seq 0 (AllBlocksCleared) and 1-3
             sub = ctx.socket(zmq.SUB)
             sub.bind(f"tcp://127.0.0.1:{port}")
             sub.subscribe(b"")
@@ -175,7 +178,7 @@ async def test_held_batches_are_bounded_while_no_router_is_there():
             got = [_recv(sub)[1] for _ in range(2)]
     finally:
         ctx.destroy(linger=0)
-    assert got == [3, 4]  # the newest two; the rest only by replay
+    assert got == [4, 5]  # the newest two; the rest only by replay
 
 
 async def test_removals_name_every_block_per_medium_and_unidentified_chunks_stay_out():
@@ -190,12 +193,14 @@ async def test_removals_name_every_block_per_medium_and_unidentified_chunks_stay
         node.publisher.flush()
         batches = await asyncio.to_thread(_replay, replay_port, 0)
         assert node.publisher.counts.unidentified == 2
-    (_, stored), (_, removed) = batches
-    assert [(e["type"], e["medium"], e["locality"]) for e in stored] == [
-        ("BlockStored", "CPU", "LOCAL"),
-        ("BlockStored", "CPU", "LOCAL"),
-        ("BlockStored", "STORAGE", "LOCAL"),
-        ("BlockStored", "STORAGE", "REMOTE"),
+    (_, cleared), (_, stored), (_, removed) = batches
+    assert cleared == [{"type": "AllBlocksCleared"}]
+    # key 1 (its parent: key 0's last block) after every place of key 0
+    assert [(e["type"], e["block_hashes"][0], e["medium"], e["locality"]) for e in stored] == [
+        ("BlockStored", 1, "CPU", "LOCAL"),
+        ("BlockStored", 1, "STORAGE", "LOCAL"),
+        ("BlockStored", 1, "STORAGE", "REMOTE"),
+        ("BlockStored", 5, "CPU", "LOCAL"),
     ]
     assert removed == [
         {
@@ -214,20 +219,20 @@ async def test_a_router_that_lost_track_gets_a_snapshot_per_model():
         "tcp://127.0.0.1:*", f"tcp://127.0.0.1:{replay_port}", topic="kv@{model}", buffer_batches=2, interval_s=3600
     )
     async with _Node(settings) as node:
-        for i in range(4):  # seqs 0-3; only 2 and 3 buffered
+        for i in range(4):  # seqs 1-4 (0: AllBlocksCleared); only 3 and 4 buffered
             _stored(node.bus, "ram", TierKind.RAM, NS_A if i % 2 else NS_B, i)
             node.publisher.flush()
         _removed(node.bus, "ram", TierKind.RAM, NS_B, 0)  # not yet flushed: the resync flushes first
-        batches = await asyncio.to_thread(_replay, replay_port, 1)
+        batches = await asyncio.to_thread(_replay, replay_port, 2)
         assert node.publisher.counts.resyncs == 1
-        normal = await asyncio.to_thread(_replay, replay_port, 3)
+        normal = await asyncio.to_thread(_replay, replay_port, 4)
     seqs = {seq for seq, _ in batches}
-    assert seqs == {4}  # the state as of the last batch sent (the removal's)
+    assert seqs == {5}  # the state as of the last batch sent (the removal's)
     first = batches[0][1]
     assert first == [{"type": "AllBlocksCleared"}]
     held = {(e["block_hashes"][0]) for _, events in batches[1:] for e in events}
     assert held == {5, 9, 13}  # keys 1, 2, 3; key 0 was removed
-    assert [seq for seq, _ in normal] == [3, 4]
+    assert [seq for seq, _ in normal] == [4, 5]
 
 
 def _replay(port: int, start: int) -> list[tuple[int, list]]:
@@ -245,3 +250,222 @@ def _replay(port: int, start: int) -> list[tuple[int, list]]:
             out.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)[1]))
     finally:
         ctx.destroy(linger=0)
+
+
+# -- per-model subscribers, restarts, parents, identities, resync cost --------------------------
+
+
+async def _received_by_one_models_subscriber(also_model_a: bool) -> list[bytes]:
+    """Topics a router subscribed to model-b's topic only receives over five intervals, each
+    touching model-a first when `also_model_a`."""
+    port = free_port()
+    settings = ZmqSettings(f"tcp://127.0.0.1:{port}", topic="kv@{node}@{model}", node="n1", interval_s=3600)
+    ctx = zmq.Context()
+    got = []
+    try:
+        async with _Node(settings) as node:
+            sub = ctx.socket(zmq.SUB)
+            sub.bind(f"tcp://127.0.0.1:{port}")
+            sub.subscribe(b"kv@n1@org/model-b")
+            for _ in range(200):  # until the subscription came through
+                node.publisher.flush()
+                if node.publisher._subscriptions:
+                    break
+                sub.poll(20)  # (a SUB attaches its pipes, and sends its subscription, when used)
+            assert node.publisher._subscriptions == {b"kv@n1@org/model-b"}
+            for i in range(5):
+                if also_model_a:
+                    _stored(node.bus, "ram", TierKind.RAM, NS_A, i)
+                _stored(node.bus, "ram", TierKind.RAM, NS_B, i)
+                node.publisher.flush()
+            while sub.poll(300):
+                got.append(sub.recv_multipart()[0])
+    finally:
+        ctx.destroy(linger=0)
+    return got
+
+
+async def test_a_router_subscribed_to_one_models_topic_gets_its_batches_whatever_else_is_published():
+    assert await _received_by_one_models_subscriber(also_model_a=False) == [b"kv@n1@org/model-b"] * 5
+    # model-a's batches (not subscribed) no longer hold model-b's back, nor get them dropped
+    assert await _received_by_one_models_subscriber(also_model_a=True) == [b"kv@n1@org/model-b"] * 5
+
+
+async def test_held_batches_go_to_the_topics_subscribed_and_the_others_are_dropped():
+    port = free_port()
+    settings = ZmqSettings(f"tcp://127.0.0.1:{port}", topic="kv@{node}@{model}", node="n1", interval_s=3600)
+    ctx = zmq.Context()
+    try:
+        async with _Node(settings) as node:
+            for i in range(3):  # no router yet: model-a's and model-b's batches held in turn
+                _stored(node.bus, "ram", TierKind.RAM, NS_A, i)
+                node.publisher.flush()
+                _stored(node.bus, "ram", TierKind.RAM, NS_B, i)
+                node.publisher.flush()
+            sub = ctx.socket(zmq.SUB)
+            sub.bind(f"tcp://127.0.0.1:{port}")
+            sub.subscribe(b"kv@n1@org/model-b")
+            for _ in range(200):
+                node.publisher.flush()
+                if sub.poll(50):
+                    break
+            got = [_recv(sub)[:2] for _ in range(3)]
+            assert not sub.poll(200)
+            assert not node.publisher._held
+    finally:
+        ctx.destroy(linger=0)
+    assert got == [(b"kv@n1@org/model-b", 2), (b"kv@n1@org/model-b", 4), (b"kv@n1@org/model-b", 6)]
+
+
+async def test_a_restarted_daemon_tells_the_router_its_blocks_are_gone_at_seq_0():
+    """Docs: a router that sees seq go back (a restart) replays from 0. The new daemon's RAM is
+    empty: the replay starts with AllBlocksCleared, before what its fs tier read back."""
+    replay_port = free_port()
+    settings = ZmqSettings("tcp://127.0.0.1:*", f"tcp://127.0.0.1:{replay_port}", topic="kv", interval_s=3600)
+    async with _Node(settings) as node:
+        _stored(node.bus, "ram", TierKind.RAM, NS_A, 0, 1)
+        node.publisher.flush()
+    async with _Node(settings) as node:  # the restart
+        node.publisher.restore("fs", TierKind.FS, [((NS_A, _key(2)), encode_record(_identity(2)))])
+        _stored(node.bus, "ram", TierKind.RAM, NS_A, 5)
+        node.publisher.flush()
+        batches = await asyncio.to_thread(_replay, replay_port, 0)
+    assert batches[0] == (0, [{"type": "AllBlocksCleared"}])
+    assert [(e["block_hashes"][0], e["medium"]) for _, events in batches[1:] for e in events] == [
+        (9, "STORAGE"),
+        (21, "CPU"),
+    ]
+
+
+def _chained(n: int) -> IdentityBook:
+    """Keys 0..n-1 of NS_A, each chained onto the one before (one prompt, chunk by chunk)."""
+    book = IdentityBook()
+    for i in range(n):
+        book.offer(NS_A, _key(i), _identity(i, 4 * i if i else None))
+    return book
+
+
+def _stored_order(batches: list[list]) -> list[int]:
+    """The first block of each BlockStored, checking each comes after its parent if that is there."""
+    stored = [e for events in batches for e in events if e["type"] == "BlockStored"]
+    last = {e["block_hashes"][-1] for e in stored}
+    known: set[int] = set()
+    for e in stored:
+        parent = e["parent_block_hash"]
+        assert parent is None or parent not in last or parent in known, f"{e['block_hashes']} before its parent"
+        known.update(e["block_hashes"])
+    return [e["block_hashes"][0] for e in stored]
+
+
+def test_a_resync_snapshot_names_each_parent_before_its_child():
+    """A parent evicted and stored again is held after its child (dict order): a router applying
+    the snapshot in order would meet the child first (Dynamo drops a block whose parent it does
+    not know)."""
+    settings = ZmqSettings("inproc://parents", topic="kv", interval_s=3600)
+    bus, book = EventBus(), _chained(3)
+    publisher = ZmqEventPublisher(settings, book, MODELS.__getitem__)
+    bus.add_listener(publisher)
+    _stored(bus, "ram", TierKind.RAM, NS_A, 0, 1, 2)
+    publisher._publish(publisher._coalescer.take())
+    _removed(bus, "fs", TierKind.FS, NS_A, 0)  # (not held there: no change, nothing forgotten)
+    _removed(bus, "ram", TierKind.RAM, NS_A, 1)  # the middle one evicted...
+    publisher._publish(publisher._coalescer.take())
+    book.offer(NS_A, _key(1), _identity(1, 4))
+    _stored(bus, "ram", TierKind.RAM, NS_A, 1)  # ... and stored again: held after its child, key 2
+    publisher._publish(publisher._coalescer.take())
+    snapshot = [msgpack.unpackb(payload)[1] for _, payload in publisher.snapshot()]
+    assert snapshot[0] == [{"type": "AllBlocksCleared"}]
+    assert _stored_order(snapshot) == [1, 5, 9]
+
+
+def test_an_intervals_batch_names_each_parent_before_its_child():
+    """A client storing a prompt's chunks last first (or two stores racing) touches a child
+    before its parent within one interval."""
+    settings = ZmqSettings("inproc://parents", topic="kv", interval_s=3600)
+    bus = EventBus()
+    publisher = ZmqEventPublisher(settings, _chained(4), MODELS.__getitem__)
+    bus.add_listener(publisher)
+    sent: list[bytes] = []
+    publisher._send = lambda topic, payload: sent.append(payload)
+    _stored(bus, "fs", TierKind.FS, NS_A, 3, 2)
+    _stored(bus, "ram", TierKind.RAM, NS_A, 3, 1, 2, 0)
+    publisher._publish(publisher._coalescer.take())
+    (events,) = [msgpack.unpackb(p)[1] for p in sent]
+    assert _stored_order([events]) == [1, 5, 9, 9, 13, 13]
+
+
+def test_parents_first_survives_a_cycle_and_keeps_unrelated_items_in_order():
+    order: ParentsFirst[str] = ParentsFirst()
+    order.add("c", BlockIdentity.of([3], 2, [0], 1))  # c's parent is b's last block, b's is c's
+    order.add("x", BlockIdentity.of([7], None, [0], 1))
+    order.add("b", BlockIdentity.of([2], 3, [0], 1))
+    order.add("y", BlockIdentity.of([8], 99, [0], 1))  # its parent is not there
+    assert [item for item, _ in order] == ["b", "c", "x", "y"]
+
+
+def test_identities_of_chunks_gone_within_an_interval_are_forgotten_and_a_new_one_is_taken():
+    """The book keeps an identity while the node holds its chunk: a chunk stored and evicted
+    within one interval makes no change, and was kept forever (and a later store of the key with
+    another identity ignored)."""
+    settings = ZmqSettings("inproc://forget", topic="kv", interval_s=3600)
+    bus, book = EventBus(), IdentityBook()
+    publisher = ZmqEventPublisher(settings, book, MODELS.__getitem__)
+    bus.add_listener(publisher)
+    for i in range(1000):
+        book.offer(NS_A, _key(i), _identity(i))
+        _stored(bus, "ram", TierKind.RAM, NS_A, i)
+        _removed(bus, "ram", TierKind.RAM, NS_A, i)
+    _stored(bus, "peer", TierKind.PEER, NS_A, 5)  # (another node's: not touched here)
+    publisher._publish(publisher._coalescer.take())
+    assert list(publisher._coalescer.held()) == []
+    assert len(book) == 0
+    book.offer(NS_A, _key(7), _identity(70))  # the key stored again, with other blocks
+    _stored(bus, "ram", TierKind.RAM, NS_A, 7)
+    publisher._publish(publisher._coalescer.take())
+    assert book.get(NS_A, _key(7)) == _identity(70)
+
+
+async def test_a_resync_of_a_large_node_does_not_hold_the_event_loop():
+    """A resync (anyone reaching the replay port with an old seq can ask for one) was built on
+    the event loop in one go: ~1 s for 100k chunk-places, every RPC stalled meanwhile."""
+    n = 50_000
+    replay_port = free_port()
+    book = IdentityBook(pending_limit=n + 1)
+    bus = EventBus()
+    settings = ZmqSettings(
+        "tcp://127.0.0.1:*", f"tcp://127.0.0.1:{replay_port}", topic="kv", buffer_batches=1, interval_s=3600
+    )
+    publisher = ZmqEventPublisher(settings, book, MODELS.__getitem__)
+    bus.add_listener(publisher)
+    keys = [(NS_A, _key(i)) for i in range(n)]
+    for i, (ns, k) in enumerate(keys):
+        book.offer(ns, k, BlockIdentity.of([4 * i + b for b in range(4)], None, list(range(64)), 16))
+    publisher.start()
+    try:
+        bus.publish(EventType.STORED, Cause.STORED, "ram", TierKind.RAM, keys)
+        bus.publish(EventType.STORED, Cause.STORED, "fs", TierKind.FS, keys)
+        publisher.flush()  # ~98 batches: the buffer (1) has rolled over
+        worst = 0.0
+        stop = False
+
+        async def heartbeat() -> None:
+            nonlocal worst
+            last = time.perf_counter()
+            while not stop:
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                worst = max(worst, now - last)
+                last = now
+
+        beating = asyncio.create_task(heartbeat())
+        # (raw frames: decoding them in this process's thread would hold the loop itself)
+        raw = await asyncio.to_thread(replay, replay_port, 0)
+        stop = True
+        await beating
+    finally:
+        await publisher.close()
+    got = [msgpack.unpackb(payload)[1] for _, _, payload in raw]
+    assert publisher.counts.resyncs == 1
+    assert got[0] == [{"type": "AllBlocksCleared"}]
+    assert sum(len(events) for events in got[1:]) == 2 * n
+    assert worst < 0.1, f"event loop held {worst * 1000:.0f} ms by one resync of {2 * n} chunk-places"

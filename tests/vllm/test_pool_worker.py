@@ -189,10 +189,10 @@ def test_a_store_with_block_identities_reaches_routers(own_daemon):
     try:
         engine.submit_store(3, np.arange(2 * BPC), [2 * BPC], [0], ns, keys("routed", 2), identities)
         until(lambda: not engine.has_pending_work(), engine)
-        assert wait_for(lambda: len(events_of(replay(replay_port))) == 2)
+        assert wait_for(lambda: len(events_of(replay(replay_port, 1))) == 2)  # (seq 0: AllBlocksCleared)
     finally:
         engine.close()
-    events = events_of(replay(replay_port))
+    events = events_of(replay(replay_port, 1))
     assert [e["block_hashes"] for e in events] == [[1000, 1001, 1002, 1003], [1004, 1005, 1006, 1007]]
     assert [e["parent_block_hash"] for e in events] == [None, 1003]
     assert [t for e in events for t in e["token_ids"]] == tokens

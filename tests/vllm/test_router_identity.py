@@ -22,7 +22,8 @@ DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
 
 
 def _daemon_events(replay_port: int) -> list:
-    return [e for _, _, payload in replay(replay_port) for e in DECODER.decode(payload).events]
+    """What the daemon published after seq 0 (AllBlocksCleared, as it starts)."""
+    return [e for _, _, payload in replay(replay_port, 1) for e in DECODER.decode(payload).events]
 
 
 def test_the_daemon_publishes_the_blocks_vllms_tracker_publishes(own_daemon):
