@@ -99,8 +99,8 @@ class PackIndex:
         return list(pack.live)
 
     def drop_chunk(self, chunk: ChunkId) -> Pack | None:
-        """Stop serving `chunk` (deleted, or its record failed verification) and forget its other
-        copies. Returns its pack if that has no live chunk left (the caller deletes the object; it
+        """Stop serving `chunk` (deleted) and forget its other copies (each tombstoned by the
+        caller). Returns its pack if that has no live chunk left (the caller deletes the object; it
         stays indexed until drop_pack, so its bytes still count)."""
         for holder in self._copies.pop(chunk, {}).values():
             holder.spare.pop(chunk, None)
@@ -112,9 +112,10 @@ class PackIndex:
         return pack if not pack.live else None
 
     def drop_copy(self, chunk: ChunkId, key: str) -> Pack | None:
-        """Forget the copy of `chunk` in pack `key` (a deletion naming that pack); a copy in
-        another pack is not this deletion's. Returns that pack if it served the chunk and has no
-        live chunk left."""
+        """Forget the copy of `chunk` in pack `key` (a deletion naming that pack, or that copy
+        failed verification); a copy in another pack is not this one's (a later delete of the
+        chunk tombstones it). Returns that pack if it served the chunk and has no live chunk
+        left."""
         holders = self._copies.get(chunk, {})
         pack = holders.pop(key, None)
         if not holders:

@@ -621,7 +621,7 @@ class S3Tier(SecondaryTier):
         async with response["Body"] as body:  # closes the connection if the body is left unread
             length = int(response["ContentLength"])
             if start is not None:
-                check_range(response, start)
+                check_range(response, start, expected)
             if length != expected:
                 return _Received(length, False, f"object is {length} bytes, expected {expected}")
             await _stream_into(body, receiver)
@@ -820,12 +820,16 @@ def content_range(response: dict[str, Any]) -> tuple[int, int, int | None] | Non
     return int(match.group(1)), int(match.group(2)), None if total == "*" else int(total)
 
 
-def check_range(response: dict[str, Any], start: int) -> None:
-    """Raise (a failed read, not damage) unless the answer is the range asked for, from `start`;
-    a shorter one (the object is shorter) is for the caller to judge."""
+def check_range(response: dict[str, Any], start: int, length: int) -> None:
+    """Raise (a failed read, not damage) unless the answer is the range asked for, `length` bytes
+    from `start`; a shorter one (the object is shorter) is for the caller to judge. A 200 is that
+    range when it starts at 0 and is `length` bytes long: the whole object was asked for (HTTP
+    lets a server answer such a Range with the whole object)."""
+    status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+    if status == 200 and start == 0 and int(response.get("ContentLength", -1)) == length:
+        return
     got = content_range(response)
     if got is None or got[0] != start:
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         raise S3Failure(
             Fault.REJECTED, f"Range not honoured (HTTP {status}, Content-Range {response.get('ContentRange')})"
         )

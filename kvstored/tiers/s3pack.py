@@ -81,6 +81,15 @@ class _OpenPack:
     upload: asyncio.Task | None = None  # its PUT, once sealed
 
 
+@dataclass(eq=False)
+class _TombBatch:
+    """Chunks deleted from one pack that wait for the same tombstone PUT (the next one sent for
+    that pack), and its outcome: None once stored (or no longer owed), else why it failed."""
+
+    chunks: set[ChunkId]
+    done: asyncio.Future[str | None]
+
+
 Send = Callable[[Callable[[], Awaitable[Any]]], Awaitable[Any]]
 
 
@@ -132,6 +141,11 @@ class PackedS3Tier(S3Tier):
         # rebuild would serve them again. Paid by a retried remove() (which raises until then),
         # each poll and close(); forgotten once the pack itself is deleted.
         self._owed: dict[str, set[ChunkId]] = {}
+        self._owed_by: dict[ChunkId, set[str]] = {}  # the same, by chunk: pack keys it is owed in
+        # One tombstone PUT in flight per pack (its sender task); the chunks deleted meanwhile
+        # wait together for the next one: a delete of a whole namespace is a few PUTs per pack.
+        self._tomb_senders: dict[str, asyncio.Task] = {}
+        self._tomb_waiting: dict[str, _TombBatch] = {}
         self._unannounced: list[tuple[str, int, int, bytes]] = []  # packs this daemon wrote since
         self._unannounced_deletes: dict[str, list[ChunkId]] = {}  # pack name -> chunks deleted since
         self._deletes_pending = 0  # chunks in _unannounced_deletes
@@ -342,9 +356,11 @@ class PackedS3Tier(S3Tier):
                 self._owe_tombstone(held.key, [chunk])
                 if not held.live:  # nothing left in it to serve (a spare copy is served elsewhere)
                     self._forget(held, "emptied", delete=True)
-        for pack_key in [key for key, chunks in self._owed.items() if chunk in chunks]:
-            removed = True  # (a tombstone that did not land before: this is the retry)
-            await self._store_tombstone(pack_key)
+        owed = self._owed_by.get(chunk)
+        if owed:  # (including a tombstone that did not land before: this is the retry)
+            removed = True
+            for pack_key in list(owed):
+                await self._store_tombstone(pack_key, [chunk])
         if chunk in self._index or not removed:  # a one-object copy (S3Tier's DELETE by name)
             removed = await super().remove(chunk) or removed
         return removed
@@ -357,13 +373,59 @@ class PackedS3Tier(S3Tier):
             self._unannounced_deletes.setdefault(name, []).extend(chunks)
             self._deletes_pending += len(chunks)
         self._owed.setdefault(pack_key, set()).update(chunks)
+        for chunk in chunks:
+            self._owed_by.setdefault(chunk, set()).add(pack_key)
 
-    async def _store_tombstone(self, pack_key: str) -> None:
-        """PUT one tombstone naming the chunks of the pack still owed one; raises TierUnavailable
-        naming it when it could not be stored (they stay owed)."""
-        chunks = list(self._owed.get(pack_key, ()))
-        if not chunks:
+    def _paid(self, pack_key: str, chunks: Sequence[ChunkId]) -> None:
+        """These chunks of the pack are owed no tombstone any more (stored, or the pack is gone)."""
+        owed = self._owed.get(pack_key)
+        if owed is None:
             return
+        for chunk in chunks:
+            owed.discard(chunk)
+            packs = self._owed_by.get(chunk)
+            if packs is not None:
+                packs.discard(pack_key)
+                if not packs:
+                    del self._owed_by[chunk]
+        if not owed:
+            del self._owed[pack_key]
+
+    async def _store_tombstone(self, pack_key: str, chunks: Sequence[ChunkId]) -> None:
+        """Return once a tombstone of the pack naming these chunks is stored: the next PUT for
+        that pack, with the chunks of the other callers waiting for it (none that is no longer
+        owed: stored meanwhile, or the pack deleted). Raises TierUnavailable naming it when it
+        could not be stored (they stay owed)."""
+        loop = asyncio.get_running_loop()
+        batch = self._tomb_waiting.get(pack_key)
+        if batch is None:
+            batch = self._tomb_waiting[pack_key] = _TombBatch(set(), loop.create_future())
+        batch.chunks.update(chunks)
+        if pack_key not in self._tomb_senders:
+            task = self._tomb_senders[pack_key] = loop.create_task(self._send_tombstones(pack_key))
+            self._uploads.add(task)  # close() waits for it as for an upload
+            task.add_done_callback(self._uploads.discard)
+        problem = await asyncio.shield(batch.done)  # (a caller cancelled leaves the PUT to the others)
+        if problem is not None:
+            raise TierUnavailable(problem)
+
+    async def _send_tombstones(self, pack_key: str) -> None:
+        """The pack's tombstone PUTs, one at a time, each naming the chunks that waited for it."""
+        batch: _TombBatch | None = None
+        try:
+            while (batch := self._tomb_waiting.pop(pack_key, None)) is not None:
+                owed = self._owed.get(pack_key, set())
+                chunks = [chunk for chunk in batch.chunks if chunk in owed]
+                batch.done.set_result(await self._put_tombstone(pack_key, chunks) if chunks else None)
+        finally:
+            del self._tomb_senders[pack_key]
+            for left in (batch, self._tomb_waiting.pop(pack_key, None)):  # (cancelled, or a bug)
+                if left is not None and not left.done.done():
+                    left.done.set_result(f"s3 tier {self.name}: tombstone of {pack_key} not stored (PUT abandoned)")
+
+    async def _put_tombstone(self, pack_key: str, chunks: list[ChunkId]) -> str | None:
+        """PUT one tombstone naming these chunks of the pack; None once stored (they are paid),
+        else why not (they stay owed)."""
         name = pack_key[len(self._packs_prefix) : -len(packfile.PACK_SUFFIX)]
         self._seq += 1
         tomb = packfile.pack_name(int(time.time() * 1000), self._writer, self._seq, packfile.TOMBSTONE_SUFFIX)
@@ -375,22 +437,19 @@ class PackedS3Tier(S3Tier):
             if isinstance(exc, S3Failure):
                 self._failed("store tombstone", key, exc)
             why = str(exc) if isinstance(exc, S3Failure) else f"{self.endpoint_url or 'S3'} is not answering"
-            raise TierUnavailable(
+            return (
                 f"s3 tier {self.name}: cannot store tombstone {key} of {len(chunks)} chunks deleted from "
                 f"{pack_key}: {why}; they are not served, retry the delete"
-            ) from None
-        owed = self._owed.get(pack_key)
-        if owed is not None:  # (chunks deleted during the PUT stay owed)
-            owed.difference_update(chunks)
-            if not owed:
-                del self._owed[pack_key]
+            )
+        self._paid(pack_key, chunks)  # (chunks deleted during the PUT stay owed)
+        return None
 
     async def _pay_tombstones(self) -> None:
         """Store the tombstones still owed (a remove() that raised and was not retried); stops at
         the first failure."""
         for pack_key in list(self._owed):
             try:
-                await self._store_tombstone(pack_key)
+                await self._store_tombstone(pack_key, list(self._owed.get(pack_key, ())))
             except TierUnavailable as exc:
                 log.debug("%s", exc)
                 return
@@ -545,7 +604,7 @@ class PackedS3Tier(S3Tier):
                 self._undeleted_packs.add(key)
                 return
         self._undeleted_packs.discard(key)
-        self._owed.pop(key, None)  # no record left to serve: its tombstone is moot
+        self._paid(key, list(self._owed.get(key, ())))  # no record left to serve: its tombstone is moot
 
     # -- packs written by others: polling ------------------------------------------------------
 
@@ -803,7 +862,7 @@ class PackedS3Tier(S3Tier):
             Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}"
         )
         async with response["Body"] as stream:  # closes the connection if the body is left unread
-            check_range(response, start)
+            check_range(response, start, length)
             got = content_range(response)
             if int(response["ContentLength"]) != length or (got is not None and got[2] not in (None, size)):
                 return None
@@ -849,9 +908,11 @@ class PackedS3Tier(S3Tier):
         )
         if pack is None:
             return
-        if self._packs.find(chunk) is not None:
+        found = self._packs.find(chunk)
+        if found is not None and found[0] is pack:
             self.notify_removed(chunk, RemovalCause.CORRUPT)
-        emptied = self._packs.drop_chunk(chunk)
+        # only this copy: another pack's (two daemons packed the chunk) is still tombstoned by a delete
+        emptied = self._packs.drop_copy(chunk, pack.key)
         if emptied is not None:
             self._forget(emptied, "emptied", delete=True)
 

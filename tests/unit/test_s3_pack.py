@@ -604,6 +604,149 @@ async def test_a_delete_during_its_packs_upload_returns_once_the_tombstone_is_st
     assert await restarted.contains([kept, deleted]) == [True, False]
 
 
+class _Scanned(dict):
+    """A dict that counts the entries iterated over (in any way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scanned = 0
+
+    def _count(self, entries):
+        for item in entries:
+            self.scanned += 1
+            yield item
+
+    def __iter__(self):
+        return self._count(super().__iter__())
+
+    def keys(self):
+        return self._count(super().keys())
+
+    def values(self):
+        return self._count(super().values())
+
+    def items(self):
+        return self._count(super().items())
+
+
+async def test_deleting_many_packed_chunks_names_each_once_and_scans_no_owed_tombstones():
+    # A namespace-sized delete (remove_all runs the removes at once): the work is counted, never
+    # timed. No endpoint: a client that records the tombstone PUTs.
+    tier = PackedS3Tier("s3", "bucket", pack_poll_s=0)
+    packs, per_pack, namespace = 20, 8, "0123456789abcdef0123456789abcdef"
+    chunks = []
+    for p in range(packs):
+        mine = [(namespace, bytes([p, i]) * 8) for i in range(per_pack)]
+        kept = (namespace, bytes([p, 255]) * 8)  # (no pack empties: no DELETE of a pack)
+        entries = [PackEntry(c, i * RECORD, SIZE, 0) for i, c in enumerate([*mine, kept])]
+        tier._packs.add(tier._packs_prefix + packfile.pack_name(1000 + p, 7, p), 100 * RECORD, 1000 + p, entries)
+        chunks += mine
+    tombstones = []
+
+    class Client:
+        async def put_object(self, **kwargs):
+            await asyncio.sleep(0)  # (the other removes run while a PUT is under way)
+            tombstones.append((kwargs["Key"], packfile.decode_tombstone(kwargs["Body"])))
+
+    async def call(request):
+        return await request()
+
+    tier._client, tier._call = Client(), call
+    tier._owed = owed = _Scanned()
+    assert await asyncio.gather(*(tier.remove(c) for c in chunks)) == [True] * len(chunks)
+    named = [c for _key, names in tombstones for c in names]
+    assert sorted(named) == sorted(chunks)  # each chunk in one tombstone: none carries another's again
+    assert len(tombstones) == packs  # the removes of a pack joined one PUT
+    assert owed.scanned == 0  # a remove finds what it owes by chunk: no pass over every pack owed
+    assert tier._owed == {} and tier._owed_by == {}
+    assert not any(c in tier._packs for c in chunks) and len(tier._packs) == packs
+
+
+async def tombstones_stored(raw, bucket) -> list[list]:
+    return [packfile.decode_tombstone(await get(raw, bucket, key)) for key in await tombstone_keys(raw, bucket)]
+
+
+async def test_a_tombstone_names_its_callers_chunks_not_every_one_still_owed(make_tier, raw, bucket):
+    tier = await make_tier(prefix="kv/")
+    chunks = [chunk_of(i) for i in range(3)]
+    for c in chunks:
+        await write(tier, c)
+    await tier.flush()
+    ((key, _size),) = await pack_keys(raw, bucket)
+    fail_tombstones(tier)
+    with pytest.raises(TierUnavailable, match="cannot store tombstone"):
+        await tier.remove(chunks[0])
+    assert await tier.remove(chunks[1])  # chunks[0]'s tombstone is left to its own retry
+    assert await tombstones_stored(raw, bucket) == [[chunks[1]]]
+    assert tier._owed == {key: {chunks[0]}} and tier._owed_by == {chunks[0]: {key}}
+    assert await tier.remove(chunks[0])
+    assert sorted(map(tuple, await tombstones_stored(raw, bucket))) == sorted([(chunks[0],), (chunks[1],)])
+    assert tier._owed == {} and tier._owed_by == {}
+    restarted = await make_tier(prefix="kv/")
+    assert await restarted.contains(chunks) == [False, False, True]
+
+
+async def test_a_corrupt_copy_leaves_the_older_copies_for_a_delete_to_tombstone(make_tier, raw, bucket):
+    a = await make_tier(prefix="kv/")
+    b = await make_tier(prefix="kv/")  # started before a's pack is stored: packs the chunk again
+    chunk = chunk_of(0)
+    await write(a, chunk)
+    await write(a, chunk_of(1))  # (the older pack is not emptied by the delete: it needs a tombstone)
+    await a.flush()
+    await asyncio.sleep(0.002)  # (pack names carry milliseconds: b's sorts after)
+    await write(b, chunk)
+    await b.flush()
+    tier = await make_tier(prefix="kv/")  # indexes both copies; the newer one serves
+    older, newer = sorted(key for key, _size in await pack_keys(raw, bucket))
+    pack, record = tier._packs.find(chunk)
+    assert pack.key == newer and [p.key for p in tier._packs.copies(chunk)] == [older, newer]
+    body = bytearray(await get(raw, bucket, newer))
+    body[record.offset + HEADER_BYTES + 10] ^= 0xFF
+    await overwrite(raw, bucket, newer, bytes(body))
+    assert await read(tier, chunk) is None and tier.counters.checksum_failures == 1
+    assert [p.key for p in tier._packs.copies(chunk)] == [older]  # only the corrupt copy is forgotten
+    assert await tier.remove(chunk)
+    await tier.flush()
+    assert await tombstones_stored(raw, bucket) == [[chunk]]  # the older copy's
+    restarted = await make_tier(prefix="kv/")
+    assert await restarted.contains([chunk]) == [False]
+
+
+def test_a_200_is_the_range_asked_for_when_that_was_the_whole_object():
+    whole = {"ResponseMetadata": {"HTTPStatusCode": 200}, "ContentLength": 500}
+    s3.check_range(whole, 0, 500)  # bytes=0-499 of a 500-byte object: HTTP allows a 200
+    for start, length in ((0, 400), (100, 400)):  # a part of the object: the Range was ignored
+        with pytest.raises(s3.S3Failure, match="Range not honoured"):
+            s3.check_range(whole, start, length)
+    part = {"ResponseMetadata": {"HTTPStatusCode": 206}, "ContentRange": "bytes 100-199/500", "ContentLength": 100}
+    s3.check_range(part, 100, 100)
+    with pytest.raises(s3.S3Failure):
+        s3.check_range(part, 0, 100)
+
+
+async def test_a_small_packs_index_is_read_from_a_200_with_the_whole_object(make_tier, raw, bucket, monkeypatch):
+    reader = await make_tier(prefix="kv/")
+    writer = await make_tier(prefix="kv/")
+    chunks = [chunk_of(i) for i in range(2)]
+    data = [await write(writer, c) for c in chunks]
+    await writer.flush()
+    listing = await pack_keys(raw, bucket)
+    assert listing[0][1] <= packfile.TAIL_BYTES  # its index is read with a Range of the whole object
+    real = reader._client.get_object
+
+    async def get_object(**kwargs):
+        if kwargs.get("Range", "").startswith("bytes=0-"):  # a server answering it 200, whole
+            kwargs.pop("Range")
+        return await real(**kwargs)
+
+    monkeypatch.setattr(reader._client, "get_object", get_object)
+    await reader._adopt(listing, reader._call)
+    assert await reader.contains(chunks) == [True, True] and reader._retry_index == {}
+    assert reader.packs_dropped == 0 and reader.counters.errors == 0
+    monkeypatch.setattr(reader._client, "get_object", real)
+    assert [await read(reader, c) for c in chunks] == data
+
+
 async def test_a_server_ignoring_range_fails_the_read_and_keeps_the_pack(make_tier, raw, bucket, monkeypatch):
     tier = await make_tier(prefix="kv/")
     chunks = [chunk_of(i) for i in range(4)]
