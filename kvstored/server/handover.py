@@ -54,6 +54,7 @@ MAGIC = b"KVSTHO01"
 _FRAME = struct.Struct("<8sQ16s")  # magic, payload length, xxh3-128 of the payload
 REQUEST = b"kvstored-handover 1"
 STATE_FD, POOL_FD, ARENA_FD = "kvstored-state", "kvstored-pool", "kvstored-arena-"
+EXIT_WAIT_S = 5.0  # for a daemon that went away mid-hand-over to finish exiting (its sockets with it)
 MAX_FDS_PER_MESSAGE = 200  # the kernel takes at most 253 per SCM_RIGHTS message
 PAUSE_ENV = "KVSTORED_TEST_HANDOVER_PAUSE"
 
@@ -469,12 +470,15 @@ async def request_handover(path: Path, timeout_s: float) -> HandedOver | None:
             return None
         sock.sendall(REQUEST)
         sock.setblocking(False)
+        serving = client_credentials(sock).pid
         log.info("hand-over: asked the running daemon for its RAM tier (it stops first)")
         async with asyncio.timeout(timeout_s):
             more = True
             while more:
                 data = await reader.message()
                 if not data:
+                    # (killed mid-way: its other sockets close as it exits, not with this one)
+                    await _exited(serving, EXIT_WAIT_S)
                     raise HandoverRefused("the running daemon went away before it handed everything over")
                 header = json.loads(data)
                 reader.names += header["names"]
@@ -495,6 +499,30 @@ async def request_handover(path: Path, timeout_s: float) -> HandedOver | None:
     finally:
         sock.close()
     return HandedOver(dict(zip(reader.names, reader.fds, strict=True)), "the previous daemon (socket)")
+
+
+async def _exited(pid: int, timeout_s: float) -> None:
+    """Returns once process `pid` has exited (every fd it had closed), or after `timeout_s`."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (OSError, OverflowError):  # (gone already, or not to be watched: nothing to wait for)
+        return
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not exited.done():
+            exited.set_result(None)
+
+    loop.add_reader(pidfd, readable)
+    try:
+        async with asyncio.timeout(timeout_s):
+            await exited
+    except TimeoutError:
+        log.warning("hand-over: the running daemon (pid %d) has not exited after %.0f s", pid, timeout_s)
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
 
 
 def _close_all(fds: list[int]) -> None:
