@@ -30,13 +30,22 @@ seq, then an end marker (seq -1), as vLLM's publisher does. A start seq older th
 (a router that lost track, or restarted after the buffer rolled over) gets a resync instead:
 AllBlocksCleared, then BlockStored for every block the node held as of the last seq sent, per
 topic, each after its parent, all at that seq, then the end marker. A resync is built and sent
-a batch at a time, one at a time, between the loop's other work.
+a batch at a time, one at a time, between the loop's other work: the loop runs every
+`_SNAPSHOT_WALK_STEP` blocks walked whatever their topics (many models, each under a batch's
+worth, fill no batch until the walk's end).
 
 AllBlocksCleared means every block of the publisher (the whole node); a cleared namespace is
-sent as its blocks removed. It is sent in a resync and as seq 0: a daemon starts with nothing
+sent as its blocks removed. It is sent in a resync and from seq 0: a daemon starts with nothing
 in RAM, so a router that sees seq go back (a restart) and replays from 0 drops the blocks of
-the daemon before. Its topic is the template's without a model (`kv@{node}@`): a router
-subscribed to one model's topic only meets it on the replay socket.
+the daemon before. It goes on the template's topic without a model (`kv@{node}@`) and on every
+model's topic the publisher knows, each as its own batch, all before any block stored: a
+router that takes the model from the topic (llm-d's `kv@<pod>@<model>`) applies a clear to the
+topic's model (that of the node's topic is ""), and one subscribed to a single model's topic
+gets its model's live. At the start those are the models of the namespaces known then (the
+tiers' records) whose events are published, at seqs 1, 2, ... after the node's seq 0; in a
+resync every topic published on or held, all at the resync's seq. Several clears in a row are
+harmless: Dynamo and llm-d drop every block of the worker or pod on each (Dynamo's
+`clear_all_blocks`, llm-d's `Index.Clear`), and vLLM's `KVEventBatch` decodes any number.
 
 A restarted daemon publishes what its fs tier still holds: the fs tier keeps each chunk's
 identity record in the chunk file's header and reads them back in the background after the
@@ -89,6 +98,7 @@ Found = list[tuple[ChunkId, bytes | None]]  # a tier's chunks and their identity
 Held = list[tuple[str, bytes, Place]]  # chunk-places held: namespace id, key, place
 _EVENTS_PER_BATCH = 1024  # a resync of a large node is many batches, none too large for a consumer
 _SNAPSHOT_STEP = 4096  # chunk-places a resync goes through before letting the loop run
+_SNAPSHOT_WALK_STEP = 1024  # blocks a resync orders and packs (whatever their topics) before letting it run
 
 
 def place_of(event: KvEvent) -> Place | None:
@@ -203,7 +213,11 @@ class ZmqEventPublisher:
         self._tasks: list[asyncio.Task] = []
         self.counts = PublisherCounts()
 
-    def start(self) -> None:
+    def start(self, namespace_ids: Iterable[str] = (), ram_empty: bool = True) -> None:
+        """namespace_ids: the namespaces known as the daemon starts (those the tiers' records
+        brought back, or a hand-over): their models' topics are told of the empty RAM too.
+        ram_empty False (RAM handed over by the daemon before): nothing is cleared, as what that
+        daemon announced of its RAM still holds."""
         self._pub = self._pub_ctx.socket(zmq.XPUB)
         self._pub.set_hwm(100_000)
         if is_bind_endpoint(self._s.endpoint):
@@ -216,8 +230,10 @@ class ZmqEventPublisher:
             _bind(self._replay, self._s.replay_endpoint, "events_zmq_replay_endpoint")
             self._tasks.append(asyncio.create_task(self._serve_replay(self._replay), name="zmq-replay"))
         self._tasks.append(asyncio.create_task(self._run(), name="zmq-events"))
-        # Seq 0: the node starts with none of its blocks in RAM, whatever a daemon before it said.
-        self._send(self._node_topic(), encode_batch(time.time(), [self._cleared], self._s.data_parallel_rank))
+        # Seq 0 on: the node starts with none of its blocks in RAM, whatever a daemon before it said.
+        cleared = encode_batch(time.time(), [self._cleared], self._s.data_parallel_rank)
+        for topic in self._cleared_topics(namespace_ids) if ram_empty else ():
+            self._send(topic, cleared)
         log.info(
             "KV events: %s %s (replay %s, %s encoding, every %.0f ms)",
             "bound to" if is_bind_endpoint(self._s.endpoint) else "connecting to",
@@ -250,6 +266,17 @@ class ZmqEventPublisher:
     def _node_topic(self) -> bytes:
         """The topic of what concerns every model (AllBlocksCleared)."""
         return self._s.topic.format(node=self._s.node, model="", namespace="").encode()
+
+    def _cleared_topics(self, namespace_ids: Iterable[str] = ()) -> list[bytes]:
+        """Where AllBlocksCleared goes: the node's topic, then every model's topic this publisher
+        has published on or computed (a snapshot's), and those of `namespace_ids` published. A
+        router that takes the model from the topic (llm-d's `kv@<pod>@<model>`) would apply a
+        clear on the node's topic to model "" and keep the real models' blocks, and a router
+        subscribed to one model's topic would never see it."""
+        for ns in namespace_ids:
+            if self._publishes is None or self._publishes(ns):
+                self.topic(ns)
+        return list(dict.fromkeys((self._node_topic(), *self._topics.values())))
 
     # -- what the tiers held before the start ----------------------------------------------
 
@@ -432,36 +459,50 @@ class ZmqEventPublisher:
         seq = max(self.last_seq, 0).to_bytes(8, "big")
         held = self._coalescer.held()
         order: ParentsFirst[int] = ParentsFirst()  # indexes into `held`
+        namespaces: set[str] = set()
         for first in range(0, len(held), _SNAPSHOT_STEP):
-            self._add_to_snapshot(order, held, first, first + _SNAPSHOT_STEP)
+            self._add_to_snapshot(order, held, first, first + _SNAPSHOT_STEP, namespaces)
             await asyncio.sleep(0)
-        for topic, payload in self._snapshot_batches(order, held):
-            await sock.send_multipart((client, b"", topic, seq, payload))
+        for batch in self._snapshot_batches(order, held, namespaces):
+            if batch is not None:
+                await sock.send_multipart((client, b"", batch[0], seq, batch[1]))
             await asyncio.sleep(0)  # (a send that need not wait does not let the loop run)
 
     def snapshot(self) -> Iterator[tuple[bytes, bytes]]:
-        """(topic, batch) for AllBlocksCleared, then every identified block held, per topic, each
-        after its parent, all at once (a resync goes a slice at a time)."""
+        """(topic, batch) for AllBlocksCleared on each topic (_cleared_topics), then every
+        identified block held, per topic, each after its parent, all at once (a resync goes a
+        slice at a time)."""
         held = self._coalescer.held()
         order: ParentsFirst[int] = ParentsFirst()
-        self._add_to_snapshot(order, held, 0, len(held))
-        return self._snapshot_batches(order, held)
+        namespaces: set[str] = set()
+        self._add_to_snapshot(order, held, 0, len(held), namespaces)
+        return (batch for batch in self._snapshot_batches(order, held, namespaces) if batch is not None)
 
-    def _add_to_snapshot(self, order: ParentsFirst[int], held: Held, first: int, end: int) -> None:
+    def _add_to_snapshot(
+        self, order: ParentsFirst[int], held: Held, first: int, end: int, namespaces: set[str]
+    ) -> None:
         for i in range(first, min(end, len(held))):
             ns, key, _ = held[i]
             identity = self._identities.get(ns, key)
             if identity is not None:  # (else unidentified, or gone since the snapshot's seq)
                 order.add(i, identity)
+                namespaces.add(ns)
 
-    def _snapshot_batches(self, order: ParentsFirst[int], held: Held) -> Iterator[tuple[bytes, bytes]]:
-        """AllBlocksCleared, then `order`'s blocks stored, per topic: each batch is made only
-        when it is asked for."""
+    def _snapshot_batches(
+        self, order: ParentsFirst[int], held: Held, namespaces: Iterable[str]
+    ) -> Iterator[tuple[bytes, bytes] | None]:
+        """AllBlocksCleared on the node's topic and on every model's (the snapshot's models
+        included), then `order`'s blocks stored, per topic, each batch sent as it fills: each
+        batch is made only when it is asked for, and None comes every _SNAPSHOT_WALK_STEP
+        blocks, whatever their topics (a resync lets the loop run there; with many models each
+        under a batch's worth, no batch fills until the walk's end)."""
         now, rank = time.time(), self._s.data_parallel_rank
-        yield self._node_topic(), encode_batch(now, [self._cleared], rank)
+        cleared = encode_batch(now, [self._cleared], rank)
+        for topic in self._cleared_topics(namespaces):
+            yield topic, cleared
         pack = msgpack.Packer(use_bin_type=True).pack
         by_topic: dict[bytes, list[bytes]] = {}
-        for i, identity in order:
+        for walked, (i, identity) in enumerate(order, 1):
             ns, _, (medium, locality) = held[i]
             topic = self.topic(ns)
             events = by_topic.setdefault(topic, [])
@@ -469,6 +510,8 @@ class ZmqEventPublisher:
             if len(events) == _EVENTS_PER_BATCH:
                 yield topic, encode_packed_batch(now, events, rank)
                 by_topic[topic] = []
+            if walked % _SNAPSHOT_WALK_STEP == 0:
+                yield None
         for topic, events in by_topic.items():
             if events:
                 yield topic, encode_packed_batch(now, events, rank)

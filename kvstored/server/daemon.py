@@ -273,7 +273,8 @@ class Daemon:
                 self.namespaces.model_of,
                 self._zmq_namespaces(cfg.events_zmq_tenants),
             )
-            self.zmq_events.start()
+            # (the namespaces the tiers' records brought back: their models' topics are cleared too)
+            self.zmq_events.start((ns.namespace_id for ns in self.namespaces.all()), ram_empty=not self.ram.chunk_count)
             self.chain.events.add_listener(self.zmq_events)
             self._carry_identities(self.zmq_events, self.identities, lower)
         for t in lower:

@@ -286,7 +286,8 @@ def test_clear_namespace_reaches_zmq_routers_as_its_keys_removed_only(daemon_fac
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    # AllBlocksCleared only as seq 0 (the daemon's start), on the node's topic (no model)
+    # AllBlocksCleared only as seq 0 (the daemon's start), on the node's topic (no model): a fresh
+    # daemon knows no model yet (one its tiers' records bring back gets its own, at seq 1 on)
     assert [i for i, e in enumerate(events) if isinstance(e, AllBlocksCleared)] == [0]
     assert batches[0][:2] == (b"kv@node-1@", 0)
     batches, events = batches[1:], events[1:]

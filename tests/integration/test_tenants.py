@@ -319,6 +319,14 @@ def test_a_restart_does_not_publish_what_the_disk_holds_of_a_tenant(daemon_facto
         d.start(args)
         assert wait_for(lambda: marker in _replayed_hashes(replay_port), timeout=20)  # the disk read back
         assert not _replayed_hashes(replay_port) & tenant_hashes
+        # From seq 0, AllBlocksCleared on the node's topic and on the topic of each model known
+        # again (llm-d takes the model from the topic), never on the tenant's
+        cleared = [
+            (seq, topic.rsplit(b"@", 1)[1])
+            for topic, seq, payload in replay(replay_port)
+            if msgpack.unpackb(payload)[1] == [{"type": "AllBlocksCleared"}]
+        ]
+        assert cleared == [(0, b""), (1, f"{ns_name}/public".encode())]
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

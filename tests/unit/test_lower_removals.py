@@ -35,7 +35,7 @@ async def test_removals_past_the_backlog_run_a_slice_at_a_time_and_all_are_repor
     queue = TierQueue("counting", concurrency=2, max_backlog=4)
     queue.start()
     try:
-        lower = LowerTier(tier, queue)  # type: ignore[arg-type]
+        lower = LowerTier(tier, queue)
         chunks = [("ns", b"%d" % i) for i in range(3 * DIRECT_REMOVALS)] + [("ns", b"absent")]
         removal = await lower.remove_all(chunks)
     finally:
