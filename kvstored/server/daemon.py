@@ -728,6 +728,8 @@ class Daemon:
         an index that does not add up, RAM starts empty (its pages are all free then)."""
         handed = self._handed
         assert handed is not None
+        # (the same pool, whatever is adopted of it: its clients may map any id given out on it)
+        self.arenas.resume_ids(state.next_arena or max(state.tenants, default=0) + 1)
         try:
             for arena_id, tenant in sorted(state.tenants.items()):
                 fd = handed.take(f"{handover.ARENA_FD}{arena_id}")
@@ -809,6 +811,7 @@ class Daemon:
             snapshot,
             self.held_writes.records(),
             pid_namespace(),
+            self.arenas.next_id,
         )
         fd = handover.write_state_memfd(handover.encode_state(state))
         try:

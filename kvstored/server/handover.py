@@ -106,6 +106,7 @@ class PoolState:
     ram: RamSnapshot  # its ChunkRecords carry their xxh3-64 (None: not taken)
     held: list[HeldRecord] = field(default_factory=list)  # pages clients of ended sessions may still write
     pid_ns: int = 0  # the writer's pid namespace, which the held records' pids are of (0: unknown)
+    next_arena: int = 0  # the next arena id to give out on this pool (0: not known)
 
 
 @dataclass
@@ -174,6 +175,7 @@ def encode_state(state: PoolState) -> bytes:
         "checksums": [r.checksum for r in state.ram.chunks],  # (a None: that chunk has none)
         # (a daemon that predates it ignores the key: it takes those pages as free, as it did)
         "pid_ns": state.pid_ns,
+        "next_arena": state.next_arena,
         "held": [
             [h.session_id, h.pid, h.seconds_left, [[p.arena, _flat(p.runs), p.namespace_id] for p in h.pages]]
             for h in state.held
@@ -239,6 +241,7 @@ def decode_state(frame: bytes) -> PoolState:
             RamSnapshot(int(body["ram"][0]), int(body["ram"][1]), arenas, chunks),
             held,
             int(body.get("pid_ns", 0)),
+            int(body.get("next_arena", 0)),
         )
     except HandoverRefused:
         raise

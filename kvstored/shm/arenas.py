@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import itertools
 import logging
 import mmap
 import os
@@ -71,7 +70,9 @@ class Arena:
 class ArenaSet:
     def __init__(self, pool: SharedPool) -> None:
         self._arenas: dict[int, Arena] = {PUBLIC_ARENA: Arena(PUBLIC_ARENA, "", pool.fd, pool.size, pool.array)}
-        self._ids = itertools.count(1)  # never reused in a run: a client's stale arena id names nothing
+        # Never reused while the pool lives (a hand-over passes it on, see resume_ids): a client
+        # maps an arena by pool and id once, so a reused id would leave it on a dead arena.
+        self.next_id = 1
 
     def __len__(self) -> int:
         return len(self._arenas)
@@ -87,7 +88,8 @@ class ArenaSet:
 
     def create(self, tenant: str, size: int) -> Arena:
         """A new sparse arena of `size` bytes for `tenant` (nothing resident until written)."""
-        arena_id = next(self._ids)
+        arena_id = self.next_id
+        self.next_id += 1
         fd = create_arena_memfd(f"kvstored-arena-{arena_id}", size)
         try:
             mapped = map_fd(fd, size, populate=False)  # populating would allocate the whole arena
@@ -107,8 +109,13 @@ class ArenaSet:
         mapped = map_fd(fd, size, populate=False)  # (its written pages are there: faults are cheap)
         arena = Arena(arena_id, tenant, fd, size, np.frombuffer(mapped, dtype=np.uint8), mapped)
         self._arenas[arena_id] = arena
-        self._ids = itertools.count(max(self._arenas) + 1)
+        self.next_id = max(self.next_id, arena_id + 1)
         return arena
+
+    def resume_ids(self, next_id: int) -> None:
+        """Ids from `next_id` on: the previous daemon gave every id below it out on this pool
+        (arenas it removed included), and its clients may still map them."""
+        self.next_id = max(self.next_id, next_id)
 
     def tenant_arenas(self) -> list[Arena]:
         return [a for i, a in sorted(self._arenas.items()) if i != PUBLIC_ARENA]
