@@ -16,10 +16,11 @@ import time
 import grpc
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from kvstored_client.errors import Unavailable
 from kvstored_client.fast import ENV
 from kvstored_client.ops import NamespaceSpec
 from kvstored_client.protocol import MAX_PACKET
-from kvstored_client.vllm.driver import DaemonLink, FastCall, LinkState, outcome
+from kvstored_client.vllm.driver import DaemonLink, FastCall, LinkState, Outcome, outcome
 from tests.integration.test_fast_path import METRICS_PORT_0, calls
 from tests.support.data import make_keys
 from tests.vllm.harness import SETTLE_LIMIT_S, Engine, exact, kvstored_tier, offload_keys
@@ -27,6 +28,7 @@ from tests.vllm.test_direct import HIT, DirectEngine, same_blocks
 from tests.vllm.test_tier import store_and_cascade
 
 FAST = ("Lookup", "Reserve", "Commit", "Acquire", "Release")
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 CHUNK = 64 << 10
 
 
@@ -130,6 +132,70 @@ def test_a_region_copy_waiting_on_the_daemon_holds_up_no_other_call(own_daemon):
                 assert time.monotonic() < deadline, "the copy never ended"
                 time.sleep(0.001)
             assert outcome(waiting).code is grpc.StatusCode.UNAVAILABLE
+            link.close()
+        finally:
+            os.close(fd)
+
+
+def test_a_region_copy_outlives_its_session_until_the_daemon_lets_go(own_daemon):
+    """The link ends a session for its own reasons (an OpenIndex unanswered in time) while a
+    region copy is unanswered: the copy stays unfinished (its slots are the daemon's) until the
+    daemon has closed the session, which it does once its copies ended; an UNAVAILABLE answer to
+    another call, the session socket being fine, ends nothing."""
+    daemon = own_daemon().start()
+    with tempfile.TemporaryDirectory(prefix="kvfastlink", dir="/dev/shm") as tmp:
+        path = os.path.join(tmp, "region")
+        with open(path, "wb") as fh:
+            fh.truncate(8 * CHUNK)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            link = DaemonLink(daemon.socket, "fast-linger", region_fd=fd, region_name="fast-linger")
+            spec = NamespaceSpec(model="test/fast-linger", dtype="uint8", chunk_bytes=CHUNK, key_bytes=32)
+            ns = link.namespace(spec)
+            assert link.settle(SETTLE_LIMIT_S, (ns,))
+            epoch = link.epoch
+            keys = make_keys("fast-linger", 2)
+
+            def copy(method: str, offset: int) -> FastCall:
+                request = pb.RegionTransferRequest(
+                    session_id=link.session_id,
+                    namespace_id=ns,
+                    region_id=link.region_id,
+                    keys=keys,
+                    offsets=[offset, offset + CHUNK],
+                )
+                call = link.call(method, request)
+                assert isinstance(call, FastCall)
+                return call
+
+            stored = copy("StoreFromRegion", 0)
+            wait_done(link, [stored])
+            assert outcome(stored).response.stored == 2
+
+            link.on_rpc_error(Outcome(error=Unavailable("RegisterNamespace: UNAVAILABLE"), code=UNAVAILABLE))
+            assert link.state is LinkState.READY and link.epoch == epoch  # the session socket is fine
+
+            os.kill(daemon.pid, signal.SIGSTOP)  # the load is sent and cannot be answered
+            try:
+                load = copy("LoadToRegion", 4 * CHUNK)
+                link.fail(Unavailable("kvstored did not answer OpenIndex within 1.0s"))
+                assert link.state is LinkState.DOWN
+                for _ in range(3):
+                    link.poll()
+                    assert not load.done(), "a copy the daemon may be running was ended"
+                    time.sleep(0.01)
+                assert link.closing == 1
+            finally:
+                os.kill(daemon.pid, signal.SIGCONT)
+            wait_done(link, [load])  # its answer, or the daemon's end of the session once the copy ended
+            result = outcome(load)
+            assert result.stale and (result.ok or result.code is UNAVAILABLE), result
+            assert link.closing == 0
+            reconnect(link, ns)
+            assert link.epoch > epoch
+            again = copy("LoadToRegion", 6 * CHUNK)
+            wait_done(link, [again])
+            assert outcome(again).response.loaded == 2  # the new session is not the old one's
             link.close()
         finally:
             os.close(fd)

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import time
 
+import grpc
 import numpy as np
 import pytest
 from vllm.distributed.kv_events import BlockStored, KVEventBatch
@@ -20,10 +21,12 @@ from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from kvstored_client.errors import Unavailable
+from kvstored_client.vllm.driver import Outcome
 from kvstored_client.vllm.plugin import register
 from kvstored_client.vllm.tier import KvstoredMetrics, KvstoredTierManager
 from tests.support.daemon import short_tmpdir
-from tests.vllm.harness import SETTLE_LIMIT_S, Engine, exact, kvstored_tier, offload_keys
+from tests.vllm.harness import END_OF_STEP, SETTLE_LIMIT_S, Engine, exact, kvstored_tier, offload_keys
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 
@@ -423,3 +426,69 @@ def test_chunks_in_the_daemons_ram_are_found_in_its_key_index_without_a_lookup_r
         after = next(t for t in vllm_daemon.stats().tiers if t.name == "ram")
         # The Touches (each key named once, with the lookups it answered) count every one of them.
         assert (after.lookups - ram.lookups, after.hits - ram.hits) == (local_hits, local_hits)
+
+
+MARK = 0xEE
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+
+
+def _unavailable_answer(engine: Engine) -> None:
+    """What namespace_ready() does with a RegisterNamespace answered UNAVAILABLE (gRPC stops
+    before the session socket in a graceful stop): the session socket itself is fine."""
+    engine.tier.link.on_rpc_error(Outcome(error=Unavailable("RegisterNamespace: UNAVAILABLE"), code=UNAVAILABLE))
+
+
+def _no_open_index_answer(engine: Engine) -> None:
+    """What the link does with an OpenIndex (OpenArena) unanswered within the connect timeout:
+    it ends the session, while the daemon lives."""
+    engine.tier.link.fail(Unavailable("kvstored did not answer OpenIndex within 1.0s"))
+
+
+@pytest.mark.parametrize("trigger", [_unavailable_answer, _no_open_index_answer], ids=["unavailable", "open_index"])
+def test_a_load_ends_only_once_the_daemon_stopped_writing_its_slots(own_daemon, trigger):
+    """The session ends (or is thought to) for a client-side reason while a load is copying into
+    the primary region: the load is reported (and its slots given back to vLLM) only once the
+    daemon no longer writes them, never while its copy still runs."""
+    daemon = own_daemon(cpu_bytes="512MiB", populate=False).start()
+    keys = offload_keys("early-fail", 16)
+    with Engine([kvstored_tier(daemon)], cpu_bytes=300 << 20, bytes_per_block=4 << 20, blocks_per_chunk=4) as engine:
+        store_and_cascade(engine, keys)
+        engine.evict_primary()
+        tier = engine.tier
+        running = 0  # times the copies were under way when the session ended
+        for delay in (0.0, 0.001, 0.003, 0.006, 0.01, 0.015, 0.02, 0.03, 0.0, 0.002, 0.004, 0.008):
+            ctx = engine.request()
+            deadline = time.monotonic() + SETTLE_LIMIT_S
+            while True:  # until the daemon answered HIT and vLLM queued the promotions
+                with engine.manager.lock:
+                    answers = [engine.manager.lookup(k, ctx) for k in keys]
+                if all(a is LookupResult.HIT_PENDING for a in answers):
+                    break
+                engine.step()
+                assert time.monotonic() < deadline
+                time.sleep(0.002)
+            with engine.manager.lock:
+                engine.manager.on_schedule_end(END_OF_STEP)  # the loads are sent
+                [transfer] = [t for t in tier._running.values() if t.is_load]
+                rows = [(o - tier._region_base) // tier.block_size_bytes for o in transfer.offsets]
+            time.sleep(delay)
+            with engine.manager.lock:
+                running += any(getattr(f, "answer", None) is None for f, _ in transfer.futures)
+                trigger(engine)
+            while True:  # vLLM's own poll, until the job is reported
+                with engine.manager.lock:
+                    engine.manager._process_finished_jobs()
+                    if transfer.job_id not in engine.manager._jobs:
+                        break
+                assert time.monotonic() < deadline, "the load was never reported"
+                time.sleep(0.001)
+            # vLLM freed those primary slots: its next GPU->CPU store writes there
+            for r in rows:
+                engine.rows[r] = MARK
+            time.sleep(0.3)
+            overwritten = [r for r in rows if not (engine.rows[r] == MARK).all()]
+            assert not overwritten, f"delay {delay}: the daemon wrote slots after the tier reported the load"
+            engine.finish(ctx)
+            wait_connected(engine)
+            engine.evict_primary()  # (a load that succeeded put them in the primary tier)
+        assert running, "every load had ended before the session did: nothing was tested"

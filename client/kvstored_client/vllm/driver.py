@@ -12,8 +12,16 @@ State machine:  DOWN --(retry time reached)--> HELLO --(Welcome)--> ATTACH --(Re
 Any failure returns to DOWN with an exponential backoff. A link that maps the pool (keep_pool_fd)
 also opens, while READY, the arenas of the tenant namespaces it registers (OpenArena, one at a
 time): such a namespace is ready only once its arena is (`arena_fds`). A daemon restart shows up as the session
-socket closing (or as UNAVAILABLE / unknown-session errors) and starts a new session: the region is
-attached again and namespaces are registered again (`epoch` counts sessions).
+socket closing (or as unknown-session errors) and starts a new session: the region is attached
+again and namespaces are registered again (`epoch` counts sessions). UNAVAILABLE on a call ends
+the session only where the session socket is gone too: gRPC stops before the session socket does.
+
+A session that ends (for the client's own reasons) while region copies it sent on the session
+socket are unanswered does not end them at once: the daemon may be copying them right now, into
+or out of slots the caller would then reuse. Its socket is half-closed instead and read on (one
+`_Closing` per such session, beside the next session) until the daemon closes its side, which it
+does once its copies have ended; those copies end then, or with their own answers (outcome
+unknown: UNAVAILABLE, after ops.REGION_COPY_GRACE_S at most).
 
 The channel and the session are created lazily in the process that uses them, and dropped when a
 fork is noticed: vLLM builds its scheduler-side objects after forking EngineCore.
@@ -54,7 +62,7 @@ from kvstored_client.errors import (
     from_rpc_error,
 )
 from kvstored_client.keyindex import KeyIndexView, open_view
-from kvstored_client.ops import NamespaceSpec
+from kvstored_client.ops import REGION_COPY_GRACE_S, NamespaceSpec
 from kvstored_client.paths import session_socket_path
 from kvstored_client.protocol import (
     CHANNEL_OPTIONS,
@@ -74,6 +82,9 @@ log = logging.getLogger(__name__)
 
 # The server has dropped what this session set up: start a new session at once.
 SESSION_LOST = (UnknownSession, UnknownRegion)
+# Calls that copy between the client's region and the daemon: outstanding, they keep an ended
+# session's socket open (half-closed) until the daemon has ended them (see _Closing).
+REGION_COPIES = frozenset({"LoadToRegion", "StoreFromRegion"})
 
 
 def arena_key(pool_id: str, arena: int) -> str:
@@ -202,6 +213,18 @@ Call: TypeAlias = "grpc.Future | FastCall"  # what DaemonLink.call starts
 
 
 @dataclass
+class _Closing:
+    """An ended session whose region copies were unanswered: its socket, half-closed (nothing more
+    is sent on it), is read until the daemon closes its side (it does once the copies it runs
+    have ended) or until `until`; its copies end with their answers, or then."""
+
+    sock: socket.socket
+    pending: dict[int, FastCall]  # the region copies not answered yet, by call id
+    until: float
+    epoch: int
+
+
+@dataclass
 class LinkCounters:
     sessions_opened: int = 0
     failures: int = 0
@@ -271,6 +294,7 @@ class DaemonLink:
         self._pending: dict[int, FastCall] = {}  # fast calls sent, by call id
         self._call_ids = itertools.count(1)
         self._control: deque[tuple[bytes, list[int]]] = deque()  # session replies without a call id
+        self._closing: list[_Closing] = []  # ended sessions the daemon may still be copying for
 
     # -- connection -------------------------------------------------------------------------
 
@@ -281,6 +305,7 @@ class DaemonLink:
     def poll(self) -> bool:
         """Advance the connection without blocking; True when the session is ready."""
         self._check_fork()
+        self._read_closing()
         now = time.monotonic()
         try:
             if self.state is LinkState.READY:
@@ -347,13 +372,27 @@ class DaemonLink:
         elif isinstance(result.error, UnknownNamespace):
             for ns in self._namespaces.values():
                 ns.epoch = -1  # the daemon forgot them: register again
-        elif result.code is grpc.StatusCode.UNAVAILABLE:
+        elif result.code is grpc.StatusCode.UNAVAILABLE and not self._session_alive():
+            # (With the session socket up, the session is: this call failed alone, e.g. gRPC
+            # stopping before the session socket in a graceful stop, which then ends the session.)
             self.fail(result.error or Unavailable("UNAVAILABLE"))
+
+    def _session_alive(self) -> bool:
+        """Whether this session's socket is open at both ends (a handshake under way included)."""
+        return self._sock is not None and self.state is not LinkState.DOWN and not session.peer_closed(self._sock)
+
+    @property
+    def closing(self) -> int:
+        """Region copies of ended sessions the daemon may still be running (see _Closing)."""
+        return sum(len(c.pending) for c in self._closing)
 
     def close(self) -> None:
         if self._fork.forked():
             self._channel = self._stub = None  # the parent's: not ours to close
-        self._close_session()
+        self._close_session(linger=False)
+        for closing in self._closing:
+            self._end_closing(closing, "the link was closed")
+        self._closing = []
         if self._channel is not None:
             self._channel.close()
         self._channel = self._stub = None
@@ -395,6 +434,7 @@ class DaemonLink:
         deadline passed. A late answer is recognised by its call id and dropped, so a Lookup past
         its deadline ends alone (it grants nothing); any other call ends the session, since what
         its late answer grants (slots, leases) would be held by nobody."""
+        self._read_closing()
         self._read()
         if not self._pending:
             return
@@ -413,17 +453,19 @@ class DaemonLink:
 
     def forget(self, call: FastCall) -> None:
         """Stop waiting for a call's answer (cancelled); an answer still coming is dropped."""
-        for call_id, pending in list(self._pending.items()):
-            if pending is call:
-                del self._pending[call_id]
+        for calls in [self._pending] + [c.pending for c in self._closing]:
+            for call_id, pending in list(calls.items()):
+                if pending is call:
+                    del calls[call_id]
 
     def wait_readable(self, timeout: float) -> None:
         """Block until the session socket has something to read, at most `timeout` (drain and
         shutdown code only)."""
-        if self._sock is None:
+        socks = [c.sock for c in self._closing] + ([self._sock] if self._sock is not None else [])
+        if not socks:
             time.sleep(timeout)
             return
-        select.select([self._sock], [], [], max(timeout, 0.0))
+        select.select(socks, [], [], max(timeout, 0.0))
 
     def _read(self) -> None:
         """Every packet waiting on the session socket: fast-path answers end their calls, the rest
@@ -460,33 +502,109 @@ class DaemonLink:
                 self._control.append((data, fds))
                 continue
             call = self._pending.pop(reply.call_id, None)
-            if call is None:  # cancelled meanwhile
-                continue
-            if self.observe is not None and reply.error.kind != REPLY_TOO_LARGE:  # (else timed as gRPC's)
-                self.observe(call.method, time.perf_counter() - call.started)
-            try:
-                response = fast.response_of(call.method, reply)
-            except KvstoredError as exc:
-                code = getattr(grpc.StatusCode, reply.error.code, grpc.StatusCode.UNKNOWN)
-                call.answer = Outcome(error=exc, code=code if reply.HasField("error") else grpc.StatusCode.UNAVAILABLE)
-                continue
-            if response is None:  # the answer did not fit a packet: ask over gRPC
-                left = None if call.deadline is None else max(call.deadline - time.monotonic(), 0.0)
-                call.fallback = self._grpc_call(call.method, call.request, left)
-            else:
-                call.answer = Outcome(response=response)
+            if call is not None:  # (else cancelled meanwhile)
+                self._answer(call, reply, stale=False)
 
-    def _end_pending(self) -> None:
-        """The session ended: its fast calls end as gRPC's do when the daemon goes away."""
+    def _answer(self, call: FastCall, reply: pb.SessionReply, stale: bool) -> None:
+        """End a fast call with its answer. `stale`: read on an ended session's socket (nothing
+        for the link to act on, and no asking over gRPC in a session that is gone)."""
+        if self.observe is not None and reply.error.kind != REPLY_TOO_LARGE:  # (else timed as gRPC's)
+            self.observe(call.method, time.perf_counter() - call.started)
+        try:
+            response = fast.response_of(call.method, reply)
+        except KvstoredError as exc:
+            code = getattr(grpc.StatusCode, reply.error.code, grpc.StatusCode.UNKNOWN)
+            code = code if reply.HasField("error") else grpc.StatusCode.UNAVAILABLE
+            call.answer = Outcome(error=exc, code=code, stale=stale)
+            return
+        if response is None and stale:
+            _end_call(call, "its answer did not fit a packet after its session ended")
+        elif response is None:  # the answer did not fit a packet: ask over gRPC
+            left = None if call.deadline is None else max(call.deadline - time.monotonic(), 0.0)
+            call.fallback = self._grpc_call(call.method, call.request, left)
+        else:
+            call.answer = Outcome(response=response, stale=stale)
+
+    def _end_pending(self, linger: bool) -> None:
+        """The session ended: its fast calls end as gRPC's do when the daemon goes away, but for
+        its region copies when `linger`: those end once the daemon is done with them (_Closing)."""
+        sock, self._sock = self._sock, None
         pending, self._pending = self._pending, {}
-        for call in pending.values():
-            call.answer = Outcome(
-                error=Unavailable(
-                    f"{call.method}: the session ended before the answer (kvstored restarted or stopped)"
-                ),
-                code=grpc.StatusCode.UNAVAILABLE,
-                stale=True,
+        copies = {i: c for i, c in pending.items() if linger and c.method in REGION_COPIES}
+        for call_id, call in pending.items():
+            if call_id not in copies:
+                _end_call(call, "the session ended before the answer (kvstored restarted or stopped)")
+        if sock is None:
+            for call in copies.values():
+                _end_call(call, "the session ended before the answer (kvstored restarted or stopped)")
+            return
+        if copies:
+            try:
+                sock.shutdown(socket.SHUT_WR)  # the daemon reads the end of the session, and answers on
+            except OSError:
+                pass  # (already broken: the read below sees it)
+            now = time.monotonic()
+            ends = [now] + [c.deadline for c in copies.values() if c.deadline is not None]
+            closing = _Closing(sock, copies, max(ends) + REGION_COPY_GRACE_S, self.epoch)
+            log.debug(
+                "kvstored session %d ended with %d region copies unanswered: awaiting them", self.epoch, len(copies)
             )
+            self._closing.append(closing)
+            self._read_closing()
+        else:
+            sock.close()
+
+    def _read_closing(self) -> None:
+        """Read the ended sessions' sockets (never blocking): answers end their copies; the
+        daemon's end of the session, or the bound, ends the rest and the socket."""
+        if not self._closing:
+            return
+        still = []
+        for closing in self._closing:
+            ended = self._read_ended(closing)
+            if ended is None and time.monotonic() > closing.until:
+                ended = f"no answer within {REGION_COPY_GRACE_S:.0f} s after the session ended (outcome unknown)"
+                log.warning("kvstored session %d: %d region copies %s", closing.epoch, len(closing.pending), ended)
+            if ended is None and not closing.pending:
+                ended = ""  # every copy answered: nothing more to read
+            if ended is None:
+                still.append(closing)
+            else:
+                self._end_closing(closing, ended)
+        self._closing = still
+
+    def _read_ended(self, closing: _Closing) -> str | None:
+        """Every packet waiting on an ended session's socket; why its copies end (the daemon
+        closed the session), or None while it is open."""
+        while True:
+            try:
+                data, fds, flags, _addr = socket.recv_fds(
+                    closing.sock, FAST_REPLY_MAX + 1, MAX_FDS, socket.MSG_DONTWAIT
+                )
+            except BlockingIOError:
+                return None
+            except OSError as exc:
+                return f"the session ended before the answer ({exc})"
+            for fd in fds:
+                os.close(fd)  # (OpenArena's, OpenIndex's: of no use in an ended session)
+            if not data:
+                return "the session ended before the answer (kvstored closed it once its copies ended)"
+            if flags & socket.MSG_TRUNC:
+                continue
+            try:
+                reply = pb.SessionReply.FromString(data)
+            except DecodeError:
+                continue
+            call = closing.pending.pop(reply.call_id, None) if reply.call_id else None
+            if call is not None:
+                self._answer(call, reply, stale=True)
+
+    @staticmethod
+    def _end_closing(closing: _Closing, why: str) -> None:
+        for call in closing.pending.values():
+            _end_call(call, why)
+        closing.pending = {}
+        closing.sock.close()
 
     def namespace(self, spec: NamespaceSpec) -> str:
         """The namespace id (computed locally, like every daemon does); starts tracking it."""
@@ -617,6 +735,7 @@ class DaemonLink:
             self.indexes = {}  # (the parent's mappings stay, unused)
             self._indexes_wanted, self._index_asked = [], None
             self._pending = {}  # the parent's calls
+            self._closing = []  # (the parent's sockets: not ours to close)
             self._control.clear()
             self.state = LinkState.DOWN
             self._backoff.skip()
@@ -690,10 +809,8 @@ class DaemonLink:
         self._backoff.succeeded()
         self.health.reachable()
 
-    def _close_session(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+    def _close_session(self, linger: bool = True) -> None:
+        """End the session (see _end_pending for `linger`)."""
         self._handshake = None
         if self.pool_fd is not None:
             os.close(self.pool_fd)
@@ -712,7 +829,7 @@ class DaemonLink:
             for fd in fds:
                 os.close(fd)
         self._control.clear()
-        self._end_pending()
+        self._end_pending(linger)
         self._serves_fast = _nothing_fast
         self.state = LinkState.DOWN
         self.session_id = ""
@@ -721,6 +838,11 @@ class DaemonLink:
 
 def _nothing_fast(method: str) -> bool:
     return False
+
+
+def _end_call(call: FastCall, why: str) -> None:
+    """End a fast call whose answer will not come: UNAVAILABLE, as gRPC's when the daemon goes away."""
+    call.answer = Outcome(error=Unavailable(f"{call.method}: {why}"), code=grpc.StatusCode.UNAVAILABLE, stale=True)
 
 
 def _listening_but(socket_path: Path, exc: BaseException) -> Condition:

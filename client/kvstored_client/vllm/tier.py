@@ -26,7 +26,9 @@ cascades) and loads fail so vLLM recomputes; the link reconnects by itself.
 One rule is never relaxed: a transfer the daemon may still be executing is never reported as
 finished, since the daemon would still be reading or writing the primary slots vLLM then reuses.
 A started transfer therefore has no client deadline; it ends when the daemon answers, or when the
-daemon dies (its connection breaks). drain_jobs() waits for exactly that.
+daemon dies (its connection breaks). A session the link ends while the daemon lives (driver.py:
+_Closing) ends its transfers only once the daemon has closed its side, after its copies.
+drain_jobs() waits for exactly that.
 """
 
 from __future__ import annotations
