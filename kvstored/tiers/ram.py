@@ -517,26 +517,25 @@ class RamTier:
             self._listener.added(entry.chunk)
 
     def abort(self, entry: RamEntry) -> None:
-        if entry.state is not EntryState.RESERVED:
-            raise ValueError("abort of a chunk that is not reserved")
-        if entry.unkeyed:
-            entry.unkeyed = False
-            self._unkeyed_pages -= entry.pages
-        self._unindex(entry)
+        self._unreserve(entry, "abort")
         self._free(entry)
 
     def hold(self, entry: RamEntry) -> None:
         """Keep a reservation's pages from other chunks without its key: its writer may still be
         copying into them (a session ended under it). The key is free to reserve again at once;
         the pages stay counted as used until free_held()."""
+        self._unreserve(entry, "hold")
+        entry.state = EntryState.HELD
+        self._held_pages += entry.pages
+
+    def _unreserve(self, entry: RamEntry, op: str) -> None:
+        """A reservation gives up its key (and its unkeyed count); its pages stay for the caller."""
         if entry.state is not EntryState.RESERVED:
-            raise ValueError("hold of a chunk that is not reserved")
+            raise ValueError(f"{op} of a chunk that is not reserved")
         if entry.unkeyed:
             entry.unkeyed = False
             self._unkeyed_pages -= entry.pages
         self._unindex(entry)
-        entry.state = EntryState.HELD
-        self._held_pages += entry.pages
 
     def free_held(self, entry: RamEntry) -> None:
         if entry.state is not EntryState.HELD or not entry.runs:
