@@ -212,6 +212,16 @@ async def pack_keys(raw, bucket) -> list[tuple[str, int]]:
     return [(o["Key"], int(o["Size"])) for o in page.get("Contents", ())]
 
 
+async def one_pack(tier, raw, bucket, n: int) -> tuple[list, tuple[str, int]]:
+    """Chunks 0..n-1 written and sent as one pack: the chunks, and the pack's (key, size)."""
+    chunks = [chunk_of(i) for i in range(n)]
+    for c in chunks:
+        await write(tier, c)
+    await tier.flush()
+    ((key, size),) = await pack_keys(raw, bucket)
+    return chunks, (key, size)
+
+
 async def test_chunks_fill_packs_one_put_each_and_read_back_exact(make_tier, raw, bucket):
     tier = await make_tier(prefix="kv/")
     chunks = [chunk_of(i) for i in range(10)]
@@ -418,11 +428,7 @@ async def test_a_corrupt_record_is_a_miss_and_leaves_the_index_the_others_still_
 
 async def test_a_truncated_pack_is_a_miss_dropped_whole_and_deleted(make_tier, raw, bucket):
     tier = await make_tier(prefix="kv/")
-    chunks = [chunk_of(i) for i in range(2)]
-    for c in chunks:
-        await write(tier, c)
-    await tier.flush()
-    ((key, size),) = await pack_keys(raw, bucket)
+    chunks, (key, size) = await one_pack(tier, raw, bucket, 2)
     await overwrite(raw, bucket, key, (await get(raw, bucket, key))[: RECORD + 100])
     assert await read(tier, chunks[1]) is None
     assert await tier.contains(chunks) == [False, False]
@@ -447,11 +453,7 @@ async def test_a_pack_with_a_damaged_index_is_deleted_at_start(make_tier, raw, b
 
 async def test_a_pack_deleted_under_a_reader_is_a_miss_and_the_index_heals(make_tier, raw, bucket):
     tier = await make_tier(prefix="kv/")
-    chunks = [chunk_of(i) for i in range(2)]
-    for c in chunks:
-        await write(tier, c)
-    await tier.flush()
-    ((key, _size),) = await pack_keys(raw, bucket)
+    chunks, (key, _size) = await one_pack(tier, raw, bucket, 2)
     await raw.delete_object(Bucket=bucket, Key=key)
     assert await read(tier, chunks[0]) is None
     assert await tier.contains(chunks) == [False, False]
@@ -668,11 +670,7 @@ async def tombstones_stored(raw, bucket) -> list[list]:
 
 async def test_a_tombstone_names_its_callers_chunks_not_every_one_still_owed(make_tier, raw, bucket):
     tier = await make_tier(prefix="kv/")
-    chunks = [chunk_of(i) for i in range(3)]
-    for c in chunks:
-        await write(tier, c)
-    await tier.flush()
-    ((key, _size),) = await pack_keys(raw, bucket)
+    chunks, (key, _size) = await one_pack(tier, raw, bucket, 3)
     fail_tombstones(tier)
     with pytest.raises(TierUnavailable, match="cannot store tombstone"):
         await tier.remove(chunks[0])

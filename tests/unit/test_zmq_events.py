@@ -133,6 +133,22 @@ class _Node:
         await self.publisher.close()
 
 
+def _router(ctx: zmq.Context, port: int, topic: bytes) -> zmq.Socket:
+    """A router's SUB socket: it binds, the node's PUB connects (llm-d's shape)."""
+    sub = ctx.socket(zmq.SUB)
+    sub.bind(f"tcp://127.0.0.1:{port}")
+    sub.subscribe(topic)
+    return sub
+
+
+def _flush_until_sent(node: _Node, sub: zmq.Socket) -> None:
+    """Flush until `sub` has something to read (its subscription has come through; batches wait till then)."""
+    for _ in range(200):
+        node.publisher.flush()
+        if sub.poll(50):
+            return
+
+
 def _recv(sock: zmq.Socket) -> tuple[bytes, int, list]:
     assert sock.poll(RECV_GUARD_MS), "no batch came"
     topic, seq, payload = sock.recv_multipart()
@@ -148,14 +164,9 @@ async def test_connects_to_a_router_that_binds_and_holds_batches_until_it_subscr
             _stored(node.bus, "ram", TierKind.RAM, NS_A, 0, 1)
             node.publisher.flush()  # no router yet: held (after seq 0, AllBlocksCleared)
             assert node.publisher.last_seq == 1
-            sub = ctx.socket(zmq.SUB)  # the router binds, the node's PUB connects (llm-d's shape)
-            sub.bind(f"tcp://127.0.0.1:{port}")
-            sub.subscribe(b"kv@")
+            sub = _router(ctx, port, b"kv@")
             _stored(node.bus, "ram", TierKind.RAM, NS_B, 2)
-            for _ in range(200):  # until the subscription has come through (ZMQ reconnects by itself)
-                node.publisher.flush()
-                if sub.poll(50):
-                    break
+            _flush_until_sent(node, sub)  # until the subscription has come through (ZMQ reconnects by itself)
             received = [_recv(sub), _recv(sub), _recv(sub)]
     finally:
         ctx.destroy(linger=0)
@@ -181,13 +192,8 @@ async def test_held_batches_are_bounded_while_no_router_is_there():
                 _stored(node.bus, "ram", TierKind.RAM, NS_A, i)
                 node.publisher.flush()
             assert node.publisher.counts.held_dropped == 4  # seq 0 (AllBlocksCleared) and 1-3
-            sub = ctx.socket(zmq.SUB)
-            sub.bind(f"tcp://127.0.0.1:{port}")
-            sub.subscribe(b"")
-            for _ in range(200):
-                node.publisher.flush()
-                if sub.poll(50):
-                    break
+            sub = _router(ctx, port, b"")
+            _flush_until_sent(node, sub)
             got = [_recv(sub)[1] for _ in range(2)]
     finally:
         ctx.destroy(linger=0)
@@ -285,9 +291,7 @@ async def _received_by_one_models_subscriber(also_model_a: bool) -> list[bytes]:
     got = []
     try:
         async with _Node(settings) as node:
-            sub = ctx.socket(zmq.SUB)
-            sub.bind(f"tcp://127.0.0.1:{port}")
-            sub.subscribe(b"kv@n1@org/model-b")
+            sub = _router(ctx, port, b"kv@n1@org/model-b")
             for _ in range(200):  # until the subscription came through
                 node.publisher.flush()
                 if node.publisher._subscriptions:
@@ -323,13 +327,8 @@ async def test_held_batches_go_to_the_topics_subscribed_and_the_others_are_dropp
                 node.publisher.flush()
                 _stored(node.bus, "ram", TierKind.RAM, NS_B, i)
                 node.publisher.flush()
-            sub = ctx.socket(zmq.SUB)
-            sub.bind(f"tcp://127.0.0.1:{port}")
-            sub.subscribe(b"kv@n1@org/model-b")
-            for _ in range(200):
-                node.publisher.flush()
-                if sub.poll(50):
-                    break
+            sub = _router(ctx, port, b"kv@n1@org/model-b")
+            _flush_until_sent(node, sub)
             got = [_recv(sub)[:2] for _ in range(3)]
             assert not sub.poll(200)
             assert not node.publisher._held
@@ -390,14 +389,9 @@ async def test_a_starting_daemon_clears_every_known_models_topic_not_only_the_no
     ctx = zmq.Context()
     try:
         async with _Node(settings, known=[NS_A, tenant, NS_B, NS_A], publishes=MODELS.__contains__) as node:
-            sub = ctx.socket(zmq.SUB)  # a router for model-b only
-            sub.bind(f"tcp://127.0.0.1:{port}")
-            sub.subscribe(b"kv@n1@org/model-b")
+            sub = _router(ctx, port, b"kv@n1@org/model-b")  # a router for model-b only
             _stored(node.bus, "ram", TierKind.RAM, NS_B, 0)
-            for _ in range(200):  # until the subscription has come through: held till then
-                node.publisher.flush()
-                if sub.poll(50):
-                    break
+            _flush_until_sent(node, sub)  # until the subscription has come through: held till then
             live = [_recv(sub), _recv(sub)]
             raw = await asyncio.to_thread(replay, replay_port, 0)
     finally:

@@ -8,10 +8,12 @@ KVSTORED_FAST_PATH=0 switch go over gRPC."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import tempfile
 import time
+from collections.abc import Iterator
 
 import grpc
 
@@ -81,60 +83,67 @@ def test_the_tiers_lookups_and_copies_are_fast_path_calls(own_daemon, monkeypatc
     assert again_handled["Lookup"] > handled["Lookup"]
 
 
-def test_a_region_copy_waiting_on_the_daemon_holds_up_no_other_call(own_daemon):
-    """Region copies have no deadline in the tier: several in flight on one session, each
-    matched to its answer, lookups answered meanwhile; a daemon gone mid-copy ends them."""
-    daemon = own_daemon().start()
+@contextlib.contextmanager
+def region_link(daemon, name: str) -> Iterator[tuple[DaemonLink, str]]:
+    """A link with a region of 8 chunks attached and a namespace registered: (link, namespace id)."""
     with tempfile.TemporaryDirectory(prefix="kvfastlink", dir="/dev/shm") as tmp:
         path = os.path.join(tmp, "region")
         with open(path, "wb") as fh:
             fh.truncate(8 * CHUNK)
         fd = os.open(path, os.O_RDWR)
+        link = DaemonLink(daemon.socket, name, region_fd=fd, region_name=name)
         try:
-            link = DaemonLink(daemon.socket, "fast-region", region_fd=fd, region_name="fast-region")
-            spec = NamespaceSpec(model="test/fast-region", dtype="uint8", chunk_bytes=CHUNK, key_bytes=32)
+            spec = NamespaceSpec(model=f"test/{name}", dtype="uint8", chunk_bytes=CHUNK, key_bytes=32)
             ns = link.namespace(spec)
             assert link.settle(SETTLE_LIMIT_S, (ns,))
-            seen: list[str] = []  # (the benches' per-call latency hook)
-            link.observe = lambda method, seconds: seen.append(method)
-            keys = make_keys("fast-region", 8)
-
-            def copy(method: str, i: int):
-                request = pb.RegionTransferRequest(
-                    session_id=link.session_id,
-                    namespace_id=ns,
-                    region_id=link.region_id,
-                    keys=keys[i : i + 2],
-                    offsets=[i * CHUNK, (i + 1) * CHUNK],
-                )
-                return link.call(method, request)
-
-            stores = [copy("StoreFromRegion", i) for i in range(0, 8, 2)]
-            lookup = link.call("Lookup", pb.LookupRequest(session_id=link.session_id, namespace_id=ns, keys=keys))
-            assert all(isinstance(f, FastCall) for f in [*stores, lookup])
-            wait_done(link, [*stores, lookup])
-            assert [outcome(f).response.stored for f in stores] == [2] * 4
-            loads = [copy("LoadToRegion", i) for i in range(0, 8, 2)]
-            wait_done(link, loads)
-            assert [outcome(f).response.loaded for f in loads] == [2] * 4
-            assert sorted(seen) == ["LoadToRegion"] * 4 + ["Lookup"] + ["StoreFromRegion"] * 4
-
-            os.kill(daemon.pid, signal.SIGSTOP)  # copies sent and not answered...
-            try:
-                waiting = copy("LoadToRegion", 0)
-                link.poll()
-                assert not waiting.done()
-            finally:
-                daemon.kill()  # ... end when the daemon goes (the session with it)
-            deadline = time.monotonic() + SETTLE_LIMIT_S
-            while not waiting.done():
-                link.poll()
-                assert time.monotonic() < deadline, "the copy never ended"
-                time.sleep(0.001)
-            assert outcome(waiting).code is grpc.StatusCode.UNAVAILABLE
-            link.close()
+            yield link, ns
         finally:
+            link.close()
             os.close(fd)
+
+
+def test_a_region_copy_waiting_on_the_daemon_holds_up_no_other_call(own_daemon):
+    """Region copies have no deadline in the tier: several in flight on one session, each
+    matched to its answer, lookups answered meanwhile; a daemon gone mid-copy ends them."""
+    daemon = own_daemon().start()
+    with region_link(daemon, "fast-region") as (link, ns):
+        seen: list[str] = []  # (the benches' per-call latency hook)
+        link.observe = lambda method, seconds: seen.append(method)
+        keys = make_keys("fast-region", 8)
+
+        def copy(method: str, i: int):
+            request = pb.RegionTransferRequest(
+                session_id=link.session_id,
+                namespace_id=ns,
+                region_id=link.region_id,
+                keys=keys[i : i + 2],
+                offsets=[i * CHUNK, (i + 1) * CHUNK],
+            )
+            return link.call(method, request)
+
+        stores = [copy("StoreFromRegion", i) for i in range(0, 8, 2)]
+        lookup = link.call("Lookup", pb.LookupRequest(session_id=link.session_id, namespace_id=ns, keys=keys))
+        assert all(isinstance(f, FastCall) for f in [*stores, lookup])
+        wait_done(link, [*stores, lookup])
+        assert [outcome(f).response.stored for f in stores] == [2] * 4
+        loads = [copy("LoadToRegion", i) for i in range(0, 8, 2)]
+        wait_done(link, loads)
+        assert [outcome(f).response.loaded for f in loads] == [2] * 4
+        assert sorted(seen) == ["LoadToRegion"] * 4 + ["Lookup"] + ["StoreFromRegion"] * 4
+
+        os.kill(daemon.pid, signal.SIGSTOP)  # copies sent and not answered...
+        try:
+            waiting = copy("LoadToRegion", 0)
+            link.poll()
+            assert not waiting.done()
+        finally:
+            daemon.kill()  # ... end when the daemon goes (the session with it)
+        deadline = time.monotonic() + SETTLE_LIMIT_S
+        while not waiting.done():
+            link.poll()
+            assert time.monotonic() < deadline, "the copy never ended"
+            time.sleep(0.001)
+        assert outcome(waiting).code is grpc.StatusCode.UNAVAILABLE
 
 
 def test_a_region_copy_outlives_its_session_until_the_daemon_lets_go(own_daemon):
@@ -143,62 +152,50 @@ def test_a_region_copy_outlives_its_session_until_the_daemon_lets_go(own_daemon)
     daemon has closed the session, which it does once its copies ended; an UNAVAILABLE answer to
     another call, the session socket being fine, ends nothing."""
     daemon = own_daemon().start()
-    with tempfile.TemporaryDirectory(prefix="kvfastlink", dir="/dev/shm") as tmp:
-        path = os.path.join(tmp, "region")
-        with open(path, "wb") as fh:
-            fh.truncate(8 * CHUNK)
-        fd = os.open(path, os.O_RDWR)
+    with region_link(daemon, "fast-linger") as (link, ns):
+        epoch = link.epoch
+        keys = make_keys("fast-linger", 2)
+
+        def copy(method: str, offset: int) -> FastCall:
+            request = pb.RegionTransferRequest(
+                session_id=link.session_id,
+                namespace_id=ns,
+                region_id=link.region_id,
+                keys=keys,
+                offsets=[offset, offset + CHUNK],
+            )
+            call = link.call(method, request)
+            assert isinstance(call, FastCall)
+            return call
+
+        stored = copy("StoreFromRegion", 0)
+        wait_done(link, [stored])
+        assert outcome(stored).response.stored == 2
+
+        link.on_rpc_error(Outcome(error=Unavailable("RegisterNamespace: UNAVAILABLE"), code=UNAVAILABLE))
+        assert link.state is LinkState.READY and link.epoch == epoch  # the session socket is fine
+
+        os.kill(daemon.pid, signal.SIGSTOP)  # the load is sent and cannot be answered
         try:
-            link = DaemonLink(daemon.socket, "fast-linger", region_fd=fd, region_name="fast-linger")
-            spec = NamespaceSpec(model="test/fast-linger", dtype="uint8", chunk_bytes=CHUNK, key_bytes=32)
-            ns = link.namespace(spec)
-            assert link.settle(SETTLE_LIMIT_S, (ns,))
-            epoch = link.epoch
-            keys = make_keys("fast-linger", 2)
-
-            def copy(method: str, offset: int) -> FastCall:
-                request = pb.RegionTransferRequest(
-                    session_id=link.session_id,
-                    namespace_id=ns,
-                    region_id=link.region_id,
-                    keys=keys,
-                    offsets=[offset, offset + CHUNK],
-                )
-                call = link.call(method, request)
-                assert isinstance(call, FastCall)
-                return call
-
-            stored = copy("StoreFromRegion", 0)
-            wait_done(link, [stored])
-            assert outcome(stored).response.stored == 2
-
-            link.on_rpc_error(Outcome(error=Unavailable("RegisterNamespace: UNAVAILABLE"), code=UNAVAILABLE))
-            assert link.state is LinkState.READY and link.epoch == epoch  # the session socket is fine
-
-            os.kill(daemon.pid, signal.SIGSTOP)  # the load is sent and cannot be answered
-            try:
-                load = copy("LoadToRegion", 4 * CHUNK)
-                link.fail(Unavailable("kvstored did not answer OpenIndex within 1.0s"))
-                assert link.state is LinkState.DOWN
-                for _ in range(3):
-                    link.poll()
-                    assert not load.done(), "a copy the daemon may be running was ended"
-                    time.sleep(0.01)
-                assert link.closing == 1
-            finally:
-                os.kill(daemon.pid, signal.SIGCONT)
-            wait_done(link, [load])  # its answer, or the daemon's end of the session once the copy ended
-            result = outcome(load)
-            assert result.stale and (result.ok or result.code is UNAVAILABLE), result
-            assert link.closing == 0
-            reconnect(link, ns)
-            assert link.epoch > epoch
-            again = copy("LoadToRegion", 6 * CHUNK)
-            wait_done(link, [again])
-            assert outcome(again).response.loaded == 2  # the new session is not the old one's
-            link.close()
+            load = copy("LoadToRegion", 4 * CHUNK)
+            link.fail(Unavailable("kvstored did not answer OpenIndex within 1.0s"))
+            assert link.state is LinkState.DOWN
+            for _ in range(3):
+                link.poll()
+                assert not load.done(), "a copy the daemon may be running was ended"
+                time.sleep(0.01)
+            assert link.closing == 1
         finally:
-            os.close(fd)
+            os.kill(daemon.pid, signal.SIGCONT)
+        wait_done(link, [load])  # its answer, or the daemon's end of the session once the copy ended
+        result = outcome(load)
+        assert result.stale and (result.ok or result.code is UNAVAILABLE), result
+        assert link.closing == 0
+        reconnect(link, ns)
+        assert link.epoch > epoch
+        again = copy("LoadToRegion", 6 * CHUNK)
+        wait_done(link, [again])
+        assert outcome(again).response.loaded == 2  # the new session is not the old one's
 
 
 def test_the_direct_specs_calls_are_fast_path_calls(own_daemon):

@@ -8,9 +8,7 @@ bytes. Arena ids now go on from where the old daemon left them."""
 
 from __future__ import annotations
 
-import hashlib
 import subprocess
-import time
 
 import numpy as np
 import torch
@@ -19,21 +17,7 @@ from kvstored_client.vllm.blockcopy import KVLayout, LayerRef
 from kvstored_client.vllm.namespace import LayoutInfo, namespace_spec
 from kvstored_client.vllm.pool_worker import PoolTransferEngine
 from tests.support.daemon import Daemon, short_tmpdir
-from tests.vllm.harness import SETTLE_LIMIT_S
-
-PAGE, LAYERS, BPC, BLOCKS = 4096, 2, 4, 32
-
-
-def keys(label: str, n: int) -> list[bytes]:
-    return [hashlib.sha256(f"{label}/{i}".encode()).digest() + bytes(4) for i in range(n)]
-
-
-def until(cond, engine: PoolTransferEngine) -> None:
-    deadline = time.monotonic() + SETTLE_LIMIT_S
-    while not cond():
-        engine.poll()
-        assert time.monotonic() < deadline
-        time.sleep(0.002)
+from tests.vllm.test_pool_worker import BLOCKS, BPC, LAYERS, PAGE, keys, until
 
 
 def spec(part_bytes: int, salt: bytes):
