@@ -13,19 +13,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench.lib.limits import apply_nt_threshold, nt_threshold_arg
-from bench.lib.report import GIB, MIB, REPO, Row, load_average, machine_info, print_aligned, print_table, write_json
+from bench.lib.daemons import REPO, cpu_of
+from bench.lib.limits import GIB, MIB, apply_nt_threshold, nt_threshold_arg
+from bench.lib.report import Row, aggregate_gib_s, load_average, machine_info, print_aligned, print_table, write_json
 from bench.peers import lmcache, local, mooncake
-from bench.peers.systems import System, WorkerProcess
 from bench.peers.worker import Server
 
 TARGET_VS_REDIS = 5.0
@@ -43,11 +47,119 @@ SYSTEMS: list[tuple[str, str, bool, Callable[[Path, int], Server]]] = [
 Results = dict[tuple[str, int, str], list[float]]  # (system, processes, metric) -> one value per round
 
 
+class WorkerProcess:
+    """One client process; call() sends a command and waits for its answer."""
+
+    def __init__(self, system: str, server: Server, cfg: dict[str, Any], log_dir: Path) -> None:
+        python = str(server.python or sys.executable)
+        # the repository first (bench.peers.worker), then what the caller had: a worktree's client on it must win
+        # over an editable install of another checkout's
+        path = [str(REPO), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+        self.log_path = Path(tempfile.mkstemp(prefix=f"worker-{system}-", suffix=".log", dir=log_dir)[1])
+        self.proc = subprocess.Popen(
+            [python, "-m", "bench.peers.worker", system, json.dumps({**server.config, **cfg})],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(self.log_path, "wb"),
+            text=True,
+            env={**os.environ, **server.env, "PYTHONPATH": os.pathsep.join(path)},
+        )
+        self.read()  # the driver is up
+        self.pid = self.proc.pid
+
+    def read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            raise RuntimeError(f"client process exited ({self.proc.returncode}): {self.log_tail()}")
+        reply = json.loads(line)
+        if not reply.get("ok"):
+            raise RuntimeError(reply.get("error", "?"))
+        return reply
+
+    def send(self, op: str, **kw: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+
+    def call(self, op: str, **kw: Any) -> dict[str, Any]:
+        self.send(op, **kw)
+        return self.read()
+
+    def log_tail(self) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return " | ".join(ln for ln in lines[-4:] if ln.strip())[-400:]
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.send("quit")
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log_path.unlink(missing_ok=True)
+
+
+@dataclass
+class System:
+    """A system in the comparison, started or failed (`error` says why)."""
+
+    name: str
+    label: str
+    procs: list[int]  # the numbers of client processes it runs at
+    server: Server | None = None
+    error: str = ""
+    workers: list[WorkerProcess] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, name: str, label: str, procs: list[int], starter: Callable[[], Server]) -> System:
+        sys_ = cls(name, label, procs)
+        try:
+            sys_.server = starter()
+            print(f"  {label}: {sys_.server.describe}", flush=True)
+        except Exception as exc:
+            sys_.error = f"did not install or start: {type(exc).__name__}: {exc}"
+            print(f"  {label}: {sys_.error}", flush=True)
+        return sys_
+
+    @property
+    def ok(self) -> bool:
+        return self.server is not None and not self.error
+
+    def clients(self, n: int, cfg: dict[str, Any], log_dir: Path) -> list[WorkerProcess]:
+        assert self.server is not None
+        while len(self.workers) < n:
+            self.workers.append(WorkerProcess(self.name, self.server, cfg, log_dir))
+        return self.workers[:n]
+
+    def cpu_seconds(self, clients: list[WorkerProcess]) -> tuple[float, float]:
+        """(client processes', server processes') CPU seconds so far."""
+        assert self.server is not None
+        return cpu_of([w.pid for w in clients]), cpu_of(self.server.pids())
+
+    def fail(self, exc: BaseException) -> None:
+        self.error = f"failed while measuring: {type(exc).__name__}: {exc}"
+        print(f"  {self.label}: {self.error}", flush=True)
+        self.close()
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+        self.workers.clear()
+        if self.server is not None:
+            with contextlib.suppress(Exception):
+                self.server.stop()
+            self.server = None
+
+
 def _all(clients: list[WorkerProcess], op: str, kwargs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The same command to every client process at once (kwargs[i] to the i-th); their answers."""
     for w, kw in zip(clients, kwargs):
         w.send(op, **kw)
-    return [w._read() for w in clients]
+    return [w.read() for w in clients]
 
 
 def measure(
@@ -71,8 +183,7 @@ def measure(
         c1, s1 = s.cpu_seconds(clients)
         wall += time.perf_counter() - t0
         cpu[0], cpu[1] = cpu[0] + c1 - c0, cpu[1] + s1 - s0
-        span = max(r["t1"] for r in replies) - min(r["t0"] for r in replies)
-        put(metric, p * n * chunk / GIB / span)
+        put(metric, aggregate_gib_s(p * n * chunk, [(r["t0"], r["t1"]) for r in replies]))
     _all(clients, "verify", [{"n": n}] * p)
     moved = 2 * p * n * chunk / GIB
     put("client_cpu_s_gib", cpu[0] / moved)
@@ -106,7 +217,7 @@ def _range(v: list[float] | None, fmt: str = ".2f") -> str:
     return f"{med:{fmt}}" if len(v) == 1 else f"{med:{fmt}} ({min(v):{fmt}}-{max(v):{fmt}})"
 
 
-def report(systems: list[System], res: Results, procs: dict[str, list[int]], cpus: int) -> list[Row]:
+def report(systems: list[System], res: Results, cpus: int) -> list[Row]:
     cols = [
         ("store_gib_s", "store64 GiB/s", ".2f"),
         ("load_gib_s", "load64 GiB/s", ".2f"),
@@ -125,7 +236,7 @@ def report(systems: list[System], res: Results, procs: dict[str, list[int]], cpu
         if s.error and not any(k[0] == s.name for k in res):
             table.append([s.label, "-", s.error[:120], *[""] * (len(cols) - 1)])
             continue
-        for p in procs[s.name]:
+        for p in s.procs:
             table.append([s.label, str(p), *(_range(res.get((s.name, p, c[0])), c[2]) for c in cols)])
     print("median over rounds (min-max); p50s pool the calls of every process in a round")
     print_aligned(table, right=set(range(1, len(cols) + 2)))
@@ -133,11 +244,8 @@ def report(systems: list[System], res: Results, procs: dict[str, list[int]], cpu
         if s.error and any(k[0] == s.name for k in res):
             print(f"  * {s.label}: {s.error}")
 
-    def med(name: str, p: int, metric: str) -> float | None:
-        v = res.get((name, p, metric))
-        return statistics.median(v) if v else None
-
-    busy = {(s.label, p): med(s.name, p, "cpus_busy") or 0.0 for s in systems for p in procs[s.name]}
+    med = {key: statistics.median(v) for key, v in res.items() if v}
+    busy = {(s.label, p): med.get((s.name, p, "cpus_busy"), 0.0) for s in systems for p in s.procs}
     if over := [f"{label} x{p} ({b:.2f})" for (label, p), b in busy.items() if b >= 0.85 * cpus]:
         print(f"  * CPU-bound (>= 85% of the {cpus} CPUs busy in the 64-chunk phases): " + ", ".join(over))
 
@@ -151,15 +259,15 @@ def report(systems: list[System], res: Results, procs: dict[str, list[int]], cpu
         ("store_gib_s", "64-chunk store, 2 processes", 2),
         ("load_gib_s", "64-chunk load, 2 processes", 2),
     ):
-        kv = med("kvstored", p, metric)
+        kv = med.get(("kvstored", p, metric))
         for peer in ("mooncake", "mooncake-embedded"):
-            base = med(peer, p, metric)
+            base = med.get((peer, p, metric))
             if kv is None or base is None:
                 continue
             label = next(s.label for s in systems if s.name == peer)
             unit, higher = ("ms", False) if metric.endswith("_ms") else ("GiB/s", True)
             rows.append(Row(f"kvstored {what}", kv, unit, label, base, target=1.0, higher_is_better=higher))
-    kv, redis = med("kvstored", 1, "load_gib_s"), med("redis", 1, "load_gib_s")
+    kv, redis = med.get(("kvstored", 1, "load_gib_s")), med.get(("redis", 1, "load_gib_s"))
     if kv is not None and redis is not None:
         rows.append(Row("kvstored 64-chunk load", kv, "GiB/s", "Redis 7 GET pipelined 16", redis, TARGET_VS_REDIS))
     print()
@@ -195,18 +303,17 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     systems: list[System] = []
-    procs: dict[str, list[int]] = {}
     res: Results = {}
     t_all = time.perf_counter()
     try:
         for name, label, all_procs, start in SYSTEMS:
             if name not in wanted:
                 continue
-            procs[name] = every if all_procs else peer
-            capacity = max(procs[name]) * args.batch * chunk + LOOKUP_KEYS * chunk + 128 * MIB
+            procs = every if all_procs else peer
+            capacity = max(procs) * args.batch * chunk + LOOKUP_KEYS * chunk + 128 * MIB
             if name == "kvstored":
                 capacity = int(capacity * 1.25)
-            systems.append(System.start(name, label, max(procs[name]), partial(start, workdir, capacity)))
+            systems.append(System.start(name, label, procs, partial(start, workdir, capacity)))
         # round -1 warms every system up (fresh pages of servers and clients, connections) and is dropped
         for rnd in range(-1, args.rounds):
             order = systems[rnd % len(systems) :] + systems[: rnd % len(systems)]
@@ -214,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not s.ok:
                     continue
                 try:
-                    for p in procs[s.name]:
+                    for p in s.procs:
                         measure(s, p, rnd, args, chunk, log_dir, res if rnd >= 0 else {}, args.iters if rnd >= 0 else 5)
                 except Exception as exc:
                     tail = " | ".join(w.log_tail() for w in s.workers[:1])
@@ -228,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(OSError):
             log_dir.rmdir()
     print()
-    rows = report(systems, res, procs, info["cpus"] or 1)
+    rows = report(systems, res, info["cpus"] or 1)
     print(f"\ntook {time.perf_counter() - t_all:.0f} s; load average now {load_average():.2f}")
     if args.json:
         command = " ".join([Path(sys.executable).name, "-m", "bench.compare", *(argv or sys.argv[1:])])

@@ -68,7 +68,6 @@ class CallLatency:
 
     def watch(self, link: Any) -> None:
         """Time the calls of a kvstored_client.vllm.driver.DaemonLink (its `observe` hook)."""
-
         link.observe = lambda method, seconds: self.record(KIND_OF.get(method) or method, seconds)
 
     def summary(self) -> dict[str, dict[str, float]]:

@@ -13,6 +13,7 @@ import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from tests.support.daemon import REPO_ROOT as REPO
@@ -115,6 +116,14 @@ class Daemon:
         return "\n".join((self._d.log if self._d.proc is not None else self._tail).splitlines()[-n:])
 
 
+def rss_anon(pid: int, field: str = "RssAnon") -> int:
+    """Anonymous resident memory of `pid` in bytes (the heap, not the shared pool), or another `field`."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/{pid}/status")
+
+
 def process_cpu_seconds(pid: int) -> float:
     """On-CPU seconds of all live threads of `pid` in ns (/proc/PID/task/*/schedstat): /proc/PID/stat
     counts 10 ms ticks, too coarse for 100 ms phases; it is the fallback."""
@@ -144,6 +153,14 @@ def cpu_of(pids: Sequence[int]) -> float:
     return sum(process_cpu_seconds(p) for p in pids)
 
 
+def spawn_logged(argv: Sequence[str], log: Path, env: Mapping[str, str] | None = None) -> subprocess.Popen:
+    """A server process in a session of its own, run in `log`'s directory, its output to `log`."""
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=log.parent, start_new_session=True
+        )
+
+
 def stop_process(proc: subprocess.Popen, timeout_s: float, group: bool = False) -> None:
     """SIGTERM a child of ours (`group`: its whole process group), SIGKILL after `timeout_s`; reaped."""
     if proc.poll() is not None:
@@ -155,3 +172,13 @@ def stop_process(proc: subprocess.Popen, timeout_s: float, group: bool = False) 
     except subprocess.TimeoutExpired:
         send(signal.SIGKILL)
         proc.wait()
+
+
+def wait_listening(port: int, proc: subprocess.Popen, log: Path, what: str, timeout_s: float) -> None:
+    """Until `proc` listens on 127.0.0.1:`port`; RuntimeError with the end of its `log` if it exits or times out."""
+    from tests.support.s3 import wait_for_port  # (that module imports aiohttp and pytest)
+
+    try:
+        wait_for_port(port, timeout_s, alive=lambda: proc.poll() is None)
+    except RuntimeError as exc:
+        raise RuntimeError(f"{what} did not start ({exc}): {log.read_text(errors='replace')[-300:]}") from None

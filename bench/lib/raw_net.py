@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import mmap
 import os
 import resource
 import socket
@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from bench.lib.buffers import aligned_pool
 from bench.lib.daemons import REPO
 from bench.lib.report import GIB
 from kvstored.peer.transport import UcxConfig
@@ -36,10 +37,6 @@ class Place:
     name: str
     server: netns.Node | None = None
     fetcher: netns.Node | None = None
-
-    @property
-    def server_host(self) -> str:
-        return self.server.ip if self.server else "127.0.0.1"
 
     @property
     def devices(self) -> str:
@@ -62,12 +59,9 @@ def _read_json(proc: subprocess.Popen, want: str) -> dict:
     assert proc.stdout is not None
     deadline = time.monotonic() + EVENT_TIMEOUT_S
     for line in proc.stdout:
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if event.get("event") == want:
-            return event
+        with contextlib.suppress(json.JSONDecodeError):
+            if (event := json.loads(line)).get("event") == want:
+                return event
         if time.monotonic() > deadline:
             break
     err = proc.stderr.read() if proc.stderr else ""
@@ -79,8 +73,7 @@ def _ring(chunk: int, n: int) -> list[memoryview]:
     """`n` populated chunk buffers: the sender's are all the chunks it sends (as the serving node
     holds them: a small ring would be served from the CPU cache), the receiver's as many slots
     as the fetching node uses."""
-    pool = mmap.mmap(-1, n * chunk, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
-    mv = memoryview(pool)
+    mv = memoryview(aligned_pool(n * chunk))
     return [mv[i * chunk : (i + 1) * chunk] for i in range(n)]
 
 
@@ -103,10 +96,7 @@ def _threads(fn, conns: int) -> None:
 def raw_tcp_recv(args: argparse.Namespace) -> None:
     """Accepts `conns` connections; each lands its share of the chunks in its own slots. Timed from
     the end of the first chunk (connection 0's) to the end of the last, on any connection."""
-    listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((args.host, 0))
-    listener.listen(args.conns)
+    listener = socket.create_server((args.host, 0), backlog=args.conns)  # (SO_REUSEADDR set)
     _emit("ready", port=listener.getsockname()[1])
     conns = [listener.accept()[0] for _ in range(args.conns)]
     ring = _ring(args.chunk, args.slots)
@@ -180,47 +170,39 @@ async def _windowed(count: int, window: int, op) -> tuple[float, float, float]:
     return first_end, time.perf_counter(), _cpu() - cpu0
 
 
-def raw_ucx_recv(args: argparse.Namespace) -> None:
-    async def main() -> None:
-        ucxx = _ucxx(args.devices)
-        ring = _ring(args.chunk, args.slots)
-        done: asyncio.Future = asyncio.get_running_loop().create_future()
+async def raw_ucx_recv(args: argparse.Namespace) -> None:
+    ucxx = _ucxx(args.devices)
+    ring = _ring(args.chunk, args.slots)
+    done: asyncio.Future = asyncio.get_running_loop().create_future()
 
-        async def on_endpoint(ep) -> None:
-            try:
-                first_end, end, cpu = await _windowed(
-                    args.count, args.window, lambda i: ep.recv(ring[i % args.slots], tag=i, force_tag=True)
-                )
-                gib = (args.count - 1) * args.chunk / GIB
-                done.set_result({"gib_s": gib / (end - first_end), "cpu_s_per_gib": cpu / gib})
-                await ep.recv(bytearray(1), tag=args.count, force_tag=True)  # the sender's "bye"
-            except Exception as exc:
-                if not done.done():
-                    done.set_exception(exc)
+    async def on_endpoint(ep) -> None:
+        try:
+            first_end, end, cpu = await _windowed(
+                args.count, args.window, lambda i: ep.recv(ring[i % args.slots], tag=i, force_tag=True)
+            )
+            gib = (args.count - 1) * args.chunk / GIB
+            done.set_result({"gib_s": gib / (end - first_end), "cpu_s_per_gib": cpu / gib})
+            await ep.recv(bytearray(1), tag=args.count, force_tag=True)  # the sender's "bye"
+        except Exception as exc:
+            if not done.done():
+                done.set_exception(exc)
 
-        listener = ucxx.create_listener(on_endpoint, port=0)
-        _emit("ready", port=listener.port)
-        _emit("done", **await done)
-        await asyncio.sleep(0.2)  # let the bye land before the endpoint goes
-        listener.close()
-        ucxx.stop_notifier_thread()
-
-    asyncio.run(main())
-    os._exit(0)  # ucxx's teardown at exit can outlast the measurement by seconds
+    listener = ucxx.create_listener(on_endpoint, port=0)
+    _emit("ready", port=listener.port)
+    _emit("done", **await done)
+    await asyncio.sleep(0.2)  # let the bye land before the endpoint goes
+    listener.close()
+    ucxx.stop_notifier_thread()
 
 
-def raw_ucx_send(args: argparse.Namespace) -> None:
-    async def main() -> None:
-        ucxx = _ucxx(args.devices)
-        ring = _ring(args.chunk, args.count)
-        ep = await ucxx.create_endpoint(args.host, args.port)
-        _, _, cpu = await _windowed(args.count, args.window, lambda i: ep.send(ring[i], tag=i, force_tag=True))
-        _emit("done", cpu_s_per_gib=cpu / ((args.count - 1) * args.chunk / GIB))
-        await ep.send(bytearray(1), tag=args.count, force_tag=True)
-        ucxx.stop_notifier_thread()
-
-    asyncio.run(main())
-    os._exit(0)
+async def raw_ucx_send(args: argparse.Namespace) -> None:
+    ucxx = _ucxx(args.devices)
+    ring = _ring(args.chunk, args.count)
+    ep = await ucxx.create_endpoint(args.host, args.port)
+    _, _, cpu = await _windowed(args.count, args.window, lambda i: ep.send(ring[i], tag=i, force_tag=True))
+    _emit("done", cpu_s_per_gib=cpu / ((args.count - 1) * args.chunk / GIB))
+    await ep.send(bytearray(1), tag=args.count, force_tag=True)
+    ucxx.stop_notifier_thread()
 
 
 @dataclass(frozen=True)
@@ -263,15 +245,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="one side of a raw transfer (measure_raw starts both)")
     p.add_argument("role", choices=sorted(ROLES))
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--chunk", type=int, required=True)
-    p.add_argument("--count", type=int, required=True)
     p.add_argument("--devices", default="lo")
-    p.add_argument("--window", type=int, default=1)
-    p.add_argument("--slots", type=int, default=64)
-    p.add_argument("--conns", type=int, default=1, help="TCP connections, a thread each (default 1)")
+    # --window: ucxx transfers in flight; --conns: TCP connections, a thread each; None: required
+    for flag, default in {"port": 0, "chunk": None, "count": None, "window": 1, "slots": 64, "conns": 1}.items():
+        p.add_argument(f"--{flag}", type=int, default=default, required=default is None)
     args = p.parse_args(argv)
-    ROLES[args.role](args)
+    ran = ROLES[args.role](args)
+    if asyncio.iscoroutine(ran):  # a ucxx role
+        asyncio.run(ran)
+        os._exit(0)  # ucxx's teardown at exit can outlast the measurement by seconds
     return 0
 
 

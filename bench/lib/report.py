@@ -19,10 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.lib.limits import glibc_non_temporal_threshold
+from bench.lib.limits import GIB, MIB, glibc_non_temporal_threshold
 
-GIB = 1 << 30
-MIB = 1 << 20
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -44,7 +44,7 @@ CHECK = (
 
 
 def start(workdir: Path, capacity: int) -> Server:
-    from bench.lib.daemons import free_port, stop_process
+    from bench.lib.daemons import free_port, spawn_logged, stop_process
     from bench.peers import venv
 
     python = venv.ensure("lmcache", STEPS, CHECK)
@@ -58,9 +58,7 @@ def start(workdir: Path, capacity: int) -> Server:
         *f"--l1-size-gb {2 * capacity / (1 << 30):.3f} --eviction-policy LRU --chunk-size {TOKENS}".split(),
         *f"--supported-transfer-mode auto --shm-name {shm} --disable-observability --disable-metrics".split(),
     ]
-    proc = subprocess.Popen(
-        argv, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env={**os.environ, **ENV}, start_new_session=True
-    )
+    proc = spawn_logged(argv, log_path, {**os.environ, **ENV})
 
     def stop() -> None:
         stop_process(proc, 15, group=True)
@@ -171,8 +169,7 @@ class LMCacheDriver(Driver):
     def load(self, tag: str, n: int) -> None:
         rid = self._rid()
         tc = self.worker.transfer_context
-        tokens = self._tokens(tag, n)
-        key, hits = self._lookup(tokens, n, rid)
+        key, hits = self._lookup(self._tokens(tag, n), n, rid)
         if hits != n:
             self._wait(self.rc.free_lookup_locks(key, 1), "FREE_LOOKUP_LOCKS")
             self.h._send_end_session(self.rc, rid)

@@ -11,7 +11,6 @@ import hashlib
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,14 +22,10 @@ from bench.peers.worker import Driver, Server
 PIPELINE = 16  # Redis commands per pipeline (2 MiB each; deeper pipelines measured slower here)
 
 
-def _flat_slots(chunk: int, slots: int) -> tuple[Any, np.ndarray]:
+def _flat_slots(chunk: int, slots: int) -> np.ndarray:
     from bench.lib.buffers import aligned_pool
 
-    buf = aligned_pool(chunk * slots)
-    return buf, np.frombuffer(buf, dtype=np.uint8)
-
-
-# -- kvstored ---------------------------------------------------------------------------------------
+    return np.frombuffer(aligned_pool(chunk * slots), dtype=np.uint8)  # (the array keeps the mapping)
 
 
 def start_kvstored(workdir: Path, capacity: int) -> Server:
@@ -51,7 +46,7 @@ class KvstoredDriver(Driver):
         super().__init__(cfg)
         from kvstored_client import Client, NamespaceSpec
 
-        self._map, self.buf = _flat_slots(self.chunk, self.slots)
+        self.buf = _flat_slots(self.chunk, self.slots)
         self.client = Client(cfg["socket"], deadline_s=60.0, client_name="bench-compare")
         self.ns = self.client.register_namespace(
             NamespaceSpec(model="bench/compare", dtype="u8", chunk_bytes=self.chunk)
@@ -80,46 +75,28 @@ class KvstoredDriver(Driver):
         self.client.close()
 
 
-# -- Redis ------------------------------------------------------------------------------------------
-
-
 def start_redis(workdir: Path, capacity: int) -> Server:
     exe = shutil.which("redis-server")
     if exe is None:
         raise RuntimeError("redis-server not installed (apt-get install -y --no-install-recommends redis-server)")
-    from bench.lib.daemons import free_port, stop_process
+    from bench.lib.daemons import free_port, spawn_logged, stop_process, wait_listening
 
     port = free_port()
     rdir = Path(tempfile.mkdtemp(prefix="redis-", dir=workdir))
-    log = open(rdir / "redis.log", "wb")
     argv = f"--bind 127.0.0.1 --port {port} --appendonly no --protected-mode no --daemonize no".split()
-    proc = subprocess.Popen(
-        [exe, *argv, "--save", "", "--dir", str(rdir), "--maxmemory", str(capacity)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    argv += ["--save", "", "--dir", str(rdir), "--maxmemory", str(capacity)]
+    proc = spawn_logged([exe, *argv], rdir / "redis.log")
     version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip()
 
     def stop() -> None:
         stop_process(proc, 10)
-        log.close()
         shutil.rmtree(rdir, ignore_errors=True)
 
-    import redis
-
-    r = redis.Redis(host="127.0.0.1", port=port)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            r.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                stop()
-                raise RuntimeError(f"redis-server did not start: {(rdir / 'redis.log').read_text()[-300:]}") from None
-            time.sleep(0.05)
-    r.close()
+    try:
+        wait_listening(port, proc, rdir / "redis.log", "redis-server", 20)
+    except RuntimeError:
+        stop()
+        raise
     from redis.utils import HIREDIS_AVAILABLE
 
     describe = f"{version}; redis-py hiredis parser: {HIREDIS_AVAILABLE}; pipelines of {PIPELINE}"
@@ -134,7 +111,7 @@ class RedisDriver(Driver):
         super().__init__(cfg)
         import redis
 
-        self._map, self.buf = _flat_slots(self.chunk, self.slots)
+        self.buf = _flat_slots(self.chunk, self.slots)
         self.r = redis.Redis(host="127.0.0.1", port=cfg["port"], socket_timeout=60)
 
     def _key(self, tag: str, i: int) -> bytes:
@@ -174,9 +151,6 @@ class RedisDriver(Driver):
             self.r.close()
 
 
-# -- memcpy -----------------------------------------------------------------------------------------
-
-
 def start_memcpy(workdir: Path, capacity: int) -> Server:
     return Server(pids=list, config={}, describe="np.copyto of each 2 MiB piece, slots <-> a private area")
 
@@ -184,8 +158,8 @@ def start_memcpy(workdir: Path, capacity: int) -> Server:
 class MemcpyDriver(Driver):
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__(cfg)
-        self._map, self.buf = _flat_slots(self.chunk, self.slots)
-        self._amap, self.area = _flat_slots(self.chunk, self.slots)
+        self.buf = _flat_slots(self.chunk, self.slots)
+        self.area = _flat_slots(self.chunk, self.slots)
 
     def store(self, tag: str, n: int, first: int = 0) -> None:
         c = self.chunk

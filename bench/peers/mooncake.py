@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,27 +32,8 @@ def _venv() -> Path:
     return venv.ensure("mooncake", [[PACKAGE, "numpy"]], "import mooncake.store")
 
 
-def _spawn(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=log.parent
-    )
-
-
-def _wait_port(port: int, proc: subprocess.Popen, log: Path, what: str) -> None:
-    import socket
-
-    deadline = time.monotonic() + 30
-    while True:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not start: {log.read_text(errors='replace')[-300:]}")
-        time.sleep(0.05)
-
-
 def start(workdir: Path, capacity: int, standalone: bool) -> Server:
-    from bench.lib.daemons import free_port, stop_process
+    from bench.lib.daemons import free_port, spawn_logged, stop_process, wait_listening
 
     python = _venv()
     bindir = python.parent
@@ -74,9 +54,9 @@ def start(workdir: Path, capacity: int, standalone: bool) -> Server:
             *f"-http_metadata_server_host=127.0.0.1 -http_metadata_server_port={http} -metrics_port={metrics}".split(),
             "-enable_metric_reporting=false",
         ]
-        procs.append(_spawn(master_argv, rundir / "master.log", env))
-        _wait_port(rpc, procs[0], rundir / "master.log", "mooncake_master")
-        _wait_port(http, procs[0], rundir / "master.log", "mooncake_master's metadata server")
+        procs.append(spawn_logged(master_argv, rundir / "master.log", env))
+        wait_listening(rpc, procs[0], rundir / "master.log", "mooncake_master", 30)
+        wait_listening(http, procs[0], rundir / "master.log", "mooncake_master's metadata server", 30)
         config: dict[str, Any] = {"master": f"127.0.0.1:{rpc}", "metadata": f"http://127.0.0.1:{http}/metadata"}
         if standalone:
             client_argv = [
@@ -84,8 +64,8 @@ def start(workdir: Path, capacity: int, standalone: bool) -> Server:
                 *f"-master_server_address={config['master']} -metadata_server={config['metadata']}".split(),
                 *f"-global_segment_size={capacity} -host=127.0.0.1 -port={client_port} -protocol=tcp".split(),
             ]
-            procs.append(_spawn(client_argv, rundir / "client.log", env))
-            _wait_port(client_port, procs[1], rundir / "client.log", "mooncake_client")
+            procs.append(spawn_logged(client_argv, rundir / "client.log", env))
+            wait_listening(client_port, procs[1], rundir / "client.log", "mooncake_client", 30)
             config["client"] = f"127.0.0.1:{client_port}"
         else:
             config["segment"] = capacity
@@ -103,21 +83,31 @@ def start(workdir: Path, capacity: int, standalone: bool) -> Server:
     )
 
 
-class _MooncakeDriver(Driver):
+class MooncakeDriver(Driver):
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__(cfg)
         from mooncake.store import MooncakeDistributedStore
 
         self.store_ = MooncakeDistributedStore()
         self.size = self.chunk * self.slots
-        self.ptr = self._setup(cfg)
+        if "client" in cfg:  # standalone: a dummy client, its slots in the per-node client's pool
+            if rc := self.store_.setup_dummy(self.size + (64 << 20), 64 << 20, cfg["client"]):
+                raise RuntimeError(f"setup_dummy: {rc}")
+            self.ptr = int(self.store_.alloc_from_mem_pool(self.size))
+            if not self.ptr:
+                raise RuntimeError("alloc_from_mem_pool failed")
+        else:  # embedded: this process mounts a segment of its own
+            from bench.lib.buffers import aligned_pool
+
+            rc = self.store_.setup("127.0.0.1", cfg["metadata"], cfg["segment"], 64 << 20, "tcp", "", cfg["master"])
+            if rc:
+                raise RuntimeError(f"setup: {rc}")
+            self._map = aligned_pool(self.size)
+            self.ptr = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         if rc := self.store_.register_buffer(self.ptr, self.size):
             raise RuntimeError(f"register_buffer: {rc}")
         self.buf = np.ctypeslib.as_array((ctypes.c_uint8 * self.size).from_address(self.ptr))
         self.buf[:] = 0  # populate
-
-    def _setup(self, cfg: dict[str, Any]) -> int:
-        raise NotImplementedError
 
     def _keys(self, tag: str, n: int, first: int = 0) -> list[str]:
         return self.key_list(tag, n, first, lambda tag, i: f"{tag}/{i}")
@@ -143,23 +133,3 @@ class _MooncakeDriver(Driver):
 
     def close(self) -> None:
         self.store_.close()
-
-
-class StandaloneDriver(_MooncakeDriver):
-    def _setup(self, cfg: dict[str, Any]) -> int:
-        if rc := self.store_.setup_dummy(self.size + (64 << 20), 64 << 20, cfg["client"]):
-            raise RuntimeError(f"setup_dummy: {rc}")
-        ptr = int(self.store_.alloc_from_mem_pool(self.size))
-        if not ptr:
-            raise RuntimeError("alloc_from_mem_pool failed")
-        return ptr
-
-
-class EmbeddedDriver(_MooncakeDriver):
-    def _setup(self, cfg: dict[str, Any]) -> int:
-        from bench.lib.buffers import aligned_pool
-
-        if rc := self.store_.setup("127.0.0.1", cfg["metadata"], cfg["segment"], 64 << 20, "tcp", "", cfg["master"]):
-            raise RuntimeError(f"setup: {rc}")
-        self._map = aligned_pool(self.size)
-        return ctypes.addressof(ctypes.c_char.from_buffer(self._map))

@@ -27,8 +27,8 @@ DRIVERS = {
     "kvstored": "bench.peers.local:KvstoredDriver",
     "redis": "bench.peers.local:RedisDriver",
     "memcpy": "bench.peers.local:MemcpyDriver",
-    "mooncake": "bench.peers.mooncake:StandaloneDriver",
-    "mooncake-embedded": "bench.peers.mooncake:EmbeddedDriver",
+    "mooncake": "bench.peers.mooncake:MooncakeDriver",  # standalone or embedded: as its server's config says
+    "mooncake-embedded": "bench.peers.mooncake:MooncakeDriver",
     "lmcache": "bench.peers.lmcache:LMCacheDriver",
 }
 
@@ -48,12 +48,17 @@ class Server:
 
 class Driver(ABC):
     """A system's client: `slots` chunk slots of client memory (where its library wants them), slot i <-> key
-    (tag, first + i)."""
+    (tag, first + i). A subclass moves the bytes (store, load, lookup...); the commands the coordinator sends are
+    methods of this class (one returning None answers just "ok"), which time those calls and check every loaded
+    byte. A batch is fill, batch_store, zero, batch_load, verify, so that every process's timed window runs while
+    the others wait (their untimed work would count in the combined window)."""
 
     def __init__(self, cfg: dict[str, Any]) -> None:
         self.chunk: int = cfg["chunk"]
         self.slots: int = cfg["slots"]
         self._key_lists: dict[tuple[str, int, int], list[Any]] = {}
+        self.digests: dict[int, bytes] = {}  # slot -> what the last fill put there
+        self.fills = 0
 
     def key_list(self, tag: str, n: int, first: int, derive: Callable[[str, int], Any]) -> list[Any]:
         """Keys tag/first..first+n-1 as the system names them, derived once: an engine has its block hashes
@@ -93,116 +98,85 @@ class Driver(ABC):
     def close(self) -> None:
         pass
 
-
-class Worker:
-    def __init__(self, driver: Driver) -> None:
-        self.d = driver
-        self.digests: dict[int, bytes] = {}
-        self.counter = 0
+    # -- the commands
 
     def _digest(self, slot: int) -> bytes:
         h = hashlib.blake2b(digest_size=16)
-        for v in self.d.chunk_views(slot):
+        for v in self.chunk_views(slot):
             h.update(v.data)
         return h.digest()
 
-    def _fill(self, n: int, seed: int) -> None:
+    def fill(self, n: int) -> None:
         """Distinct content per slot and per fill; the digests taken here check the loads."""
+        self.fills += 1
+        seed = (os.getpid() * 1009 + self.fills) & 0xFFFFF
         for s in range(n):
-            views = self.d.chunk_views(s)
-            for j, v in enumerate(views):
+            for j, v in enumerate(self.chunk_views(s)):
                 words = v.view(np.uint64)
                 words[:] = np.arange(words.size, dtype=np.uint64)
                 words ^= np.uint64((seed << 40) | (s << 20) | (j << 8) | 0x5A)
             self.digests[s] = self._digest(s)
 
-    def _zero(self, n: int) -> None:
+    def zero(self, n: int) -> None:
         for s in range(n):
-            for v in self.d.chunk_views(s):
+            for v in self.chunk_views(s):
                 v[:] = 0
 
-    def _verify(self, n: int, what: str) -> None:
+    def verify(self, n: int, what: str = "batch load") -> None:
         for s in range(n):
             if self._digest(s) != self.digests[s]:
                 raise RuntimeError(f"{what}: slot {s} does not hold the bytes stored")
 
-    def _seed(self) -> int:
-        self.counter += 1
-        return (os.getpid() * 1009 + self.counter) & 0xFFFFF
-
-    # -- commands: a batch is fill, store, zero, load, verify, so that every process's timed window runs
-    # while the others wait (their untimed work would count in the combined window)
-    def fill(self, n: int) -> dict[str, Any]:
-        self._fill(n, self._seed())
-        return {}
-
-    def zero(self, n: int) -> dict[str, Any]:
-        self._zero(n)
-        return {}
-
-    def verify(self, n: int) -> dict[str, Any]:
-        self._verify(n, "batch load")
-        return {"verified_bytes": n * self.d.chunk}
-
     def batch_store(self, tag: str, n: int) -> dict[str, Any]:
         t0 = time.perf_counter()
-        self.d.store(tag, n)
+        self.store(tag, n)
         return {"t0": t0, "t1": time.perf_counter()}
 
     def batch_load(self, tag: str, n: int) -> dict[str, Any]:
         t0 = time.perf_counter()
-        self.d.load(tag, n)
+        self.load(tag, n)
         return {"t0": t0, "t1": time.perf_counter()}
-
-    def remove(self, tag: str, n: int) -> dict[str, Any]:
-        self.d.remove(tag, n)
-        return {}
-
-    def clear(self) -> dict[str, Any]:
-        self.d.clear()
-        return {}
 
     def lat_store(self, tag: str, iters: int) -> dict[str, Any]:
         """1-chunk stores, each of a new key (removed after its timing)."""
-        self._fill(1, self._seed())
+        self.fill(1)
         lat = []
         for i in range(iters):
             key = f"{tag}-{i}"
             t0 = time.perf_counter()
-            self.d.store(key, 1)
+            self.store(key, 1)
             lat.append(time.perf_counter() - t0)
-            self.d.remove(key, 1)
+            self.remove(key, 1)
         return {"lat": lat}
 
     def lat_load(self, tag: str, iters: int) -> dict[str, Any]:
         """1-chunk loads of one stored chunk, each checked."""
-        self._fill(1, self._seed())
-        self.d.store(tag, 1)
+        self.fill(1)
+        self.store(tag, 1)
         lat = []
         for _ in range(iters):
-            self._zero(1)
+            self.zero(1)
             t0 = time.perf_counter()
-            self.d.load(tag, 1)
+            self.load(tag, 1)
             lat.append(time.perf_counter() - t0)
-            self._verify(1, "1-chunk load")
-        self.d.remove(tag, 1)
-        return {"lat": lat, "verified_bytes": iters * self.d.chunk}
+            self.verify(1, "1-chunk load")
+        self.remove(tag, 1)
+        return {"lat": lat}
 
-    def prepare_lookup(self, tag: str, keys: int) -> dict[str, Any]:
+    def prepare_lookup(self, tag: str, keys: int) -> None:
         """Store `keys` chunks under `tag` (from the slots, `slots` at a time) for lat_lookup."""
-        self._fill(min(keys, self.d.slots), self._seed())
-        for first in range(0, keys, self.d.slots):
-            self.d.store(tag, min(self.d.slots, keys - first), first)
-        return {}
+        self.fill(min(keys, self.slots))
+        for first in range(0, keys, self.slots):
+            self.store(tag, min(self.slots, keys - first), first)
 
     def lat_lookup(self, tag: str, iters: int, keys: int) -> dict[str, Any]:
         """Lookups of `keys` keys that prepare_lookup stored (here or in another process)."""
         lat = []
         for _ in range(iters):
             t0 = time.perf_counter()
-            hits = self.d.lookup(tag, keys)
+            hits = self.lookup(tag, keys)
             lat.append(time.perf_counter() - t0)
-            self.d.release()
+            self.release()
             if hits != keys:
                 raise RuntimeError(f"lookup of {keys} stored keys found {hits}")
         return {"lat": lat}
@@ -221,7 +195,6 @@ def main() -> int:
         proto.write(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}) + "\n")
         return 1
     proto.write(json.dumps({"ok": True, "pid": os.getpid()}) + "\n")
-    worker = Worker(driver)
     try:
         for line in sys.stdin:
             cmd = json.loads(line)
@@ -229,7 +202,7 @@ def main() -> int:
             if op == "quit":
                 break
             try:
-                reply = {"ok": True, **getattr(worker, op)(**cmd)}
+                reply = {"ok": True, **(getattr(driver, op)(**cmd) or {})}
             except Exception as exc:
                 traceback.print_exc()
                 reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
