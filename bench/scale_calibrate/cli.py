@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import shutil
 import sys
@@ -28,9 +27,8 @@ from bench.scale_calibrate.events import (
 )
 from bench.scale_calibrate.in_process import measure_in_process
 from bench.scale_calibrate.lookups import measure_lookups_and_fetch, measure_s3
-from bench.scale_calibrate.subscribers import floor_client, measure_grpc_floor, serve_subscribers
+from bench.scale_calibrate.subscribers import measure_grpc_floor
 
-HIDDEN = ("serve_subscribers", "serve_coalesced", "floor_client")  # the child processes' flags
 OPTIONS: list[tuple[str, object, str]] = [  # (flag, default: of the flag's type, False: a switch, help)
     ("--out", str(DEFAULT_OUT), "the calibration JSON to write"),
     ("--entries", 100_000, "remote entries B's index grows by for the memory measurement (4 KiB chunks on A)"),
@@ -67,19 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.add_argument(flag, action="store_true", help=text)
         else:
             parser.add_argument(flag, type=type(default), default=default, help=text)
-    parser.add_argument("--serve-subscribers", nargs=2, metavar=("ADDRESS", "STREAMS"), help=argparse.SUPPRESS)
-    parser.add_argument("--serve-coalesced", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--floor-client", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.floor_client:
-        import uvloop
-
-        uvloop.run(floor_client(args.floor_client))
-        return 0
-    if args.serve_subscribers:
-        address, streams = args.serve_subscribers
-        asyncio.run(serve_subscribers(address, int(streams), args.serve_coalesced))
-        return 0
     if shutil.which("ss") is None:
         print("scale_calibrate: needs `ss` (iproute2) to read what B's TCP socket received", file=sys.stderr)
         return 2
@@ -99,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "schema": 1,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine_info(),
-        "parameters": {k: v for k, v in vars(args).items() if k not in HIDDEN},
+        "parameters": vars(args),
     }
     # Every 4 KiB chunk of the event phases stays in A's RAM, below its write-back headroom (5%).
     small_chunks = 2 * SINGLE_EVENTS + args.entries + args.entries // 4 + 200

@@ -11,7 +11,6 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,14 +25,6 @@ FS_BYTES = 16 << 20  # each node's fs tier: small, so the lifecycle phase reache
 SINGLE_EVENTS = 1500  # stores of one key (single-key events)
 BIG_BATCH = 1000  # keys per store in the batched phases
 WAIT_S = 60.0  # a bound on every wait for the daemons' state, never a measurement
-
-
-def rss_anon(pid: int, field: str = "RssAnon") -> int:
-    """Anonymous resident memory of `pid` in bytes (the heap, not the shared pool), or another `field`."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/{pid}/status")
 
 
 def tcp_received(pid: int, dport: int) -> tuple[int, int]:
@@ -97,6 +88,16 @@ def storing(
         return len(keys)
 
     return work
+
+
+def waited(done: Callable[[], object], poll_s: float = 0.05) -> bool:
+    """Whether `done()` came true within WAIT_S, polled every `poll_s`."""
+    deadline = time.monotonic() + WAIT_S
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 def timed(call: Callable[[], object], reps: int) -> float:

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import Counter
@@ -15,7 +14,7 @@ from pathlib import Path
 import grpc
 
 from bench.lib.daemons import process_cpu_seconds
-from bench.scale_calibrate.common import FS_BYTES, WAIT_S, cpu_rates, tcp_received
+from bench.scale_calibrate.common import FS_BYTES, cpu_rates, loadavg, tcp_received, waited
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 
@@ -51,13 +50,11 @@ class EventWatcher:
 
     def wait_quiet(self, quiet_s: float = 0.4) -> None:
         """Until no event came for quiet_s (write-downs run after the stores return)."""
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() - self.last_at < quiet_s or self.failure is not None:
-            if self.failure is not None:
-                raise RuntimeError(f"the event watcher on A failed: {self.failure}")
-            if time.monotonic() > deadline:
-                raise TimeoutError("A never stopped publishing events")
-            time.sleep(0.05)
+        quiet = waited(lambda: self.failure is not None or time.monotonic() - self.last_at >= quiet_s)
+        if self.failure is not None:
+            raise RuntimeError(f"the event watcher on A failed: {self.failure}")
+        if not quiet:
+            raise TimeoutError("A never stopped publishing events")
 
     def close(self) -> None:
         self._stream.cancel()
@@ -168,18 +165,13 @@ class Pair:
     def caught_up(self, past_seq: int | None = None) -> None:
         """Until A has stopped publishing and B's index reflects every event A published (by seq).
         `past_seq`: first wait for an event beyond it (the work published some)."""
-        assert self.watcher is not None
-        deadline = time.monotonic() + WAIT_S
-        while past_seq is not None and self.watcher.last_seq <= past_seq:
-            if time.monotonic() > deadline:
-                raise TimeoutError("A published no event of the phase's work")
-            time.sleep(0.01)
-        self.watcher.wait_quiet()
-        deadline = time.monotonic() + WAIT_S
-        while self.b_view_of_a().last_seq < self.watcher.last_seq:
-            if time.monotonic() > deadline:
-                raise TimeoutError("B never applied A's events:\n" + self.cluster.describe())
-            time.sleep(0.1)
+        watcher = self.watcher
+        assert watcher is not None
+        if past_seq is not None and not waited(lambda: watcher.last_seq > past_seq, 0.01):
+            raise TimeoutError("A published no event of the phase's work")
+        watcher.wait_quiet()
+        if not waited(lambda: self.b_view_of_a().last_seq >= watcher.last_seq, 0.1):
+            raise TimeoutError("B never applied A's events:\n" + self.cluster.describe())
 
     def phase(self, name: str, work: Callable[[], int | None]) -> Phase:
         """Run `work` (returns the chunks it stored, if that matters) and what it cost B."""
@@ -195,7 +187,7 @@ class Pair:
         b_cpu = max(0.0, s1.b_cpu - s0.b_cpu - self.b_idle_cpu_per_s * dt - self.b_cpu_per_poll * polls)
         a_cpu = max(0.0, s1.a_cpu - s0.a_cpu - self.a_idle_cpu_per_s * dt)
         kinds = {k: v for k, v in (s1.by_kind - s0.by_kind).items() if v}
-        load = round(os.getloadavg()[0], 2)
+        load = loadavg()[0]
         phase = Phase(name, dt, events, keys, payload, segments, protobuf, b_cpu, a_cpu, kinds, chunks, load)
         print(
             f"  {name}: {phase.events} events, {phase.keys} keys, {phase.payload_bytes:,} B received, "

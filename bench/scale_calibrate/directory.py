@@ -9,13 +9,12 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from bench.lib.daemons import process_cpu_seconds
-from bench.scale_calibrate.common import SMALL, WAIT_S, batches, new_keys, ns_fields, rss_anon, timed
+from bench.lib.daemons import process_cpu_seconds, rss_anon
+from bench.scale_calibrate.common import SMALL, batches, new_keys, ns_fields, timed, waited
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from tests.support.cluster import PeerDaemon
 from tests.support.daemon import short_tmpdir, stop_all
@@ -50,11 +49,8 @@ class Rig:
     def start(self) -> None:
         self.d.start(self.d.args)
         self.p.start(self.p.args)
-        deadline = time.monotonic() + WAIT_S
-        while self.status().breaker != pb.BREAKER_STATE_CLOSED or not self.status().shards:
-            if time.monotonic() > deadline:
-                raise TimeoutError("D never connected to the directory:\n" + self.d.log[-3000:])
-            time.sleep(0.1)
+        if not waited(lambda: self.status().breaker == pb.BREAKER_STATE_CLOSED and self.status().shards, 0.1):
+            raise TimeoutError("D never connected to the directory:\n" + self.d.log[-3000:])
 
     def close(self) -> None:
         stop_all([self.d, self.p])
@@ -124,7 +120,8 @@ def _measure(rig: Rig, reps: int) -> dict[str, Any]:
             s0, (t0, d0, _, r0) = rig.status(), rig.cpu()
             for part in batches(keys, WRITE_BATCH):
                 kv_d.store(ns_d, part, zeros[: len(part)])
-            _wait(lambda: rig.status().pending_changes == 0 and rig.status().lag_s == 0.0)
+            if not waited(lambda: rig.status().pending_changes == 0 and rig.status().lag_s == 0.0):
+                raise TimeoutError("the directory never caught up with D's changes")
             time.sleep(INTERVAL_S)  # (the batch in flight when pending reached 0)
             t1, d1, _, r1 = rig.cpu()
             s1, m1 = rig.status(), rig.used_memory()
@@ -182,14 +179,6 @@ def _measure(rig: Rig, reps: int) -> dict[str, Any]:
         }
         print(f"  lookups: {lookups}", flush=True)
     return out
-
-
-def _wait(check: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the directory never caught up with D's changes")
-        time.sleep(0.05)
 
 
 def measure_clients(rc: RedisCluster) -> dict[str, Any]:

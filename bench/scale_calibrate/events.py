@@ -8,13 +8,14 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from statistics import median
 from typing import Any
 
 import grpc
 import numpy as np
 
+from bench.lib.daemons import rss_anon
 from bench.scale_calibrate import common
 from bench.scale_calibrate.common import BIG_BATCH, FS_BYTES, LIFE_CHUNK, SINGLE_EVENTS, SMALL, new_keys, storing
 from bench.scale_calibrate.daemons import Pair, Phase
@@ -54,11 +55,11 @@ def measure_events(pair: Pair, entries: int, subscribers: int, batch: int) -> di
         single = pair.phase("single-key stores", storing(kv_a, ns, new_keys(SINGLE_EVENTS, "single"), 1, zeros))
         half = entries // 2
         bulk = new_keys(2 * half, "bulk")
-        rss = [(pair.b_view_of_a().indexed_chunks, common.rss_anon(b.pid))]
+        rss = [(pair.b_view_of_a().indexed_chunks, rss_anon(b.pid))]
         batched = pair.phase(f"{BIG_BATCH}-key stores (1)", storing(kv_a, ns, bulk[:half], BIG_BATCH, zeros))
-        rss.append((pair.b_view_of_a().indexed_chunks, common.rss_anon(b.pid)))
+        rss.append((pair.b_view_of_a().indexed_chunks, rss_anon(b.pid)))
         batched2 = pair.phase(f"{BIG_BATCH}-key stores (2)", storing(kv_a, ns, bulk[half:], BIG_BATCH, zeros))
-        rss.append((pair.b_view_of_a().indexed_chunks, common.rss_anon(b.pid)))
+        rss.append((pair.b_view_of_a().indexed_chunks, rss_anon(b.pid)))
 
         # More followers of A: what publishing costs per subscriber, and a stream's memory.
         nudges = iter(new_keys(200, "nudge"))
@@ -176,11 +177,11 @@ def open_streams(pair: Pair, streams: int, nudge: Callable[[], object]) -> tuple
     """`streams` more WatchEvents streams on A (a child process; `nudge` publishes an event), their heap
     per stream and their quiet CPU (medians of keepalive periods just before and just after they open)."""
     a = pair.a
-    rss0, without = common.rss_anon(a.pid), quiet_rates(a.pid)
+    rss0, without = rss_anon(a.pid), quiet_rates(a.pid)
     subs = Subscribers(a.address, streams)
     try:
         subs.wait_ready(nudge)
-        rss1, with_streams = common.rss_anon(a.pid), quiet_rates(a.pid)
+        rss1, with_streams = rss_anon(a.pid), quiet_rates(a.pid)
     except BaseException:
         subs.stop()
         raise
@@ -208,34 +209,13 @@ def measure_quiet_streams(pair: Pair, streams: int) -> dict[str, Any]:
 # -- the coalescing phase ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class FollowMode:
-    coalesced: bool
-    turns: int
-    seconds: float  # the paced stores, B catching up included
-    bus_events: int  # what A published (its bus: the uncoalesced watcher's count)
-    bus_keys: int
-    messages: int  # what B applied
-    follower_cpu_s: float  # B's
-    publisher_cpu_s_per_subscriber: float  # A's, per extra stream
-    subscribers: int  # the extra streams
-
-    @property
-    def follower_s_per_turn(self) -> float:
-        return self.follower_cpu_s / self.turns
-
-    @property
-    def publisher_s_per_turn(self) -> float:
-        return self.publisher_cpu_s_per_subscriber / self.turns
-
-
 def measure_coalescing(
     pair: Pair, batch: int, turns: int, turn_rate: float, subscribers: int, coalesced_subscribers: int
 ) -> dict[str, Any]:
     """A turn's store of `batch` chunks, `turn_rate` a second, A's RAM and fs full; B following each event,
     then coalesced; and A's CPU with more followers of each mode (`subscribers`, `coalesced_subscribers`)."""
     data = np.zeros((batch, LIFE_CHUNK), np.uint8)
-    modes: list[FollowMode] = []
+    modes: list[dict[str, Any]] = []
     print(f"coalescing: {turns} turns of {batch} chunks at {turn_rate:g}/s, RAM and fs full", flush=True)
     with pair.a.client() as kv:
         ns = kv.register_namespace(**common.ns_fields("life", LIFE_CHUNK))  # the lifecycle phase's: full
@@ -255,21 +235,31 @@ def measure_coalescing(
                 crowd = pair.phase(f"turns, {crowd_size} more followers {name}", paced(f"{tag}-2"))
             finally:
                 subs.stop()
-            bus_events = sum(v for k, v in alone.by_kind.items() if not k.endswith(" keys"))
-            counts = (bus_events, alone.keys, alone.events, alone.b_cpu_s)
-            publisher = max(0.0, crowd.a_cpu_s - alone.a_cpu_s) / crowd_size
-            modes.append(FollowMode(coalesce, turns, alone.seconds, *counts, publisher, crowd_size))
+            mode = {
+                "coalesced": coalesce,
+                "turns": turns,
+                "seconds": alone.seconds,  # the paced stores, B catching up included
+                # what A published (its bus: the uncoalesced watcher's count)
+                "bus_events": sum(v for k, v in alone.by_kind.items() if not k.endswith(" keys")),
+                "bus_keys": alone.keys,
+                "messages": alone.events,  # what B applied
+                "follower_cpu_s": alone.b_cpu_s,
+                "publisher_cpu_s_per_subscriber": max(0.0, crowd.a_cpu_s - alone.a_cpu_s) / crowd_size,  # A's
+                "subscribers": crowd_size,  # the extra streams
+                "follower_s_per_turn": alone.b_cpu_s / turns,
+            }
+            modes.append(mode)
     each, coalesced = modes
     return {
         "basis": f"{turns} stores of {batch} chunks of {LIFE_CHUNK >> 10} KiB at {turn_rate:g}/s on A (RAM and fs "
         f"full), B following each event, then coalesced (events_interval {EVENTS_INTERVAL_S:g} s); A's CPU with "
         f"{subscribers} more followers each event, {coalesced_subscribers} coalesced, minus without, per follower",
         "turn_rate": turn_rate,
-        "modes": [{**asdict(m), "follower_s_per_turn": m.follower_s_per_turn} for m in modes],
-        "follower_ratio": ratio(each.follower_s_per_turn, coalesced.follower_s_per_turn),
-        "publisher_ratio": ratio(each.publisher_s_per_turn, coalesced.publisher_s_per_turn),
-        "messages_ratio": ratio(each.messages, coalesced.messages),
-        "coalesced_messages_per_interval": coalesced.messages / max(1.0, coalesced.seconds / EVENTS_INTERVAL_S),
+        "modes": modes,
+        "follower_ratio": ratio(each["follower_s_per_turn"], coalesced["follower_s_per_turn"]),
+        "publisher_ratio": ratio(each["publisher_cpu_s_per_subscriber"], coalesced["publisher_cpu_s_per_subscriber"]),
+        "messages_ratio": ratio(each["messages"], coalesced["messages"]),
+        "coalesced_messages_per_interval": coalesced["messages"] / max(1.0, coalesced["seconds"] / EVENTS_INTERVAL_S),
     }
 
 

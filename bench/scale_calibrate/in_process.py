@@ -148,23 +148,18 @@ def contains_by_peers(
     return rows
 
 
-def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """(intercept, slope) by least squares."""
-    slope, intercept = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
-    return float(intercept), float(slope)
-
-
 def measure_in_process() -> dict[str, Any]:
     print("the daemon's index and peer tier in this process, 1 to 1000 peers", flush=True)
     slots = (0, 1, 2, 7, 99, 499, 999)
     by_slot = index_bytes_by_slot(slots)
     big = [r for r in by_slot if r["slot"] >= 7]
-    base, per_slot = linear_fit([r["slot"] for r in big], [r["bytes_per_entry"] for r in big])
+    per_slot, base = statistics.linear_regression([r["slot"] for r in big], [r["bytes_per_entry"] for r in big])
     updates = index_updates_by_slot((0, 99, 499, 999))
-    add0, add_slope = linear_fit([r["slot"] for r in updates], [r["add_us"] for r in updates])
+    add_slope, add0 = statistics.linear_regression([r["slot"] for r in updates], [r["add_us"] for r in updates])
     contains = contains_by_peers((1, 10, 100, 1000))
-    call0, call_slope = linear_fit([r["peers"] for r in contains], [r["per_call_us"] for r in contains])
-    key0, key_slope = linear_fit([r["peers"] for r in contains], [r["per_key_us"] for r in contains])
+    peers = [r["peers"] for r in contains]
+    call_slope, call0 = statistics.linear_regression(peers, [r["per_call_us"] for r in contains])
+    key_slope, key0 = statistics.linear_regression(peers, [r["per_key_us"] for r in contains])
     readme_way = index_bytes_readme_way(200_000)
     rendezvous = rendezvous_cost((10, 100, 1000))
     return {

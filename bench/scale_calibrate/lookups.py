@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import time
@@ -14,6 +13,7 @@ import grpc
 import numpy as np
 
 from bench.lib.daemons import process_cpu_seconds
+from bench.lib.s3 import start_s3
 from bench.scale_calibrate.common import SMALL, new_keys, ns_fields, timed
 from bench.scale_calibrate.daemons import Pair
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
@@ -82,45 +82,23 @@ def measure_lookups_and_fetch(pair: Pair, reps: int) -> dict[str, Any]:
 def measure_s3(kind: str, chunk_bytes: int, reps: int) -> dict[str, Any]:
     if kind == "none":
         return {"server": None, "note": "--s3 none: not measured"}
-    import boto3
-
-    from tests.support.s3 import MotoServer, RadosGW
-
     print("S3 PUT/GET latency", flush=True)
-    errors, server, endpoint, which = [], None, None, ""
-    for which in ["radosgw", "moto"] if kind == "auto" else [kind]:
-        server = RadosGW(memstore_bytes=max(256 << 20, 4 * reps * chunk_bytes)) if which == "radosgw" else MotoServer()
-        try:
-            endpoint = server.start()
-            break
-        except Exception as exc:  # noqa: BLE001 - try the next kind, report every reason
-            errors.append(f"{which}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}")
-            with contextlib.suppress(Exception):
-                server.stop()
-            server = None
-    if server is None or endpoint is None:
-        return {"server": None, "note": "no S3 server started: " + "; ".join(errors)}
     try:
-        s3 = boto3.client(
-            "s3",
-            endpoint_url=endpoint.url,
-            aws_access_key_id=endpoint.access_key,
-            aws_secret_access_key=endpoint.secret_key,
-            region_name=endpoint.region,
-        )
-        bucket = f"scale-calibrate-{os.getpid()}"
-        s3.create_bucket(Bucket=bucket)
-        s3.put_object(Bucket=bucket, Key="warm", Body=b"x")  # the first PUT creates radosgw's pools (~2 s)
-        out: dict[str, Any] = {"server": which, "chunk_bytes": chunk_bytes, "reps": reps}
+        server = start_s3(kind, memstore_bytes=max(256 << 20, 4 * reps * chunk_bytes))
+    except RuntimeError as exc:
+        return {"server": None, "note": str(exc)}
+    try:
+        s3, bucket = server.client(), server.new_bucket(f"scale-calibrate-{os.getpid()}")
+        out: dict[str, Any] = {"server": server.kind, "chunk_bytes": chunk_bytes, "reps": reps}
         for label, size in (("chunk", chunk_bytes), ("small", SMALL)):
             out[f"put_{label}_ms"], out[f"get_{label}_ms"] = put_get_ms(s3, bucket, label, os.urandom(size), reps)
-        floor = "moto_server keeps objects in RAM" if which == "moto" else "a memstore OSD: latencies are a floor"
+        floor = "moto_server keeps objects in RAM" if server.kind == "moto" else "a memstore OSD: latencies are a floor"
         out["basis"] = (
             f"boto3 PUT then GET of {reps} objects of {chunk_bytes >> 20} MiB and of 4 KiB, one at a time, "
-            f"medians, against {which} on loopback ({floor})"
+            f"medians, against {server.kind} on loopback ({floor})"
         )
-        if errors:
-            out["note"] = "; ".join(errors)
+        if server.note:
+            out["note"] = server.note
         return out
     finally:
         server.stop()

@@ -17,8 +17,8 @@ from typing import Any
 
 import grpc
 
-from bench.lib.daemons import REPO, process_cpu_seconds
-from bench.scale_calibrate.common import WAIT_S, rss_anon
+from bench.lib.daemons import REPO, process_cpu_seconds, rss_anon
+from bench.scale_calibrate.common import WAIT_S, waited
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
 
@@ -34,7 +34,7 @@ async def serve_subscribers(address: str, streams: int, coalesce: bool = False) 
     counts = [0] * streams
 
     async def follow(i: int) -> None:
-        async for _ in channels[i].watch(0, coalesce):
+        async for _ in channels[i].watch(0, 0, coalesce):  # (incarnation 0: any run)
             counts[i] += 1
 
     tasks = [asyncio.create_task(follow(i)) for i in range(streams)]
@@ -46,8 +46,8 @@ async def serve_subscribers(address: str, streams: int, coalesce: bool = False) 
             print(f"ready {rss_anon(os.getpid())}", flush=True)
         print(f"count {sum(counts)}", flush=True)
     for t in tasks:
-        if t.done() and t.exception() is not None:
-            raise t.exception()  # type: ignore[misc]
+        if t.done():
+            t.result()  # (raises what ended it)
 
 
 class Subscribers:
@@ -55,9 +55,7 @@ class Subscribers:
 
     def __init__(self, address: str, streams: int, coalesce: bool = False) -> None:
         self.streams = streams
-        command = [sys.executable, "-m", "bench.scale_calibrate", "--serve-subscribers", address, str(streams)]
-        command += ["--serve-coalesced"] if coalesce else []
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=child_env(), cwd=REPO)
+        self.proc = spawn("serve", address, str(streams), str(int(coalesce)), stdout=subprocess.PIPE, text=True)
         self.rss_before = self.rss_ready = self.received = 0
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._read, name="scale-calibrate-subs", daemon=True)
@@ -84,9 +82,7 @@ class Subscribers:
             nudge()
 
     def wait_received(self, total: int) -> None:
-        deadline = time.monotonic() + WAIT_S
-        while self.received < total and time.monotonic() < deadline:
-            time.sleep(0.05)
+        waited(lambda: self.received >= total)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -95,10 +91,11 @@ class Subscribers:
         self._thread.join(5)
 
 
-def child_env() -> dict[str, str]:
+def spawn(*args: str, **popen: Any) -> subprocess.Popen:
+    """This module's `__main__` in a child process: `serve ADDRESS STREAMS COALESCE` or `floor PORT`."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "client"), env.get("PYTHONPATH", "")])
-    return env
+    return subprocess.Popen([sys.executable, "-m", __name__, *args], env=env, cwd=REPO, **popen)
 
 
 # -- gRPC's floor ---------------------------------------------------------------------------------
@@ -134,8 +131,7 @@ async def _measure_floor(messages: int, interval_s: float, keys: int) -> dict[st
     server.add_generic_rpc_handlers((service,))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    command = [sys.executable, "-m", "bench.scale_calibrate", "--floor-client", str(port)]
-    child = subprocess.Popen(command, env=child_env(), cwd=REPO)
+    child = spawn("floor", str(port))
 
     def cpu() -> tuple[float, float, float]:  # this process's, the child's, when
         return process_cpu_seconds(os.getpid()), process_cpu_seconds(child.pid), time.monotonic()
@@ -176,3 +172,12 @@ async def floor_client(port: int) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         async for _ in pb_grpc.KVStoreStub(channel).WatchEvents(pb.WatchEventsRequest(coalesce=True)):
             pass
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "floor":
+        import uvloop
+
+        uvloop.run(floor_client(int(sys.argv[2])))
+    else:
+        asyncio.run(serve_subscribers(sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"))

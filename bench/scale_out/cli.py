@@ -17,8 +17,8 @@ from bench.scale_out.designs import Model
 from bench.scale_out.fleet import DEFAULT_CALIBRATION, S3_PREFIX_PUTS_PER_S, SECONDS_PER_MONTH, Budget, Costs, Fleet
 from bench.scale_out.report import basis, plot, print_report, redis_fit, run, sensitivity
 
-# Flags in handier units than their Fleet field: (the field, its unit).
-SCALED = {"--chunk-mib": ("chunk_bytes", MIB), "--ram-gib": ("ram_bytes", GIB), "--fs-tib": ("fs_bytes", 1 << 40)}
+# Fleet fields whose flag has a handier unit: (the flag, its unit).
+SCALED = {"chunk_bytes": ("--chunk-mib", MIB), "ram_bytes": ("--ram-gib", GIB), "fs_bytes": ("--fs-tib", 1 << 40)}
 
 
 def parse_nodes(text: str) -> list[int]:
@@ -29,17 +29,15 @@ def parse_nodes(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = Fleet()
     p = argparse.ArgumentParser(
         prog="python -m bench.scale_out",
         description="Model a fleet of 1 to 1000 kvstored nodes (and on to --max-nodes) from the daemon's measured "
-        "per-operation costs (bench/scale_calibrate.py; default the committed calibration): per node "
-        "index memory, inbound event traffic and the CPU to apply it, lookup cost, S3 request rate and "
-        "cost, for the mesh as built (every node follows every other), a node-level coalesced mesh, "
-        "directory shards placed by rendezvous hashing, the fleet directory on a Redis Cluster as built (and the "
-        "cluster it takes: masters, memory, ops/s) and router-based (llm-d consuming KV events); "
-        "prints where "
-        "each design exceeds the budget, writes the table as JSON (--json) and a plot (--plot).",
+        "per-operation costs (bench/scale_calibrate.py; default the committed calibration): per node index memory, "
+        "inbound event traffic and the CPU to apply it, lookup cost, S3 request rate and cost, for the mesh as built "
+        "(every node follows every other), a node-level coalesced mesh, directory shards placed by rendezvous hashing, "
+        "the fleet directory on a Redis Cluster as built (and the cluster it takes: masters, memory, ops/s) and "
+        "router-based (llm-d consuming KV events); prints where each design exceeds the budget, writes the table as "
+        "JSON (--json) and a plot (--plot).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
@@ -54,42 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-nodes", type=int, default=10_000, help="how far to look for break points (and to plot)")
     p.add_argument("--cpu-budget", type=float, default=0.10, help="index upkeep CPU per node, share of one core")
     p.add_argument("--memory-budget-gib", type=float, default=1.0, help="index and stream memory per node")
-    flags = [  # (flag, help); a flag --x-y sets Fleet.x_y, its default and type are the field's
-        ("--turns-per-s", "turns per GPU node per second"),
-        ("--first-tokens", "tokens of a conversation's first prompt"),
-        ("--turn-tokens", "tokens each later turn adds"),
-        ("--turns", "turns per conversation"),
-        ("--kv-bytes-per-token", "KV bytes per token (Qwen3.6-35B-A3B: 20,480; Llama-3.1-8B: 131,072)"),
-        ("--chunk-mib", "chunk size"),
-        ("--kvstored-read-share", "share of a turn's reusable chunks loaded from kvstored (the GPU has the rest)"),
-        ("--fs-read-share", "share of kvstored reads served by the node's own fs tier (each promotion is an event)"),
-        ("--cross-node-share", "share of turns sent to a node other than the one holding the conversation"),
-        ("--s3-read-share", "share of kvstored reads only S3 can serve"),
-        ("--ram-gib", "each node's RAM tier"),
-        ("--fs-tib", "each node's fs tier (0: not indexed)"),
-        ("--no-s3", "no S3 tier below the peers"),
-        ("--pack-bytes", "the S3 tier's pack_bytes (0: one object per chunk)"),
-        ("--interval-s", "coalesced mesh, directory, router: one message per destination per interval"),
-        ("--group-chunks", "directory: consecutive chunks of a chain owned together"),
-        ("--replicas", "directory: owners per chunk group"),
-        ("--routers", "router: instances each node publishes to"),
-        ("--redis-replicas", "Redis Cluster directory: replicas per master"),
-        ("--redis-shard-cpu", "Redis Cluster directory: a master's CPU budget, share of one core"),
-        ("--redis-shard-gib", "Redis Cluster directory: a master's memory budget"),
-        ("--directory-entry-ttl-s", "Redis Cluster directory: entry TTL (every chunk re-written once per TTL / 2)"),
-        ("--directory-buckets", "Redis Cluster directory: hash-tag buckets (the masters a lookup touches, at most)"),
-        ("--put-usd-per-1k", "S3 price per 1,000 PUTs"),
-        ("--get-usd-per-1k", "S3 price per 1,000 GETs"),
-    ]
-    for flag, text in flags:
-        if flag == "--no-s3":
-            p.add_argument(flag, action="store_true", help=text)
-        elif flag in SCALED:
-            field, unit = SCALED[flag]
-            p.add_argument(flag, type=float, default=getattr(d, field) / unit, help=text)
+    stated = Fleet()
+    for f in fields(Fleet):  # --x-y sets Fleet.x_y; its default and type: the field's
+        default, text = getattr(stated, f.name), f.metadata["help"]
+        if f.name == "s3_tier":
+            p.add_argument("--no-s3", action="store_true", help=text)
+        elif f.name in SCALED:
+            flag, unit = SCALED[f.name]
+            p.add_argument(flag, type=float, default=default / unit, help=text)
         else:
-            default = getattr(d, flag[2:].replace("-", "_"))
-            p.add_argument(flag, type=type(default), default=default, help=text)
+            p.add_argument("--" + f.name.replace("_", "-"), type=type(default), default=default, help=text)
     return p
 
 
@@ -101,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     calibration = json.loads(cal_path.read_text())
     fleet = Fleet(
         **{k: v for k, v in vars(args).items() if k in {f.name for f in fields(Fleet)}},
-        **{field: int(getattr(args, flag[2:].replace("-", "_")) * unit) for flag, (field, unit) in SCALED.items()},
+        **{field: int(getattr(args, flag[2:].replace("-", "_")) * unit) for field, (flag, unit) in SCALED.items()},
         s3_tier=not args.no_s3,
     )
     budget = Budget(args.cpu_budget, args.memory_budget_gib * GIB)

@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""The four designs and what each costs a node at a node count."""
+"""The five designs and what each costs a node at a node count."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from bench.lib.report import GIB
@@ -42,12 +43,10 @@ class Model:
     fleet: Fleet
     budget: Budget
     costs: Costs
-    rates: Rates = field(init=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "rates", Rates.of(self.fleet, self.costs))
-
-    # helpers --------------------------------------------------------------------------------------
+    @cached_property
+    def rates(self) -> Rates:
+        return Rates.of(self.fleet, self.costs)
 
     def wire_bytes(self, messages: float, keys: float, segments: float | None = None) -> float:
         c = self.costs
@@ -78,8 +77,6 @@ class Model:
         return Point(
             nodes, cpu_sum, cpu, memory_sum, memory, *inbound, lookup_s * 1e3, entries, coverage, *self.s3(coverage)
         )
-
-    # the four designs --------------------------------------------------------------------------------
 
     def mesh(self, nodes: int) -> Point:
         r = self.rates

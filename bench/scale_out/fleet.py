@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from bench.lib.report import GIB, MIB, REPO
@@ -15,43 +15,58 @@ DEFAULT_CALIBRATION = REPO / "docs" / "scale-out-calibration.json"
 SECONDS_PER_MONTH = 30 * 86_400
 HEADER_BYTES_PER_SEGMENT = 66  # on a real network: IPv4 20 + TCP 32 (timestamps) + Ethernet 14
 MSS = 1448  # payload bytes per segment at a 1500-byte MTU
-S3_TIER_CONCURRENCY = 16  # the S3 tier's default max_concurrency
 S3_PREFIX_PUTS_PER_S = 3500  # AWS: PUT/COPY/POST/DELETE per second per partitioned prefix
-PEER_MAX_BATCH = 16  # the peer tier's default max_batch: chunks per fetch order
 
 
 # -- what is modelled, and the budget -----------------------------------------------------------------
 
 
+def flag(default: Any, text: str) -> Any:
+    """A Fleet field and the help of its flag (cli.py: --x-y sets x_y)."""
+    return field(default=default, metadata={"help": text})
+
+
 @dataclass(frozen=True)
 class Fleet:
-    """The workload of one GPU node and what it holds (defaults: bench/multiturn.py's workload)."""
+    """The workload of one GPU node and what it holds (defaults: bench/multiturn.py's workload), each
+    field a flag of bench.scale_out."""
 
-    turns_per_s: float = 10.0
-    first_tokens: int = 12 * 1024
-    turn_tokens: int = 4 * 1024
-    turns: int = 8
-    kv_bytes_per_token: int = 20_480
-    chunk_bytes: int = 2 * MIB
-    kvstored_read_share: float = 0.5  # of a turn's reusable chunks: loaded from kvstored (the GPU cache has the rest)
-    fs_read_share: float = 0.3  # of those: from the node's own fs tier (promoted into RAM: an event each)
-    cross_node_share: float = 0.1  # of turns: sent to a node other than the one holding the conversation
-    s3_read_share: float = 0.01  # of kvstored reads: only S3 has the chunk
-    ram_bytes: int = 100 * GIB  # what each node's peers may fetch from: its RAM tier ...
-    fs_bytes: int = 2 << 40  # ... and its fs tier
-    s3_tier: bool = True  # RAM -> fs -> peer -> s3: every write-down also goes to S3 (a PUT, and an event)
-    pack_bytes: int = 32 * MIB  # the S3 tier's packs: chunks per PUT (0: one object per chunk)
-    interval_s: float = 0.1  # coalesced mesh, directory, router: one message per destination per interval
-    group_chunks: int = 32  # directory: consecutive chunks of a chain owned together
-    replicas: int = 1  # directory: owners per group
-    routers: int = 1  # router: router instances each node publishes to
-    redis_replicas: int = 1  # Redis Cluster directory: replicas per master
-    redis_shard_cpu: float = 0.5  # ... a master's CPU budget, share of one core (Redis runs commands on one)
-    redis_shard_gib: float = 25.0  # ... a master's memory budget
-    directory_entry_ttl_s: float = 1800.0  # ... every chunk re-written once per TTL / 2 (the refresh pass)
-    directory_buckets: int = 16  # ... hash-tag buckets: the shards one lookup touches, at most
-    put_usd_per_1k: float = 0.005  # S3 Standard, us-east-1 list price (PUT, COPY, POST, LIST)
-    get_usd_per_1k: float = 0.0004  # S3 Standard, us-east-1 list price (GET, SELECT)
+    turns_per_s: float = flag(10.0, "turns per GPU node per second")
+    first_tokens: int = flag(12 * 1024, "tokens of a conversation's first prompt")
+    turn_tokens: int = flag(4 * 1024, "tokens each later turn adds")
+    turns: int = flag(8, "turns per conversation")
+    kv_bytes_per_token: int = flag(20_480, "KV bytes per token (Qwen3.6-35B-A3B: 20,480; Llama-3.1-8B: 131,072)")
+    chunk_bytes: int = flag(2 * MIB, "chunk size")
+    kvstored_read_share: float = flag(
+        0.5, "share of a turn's reusable chunks loaded from kvstored (the GPU has the rest)"
+    )
+    fs_read_share: float = flag(
+        0.3, "share of kvstored reads served by the node's own fs tier (each promotion is an event)"
+    )
+    cross_node_share: float = flag(0.1, "share of turns sent to a node other than the one holding the conversation")
+    s3_read_share: float = flag(0.01, "share of kvstored reads only S3 can serve")
+    ram_bytes: int = flag(100 * GIB, "each node's RAM tier")  # (what its peers may fetch from: RAM and fs)
+    fs_bytes: int = flag(2 << 40, "each node's fs tier (0: not indexed)")
+    # RAM -> fs -> peer -> s3: every write-down also goes to S3 (a PUT, and an event)
+    s3_tier: bool = flag(True, "no S3 tier below the peers")  # (the flag: --no-s3)
+    pack_bytes: int = flag(32 * MIB, "the S3 tier's pack_bytes (0: one object per chunk)")
+    interval_s: float = flag(0.1, "coalesced mesh, directory, router: one message per destination per interval")
+    group_chunks: int = flag(32, "directory: consecutive chunks of a chain owned together")
+    replicas: int = flag(1, "directory: owners per chunk group")
+    routers: int = flag(1, "router: instances each node publishes to")
+    redis_replicas: int = flag(1, "Redis Cluster directory: replicas per master")
+    # (Redis runs commands on one core)
+    redis_shard_cpu: float = flag(0.5, "Redis Cluster directory: a master's CPU budget, share of one core")
+    redis_shard_gib: float = flag(25.0, "Redis Cluster directory: a master's memory budget")
+    directory_entry_ttl_s: float = flag(
+        1800.0, "Redis Cluster directory: entry TTL (every chunk re-written once per TTL / 2)"
+    )
+    directory_buckets: int = flag(
+        16, "Redis Cluster directory: hash-tag buckets (the masters a lookup touches, at most)"
+    )
+    # S3 Standard, us-east-1 list prices: PUT (COPY, POST, LIST), GET (SELECT)
+    put_usd_per_1k: float = flag(0.005, "S3 price per 1,000 PUTs")
+    get_usd_per_1k: float = flag(0.0004, "S3 price per 1,000 GETs")
 
     @property
     def chunks_per_put(self) -> int:  # (a pack's records carry a chunk file header each)

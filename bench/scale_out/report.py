@@ -13,33 +13,23 @@ from typing import Any
 from bench.lib.report import GIB, MIB, print_aligned
 from bench.lib.report import fmt_bytes as fmt_size
 from bench.scale_out.designs import Model, break_point, designs, plot_nodes
-from bench.scale_out.fleet import (
-    HEADER_BYTES_PER_SEGMENT,
-    PEER_MAX_BATCH,
-    S3_PREFIX_PUTS_PER_S,
-    S3_TIER_CONCURRENCY,
-    Budget,
-    Costs,
-    Fleet,
-    Rates,
-)
-from kvstored.tiers.config import S3TierConfig
+from bench.scale_out.fleet import HEADER_BYTES_PER_SEGMENT, S3_PREFIX_PUTS_PER_S, Budget, Costs, Fleet, Rates
+from kvstored.tiers.config import PeerTierConfig, S3TierConfig
 
 
 def run(model: Model, nodes: Sequence[int], max_nodes: int) -> dict[str, Any]:
-    out_designs = [
-        {
-            "key": d.key,
-            "label": d.label,
-            "how": d.how,
-            "break": break_point(d, model.budget, max_nodes),
-            "rows": [asdict(d.point(n)) for n in nodes],
-            "curve": [asdict(d.point(n)) for n in plot_nodes(max_nodes)],
-        }
-        for d in designs(model)
-    ]
     return {
-        "designs": out_designs,
+        "designs": [
+            {
+                "key": d.key,
+                "label": d.label,
+                "how": d.how,
+                "break": break_point(d, model.budget, max_nodes),
+                "rows": [asdict(d.point(n)) for n in nodes],
+                "curve": [asdict(d.point(n)) for n in plot_nodes(max_nodes)],
+            }
+            for d in designs(model)
+        ],
         "router_tier": [model.router_tier(n) for n in nodes],
         "redis_tier": [model.redis_tier(n) for n in sorted({*nodes, 100, 1000})],
     }
@@ -67,13 +57,14 @@ def sensitivity(fleet: Fleet, budget: Budget, costs: Costs, max_nodes: int) -> l
 def redis_fit(fleet: Fleet, budget: Budget, costs: Costs, nodes: int = 1000) -> dict[str, Any]:
     """Where the Redis Cluster directory's per-node CPU (flat in N) fits the budget: the turn rate
     it allows, and the CPU per chunk written it would need at the stated rate."""
-    p = Model(fleet, budget, costs).redis_directory(nodes)
+    model = Model(fleet, budget, costs)
+    p = model.redis_directory(nodes)
     lo, hi = 0.0, 1000.0  # turns/s per node: the CPU grows with them
     for _ in range(60):
         mid = (lo + hi) / 2
         fits = Model(replace(fleet, turns_per_s=mid), budget, costs).redis_directory(nodes).cpu_fraction
         lo, hi = (mid, hi) if fits <= budget.cpu_fraction else (lo, mid)
-    r = Model(fleet, budget, costs).rates
+    r = model.rates
     room = budget.cpu_fraction - p.cpu_parts["heartbeat"] - p.cpu_parts["lookups"]
     long_ttl = replace(fleet, directory_entry_ttl_s=4 * 3600.0)
     return {
@@ -89,7 +80,7 @@ def redis_fit(fleet: Fleet, budget: Budget, costs: Costs, nodes: int = 1000) -> 
 
 def basis(f: Fleet, r: Rates, c: Costs) -> list[tuple[str, str, str]]:
     """The workload per node: (figure, value, its basis)."""
-    orders = math.ceil(r.looked_up_chunks_per_turn * f.kvstored_read_share / PEER_MAX_BATCH)
+    orders = math.ceil(r.looked_up_chunks_per_turn * f.kvstored_read_share / PeerTierConfig.max_batch)
     s3_event = " + 1 for the S3 write-down (modelled)" if f.s3_tier else ""
     rows = {
         "turns per node": (
@@ -121,7 +112,7 @@ def basis(f: Fleet, r: Rates, c: Costs) -> list[tuple[str, str, str]]:
         "fetched from peers": (
             f"{r.peer_fetches_per_s:,.0f}/s",
             f"--cross-node-share {f.cross_node_share:g} of turns land on another node; {orders} fetch orders of "
-            f"<= {PEER_MAX_BATCH} chunks per such turn, {c.fetch_round_trip_s * 1e3:.2f} ms each (measured)",
+            f"<= {PeerTierConfig.max_batch} chunks per such turn, {c.fetch_round_trip_s * 1e3:.2f} ms each (measured)",
         ),
         "events published (as built)": (
             f"{r.events_per_s:,.0f}/s, {r.keys_per_s:,.0f} keys/s",
@@ -260,7 +251,7 @@ def print_report(doc: dict[str, Any], model: Model) -> None:
     print(
         f"\nS3: {s3['puts_per_s_per_node']:,.0f} PUT/s per node ({s3['in_flight_puts']:.1f} in flight at "
         f"{c.s3_put_s * 1e3 * f.chunks_per_put:.1f} ms each, the S3 tier keeps "
-        f"{S3TierConfig.pack_uploads if f.pack_bytes else S3_TIER_CONCURRENCY}); at 1,000 nodes "
+        f"{S3TierConfig.pack_uploads if f.pack_bytes else S3TierConfig.concurrency}); at 1,000 nodes "
         f"{s3['puts_per_s_per_node'] * 1000:,.0f} PUT/s need >= {s3['prefixes_at_1000']} partitioned prefixes "
         f"({S3_PREFIX_PUTS_PER_S:,} PUT/s each) and cost ${s3['usd_per_month_at_1000']:,.0f}/month in requests"
     )
@@ -290,31 +281,19 @@ def plot(doc: dict[str, Any], path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     budget = doc["budget"]
-    panels = [  # title, value, unit, log scale, budget
-        (
-            "Index upkeep CPU (share of one core)",
-            lambda p: 100 * p["cpu_fraction"],
-            "%",
-            True,
-            100 * budget["cpu_fraction"],
-        ),
-        (
-            "Index + streams memory for a full view",
-            lambda p: p["memory_bytes"] / MIB,
-            "MiB",
-            True,
-            budget["memory_bytes"] / MIB,
-        ),
-        ("Inbound event traffic", lambda p: p["inbound_bytes_per_s"] / 1024, "KiB/s", True, None),
-        ("A turn's Lookup", lambda p: p["lookup_ms"], "ms", False, None),
-        ("Peers' chunks the index holds within the memory budget", lambda p: 100 * p["coverage"], "%", False, None),
-        ("S3 GETs per node (misses the index cannot place)", lambda p: p["s3_gets_per_s"], "GET/s", False, None),
+    panels = [  # title, the figure, its scale, unit, log scale, the budget's line
+        ("Index upkeep CPU (share of one core)", "cpu_fraction", 100, "%", True, 100 * budget["cpu_fraction"]),
+        ("Index + streams memory for a full view", "memory_bytes", 1 / MIB, "MiB", True, budget["memory_bytes"] / MIB),
+        ("Inbound event traffic", "inbound_bytes_per_s", 1 / 1024, "KiB/s", True, None),
+        ("A turn's Lookup", "lookup_ms", 1, "ms", False, None),
+        ("Peers' chunks the index holds within the memory budget", "coverage", 100, "%", False, None),
+        ("S3 GETs per node (misses the index cannot place)", "s3_gets_per_s", 1, "GET/s", False, None),
     ]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8.5), dpi=110)
-    for ax, (title, value, unit, log, line) in zip(axes.flat, panels):
+    for ax, (title, figure, scale, unit, log, line) in zip(axes.flat, panels):
         for d in doc["designs"]:
             colour, marker = STYLE.get(d["key"], ("#000000", "o"))
-            xy = [(p["nodes"], value(p)) for p in d["curve"] if p["nodes"] >= 2]
+            xy = [(p["nodes"], p[figure] * scale) for p in d["curve"] if p["nodes"] >= 2]
             if log:
                 xy = [(x, y) for x, y in xy if y > 0]  # (the router receives no events: nothing to draw)
             if not xy:
@@ -326,12 +305,8 @@ def plot(doc: dict[str, Any], path: str | Path) -> None:
                 ax.axvline(d["break"]["nodes"], color=colour, linestyle=":", linewidth=1)
         if line is not None:
             ax.axhline(line, color="black", linestyle="--", linewidth=1, label="budget")
-        ax.set_xscale("log")
-        if log:
-            ax.set_yscale("log")
+        ax.set(xscale="log", yscale="log" if log else "linear", xlabel="nodes", ylabel=unit)
         ax.set_title(title, fontsize=10)
-        ax.set_ylabel(unit)
-        ax.set_xlabel("nodes")
         ax.grid(True, alpha=0.3, which="both")
     axes.flat[0].legend(fontsize=8, loc="lower right")
     w = doc["fleet"]
