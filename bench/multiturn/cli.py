@@ -83,9 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def section(title: str, lines: list[str]) -> None:
-    print(f"\n{title}")
-    for line in lines:
-        print("  " + line)
+    print(f"\n{title}", *("  " + line for line in lines), sep="\n")
 
 
 def write_outputs(doc: dict[str, Any], json_path: str | None, plot_path: str | None) -> None:
@@ -118,9 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{info['mem_total_gib']} GiB, kernel {info['kernel']}, git {info['git']}, load average {load_start:.2f}, "
         f"GLIBC_TUNABLES={info['glibc_tunables'] or '(none)'}"
     )
-    scale = mode.scaling(report.scaling_lines(p), p)
-    for line in mode.intro() + report.model_lines(m, p.basis) + scale + mode.outro(p):
-        print("  " + line, flush=True)
+    lines, scale = mode.plan_lines(p)
+    print(*("  " + line for line in lines), sep="\n", flush=True)
 
     doc: dict[str, Any] = {
         "benchmark": mode.benchmark,
@@ -129,7 +126,6 @@ def main(argv: list[str] | None = None) -> int:
         "workload": asdict(w),
         "model": {
             **asdict(m),
-            "transfer": m.transfer.value,
             "byte_scale": m.byte_scale,
             "spec": asdict(MODELS[args.model]),
             "derivation": p.derivation,
@@ -151,8 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p.workdir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
-        mode.enter(stack)
-        s3, s3_note = start_sweep_s3(args.s3, p, mode.configs, mode.moto, mode.s3_skipped)
+        s3, s3_note = start_sweep_s3(args.s3, p, mode.configs)
         if s3 is not None:
             stack.callback(s3.stop)
         limits = Limits(raw_tcp=[] if args.nodes > 1 else None)

@@ -19,7 +19,6 @@ from bench.lib.s3 import S3, raw_s3_get
 from bench.multiturn.model import FS_IO_THREADS, S3_INFLIGHT
 
 LIMIT_KEYS = ("memcpy", "odirect_stream", "odirect_batched", "s3_get")
-RAW_TCP_BYTES = 256 * MIB
 
 
 @dataclass
@@ -49,19 +48,15 @@ def odirect_reads(workdir: Path, chunk_bytes: int, batch: int, total: int, round
     files = ODirectFiles(workdir, n, chunk_bytes, FS_IO_THREADS)
     buf = aligned_pool(n * chunk_bytes)
     np.frombuffer(buf, dtype=np.uint8)[:] = 7
-    view = memoryview(buf)
-    stream: list[float] = []
-    batched: list[float] = []
+    view, gib = memoryview(buf), n * chunk_bytes / GIB
     try:
         files.write(view)
-        for _ in range(rounds):
-            stream.append(n * chunk_bytes / GIB / files.read(view))
-            batched.append(n * chunk_bytes / GIB / files.read(view, batch))
+        rates = [(gib / files.read(view), gib / files.read(view, batch)) for _ in range(rounds)]  # (stream, batched)
     finally:
         files.close()
         view.release()
         buf.close()
-    return stream, batched
+    return [stream for stream, _ in rates], [batched for _, batched in rates]
 
 
 def s3_gets(s3: S3, chunk_bytes: int, objects: int, rounds: int) -> list[float]:
@@ -76,10 +71,9 @@ def s3_gets(s3: S3, chunk_bytes: int, objects: int, rounds: int) -> list[float]:
         s3.empty_bucket(bucket)
 
 
-def measure_limits(
-    limits: Limits, workdir: Path, chunk_bytes: int, batch: int, s3: S3 | None, total: int = 256 * MIB, rounds: int = 3
-) -> None:
+def measure_limits(limits: Limits, workdir: Path, chunk_bytes: int, batch: int, s3: S3 | None) -> None:
     """One round of every limit measurement (appended to `limits`); a measurement that fails is noted."""
+    total, rounds = 256 * MIB, 3  # bytes each measurement moves; samples of each (raw TCP: one)
     limits.batch_chunks = batch
     limits.memcpy += memcpy_pieces_gib_s(chunk_bytes, total, rounds)
     try:
@@ -97,6 +91,6 @@ def measure_limits(
         try:  # bench/lib/raw_net.py: sendall from a populated mmap, recv_into 16 slots
             from bench.lib.raw_net import Place, measure_raw
 
-            limits.raw_tcp.append(measure_raw("tcp", Place("loopback"), RAW_TCP_BYTES, chunk_bytes, 16).gib_s)
+            limits.raw_tcp.append(measure_raw("tcp", Place("loopback"), total, chunk_bytes, 16).gib_s)
         except Exception as exc:  # noqa: BLE001 - the tiers' figures stand without it
             limits.notes.append(f"raw TCP: {type(exc).__name__}: {exc}")

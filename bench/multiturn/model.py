@@ -83,14 +83,6 @@ class Workload:
         return 0 if turn == 1 else self.prompt_tokens(turn - 1) // self.chunk_tokens
 
     @property
-    def tokens_per_conversation(self) -> int:
-        return sum(self.prompt_tokens(t) for t in range(1, self.turns + 1))
-
-    @property
-    def reusable_per_conversation(self) -> int:
-        return sum(self.reusable_chunks(t) for t in range(1, self.turns + 1)) * self.chunk_tokens
-
-    @property
     def mean_new_token_context(self) -> float:
         """Mean position of the tokens a turn computes with its history cached (turn 1: all of it), weighted
         by tokens: the context their attention spans (20,480 with the default shape)."""
@@ -144,12 +136,6 @@ class ModelSpec:
 
     def flops_per_token(self, context: float) -> float:
         return 2 * self.active_params + self.attention_flops_per_token(context)
-
-    def estimated_prefill(self, context: float) -> float:
-        return self.gpus * self.gpu.bf16_dense_flops * self.mfu / self.flops_per_token(context)
-
-    def implied_mfu(self, prefill_tokens_per_s: float, context: float) -> float:
-        return prefill_tokens_per_s * self.flops_per_token(context) / (self.gpus * self.gpu.bf16_dense_flops)
 
     @property
     def weight_bytes_per_gpu(self) -> float:
@@ -266,8 +252,9 @@ def derive_model(spec: ModelSpec, w: Workload, args: Any) -> tuple[Model, list[B
         kv_basis = f"--model-kv-bytes-per-token (the preset's: {spec.kv_bytes_per_token:,} = {kv_basis})"
     flops = spec.flops_per_token(ctx)
     peak = gpus * spec.gpu.bf16_dense_flops
-    estimate = spec.estimated_prefill(ctx)
+    estimate = peak * spec.mfu / flops
     rate = args.prefill_tokens_per_s or spec.prefill_tokens_per_s
+    implied_mfu = rate * flops / peak
     arithmetic = (
         f"FLOPs/token = 2 x {spec.active_params / 1e9:g}B active params + {spec.attention_layers} attention "
         f"layers x 4 x {spec.q_heads} query heads x {spec.head_dim} dims x {ctx:,.0f} tokens of mean context "
@@ -279,7 +266,7 @@ def derive_model(spec: ModelSpec, w: Workload, args: Any) -> tuple[Model, list[B
     prefill_basis = f"--prefill-tokens-per-s (the preset's estimate: {arithmetic})"
     if not args.prefill_tokens_per_s:
         prefill_basis = (
-            f"{arithmetic}; {spec.prefill_basis}: {100 * spec.implied_mfu(rate, ctx):.1f}% MFU; the mean context "
+            f"{arithmetic}; {spec.prefill_basis}: {100 * implied_mfu:.1f}% MFU; the mean context "
             "is the workload's (one rate for every turn: a recomputed history attends over less)"
         )
     per_gpu = spec.kv_bytes_per_gpu
@@ -303,14 +290,11 @@ def derive_model(spec: ModelSpec, w: Workload, args: Any) -> tuple[Model, list[B
     name = f"{spec.name} on {on}" + (f" ({', '.join(overridden)} overridden)" if overridden else "")
     m = Model(name, kv, args.kv_bytes_per_token, rate, tokens, args.serial_loads, spec.key, args.transfer)
     real = args.kv_bytes_per_token
+    capacity_basis += f"; conversations at their last turn ({w.final_tokens:,} tokens)"
     basis = [
         Basis("KV bytes/token", f"{kv:,} B", kv_basis),
         Basis("prefill", f"{rate:,.0f} tokens/s", prefill_basis),
-        Basis(
-            "GPU prefix cache",
-            f"{tokens:,} tokens = {tokens / w.final_tokens:.1f} conversations",
-            f"{capacity_basis}; conversations at their last turn ({w.final_tokens:,} tokens)",
-        ),
+        Basis("GPU prefix cache", f"{tokens:,} tokens = {tokens / w.final_tokens:.1f} conversations", capacity_basis),
         Basis("break-even load rate", f"{m.breakeven_gib_s:.2f} GiB/s", "KV bytes/token x prefill rate"),
         Basis(
             "byte scale",
@@ -325,7 +309,7 @@ def derive_model(spec: ModelSpec, w: Workload, args: Any) -> tuple[Model, list[B
         "peak_flops": peak,
         "mfu_assumed": spec.mfu,
         "estimated_prefill_tokens_per_s": estimate,
-        "implied_mfu": spec.implied_mfu(rate, ctx),
+        "implied_mfu": implied_mfu,
         "hbm_bytes_per_gpu": hbm,
         "weight_bytes_per_gpu": spec.weight_bytes_per_gpu,
         "reserve_bytes_per_gpu": spec.runtime_reserve * hbm,

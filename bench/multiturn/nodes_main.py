@@ -7,57 +7,39 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
+from functools import partial
 from typing import Any
 
 from bench.lib.report import fmt_bytes
 from bench.lib.s3 import S3
-from bench.multiturn.kvroute import ROUTING as KV_ROUTING
 from bench.multiturn.limits import Limits
-from bench.multiturn.model import TARGET_HIT, Config, Model, Plan
-from bench.multiturn.nodes import (
-    CONFIG_BY_KEY,
-    CONFIG_KEYS,
-    CONFIGS,
-    DIRECTORY_KEYS,
-    LABELS,
-    NODE_TIERS,
-    ROUTING,
-    TARGET_HIT_POINTS,
-    TARGET_VS_ISLANDS,
-)
-from bench.multiturn.nodes_run import NodesRunResult, run_one
-from bench.multiturn.plan import OneNode, select_configs, sweep
-from bench.multiturn.report import RAW, TargetRows, problems, tier_counters, tier_limit
+from bench.multiturn.model import TARGET_HIT, Model, Plan
+from bench.multiturn.nodes import CONFIG_BY_KEY, CONFIGS, DIRECTORY_KEYS, LABELS, NODE_TIERS, NodesRunResult, run_one
+from bench.multiturn.plan import Measure, OneNode, at_top, select_configs, sweep
+from bench.multiturn.report import RAW, TargetRows, model_lines, problems, scaling_lines, tier_counters, tier_limit
 from bench.multiturn.runs import DIRECTORY_OPTIONS
 from tests.support.redis_cluster import RedisCluster
 
+TARGET_HIT_POINTS = 5.0  # the directory's hit rate at most this far below one node with the fleet's RAM + fs
+TARGET_VS_ISLANDS = 1.3  # peers vs the same nodes without peers, at the largest count
+ROUTING = "round robin: turn t of conversation c on node (c + t - 1) mod N (no KV awareness)"  # ClusterSim.route
+KV_ROUTING = "KV-aware: each turn on the node whose chunks Dynamo's indexer matches longest (ties: round robin)"
 DIRECTORY_CLUSTER = "a real Redis Cluster, 3 masters and 3 replicas on loopback (tests/support/redis_cluster.py)"
 MEASURED = ["hit rates per tier (checked bytes)", "load and store times", "Stats and Peer Status", "physical limits"]
 MODELLED = ["each node's GPU, prefill and loader (the model above)", "throughput, TTFT and busy shares"]
 
 
-def progress(r: NodesRunResult) -> str:
-    """One run's line as the sweep goes."""
-    skipped = sum(r.gate_skipped.values())
-    return (
-        f"hit {100 * r.hit_rate_overall:.1f}% (peer {100 * r.hit_rate['peer']:.1f}%"
-        + (f"; {100 * skipped:.1f}% skipped as slower than recomputing" if skipped else "")
-        + f")  {r.throughput_tokens_s:,.0f} tokens/s  wall {r.wall_s:.1f} s  load {r.load_average[1]:.1f}"
-    )
-
-
 def gate_line(m: Model) -> str:
     """What the daemons are told about recomputing (--register-rates)."""
+    breakeven = f"break-even {m.breakeven_gib_s:.2f} GiB/s"
     if not m.register_rates:
-        return (
-            f"recompute gate: no prefill rate registered (--register-rates: break-even {m.breakeven_gib_s:.2f} GiB/s)"
-        )
+        return f"recompute gate: no prefill rate registered (--register-rates: {breakeven})"
     return (
         f"recompute gate: every node's namespace registers {m.gate_prefill_tokens_per_s:,.0f} prefill tokens/s of "
         f"{m.kv_bytes_per_token} real bytes (the model's {m.prefill_tokens_per_s:,.0f} x "
-        f"{m.model_kv_bytes_per_token:,} bytes: break-even {m.breakeven_gib_s:.2f} GiB/s)"
+        f"{m.model_kv_bytes_per_token:,} bytes: {breakeven})"
     )
 
 
@@ -112,22 +94,14 @@ def daemon_lines(results: Sequence[Any]) -> list[str]:
 def target_rows(results: Sequence[NodesRunResult], m: Model, limits: Limits, n: int) -> TargetRows:
     """The targets at the largest count and the informational ratios."""
     rows = TargetRows()
-    runs = {(r.config, r.conversations): r for r in results if not r.skipped}
-    top = max((r.conversations for r in results), default=0)
-    none, islands, peers, s3, fleet, pooled = (runs.get((c, top)) for c in (*CONFIG_KEYS, "ram+fs+dir", "pooled"))
+    keys = ("none", "ram+fs", "ram+fs+peer", "ram+fs+s3", "ram+fs+dir", "pooled")
+    top, (none, islands, peers, s3, fleet, pooled) = at_top(results, *keys)
     where = f"{n} nodes, {top} conversations"
     if peers is not None:
         p = peers.peers
         lost = f"missing {p.get('missing_chunks', 0)}, failed {p.get('failed_chunks', 0)}, timed out "
         limit = f"peer {100 * peers.hit_rate['peer']:.0f}% of reusable tokens; {lost}{p.get('timed_out_chunks', 0)}"
-        rows.add(
-            f"peers: hit rate, {where}",
-            peers.hit_rate_overall,
-            "share",
-            ("all reusable tokens", 1.0),
-            TARGET_HIT,
-            limit,
-        )
+        rows.hit_rate(f"peers: hit rate, {where}", peers, TARGET_HIT, limit)
         peer_limit = tier_limit(peers, "peer", limits, m)
         if islands is not None:  # no makespan is shorter than the think floor
             limit = (
@@ -135,8 +109,7 @@ def target_rows(results: Sequence[NodesRunResult], m: Model, limits: Limits, n: 
                 f"{peers.think_floor_s:,.0f} s: at most {islands.makespan_s / peers.think_floor_s:.2f}x"
             )
             rows.vs(f"peers vs islands (no peers), {where}", peers, "islands", islands, TARGET_VS_ISLANDS, limit)
-        if none is not None:
-            rows.vs(f"peers vs no offload, {where}", peers, "no offload", none, None, peer_limit)
+        rows.vs(f"peers vs no offload, {where}", peers, "no offload", none, None, peer_limit)
     if fleet is not None and pooled is not None:
         # found: the hits, and those the recompute gate answered as misses (none without --register-rates)
         gated = "".join(
@@ -157,18 +130,16 @@ def target_rows(results: Sequence[NodesRunResult], m: Model, limits: Limits, n: 
         cap = f"; think time caps it at {islands.makespan_s / fleet.think_floor_s:.2f}x"
         limit = tier_limit(fleet, "peer", limits, m) + cap
         rows.vs(f"directory vs islands (no peers), {where}", fleet, "islands", islands, TARGET_VS_ISLANDS, limit)
-    if fleet is not None and pooled is not None:
-        limit = "the same hits from one store: what reaching them on other nodes costs"
-        rows.vs(f"directory vs one node with the fleet's RAM + fs, {where}", fleet, "one node", pooled, None, limit)
+    limit = "the same hits from one store: what reaching them on other nodes costs"
+    rows.vs(f"directory vs one node with the fleet's RAM + fs, {where}", fleet, "one node", pooled, None, limit)
     for label, r, tier in (("islands", islands, "fs"), ("shared S3", s3, "s3")):
-        if r is not None and none is not None:
+        if r is not None:
             limit = f"hit rate {100 * r.hit_rate_overall:.0f}%; " + tier_limit(r, tier, limits, m)
             rows.vs(f"{label} vs no offload, {where}", r, "no offload", none, None, limit)
-    if peers is not None and s3 is not None:
-        limit = "the faster of the two ways to reach another node's chunks"
-        rows.vs(f"peers vs shared S3, {where}", peers, "shared S3", s3, None, limit)
+    limit = "the faster of the two ways to reach another node's chunks"
+    rows.vs(f"peers vs shared S3, {where}", peers, "shared S3", s3, None, limit)
     for tier, r in (("peer", peers or fleet), ("fs", islands), ("s3", s3)):
-        rows.loads(tier, r, (RAW[tier][0], limits.median(RAW[tier][1])), top, LABELS, m)
+        rows.loads(tier, r, (RAW[tier][0], limits.median(RAW[tier][1])), LABELS, m)
     return rows
 
 
@@ -192,8 +163,6 @@ class SeveralNodes(OneNode):
     benchmark = "multiturn-nodes"
     sizes_key = "sizes_per_node"
     config_flags = ("write_through", "directory", "pooled")
-    moto = "moto_server"
-    s3_skipped = "shared S3 skipped"
     labels = LABELS
     hit_tiers = NODE_TIERS
     first_column = "set-up"
@@ -206,33 +175,28 @@ class SeveralNodes(OneNode):
     bound_lines = staticmethod(bound_lines)
 
     def __init__(self, ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-        default = DIRECTORY_KEYS if args.directory else CONFIG_KEYS
+        default = DIRECTORY_KEYS if args.directory else [c.key for c in CONFIGS]
         self.args, self.n, self.register_rates = args, args.nodes, args.register_rates
         self.configs = select_configs(ap, args.configs, default, CONFIG_BY_KEY, "set-up(s) {bad} with --nodes")
         if args.settle_s < 0:
             ap.error("--settle-s must not be negative")
         self.title = f", {self.n} nodes"
         self.directory = any(c.directory for c in self.configs)
-        self.directory_url = ""
 
-    def intro(self) -> list[str]:
+    def plan_lines(self, p: Plan) -> tuple[list[str], list[str]]:
         lines = [f"routing: {ROUTING}; each node: its own modelled GPU and loader, its own daemon"]
         if self.directory:
             lines.append(f"directory: {DIRECTORY_CLUSTER}; daemons with no static peers; {DIRECTORY_OPTIONS}")
-        return lines
-
-    def scaling(self, scale: list[str], p: Plan) -> list[str]:
+        *scale, sizes = scaling_lines(p)
         setups = "; ".join(f"{c.label} ({c.key}: " + " -> ".join(c.tiers) + ")" for c in self.configs)
-        return [
-            *scale[:-1],
-            "per node: " + scale[-1],
+        scale += [
+            "per node: " + sizes,
             f"set-ups: {setups}; peers over {self.args.peer_transport} on loopback; shared S3 with write-through; "
             f"stores settle >= {self.args.settle_s:g} s of wall time before a conversation's next turn looks them up",
             gate_line(p.m),
         ]
-
-    def outro(self, p: Plan) -> list[str]:
-        return [f"measured: {'; '.join(MEASURED)}", f"modelled: {'; '.join(MODELLED)}"]
+        lines += [*model_lines(p.m, p.basis), *scale, f"measured: {'; '.join(MEASURED)}"]
+        return [*lines, f"modelled: {'; '.join(MODELLED)}"], scale
 
     def plan_doc(self) -> dict[str, Any]:
         return {
@@ -245,31 +209,18 @@ class SeveralNodes(OneNode):
             "directory": DIRECTORY_CLUSTER if self.directory else "",
         }
 
-    def enter(self, stack: contextlib.ExitStack) -> None:
-        if self.directory:
-            self.directory_url = stack.enter_context(RedisCluster()).url
-
-    def sweep(
-        self, p: Plan, s3: S3 | None, s3_note: str, measure: Callable[[], None] | None
-    ) -> tuple[list, list, float]:
-        """Round robin, then with --route kv every set-up with offload routed by Dynamo's index."""
-        a = self.args
-
-        def run(route: str) -> Callable[[Config, int], NodesRunResult]:
-            return lambda c, count: run_one(c, count, p, s3, a, route, self.directory_url)
-
-        def skipped(route: str) -> Callable[[Config, int, str], NodesRunResult]:
-            return lambda c, count, note: NodesRunResult(c.key, count, nodes=self.n, skipped=note, route=route)
-
-        results, total_s = sweep(p.counts, self.configs, s3, s3_note, run("rr"), skipped("rr"), progress, measure)
-        if a.route != "kv":
-            return results, [], total_s
-        offloaded = [c for c in self.configs if c.offload]
-
-        def status(r: NodesRunResult) -> str:
-            return f"KV-routed: hit {100 * r.hit_rate_overall:.1f}%  {r.throughput_tokens_s:,.0f} tokens/s"
-
-        kv, kv_s = sweep(p.counts, offloaded, s3, s3_note, run("kv"), skipped("kv"), status, None)
+    def sweep(self, p: Plan, s3: S3 | None, s3_note: str, measure: Measure) -> tuple[list, list, float]:
+        """Round robin, then with --route kv every set-up with offload routed by Dynamo's index (--directory:
+        on a Redis Cluster of their own)."""
+        with RedisCluster() if self.directory else contextlib.nullcontext() as cluster:
+            run = partial(run_one, p=p, s3=s3, args=self.args, directory=cluster.url if cluster else "")
+            skipped = partial(NodesRunResult, nodes=self.n)
+            results, total_s = sweep(p.counts, self.configs, s3, s3_note, partial(run, route="rr"), skipped, measure)
+            if self.args.route != "kv":
+                return results, [], total_s
+            offloaded = [c for c in self.configs if c.offload]
+            kv_run, kv_skipped = partial(run, route="kv"), partial(skipped, route="kv")
+            kv, kv_s = sweep(p.counts, offloaded, s3, s3_note, kv_run, kv_skipped, None)
         return results, kv, total_s + kv_s
 
     def sections(self, results: Sequence[Any], more: Sequence[Any], m: Model) -> list[tuple[str, list[str]]]:

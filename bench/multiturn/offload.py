@@ -5,8 +5,6 @@ timed call per run of the same tier), through a registered region or the pool ma
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.lib.buffers import populate
-from bench.lib.call_latency import CallLatency
+from bench.lib.buffers import ShmFile, populate
+from bench.lib.call_latency import CallLatency, timed_call
 from bench.multiturn.model import HEADER, TIERS, Model, Transfer, Workload
 
 
@@ -37,7 +35,7 @@ class Offload:
     TIER_NAMES = {1: "ram", 2: "fs", 3: "s3", 4: "peer"}
 
     def __init__(self, socket: Path, w: Workload, m: Model) -> None:
-        from kvstored_client import Client, NamespaceSpec
+        from kvstored_client import Client, LoadInto, NamespaceSpec
 
         chunk_bytes, max_chunks = w.chunk_tokens * m.kv_bytes_per_token, w.final_tokens // w.chunk_tokens
         self.client = Client(socket, deadline_s=120.0, client_name="bench-multiturn")
@@ -54,28 +52,25 @@ class Offload:
         self.chunk_bytes, self.max_chunks = chunk_bytes, max_chunks
         self._noise = populate(np.random.default_rng(w.seed).integers(0, 256, chunk_bytes, dtype=np.uint8))
         span = max_chunks * chunk_bytes
-        self._region = self._region_path = None
-        if m.transfer is Transfer.REGION:  # one shared file: stores' chunks, then loads', then the call floor's
-            fd, path = tempfile.mkstemp(prefix="kvstored-bench-multiturn-", dir="/dev/shm")
-            os.ftruncate(fd, 2 * span + 4096)
-            os.close(fd)
-            self._region_path = Path(path)
-            whole = populate(np.memmap(path, dtype=np.uint8, mode="r+"))
-            self._staging, self._out, self._floor_out = whole[:span], whole[span : 2 * span], whole[2 * span :]
-            self._region = self.client.register_region(path)
+        self._region = self._region_file = None
+        self._load_into = LoadInto.POOL
+        if m.transfer is Transfer.REGION:  # in a shared file, registered with the daemon
+            self._region_file = ShmFile(2 * span + 4096, prefix="kvstored-bench-multiturn")
+            whole = self._region_file.array
+            self._region, self._load_into = self.client.register_region(self._region_file.path), LoadInto.REGION
         else:
-            self._staging = populate(np.empty(span, dtype=np.uint8))
-            self._out = populate(np.empty(span, dtype=np.uint8))
-            self._floor_out = populate(np.empty(4096, dtype=np.uint8))
+            whole = populate(np.empty(2 * span + 4096, dtype=np.uint8))
+        # stores' chunks, then loads', then the call floor's
+        self._staging, self._out, self._floor_out = whole[:span], whole[span : 2 * span], whole[2 * span :]
         self.call_floor_s = self._calibrate_call_floor()
         self.store_s = 0.0
         self.store_counts = {"stored": 0, "already_present": 0, "dropped": 0}
         self.corrupt = 0
         self.latency = CallLatency()  # per call, as the client saw it (the calibration's untimed)
-        # (conversation, chunk index) -> the chunk's block identity, for routers (bench/multiturn/kvroute.py)
+        # (conversation, chunk index) -> the chunk's block identity, for routers (nodes.identity_for)
         self.identity: Callable[[int, int], Any] | None = None
 
-    def _calibrate_call_floor(self, calls: int = 40) -> float:
+    def _calibrate_call_floor(self) -> float:
         """The fixed cost of one load call (its RPCs and client bookkeeping), measured with a 4 KiB chunk in a
         namespace of its own: charged once per call, the rest of a load's time per byte."""
         from kvstored_client import NamespaceSpec
@@ -86,14 +81,9 @@ class Offload:
         key, offset = b"\x01" * 32, 2 * self.max_chunks * self.chunk_bytes
         self._floor_out[:] = 1
         self._store(ns, [key], self._floor_out, offset)
-        times = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            if self._load(ns, [key], self._floor_out, offset) != 1:
-                raise RuntimeError("call-floor calibration: the 4 KiB chunk did not load")
-            times.append(time.perf_counter() - t0)
+        floor = median_call_s(lambda: self._load(ns, [key], self._floor_out, offset), 1, "call-floor calibration")
         self.client.delete(ns, [key])
-        return float(np.median(times[calls // 4 :]))
+        return floor
 
     def _store(self, ns, keys: Sequence[bytes], buf: np.ndarray, region_offset: int, blocks=None):
         """Store len(keys) chunks held in `buf` (which, in region mode, is the region at `region_offset`)."""
@@ -108,20 +98,10 @@ class Offload:
         offsets = [region_offset + i * ns.chunk_bytes for i in range(len(keys))]
         return self.client.load_to_region(ns, self._region, keys, offsets)
 
-    @property
-    def _load_into(self):
-        from kvstored_client import LoadInto
-
-        return LoadInto.REGION if self._region is not None else LoadInto.POOL
-
-    @property
-    def namespace_id(self) -> str:
-        return self.ns.namespace_id
-
     def close(self) -> None:
         self.client.close()
-        if self._region_path is not None:
-            self._region_path.unlink(missing_ok=True)
+        if self._region_file is not None:
+            self._region_file.close()
 
     def stats(self) -> dict[str, dict[str, int]]:
         fields = (
@@ -155,8 +135,7 @@ class Offload:
         found = self.client.lookup(self.ns, keys, load_into=self._load_into)
         lookup_s = time.perf_counter() - t0
         self.latency.record("lookup", lookup_s)
-        hits = dict.fromkeys(TIERS, 0)
-        seconds = dict.fromkeys(TIERS, 0.0)
+        hits, seconds = dict.fromkeys(TIERS, 0), dict.fromkeys(TIERS, 0.0)
         n = min(found.prefix_hits, self.max_chunks)
         tiers = [self.TIER_NAMES.get(int(t), "peer") for t in found.tiers[:n]]
         loaded, segments = 0, []
@@ -179,6 +158,12 @@ class Offload:
             if loaded < end:
                 break  # evicted between lookup and load (or corrupt): the rest is prefilled
         return LoadResult(hits, seconds, lookup_s, n, loaded, segments)
+
+
+def median_call_s(call: Callable[[], int], want: int, what: str, calls: int = 40) -> float:
+    """The median seconds of `calls` calls, the first quarter left out (warm-up); each must answer `want`."""
+    timed = timed_call(lambda _: call(), lambda got: got == want, f"{what}: the chunks are not where they were put")
+    return float(np.median([timed() for _ in range(calls)][calls // 4 :]))
 
 
 def _header(key: bytes, conv: int, index: int) -> bytes:

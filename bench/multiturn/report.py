@@ -42,8 +42,7 @@ def scaling_lines(p: Plan) -> list[str]:
 
 
 def model_lines(m: Model, basis: Sequence[Basis]) -> list[str]:
-    width = max(len(b.quantity) for b in basis)
-    vwidth = max(len(b.value) for b in basis)
+    width, vwidth = max(len(b.quantity) for b in basis), max(len(b.value) for b in basis)
     lines = [f"  {b.quantity:<{width}}  {b.value:>{vwidth}}  {b.basis}" for b in basis]
     return [f"model: {m.model_name} (--model {m.model_key})", *lines]
 
@@ -74,30 +73,23 @@ def print_results(results: Sequence[Any], mode: Any) -> None:
     header = [mode.first_column, "convs", f"hit {mode.hit_tiers[0]}", *loaded, "overall", "tokens/s", "vs none"]
     header += ["TTFT p50", "p99", "gpu busy", "loader", *[f"loaded {'/'.join(loaded)}"] * mode.loaded_column]
     rows = [header + [f"GiB/s {'/'.join(loaded)} (marginal)", "wall"]]
+
+    def per_tier(gib_s: dict[str, float]) -> str:
+        return "/".join(f"{gib_s[t]:.2f}" if t in gib_s else "-" for t in loaded)
+
     for r in results:
+        row = [mode.labels[r.config], str(r.conversations)]
         if r.skipped:
-            rows.append([mode.labels[r.config], str(r.conversations), "skipped: " + r.skipped[:80]])
-            rows[-1] += [""] * (len(rows[0]) - 3)
+            rows.append(row + ["skipped: " + r.skipped[:80]] + [""] * (len(rows[0]) - 3))
             continue
         ratio = r.throughput_tokens_s / base[r.conversations] if base.get(r.conversations) else None
-        gib = "-"
-        if r.loaded_bytes:
-            gib = "/".join(f"{r.load_gib_s[t]:.2f}" if t in r.load_gib_s else "-" for t in loaded)
-            gib += " (" + "/".join(f"{r.marginal_gib_s[t]:.2f}" if t in r.marginal_gib_s else "-" for t in loaded) + ")"
-        row = [
-            mode.labels[r.config],
-            str(r.conversations),
-            *(f"{100 * r.hit_rate[t]:.1f}%" for t in mode.hit_tiers),
-        ]
+        row += [f"{100 * r.hit_rate[t]:.1f}%" for t in mode.hit_tiers]
         row += [f"{100 * r.hit_rate_overall:.1f}%", f"{r.throughput_tokens_s:,.0f}", f"{ratio:.2f}x" if ratio else ""]
-        row += [
-            f"{r.ttft_p50_s:.2f} s",
-            f"{r.ttft_p99_s:.2f} s",
-            f"{100 * r.gpu_busy:.0f}%",
-            f"{100 * r.loader_busy:.0f}%",
-        ]
+        row += [f"{r.ttft_p50_s:.2f} s", f"{r.ttft_p99_s:.2f} s"]
+        row += [f"{100 * r.gpu_busy:.0f}%", f"{100 * r.loader_busy:.0f}%"]
         if mode.loaded_column:
             row.append("/".join(fmt_bytes(r.loaded_bytes.get(t, 0)) for t in loaded) if r.loaded_bytes else "-")
+        gib = f"{per_tier(r.load_gib_s)} ({per_tier(r.marginal_gib_s)})" if r.loaded_bytes else "-"
         rows.append(row + [gib, f"{r.wall_s:.0f} s"])
     loaded_col = len(header) - 1 if mode.loaded_column else 0
     print_aligned(rows, right=set(range(len(header) + 2)) - {0, loaded_col})
@@ -178,10 +170,8 @@ def tier_limit(r: Any, tier: str, limits: Limits, m: Model) -> str:
     and how busy the loader and GPU were."""
     got = f"no {tier} loads"
     if tier in r.load_gib_s:
-        rate = r.marginal_gib_s.get(tier)
-        got = f"{tier} loads {r.load_gib_s[tier]:.2f} GiB/s all-in, " + (
-            f"{rate:.2f} marginal" if rate else "fixed cost only"
-        )
+        marginal = f"{rate:.2f} marginal" if (rate := r.marginal_gib_s.get(tier)) else "fixed cost only"
+        got = f"{tier} loads {r.load_gib_s[tier]:.2f} GiB/s all-in, {marginal}"
     stream, batched = limits.median("odirect_stream"), limits.median("odirect_batched")
     if tier == "fs" and stream and batched:
         got += f" vs raw O_DIRECT {batched:.2f} (<= {limits.batch_chunks}-chunk calls) / {stream:.2f} (streaming)"
@@ -191,10 +181,8 @@ def tier_limit(r: Any, tier: str, limits: Limits, m: Model) -> str:
         got += f"; the daemons measured {daemons:.2f}"
     if tier in getattr(r, "gate_skipped", {}):
         got += f", {100 * r.gate_skipped[tier]:.1f}% of reusable tokens skipped"
-    return (
-        got
-        + f"; break-even {m.breakeven_gib_s:.2f}; loader busy {100 * r.loader_busy:.0f}%, GPU {100 * r.gpu_busy:.0f}%"
-    )
+    busy = f"loader busy {100 * r.loader_busy:.0f}%, GPU {100 * r.gpu_busy:.0f}%"
+    return f"{got}; break-even {m.breakeven_gib_s:.2f}; {busy}"
 
 
 class TargetRows(list[dict[str, Any]]):
@@ -204,21 +192,24 @@ class TargetRows(list[dict[str, Any]]):
     def add(
         self, name: str, value: float, unit: str, baseline: tuple[str, float | None], target: float | None, limit: str
     ) -> None:
-        self.append({**Row(name, value, unit, *baseline, target).to_json(), "limit": limit})
+        self.append(Row(name, value, unit, *baseline, target, limit=limit).to_json())
+
+    def hit_rate(self, name: str, r: Any, target: float, limit: str) -> None:
+        """Run r's hit rate (of reusable tokens) against all of them."""
+        self.add(name, r.hit_rate_overall, "share", ("all reusable tokens", 1.0), target, limit)
 
     def vs(self, name: str, r: Any, baseline_name: str, base: Any, target: float | None, limit: str) -> None:
-        """Run r's modelled throughput against run base's."""
-        self.add(name, r.throughput_tokens_s, "tokens/s", (baseline_name, base.throughput_tokens_s), target, limit)
+        """Run r's modelled throughput against run base's (where both ran)."""
+        if r is not None and base is not None:
+            self.add(name, r.throughput_tokens_s, "tokens/s", (baseline_name, base.throughput_tokens_s), target, limit)
 
-    def loads(
-        self, tier: str, r: Any, raw: tuple[str, float | None], top: int, labels: dict[str, str], m: Model
-    ) -> None:
+    def loads(self, tier: str, r: Any, raw: tuple[str, float | None], labels: dict[str, str], m: Model) -> None:
         """The all-in load rate of a tier in run r beside the raw rate beneath it (when it loaded)."""
         if r is None or tier not in r.load_gib_s:
             return
         marginal = r.marginal_gib_s.get(tier)
         limit = f"marginal {marginal:.2f} GiB/s (what the model charges)" if marginal else "fixed cost per call only"
-        name = f"{tier} tier loads, all-in ({labels[r.config]}, {top})"
+        name = f"{tier} tier loads, all-in ({labels[r.config]}, {r.conversations})"
         self.add(name, r.load_gib_s[tier], "GiB/s", raw, None, limit + f"; break-even {m.breakeven_gib_s:.2f} GiB/s")
 
 

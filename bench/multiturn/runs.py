@@ -13,16 +13,16 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from bench.lib.daemons import Daemon, free_port
 from bench.lib.report import GIB
 from bench.lib.s3 import S3
-from bench.multiturn.model import TIERS, Config, Plan, Sizes, Workload
+from bench.multiturn.model import TIERS, Config, Plan, Sizes
 from bench.multiturn.offload import Offload
-from bench.multiturn.sim import Simulation, TurnRecord
+from bench.multiturn.sim import Simulation
 
 if TYPE_CHECKING:
     from bench.multiturn.nodes import ClusterSim
@@ -63,23 +63,19 @@ class TurnsResult:
     load_average: tuple[float, float] = (0.0, 0.0)  # 1-minute load average at the run's start and end
     skipped: str = ""
 
-    def summarize_turns(
-        self,
-        w: Workload,
-        recs: Sequence[TurnRecord],
-        sim: Simulation | ClusterSim,
-        tiers: Sequence[str],
-        chunk_bytes: int | None,
-    ) -> None:
+    def progress(self) -> str:
+        """The run's line as the sweep goes (here: its wall seconds and the load average at its end)."""
+        return f"wall {self.wall_s:.1f} s  load {self.load_average[1]:.1f}"
+
+    def summarize_turns(self, sim: Simulation | ClusterSim, tiers: Sequence[str], chunk_bytes: int | None) -> None:
         """The turns' hit rates, modelled throughput and latency; with chunk_bytes (a run with offload), the
         scaled bytes loaded from each tier below the GPU and their measured rates."""
+        w, recs = sim.w, sim.records
         self.turns = len(recs)
         self.prompt_tokens = sum(x.prompt_tokens for x in recs)
         self.reusable_tokens = sum(x.reusable_chunks for x in recs) * w.chunk_tokens
         self.hit_tokens = {t: sum(x.hits.get(t, 0) for x in recs) * w.chunk_tokens for t in tiers}
-        self.hit_rate = {
-            t: v / self.reusable_tokens if self.reusable_tokens else 0.0 for t, v in self.hit_tokens.items()
-        }
+        self.hit_rate = {t: v / max(self.reusable_tokens, 1) for t, v in self.hit_tokens.items()}  # (hits <= reusable)
         self.hit_rate_overall = sum(self.hit_rate.values())
         self.makespan_s = sim.makespan
         self.think_floor_s = float(np.max(sim.starts + sim.thinks[:, 1:].sum(axis=1)))
@@ -91,9 +87,7 @@ class TurnsResult:
         self.loaded_bytes = {t: self.hit_tokens[t] // w.chunk_tokens * chunk_bytes for t in tiers if t != "gpu"}
         self.load_seconds = {t: sum(x.load_seconds.get(t, 0.0) for x in recs) for t in self.loaded_bytes}
         self.load_gib_s = {
-            t: b / GIB / self.load_seconds[t]
-            for t, b in self.loaded_bytes.items()
-            if self.load_seconds[t] > 0 and b > 0
+            t: b / GIB / self.load_seconds[t] for t, b in self.loaded_bytes.items() if b and self.load_seconds[t] > 0
         }
 
     def summarize_offloads(
@@ -118,10 +112,12 @@ class TurnsResult:
         self.corrupt_chunks = sum(o.corrupt for o in offloads)
         for b, a in zip(before, after):
             for name, vals in stats_delta(b, a).items():
-                total = self.daemon.setdefault(name, {})
-                for k, v in vals.items():
-                    total[k] = total.get(k, 0) + v
+                total = self.daemon.get(name, {})
+                self.daemon[name] = {k: total.get(k, 0) + v for k, v in vals.items()}
         return costs
+
+
+R = TypeVar("R", bound=TurnsResult)
 
 
 def gib_s_of_costs(costs: dict[str, list[float]], stat: Callable[[list[float]], Any] = np.median) -> dict[str, float]:
@@ -150,16 +146,21 @@ class RunResult(TurnsResult):
     lookup_s: float = 0.0  # measured lookup time, all turns (on the loader's timeline)
     call_latency_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # per kind: calls, p50, p99
 
+    def progress(self) -> str:
+        return (
+            f"hit {100 * self.hit_rate_overall:.1f}%  {self.throughput_tokens_s:,.0f} tokens/s  TTFT p50 "
+            f"{self.ttft_p50_s:.2f} s p99 {self.ttft_p99_s:.2f} s  {super().progress()}"
+        )
+
 
 def summarize(
     config: str, sim: Simulation, offload: Offload | None = None, before: dict | None = None, after: dict | None = None
 ) -> RunResult:
     r = RunResult(config, sim.n)
-    r.summarize_turns(sim.w, sim.records, sim, TIERS, offload.chunk_bytes if offload is not None else None)
+    r.summarize_turns(sim, TIERS, offload.chunk_bytes if offload is not None else None)
     r.cached_share_of_prompt = sum(r.hit_tokens.values()) / r.prompt_tokens
-    r.gpu_busy = sim.busy["gpu"] / sim.makespan
-    r.loader_busy = sim.busy["loader"] / sim.makespan
-    r.gpu_busy_s, r.loader_busy_s = sim.busy["gpu"], sim.busy["loader"]
+    r.gpu_busy_s, r.loader_busy_s = sim.lane.gpu_s, sim.lane.loader_s
+    r.gpu_busy, r.loader_busy = r.gpu_busy_s / sim.makespan, r.loader_busy_s / sim.makespan
     r.charged_s, r.charged_fixed_s = dict(sim.charged), dict(sim.charged_fixed)
     r.lookup_s = float(sum(sim.lookup_s))
     if offload is not None and before is not None and after is not None:
@@ -199,6 +200,7 @@ class Nodes:
             peer += f",directory={directory},directory_prefix={prefix},{DIRECTORY_OPTIONS}"
         else:
             peer += f",peers={' '.join(self.addresses)}"
+        specs = {"s3": shared_s3, "peer": peer}  # the same for every node (fs: a root of its own)
         for i in range(n):
             args = ["--metrics-addr", "off"]
             if events:
@@ -208,10 +210,7 @@ class Nodes:
             if self.addresses:
                 args += ["--tcp-listen", self.addresses[i]]
             for kind, size_field in config.lower:
-                spec = (
-                    shared_s3 if kind == "s3" else peer if kind == "peer" else self._fs_spec(getattr(sizes, size_field))
-                )
-                args += ["--tiers", spec]
+                args += ["--tiers", specs[kind] if kind in specs else self._fs_spec(getattr(sizes, size_field))]
             self.daemons.append(Daemon(sizes.ram_bytes, extra_args=args + list(config.daemon_args)))
 
     def _fs_spec(self, nbytes: int) -> str:
@@ -220,8 +219,7 @@ class Nodes:
         return f"kind=fs,root={root},bytes={nbytes}"
 
     def _s3_spec(self, nbytes: int) -> str:
-        if self.s3 is None:
-            raise RuntimeError("no S3 server")
+        assert self.s3 is not None  # (the sweep skips a set-up with S3 when there is no server)
         self.buckets.append(self.s3.new_bucket())
         return self.s3.tier_spec(self.buckets[-1], nbytes)
 
@@ -273,8 +271,8 @@ class Skipped(Exception):
 def started(config: Config, conversations: int, n: int, p: Plan, s3: S3 | None, *make_args: Any) -> Iterator[Nodes]:
     """The run's daemons (Nodes.make's further arguments: make_args), started, then stopped and their
     resources removed; what could not be made or started raises Skipped."""
-    nodes = Nodes(config, n, p.workdir, f"{config.key.replace('+', '-')}-{conversations}", s3)
-    try:
+    tag = f"{config.key.replace('+', '-')}-{conversations}"
+    with contextlib.closing(Nodes(config, n, p.workdir, tag, s3)) as nodes:
         try:
             nodes.make(p.sizes, *make_args)
         except Exception as exc:  # noqa: BLE001 - a tier whose resources cannot be made: say so, go on
@@ -284,8 +282,6 @@ def started(config: Config, conversations: int, n: int, p: Plan, s3: S3 | None, 
         except Exception as exc:  # noqa: BLE001 - daemons that did not come up: say so, go on
             raise Skipped(f"{'nodes' if n > 1 else 'daemon'} did not start: {exc}: {nodes.failure_log()}") from exc
         yield nodes
-    finally:
-        nodes.close()
 
 
 def run_one(config: Config, conversations: int, p: Plan, s3: S3 | None) -> RunResult:

@@ -33,12 +33,8 @@ class GpuCache:
     def admit(self, keys: Sequence[bytes], conv: int) -> list[tuple[bytes, int, int]]:
         """Make the prompt's chunks resident (tail first, so the prefix is most recent); returns the evicted
         chunks as (key, conversation, index)."""
-        for index in range(len(keys) - 1, -1, -1):
-            key = keys[index]
-            if key in self._lru:
-                self._lru.move_to_end(key)
-            else:
-                self._lru[key] = (conv, index)
+        for index, key in reversed(list(enumerate(keys))):  # (re)inserted last: most recent, its owner kept
+            self._lru[key] = self._lru.pop(key, (conv, index))
         evicted = []
         while len(self._lru) > self.capacity:
             key, (c, i) = self._lru.popitem(last=False)
@@ -53,8 +49,7 @@ class TurnRecord:
     arrive: float
     prompt_tokens: int
     reusable_chunks: int
-    hits: dict[str, int]
-    load_s: float = 0.0  # charged to the loader
+    hits: dict[str, int] = field(default_factory=dict)
     prefill_s: float = 0.0
     done: float = 0.0
     load_seconds: dict[str, float] = field(default_factory=dict)  # measured, per tier
@@ -117,16 +112,11 @@ def run_clock(
         now, _, kind, payload = heapq.heappop(events)
         if kind == "arrive":
             conv, turn = payload
-            rec = TurnRecord(
-                conv, turn, now, w.prompt_tokens(turn), w.reusable_chunks(turn), {}, node=route(conv, turn)
-            )
+            rec = TurnRecord(conv, turn, now, w.prompt_tokens(turn), w.reusable_chunks(turn), node=route(conv, turn))
             lane = lanes[rec.node]
-            if serial_loads:
-                lane.gpu_q.append(rec)
-                start_gpu(lane)
-            else:
-                lane.loader_q.append(rec)
-                start_loader(lane)
+            (lane.gpu_q if serial_loads else lane.loader_q).append(rec)  # serial: loads on the GPU's timeline
+            start_loader(lane)
+            start_gpu(lane)
         elif kind == "loaded":
             lane = lanes[payload.node]
             lane.loader_busy = False
@@ -148,16 +138,17 @@ def run_clock(
 class Simulation:
     """One node's modelled GPU and loader on the model clock, its offload target a real daemon (or none)."""
 
+    hit_tiers: tuple[str, ...] = TIERS  # where a reusable chunk can be found
+
     def __init__(self, w: Workload, m: Model, n: int, offload: Offload | None) -> None:
         self.w, self.m, self.n, self.offload = w, m, n, offload
         self.gpu = GpuCache(m.gpu_tokens // w.chunk_tokens)
-        ns_id = offload.namespace_id if offload else "no-offload"
+        ns_id = offload.ns.namespace_id if offload else "no-offload"
         self.keys = [_conversation_keys(w, c, ns_id) for c in range(n)]
         # per conversation, fixed in advance: its start and think times (unlike the order turns are served in)
         rng = np.random.default_rng([w.seed, 1])
         self.starts = rng.uniform(0.0, w.think_s, n) if w.think_s > 0 else np.zeros(n)
         self.thinks = rng.uniform(0.5, 1.5, (n, w.turns)) * w.think_s
-        self.records: list[TurnRecord] = []
         self.lookup_s: list[float] = []
         self.load_calls = 0
         self.shortfall = 0
@@ -166,13 +157,11 @@ class Simulation:
         self.charged: dict[str, float] = {}
         self.charged_fixed: dict[str, float] = {}
 
-    def run(self) -> list[TurnRecord]:
-        lane = Lane()
+    def run(self) -> None:
+        self.lane = Lane()
         self.records, self.makespan = run_clock(
-            self.w, self.m.serial_loads, self.starts, self.thinks, [lane], lambda conv, turn: 0, self.serve_load
+            self.w, self.m.serial_loads, self.starts, self.thinks, [self.lane], lambda conv, turn: 0, self.serve_load
         )
-        self.busy = {"loader": lane.loader_s, "gpu": lane.gpu_s}
-        return self.records
 
     def charge(self, tier: str, seconds: float, chunks: int) -> float:
         """Modelled time of one load call: its fixed cost (measured at start) once, plus its bytes x the byte
@@ -193,8 +182,6 @@ class Simulation:
         self.charged_fixed[tier] = self.charged_fixed.get(tier, 0.0) + fixed
         return charged
 
-    hit_tiers: tuple[str, ...] = TIERS  # where a reusable chunk can be found
-
     def serve_load(self, rec: TurnRecord) -> float:
         """The turn reaches the loader: GPU prefix, then kvstored for the rest; then store_after. Returns
         the load time to charge (0 when nothing comes from kvstored)."""
@@ -202,21 +189,18 @@ class Simulation:
         keys = self.keys[rec.conv][: rec.prompt_tokens // w.chunk_tokens]
         reusable = keys[: rec.reusable_chunks]
         on_gpu = self.gpu.prefix_hits(reusable)
-        hits = dict.fromkeys(self.hit_tiers, 0)
-        hits["gpu"] = on_gpu
+        rec.hits = dict.fromkeys(self.hit_tiers, 0) | {"gpu": on_gpu}
         load_s = 0.0
         if self.offload is not None and on_gpu < len(reusable):
             res = self.offload.lookup_load(reusable[on_gpu:], rec.conv, on_gpu)
             self.lookup_s.append(res.lookup_s)
             self.shortfall += res.looked_up - res.loaded
-            hits |= {tier: hits.get(tier, 0) + count for tier, count in res.hits.items()}
+            rec.hits |= {tier: rec.hits.get(tier, 0) + count for tier, count in res.hits.items()}
             lookup_s, segments = self._segments(res.lookup_s, res.segments)
             load_s = lookup_s + sum(self.charge(*seg) for seg in segments)
             rec.load_seconds = res.seconds
-        rec.hits = hits
-        cached = sum(hits.values())
+        cached = sum(rec.hits.values())
         rec.prefill_s = (rec.prompt_tokens - cached * w.chunk_tokens) / self.m.prefill_tokens_per_s
-        rec.load_s = load_s
         self.store_after(keys, rec.conv, cached)
         return load_s
 
