@@ -11,26 +11,23 @@ loaded chunk is checked. Method and results: docs/benchmarks.md#per-call-latency
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.lib.buffers import populate
+from bench.lib.buffers import ShmFile, populate
 from bench.lib.call_latency import interleaved, timed_call
 from bench.lib.daemons import Daemon
-from bench.lib.report import percentile, print_aligned, write_json
+from bench.lib.report import MIB, percentile, print_aligned, write_json
+from kvstored_client import Client, NamespaceSpec
 
 LOOKUP_KEYS = 256
 STORE_KEYS = 16  # distinct keys the 1-chunk stores cycle through (each deleted before it is stored again)
 
 
 def measure(socket: str, chunk: int, iters: int, warmup: int) -> dict[str, dict[str, float]]:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from kvstored_client import Client, NamespaceSpec
-
     spec = NamespaceSpec(model="bench-fast-path", dtype="uint8", chunk_bytes=chunk)
     fast = Client(socket, deadline_s=30.0, client_name="bench-fast", fast_path=True)
     trip = Client(socket, deadline_s=30.0, client_name="bench-trip", fast_path=True, store_ahead=False, key_index=False)
@@ -38,11 +35,8 @@ def measure(socket: str, chunk: int, iters: int, warmup: int) -> dict[str, dict[
     src = np.full(chunk, 7, dtype=np.uint8)  # (written whole: no first-touch faults in the timed calls)
     out = populate(np.zeros(chunk, dtype=np.uint8))
     # One region for the clients: chunk 0 is the stores' source, chunk 1 the loads' target.
-    fd, path = tempfile.mkstemp(prefix="kvstored-bench-fast-path-", dir="/dev/shm")
-    os.ftruncate(fd, 2 * chunk)
-    os.close(fd)
-    region_map = populate(np.memmap(path, dtype=np.uint8, mode="r+"))
-    region_map[:chunk] = 7
+    region_file = ShmFile(2 * chunk, prefix="kvstored-bench-fast-path")
+    region_file.array[:chunk] = 7
     with fast, trip, grpc_:
         ns = fast.register_namespace(spec)
         trip.register_namespace(spec)
@@ -51,25 +45,28 @@ def measure(socket: str, chunk: int, iters: int, warmup: int) -> dict[str, dict[
         if fast.store(ns, lookup_keys, [src] * LOOKUP_KEYS).dropped:
             raise RuntimeError("could not store the lookup keys")
         grpc_.lookup(ns, lookup_keys[:1])  # opens grpc_'s channel
-        regions = {id(kv): kv.register_region(path) for kv in (fast, trip, grpc_)}
         health = health_pb2_grpc.HealthStub(grpc_._get_channel())
         check = health_pb2.HealthCheckRequest()
         counter = iter(range(1 << 62))
 
         def calls(kv: Client) -> dict[str, Callable[[], float]]:
-            """kv's calls of each kind, timed alone (the set-up around each untimed)."""
-            region = regions[id(kv)]
+            """kv's calls of each kind (on a region of its own), timed alone (the set-up around each untimed)."""
+            region = kv.register_region(region_file.path)
 
-            def fresh(name: bytes) -> Callable[[], bytes]:
-                def key() -> bytes:
-                    k = name % (next(counter) % STORE_KEYS)
-                    kv.delete(ns, [k])  # so that every store copies
-                    return k
+            def store(what: str, call: Callable[[bytes], Any], name: bytes) -> Callable[[], float]:
+                def fresh_key() -> bytes:
+                    key = name % (next(counter) % STORE_KEYS)
+                    kv.delete(ns, [key])  # so that every store copies
+                    return key
 
-                return key
+                return timed_call(call, lambda r: r.stored == 1, f"a 1-chunk {what} did not store", fresh_key)
 
-            def clear(buf: np.ndarray, at: int) -> Callable[[], None]:
-                return lambda: buf[at : at + 8].fill(0)
+            def load(what: str, call: Callable[[Any], int], buf: np.ndarray, at: int) -> Callable[[], float]:
+                def clear() -> None:
+                    buf[at : at + 8] = 0
+
+                failed = f"a 1-chunk {what} did not load the stored bytes"
+                return timed_call(call, lambda n: n == 1 and (buf[at : at + chunk] == 7).all(), failed, clear)
 
             def hits(n: int) -> Callable[[], float]:
                 what = f"a lookup of {n} cached keys missed"
@@ -77,29 +74,13 @@ def measure(socket: str, chunk: int, iters: int, warmup: int) -> dict[str, dict[
 
             one = lookup_keys[:1]
             return {
-                "store 1 chunk": timed_call(
-                    lambda key: kv.store(ns, [key], src),
-                    lambda r: r.stored == 1,
-                    "a 1-chunk store did not store",
-                    fresh(b"S%031d"),
+                "store 1 chunk": store("store", lambda key: kv.store(ns, [key], src), b"S%031d"),
+                "load 1 chunk": load("load", lambda _: kv.load(ns, one, out), out, 0),
+                "region store 1 chunk": store(
+                    "region store", lambda key: kv.store_from_region(ns, region, [key], [0]), b"R%031d"
                 ),
-                "load 1 chunk": timed_call(
-                    lambda _: kv.load(ns, one, out),
-                    lambda n: n == 1 and (out == 7).all(),
-                    "a 1-chunk load did not load the stored bytes",
-                    clear(out, 0),
-                ),
-                "region store 1 chunk": timed_call(
-                    lambda key: kv.store_from_region(ns, region, [key], [0]),
-                    lambda r: r.stored == 1,
-                    "a 1-chunk region store did not store",
-                    fresh(b"R%031d"),
-                ),
-                "region load 1 chunk": timed_call(
-                    lambda _: kv.load_to_region(ns, region, one, [chunk]),
-                    lambda n: n == 1 and (region_map[chunk:] == 7).all(),
-                    "a 1-chunk region load did not load the stored bytes",
-                    clear(region_map, chunk),
+                "region load 1 chunk": load(
+                    "region load", lambda _: kv.load_to_region(ns, region, one, [chunk]), region_file.array, chunk
                 ),
                 "lookup 1 key": hits(1),
                 f"lookup {LOOKUP_KEYS} keys": hits(LOOKUP_KEYS),
@@ -110,7 +91,7 @@ def measure(socket: str, chunk: int, iters: int, warmup: int) -> dict[str, dict[
             kinds.update({f"{name} ({label})": run for name, run in calls(kv).items()})
         samples = interleaved(kinds, iters, warmup)
         fast.delete(ns, lookup_keys)
-    os.unlink(path)  # (the mapping goes with the process)
+    region_file.close()
     return {k: {"p50_ms": percentile(v, 50), "p99_ms": percentile(v, 99), "n": len(v)} for k, v in samples.items()}
 
 
@@ -134,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-mib", type=float, default=2.0, help="chunk size in MiB (default 2)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     args = ap.parse_args(argv)
-    chunk = int(args.chunk_mib * (1 << 20))
+    chunk = int(args.chunk_mib * MIB)
     with Daemon(cpu_bytes=max(1 << 30, 2 * (LOOKUP_KEYS + STORE_KEYS) * chunk)) as daemon:  # room: no eviction
         results = measure(str(daemon.socket), chunk, args.iters, args.warmup)
     report(results)

@@ -5,14 +5,13 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from typing import Any
 
 from bench.lib.daemons import Daemon
 from bench.lib.report import GIB, MIB, Row, load_average, machine_info, print_aligned, print_table, write_json
 from bench.local_path import __doc__ as DOC
-from bench.local_path.clients import LOOKUP_KEYS, PHASES, run_clients, run_lookups
+from bench.local_path.clients import LOOKUP_KEYS, run_clients, run_lookups
 
 POOL_TARGET = 0.9
 REGION_TARGET = 0.8
@@ -55,21 +54,15 @@ def lookup_rows(lk: dict[str, Any]) -> list[Row]:
 
 
 def print_breakdown(results: dict[int, Any]) -> None:
-    """Per phase: wall and CPU of the best repeat, RPCs, and cpu ratio = memcpy CPU / (client + daemon
-    CPU), medians over the repeats (steadier than GiB/s when other work competes for the CPUs)."""
+    """Per phase: wall and CPU of the best repeat, RPCs, and the cpu ratio (summarize_clients)."""
     print("\nbreakdown (best repeat; cpu ratio from the medians; see docs/benchmarks.md#local-data-path):")
     table = [["phase", "wall ms", "client cpu ms", "daemon cpu ms", "RPCs", "wall/RPC ms", "cpu ratio"]]
     for nprocs, s in results.items():
-        cpu = {
-            p: statistics.median(r["client_cpu_s"] + r["daemon_cpu_s"] for r in s["phases"][p]["repeats"])
-            for p in PHASES
-        }
-        for phase in PHASES:
-            b, rpcs = s["phases"][phase]["best_repeat"], s["rpcs"].get(phase, 0)
-            s["phases"][phase]["cpu_ratio_vs_memcpy"] = cpu_ratio = cpu["memcpy"] / cpu[phase]
+        for phase, ph in s["phases"].items():
+            b, rpcs = ph["best_repeat"], s["rpcs"].get(phase, 0)
             ms = [f"{b[k] * 1e3:.1f}" for k in ("wall_s", "client_cpu_s", "daemon_cpu_s")]
             per = f"{b['wall_s'] * 1e3 / rpcs:.2f}" if rpcs else ""
-            table.append([f"{phase} ({nprocs}p)", *ms, str(rpcs or ""), per, f"{cpu_ratio:.2f}x"])
+            table.append([f"{phase} ({nprocs}p)", *ms, str(rpcs or ""), per, f"{ph['cpu_ratio_vs_memcpy']:.2f}x"])
     print_aligned(table, right={1, 2, 3, 4, 5, 6})
 
 
@@ -121,12 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     load_start = load_average()
     print(f"load average at start: {load_start:.2f}")
     results: dict[int, Any] = {}
+    workload = dict(chunk_bytes=chunk, chunks=chunks, batch=args.batch, repeat=args.repeat, warmup=args.warmup)
     pool_args = ["--pool-pages", args.pool_pages] + (["--numa-node", args.numa_node] if args.numa_node else [])
     print(f"pool: {args.pool_pages} pages, NUMA {args.numa_node or 'unset'}")
     with Daemon(cpu_bytes, extra_args=pool_args) as daemon:
         print(f"daemon pid {daemon.pid} on {daemon.socket} (ready in {daemon.start_s:.2f}s)")
-        cfg = {"socket": str(daemon.socket), "chunk_bytes": chunk, "chunks": chunks, "batch": args.batch}
-        cfg |= {"repeat": args.repeat, "warmup": args.warmup}
+        cfg = {"socket": str(daemon.socket), **workload}
         for nprocs in procs:
             t0 = time.perf_counter()
             results[nprocs] = run_clients(nprocs, cfg, daemon)
@@ -151,25 +144,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     if max(load_start, load_end) > 1.0:
         print(f"\nWARNING: load average above 1 on {info['cpus']} CPUs: GiB/s and latencies are noisy")
-    misses = [r.name for r in rows if r.status == "MISS"]
     print(
-        f"\n{sum(r.status == 'PASS' for r in rows)} PASS, {len(misses)} MISS; daemon exit code {rc}, "
-        f"daemon CPU {daemon_cpu:.1f}s; total {time.perf_counter() - t_start:.1f}s"
+        f"\n{sum(r.status == 'PASS' for r in rows)} PASS, {sum(r.status == 'MISS' for r in rows)} MISS; "
+        f"daemon exit code {rc}, daemon CPU {daemon_cpu:.1f}s; total {time.perf_counter() - t_start:.1f}s"
     )
     if errors:
         print("ERRORS (results above are not valid):", *errors, sep="\n  ")
     if args.json:
-        config = {"working_set_bytes": working_set, "chunk_bytes": chunk, "chunks": chunks, "batch": args.batch}
-        config |= {"repeat": args.repeat, "warmup": args.warmup, "procs": procs, "lookup_iters": args.lookup_iters}
+        config = {"working_set_bytes": working_set, **workload, "procs": procs, "lookup_iters": args.lookup_iters}
         config |= {"cpu_bytes": cpu_bytes, "two_proc_split": "each process moves half the working set"}
         config |= {"gib_s_value": "best repeat"}
         config["targets"] = {"pool": POOL_TARGET, "region": REGION_TARGET, "lookup_256_p50": LOOKUP_TARGET}
         doc = {"benchmark": "local_path", "config": config, "machine": info, "rows": [r.to_json() for r in rows]}
         doc |= {"data_path": {str(k): v for k, v in results.items()}, "lookups": lookups, "errors": errors}
-        doc |= {
-            "load_average": {"start": load_start, "end": load_end},
-            "daemon": {"exit_code": rc, "cpu_s": daemon_cpu},
-        }
+        doc |= {"load_average": {"start": load_start, "end": load_end}}
+        doc |= {"daemon": {"exit_code": rc, "cpu_s": daemon_cpu}}
         write_json(args.json, doc | {"elapsed_s": time.perf_counter() - t_start})
         print(f"JSON written to {args.json}")
     return 1 if errors or rc not in (0, None) else 0

@@ -6,6 +6,7 @@ lookup latency of 1 and 256 keys beside an empty gRPC round trip."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import statistics
 import time
 import traceback
 from collections.abc import Callable
@@ -13,11 +14,14 @@ from functools import partial
 from typing import Any
 
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.lib.buffers import ShmFile, each_batch, fill_pattern, populate
 from bench.lib.call_latency import interleaved, timed_call
 from bench.lib.daemons import Daemon, process_cpu_seconds
 from bench.lib.report import Stats, aggregate_gib_s, percentile
+from kvstored_client import Client, NamespaceSpec
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 
 LOOKUP_KEYS = 256
 MODEL = "bench/local-path"
@@ -39,8 +43,6 @@ def worker(idx: int, nprocs: int, cfg: dict[str, Any], daemon_pid: int, barrier,
 
 
 def _worker(idx: int, nprocs: int, cfg: dict[str, Any], daemon_pid: int, barrier) -> dict[str, Any]:
-    from kvstored_client import Client, NamespaceSpec
-
     chunk = cfg["chunk_bytes"]
     n = cfg["chunks"] // nprocs  # this process's share of the working set
     share = n * chunk
@@ -48,12 +50,10 @@ def _worker(idx: int, nprocs: int, cfg: dict[str, Any], daemon_pid: int, barrier
     # Source and destination in private memory (as an engine's host buffers), and one region file:
     # first half the store source, second half the load destination.
     src = populate(np.empty(share, dtype=np.uint8))
-    dst = populate(np.empty(share, dtype=np.uint8))
+    dst = populate(np.zeros(share, dtype=np.uint8))
     fill_pattern(src, chunk, seed=idx + 1)
-    dst[:] = 0
     region_file = ShmFile(2 * share)
     region_file.array[:share] = src
-    region_file.array[share:] = 0
 
     client = Client(cfg["socket"], deadline_s=30.0, client_name=f"bench-{idx}")
     ns = client.register_namespace(NamespaceSpec(model=MODEL, dtype="uint8", chunk_bytes=chunk))
@@ -63,6 +63,7 @@ def _worker(idx: int, nprocs: int, cfg: dict[str, Any], daemon_pid: int, barrier
         raise RuntimeError("region registration failed (daemon unreachable?)")
     store_offsets = [i * chunk for i in range(n)]
     load_offsets = [share + i * chunk for i in range(n)]
+    loaded = region_file.array[share:]  # where load_to_region lands
     batches = [(b, min(b + cfg["batch"], n)) for b in range(0, n, cfg["batch"])]
     phases: dict[str, list[dict[str, float]]] = {p: [] for p in PHASES}
     errors: list[str] = []
@@ -92,26 +93,16 @@ def _worker(idx: int, nprocs: int, cfg: dict[str, Any], daemon_pid: int, barrier
             "region_load": lambda b0, b1: client.load_to_region(ns, region, keys[b0:b1], load_offsets[b0:b1]),
         }
 
-        def phase(name: str) -> None:
-            timed(name, partial(each_batch, batches, calls[name], errors, f"rep {rep} {name}"))
-
-        def delete() -> None:
-            for b0 in range(0, n, 4096):
-                client.delete(ns, keys[b0 : b0 + 4096])
-
         timed("memcpy", partial(np.copyto, dst, src))
         timed("memcpy_chunked", memcpy_chunked)
         dst[:] = 0
-        phase("pool_store")
-        phase("pool_load")
-        if rep == 0 and not np.array_equal(dst, src):
-            errors.append("pool mapping: loaded bytes differ from the stored bytes")
-        delete()
-        phase("region_store")
-        phase("region_load")
-        if rep == 0 and not np.array_equal(region_file.array[share:], src):
-            errors.append("region registration: loaded bytes differ from the stored bytes")
-        delete()
+        for kind, what, landed in (("pool", "pool mapping", dst), ("region", "region registration", loaded)):
+            for name in (f"{kind}_store", f"{kind}_load"):
+                timed(name, partial(each_batch, batches, calls[name], errors, f"rep {rep} {name}"))
+            if rep == 0 and not np.array_equal(landed, src):
+                errors.append(f"{what}: loaded bytes differ from the stored bytes")
+            for b0 in range(0, n, 4096):
+                client.delete(ns, keys[b0 : b0 + 4096])
 
     setup_s = time.perf_counter() - t_setup
     for rep in range(cfg["warmup"] + cfg["repeat"]):
@@ -119,14 +110,7 @@ def _worker(idx: int, nprocs: int, cfg: dict[str, Any], daemon_pid: int, barrier
     client.close()
     region_file.close()
     phases = {name: reps[cfg["warmup"] :] for name, reps in phases.items()}  # without the warm-up repeats
-    return {
-        "phases": phases,
-        "errors": errors,
-        "bytes": share,
-        "chunks": n,
-        "batches": len(batches),
-        "setup_s": setup_s,
-    }
+    return {"phases": phases, "errors": errors, "bytes": share, "batches": len(batches), "setup_s": setup_s}
 
 
 def run_clients(nprocs: int, cfg: dict[str, Any], daemon: Daemon) -> dict[str, Any]:
@@ -159,7 +143,8 @@ def run_clients(nprocs: int, cfg: dict[str, Any], daemon: Daemon) -> dict[str, A
 
 
 def summarize_clients(out: dict[int, Any]) -> dict[str, Any]:
-    """Per phase and repeat: the processes' bytes over their joint window, their CPU, the daemon's."""
+    """Per phase and repeat: the processes' bytes over their joint window, their CPU, the daemon's; per phase, the
+    cpu ratio = memcpy CPU / (client + daemon CPU), medians over the repeats (steadier than GiB/s under load)."""
     workers = list(out.values())
     total = sum(w["bytes"] for w in workers)
     summary: dict[str, Any] = {
@@ -168,7 +153,8 @@ def summarize_clients(out: dict[int, Any]) -> dict[str, Any]:
         "errors": [e for w in workers for e in w["errors"]],
         "phases": {},
     }
-    for phase in PHASES:
+    cpu: dict[str, float] = {}
+    for phase in PHASES:  # (memcpy first)
         per_rep = []
         for reps in zip(*(w["phases"][phase] for w in workers)):  # each process's sample of one repeat
             windows = [(r["t0"], r["t1"]) for r in reps]
@@ -183,11 +169,13 @@ def summarize_clients(out: dict[int, Any]) -> dict[str, Any]:
             )
         stats = Stats.of([p["gib_s"] for p in per_rep])
         best = max(per_rep, key=lambda p: p["gib_s"])
+        cpu[phase] = statistics.median(p["client_cpu_s"] + p["daemon_cpu_s"] for p in per_rep)
         summary["phases"][phase] = {
             "best_gib_s": stats.best,
             "median_gib_s": stats.median,
             "repeats": per_rep,
             "best_repeat": best,
+            "cpu_ratio_vs_memcpy": cpu["memcpy"] / cpu[phase],
         }
     summary["rpcs"] = {p: k * sum(w["batches"] for w in workers) for p, k in RPCS_PER_BATCH.items()}
     return summary
@@ -195,11 +183,6 @@ def summarize_clients(out: dict[int, Any]) -> dict[str, Any]:
 
 def run_lookups(cfg: dict[str, Any], iters: int, warmup: int) -> dict[str, Any]:
     """Lookups of 1 and 256 cached keys (Client and raw stub) interleaved with an empty gRPC call."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from kvstored_client import Client, NamespaceSpec
-    from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
-
     chunk = cfg["chunk_bytes"]
     with Client(cfg["socket"], deadline_s=30.0, client_name="bench-lookup") as client:
         ns = client.register_namespace(NamespaceSpec(model=MODEL, dtype="uint8", chunk_bytes=chunk))

@@ -21,11 +21,9 @@ import numpy as np
 from bench.lib.buffers import populate
 from bench.lib.report import GIB, MIB, Row, load_average, machine_info, print_table, write_json
 from bench.lib.s3 import start_s3
-from bench.peer import __doc__ as _doc
+from bench.peer import __doc__ as DOC
 from bench.peer.cluster import RAW, Cluster, ColdTier, Link, odirect, raw, raw_s3
 from bench.peer.loads import COPIED, FS_THREADS, S3_INFLIGHT, TARGET, Chunks, Measured
-
-DOC = _doc or ""
 
 
 def rounds(
@@ -80,15 +78,11 @@ def run(args: argparse.Namespace, notes: list[str], failures: list[str]) -> dict
     def fs() -> None:
         cold = ColdTier(f"kind=fs,root={workdir / 'fs'},bytes={4 * chunks.nbytes}", chunks, "bench/peer-fs")
         cold.prepare()
-        rounds(
-            {
-                "fs tier, cold": lambda: cold.measure(out, args.batch, args.clients, drop=True),
-                "raw O_DIRECT read": lambda: odirect(workdir, chunks),
-            },
-            args.rounds,
-            samples,
-            failures,
-        )
+        arms = {
+            "fs tier, cold": lambda: cold.measure(out, args.batch, args.clients, drop=True),
+            "raw O_DIRECT read": lambda: odirect(workdir, chunks),
+        }
+        rounds(arms, args.rounds, samples, failures)
 
     def s3() -> None:
         server = start_s3(args.s3, memstore_bytes=2 * chunks.nbytes + GIB)
@@ -98,15 +92,11 @@ def run(args: argparse.Namespace, notes: list[str], failures: list[str]) -> dict
             ep, bucket = server.endpoint, server.new_bucket(f"kvstored-bench-peer-{os.getpid()}")
             cold = ColdTier(server.tier_spec(bucket, 0), chunks, "bench/peer-s3")
             cold.prepare()
-            rounds(
-                {
-                    f"S3 tier ({server.kind})": lambda: cold.measure(out, args.batch, args.clients, drop=False),
-                    "raw S3 GET": lambda: raw_s3(ep, bucket),
-                },
-                args.rounds,
-                samples,
-                failures,
-            )
+            arms = {
+                f"S3 tier ({server.kind})": lambda: cold.measure(out, args.batch, args.clients, drop=False),
+                "raw S3 GET": lambda: raw_s3(ep, bucket),
+            }
+            rounds(arms, args.rounds, samples, failures)
         finally:
             server.stop()
 
@@ -126,11 +116,11 @@ def run(args: argparse.Namespace, notes: list[str], failures: list[str]) -> dict
         finally:
             link.stop()
 
-    if args.netns:
-        for mtu in args.mtu:
-            part(f"link, MTU {mtu}", failures, partial(link, mtu))
-        return samples
     try:
+        if args.netns:
+            for mtu in args.mtu:
+                part(f"link, MTU {mtu}", failures, partial(link, mtu))
+            return samples
         part("peer", failures, peers)
         if args.fs == "on":
             part("fs", failures, fs)
@@ -141,53 +131,47 @@ def run(args: argparse.Namespace, notes: list[str], failures: list[str]) -> dict
     return samples
 
 
-def rows(samples: dict[str, list[Measured]]) -> list[Row]:
-    def median(name: str) -> float | None:
-        return statistics.median(m.gib_s for m in samples[name]) if name in samples else None
+def _median(samples: dict[str, list[Measured]], name: str) -> float | None:
+    return statistics.median(m.gib_s for m in samples[name]) if name in samples else None
 
+
+def _row(samples: dict[str, list[Measured]], name: str, base: str, target: float | None, limit: str, vs: str) -> Row:
+    """`name`'s row against `base`, with `vs` beside it round by round in its note."""
+    value = _median(samples, name) or 0.0
+    note = _note(samples, name, vs)
+    return Row(name, value, "GiB/s", base, _median(samples, base), target, median=value, limit=limit, note=note)
+
+
+def rows(samples: dict[str, list[Measured]]) -> list[Row]:
     out: list[Row] = []
     for prefix, target in (("peer tier", TARGET), (COPIED, None)):  # the targeted rows first
         for name in (n for n in samples if n.startswith(prefix)):
             raw = f"raw {name.rsplit(' ', 1)[1]}"
-            limit = f"{raw} on loopback (the kernel's copies; same run)"
-            value = median(name)
-            note = _note(samples, name, raw)
-            out.append(Row(name, value or 0.0, "GiB/s", raw, median(raw), target, median=value, limit=limit, note=note))
+            out.append(_row(samples, name, raw, target, f"{raw} on loopback (the kernel's copies; same run)", raw))
     peer = next((r.name for r in out if r.name == "peer tier over tcp"), out[0].name if out else "")
     for name in (n for n in samples if n.startswith(("fs", "S3"))):
         fs = name.startswith("fs")
         limit = "raw O_DIRECT read" if fs else "raw S3 GET"
         depth = f"{FS_THREADS} threads" if fs else f"the tier's objects, {S3_INFLIGHT} in flight"
-        lim = median(limit)
+        lim = _median(samples, limit)
         bound = f"{limit}, {depth}: " + (f"{lim:.2f} GiB/s" if lim else "not measured")
-        value, base = median(name), median(peer) if peer else None
-        note = _note(samples, name, limit)
-        out.append(Row(name, value or 0.0, "GiB/s", peer, base, median=value, limit=bound, note=note))
+        out.append(_row(samples, name, peer, None, bound, limit))
     return out
 
 
 def link_rows(samples: dict[str, list[Measured]], mtus: Sequence[int]) -> list[Row]:
     """Per MTU: the peer tier's rows and the raw transports', each against the best raw transport
     of that MTU (the highest median) in the same run."""
-
-    def median(name: str) -> float:
-        return statistics.median(m.gib_s for m in samples[name])
-
     out: list[Row] = []
     for mtu in mtus:
         suffix = f", MTU {mtu}"
         raws = [f"{arm}{suffix}" for arm in RAW if f"{arm}{suffix}" in samples]
-        best = max(raws, key=median) if raws else ""
+        best = max(raws, key=lambda name: _median(samples, name) or 0.0) if raws else ""
         peers = [n for n in samples if n.startswith("peer tier") and n.endswith(suffix)]
         for name in peers + raws:
-            peer = name in peers
-            base = median(best) if best else None
-            limit = f"the best raw transport on that link: {best}" if peer else ""
-            note = _note(samples, name, best if best and name != best else name)
-            target = TARGET if peer else None
-            out.append(
-                Row(name, median(name), "GiB/s", best, base, target, median=median(name), limit=limit, note=note)
-            )
+            limit = f"the best raw transport on that link: {best}" if name in peers else ""
+            vs = best if best and name != best else name
+            out.append(_row(samples, name, best, TARGET if name in peers else None, limit, vs))
     return out
 
 
@@ -213,9 +197,9 @@ def _note(samples: dict[str, list[Measured]], name: str, base: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench.peer",
-        description=DOC.split("\n\n")[0],
+        description=(DOC or "").split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n\n".join(DOC.split("\n\n")[1:]),
+        epilog=(DOC or "").split("\n\n", 1)[1],
     )
     p.add_argument("--gib", type=float, default=1.0, help="bytes each arm moves (default 1 GiB)")
     p.add_argument("--chunk-mib", type=int, default=2, help="chunk size (default 2 MiB)")
@@ -250,9 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     basis = (
         "the best raw transport at that MTU" if args.netns else "the raw transport; fs and S3: the peer tier over tcp"
     )
-    print_table(
-        table, title=f"\nB loading what only A holds ({args.clients} clients, {args.batch} chunks per call) vs {basis}"
-    )
+    title = f"\nB loading what only A holds ({args.clients} clients, {args.batch} chunks per call) vs {basis}"
+    print_table(table, title=title)
     for line in notes + failures:
         print(f"  * {line}")
     print(f"\nload average {load0:.2f} at start, {load1:.2f} at end; total {time.perf_counter() - t0:.0f} s")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -19,29 +20,28 @@ from bench.lib.raw_net import Place, measure_raw
 from bench.lib.s3 import raw_s3_get
 from bench.peer import loads
 from bench.peer.loads import FETCH_TIMEOUT_S, FS_THREADS, S3_INFLIGHT, WAIT_S, Chunks, Measured, ram_for
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from tests.support.cluster import Cluster as TestCluster
 from tests.support.netns import Topology
+
+
+def bench_daemon(chunks: Chunks, *args: str) -> Daemon:
+    """A daemon with room for the chunks and no metrics endpoint, `args` added."""
+    return Daemon(ram_for(chunks), extra_args=["--metrics-addr", "off", *args], start_timeout_s=WAIT_S)
 
 
 class Cluster:
     """Node A (serves both transports) and a node B per transport (fetches from A only)."""
 
-    MODEL = "bench/peer"
-
     def __init__(self, transports: Sequence[str], chunks: Chunks) -> None:
         self.chunks = chunks
-        names = ["A", *transports]
-        self.addresses = {name: f"127.0.0.1:{free_port()}" for name in names}
+        self.addresses = {name: f"127.0.0.1:{free_port()}" for name in ["A", *transports]}
         a = self.addresses["A"]
 
         def node(transport: str, peers: Sequence[str], listen: str) -> Daemon:
             spec = f"kind=peer,transport={transport},peers={' '.join(peers)},tcp_port=0,ucx_port=0,"
             spec += f"ucx_net_devices=lo,fetch_timeout_s={FETCH_TIMEOUT_S}"
-            return Daemon(
-                ram_for(chunks),
-                extra_args=["--metrics-addr", "off", "--tcp-listen", listen, "--tiers", spec],
-                start_timeout_s=WAIT_S,
-            )
+            return bench_daemon(chunks, "--tcp-listen", listen, "--tiers", spec)
 
         self.a = node("auto", list(self.addresses.values()), a)
         self.b = {t: node(t, [a, self.addresses[t]], self.addresses[t]) for t in transports}
@@ -50,7 +50,7 @@ class Cluster:
         self.a.start()
         for b in self.b.values():
             b.start()
-        loads.store(self.a, self.chunks, self.MODEL)
+        loads.store(self.a, self.chunks)
         for transport in self.b:
             self._wait_indexed(transport)
 
@@ -60,8 +60,6 @@ class Cluster:
         return next((p for p in status.peers if p.address == self.addresses["A"]), None)
 
     def _wait_indexed(self, transport: str) -> None:
-        from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
-
         deadline = time.monotonic() + WAIT_S
         while True:
             a = self._a_seen_by(transport)
@@ -76,7 +74,7 @@ class Cluster:
     def measure(self, transport: str, out: np.ndarray, batch: int, clients: int, copy: bool) -> Measured:
         seen = partial(self._a_seen_by, transport)
         return loads.fetch_from_a(
-            self.b[transport], self.a.pid, seen, transport, self.chunks, self.MODEL, out, batch, clients, copy
+            self.b[transport], self.a.pid, seen, transport, self.chunks, out, batch=batch, clients=clients, copy=copy
         )
 
     def stop(self) -> None:
@@ -85,6 +83,7 @@ class Cluster:
                 d.stop()
 
 
+LOOPBACK = Place("loopback")
 RAW = {  # arm -> (raw_net transport, TCP connections)
     "raw TCP, 1 connection": ("tcp", 1),
     "raw TCP, 2 connections": ("tcp", 2),
@@ -97,11 +96,9 @@ class Link:
     (serving TCP and UCX) in namespace 0, one node B per transport in namespace 1, each listing only A as its peer
     (the tests' cluster: TLS on the control plane); A holds the chunks in its RAM."""
 
-    MODEL = "bench/peer-link"
-
     def __init__(self, transports: Sequence[str], chunks: Chunks, mtu: int, peer_options: dict[str, str]) -> None:
         self.transports = list(transports)
-        self.chunks = chunks
+        self.chunks = replace(chunks, model="bench/peer-link")
         self.net = Topology(2, mtu=mtu, bridge=False)
         self.peer_options = {"fetch_timeout_s": str(FETCH_TIMEOUT_S), **peer_options}
         self.cluster: TestCluster | None = None
@@ -119,22 +116,18 @@ class Link:
             placement=[0] + [1] * len(self.transports),
         )
         self.cluster.start()
-        loads.store(self.cluster[0], self.chunks, self.MODEL)
+        loads.store(self.cluster[0], self.chunks)
         for k in range(1, len(self.cluster.daemons)):
             self.cluster.wait_indexed(k, 0, self.chunks.n)
-
-    def b(self, transport: str):
-        assert self.cluster is not None
-        return self.cluster[1 + self.transports.index(transport)]
 
     def measure(self, transport: str, out: np.ndarray, batch: int, clients: int) -> Measured:
         """B over `transport` loads every chunk (leases, as vLLM's direct mode), then forgets them."""
         assert self.cluster is not None
-        a, b = self.cluster[0], self.b(transport)
-        seen = b.peer(a)
-        if seen.transport != transport:
+        a, b = self.cluster[0], self.cluster[1 + self.transports.index(transport)]
+        seen_a = partial(b.peer, a)
+        if (seen := seen_a()).transport != transport:
             raise RuntimeError(f"B reaches A over {seen.transport}, not {transport}")
-        m = loads.fetch_from_a(b, a.pid, lambda: b.peer(a), transport, self.chunks, self.MODEL, out, batch, clients)
+        m = loads.fetch_from_a(b, a.pid, seen_a, transport, self.chunks, out, batch=batch, clients=clients, copy=False)
         deadline = time.monotonic() + WAIT_S
         while loads.ram_chunks(b):
             if time.monotonic() > deadline:
@@ -145,9 +138,7 @@ class Link:
     def raw(self, arm: str, slots: int) -> Measured:
         """The same bytes from A's namespace to B's over a raw socket / raw ucxx (no daemon)."""
         transport, conns = RAW[arm]
-        place = Place("veth", self.net.nodes[0], self.net.nodes[1])
-        s = measure_raw(transport, place, self.chunks.nbytes, self.chunks.size, slots, conns=conns)
-        return Measured(s.gib_s, s.cpu_s_per_gib)
+        return raw(transport, self.chunks, slots, Place("veth", self.net.nodes[0], self.net.nodes[1]), conns)
 
     def stop(self) -> None:
         with contextlib.suppress(Exception):
@@ -156,28 +147,21 @@ class Link:
         self.net.close()
 
 
-# -- cold tiers: a daemon with one tier below RAM, started afresh each round ---------------------
-
-
 class ColdTier:
-    """The chunks written down to `spec` once (a daemon stopped with a long flush); each round a
-    daemon with the same tier starts with its RAM empty, and its clients load them."""
+    """A cold tier below RAM: the chunks written down to `spec` once (a daemon stopped with a long flush); each
+    round a daemon with the same tier starts afresh, its RAM empty, and its clients load them."""
 
     def __init__(self, spec: str, chunks: Chunks, model: str) -> None:
-        self.spec, self.chunks, self.model = spec, chunks, model
+        self.spec, self.chunks = spec, replace(chunks, model=model)
 
     def _daemon(self, flush_s: float) -> Daemon:
-        return Daemon(
-            ram_for(self.chunks),
-            extra_args=["--metrics-addr", "off", "--tiers", self.spec, "--flush-on-stop-seconds", str(flush_s)],
-            start_timeout_s=WAIT_S,
-        )
+        return bench_daemon(self.chunks, "--tiers", self.spec, "--flush-on-stop-seconds", str(flush_s))
 
     def prepare(self) -> None:
         daemon = self._daemon(600.0)
         daemon.start()
         try:
-            loads.store(daemon, self.chunks, self.model)
+            loads.store(daemon, self.chunks)
         finally:
             if daemon.stop(timeout_s=660.0) != 0:
                 raise RuntimeError(f"the daemon writing down to {self.spec} exited badly: {daemon.log_tail()}")
@@ -191,15 +175,15 @@ class ColdTier:
         try:
             if loads.ram_chunks(daemon):
                 raise RuntimeError(f"{self.spec}: the restarted daemon holds chunks in RAM")
-            return loads.load_all(daemon, self.chunks, self.model, out, batch, clients, copy=False)
+            return loads.load_all(daemon, self.chunks, out, batch, clients, copy=False)
         finally:
             daemon.stop()
 
 
-def raw(transport: str, chunks: Chunks, slots: int) -> Measured:
-    """The same bytes over a raw socket / raw ucxx, landing in `slots` buffers (as many as the
-    clients' loads have in flight)."""
-    s = measure_raw(transport, Place("loopback"), chunks.nbytes, chunks.size, slots)
+def raw(transport: str, chunks: Chunks, slots: int, place: Place = LOOPBACK, conns: int = 1) -> Measured:
+    """The same bytes over a raw socket / raw ucxx (`conns` TCP connections), landing in `slots` buffers (as
+    many as the clients' loads have in flight)."""
+    s = measure_raw(transport, place, chunks.nbytes, chunks.size, slots, conns=conns)
     return Measured(s.gib_s, s.cpu_s_per_gib)
 
 

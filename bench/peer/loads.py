@@ -8,13 +8,19 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
+import grpc
 import numpy as np
 
+from bench.lib.daemons import Daemon as BenchDaemon
 from bench.lib.daemons import cpu_of, process_cpu_seconds
 from bench.lib.report import GIB, MIB
+from kvstored_client import Client
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
+from kvstored_client.session import PoolSession
+from tests.support.daemon import Daemon as TestDaemon
 
 TARGET = 0.8
 WAIT_S = 120.0  # bound on waiting for the cluster's state (never a measurement)
@@ -24,16 +30,18 @@ STORE_BATCH = 64
 # Not the default 1 s: a stall of this shared machine must not turn into misses (they end the run).
 FETCH_TIMEOUT_S = 5.0
 COPIED = "client load + copy out"
+Daemon = BenchDaemon | TestDaemon  # bench.lib.daemons', or the tests' cluster's (the --netns link)
 # B's counters for A (kvstored.v1.Peer/Status) that a failed load is reported with
 PEER_COUNTERS = "missing_chunks corrupt_chunks failed_chunks timed_out_chunks refused_by_breaker".split()
 
 
 @dataclass(frozen=True)
 class Chunks:
-    """`n` chunks of `size` bytes, each of its own content (generated, not kept), and their keys."""
+    """`n` chunks of `size` bytes, each of its own content (generated, not kept), their keys and namespace."""
 
     n: int
     size: int
+    model: str = "bench/peer"
 
     @property
     def nbytes(self) -> int:
@@ -51,19 +59,12 @@ class Chunks:
             np.bitwise_xor(words, np.uint64((first + k + 1) << 40), out=out[k])
         return out.view(np.uint8)
 
+    def namespace(self, client):
+        return client.register_namespace(model=self.model, dtype="u8", chunk_bytes=self.size)
+
     def wrong(self, out: np.ndarray) -> int:
         """How many chunks of `out` are not their own bytes."""
         return sum(not np.array_equal(out[i], self.content(i, 1)[0]) for i in range(self.n))
-
-
-class Daemon(Protocol):
-    """A running daemon (bench.lib.daemons', or the tests' cluster's): its socket and process."""
-
-    @property
-    def socket(self) -> Path: ...
-
-    @property
-    def pid(self) -> int: ...
 
 
 @dataclass
@@ -75,16 +76,10 @@ class Measured:
     client_cpu_s_per_gib: float = float("nan")  # of the fetching side's: the clients' (calls, copies out)
 
 
-def namespace(client, chunks: Chunks, model: str):
-    return client.register_namespace(model=model, dtype="u8", chunk_bytes=chunks.size)
-
-
-def store(daemon: Daemon, chunks: Chunks, model: str) -> None:
-    from kvstored_client import Client
-
+def store(daemon: Daemon, chunks: Chunks) -> None:
     keys = chunks.keys
     with Client(str(daemon.socket), deadline_s=120.0) as kv:
-        ns = namespace(kv, chunks, model)
+        ns = chunks.namespace(kv)
         for i in range(0, chunks.n, STORE_BATCH):
             batch = keys[i : i + STORE_BATCH]
             r = kv.store(ns, batch, chunks.content(i, len(batch)))
@@ -94,8 +89,6 @@ def store(daemon: Daemon, chunks: Chunks, model: str) -> None:
 
 def ram_chunks(daemon: Daemon) -> int:
     """Chunks in the daemon's RAM (Stats: a Lookup would start promoting them)."""
-    from kvstored_client import Client
-
     with Client(str(daemon.socket), deadline_s=60.0) as kv:
         return next(t.chunks for t in kv.stats().tiers if t.name == "ram")
 
@@ -106,20 +99,13 @@ class Leaser:
     pool), then Release. No copy: what it waits for is the tier's work alone."""
 
     def __init__(self, daemon: Daemon, namespace_id: str, name: str) -> None:
-        import grpc
-
-        from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
-        from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
-        from kvstored_client.session import PoolSession
-
-        self._pb = pb
         self._session = PoolSession.open(daemon.socket, name, timeout=10.0, populate=False)
         self._channel = grpc.insecure_channel(f"unix:{daemon.socket}")
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._namespace_id = namespace_id
 
     def load(self, keys: list[bytes], _out: np.ndarray) -> int:
-        pb, sid = self._pb, self._session.session_id
+        sid = self._session.session_id
         leases = self._stub.Acquire(
             pb.AcquireRequest(session_id=sid, namespace_id=self._namespace_id, keys=keys), timeout=120.0
         ).leases
@@ -134,11 +120,9 @@ class Leaser:
 class Copier:
     """A client loading with kvstored_client's `load`: Acquire, copy into the caller's buffer, Release."""
 
-    def __init__(self, daemon: Daemon, chunks: Chunks, model: str, name: str) -> None:
-        from kvstored_client import Client
-
+    def __init__(self, daemon: Daemon, chunks: Chunks, name: str) -> None:
         self._kv = Client(str(daemon.socket), deadline_s=120.0, client_name=name)
-        self._ns = namespace(self._kv, chunks, model)
+        self._ns = chunks.namespace(self._kv)
         self._kv.load(self._ns, [], np.empty((0, chunks.size), np.uint8))  # the session (and its pool mapping) now
 
     def load(self, keys: list[bytes], out: np.ndarray) -> int:
@@ -149,35 +133,22 @@ class Copier:
 
 
 def load_all(
-    daemon: Daemon,
-    chunks: Chunks,
-    model: str,
-    out: np.ndarray,
-    batch: int,
-    clients: int,
-    copy: bool,
-    *,
-    serving: Sequence[int] = (),
+    daemon: Daemon, chunks: Chunks, out: np.ndarray, batch: int, clients: int, copy: bool, serving: Sequence[int] = ()
 ) -> Measured:
     """Load every chunk through `clients` clients of `daemon` (`batch` chunks per call, the calls
     dealt out in turn): leases (`copy` False) or copies into `out`. Timed from the first call to
     the last answer, with the CPU the daemon, the clients (this process) and `serving` used
     meanwhile. Then (untimed) every chunk is compared, copied out of the daemon's RAM: a
     RuntimeError if one was not loaded or came back with other bytes."""
-    from kvstored_client import Client
-
     out[:] = 0
     keys = chunks.keys
     with Client(str(daemon.socket), deadline_s=120.0) as kv:
-        namespace_id = namespace(kv, chunks, model).namespace_id
+        namespace_id = chunks.namespace(kv).namespace_id
     loaders: list[Leaser | Copier] = []
     try:
         for k in range(clients):
-            loaders.append(
-                Copier(daemon, chunks, model, f"bench-peer-{k}")
-                if copy
-                else Leaser(daemon, namespace_id, f"bench-peer-{k}")
-            )
+            name = f"bench-peer-{k}"
+            loaders.append(Copier(daemon, chunks, name) if copy else Leaser(daemon, namespace_id, name))
         starts = list(range(0, chunks.n, batch))
         loaded = [0] * len(starts)
         go = threading.Barrier(clients + 1)
@@ -206,32 +177,29 @@ def load_all(
         raise RuntimeError(f"{daemon.socket}: loaded {sum(loaded)} of {chunks.n} chunks")
     if not copy:
         with Client(str(daemon.socket), deadline_s=120.0) as kv:  # from the daemon's RAM now
-            if kv.load(namespace(kv, chunks, model), keys, out) != chunks.n:
+            if kv.load(chunks.namespace(kv), keys, out) != chunks.n:
                 raise RuntimeError(f"{daemon.socket}: the leased chunks did not stay in RAM")
-    wrong = chunks.wrong(out)
-    if wrong:
+    if wrong := chunks.wrong(out):
         raise RuntimeError(f"{daemon.socket}: {wrong} chunks came back with other bytes")
     gib = chunks.nbytes / GIB
     return Measured(gib / wall, ((fetching + me) / gib, served / gib if serving else float("nan")), me / gib)
 
 
 def fetch_from_a(
-    b: Daemon, a_pid: int, a_seen: Callable[[], Any], via: str, chunks: Chunks, model: str, out: np.ndarray, *load: Any
+    b: Daemon, a_pid: int, a_seen: Callable[[], Any], via: str, chunks: Chunks, out: np.ndarray, **load: Any
 ) -> Measured:
     """B (over `via`) loads every chunk that only A holds (`load`: load_all's batch, clients, copy), then forgets
     its copies (A keeps its own); a failure is reported with B's counters for A (`a_seen()`)."""
-    from kvstored_client import Client
-
     if ram_chunks(b):
         raise RuntimeError(f"before the load, B ({via}) holds chunks in its RAM")
     try:
-        m = load_all(b, chunks, model, out, *load, serving=[a_pid])
+        m = load_all(b, chunks, out, **load, serving=[a_pid])
     except RuntimeError as exc:
         seen = a_seen()
         detail = ", ".join(f"{k} {getattr(seen, k, '?')}" for k in PEER_COUNTERS)
         raise RuntimeError(f"{exc}; B's counters for A: {detail}") from None
     with Client(str(b.socket), deadline_s=60.0) as kv:
-        kv.delete(namespace(kv, chunks, model), chunks.keys)
+        kv.delete(chunks.namespace(kv), chunks.keys)
     return m
 
 

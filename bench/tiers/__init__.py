@@ -4,6 +4,5 @@
 tier beside raw O_DIRECT pwritev/preadv of the same bytes (cold reads: page cache dropped), and
 the S3 tier beside raw aiobotocore put/get of the same objects (radosgw or moto), in one run.
 
-Modules: common (buffers, timing, the table), fs (with the write-back row), s3, cli.
 Method, baselines, targets and results: docs/benchmarks.md.
 """

@@ -8,7 +8,6 @@ import argparse
 import asyncio
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -73,8 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pairs: list[Pair] = []
     notes: list[str] = []
     failures: list[str] = []
-    args_json = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    result: dict[str, Any] = {"machine": machine_info(), "load_average_start": load0, "args": args_json}
+    result: dict[str, Any] = {"machine": machine_info(), "load_average_start": load0, "args": vars(args)}
     workdir = Path(tempfile.mkdtemp(prefix="kvstored-bench-tiers-", dir=args.dir))
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
@@ -104,7 +102,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     if failures:
         return 2
     return 0 if all(p.status == "PASS" for p in targeted) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import itertools
 import mmap
-import os
 import statistics
-import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,11 +22,6 @@ from kvstored.chunks import chunkfile
 from kvstored.chunks.chunkfile import HEADER_BYTES
 from kvstored.tiers.base import WriteOutcome
 
-TARGET_FS = 0.90
-TARGET_S3 = 0.85
-TARGET_WRITEBACK = 0.90  # write-back stream through a daemon vs the fs tier alone (issue 13 part 1)
-WB_REGION_SLOTS = 64  # chunks in the write-back clients' region (the stream cycles through them)
-WB_VERIFY_CHUNKS = 32
 PAGE = mmap.PAGESIZE
 
 
@@ -59,12 +50,6 @@ def header_pages(chunks: Sequence[tuple[str, bytes]], views: Sequence[memoryview
     return out
 
 
-def tier_dirs(root: Path, chunks: Sequence[tuple[str, bytes]]) -> None:
-    """The fan-out directories a tier root in use already has for these chunks."""
-    for d in sorted({os.path.dirname(os.path.join(root, chunkfile.chunk_relpath(c))) for c in chunks}):
-        os.makedirs(d, exist_ok=True)
-
-
 async def drive(n: int, inflight: int, op: Callable[[int], Awaitable[None]]) -> float:
     """Run op(0..n-1) with `inflight` worker tasks (the daemon's queue concurrency); wall seconds."""
     counter = iter(range(n))
@@ -87,8 +72,7 @@ def on_loop(runner: asyncio.Runner, phase: Callable[..., Coroutine[Any, Any, flo
 
 async def tier_store(tier, chunks, views, size: int, inflight: int) -> float:
     async def op(i: int) -> None:
-        outcome = await tier.write(chunks[i], [views[i]], size)
-        if outcome is not WriteOutcome.WRITTEN:
+        if (outcome := await tier.write(chunks[i], [views[i]], size)) is not WriteOutcome.WRITTEN:
             raise RuntimeError(f"{tier.kind.name} tier write {i}: {outcome} (counters {tier.counters})")
 
     return await drive(len(chunks), inflight, op)
@@ -100,34 +84,6 @@ async def tier_load(tier, chunks, views, size: int, inflight: int) -> float:
             raise RuntimeError(f"{tier.kind.name} tier read {i}: miss or corrupt (counters {tier.counters})")
 
     return await drive(len(chunks), inflight, op)
-
-
-def run_threads(n: int, threads: int, op: Callable[[int], None]) -> float:
-    """Run op(0..n-1) on `threads` plain threads pulling chunk numbers back to back; wall seconds
-    from their common start (after the threads are created) to the last one's end."""
-    counter = itertools.count()  # next() is atomic under the GIL
-    errors: list[BaseException] = []
-    start = threading.Barrier(threads + 1)
-
-    def worker() -> None:
-        start.wait()
-        try:
-            while (i := next(counter)) < n:
-                op(i)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    pool = [threading.Thread(target=worker, daemon=True) for _ in range(threads)]
-    for t in pool:
-        t.start()
-    start.wait()
-    t0 = time.perf_counter()
-    for t in pool:
-        t.join()
-    elapsed = time.perf_counter() - t0
-    if errors:
-        raise errors[0]
-    return elapsed
 
 
 @dataclass

@@ -6,14 +6,14 @@ a daemon with little RAM and an fs tier, beside the fs tier alone."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import contextlib
 import itertools
 import mmap
 import os
 import shutil
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -25,10 +25,6 @@ from bench.lib.daemons import Daemon
 from bench.lib.limits import drop_page_cache
 from bench.lib.report import GIB, MIB
 from bench.tiers.common import (
-    TARGET_FS,
-    TARGET_WRITEBACK,
-    WB_REGION_SLOTS,
-    WB_VERIFY_CHUNKS,
     Pair,
     Pool,
     chunk_ids,
@@ -36,14 +32,52 @@ from bench.tiers.common import (
     measure,
     on_loop,
     rotated,
-    run_threads,
     say,
-    tier_dirs,
     tier_load,
     tier_store,
 )
 from kvstored.chunks import chunkfile
 from kvstored.chunks.chunkfile import HEADER_BYTES
+from kvstored_client import Client, NamespaceSpec
+
+TARGET_FS = 0.90
+TARGET_WRITEBACK = 0.90  # write-back stream through a daemon vs the fs tier alone (issue 13 part 1)
+WB_REGION_SLOTS = 64  # chunks in the write-back clients' region (the stream cycles through them)
+WB_VERIFY_CHUNKS = 32
+
+
+def tier_dirs(root: Path, chunks: Sequence[tuple[str, bytes]]) -> None:
+    """The fan-out directories a tier root in use already has for these chunks."""
+    for d in sorted({os.path.dirname(os.path.join(root, chunkfile.chunk_relpath(c))) for c in chunks}):
+        os.makedirs(d, exist_ok=True)
+
+
+def run_threads(n: int, threads: int, op: Callable[[int], None]) -> float:
+    """Run op(0..n-1) on `threads` plain threads pulling chunk numbers back to back; wall seconds
+    from their common start (after the threads are created) to the last one's end."""
+    counter = itertools.count()  # next() is atomic under the GIL
+    errors: list[BaseException] = []
+    start = threading.Barrier(threads + 1)
+
+    def worker() -> None:
+        start.wait()
+        try:
+            while (i := next(counter)) < n:
+                op(i)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    pool = [threading.Thread(target=worker, daemon=True) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in pool:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return elapsed
 
 
 class RawFs:
@@ -98,17 +132,20 @@ def bench_fs(
     chunks = chunk_ids(n, "fs")
     headers = header_pages(chunks, src.views[:n], size)
     threads, inflight = args.fs_threads, args.fs_inflight
+    store, load = Pair("fs store", TARGET_FS), Pair("fs load (cold)", TARGET_FS)
 
-    def arm(tag: str, target: float | None, flat: bool, k: int) -> tuple[Pair, Pair, bool, int]:
-        """The store and load pairs of one baseline: raw files (`flat` or at the tier's paths), k threads."""
-        return Pair(f"fs store{tag}", target), Pair(f"fs load{tag or ' (cold)'}", target), flat, k
+    def arm(tag: str, flat: bool, k: int) -> tuple[Pair, Pair, bool, int]:
+        """A diagnostic baseline: raw files (`flat` or at the tier's paths), k threads, beside the tier's samples
+        (and bounded, as every fs row, by raw O_DIRECT at the tier's depth)."""
+        diag_store = Pair(f"fs store{tag}", None, tier=store.tier, limit=store.raw)
+        return diag_store, Pair(f"fs load{tag}", None, tier=load.tier, limit=load.raw), flat, k
 
-    arms = [arm("", TARGET_FS, True, threads), arm(" [raw at tier paths]", None, False, threads)]  # targeted first
+    arms = [(store, load, True, threads), arm(" [raw at tier paths]", False, threads)]  # targeted first
     if inflight != threads:  # as many I/Os at the disk as the tier has operations in flight
-        arms.append(arm(f" [raw, {inflight} threads]", None, True, inflight))
-    store, load = arms[0][0], arms[0][1]
+        arms.append(arm(f" [raw, {inflight} threads]", True, inflight))
     wb_name = f"write-back stream into a daemon ({args.wb_ram_mib} MiB RAM) [vs fs tier alone]"
-    writeback = Pair(wb_name, TARGET_WRITEBACK) if args.writeback == "on" else None
+    # beside the fs tier alone (its samples), bounded by raw O_DIRECT
+    writeback = Pair(wb_name, TARGET_WRITEBACK, raw=store.tier, limit=store.raw) if args.writeback == "on" else None
     wb_dropped, dropped, direct = 0, True, True
     for rnd in range(args.rounds):
         tier_root = workdir / f"fs-tier-{rnd}"
@@ -125,22 +162,17 @@ def bench_fs(
             for (st, ld, _, k), raw in zip(arms, raws):
                 stores.append((st.raw, partial(raw.store, src.views, k)))
                 loads.append((ld.raw, partial(raw.load, dst.views, k)))
-            wb = None
-            if writeback is not None:
-                wb = WriteBackStream(args, src, workdir, rnd)
-                stores.append((writeback.tier, wb.run))
-            try:
+            with contextlib.ExitStack() as cleanup:
+                if writeback is not None:
+                    wb = WriteBackStream(args, src, workdir, rnd)
+                    cleanup.callback(wb.close)
+                    stores.append((writeback.tier, wb.run))
                 for samples, fn in rotated(stores, rnd):
                     samples.append(measure(nbytes, fn, prepare=os.sync))
-                if wb is not None and writeback is not None:
+                if writeback is not None:
                     wb_dropped += wb.dropped
-                    writeback.raw.append(store.tier[-1])  # the fs tier alone, this round
-                    writeback.limit.append(store.raw[-1])
                     if rnd == 0:
                         wb.verify()
-            finally:
-                if wb is not None:
-                    wb.close()
             if rnd == 0:
                 dst.array[:nbytes] = 0
 
@@ -152,9 +184,6 @@ def bench_fs(
                 samples.append(measure(nbytes, fn, prepare=drop))
                 if rnd == 0 and samples is load.tier and not np.array_equal(dst.array[:nbytes], src.array[:nbytes]):
                     raise RuntimeError("fs tier loaded bytes differ from the source")
-            for st, ld, _, _ in arms[1:]:  # the diagnostic rows share the tier's samples
-                st.tier.append(store.tier[-1])
-                ld.tier.append(load.tier[-1])
             if writeback is not None:
                 say(
                     f"  fs round {rnd}: write-back stream into the daemon {writeback.tier[-1].gib_s:.2f} GiB/s "
@@ -190,8 +219,6 @@ def bench_fs(
         "dir": str(workdir),
     }
     pairs = [p for a in arms for p in a[:2]]
-    for p in pairs:  # every fs row is bounded by raw O_DIRECT at the tier's depth
-        p.limit = p.limit or list(store.raw if "store" in p.name else load.raw)
     return pairs + ([writeback] if writeback is not None else []), info
 
 
@@ -207,16 +234,12 @@ class WriteBackStream:
     copy below, so every chunk of the timed stream pushes an older one down to the disk."""
 
     def __init__(self, args, src: Pool, workdir: Path, rnd: int) -> None:
-        from kvstored_client import Client, NamespaceSpec
-
         self.n, self.size, self._src = args.fs_chunks, args.chunk_bytes, src
         self.batch, self.streams = args.wb_batch, args.wb_streams
         ram = args.wb_ram_mib * MIB
         self.prefill = ram // self.size
         self.root = workdir / f"wb-{rnd}"
-        self.keys = [
-            hashlib.blake2b(f"wb:{rnd}:{i}".encode(), digest_size=32).digest() for i in range(self.prefill + self.n)
-        ]
+        self.keys = [key for _, key in chunk_ids(self.prefill + self.n, f"wb:{rnd}")]
         tiers = ["--tiers", f"kind=fs,root={self.root},bytes={64 * GIB}", "--flush-on-stop-seconds", "0"]
         self.daemon = Daemon(ram, extra_args=tiers)
         self.daemon.start()

@@ -13,13 +13,13 @@ from typing import Any
 import numpy as np
 
 from bench.lib.report import GIB
-from bench.lib.s3 import raw_config, start_s3
+from bench.lib.s3 import start_s3
 from bench.tiers.common import (
-    TARGET_S3,
     Pair,
     Pool,
     chunk_ids,
     drive,
+    header_pages,
     measure,
     on_loop,
     rotated,
@@ -30,6 +30,7 @@ from bench.tiers.common import (
 from kvstored.chunks import chunkfile
 from kvstored.chunks.chunkfile import HEADER_BYTES
 
+TARGET_S3 = 0.85
 TARGET_PUTS_FEWER = 10.0  # packed PUT requests per GiB written down vs one object per chunk
 
 
@@ -76,8 +77,7 @@ def bench_s3(runner: asyncio.Runner, args, src: Pool, dst: Pool, notes: list[str
     chunks = chunk_ids(n, "s3")
     raw_keys = ["raw/" + chunkfile.chunk_relpath(c) for c in chunks]
     # the same object bytes the tier PUTs (header + payload), built before timing
-    headers = [chunkfile.encode_header(c, size, chunkfile.checksum([v], size)) for c, v in zip(chunks, src.views)]
-    bodies = [b"".join([h, v]) for h, v in zip(headers, src.views)]
+    bodies = [b"".join([h, v]) for h, v in zip(header_pages(chunks, src.views, size), src.views)]
     store, load = Pair("s3 store", TARGET_S3), Pair("s3 load", TARGET_S3)
     # packs (32 MiB, the default) against the same raw rows: PUTs of one object per chunk, GETs of them
     pstore = Pair("s3 packed store", TARGET_S3, raw=store.raw)
@@ -97,25 +97,17 @@ def bench_s3(runner: asyncio.Runner, args, src: Pool, dst: Pool, notes: list[str
             runner.run(packed.start())
             try:
                 # the raw client uses exactly the tier's transport settings (timeouts, pool, checksums)
-                config = getattr(getattr(getattr(tier, "_client", None), "meta", None), "config", None)
-                if config is None:
-                    config = raw_config(inflight, args.s3_timeout)
-                    if rnd == 0:
-                        notes.append(
-                            "s3: the tier's client configuration is unreadable; the raw client uses raw_config"
-                        )
-                session = get_session().create_client("s3", config=config, **ep.client_kwargs())
+                session = get_session().create_client("s3", config=tier._client.meta.config, **ep.client_kwargs())
                 client = runner.run(stack.enter_async_context(session))
-                stores = [  # (samples, phase, the tier whose PUTs are counted, the count's key)
+                stores = [  # (samples, phase, the tier whose PUTs are counted)
                     (store.tier, on_loop(runner, tier_store, tier, chunks, src.views, size, inflight), tier),
                     (pstore.tier, on_loop(runner, packed_store, packed, chunks, src.views, size, inflight), packed),
                     (store.raw, on_loop(runner, raw_s3_store, client, bucket, raw_keys, bodies, inflight), None),
                 ]
-                expected = HEADER_BYTES + size
                 loads = [
                     (load.tier, on_loop(runner, tier_load, tier, chunks, dst.views, size, inflight)),
                     (pload.tier, on_loop(runner, tier_load, packed, chunks, dst.views, size, inflight)),
-                    (load.raw, on_loop(runner, raw_s3_load, client, bucket, raw_keys, expected, inflight)),
+                    (load.raw, on_loop(runner, raw_s3_load, client, bucket, raw_keys, HEADER_BYTES + size, inflight)),
                 ]
                 for samples, fn, counted in rotated(stores, rnd):
                     sent = counted.requests if counted else 0
@@ -136,11 +128,7 @@ def bench_s3(runner: asyncio.Runner, args, src: Pool, dst: Pool, notes: list[str
                     f"{pstore.tier[-1].gib_s:.2f} load {pload.tier[-1].gib_s:.2f} GiB/s, "
                     f"{puts['packed'][-1]} PUTs against {puts['one object per chunk'][-1]}"
                 )
-                stats[f"round{rnd}"] = {
-                    "requests": tier.requests,
-                    "errors": tier.counters.errors,
-                    "skipped": tier.skipped,
-                }
+                stats[f"round{rnd}"] = dict(requests=tier.requests, errors=tier.counters.errors, skipped=tier.skipped)
             finally:
                 runner.run(stack.aclose())
                 runner.run(tier.close())
