@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# fallbacks for JSON written before the configurations were listed in it (doc["configs"])
-LABELS = {"none": "no offload", "ram": "RAM", "ram+fs": "RAM + fs", "ram+fs+s3": "RAM + fs + S3"}
+from bench.lib.report import MIB
+
 STYLE = {  # colour, marker
     "none": ("#7f7f7f", "o"),
     "ram": ("#1f77b4", "s"),
@@ -38,10 +38,7 @@ def plot_multiturn(doc: dict[str, Any], path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = [r for r in doc["results"] if not r.get("skipped")]
-    fallback: list[dict[str, Any]] = [
-        {"key": k, "label": v, "tiers": ["gpu", *k.split("+")] if k != "none" else ["gpu"]} for k, v in LABELS.items()
-    ]
-    listed = doc.get("configs") or fallback
+    listed = doc["configs"]
     labels = {c["key"]: c["label"] for c in listed}
     has_tier = {c["key"]: set(c["tiers"]) for c in listed}
     extra = iter(EXTRA_STYLES)
@@ -113,6 +110,48 @@ def plot_multiturn(doc: dict[str, Any], path: str | Path) -> None:
     fig.text(0.5, 0.01, foot, ha="center", fontsize=8, color="#555555")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+
+
+def plot_fleet(doc: dict[str, Any], path: str) -> None:
+    """bench.fleet's chart, from its JSON: per-node costs against N, each set-up a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("Daemon CPU per node (s/s)", lambda r: r["cpu_s_per_s"]),
+        ("Heap per node (RssAnon, MiB)", lambda r: r["rss_anon_bytes"] / MIB),
+        ("Control bytes in per node (KiB/s; data plane left out)", lambda r: r["upkeep_rx_bytes_per_s"] / 1024),
+        ("Redis Cluster CPU (s/s, all 6 processes)", lambda r: r["redis_cpu_s_per_s"]),
+    ]
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4.2), dpi=110)
+    style = {"mesh": ("#d62728", "o"), "directory": ("#2ca02c", "^"), "islands": ("#7f7f7f", "s")}
+    for ax, (title, value) in zip(axes, panels):
+        for setup, (colour, marker) in style.items():
+            rs = [r for r in doc["rows"] if r["setup"] == setup]
+            if not rs or (setup != "directory" and "Redis" in title):
+                continue
+            ax.plot([r["nodes"] for r in rs], [value(r) for r in rs], color=colour, marker=marker, label=setup)
+            if setup == "mesh" and title.startswith("Daemon CPU"):
+                m = [(r["nodes"], r["model_cpu_s_per_s"]) for r in rs if "model_cpu_s_per_s" in r]
+                ax.plot(*zip(*m), color=colour, linestyle="--", label="mesh, bench.scale_out's model")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("nodes")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8)
+    ld = doc["load"]
+    fig.suptitle(
+        f"kvstored fleet measured: {ld['turns_per_s']:g} turns/s per node of {ld['chunks']} x "
+        f"{ld['chunk_bytes'] >> 10} KiB chunks, daemons in network namespaces on one "
+        f"{doc['machine'].get('cpus', '?')}-CPU VM",
+        fontsize=10,
+    )
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
     plt.close(fig)
 
 

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.lib.daemons import rss_anon
 from bench.lib.report import GIB, MIB, load_average, machine_info, print_aligned, write_json
 from kvstored.shm import memory
-from kvstored.shm.memory import NumaPlacement, PoolMemoryError, PoolPages
+from kvstored.shm.memory import NumaPlacement, PoolMemory, PoolMemoryError, PoolPages
 from kvstored.sizes import format_size, parse_size
 
 PIECE = 64 << 10
@@ -44,11 +45,6 @@ class Result:
     samples: dict[str, list[float]] = field(default_factory=dict)
 
 
-def vm_pte() -> int:
-    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
-    return int(fields["VmPTE"].split()[0]) * 1024
-
-
 # each figure's best over the rounds, and which figures keep their samples
 BEST = {"populate_gib_s": max, "attach_s": min, "pte_bytes_per_gib": min, "copy_chunk_gib_s": max}
 BEST |= {"copy_piece_gib_s": max, "huge_bytes": max}
@@ -65,45 +61,49 @@ def best(rounds: list[Result]) -> Result:
     return Result(ok[0].mode, ok[0].numa, **figures, samples=samples)
 
 
-def measure(size: int, pages: PoolPages, numa: NumaPlacement | None, src: np.ndarray) -> Result:
-    """One round of one configuration."""
-    result = Result(pages.value, str(numa) if numa else "unset")
+@contextlib.contextmanager
+def fresh_pool(size: int, pages: PoolPages, numa: NumaPlacement | None = None) -> Iterator[PoolMemory]:
+    """A new pool memfd, made as the daemon makes it, closed after the block (bench.populate's too)."""
+    mem = memory.create_memfd(size, pages, numa)
     try:
-        memory.check_request(size, pages, numa, populate=True)
-        start = time.perf_counter()
-        mem = memory.create_memfd(size, pages, numa)
-    except PoolMemoryError as exc:
-        result.error = str(exc)
-        return result
-    try:
-        memory.populate(mem)
-        result.populate_gib_s = size / (time.perf_counter() - start) / GIB
-        result.huge_bytes = memory.huge_page_bytes(mem)
-        pte = vm_pte()
-        start = time.perf_counter()
-        client = mmap.mmap(mem.fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)  # as kvstored_client maps it
-        result.attach_s = time.perf_counter() - start
-        result.pte_bytes_per_gib = (vm_pte() - pte) / (size / GIB)
-        try:
-            pool = np.frombuffer(client, dtype=np.uint8)
-            rng = np.random.default_rng(1)
-            chunk_slots = rng.permutation(size // CHUNK)[: COPY_BYTES // CHUNK]
-            piece_slots = rng.integers(0, size // PIECE, COPY_BYTES // PIECE)
-            for figure, slots, size in (
-                ("copy_chunk_gib_s", chunk_slots, CHUNK),
-                ("copy_piece_gib_s", piece_slots, PIECE),
-            ):
-                t = time.perf_counter()
-                for i, slot in enumerate(slots):
-                    at = int(slot) * size
-                    np.copyto(pool[at : at + size], src[(i * size) % len(src) :][:size])
-                setattr(result, figure, len(slots) * size / (time.perf_counter() - t) / GIB)
-            del pool
-        finally:
-            client.close()
+        yield mem
     finally:
         mem.mapping.close()
         os.close(mem.fd)
+
+
+def measure(size: int, pages: PoolPages, numa: NumaPlacement | None, src: np.ndarray) -> Result:
+    """One round of one configuration."""
+    result = Result(pages.value, str(numa) if numa else "unset")
+    with contextlib.ExitStack() as stack:
+        try:
+            memory.check_request(size, pages, numa, populate=True)
+            start = time.perf_counter()
+            mem = stack.enter_context(fresh_pool(size, pages, numa))
+        except PoolMemoryError as exc:
+            result.error = str(exc)
+            return result
+        memory.populate(mem)
+        result.populate_gib_s = size / (time.perf_counter() - start) / GIB
+        result.huge_bytes = memory.huge_page_bytes(mem)
+        pte = rss_anon(os.getpid(), "VmPTE")
+        start = time.perf_counter()
+        client = mmap.mmap(mem.fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)  # as kvstored_client maps it
+        stack.enter_context(client)
+        result.attach_s = time.perf_counter() - start
+        result.pte_bytes_per_gib = (rss_anon(os.getpid(), "VmPTE") - pte) / (size / GIB)
+        pool = np.frombuffer(client, dtype=np.uint8)
+        rng = np.random.default_rng(1)
+        chunk_slots = rng.permutation(size // CHUNK)[: COPY_BYTES // CHUNK]
+        piece_slots = rng.integers(0, size // PIECE, COPY_BYTES // PIECE)
+        patterns = {"copy_chunk_gib_s": (chunk_slots, CHUNK), "copy_piece_gib_s": (piece_slots, PIECE)}
+        for figure, (slots, piece) in patterns.items():
+            t = time.perf_counter()
+            for i, slot in enumerate(slots):
+                at = int(slot) * piece
+                np.copyto(pool[at : at + piece], src[(i * piece) % len(src) :][:piece])
+            setattr(result, figure, len(slots) * piece / (time.perf_counter() - t) / GIB)
+        del pool  # (before the client's mapping closes)
     return result
 
 
@@ -155,8 +155,9 @@ def main() -> int:
         for _ in range(args.rounds):
             for index in order.permutation(len(configs)):
                 pages, numa = configs[index]
-                if not (rounds[(pages, numa)] and rounds[(pages, numa)][0].error):
-                    rounds[(pages, numa)].append(measure(size, pages, numa, src))
+                done = rounds[(pages, numa)]
+                if not (done and done[0].error):  # (a configuration this machine refuses is tried once)
+                    done.append(measure(size, pages, numa, src))
     results = [best(rounds[c]) for c in configs]
 
     base = next((r for r in results if r.mode == "4k" and r.numa == "unset" and not r.error), None)

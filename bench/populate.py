@@ -1,45 +1,36 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""How fast the RAM tier's pool is populated at start, by thread count and page mode (not a test).
+"""How fast a fresh pool is populated by 1 thread (the baseline) and by several (up to the daemon's default),
+per page mode; ratios against 1 thread in the same run.
 
-`python -m bench.populate [--bytes 2GiB] [--rounds 3] [--pages 4k,thp]`: each round makes a
-fresh pool (a memfd, as the daemon does) and populates it with 1 thread (the baseline, what the
-daemon did before it used several) and with 2, 4, ... up to the daemon's default; prints GiB/s
-(best and median of the rounds) and the ratio to 1 thread measured in the same run.
-Results: docs/benchmarks.md#populating-the-pool.
+Not a test. Each round makes a fresh pool (a memfd, as the daemon and bench.pool do) and populates it with
+1 thread (what the daemon did before it used several), then 2, 4, ...; GiB/s is the best and the median of the
+rounds. Results: docs/benchmarks.md#populating-the-pool.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
 from bench.lib.report import GIB, load_average, print_aligned
+from bench.pool import fresh_pool
 from kvstored.shm import memory
 from kvstored.shm.memory import PoolMemoryError, PoolPages
 from kvstored.sizes import parse_size
 
 
 def one(size: int, pages: PoolPages, threads: int) -> float:
-    mem = memory.create_memfd(size, pages)
-    try:
+    with fresh_pool(size, pages) as mem:
         start = time.perf_counter()
         memory.populate(mem, threads=threads)
         return size / (time.perf_counter() - start) / GIB
-    finally:
-        mem.mapping.close()
-        os.close(mem.fd)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.populate",
-        description="How fast a fresh pool is populated by 1 thread (the baseline) and by several "
-        "(up to the daemon's default), per page mode; ratios against 1 thread in the same run.",
-    )
+    parser = argparse.ArgumentParser(prog="python -m bench.populate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--bytes", default="2GiB", help="pool size per populate (default 2GiB)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--pages", default="4k", help="comma-separated page modes: 4k, thp, hugetlb")

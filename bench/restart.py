@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""A daemon restart with a full RAM tier: the hand-over against a cold restart, in one run (not a test).
+"""A restart with a full RAM tier: the hand-over against a cold restart in one run; time to serving and to all RAM
+hits, bytes verified byte-exact, the ratio cold / hand-over, where the hand-over's time goes. Target: serving in
+<= 2 s with a full 16 GiB pool (this machine runs 8 GiB).
 
-A real daemon's RAM tier is filled with 2 MiB chunks (an xxh3-64 of each kept), then restarted on the same socket:
-hand-overs (the new daemon adopts the running one's pool), then a cold restart (SIGTERM, then the same start).
-Method and results: docs/benchmarks.md#restarting-with-a-full-ram-tier.
+Not a test. A real daemon's RAM tier is filled with 2 MiB chunks (an xxh3-64 of each kept), then restarted on
+the same socket: hand-overs (the new daemon adopts the running one's pool), then a cold restart (SIGTERM, then
+the same start). Method and results: docs/benchmarks.md#restarting-with-a-full-ram-tier.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ import xxhash
 
 from bench.lib.daemons import Daemon
 from bench.lib.report import GIB, fmt_bytes, load_average, machine_info, print_aligned, write_json
+from kvstored.shm.memory import meminfo
 from kvstored.sizes import parse_size
 from kvstored_client import Client, NamespaceSpec, Tier
 from tests.support.daemon import short_tmpdir
 from tests.support.data import make_keys
+from tests.support.wait import wait_for
 
 TARGET_S, TARGET_GIB = 2.0, 16
 BATCH = 64  # chunks per store/load call (128 MiB of 2 MiB chunks)
@@ -78,42 +82,34 @@ def pool_inodes(pid: int) -> set[int]:
     return inodes
 
 
-def shmem_bytes() -> int:
-    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-    return int(fields["Shmem"].split()[0]) * 1024
-
-
-class PeakShmem:
-    """The most shared memory seen while it runs (sampled every 10 ms, in a thread)."""
+class PeakShmem(threading.Thread):
+    """The most shared memory (Shmem in /proc/meminfo) seen in the block, sampled every 10 ms."""
 
     def __init__(self) -> None:
-        self.peak = shmem_bytes()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="shmem-sampler")
+        super().__init__(name="shmem-sampler")
+        self.peak = meminfo()["Shmem"]
+        self.done = threading.Event()
 
-    def _run(self) -> None:
-        while not self._done.wait(0.01):
-            self.peak = max(self.peak, shmem_bytes())
+    def run(self) -> None:
+        while not self.done.wait(0.01):
+            self.peak = max(self.peak, meminfo()["Shmem"])
 
     def __enter__(self) -> PeakShmem:
-        self._thread.start()
+        self.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._done.set()
-        self._thread.join()
-
-
-def chunk_data(first: int, n: int, base: np.ndarray) -> np.ndarray:
-    """Chunks first..first+n: a random 2 MiB block plus the chunk's number (each one distinct)."""
-    return (base[None, :] + np.arange(first, first + n, dtype=np.uint64)[:, None]).view(np.uint8)
+        self.done.set()
+        self.join()
 
 
 def fill(kv: Client, ns: Any, keys: list[bytes], chunk_bytes: int) -> list[int]:
+    """Store a chunk under each key (a random block plus the chunk's number: each one distinct); their digests."""
     base = np.random.default_rng(25).integers(0, 2**63, chunk_bytes // 8, dtype=np.uint64)
     digests = []
     for first in range(0, len(keys), BATCH):
-        data = chunk_data(first, min(BATCH, len(keys) - first), base)
+        numbers = np.arange(first, min(first + BATCH, len(keys)), dtype=np.uint64)
+        data = (base[None, :] + numbers[:, None]).view(np.uint8)
         kv.store(ns, keys[first : first + len(data)], data)
         digests += [xxhash.xxh3_64_intdigest(row) for row in data]
     return digests
@@ -141,7 +137,7 @@ def verify(kv: Client, ns: Any, keys: list[bytes], digests: list[int], chunk_byt
 def restart(
     kind: str, old: Daemon, new: Daemon, ns_spec: NamespaceSpec, keys: list[bytes], digests: list[int], chunk_bytes: int
 ) -> Restart:
-    old_stop_s, shmem_before, load, old_pool = 0.0, shmem_bytes(), load_average(), pool_inodes(old.pid)
+    old_stop_s, shmem_before, load, old_pool = 0.0, meminfo()["Shmem"], load_average(), pool_inodes(old.pid)
     with PeakShmem() as peak:
         if kind == "cold":
             t, unserved_from = time.perf_counter(), time.time()
@@ -163,9 +159,7 @@ def restart(
         good, wrong = verify(kv, ns, keys, digests, chunk_bytes)
     steps: dict[str, float] = {}
     if kind == "hand-over":
-        deadline = time.monotonic() + 60  # (the daemon's sweep may still be checking chunks)
-        while MARKS[-1][2] not in new.log and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: MARKS[-1][2] in new.log, timeout=60)  # (the daemon's sweep may still be checking chunks)
         steps = log_steps(old.log, new.log, wall0)
         # The old daemon serves until it stops for the hand-over (it hashes while serving first).
         unserved_from = wall0 + steps.get("quiesced", steps.get("requested", 0.0))
@@ -212,12 +206,7 @@ def phases(steps: dict[str, float]) -> list[tuple[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.restart",
-        description="A restart with a full RAM tier: the hand-over against a cold restart in one run; time to "
-        "serving and to all RAM hits, bytes verified byte-exact, the ratio cold / hand-over, where the hand-over's "
-        "time goes. Target: serving in <= 2 s with a full 16 GiB pool (this machine runs 8 GiB).",
-    )
+    parser = argparse.ArgumentParser(prog="python -m bench.restart", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu-bytes", default="8GiB", help="the RAM tier (default 8GiB; the target's is 16GiB)")
     parser.add_argument("--fill", type=float, default=1.0, help="fraction of the RAM tier to fill (default 1.0)")
     parser.add_argument("--chunk-bytes", default="2MiB", help="chunk size (default 2MiB)")
@@ -233,15 +222,18 @@ def main(argv: list[str] | None = None) -> int:
     keys = make_keys("restart", n)
     print(f"RAM tier {fmt_bytes(cpu_bytes)}, {n} chunks of {fmt_bytes(chunk_bytes)}, load {load_average():.1f}")
 
-    def daemon() -> Daemon:
-        return Daemon(cpu_bytes, log_level="info", extra_args=extra, socket=work / "kv.sock", start_timeout_s=300)
-
     results = []
-    made: list[Daemon] = []
-    try:
-        made.append(daemon())
-        made[0].start()
-        with Client(made[0].socket, deadline_s=60.0) as kv:
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(shutil.rmtree, work, ignore_errors=True)
+
+        def daemon() -> Daemon:  # (each stopped at the end, whatever happened)
+            d = Daemon(cpu_bytes, log_level="info", extra_args=extra, socket=work / "kv.sock", start_timeout_s=300)
+            cleanup.callback(d.stop)
+            return d
+
+        old = daemon()
+        old.start()
+        with Client(old.socket, deadline_s=60.0) as kv:
             ns = kv.register_namespace(ns_spec)
             t = time.perf_counter()
             digests = fill(kv, ns, keys, chunk_bytes)
@@ -251,12 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         keys, digests = [keys[i] for i in held], [digests[i] for i in held]  # (what RAM kept of the fill)
         print(f"filled in {fill_s:.1f} s: {len(keys)} chunks in RAM ({fmt_bytes(len(keys) * chunk_bytes)})")
         for kind in ["hand-over"] * max(1, args.rounds) + ["cold"]:
-            made.append(daemon())
-            results.append(restart(kind, made[-2], made[-1], ns_spec, keys, digests, chunk_bytes))
-    finally:
-        for d in made:
-            d.stop()
-        shutil.rmtree(work, ignore_errors=True)
+            new = daemon()
+            results.append(restart(kind, old, new, ns_spec, keys, digests, chunk_bytes))
+            old = new
     report(results, cpu_bytes, len(keys) * chunk_bytes)
     if args.json:
         ho = median_handover(results)

@@ -40,23 +40,13 @@ try:
 except ImportError as exc:
     sys.exit(f"vllm_tier.py needs vllm==0.33.0: run tests/vllm/install_vllm.sh ({exc})")
 
+from kvstored.sizes import parse_size  # noqa: E402
 from kvstored_client.vllm.plugin import register  # noqa: E402
 
 END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 BLOCKS_PER_CHUNK = 4
 HANG_GUARD_S = 600.0
 STEP_S = 0.001  # pause between scheduler steps (a model step runs meanwhile); --step-ms
-
-
-def parse_size(text: str) -> int:
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "": 1}
-    t = text.strip().lower()
-    num = t.rstrip("kmgib")
-    return int(float(num) * units[t[len(num) :]])
-
-
-def keys_for(n: int) -> list[bytes]:
-    return [make_offload_key(hashlib.sha256(f"bench/{i}".encode()).digest(), 0) for i in range(n)]
 
 
 def tag(key: bytes) -> np.uint64:
@@ -66,7 +56,7 @@ def tag(key: bytes) -> np.uint64:
 class Engine:
     """Scheduler-side manager of one vLLM engine, driven like OffloadingConnectorScheduler."""
 
-    def __init__(self, tier: dict, primary_bytes: int, chunk_bytes: int, latency: CallLatency | None = None) -> None:
+    def __init__(self, tier: dict, primary_bytes: int, chunk_bytes: int, latency: CallLatency) -> None:
         config = OffloadingConfig(
             groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layers",), group_id=0),),
             worker_kv_bytes_per_block=chunk_bytes // BLOCKS_PER_CHUNK,
@@ -81,9 +71,8 @@ class Engine:
         # the kvstored tiers' links to the daemon: their calls are timed (issue to answer)
         self.tiers = [t for t in self.manager.secondary_tiers if hasattr(t, "link")]
         self.links = [t.link for t in self.tiers]
-        if latency is not None:
-            for link in self.links:
-                latency.watch(link)
+        for link in self.links:
+            latency.watch(link)
         self.rows = np.asarray(self.manager.primary_tier.get_kv_memoryview()).view(np.uint64)
         self.base = np.arange(self.rows.shape[1], dtype=np.uint64)
         self.rows[:] = self.base  # every page touched before timing
@@ -272,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     register()
     cases = set(args.cases.split(","))
     n = args.working_set // args.chunk
-    keys = keys_for(n)
+    keys: list[bytes] = [make_offload_key(hashlib.sha256(f"bench/{i}".encode()).digest(), 0) for i in range(n)]
     root = Path(tempfile.mkdtemp(prefix="vllm-tier-bench-", dir=args.dir))
     load0 = load_average()
     print(

@@ -9,14 +9,14 @@ import json
 import os
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.fleet.plot import plot
-from bench.fleet.run import SETUPS, Load, RunResult, sweep
+from bench.fleet.run import SETUPS, Load, NodeFigures, RunResult, sweep
 from bench.lib.report import MIB, machine_info, print_aligned, write_json
+from bench.plot import plot_fleet
 from bench.scale_out.cli import parse_nodes
 from bench.scale_out.fleet import DEFAULT_CALIBRATION, Costs
 
@@ -54,15 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-FIGURES = (
-    "cpu_s_per_s",
-    "rss_anon_bytes",
-    "rx_bytes_per_s",
-    "upkeep_rx_bytes_per_s",
-    "messages_per_s",
-    "directory_lookups_per_s",
-    "directory_commands_per_s",
-)
+COUNTS = ("directory_failures", "turns", "late_turns")  # a node's counts over the window (not per-node means)
+FIGURES = [f.name for f in fields(NodeFigures) if f.name not in COUNTS]  # the rest: its rates and heap
 
 
 def medians(results: list[RunResult]) -> list[dict[str, Any]]:
@@ -119,10 +112,6 @@ def rows(results: list[RunResult], costs: Costs, load: Load) -> list[dict[str, A
     return table
 
 
-def _directory_only(cell: Callable[[dict[str, Any]], str]) -> Callable[[dict[str, Any]], str]:
-    return lambda r: cell(r) if r["setup"] == "directory" else ""
-
-
 COLUMNS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [  # (header, a row's cell)
     ("set-up", lambda r: r["setup"]),
     ("N", lambda r: str(r["nodes"])),
@@ -136,8 +125,8 @@ COLUMNS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [  # (header, a row
     ("msgs/s", lambda r: f"{r['messages_per_s']:.1f}"),
     ("dir lookups/s", lambda r: f"{r['directory_lookups_per_s']:.2f}"),
     ("dir cmds/s", lambda r: f"{r['directory_commands_per_s']:.1f}"),
-    ("Redis CPU s/s", _directory_only(lambda r: f"{r['redis_cpu_s_per_s']:.4f}")),
-    ("Redis mem MiB", _directory_only(lambda r: f"{r['redis_used_memory_bytes'] / MIB:.1f}")),
+    ("Redis CPU s/s", lambda r: f"{r['redis_cpu_s_per_s']:.4f}" if r["setup"] == "directory" else ""),
+    ("Redis mem MiB", lambda r: f"{r['redis_used_memory_bytes'] / MIB:.1f}" if r["setup"] == "directory" else ""),
     ("turns/s", lambda r: f"{r['turns_per_s']:.2f}"),
 ]
 
@@ -167,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.from_json:
         if not args.plot:
             raise SystemExit("--from-json needs --plot")
-        plot(json.loads(Path(args.from_json).read_text()), args.plot)
+        plot_fleet(json.loads(Path(args.from_json).read_text()), args.plot)
         print(f"wrote {args.plot}")
         return 0
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
@@ -194,6 +183,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_json(args.json, doc)
         print(f"wrote {args.json}")
     if args.plot:
-        plot(doc, args.plot)
+        plot_fleet(doc, args.plot)
         print(f"wrote {args.plot}")
     return 0

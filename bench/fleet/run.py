@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bench.lib.daemons import process_cpu_seconds
-from bench.scale_calibrate.common import rss_anon
+from bench.lib.daemons import process_cpu_seconds, rss_anon
+from bench.lib.report import MIB
 from kvstored_client import LoadInto
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from tests.support.cluster import Cluster, PeerDaemon
@@ -294,11 +294,6 @@ class Fleet:
         return result
 
 
-def run_one(setup: str, n: int, net: Topology, load: Load) -> RunResult:
-    with Fleet(setup, n, net, load) as fleet:
-        return fleet.measure()
-
-
 def sweep(setups: Sequence[str], counts: Sequence[int], load: Load, repeats: int = 1) -> list[RunResult]:
     """Every (set-up, N) `repeats` times, interleaved (a loaded machine drifts: each pass sees it alike)."""
     results = []
@@ -307,10 +302,11 @@ def sweep(setups: Sequence[str], counts: Sequence[int], load: Load, repeats: int
             for n in counts:
                 for setup in setups:
                     print(f"{setup}, {n} nodes (pass {rep + 1} of {repeats}) ...", flush=True)
-                    r = run_one(setup, n, net, load)
+                    with Fleet(setup, n, net, load) as fleet:
+                        r = fleet.measure()
                     print(
                         f"  CPU {r.mean('cpu_s_per_s'):.4f} s/s per node, "
-                        f"heap {r.mean('rss_anon_bytes') / 2**20:.1f} MiB, "
+                        f"heap {r.mean('rss_anon_bytes') / MIB:.1f} MiB, "
                         f"control in {r.mean('upkeep_rx_bytes_per_s') / 1024:.1f} KiB/s "
                         f"(load average {r.load_average[0]})",
                         flush=True,
