@@ -88,15 +88,17 @@ class SessionBroker:
         """End a session: requests still in flight for it get nothing from now on, and everything
         it holds is given back."""
         session.closed = True
-        writes = []
+        writes, leased = [], []
         for handle in session.handles.values():
-            if self._holding and handle.kind is not HandleKind.LEASE:
-                writes.append(handle.entry)
-            else:
+            if not self._holding:
                 self._drop(handle)
+            elif handle.kind is HandleKind.LEASE:
+                leased.append(handle.entry)  # (its lease goes on, held)
+            else:
+                writes.append(handle.entry)
         session.handles.clear()
-        if writes and self.held is not None:
-            self.held.hold(session.session_id, session.client.pid if session.client else 0, writes)
+        if (writes or leased) and self.held is not None:
+            self.held.hold(session.session_id, session.client.pid if session.client else 0, writes, leased=leased)
         for region in session.regions.values():
             region.close()
         session.regions.clear()
@@ -106,7 +108,7 @@ class SessionBroker:
 
     def hold_writes(self) -> None:
         """A hand-over ends the sessions from now on: their clients may be copying into their
-        slots, so those pages are held (held_writes.py), not freed."""
+        slots or out of their leased chunks, so those are held (held_writes.py), not freed."""
         self._holding = self.held is not None
 
     def released(self, session: Session, session_ids: Sequence[str]) -> None:

@@ -53,7 +53,7 @@ from kvstored.server import handover
 from kvstored.server.broker import SessionBroker
 from kvstored.server.errors import ErrorMappingInterceptor
 from kvstored.server.fast_path import FastPath
-from kvstored.server.held_writes import HeldWrites, pid_namespace
+from kvstored.server.held_writes import HeldWrites, leases_as_pages, pid_namespace
 from kvstored.server.namespace_records import NamespaceRecords
 from kvstored.server.peer_service import SERVICE_NAME as PEER_SERVICE_NAME
 from kvstored.server.peer_service import PeerService
@@ -764,26 +764,28 @@ class Daemon:
 
     def _hold_without_index(self, ram: RamTier, state: handover.PoolState) -> None:
         """The pool is still the one clients of the old daemon map: the pages they may still be
-        writing stay held even when the chunks' index was refused (every held page, or none)."""
+        writing, and those of the chunks they may still be reading, stay held even when the
+        chunks' index was refused (every held page, or none)."""
         if not state.held or ram.used_bytes:
             return
+        held = leases_as_pages(state.held, state.ram.chunks)
         try:
-            adopted = ram.adopt(
-                dataclasses.replace(state.ram, chunks=[]), held=[p for h in state.held for p in h.pages]
-            )
+            adopted = ram.adopt(dataclasses.replace(state.ram, chunks=[]), held=[p for h in held for p in h.pages])
         except (AdoptionError, ValueError) as exc:
             log.warning("held pages refused too (%s): a client's late copy may land in a new chunk", exc)
             return
-        self._hold(adopted.held, state)
+        self._hold(adopted.held, dataclasses.replace(state, held=held))
 
     def _hold(self, entries: list[RamEntry], state: handover.PoolState) -> None:
-        """Each handed-over session's held entries (in the order of its records) held again here;
-        their clients' pids are watched only if they mean the same processes here."""
+        """Each handed-over session's held entries (in the order of its records) held again here,
+        and its leased chunks leased again; their clients' pids are watched only if they mean the
+        same processes here."""
         same_pids = state.pid_ns != 0 and state.pid_ns == pid_namespace()
         taken = iter(entries)
         for h in state.held:
             pid = h.pid if same_pids else 0
-            self.held_writes.hold(h.session_id, pid, [next(taken) for _ in h.pages], h.seconds_left)
+            leased = [e for e in map(self.ram.keep, h.leased) if e is not None]
+            self.held_writes.hold(h.session_id, pid, [next(taken) for _ in h.pages], h.seconds_left, leased=leased)
 
     async def _hand_over(self, send: Callable[[dict[str, int]], None]) -> None:
         """Snapshot the quiesced RAM tier into a state memfd and send it with the pool's and the

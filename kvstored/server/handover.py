@@ -104,7 +104,7 @@ class PoolState:
     namespaces: list[tuple[Namespace, tuple[str, ...]]]  # and the tiers it was recovered from
     tenants: dict[int, str]  # arena id -> tenant key
     ram: RamSnapshot  # its ChunkRecords carry their xxh3-64 (None: not taken)
-    held: list[HeldRecord] = field(default_factory=list)  # pages clients of ended sessions may still write
+    held: list[HeldRecord] = field(default_factory=list)  # pages clients of ended sessions may still use
     pid_ns: int = 0  # the writer's pid namespace, which the held records' pids are of (0: unknown)
     next_arena: int = 0  # the next arena id to give out on this pool (0: not known)
 
@@ -180,6 +180,8 @@ def encode_state(state: PoolState) -> bytes:
             [h.session_id, h.pid, h.seconds_left, [[p.arena, _flat(p.runs), p.namespace_id] for p in h.pages]]
             for h in state.held
         ],
+        # (apart from "held", whose records a daemon that predates it unpacks in fours)
+        "held_leases": {h.session_id: [[ns, key] for ns, key in h.leased] for h in state.held if h.leased},
     }
     import msgpack
     import xxhash
@@ -227,9 +229,14 @@ def decode_state(frame: bytes) -> PoolState:
             for (n, key, size, arena, runs, flags), digest in zip(body["chunks"], sums)
         ]
         arenas = {int(a): ArenaPages(int(total), _runs(holes)) for a, total, holes in body["arenas"]}
+        leases = body.get("held_leases", {})
         held = [
             HeldRecord(
-                str(session), int(pid), tuple(HeldPages(int(a), _runs(r), str(ns)) for a, r, ns in pages), float(left)
+                str(session),
+                int(pid),
+                tuple(HeldPages(int(a), _runs(r), str(ns)) for a, r, ns in pages),
+                float(left),
+                tuple((str(ns), bytes(key)) for ns, key in leases.get(session, ())),
             )
             for session, pid, left, pages in body.get("held", ())
         ]

@@ -1,12 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the kvstored project
-"""Pages a client may still be writing after a hand-over ended its session.
+"""Pages a client may still be writing, or reading, after a hand-over ended its session.
 
 A client copies into a slot (reserved ahead, or by Reserve) after checking that its session
 stands; a copy under way when the old daemon ends that session still lands. The next daemon must
 not give those pages to another chunk meanwhile, or that chunk's bytes would be overwritten. So
 the slots and reservations a session held when a hand-over ended it go over as held pages
-(RamTier.hold), kept from use until the first of:
+(RamTier.hold). Its leases go over too, as held leases on the adopted chunks (RamTier.keep):
+the vLLM direct spec's worker copies a chunk its scheduler leased to the GPU whenever its
+stream gets there, and must not read pages the next daemon gave to another chunk meanwhile.
+Both are kept until the first of:
 - the client says it is done with that session: Hello.released_sessions, from the same process
   (the Python client waits for its copies into the old session to end before it opens a new one);
 - the client's process exits (watched with a pidfd);
@@ -20,9 +23,10 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from kvstored.tiers.ram import EntryState, HeldPages, RamEntry, RamTier
+from kvstored.chunks.ids import ChunkId
+from kvstored.tiers.ram import ChunkRecord, EntryState, HeldPages, RamEntry, RamTier
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +43,27 @@ def pid_namespace() -> int:
 
 @dataclass(frozen=True, slots=True)
 class HeldRecord:
-    """One ended session's held pages, as a hand-over carries them."""
+    """One ended session's held pages and leases, as a hand-over carries them."""
 
     session_id: str
     pid: int  # the client's, as the session socket saw it (0: unknown)
     pages: tuple[HeldPages, ...]
     seconds_left: float
+    leased: tuple[ChunkId, ...] = ()  # chunks it held leases on
+
+
+def leases_as_pages(records: Sequence[HeldRecord], chunks: Sequence[ChunkRecord]) -> list[HeldRecord]:
+    """`records` with their leased chunks held as pages instead, for a tier that refused the
+    chunks' index: those pages are free there, and a late reader's must stay out of use."""
+    by_id = {r.chunk: r for r in chunks}
+    return [
+        replace(
+            h,
+            pages=h.pages + tuple(HeldPages(by_id[c].arena, by_id[c].runs, c[0]) for c in h.leased if c in by_id),
+            leased=(),
+        )
+        for h in records
+    ]
 
 
 @dataclass
@@ -53,6 +72,7 @@ class _Held:
     pid: int
     entries: list[RamEntry]
     timer: asyncio.TimerHandle
+    leased: list[RamEntry]
     pidfd: int | None = None
 
 
@@ -68,26 +88,38 @@ class HeldWrites:
     def sessions(self) -> int:
         return len(self._held)
 
-    def hold(self, session_id: str, pid: int, entries: Sequence[RamEntry], seconds: float | None = None) -> None:
+    def hold(
+        self,
+        session_id: str,
+        pid: int,
+        entries: Sequence[RamEntry],
+        seconds: float | None = None,
+        leased: Sequence[RamEntry] = (),
+    ) -> None:
         """Keep `entries` (reservations of an ended session, or held entries adopted from a
-        hand-over) from use until the session is released, its process exits or `seconds`
+        hand-over) from use, and `leased` (chunks leased to it, whose lease this takes over)
+        where they are, until the session is released, its process exits or `seconds`
         (HOLD_MAX_S) pass."""
         for entry in entries:
             if entry.state is not EntryState.HELD:
                 self._ram.hold(entry)
-        if not entries:
+        if not entries and not leased:
             return
         known = self._held.get(session_id)
         if known is not None:  # (named twice: one session, one hold)
             known.entries.extend(entries)
+            known.leased.extend(leased)
             return
         loop = asyncio.get_running_loop()
         seconds = self._max_s if seconds is None else max(0.0, min(seconds, self._max_s))
-        held = _Held(session_id, pid, list(entries), loop.call_later(seconds, self._free, session_id, "expired"))
+        timer = loop.call_later(seconds, self._free, session_id, "expired")
+        held = _Held(session_id, pid, list(entries), timer, list(leased))
         self._held[session_id] = held
         log.info(
-            "hand-over: holding %d slot(s) of ended session %s (client pid %s) until it is done with them",
+            "hand-over: holding %d slot(s) and %d leased chunk(s) of ended session %s (client pid %s) until it is "
+            "done with them",
             len(entries),
+            len(leased),
             session_id[:8],
             pid or "unknown",
         )
@@ -117,7 +149,13 @@ class HeldWrites:
     def records(self) -> list[HeldRecord]:
         loop = asyncio.get_running_loop()
         return [
-            HeldRecord(h.session_id, h.pid, tuple(HeldPages.of(e) for e in h.entries), h.timer.when() - loop.time())
+            HeldRecord(
+                h.session_id,
+                h.pid,
+                tuple(HeldPages.of(e) for e in h.entries),
+                h.timer.when() - loop.time(),
+                tuple(e.chunk for e in h.leased if e.indexed),  # (a deleted one is gone with its lease)
+            )
             for h in self._held.values()
         ]
 
@@ -133,6 +171,8 @@ class HeldWrites:
         self._unwatch(held)
         for entry in held.entries:
             self._ram.free_held(entry)
+        for entry in held.leased:
+            self._ram.release(entry)
         log.info("hand-over: freed the held pages of ended session %s: %s", session_id[:8], why)
 
     @staticmethod

@@ -547,13 +547,20 @@ class RamTier:
 
     def acquire(self, chunk: ChunkId) -> RamEntry | None:
         """Lease a READY chunk: its pages stay put until release()."""
+        entry = self.keep(chunk)
+        if entry is not None:
+            self.counters.loaded += 1
+            self.counters.read_bytes += entry.size
+        return entry
+
+    def keep(self, chunk: ChunkId) -> RamEntry | None:
+        """Lease a READY chunk without counting a load: a reader of an ended session may still be
+        copying it out (a hand-over's held lease)."""
         entry = self._index.get(chunk)
         if entry is None or entry.state is not EntryState.READY:
             return None
         entry.leases += 1
         self._lru_remove(entry)
-        self.counters.loaded += 1
-        self.counters.read_bytes += entry.size
         return entry
 
     def release(self, entry: RamEntry) -> None:

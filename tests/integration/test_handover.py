@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from kvstored_client import Tier
+from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from tests.support.daemon import Daemon, short_tmpdir
 from tests.support.data import make_keys, payloads
 from tests.support.wait import wait_for
@@ -167,7 +168,7 @@ def test_a_copy_under_way_at_the_hand_over_lands_in_no_other_chunk(daemons, work
         old_session = a._session.session_id
         new = make(daemons, workdir)
         hand_over(old, new, METRICS)
-        assert f"holding {len(slots)} slot(s) of ended session {old_session[:8]}" in new.log
+        assert f"holding {len(slots)} slot(s) and 0 leased chunk(s) of ended session {old_session[:8]}" in new.log
         assert scrape(new).value("kvstored_ram_held_bytes") == len(slots) * CHUNK
         with new.client() as b:
             ns_b = b.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
@@ -189,6 +190,48 @@ def test_a_copy_under_way_at_the_hand_over_lands_in_no_other_chunk(daemons, work
             a.store(ns, after, payloads(after, CHUNK))
             assert wait_for(lambda: f"held pages of ended session {old_session[:8]}: its client is done" in new.log)
             assert scrape(new).value("kvstored_ram_held_bytes") == 0
+    new.stop()
+
+
+def test_a_chunk_leased_at_the_hand_over_stays_where_its_reader_reads_it(daemons, workdir, ns_name):
+    """The vLLM direct spec's worker copies a chunk its scheduler leased whenever its GPU stream
+    gets there, and vLLM takes every load as done: no check after the copy can help. The new
+    daemon therefore leases again what each ended session had leased: another client filling
+    the whole pool meanwhile evicts none of those chunks, and a read of their pages through the
+    old mapping (the late copy) gets their bytes. Once the client names the session, they are
+    ordinary chunks again."""
+    old = make(daemons, workdir).start()
+    mine, theirs = make_keys("leased", 4), make_keys("theirs", 320)  # (256 chunks fill the 16 MiB pool)
+    with old.client() as a:
+        ns = a.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
+        assert a.store(ns, mine, payloads(mine, CHUNK)).stored == 4
+        session = a._session
+        assert session.fast is not None
+        request = pb.AcquireRequest(session_id=session.session_id, namespace_id=ns.namespace_id, keys=mine)
+        leases = session.fast.call("Acquire", request, 10.0).leases
+        assert len(leases) == 4
+        new = make(daemons, workdir)
+        hand_over(old, new, METRICS)
+        with new.client() as b:
+            ns_b = b.register_namespace(model=ns_name, dtype="u8", chunk_bytes=CHUNK)
+            for i in range(0, len(theirs), 32):
+                b.store(ns_b, theirs[i : i + 32], payloads(theirs[i : i + 32], CHUNK))
+            assert [t for t in b.lookup(ns_b, theirs).tiers].count(Tier.RAM) > 200  # (the pool is full)
+            pool = session.pool
+            late = [b"".join(bytes(pool[e.offset : e.offset + e.length]) for e in lease.extents) for lease in leases]
+            assert late == [p.tobytes() for p in payloads(mine, CHUNK)], "a leased chunk's pages went to another"
+            assert b.lookup(ns_b, mine).tiers == [Tier.RAM] * 4  # (held leased chunks stay cached)
+            assert f"and 4 leased chunk(s) of ended session {session.session_id[:8]}" in new.log
+            # The old client's next call fails over and names the old session: the leases end.
+            after = make_keys("after", 2)
+            a.store(ns, after, payloads(after, CHUNK))
+            assert wait_for(
+                lambda: f"held pages of ended session {session.session_id[:8]}: its client is done" in new.log
+            )
+            more = make_keys("more", 320)
+            for i in range(0, len(more), 32):
+                b.store(ns_b, more[i : i + 32], payloads(more[i : i + 32], CHUNK))
+            assert Tier.RAM not in b.lookup(ns_b, mine).tiers  # evicted like any other chunk
     new.stop()
 
 

@@ -12,11 +12,13 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
+from kvstored.namespaces import Namespace
 from kvstored.server import handover
-from kvstored.server.held_writes import HeldWrites, pid_namespace
+from kvstored.server.held_writes import HeldRecord, HeldWrites, leases_as_pages, pid_namespace
 from kvstored.tiers.ram import EntryState, HeldPages, Placement, QuotaScope, RamTier, ReserveOutcome
 from kvstored_client.errors import Unavailable
 from kvstored_client.session import CopyGate
@@ -111,6 +113,63 @@ async def test_the_hand_over_state_carries_them_to_the_next_tier():
     new_held = HeldWrites(new)
     new_held.hold(record.session_id, record.pid, adopted.held, record.seconds_left)
     assert new_held.release(os.getpid(), ["s1"]) == 1 and new.held_bytes == 0
+
+
+async def test_leased_chunks_go_over_leased_and_are_never_evicted_meanwhile():
+    """A hand-over's held leases: the chunks stay READY and readable in the next tier, out of its
+    LRU, so that filling it evicts none of them and reuses none of their pages; a release gives
+    them back to the LRU."""
+    old = RamTier(4 * PAGE, PAGE)
+    for i in range(3):
+        entry = old.reserve(("ns", b"c%d" % i), PAGE).entry
+        assert entry is not None
+        old.commit(entry)
+    leased = [old.acquire(("ns", b"c%d" % i)) for i in (0, 2)]
+    held = HeldWrites(old)
+    held.hold("s1", os.getpid(), [], leased=leased)
+    layout = handover.Layout(4 * PAGE, PAGE, "4k", 0)
+    namespaces = [(Namespace("ns", "m", "uint8", PAGE, "", 32), ())]
+    state = handover.PoolState("test", layout, namespaces, {}, old.snapshot(), held.records(), pid_namespace())
+    decoded = handover.decode_state(handover.encode_state(state))
+    [record] = decoded.held
+    assert record.pages == () and record.leased == (("ns", b"c0"), ("ns", b"c2"))
+    held.close()
+
+    new = RamTier(4 * PAGE, PAGE)
+    assert new.adopt(decoded.ram).chunks == 3
+    new_held = HeldWrites(new)
+    kept = [e for e in map(new.keep, record.leased) if e is not None]
+    new_held.hold(record.session_id, record.pid, [], record.seconds_left, leased=kept)
+    assert [e.runs for e in kept] == [e.runs for e in leased] and new.counters.loaded == 0
+    for i in range(3, 6):  # the pool is full: only c1 may go
+        entry = new.reserve(("ns", b"n%d" % i), PAGE).entry
+        if entry is not None:
+            new.commit(entry)
+    assert new.is_ready(("ns", b"c0")) and new.is_ready(("ns", b"c2")) and not new.is_ready(("ns", b"c1"))
+    taken = {run.start for e in map(new.acquire, [("ns", b"n3"), ("ns", b"n4")]) if e for run in e.runs}
+    assert not taken & {run.start for e in leased for run in e.runs}
+    assert new_held.release(os.getpid(), ["s1"]) == 1 and all(e.leases == 0 for e in kept)
+    assert {("ns", b"c0"), ("ns", b"c2")} <= {e.chunk for e in new.lru_newest_first()}  # (evictable again)
+
+
+def test_where_the_index_is_refused_leased_chunks_are_held_as_pages():
+    """A tier that refused the chunks' index takes their pages as free: a held lease's chunk then
+    goes over as held pages, so no new chunk gets them while its reader may still copy."""
+    old = RamTier(4 * PAGE, PAGE)
+    entry = old.reserve(("ns", b"c"), PAGE).entry
+    assert entry is not None
+    old.commit(entry)
+    leased = old.acquire(("ns", b"c"))
+    assert leased is not None
+    slot = reserved(old, 1)[0]
+    record = HeldRecord("s1", 7, (HeldPages.of(slot),), 30.0, (("ns", b"c"), ("ns", b"gone")))
+    [as_pages] = leases_as_pages([record], old.snapshot().chunks)
+    assert as_pages.leased == () and (as_pages.session_id, as_pages.pid, as_pages.seconds_left) == ("s1", 7, 30.0)
+    assert as_pages.pages == (HeldPages.of(slot), HeldPages(0, tuple(leased.runs), "ns"))  # ("gone": not in it)
+    new = RamTier(4 * PAGE, PAGE)
+    snapshot = old.snapshot()
+    adopted = new.adopt(replace(snapshot, chunks=[]), held=list(as_pages.pages))
+    assert adopted.chunks == 0 and new.held_bytes == 2 * PAGE
 
 
 def test_a_session_closes_only_after_its_copies_end():

@@ -19,8 +19,11 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
+from kvstored_client import Tier
 from kvstored_client.vllm.direct import KvstoredOffloadingSpec
 from kvstored_client.vllm.plugin import register
+from tests.support.daemon import short_tmpdir
+from tests.support.data import make_keys, payloads
 from tests.vllm.harness import END_OF_STEP, SETTLE_LIMIT_S, offload_keys, offloading_config
 
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
@@ -290,6 +293,36 @@ def test_a_load_right_after_a_daemon_restart_waits_for_the_worker_to_reconnect(o
             assert engine.lookup(ctx, keys) == [HIT, HIT]
             engine.load(ctx, keys, list(range(8, 16)))  # asserts the job succeeded
             assert same_blocks(engine, list(range(8, 16)), other, list(range(8)))
+
+
+def test_a_load_leased_before_a_hand_over_copies_the_leased_bytes(own_daemon):
+    """The scheduler leased the chunks (lookup: HIT), then the daemon handed its RAM over to a
+    new one, which another client fills: vLLM still loads (it takes every load as done), and the
+    worker copies from the same pool pages. The new daemon keeps those leased chunks where they
+    are (held leases), so the worker gets their exact bytes, not another chunk's."""
+    wd = short_tmpdir("kvdl")
+    (wd / "a").mkdir()
+    (wd / "b").mkdir()
+    old = own_daemon(socket=wd / "kv.sock", workdir=wd / "a", cpu_bytes="16MiB").start()
+    new = own_daemon(socket=wd / "kv.sock", workdir=wd / "b", cpu_bytes="16MiB")
+    keys = offload_keys("direct-handover", 2)
+    with DirectEngine(old, seed=31) as engine:
+        engine.store(engine.request(), keys, list(range(8)))
+        ctx = engine.request()
+        assert engine.lookup(ctx, keys) == [HIT, HIT]  # the scheduler holds their leases
+        new.spawn()  # the hand-over: the old daemon stops, and the new one adopts its RAM
+        assert old.wait() == 0, old.log
+        new.wait_ready()
+        assert "RAM tier adopted: 2 chunks" in new.log
+        filler = make_keys("filler", 320)  # 20 MiB of other chunks in a 16 MiB pool
+        with new.client() as other:
+            ns = other.register_namespace(model="filler", dtype="u8", chunk_bytes=64 << 10)
+            for i in range(0, len(filler), 32):
+                other.store(ns, filler[i : i + 32], payloads(filler[i : i + 32], 64 << 10))
+            assert other.lookup(ns, filler).tiers.count(Tier.RAM) > 200
+        engine.load(ctx, keys, list(range(8, 16)))
+        assert same_blocks(engine, list(range(8, 16)), engine, list(range(8))), "the worker copied another chunk"
+        assert "and 2 leased chunk(s) of ended session" in new.log
 
 
 def test_leases_answered_in_a_session_that_ended_are_not_hits(own_daemon):
