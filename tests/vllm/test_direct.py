@@ -8,6 +8,7 @@ import logging
 import time
 import uuid
 
+import pytest
 import torch
 from vllm.v1.kv_offload.base import (
     CanonicalKVCacheRef,
@@ -350,6 +351,24 @@ def test_leases_answered_in_a_session_that_ended_are_not_hits(own_daemon):
         assert not manager._leases
         assert reader.lookup(reader.request(), keys) == [HIT, HIT]  # asked again: fresh leases
         assert daemon.stats().leases == 2
+
+
+def test_a_worker_whose_kv_cache_does_not_match_the_config_fails_at_start(vllm_daemon):
+    """vLLM's config says how many bytes a block takes; a worker whose KV cache tensors add up to
+    another size would fail every store and load: it is refused when vLLM makes it, naming both."""
+    extra = {"spec_name": "KvstoredOffloadingSpec", "kvstored_socket": str(vllm_daemon.socket)}
+    config = offloading_config(extra, engine_id="direct-mismatch", bytes_per_block=PAGE * LAYERS, blocks_per_chunk=BPC)
+    spec = OffloadingSpecFactory.create_spec(config)
+    tensors = [torch.zeros((NUM_BLOCKS, PAGE), dtype=torch.int8) for _ in range(LAYERS - 1)]  # a layer short
+    kv = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(t, PAGE) for t in tensors],
+        group_data_refs=[[CanonicalKVCacheRef(i, PAGE) for i in range(LAYERS - 1)]],
+    )
+    with pytest.raises(ValueError) as raised:
+        spec.get_worker(kv)
+    said = str(raised.value)
+    assert f"chunk parts of {PAGE * (LAYERS - 1) * BPC} bytes" in said, said
+    assert f"vLLM's config gives {PAGE * LAYERS * BPC}" in said, said
 
 
 def test_spec_is_registered_by_the_plugin():

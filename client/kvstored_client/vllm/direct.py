@@ -507,9 +507,13 @@ class KvstoredOffloadingWorker(OffloadingWorker):
             spec.blocks_per_chunk,
             page_bytes=[t.page_size_bytes for t in kv_caches.tensors],
         )
-        if layout.part_bytes != spec.part_bytes:
-            log.warning(
-                "kvstored: worker chunk part is %d bytes, the spec expects %d", layout.part_bytes, spec.part_bytes
+        if layout.part_bytes != spec.part_bytes:  # (every store and load would fail on it)
+            raise ValueError(
+                f"kvstored direct spec: this worker's KV cache makes chunk parts of {layout.part_bytes} bytes "
+                f"({len(layout.page_bytes)} tensors of {sorted(set(layout.page_bytes))} bytes per block, "
+                f"{spec.blocks_per_chunk} blocks per chunk), but vLLM's config gives {spec.part_bytes} "
+                f"({spec.part_bytes // spec.blocks_per_chunk} bytes per block): a KV cache layout this spec does "
+                "not support"
             )
         self._engine = PoolTransferEngine(
             layout,
