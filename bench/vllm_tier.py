@@ -40,13 +40,20 @@ try:
 except ImportError as exc:
     sys.exit(f"vllm_tier.py needs vllm==0.33.0: run tests/vllm/install_vllm.sh ({exc})")
 
-from kvstored.sizes import parse_size  # noqa: E402
 from kvstored_client.vllm.plugin import register  # noqa: E402
 
 END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 BLOCKS_PER_CHUNK = 4
 HANG_GUARD_S = 600.0
 STEP_S = 0.001  # pause between scheduler steps (a model step runs meanwhile); --step-ms
+
+
+def parse_size(text: str) -> int:
+    """A size in bytes; k, m, g are binary here (2m: a 2 MiB chunk), as KiB, MiB, GiB are."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "": 1}
+    t = text.strip().lower()
+    num = t.rstrip("kmgib")
+    return int(float(num) * units[t[len(num) :]])
 
 
 def tag(key: bytes) -> np.uint64:
