@@ -18,11 +18,11 @@ from collections.abc import Iterator
 import grpc
 
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
-from kvstored_client.errors import Unavailable
+from kvstored_client.errors import Unavailable, UnknownSession
 from kvstored_client.fast import ENV
 from kvstored_client.ops import NamespaceSpec
 from kvstored_client.protocol import MAX_PACKET
-from kvstored_client.vllm.driver import DaemonLink, FastCall, LinkState, Outcome, outcome
+from kvstored_client.vllm.driver import DaemonLink, FastCall, GrpcCall, LinkState, Outcome, outcome
 from tests.integration.test_fast_path import METRICS_PORT_0, calls
 from tests.support.data import make_keys
 from tests.vllm.harness import SETTLE_LIMIT_S, Engine, exact, kvstored_tier, offload_keys
@@ -247,6 +247,35 @@ def test_calls_in_flight_end_with_a_restart_and_the_link_comes_back_fast(own_dae
     result = outcome(again)
     assert result.ok, result.error
     assert [s.state for s in result.response.slots] == [pb.SLOT_STATE_RESERVED] * 8
+    link.close()
+
+
+def test_a_grpc_call_of_an_earlier_session_failing_now_ends_no_later_one(own_daemon, monkeypatch):
+    """A call that went over gRPC in one session and fails once the link is in the next (the
+    daemon no longer knows the session it names) is stale: it leaves the new session alone. The
+    same answer to a call of the current session ends it."""
+    monkeypatch.setenv(ENV, "0")  # (every call over gRPC)
+    daemon = own_daemon().start()
+    link, ns = settled_link(daemon, "stale-grpc")
+    old_session, old_epoch = link.session_id, link.epoch
+    link.fail(Unavailable("a reset, for the test"), backoff=False)
+    reconnect(link, ns)
+    new_epoch = link.epoch
+    assert new_epoch != old_epoch and link.session_id != old_session
+    request = pb.AcquireRequest(session_id=old_session, namespace_id=ns, keys=make_keys("stale-grpc", 1))
+    late = GrpcCall(link, link._get_stub().Acquire.future(request, timeout=SETTLE_LIMIT_S), old_epoch)
+    wait_done(link, [late])
+    result = outcome(late)
+    assert isinstance(result.error, UnknownSession) and result.stale
+    link.on_rpc_error(result)
+    assert link.ready and link.epoch == new_epoch  # the new session stands
+    current = link.call("Acquire", request)
+    assert isinstance(current, GrpcCall)
+    wait_done(link, [current])
+    result = outcome(current)
+    assert isinstance(result.error, UnknownSession) and not result.stale
+    link.on_rpc_error(result)
+    assert not link.ready
     link.close()
 
 

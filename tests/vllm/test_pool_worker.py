@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,9 +57,12 @@ def gate_reserves(engine: PoolTransferEngine) -> threading.Event:
     between the daemon's answer and the copy, whatever the machine's load)."""
     gate = threading.Event()
     call = engine.link.call
-    engine.link.call = lambda method, request, timeout=None: (  # type: ignore[method-assign]  # a gate in front
-        _GatedFuture(call(method, request, timeout), gate) if method == "Reserve" else call(method, request, timeout)
-    )
+
+    def gated(method: str, request: Any, timeout: float | None = None) -> Any:  # a gate in front
+        future = call(method, request, timeout)
+        return _GatedFuture(future, gate) if method == "Reserve" else future
+
+    engine.link.call = gated  # type: ignore[method-assign]
     return gate
 
 

@@ -138,7 +138,7 @@ class Outcome:
         return self.error is None
 
 
-def outcome(future: grpc.Future | FastCall) -> Outcome:
+def outcome(future: grpc.Future | GrpcCall | FastCall) -> Outcome:
     """Collect a finished future without raising."""
     fast_outcome = getattr(future, "fast_outcome", None)  # (also through a wrapper that forwards)
     if fast_outcome is not None:
@@ -165,7 +165,7 @@ class FastCall:
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.started = time.perf_counter()
         self.answer: Outcome | None = None
-        self.fallback: grpc.Future | None = None
+        self.fallback: GrpcCall | None = None
         self._link = link
 
     def done(self) -> bool:
@@ -209,7 +209,40 @@ class FastCall:
         return self.answer
 
 
-Call: TypeAlias = "grpc.Future | FastCall"  # what DaemonLink.call starts
+class GrpcCall:
+    """A call over gRPC and the session it was sent in, read like its grpc.Future (collect it
+    with `outcome`). Its failure says nothing of a later session, so it ends none
+    (Outcome.stale): a call of the session before, failing once a new one is open, used to end
+    the new one too."""
+
+    def __init__(self, link: DaemonLink, future: grpc.Future, epoch: int) -> None:
+        self._link = link
+        self._future = future
+        self.epoch = epoch
+
+    def done(self) -> bool:
+        return bool(self._future.done())
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self._future.result(timeout=timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._future.exception(timeout=timeout)
+
+    def cancel(self) -> bool:
+        return bool(self._future.cancel())
+
+    def add_done_callback(self, fn: Callable[[GrpcCall], None]) -> None:
+        self._future.add_done_callback(lambda _f: fn(self))
+
+    def fast_outcome(self) -> Outcome:
+        result = outcome(self._future)
+        if not result.ok and self.epoch != self._link.epoch:
+            result.stale = True
+        return result
+
+
+Call: TypeAlias = "GrpcCall | FastCall"  # what DaemonLink.call starts
 
 
 @dataclass
@@ -420,14 +453,14 @@ class DaemonLink:
                     return call
         return self._grpc_call(method, request, timeout)
 
-    def _grpc_call(self, method: str, request: Any, timeout: float | None) -> grpc.Future:
+    def _grpc_call(self, method: str, request: Any, timeout: float | None) -> GrpcCall:
         self.counters.grpc_calls += 1
         started = time.perf_counter()
         future = getattr(self._get_stub(), method).future(request, timeout=timeout)
         observe = self.observe
         if observe is not None:  # (the callback runs on gRPC's thread, or here when already done)
             future.add_done_callback(lambda _f: observe(method, time.perf_counter() - started))
-        return future
+        return GrpcCall(self, future, self.epoch)
 
     def collect(self) -> None:
         """Read the fast path's answers that have come (never blocking) and end the calls whose
