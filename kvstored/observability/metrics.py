@@ -122,7 +122,8 @@ class KvstoredCollector(Collector):
         yield _gauge(
             "ram_held_bytes",
             "RAM kept from use after a hand-over: the slots of ended sessions whose clients may still "
-            "be copying into them, until each client is done, exits, or 60 s pass",
+            "be copying into them, and the chunks they had leased, until each client is done, exits, "
+            "or 60 s pass",
             chain.ram_held_bytes,
         )
         yield _gauge(

@@ -190,7 +190,7 @@ class ChainSnapshot:
     ram_resident_bytes: int  # memory the RAM tier's arenas hold
     store_drops: dict[DropReason, int] = field(default_factory=dict)  # chunks stores dropped, by reason
     verify: VerifySnapshot = field(default_factory=VerifySnapshot)
-    ram_held_bytes: int = 0  # pages kept for writers of sessions a hand-over ended (server/held_writes.py)
+    ram_held_bytes: int = 0  # kept for clients of sessions a hand-over ended (server/held_writes.py)
 
 
 ChainSource = Callable[[], ChainSnapshot]

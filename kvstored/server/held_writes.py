@@ -22,13 +22,16 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from kvstored.chunks.ids import ChunkId
 from kvstored.tiers.ram import ChunkRecord, EntryState, HeldPages, RamEntry, RamTier
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 HOLD_MAX_S = 60.0  # a copy into the pool takes milliseconds; a client stalled longer is not waited for
 
@@ -54,16 +57,32 @@ class HeldRecord:
 
 def leases_as_pages(records: Sequence[HeldRecord], chunks: Sequence[ChunkRecord]) -> list[HeldRecord]:
     """`records` with their leased chunks held as pages instead, for a tier that refused the
-    chunks' index: those pages are free there, and a late reader's must stay out of use."""
+    chunks' index: those pages are free there, and a late reader's must stay out of use. A chunk
+    several sessions leased is held once (pages held twice would overlap), by the longest hold."""
     by_id = {r.chunk: r for r in chunks}
+    mine = _longest_holder([(h.session_id, h.seconds_left, [c for c in h.leased if c in by_id]) for h in records], hash)
     return [
         replace(
             h,
-            pages=h.pages + tuple(HeldPages(by_id[c].arena, by_id[c].runs, c[0]) for c in h.leased if c in by_id),
+            pages=h.pages + tuple(HeldPages(by_id[c].arena, by_id[c].runs, c[0]) for c in mine.get(h.session_id, ())),
             leased=(),
         )
         for h in records
     ]
+
+
+def _longest_holder(holds: Sequence[tuple[str, float, Sequence[T]]], key: Callable[[T], int]) -> dict[str, list[T]]:
+    """Each item (by `key`) once, with the session (id, until, items) that holds it longest."""
+    best: dict[int, tuple[float, str, T]] = {}
+    for session_id, until, items in holds:
+        for item in items:
+            known = best.get(key(item))
+            if known is None or until > known[0]:
+                best[key(item)] = (until, session_id, item)
+    out: dict[str, list[T]] = {}
+    for _until, session_id, item in best.values():
+        out.setdefault(session_id, []).append(item)
+    return out
 
 
 @dataclass
@@ -103,6 +122,8 @@ class HeldWrites:
         for entry in entries:
             if entry.state is not EntryState.HELD:
                 self._ram.hold(entry)
+        for entry in leased:
+            self._ram.hold_lease(entry)
         if not entries and not leased:
             return
         known = self._held.get(session_id)
@@ -148,13 +169,22 @@ class HeldWrites:
 
     def records(self) -> list[HeldRecord]:
         loop = asyncio.get_running_loop()
+        # A leased chunk deleted meanwhile is in no snapshot, yet its reader may still read its
+        # pages: they go over as held pages (once, with the longest hold on them).
+        deleted = _longest_holder(
+            [
+                (h.session_id, h.timer.when(), [e for e in h.leased if not e.indexed and e.runs])
+                for h in self._held.values()
+            ],
+            id,
+        )
         return [
             HeldRecord(
                 h.session_id,
                 h.pid,
-                tuple(HeldPages.of(e) for e in h.entries),
+                tuple(HeldPages.of(e) for e in [*h.entries, *deleted.get(h.session_id, ())]),
                 h.timer.when() - loop.time(),
-                tuple(e.chunk for e in h.leased if e.indexed),  # (a deleted one is gone with its lease)
+                tuple(e.chunk for e in h.leased if e.indexed),
             )
             for h in self._held.values()
         ]
@@ -172,7 +202,7 @@ class HeldWrites:
         for entry in held.entries:
             self._ram.free_held(entry)
         for entry in held.leased:
-            self._ram.release(entry)
+            self._ram.free_lease(entry)
         log.info("hand-over: freed the held pages of ended session %s: %s", session_id[:8], why)
 
     @staticmethod

@@ -222,6 +222,7 @@ class RamTier:
         self._used_pages = 0  # pages held by chunks, all arenas together
         self._unkeyed_pages = 0  # of those, reservations whose key is not named yet (reserve_unkeyed)
         self._held_pages = 0  # of those, reservations held for a writer that may still write (hold())
+        self._held_lease_pages = 0  # chunks leased to a reader of an ended session (hold_lease())
         self._resident_pages = self._arenas[PUBLIC_ARENA].resident_pages  # all arenas together
         self._index: dict[ChunkId, RamEntry] = {}
         self._lru: OrderedDict[ChunkId, RamEntry] = OrderedDict()  # oldest first
@@ -300,8 +301,9 @@ class RamTier:
 
     @property
     def held_bytes(self) -> int:
-        """RAM held for writers whose session ended (hold()), until they are done with it."""
-        return self._held_pages * self.page_bytes
+        """RAM held for clients whose session ended, until they are done with it: the pages they
+        may still write (hold()) and the chunks they may still read (hold_lease())."""
+        return (self._held_pages + self._held_lease_pages) * self.page_bytes
 
     def room_bytes(self, scope: QuotaScope | None = None) -> int:
         """What may still be reserved: in the tier (scope None), or within a quota scope."""
@@ -562,6 +564,16 @@ class RamTier:
         entry.leases += 1
         self._lru_remove(entry)
         return entry
+
+    def hold_lease(self, entry: RamEntry) -> None:
+        """A lease of an ended session's reader, kept until free_lease(): counted in held_bytes."""
+        if entry.leases <= 0:
+            raise ValueError("hold_lease of a chunk that is not leased")
+        self._held_lease_pages += entry.pages
+
+    def free_lease(self, entry: RamEntry) -> None:
+        self._held_lease_pages -= entry.pages
+        self.release(entry)
 
     def release(self, entry: RamEntry) -> None:
         if entry.leases <= 0:

@@ -222,12 +222,14 @@ def test_a_chunk_leased_at_the_hand_over_stays_where_its_reader_reads_it(daemons
             assert late == [p.tobytes() for p in payloads(mine, CHUNK)], "a leased chunk's pages went to another"
             assert b.lookup(ns_b, mine).tiers == [Tier.RAM] * 4  # (held leased chunks stay cached)
             assert f"and 4 leased chunk(s) of ended session {session.session_id[:8]}" in new.log
+            assert scrape(new).value("kvstored_ram_held_bytes") >= 4 * CHUNK  # (and the old session's slots)
             # The old client's next call fails over and names the old session: the leases end.
             after = make_keys("after", 2)
             a.store(ns, after, payloads(after, CHUNK))
             assert wait_for(
                 lambda: f"held pages of ended session {session.session_id[:8]}: its client is done" in new.log
             )
+            assert scrape(new).value("kvstored_ram_held_bytes") == 0
             more = make_keys("more", 320)
             for i in range(0, len(more), 32):
                 b.store(ns_b, more[i : i + 32], payloads(more[i : i + 32], CHUNK))

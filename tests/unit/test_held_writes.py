@@ -141,6 +141,7 @@ async def test_leased_chunks_go_over_leased_and_are_never_evicted_meanwhile():
     kept = [e for e in map(new.keep, record.leased) if e is not None]
     new_held.hold(record.session_id, record.pid, [], record.seconds_left, leased=kept)
     assert [e.runs for e in kept] == [e.runs for e in leased] and new.counters.loaded == 0
+    assert new.held_bytes == 2 * PAGE  # (what /metrics shows held)
     for i in range(3, 6):  # the pool is full: only c1 may go
         entry = new.reserve(("ns", b"n%d" % i), PAGE).entry
         if entry is not None:
@@ -149,6 +150,7 @@ async def test_leased_chunks_go_over_leased_and_are_never_evicted_meanwhile():
     taken = {run.start for e in map(new.acquire, [("ns", b"n3"), ("ns", b"n4")]) if e for run in e.runs}
     assert not taken & {run.start for e in leased for run in e.runs}
     assert new_held.release(os.getpid(), ["s1"]) == 1 and all(e.leases == 0 for e in kept)
+    assert new.held_bytes == 0
     assert {("ns", b"c0"), ("ns", b"c2")} <= {e.chunk for e in new.lru_newest_first()}  # (evictable again)
 
 
@@ -162,14 +164,40 @@ def test_where_the_index_is_refused_leased_chunks_are_held_as_pages():
     leased = old.acquire(("ns", b"c"))
     assert leased is not None
     slot = reserved(old, 1)[0]
-    record = HeldRecord("s1", 7, (HeldPages.of(slot),), 30.0, (("ns", b"c"), ("ns", b"gone")))
-    [as_pages] = leases_as_pages([record], old.snapshot().chunks)
+    twice = (("ns", b"c"), ("ns", b"c"), ("ns", b"gone"))  # (two requests sharing a prefix: two leases)
+    record = HeldRecord("s1", 7, (HeldPages.of(slot),), 30.0, twice)
+    other = HeldRecord("s2", 8, (), 10.0, (("ns", b"c"),))  # another session, leasing it too
+    as_pages, other_pages = leases_as_pages([record, other], old.snapshot().chunks)
     assert as_pages.leased == () and (as_pages.session_id, as_pages.pid, as_pages.seconds_left) == ("s1", 7, 30.0)
     assert as_pages.pages == (HeldPages.of(slot), HeldPages(0, tuple(leased.runs), "ns"))  # ("gone": not in it)
+    assert other_pages.pages == () and other_pages.leased == ()  # (held once, by the longer hold)
     new = RamTier(4 * PAGE, PAGE)
     snapshot = old.snapshot()
-    adopted = new.adopt(replace(snapshot, chunks=[]), held=list(as_pages.pages))
+    adopted = new.adopt(replace(snapshot, chunks=[]), held=[p for h in (as_pages, other_pages) for p in h.pages])
     assert adopted.chunks == 0 and new.held_bytes == 2 * PAGE
+
+
+async def test_a_leased_chunk_deleted_before_the_hand_over_goes_over_as_held_pages():
+    """A chunk deleted while leased (Delete, ClearNamespace, a failed check) is in no snapshot,
+    but its reader may still read it: its pages go over held, once however many leases, with
+    the session holding it longest."""
+    old = RamTier(4 * PAGE, PAGE)
+    entry = old.reserve(("ns", b"c"), PAGE).entry
+    assert entry is not None
+    old.commit(entry)
+    first, second = old.acquire(("ns", b"c")), old.acquire(("ns", b"c"))
+    assert old.delete(("ns", b"c")) and first is second
+    held = HeldWrites(old)
+    held.hold("short", 0, [], seconds=5.0, leased=[first])
+    held.hold("long", 0, [], seconds=30.0, leased=[second])
+    records = {r.session_id: r for r in held.records()}
+    held.close()
+    assert records["short"].pages == () and records["short"].leased == ()
+    assert records["long"].pages == (HeldPages.of(entry),) and records["long"].leased == ()
+    assert old.snapshot().chunks == []  # (held pages are all that carries them)
+    new = RamTier(4 * PAGE, PAGE)
+    adopted = new.adopt(old.snapshot(), held=[p for r in records.values() for p in r.pages])
+    assert new.held_bytes == PAGE and adopted.held[0].runs == entry.runs
 
 
 def test_a_session_closes_only_after_its_copies_end():

@@ -258,11 +258,21 @@ def test_a_grpc_call_of_an_earlier_session_failing_now_ends_no_later_one(own_dae
     daemon = own_daemon().start()
     link, ns = settled_link(daemon, "stale-grpc")
     old_session, old_epoch = link.session_id, link.epoch
+    request = pb.AcquireRequest(session_id=old_session, namespace_id=ns, keys=make_keys("stale-grpc", 1))
     link.fail(Unavailable("a reset, for the test"), backoff=False)
+    # Answered before the next session is open: stale too (the link is not polled meanwhile).
+    during = GrpcCall(link, link._get_stub().Acquire.future(request, timeout=SETTLE_LIMIT_S), old_epoch)
+    deadline = time.monotonic() + SETTLE_LIMIT_S
+    while not during.done():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    failures, result = link.counters.failures, outcome(during)
+    assert isinstance(result.error, UnknownSession) and result.stale
+    link.on_rpc_error(result)
+    assert link.counters.failures == failures  # (no second failure: no longer backoff)
     reconnect(link, ns)
     new_epoch = link.epoch
     assert new_epoch != old_epoch and link.session_id != old_session
-    request = pb.AcquireRequest(session_id=old_session, namespace_id=ns, keys=make_keys("stale-grpc", 1))
     late = GrpcCall(link, link._get_stub().Acquire.future(request, timeout=SETTLE_LIMIT_S), old_epoch)
     wait_done(link, [late])
     result = outcome(late)

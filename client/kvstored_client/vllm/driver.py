@@ -211,9 +211,9 @@ class FastCall:
 
 class GrpcCall:
     """A call over gRPC and the session it was sent in, read like its grpc.Future (collect it
-    with `outcome`). Its failure says nothing of a later session, so it ends none
-    (Outcome.stale): a call of the session before, failing once a new one is open, used to end
-    the new one too."""
+    with `outcome`). Once its session has ended, its failure says nothing of the next one, so it
+    ends none (Outcome.stale): a call of the session before, failing while a new one was being
+    opened or once it was, used to end that one too."""
 
     def __init__(self, link: DaemonLink, future: grpc.Future, epoch: int) -> None:
         self._link = link
@@ -237,8 +237,8 @@ class GrpcCall:
 
     def fast_outcome(self) -> Outcome:
         result = outcome(self._future)
-        if not result.ok and self.epoch != self._link.epoch:
-            result.stale = True
+        if not result.ok and not (self._link.ready and self.epoch == self._link.epoch):
+            result.stale = True  # (its session ended already: the next one's handshake may be under way)
         return result
 
 
