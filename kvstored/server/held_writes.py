@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -60,7 +60,9 @@ def leases_as_pages(records: Sequence[HeldRecord], chunks: Sequence[ChunkRecord]
     chunks' index: those pages are free there, and a late reader's must stay out of use. A chunk
     several sessions leased is held once (pages held twice would overlap), by the longest hold."""
     by_id = {r.chunk: r for r in chunks}
-    mine = _longest_holder([(h.session_id, h.seconds_left, [c for c in h.leased if c in by_id]) for h in records], hash)
+    mine = _longest_holder(
+        [(h.session_id, h.seconds_left, [c for c in h.leased if c in by_id]) for h in records], _same
+    )
     return [
         replace(
             h,
@@ -71,9 +73,12 @@ def leases_as_pages(records: Sequence[HeldRecord], chunks: Sequence[ChunkRecord]
     ]
 
 
-def _longest_holder(holds: Sequence[tuple[str, float, Sequence[T]]], key: Callable[[T], int]) -> dict[str, list[T]]:
-    """Each item (by `key`) once, with the session (id, until, items) that holds it longest."""
-    best: dict[int, tuple[float, str, T]] = {}
+def _longest_holder(
+    holds: Sequence[tuple[str, float, Sequence[T]]], key: Callable[[T], Hashable]
+) -> dict[str, list[T]]:
+    """Each item (told apart by `key`) once, with the session (id, until, items) that holds it
+    longest."""
+    best: dict[Hashable, tuple[float, str, T]] = {}
     for session_id, until, items in holds:
         for item in items:
             known = best.get(key(item))
@@ -83,6 +88,10 @@ def _longest_holder(holds: Sequence[tuple[str, float, Sequence[T]]], key: Callab
     for _until, session_id, item in best.values():
         out.setdefault(session_id, []).append(item)
     return out
+
+
+def _same(chunk: ChunkId) -> Hashable:
+    return chunk
 
 
 @dataclass
