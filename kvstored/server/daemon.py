@@ -53,7 +53,7 @@ from kvstored.server import handover
 from kvstored.server.broker import SessionBroker
 from kvstored.server.errors import ErrorMappingInterceptor
 from kvstored.server.fast_path import FastPath
-from kvstored.server.held_writes import HeldWrites, leases_as_pages, pid_namespace
+from kvstored.server.held_writes import HeldWrites, leases_as_pages, pid_namespace, unique_pages
 from kvstored.server.namespace_records import NamespaceRecords
 from kvstored.server.peer_service import SERVICE_NAME as PEER_SERVICE_NAME
 from kvstored.server.peer_service import PeerService
@@ -745,7 +745,7 @@ class Daemon:
                 log.info("RAM tier handed over without chunk checksums: chunks without one adopted as is")
             # Serving starts now: each chunk's bytes are checked before its first read and by the
             # sweep (chain/verify.py); hashing them all first took 0.81 s of an 8 GiB hand-over.
-            adopted = ram.adopt(state.ram, verify=verify, held=[p for h in state.held for p in h.pages])
+            adopted = ram.adopt(state.ram, verify=verify, held=unique_pages(state.held))
         except (AdoptionError, ValueError, OSError, handover.HandoverRefused) as exc:
             log.warning("RAM index refused (%s): RAM starts empty", exc)
             self._hold_without_index(ram, state)
@@ -770,22 +770,23 @@ class Daemon:
             return
         held = leases_as_pages(state.held, state.ram.chunks)
         try:
-            adopted = ram.adopt(dataclasses.replace(state.ram, chunks=[]), held=[p for h in held for p in h.pages])
+            adopted = ram.adopt(dataclasses.replace(state.ram, chunks=[]), held=unique_pages(held))
         except (AdoptionError, ValueError) as exc:
             log.warning("held pages refused too (%s): a client's late copy may land in a new chunk", exc)
             return
         self._hold(adopted.held, dataclasses.replace(state, held=held))
 
     def _hold(self, entries: list[RamEntry], state: handover.PoolState) -> None:
-        """Each handed-over session's held entries (in the order of its records) held again here,
-        and its leased chunks leased again; their clients' pids are watched only if they mean the
-        same processes here."""
+        """Each handed-over session's held entries (adopted once each, in unique_pages' order)
+        held again here, and its leased chunks leased again; their clients' pids are watched only
+        if they mean the same processes here."""
         same_pids = state.pid_ns != 0 and state.pid_ns == pid_namespace()
-        taken = iter(entries)
+        by_pages = dict(zip(unique_pages(state.held), entries, strict=True))
         for h in state.held:
             pid = h.pid if same_pids else 0
             leased = [e for e in map(self.ram.keep, h.leased) if e is not None]
-            self.held_writes.hold(h.session_id, pid, [next(taken) for _ in h.pages], h.seconds_left, leased=leased)
+            mine = [by_pages[p] for p in dict.fromkeys(h.pages)]
+            self.held_writes.hold(h.session_id, pid, mine, h.seconds_left, leased=leased)
 
     async def _hand_over(self, send: Callable[[dict[str, int]], None]) -> None:
         """Snapshot the quiesced RAM tier into a state memfd and send it with the pool's and the

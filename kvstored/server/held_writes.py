@@ -22,16 +22,13 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import TypeVar
 
 from kvstored.chunks.ids import ChunkId
 from kvstored.tiers.ram import ChunkRecord, EntryState, HeldPages, RamEntry, RamTier
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 HOLD_MAX_S = 60.0  # a copy into the pool takes milliseconds; a client stalled longer is not waited for
 
@@ -58,40 +55,23 @@ class HeldRecord:
 def leases_as_pages(records: Sequence[HeldRecord], chunks: Sequence[ChunkRecord]) -> list[HeldRecord]:
     """`records` with their leased chunks held as pages instead, for a tier that refused the
     chunks' index: those pages are free there, and a late reader's must stay out of use. A chunk
-    several sessions leased is held once (pages held twice would overlap), by the longest hold."""
+    several sessions leased is in each one's pages (it is held until the last is done)."""
     by_id = {r.chunk: r for r in chunks}
-    mine = _longest_holder(
-        [(h.session_id, h.seconds_left, [c for c in h.leased if c in by_id]) for h in records], _same
-    )
     return [
         replace(
             h,
-            pages=h.pages + tuple(HeldPages(by_id[c].arena, by_id[c].runs, c[0]) for c in mine.get(h.session_id, ())),
+            pages=h.pages
+            + tuple(dict.fromkeys(HeldPages(by_id[c].arena, by_id[c].runs, c[0]) for c in h.leased if c in by_id)),
             leased=(),
         )
         for h in records
     ]
 
 
-def _longest_holder(
-    holds: Sequence[tuple[str, float, Sequence[T]]], key: Callable[[T], Hashable]
-) -> dict[str, list[T]]:
-    """Each item (told apart by `key`) once, with the session (id, until, items) that holds it
-    longest."""
-    best: dict[Hashable, tuple[float, str, T]] = {}
-    for session_id, until, items in holds:
-        for item in items:
-            known = best.get(key(item))
-            if known is None or until > known[0]:
-                best[key(item)] = (until, session_id, item)
-    out: dict[str, list[T]] = {}
-    for _until, session_id, item in best.values():
-        out.setdefault(session_id, []).append(item)
-    return out
-
-
-def _same(chunk: ChunkId) -> Hashable:
-    return chunk
+def unique_pages(records: Sequence[HeldRecord]) -> list[HeldPages]:
+    """The pages `records` hold, each once (several sessions may hold the same), in order: what a
+    tier adopts as held entries, one per item."""
+    return list(dict.fromkeys(p for h in records for p in h.pages))
 
 
 @dataclass
@@ -111,6 +91,7 @@ class HeldWrites:
         self._ram = ram
         self._max_s = max_s
         self._held: dict[str, _Held] = {}
+        self._holders: dict[RamEntry, int] = {}  # held entry -> sessions holding it (several: a shared chunk)
 
     @property
     def sessions(self) -> int:
@@ -131,6 +112,7 @@ class HeldWrites:
         for entry in entries:
             if entry.state is not EntryState.HELD:
                 self._ram.hold(entry)
+            self._holders[entry] = self._holders.get(entry, 0) + 1
         for entry in leased:
             self._ram.hold_lease(entry)
         if not entries and not leased:
@@ -178,20 +160,13 @@ class HeldWrites:
 
     def records(self) -> list[HeldRecord]:
         loop = asyncio.get_running_loop()
-        # A leased chunk deleted meanwhile is in no snapshot, yet its reader may still read its
-        # pages: they go over as held pages (once, with the longest hold on them).
-        deleted = _longest_holder(
-            [
-                (h.session_id, h.timer.when(), [e for e in h.leased if not e.indexed and e.runs])
-                for h in self._held.values()
-            ],
-            id,
-        )
         return [
             HeldRecord(
                 h.session_id,
                 h.pid,
-                tuple(HeldPages.of(e) for e in [*h.entries, *deleted.get(h.session_id, ())]),
+                # (a leased chunk deleted meanwhile is in no snapshot, yet its reader may still
+                # read its pages: they go over as held pages, with each session leasing it)
+                tuple(HeldPages.of(e) for e in [*h.entries, *(e for e in dict.fromkeys(h.leased) if not e.indexed)]),
                 h.timer.when() - loop.time(),
                 tuple(e.chunk for e in h.leased if e.indexed),
             )
@@ -209,7 +184,11 @@ class HeldWrites:
             return
         self._unwatch(held)
         for entry in held.entries:
-            self._ram.free_held(entry)
+            holders = self._holders.pop(entry) - 1
+            if holders:
+                self._holders[entry] = holders
+            else:
+                self._ram.free_held(entry)
         for entry in held.leased:
             self._ram.free_lease(entry)
         log.info("hand-over: freed the held pages of ended session %s: %s", session_id[:8], why)

@@ -105,6 +105,7 @@ class RamEntry:
     pages: int = 0
     state: EntryState = EntryState.RESERVED
     leases: int = 0
+    held_leases: int = 0  # of those, kept for readers of sessions a hand-over ended (hold_lease())
     indexed: bool = True
     unkeyed: bool = False  # reserved ahead of its key (reserve_unkeyed), not bound yet
     persisted: bool = False  # a lower tier holds a copy: dropping it loses nothing
@@ -566,13 +567,18 @@ class RamTier:
         return entry
 
     def hold_lease(self, entry: RamEntry) -> None:
-        """A lease of an ended session's reader, kept until free_lease(): counted in held_bytes."""
-        if entry.leases <= 0:
+        """A lease of an ended session's reader, kept until free_lease(): counted in held_bytes
+        (a chunk once, however many such leases it has)."""
+        if entry.leases <= entry.held_leases:
             raise ValueError("hold_lease of a chunk that is not leased")
-        self._held_lease_pages += entry.pages
+        if not entry.held_leases:
+            self._held_lease_pages += entry.pages
+        entry.held_leases += 1
 
     def free_lease(self, entry: RamEntry) -> None:
-        self._held_lease_pages -= entry.pages
+        entry.held_leases -= 1
+        if not entry.held_leases:
+            self._held_lease_pages -= entry.pages
         self.release(entry)
 
     def release(self, entry: RamEntry) -> None:

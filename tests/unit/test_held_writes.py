@@ -18,7 +18,7 @@ import pytest
 
 from kvstored.namespaces import Namespace
 from kvstored.server import handover
-from kvstored.server.held_writes import HeldRecord, HeldWrites, leases_as_pages, pid_namespace
+from kvstored.server.held_writes import HeldRecord, HeldWrites, leases_as_pages, pid_namespace, unique_pages
 from kvstored.tiers.ram import EntryState, HeldPages, Placement, QuotaScope, RamTier, ReserveOutcome
 from kvstored_client.errors import Unavailable
 from kvstored_client.session import CopyGate
@@ -168,19 +168,20 @@ def test_where_the_index_is_refused_leased_chunks_are_held_as_pages():
     record = HeldRecord("s1", 7, (HeldPages.of(slot),), 30.0, twice)
     other = HeldRecord("s2", 8, (), 10.0, (("ns", b"c"),))  # another session, leasing it too
     as_pages, other_pages = leases_as_pages([record, other], old.snapshot().chunks)
+    chunk_pages = HeldPages(0, tuple(leased.runs), "ns")
     assert as_pages.leased == () and (as_pages.session_id, as_pages.pid, as_pages.seconds_left) == ("s1", 7, 30.0)
-    assert as_pages.pages == (HeldPages.of(slot), HeldPages(0, tuple(leased.runs), "ns"))  # ("gone": not in it)
-    assert other_pages.pages == () and other_pages.leased == ()  # (held once, by the longer hold)
+    assert as_pages.pages == (HeldPages.of(slot), chunk_pages)  # (once; "gone": not in it)
+    assert other_pages.pages == (chunk_pages,) and other_pages.leased == ()
     new = RamTier(4 * PAGE, PAGE)
     snapshot = old.snapshot()
-    adopted = new.adopt(replace(snapshot, chunks=[]), held=[p for h in (as_pages, other_pages) for p in h.pages])
-    assert adopted.chunks == 0 and new.held_bytes == 2 * PAGE
+    adopted = new.adopt(replace(snapshot, chunks=[]), held=unique_pages([as_pages, other_pages]))
+    assert adopted.chunks == 0 and new.held_bytes == 2 * PAGE  # (the slot, and the chunk once)
 
 
 async def test_a_leased_chunk_deleted_before_the_hand_over_goes_over_as_held_pages():
     """A chunk deleted while leased (Delete, ClearNamespace, a failed check) is in no snapshot,
-    but its reader may still read it: its pages go over held, once however many leases, with
-    the session holding it longest."""
+    but its readers may still read it: its pages go over held, with each session that leased it,
+    adopted once, and free only when the last of them is done."""
     old = RamTier(4 * PAGE, PAGE)
     entry = old.reserve(("ns", b"c"), PAGE).entry
     assert entry is not None
@@ -190,14 +191,24 @@ async def test_a_leased_chunk_deleted_before_the_hand_over_goes_over_as_held_pag
     held = HeldWrites(old)
     held.hold("short", 0, [], seconds=5.0, leased=[first])
     held.hold("long", 0, [], seconds=30.0, leased=[second])
-    records = {r.session_id: r for r in held.records()}
+    assert old.held_bytes == PAGE  # (one chunk, however many held leases)
+    records = held.records()
     held.close()
-    assert records["short"].pages == () and records["short"].leased == ()
-    assert records["long"].pages == (HeldPages.of(entry),) and records["long"].leased == ()
+    assert [(r.session_id, r.pages, r.leased) for r in records] == [
+        ("short", (HeldPages.of(entry),), ()),
+        ("long", (HeldPages.of(entry),), ()),
+    ]
     assert old.snapshot().chunks == []  # (held pages are all that carries them)
     new = RamTier(4 * PAGE, PAGE)
-    adopted = new.adopt(old.snapshot(), held=[p for r in records.values() for p in r.pages])
-    assert new.held_bytes == PAGE and adopted.held[0].runs == entry.runs
+    adopted = new.adopt(old.snapshot(), held=unique_pages(records))
+    assert new.held_bytes == PAGE and [e.runs for e in adopted.held] == [entry.runs]
+    new_held = HeldWrites(new)
+    for r in records:  # (as the daemon holds them again)
+        new_held.hold(r.session_id, os.getpid(), adopted.held, r.seconds_left)
+    assert new_held.release(os.getpid(), ["long"]) == 1 and new.held_bytes == PAGE  # ("short" still reads)
+    fresh = new.reserve(("ns", b"n"), PAGE).entry
+    assert fresh is not None and fresh.runs != entry.runs
+    assert new_held.release(os.getpid(), ["short"]) == 1 and new.held_bytes == 0
 
 
 def test_a_session_closes_only_after_its_copies_end():
