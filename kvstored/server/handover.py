@@ -134,6 +134,15 @@ class HandedOver:
 
 def encode_state(state: PoolState) -> bytes:
     ns_index = {ns.namespace_id: i for i, (ns, _) in enumerate(state.namespaces)}
+    # Several sessions may hold the same pages (a chunk they all leased): "held" names each page
+    # set once, with the first of them, and "held_shared" the others.
+    seen: set[HeldPages] = set()
+    own_pages, shared_pages = [], []
+    for h in state.held:
+        pages = list(dict.fromkeys(h.pages))
+        own_pages.append([p for p in pages if p not in seen])
+        shared_pages.append([p for p in pages if p in seen])
+        seen.update(pages)
     chunks = [
         [
             ns_index[r.chunk[0]],
@@ -177,10 +186,16 @@ def encode_state(state: PoolState) -> bytes:
         "pid_ns": state.pid_ns,
         "next_arena": state.next_arena,
         "held": [
-            [h.session_id, h.pid, h.seconds_left, [[p.arena, _flat(p.runs), p.namespace_id] for p in h.pages]]
-            for h in state.held
+            [h.session_id, h.pid, h.seconds_left, [[p.arena, _flat(p.runs), p.namespace_id] for p in own]]
+            for h, own in zip(state.held, own_pages, strict=True)
         ],
-        # (apart from "held", whose records a daemon that predates it unpacks in fours)
+        # (apart from "held", whose records a daemon that predates them unpacks in fours, and
+        # whose pages it takes as each held once)
+        "held_shared": {
+            h.session_id: [[p.arena, _flat(p.runs), p.namespace_id] for p in shared]
+            for h, shared in zip(state.held, shared_pages, strict=True)
+            if shared
+        },
         "held_leases": {h.session_id: [[ns, key] for ns, key in h.leased] for h in state.held if h.leased},
     }
     import msgpack
@@ -229,12 +244,12 @@ def decode_state(frame: bytes) -> PoolState:
             for (n, key, size, arena, runs, flags), digest in zip(body["chunks"], sums)
         ]
         arenas = {int(a): ArenaPages(int(total), _runs(holes)) for a, total, holes in body["arenas"]}
-        leases = body.get("held_leases", {})
+        leases, shared = body.get("held_leases", {}), body.get("held_shared", {})
         held = [
             HeldRecord(
                 str(session),
                 int(pid),
-                tuple(HeldPages(int(a), _runs(r), str(ns)) for a, r, ns in pages),
+                tuple(HeldPages(int(a), _runs(r), str(ns)) for a, r, ns in [*pages, *shared.get(session, ())]),
                 float(left),
                 tuple((str(ns), bytes(key)) for ns, key in leases.get(session, ())),
             )

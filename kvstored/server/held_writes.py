@@ -138,8 +138,9 @@ class HeldWrites:
         if pid > 0:
             try:
                 held.pidfd = os.pidfd_open(pid)
-            except ProcessLookupError:
-                self._free(session_id, "its client has exited")
+            except ProcessLookupError:  # (soon, not now: a caller holding the same pages for
+                # other sessions counts them first)
+                loop.call_soon(self._free, session_id, "its client has exited")
                 return
             except (OSError, OverflowError) as exc:  # (no pidfds here, or no such pid: the timer frees them)
                 log.debug("cannot watch pid %d: %s", pid, exc)

@@ -19,6 +19,7 @@ import pytest
 from kvstored.namespaces import Namespace
 from kvstored.server import handover
 from kvstored.server.held_writes import HeldRecord, HeldWrites, leases_as_pages, pid_namespace, unique_pages
+from kvstored.shm.allocator import PageRun
 from kvstored.tiers.ram import EntryState, HeldPages, Placement, QuotaScope, RamTier, ReserveOutcome
 from kvstored_client.errors import Unavailable
 from kvstored_client.session import CopyGate
@@ -209,6 +210,42 @@ async def test_a_leased_chunk_deleted_before_the_hand_over_goes_over_as_held_pag
     fresh = new.reserve(("ns", b"n"), PAGE).entry
     assert fresh is not None and fresh.runs != entry.runs
     assert new_held.release(os.getpid(), ["short"]) == 1 and new.held_bytes == 0
+
+
+async def test_pages_shared_with_an_exited_client_stay_held_for_the_others():
+    """Sessions are held again one by one; one whose client has exited is freed, but only once
+    the caller has counted the others holding the same pages."""
+    tier = RamTier(4 * PAGE, PAGE)
+    [shared] = reserved(tier, 1)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    held = HeldWrites(tier)
+    held.hold("gone", gone.pid, [shared])
+    held.hold("alive", os.getpid(), [shared])
+    await asyncio.sleep(0.01)  # (the exited client's session is freed now)
+    assert held.sessions == 1 and tier.held_bytes == PAGE and shared.runs
+    assert held.release(os.getpid(), ["alive"]) == 1 and tier.held_bytes == 0
+
+
+def test_the_state_names_shared_pages_once_in_what_older_daemons_read():
+    """A daemon that predates "held_shared" takes every page set in "held" as held once: listing
+    shared pages under each session there would overlap and cost it the whole RAM index."""
+    import msgpack
+
+    slot, shared = HeldPages(0, (PageRun(0, 1),), "ns"), HeldPages(0, (PageRun(1, 1),), "ns")
+    records = [
+        HeldRecord("s1", 1, (slot, shared), 30.0),
+        HeldRecord("s2", 2, (shared, shared), 20.0),  # (named twice within one session too)
+    ]
+    tier = RamTier(4 * PAGE, PAGE)
+    layout = handover.Layout(4 * PAGE, PAGE, "4k", 0)
+    frame = handover.encode_state(handover.PoolState("test", layout, [], {}, tier.snapshot(), records))
+    body = msgpack.unpackb(frame[handover._FRAME.size :], raw=False)
+    older = [(p[0], tuple(p[1])) for h in body["held"] for p in h[3]]  # (as an older daemon flattens them)
+    assert len(older) == len(set(older)) == 2
+    decoded = handover.decode_state(frame).held
+    assert [(h.session_id, h.pages) for h in decoded] == [("s1", (slot, shared)), ("s2", (shared,))]
+    assert unique_pages(decoded) == [slot, shared]
 
 
 def test_a_session_closes_only_after_its_copies_end():
