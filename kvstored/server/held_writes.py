@@ -74,6 +74,12 @@ def unique_pages(records: Sequence[HeldRecord]) -> list[HeldPages]:
     return list(dict.fromkeys(p for h in records for p in h.pages))
 
 
+def _deleted(leased: Sequence[RamEntry]) -> list[RamEntry]:
+    """Leased chunks deleted meanwhile, each once: in no snapshot, yet their reader may still read
+    their pages (they go over as held pages, with each session leasing them)."""
+    return [e for e in dict.fromkeys(leased) if not e.indexed and e.runs]
+
+
 @dataclass
 class _Held:
     session_id: str
@@ -165,9 +171,7 @@ class HeldWrites:
             HeldRecord(
                 h.session_id,
                 h.pid,
-                # (a leased chunk deleted meanwhile is in no snapshot, yet its reader may still
-                # read its pages: they go over as held pages, with each session leasing it)
-                tuple(HeldPages.of(e) for e in [*h.entries, *(e for e in dict.fromkeys(h.leased) if not e.indexed)]),
+                tuple(HeldPages.of(e) for e in [*h.entries, *_deleted(h.leased)]),
                 h.timer.when() - loop.time(),
                 tuple(e.chunk for e in h.leased if e.indexed),
             )
