@@ -90,16 +90,6 @@ def storing(
     return work
 
 
-def waited(done: Callable[[], object], poll_s: float = 0.05) -> bool:
-    """Whether `done()` came true within WAIT_S, polled every `poll_s`."""
-    deadline = time.monotonic() + WAIT_S
-    while not done():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(poll_s)
-    return True
-
-
 def timed(call: Callable[[], object], reps: int) -> float:
     """The median wall time of `reps` calls."""
     samples = []

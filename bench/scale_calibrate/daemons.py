@@ -14,9 +14,10 @@ from pathlib import Path
 import grpc
 
 from bench.lib.daemons import process_cpu_seconds
-from bench.scale_calibrate.common import FS_BYTES, cpu_rates, loadavg, tcp_received, waited
+from bench.scale_calibrate.common import FS_BYTES, WAIT_S, cpu_rates, loadavg, tcp_received
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
+from tests.support.wait import wait_for
 
 
 class EventWatcher:
@@ -50,7 +51,7 @@ class EventWatcher:
 
     def wait_quiet(self, quiet_s: float = 0.4) -> None:
         """Until no event came for quiet_s (write-downs run after the stores return)."""
-        quiet = waited(lambda: self.failure is not None or time.monotonic() - self.last_at >= quiet_s)
+        quiet = wait_for(lambda: self.failure is not None or time.monotonic() - self.last_at >= quiet_s, WAIT_S, 0.05)
         if self.failure is not None:
             raise RuntimeError(f"the event watcher on A failed: {self.failure}")
         if not quiet:
@@ -167,10 +168,10 @@ class Pair:
         `past_seq`: first wait for an event beyond it (the work published some)."""
         watcher = self.watcher
         assert watcher is not None
-        if past_seq is not None and not waited(lambda: watcher.last_seq > past_seq, 0.01):
+        if past_seq is not None and not wait_for(lambda: watcher.last_seq > past_seq, WAIT_S, 0.01):
             raise TimeoutError("A published no event of the phase's work")
         watcher.wait_quiet()
-        if not waited(lambda: self.b_view_of_a().last_seq >= watcher.last_seq, 0.1):
+        if not wait_for(lambda: self.b_view_of_a().last_seq >= watcher.last_seq, WAIT_S, 0.1):
             raise TimeoutError("B never applied A's events:\n" + self.cluster.describe())
 
     def phase(self, name: str, work: Callable[[], int | None]) -> Phase:

@@ -14,12 +14,13 @@ from typing import Any
 import numpy as np
 
 from bench.lib.daemons import process_cpu_seconds, rss_anon
-from bench.scale_calibrate.common import SMALL, batches, new_keys, ns_fields, timed, waited
+from bench.scale_calibrate.common import SMALL, WAIT_S, batches, new_keys, ns_fields, timed
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from tests.support.cluster import PeerDaemon
 from tests.support.daemon import short_tmpdir, stop_all
 from tests.support.ports import free_port
 from tests.support.redis_cluster import RedisCluster
+from tests.support.wait import wait_for
 
 INTERVAL_S = 0.5  # the daemon's default directory_interval_s
 WINDOWS = 5  # idle windows of WINDOW_S each
@@ -49,7 +50,7 @@ class Rig:
     def start(self) -> None:
         self.d.start(self.d.args)
         self.p.start(self.p.args)
-        if not waited(lambda: self.status().breaker == pb.BREAKER_STATE_CLOSED and self.status().shards, 0.1):
+        if not wait_for(lambda: self.status().breaker == pb.BREAKER_STATE_CLOSED and self.status().shards, WAIT_S, 0.1):
             raise TimeoutError("D never connected to the directory:\n" + self.d.log[-3000:])
 
     def close(self) -> None:
@@ -120,7 +121,7 @@ def _measure(rig: Rig, reps: int) -> dict[str, Any]:
             s0, (t0, d0, _, r0) = rig.status(), rig.cpu()
             for part in batches(keys, WRITE_BATCH):
                 kv_d.store(ns_d, part, zeros[: len(part)])
-            if not waited(lambda: rig.status().pending_changes == 0 and rig.status().lag_s == 0.0):
+            if not wait_for(lambda: rig.status().pending_changes == 0 and rig.status().lag_s == 0.0, WAIT_S, 0.05):
                 raise TimeoutError("the directory never caught up with D's changes")
             time.sleep(INTERVAL_S)  # (the batch in flight when pending reached 0)
             t1, d1, _, r1 = rig.cpu()

@@ -18,9 +18,10 @@ from typing import Any
 import grpc
 
 from bench.lib.daemons import REPO, process_cpu_seconds, rss_anon
-from bench.scale_calibrate.common import WAIT_S, waited
+from bench.scale_calibrate.common import WAIT_S
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2 as pb
 from kvstored_client._gen.kvstored.v1 import kvstored_pb2_grpc as pb_grpc
+from tests.support.wait import wait_for
 
 
 async def serve_subscribers(address: str, streams: int, coalesce: bool = False) -> None:
@@ -82,7 +83,7 @@ class Subscribers:
             nudge()
 
     def wait_received(self, total: int) -> None:
-        waited(lambda: self.received >= total)
+        wait_for(lambda: self.received >= total, WAIT_S, 0.05)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

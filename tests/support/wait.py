@@ -8,11 +8,11 @@ import time
 from collections.abc import Callable
 
 
-def wait_for(cond: Callable[[], bool], timeout: float = 30.0) -> bool:
+def wait_for(cond: Callable[[], object], timeout: float = 30.0, poll_s: float = 0.02) -> bool:
     """True as soon as `cond()` is; False if it still is not after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():
             return True
-        time.sleep(0.02)
-    return cond()
+        time.sleep(poll_s)
+    return bool(cond())
