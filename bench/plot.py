@@ -31,11 +31,25 @@ TIER_TITLES = {
 }
 
 
-def plot_multiturn(doc: dict[str, Any], path: str | Path) -> None:
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (files only), imported when a chart is drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(fig: Any, path: str | Path, **savefig: Any) -> None:
+    """Write `fig` to `path` (its folder made first) and free it."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, **savefig)
+    pyplot().close(fig)
+
+
+def plot_multiturn(doc: dict[str, Any], path: str | Path) -> None:
+    plt = pyplot()
 
     runs = [r for r in doc["results"] if not r.get("skipped")]
     listed = doc["configs"]
@@ -108,17 +122,12 @@ def plot_multiturn(doc: dict[str, Any], path: str | Path) -> None:
         f"git {machine.get('git')}{loads}; {doc.get('s3_server', '')}"
     )
     fig.text(0.5, 0.01, foot, ha="center", fontsize=8, color="#555555")
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
+    save(fig, path, bbox_inches="tight")
 
 
 def plot_fleet(doc: dict[str, Any], path: str) -> None:
     """bench.fleet's chart, from its JSON: per-node costs against N, each set-up a line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     panels = [
         ("Daemon CPU per node (s/s)", lambda r: r["cpu_s_per_s"]),
@@ -150,9 +159,7 @@ def plot_fleet(doc: dict[str, Any], path: str) -> None:
         fontsize=10,
     )
     fig.tight_layout(rect=(0, 0, 1, 0.93))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    save(fig, path)
 
 
 def main(argv: list[str]) -> int:

@@ -12,6 +12,7 @@ from typing import Any
 
 from bench.lib.report import GIB, MIB, print_aligned
 from bench.lib.report import fmt_bytes as fmt_size
+from bench.plot import pyplot, save
 from bench.scale_out.designs import Model, break_point, designs, plot_nodes
 from bench.scale_out.fleet import HEADER_BYTES_PER_SEGMENT, S3_PREFIX_PUTS_PER_S, Budget, Costs, Fleet, Rates
 from kvstored.tiers.config import PeerTierConfig, S3TierConfig
@@ -275,10 +276,7 @@ WIDTH = {"mesh": 5.0}  # drawn wide underneath: where the coalesced mesh has the
 
 
 def plot(doc: dict[str, Any], path: str | Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     budget = doc["budget"]
     panels = [  # title, the figure, its scale, unit, log scale, the budget's line
@@ -319,6 +317,4 @@ def plot(doc: dict[str, Any], path: str | Path) -> None:
         fontsize=10,
     )
     fig.tight_layout(rect=(0, 0, 1, 0.96))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    save(fig, path)
