@@ -143,7 +143,7 @@ def outcome(future: grpc.Future | GrpcCall | FastCall) -> Outcome:
     fast_outcome = getattr(future, "fast_outcome", None)  # (also through a wrapper that forwards)
     if fast_outcome is not None:
         return fast_outcome()
-    assert not isinstance(future, FastCall)
+    assert not isinstance(future, FastCall | GrpcCall)  # (both answer through fast_outcome)
     try:
         return Outcome(response=future.result())
     except grpc.RpcError as exc:
@@ -223,17 +223,11 @@ class GrpcCall:
     def done(self) -> bool:
         return bool(self._future.done())
 
-    def result(self, timeout: float | None = None) -> Any:
-        return self._future.result(timeout=timeout)
-
     def exception(self, timeout: float | None = None) -> BaseException | None:
         return self._future.exception(timeout=timeout)
 
     def cancel(self) -> bool:
         return bool(self._future.cancel())
-
-    def add_done_callback(self, fn: Callable[[GrpcCall], None]) -> None:
-        self._future.add_done_callback(lambda _f: fn(self))
 
     def fast_outcome(self) -> Outcome:
         result = outcome(self._future)
