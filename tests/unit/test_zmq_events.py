@@ -133,6 +133,11 @@ class _Node:
         await self.publisher.close()
 
 
+def _per_model_topics(port: int) -> ZmqSettings:
+    """Batches for a router on `port`, a topic per model, sent only when flushed."""
+    return ZmqSettings(f"tcp://127.0.0.1:{port}", topic="kv@{node}@{model}", node="n1", interval_s=3600)
+
+
 def _router(ctx: zmq.Context, port: int, topic: bytes) -> zmq.Socket:
     """A router's SUB socket: it binds, the node's PUB connects (llm-d's shape)."""
     sub = ctx.socket(zmq.SUB)
@@ -157,7 +162,7 @@ def _recv(sock: zmq.Socket) -> tuple[bytes, int, list]:
 
 async def test_connects_to_a_router_that_binds_and_holds_batches_until_it_subscribes():
     port = free_port()
-    settings = ZmqSettings(f"tcp://127.0.0.1:{port}", topic="kv@{node}@{model}", node="n1", interval_s=3600)
+    settings = _per_model_topics(port)
     ctx = zmq.Context()
     try:
         async with _Node(settings) as node:
@@ -286,7 +291,7 @@ async def _received_by_one_models_subscriber(also_model_a: bool) -> list[bytes]:
     """Topics a router subscribed to model-b's topic only receives over five intervals, each
     touching model-a first when `also_model_a`."""
     port = free_port()
-    settings = ZmqSettings(f"tcp://127.0.0.1:{port}", topic="kv@{node}@{model}", node="n1", interval_s=3600)
+    settings = _per_model_topics(port)
     ctx = zmq.Context()
     got = []
     try:
@@ -318,7 +323,7 @@ async def test_a_router_subscribed_to_one_models_topic_gets_its_batches_whatever
 
 async def test_held_batches_go_to_the_topics_subscribed_and_the_others_are_dropped():
     port = free_port()
-    settings = ZmqSettings(f"tcp://127.0.0.1:{port}", topic="kv@{node}@{model}", node="n1", interval_s=3600)
+    settings = _per_model_topics(port)
     ctx = zmq.Context()
     try:
         async with _Node(settings) as node:
